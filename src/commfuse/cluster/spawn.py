@@ -1,0 +1,172 @@
+"""``commfuse.cluster.run(fn, world_size=...)``: call a function on N fresh rank processes.
+
+Each rank is a spawned process with the torchrun environment, the default process group
+already initialized (gloo unless told otherwise), inside its emulated host's namespace when a
+netlab is used. The call returns every rank's return value, or raises ``RankError`` with the
+first failing rank's exception and traceback; the other ranks are stopped, never left hanging.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import IO, Any, TypeVar
+
+from commfuse.cluster.env import rank_env
+from commfuse.cluster.errors import DeadlineExceeded, RankError
+from commfuse.cluster.placement import open_placement
+from commfuse.cluster.rank_runtime import enter_rank, init_default_group, pack_exception, unpack_exception
+from commfuse.cluster.store import host_store
+from commfuse.cluster.supervisor import supervise
+from commfuse.cluster.topology import Topology
+
+T = TypeVar("T")
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    env: dict[str, str],
+    netns: str | None,
+    out_w: Connection,
+    err_w: Connection,
+    result_w: Connection,
+    backend: str | None,
+    pg_timeout_s: float,
+) -> None:
+    os.setsid()  # own session: the supervisor stops the rank with everything it started
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out_w.fileno(), 1)
+    os.dup2(err_w.fileno(), 2)
+    enter_rank(env, netns)
+    try:
+        if backend is not None:
+            init_default_group(backend, timeout_s=pg_timeout_s)
+        value = fn(*args, **kwargs)
+        result_w.send(("ok", value))
+    except BaseException as exc:
+        # The traceback travels in the RankError; not printing it keeps the report single.
+        result_w.send(("err", pack_exception(exc)))
+        raise SystemExit(1) from None
+    finally:
+        if backend is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+class _MpRank:
+    def __init__(self, proc: mp.process.BaseProcess) -> None:
+        self.proc = proc
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def wait_exit(self) -> int:
+        self.proc.join()
+        code = self.proc.exitcode
+        return 0 if code is None else code
+
+
+def _reader(conn: Connection) -> IO[bytes]:
+    return os.fdopen(os.dup(conn.fileno()), "rb")
+
+
+def run(
+    fn: Callable[..., T],
+    *args: Any,
+    world_size: int | None = None,
+    net: Topology | None = None,
+    emulate: bool | None = None,
+    backend: str | None = "gloo",
+    timeout_s: float | None = 300.0,
+    pg_timeout_s: float = 60.0,
+    **kwargs: Any,
+) -> list[T]:
+    """Call ``fn(*args, **kwargs)`` on every rank and return the results in rank order.
+
+    Give either ``world_size`` (ranks on one host, plain loopback) or ``net`` (a Topology, such
+    as 4 hosts on 1 Gbit/s links, emulated when possible). ``fn`` must be importable (defined at
+    module level). ``backend=None`` leaves process-group set-up to ``fn``.
+    """
+    if net is None:
+        if world_size is None or world_size < 1:
+            raise ValueError("run() needs world_size >= 1 or a Topology in net=")
+        net = Topology(num_hosts=1, ranks_per_host=world_size)
+    elif world_size is not None and world_size != net.world_size:
+        raise ValueError(f"world_size={world_size} disagrees with the topology's {net.world_size} ranks")
+    ctx = mp.get_context("spawn")
+    run_id = uuid.uuid4().hex[:12]
+    with open_placement(net, emulate=emulate) as placement:
+        hosted = host_store(placement.master_addr, netns=placement.master_netns)
+        procs: list[_MpRank] = []
+        streams: list[tuple[IO[bytes] | None, IO[bytes] | None]] = []
+        results: dict[int, tuple[str, Any]] = {}
+        readers: list[threading.Thread] = []
+        try:
+            for rank in range(net.world_size):
+                env = rank_env(
+                    net,
+                    rank,
+                    master_addr=hosted.addr,
+                    master_port=hosted.port,
+                    run_id=run_id,
+                    socket_ifname=placement.ifname_of(rank),
+                    netlab_id=placement.lab_id,
+                )
+                out_r, out_w = ctx.Pipe(duplex=False)
+                err_r, err_w = ctx.Pipe(duplex=False)
+                res_r, res_w = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(fn, args, kwargs, env, placement.netns_of(rank), out_w, err_w, res_w, backend, pg_timeout_s),
+                    name=f"commfuse-rank{rank}",
+                )
+                proc.start()
+                for conn in (out_w, err_w, res_w):
+                    conn.close()
+                procs.append(_MpRank(proc))
+                streams.append((_reader(out_r), _reader(err_r)))
+                out_r.close()
+                err_r.close()
+                reader = threading.Thread(target=_collect, args=(rank, res_r, results), daemon=True)
+                reader.start()
+                readers.append(reader)
+            job = supervise(procs, streams, host_of=net.host_of, timeout_s=timeout_s)
+        finally:
+            hosted.close()
+        for reader in readers:
+            reader.join(timeout=5.0)
+    if job.interrupted:
+        raise KeyboardInterrupt
+    if job.failure is not None:
+        failed = job.failure.rank
+        if failed in results and results[failed][0] == "err":
+            raise unpack_exception(failed, results[failed][1])
+        if job.timed_out:
+            raise DeadlineExceeded(f"{getattr(fn, '__name__', fn)}: {job.failure.error}", ranks=[r for r, c in job.exit_codes.items() if c is None or c < 0])
+        raise RankError(failed, job.failure.describe())
+    missing = [rank for rank in range(net.world_size) if rank not in results]
+    if missing:
+        raise RankError(missing[0], "exited with code 0 without returning a result")
+    return [results[rank][1] for rank in range(net.world_size)]
+
+
+def _collect(rank: int, conn: Connection, results: dict[int, tuple[str, Any]]) -> None:
+    try:
+        results[rank] = conn.recv()
+    except EOFError:
+        pass
+    finally:
+        conn.close()

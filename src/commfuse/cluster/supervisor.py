@@ -1,0 +1,226 @@
+"""Watch a job's rank processes: prefix their output, stop all when one fails, name the culprit.
+
+The policy is torchrun's (and MPI's): a job is as good as its worst rank. When any rank exits
+non-zero the others are stopped (they would otherwise wait for it inside a collective until
+the backend's timeout, 30 minutes by default), and the job reports the rank that failed *first*
+with the last line it wrote to stderr, which for a Python rank is the exception. A job deadline
+catches a rank that hangs without failing; Ctrl-C or SIGTERM stops everything.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Protocol
+
+#: Seconds a rank gets to exit after SIGTERM before SIGKILL.
+TERMINATE_GRACE_S = 3.0
+
+
+class RankProcess(Protocol):
+    """What the supervisor needs of a rank, whether it came from Popen or multiprocessing."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def wait_exit(self) -> int:
+        """Block until the process exits; its exit code (negative: killed by that signal)."""
+        ...
+
+
+@dataclass
+class RankFailure:
+    """The first rank that failed, and how."""
+
+    rank: int
+    host: int
+    exit_code: int | None
+    """None when the rank did not exit by itself (deadline or interrupt)."""
+    error: str
+    """The rank's last line on stderr (the exception for a Python rank), or a description."""
+
+    def describe(self) -> str:
+        if self.exit_code is None:
+            how = "did not finish"
+        elif self.exit_code < 0:
+            how = f"was killed by {signal.Signals(-self.exit_code).name}"
+        else:
+            how = f"failed with exit code {self.exit_code}"
+        return f"rank {self.rank} (host {self.host}) {how}: {self.error}"
+
+
+@dataclass
+class JobResult:
+    exit_codes: dict[int, int | None]
+    failure: RankFailure | None = None
+    interrupted: bool = False
+    timed_out: bool = False
+    stderr_tail: dict[int, list[str]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None and not self.interrupted
+
+    @property
+    def returncode(self) -> int:
+        if self.interrupted:
+            return 130
+        return 0 if self.failure is None else 1
+
+
+class _OutputPump:
+    """Copy one rank's stream to ours line by line with a ``[rank N]`` prefix."""
+
+    def __init__(self, rank: int, stream: IO[bytes], sink: IO[str], lock: threading.Lock, tail: collections.deque[str] | None) -> None:
+        self.thread = threading.Thread(target=self._pump, args=(rank, stream, sink, lock, tail), daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _pump(rank: int, stream: IO[bytes], sink: IO[str], lock: threading.Lock, tail: collections.deque[str] | None) -> None:
+        prefix = f"[rank {rank}] "
+        with stream:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                if tail is not None and line.strip():
+                    tail.append(line)
+                with lock:
+                    sink.write(prefix + line + "\n")
+                    sink.flush()
+
+
+def kill_group(pid: int | None, sig: int) -> None:
+    """Signal a rank's whole process group (it leads its own session), then the rank itself."""
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def supervise(
+    procs: Sequence[RankProcess],
+    streams: Sequence[tuple[IO[bytes] | None, IO[bytes] | None]],
+    *,
+    host_of: Callable[[int], int],
+    timeout_s: float | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> JobResult:
+    """Run until every rank exits, one fails, the deadline passes or we are interrupted."""
+    out = sys.stdout if stdout is None else stdout
+    err = sys.stderr if stderr is None else stderr
+    lock = threading.Lock()
+    tails = {rank: collections.deque[str](maxlen=20) for rank in range(len(procs))}
+    pumps: list[_OutputPump] = []
+    err_pumps: dict[int, _OutputPump] = {}
+    for rank, (rank_out, rank_err) in enumerate(streams):
+        if rank_out is not None:
+            pumps.append(_OutputPump(rank, rank_out, out, lock, None))
+        if rank_err is not None:
+            err_pumps[rank] = _OutputPump(rank, rank_err, err, lock, tails[rank])
+            pumps.append(err_pumps[rank])
+
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    for rank, proc in enumerate(procs):
+        threading.Thread(target=lambda r=rank, p=proc: exits.put((r, p.wait_exit())), daemon=True).start()
+
+    interrupted = threading.Event()
+    restore = _install_interrupt_handlers(interrupted)
+    exit_codes: dict[int, int | None] = dict.fromkeys(range(len(procs)))
+    result = JobResult(exit_codes=exit_codes)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while any(code is None for code in exit_codes.values()):
+            if interrupted.is_set():
+                result.interrupted = True
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                result.timed_out = True
+                break
+            try:
+                rank, code = exits.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            exit_codes[rank] = code
+            if code != 0:
+                # Let the pump drain the rank's last lines so the message can name the error.
+                if rank in err_pumps:
+                    err_pumps[rank].thread.join(timeout=1.0)
+                result.failure = RankFailure(rank=rank, host=host_of(rank), exit_code=code, error=_last_error(tails[rank]))
+                break
+        if result.timed_out:
+            running = [r for r, c in exit_codes.items() if c is None]
+            result.failure = RankFailure(
+                rank=running[0],
+                host=host_of(running[0]),
+                exit_code=None,
+                error=f"ranks {running} still running after the {timeout_s:g} s deadline",
+            )
+    finally:
+        _stop_all(procs, exit_codes, exits)
+        restore()
+        for pump in pumps:
+            pump.thread.join(timeout=2.0)
+    result.stderr_tail = {rank: list(tail) for rank, tail in tails.items()}
+    return result
+
+
+def _last_error(tail: collections.deque[str]) -> str:
+    for line in reversed(tail):
+        text = line.strip()
+        if text and not text.startswith(("File ", "^", "~")):
+            return text
+    return "no error message on stderr"
+
+
+def _stop_all(procs: Sequence[RankProcess], exit_codes: dict[int, int | None], exits: queue.Queue[tuple[int, int]]) -> None:
+    """SIGTERM every live rank, SIGKILL what is left after the grace period."""
+    live = [r for r, c in exit_codes.items() if c is None]
+    for rank in live:
+        kill_group(procs[rank].pid, signal.SIGTERM)
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    while any(exit_codes[r] is None for r in live) and time.monotonic() < deadline:
+        try:
+            rank, code = exits.get(timeout=0.05)
+            exit_codes[rank] = code
+        except queue.Empty:
+            pass
+    for rank in live:
+        if exit_codes[rank] is None:
+            kill_group(procs[rank].pid, signal.SIGKILL)
+    while any(exit_codes[r] is None for r in live):
+        rank, code = exits.get(timeout=10.0)
+        exit_codes[rank] = code
+    # Reap grandchildren a rank left in its group (dataloader workers, shells).
+    for proc in procs:
+        kill_group(proc.pid, signal.SIGKILL)
+
+
+def _install_interrupt_handlers(flag: threading.Event) -> Callable[[], None]:
+    """Turn SIGINT/SIGTERM into a flag the supervisor loop checks; returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum: int, frame: object) -> None:
+        flag.set()
+
+    for sig in previous:
+        signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore
