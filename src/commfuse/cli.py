@@ -9,9 +9,17 @@ from collections.abc import Sequence
 from commfuse import __version__
 
 
+#: Modules that each add one sub-command with ``register(subparsers)``, in help order.
+_COMMAND_MODULES = (
+    "commfuse.cluster.launch_cli",
+    # "commfuse.cluster.net_cli",
+    "commfuse.bench.cli",
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from commfuse.bench import cli as bench_cli
-    from commfuse.cluster import launch_cli, net_cli
+    import importlib
+
 
     parser = argparse.ArgumentParser(
         prog="commfuse",
@@ -19,9 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"commfuse {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    launch_cli.register(sub)
-    net_cli.register(sub)
-    bench_cli.register(sub)
+    for module in _COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
     return parser
 
 

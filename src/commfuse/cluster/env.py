@@ -50,7 +50,9 @@ def rank_env(
     base: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The full environment of one rank: ``base`` (default os.environ) plus the contract."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in CONTRACT_VARS}
+    env = {
+        k: v for k, v in (os.environ if base is None else base).items() if k not in CONTRACT_VARS
+    }
     host = topology.host_of(rank)
     env.update(
         RANK=str(rank),

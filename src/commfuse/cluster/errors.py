@@ -14,12 +14,28 @@ class RankError(RuntimeError):
     can test its type: ``isinstance(err.exc, CommTimeoutError)``.
     """
 
-    def __init__(self, rank: int, message: str, *, remote_traceback: str = "", exc: BaseException | None = None) -> None:
-        super().__init__(f"rank {rank}: {message}" + (f"\n--- traceback on rank {rank} ---\n{remote_traceback}" if remote_traceback else ""))
+    def __init__(
+        self,
+        rank: int,
+        message: str,
+        *,
+        remote_traceback: str = "",
+        exc: BaseException | None = None,
+    ) -> None:
+        super().__init__(
+            f"rank {rank}: {message}"
+            + (
+                f"\n--- traceback on rank {rank} ---\n{remote_traceback}"
+                if remote_traceback
+                else ""
+            )
+        )
         self.rank = rank
         self.message = message
         self.remote_traceback = remote_traceback
         self.exc = exc
+        self.partial_results: dict[int, object] = {}
+        """What the ranks that did not fail returned (filled by the test pool)."""
 
 
 class DeadlineExceeded(RuntimeError):

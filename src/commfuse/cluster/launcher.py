@@ -38,7 +38,9 @@ class _PopenRank:
         return self.proc.wait()
 
 
-def script_command(target: str, args: Sequence[str], *, module: bool = False, no_python: bool = False) -> list[str]:
+def script_command(
+    target: str, args: Sequence[str], *, module: bool = False, no_python: bool = False
+) -> list[str]:
     """The argv of one rank: ``python -u script args`` (or ``-m module``, or a raw program)."""
     if no_python:
         if shutil.which(target) is None and not os.path.exists(target):
@@ -47,7 +49,9 @@ def script_command(target: str, args: Sequence[str], *, module: bool = False, no
     if module:
         return [sys.executable, "-u", "-m", target, *args]
     if not os.path.isfile(target):
-        raise LaunchError(f"script {target!r} does not exist; give the path of a Python file (or -m module)")
+        raise LaunchError(
+            f"script {target!r} does not exist; give the path of a Python file (or -m module)"
+        )
     return [sys.executable, "-u", target, *args]
 
 
@@ -78,7 +82,12 @@ def start_ranks(
             netns = placement.netns_of(rank)
             argv = list(command) if netns is None else ["ip", "netns", "exec", netns, *command]
             proc = subprocess.Popen(
-                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True
+                argv,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
             ranks.append(_PopenRank(proc))
     except BaseException:
@@ -105,7 +114,12 @@ def launch(
         hosted = host_store(placement.master_addr, netns=placement.master_netns)
         try:
             ranks = start_ranks(
-                command, placement, master_addr=hosted.addr, master_port=hosted.port, run_id=run_id, extra_env=extra_env
+                command,
+                placement,
+                master_addr=hosted.addr,
+                master_port=hosted.port,
+                run_id=run_id,
+                extra_env=extra_env,
             )
             return supervise(
                 ranks,

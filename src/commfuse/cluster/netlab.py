@@ -256,11 +256,12 @@ class Netlab:
         """Record the lab in STATE_DIR (atomically) so ``net status`` can list and age it."""
         os.makedirs(STATE_DIR, exist_ok=True)
         topo, pid = self._topology, os.getpid()
-        state = dict(
+        state: dict[str, Any] = dict(
             lab_id=self._lab_id, num_hosts=topo.num_hosts, ranks_per_host=topo.ranks_per_host,
             link_mbit=topo.link_mbit, mtu=self._mtu, burst_kb=self._burst_kb, pid=pid,
-            pid_start=_proc_start(pid), created=self._created, kept=False, **extra,
+            pid_start=_proc_start(pid), created=self._created, kept=False,
         )  # fmt: skip
+        state.update(extra)
         tmp = _state_path(self._lab_id) + ".tmp"
         with open(tmp, "w", encoding="ascii") as f:
             json.dump(state, f)
@@ -322,10 +323,10 @@ class Netlab:
     def keep(self) -> None:
         """Let the lab outlive this process (``net up``): no atexit teardown, not an orphan."""
         with self._lock:
-            with _LIVE_LOCK:
-                _LIVE.discard(self)
             if self._is_up:
                 self._write_state(kept=True)
+            with _LIVE_LOCK:
+                _LIVE.discard(self)
 
     def down(self) -> None:
         """Remove everything of this lab, even if half-built. Safe twice and from any thread."""

@@ -47,8 +47,9 @@ def netns_path(name: str) -> str:
 def enter_netns(name: str) -> None:
     """Move the calling thread (only) into network namespace ``name``.
 
-    Call it on a helper thread that is about to exit or that is dedicated to that namespace,
-    never on the main thread. Raises OSError naming the namespace and the reason on failure.
+    Call it on a helper thread that is about to exit or is dedicated to that namespace, or first
+    thing in a fresh child process that should live there (a rank). Never on the main thread of a
+    process that keeps using its own network. Raises OSError naming the namespace and the reason.
     """
     path = netns_path(name)
     try:

@@ -41,8 +41,9 @@ def pack_exception(exc: BaseException) -> PackedError:
     """(one-line summary, formatted traceback, the pickled exception or None)."""
     summary = f"{type(exc).__name__}: {exc}"
     text = "".join(traceback.format_exception(exc))
+    blob: bytes | None
     try:
-        blob: bytes | None = pickle.dumps(exc)
+        blob = pickle.dumps(exc)
         pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt
     except Exception:
         blob = None

@@ -20,7 +20,12 @@ from typing import IO, Any, TypeVar
 from commfuse.cluster.env import rank_env
 from commfuse.cluster.errors import DeadlineExceeded, RankError
 from commfuse.cluster.placement import open_placement
-from commfuse.cluster.rank_runtime import enter_rank, init_default_group, pack_exception, unpack_exception
+from commfuse.cluster.rank_runtime import (
+    enter_rank,
+    init_default_group,
+    pack_exception,
+    unpack_exception,
+)
 from commfuse.cluster.store import host_store
 from commfuse.cluster.supervisor import supervise
 from commfuse.cluster.topology import Topology
@@ -105,7 +110,9 @@ def run(
             raise ValueError("run() needs world_size >= 1 or a Topology in net=")
         net = Topology(num_hosts=1, ranks_per_host=world_size)
     elif world_size is not None and world_size != net.world_size:
-        raise ValueError(f"world_size={world_size} disagrees with the topology's {net.world_size} ranks")
+        raise ValueError(
+            f"world_size={world_size} disagrees with the topology's {net.world_size} ranks"
+        )
     ctx = mp.get_context("spawn")
     run_id = uuid.uuid4().hex[:12]
     with open_placement(net, emulate=emulate) as placement:
@@ -130,7 +137,18 @@ def run(
                 res_r, res_w = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=_rank_main,
-                    args=(fn, args, kwargs, env, placement.netns_of(rank), out_w, err_w, res_w, backend, pg_timeout_s),
+                    args=(
+                        fn,
+                        args,
+                        kwargs,
+                        env,
+                        placement.netns_of(rank),
+                        out_w,
+                        err_w,
+                        res_w,
+                        backend,
+                        pg_timeout_s,
+                    ),
                     name=f"commfuse-rank{rank}",
                 )
                 proc.start()
@@ -155,7 +173,10 @@ def run(
         if failed in results and results[failed][0] == "err":
             raise unpack_exception(failed, results[failed][1])
         if job.timed_out:
-            raise DeadlineExceeded(f"{getattr(fn, '__name__', fn)}: {job.failure.error}", ranks=[r for r, c in job.exit_codes.items() if c is None or c < 0])
+            raise DeadlineExceeded(
+                f"{getattr(fn, '__name__', fn)}: {job.failure.error}",
+                ranks=[r for r, c in job.exit_codes.items() if c is None or c < 0],
+            )
         raise RankError(failed, job.failure.describe())
     missing = [rank for rank in range(net.world_size) if rank not in results]
     if missing:

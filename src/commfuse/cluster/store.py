@@ -34,11 +34,15 @@ def listen_socket(addr: str, port: int = 0) -> socket.socket:
         sock = socket.create_server((addr, port), backlog=512, reuse_port=False)
     except OSError as err:
         where = f"{addr}:{port}" if port else addr
-        raise ValueError(f"cannot listen on {where} ({err.strerror}); choose another --master-port") from err
+        raise ValueError(
+            f"cannot listen on {where} ({err.strerror}); choose another --master-port"
+        ) from err
     return sock
 
 
-def host_store(addr: str = "127.0.0.1", *, port: int = 0, netns: str | None = None, timeout_s: float = 300.0) -> HostedStore:
+def host_store(
+    addr: str = "127.0.0.1", *, port: int = 0, netns: str | None = None, timeout_s: float = 300.0
+) -> HostedStore:
     """Start a TCPStore server on addr (inside network namespace ``netns`` when given)."""
     if netns is None:
         sock = listen_socket(addr, port)

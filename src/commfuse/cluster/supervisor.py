@@ -78,12 +78,27 @@ class JobResult:
 class _OutputPump:
     """Copy one rank's stream to ours line by line with a ``[rank N]`` prefix."""
 
-    def __init__(self, rank: int, stream: IO[bytes], sink: IO[str], lock: threading.Lock, tail: collections.deque[str] | None) -> None:
-        self.thread = threading.Thread(target=self._pump, args=(rank, stream, sink, lock, tail), daemon=True)
+    def __init__(
+        self,
+        rank: int,
+        stream: IO[bytes],
+        sink: IO[str],
+        lock: threading.Lock,
+        tail: collections.deque[str] | None,
+    ) -> None:
+        self.thread = threading.Thread(
+            target=self._pump, args=(rank, stream, sink, lock, tail), daemon=True
+        )
         self.thread.start()
 
     @staticmethod
-    def _pump(rank: int, stream: IO[bytes], sink: IO[str], lock: threading.Lock, tail: collections.deque[str] | None) -> None:
+    def _pump(
+        rank: int,
+        stream: IO[bytes],
+        sink: IO[str],
+        lock: threading.Lock,
+        tail: collections.deque[str] | None,
+    ) -> None:
         prefix = f"[rank {rank}] "
         with stream:
             for raw in iter(stream.readline, b""):
@@ -133,7 +148,9 @@ def supervise(
 
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
     for rank, proc in enumerate(procs):
-        threading.Thread(target=lambda r=rank, p=proc: exits.put((r, p.wait_exit())), daemon=True).start()
+        threading.Thread(
+            target=lambda r=rank, p=proc: exits.put((r, p.wait_exit())), daemon=True
+        ).start()
 
     interrupted = threading.Event()
     restore = _install_interrupt_handlers(interrupted)
@@ -157,7 +174,9 @@ def supervise(
                 # Let the pump drain the rank's last lines so the message can name the error.
                 if rank in err_pumps:
                     err_pumps[rank].thread.join(timeout=1.0)
-                result.failure = RankFailure(rank=rank, host=host_of(rank), exit_code=code, error=_last_error(tails[rank]))
+                result.failure = RankFailure(
+                    rank=rank, host=host_of(rank), exit_code=code, error=_last_error(tails[rank])
+                )
                 break
         if result.timed_out:
             running = [r for r, c in exit_codes.items() if c is None]
@@ -184,7 +203,11 @@ def _last_error(tail: collections.deque[str]) -> str:
     return "no error message on stderr"
 
 
-def _stop_all(procs: Sequence[RankProcess], exit_codes: dict[int, int | None], exits: queue.Queue[tuple[int, int]]) -> None:
+def _stop_all(
+    procs: Sequence[RankProcess],
+    exit_codes: dict[int, int | None],
+    exits: queue.Queue[tuple[int, int]],
+) -> None:
     """SIGTERM every live rank, SIGKILL what is left after the grace period."""
     live = [r for r, c in exit_codes.items() if c is None]
     for rank in live:

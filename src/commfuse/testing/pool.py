@@ -33,6 +33,8 @@ from commfuse.cluster.topology import Topology
 
 T = TypeVar("T")
 
+#: How long the after-call health check may take before the group is declared broken.
+HEALTH_TIMEOUT_S = 10.0
 #: After one rank fails, how long the others get to finish before the pool is rebuilt.
 FAILURE_GRACE_S = 5.0
 
@@ -42,7 +44,7 @@ def _init_group(backend: str, generation: int, pg_timeout_s: float) -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    client = dist.TCPStore(
+    client = dist.TCPStore(  # type: ignore[attr-defined]
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         None,
@@ -51,14 +53,16 @@ def _init_group(backend: str, generation: int, pg_timeout_s: float) -> None:
     )
     dist.init_process_group(
         backend=backend,
-        store=dist.PrefixStore(f"pool-gen{generation}/", client),
+        store=dist.PrefixStore(f"pool-gen{generation}/", client),  # type: ignore[attr-defined]
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=datetime.timedelta(seconds=pg_timeout_s),
     )
 
 
-def _worker_main(conn: Connection, env: dict[str, str], netns: str | None, backend: str, pg_timeout_s: float) -> None:
+def _worker_main(
+    conn: Connection, env: dict[str, str], netns: str | None, backend: str, pg_timeout_s: float
+) -> None:
     os.setsid()
     enter_rank(env, netns)
     generation = 0
@@ -86,9 +90,26 @@ def _worker_main(conn: Connection, env: dict[str, str], netns: str | None, backe
             continue
         _, fn, args, kwargs = message
         try:
-            conn.send(("ok", fn(*args, **kwargs)))
+            reply: tuple[str, Any] = ("ok", fn(*args, **kwargs))
         except BaseException as exc:
-            conn.send(("err", pack_exception(exc)))
+            reply = ("err", pack_exception(exc))
+        conn.send((*reply, _group_healthy(pg_timeout_s)))
+
+
+def _group_healthy(timeout_s: float) -> bool:
+    """Whether the process group still works after a call: a test that provoked a timeout or
+    left an unmatched operation behind breaks it for the next test, so the pool rebuilds it."""
+    import torch
+    import torch.distributed as dist
+
+    token = torch.zeros(1)
+    try:
+        work = dist.all_reduce(token, async_op=True)
+        assert work is not None
+        work.wait(datetime.timedelta(seconds=min(timeout_s, HEALTH_TIMEOUT_S)))
+    except Exception:
+        return False
+    return True
 
 
 class RankPool:
@@ -104,7 +125,9 @@ class RankPool:
         net: Topology | None = None,
     ) -> None:
         if net is not None and net.world_size != world_size:
-            raise ValueError(f"world_size={world_size} disagrees with the topology's {net.world_size} ranks")
+            raise ValueError(
+                f"world_size={world_size} disagrees with the topology's {net.world_size} ranks"
+            )
         self.world_size = world_size
         self.backend = backend
         self.timeout_s = timeout_s
@@ -187,7 +210,9 @@ class RankPool:
         self.close()
 
     # -- calls ----------------------------------------------------------------------------
-    def run(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[T]:
+    def run(
+        self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None, **kwargs: Any
+    ) -> list[T]:
         """``fn(*args, **kwargs)`` on every rank; results in rank order."""
         self.start()
         if self._needs_reset:
@@ -200,17 +225,22 @@ class RankPool:
                 self.start()
             self._needs_reset = False
         self._send_all(("call", fn, args, kwargs))
-        return self._gather(getattr(fn, "__qualname__", repr(fn)), self.timeout_s if timeout_s is None else timeout_s)
+        return self._gather(
+            getattr(fn, "__qualname__", repr(fn)),
+            self.timeout_s if timeout_s is None else timeout_s,
+        )
 
     def _send_all(self, message: tuple[Any, ...]) -> None:
         for conn in self._conns:
             conn.send(message)
 
     def _gather(self, what: str, timeout_s: float) -> list[Any]:
-        replies: dict[int, tuple[str, Any]] = {}
+        replies: dict[int, tuple[Any, ...]] = {}
+        died = False
         first_error: int | None = None
+        first_error_at = 0.0
         deadline = time.monotonic() + timeout_s
-        by_conn = {id(conn): rank for rank, conn in enumerate(self._conns)}
+        by_conn: dict[int, int] = {id(conn): rank for rank, conn in enumerate(self._conns)}
         while len(replies) < self.world_size:
             pending = [conn for rank, conn in enumerate(self._conns) if rank not in replies]
             left = deadline - time.monotonic()
@@ -219,21 +249,28 @@ class RankPool:
             ready = wait(pending, timeout=max(0.0, left)) if left > 0 else []
             if not ready:
                 break
-            for conn in ready:
-                rank = by_conn[id(conn)]
+            for ready_conn in ready:
+                rank = by_conn[id(ready_conn)]
                 try:
-                    replies[rank] = conn.recv()  # type: ignore[union-attr]
+                    replies[rank] = self._conns[rank].recv()
                 except EOFError:
                     code = self._procs[rank].exitcode
                     replies[rank] = ("err", (f"rank process died (exit code {code})", "", None))
+                    died = True
+                if len(replies[rank]) > 2 and not replies[rank][2]:
+                    self._needs_reset = True
                 if replies[rank][0] == "err" and first_error is None:
                     first_error, first_error_at = rank, time.monotonic()
         missing = [rank for rank in range(self.world_size) if rank not in replies]
-        if missing:
-            self._kill()  # stuck ranks cannot be reused: the next call rebuilds the pool
+        if missing or died:
+            self._kill()  # stuck or dead ranks cannot be reused: the next call rebuilds the pool
         if first_error is not None:
             self._needs_reset = bool(self._procs)
-            raise unpack_exception(first_error, replies[first_error][1])
+            error = unpack_exception(first_error, replies[first_error][1])
+            error.partial_results = {
+                r: reply[1] for r, reply in replies.items() if reply[0] == "ok"
+            }
+            raise error
         if missing:
             done = sorted(replies)
             raise DeadlineExceeded(

@@ -1,0 +1,1 @@
+"""Benchmark runners and reports (nccl-tests style)."""

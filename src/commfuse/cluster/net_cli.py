@@ -1,0 +1,231 @@
+"""``commfuse net``: build, inspect and remove emulated clusters (netlab) by hand.
+
+``net up`` leaves a lab running after the command ends, so other programs (``ip netns exec``,
+torchrun) can use it; ``net down`` and ``net status`` find it again through its state file and
+its names. ``net check`` answers "does shaping work on this machine?" without leaving anything.
+Bad input and missing privileges exit with status 2 and one line saying what to change, before
+anything is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from commfuse.cluster.netlab import (
+    LAB_ID_LEN,
+    LAB_PREFIX,
+    Netlab,
+    NetlabError,
+    down_all,
+    list_labs,
+    netlab_unavailable_reason,
+    self_check,
+)
+from commfuse.cluster.topology import Topology
+from commfuse.units import format_rate
+
+#: A measured rate further than this from the spec fails ``net check``.
+TOLERANCE = 0.15
+
+
+def _fail(cmd: str, message: str, code: int = 2) -> int:
+    print(f"commfuse net {cmd}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _topology(args: argparse.Namespace) -> Topology:
+    return Topology.from_spec(hosts=args.hosts, ranks_per_host=args.ranks_per_host, link=args.link)
+
+
+def _print_check(result: dict[str, Any]) -> bool:
+    """Print measured vs spec rate per direction; True when within TOLERANCE (or unshaped)."""
+    spec = result["spec_mbit"]
+    spec_text = "unshaped" if spec is None else format_rate(spec)
+    for pair in result["pairs"]:
+        ratio = pair["ratio"]
+        pct = "" if ratio is None else f" ({100 * ratio:.1f}% of spec)"
+        print(
+            f"  host {pair['src']} -> host {pair['dst']}: {pair['measured_mbit']:.1f} Mbit/s, "
+            f"spec {spec_text}{pct}"
+        )
+    print(f"  tbf drops: {result['drops']}  ({result['num_bytes']} bytes per direction)")
+    ratio = result["ratio"]
+    ok = ratio is None or abs(ratio - 1.0) <= TOLERANCE
+    if not ok:
+        print(f"  WARNING: measured rate is off the spec by more than {100 * TOLERANCE:.0f}%")
+    return ok
+
+
+def _describe(lab: Netlab) -> None:
+    print(f"lab {lab.lab_id}: {lab.topology.describe()}")
+    for k in range(lab.topology.num_hosts):
+        print(
+            f"  host {k}: netns {lab.namespace(k)}  addr {lab.address(k)}  ifname {lab.ifname(k)}"
+        )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Build a lab that outlives this command, describe it and self-check its links."""
+    try:
+        topology = _topology(args)
+        lab = Netlab(topology, mtu=args.mtu, burst_kb=args.burst_kb)
+    except ValueError as exc:
+        return _fail("up", str(exc))
+    reason = netlab_unavailable_reason()
+    if reason is not None:
+        return _fail("up", reason)
+    try:
+        lab.up()
+        _describe(lab)
+        if topology.num_hosts >= 2 and not args.no_check:
+            print("self-check:")
+            _print_check(self_check(lab))
+        lab.keep()
+    except BaseException as exc:
+        lab.down()
+        if not isinstance(exc, NetlabError):
+            raise
+        return _fail("up", str(exc), 1)
+    print(f"run a command on host 0: ip netns exec {lab.namespace(0)} COMMAND")
+    print(f"remove with: commfuse net down {lab.lab_id}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """Remove one lab by id, or every lab and leftover (``--all``)."""
+    if args.all == (args.lab_id is not None):
+        return _fail("down", "give a LAB_ID (see `commfuse net status`) or --all, not both")
+    lab_id = args.lab_id
+    if lab_id is not None and not (lab_id.startswith(LAB_PREFIX) and len(lab_id) == LAB_ID_LEN):
+        return _fail("down", f"bad lab id {lab_id!r}: ids look like cfuse3fa2")
+    reason = netlab_unavailable_reason()
+    if reason is not None:
+        return _fail("down", reason)
+    if lab_id is not None and all(lab["lab_id"] != lab_id for lab in list_labs()):
+        return _fail("down", f"no lab {lab_id} on this machine; `commfuse net status` lists them")
+    try:
+        removed = down_all(lab_id or LAB_PREFIX)
+    except NetlabError as exc:
+        return _fail("down", str(exc), 1)
+    for item in removed:
+        print(f"removed {item}")
+    if not removed:
+        print("nothing to remove")
+    return 0
+
+
+def _age(created: Any) -> str:
+    if not isinstance(created, (int, float)):
+        return "?"
+    seconds = max(0, int(time.time() - created))
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds}s"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """List labs from state files and leftover namespaces/links (orphans of a crash)."""
+    labs = list_labs()
+    if args.json:
+        print(json.dumps(labs, indent=2))
+        return 0
+    if not labs:
+        print("no labs")
+        return 0
+    rows = [("LAB", "STATUS", "HOSTS", "LINK", "PID", "AGE", "NETNS", "LINKS")]
+    for lab in labs:
+        link = lab.get("link_mbit")
+        link_text = (
+            "?" if "num_hosts" not in lab else "unshaped" if link is None else format_rate(link)
+        )
+        rows.append(
+            (
+                lab["lab_id"],
+                lab["status"],
+                str(lab.get("num_hosts", "?")),
+                link_text,
+                str(lab.get("pid", "?")),
+                _age(lab.get("created")),
+                str(len(lab["namespaces"])),
+                str(len(lab["links"])),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    if any(lab["status"] == "orphan" for lab in labs):
+        print("orphans are leftovers of a crashed program: `commfuse net down --all` removes them")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Build a temporary lab, measure its links against the spec, tear it down."""
+    try:
+        topology = _topology(args)
+        if topology.num_hosts < 2:
+            raise ValueError(f"--hosts must be at least 2 for a check, got {topology.num_hosts}")
+        lab = Netlab(topology, mtu=args.mtu, burst_kb=args.burst_kb)
+    except ValueError as exc:
+        return _fail("check", str(exc))
+    reason = netlab_unavailable_reason()
+    if reason is not None:
+        return _fail("check", reason)
+    try:
+        with lab:
+            _describe(lab)
+            result = self_check(lab)
+    except NetlabError as exc:
+        return _fail("check", str(exc), 1)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0 if result["ratio"] is None or abs(result["ratio"] - 1) <= TOLERANCE else 1
+    return 0 if _print_check(result) else 1
+
+
+def _lab_options(parser: argparse.ArgumentParser, *, hosts: int | None, link: str | None) -> None:
+    parser.add_argument(
+        "--hosts", type=int, required=hosts is None, default=hosts, help="emulated hosts"
+    )
+    parser.add_argument("--ranks-per-host", type=int, default=1, help="ranks per host (recorded)")
+    parser.add_argument(
+        "--link", default=link, help="per-host link rate, each direction, e.g. 1gbit or 200mbit"
+    )
+    parser.add_argument("--mtu", type=int, default=9000, help="MTU of every link (default 9000)")
+    parser.add_argument("--burst-kb", type=int, default=256, help="tbf burst in KiB (> MTU)")
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``net up|down|status|check`` to the ``commfuse`` command."""
+    net = subparsers.add_parser(
+        "net",
+        help="emulated cluster: network namespaces with shaped links (needs root)",
+        description="Build, inspect and remove emulated clusters (netlab).",
+    )
+
+    def net_help(args: argparse.Namespace) -> int:
+        net.print_help()
+        return 2
+
+    net.set_defaults(func=net_help)
+    sub = net.add_subparsers(dest="net_command", metavar="NET_COMMAND")
+
+    up = sub.add_parser("up", help="build a lab that outlives this command, then self-check it")
+    _lab_options(up, hosts=None, link=None)
+    up.add_argument("--no-check", action="store_true", help="skip the link self-check")
+    up.set_defaults(func=cmd_up)
+
+    down = sub.add_parser("down", help="remove a lab (LAB_ID) or every lab and leftover (--all)")
+    down.add_argument("lab_id", nargs="?", metavar="LAB_ID", help="lab to remove, e.g. cfuse3fa2")
+    down.add_argument("--all", action="store_true", help="remove every lab and leftover")
+    down.set_defaults(func=cmd_down)
+
+    status = sub.add_parser("status", help="list labs, including leftovers of crashed programs")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.set_defaults(func=cmd_status)
+
+    check = sub.add_parser("check", help="temporary lab: measure link rate vs spec, tear down")
+    _lab_options(check, hosts=2, link="1gbit")
+    check.add_argument("--json", action="store_true", help="print the result as JSON")
+    check.set_defaults(func=cmd_check)

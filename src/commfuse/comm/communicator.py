@@ -1,0 +1,486 @@
+"""The one transport every commfuse algorithm uses: a process group plus accounting and deadlines.
+
+``Communicator`` wraps a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU) and
+offers point-to-point send/receive (blocking and asynchronous), the backend's native
+collectives, and sub-groups (one per host, one across hosts). Around every operation it
+
+* counts messages and bytes per rank and per operation kind (``stats``), exactly for
+  point-to-point traffic, which is what the algorithms of layer 2 are built from;
+* optionally records a trace (``trace``) that exports as Chrome trace JSON;
+* waits with a deadline and names rank, operation, peer and step when it expires.
+
+Ranks given to and returned by a Communicator are ranks *within its group*; ``global_rank``
+translates. The group is passed in explicitly (no global singleton), so a sub-group's
+communicator is used exactly like the world's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from commfuse.comm.errors import InconsistentInputError
+from commfuse.comm.handle import Handle, OpContext, translate_failure
+from commfuse.comm.stats import CommStats
+from commfuse.comm.trace import Trace, TraceEvent, now_us
+
+#: Reduction names accepted everywhere in commfuse.
+REDUCE_OPS: dict[str, dist.ReduceOp.RedOpType] = {
+    "sum": dist.ReduceOp.SUM,
+    "prod": dist.ReduceOp.PRODUCT,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+ReduceOpName = str  # "sum" | "avg" | "prod" | "max" | "min"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommConfig:
+    """How a Communicator behaves."""
+
+    deadline_s: float = float(os.environ.get("COMMFUSE_DEADLINE_S", "60"))
+    """Seconds any wait may block before raising CommTimeoutError."""
+    trace: bool = False
+    """Record every operation for a Chrome trace (small cost per operation)."""
+    validate: bool = False
+    """Before each collective, check that all ranks pass the same shape and dtype (costs one
+    tiny all-gather; turn on while developing, off for speed)."""
+
+
+def nbytes_of(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Communicator:
+    """A process group with accounting, tracing and deadlines. See the module docstring."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        config: CommConfig | None = None,
+        name: str = "world",
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "Communicator needs torch.distributed.init_process_group() first (commfuse launch does it)"
+            )
+        self.group: dist.ProcessGroup = group if group is not None else dist.group.WORLD  # type: ignore[assignment]
+        self.config = config or CommConfig()
+        self.name = name
+        self.rank: int = dist.get_rank(self.group)
+        self.world_size: int = dist.get_world_size(self.group)
+        self.global_rank_of_self: int = dist.get_rank()
+        self.backend: str = str(dist.get_backend(self.group))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
+        self.stats = CommStats()
+        self.trace = Trace()
+        self.step: int | None = None
+        """The training step, shown in error messages and trace events when set."""
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def global_rank(self, group_rank: int) -> int:
+        """The world rank of ``group_rank`` in this communicator's group."""
+        if self.group is dist.group.WORLD:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    @contextlib.contextmanager
+    def at_step(self, step: int) -> Iterator[None]:
+        """Label the operations inside with a training step (for errors and traces)."""
+        previous, self.step = self.step, step
+        try:
+            yield
+        finally:
+            self.step = previous
+
+    def _begin(
+        self, kind: str, peer: int | None, nbytes: int
+    ) -> tuple[OpContext, TraceEvent | None]:
+        ctx = OpContext(
+            rank=self.rank, op=kind, peer=peer, nbytes=nbytes, step=self.step, group=self.name
+        )
+        event = None
+        if self.config.trace:
+            event = TraceEvent(
+                kind=kind,
+                rank=self.global_rank_of_self,
+                peer=peer,
+                nbytes=nbytes,
+                start_us=now_us(),
+                step=self.step,
+                group=self.name,
+            )
+            self.trace.events.append(event)
+        return ctx, event
+
+    def _handle(self, work: dist.Work | None, ctx: OpContext, event: TraceEvent | None) -> Handle:
+        return Handle(work, ctx, deadline_s=self.config.deadline_s, event=event)
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        if not 0 <= peer < self.world_size:
+            raise ValueError(
+                f"{what}={peer} is not a rank of group {self.name!r} (size {self.world_size})"
+            )
+        if peer == self.rank:
+            raise ValueError(
+                f"rank {self.rank} cannot {what.split('=')[0]} to/from itself; copy the tensor instead"
+            )
+
+    # -- point to point -------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dst: int, *, tag: int = 0, label: str = "send") -> Handle:
+        """Start sending ``tensor`` to group rank ``dst``. ``label`` is the stats/trace kind.
+
+        An empty tensor sends nothing (both ends know its size), so it costs no message.
+        """
+        self._check_peer(dst, "dst")
+        if not tensor.is_contiguous():
+            raise ValueError("isend needs a contiguous tensor; call .contiguous() first")
+        nbytes = nbytes_of(tensor)
+        ctx, event = self._begin(label, dst, nbytes)
+        counters = self.stats[label]
+        counters.calls += 1
+        if nbytes == 0:
+            return self._handle(None, ctx, event)
+        counters.messages_sent += 1
+        counters.bytes_sent += nbytes
+        try:
+            work = dist.isend(tensor, group=self.group, group_dst=dst, tag=tag)
+        except Exception as err:
+            raise translate_failure(err, ctx, self.config.deadline_s) from err
+        return self._handle(work, ctx, event)
+
+    def irecv(self, tensor: torch.Tensor, src: int, *, tag: int = 0, label: str = "recv") -> Handle:
+        """Start receiving into ``tensor`` from group rank ``src``."""
+        self._check_peer(src, "src")
+        if not tensor.is_contiguous():
+            raise ValueError("irecv needs a contiguous tensor to receive into")
+        nbytes = nbytes_of(tensor)
+        ctx, event = self._begin(label, src, nbytes)
+        counters = self.stats[label]
+        counters.calls += 1
+        if nbytes == 0:
+            return self._handle(None, ctx, event)
+        counters.messages_recv += 1
+        counters.bytes_recv += nbytes
+        try:
+            work = dist.irecv(tensor, group=self.group, group_src=src, tag=tag)
+        except Exception as err:
+            raise translate_failure(err, ctx, self.config.deadline_s) from err
+        return self._handle(work, ctx, event)
+
+    def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0, label: str = "send") -> None:
+        self.isend(tensor, dst, tag=tag, label=label).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int, *, tag: int = 0, label: str = "recv") -> None:
+        self.irecv(tensor, src, tag=tag, label=label).wait()
+
+    def sendrecv(
+        self,
+        send: torch.Tensor,
+        dst: int,
+        recv: torch.Tensor,
+        src: int,
+        *,
+        tag: int = 0,
+        label: str = "sendrecv",
+    ) -> None:
+        """Send to ``dst`` while receiving from ``src`` (both posted before either is waited)."""
+        recv_handle = self.irecv(recv, src, tag=tag, label=label)
+        send_handle = self.isend(send, dst, tag=tag, label=label)
+        send_handle.wait()
+        recv_handle.wait()
+
+    # -- native collectives -----------------------------------------------------------------
+    def _collective(
+        self,
+        kind: str,
+        payload: torch.Tensor,
+        start: Callable[[], dist.Work | None],
+        then: Callable[[], None] | None = None,
+    ) -> Handle:
+        nbytes = nbytes_of(payload)
+        ctx, event = self._begin(kind, None, nbytes)
+        counters = self.stats[kind]
+        counters.calls += 1
+        counters.payload_bytes += nbytes
+        if self.world_size == 1:
+            # A world of one: nothing to exchange; the caller's local result is the answer.
+            handle = Handle(None, ctx, deadline_s=self.config.deadline_s, event=event, then=then)
+            return handle
+        try:
+            work = start()
+        except Exception as err:
+            raise translate_failure(err, ctx, self.config.deadline_s) from err
+        return Handle(work, ctx, deadline_s=self.config.deadline_s, event=event, then=then)
+
+    @staticmethod
+    def _finish(handle: Handle, async_op: bool) -> Handle | None:
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: ReduceOpName = "sum", *, async_op: bool = False
+    ) -> Handle | None:
+        """In-place allreduce with the backend's own algorithm (gloo: a ring)."""
+        self._validate("all_reduce", tensor)
+        red, then = self._reduce_op(op, tensor)
+        handle = self._collective(
+            "all_reduce",
+            tensor,
+            lambda: dist.all_reduce(tensor, op=red, group=self.group, async_op=True),
+            then,
+        )
+        return self._finish(handle, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None:
+        """In-place broadcast from group rank ``src`` (gloo: a binomial tree)."""
+        self._check_root(src, "src")
+        self._validate("broadcast", tensor)
+        handle = self._collective(
+            "broadcast",
+            tensor,
+            lambda: dist.broadcast(tensor, group=self.group, group_src=src, async_op=True),
+        )
+        return self._finish(handle, async_op)
+
+    def reduce(
+        self, tensor: torch.Tensor, dst: int, op: ReduceOpName = "sum", *, async_op: bool = False
+    ) -> Handle | None:
+        """Reduce into ``tensor`` on group rank ``dst`` (other ranks' tensors are scratch)."""
+        self._check_root(dst, "dst")
+        self._validate("reduce", tensor)
+        red, then = self._reduce_op(op, tensor, only_on=dst)
+        handle = self._collective(
+            "reduce",
+            tensor,
+            lambda: dist.reduce(tensor, group=self.group, group_dst=dst, op=red, async_op=True),
+            then,
+        )
+        return self._finish(handle, async_op)
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Handle | None:
+        """``output`` (world_size * input.numel() elements) receives every rank's ``input`` in rank order."""
+        self._validate("all_gather", input)
+        if output.numel() != input.numel() * self.world_size or output.dtype != input.dtype:
+            raise ValueError(
+                f"all_gather output must hold world_size x input = {self.world_size} x {input.numel()} {input.dtype} elements, got {output.numel()} {output.dtype}"
+            )
+        if self.world_size == 1:
+            output.view(-1).copy_(input.reshape(-1))
+        handle = self._collective(
+            "all_gather",
+            input,
+            lambda: dist.all_gather_into_tensor(output, input, group=self.group, async_op=True),
+        )
+        return self._finish(handle, async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: ReduceOpName = "sum",
+        *,
+        async_op: bool = False,
+    ) -> Handle | None:
+        """``output`` on rank r receives the reduction of block r of every rank's ``input``."""
+        self._validate("reduce_scatter", input)
+        if input.numel() != output.numel() * self.world_size or output.dtype != input.dtype:
+            raise ValueError(
+                f"reduce_scatter input must hold world_size x output = {self.world_size} x {output.numel()} {output.dtype} elements, got {input.numel()} {input.dtype}"
+            )
+        if self.world_size == 1:
+            output.view(-1).copy_(input.reshape(-1))
+        red, then = self._reduce_op(op, output)
+        handle = self._collective(
+            "reduce_scatter",
+            input,
+            lambda: dist.reduce_scatter_tensor(
+                output, input, op=red, group=self.group, async_op=True
+            ),
+            then,
+        )
+        return self._finish(handle, async_op)
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> Handle | None:
+        """Block j of ``input`` goes to rank j; block i of ``output`` comes from rank i (splits along dim 0)."""
+        if input_split_sizes is None and input.shape[0] % self.world_size:
+            raise ValueError(
+                f"all_to_all input dim 0 ({input.shape[0]}) must divide by world size {self.world_size}, or give split sizes"
+            )
+        if self.world_size == 1:
+            output.copy_(input)
+        handle = self._collective(
+            "all_to_all",
+            input,
+            lambda: dist.all_to_all_single(
+                output,
+                input,
+                list(output_split_sizes) if output_split_sizes is not None else None,
+                list(input_split_sizes) if input_split_sizes is not None else None,
+                group=self.group,
+                async_op=True,
+            ),
+        )
+        return self._finish(handle, async_op)
+
+    def barrier(self) -> None:
+        token = torch.zeros(1, device=self.device)
+        self._collective(
+            "barrier", token, lambda: dist.all_reduce(token, group=self.group, async_op=True)
+        ).wait()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _check_root(self, root: int, what: str) -> None:
+        if not 0 <= root < self.world_size:
+            raise ValueError(
+                f"{what}={root} is not a rank of group {self.name!r} (size {self.world_size})"
+            )
+
+    def _reduce_op(
+        self, op: ReduceOpName, tensor: torch.Tensor, only_on: int | None = None
+    ) -> tuple[dist.ReduceOp.RedOpType, Callable[[], None] | None]:
+        """The backend op, and what to do afterwards (avg = sum, then divide: gloo has no AVG)."""
+        if op == "avg":
+            if not (tensor.is_floating_point() or tensor.is_complex()):
+                raise ValueError(
+                    f"op='avg' needs a floating-point tensor, got {tensor.dtype}; use op='sum' and divide"
+                )
+            world = self.world_size
+            if only_on is not None and only_on != self.rank:
+                return dist.ReduceOp.SUM, None
+
+            def divide() -> None:
+                tensor.div_(world)
+
+            return dist.ReduceOp.SUM, divide
+        if op not in REDUCE_OPS:
+            raise ValueError(f"unknown reduce op {op!r}: use one of sum, avg, prod, max, min")
+        return REDUCE_OPS[op], None
+
+    def _validate(self, kind: str, tensor: torch.Tensor) -> None:
+        if self.config.validate:
+            check_consistent(self, tensor, kind)
+
+    # -- sub-groups -----------------------------------------------------------------------
+    def split(self, groups: Sequence[Sequence[int]], *, name: str = "sub") -> Communicator:
+        """Partition this group (ranks in this group's numbering); every rank must call it with
+        the same ``groups``. Returns the communicator of the part holding this rank."""
+        seen = sorted(r for g in groups for r in g)
+        if seen != list(range(self.world_size)):
+            raise ValueError(
+                f"split groups must partition ranks 0..{self.world_size - 1} exactly once, got {list(map(list, groups))}"
+            )
+        mine: dist.ProcessGroup | None = None
+        my_index = -1
+        for index, members in enumerate(groups):
+            ranks = [self.global_rank(r) for r in members]
+            # Every rank creates every group, in the same order: torch names groups by creation order.
+            pg = dist.new_group(ranks=ranks)
+            if self.rank in members:
+                mine, my_index = pg, index
+        assert mine is not None
+        return Communicator(mine, config=self.config, name=f"{name}{my_index}")
+
+    def split_by_host(self, ranks_per_host: int) -> tuple[Communicator, Communicator]:
+        """(ranks of my host, ranks with my local rank on every host): the two levels of a
+        hierarchical algorithm. Ranks are host-major, as the launcher places them."""
+        if ranks_per_host < 1 or self.world_size % ranks_per_host:
+            raise ValueError(
+                f"ranks_per_host={ranks_per_host} must divide the group size {self.world_size}"
+            )
+        num_hosts = self.world_size // ranks_per_host
+        intra = self.split(
+            [list(range(h * ranks_per_host, (h + 1) * ranks_per_host)) for h in range(num_hosts)],
+            name="host",
+        )
+        inter = self.split(
+            [list(range(lr, self.world_size, ranks_per_host)) for lr in range(ranks_per_host)],
+            name="cross",
+        )
+        return intra, inter
+
+
+#: dtype codes for the consistency check (any stable numbering works; both sides use this one).
+_DTYPE_CODES = {
+    dtype: code
+    for code, dtype in enumerate(
+        [
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.int8,
+            torch.uint8,
+            torch.int16,
+            torch.int32,
+            torch.int64,
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+        ]
+    )
+}
+_META_DIMS = 6
+
+
+def check_consistent(comm: Communicator, tensor: torch.Tensor, kind: str) -> None:
+    """Raise InconsistentInputError if ranks pass tensors of different dtype or shape.
+
+    Gathers (dtype, ndim, shape...) from every rank with the native all-gather; the message
+    lists what each disagreeing rank passed. Costs one small collective.
+    """
+    meta = torch.full((2 + _META_DIMS,), -1, dtype=torch.int64)
+    meta[0] = _DTYPE_CODES.get(tensor.dtype, 99)
+    meta[1] = tensor.dim()
+    for i, size in enumerate(tensor.shape[:_META_DIMS]):
+        meta[2 + i] = size
+    if comm.world_size == 1:
+        return
+    everyone = torch.empty(comm.world_size * meta.numel(), dtype=torch.int64)
+    ctx = OpContext(
+        rank=comm.rank,
+        op=f"{kind} (input check)",
+        peer=None,
+        nbytes=0,
+        step=comm.step,
+        group=comm.name,
+    )
+    try:
+        work = dist.all_gather_into_tensor(everyone, meta, group=comm.group, async_op=True)
+        assert work is not None
+        Handle(work, ctx, deadline_s=comm.config.deadline_s).wait()
+    except Exception as err:
+        raise translate_failure(err, ctx, comm.config.deadline_s) from err
+    rows = everyone.view(comm.world_size, -1)
+    if bool((rows == rows[0]).all()):
+        return
+    inverse = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+    described = []
+    for rank, row in enumerate(rows.tolist()):
+        dims = [d for d in row[2 : 2 + row[1]]]
+        described.append(f"rank {rank}: {inverse.get(row[0], 'other')} {tuple(dims)}")
+    raise InconsistentInputError(
+        f"{kind}: ranks passed different tensors ({'; '.join(described)}); every rank must pass the same shape and dtype"
+    )

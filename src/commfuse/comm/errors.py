@@ -1,0 +1,53 @@
+"""Errors raised by the communicator. Each names the rank, the operation, the peer and the step.
+
+nccl-tests names host, rank and operation on every failure; a user staring at a hung job needs
+exactly that, so every message here is built by ``describe_op``.
+"""
+
+from __future__ import annotations
+
+
+def describe_op(
+    *,
+    rank: int,
+    op: str,
+    peer: int | None = None,
+    step: int | None = None,
+    nbytes: int | None = None,
+    group: str = "world",
+) -> str:
+    parts = [f"rank {rank}", op]
+    if peer is not None:
+        parts.append(f"peer {peer}")
+    if nbytes is not None:
+        parts.append(f"{nbytes} bytes")
+    if step is not None:
+        parts.append(f"step {step}")
+    if group != "world":
+        parts.append(f"group {group}")
+    return ", ".join(parts)
+
+
+class CommError(RuntimeError):
+    """A communication operation failed; the process group should be considered unusable."""
+
+    def __init__(
+        self, message: str, *, rank: int, op: str, peer: int | None = None, step: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.op = op
+        self.peer = peer
+        self.step = step
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A wait passed its deadline: a peer is slow, hung, or waiting on a different operation."""
+
+
+class PeerFailureError(CommError):
+    """The transport lost a peer mid-operation (its process most likely died)."""
+
+
+class InconsistentInputError(ValueError):
+    """Ranks called the same collective with tensors that disagree (shape, dtype, size)."""
