@@ -12,7 +12,7 @@ from commfuse import __version__
 #: Modules that each add one sub-command with ``register(subparsers)``, in help order.
 _COMMAND_MODULES = (
     "commfuse.cluster.launch_cli",
-    # "commfuse.cluster.net_cli",
+    "commfuse.cluster.net_cli",
     "commfuse.bench.cli",
 )
 

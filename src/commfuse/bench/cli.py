@@ -1,11 +1,146 @@
-"""``commfuse bench``: benchmark commands."""
+"""``commfuse bench``: benchmark commands.
+
+commfuse bench collectives --hosts 4 --link 1gbit --op allreduce --sizes 16M --json out.json
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from commfuse.units import parse_sizes
+
+#: The embedded default: a short sweep on an emulated 4-host, 1 Gbit/s cluster.
+DEFAULT_SIZES = "64K,1M,16M"
+DEFAULT_OPS = "allreduce,broadcast,allgather"
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("bench", help="benchmarks that print ratios against a baseline measured in the same run")
-    bench_sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
-    del bench_sub
+    from commfuse.cluster.launch_cli import add_topology_arguments
+
+    parser = sub.add_parser("bench", help="benchmarks (nccl-tests style tables, --json records)")
+    bench_sub = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    coll = bench_sub.add_parser(
+        "collectives",
+        help="time collectives over a size sweep: time, algbw, busbw, percent of link, wrong elements",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_topology_arguments(coll, default_hosts=4)
+    coll.set_defaults(link="1gbit")
+    coll.add_argument(
+        "--op", default=DEFAULT_OPS, help=f"comma list of collectives (default {DEFAULT_OPS})"
+    )
+    coll.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"comma list (4K,1M) or doubling range (4K:64M) (default {DEFAULT_SIZES})",
+    )
+    coll.add_argument(
+        "--iters", type=int, default=10, help="timed runs per row; the median is reported"
+    )
+    coll.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
+    coll.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float64", "float16", "bfloat16", "int32", "int64"],
+    )
+    coll.add_argument("--json", metavar="PATH", help="write one JSON record per row")
+    coll.add_argument(
+        "--markdown",
+        metavar="PATH",
+        help="write a dated Markdown report (table, machine, versions)",
+    )
+    coll.add_argument(
+        "--timeout", type=float, default=600.0, help="stop the job after this many seconds"
+    )
+    coll.set_defaults(func=run_bench_collectives)
+
+
+def run_bench_collectives(args: argparse.Namespace) -> int:
+    from commfuse.bench.collectives import CollectiveBenchConfig, bench_collectives_on_rank
+    from commfuse.bench.table import render
+    from commfuse.cluster import DeadlineExceeded, RankError, run
+    from commfuse.cluster.launch_cli import topology_from_args
+
+    try:
+        link = (
+            None
+            if str(args.link).lower() in ("none", "0", "off") and args.link != "0"
+            else args.link
+        )
+        args.link = link
+        topology = topology_from_args(args)
+        config = CollectiveBenchConfig(
+            ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),
+            sizes_bytes=tuple(parse_sizes(args.sizes)),
+            iters=args.iters,
+            warmup=args.warmup,
+            dtype=args.dtype,
+        )
+    except ValueError as err:
+        print(f"commfuse bench collectives: {err}", file=sys.stderr)
+        return 2
+    print(
+        f"commfuse bench collectives: {topology.describe()}, {config.iters} timed runs per row (median)",
+        file=sys.stderr,
+    )
+    try:
+        results = run(
+            bench_collectives_on_rank,
+            config,
+            net=topology,
+            emulate=False if args.no_emulate else None,
+            timeout_s=args.timeout,
+        )
+    except (RankError, DeadlineExceeded) as err:
+        print(f"commfuse bench collectives: {err}", file=sys.stderr)
+        return 1
+    records = results[0]
+    emulated = bool(records and records[0]["emulated"])
+    print(f"# {topology.describe()}{'' if emulated else ' (NOT emulated: plain loopback)'}")
+    print(render(records))
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_report(records, " ".join(sys.argv), emulated))
+    return 0 if all(r["wrong"] == 0 for r in records) else 1
+
+
+def machine_summary() -> dict[str, Any]:
+    import os
+
+    import torch
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+    }
+
+
+def markdown_report(records: list[dict[str, Any]], command: str, emulated: bool) -> str:
+    from commfuse.bench.table import render
+
+    machine = machine_summary()
+    lines = [
+        f"# Collectives benchmark, {machine['date']}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Network: {'emulated (netlab: namespaces, veth, tbf)' if emulated else 'plain loopback (not emulated)'}",
+        "",
+        render(records, markdown=True),
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if k != "date"),
+        "",
+    ]
+    return "\n".join(lines)

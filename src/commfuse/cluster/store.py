@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
+
+T = TypeVar("T")
 
 
 @dataclass
 class HostedStore:
     """A TCPStore server and the socket it listens on; keep this object alive for the job."""
 
-    store: dist.TCPStore
+    store: TCPStore
     listener: socket.socket
     addr: str
     port: int
@@ -51,13 +56,45 @@ def host_store(
 
         sock = socket_in_netns(netns, addr, port)
     bound_port = int(sock.getsockname()[1])
-    store = dist.TCPStore(
-        addr,
-        bound_port,
-        None,
-        True,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=sock.fileno(),
-    )
+
+    def make_store() -> TCPStore:
+        return TCPStore(
+            addr,
+            bound_port,
+            None,
+            True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
+
+    try:
+        # The server side adopts our socket, but the constructor also connects to addr:port as a
+        # client; inside an emulated host that address is reachable only from its namespace.
+        store = make_store() if netns is None else _in_netns(netns, make_store)
+    except BaseException:
+        sock.close()
+        raise
     return HostedStore(store=store, listener=sock, addr=addr, port=bound_port)
+
+
+def _in_netns(netns: str, make: Callable[[], T]) -> T:
+    """``make()`` on a short-lived thread inside ``netns``; the caller's thread never moves."""
+    from commfuse.cluster.netns import enter_netns
+
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            enter_netns(netns)
+            result.append(make())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name=f"store-in-{netns}", daemon=True)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return result[0]

@@ -93,7 +93,10 @@ def _worker_main(
             reply: tuple[str, Any] = ("ok", fn(*args, **kwargs))
         except BaseException as exc:
             reply = ("err", pack_exception(exc))
-        conn.send((*reply, _group_healthy(pg_timeout_s)))
+        # Answer first, check the group after: a rank whose call finished must not be held (and
+        # blamed in DeadlineExceeded) while the health check waits for a peer still in the call.
+        conn.send(reply)
+        conn.send(("health", _group_healthy(pg_timeout_s)))
 
 
 def _group_healthy(timeout_s: float) -> bool:
@@ -228,13 +231,15 @@ class RankPool:
         return self._gather(
             getattr(fn, "__qualname__", repr(fn)),
             self.timeout_s if timeout_s is None else timeout_s,
+            health=True,
         )
 
     def _send_all(self, message: tuple[Any, ...]) -> None:
         for conn in self._conns:
             conn.send(message)
 
-    def _gather(self, what: str, timeout_s: float) -> list[Any]:
+    def _gather(self, what: str, timeout_s: float, *, health: bool = False) -> list[Any]:
+        """Every rank's reply to the last message; ``health``: a call, followed by health reports."""
         replies: dict[int, tuple[Any, ...]] = {}
         died = False
         first_error: int | None = None
@@ -257,11 +262,11 @@ class RankPool:
                     code = self._procs[rank].exitcode
                     replies[rank] = ("err", (f"rank process died (exit code {code})", "", None))
                     died = True
-                if len(replies[rank]) > 2 and not replies[rank][2]:
-                    self._needs_reset = True
                 if replies[rank][0] == "err" and first_error is None:
                     first_error, first_error_at = rank, time.monotonic()
         missing = [rank for rank in range(self.world_size) if rank not in replies]
+        if health and not missing and not died:
+            self._read_health()
         if missing or died:
             self._kill()  # stuck or dead ranks cannot be reused: the next call rebuilds the pool
         if first_error is not None:
@@ -279,6 +284,23 @@ class RankPool:
                 ranks=missing,
             )
         return [replies[rank][1] for rank in range(self.world_size)]
+
+    def _read_health(self) -> None:
+        """Consume each rank's after-call health report: a broken group is rebuilt before the next
+        call; a rank that does not report in time cannot be trusted and the pool is replaced."""
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S + FAILURE_GRACE_S
+        healthy = True
+        for conn in self._conns:
+            try:
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    self._kill()
+                    return
+                healthy = bool(conn.recv()[1]) and healthy
+            except (EOFError, OSError):
+                self._kill()
+                return
+        if not healthy:
+            self._needs_reset = True
 
 
 _POOLS: dict[tuple[int, str], RankPool] = {}

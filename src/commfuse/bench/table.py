@@ -1,0 +1,41 @@
+"""Plain-text tables in nccl-tests' spirit, readable in a terminal and in a Markdown file."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from commfuse.units import format_size
+
+COLLECTIVE_COLUMNS = (
+    ("size", lambda r: format_size(r["bytes"])),
+    ("op", lambda r: r["op"]),
+    ("algo", lambda r: r["algo"]),
+    ("time_us", lambda r: f"{r['time_us']:.1f}"),
+    ("algbw_GB/s", lambda r: f"{r['algbw_GBps']:.4f}"),
+    ("busbw_GB/s", lambda r: f"{r['busbw_GBps']:.4f}"),
+    ("%link", lambda r: "-" if r.get("link_pct") is None else f"{r['link_pct']:.1f}"),
+    ("wrong", lambda r: str(r["wrong"])),
+)
+
+
+def render(
+    records: Sequence[dict[str, Any]],
+    columns: Sequence[tuple[str, Any]] = COLLECTIVE_COLUMNS,
+    *,
+    markdown: bool = False,
+) -> str:
+    cells = [[fmt(r) for _, fmt in columns] for r in records]
+    heads = [name for name, _ in columns]
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(heads)]
+    if markdown:
+        lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True)) + " |"]
+        lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+        lines += [
+            "| " + " | ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) + " |"
+            for row in cells
+        ]
+    else:
+        lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True))]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)

@@ -1,0 +1,53 @@
+"""A rank that behaves as told, so tests can make one rank fail, exit or hang.
+
+    misbehave.py MARKER [--default MODE] [--rank R=MODE ...] [--child]
+
+MODE is one of: ok (exit 0), sleep (hang for 10 minutes), wait-group (join a gloo process group
+and wait in a barrier, as a healthy rank waits for a peer), raise (ValueError), exit3
+(``os._exit(3)``). Every rank first prints ``READY rank=R pid=P child=C`` (C is the pid of a
+grandchild started with --child, or 0). MARKER is only there so tests can find every process of
+the job by its command line; the grandchild carries it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+parser = argparse.ArgumentParser()
+parser.add_argument("marker")
+parser.add_argument("--default", default="ok")
+parser.add_argument("--rank", action="append", default=[], metavar="R=MODE")
+parser.add_argument("--child", action="store_true")
+args = parser.parse_args()
+
+rank = int(os.environ["RANK"])
+modes = {int(r): m for r, m in (item.split("=", 1) for item in args.rank)}
+mode = modes.get(rank, args.default)
+
+child = 0
+if args.child:
+    sleeper = "import time; time.sleep(600)"
+    child = subprocess.Popen([sys.executable, "-c", sleeper, args.marker]).pid
+print(f"READY rank={rank} pid={os.getpid()} child={child}", flush=True)
+
+if mode == "ok":
+    sys.exit(0)
+elif mode == "sleep":
+    time.sleep(600)
+elif mode == "wait-group":
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+elif mode == "raise":
+    time.sleep(0.5)  # let the other ranks reach their wait first
+    raise ValueError(f"boom from rank {rank}")
+elif mode == "exit3":
+    time.sleep(0.5)
+    os._exit(3)
+else:
+    sys.exit(f"unknown mode {mode!r}")

@@ -1,0 +1,149 @@
+"""The collectives benchmark: every case is correct (wrong == 0) and reports nccl-tests fields."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from commfuse.bench.cases import OPS, bus_factor, element_count, make_case
+from commfuse.bench.collectives import CollectiveBenchConfig, bench_collectives_on_rank
+from commfuse.cluster.netlab import netlab_unavailable_reason
+from commfuse.comm import Communicator
+
+REQUIRED_FIELDS = {
+    "op",
+    "algo",
+    "bytes",
+    "world_size",
+    "hosts",
+    "link_gbit",
+    "time_us",
+    "algbw_GBps",
+    "busbw_GBps",
+    "wrong",
+}
+
+
+def corrupted_case_is_caught(op: str) -> int:
+    """A case whose collective is skipped must report wrong elements (the check can fail)."""
+    comm = Communicator()
+    case = make_case(comm, op, 4096)
+    case.reset()
+    return case.count_wrong()
+
+
+def test_bus_factors_follow_nccl_tests() -> None:
+    assert bus_factor("allreduce", 4) == 1.5
+    assert bus_factor("allgather", 4) == 0.75 and bus_factor("all_to_all", 8) == 0.875
+    assert bus_factor("broadcast", 8) == 1.0
+    with pytest.raises(ValueError, match="unknown op"):
+        bus_factor("gossip", 2)
+
+
+def test_element_counts_split_evenly() -> None:
+    assert element_count("allgather", 1000, 3, 4) == 249  # 250 rounded down to a multiple of 3
+    assert element_count("allreduce", 1000, 3, 4) == 250
+    assert element_count("all_to_all", 1, 4, 4) == 4  # never smaller than one element per rank
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_op_is_correct(pool, world: int) -> None:
+    config = CollectiveBenchConfig(ops=OPS, sizes_bytes=(4, 4000, 65536), iters=2, warmup=1)
+    results = pool(world).run(bench_collectives_on_rank, config)
+    records = results[0]
+    assert len(records) == len(OPS) * 3
+    for record in records:
+        assert record.keys() >= REQUIRED_FIELDS
+        assert record["wrong"] == 0, record
+        assert record["world_size"] == world and record["time_us"] > 0
+        assert record["busbw_GBps"] == pytest.approx(
+            record["algbw_GBps"] * bus_factor(record["op"], world)
+        )
+
+
+def test_wrong_column_detects_a_skipped_collective(pool) -> None:
+    for op in OPS:
+        wrong = pool(2).run(corrupted_case_is_caught, op)
+        # The root of reduce (rank 0) holds the result; the root of broadcast already has it.
+        checked_rank = 0 if op == "reduce" else 1
+        assert wrong[checked_rank] > 0, (op, wrong)
+
+
+def test_bad_config_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown --op gossip"):
+        CollectiveBenchConfig(ops=("gossip",))
+    with pytest.raises(ValueError, match="--iters"):
+        CollectiveBenchConfig(iters=0)
+
+
+@pytest.mark.netlab
+@pytest.mark.skipif(
+    netlab_unavailable_reason() is not None, reason=str(netlab_unavailable_reason())
+)
+def test_cli_on_an_emulated_cluster_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    report = tmp_path / "report.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "commfuse.cli",
+            "bench",
+            "collectives",
+            "--hosts",
+            "2",
+            "--link",
+            "200mbit",
+            "--op",
+            "allreduce,all_to_all",
+            "--sizes",
+            "64K,256K",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+            "--markdown",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(out.read_text())
+    assert [(r["op"], r["bytes"]) for r in records] == [
+        ("allreduce", 65536),
+        ("allreduce", 262144),
+        ("all_to_all", 65536),
+        ("all_to_all", 262144),
+    ]
+    for record in records:
+        assert record.keys() >= REQUIRED_FIELDS and record["wrong"] == 0
+        assert record["hosts"] == 2 and record["link_gbit"] == 0.2 and record["emulated"]
+        assert record["link_pct"] == pytest.approx(100 * record["busbw_GBps"] / 0.025)
+    assert "busbw_GB/s" in proc.stdout and "allreduce" in proc.stdout
+    assert "| size" in report.read_text() and "torch" in report.read_text()
+
+
+def test_cli_bad_input_is_one_line_exit_2() -> None:
+    for args, needle in (
+        [["--link", "0mbit"], "more than 0"],
+        [["--sizes", "12Q"], "bad size"],
+        [["--op", "gossip"], "unknown --op"],
+        [["--hosts", "0"], "at least 1"],
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "commfuse.cli", "bench", "collectives", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and needle in lines[0], (args, proc.stderr)

@@ -1,0 +1,342 @@
+"""The local launcher, through ``launch()`` and the real ``commfuse launch`` command.
+
+Ranks run the helper scripts in tests/scripts/. Every job is given a unique marker on its
+command line (the ranks' grandchildren carry it too), so a test can prove that nothing of the job
+is left running afterwards.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from commfuse import cli
+from commfuse.cluster import Topology, launch
+from commfuse.cluster.launcher import script_command
+
+SCRIPTS = Path(__file__).parent / "scripts"
+PRINT_ENV = str(SCRIPTS / "print_env.py")
+MISBEHAVE = str(SCRIPTS / "misbehave.py")
+ALLREDUCE = str(SCRIPTS / "allreduce_check.py")
+
+_console_script = Path(sys.executable).with_name("commfuse")
+#: The installed ``commfuse`` command (or the same entry point through ``python -m``).
+COMMFUSE = (
+    [str(_console_script)]
+    if _console_script.exists() and os.access(_console_script, os.X_OK)
+    else [sys.executable, "-m", "commfuse.cli"]
+)
+#: A line of rank output: ``[rank N] text``.
+RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$")
+
+
+def new_marker() -> str:
+    return f"cftest-{uuid.uuid4().hex[:10]}"
+
+
+def processes_with(marker: str) -> list[int]:
+    """Live processes whose command line contains ``marker`` (zombies have none)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def assert_nothing_left(marker: str, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while (left := processes_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes of the job still alive: {left}"
+
+
+def commfuse_launch(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*COMMFUSE, "launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def rank_lines(text: str, prefix: str) -> dict[int, list[str]]:
+    """``{rank: [text after the prefix, ...]}`` of the lines ``[rank N] PREFIX...``."""
+    out: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        match = RANK_LINE.match(line)
+        if match and match.group(2).startswith(prefix):
+            out.setdefault(int(match.group(1)), []).append(match.group(2)[len(prefix) :])
+    return out
+
+
+def summary_line(stderr: str) -> str:
+    """The launcher's own last word: the last stderr line that is not rank output."""
+    own = [ln for ln in stderr.splitlines() if ln.strip() and not RANK_LINE.match(ln)]
+    assert own, f"the launcher said nothing on stderr:\n{stderr}"
+    return own[-1]
+
+
+def parse_allreduce(stdout: str) -> dict[int, dict[str, str]]:
+    lines = rank_lines(stdout, "ALLREDUCE_OK ")
+    return {
+        rank: dict(item.split("=", 1) for item in texts[0].split()) for rank, texts in lines.items()
+    }
+
+
+# ---- the torchrun contract and output ---------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("hosts", "per_host"), [(1, 3), (2, 2)])
+def test_every_rank_gets_the_torchrun_contract(hosts: int, per_host: int) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    topology = Topology(num_hosts=hosts, ranks_per_host=per_host)
+    # emulate=False: the 2-host layout on plain loopback (the netlab run is in test_torchrun).
+    result = launch(
+        script_command(PRINT_ENV, []), topology, emulate=False, timeout_s=30, stdout=out, stderr=err
+    )
+    assert result.ok and result.returncode == 0, err.getvalue()
+    assert result.exit_codes == dict.fromkeys(range(hosts * per_host), 0)
+
+    lines = rank_lines(out.getvalue(), "ENV ")
+    assert sorted(lines) == list(range(hosts * per_host))
+    envs = {rank: json.loads(texts[0]) for rank, texts in lines.items()}
+    ports = set()
+    for rank, env in envs.items():
+        # The [rank N] prefix names the rank that printed the line.
+        assert env["RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == str(hosts * per_host)
+        assert env["LOCAL_RANK"] == str(rank % per_host)
+        assert env["LOCAL_WORLD_SIZE"] == str(per_host)
+        assert env["GROUP_RANK"] == str(rank // per_host)
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        ports.add(env["MASTER_PORT"])
+    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
+    assert len({env["pid"] for env in envs.values()}) == hosts * per_host
+
+
+@pytest.mark.timeout(60)
+def test_world_size_one_runs_a_torchrun_script() -> None:
+    proc = commfuse_launch("--nproc", "1", ALLREDUCE)
+    assert proc.returncode == 0, proc.stderr
+    results = parse_allreduce(proc.stdout)
+    assert list(results) == [0]
+    assert results[0]["world"] == "1" and results[0]["sum"] == "1"
+
+
+@pytest.mark.timeout(60)
+def test_two_jobs_at_once_get_their_own_ports() -> None:
+    procs = [
+        subprocess.Popen(
+            [*COMMFUSE, "launch", "--nproc", "2", ALLREDUCE],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=50) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    ports = []
+    for p, (stdout, stderr) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, stderr
+        results = parse_allreduce(stdout)
+        assert sorted(results) == [0, 1]
+        assert all(r["world"] == "2" and r["sum"] == "3" for r in results.values())
+        (port,) = {r["master"].rsplit(":", 1)[1] for r in results.values()}
+        ports.append(port)
+    assert ports[0] != ports[1]
+
+
+# ---- failures: the culprit is named and every other rank is stopped ---------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_raises_stops_the_job_and_is_named() -> None:
+    marker = new_marker()
+    start = time.monotonic()
+    # Rank 0 waits in a gloo process group rank 1 never joins (default timeout: 30 minutes),
+    # rank 2 sleeps 10 minutes; both must be stopped as soon as rank 1 fails.
+    proc = commfuse_launch(
+        "--nproc", "3", MISBEHAVE, marker, "--default", "sleep",
+        "--rank", "0=wait-group", "--rank", "1=raise", "--child",
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr
+    summary = summary_line(proc.stderr)
+    assert summary.startswith("commfuse launch: rank 1 ")
+    assert "ValueError: boom from rank 1" in summary
+    # The traceback itself reached the terminal, prefixed with the rank.
+    assert "[rank 1] Traceback (most recent call last):" in proc.stderr.splitlines()
+    assert elapsed < 30, f"the other ranks were not stopped promptly ({elapsed:.1f} s)"
+    assert sorted(rank_lines(proc.stdout, "READY ")) == [0, 1, 2]
+    assert_nothing_left(marker)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_exits_with_a_code_is_named() -> None:
+    marker = new_marker()
+    err = io.StringIO()
+    result = launch(
+        script_command(MISBEHAVE, [marker, "--default", "sleep", "--rank", "1=exit3"]),
+        Topology(ranks_per_host=2),
+        timeout_s=30,
+        stdout=io.StringIO(),
+        stderr=err,
+    )
+    assert not result.ok and result.returncode == 1
+    assert result.failure is not None
+    assert (result.failure.rank, result.failure.exit_code) == (1, 3)
+    assert result.exit_codes[1] == 3 and result.exit_codes[0] != 0  # rank 0 was stopped
+    assert result.failure.describe().startswith("rank 1 (host 0) failed with exit code 3")
+    assert_nothing_left(marker)
+
+
+@pytest.mark.timeout(60)
+def test_job_deadline_names_the_hung_ranks() -> None:
+    marker = new_marker()
+    start = time.monotonic()
+    proc = commfuse_launch(
+        "--nproc", "3", "--timeout", "2", MISBEHAVE, marker,
+        "--default", "sleep", "--rank", "0=ok", "--child",
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr
+    summary = summary_line(proc.stderr)
+    assert summary.startswith("commfuse launch: rank 1 ")
+    assert "ranks [1, 2] still running after the 2 s deadline" in summary
+    assert elapsed < 20
+    assert_nothing_left(marker)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_every_rank_and_leaves_nothing() -> None:
+    marker = new_marker()
+    # Its own process group, as a terminal's foreground job: Ctrl-C signals the whole group.
+    proc = subprocess.Popen(
+        [*COMMFUSE, "launch", "--nproc", "2", MISBEHAVE, marker, "--default", "sleep", "--child"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    stderr_text: list[str] = []
+    readers = [
+        threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout or []], daemon=True),
+        threading.Thread(target=lambda: stderr_text.extend(proc.stderr or []), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(pids) < 4:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if match := re.search(r"READY rank=\d+ pid=(\d+) child=(\d+)", line):
+                pids += [int(match.group(1)), int(match.group(2))]
+        assert sorted(processes_with(marker)) == sorted([proc.pid, *pids])
+        os.killpg(proc.pid, signal.SIGINT)
+        returncode = proc.wait(timeout=15)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for reader in readers:
+        reader.join(timeout=5)
+    assert returncode == 130, "".join(stderr_text)
+    assert "interrupted" in summary_line("".join(stderr_text))
+    assert_nothing_left(marker)
+
+
+# ---- bad input: one line saying what to change, exit code 2, nothing started -------------------
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    kids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                    if f.read().rsplit(")", 1)[1].split()[1] == me:
+                        kids.add(int(entry))
+            except (OSError, IndexError):
+                continue
+    return kids
+
+
+def _my_labs() -> list[str]:
+    if shutil.which("ip") is None:
+        return []
+    from commfuse.cluster.netlab import list_labs
+
+    return [lab["lab_id"] for lab in list_labs() if lab.get("pid") == os.getpid()]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["--nproc", "2", "/nonexistent/train.py"], "does not exist"),
+        (["--nproc", "2", "--link", "0mbit", PRINT_ENV], "more than 0"),
+        (["--hosts", "2", "--link", "0", PRINT_ENV], "bad link rate '0'"),
+        (["--hosts", "2", "--link", "fast", PRINT_ENV], "like 100mbit, 1gbit"),
+        (["--nproc", "1000", PRINT_ENV], "more than this machine can hold"),
+        (["--hosts", "100", PRINT_ENV], "more than the 64"),
+        (["--hosts", "0", PRINT_ENV], "--hosts must be at least 1"),
+        (["--nproc", "0", PRINT_ENV], "--nproc must be at least 1"),
+        (["--hosts", "2", "--nproc", "3", PRINT_ENV], "does not divide evenly"),
+        (["--hosts", "2", "--ranks-per-host", "2", "--nproc", "3", PRINT_ENV], "--nproc 3 !="),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before_kids, before_labs = _children(), _my_labs()
+    assert cli.main(["launch", *argv]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("commfuse launch: ") and hint in lines[0], lines[0]
+    assert captured.out == ""
+    assert _children() <= before_kids
+    assert _my_labs() == before_labs
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_through_the_command() -> None:
+    proc = commfuse_launch("--nproc", "2", "--link", "1gbit", "/nonexistent/train.py")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "commfuse launch: script '/nonexistent/train.py' does not exist; "
+        "give the path of a Python file (or -m module)"
+    ]
