@@ -18,22 +18,14 @@ from collections.abc import Callable
 
 import torch
 
+from commfuse.collectives.cost import bus_factor
+from commfuse.collectives.registry import COLLECTIVES
 from commfuse.comm import Communicator
 
-OPS = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "all_to_all")
+__all__ = ["OPS", "Case", "bus_factor", "element_count", "make_case"]
+
+OPS = COLLECTIVES
 _MODULUS = 11
-
-
-def bus_factor(op: str, world_size: int) -> float:
-    """nccl-tests' factor from algorithm bandwidth to bus bandwidth."""
-    n = world_size
-    if op == "allreduce":
-        return 2 * (n - 1) / n
-    if op in ("allgather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    if op in ("broadcast", "reduce"):
-        return 1.0
-    raise ValueError(f"unknown op {op!r}: use one of {', '.join(OPS)}")
 
 
 def pattern(numel: int, rank: int, dtype: torch.dtype) -> torch.Tensor:

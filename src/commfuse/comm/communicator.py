@@ -29,6 +29,10 @@ from commfuse.comm.handle import Handle, OpContext, translate_failure
 from commfuse.comm.stats import CommStats
 from commfuse.comm.trace import Trace, TraceEvent, now_us
 
+# torch 2.13 renamed the tensor forms (the old names warn); older releases only have the old.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 #: Reduction names accepted everywhere in commfuse.
 REDUCE_OPS: dict[str, dist.ReduceOp.RedOpType] = {
     "sum": dist.ReduceOp.SUM,
@@ -284,7 +288,7 @@ class Communicator:
         handle = self._collective(
             "all_gather",
             input,
-            lambda: dist.all_gather_into_tensor(output, input, group=self.group, async_op=True),
+            lambda: _all_gather_single(output, input, group=self.group, async_op=True),
         )
         return self._finish(handle, async_op)
 
@@ -308,7 +312,7 @@ class Communicator:
         handle = self._collective(
             "reduce_scatter",
             input,
-            lambda: dist.reduce_scatter_tensor(
+            lambda: _reduce_scatter_single(
                 output, input, op=red, group=self.group, async_op=True
             ),
             then,
@@ -468,7 +472,7 @@ def check_consistent(comm: Communicator, tensor: torch.Tensor, kind: str) -> Non
         group=comm.name,
     )
     try:
-        work = dist.all_gather_into_tensor(everyone, meta, group=comm.group, async_op=True)
+        work = _all_gather_single(everyone, meta, group=comm.group, async_op=True)
         assert work is not None
         Handle(work, ctx, deadline_s=comm.config.deadline_s).wait()
     except Exception as err:

@@ -1,0 +1,308 @@
+"""The front door: ``allreduce(comm, tensor, op, algo=...)`` and friends.
+
+Each call validates its arguments (a clear ValueError, never a hang on bad input), flattens the
+tensor, takes the fast paths (world of one, empty tensor), picks the algorithm (``algo="auto"``
+asks the tuner; any registered name forces one), and runs it synchronously or, with
+``async_op=True``, on the communicator's worker thread, returning a handle with ``wait()``.
+Out-of-place forms write into ``out`` and leave the input untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from commfuse.collectives.executor import CollectiveHandle, CompletedHandle, drain, submit
+from commfuse.collectives.reduce_ops import check_op, finish_
+from commfuse.collectives.registry import algorithms_for
+from commfuse.comm import Communicator, check_consistent
+
+Handle = CollectiveHandle | CompletedHandle
+SUPPORTED_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+)
+
+
+def _pick(comm: Communicator, collective: str, algo: str, nbytes: int) -> str:
+    table = algorithms_for(collective)
+    if algo == "auto":
+        from commfuse.collectives.tuner import choose
+
+        return choose(comm, collective, nbytes)
+    if algo not in table:
+        raise ValueError(
+            f"unknown {collective} algorithm {algo!r}: use auto or one of {', '.join(sorted(table))}"
+        )
+    return algo
+
+
+def _check_tensor(tensor: torch.Tensor, what: str) -> None:
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"{what} has dtype {tensor.dtype}; supported: {', '.join(str(d).removeprefix('torch.') for d in SUPPORTED_DTYPES)}"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} must be contiguous; call .contiguous() first")
+
+
+def _run(
+    comm: Communicator, description: str, async_op: bool, fn: Any, *args: Any, **kwargs: Any
+) -> Handle | None:
+    if async_op:
+        return submit(comm, description, fn, *args, **kwargs)
+    drain(comm)
+    fn(*args, **kwargs)
+    return None
+
+
+def allreduce(
+    comm: Communicator,
+    tensor: torch.Tensor,
+    op: str = "sum",
+    *,
+    algo: str = "auto",
+    out: torch.Tensor | None = None,
+    async_op: bool = False,
+    **opts: Any,
+) -> Handle | None:
+    """Reduce ``tensor`` over all ranks; the result lands in ``tensor`` (or ``out``)."""
+    _check_tensor(tensor, "allreduce tensor")
+    check_op(op, tensor.dtype)
+    if comm.config.validate:
+        check_consistent(comm, tensor, "allreduce")
+    target = tensor
+    if out is not None:
+        if out.shape != tensor.shape or out.dtype != tensor.dtype:
+            raise ValueError(
+                f"allreduce out must match the input: {tuple(tensor.shape)} {tensor.dtype}, got {tuple(out.shape)} {out.dtype}"
+            )
+        _check_tensor(out, "allreduce out")
+        out.copy_(tensor)
+        target = out
+    if comm.world_size == 1 or target.numel() == 0:
+        return CompletedHandle() if async_op else None
+    name = _pick(comm, "allreduce", algo, target.numel() * target.element_size())
+    fn = algorithms_for("allreduce")[name]
+
+    def body() -> None:
+        fn(comm, target.view(-1), op, **opts)
+        if name != "native":
+            finish_(target, op, comm.world_size)
+
+    return _run(comm, f"allreduce.{name}", async_op, body)
+
+
+def broadcast(
+    comm: Communicator,
+    tensor: torch.Tensor,
+    root: int = 0,
+    *,
+    algo: str = "auto",
+    async_op: bool = False,
+    **opts: Any,
+) -> Handle | None:
+    """Copy root's ``tensor`` into every rank's ``tensor``."""
+    _check_tensor(tensor, "broadcast tensor")
+    _check_root(comm, root)
+    if comm.config.validate:
+        check_consistent(comm, tensor, "broadcast")
+    if comm.world_size == 1 or tensor.numel() == 0:
+        return CompletedHandle() if async_op else None
+    name = _pick(comm, "broadcast", algo, tensor.numel() * tensor.element_size())
+    return _run(
+        comm,
+        f"broadcast.{name}",
+        async_op,
+        algorithms_for("broadcast")[name],
+        comm,
+        tensor.view(-1),
+        root,
+        **opts,
+    )
+
+
+def reduce(
+    comm: Communicator,
+    tensor: torch.Tensor,
+    root: int = 0,
+    op: str = "sum",
+    *,
+    algo: str = "auto",
+    async_op: bool = False,
+    **opts: Any,
+) -> Handle | None:
+    """Reduce every rank's ``tensor`` into root's; the others are left unchanged."""
+    _check_tensor(tensor, "reduce tensor")
+    check_op(op, tensor.dtype)
+    _check_root(comm, root)
+    if comm.config.validate:
+        check_consistent(comm, tensor, "reduce")
+    if comm.world_size == 1 or tensor.numel() == 0:
+        return CompletedHandle() if async_op else None
+    name = _pick(comm, "reduce", algo, tensor.numel() * tensor.element_size())
+    fn = algorithms_for("reduce")[name]
+
+    def body() -> None:
+        fn(comm, tensor.view(-1), root, op, **opts)
+        if name != "native" and comm.rank == root:
+            finish_(tensor, op, comm.world_size)
+
+    return _run(comm, f"reduce.{name}", async_op, body)
+
+
+def allgather(
+    comm: Communicator,
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    *,
+    algo: str = "auto",
+    async_op: bool = False,
+    **opts: Any,
+) -> Handle | None:
+    """``out`` (world_size x inp.numel() elements) receives every rank's ``inp`` in rank order."""
+    _check_tensor(inp, "allgather input")
+    _check_tensor(out, "allgather output")
+    if out.numel() != inp.numel() * comm.world_size or out.dtype != inp.dtype:
+        raise ValueError(
+            f"allgather output must hold world_size x input = {comm.world_size} x {inp.numel()} {inp.dtype} elements, got {out.numel()} {out.dtype}"
+        )
+    if comm.config.validate:
+        check_consistent(comm, inp, "allgather")
+    if comm.world_size == 1 or inp.numel() == 0:
+        out.view(-1).copy_(inp.view(-1))
+        return CompletedHandle() if async_op else None
+    name = _pick(comm, "allgather", algo, out.numel() * out.element_size())
+    return _run(
+        comm,
+        f"allgather.{name}",
+        async_op,
+        algorithms_for("allgather")[name],
+        comm,
+        out.view(-1),
+        inp.view(-1),
+        **opts,
+    )
+
+
+def reduce_scatter(
+    comm: Communicator,
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    op: str = "sum",
+    *,
+    algo: str = "auto",
+    async_op: bool = False,
+    **opts: Any,
+) -> Handle | None:
+    """``out`` on rank r receives the reduction of block r of every rank's ``inp``."""
+    _check_tensor(inp, "reduce_scatter input")
+    _check_tensor(out, "reduce_scatter output")
+    check_op(op, inp.dtype)
+    if inp.numel() != out.numel() * comm.world_size or out.dtype != inp.dtype:
+        raise ValueError(
+            f"reduce_scatter input must hold world_size x output = {comm.world_size} x {out.numel()} {out.dtype} elements, got {inp.numel()} {inp.dtype}"
+        )
+    if comm.config.validate:
+        check_consistent(comm, inp, "reduce_scatter")
+    if comm.world_size == 1 or out.numel() == 0:
+        out.view(-1).copy_(inp.view(-1))
+        return CompletedHandle() if async_op else None
+    name = _pick(comm, "reduce_scatter", algo, inp.numel() * inp.element_size())
+    fn = algorithms_for("reduce_scatter")[name]
+
+    def body() -> None:
+        fn(comm, out.view(-1), inp.view(-1), op, **opts)
+        if name != "native":
+            finish_(out, op, comm.world_size)
+
+    return _run(comm, f"reduce_scatter.{name}", async_op, body)
+
+
+def all_to_all(
+    comm: Communicator,
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: Sequence[int] | None = None,
+    in_splits: Sequence[int] | None = None,
+    *,
+    algo: str = "auto",
+    async_op: bool = False,
+    **opts: Any,
+) -> Handle | None:
+    """Block j of ``inp`` goes to rank j; block i of ``out`` comes from rank i. Splits count rows
+    of dim 0 (equal blocks when omitted)."""
+    _check_tensor(inp, "all_to_all input")
+    _check_tensor(out, "all_to_all output")
+    world = comm.world_size
+    rows_in, rows_out = (
+        (inp.shape[0] if inp.dim() else inp.numel()),
+        (out.shape[0] if out.dim() else out.numel()),
+    )
+    if in_splits is None:
+        if rows_in % world:
+            raise ValueError(
+                f"all_to_all input dim 0 ({rows_in}) must divide by world size {world}, or give in_splits"
+            )
+        in_splits = [rows_in // world] * world
+    if out_splits is None:
+        if rows_out % world:
+            raise ValueError(
+                f"all_to_all output dim 0 ({rows_out}) must divide by world size {world}, or give out_splits"
+            )
+        out_splits = [rows_out // world] * world
+    if (
+        len(in_splits) != world
+        or len(out_splits) != world
+        or sum(in_splits) != rows_in
+        or sum(out_splits) != rows_out
+    ):
+        raise ValueError(
+            f"all_to_all splits must have {world} entries summing to dim 0 of input ({rows_in}) and output ({rows_out})"
+        )
+    if world == 1:
+        out.copy_(inp)
+        return CompletedHandle() if async_op else None
+    row = max(1, inp[0].numel()) if inp.dim() and inp.shape[0] else 1
+    name = _pick(comm, "all_to_all", algo, inp.numel() * inp.element_size())
+    fn = algorithms_for("all_to_all")[name]
+    if name == "native":
+        return _run(
+            comm,
+            "all_to_all.native",
+            async_op,
+            fn,
+            comm,
+            out,
+            inp,
+            list(out_splits),
+            list(in_splits),
+            **opts,
+        )
+    elems_out = [s * row for s in out_splits]
+    elems_in = [s * row for s in in_splits]
+    return _run(
+        comm,
+        f"all_to_all.{name}",
+        async_op,
+        fn,
+        comm,
+        out.view(-1),
+        inp.view(-1),
+        elems_out,
+        elems_in,
+        **opts,
+    )
+
+
+def _check_root(comm: Communicator, root: int) -> None:
+    if not 0 <= root < comm.world_size:
+        raise ValueError(
+            f"root={root} is not a rank of group {comm.name!r} (size {comm.world_size})"
+        )

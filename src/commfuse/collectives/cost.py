@@ -1,0 +1,155 @@
+"""Alpha-beta-gamma cost models of every algorithm, and nccl-tests' bus-bandwidth factors.
+
+The Hockney model prices a message of n bytes at ``alpha + n * beta`` (alpha: start-up latency,
+beta: seconds per byte, i.e. 1 / bandwidth) and a local reduction of n bytes at ``n * gamma``.
+The formulas below (Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication
+Operations in MPICH", IJHPCA 2005; Wang et al., "Efficient Communications in Training Large
+Scale Neural Networks", arXiv 1611.04255) give each algorithm's time for P ranks and an n-byte
+message. The tuner evaluates them with measured parameters and picks the smallest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinkCost:
+    """Hockney parameters of one kind of link."""
+
+    alpha_s: float = 50e-6
+    """Start-up latency per message, seconds."""
+    beta_s_per_byte: float = 1.0 / 1e9
+    """Transfer time per byte, seconds (1 / bandwidth)."""
+    gamma_s_per_byte: float = 0.25e-9
+    """Local reduction time per byte, seconds."""
+
+    @classmethod
+    def from_link_gbit(
+        cls, link_gbit: float, *, alpha_s: float = 100e-6, gamma_s_per_byte: float = 0.25e-9
+    ) -> LinkCost:
+        return cls(
+            alpha_s=alpha_s,
+            beta_s_per_byte=8.0 / (link_gbit * 1e9),
+            gamma_s_per_byte=gamma_s_per_byte,
+        )
+
+
+def _lg(p: int) -> int:
+    return math.ceil(math.log2(p)) if p > 1 else 0
+
+
+def lp_best_block_bytes(n_bytes: int, world: int, cost: LinkCost, *, min_bytes: int = 4096) -> int:
+    """Block size minimising the LP broadcast cost (P - 1 + n/b)(alpha + b beta):
+    b* = sqrt(n alpha / ((P - 1) beta)), clamped to [min_bytes, n]."""
+    if world <= 1 or n_bytes <= 0:
+        return max(n_bytes, 1)
+    best = math.sqrt(n_bytes * cost.alpha_s / ((world - 1) * cost.beta_s_per_byte))
+    return int(min(max(best, min_bytes), n_bytes))
+
+
+def lp_broadcast(n: int, p: int, c: LinkCost, block_bytes: int | None = None) -> float:
+    """Linear pipeline along a chain: (P - 1 + n/b)(alpha + b beta)."""
+    if p <= 1:
+        return 0.0
+    b = block_bytes or lp_best_block_bytes(n, p, c)
+    return (p - 1 + math.ceil(n / b)) * (c.alpha_s + b * c.beta_s_per_byte)
+
+
+def lp_reduce(n: int, p: int, c: LinkCost, block_bytes: int | None = None) -> float:
+    """Pipelined reduce along a chain: the broadcast cost plus a reduction per block per hop."""
+    if p <= 1:
+        return 0.0
+    b = block_bytes or lp_best_block_bytes(n, p, c)
+    return (p - 1 + math.ceil(n / b)) * (c.alpha_s + b * (c.beta_s_per_byte + c.gamma_s_per_byte))
+
+
+def lp_allreduce(n: int, p: int, c: LinkCost, block_bytes: int | None = None) -> float:
+    """Pipelined reduce then broadcast, overlapped: about one reduce plus P - 1 more block steps."""
+    if p <= 1:
+        return 0.0
+    b = block_bytes or lp_best_block_bytes(n, p, c)
+    return lp_reduce(n, p, c, b) + (p - 1) * (c.alpha_s + b * c.beta_s_per_byte)
+
+
+def mst_broadcast(n: int, p: int, c: LinkCost) -> float:
+    """Binomial tree: ceil(lg P)(alpha + n beta)."""
+    return _lg(p) * (c.alpha_s + n * c.beta_s_per_byte)
+
+
+def mst_reduce(n: int, p: int, c: LinkCost) -> float:
+    return _lg(p) * (c.alpha_s + n * (c.beta_s_per_byte + c.gamma_s_per_byte))
+
+
+def ring_allreduce(n: int, p: int, c: LinkCost) -> float:
+    """2(P-1) alpha + 2((P-1)/P) n beta + ((P-1)/P) n gamma."""
+    if p <= 1:
+        return 0.0
+    f = (p - 1) / p
+    return 2 * (p - 1) * c.alpha_s + 2 * f * n * c.beta_s_per_byte + f * n * c.gamma_s_per_byte
+
+
+def ring_reduce_scatter(n: int, p: int, c: LinkCost) -> float:
+    """n is the full input: (P-1) alpha + ((P-1)/P) n (beta + gamma)."""
+    if p <= 1:
+        return 0.0
+    f = (p - 1) / p
+    return (p - 1) * c.alpha_s + f * n * (c.beta_s_per_byte + c.gamma_s_per_byte)
+
+
+def ring_allgather(n: int, p: int, c: LinkCost) -> float:
+    """n is the full output: (P-1) alpha + ((P-1)/P) n beta."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) * c.alpha_s + (p - 1) / p * n * c.beta_s_per_byte
+
+
+def recursive_doubling_allreduce(n: int, p: int, c: LinkCost) -> float:
+    """lg P (alpha + n beta + n gamma), plus two extra steps when P is not a power of two."""
+    extra = 0 if p & (p - 1) == 0 else 2
+    return (_lg(p) - (1 if extra else 0) + extra) * (c.alpha_s + n * c.beta_s_per_byte) + _lg(
+        p
+    ) * n * c.gamma_s_per_byte
+
+
+def recursive_doubling_allgather(n: int, p: int, c: LinkCost) -> float:
+    """n is the full output: lg P alpha + ((P-1)/P) n beta."""
+    if p <= 1:
+        return 0.0
+    return _lg(p) * c.alpha_s + (p - 1) / p * n * c.beta_s_per_byte
+
+
+def rabenseifner_allreduce(n: int, p: int, c: LinkCost) -> float:
+    """2 lg P alpha + 2((P-1)/P) n beta + ((P-1)/P) n gamma (+ a fold for non-powers of two)."""
+    if p <= 1:
+        return 0.0
+    f = (p - 1) / p
+    fold = 0.0 if p & (p - 1) == 0 else 2 * (c.alpha_s + n * c.beta_s_per_byte)
+    return (
+        2 * _lg(p) * c.alpha_s + 2 * f * n * c.beta_s_per_byte + f * n * c.gamma_s_per_byte + fold
+    )
+
+
+def pairwise_all_to_all(n: int, p: int, c: LinkCost) -> float:
+    """n is the full per-rank buffer: (P-1)(alpha + (n/P) beta)."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) * (c.alpha_s + n / p * c.beta_s_per_byte)
+
+
+def allreduce_lower_bound(n: int, p: int, bandwidth_bytes_per_s: float) -> float:
+    """No algorithm without in-network reduction beats 2((P-1)/P) n / B."""
+    return 2 * (p - 1) / p * n / bandwidth_bytes_per_s if p > 1 else 0.0
+
+
+def bus_factor(collective: str, world_size: int) -> float:
+    """nccl-tests' factor from algorithm bandwidth to bus bandwidth."""
+    n = world_size
+    if collective == "allreduce":
+        return 2 * (n - 1) / n
+    if collective in ("allgather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if collective in ("broadcast", "reduce", "sendrecv"):
+        return 1.0
+    raise ValueError(f"unknown collective {collective!r}")

@@ -1,0 +1,79 @@
+"""The table of algorithms: ``ALGORITHMS[collective][name] -> function``.
+
+Every algorithm is a plain synchronous function over a Communicator that works on flat,
+contiguous tensors; the front door (``api.py``) flattens, validates, picks the algorithm and
+runs it synchronously or on the communicator's worker thread. The signatures, per collective:
+
+=============== =============================================================================
+allreduce       ``fn(comm, buf, op, **opts)``: ``buf`` reduced in place on every rank
+broadcast       ``fn(comm, buf, root, **opts)``: root's ``buf`` copied into every ``buf``
+reduce          ``fn(comm, buf, root, op, **opts)``: reduction into root's ``buf``; other
+                ranks' ``buf`` left unchanged
+allgather       ``fn(comm, out, inp, **opts)``: ``out`` (world x numel(inp)) = every ``inp`` in
+                rank order
+reduce_scatter  ``fn(comm, out, inp, op, **opts)``: ``out`` on rank r = reduction of block r of
+                every ``inp`` (``inp`` is world x numel(out), left unchanged)
+all_to_all      ``fn(comm, out, inp, out_splits, in_splits, **opts)``: block j of ``inp`` to
+                rank j; block i of ``out`` from rank i (splits in elements)
+=============== =============================================================================
+
+``opts`` are algorithm-specific keywords (``block_bytes`` for pipelines, ``ranks_per_host`` for
+hierarchical ones); an algorithm ignores the ones it does not know (``**_``). Each algorithm
+labels its point-to-point traffic with ``label=f"{collective}.{name}"`` so tests can assert
+the bytes and messages it sent against its formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "all_to_all")
+
+AlgorithmFn = Callable[..., None]
+ALGORITHMS: dict[str, dict[str, AlgorithmFn]] = {name: {} for name in COLLECTIVES}
+
+
+def register(collective: str, name: str) -> Callable[[AlgorithmFn], AlgorithmFn]:
+    """Decorator: add ``fn`` as algorithm ``name`` of ``collective``."""
+    if collective not in ALGORITHMS:
+        raise ValueError(f"unknown collective {collective!r}")
+
+    def add(fn: AlgorithmFn) -> AlgorithmFn:
+        if name in ALGORITHMS[collective]:
+            raise ValueError(f"{collective} algorithm {name!r} registered twice")
+        ALGORITHMS[collective][name] = fn
+        return fn
+
+    return add
+
+
+def label(collective: str, name: str) -> str:
+    """The stats/trace kind of an algorithm's point-to-point traffic."""
+    return f"{collective}.{name}"
+
+
+def algorithms_for(collective: str) -> dict[str, AlgorithmFn]:
+    _load_families()
+    return ALGORITHMS[collective]
+
+
+_loaded = False
+
+
+def _load_families() -> None:
+    """Import every family module once, so its @register calls run."""
+    global _loaded
+    if _loaded:
+        return
+    import importlib
+
+    for module in FAMILY_MODULES:
+        importlib.import_module(module)
+    _loaded = True
+
+
+#: One module per family of algorithms (DESIGN.md: one concept per file).
+FAMILY_MODULES: tuple[str, ...] = ("commfuse.collectives.native",)
+
+Options = dict[str, Any]
