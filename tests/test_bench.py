@@ -40,7 +40,7 @@ def test_bus_factors_follow_nccl_tests() -> None:
     assert bus_factor("allreduce", 4) == 1.5
     assert bus_factor("allgather", 4) == 0.75 and bus_factor("all_to_all", 8) == 0.875
     assert bus_factor("broadcast", 8) == 1.0
-    with pytest.raises(ValueError, match="unknown op"):
+    with pytest.raises(ValueError, match="unknown collective"):
         bus_factor("gossip", 2)
 
 
