@@ -13,6 +13,7 @@ from commfuse import __version__
 _COMMAND_MODULES = (
     "commfuse.cluster.launch_cli",
     "commfuse.cluster.net_cli",
+    "commfuse.collectives.tune_cli",
     "commfuse.bench.cli",
 )
 
