@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from commfuse import collectives as C
 from commfuse.collectives.cost import bus_factor
 from commfuse.collectives.registry import COLLECTIVES
 from commfuse.comm import Communicator
@@ -39,9 +40,9 @@ class Case:
     op: str
     size_bytes: int
     """nccl-tests' S for this op (see module docstring)."""
-    reset: Callable[[], None]
+    reset: Callable[[], object]
     """Restore the input (in-place ops overwrite it); not timed."""
-    call: Callable[[], None]
+    call: Callable[[], object]
     """The timed collective."""
     count_wrong: Callable[[], int]
     """Elements of this rank's result that differ from the reference."""
@@ -56,8 +57,13 @@ def element_count(op: str, size_bytes: int, world: int, element_size: int) -> in
 
 
 def make_case(
-    comm: Communicator, op: str, size_bytes: int, dtype: torch.dtype = torch.float32
+    comm: Communicator,
+    op: str,
+    size_bytes: int,
+    dtype: torch.dtype = torch.float32,
+    algo: str = "native",
 ) -> Case:
+    """The case of ``op`` at ``size_bytes``, run by algorithm ``algo`` (a name, or auto)."""
     rank, world = comm.rank, comm.world_size
     esize = torch.tensor([], dtype=dtype).element_size()
     numel = element_count(op, size_bytes, world, esize)
@@ -75,17 +81,17 @@ def make_case(
             expected = total.to(dtype)  # type: ignore[union-attr]
 
             def call() -> None:
-                comm.all_reduce(buf, "sum")
+                C.allreduce(comm, buf, "sum", algo=algo)
         elif op == "broadcast":
             expected = pattern(numel, root, dtype)
 
             def call() -> None:
-                comm.broadcast(buf, root)
+                C.broadcast(comm, buf, root, algo=algo)
         else:
             expected = total.to(dtype) if rank == root else buf  # type: ignore[union-attr]
 
             def call() -> None:
-                comm.reduce(buf, root, "sum")
+                C.reduce(comm, buf, root, "sum", algo=algo)
 
         def reset() -> None:
             buf.copy_(source)
@@ -106,7 +112,7 @@ def make_case(
             op,
             numel * esize,
             lambda: out.zero_(),
-            lambda: comm.all_gather(out, mine),
+            lambda: C.allgather(comm, out, mine, algo=algo),
             lambda: int((out != expected).sum()),
         )
     if op == "reduce_scatter":
@@ -117,7 +123,7 @@ def make_case(
             op,
             numel * esize,
             lambda: piece.zero_(),
-            lambda: comm.reduce_scatter(piece, full, "sum"),
+            lambda: C.reduce_scatter(comm, piece, full, "sum", algo=algo),
             lambda: int((piece != expected).sum()),
         )
     if op == "all_to_all":
@@ -129,7 +135,7 @@ def make_case(
             op,
             numel * esize,
             lambda: recv.zero_(),
-            lambda: comm.all_to_all(recv, send),
+            lambda: C.all_to_all(comm, recv, send, algo=algo),
             lambda: int((recv != expected).sum()),
         )
     raise ValueError(f"unknown op {op!r}: use one of {', '.join(OPS)}")

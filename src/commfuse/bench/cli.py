@@ -42,6 +42,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help=f"comma list (4K,1M) or doubling range (4K:64M) (default {DEFAULT_SIZES})",
     )
     coll.add_argument(
+        "--algo",
+        default="native",
+        help="comma list of algorithms timed side by side (all = every one; auto = the tuner's pick); "
+        "the first is the baseline of the x-first column",
+    )
+    coll.add_argument(
         "--iters", type=int, default=10, help="timed runs per row; the median is reported"
     )
     coll.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
@@ -63,7 +69,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_bench_collectives(args: argparse.Namespace) -> int:
-    from commfuse.bench.collectives import CollectiveBenchConfig, bench_collectives_on_rank
+    from commfuse.bench.collectives import (
+        CollectiveBenchConfig,
+        bench_collectives_on_rank,
+        expand_algos,
+    )
     from commfuse.bench.table import render
     from commfuse.cluster import DeadlineExceeded, RankError, run
     from commfuse.cluster.launch_cli import topology_from_args
@@ -82,7 +92,10 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
             iters=args.iters,
             warmup=args.warmup,
             dtype=args.dtype,
+            algos=tuple(a.strip() for a in args.algo.split(",") if a.strip()),
         )
+        for op in config.ops:
+            expand_algos(op, config.algos)  # unknown names fail here, before any rank starts
     except ValueError as err:
         print(f"commfuse bench collectives: {err}", file=sys.stderr)
         return 2

@@ -35,6 +35,9 @@ class CollectiveBenchConfig:
     """Untimed repetitions before timing (connection set-up, allocator)."""
     dtype: str = "float32"
     """Element type of the buffers."""
+    algos: tuple[str, ...] = ("native",)
+    """Algorithms to time side by side; "all" expands to every registered one, "auto" lets the
+    tuner pick. Rows of one (op, size) run interleaved (A B A B) so noise hits them alike."""
 
     def __post_init__(self) -> None:
         unknown = [op for op in self.ops if op not in OPS]
@@ -53,49 +56,97 @@ def bench_collectives_on_rank(config: CollectiveBenchConfig) -> list[dict[str, A
     comm = Communicator()
     topology = Topology.from_env()
     dtype = getattr(torch, config.dtype)
-    link_gbit = topology.link_gbit
     records: list[dict[str, Any]] = []
     for op in config.ops:
+        algos = expand_algos(op, config.algos)
         for size in config.sizes_bytes:
-            case = make_case(comm, op, size, dtype)
-            for _ in range(config.warmup):
-                case.reset()
-                case.call()
-            times = torch.zeros(config.iters, dtype=torch.float64)
-            wrong = 0
+            cases = [make_case(comm, op, size, dtype, algo) for algo in algos]
+            for case in cases:
+                for _ in range(config.warmup):
+                    case.reset()
+                    case.call()
+            times = torch.zeros(len(cases), config.iters, dtype=torch.float64)
+            wrong = torch.zeros(len(cases), dtype=torch.int64)
             for i in range(config.iters):
-                case.reset()
-                comm.barrier()
-                start = time.perf_counter()
-                case.call()
-                times[i] = time.perf_counter() - start
-                wrong += case.count_wrong()
+                for c, case in enumerate(cases):  # interleaved: A B A B ...
+                    case.reset()
+                    comm.barrier()
+                    start = time.perf_counter()
+                    case.call()
+                    times[c, i] = time.perf_counter() - start
+                    wrong[c] += case.count_wrong()
             # A collective takes as long as its slowest rank: max over ranks, then the median.
             comm.all_reduce(times, "max")
-            wrong_t = torch.tensor([wrong], dtype=torch.int64)
-            comm.all_reduce(wrong_t, "sum")
-            seconds = statistics.median(times.tolist())
-            algbw = case.size_bytes / seconds / 1e9
-            busbw = algbw * bus_factor(op, comm.world_size)
-            records.append(
-                {
-                    "op": op,
-                    "algo": "native",
-                    "bytes": case.size_bytes,
-                    "dtype": config.dtype,
-                    "world_size": comm.world_size,
-                    "hosts": topology.num_hosts,
-                    "ranks_per_host": topology.ranks_per_host,
-                    "link_gbit": link_gbit,
-                    "emulated": bool(os.environ.get("COMMFUSE_NETLAB")),
-                    "time_us": seconds * 1e6,
-                    "time_us_min": float(times.min()) * 1e6,
-                    "iters": config.iters,
-                    "algbw_GBps": algbw,
-                    "busbw_GBps": busbw,
-                    "link_pct": None if link_gbit is None else 100.0 * busbw / (link_gbit / 8.0),
-                    # wrong elements per run, summed over ranks (a correct collective has 0)
-                    "wrong": int(wrong_t.item()) // config.iters,
-                }
-            )
+            comm.all_reduce(wrong, "sum")
+            baseline = statistics.median(times[0].tolist())
+            for c, (algo, case) in enumerate(zip(algos, cases, strict=True)):
+                records.append(
+                    _record(
+                        config,
+                        comm,
+                        topology,
+                        op,
+                        algo,
+                        case.size_bytes,
+                        times[c],
+                        int(wrong[c]),
+                        baseline,
+                    )
+                )
     return records
+
+
+def expand_algos(op: str, algos: tuple[str, ...]) -> list[str]:
+    """Resolve "all" and check names; the first entry is the baseline of the ratio column."""
+    from commfuse.collectives.registry import algorithms_for
+
+    known = algorithms_for(op)
+    out: list[str] = []
+    for algo in algos:
+        names = ["native", *sorted(n for n in known if n != "native")] if algo == "all" else [algo]
+        for name in names:
+            if name != "auto" and name not in known:
+                raise ValueError(
+                    f"unknown {op} algorithm {name!r}: use all, auto or one of {', '.join(sorted(known))}"
+                )
+            if name not in out:
+                out.append(name)
+    return out
+
+
+def _record(
+    config: CollectiveBenchConfig,
+    comm: Communicator,
+    topology: Topology,
+    op: str,
+    algo: str,
+    size_bytes: int,
+    times: torch.Tensor,
+    wrong: int,
+    baseline_s: float,
+) -> dict[str, Any]:
+    link_gbit = topology.link_gbit
+    seconds = statistics.median(times.tolist())
+    algbw = size_bytes / seconds / 1e9
+    busbw = algbw * bus_factor(op, comm.world_size)
+    return {
+        "op": op,
+        "algo": algo,
+        "bytes": size_bytes,
+        "dtype": config.dtype,
+        "world_size": comm.world_size,
+        "hosts": topology.num_hosts,
+        "ranks_per_host": topology.ranks_per_host,
+        "link_gbit": link_gbit,
+        "emulated": bool(os.environ.get("COMMFUSE_NETLAB")),
+        "time_us": seconds * 1e6,
+        "time_us_min": float(times.min()) * 1e6,
+        # baseline (the first algorithm) time / this time: > 1 means faster
+        "speedup_vs_first": baseline_s / seconds,
+        "iters": config.iters,
+        "algbw_GBps": algbw,
+        "busbw_GBps": busbw,
+        "link_pct": None if link_gbit is None else 100.0 * busbw / (link_gbit / 8.0),
+        # wrong elements per run, summed over ranks (a correct collective has 0)
+        "wrong": wrong // config.iters,
+    }
