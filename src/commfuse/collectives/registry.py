@@ -74,6 +74,14 @@ def _load_families() -> None:
 
 
 #: One module per family of algorithms (DESIGN.md: one concept per file).
-FAMILY_MODULES: tuple[str, ...] = ("commfuse.collectives.native",)
+FAMILY_MODULES: tuple[str, ...] = (
+    "commfuse.collectives.native",
+    "commfuse.collectives.ring",
+    "commfuse.collectives.doubling",
+    "commfuse.collectives.alltoall",
+    "commfuse.collectives.pipeline",
+    "commfuse.collectives.tree",
+    "commfuse.collectives.hierarchical",
+)
 
 Options = dict[str, Any]

@@ -1,0 +1,189 @@
+"""Two-level allreduce and broadcast through the front door: exact results over a grid, the
+bytes and messages of each level per rank, the flat fallbacks, the layout from the environment,
+cached sub-groups and clear errors.
+
+Every layout is checked in one pool call per world size (a module fixture), because each new
+communicator creates its sub-groups again, and creating process groups costs time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from commfuse.collectives import allreduce, broadcast
+from commfuse.collectives.hierarchical import _LEVELS
+from commfuse.collectives.reduce_ops import reference_reduce
+from commfuse.collectives.registry import label
+from commfuse.comm import Communicator
+from test_collectives_pipeline_tree import Counts, _cases, lp_counts, rank_input, tree_counts
+
+LAYOUTS = {4: [2], 8: [2, 4]}  # world size -> ranks per host to test
+NUMEL, BLOCK_BYTES = 1001, 400  # float32: n = 4004 bytes, k = 11 blocks of 100 elements
+N_BYTES, K_BLOCKS = 4 * NUMEL, 11
+ODD_BLOCK_BYTES = 388
+
+
+def _roots(world: int) -> list[int]:
+    return sorted({0, 1, world - 1})
+
+
+def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    bad: list[str] = []
+    for local in layouts:
+        for index, (dtype, op, numel) in enumerate(_cases()):
+            everyone = [rank_input(r, numel, dtype, op) for r in range(world)]
+            where = f"L={local} {dtype} {op} n={numel}"
+            opts = {"ranks_per_host": local, "block_bytes": ODD_BLOCK_BYTES}
+            t = everyone[rank].clone()
+            allreduce(comm, t, op, algo="hierarchical", inter_algo="pipeline", **opts)
+            bad += [] if torch.equal(t, reference_reduce(everyone, op)) else [f"allreduce {where}"]
+            if op == "sum":
+                root = index % world
+                t = everyone[rank].clone()
+                broadcast(comm, t, root, algo="hierarchical", **opts)
+                bad += [] if torch.equal(t, everyone[root]) else [f"broadcast {root} {where}"]
+        # Other steps inside and across hosts, and the default (ring among leaders when present).
+        everyone = [rank_input(r, NUMEL, torch.float32, "sum") for r in range(world)]
+        for inter, intra in [("native", "pipeline"), (None, "tree"), ("pipeline", "native")]:
+            t = everyone[rank].clone()
+            opts = {"inter_algo": inter} if inter else {}
+            allreduce(
+                comm, t, "avg", algo="hierarchical", ranks_per_host=local, intra_algo=intra, **opts
+            )
+            if not torch.equal(t, reference_reduce(everyone, "avg")):
+                bad.append(f"allreduce L={local} inter={inter} intra={intra}")
+    traffic: dict[str, Counts] = {}
+
+    def count(key: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """One call's counters under the hierarchical label."""
+        comm.stats.reset()
+        fn(comm, torch.full((NUMEL,), float(rank)), *args, algo="hierarchical", **kwargs)
+        c = comm.stats[label(fn.__name__, "hierarchical")]
+        traffic[key] = (c.bytes_sent, c.messages_sent, c.bytes_recv, c.messages_recv)
+
+    opts = {"block_bytes": BLOCK_BYTES, "inter_algo": "pipeline", "intra_algo": "tree"}
+    for local in layouts:
+        count(f"allreduce.{local}", allreduce, ranks_per_host=local, **opts)
+        for root in _roots(world):
+            count(f"broadcast.{local}.{root}", broadcast, root, ranks_per_host=local, **opts)
+    for local in (1, world):
+        count(f"allreduce.flat{local}", allreduce, ranks_per_host=local, **opts)
+        count(f"broadcast.flat{local}", broadcast, world - 1, ranks_per_host=local, **opts)
+    # No option: LOCAL_WORLD_SIZE decides (the pool exports the world size: one host, flat).
+    count("allreduce.env", allreduce, **opts)
+    saved = os.environ["LOCAL_WORLD_SIZE"]
+    os.environ["LOCAL_WORLD_SIZE"] = str(layouts[0])
+    try:
+        count(f"allreduce.env{layouts[0]}", allreduce, **opts)
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = saved
+    # Async: the caller computes while the two levels run on the worker thread.
+    t = everyone[rank].clone()
+    handle = allreduce(
+        comm,
+        t,
+        "sum",
+        algo="hierarchical",
+        ranks_per_host=layouts[-1],
+        inter_algo="pipeline",
+        async_op=True,
+    )
+    busy = sum(i * i for i in range(200_000))
+    assert handle is not None
+    handle.wait()
+    if not (busy and torch.equal(t, reference_reduce(everyone, "sum"))):
+        bad.append("async allreduce")
+    errors = []
+    for bad_opts in [{"ranks_per_host": 3}, {"inter_algo": "hierarchical"}, {"intra_algo": "x"}]:
+        try:
+            allreduce(comm, torch.ones(8), algo="hierarchical", **{"ranks_per_host": 2, **bad_opts})
+        except ValueError as err:
+            errors.append(str(err))
+    # Dozens of calls above, yet one pair of sub-groups per layout was created.
+    cached = sorted(_LEVELS[comm]) == sorted(layouts)
+    return {
+        "failures": [f"rank {rank}: {b}" for b in bad],
+        "traffic": traffic,
+        "errors": errors,
+        "cached": cached,
+    }
+
+
+# ---- expected traffic -----------------------------------------------------------------------
+
+
+def allreduce_counts(rank: int, local: int, world: int) -> Counts:
+    """Tree reduce to local rank 0, LP allreduce among the hosts' local ranks 0, tree broadcast."""
+    host, lr = divmod(rank, local)
+    steps = [
+        tree_counts("reduce", lr, local, 0, N_BYTES),
+        tree_counts("broadcast", lr, local, 0, N_BYTES),
+    ]
+    if lr == 0:
+        steps.append(lp_counts("allreduce", host, world // local, 0, N_BYTES, K_BLOCKS))
+    return tuple(map(sum, zip(*steps, strict=True)))  # type: ignore[return-value]
+
+
+def broadcast_counts(rank: int, local: int, world: int, root: int) -> Counts:
+    """LP broadcast among the root's local rank on every host, then a tree inside each host."""
+    host, lr = divmod(rank, local)
+    root_host, root_lr = divmod(root, local)
+    steps = [tree_counts("broadcast", lr, local, root_lr, N_BYTES)]
+    if lr == root_lr:
+        steps.append(lp_counts("broadcast", host, world // local, root_host, N_BYTES, K_BLOCKS))
+    return tuple(map(sum, zip(*steps, strict=True)))  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def outcomes(pool) -> dict[int, list[dict[str, Any]]]:
+    return {
+        w: pool(w).run(hierarchical_checks, layouts, timeout_s=240)
+        for w, layouts in LAYOUTS.items()
+    }
+
+
+def test_results_match_exact_reference(outcomes) -> None:
+    failures = [f for per_rank in outcomes.values() for out in per_rank for f in out["failures"]]
+    assert failures == []
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_bytes_and_messages_per_level(outcomes, world: int) -> None:
+    for rank, out in enumerate(outcomes[world]):
+        got = out["traffic"]
+        expected: dict[str, Counts] = {}
+        for local in LAYOUTS[world]:
+            expected[f"allreduce.{local}"] = allreduce_counts(rank, local, world)
+            for root in _roots(world):
+                expected[f"broadcast.{local}.{root}"] = broadcast_counts(rank, local, world, root)
+        # One level (one rank per host, or one host): the flat algorithm on the whole group.
+        flat = lp_counts("allreduce", rank, world, 0, N_BYTES, K_BLOCKS)
+        for local in (1, world):
+            expected[f"allreduce.flat{local}"] = flat
+            expected[f"broadcast.flat{local}"] = lp_counts(
+                "broadcast", rank, world, world - 1, N_BYTES, K_BLOCKS
+            )
+        expected["allreduce.env"] = flat
+        expected[f"allreduce.env{LAYOUTS[world][0]}"] = allreduce_counts(
+            rank, LAYOUTS[world][0], world
+        )
+        assert got == expected, f"rank {rank}"
+
+
+def test_bad_options_and_cached_groups(outcomes) -> None:
+    for per_rank in outcomes.values():
+        for out in per_rank:
+            assert out["cached"]
+            assert len(out["errors"]) == 3
+            assert "must divide the group size" in out["errors"][0]
+            assert (
+                "inter_algo='hierarchical' is not a registered allreduce algorithm"
+                in out["errors"][1]
+            )
+            assert "intra_algo='x' is not a registered reduce algorithm" in out["errors"][2]
