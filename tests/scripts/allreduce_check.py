@@ -58,7 +58,9 @@ def main() -> None:
     dist.all_reduce(tensor)
     expected = world * (world + 1) / 2
     if not torch.equal(tensor, torch.full((numel,), expected)):
-        raise SystemExit(f"all_reduce wrong: got {tensor.unique().tolist()}, expected {expected}")
+        raise SystemExit(
+            f"all_reduce wrong: got {sorted(set(tensor.tolist()))}, expected {expected}"
+        )
 
     mine = torch.tensor([rank, group_rank, local_rank, host], dtype=torch.int64)
     table = [torch.zeros(4, dtype=torch.int64) for _ in range(world)]

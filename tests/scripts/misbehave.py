@@ -3,9 +3,10 @@
     misbehave.py MARKER [--default MODE] [--rank R=MODE ...] [--child]
 
 MODE is one of: ok (exit 0), sleep (hang for 10 minutes), wait-group (join a gloo process group
-and wait in a barrier, as a healthy rank waits for a peer), raise (ValueError), exit3
-(``os._exit(3)``). Every rank first prints ``READY rank=R pid=P child=C`` (C is the pid of a
-grandchild started with --child, or 0). MARKER is only there so tests can find every process of
+and wait in a barrier, as a healthy rank waits for a peer), group-sleep (join the group, then
+hang), raise (ValueError), group-raise (join the group, then raise ValueError), exit3
+(``os._exit(3)``). Every rank first prints ``READY rank=R pid=P child=C lab=L`` (C is the pid of
+a grandchild started with --child, or 0; L the emulated cluster's id, or -). MARKER is only there so tests can find every process of
 the job by its command line; the grandchild carries it too.
 """
 
@@ -32,7 +33,8 @@ child = 0
 if args.child:
     sleeper = "import time; time.sleep(600)"
     child = subprocess.Popen([sys.executable, "-c", sleeper, args.marker]).pid
-print(f"READY rank={rank} pid={os.getpid()} child={child}", flush=True)
+lab = os.environ.get("COMMFUSE_NETLAB", "-")
+print(f"READY rank={rank} pid={os.getpid()} child={child} lab={lab}", flush=True)
 
 if mode == "ok":
     sys.exit(0)
@@ -43,8 +45,19 @@ elif mode == "wait-group":
 
     dist.init_process_group("gloo")
     dist.barrier()
+elif mode == "group-sleep":
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    time.sleep(600)
 elif mode == "raise":
     time.sleep(0.5)  # let the other ranks reach their wait first
+    raise ValueError(f"boom from rank {rank}")
+elif mode == "group-raise":
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    # Now torch's excepthook prefixes every traceback line with "[rankN]: ".
     raise ValueError(f"boom from rank {rank}")
 elif mode == "exit3":
     time.sleep(0.5)

@@ -7,7 +7,9 @@ commfuse launch --hosts 4 --ranks-per-host 2 --link 1gbit train.py
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from commfuse.cluster.errors import LaunchError
 from commfuse.cluster.launcher import launch, script_command
@@ -86,7 +88,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.set_defaults(func=run_launch)
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_launch(args: argparse.Namespace) -> int:
+    # SIGTERM while the job is being set up (network, store) unwinds like Ctrl-C, so whatever was
+    # built is removed; once the ranks run, the supervisor handles both signals itself.
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if on_main else None
     try:
         topology = topology_from_args(args, nproc=args.nproc)
         command = script_command(
@@ -98,6 +108,9 @@ def run_launch(args: argparse.Namespace) -> int:
     except (ValueError, LaunchError) as err:
         print(f"commfuse launch: {err}", file=sys.stderr)
         return 2
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
     if result.interrupted:
         print("commfuse launch: interrupted; every rank was stopped", file=sys.stderr)
     elif result.failure is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -22,7 +23,7 @@ from commfuse.cluster.env import rank_env
 from commfuse.cluster.errors import LaunchError
 from commfuse.cluster.placement import Placement, open_placement
 from commfuse.cluster.store import host_store
-from commfuse.cluster.supervisor import JobResult, supervise
+from commfuse.cluster.supervisor import JobResult, kill_group, supervise
 from commfuse.cluster.topology import Topology
 
 
@@ -121,13 +122,21 @@ def launch(
                 run_id=run_id,
                 extra_env=extra_env,
             )
-            return supervise(
-                ranks,
-                [(r.proc.stdout, r.proc.stderr) for r in ranks],
-                host_of=topology.host_of,
-                timeout_s=timeout_s,
-                stdout=stdout,
-                stderr=stderr,
-            )
+            try:
+                return supervise(
+                    ranks,
+                    [(r.proc.stdout, r.proc.stderr) for r in ranks],
+                    host_of=topology.host_of,
+                    timeout_s=timeout_s,
+                    stdout=stdout,
+                    stderr=stderr,
+                )
+            except BaseException:
+                # Ctrl-C before supervise() took over the signals: stop the ranks anyway.
+                for rank in ranks:
+                    if rank.proc.poll() is None:
+                        kill_group(rank.pid, signal.SIGKILL)
+                    rank.proc.wait()
+                raise
         finally:
             hosted.close()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -27,7 +29,7 @@ from commfuse.cluster.rank_runtime import (
     unpack_exception,
 )
 from commfuse.cluster.store import host_store
-from commfuse.cluster.supervisor import supervise
+from commfuse.cluster.supervisor import kill_group, supervise
 from commfuse.cluster.topology import Topology
 
 T = TypeVar("T")
@@ -58,7 +60,7 @@ def _rank_main(
         result_w.send(("ok", value))
     except BaseException as exc:
         # The traceback travels in the RankError; not printing it keeps the report single.
-        result_w.send(("err", pack_exception(exc)))
+        result_w.send(("err", pack_exception(exc), time.monotonic()))
         raise SystemExit(1) from None
     finally:
         if backend is not None:
@@ -119,7 +121,7 @@ def run(
         hosted = host_store(placement.master_addr, netns=placement.master_netns)
         procs: list[_MpRank] = []
         streams: list[tuple[IO[bytes] | None, IO[bytes] | None]] = []
-        results: dict[int, tuple[str, Any]] = {}
+        results: dict[int, tuple[Any, ...]] = {}
         readers: list[threading.Thread] = []
         try:
             for rank in range(net.world_size):
@@ -162,6 +164,14 @@ def run(
                 reader.start()
                 readers.append(reader)
             job = supervise(procs, streams, host_of=net.host_of, timeout_s=timeout_s)
+        except BaseException:
+            # A rank failed to start, or Ctrl-C came before supervise() took over the signals:
+            # stop the ranks already started (they would wait for the others until pg_timeout_s).
+            for started in procs:
+                if started.proc.is_alive():
+                    kill_group(started.pid, signal.SIGKILL)
+                started.proc.join()
+            raise
         finally:
             hosted.close()
         for reader in readers:
@@ -171,6 +181,12 @@ def run(
     if job.failure is not None:
         failed = job.failure.rank
         if failed in results and results[failed][0] == "err":
+            # A rank whose collective broke because a peer failed may exit before that peer:
+            # report the error raised first (CLOCK_MONOTONIC is shared by the ranks' processes).
+            failed = min(
+                (r for r, res in results.items() if res[0] == "err"),
+                key=lambda r: (results[r][2], r),
+            )
             raise unpack_exception(failed, results[failed][1])
         if job.timed_out:
             raise DeadlineExceeded(
@@ -184,7 +200,7 @@ def run(
     return [results[rank][1] for rank in range(net.world_size)]
 
 
-def _collect(rank: int, conn: Connection, results: dict[int, tuple[str, Any]]) -> None:
+def _collect(rank: int, conn: Connection, results: dict[int, tuple[Any, ...]]) -> None:
     try:
         results[rank] = conn.recv()
     except EOFError:

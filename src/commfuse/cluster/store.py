@@ -9,6 +9,7 @@ socket through ``master_listen_fd``.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -22,15 +23,22 @@ T = TypeVar("T")
 
 @dataclass
 class HostedStore:
-    """A TCPStore server and the socket it listens on; keep this object alive for the job."""
+    """A TCPStore server and the socket it listens on; keep this object alive for the job.
 
-    store: TCPStore
+    The server owns a duplicate of ``listener``'s descriptor and closes it when it is destroyed,
+    so each descriptor is closed exactly once (handing it ``listener.fileno()`` itself would close
+    that number a second time, later, when it may belong to another socket or pipe).
+    """
+
+    store: TCPStore | None
     listener: socket.socket
     addr: str
     port: int
 
     def close(self) -> None:
+        """Stop listening: close our socket and drop the server (with its copy of the socket)."""
         self.listener.close()
+        self.store = None
 
 
 def listen_socket(addr: str, port: int = 0) -> socket.socket:
@@ -65,7 +73,7 @@ def host_store(
             True,
             timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
-            master_listen_fd=sock.fileno(),
+            master_listen_fd=os.dup(sock.fileno()),  # the store closes the fd it is given
         )
 
     try:

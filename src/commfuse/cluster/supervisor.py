@@ -10,8 +10,10 @@ catches a rank that hangs without failing; Ctrl-C or SIGTERM stops everything.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
+import re
 import signal
 import sys
 import threading
@@ -110,17 +112,21 @@ class _OutputPump:
                     sink.flush()
 
 
-def kill_group(pid: int | None, sig: int) -> None:
-    """Signal a rank's whole process group (it leads its own session), then the rank itself."""
+def kill_group(pid: int | None, sig: int, *, group_only: bool = False) -> None:
+    """Signal a rank's whole process group (it leads its own session), then the rank itself.
+
+    ``group_only`` skips the fallback to the pid alone: for a rank already reaped, whose pid may
+    belong to an unrelated process by now.
+    """
     if pid is None:
         return
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
-        try:
+        if group_only:
+            return
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def supervise(
@@ -195,9 +201,13 @@ def supervise(
     return result
 
 
+#: The prefix torch.distributed's excepthook puts on each traceback line: ``[rank1]: ``.
+_TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+
+
 def _last_error(tail: collections.deque[str]) -> str:
     for line in reversed(tail):
-        text = line.strip()
+        text = _TORCH_RANK_PREFIX.sub("", line).strip()
         if text and not text.startswith(("File ", "^", "~")):
             return text
     return "no error message on stderr"
@@ -227,7 +237,7 @@ def _stop_all(
         exit_codes[rank] = code
     # Reap grandchildren a rank left in its group (dataloader workers, shells).
     for proc in procs:
-        kill_group(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid, signal.SIGKILL, group_only=True)
 
 
 def _install_interrupt_handlers(flag: threading.Event) -> Callable[[], None]:
