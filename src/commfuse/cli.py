@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 from commfuse import __version__
 
-
 #: Modules that each add one sub-command with ``register(subparsers)``, in help order.
 _COMMAND_MODULES = (
     "commfuse.cluster.launch_cli",

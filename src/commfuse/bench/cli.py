@@ -77,6 +77,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
     from commfuse.bench.table import render
     from commfuse.cluster import DeadlineExceeded, RankError, run
     from commfuse.cluster.launch_cli import topology_from_args
+    from commfuse.cluster.netlab import NetlabError
 
     try:
         link = (
@@ -111,7 +112,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
             emulate=False if args.no_emulate else None,
             timeout_s=args.timeout,
         )
-    except (RankError, DeadlineExceeded) as err:
+    except (RankError, DeadlineExceeded, NetlabError) as err:
         print(f"commfuse bench collectives: {err}", file=sys.stderr)
         return 1
     records = results[0]

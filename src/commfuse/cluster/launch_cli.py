@@ -13,6 +13,7 @@ import threading
 
 from commfuse.cluster.errors import LaunchError
 from commfuse.cluster.launcher import launch, script_command
+from commfuse.cluster.netlab import NetlabError
 from commfuse.cluster.topology import Topology
 
 
@@ -105,7 +106,7 @@ def run_launch(args: argparse.Namespace) -> int:
         result = launch(
             command, topology, emulate=False if args.no_emulate else None, timeout_s=args.timeout
         )
-    except (ValueError, LaunchError) as err:
+    except (ValueError, LaunchError, NetlabError) as err:
         print(f"commfuse launch: {err}", file=sys.stderr)
         return 2
     finally:

@@ -22,6 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
+#: Lines a rank prints that say nothing about the job, dropped from its output. c10d asks for
+#: the peer's host name of every store connection; inside an emulated host there is no
+#: resolver, so each rank warned once (err=-3, EAI_AGAIN) about a lookup nothing needs.
+KNOWN_NOISE = ("The hostname of the client socket cannot be retrieved",)
+
 #: Seconds a rank gets to exit after SIGTERM before SIGKILL.
 TERMINATE_GRACE_S = 3.0
 
@@ -105,6 +110,8 @@ class _OutputPump:
         with stream:
             for raw in iter(stream.readline, b""):
                 line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                if any(noise in line for noise in KNOWN_NOISE):
+                    continue
                 if tail is not None and line.strip():
                     tail.append(line)
                 with lock:

@@ -47,6 +47,7 @@ def _calibrate_on_rank() -> str:
 def run_tune(args: argparse.Namespace) -> int:
     from commfuse.cluster import DeadlineExceeded, RankError, run
     from commfuse.cluster.launch_cli import topology_from_args
+    from commfuse.cluster.netlab import NetlabError
     from commfuse.collectives.registry import COLLECTIVES
     from commfuse.collectives.tuner import Profile, rank_algorithms
 
@@ -63,7 +64,7 @@ def run_tune(args: argparse.Namespace) -> int:
             emulate=False if args.no_emulate else None,
             timeout_s=300,
         )[0]
-    except (RankError, DeadlineExceeded) as err:
+    except (RankError, DeadlineExceeded, NetlabError) as err:
         print(f"commfuse tune: {err}", file=sys.stderr)
         return 1
     Path(args.out).write_text(profile_json + "\n")
