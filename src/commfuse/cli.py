@@ -20,7 +20,6 @@ _COMMAND_MODULES = (
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
-
     parser = argparse.ArgumentParser(
         prog="commfuse",
         description="Spend less time communicating in distributed PyTorch training.",

@@ -17,7 +17,9 @@ def parse_size(text: str) -> int:
     """``"16M"`` -> 16777216. Raises ValueError with the accepted forms."""
     match = _SIZE_RE.match(text)
     if not match:
-        raise ValueError(f"bad size {text!r}: use a byte count with an optional K, M or G, like 4K or 16M")
+        raise ValueError(
+            f"bad size {text!r}: use a byte count with an optional K, M or G, like 4K or 16M"
+        )
     return int(match.group(1)) * _SIZE_SUFFIX[match.group(2).upper()]
 
 

@@ -34,7 +34,9 @@ class Topology:
         if self.ranks_per_host < 1:
             raise ValueError(f"--ranks-per-host must be at least 1, got {self.ranks_per_host}")
         if self.num_hosts > MAX_HOSTS:
-            raise ValueError(f"--hosts {self.num_hosts} is more than the {MAX_HOSTS} this emulation supports")
+            raise ValueError(
+                f"--hosts {self.num_hosts} is more than the {MAX_HOSTS} this emulation supports"
+            )
         if self.world_size > MAX_LOCAL_RANKS:
             raise ValueError(
                 f"{self.world_size} ranks is more than this machine can hold "
@@ -82,4 +84,6 @@ class Topology:
             # Uneven hosts cannot be described by this type; treat the job as one host.
             return cls(num_hosts=1, ranks_per_host=world)
         link = os.environ.get("COMMFUSE_LINK_MBIT")
-        return cls(num_hosts=world // local, ranks_per_host=local, link_mbit=float(link) if link else None)
+        return cls(
+            num_hosts=world // local, ranks_per_host=local, link_mbit=float(link) if link else None
+        )

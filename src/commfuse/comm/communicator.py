@@ -312,9 +312,7 @@ class Communicator:
         handle = self._collective(
             "reduce_scatter",
             input,
-            lambda: _reduce_scatter_single(
-                output, input, op=red, group=self.group, async_op=True
-            ),
+            lambda: _reduce_scatter_single(output, input, op=red, group=self.group, async_op=True),
             then,
         )
         return self._finish(handle, async_op)
