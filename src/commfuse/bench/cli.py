@@ -58,6 +58,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     coll.add_argument("--json", metavar="PATH", help="write one JSON record per row")
     coll.add_argument(
+        "--plot", metavar="PATH", help="write busbw vs size, one line per algorithm (PNG/SVG/PDF)"
+    )
+    coll.add_argument(
         "--markdown",
         metavar="PATH",
         help="write a dated Markdown report (table, machine, versions)",
@@ -72,7 +75,6 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
     from commfuse.bench.collectives import (
         CollectiveBenchConfig,
         bench_collectives_on_rank,
-        expand_algos,
     )
     from commfuse.bench.table import render
     from commfuse.cluster import DeadlineExceeded, RankError, run
@@ -95,8 +97,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             algos=tuple(a.strip() for a in args.algo.split(",") if a.strip()),
         )
-        for op in config.ops:
-            expand_algos(op, config.algos)  # unknown names fail here, before any rank starts
+        check_algo_names(config.ops, config.algos)  # fail here, before any rank starts
     except ValueError as err:
         print(f"commfuse bench collectives: {err}", file=sys.stderr)
         return 2
@@ -121,9 +122,24 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
     print(render(records))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    if args.plot:
+        from commfuse.bench.plot import plot_busbw
+
+        plot_busbw(records, args.plot, title=topology.describe())
     if args.markdown:
         Path(args.markdown).write_text(markdown_report(records, " ".join(sys.argv), emulated))
     return 0 if all(r["wrong"] == 0 for r in records) else 1
+
+
+def check_algo_names(ops: tuple[str, ...], algos: tuple[str, ...]) -> None:
+    """ValueError for an algorithm name that none of the ops has."""
+    from commfuse.bench.collectives import expand_algos
+
+    for algo in algos:
+        if algo in ("all", "auto"):
+            continue
+        if not any(expand_algos(op, (algo,)) for op in ops):
+            expand_algos(ops[0], (algo,), strict=True)  # raises, naming the known ones
 
 
 def machine_summary() -> dict[str, Any]:

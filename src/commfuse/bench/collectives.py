@@ -96,16 +96,22 @@ def bench_collectives_on_rank(config: CollectiveBenchConfig) -> list[dict[str, A
     return records
 
 
-def expand_algos(op: str, algos: tuple[str, ...]) -> list[str]:
-    """Resolve "all" and check names; the first entry is the baseline of the ratio column."""
-    from commfuse.collectives.registry import algorithms_for
+def expand_algos(op: str, algos: tuple[str, ...], *, strict: bool = False) -> list[str]:
+    """Resolve "all" and aliases; the first entry is the baseline of the ratio column.
+
+    A name this collective does not have is skipped (``--algo lp,ring`` over several ops runs
+    what each op has), or refused with ``strict``."""
+    from commfuse.collectives.registry import algorithms_for, resolve
 
     known = algorithms_for(op)
     out: list[str] = []
     for algo in algos:
         names = ["native", *sorted(n for n in known if n != "native")] if algo == "all" else [algo]
-        for name in names:
+        for alias in names:
+            name = resolve(op, alias)
             if name != "auto" and name not in known:
+                if not strict:
+                    continue
                 raise ValueError(
                     f"unknown {op} algorithm {name!r}: use all, auto or one of {', '.join(sorted(known))}"
                 )
@@ -125,13 +131,22 @@ def _record(
     wrong: int,
     baseline_s: float,
 ) -> dict[str, Any]:
+    from commfuse.collectives.tuner import choose, predict, profile_of
+
     link_gbit = topology.link_gbit
     seconds = statistics.median(times.tolist())
+    chosen: object = choose(comm, op, size_bytes) if algo == "auto" else algo
+    effective = chosen if isinstance(chosen, str) else str(chosen[0])  # type: ignore[index]
+    predicted_s = predict(op, effective, size_bytes, comm.world_size, profile_of(comm))
     algbw = size_bytes / seconds / 1e9
     busbw = algbw * bus_factor(op, comm.world_size)
     return {
         "op": op,
         "algo": algo,
+        # what "auto" ran (the algorithm itself otherwise)
+        "chosen": effective,
+        # the tuner's cost model for this algorithm and size (None when it has no model)
+        "predicted_us": None if predicted_s == float("inf") else predicted_s * 1e6,
         "bytes": size_bytes,
         "dtype": config.dtype,
         "world_size": comm.world_size,

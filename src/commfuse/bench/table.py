@@ -12,6 +12,7 @@ COLLECTIVE_COLUMNS = (
     ("op", lambda r: r["op"]),
     ("algo", lambda r: r["algo"]),
     ("time_us", lambda r: f"{r['time_us']:.1f}"),
+    ("pred_us", lambda r: "-" if r.get("predicted_us") is None else f"{r['predicted_us']:.1f}"),
     ("algbw_GB/s", lambda r: f"{r['algbw_GBps']:.4f}"),
     ("busbw_GB/s", lambda r: f"{r['busbw_GBps']:.4f}"),
     ("%link", lambda r: "-" if r.get("link_pct") is None else f"{r['link_pct']:.1f}"),

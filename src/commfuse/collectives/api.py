@@ -16,7 +16,7 @@ import torch
 
 from commfuse.collectives.executor import CollectiveHandle, CompletedHandle, drain, submit
 from commfuse.collectives.reduce_ops import check_op, finish_
-from commfuse.collectives.registry import algorithms_for
+from commfuse.collectives.registry import algorithms_for, resolve
 from commfuse.comm import Communicator, check_consistent
 
 Handle = CollectiveHandle | CompletedHandle
@@ -36,11 +36,12 @@ def _pick(comm: Communicator, collective: str, algo: str, nbytes: int) -> str:
         from commfuse.collectives.tuner import choose
 
         return choose(comm, collective, nbytes)
-    if algo not in table:
+    name = resolve(collective, algo)
+    if name not in table:
         raise ValueError(
             f"unknown {collective} algorithm {algo!r}: use auto or one of {', '.join(sorted(table))}"
         )
-    return algo
+    return name
 
 
 def _check_tensor(tensor: torch.Tensor, what: str) -> None:

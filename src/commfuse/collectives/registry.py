@@ -53,6 +53,17 @@ def label(collective: str, name: str) -> str:
     return f"{collective}.{name}"
 
 
+#: Short names (the issue's and MPI folklore's) accepted wherever an algorithm is named.
+ALIASES: dict[str, str] = {"lp": "pipeline", "rd": "doubling", "rab": "rabenseifner", "hier": "hierarchical", "mst": "tree"}
+#: Where a short name means a different member of the family for one collective.
+_ALIASES_BY_COLLECTIVE: dict[tuple[str, str], str] = {("reduce_scatter", "rab"): "halving", ("reduce_scatter", "rh"): "halving"}
+
+
+def resolve(collective: str, name: str) -> str:
+    """The registered name behind ``name`` (itself, or what an alias stands for)."""
+    return _ALIASES_BY_COLLECTIVE.get((collective, name), ALIASES.get(name, name))
+
+
 def algorithms_for(collective: str) -> dict[str, AlgorithmFn]:
     _load_families()
     return ALGORITHMS[collective]

@@ -1,0 +1,51 @@
+"""Bus bandwidth against message size, one line per (collective, algorithm), the link rate drawn."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from commfuse.units import format_size
+
+
+def plot_busbw(records: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> None:
+    """Write a PNG/SVG/PDF (by extension) of busbw vs size; one panel per collective."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed: benchmarks run on headless machines
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r["op"] for r in records))
+    fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4.2), squeeze=False)
+    for ax, op in zip(axes[0], ops, strict=True):
+        lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for r in records:
+            if r["op"] == op:
+                lines[r["algo"]].append((r["bytes"], r["busbw_GBps"]))
+        for algo, points in lines.items():
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=algo)
+        link = next((r["link_gbit"] for r in records if r.get("link_gbit")), None)
+        if link:
+            ax.axhline(
+                link / 8.0,
+                color="black",
+                linestyle="--",
+                linewidth=1,
+                label=f"link {link:g} Gbit/s",
+            )
+        sizes = sorted({r["bytes"] for r in records if r["op"] == op})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [format_size(s) for s in sizes])
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_title(op)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
