@@ -1,0 +1,195 @@
+"""The front door of every algorithm: edge sizes, in- and out-of-place, bad input, dead peers.
+
+The family test files check each algorithm's maths and bytes over the full grid; this file
+checks what every algorithm shares through ``commfuse.collectives``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from commfuse import collectives as C
+from commfuse.cluster import RankError
+from commfuse.collectives.registry import algorithms_for, resolve
+from commfuse.comm import CommConfig, CommError, Communicator, InconsistentInputError
+
+
+def every(collective: str) -> list[str]:
+    return sorted(algorithms_for(collective))
+
+
+def empty_and_single_element() -> dict[str, bool]:
+    """Size 0 and size 1 through every algorithm of every collective."""
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    ok: dict[str, bool] = {}
+    for algo in every("allreduce"):
+        empty = torch.zeros(0)
+        C.allreduce(comm, empty, algo=algo)
+        one = torch.tensor([float(rank + 1)])
+        C.allreduce(comm, one, "sum", algo=algo)
+        ok[f"allreduce.{algo}"] = empty.numel() == 0 and one.item() == world * (world + 1) / 2
+    for algo in every("broadcast"):
+        one = torch.tensor([float(rank)])
+        C.broadcast(comm, one, world - 1, algo=algo)
+        C.broadcast(comm, torch.zeros(0), 0, algo=algo)
+        ok[f"broadcast.{algo}"] = one.item() == world - 1
+    for algo in every("reduce"):
+        one = torch.tensor([float(rank + 1)])
+        C.reduce(comm, one, 0, "max", algo=algo)
+        ok[f"reduce.{algo}"] = one.item() == (world if rank == 0 else rank + 1)
+    for algo in every("allgather"):
+        out = torch.zeros(world)
+        C.allgather(comm, out, torch.tensor([float(rank)]), algo=algo)
+        C.allgather(comm, torch.zeros(0), torch.zeros(0), algo=algo)
+        ok[f"allgather.{algo}"] = out.tolist() == [float(r) for r in range(world)]
+    for algo in every("reduce_scatter"):
+        out = torch.zeros(1)
+        C.reduce_scatter(comm, out, torch.arange(world, dtype=torch.float32), "sum", algo=algo)
+        C.reduce_scatter(comm, torch.zeros(0), torch.zeros(0), algo=algo)
+        ok[f"reduce_scatter.{algo}"] = out.item() == rank * world
+    for algo in every("all_to_all"):
+        out = torch.zeros(world)
+        C.all_to_all(comm, out, torch.full((world,), float(rank)), algo=algo)
+        ok[f"all_to_all.{algo}"] = out.tolist() == [float(r) for r in range(world)]
+    return ok
+
+
+def out_of_place_leaves_input() -> dict[str, bool]:
+    comm = Communicator()
+    ok: dict[str, bool] = {}
+    for algo in every("allreduce"):
+        src = torch.arange(10, dtype=torch.float64) + comm.rank
+        keep = src.clone()
+        out = torch.empty_like(src)
+        C.allreduce(comm, src, "sum", algo=algo, out=out)
+        expected = sum(torch.arange(10, dtype=torch.float64) + r for r in range(comm.world_size))
+        ok[algo] = torch.equal(src, keep) and torch.equal(out, expected)
+    return ok
+
+
+def async_then_sync_keeps_order(algo: str) -> bool:
+    """An async collective followed by a sync one (and compute between) on every rank."""
+    comm = Communicator()
+    a = torch.ones(1 << 16) * comm.rank
+    b = torch.ones(8) * (comm.rank + 1)
+    handle = C.allreduce(comm, a, "sum", algo=algo, async_op=True)
+    busy = torch.randn(256, 256) @ torch.randn(256, 256)  # compute while it travels
+    C.allreduce(comm, b, "max", algo=algo)
+    assert handle is not None
+    handle.wait()
+    world = comm.world_size
+    return (
+        bool(busy.isfinite().all())
+        and bool((a == world * (world - 1) / 2).all())
+        and bool((b == world).all())
+    )
+
+
+def mismatched_lengths(algo: str) -> None:
+    comm = Communicator(config=CommConfig(validate=True, deadline_s=10))
+    C.allreduce(comm, torch.ones(100 + comm.rank), algo=algo)
+
+
+def bad_arguments() -> list[str]:
+    comm = Communicator()
+    messages = []
+    for call in (
+        lambda: C.allreduce(comm, torch.ones(4), algo="carrier-pigeon"),
+        lambda: C.allreduce(comm, torch.ones(4, dtype=torch.int32), "avg"),
+        lambda: C.allreduce(comm, torch.ones(4), "median"),
+        lambda: C.allreduce(comm, torch.ones(4, 4).t()),
+        lambda: C.allreduce(comm, torch.ones(4), out=torch.ones(5)),
+        lambda: C.broadcast(comm, torch.ones(4), comm.world_size),
+        lambda: C.allgather(comm, torch.ones(3), torch.ones(2)),
+        lambda: C.all_to_all(comm, torch.ones(3), torch.ones(3)),
+        lambda: C.allreduce(comm, torch.ones(4, dtype=torch.complex64)),
+    ):
+        try:
+            call()
+            messages.append("no error")
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
+
+
+def peer_dies_mid_collective(algo: str) -> str:
+    comm = Communicator(config=CommConfig(deadline_s=15))
+    if comm.rank == 1:
+        os._exit(9)
+    try:
+        C.allreduce(comm, torch.ones(1 << 16), algo=algo)
+    except CommError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_empty_and_single_element_through_every_algorithm(pool, world: int) -> None:
+    for result in pool(world).run(empty_and_single_element, timeout_s=120):
+        failed = [name for name, good in result.items() if not good]
+        assert not failed, failed
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_out_of_place_allreduce_leaves_the_input(pool, world: int) -> None:
+    for result in pool(world).run(out_of_place_leaves_input):
+        assert all(result.values()), result
+
+
+@pytest.mark.parametrize("algo", ["ring", "rabenseifner", "doubling", "pipeline", "native"])
+def test_async_then_sync_on_every_rank(pool, algo: str) -> None:
+    assert all(pool(3).run(async_then_sync_keeps_order, algo))
+
+
+@pytest.mark.parametrize("algo", ["ring", "pipeline"])
+def test_mismatched_lengths_are_named_not_hung(pool, algo: str) -> None:
+    with pytest.raises(RankError) as info:
+        pool(2).run(mismatched_lengths, algo, timeout_s=60)
+    assert isinstance(info.value.exc, InconsistentInputError)
+    assert "rank 0: torch.float32 (100,)" in str(
+        info.value.exc
+    ) and "rank 1: torch.float32 (101,)" in str(info.value.exc)
+
+
+def test_bad_arguments_get_clear_errors(pool) -> None:
+    messages = pool(2).run(bad_arguments)[0]
+    expected = [
+        "unknown allreduce algorithm 'carrier-pigeon'",
+        "needs a floating-point",
+        "unknown reduce op 'median'",
+        "contiguous",
+        "out must match",
+        "root=2 is not a rank",
+        "allgather output must hold",
+        "must divide by world size",
+        "dtype torch.complex64",
+    ]
+    for message, needle in zip(messages, expected, strict=True):
+        assert needle in message, (needle, message)
+
+
+@pytest.mark.parametrize("algo", ["ring", "rabenseifner", "pipeline"])
+def test_a_dead_peer_makes_the_others_raise_within_the_deadline(pool, algo: str) -> None:
+    with pytest.raises(RankError) as info:
+        pool(3).run(peer_dies_mid_collective, algo, timeout_s=60)
+    assert info.value.rank == 1
+    survivors = info.value.partial_results
+    assert set(survivors) == {0, 2}, survivors
+    for text in survivors.values():
+        assert str(text).startswith(("PeerFailureError", "CommTimeoutError")), text
+        assert "allreduce" in str(text) and "rank " in str(text)
+
+
+def test_aliases_name_the_same_algorithms() -> None:
+    assert (
+        resolve("allreduce", "lp") == "pipeline" and resolve("allreduce", "rab") == "rabenseifner"
+    )
+    assert (
+        resolve("reduce_scatter", "rab") == "halving"
+        and resolve("broadcast", "hier") == "hierarchical"
+    )
+    assert resolve("allgather", "rd") == "doubling" and resolve("allreduce", "ring") == "ring"
