@@ -16,6 +16,8 @@ import ctypes
 import os
 import socket
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 #: setns(2) flag: the file descriptor must refer to a network namespace.
 CLONE_NEWNET = 0x40000000
@@ -25,6 +27,9 @@ NETNS_DIR = "/var/run/netns"
 LISTEN_BACKLOG = 512
 
 _libc: ctypes.CDLL | None = None
+
+
+T = TypeVar("T")
 
 
 def _setns(fd: int, nstype: int) -> int:
@@ -73,6 +78,31 @@ def enter_netns(name: str) -> None:
         )
 
 
+def call_in_netns(name: str, make: Callable[[], T]) -> T:
+    """``make()`` on a short-lived thread inside namespace ``name``; its result or its error.
+
+    Sockets (and anything that creates them, like a TCPStore) belong to the namespace of the
+    thread that made them; the caller's thread never moves.
+    """
+    netns_path(name)  # validate on the caller's thread, for a clear traceback
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            enter_netns(name)
+            result.append(make())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name=f"in-netns-{name}", daemon=True)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
 def socket_in_netns(name: str, host: str, port: int = 0) -> socket.socket:
     """A listening TCP socket created inside namespace ``name``, bound to ``host:port``.
 
@@ -80,35 +110,23 @@ def socket_in_netns(name: str, host: str, port: int = 0) -> socket.socket:
     (a restarted rendezvous must not wait out TIME_WAIT), a backlog of LISTEN_BACKLOG and is not
     inherited by child processes. The calling thread's namespace does not change.
     """
-    netns_path(name)  # validate on the caller's thread, for a clear traceback
-    result: list[socket.socket] = []
-    errors: list[BaseException] = []
 
-    def make() -> None:
+    def make() -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            enter_netns(name)
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.set_inheritable(False)
-                sock.bind((host, port))
-                sock.listen(LISTEN_BACKLOG)
-            except OSError as exc:
-                sock.close()
-                raise OSError(
-                    exc.errno,
-                    f"cannot listen on {host}:{port} in namespace {name!r}: {exc.strerror}",
-                ) from exc
-            result.append(sock)
-        except BaseException as exc:
-            errors.append(exc)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.set_inheritable(False)
+            sock.bind((host, port))
+            sock.listen(LISTEN_BACKLOG)
+        except OSError as exc:
+            sock.close()
+            raise OSError(
+                exc.errno,
+                f"cannot listen on {host}:{port} in namespace {name!r}: {exc.strerror}",
+            ) from exc
+        return sock
 
-    thread = threading.Thread(target=make, name=f"netns-socket-{name}", daemon=True)
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return result[0]
+    return call_in_netns(name, make)
 
 
 def netns_exec_prefix(name: str) -> list[str]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -60,7 +58,7 @@ def host_store(
     if netns is None:
         sock = listen_socket(addr, port)
     else:
-        from commfuse.cluster.netns import socket_in_netns
+        from commfuse.cluster.netns import call_in_netns, socket_in_netns
 
         sock = socket_in_netns(netns, addr, port)
     bound_port = int(sock.getsockname()[1])
@@ -79,30 +77,8 @@ def host_store(
     try:
         # The server side adopts our socket, but the constructor also connects to addr:port as a
         # client; inside an emulated host that address is reachable only from its namespace.
-        store = make_store() if netns is None else _in_netns(netns, make_store)
+        store = make_store() if netns is None else call_in_netns(netns, make_store)
     except BaseException:
         sock.close()
         raise
     return HostedStore(store=store, listener=sock, addr=addr, port=bound_port)
-
-
-def _in_netns(netns: str, make: Callable[[], T]) -> T:
-    """``make()`` on a short-lived thread inside ``netns``; the caller's thread never moves."""
-    from commfuse.cluster.netns import enter_netns
-
-    result: list[T] = []
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            enter_netns(netns)
-            result.append(make())
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, name=f"store-in-{netns}", daemon=True)
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return result[0]
