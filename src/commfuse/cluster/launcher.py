@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from commfuse.cluster.env import rank_env
 from commfuse.cluster.errors import LaunchError
 from commfuse.cluster.placement import Placement, open_placement
 from commfuse.cluster.store import host_store
@@ -70,14 +69,8 @@ def start_ranks(
     topology = placement.topology
     try:
         for rank in range(topology.world_size):
-            env = rank_env(
-                topology,
-                rank,
-                master_addr=master_addr,
-                master_port=master_port,
-                run_id=run_id,
-                socket_ifname=placement.ifname_of(rank),
-                netlab_id=placement.lab_id,
+            env = placement.env_of(
+                rank, master_addr=master_addr, master_port=master_port, run_id=run_id
             )
             env.update(extra_env or {})
             netns = placement.netns_of(rank)

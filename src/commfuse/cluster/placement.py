@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from commfuse.cluster.env import rank_env
 from commfuse.cluster.topology import Topology
 
 if TYPE_CHECKING:
@@ -67,6 +68,20 @@ class Placement:
     @property
     def lab_id(self) -> str | None:
         return None if self.lab is None else self.lab.lab_id
+
+    def env_of(
+        self, rank: int, *, master_addr: str, master_port: int, run_id: str
+    ) -> dict[str, str]:
+        """The whole environment of ``rank``: the torchrun contract plus where it runs."""
+        return rank_env(
+            self.topology,
+            rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            run_id=run_id,
+            socket_ifname=self.ifname_of(rank),
+            netlab_id=self.lab_id,
+        )
 
 
 def wants_emulation(topology: Topology) -> bool:

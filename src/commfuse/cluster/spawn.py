@@ -19,7 +19,6 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import IO, Any, TypeVar
 
-from commfuse.cluster.env import rank_env
 from commfuse.cluster.errors import DeadlineExceeded, RankError
 from commfuse.cluster.placement import open_placement
 from commfuse.cluster.rank_runtime import (
@@ -125,14 +124,8 @@ def run(
         readers: list[threading.Thread] = []
         try:
             for rank in range(net.world_size):
-                env = rank_env(
-                    net,
-                    rank,
-                    master_addr=hosted.addr,
-                    master_port=hosted.port,
-                    run_id=run_id,
-                    socket_ifname=placement.ifname_of(rank),
-                    netlab_id=placement.lab_id,
+                env = placement.env_of(
+                    rank, master_addr=hosted.addr, master_port=hosted.port, run_id=run_id
                 )
                 out_r, out_w = ctx.Pipe(duplex=False)
                 err_r, err_w = ctx.Pipe(duplex=False)

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
-from commfuse.cluster.env import rank_env
 from commfuse.cluster.errors import DeadlineExceeded, RankError
 from commfuse.cluster.placement import open_placement
 from commfuse.cluster.rank_runtime import enter_rank, pack_exception, unpack_exception
@@ -155,14 +154,8 @@ class RankPool:
             stack.callback(store.close)
             run_id = uuid.uuid4().hex[:12]
             for rank in range(self.world_size):
-                env = rank_env(
-                    self.topology,
-                    rank,
-                    master_addr=store.addr,
-                    master_port=store.port,
-                    run_id=run_id,
-                    socket_ifname=placement.ifname_of(rank),
-                    netlab_id=placement.lab_id,
+                env = placement.env_of(
+                    rank, master_addr=store.addr, master_port=store.port, run_id=run_id
                 )
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
