@@ -1,6 +1,7 @@
 """Two-level allreduce and broadcast through the front door: exact results over a grid, the
-bytes and messages of each level per rank, the flat fallbacks, the layout from the environment,
-cached sub-groups and clear errors.
+bytes and messages of each level per rank (2D and leader allreduce, broadcast), the flat
+fallbacks, the layout from the environment, the async form, cached sub-groups, clear errors,
+and the cost model handed to the tuner.
 
 Every layout is checked in one pool call per world size (a module fixture), because each new
 communicator creates its sub-groups again, and creating process groups costs time.
@@ -8,6 +9,7 @@ communicator creates its sub-groups again, and creating process groups costs tim
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -15,16 +17,20 @@ import pytest
 import torch
 
 from commfuse.collectives import allreduce, broadcast
-from commfuse.collectives.hierarchical import _LEVELS
+from commfuse.collectives.blocks import even_blocks
+from commfuse.collectives.cost import LinkCost, ring_allreduce
+from commfuse.collectives.hierarchical import _LEVELS, predicted_allreduce_s
 from commfuse.collectives.reduce_ops import reference_reduce
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from test_collectives_pipeline_tree import Counts, _cases, lp_counts, rank_input, tree_counts
+from test_collectives_ring_doubling import expected_allreduce
 
 LAYOUTS = {4: [2], 8: [2, 4]}  # world size -> ranks per host to test
 NUMEL, BLOCK_BYTES = 1001, 400  # float32: n = 4004 bytes, k = 11 blocks of 100 elements
 N_BYTES, K_BLOCKS = 4 * NUMEL, 11
 ODD_BLOCK_BYTES = 388
+CHUNKS, SEGMENTS = 3, 2  # 2D counts: chunks of 334, 334, 333 elements; 2 messages per block
 
 
 def _roots(world: int) -> list[int]:
@@ -40,24 +46,39 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
             everyone = [rank_input(r, numel, dtype, op) for r in range(world)]
             where = f"L={local} {dtype} {op} n={numel}"
             opts = {"ranks_per_host": local, "block_bytes": ODD_BLOCK_BYTES}
+            # 2D, pipelined in 3 chunks of odd sizes; the cross-host step on the worker thread.
             t = everyone[rank].clone()
-            allreduce(comm, t, op, algo="hierarchical", inter_algo="pipeline", **opts)
+            allreduce(comm, t, op, algo="hierarchical", inter_algo="pipeline", num_chunks=3, **opts)
             bad += [] if torch.equal(t, reference_reduce(everyone, op)) else [f"allreduce {where}"]
             if op == "sum":
                 root = index % world
                 t = everyone[rank].clone()
                 broadcast(comm, t, root, algo="hierarchical", **opts)
                 bad += [] if torch.equal(t, everyone[root]) else [f"broadcast {root} {where}"]
-        # Other steps inside and across hosts, and the default (ring among leaders when present).
-        everyone = [rank_input(r, NUMEL, torch.float32, "sum") for r in range(world)]
-        for inter, intra in [("native", "pipeline"), (None, "tree"), ("pipeline", "native")]:
+        # Other steps and schemes; fewer elements than ranks; the defaults (2D, ring across).
+        for numel, inter, intra, chunks in [
+            (NUMEL, "native", "ring", 4),
+            (NUMEL, None, "ring", None),
+            (5, None, "ring", 3),
+            (NUMEL, "native", "pipeline", None),
+            (NUMEL, "pipeline", "native", None),
+            (NUMEL, None, "tree", None),
+        ]:
+            everyone = [rank_input(r, numel, torch.float32, "sum") for r in range(world)]
             t = everyone[rank].clone()
             opts = {"inter_algo": inter} if inter else {}
             allreduce(
-                comm, t, "avg", algo="hierarchical", ranks_per_host=local, intra_algo=intra, **opts
+                comm,
+                t,
+                "avg",
+                algo="hierarchical",
+                ranks_per_host=local,
+                intra_algo=intra,
+                num_chunks=chunks,
+                **opts,
             )
             if not torch.equal(t, reference_reduce(everyone, "avg")):
-                bad.append(f"allreduce L={local} inter={inter} intra={intra}")
+                bad.append(f"allreduce L={local} n={numel} inter={inter} intra={intra}")
     traffic: dict[str, Counts] = {}
 
     def count(key: str, fn: Any, *args: Any, **kwargs: Any) -> None:
@@ -67,9 +88,18 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
         c = comm.stats[label(fn.__name__, "hierarchical")]
         traffic[key] = (c.bytes_sent, c.messages_sent, c.bytes_recv, c.messages_recv)
 
+    two_d = {"num_chunks": CHUNKS, "num_segments": SEGMENTS}
     opts = {"block_bytes": BLOCK_BYTES, "inter_algo": "pipeline", "intra_algo": "tree"}
     for local in layouts:
-        count(f"allreduce.{local}", allreduce, ranks_per_host=local, **opts)
+        count(f"allreduce.2d.{local}", allreduce, ranks_per_host=local, **two_d)
+        count(
+            f"allreduce.2dnative.{local}",
+            allreduce,
+            ranks_per_host=local,
+            inter_algo="native",
+            **two_d,
+        )
+        count(f"allreduce.leader.{local}", allreduce, ranks_per_host=local, **opts)
         for root in _roots(world):
             count(f"broadcast.{local}.{root}", broadcast, root, ranks_per_host=local, **opts)
     for local in (1, world):
@@ -80,10 +110,11 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
     saved = os.environ["LOCAL_WORLD_SIZE"]
     os.environ["LOCAL_WORLD_SIZE"] = str(layouts[0])
     try:
-        count(f"allreduce.env{layouts[0]}", allreduce, **opts)
+        count(f"allreduce.env{layouts[0]}", allreduce, **two_d)
     finally:
         os.environ["LOCAL_WORLD_SIZE"] = saved
-    # Async: the caller computes while the two levels run on the worker thread.
+    # Async: the caller computes while the two levels run on the worker threads.
+    everyone = [rank_input(r, NUMEL, torch.float32, "sum") for r in range(world)]
     t = everyone[rank].clone()
     handle = allreduce(
         comm,
@@ -92,6 +123,7 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
         algo="hierarchical",
         ranks_per_host=layouts[-1],
         inter_algo="pipeline",
+        num_chunks=4,
         async_op=True,
     )
     busy = sum(i * i for i in range(200_000))
@@ -100,7 +132,12 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
     if not (busy and torch.equal(t, reference_reduce(everyone, "sum"))):
         bad.append("async allreduce")
     errors = []
-    for bad_opts in [{"ranks_per_host": 3}, {"inter_algo": "hierarchical"}, {"intra_algo": "x"}]:
+    for bad_opts in [
+        {"ranks_per_host": 3},
+        {"inter_algo": "hierarchical"},
+        {"intra_algo": "x"},
+        {"num_chunks": 0},
+    ]:
         try:
             allreduce(comm, torch.ones(8), algo="hierarchical", **{"ranks_per_host": 2, **bad_opts})
         except ValueError as err:
@@ -118,7 +155,32 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
 # ---- expected traffic -----------------------------------------------------------------------
 
 
-def allreduce_counts(rank: int, local: int, world: int) -> Counts:
+def _plus(*counts: Counts) -> Counts:
+    return tuple(map(sum, zip(*counts, strict=True)))  # type: ignore[return-value]
+
+
+def two_d_counts(rank: int, local: int, world: int, across: bool) -> Counts:
+    """Per chunk: the host ring's reduce-scatter sends every shard but its own and receives every
+    shard but its left neighbour's; its allgather sends every shard but its right neighbour's
+    and receives every shard but its own; a shard of s elements is min(s, SEGMENTS) messages.
+    ``across``: plus the cross-host ring allreduce of its own shard among the H hosts."""
+    host, lr = divmod(rank, local)
+    total: Counts = (0, 0, 0, 0)
+    for start, stop in even_blocks(NUMEL, CHUNKS):
+        shard = [b - a for a, b in even_blocks(stop - start, local)]
+        sent = [shard[i] for i in range(local) if i != lr]
+        sent += [shard[i] for i in range(local) if i != (lr + 1) % local]
+        got = [shard[i] for i in range(local) if i != (lr - 1) % local]
+        got += [shard[i] for i in range(local) if i != lr]
+        msgs = [sum(min(s, SEGMENTS) for s in side) for side in (sent, got)]
+        total = _plus(total, (4 * sum(sent), msgs[0], 4 * sum(got), msgs[1]))
+        if across:
+            sb, sm, rb, rm = expected_allreduce("ring", host, world // local, shard[lr], SEGMENTS)
+            total = _plus(total, (4 * sb, sm, 4 * rb, rm))
+    return total
+
+
+def leader_counts(rank: int, local: int, world: int) -> Counts:
     """Tree reduce to local rank 0, LP allreduce among the hosts' local ranks 0, tree broadcast."""
     host, lr = divmod(rank, local)
     steps = [
@@ -127,7 +189,7 @@ def allreduce_counts(rank: int, local: int, world: int) -> Counts:
     ]
     if lr == 0:
         steps.append(lp_counts("allreduce", host, world // local, 0, N_BYTES, K_BLOCKS))
-    return tuple(map(sum, zip(*steps, strict=True)))  # type: ignore[return-value]
+    return _plus(*steps)
 
 
 def broadcast_counts(rank: int, local: int, world: int, root: int) -> Counts:
@@ -137,7 +199,7 @@ def broadcast_counts(rank: int, local: int, world: int, root: int) -> Counts:
     steps = [tree_counts("broadcast", lr, local, root_lr, N_BYTES)]
     if lr == root_lr:
         steps.append(lp_counts("broadcast", host, world // local, root_host, N_BYTES, K_BLOCKS))
-    return tuple(map(sum, zip(*steps, strict=True)))  # type: ignore[return-value]
+    return _plus(*steps)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +221,10 @@ def test_bytes_and_messages_per_level(outcomes, world: int) -> None:
         got = out["traffic"]
         expected: dict[str, Counts] = {}
         for local in LAYOUTS[world]:
-            expected[f"allreduce.{local}"] = allreduce_counts(rank, local, world)
+            expected[f"allreduce.2d.{local}"] = two_d_counts(rank, local, world, True)
+            # gloo's own allreduce across hosts sends nothing point-to-point.
+            expected[f"allreduce.2dnative.{local}"] = two_d_counts(rank, local, world, False)
+            expected[f"allreduce.leader.{local}"] = leader_counts(rank, local, world)
             for root in _roots(world):
                 expected[f"broadcast.{local}.{root}"] = broadcast_counts(rank, local, world, root)
         # One level (one rank per host, or one host): the flat algorithm on the whole group.
@@ -170,8 +235,8 @@ def test_bytes_and_messages_per_level(outcomes, world: int) -> None:
                 "broadcast", rank, world, world - 1, N_BYTES, K_BLOCKS
             )
         expected["allreduce.env"] = flat
-        expected[f"allreduce.env{LAYOUTS[world][0]}"] = allreduce_counts(
-            rank, LAYOUTS[world][0], world
+        expected[f"allreduce.env{LAYOUTS[world][0]}"] = two_d_counts(
+            rank, LAYOUTS[world][0], world, True
         )
         assert got == expected, f"rank {rank}"
 
@@ -180,10 +245,35 @@ def test_bad_options_and_cached_groups(outcomes) -> None:
     for per_rank in outcomes.values():
         for out in per_rank:
             assert out["cached"]
-            assert len(out["errors"]) == 3
+            assert len(out["errors"]) == 4
             assert "must divide the group size" in out["errors"][0]
             assert (
                 "inter_algo='hierarchical' is not a registered allreduce algorithm"
                 in out["errors"][1]
             )
-            assert "intra_algo='x' is not a registered reduce algorithm" in out["errors"][2]
+            assert (
+                "intra_algo='x' is neither 'ring' (2D) nor a registered reduce" in out["errors"][2]
+            )
+            assert "num_chunks must be a positive int, got 0" in out["errors"][3]
+
+
+def test_cost_model() -> None:
+    intra = LinkCost(alpha_s=0.0, beta_s_per_byte=0.0, gamma_s_per_byte=0.0)
+    inter = LinkCost(alpha_s=0.0, beta_s_per_byte=8e-9, gamma_s_per_byte=0.0)
+    n = 16 << 20
+    assert predicted_allreduce_s(n, 1, 4, intra, inter) == math.inf
+    assert predicted_allreduce_s(n, 4, 1, intra, inter) == math.inf
+    # Free host links: the cross-host bytes alone, 2((H-1)/H) n per host link, against
+    # 2((P-1)/P) n for the flat ring (1.5x less on 2 hosts x 2 ranks).
+    for hosts, local in [(2, 2), (4, 2), (2, 4)]:
+        two_level = predicted_allreduce_s(n, hosts, local, intra, inter)
+        assert two_level == pytest.approx(2 * (hosts - 1) / hosts * n * 8e-9, rel=1e-6)
+        flat = ring_allreduce(n, hosts * local, inter)
+        assert flat / two_level == pytest.approx(
+            (hosts * local - 1) / (hosts * local) * hosts / (hosts - 1)
+        )
+    # Slow host links show up once the cross-host step is no longer the bottleneck.
+    slow = LinkCost(alpha_s=0.0, beta_s_per_byte=1e-7, gamma_s_per_byte=0.0)
+    assert predicted_allreduce_s(n, 2, 2, slow, inter) > predicted_allreduce_s(
+        n, 2, 2, intra, inter
+    )
