@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from commfuse.cluster.netlab import netlab_unavailable_reason
 from commfuse.collectives import cost as C
+from commfuse.collectives.registry import COLLECTIVES, algorithms_for
 from commfuse.collectives.tuner import (
+    NEAR_TIE,
+    Correction,
+    Measurement,
     Profile,
+    _paired_medians,
+    best_block_bytes,
     calibrate,
     choose,
+    choose_for,
+    choose_options,
+    describe,
+    fit_correction,
+    fit_corrections,
+    fit_pipeline_alpha,
+    measure_algorithms,
+    model_time,
+    options_for,
     predict,
     rank_algorithms,
     set_profile,
@@ -77,13 +98,234 @@ def test_profile_round_trips_through_json() -> None:
     assert Profile.from_json(profile.to_json()) == profile
 
 
-def calibrate_and_choose() -> tuple[str, list[str]]:
-    comm = Communicator()
-    profile = calibrate(comm)
-    set_profile(comm, profile)
-    return profile.to_json(), [
-        choose(comm, "allreduce", size) for size in (4096, 1 << 20, 64 << 20)
+# -- corrections: measured / model, interpolated in log(size) ------------------------------------
+
+FLAT4 = Profile(intra=GIG, inter=GIG, num_hosts=4, ranks_per_host=1)
+KB, MB = 1 << 10, 1 << 20
+
+
+def test_fit_is_exact_at_the_points_geometric_between_and_flat_beyond() -> None:
+    fix = fit_correction([64 * KB, 1 * MB, 16 * MB], [1.0, 2.0, 4.0], [5.0, 3.0, 4.4])
+    assert fix is not None
+    assert fix.ratios == pytest.approx((5.0, 1.5, 1.1))
+    assert fix.measured_s == (5.0, 3.0, 4.4)
+    assert fix.ratio(64 * KB) == pytest.approx(5.0) and fix.ratio(16 * MB) == pytest.approx(1.1)
+    # 256 KB is halfway between 64 KB and 1 MB in log(size): the geometric mean of the ratios.
+    assert fix.ratio(256 * KB) == pytest.approx(math.sqrt(5.0 * 1.5))
+    assert fix.ratio(1) == pytest.approx(5.0) and fix.ratio(1 << 30) == pytest.approx(1.1)
+
+
+def test_fit_skips_unusable_points_and_merges_repeated_sizes() -> None:
+    fix = fit_correction(
+        [4 * KB, 4 * KB, 1 * MB, 2 * MB, 8 * MB],
+        [1.0, 1.0, math.inf, 0.0, 2.0],
+        [2.0, 8.0, 1.0, 1.0, 3.0],
+    )
+    assert fix is not None and fix.sizes_bytes == (4 * KB, 8 * MB)
+    assert fix.ratios == pytest.approx((4.0, 1.5))  # geometric mean of 2 and 8
+    assert fit_correction([1 * MB], [math.inf], [1.0]) is None
+
+
+def test_leave_one_out_error_is_zero_where_the_ratio_is_log_linear() -> None:
+    fix = Correction(sizes_bytes=(1 * KB, 32 * KB, 1 * MB), ratios=(4.0, 2.0, 1.0))
+    errors = fix.leave_one_out_errors()
+    assert errors[1] == pytest.approx(0.0)
+    assert errors[0] == pytest.approx(2.0 / 4.0 - 1) and errors[2] == pytest.approx(2.0 - 1)
+
+
+def test_predict_scales_the_model_only_for_the_group_size_it_was_measured_on() -> None:
+    fix = Correction(sizes_bytes=(1 * MB,), ratios=(1.3,), measured_s=(0.5,))
+    profile = dataclasses.replace(FLAT4, corrections={"allreduce": {"ring": fix}})
+    for size in (4 * KB, 1 * MB, 64 * MB):
+        model = model_time("allreduce", "ring", size, 4, profile)
+        assert predict("allreduce", "ring", size, 4, profile) == pytest.approx(1.3 * model)
+    assert predict("allreduce", "ring", MB, 8, profile) == model_time(
+        "allreduce", "ring", MB, 8, profile
+    )
+    assert predict("allreduce", "native", MB, 4, profile) == model_time(
+        "allreduce", "native", MB, 4, profile
+    )
+
+
+def test_fit_corrections_reproduce_the_measurements_at_calibration_sizes() -> None:
+    # On 4 hosts x 1 rank the hierarchical allreduce is a flat wrapper: no model, no correction.
+    names = sorted(algorithms_for("allreduce"), key=lambda a: a != "native")
+    measured = [
+        Measurement("allreduce", name, size, 1e-3 * (i + 1) * size / KB)
+        for i, name in enumerate(names)
+        for size in (4 * KB, 1 * MB, 16 * MB)
     ]
+    corrections = fit_corrections(measured, 4, FLAT4)
+    profile = dataclasses.replace(FLAT4, corrections=corrections)
+    assert set(corrections["allreduce"]) == set(names) - {"hierarchical"}
+    for _, name, size, seconds, *_ in measured:
+        if name != "hierarchical":
+            assert predict("allreduce", name, size, 4, profile) == pytest.approx(seconds)
+    assert predict("allreduce", "hierarchical", MB, 4, profile) == math.inf
+    rows = describe(profile)
+    assert len(rows) == 3 * (len(names) - 1)
+    assert all(row["chosen"] == (row["algo"] == "native") for row in rows)  # native is fastest
+    assert all(row["predicted_s"] == pytest.approx(row["measured_s"]) for row in rows)
+
+
+def test_pipeline_block_latency_is_fitted_from_its_runs_and_sizes_the_blocks() -> None:
+    slow = C.LinkCost(alpha_s=1.5e-3, beta_s_per_byte=GIG.beta_s_per_byte)
+    runs = []
+    for size in (64 * KB, 1 * MB, 4 * MB, 16 * MB):
+        block = best_block_bytes("allreduce", size, 4, FLAT4)  # sized by the ping-pong alpha
+        # Runs that cost 1.5 ms per block step (what the Python pipeline costs on 4 hosts), and
+        # a small run whose scheduler noise must not count.
+        seconds = C.lp_allreduce(size, 4, slow, block) * (5.0 if size < MB else 1.0)
+        runs.append(Measurement("allreduce", "pipeline", size, seconds, block))
+    runs.append(Measurement("broadcast", "pipeline", 4 * MB, 1e-6, 64 * KB))  # faster than wire
+    alphas = fit_pipeline_alpha(runs, 4, FLAT4)
+    assert alphas["allreduce"] == pytest.approx(1.5e-3)
+    assert alphas["broadcast"] == GIG.alpha_s  # never below the ping-pong's alpha
+    fitted = dataclasses.replace(FLAT4, pipeline_alpha_s=alphas)
+    assert best_block_bytes("allreduce", 4 * MB, 4, fitted) >= 2 * best_block_bytes(
+        "allreduce", 4 * MB, 4, FLAT4
+    )
+    # Corrections are taken at the block each run used, so they stay near 1 for the big runs
+    # even though the profile now picks other blocks; predictions use the new blocks.
+    fixes = fit_corrections(runs, 4, fitted)["allreduce"]["pipeline"]
+    assert fixes.block_bytes == tuple(m.block_bytes for m in runs[:4])
+    assert fixes.ratios[1:] == pytest.approx((1.0, 1.0, 1.0))
+    profile = dataclasses.replace(fitted, corrections={"allreduce": {"pipeline": fixes}})
+    assert predict("allreduce", "pipeline", 4 * MB, 4, profile) < runs[2].seconds
+    assert Profile.from_json(profile.to_json()) == profile
+    # Past the largest calibrated block the model alone would choose: blocks stop there.
+    assert best_block_bytes("allreduce", 1 << 30, 4, fitted) > max(fixes.block_bytes)
+    assert best_block_bytes("allreduce", 1 << 30, 4, profile) == max(fixes.block_bytes)
+    assert best_block_bytes("allreduce", 1 << 30, 8, profile) > max(fixes.block_bytes)
+
+
+def test_noisy_near_wins_are_not_taken_for_wins() -> None:
+    native = [10.0, 10.0, 10.0, 10.0, 10.0]
+    noisy = [9.7, 10.5, 9.0, 11.0, 9.6]  # median 0.97 of native, but all over the place
+    steady = [5.0, 5.1, 4.9, 5.0, 5.0]
+    (base, _), (noisy_s, noisy_err), (steady_s, steady_err) = _paired_medians(
+        ["native", "rabenseifner", "doubling"], [native, noisy, steady]
+    )
+    assert base == 10.0 and noisy_s == pytest.approx(9.7) and steady_s == pytest.approx(5.0)
+    assert noisy_err > 0.03 and steady_err < 0.01
+    # Pairing: a run slowed by load elsewhere slows both, and the ratio does not move.
+    paired = _paired_medians(["native", "ring"], [[1.0, 3.0, 1.0], [0.9, 2.7, 0.9]])
+    assert paired[1] == pytest.approx((0.9, 0.0))
+    # The choice takes each prediction at the top of its error; predict() stays unbiased.
+    size = 1 * MB
+    slow = {"pipeline": 10.0, "doubling": 10.0, "ring": 10.0}
+    win = _scaled(FLAT4, "allreduce", {**slow, "native": 1.0, "rabenseifner": 1.0})
+    model = {n: model_time("allreduce", n, size, 4, FLAT4) for n in ("native", "rabenseifner")}
+    fixes = dict(win.corrections["allreduce"])
+    fixes["rabenseifner"] = Correction(
+        sizes_bytes=(size,),
+        ratios=(0.97 * model["native"] / model["rabenseifner"],),
+        stderr=(noisy_err,),
+    )
+    noisy_profile = dataclasses.replace(win, corrections={"allreduce": fixes})
+    clean = dict(fixes, rabenseifner=dataclasses.replace(fixes["rabenseifner"], stderr=(0.0,)))
+    clean_profile = dataclasses.replace(win, corrections={"allreduce": clean})
+    assert choose_for("allreduce", size, 4, noisy_profile) == "native"
+    assert choose_for("allreduce", size, 4, clean_profile) == "rabenseifner"
+    assert predict("allreduce", "rabenseifner", size, 4, noisy_profile) == pytest.approx(
+        0.97 * model["native"]
+    )
+    assert Profile.from_json(noisy_profile.to_json()) == noisy_profile
+
+
+def _scaled(profile: Profile, collective: str, ratios: dict[str, float]) -> Profile:
+    """``profile`` with constant corrections: each algorithm's model times its ratio."""
+    fixes = {
+        name: Correction(sizes_bytes=(64 * KB,), ratios=(ratio,)) for name, ratio in ratios.items()
+    }
+    return dataclasses.replace(profile, corrections={collective: fixes})
+
+
+def test_corrections_steer_the_choice() -> None:
+    size = 64 * MB
+    assert choose_for("allreduce", size, 4, FLAT4) == "pipeline"  # the pure model's favourite
+    # As measured on 4 hosts at 1 Gbit/s: the Python pipeline runs at half its model's speed,
+    # Rabenseifner 20% and gloo's ring 7% slower than theirs.
+    measured = _scaled(
+        FLAT4,
+        "allreduce",
+        {"pipeline": 1.9, "rabenseifner": 1.2, "native": 1.07, "ring": 1.12, "hierarchical": 1.15},
+    )
+    assert choose_for("allreduce", size, 4, measured) == "native"
+    assert rank_algorithms("allreduce", size, 4, measured)[0][1] == "native"
+    # A correction for another group size changes nothing.
+    assert choose_for("allreduce", size, 8, measured) == choose_for("allreduce", size, 8, FLAT4)
+
+
+def test_near_ties_go_to_native_and_clear_wins_do_not() -> None:
+    size = 16 * MB
+    ring = model_time("allreduce", "ring", size, 4, FLAT4)
+    assert ring == model_time("allreduce", "native", size, 4, FLAT4)  # same model
+    slow = {"pipeline": 10.0, "doubling": 10.0, "rabenseifner": 10.0, "hierarchical": 10.0}
+    near = _scaled(FLAT4, "allreduce", {**slow, "native": 1.0 + NEAR_TIE * 0.9, "ring": 1.0})
+    clear = _scaled(FLAT4, "allreduce", {**slow, "native": 1.0 + NEAR_TIE * 1.5, "ring": 1.0})
+    exact = _scaled(FLAT4, "allreduce", {**slow, "native": 1.0, "ring": 1.0})
+    assert choose_for("allreduce", size, 4, near) == "native"
+    assert choose_for("allreduce", size, 4, exact) == "native"
+    assert choose_for("allreduce", size, 4, clear) == "ring"
+
+
+def test_pipelines_get_the_modelled_best_power_of_two_block() -> None:
+    tuned = dataclasses.replace(FLAT4, tuned_blocks=True)
+    for collective in ("broadcast", "reduce", "allreduce"):
+        for size in (1 * KB, 4 * KB, 1 * MB, 64 * MB):
+            # Only a profile calibrated with tuned blocks hands them out (else the pipelines
+            # were timed, and run, with their own default block).
+            assert options_for(collective, "pipeline", size, 4, FLAT4) == {}
+            opts = options_for(collective, "pipeline", size, 4, tuned)
+            block = opts["block_bytes"]
+            assert block == best_block_bytes(collective, size, 4, FLAT4)
+            assert block == size or (block >= 4 * KB and block & (block - 1) == 0)
+            model = predict(collective, "pipeline", size, 4, FLAT4)
+            for other in (block // 2, block * 2):
+                if 4 * KB <= other <= size:
+                    lp = {"broadcast": C.lp_broadcast, "reduce": C.lp_reduce}
+                    fn = lp.get(collective, C.lp_allreduce)
+                    assert fn(size, 4, GIG, other) >= model
+    # Larger messages pipeline in larger blocks (b* grows as sqrt(n)).
+    assert best_block_bytes("broadcast", 64 * MB, 4, FLAT4) > best_block_bytes(
+        "broadcast", 1 * MB, 4, FLAT4
+    )
+    assert options_for("allreduce", "ring", MB, 4, tuned) == {}
+    assert options_for("broadcast", "pipeline", MB, 1, tuned) == {}
+
+
+def test_profile_without_corrections_still_loads() -> None:
+    old = (
+        '{"intra": {"alpha_s": 6e-05, "beta_s_per_byte": 1e-09, "gamma_s_per_byte": 1e-10},'
+        ' "inter": {"alpha_s": 1e-04, "beta_s_per_byte": 8e-09, "gamma_s_per_byte": 1e-10},'
+        ' "num_hosts": 4, "ranks_per_host": 1}'
+    )
+    profile = Profile.from_json(old)
+    assert profile.corrections == {} and profile.world_size == 4
+    fixed = _scaled(profile, "broadcast", {"tree": 1.5, "pipeline": 2.0})
+    assert Profile.from_json(fixed.to_json()) == fixed
+
+
+# -- on ranks: calibration and choice agree everywhere -------------------------------------------
+
+_RANK_SIZES = (4 * KB, 256 * KB)
+
+
+def calibrate_and_choose() -> tuple[str, list[tuple[str, int, str, str]], int]:
+    comm = Communicator()
+    profile = calibrate(comm, sizes_bytes=_RANK_SIZES, reps=1)
+    set_profile(comm, profile)
+    choices = [
+        (collective, size, choose(comm, collective, size), "")
+        for collective in COLLECTIVES
+        for size in (1 * KB, *_RANK_SIZES, 1 * MB, 64 * MB)
+    ]
+    choices = [(c, n, name, repr(choose_options(comm, c, name, n))) for c, n, name, _ in choices]
+    again = measure_algorithms(
+        comm, profile, sizes_bytes=(4 * KB,), collectives=("broadcast",), reps=1
+    )
+    return profile.to_json(), choices, len(again)
 
 
 def test_calibration_gives_every_rank_the_same_profile_and_choices(pool) -> None:
@@ -95,3 +337,72 @@ def test_calibration_gives_every_rank_the_same_profile_and_choices(pool) -> None
         and profile.intra.beta_s_per_byte > 0
         and profile.intra.gamma_s_per_byte > 0
     )
+    # Every registered algorithm with a model was timed at every calibration size (on one host
+    # the hierarchical ones are flat wrappers, without a model of their own).
+    for collective in COLLECTIVES:
+        fixes = profile.corrections[collective]
+        assert set(fixes) == set(algorithms_for(collective)) - {"hierarchical"}
+        for fix in fixes.values():
+            # S rounded down to whole elements and, for the world-sized buffers, whole blocks
+            assert len(fix.sizes_bytes) == len(_RANK_SIZES)
+            assert all(
+                0 <= size - got < 4 * 3
+                for size, got in zip(_RANK_SIZES, fix.sizes_bytes, strict=True)
+            )
+            assert all(t > 0 for t in fix.measured_s)
+    assert results[0][2] == len(algorithms_for("broadcast")) - 1
+    # Pipelines get blocks exactly when the front door passes them on (probed at calibration).
+    for collective, _, name, opts in results[0][1]:
+        tuned = (
+            profile.tuned_blocks
+            and name == "pipeline"
+            and collective in ("broadcast", "reduce", "allreduce")
+        )
+        assert ("block_bytes" in opts) == tuned
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+def _tune(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "commfuse.cli", "tune", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.netlab
+@pytest.mark.skipif(
+    netlab_unavailable_reason() is not None, reason=str(netlab_unavailable_reason())
+)
+def test_tune_cli_writes_a_corrected_profile_and_reports_errors(tmp_path: Path) -> None:
+    out, table = tmp_path / "profile.json", tmp_path / "table.json"
+    proc = _tune(
+        *("--hosts", "2", "--link", "200mbit", "--calibrate-sizes", "4K,64K", "--reps", "1"),
+        *("--sizes", "4K,1M", "--out", str(out), "--json", str(table)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    profile = Profile.from_json(out.read_text())
+    assert profile.num_hosts == 2 and set(profile.corrections) == set(COLLECTIVES)
+    rows = json.loads(table.read_text())
+    assert {(r["collective"], r["algo"]) for r in rows} == {
+        (c, a) for c in COLLECTIVES for a in algorithms_for(c) if a != "hierarchical"
+    }
+    # One pick per collective and calibration size, the one choose() makes.
+    picks = [(r["collective"], r["bytes"], r["algo"]) for r in rows if r["chosen"]]
+    assert picks == [(c, n, choose_for(c, n, 2, profile)) for c, n, _ in picks]
+    assert len(picks) == 2 * len(COLLECTIVES)
+    assert "loo_err" in proc.stdout and "measured_ms" in proc.stdout
+
+
+def test_tune_cli_bad_input_is_one_line_exit_2() -> None:
+    for args, needle in (
+        [["--reps", "0"], "--reps"],
+        [["--calibrate-sizes", "12Q"], "bad size"],
+    ):
+        proc = _tune(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and needle in lines[0], (args, proc.stderr)

@@ -1,14 +1,23 @@
-"""``commfuse tune``: measure alpha, beta, gamma on a cluster, save the profile, show the choices.
+"""``commfuse tune``: measure alpha, beta, gamma and every algorithm on a cluster, save the
+profile, show how well the models predict and what ``algo="auto"`` picks.
 
 commfuse tune --hosts 4 --ranks-per-host 2 --link 1gbit --out profile.json
 COMMFUSE_TUNER_PROFILE=profile.json commfuse launch ...   # algo="auto" then uses it
+
+The calibration table has one row per collective, calibration size and algorithm, fastest
+first: the measured time (median of the slowest rank), the pure alpha-beta-gamma model's time
+and its error, and ``loo_err``, the corrected prediction's error at that size when that size is
+left out of the fit (how far off the tuner is between calibration sizes). ``*`` marks the
+algorithm ``algo="auto"`` picks there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from commfuse.units import format_size, parse_sizes
 
@@ -17,10 +26,12 @@ DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from commfuse.cluster.launch_cli import add_topology_arguments
+    from commfuse.collectives.tuner import CALIBRATION_SIZES
 
+    calibration = ",".join(format_size(s) for s in CALIBRATION_SIZES)
     parser = sub.add_parser(
         "tune",
-        help="calibrate alpha/beta/gamma, write a profile, print the algorithm algo='auto' picks per size",
+        help="calibrate alpha/beta/gamma and every algorithm, write a profile, print the algorithm algo='auto' picks per size",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -34,14 +45,58 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=DEFAULT_SIZES,
         help=f"sizes to show choices for (default {DEFAULT_SIZES})",
     )
+    parser.add_argument(
+        "--calibrate-sizes",
+        default=calibration,
+        help=f"sizes every algorithm is timed at to correct the models; 'none' skips that "
+        f"(default {calibration})",
+    )
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=5,
+        help="timed runs per algorithm and size (3x that up to 512K); the median is used",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the calibration table as JSON")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="stop the job after this many seconds"
+    )
     parser.set_defaults(func=run_tune)
 
 
-def _calibrate_on_rank() -> str:
+def _calibrate_on_rank(sizes: list[int], reps: int) -> str:
     from commfuse.collectives.tuner import calibrate
     from commfuse.comm import Communicator
 
-    return calibrate(Communicator()).to_json()
+    return calibrate(Communicator(), sizes_bytes=sizes, reps=reps).to_json()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}" if seconds < float("inf") else "-"
+
+
+def print_calibration(records: list[dict[str, Any]]) -> None:
+    """The calibration table (see the module docstring)."""
+    print(
+        f"{'collective':>15} {'size':>6}   {'algo':<18} {'measured_ms':>11} {'model_ms':>9} "
+        f"{'model_err':>9} {'loo_err':>8}"
+    )
+    previous: tuple[str, int] | None = None
+    for row in records:
+        key = (row["collective"], row["bytes"])
+        head = (
+            f"{row['collective']:>15} {format_size(row['bytes']):>6}"
+            if key != previous
+            else " " * 22
+        )
+        previous = key
+        mark = "*" if row["chosen"] else " "
+        block = row.get("block_bytes")
+        algo = row["algo"] + (f" b={format_size(block)}" if block else "")
+        print(
+            f"{head} {mark} {algo:<18} {_ms(row['measured_s']):>11} "
+            f"{_ms(row['model_s']):>9} {row['model_err'] * 100:>+8.0f}% {row['loo_err'] * 100:>+7.0f}%"
+        )
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -49,20 +104,26 @@ def run_tune(args: argparse.Namespace) -> int:
     from commfuse.cluster.launch_cli import topology_from_args
     from commfuse.cluster.netlab import NetlabError
     from commfuse.collectives.registry import COLLECTIVES
-    from commfuse.collectives.tuner import Profile, rank_algorithms
+    from commfuse.collectives.tuner import Profile, choose_for, describe, options_for, predict
 
     try:
         topology = topology_from_args(args)
         sizes = parse_sizes(args.sizes)
+        text = args.calibrate_sizes.strip().lower()
+        calibrate_sizes = [] if text in ("", "none") else parse_sizes(args.calibrate_sizes)
+        if args.reps < 1:
+            raise ValueError(f"--reps must be at least 1, got {args.reps}")
     except ValueError as err:
         print(f"commfuse tune: {err}", file=sys.stderr)
         return 2
     try:
         profile_json = run(
             _calibrate_on_rank,
+            calibrate_sizes,
+            args.reps,
             net=topology,
             emulate=False if args.no_emulate else None,
-            timeout_s=300,
+            timeout_s=args.timeout,
         )[0]
     except (RankError, DeadlineExceeded, NetlabError) as err:
         print(f"commfuse tune: {err}", file=sys.stderr)
@@ -74,18 +135,46 @@ def run_tune(args: argparse.Namespace) -> int:
             f"{name}: alpha {link.alpha_s * 1e6:.1f} us, bandwidth {1 / link.beta_s_per_byte / 1e9:.3f} GB/s, "
             f"reduction {1 / link.gamma_s_per_byte / 1e9:.2f} GB/s"
         )
+    if profile.pipeline_alpha_s:
+        fitted = ", ".join(f"{c} {a * 1e3:.2f} ms" for c, a in profile.pipeline_alpha_s.items())
+        print(f"pipelines, fitted cost per block (sets their block size): {fitted}")
+    elif profile.corrections and not profile.tuned_blocks:
+        print(
+            "pipelines: timed with their default block (algo='auto' does not pass "
+            "choose_options' block_bytes on)"
+        )
     print(f"profile written to {args.out}")
-    print(f"{'collective':>15} {'size':>6}  choice        predicted_us  (runner-up)")
+    records = describe(profile)
+    if records:
+        print()
+        print_calibration(records)
+        print()
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+        print(f"calibration table written to {args.json}")
+    world = topology.world_size
+    print(
+        f"{'collective':>15} {'size':>6}  {'choice':<13} {'predicted_ms':>12}  runner-up, options"
+    )
     for collective in COLLECTIVES:
         for size in sizes:
-            ranked = [
-                pair
-                for pair in rank_algorithms(collective, size, topology.world_size, profile)
-                if pair[0] != float("inf")
-            ]
-            best_t, best = ranked[0]
-            runner = f"{ranked[1][1]} {ranked[1][0] * 1e6:.0f}" if len(ranked) > 1 else "-"
+            best = choose_for(collective, size, world, profile)
+            opts = options_for(collective, best, size, world, profile)
+            detail = "".join(f", {k}={format_size(v)}" for k, v in opts.items())
+            others = sorted(
+                (predict(collective, name, size, world, profile), name)
+                for name in _algorithms(collective)
+                if name != best
+            )
+            runner = f"{others[0][1]} {_ms(others[0][0])}" if others else "-"
             print(
-                f"{collective:>15} {format_size(size):>6}  {best:<12} {best_t * 1e6:>12.0f}  ({runner})"
+                f"{collective:>15} {format_size(size):>6}  {best:<13} "
+                f"{_ms(predict(collective, best, size, world, profile)):>12}  {runner}{detail}"
             )
     return 0
+
+
+def _algorithms(collective: str) -> list[str]:
+    from commfuse.collectives.registry import algorithms_for
+
+    return list(algorithms_for(collective))

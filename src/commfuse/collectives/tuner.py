@@ -1,41 +1,197 @@
-"""Pick the fastest algorithm for a message: calibrate alpha, beta, gamma, then minimise the
-cost models of ``cost.py``.
+"""Pick the fastest algorithm for a message: calibrate alpha, beta, gamma, measure every algorithm
+at a few sizes, correct the cost models of ``cost.py`` with what was measured, then minimise.
 
-Calibration (``calibrate``) measures, with the communicator's own point-to-point path (so the
-Python overhead of our algorithms is priced in):
+Calibration (``calibrate``) runs on every rank of the cluster it describes:
 
 1. alpha and beta inside a host: a ping-pong between two ranks of host 0, at a tiny and a large
-   size; alpha = half the tiny round trip, beta = the slope between the two sizes;
+   size; alpha = half the fastest tiny round trip, beta = the slope between the two sizes;
 2. the same across hosts: rank 0 and the first rank of host 1 (where there is a second host);
-3. gamma: the time of an in-place add over a large buffer, per byte.
+3. gamma: the time of an in-place add over a large buffer, per byte;
+4. the pipelines' real cost per block (``Profile.pipeline_alpha_s``), which sizes their blocks,
+   where the front door passes the tuner's blocks on (``Profile.tuned_blocks``);
+5. every registered algorithm that has a model here, through the front door (``api.py``) with
+   the options ``choose_options`` gives it (the ones ``algo="auto"`` runs it with), at
+   ``CALIBRATION_SIZES``: interleaved (A B A B), each run after a barrier, timed as the
+   slowest rank (max over ranks), as ``commfuse bench collectives`` times them; native's
+   median, and for the others native's median times their median ratio to native, run by run,
+   with its standard error (``_paired_medians``).
 
-Rank 0 measures and broadcasts the result, so every rank holds the *same* profile: selection
-must agree on all ranks, or they would run different algorithms and deadlock. For the same
-reason ``choose`` never looks at anything rank-local. Without a profile it uses defaults from
-the link rate the launcher exports (COMMFUSE_LINK_MBIT), identical on every rank.
+Why step 5: the pure alpha-beta-gamma models rank algorithms wrongly on real machines. On 4
+hosts x 1 rank at 1 Gbit/s they put Rabenseifner ahead of gloo's ring for large allreduces,
+where it is 8% slower; they price gloo's 64 KB allreduce at 1.1 ms, where it takes 5.6 ms (5x),
+while at 16 MB the same model is only 11% low. One affine map ``measured = a + k * model``
+cannot hold both (fitted on 1 MB and 16 MB it says 2.0 ms at 64 KB), so each (collective,
+algorithm) gets a piecewise ``Correction``: the ratio measured / model at each calibration
+size, interpolated linearly in log(size) between them and held constant beyond the ends (both
+time and model become affine in the size there, so the ratio settles). The model still gives
+the shape between calibration points and the choice of block size; the ratios pin it to what
+this cluster really does, including Python overhead, CPU contention and gloo's quirks.
+Native algorithms are modelled like the others (native allreduce = ring model + its own
+correction). Corrections apply only to a group of the size they were measured on.
+
+Selection must agree on all ranks, or they would run different algorithms and deadlock. So
+rank 0's alpha/beta/gamma are broadcast, the measured table is made identical by a max over
+ranks before anything is fitted, and ``choose`` reads nothing rank-local: only the profile
+(identical everywhere), the message size and the group size. Without a profile it uses
+defaults from the link rate the launcher exports (COMMFUSE_LINK_MBIT), identical on every rank.
+Predictions within ``NEAR_TIE`` of native's, after adding their standard error, go to native:
+a difference that small is within the noise of these measurements, and native is the safe
+default.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
+import math
 import os
 import statistics
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
 from commfuse.collectives import cost as C
-from commfuse.collectives.registry import algorithms_for
+from commfuse.collectives.registry import COLLECTIVES, Options, algorithms_for
 from commfuse.comm import Communicator
+
+#: Message sizes (bytes, nccl-tests' S) that calibration times every algorithm at: every 4x, and
+#: 512 KB where the latency algorithms hand over to gloo's ring at 1 Gbit/s, so crossovers fall
+#: between two measured points.
+CALIBRATION_SIZES: tuple[int, ...] = (
+    4 << 10,
+    16 << 10,
+    64 << 10,
+    256 << 10,
+    512 << 10,
+    1 << 20,
+    4 << 20,
+    16 << 20,
+)
+#: Up to this size calibration times ``SMALL_REPS_FACTOR`` times as many runs: small messages cost
+#: little, and their times are bimodal (a 4-6 ms scheduler delay in a third of the runs when 4
+#: ranks share 2 cores), so a median of 5 is a coin toss between the modes; at 1 MB several
+#: allreduces are within 5% of each other.
+SMALL_BYTES_MAX = 1 << 20
+SMALL_REPS_FACTOR = 3
+#: An algorithm must be predicted more than this much faster than native to be chosen.
+NEAR_TIE = 0.02
+#: Pipelines' per-block latency is fitted from a first pass over the calibration sizes in this
+#: range: many blocks, no scheduler noise of small messages, and about 1 s in all.
+BLOCK_FIT_MIN_BYTES = 1 << 20
+BLOCK_FIT_MAX_BYTES = 4 << 20
+
+
+class Measurement(NamedTuple):
+    """One calibration point: the slowest rank's time, over runs (see ``_paired_medians``)."""
+
+    collective: str
+    algo: str
+    nbytes: int
+    seconds: float
+    block_bytes: int = 0
+    """The block a pipeline ran with (0 for other algorithms)."""
+    stderr: float = 0.0
+    """Standard error of its ratio to native's time, relative (0 for native)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Correction:
+    """How one (collective, algorithm) really behaves next to its model, per calibration size.
+
+    ``predicted(n) = model(n) * ratio(n)``, where ``ratio`` interpolates ``ratios`` linearly in
+    log(n) between ``sizes_bytes`` and is held at the end values beyond them.
+    """
+
+    sizes_bytes: tuple[int, ...]
+    """Calibration sizes, ascending."""
+    ratios: tuple[float, ...]
+    """Measured time / model time at each size."""
+    measured_s: tuple[float, ...] = ()
+    """The measured times (see ``_paired_medians``), for reports and refits."""
+    block_bytes: tuple[int, ...] = ()
+    """For pipelines, the block each calibration run used (the model is taken at that block)."""
+    stderr: tuple[float, ...] = ()
+    """Relative standard error of the measured ratio to native at each size (see ``choose``)."""
+
+    def ratio(self, nbytes: int) -> float:
+        return _interpolate(self.sizes_bytes, self.ratios, nbytes)
+
+    def stderr_at(self, nbytes: int) -> float:
+        if len(self.stderr) != len(self.sizes_bytes):
+            return 0.0
+        # Geometric interpolation needs positive values: interpolate 1 + stderr.
+        return _interpolate(self.sizes_bytes, [1.0 + e for e in self.stderr], nbytes) - 1.0
+
+    def leave_one_out_errors(self) -> list[float]:
+        """For each size: (prediction from the other sizes) / measured - 1. The error the
+        correction makes between calibration points, estimated from the points themselves."""
+        errors = []
+        for i, size in enumerate(self.sizes_bytes):
+            rest = [j for j in range(len(self.sizes_bytes)) if j != i]
+            if not rest:
+                errors.append(0.0)
+                continue
+            guess = _interpolate(
+                [self.sizes_bytes[j] for j in rest], [self.ratios[j] for j in rest], size
+            )
+            errors.append(guess / self.ratios[i] - 1.0)
+        return errors
+
+
+def _interpolate(sizes: Sequence[int], ratios: Sequence[float], nbytes: int) -> float:
+    if not sizes:
+        return 1.0
+    if nbytes <= sizes[0]:
+        return ratios[0]
+    if nbytes >= sizes[-1]:
+        return ratios[-1]
+    i = bisect.bisect_right(sizes, nbytes) - 1
+    x0, x1 = math.log(sizes[i]), math.log(sizes[i + 1])
+    t = (math.log(nbytes) - x0) / (x1 - x0)
+    return math.exp((1 - t) * math.log(ratios[i]) + t * math.log(ratios[i + 1]))
+
+
+def fit_correction(
+    sizes_bytes: Sequence[int],
+    model_s: Sequence[float],
+    measured_s: Sequence[float],
+    block_bytes: Sequence[int] = (),
+    stderr: Sequence[float] = (),
+) -> Correction | None:
+    """The correction through measured points; None when no point is usable (no finite,
+    positive model or measurement). Repeated sizes are merged by their geometric mean ratio."""
+    blocks = list(block_bytes) or [0] * len(sizes_bytes)
+    errors = list(stderr) or [0.0] * len(sizes_bytes)
+    by_size: dict[int, list[tuple[float, float, int, float]]] = {}
+    points = zip(sizes_bytes, model_s, measured_s, blocks, errors, strict=True)
+    for size, model, measured, block, error in points:
+        if size > 0 and 0 < model < math.inf and 0 < measured < math.inf:
+            by_size.setdefault(size, []).append((measured / model, measured, block, error))
+    if not by_size:
+        return None
+    sizes = sorted(by_size)
+    return Correction(
+        sizes_bytes=tuple(sizes),
+        ratios=tuple(math.exp(statistics.fmean(math.log(p[0]) for p in by_size[s])) for s in sizes),
+        measured_s=tuple(statistics.median(p[1] for p in by_size[s]) for s in sizes),
+        block_bytes=tuple(by_size[s][0][2] for s in sizes) if any(blocks) else (),
+        stderr=tuple(max(p[3] for p in by_size[s]) for s in sizes) if any(errors) else (),
+    )
+
+
+Corrections = dict[str, dict[str, Correction]]
+"""``corrections[collective][algorithm]``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Profile:
-    """Measured link costs of a cluster layout; saved as JSON by ``commfuse tune``."""
+    """Measured link costs and model corrections of a cluster layout; saved as JSON by
+    ``commfuse tune``. ``corrections`` is optional in the JSON (older profiles have none)."""
 
     intra: C.LinkCost
     """Between ranks of one host (loopback)."""
@@ -43,6 +199,28 @@ class Profile:
     """Between ranks of different hosts (the shaped links); equals intra on one host."""
     num_hosts: int = 1
     ranks_per_host: int = 1
+    corrections: Corrections = dataclasses.field(default_factory=dict)
+    """Per collective and algorithm, measured / model at the calibration sizes; they hold for a
+    group of num_hosts x ranks_per_host ranks only."""
+    tuned_blocks: bool = False
+    """Whether ``algo="auto"`` runs pipelines with ``choose_options``' blocks: true when the
+    front door passed them on at calibration (see ``_front_door_asks_options``). When false the
+    pipelines were calibrated, and run, with their own default block, and no options are given."""
+    pipeline_alpha_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per collective, our pipeline's cost per block beyond the bytes (Python, thread wake-ups,
+    the reduction's bookkeeping), fitted from its calibration runs. A ping-pong's alpha is a
+    fraction of it (on 4 hosts x 1 rank at 1 Gbit/s: 0.09 ms against 1-2 ms for the allreduce
+    pipeline), and blocks sized by that alpha were 1.7x slower there (64 KB blocks at 4 MB:
+    133 ms against 78 ms with 256 KB). It sets the pipelines' block size and model."""
+
+    @property
+    def world_size(self) -> int:
+        return self.num_hosts * self.ranks_per_host
+
+    def correction(self, collective: str, algo: str, world_size: int) -> Correction | None:
+        if world_size != self.world_size:
+            return None
+        return self.corrections.get(collective, {}).get(algo)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -50,11 +228,27 @@ class Profile:
     @classmethod
     def from_json(cls, text: str) -> Profile:
         data = json.loads(text)
+        corrections: Corrections = {
+            collective: {
+                algo: Correction(
+                    sizes_bytes=tuple(int(s) for s in fit["sizes_bytes"]),
+                    ratios=tuple(float(r) for r in fit["ratios"]),
+                    measured_s=tuple(float(m) for m in fit.get("measured_s", ())),
+                    block_bytes=tuple(int(b) for b in fit.get("block_bytes", ())),
+                    stderr=tuple(float(e) for e in fit.get("stderr", ())),
+                )
+                for algo, fit in algos.items()
+            }
+            for collective, algos in data.get("corrections", {}).items()
+        }
         return cls(
             intra=C.LinkCost(**data["intra"]),
             inter=C.LinkCost(**data["inter"]),
             num_hosts=int(data.get("num_hosts", 1)),
             ranks_per_host=int(data.get("ranks_per_host", 1)),
+            corrections=corrections,
+            tuned_blocks=bool(data.get("tuned_blocks", False)),
+            pipeline_alpha_s={k: float(v) for k, v in data.get("pipeline_alpha_s", {}).items()},
         )
 
     @classmethod
@@ -98,38 +292,86 @@ def _flat(profile: Profile) -> C.LinkCost:
     return profile.inter if profile.num_hosts > 1 else profile.intra
 
 
+#: The pipelines' cost as a function of the block size b, per collective.
+_LP_MODELS: dict[str, Callable[[int, int, C.LinkCost, int | None], float]] = {
+    "broadcast": C.lp_broadcast,
+    "reduce": C.lp_reduce,
+    "allreduce": C.lp_allreduce,
+}
+_MIN_BLOCK_BYTES = 4096
+
+
+def _pipeline_link(profile: Profile, collective: str) -> C.LinkCost:
+    """The link as our pipeline sees it: the fitted per-block latency where there is one."""
+    link = _flat(profile)
+    alpha = profile.pipeline_alpha_s.get(collective)
+    return link if alpha is None else dataclasses.replace(link, alpha_s=alpha)
+
+
+def best_block_bytes(collective: str, nbytes: int, world_size: int, profile: Profile) -> int:
+    """The pipeline block size with the lowest modelled time, among powers of two from 4 KiB
+    and the whole message (the correction depends on the size only, so the model alone decides;
+    powers of two keep blocks whole elements of every dtype). Ties go to the larger block:
+    fewer messages, less Python overhead. Never above the largest block calibration ran with:
+    past it the model alone would decide, and it credits big blocks too much (at 64 MB it put
+    the allreduce pipeline with 2 MB blocks 29% below what it took)."""
+    model = _LP_MODELS[collective]
+    link = _pipeline_link(profile, collective)
+    fix = profile.correction(collective, "pipeline", world_size)
+    limit = max(fix.block_bytes, default=0) if fix is not None else 0
+    limit = limit if limit > 0 else max(nbytes, 1)
+    candidates = [max(nbytes, 1)] if nbytes <= limit else []
+    block = _MIN_BLOCK_BYTES
+    while block < nbytes and block <= limit:
+        candidates.append(block)
+        block *= 2
+    if not candidates:  # a limit below 4 KiB: whole messages were all calibration saw
+        candidates = [limit]
+    return min(candidates, key=lambda b: (model(nbytes, world_size, link, b), -b))
+
+
+def _lp(collective: str) -> CostFn:
+    def cost(n: int, p: int, pr: Profile) -> float:
+        link = _pipeline_link(pr, collective)
+        return _LP_MODELS[collective](n, p, link, best_block_bytes(collective, n, p, pr))
+
+    return cost
+
+
 def _hier_allreduce(n: int, p: int, prof: Profile) -> float:
     local, hosts = prof.ranks_per_host, prof.num_hosts
     if local <= 1 or hosts <= 1:
-        return float("inf")
-    return (
-        C.mst_reduce(n, local, prof.intra)
-        + C.ring_allreduce(n, hosts, prof.inter)
-        + C.mst_broadcast(n, local, prof.intra)
-    )
+        # One level: it only wraps a flat algorithm that is a candidate of its own. Timing the
+        # same thing twice and keeping the faster is a bet on noise (at 512 KB on 4 hosts x 1
+        # rank it beat its own ring by 19% in calibration, then lost 13% to native).
+        return math.inf
+    # The two-level scheme's cost lives beside it (pipelined 2D reduce-scatter/allreduce/allgather).
+    from commfuse.collectives.hierarchical import predicted_allreduce_s
+
+    return predicted_allreduce_s(n, hosts, local, prof.intra, prof.inter)
 
 
 def _hier_broadcast(n: int, p: int, prof: Profile) -> float:
     local, hosts = prof.ranks_per_host, prof.num_hosts
     if local <= 1 or hosts <= 1:
-        return float("inf")
+        return math.inf  # one level: a wrapper of the flat pipeline (see _hier_allreduce)
     return C.lp_broadcast(n, hosts, prof.inter) + C.mst_broadcast(n, local, prof.intra)
 
 
 COSTS: dict[tuple[str, str], CostFn] = {
     ("allreduce", "native"): lambda n, p, pr: C.ring_allreduce(n, p, _flat(pr)),
     ("allreduce", "ring"): lambda n, p, pr: C.ring_allreduce(n, p, _flat(pr)),
-    ("allreduce", "pipeline"): lambda n, p, pr: C.lp_allreduce(n, p, _flat(pr)),
+    ("allreduce", "pipeline"): _lp("allreduce"),
     ("allreduce", "doubling"): lambda n, p, pr: C.recursive_doubling_allreduce(n, p, _flat(pr)),
     ("allreduce", "rabenseifner"): lambda n, p, pr: C.rabenseifner_allreduce(n, p, _flat(pr)),
     ("allreduce", "hierarchical"): _hier_allreduce,
     ("broadcast", "native"): lambda n, p, pr: C.mst_broadcast(n, p, _flat(pr)),
     ("broadcast", "tree"): lambda n, p, pr: C.mst_broadcast(n, p, _flat(pr)),
-    ("broadcast", "pipeline"): lambda n, p, pr: C.lp_broadcast(n, p, _flat(pr)),
+    ("broadcast", "pipeline"): _lp("broadcast"),
     ("broadcast", "hierarchical"): _hier_broadcast,
     ("reduce", "native"): lambda n, p, pr: C.mst_reduce(n, p, _flat(pr)),
     ("reduce", "tree"): lambda n, p, pr: C.mst_reduce(n, p, _flat(pr)),
-    ("reduce", "pipeline"): lambda n, p, pr: C.lp_reduce(n, p, _flat(pr)),
+    ("reduce", "pipeline"): _lp("reduce"),
     ("allgather", "native"): lambda n, p, pr: C.ring_allgather(n, p, _flat(pr)),
     ("allgather", "ring"): lambda n, p, pr: C.ring_allgather(n, p, _flat(pr)),
     ("allgather", "doubling"): lambda n, p, pr: C.recursive_doubling_allgather(n, p, _flat(pr)),
@@ -144,29 +386,102 @@ COSTS: dict[tuple[str, str], CostFn] = {
 }
 
 
-def predict(collective: str, algo: str, nbytes: int, world_size: int, profile: Profile) -> float:
-    """Predicted seconds of one call; inf for an algorithm without a model here."""
+def model_time(collective: str, algo: str, nbytes: int, world_size: int, profile: Profile) -> float:
+    """The pure alpha-beta-gamma time of one call, before any correction; inf without a model."""
     model = COSTS.get((collective, algo))
-    return float("inf") if model is None else model(nbytes, world_size, profile)
+    return math.inf if model is None else model(nbytes, world_size, profile)
+
+
+def _model_at_block(
+    collective: str, algo: str, nbytes: int, world_size: int, profile: Profile, block: int
+) -> float:
+    """``model_time``, but a pipeline's at the block it really ran with (when known)."""
+    if algo == "pipeline" and collective in _LP_MODELS and block > 0:
+        return _LP_MODELS[collective](
+            nbytes, world_size, _pipeline_link(profile, collective), block
+        )
+    return model_time(collective, algo, nbytes, world_size, profile)
+
+
+def predict(collective: str, algo: str, nbytes: int, world_size: int, profile: Profile) -> float:
+    """Predicted seconds of one call: the model times the measured correction where the profile
+    has one for this group size; inf for an algorithm without a model here."""
+    base = model_time(collective, algo, nbytes, world_size, profile)
+    fix = profile.correction(collective, algo, world_size)
+    return base if fix is None or base == math.inf else base * fix.ratio(nbytes)
 
 
 def rank_algorithms(
     collective: str, nbytes: int, world_size: int, profile: Profile
 ) -> list[tuple[float, str]]:
-    """(predicted seconds, name) of every registered algorithm, fastest first; ties keep
-    registration order with native first, so the choice is deterministic."""
-    names = list(algorithms_for(collective))
-    names.sort(key=lambda name: (name != "native", name))
+    """(predicted seconds, name) of every registered algorithm, fastest first; equal times keep
+    native first, then name order, so the ranking is deterministic."""
+    names = sorted(algorithms_for(collective), key=lambda name: (name != "native", name))
     return sorted(
         ((predict(collective, name, nbytes, world_size, profile), name) for name in names),
         key=lambda pair: pair[0],
     )
 
 
+def choose_for(collective: str, nbytes: int, world_size: int, profile: Profile) -> str:
+    """``choose`` as a pure function: the fastest algorithm, unless native is within
+    ``NEAR_TIE`` of it (or nothing has a finite prediction).
+
+    Each prediction is taken at the upper end of its calibration's standard error first, so
+    noise cannot make a tie look like a win: at 512 KB Rabenseifner's median ratio to native
+    ranged from 0.97 to 1.12 over calibrations, and picking it on a 0.97 made auto 5% slower
+    than native. Where an algorithm wins 2-5x, or runs agree within a few percent (large
+    messages), the error changes nothing. ``predict`` itself stays unbiased."""
+    cautious = []
+    for predicted, name in rank_algorithms(collective, nbytes, world_size, profile):
+        fix = profile.correction(collective, name, world_size)
+        error = 0.0 if fix is None else fix.stderr_at(nbytes)
+        cautious.append((predicted * (1.0 + error), name))
+    cautious.sort(key=lambda pair: pair[0])  # stable: ties keep native first
+    if not cautious or cautious[0][0] == math.inf:
+        return "native"
+    best_s, best = cautious[0]
+    native_s = next((t for t, name in cautious if name == "native"), math.inf)
+    return "native" if native_s <= best_s * (1.0 + NEAR_TIE) else best
+
+
+def options_for(
+    collective: str, algo: str, nbytes: int, world_size: int, profile: Profile
+) -> Options:
+    """Keyword options that go with ``algo`` (pipelines: the modelled best ``block_bytes``, when
+    the profile was calibrated with them)."""
+    if algo == "pipeline" and collective in _LP_MODELS and world_size > 1 and profile.tuned_blocks:
+        return {"block_bytes": best_block_bytes(collective, nbytes, world_size, profile)}
+    return {}
+
+
 def choose(comm: Communicator, collective: str, nbytes: int) -> str:
     """The algorithm with the lowest predicted time (the same on every rank)."""
-    ranked = rank_algorithms(collective, nbytes, comm.world_size, profile_of(comm))
-    return ranked[0][1] if ranked and ranked[0][0] != float("inf") else "native"
+    return choose_for(collective, nbytes, comm.world_size, profile_of(comm))
+
+
+def choose_options(comm: Communicator, collective: str, algo: str, nbytes: int) -> Options:
+    """The options ``algo="auto"`` runs ``algo`` with (the same on every rank); explicit options
+    of the caller should override them."""
+    global _OPTIONS_ASKED
+    _OPTIONS_ASKED = True
+    return options_for(collective, algo, nbytes, comm.world_size, profile_of(comm))
+
+
+_OPTIONS_ASKED = False
+
+
+def _front_door_asks_options(comm: Communicator) -> bool:
+    """Whether ``api.py``'s ``algo="auto"`` asks ``choose_options`` (one tiny auto broadcast on
+    every rank). Calibration must time pipelines with the blocks auto will really run: tuned
+    blocks that the front door drops would leave auto running the pipelines' default blocks,
+    which at 64 KB took 9 ms where the calibrated 32 KB blocks took 2 ms."""
+    from commfuse.collectives import api
+
+    global _OPTIONS_ASKED
+    _OPTIONS_ASKED = False
+    api.broadcast(comm, torch.zeros(1), 0, algo="auto")
+    return _OPTIONS_ASKED
 
 
 # -- calibration --------------------------------------------------------------------------------------
@@ -176,7 +491,10 @@ _LARGE_BYTES = 4 << 20
 
 
 def _ping_pong(comm: Communicator, a: int, b: int, nbytes: int, reps: int) -> float:
-    """Median one-way time between group ranks a and b (other ranks return 0)."""
+    """Fastest one-way time between group ranks a and b (other ranks return 0). The fastest,
+    not the median: with 4 ranks on 2 cores, a tiny ping-pong can wait 2-5 ms for a core in
+    most runs (a median alpha of 1.9 ms once, against 55-110 us in other calibrations), and
+    alpha is meant to be the link's latency; the corrections price in the waiting."""
     buf = torch.zeros(max(1, nbytes // 4))
     times = []
     for _ in range(reps):
@@ -188,7 +506,7 @@ def _ping_pong(comm: Communicator, a: int, b: int, nbytes: int, reps: int) -> fl
         elif comm.rank == b:
             comm.recv(buf, a, label="tune")
             comm.send(buf, a, label="tune")
-    return statistics.median(times) if times else 0.0
+    return min(times) if times else 0.0
 
 
 def _link_between(comm: Communicator, a: int, b: int, gamma: float) -> C.LinkCost:
@@ -209,8 +527,8 @@ def _measure_gamma() -> float:
     return statistics.median(times) / _LARGE_BYTES
 
 
-def calibrate(comm: Communicator, ranks_per_host: int | None = None) -> Profile:
-    """Measure intra- and inter-host alpha/beta and gamma; every rank returns rank 0's profile."""
+def _calibrate_links(comm: Communicator, ranks_per_host: int | None) -> Profile:
+    """Steps 1-3: alpha, beta, gamma; every rank returns rank 0's values."""
     world = comm.world_size
     local = ranks_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if local < 1 or world % local:
@@ -245,3 +563,253 @@ def calibrate(comm: Communicator, ranks_per_host: int | None = None) -> Profile:
         num_hosts=hosts,
         ranks_per_host=local,
     )
+
+
+def _call_of(
+    comm: Communicator, collective: str, algo: str, nbytes: int, opts: Options
+) -> Callable[[], object]:
+    """One call of ``algo`` on an S = ``nbytes`` message (nccl-tests' S, as the front door
+    measures it for ``choose``; a multiple of 4 x world size). Zeros in, so repeated in-place
+    sums stay exact and cheap."""
+    from commfuse.collectives import api
+
+    world = comm.world_size
+    elems = nbytes // 4
+    if collective in ("allreduce", "broadcast", "reduce"):
+        buf = torch.zeros(elems)
+        if collective == "allreduce":
+            return lambda: api.allreduce(comm, buf, "sum", algo=algo, **opts)
+        if collective == "broadcast":
+            return lambda: api.broadcast(comm, buf, 0, algo=algo, **opts)
+        return lambda: api.reduce(comm, buf, 0, "sum", algo=algo, **opts)
+    whole, piece = torch.zeros(elems), torch.zeros(elems // world)
+    if collective == "allgather":
+        return lambda: api.allgather(comm, whole, piece, algo=algo, **opts)
+    if collective == "reduce_scatter":
+        return lambda: api.reduce_scatter(comm, piece, whole, "sum", algo=algo, **opts)
+    if collective == "all_to_all":
+        other = torch.zeros_like(whole)
+        return lambda: api.all_to_all(comm, other, whole, algo=algo, **opts)
+    raise ValueError(f"unknown collective {collective!r}: use one of {', '.join(COLLECTIVES)}")
+
+
+def measure_algorithms(
+    comm: Communicator,
+    profile: Profile,
+    *,
+    sizes_bytes: Sequence[int] = CALIBRATION_SIZES,
+    collectives: Sequence[str] = COLLECTIVES,
+    algos: Sequence[str] | None = None,
+    reps: int = 5,
+) -> list[Measurement]:
+    """Step 4: (collective, algorithm, S bytes, seconds) for every registered algorithm (or
+    those named in ``algos``) at every size; identical on every rank (max over ranks, then the median over ``reps`` runs, or
+    ``SMALL_REPS_FACTOR`` times as many up to ``SMALL_BYTES_MAX``, paired with native's: see
+    ``_paired_medians``).
+
+    Run r of every (collective, size) comes before run r + 1 of any: the runs of one row are
+    spread over the whole calibration, so a burst of load from elsewhere (these machines are
+    shared) spoils one run of many rows, which the median drops, not every run of one row,
+    which would mislead the choice there for good. Buffers are made afresh for each pass so
+    that only one row's are alive at a time."""
+    if reps < 1:
+        raise ValueError(f"reps must be at least 1, got {reps}")
+    world = comm.world_size
+    rows: list[tuple[str, list[str], int, torch.Tensor]] = []
+    for collective in collectives:
+        names = sorted(algorithms_for(collective), key=lambda name: (name != "native", name))
+        # Only what choose can pick: an algorithm without a model here is never chosen.
+        names = [
+            name
+            for name in names
+            if (algos is None or name in algos)
+            and model_time(collective, name, 1 << 20, world, profile) < math.inf
+        ]
+        if not names:
+            continue
+        # Whole float32 elements and whole blocks of the world-sized buffers, smallest first.
+        for nbytes in sorted({4 * world * max(1, size // (4 * world)) for size in sizes_bytes}):
+            runs = reps * SMALL_REPS_FACTOR if nbytes <= SMALL_BYTES_MAX else reps
+            times = torch.zeros(len(names), runs, dtype=torch.float64)
+            rows.append((collective, names, nbytes, times))
+
+    def calls_of(collective: str, names: list[str], nbytes: int) -> list[Callable[[], object]]:
+        return [
+            _call_of(
+                comm,
+                collective,
+                name,
+                nbytes,
+                options_for(collective, name, nbytes, world, profile),
+            )
+            for name in names
+        ]
+
+    # Warm up every algorithm once (connections, sub-groups, allocator), at the smallest size.
+    warm: set[str] = set()
+    for collective, names, nbytes, _ in rows:
+        if collective not in warm:
+            warm.add(collective)
+            for call in calls_of(collective, names, nbytes):
+                call()
+    for rep in range(max((t.shape[1] for *_, t in rows), default=0)):
+        for collective, names, nbytes, times in rows:
+            if rep >= times.shape[1]:
+                continue
+            for i, call in enumerate(calls_of(collective, names, nbytes)):  # A B A B ...
+                comm.barrier()
+                start = time.perf_counter()
+                call()
+                times[i, rep] = time.perf_counter() - start
+    table: list[Measurement] = []
+    for collective, names, nbytes, times in rows:
+        # A collective takes as long as its slowest rank; max is exact, so every rank holds
+        # the same times and fits the same corrections.
+        comm.all_reduce(times, "max")
+        paired = _paired_medians(names, times.tolist())
+        for name, (seconds, error) in zip(names, paired, strict=True):
+            opts = options_for(collective, name, nbytes, world, profile)
+            block = int(opts.get("block_bytes", 0))
+            table.append(Measurement(collective, name, nbytes, seconds, block, error))
+    return table
+
+
+def _paired_medians(names: Sequence[str], runs: list[list[float]]) -> list[tuple[float, float]]:
+    """(seconds, relative standard error) per algorithm: native's median times the median of
+    the algorithm's ratio to native, paired run by run (runs r of all algorithms are back to
+    back, so load that drifts between runs cancels out of the ratio, on which the choice
+    hinges); the error is that of the median ratio, from its MAD."""
+    if "native" not in names:
+        return [(statistics.median(row), 0.0) for row in runs]
+    native = runs[list(names).index("native")]
+    base = statistics.median(native)
+    out = []
+    for name, row in zip(names, runs, strict=True):
+        if name == "native":
+            out.append((base, 0.0))
+            continue
+        ratios = [t / max(n, 1e-9) for t, n in zip(row, native, strict=True)]
+        mid = statistics.median(ratios)
+        spread = statistics.median(abs(r - mid) for r in ratios)
+        # Standard error of a median from the MAD: 1.253 * 1.4826 * MAD / sqrt(n).
+        out.append((base * mid, 1.858 * spread / math.sqrt(len(ratios)) / mid))
+    return out
+
+
+def fit_pipeline_alpha(
+    measurements: Sequence[Measurement], world_size: int, profile: Profile
+) -> dict[str, float]:
+    """Per pipelined collective, the per-block latency that makes its model meet its runs from
+    ``BLOCK_FIT_MIN_BYTES`` up (the median over sizes), never below the ping-pong's alpha.
+
+    The model is linear in alpha, ``T = T0 + steps * alpha`` at a given block, so each run
+    gives ``alpha = (T - T0) / steps``, with T0 and steps read off the model itself."""
+    link = _flat(profile)
+    fitted: dict[str, list[float]] = {}
+    for m in measurements:
+        if m.algo != "pipeline" or m.collective not in _LP_MODELS or m.block_bytes <= 0:
+            continue
+        if m.nbytes < BLOCK_FIT_MIN_BYTES:
+            continue
+        model = _LP_MODELS[m.collective]
+        base = model(m.nbytes, world_size, dataclasses.replace(link, alpha_s=0.0), m.block_bytes)
+        steps = model(m.nbytes, world_size, dataclasses.replace(link, alpha_s=1.0), m.block_bytes)
+        if steps - base > 0:
+            fitted.setdefault(m.collective, []).append((m.seconds - base) / (steps - base))
+    return {c: max(link.alpha_s, statistics.median(v)) for c, v in sorted(fitted.items())}
+
+
+def fit_corrections(
+    measurements: Sequence[Measurement], world_size: int, profile: Profile
+) -> Corrections:
+    """Per (collective, algorithm), the correction through its measured points (a pipeline's
+    model taken at the block each point ran with)."""
+    grouped: dict[tuple[str, str], list[Measurement]] = {}
+    for m in measurements:
+        grouped.setdefault((m.collective, m.algo), []).append(m)
+    corrections: Corrections = {}
+    for (collective, algo), points in grouped.items():
+        fit = fit_correction(
+            [m.nbytes for m in points],
+            [
+                _model_at_block(collective, algo, m.nbytes, world_size, profile, m.block_bytes)
+                for m in points
+            ],
+            [m.seconds for m in points],
+            [m.block_bytes for m in points],
+            [m.stderr for m in points],
+        )
+        if fit is not None:
+            corrections.setdefault(collective, {})[algo] = fit
+    return corrections
+
+
+def calibrate(
+    comm: Communicator,
+    ranks_per_host: int | None = None,
+    *,
+    sizes_bytes: Sequence[int] = CALIBRATION_SIZES,
+    reps: int = 5,
+) -> Profile:
+    """Measure alpha/beta/gamma, then every algorithm at ``sizes_bytes`` (none: skip) and fit
+    the corrections; every rank returns the same profile.
+
+    Where the front door runs auto's pipelines with the tuner's blocks, the pipelines first run
+    alone (blocks sized by the ping-pong's alpha, calibration sizes from
+    ``BLOCK_FIT_MIN_BYTES`` to ``BLOCK_FIT_MAX_BYTES``) to fit their per-block latency, which
+    sizes their blocks from then on. So the main pass times them with the very blocks
+    ``algo="auto"`` will use: a block the tuner picks is one it has measured, never only
+    modelled. Their corrections are taken against the model at those blocks."""
+    profile = _calibrate_links(comm, ranks_per_host)
+    world = comm.world_size
+    if world == 1 or not sizes_bytes:
+        return profile
+    profile = dataclasses.replace(profile, tuned_blocks=_front_door_asks_options(comm))
+    fit_sizes = [s for s in sizes_bytes if BLOCK_FIT_MIN_BYTES <= s <= BLOCK_FIT_MAX_BYTES]
+    if fit_sizes and profile.tuned_blocks:
+        first = measure_algorithms(
+            comm,
+            profile,
+            sizes_bytes=fit_sizes,
+            collectives=tuple(_LP_MODELS),
+            algos=("pipeline",),
+            reps=3,
+        )
+        profile = dataclasses.replace(
+            profile, pipeline_alpha_s=fit_pipeline_alpha(first, world, profile)
+        )
+    measured = measure_algorithms(comm, profile, sizes_bytes=sizes_bytes, reps=reps)
+    return dataclasses.replace(profile, corrections=fit_corrections(measured, world, profile))
+
+
+def describe(profile: Profile) -> list[dict[str, Any]]:
+    """One record per calibration point: measured, model and leave-one-out errors, and whether
+    ``choose`` picks that algorithm there (for ``commfuse tune``'s report)."""
+    world = profile.world_size
+    records: list[dict[str, Any]] = []
+    for collective, algos in profile.corrections.items():
+        rows = []
+        for algo, fix in algos.items():
+            loo = fix.leave_one_out_errors()
+            for i, (size, measured) in enumerate(
+                zip(fix.sizes_bytes, fix.measured_s, strict=False)
+            ):
+                block = fix.block_bytes[i] if i < len(fix.block_bytes) else 0
+                model = _model_at_block(collective, algo, size, world, profile, block)
+                rows.append(
+                    {
+                        "collective": collective,
+                        "algo": algo,
+                        "bytes": size,
+                        "block_bytes": block or None,
+                        "measured_s": measured,
+                        "model_s": model,
+                        "predicted_s": predict(collective, algo, size, world, profile),
+                        "model_err": model / measured - 1.0,
+                        "loo_err": loo[i],
+                        "chosen": choose_for(collective, size, world, profile) == algo,
+                    }
+                )
+        rows.sort(key=lambda r: (r["bytes"], r["measured_s"]))
+        records.extend(rows)
+    return records
