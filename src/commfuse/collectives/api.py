@@ -30,18 +30,23 @@ SUPPORTED_DTYPES = (
 )
 
 
-def _pick(comm: Communicator, collective: str, algo: str, nbytes: int) -> str:
+def _pick(
+    comm: Communicator, collective: str, algo: str, nbytes: int, opts: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """The algorithm to run and its options. ``auto`` asks the tuner for both (for pipelines,
+    the modelled best block size); options the caller gave explicitly win."""
     table = algorithms_for(collective)
     if algo == "auto":
-        from commfuse.collectives.tuner import choose
+        from commfuse.collectives.tuner import choose, choose_options
 
-        return choose(comm, collective, nbytes)
+        name = choose(comm, collective, nbytes)
+        return name, {**choose_options(comm, collective, name, nbytes), **opts}
     name = resolve(collective, algo)
     if name not in table:
         raise ValueError(
             f"unknown {collective} algorithm {algo!r}: use auto or one of {', '.join(sorted(table))}"
         )
-    return name
+    return name, opts
 
 
 def _check_tensor(tensor: torch.Tensor, what: str) -> None:
@@ -89,7 +94,7 @@ def allreduce(
         target = out
     if comm.world_size == 1 or target.numel() == 0:
         return CompletedHandle() if async_op else None
-    name = _pick(comm, "allreduce", algo, target.numel() * target.element_size())
+    name, opts = _pick(comm, "allreduce", algo, target.numel() * target.element_size(), opts)
     fn = algorithms_for("allreduce")[name]
 
     def body() -> None:
@@ -116,7 +121,7 @@ def broadcast(
         check_consistent(comm, tensor, "broadcast")
     if comm.world_size == 1 or tensor.numel() == 0:
         return CompletedHandle() if async_op else None
-    name = _pick(comm, "broadcast", algo, tensor.numel() * tensor.element_size())
+    name, opts = _pick(comm, "broadcast", algo, tensor.numel() * tensor.element_size(), opts)
     return _run(
         comm,
         f"broadcast.{name}",
@@ -147,7 +152,7 @@ def reduce(
         check_consistent(comm, tensor, "reduce")
     if comm.world_size == 1 or tensor.numel() == 0:
         return CompletedHandle() if async_op else None
-    name = _pick(comm, "reduce", algo, tensor.numel() * tensor.element_size())
+    name, opts = _pick(comm, "reduce", algo, tensor.numel() * tensor.element_size(), opts)
     fn = algorithms_for("reduce")[name]
 
     def body() -> None:
@@ -179,7 +184,7 @@ def allgather(
     if comm.world_size == 1 or inp.numel() == 0:
         out.view(-1).copy_(inp.view(-1))
         return CompletedHandle() if async_op else None
-    name = _pick(comm, "allgather", algo, out.numel() * out.element_size())
+    name, opts = _pick(comm, "allgather", algo, out.numel() * out.element_size(), opts)
     return _run(
         comm,
         f"allgather.{name}",
@@ -215,7 +220,7 @@ def reduce_scatter(
     if comm.world_size == 1 or out.numel() == 0:
         out.view(-1).copy_(inp.view(-1))
         return CompletedHandle() if async_op else None
-    name = _pick(comm, "reduce_scatter", algo, inp.numel() * inp.element_size())
+    name, opts = _pick(comm, "reduce_scatter", algo, inp.numel() * inp.element_size(), opts)
     fn = algorithms_for("reduce_scatter")[name]
 
     def body() -> None:
@@ -271,7 +276,7 @@ def all_to_all(
         out.copy_(inp)
         return CompletedHandle() if async_op else None
     row = max(1, inp[0].numel()) if inp.dim() and inp.shape[0] else 1
-    name = _pick(comm, "all_to_all", algo, inp.numel() * inp.element_size())
+    name, opts = _pick(comm, "all_to_all", algo, inp.numel() * inp.element_size(), opts)
     fn = algorithms_for("all_to_all")[name]
     if name == "native":
         return _run(

@@ -60,12 +60,13 @@ from commfuse.collectives.registry import COLLECTIVES, Options, algorithms_for
 from commfuse.comm import Communicator
 
 #: Message sizes (bytes, nccl-tests' S) that calibration times every algorithm at: every 4x, and
-#: 512 KB where the latency algorithms hand over to gloo's ring at 1 Gbit/s, so crossovers fall
-#: between two measured points.
+#: every 2x from 64 KB to 1 MB, where the pipeline, recursive doubling and gloo's ring hand over
+#: to each other at 1 Gbit/s (interpolating over 64-256 KB once put a 13% loss at 128 KB).
 CALIBRATION_SIZES: tuple[int, ...] = (
     4 << 10,
     16 << 10,
     64 << 10,
+    128 << 10,
     256 << 10,
     512 << 10,
     1 << 20,
@@ -269,6 +270,7 @@ _PROFILES: weakref.WeakKeyDictionary[Communicator, Profile] = weakref.WeakKeyDic
 def set_profile(comm: Communicator, profile: Profile) -> None:
     """Use ``profile`` for this communicator's ``algo="auto"`` choices (all ranks, same one)."""
     _PROFILES[comm] = profile
+    _CHOICES.pop(comm, None)
 
 
 def profile_of(comm: Communicator) -> Profile:
@@ -455,9 +457,19 @@ def options_for(
     return {}
 
 
+_CHOICES: weakref.WeakKeyDictionary[Communicator, dict[tuple[str, int], str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def choose(comm: Communicator, collective: str, nbytes: int) -> str:
-    """The algorithm with the lowest predicted time (the same on every rank)."""
-    return choose_for(collective, nbytes, comm.world_size, profile_of(comm))
+    """The algorithm with the lowest predicted time (the same on every rank), remembered per
+    (collective, size): evaluating every model costs ~0.1-0.2 ms, a lot beside a 4 KB message."""
+    cache = _CHOICES.setdefault(comm, {})
+    key = (collective, nbytes)
+    if key not in cache:
+        cache[key] = choose_for(collective, nbytes, comm.world_size, profile_of(comm))
+    return cache[key]
 
 
 def choose_options(comm: Communicator, collective: str, algo: str, nbytes: int) -> Options:
