@@ -175,10 +175,7 @@ def allgather(
     """``out`` (world_size x inp.numel() elements) receives every rank's ``inp`` in rank order."""
     _check_tensor(inp, "allgather input")
     _check_tensor(out, "allgather output")
-    if out.numel() != inp.numel() * comm.world_size or out.dtype != inp.dtype:
-        raise ValueError(
-            f"allgather output must hold world_size x input = {comm.world_size} x {inp.numel()} {inp.dtype} elements, got {out.numel()} {out.dtype}"
-        )
+    _check_world_multiple("allgather output", out, "input", inp, comm.world_size)
     if comm.config.validate:
         check_consistent(comm, inp, "allgather")
     if comm.world_size == 1 or inp.numel() == 0:
@@ -211,10 +208,7 @@ def reduce_scatter(
     _check_tensor(inp, "reduce_scatter input")
     _check_tensor(out, "reduce_scatter output")
     check_op(op, inp.dtype)
-    if inp.numel() != out.numel() * comm.world_size or out.dtype != inp.dtype:
-        raise ValueError(
-            f"reduce_scatter input must hold world_size x output = {comm.world_size} x {out.numel()} {out.dtype} elements, got {inp.numel()} {inp.dtype}"
-        )
+    _check_world_multiple("reduce_scatter input", inp, "output", out, comm.world_size)
     if comm.config.validate:
         check_consistent(comm, inp, "reduce_scatter")
     if comm.world_size == 1 or out.numel() == 0:
@@ -305,6 +299,17 @@ def all_to_all(
         elems_in,
         **opts,
     )
+
+
+def _check_world_multiple(
+    whole_name: str, whole: torch.Tensor, part_name: str, part: torch.Tensor, world: int
+) -> None:
+    """The buffer that holds every rank's block must be world_size blocks of the same dtype."""
+    if whole.numel() != part.numel() * world or whole.dtype != part.dtype:
+        raise ValueError(
+            f"{whole_name} must hold world_size x {part_name} = {world} x {part.numel()} "
+            f"{part.dtype} elements, got {whole.numel()} {whole.dtype}"
+        )
 
 
 def _check_root(comm: Communicator, root: int) -> None:
