@@ -13,23 +13,25 @@ import pytest
 
 from commfuse.cluster.netlab import netlab_unavailable_reason
 from commfuse.collectives import cost as C
+from commfuse.collectives.calibration import (
+    _paired_medians,
+    calibrate,
+    fit_corrections,
+    fit_pipeline_alpha,
+    measure_algorithms,
+)
 from commfuse.collectives.registry import COLLECTIVES, algorithms_for
 from commfuse.collectives.tuner import (
     NEAR_TIE,
     Correction,
     Measurement,
     Profile,
-    _paired_medians,
     best_block_bytes,
-    calibrate,
     choose,
     choose_for,
     choose_options,
     describe,
     fit_correction,
-    fit_corrections,
-    fit_pipeline_alpha,
-    measure_algorithms,
     model_time,
     options_for,
     predict,

@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _calibrate_on_rank(sizes: list[int], reps: int) -> str:
-    from commfuse.collectives.tuner import calibrate
+    from commfuse.collectives.calibration import calibrate
     from commfuse.comm import Communicator
 
     return calibrate(Communicator(), sizes_bytes=sizes, reps=reps).to_json()
