@@ -31,8 +31,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_topology_arguments(coll, default_hosts=4)
-    coll.set_defaults(link="1gbit")
+    add_topology_arguments(coll, default_hosts=4, default_link="1gbit")
     coll.add_argument(
         "--op", default=DEFAULT_OPS, help=f"comma list of collectives (default {DEFAULT_OPS})"
     )
@@ -82,12 +81,8 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
     from commfuse.cluster.netlab import NetlabError
 
     try:
-        link = (
-            None
-            if str(args.link).lower() in ("none", "0", "off") and args.link != "0"
-            else args.link
-        )
-        args.link = link
+        if str(args.link).lower() in ("none", "off"):
+            args.link = None  # the default is shaped; this is how to ask for unshaped
         topology = topology_from_args(args)
         config = CollectiveBenchConfig(
             ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),

@@ -17,7 +17,9 @@ from commfuse.cluster.netlab import NetlabError
 from commfuse.cluster.topology import Topology
 
 
-def add_topology_arguments(parser: argparse.ArgumentParser, *, default_hosts: int = 1) -> None:
+def add_topology_arguments(
+    parser: argparse.ArgumentParser, *, default_hosts: int = 1, default_link: str | None = None
+) -> None:
     """--hosts / --ranks-per-host / --link / --no-emulate, shared by every command that runs ranks."""
     group = parser.add_argument_group("cluster")
     group.add_argument(
@@ -31,8 +33,8 @@ def add_topology_arguments(parser: argparse.ArgumentParser, *, default_hosts: in
     )
     group.add_argument(
         "--link",
-        default=None,
-        help="each host's link rate, e.g. 100mbit, 1gbit (default: unshaped)",
+        default=default_link,
+        help=f"each host's link rate, e.g. 100mbit, 1gbit (default: {default_link or 'unshaped'})",
     )
     group.add_argument(
         "--no-emulate",

@@ -82,41 +82,37 @@ class JobResult:
         return 0 if self.failure is None else 1
 
 
-class _OutputPump:
-    """Copy one rank's stream to ours line by line with a ``[rank N]`` prefix."""
+def _start_pump(
+    rank: int,
+    stream: IO[bytes],
+    sink: IO[str],
+    lock: threading.Lock,
+    tail: collections.deque[str] | None,
+) -> threading.Thread:
+    """Copy one rank's stream to ours line by line with a ``[rank N]`` prefix, on a thread."""
+    thread = threading.Thread(target=_pump, args=(rank, stream, sink, lock, tail), daemon=True)
+    thread.start()
+    return thread
 
-    def __init__(
-        self,
-        rank: int,
-        stream: IO[bytes],
-        sink: IO[str],
-        lock: threading.Lock,
-        tail: collections.deque[str] | None,
-    ) -> None:
-        self.thread = threading.Thread(
-            target=self._pump, args=(rank, stream, sink, lock, tail), daemon=True
-        )
-        self.thread.start()
 
-    @staticmethod
-    def _pump(
-        rank: int,
-        stream: IO[bytes],
-        sink: IO[str],
-        lock: threading.Lock,
-        tail: collections.deque[str] | None,
-    ) -> None:
-        prefix = f"[rank {rank}] "
-        with stream:
-            for raw in iter(stream.readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip("\n")
-                if any(noise in line for noise in KNOWN_NOISE):
-                    continue
-                if tail is not None and line.strip():
-                    tail.append(line)
-                with lock:
-                    sink.write(prefix + line + "\n")
-                    sink.flush()
+def _pump(
+    rank: int,
+    stream: IO[bytes],
+    sink: IO[str],
+    lock: threading.Lock,
+    tail: collections.deque[str] | None,
+) -> None:
+    prefix = f"[rank {rank}] "
+    with stream:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            if any(noise in line for noise in KNOWN_NOISE):
+                continue
+            if tail is not None and line.strip():
+                tail.append(line)
+            with lock:
+                sink.write(prefix + line + "\n")
+                sink.flush()
 
 
 def kill_group(pid: int | None, sig: int, *, group_only: bool = False) -> None:
@@ -150,13 +146,13 @@ def supervise(
     err = sys.stderr if stderr is None else stderr
     lock = threading.Lock()
     tails = {rank: collections.deque[str](maxlen=20) for rank in range(len(procs))}
-    pumps: list[_OutputPump] = []
-    err_pumps: dict[int, _OutputPump] = {}
+    pumps: list[threading.Thread] = []
+    err_pumps: dict[int, threading.Thread] = {}
     for rank, (rank_out, rank_err) in enumerate(streams):
         if rank_out is not None:
-            pumps.append(_OutputPump(rank, rank_out, out, lock, None))
+            pumps.append(_start_pump(rank, rank_out, out, lock, None))
         if rank_err is not None:
-            err_pumps[rank] = _OutputPump(rank, rank_err, err, lock, tails[rank])
+            err_pumps[rank] = _start_pump(rank, rank_err, err, lock, tails[rank])
             pumps.append(err_pumps[rank])
 
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
@@ -186,7 +182,7 @@ def supervise(
             if code != 0:
                 # Let the pump drain the rank's last lines so the message can name the error.
                 if rank in err_pumps:
-                    err_pumps[rank].thread.join(timeout=1.0)
+                    err_pumps[rank].join(timeout=1.0)
                 result.failure = RankFailure(
                     rank=rank, host=host_of(rank), exit_code=code, error=_last_error(tails[rank])
                 )
@@ -203,7 +199,7 @@ def supervise(
         _stop_all(procs, exit_codes, exits)
         restore()
         for pump in pumps:
-            pump.thread.join(timeout=2.0)
+            pump.join(timeout=2.0)
     result.stderr_tail = {rank: list(tail) for rank, tail in tails.items()}
     return result
 

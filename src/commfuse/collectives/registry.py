@@ -54,9 +54,18 @@ def label(collective: str, name: str) -> str:
 
 
 #: Short names (the issue's and MPI folklore's) accepted wherever an algorithm is named.
-ALIASES: dict[str, str] = {"lp": "pipeline", "rd": "doubling", "rab": "rabenseifner", "hier": "hierarchical", "mst": "tree"}
+ALIASES: dict[str, str] = {
+    "lp": "pipeline",
+    "rd": "doubling",
+    "rab": "rabenseifner",
+    "hier": "hierarchical",
+    "mst": "tree",
+}
 #: Where a short name means a different member of the family for one collective.
-_ALIASES_BY_COLLECTIVE: dict[tuple[str, str], str] = {("reduce_scatter", "rab"): "halving", ("reduce_scatter", "rh"): "halving"}
+_ALIASES_BY_COLLECTIVE: dict[tuple[str, str], str] = {
+    ("reduce_scatter", "rab"): "halving",
+    ("reduce_scatter", "rh"): "halving",
+}
 
 
 def resolve(collective: str, name: str) -> str:

@@ -35,8 +35,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_topology_arguments(parser, default_hosts=4)
-    parser.set_defaults(link="1gbit")
+    add_topology_arguments(parser, default_hosts=4, default_link="1gbit")
     parser.add_argument(
         "--out", default="commfuse-profile.json", help="where to write the profile JSON"
     )

@@ -7,7 +7,7 @@ from commfuse.comm.errors import (
     InconsistentInputError,
     PeerFailureError,
 )
-from commfuse.comm.handle import Handle, HandleGroup, wait_all
+from commfuse.comm.handle import Handle, wait_all
 from commfuse.comm.stats import CommStats, OpCounters
 from commfuse.comm.trace import Trace, TraceEvent, merge_chrome_traces
 
@@ -18,7 +18,6 @@ __all__ = [
     "CommTimeoutError",
     "Communicator",
     "Handle",
-    "HandleGroup",
     "InconsistentInputError",
     "OpCounters",
     "PeerFailureError",

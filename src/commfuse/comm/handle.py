@@ -142,24 +142,6 @@ def _stamp(event: TraceEvent) -> None:
         event.end_us = now_us()
 
 
-class HandleGroup:
-    """Several handles waited as one (e.g. the sends and receives of one ring step)."""
-
-    def __init__(self, handles: Sequence[Waitable], then: Callable[[], None] | None = None) -> None:
-        self._handles = list(handles)
-        self._then = then
-
-    def is_completed(self) -> bool:
-        return all(h.is_completed() for h in self._handles)
-
-    def wait(self, deadline_s: float | None = None) -> None:
-        for handle in self._handles:
-            handle.wait(deadline_s)
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
-
-
 def wait_all(handles: Sequence[Waitable], deadline_s: float | None = None) -> None:
     for handle in handles:
         handle.wait(deadline_s)
