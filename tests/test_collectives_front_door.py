@@ -89,6 +89,28 @@ def async_then_sync_keeps_order(algo: str) -> bool:
     )
 
 
+def rounds_inside_a_queued_function() -> tuple[float, float]:
+    """A compressor runs several collectives in one queued function (PowerSGD's two rounds);
+    they run in order on the worker instead of waiting for themselves."""
+    from commfuse.collectives.executor import submit
+
+    comm = Communicator()
+
+    def two_rounds() -> float:
+        first = torch.ones(4) * (comm.rank + 1)
+        C.allreduce(comm, first, "sum", algo="ring")
+        second = first.clone()
+        inner = C.allreduce(comm, second, "max", algo="doubling", async_op=True)
+        assert inner is not None
+        inner.wait()
+        return float(first[0] + second[0])
+
+    handle = submit(comm, "two rounds", two_rounds)
+    after = torch.ones(2) * comm.rank
+    C.allreduce(comm, after, "max", algo="native")  # queued behind the two rounds
+    return float(handle.result()), float(after[0])
+
+
 def mismatched_lengths(algo: str) -> None:
     comm = Communicator(config=CommConfig(validate=True, deadline_s=10))
     C.allreduce(comm, torch.ones(100 + comm.rank), algo=algo)
@@ -143,6 +165,11 @@ def test_out_of_place_allreduce_leaves_the_input(pool, world: int) -> None:
 @pytest.mark.parametrize("algo", ["ring", "rabenseifner", "doubling", "pipeline", "native"])
 def test_async_then_sync_on_every_rank(pool, algo: str) -> None:
     assert all(pool(3).run(async_then_sync_keeps_order, algo))
+
+
+def test_collectives_inside_a_queued_function_run_in_order(pool) -> None:
+    for total, after in pool(3).run(rounds_inside_a_queued_function):
+        assert (total, after) == (12.0, 2.0)
 
 
 @pytest.mark.parametrize("algo", ["ring", "pipeline"])

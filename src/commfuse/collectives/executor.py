@@ -33,9 +33,13 @@ class CollectiveHandle:
         return self._future.done()
 
     def wait(self, deadline_s: float | None = None) -> None:
+        self.result(deadline_s)
+
+    def result(self, deadline_s: float | None = None) -> Any:
+        """Wait, then return what the queued function returned (re-raising its error)."""
         limit = self._comm.config.deadline_s if deadline_s is None else deadline_s
         try:
-            self._future.result(timeout=limit)
+            return self._future.result(timeout=limit)
         except FutureTimeout:
             raise CommTimeoutError(
                 f"rank {self._comm.rank}, {self.description}: not finished within the {limit:g} s deadline "
@@ -57,6 +61,9 @@ class CompletedHandle:
     def wait(self, deadline_s: float | None = None) -> None:
         return None
 
+    def result(self, deadline_s: float | None = None) -> Any:
+        return None
+
 
 _EXECUTORS: weakref.WeakKeyDictionary[Communicator, ThreadPoolExecutor] = (
     weakref.WeakKeyDictionary()
@@ -74,6 +81,24 @@ def _executor_for(comm: Communicator) -> ThreadPoolExecutor:
         return executor
 
 
+_WORKER = threading.local()
+"""Set on a communicator's worker thread, so collectives issued from inside a queued function
+(a compressor's several rounds, a hook) run directly instead of waiting on themselves."""
+
+
+def on_worker_thread() -> bool:
+    """True inside a function queued with ``submit`` (on any communicator's worker)."""
+    return bool(getattr(_WORKER, "active", False))
+
+
+def _in_worker(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    _WORKER.active = True
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _WORKER.active = False
+
+
 _LAST: weakref.WeakKeyDictionary[Communicator, CollectiveHandle] = weakref.WeakKeyDictionary()
 
 
@@ -81,7 +106,17 @@ def submit(
     comm: Communicator, description: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> CollectiveHandle:
     """Queue ``fn(*args, **kwargs)`` behind the communicator's earlier collectives."""
-    handle = CollectiveHandle(_executor_for(comm).submit(fn, *args, **kwargs), comm, description)
+    if on_worker_thread():
+        # Already on a worker, in issue order: run now (queueing would wait on ourselves).
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as err:
+            future.set_exception(err)
+        return CollectiveHandle(future, comm, description)
+    handle = CollectiveHandle(
+        _executor_for(comm).submit(_in_worker, fn, *args, **kwargs), comm, description
+    )
     _LAST[comm] = handle
     return handle
 
@@ -89,6 +124,8 @@ def submit(
 def drain(comm: Communicator) -> None:
     """Wait for the communicator's queued collectives, so a synchronous one issued now runs
     after them, in the same order on every rank."""
+    if on_worker_thread():
+        return
     last = _LAST.pop(comm, None)
     if last is not None:
         last.wait()
