@@ -15,6 +15,9 @@ from typing import Any
 
 from commfuse.units import parse_sizes
 
+#: Modules that each add one ``commfuse bench`` sub-command with ``register_bench(bench_sub)``.
+_BENCH_MODULES: tuple[str, ...] = ()
+
 #: The embedded default: a short sweep on an emulated 4-host, 1 Gbit/s cluster.
 DEFAULT_SIZES = "64K,1M,16M"
 DEFAULT_OPS = "allreduce,broadcast,allgather"
@@ -68,6 +71,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--timeout", type=float, default=600.0, help="stop the job after this many seconds"
     )
     coll.set_defaults(func=run_bench_collectives)
+    import importlib
+
+    for module in _BENCH_MODULES:
+        importlib.import_module(module).register_bench(bench_sub)
 
 
 def run_bench_collectives(args: argparse.Namespace) -> int:
