@@ -1,0 +1,300 @@
+"""``PeriodicSyncOptimizer``: local SGD, post-local SGD, SlowMo, DiLoCo and streaming DiLoCo as
+one optimizer wrapper.
+
+Use it like PyTorch's ``PostLocalSGDOptimizer``: wrap the inner optimizer, call ``step()``
+after each backward. No gradient communication happens between synchronisations (the model is
+*not* wrapped in DDP); every rank trains its replica on its own data, and every H steps (per
+fragment) the replicas exchange their pseudo-gradients and apply the outer step
+(``outer.py``)::
+
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = PeriodicSyncOptimizer(inner, model, comm, config_from_preset("diloco", {"H": "50"}))
+    for batch in data:
+        loss_fn(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+What happens in ``step()``:
+
+1. During the first ``warmup_steps`` (post-local SGD), gradients are averaged over all ranks
+   before the inner step: synchronous data parallel. With ``hierarchical``, gradients are
+   averaged inside each host every step instead, and the periodic exchange runs only between
+   hosts (one replica per host position), so the slow links carry H times less.
+2. The inner optimizer steps.
+3. For each fragment due at this step: ``delta = anchor - params`` is averaged (commfuse
+   allreduce, or a ``commfuse.compress`` compressor with error feedback when configured: outer
+   updates both rare and small), and the outer step is applied. With ``overlap_steps = tau``
+   (streaming DiLoCo), the exchange runs on the communicator's worker thread while the next
+   tau inner steps run; the outer update is then applied to the anchor, and the parameters are
+   set to ``mix_global * anchor + (1 - mix_global) * params``. The delay is exactly tau inner
+   steps on every rank, so replicas stay in step.
+
+Metrics: ``syncs`` lists one ``SyncRecord`` per exchange (step, fragment, elements, the drift
+between this replica and the average before the exchange); bytes come from ``comm.stats``.
+Checkpoint: ``state_dict()`` holds the inner optimizer, the step counter, anchors, outer
+momenta, in-flight exchanges (waited for and stored) and the compressor's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from commfuse import collectives
+from commfuse.collectives.executor import submit
+from commfuse.comm import Communicator
+from commfuse.localsgd.config import PeriodicSyncConfig
+from commfuse.localsgd.fragments import fragments_due, split_into_fragments
+from commfuse.localsgd.outer import outer_sgd_
+
+
+@dataclass
+class SyncRecord:
+    """One synchronisation of one fragment."""
+
+    step: int
+    """Inner step after which the exchange started."""
+    fragment: int
+    numel: int
+    """Elements exchanged."""
+    drift: float
+    """L2 distance between this replica and the replicas' average before the exchange."""
+    relative_drift: float
+    """``drift`` divided by the L2 norm of the anchor."""
+
+
+@dataclass
+class _Pending:
+    fragment: int
+    sent_at_step: int
+    apply_at_step: int
+    delta_avg: torch.Tensor
+    handle: Any  # a collective handle, or None once finished
+
+
+class PeriodicSyncOptimizer:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        module: nn.Module,
+        comm: Communicator,
+        config: PeriodicSyncConfig,
+    ) -> None:
+        self.inner = optimizer
+        self.config = config
+        self.world_comm = comm
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the module has no trainable parameters")
+        if config.hierarchical:
+            self.grad_comm, self.outer_comm = comm.split_by_host(config.ranks_per_host)
+        else:
+            self.grad_comm, self.outer_comm = comm, comm
+        self.fragments = split_into_fragments(self.params, config.num_fragments)
+        # Replicas must start equal: rank 0's parameters everywhere.
+        with torch.no_grad():
+            for p in self.params:
+                collectives.broadcast(comm, p.data, 0, algo="native")
+        self.anchors = [self._flat(f).clone() for f in range(len(self.fragments))]
+        use_momentum = config.outer_momentum > 0
+        self.momenta = [torch.zeros_like(a) if use_momentum else None for a in self.anchors]
+        self.step_count = 0
+        self.syncs: list[SyncRecord] = []
+        self._pending: list[_Pending] = []
+        self._locals: dict[tuple[int, int], torch.Tensor] = {}
+        """Each in-flight exchange's local delta, by (fragment, step sent), for the drift."""
+        self.exchanges_started = 0
+        """Exchanges begun so far (the compressor's step index: the same on every rank)."""
+        self._compressor: Any = None
+        if config.compressor:
+            from commfuse.compress import make_compressor
+
+            self._compressor = make_compressor(config.compressor, algo=config.algo)
+
+    # -- the optimizer interface ------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        """One inner step, then whatever synchronisation is due (see the module docstring)."""
+        warm = self.step_count < self.config.warmup_steps
+        if warm:
+            self._average_gradients(self.world_comm)
+        elif self.config.hierarchical:
+            self._average_gradients(self.grad_comm)
+        self.inner.step()
+        self.step_count += 1
+        if warm or self.step_count == self.config.warmup_steps:
+            # Still synchronous: replicas are equal, so the anchor simply follows them.
+            for f, anchor in enumerate(self.anchors):
+                anchor.copy_(self._flat(f))
+            return
+        self._apply_arrived()
+        periodic_step = self.step_count - self.config.warmup_steps
+        for f in fragments_due(periodic_step, len(self.fragments), self.config.period_steps):
+            self._start_exchange(f)
+        self._apply_arrived()
+
+    def finish(self) -> None:
+        """Wait for and apply every exchange in flight (end of training)."""
+        for pending in self._pending:
+            pending.apply_at_step = self.step_count
+        self._apply_arrived()
+
+    # -- internals --------------------------------------------------------------------------
+    def _flat(self, fragment: int) -> torch.Tensor:
+        return torch.cat([self.params[i].detach().reshape(-1) for i in self.fragments[fragment]])
+
+    def _write(self, fragment: int, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for i in self.fragments[fragment]:
+                p = self.params[i]
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def _average_gradients(self, comm: Communicator) -> None:
+        if comm.world_size == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        collectives.allreduce(comm, flat, "avg", algo=self.config.algo)
+        offset = 0
+        for p in self.params:
+            chunk = flat[offset : offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = chunk.clone()
+            else:
+                p.grad.copy_(chunk)
+            offset += p.numel()
+
+    def _start_exchange(self, fragment: int) -> None:
+        delta = self.anchors[fragment] - self._flat(fragment)
+        local = delta.clone()
+        sync_index = self.exchanges_started
+        self.exchanges_started += 1
+        comm = self.outer_comm
+
+        def exchange() -> None:
+            if comm.world_size == 1:
+                return
+            if self._compressor is not None:
+                self._compressor.reduce_(comm, delta, bucket=fragment, step=sync_index)
+            else:
+                collectives.allreduce(comm, delta, "avg", algo=self.config.algo)
+
+        if self.config.overlap_steps > 0:
+            handle = submit(comm, f"outer exchange of fragment {fragment}", exchange)
+        else:
+            exchange()
+            handle = None
+        self._pending.append(
+            _Pending(
+                fragment,
+                self.step_count,
+                self.step_count + self.config.overlap_steps,
+                delta,
+                handle,
+            )
+        )
+        # The drift is known once the average is; record it when the exchange is applied.
+        self._locals[(fragment, self.step_count)] = local
+
+    def _apply_arrived(self) -> None:
+        keep: list[_Pending] = []
+        for pending in self._pending:
+            if pending.apply_at_step > self.step_count:
+                keep.append(pending)
+                continue
+            if pending.handle is not None:
+                pending.handle.wait()
+                pending.handle = None
+            self._apply(pending)
+        self._pending = keep
+
+    def _apply(self, pending: _Pending) -> None:
+        f, avg = pending.fragment, pending.delta_avg
+        sent_at = pending.sent_at_step
+        local = self._locals.pop((f, sent_at), None)
+        anchor = self.anchors[f]
+        if local is not None:
+            drift = float((local - avg).norm())
+            scale = float(anchor.norm()) or 1.0
+            self.syncs.append(SyncRecord(sent_at, f, avg.numel(), drift, drift / scale))
+        cfg = self.config
+        outer_sgd_(
+            anchor,
+            avg,
+            self.momenta[f],
+            lr=cfg.outer_lr,
+            mu=cfg.outer_momentum,
+            nesterov=cfg.nesterov,
+        )
+        if cfg.overlap_steps > 0 and cfg.mix_global < 1.0:
+            merged = anchor * cfg.mix_global + self._flat(f) * (1.0 - cfg.mix_global)
+            self._write(f, merged)
+        else:
+            self._write(f, anchor)
+
+    # -- checkpoint -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: inner optimizer, step counter, anchors, outer
+        momenta, exchanges in flight (waited for, stored with their local deltas), and the
+        compressor's state (error feedback)."""
+        pending = []
+        for p in self._pending:
+            if p.handle is not None:
+                p.handle.wait()
+                p.handle = None
+            local = self._locals.get((p.fragment, p.sent_at_step))
+            pending.append(
+                {
+                    "fragment": p.fragment,
+                    "sent_at_step": p.sent_at_step,
+                    "apply_at_step": p.apply_at_step,
+                    "delta_avg": p.delta_avg.clone(),
+                    "local": None if local is None else local.clone(),
+                }
+            )
+        return {
+            "inner": self.inner.state_dict(),
+            "step_count": self.step_count,
+            "anchors": [a.clone() for a in self.anchors],
+            "momenta": [None if m is None else m.clone() for m in self.momenta],
+            "pending": pending,
+            "exchanges_started": self.exchanges_started,
+            "compressor": None if self._compressor is None else self._compressor.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["anchors"]) != len(self.anchors):
+            raise ValueError(
+                f"checkpoint has {len(state['anchors'])} fragments, this optimizer {len(self.anchors)}"
+            )
+        self.inner.load_state_dict(state["inner"])
+        self.step_count = int(state["step_count"])
+        for mine, saved in zip(self.anchors, state["anchors"], strict=True):
+            mine.copy_(saved)
+        for f, saved in enumerate(state["momenta"]):
+            self.momenta[f] = None if saved is None else saved.clone()
+        self._locals = {}
+        self._pending = []
+        for p in state["pending"]:
+            sent_at = int(p["sent_at_step"])
+            self._pending.append(
+                _Pending(p["fragment"], sent_at, p["apply_at_step"], p["delta_avg"].clone(), None)
+            )
+            if p["local"] is not None:
+                self._locals[(p["fragment"], sent_at)] = p["local"].clone()
+        self.exchanges_started = int(state["exchanges_started"])
+        if self._compressor is not None and state["compressor"] is not None:
+            self._compressor.load_state_dict(state["compressor"])

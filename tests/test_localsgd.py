@@ -1,0 +1,284 @@
+"""Local SGD, post-local SGD, SlowMo, DiLoCo and streaming DiLoCo against exact references.
+
+References are computed independently: plain inner training on one rank; torch's own DDP for
+H = 1; and for DiLoCo a single-process replay of every replica with the outer Nesterov step
+written out by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from commfuse.comm import Communicator
+from commfuse.localsgd import PeriodicSyncOptimizer, config_from_preset
+from commfuse.localsgd.fragments import fragments_due, split_into_fragments
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(6, 4, generator=g)
+    return x, x[:, :2] * 0.5 - x[:, 2:] ** 2
+
+
+def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = batch(rank, step)
+    return ((model(x) - y) ** 2).mean()
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def train(
+    name: str, options: dict[str, str], steps: int, *, inner: str = "sgd"
+) -> tuple[torch.Tensor, PeriodicSyncOptimizer]:
+    comm = Communicator()
+    model = tiny_model()
+    opt_inner: torch.optim.Optimizer = (
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        if inner == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=0.01)
+    )
+    opt = PeriodicSyncOptimizer(opt_inner, model, comm, config_from_preset(name, options))
+    for step in range(steps):
+        loss_of(model, comm.rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.finish()
+    return flat_params(model), opt
+
+
+# -- one rank: every strategy is its inner optimizer ---------------------------------------
+PLAIN = [
+    ("localsgd", {"H": "3"}),
+    ("postlocal", {"H": "3", "warmup": "2"}),
+    ("slowmo", {"H": "3", "beta": "0"}),
+    ("diloco", {"H": "3", "outer_lr": "1", "outer_momentum": "0"}),
+    (
+        "streaming-diloco",
+        {
+            "H": "4",
+            "fragments": "2",
+            "outer_lr": "1",
+            "outer_momentum": "0",
+            "overlap": "0",
+            "mix": "1",
+        },
+    ),
+]
+
+
+def one_rank_equals_inner(name: str, options: dict[str, str]) -> float:
+    got, _ = train(name, options, 7, inner="adamw")
+    model = tiny_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(7):
+        loss_of(model, 0, step).backward()
+        inner.step()
+        inner.zero_grad()
+    return float((got - flat_params(model)).abs().max())
+
+
+@pytest.mark.parametrize(("name", "options"), PLAIN)
+def test_one_rank_equals_inner_optimizer(pool, name: str, options: dict[str, str]) -> None:
+    (err,) = pool(1).run(one_rank_equals_inner, name, options)
+    assert err < 1e-6
+
+
+# -- H = 1 local SGD with plain SGD is synchronous data parallel ---------------------------
+def h1_equals_ddp() -> tuple[float, int, int]:
+    got, opt = train("localsgd", {"H": "1", "algo": "native"}, 5)
+    comm = opt.world_comm
+    calls = comm.stats["all_reduce"].calls
+    model = tiny_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(5):
+        loss_of(ddp, comm.rank, step).backward()
+        sgd.step()
+        sgd.zero_grad()
+    ref = flat_params(model)
+    # Averaging parameters instead of gradients reorders float32 rounding: compare at the
+    # parameters' scale.
+    return float((got - ref).abs().max() / ref.abs().max()), calls, got.numel()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_h1_local_sgd_equals_synchronous_data_parallel(pool, world: int) -> None:
+    for rel, calls, _ in pool(world).run(h1_equals_ddp):
+        assert rel < 1e-6
+        assert calls == 5  # one exchange of the whole model per step, nothing else
+
+
+# -- DiLoCo against a hand-computed replay of every replica --------------------------------
+def diloco_vs_replay(period: int, periods: int) -> tuple[float, int, int, list[float]]:
+    steps = period * periods
+    got, opt = train(
+        "diloco",
+        {"H": str(period), "outer_lr": "0.7", "outer_momentum": "0.9", "algo": "native"},
+        steps,
+        inner="adamw",
+    )
+    world = opt.world_comm.world_size
+    replicas = [tiny_model() for _ in range(world)]
+    inners = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in replicas]
+    anchor = flat_params(replicas[0]).clone()
+    momentum = torch.zeros_like(anchor)
+    for p_index in range(periods):
+        for local in range(period):
+            step = p_index * period + local
+            for rank, (m, o) in enumerate(zip(replicas, inners, strict=True)):
+                loss_of(m, rank, step).backward()
+                o.step()
+                o.zero_grad()
+        deltas = [anchor - flat_params(m) for m in replicas]
+        delta = sum(deltas[1:], deltas[0]) / world
+        momentum = 0.9 * momentum + delta
+        anchor = anchor - 0.7 * (delta + 0.9 * momentum)  # Nesterov
+        for m in replicas:
+            torch.nn.utils.vector_to_parameters(anchor.clone(), m.parameters())
+    sent = opt.world_comm.stats["all_reduce"]
+    return (
+        float((got - anchor).abs().max()),
+        sent.calls,
+        sent.payload_bytes,
+        [s.drift for s in opt.syncs],
+    )
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_diloco_outer_step_matches_hand_computed_reference(pool, world: int) -> None:
+    for err, calls, payload, drifts in pool(world).run(diloco_vs_replay, 3, 2):
+        assert err < 1e-5
+        numel = sum(p.numel() for p in tiny_model().parameters())
+        assert (calls, payload) == (2, 2 * numel * 4)  # two exchanges of the model, fp32
+        assert len(drifts) == 2 and all(d > 0 for d in drifts)  # replicas did drift apart
+
+
+# -- streaming: fragments, staggering, overlap ---------------------------------------------
+def test_fragments_cover_every_parameter_once_per_cycle() -> None:
+    params = [torch.zeros(n) for n in (7, 1, 30, 2, 2, 9, 100, 3)]
+    for num_fragments, period in [(1, 5), (2, 4), (4, 8), (3, 10), (8, 8)]:
+        fragments = split_into_fragments(params, num_fragments)
+        assert sorted(i for f in fragments for i in f) == list(range(len(params)))
+        for cycle_start in (1, 1 + period, 1 + 5 * period):
+            due = [
+                f
+                for t in range(cycle_start, cycle_start + period)
+                for f in fragments_due(t, num_fragments, period)
+            ]
+            assert sorted(due) == list(range(num_fragments))  # each exactly once per H steps
+    with pytest.raises(ValueError, match="cannot fill"):
+        split_into_fragments(params[:2], 3)
+
+
+def streaming_bytes() -> tuple[list[int], int, list[int]]:
+    _, opt = train(
+        "streaming-diloco",
+        {"H": "4", "fragments": "2", "overlap": "1", "algo": "native"},
+        8,
+        inner="adamw",
+    )
+    sizes = [sum(opt.params[i].numel() for i in f) for f in opt.fragments]
+    return sizes, opt.world_comm.stats["all_reduce"].payload_bytes, [s.step for s in opt.syncs]
+
+
+def test_streaming_sends_each_fragment_at_its_own_step(pool) -> None:
+    for sizes, payload, steps in pool(2).run(streaming_bytes):
+        # 8 steps, H=4, 2 fragments: fragment 1 at steps 2 and 6, fragment 0 at 4 and 8.
+        assert steps == [2, 4, 6, 8]
+        assert payload == 4 * 2 * sum(sizes)
+        assert max(sizes) < sum(sizes)  # one sync moves only part of the model
+
+
+# -- checkpoint in the middle of a period --------------------------------------------------
+def resume_mid_period(name: str, options: dict[str, str]) -> float:
+    comm = Communicator()
+    straight, _ = train(name, options, 9, inner="adamw")
+
+    model = tiny_model()
+    opt = PeriodicSyncOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        model,
+        comm,
+        config_from_preset(name, options),
+    )
+    for step in range(5):
+        loss_of(model, comm.rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict())
+
+    model2 = tiny_model()
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(1.0)  # garbage, overwritten by the checkpoint
+    opt2 = PeriodicSyncOptimizer(
+        torch.optim.AdamW(model2.parameters(), lr=0.01),
+        model2,
+        comm,
+        config_from_preset(name, options),
+    )
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    for step in range(5, 9):
+        loss_of(model2, comm.rank, step).backward()
+        opt2.step()
+        opt2.zero_grad()
+    opt2.finish()
+    return float((straight - flat_params(model2)).abs().max())
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("diloco", {"H": "3"}),
+        ("slowmo", {"H": "4"}),
+        ("streaming-diloco", {"H": "4", "fragments": "2", "overlap": "2"}),
+    ],
+)
+def test_resume_mid_period_equals_uninterrupted(pool, name: str, options: dict[str, str]) -> None:
+    assert pool(2).run(resume_mid_period, name, options) == [0.0, 0.0]
+
+
+# -- hierarchical: every step inside a host, every H across ------------------------------
+def test_hierarchical_periods(pool) -> None:
+    results = pool(4).run(hierarchical_counts_2x2)
+    for intra_calls, inter_calls, spread in results:
+        assert (intra_calls, inter_calls) == (6, 2)
+        assert spread == 0.0  # all four replicas equal after the last synchronisation
+
+
+def hierarchical_counts_2x2() -> tuple[int, int, float]:
+    comm = Communicator()
+    model = tiny_model()
+    cfg = config_from_preset("localsgd", {"H": "3", "hierarchical": "1", "algo": "native"})
+    cfg.ranks_per_host = 2
+    opt = PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm, cfg)
+    for step in range(6):
+        loss_of(model, comm.rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    got = flat_params(model)
+    everyone = [torch.zeros_like(got) for _ in range(comm.world_size)]
+    torch.distributed.all_gather(everyone, got)
+    spread = max(float((e - everyone[0]).abs().max()) for e in everyone)
+    return opt.grad_comm.stats["all_reduce"].calls, opt.outer_comm.stats["all_reduce"].calls, spread
+
+
+def test_bad_options_are_named() -> None:
+    with pytest.raises(ValueError, match="no option 'K'"):
+        config_from_preset("diloco", {"K": "3"})
+    with pytest.raises(ValueError, match="not a valid int"):
+        config_from_preset("localsgd", {"H": "many"})
+    with pytest.raises(ValueError, match="unknown local-SGD strategy"):
+        config_from_preset("fedavg")
+    with pytest.raises(ValueError, match="num_fragments=9 > period_steps=4"):
+        config_from_preset("streaming-diloco", {"H": "4", "fragments": "9"})
