@@ -183,6 +183,19 @@ def hierarchical_groups() -> dict[str, object]:
     }
 
 
+def split_of_a_split() -> tuple[float, float, str]:
+    """Split a sub-communicator again (only its members call): halves, then singles and pairs."""
+    comm = Communicator()
+    half = comm.split([[0, 1, 2], [3, 4]], name="half")
+    parts = [[0, 2], [1]] if half.world_size == 3 else [[0], [1]]
+    quarter = half.split(parts, name="quarter")
+    t = torch.tensor([float(comm.rank)])
+    quarter.all_reduce(t)
+    u = torch.tensor([1.0])
+    half.all_reduce(u)  # the parent still works afterwards
+    return t.item(), u.item(), quarter.name
+
+
 # ---- tests ----------------------------------------------------------------------------------------
 
 
@@ -295,3 +308,11 @@ def test_communicator_needs_a_process_group() -> None:
 
 def test_peer_failure_is_a_comm_error() -> None:
     assert issubclass(PeerFailureError, CommError) and issubclass(CommTimeoutError, TimeoutError)
+
+
+def test_split_of_a_sub_communicator(pool) -> None:
+    results = pool(5).run(split_of_a_split, timeout_s=60)
+    # world ranks 0,2 | 1 | 3 | 4; halves of 3 and 2 ranks.
+    assert [r[0] for r in results] == [2.0, 1.0, 2.0, 3.0, 4.0]
+    assert [r[1] for r in results] == [3.0, 3.0, 3.0, 2.0, 2.0]
+    assert [r[2] for r in results] == ["quarter0", "quarter1", "quarter0", "quarter0", "quarter1"]

@@ -395,13 +395,21 @@ class Communicator:
                 f"split groups must partition ranks 0..{self.world_size - 1} exactly once, got {list(map(list, groups))}"
             )
         mine: dist.ProcessGroup | None = None
-        my_index = -1
-        for index, members in enumerate(groups):
-            ranks = [self.global_rank(r) for r in members]
-            # Every rank creates every group, in the same order: torch names groups by creation order.
-            pg = dist.new_group(ranks=ranks)
-            if self.rank in members:
-                mine, my_index = pg, index
+        my_index = next(i for i, members in enumerate(groups) if self.rank in members)
+        if self.group is dist.group.WORLD:
+            for index, members in enumerate(groups):
+                ranks = [self.global_rank(r) for r in members]
+                # Every rank creates every group, in the same order: torch names groups by
+                # creation order.
+                pg = dist.new_group(ranks=ranks)
+                if index == my_index:
+                    mine = pg
+        else:
+            # Ranks outside this communicator never call split, so a world-synchronised
+            # new_group would wait for them forever: create only our own part, synchronised
+            # among its members (torch names it by a hash of its ranks).
+            ranks = [self.global_rank(r) for r in groups[my_index]]
+            mine = dist.new_group(ranks=ranks, use_local_synchronization=True)
         assert mine is not None
         return Communicator(mine, config=self.config, name=f"{name}{my_index}")
 
