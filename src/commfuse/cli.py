@@ -14,6 +14,7 @@ _COMMAND_MODULES = (
     "commfuse.cluster.net_cli",
     "commfuse.collectives.tune_cli",
     "commfuse.bench.cli",
+    "commfuse.sim.cli",
     "commfuse.train.train_cli",
     "commfuse.train.compare_cli",
 )

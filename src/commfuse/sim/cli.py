@@ -1,0 +1,264 @@
+"""``commfuse simulate``: predict step time (or one collective) on a cluster of any size.
+
+commfuse simulate --ranks 1024                                   # default workload and cluster
+commfuse simulate --workload dlrm --ranks 1024 --fused-chunks 1,8  # fused vs unfused All-to-All
+commfuse simulate --cluster two-dc --local-sgd-period 1,100 --ranks 256   # DP vs DiLoCo
+commfuse simulate --collective broadcast --size 16M --algo lp,tree --scale 2:1024 --plot b.png
+commfuse simulate --validate --json validation.json               # real runs on netlab
+
+Comma lists in --algo, --fused-chunks and --local-sgd-period give one series each; --scale
+gives a table (and --plot a PNG) over rank counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from commfuse.units import parse_size
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from commfuse.sim.builtins import WORKLOADS
+    from commfuse.sim.cluster import PRESETS
+
+    parser = sub.add_parser(
+        "simulate",
+        help="predict step time and its breakdown on a cluster of hundreds to thousands of ranks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--cluster",
+        default="dgx-h100",
+        help=f"preset ({', '.join(PRESETS)}) or cluster JSON (default dgx-h100)",
+    )
+    parser.add_argument("--profile", help="a `commfuse tune` profile whose corrections apply")
+    parser.add_argument("--ranks", type=int, help="ranks to simulate (default: the cluster's)")
+    parser.add_argument(
+        "--workload",
+        default="transformer",
+        choices=sorted(WORKLOADS),
+        help="built-in workload (default transformer, 1.3B parameters)",
+    )
+    parser.add_argument(
+        "--workload-arg",
+        action="append",
+        default=[],
+        metavar="KEY=INT",
+        help="a size of the built-in workload, e.g. num_layers=48",
+    )
+    parser.add_argument("--collective", help="simulate this collective instead of a step")
+    parser.add_argument("--size", default="16M", help="message size with --collective")
+    parser.add_argument("--algo", default="auto", help="algorithm(s), comma list")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket, MB")
+    parser.add_argument("--no-overlap", action="store_true", help="allreduce after backward")
+    parser.add_argument("--compression-ratio", type=float, default=1.0)
+    parser.add_argument(
+        "--compression-gbps",
+        type=float,
+        default=0.0,
+        help="compression + decompression rate, GB/s of input (0: free)",
+    )
+    parser.add_argument("--fused-chunks", default="1", help="fused operator chunks, comma list")
+    parser.add_argument("--local-sgd-period", default="1", help="steps per sync, comma list")
+    parser.add_argument(
+        "--straggler", action="append", default=[], metavar="RANK:SLOWDOWN[:DELAY_US]"
+    )
+    parser.add_argument("--scale", help="rank counts: comma list or doubling range (2:1024)")
+    parser.add_argument("--trace", metavar="PATH", help="write a Chrome trace of rank 0's step")
+    parser.add_argument("--plot", metavar="PATH", help="with --scale: PNG of the curve")
+    parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="run configurations for real on the emulated cluster and print the error",
+    )
+    parser.add_argument("--hosts", type=int, default=4, help="with --validate: emulated hosts")
+    parser.add_argument("--link", default="1gbit", help="with --validate: link rate")
+    parser.add_argument(
+        "--quick", action="store_true", help="with --validate: fewer configurations"
+    )
+    parser.set_defaults(func=run_simulate)
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} takes integers, comma separated, got {text!r}") from None
+
+
+def _strategies(args: argparse.Namespace) -> dict[str, Any]:
+    from commfuse.sim.strategy import Strategy
+
+    algos = args.algo.split(",")
+    chunks = _ints(args.fused_chunks, "--fused-chunks")
+    periods = _ints(args.local_sgd_period, "--local-sgd-period")
+    out = {}
+    for algo, k, h in itertools.product(algos, chunks, periods):
+        label = (
+            ",".join(
+                part
+                for part, many in (
+                    (algo, len(algos) > 1),
+                    (f"fused x{k}" if k > 1 else "unfused", len(chunks) > 1),
+                    (f"sync/{h}", len(periods) > 1),
+                )
+                if many
+            )
+            or "step"
+        )
+        out[label] = Strategy(
+            algorithm=algo,
+            bucket_cap_mb=args.bucket_mb,
+            overlap=not args.no_overlap,
+            compression_ratio=args.compression_ratio,
+            compression_gbyte_per_s=args.compression_gbps,
+            fused_chunks=k,
+            local_sgd_period=h,
+        )
+    return out
+
+
+def _cluster(args: argparse.Namespace) -> Any:
+    from commfuse.sim.cluster import Straggler, load_cluster
+
+    cluster = load_cluster(args.cluster)
+    if args.profile:
+        cluster = dataclasses.replace(cluster, profile_path=args.profile)
+    if args.ranks:
+        cluster = cluster.with_ranks(args.ranks)
+    stragglers = []
+    for text in args.straggler:
+        parts = text.split(":")
+        try:
+            stragglers.append(
+                Straggler(
+                    rank=int(parts[0]),
+                    slowdown=float(parts[1]),
+                    delay_us=float(parts[2]) if len(parts) > 2 else 0.0,
+                )
+            )
+        except (ValueError, IndexError):
+            raise ValueError(f"bad --straggler {text!r}: use RANK:SLOWDOWN[:DELAY_US]") from None
+    if stragglers:
+        cluster = dataclasses.replace(cluster, stragglers=tuple(stragglers))
+    return cluster
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    try:
+        if args.validate:
+            from commfuse.sim.validate import run_validation
+
+            return run_validation(
+                hosts=args.hosts, link=args.link, json_path=args.json, quick=args.quick
+            )
+        return _run(args)
+    except ValueError as err:
+        print(f"commfuse simulate: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from commfuse.sim import scale
+    from commfuse.sim.builtins import WORKLOADS
+    from commfuse.sim.step import chrome_trace, simulate_step
+
+    cluster = _cluster(args)
+    ranks = scale.parse_ranks(args.scale) if args.scale else [cluster.world_size]
+    print(
+        f"cluster {cluster.name}: {cluster.ranks_per_host} ranks/host, "
+        f"{cluster.inter_gbit_per_s:g} Gbit/s per host, {cluster.flops_per_s / 1e12:g} TFLOP/s "
+        f"per rank"
+        + (
+            f", {cluster.num_datacenters} data centers at {cluster.interdc_gbit_per_s:g} Gbit/s"
+            if cluster.num_datacenters > 1
+            else ""
+        )
+    )
+    if args.collective:
+        nbytes = parse_size(args.size)
+        records = scale.collective_curve(
+            cluster, args.collective, args.algo.split(","), nbytes, ranks
+        )
+        title = f"{args.collective} {args.size} on {cluster.name}"
+    else:
+        sizes: dict[str, int] = {}
+        for item in args.workload_arg:
+            key, _, value = item.partition("=")
+            sizes[key] = _ints(value, f"--workload-arg {key}")[0]
+        factory: Any = WORKLOADS[args.workload]
+
+        def make(p: int) -> Any:
+            extra = {"world_size": p} if args.workload == "dlrm" else {}
+            try:
+                return factory(**sizes, **extra)
+            except TypeError as err:
+                raise ValueError(f"bad --workload-arg for {args.workload}: {err}") from None
+
+        strategies = _strategies(args)
+        if len(ranks) == 1 and len(strategies) == 1:
+            return _one(
+                cluster.with_ranks(ranks[0]),
+                make(ranks[0]),
+                next(iter(strategies.values())),
+                args,
+                chrome_trace,
+                simulate_step,
+            )
+        records = scale.step_curve(cluster, make, strategies, ranks)
+        title = f"{args.workload} step on {cluster.name}"
+    scale.print_curve(records)
+    if args.plot:
+        scale.plot_curve(records, args.plot, title=title)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+def _one(
+    cluster: Any,
+    workload: Any,
+    strategy: Any,
+    args: argparse.Namespace,
+    chrome_trace: Any,
+    simulate_step: Any,
+) -> int:
+    import time
+
+    began = time.perf_counter()
+    result = simulate_step(cluster, workload, strategy)
+    took = time.perf_counter() - began
+    r = result.as_dict()
+    step = r["step_us"]
+    print(
+        f"workload {workload.name}: {workload.param_bytes / 1e9:.2f} GB of parameters per rank, "
+        f"{workload.flops / 1e12:.2f} TFLOP per step per rank; strategy {strategy.describe()}"
+    )
+    print(
+        f"predicted step on {cluster.world_size} ranks: {step / 1e3:.3f} ms "
+        f"(simulated in {took * 1e3:.0f} ms)"
+    )
+    for key, label in (
+        ("compute_us", "compute"),
+        ("exposed_comm_us", "exposed communication"),
+        ("overlapped_comm_us", "overlapped communication"),
+    ):
+        print(f"  {label:<26} {r[key] / 1e3:>10.3f} ms  {r[key] / step * 100:>5.1f}% of the step")
+    for kind, us in r["comm_us"].items():
+        print(f"  {kind + ' collectives in flight':<26} {us / 1e3:>10.3f} ms")
+    if args.trace:
+        ranks = [0, *[s.rank for s in cluster.stragglers[:3]]]
+        events = chrome_trace(result.timeline, args.trace, ranks=ranks)
+        print(f"Chrome trace ({events} events) written to {args.trace}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ranks": cluster.world_size, **r}, indent=1) + "\n")
+    return 0

@@ -1,0 +1,296 @@
+"""What one collective asks of the network: a latency and the busy time of each kind of link.
+
+The simulator prices a collective with the very formulas the tuner uses (``collectives/cost.py``,
+Thakur-Rabenseifner-Gropp 2005 and Wang et al. arXiv 1611.04255), split in two, because the two
+parts behave differently when the network is shared:
+
+* ``latency_s``: the alpha and gamma terms (message start-ups, local reductions); another flow on
+  the same link does not make them longer;
+* ``busy_s[resource]``: the beta terms, per resource the collective crosses (``intra``: a host's
+  bus; ``nic``: each host's network link; ``wan``: the link between data centers). On an idle
+  network the slowest resource sets the pace; the engine divides each resource's bandwidth among
+  the flows that use it at the same time.
+
+The cost formulas are linear in alpha, beta and gamma, so evaluating them with beta = 0 gives the
+latency part and with alpha = gamma = 0 the bandwidth part; on an idle network with one rank per
+host the sum is exactly ``cost.py``'s closed form. How a group spread over hosts loads each link
+depends on the algorithm's shape (ranks are host-major):
+
+1. chain algorithms (ring, linear pipeline; gloo's allreduce and allgather are rings) cross each
+   host boundary once, so each host link carries one stream per group;
+2. trees (binomial broadcast and reduce) take their largest hops first, when only one rank per
+   host holds data: one tree across hosts, then one inside each host (phases add);
+3. recursive doubling and halving, and pairwise all-to-all, send from every rank of a host at
+   once in the steps that leave the host: that host's link is shared by all of them;
+4. hierarchical: inside each host, then across hosts with 1/L of the data per rank, then inside.
+
+Where the cluster carries a ``commfuse tune`` profile with a measured correction for that
+collective, algorithm and group size, both parts are scaled so that the idle time is exactly the
+tuner's corrected prediction (``tuner.predict``), and
+``algo="auto"`` is the tuner's own choice (``tuner.choose_for``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from commfuse.collectives import cost as C
+from commfuse.collectives.registry import COLLECTIVES, resolve
+from commfuse.collectives.tuner import Profile, best_block_bytes, choose_for, predict
+from commfuse.sim.cluster import ClusterModel
+
+RESOURCES = ("intra", "nic", "wan")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Group:
+    """The shape of the groups one collective runs on (all groups of a kind run at once)."""
+
+    size: int
+    """Ranks in one group."""
+    ranks_per_host: int
+    """Ranks of one group on each host it spans."""
+    groups_per_host: int = 1
+    """Groups of this kind with ranks on each host (they share its link)."""
+    num_groups: int = 1
+    """Groups of this kind in the world (those spanning data centers share the wide-area link)."""
+
+    @property
+    def hosts(self) -> int:
+        return self.size // self.ranks_per_host
+
+
+@dataclasses.dataclass(frozen=True)
+class Demand:
+    """Latency (not shared) and busy seconds per resource (shared) of one collective."""
+
+    latency_s: float
+    busy_s: dict[str, float]
+
+    @property
+    def idle_s(self) -> float:
+        """Time on an otherwise idle network."""
+        return self.latency_s + max(self.busy_s.values(), default=0.0)
+
+
+_Fn = Callable[[int, int, C.LinkCost], float]
+#: (collective, algorithm) -> (shape, cost.py formula). Native follows gloo (DESIGN.md): ring
+#: allreduce and allgather, binomial broadcast and reduce, reduce-scatter as a full allreduce.
+_SHAPES: dict[tuple[str, str], tuple[str, _Fn]] = {
+    ("allreduce", "native"): ("chain", C.ring_allreduce),
+    ("allreduce", "ring"): ("chain", C.ring_allreduce),
+    ("allreduce", "pipeline"): ("chain", C.lp_allreduce),
+    ("allreduce", "doubling"): ("spread", C.recursive_doubling_allreduce),
+    ("allreduce", "rabenseifner"): ("spread", C.rabenseifner_allreduce),
+    ("broadcast", "native"): ("tree", C.mst_broadcast),
+    ("broadcast", "tree"): ("tree", C.mst_broadcast),
+    ("broadcast", "pipeline"): ("chain", C.lp_broadcast),
+    ("reduce", "native"): ("tree", C.mst_reduce),
+    ("reduce", "tree"): ("tree", C.mst_reduce),
+    ("reduce", "pipeline"): ("chain", C.lp_reduce),
+    ("allgather", "native"): ("chain", C.ring_allgather),
+    ("allgather", "ring"): ("chain", C.ring_allgather),
+    ("allgather", "doubling"): ("spread", C.recursive_doubling_allgather),
+    ("reduce_scatter", "native"): ("chain", C.ring_allreduce),
+    ("reduce_scatter", "ring"): ("chain", C.ring_reduce_scatter),
+    ("reduce_scatter", "halving"): ("spread", C.ring_reduce_scatter),
+    ("all_to_all", "native"): ("alltoall", C.pairwise_all_to_all),
+    ("all_to_all", "pairwise"): ("alltoall", C.pairwise_all_to_all),
+}
+_PIPELINES = {"broadcast", "reduce", "allreduce"}
+
+
+def known_algorithms(collective: str) -> list[str]:
+    hier = {"hierarchical"} if collective in ("allreduce", "broadcast") else set()
+    return sorted({a for c, a in _SHAPES if c == collective} | {"auto"} | hier)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_profile(path: str) -> Profile:
+    return Profile.from_json(Path(path).read_text())
+
+
+def profile_of(cluster: ClusterModel) -> Profile:
+    """The tuner's view of ``cluster``: its links, plus a measured profile's corrections and
+    pipeline block costs where the cluster names one."""
+    base = Profile(
+        intra=cluster.intra_cost(),
+        inter=cluster.inter_cost() if cluster.num_hosts > 1 else cluster.intra_cost(),
+        num_hosts=cluster.num_hosts,
+        ranks_per_host=cluster.ranks_per_host,
+    )
+    if not cluster.profile_path:
+        return base
+    measured = _load_profile(cluster.profile_path)
+    return dataclasses.replace(
+        base,
+        corrections=measured.corrections,
+        tuned_blocks=measured.tuned_blocks,
+        pipeline_alpha_s=measured.pipeline_alpha_s,
+    )
+
+
+def _split(fn: _Fn, n: int, p: int, link: C.LinkCost) -> tuple[float, float]:
+    """(alpha + gamma part, beta part) of a formula, by linearity."""
+    latency = fn(n, p, dataclasses.replace(link, beta_s_per_byte=0.0))
+    bandwidth = fn(n, p, dataclasses.replace(link, alpha_s=0.0, gamma_s_per_byte=0.0))
+    return latency, bandwidth
+
+
+def _with_beta(link: C.LinkCost, factor: float) -> C.LinkCost:
+    return dataclasses.replace(link, beta_s_per_byte=link.beta_s_per_byte * factor)
+
+
+def demand(
+    collective: str,
+    algo: str,
+    nbytes: int,
+    group: Group,
+    cluster: ClusterModel,
+    profile: Profile | None = None,
+) -> Demand:
+    """The network demand of one ``collective`` of ``nbytes`` (nccl-tests' S: the full buffer)
+    run with ``algo`` on every group of shape ``group``. ValueError for unknown names."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
+    if nbytes < 0:
+        raise ValueError(f"{collective}: message size must be >= 0 bytes, got {nbytes}")
+    profile = profile or profile_of(cluster)
+    p = group.size
+    if p <= 1 or nbytes == 0:
+        return Demand(0.0, {})
+    name = resolve(collective, algo)
+    if name == "auto":
+        name = choose_for(collective, nbytes, p, profile)
+    if name != "hierarchical" and (collective, name) not in _SHAPES:
+        raise ValueError(
+            f"unknown algorithm {algo!r} for {collective}; known: "
+            f"{', '.join(known_algorithms(collective))}"
+        )
+    hosts = group.hosts
+    dcs = min(cluster.num_datacenters, hosts) if hosts > 1 else 1
+    intra = cluster.intra_cost()
+    inter = cluster.inter_cost()
+    if 0 < cluster.hosts_per_switch < hosts:
+        inter = _with_beta(inter, cluster.oversubscription)
+    wan = cluster.interdc_cost()
+    if name == "hierarchical":
+        result = _hierarchical(collective, nbytes, group, intra, inter)
+    else:
+        shape, fn = _SHAPES[(collective, name)]
+        if name == "pipeline":
+            fitted = profile.pipeline_alpha_s.get(collective)
+            block = best_block_bytes(collective, nbytes, p, profile)
+            fn = functools.partial(fn, block_bytes=block)  # type: ignore[call-arg]
+            if fitted is not None:
+                intra = dataclasses.replace(intra, alpha_s=fitted)
+                inter = dataclasses.replace(inter, alpha_s=fitted)
+        result = _flat(shape, fn, nbytes, group, dcs, intra, inter, wan)
+    if profile.correction(collective, name, p) is not None:
+        # Measured on this very group: scale both parts so the idle time is the tuner's
+        # corrected prediction, whatever our model of the shape says.
+        ratio = predict(collective, name, nbytes, p, profile) / result.idle_s
+        result = Demand(result.latency_s * ratio, {k: v * ratio for k, v in result.busy_s.items()})
+    return result
+
+
+def _flat(
+    shape: str,
+    fn: _Fn,
+    n: int,
+    group: Group,
+    dcs: int,
+    intra: C.LinkCost,
+    inter: C.LinkCost,
+    wan: C.LinkCost,
+) -> Demand:
+    p, local, hosts = group.size, group.ranks_per_host, group.hosts
+    # The slowest link a step crosses sets its start-up latency.
+    slowest = wan if dcs > 1 else inter if hosts > 1 else intra
+    gamma = intra.gamma_s_per_byte
+    link_alpha = dataclasses.replace(slowest, gamma_s_per_byte=gamma)
+    if shape == "tree":
+        # Largest hops first: across data centers, then hosts, then inside a host (phases add).
+        levels = [("wan", dcs, wan), ("nic", hosts // dcs, inter), ("intra", local, intra)]
+        latency, busy = 0.0, dict[str, float]()
+        for resource, count, link in levels:
+            if count > 1:
+                lat, bw = _split(fn, n, count, link)
+                share = {"nic": group.groups_per_host, "wan": group.num_groups}.get(resource, 1)
+                latency += lat
+                busy[resource] = busy.get(resource, 0.0) + bw * share
+        # Phases run one after another: their busy times add, so report them as one resource
+        # chain whose slowest element is the sum (the engine shares each by its own load).
+        total = sum(busy.values())
+        return Demand(latency, {k: total for k in busy})
+    latency, _ = _split(fn, n, p, link_alpha)
+    # How many of one group's streams cross each resource at once (module docstring, 1-3).
+    if shape == "chain":
+        at_once = {"intra": 1, "nic": 1, "wan": 1}
+        if fn is C.lp_allreduce or getattr(fn, "func", None) is C.lp_allreduce:
+            # Its reduce and its broadcast stream at once, in opposite directions along the
+            # chain: cost.py's formula holds for a chain of separate links, but a host's one
+            # link to the switch carries both (the tuner measured 1.6x its model at 16 MB).
+            at_once = {"intra": 2, "nic": 2, "wan": 2}
+    else:
+        at_once = {"intra": 1, "nic": local, "wan": local * (hosts // dcs)}
+    at_once["nic"] *= group.groups_per_host
+    at_once["wan"] *= group.num_groups
+    busy = dict[str, float]()
+    if shape == "alltoall":
+        # Exact bytes: each rank sends n/p to each other rank; count what leaves a host / DC.
+        per_dc = p // dcs
+        if local > 1:
+            busy["intra"] = (local - 1) / p * n * intra.beta_s_per_byte
+        if hosts > 1:
+            busy["nic"] = local * (p - local) / p * n * inter.beta_s_per_byte
+            busy["nic"] *= group.groups_per_host
+        if dcs > 1:
+            busy["wan"] = per_dc * (p - per_dc) / p * n * wan.beta_s_per_byte * group.num_groups
+        return Demand(latency, busy)
+    for resource, link, spans in (
+        ("intra", intra, local > 1),
+        ("nic", inter, hosts > 1),
+        ("wan", wan, dcs > 1),
+    ):
+        if spans:
+            busy[resource] = _split(fn, n, p, _with_beta(link, at_once[resource]))[1]
+    return Demand(latency, busy)
+
+
+def _hierarchical(
+    collective: str, n: int, group: Group, intra: C.LinkCost, inter: C.LinkCost
+) -> Demand:
+    """Inside each host, across hosts with 1/L of the data (L groups share each host link),
+    inside again (``collectives/hierarchical.py``); chunk pipelining is left out."""
+    local, hosts = group.ranks_per_host, group.hosts
+    if local <= 1 or hosts <= 1 or collective not in ("allreduce", "broadcast"):
+        raise ValueError(
+            f"hierarchical {collective} needs a group spanning several hosts with several ranks "
+            f"each (got {hosts} host(s) x {local} rank(s)); pick a flat algorithm"
+        )
+    shared = _with_beta(inter, local * group.groups_per_host)
+    if collective == "allreduce":
+        rs = _split(C.ring_reduce_scatter, n, local, intra)
+        across = _split(C.ring_allreduce, math.ceil(n / local), hosts, shared)
+        ag = _split(C.ring_allgather, n, local, intra)
+        latency = rs[0] + across[0] + ag[0]
+        return Demand(
+            latency, {"intra": rs[1] + ag[1] + across[1], "nic": rs[1] + ag[1] + across[1]}
+        )
+    lp = _split(C.lp_broadcast, n, hosts, inter)
+    tree = _split(C.mst_broadcast, n, local, intra)
+    total = lp[1] + tree[1]
+    return Demand(lp[0] + tree[0], {"intra": total, "nic": total})
+
+
+def collective_time_s(
+    collective: str, algo: str, nbytes: int, cluster: ClusterModel, group: Group | None = None
+) -> float:
+    """Seconds of one collective on an idle network (the whole world unless ``group``)."""
+    group = group or Group(size=cluster.world_size, ranks_per_host=cluster.ranks_per_host)
+    return demand(collective, algo, nbytes, group, cluster).idle_s

@@ -1,0 +1,219 @@
+"""One training step as a graph of tasks on each rank's streams.
+
+Every rank has three streams, as a PyTorch job on a GPU does: ``compute`` (forward, backward,
+optimizer), ``mp`` (the collectives layers need for their own activations: tensor-parallel
+allreduces, embedding and expert All-to-Alls) and ``dp`` (gradient buckets, outer updates).
+A task starts when its stream's previous task and its dependencies are done. The step:
+
+1. forward, layer by layer; a layer with a collective waits for it before the next layer starts,
+   unless it is fused: then its compute runs in ``fused_chunks`` chunks and each chunk's
+   collective runs while the next chunk computes (the next layer still waits for the last);
+2. backward in reverse, the same way; each data-parallel layer's gradient joins the current
+   bucket, and a full bucket's allreduce is issued on ``dp`` (right away with overlap, after the
+   last backward task without);
+3. the optimizer, after every bucket; with local SGD every ``local_sgd_period``-th step ends with
+   one allreduce of the parameters (``outer``).
+
+Compute tasks last per rank (stragglers are slower); a collective starts when the last of its
+ranks is ready, since it cannot complete before every rank has joined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from commfuse.sim.cluster import ClusterModel
+from commfuse.sim.network import Demand, Group, demand, profile_of
+from commfuse.sim.strategy import Strategy
+from commfuse.sim.workload import Layer, LayerComm, Workload
+
+
+@dataclasses.dataclass
+class Task:
+    """One piece of work on one stream of every rank."""
+
+    name: str
+    stream: str
+    """compute, mp or dp."""
+    category: str
+    """compute, delay, mp, dp or outer (for the breakdown)."""
+    deps: list[int]
+    compute_s: np.ndarray | None = None
+    """Per-rank duration of a compute task."""
+    demand: Demand | None = None
+    """A collective's network demand."""
+    overhead_s: float = 0.0
+    """Extra time before a collective's bytes move (compression), seconds."""
+    nbytes: int = 0
+
+
+def groups(cluster: ClusterModel, tp: int) -> dict[str, Group]:
+    """The shapes of the tp, dp and world groups for ``tp`` ranks per tensor-parallel group."""
+    world, local = cluster.world_size, cluster.ranks_per_host
+    if world % tp or (local % tp and tp % local):
+        raise ValueError(
+            f"tp_size {tp} must divide the world ({world} ranks) and either divide or be a "
+            f"multiple of ranks_per_host ({local})"
+        )
+    if tp <= local:
+        tp_group = Group(
+            size=tp, ranks_per_host=tp, groups_per_host=local // tp, num_groups=world // tp
+        )
+        dp_group = Group(
+            size=world // tp, ranks_per_host=local // tp, groups_per_host=tp, num_groups=tp
+        )
+    else:
+        tp_group = Group(size=tp, ranks_per_host=local, num_groups=world // tp)
+        dp_group = Group(size=world // tp, ranks_per_host=1, groups_per_host=local, num_groups=tp)
+    return {
+        "tp": tp_group,
+        "dp": dp_group,
+        "world": Group(size=world, ranks_per_host=local),
+    }
+
+
+class _Builder:
+    def __init__(self, cluster: ClusterModel, workload: Workload, strategy: Strategy) -> None:
+        self.cluster, self.workload, self.strategy = cluster, workload, strategy
+        self.tasks: list[Task] = []
+        self.last: dict[str, int] = {}
+        self.profile = profile_of(cluster)
+        self.groups = groups(cluster, workload.tp_size)
+        slow = np.ones(cluster.world_size)
+        for s in cluster.stragglers:
+            slow[s.rank] = s.slowdown
+        self.slowdown = slow
+
+    def add(self, task: Task) -> int:
+        if task.stream in self.last:
+            task.deps.append(self.last[task.stream])
+        self.tasks.append(task)
+        self.last[task.stream] = len(self.tasks) - 1
+        return len(self.tasks) - 1
+
+    def compute(self, name: str, flops: float, mem_bytes: float, deps: list[int]) -> int:
+        c = self.cluster
+        seconds = max(flops / c.flops_per_s, mem_bytes / (c.mem_gbyte_per_s * 1e9))
+        return self.add(Task(name, "compute", "compute", deps, compute_s=seconds * self.slowdown))
+
+    def comm(
+        self,
+        name: str,
+        collective: str,
+        nbytes: int,
+        group: str,
+        stream: str,
+        deps: list[int],
+        *,
+        overhead_s: float = 0.0,
+    ) -> int:
+        algo = self.strategy.algorithm_for(collective)
+        need = demand(collective, algo, nbytes, self.groups[group], self.cluster, self.profile)
+        return self.add(
+            Task(name, stream, stream, deps, demand=need, overhead_s=overhead_s, nbytes=nbytes)
+        )
+
+    def layer(self, layer: Layer, phase: str, flops: float, deps: list[int]) -> int:
+        """A layer's compute and its own collectives; the index of what the next layer waits on."""
+        comms = [c for c in layer.comms if c.phase == phase]
+        if not comms:
+            return self.compute(f"{phase} {layer.name}", flops, layer.mem_bytes, deps)
+        chunks = self.strategy.fused_chunks if all(c.fusable for c in comms) else 1
+        parts = len(comms) * chunks
+        last = -1
+        for comm in comms:
+            for k in range(chunks):
+                label = f"{phase} {layer.name}" + (f" [{k + 1}/{chunks}]" if chunks > 1 else "")
+                done = self.compute(label, flops / parts, layer.mem_bytes / parts, deps)
+                deps = []
+                last = self._layer_comm(comm, label, chunks, done)
+            if chunks == 1 or comm is not comms[-1]:
+                deps = [last]  # unfused (or the next collective's input): wait for it
+        return last
+
+    def _layer_comm(self, comm: LayerComm, label: str, chunks: int, after: int) -> int:
+        size = -(-comm.nbytes // chunks)
+        index = self.comm(
+            f"{comm.collective} {label}", comm.collective, size, comm.group, "mp", [after]
+        )
+        if comm.collective == "all_to_all" and chunks > 1:
+            # A fused All-to-All sends each chunk to a subset of the peers as soon as it is
+            # computed (SC24): the P - 1 messages are split among the chunks, not repeated.
+            need = self.tasks[index].demand
+            assert need is not None
+            self.tasks[index].demand = Demand(need.latency_s / chunks, need.busy_s)
+        return index
+
+
+def build_step(
+    cluster: ClusterModel, workload: Workload, strategy: Strategy, *, sync: bool = True
+) -> list[Task]:
+    """The task graph of one step. ``sync`` (with local SGD): whether this step synchronises."""
+    need = workload.memory_bytes()
+    if need > cluster.memory_gbyte * 1e9:
+        raise ValueError(
+            f"workload {workload.name!r} needs {need / 1e9:.1f} GB per rank (model state and "
+            f"activations), more than the cluster's {cluster.memory_gbyte:g} GB; shard it "
+            "(tensor parallelism), shrink the batch, or pick a cluster with more memory"
+        )
+    b = _Builder(cluster, workload, strategy)
+    s = strategy
+    delay = np.zeros(cluster.world_size)
+    for st in cluster.stragglers:
+        delay[st.rank] = st.delay_us * 1e-6
+    start = b.add(Task("start delay", "compute", "delay", [], compute_s=delay))
+    previous = start
+    for layer in workload.layers:
+        previous = b.layer(layer, "fwd", layer.fwd_flops, [previous])
+    local_sgd = s.local_sgd_period > 1
+    bucket: list[Layer] = []
+    pending: list[tuple[list[Layer], int]] = []
+    dp_tasks: list[int] = []
+
+    def flush(after: int) -> None:
+        if bucket:
+            pending.append((list(bucket), after))
+            bucket.clear()
+
+    for layer in reversed(workload.layers):
+        previous = b.layer(layer, "bwd", layer.bwd_flops, [previous])
+        if layer.data_parallel and layer.param_bytes and not local_sgd:
+            bucket.append(layer)
+            if sum(x.param_bytes for x in bucket) >= s.bucket_cap_bytes:
+                flush(previous)
+                if s.overlap:
+                    dp_tasks.append(_bucket(b, *pending.pop()))
+    flush(previous)
+    for layers, after in pending:
+        dp_tasks.append(_bucket(b, layers, after if s.overlap else previous))
+    optimizer_bytes = workload.param_bytes * workload.state_bytes_per_param_byte
+    done = b.compute("optimizer", 0.0, optimizer_bytes, [previous, *dp_tasks])
+    if local_sgd and sync and workload.dp_param_bytes:
+        size = int(workload.dp_param_bytes * s.compression_ratio)
+        b.comm(
+            "outer allreduce",
+            "allreduce",
+            size,
+            "dp",
+            "dp",
+            [done],
+            overhead_s=_compress_s(b, workload.dp_param_bytes),
+        )
+        b.tasks[-1].category = "outer"
+    return b.tasks
+
+
+def _compress_s(b: _Builder, nbytes: int) -> float:
+    s = b.strategy
+    if s.compression_ratio >= 1 or s.compression_gbyte_per_s == 0:
+        return 0.0
+    return nbytes / (s.compression_gbyte_per_s * 1e9)
+
+
+def _bucket(b: _Builder, layers: list[Layer], after: int) -> int:
+    nbytes = sum(x.param_bytes for x in layers)
+    size = int(nbytes * b.strategy.compression_ratio)
+    name = f"allreduce bucket {layers[0].name}..{layers[-1].name}"
+    return b.comm(name, "allreduce", size, "dp", "dp", [after], overhead_s=_compress_s(b, nbytes))

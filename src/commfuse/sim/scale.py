@@ -1,0 +1,107 @@
+"""Scaling curves: a step, or one collective per algorithm, from a few ranks to thousands."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from commfuse.sim.cluster import ClusterModel
+from commfuse.sim.network import collective_time_s
+from commfuse.sim.step import simulate_step
+from commfuse.sim.strategy import Strategy
+from commfuse.sim.workload import Workload
+
+
+def parse_ranks(text: str) -> list[int]:
+    """``"1,2,4"`` or a doubling range ``"2:1024"``."""
+    ranks: list[int] = []
+    for part in text.split(","):
+        try:
+            if ":" in part:
+                lo, hi = (int(x) for x in part.split(":", 1))
+                r = lo
+                while 0 < r <= hi:
+                    ranks.append(r)
+                    r *= 2
+            else:
+                ranks.append(int(part))
+        except ValueError:
+            raise ValueError(
+                f"bad --scale {text!r}: use a comma list (1,2,4) or a range (2:1024)"
+            ) from None
+    if not ranks or min(ranks) < 1:
+        raise ValueError(f"bad --scale {text!r}: rank counts must be >= 1")
+    return ranks
+
+
+def step_curve(
+    cluster: ClusterModel,
+    make_workload: Callable[[int], Workload],
+    strategies: dict[str, Strategy],
+    ranks: Sequence[int],
+) -> list[dict[str, Any]]:
+    """One record per (ranks, strategy): the predicted step and its breakdown."""
+    records = []
+    for p in ranks:
+        sized = cluster.with_ranks(p)
+        for label, strategy in strategies.items():
+            result = simulate_step(sized, make_workload(p), strategy)
+            records.append({"ranks": p, "series": label, **result.as_dict()})
+    return records
+
+
+def collective_curve(
+    cluster: ClusterModel, collective: str, algos: Sequence[str], nbytes: int, ranks: Sequence[int]
+) -> list[dict[str, Any]]:
+    """One record per (ranks, algorithm): one collective's time on an idle network."""
+    return [
+        {
+            "ranks": p,
+            "series": algo,
+            "step_us": collective_time_s(collective, algo, nbytes, cluster.with_ranks(p)) * 1e6,
+        }
+        for p in ranks
+        for algo in algos
+    ]
+
+
+def print_curve(records: Sequence[dict[str, Any]]) -> None:
+    """Ranks down, one column per series (ms), then each series' time relative to its first row."""
+    series = list(dict.fromkeys(r["series"] for r in records))
+    ranks = list(dict.fromkeys(r["ranks"] for r in records))
+    table = {(r["ranks"], r["series"]): r["step_us"] for r in records}
+    width = max(12, *(len(s) + 2 for s in series))
+    print(
+        f"{'ranks':>6} "
+        + "".join(f"{s + ' ms':>{width}}" for s in series)
+        + "".join(f"{'x ' + s:>{width}}" for s in series)
+    )
+    for p in ranks:
+        row = "".join(f"{table[(p, s)] / 1e3:>{width}.3f}" for s in series)
+        rel = "".join(
+            f"{table[(p, s)] / max(table[(ranks[0], s)], 1e-12):>{width}.2f}" for s in series
+        )
+        print(f"{p:>6} {row}{rel}")
+
+
+def plot_curve(records: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> None:
+    """Time against ranks (log-log), one line per series."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for s in dict.fromkeys(r["series"] for r in records):
+        points = sorted((r["ranks"], r["step_us"] / 1e3) for r in records if r["series"] == s)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=s)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("predicted time (ms)")
+    ax.set_title(title or "commfuse simulate")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

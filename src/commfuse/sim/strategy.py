@@ -1,0 +1,81 @@
+"""The strategy model: how a workload's communication is carried out.
+
+Each field stands for one technique of DESIGN.md, simulated from its model (the engines that
+implement them live in ``ddp/``, ``fused/`` and ``localsgd/``):
+
+* ``algorithm`` / ``algorithms``: the collective algorithm per message, or ``"auto"``, the
+  tuner's choice for that size (``tuner.choose_for``);
+* ``bucket_cap_mb`` and ``overlap``: gradients are packed into buckets in backward order and each
+  bucket's allreduce starts as soon as it is full, under the rest of backward (wait-free
+  backprop; PyTorch DDP's default is 25 MB), or all after backward when ``overlap`` is off;
+* ``compression_ratio`` and ``compression_gbyte_per_s``: gradients shrink to this fraction of
+  their bytes, at the price of compressing and decompressing them at that rate;
+* ``fused_chunks``: a fused computation-collective operator splits a layer's compute into this
+  many chunks and sends each chunk's result while computing the next (1: unfused);
+* ``local_sgd_period``: synchronise the model every H steps (local SGD, DiLoCo) with one
+  allreduce of the parameters, instead of gradients every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from commfuse.collectives.registry import COLLECTIVES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """How to communicate; the defaults are PyTorch DDP's."""
+
+    algorithm: str = "auto"
+    """Algorithm for every collective (a registered name, an alias, or "auto")."""
+    algorithms: tuple[tuple[str, str], ...] = ()
+    """Per-collective overrides, e.g. (("allreduce", "ring"),)."""
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size, MB (2**20 bytes); 0 puts each layer in its own bucket."""
+    overlap: bool = True
+    """Start each bucket's allreduce during backward (else after it)."""
+    compression_ratio: float = 1.0
+    """Communicated bytes / original bytes of gradients (and outer updates), in (0, 1]."""
+    compression_gbyte_per_s: float = 0.0
+    """Rate of compression plus decompression, GB of original data per second (0: free)."""
+    fused_chunks: int = 1
+    """Chunks of a fused compute + collective operator (1: unfused)."""
+    local_sgd_period: int = 1
+    """Steps between model synchronisations (1: synchronous data parallel)."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb must be >= 0, got {self.bucket_cap_mb}")
+        if not 0 < self.compression_ratio <= 1:
+            raise ValueError(f"compression_ratio must be in (0, 1], got {self.compression_ratio}")
+        if self.compression_gbyte_per_s < 0:
+            raise ValueError("compression_gbyte_per_s must be >= 0")
+        if self.fused_chunks < 1:
+            raise ValueError(f"fused_chunks must be >= 1, got {self.fused_chunks}")
+        if self.local_sgd_period < 1:
+            raise ValueError(f"local_sgd_period must be >= 1, got {self.local_sgd_period}")
+        for collective, _ in self.algorithms:
+            if collective not in COLLECTIVES:
+                raise ValueError(
+                    f"unknown collective {collective!r} in algorithms; known: {COLLECTIVES}"
+                )
+
+    def algorithm_for(self, collective: str) -> str:
+        return dict(self.algorithms).get(collective, self.algorithm)
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * (1 << 20))
+
+    def describe(self) -> str:
+        parts = [f"algo={self.algorithm}"]
+        parts += [f"{c}={a}" for c, a in self.algorithms]
+        parts.append(f"bucket={self.bucket_cap_mb:g}MB" + ("" if self.overlap else " no-overlap"))
+        if self.compression_ratio < 1:
+            parts.append(f"compress={self.compression_ratio:g}")
+        if self.fused_chunks > 1:
+            parts.append(f"fused x{self.fused_chunks}")
+        if self.local_sgd_period > 1:
+            parts.append(f"sync every {self.local_sgd_period}")
+        return ", ".join(parts)
