@@ -1,0 +1,85 @@
+"""The data-parallel engine's configuration and the compressor interface it drives."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+import torch
+
+from commfuse.comm import Communicator
+
+
+@runtime_checkable
+class BucketCompressor(Protocol):
+    """What the engine needs from a gradient compressor (``commfuse.compress.GradientCompressor``
+    satisfies it): ``reduce_`` replaces a flat gradient bucket, in place and synchronously, by
+    the average over ranks; its state (error feedback, warm starts) is checkpointable."""
+
+    name: ClassVar[str]
+    aggregation: ClassVar[Literal["allreduce", "allgather"]]
+
+    def reduce_(
+        self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int
+    ) -> None: ...
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype, world_size: int) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclasses.dataclass(kw_only=True)
+class DataParallelConfig:
+    """How ``DataParallel`` buckets, reduces and checks gradients."""
+
+    bucket_cap_mb: float = 25.0
+    """Largest bucket, MiB (as torch DDP's ``bucket_cap_mb``); a bucket closes once it reaches it."""
+    first_bucket_cap_mb: float = 1.0
+    """Cap of the first bucket launched, MiB: small, so communication starts early in backward."""
+    merge_buckets_by_cost: bool = False
+    """After the first step, re-bucket by MG-WFBP (Shi et al. 2019) from measured gradient
+    arrival times and the tuner's cost model (see ``merge.py``)."""
+    algo: str = "auto"
+    """The commfuse allreduce algorithm for uncompressed buckets (``auto``, ``native``, ``ring``...)."""
+    compressor: BucketCompressor | None = None
+    """Reduce every bucket with this compressor instead of a plain allreduce."""
+    on_nonfinite: Literal["skip", "raise"] = "skip"
+    """A NaN/Inf gradient on any rank: ``skip`` zeroes the gradients and skips the step, ``raise`` stops."""
+    broadcast_buffers: bool = True
+    """Broadcast module buffers (BatchNorm statistics) from rank 0 before every synchronized forward."""
+    find_unused_parameters: bool = False
+    """Leave parameters no rank used untouched (grad as it was), as torch DDP does; costs one tiny
+    allreduce per step. Without it they get a zero gradient (see ``reducer.py``)."""
+    skip_communication: bool = False
+    """Compute-only mode: everything but the collectives (gradients stay local), for the compute floor."""
+
+    def __post_init__(self) -> None:
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        if not self.first_bucket_cap_mb > 0:
+            raise ValueError(f"first_bucket_cap_mb must be > 0, got {self.first_bucket_cap_mb}")
+        if self.on_nonfinite not in ("skip", "raise"):
+            raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {self.on_nonfinite!r}")
+        if self.algo != "auto":
+            from commfuse.collectives.registry import algorithms_for, resolve
+
+            known = algorithms_for("allreduce")
+            if resolve("allreduce", self.algo) not in known:
+                raise ValueError(
+                    f"algo={self.algo!r} is not an allreduce algorithm: use auto or one of {', '.join(sorted(known))}"
+                )
+        if self.compressor is not None and not isinstance(self.compressor, BucketCompressor):
+            raise ValueError(
+                f"compressor must implement reduce_, payload_bytes, state_dict and load_state_dict "
+                f"(commfuse.compress.make_compressor builds one), got {type(self.compressor).__name__}"
+            )
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * (1 << 20))
+
+    @property
+    def first_bucket_cap_bytes(self) -> int:
+        return int(self.first_bucket_cap_mb * (1 << 20))

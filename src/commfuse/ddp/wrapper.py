@@ -1,0 +1,172 @@
+"""``DataParallel``: data-parallel training of any ``nn.Module`` with commfuse collectives.
+
+Usage, on every rank (the process group is up, e.g. under ``commfuse launch``)::
+
+    model = DataParallel(net, config=DataParallelConfig(algo="auto"))
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        loss.backward()          # buckets are reduced while backward runs
+        model.step(optimizer)    # steps unless the gradients were non-finite
+        optimizer.zero_grad()
+
+What it does: rank 0's parameters and buffers are broadcast at construction; buffers again
+before each synchronized forward (``broadcast_buffers``); gradients are averaged in buckets
+during backward (``reducer.py``); ``no_sync()`` accumulates gradients locally for gradient
+accumulation; ``state_dict()`` / ``load_state_dict()`` hold the module's weights and, under
+``_extra_state``, the engine's own state (step counter, bucket layout, compressor state:
+``engine_state_dict()``), so a resumed run is bit-identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from commfuse.collectives import broadcast
+from commfuse.comm import Communicator
+from commfuse.ddp.config import DataParallelConfig
+from commfuse.ddp.reducer import Reducer, StepStats
+
+
+def _broadcast_tensors(comm: Communicator, tensors: list[torch.Tensor]) -> None:
+    """Copy rank 0's tensors into every rank's: one flat broadcast per dtype (coalesced, as
+    torch DDP does, so a model with hundreds of small tensors pays alpha a few times only)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if tensor.numel():
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            broadcast(comm, flat, 0, algo="auto")
+            offset = 0
+            for tensor in group:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view(tensor.shape))
+                offset += tensor.numel()
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` for data-parallel training over ``comm`` (the world when None)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        comm: Communicator | None = None,
+        *,
+        config: DataParallelConfig | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.comm = comm if comm is not None else Communicator()
+        self.config = config or DataParallelConfig()
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if not named and not self.config.skip_communication:
+            raise ValueError(
+                "the module has no parameter with requires_grad=True: nothing to train"
+            )
+        if not self.config.skip_communication:
+            # Every parameter (frozen ones too) and buffer starts as rank 0's.
+            _broadcast_tensors(
+                self.comm, [p.data for p in module.parameters()] + list(module.buffers())
+            )
+        self.reducer = Reducer(named, self.comm, self.config)
+
+    # -- training ----------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if (
+            self.config.broadcast_buffers
+            and not self.config.skip_communication
+            and self.reducer.sync
+            and torch.is_grad_enabled()
+        ):
+            buffers = list(self.module.buffers())
+            if buffers:
+                _broadcast_tensors(self.comm, buffers)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next backward outside
+        reduces the sum of all of them (gradient accumulation without communication)."""
+        previous, self.reducer.sync = self.reducer.sync, False
+        try:
+            yield
+        finally:
+            self.reducer.sync = previous
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """``optimizer.step()`` unless the last synchronized backward found a non-finite
+        gradient (``on_nonfinite="skip"``); returns whether it stepped."""
+        if self.reducer.last_step_skipped:
+            return False
+        optimizer.step()
+        return True
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last synchronized backward had a NaN/Inf gradient (and was zeroed)."""
+        return self.reducer.last_step_skipped
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        """What the last synchronized step communicated and waited for."""
+        return self.reducer.last_stats
+
+    @property
+    def num_steps(self) -> int:
+        """Synchronized backward passes so far (the compressors' ``step``)."""
+        return self.reducer.step
+
+    @property
+    def bucket_layout(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return [[self.reducer.names[i] for i in group] for group in self.reducer.groups]
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def engine_state_dict(self) -> dict[str, Any]:
+        """The engine's own state: step counter, bucket layout, compressor state. (The module's
+        weights are in ``state_dict()``, as for any module; the optimizer's are the caller's.)"""
+        state: dict[str, Any] = {
+            "step": self.reducer.step,
+            "bucket_groups": [list(g) for g in self.reducer.groups],
+            "merged": self.reducer.merged,
+        }
+        if self.config.compressor is not None:
+            state["compressor"] = self.config.compressor.state_dict()
+        return state
+
+    def load_engine_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``engine_state_dict()``: the same layout makes the same sums, bit for bit."""
+        missing = {"step", "bucket_groups", "merged"} - set(state)
+        if missing:
+            raise ValueError(f"engine state is missing {sorted(missing)}")
+        if (self.config.compressor is None) != ("compressor" not in state):
+            raise ValueError(
+                "engine state and config disagree on the compressor: "
+                f"state has {'one' if 'compressor' in state else 'none'}, config has "
+                f"{'one' if self.config.compressor is not None else 'none'}"
+            )
+        self.reducer.set_layout(state["bucket_groups"])
+        self.reducer._reset_step()
+        self.reducer.step = int(state["step"])
+        self.reducer.merged = bool(state["merged"])
+        if self.config.compressor is not None:
+            self.config.compressor.load_state_dict(state["compressor"])
+
+    # nn.Module carries this in state_dict() under "_extra_state", so dp.state_dict() holds the
+    # weights and the engine's state, and dp.load_state_dict() restores both.
+    def get_extra_state(self) -> dict[str, Any]:
+        return self.engine_state_dict()
+
+    def set_extra_state(self, state: Any) -> None:
+        self.load_engine_state_dict(state)
+
+    def close(self) -> None:
+        """Remove the gradient hooks (the wrapped module then trains locally again)."""
+        self.reducer.close()

@@ -1,0 +1,297 @@
+"""DataParallel on real ranks: the same parameters as torch's DistributedDataParallel, the
+collectives and bytes its bucket layout implies, overlap with backward, NaN handling, resume.
+
+Each rank function trains torch DDP and commfuse's engine side by side on the same data and
+seeds (the same collectives in the same order on every rank), then compares parameters: bitwise
+where the reduction order is the same (one parameter per bucket with gloo's native allreduce,
+whatever the world size; any layout at world sizes 1 and 2, where a sum of two is commutative),
+else within 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from commfuse.collectives import allreduce
+from commfuse.collectives.blocks import even_blocks
+from commfuse.comm import Communicator
+from commfuse.ddp import DataParallel, DataParallelConfig, NonFiniteGradientError
+from commfuse.testing import RankPool
+
+PoolFn = Callable[[int], RankPool]
+TINY_MB = 1e-6  # rounds to a 1-byte cap: one parameter per bucket
+
+
+class Net(nn.Module):
+    """Frozen layer, a branch used only on even ranks, and a layer no rank uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 12)
+        self.frozen = nn.Linear(12, 12)
+        self.frozen.requires_grad_(False)
+        self.branch = nn.Linear(12, 12)
+        self.dead = nn.Linear(12, 3)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = torch.relu(self.frozen(torch.relu(self.inp(x))))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)
+
+
+def _batches(steps: int, micro: int) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    return [[torch.randn(4, 6, generator=gen) for _ in range(micro)] for _ in range(steps)]
+
+
+def _train(model: nn.Module, wrapper: Any, batches: list[list[torch.Tensor]], unused: bool) -> None:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    use_branch = not unused or dist.get_rank() % 2 == 0
+    for micro in batches:
+        for k, x in enumerate(micro):
+            sync = k == len(micro) - 1
+            ctx = wrapper.no_sync() if not sync else _null()
+            with ctx:
+                wrapper(x, use_branch).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def against_torch_ddp(algo: str, cap_mb: float, micro: int, unused: bool) -> dict[str, Any]:
+    torch.manual_seed(1 + dist.get_rank())  # different initial weights: the broadcast must fix them
+    ours_net, theirs_net = Net(), Net()
+    theirs_net.load_state_dict(ours_net.state_dict())
+    config = DataParallelConfig(
+        algo=algo, bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb, find_unused_parameters=unused
+    )
+    ours = DataParallel(ours_net, Communicator(), config=config)
+    theirs = DDP(theirs_net, bucket_cap_mb_list=[cap_mb], find_unused_parameters=unused)
+    batches = _batches(3, micro)
+    _train(theirs_net, theirs, batches, unused)
+    _train(ours_net, ours, batches, unused)
+    ours.close()
+    return {
+        "ours": _params(ours_net),
+        "theirs": _params(theirs_net),
+        "dead_grad_none": ours_net.dead.weight.grad is None,
+        "frozen_unchanged": bool(torch.equal(ours_net.frozen.weight, theirs_net.frozen.weight)),
+        "layout": ours.bucket_layout,
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_bitwise_equal_to_torch_ddp(pool: PoolFn, world: int) -> None:
+    """One parameter per bucket: the same buffers as torch DDP, so the same sums, bit for bit;
+    with gradient accumulation, a branch unused on odd ranks, a dead layer, a frozen layer."""
+    results = pool(world).run(against_torch_ddp, "native", TINY_MB, 2, True, timeout_s=120)
+    for r in results:
+        assert torch.equal(r["ours"], r["theirs"])
+        assert r["dead_grad_none"] and r["frozen_unchanged"]
+        assert ["frozen.weight"] not in r["layout"]  # frozen parameters are not bucketed
+        assert len(r["layout"]) == 8  # 4 trainable layers x (weight, bias)
+    assert all(torch.equal(results[0]["ours"], r["ours"]) for r in results)
+
+
+@pytest.mark.parametrize(
+    ("world", "algo"), [(2, "native"), (3, "native"), (4, "ring"), (3, "ring")]
+)
+def test_close_to_torch_ddp_with_shared_buckets(pool: PoolFn, world: int, algo: str) -> None:
+    """Several parameters per bucket (1 KB caps), and commfuse's own ring: the same to 1e-6."""
+    results = pool(world).run(against_torch_ddp, algo, 0.001, 1, True, timeout_s=120)
+    for r in results:
+        assert any(len(bucket) > 1 for bucket in r["layout"])
+        if world <= 2:
+            assert torch.equal(r["ours"], r["theirs"])
+        torch.testing.assert_close(r["ours"], r["theirs"], rtol=1e-6, atol=1e-7)
+
+
+def _ring_bytes(numel: int, world: int, rank: int, itemsize: int) -> int:
+    b = [stop - start for start, stop in even_blocks(numel, world)]
+    sent = [b[(rank - s) % world] for s in range(world - 1)]
+    sent += [b[(rank + 1 - s) % world] for s in range(world - 1)]
+    return sum(sent) * itemsize
+
+
+def traffic(algo: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+    comm = Communicator()
+    dp = DataParallel(
+        net,
+        comm,
+        config=DataParallelConfig(algo=algo, bucket_cap_mb=0.004, first_bucket_cap_mb=0.0002),
+    )
+    before = comm.stats.snapshot()
+    dp(torch.randn(8, 16)).sum().backward()
+    after = comm.stats.snapshot()
+    stats = dp.last_stats
+    assert stats is not None
+    sizes = [b.flat.numel() for b in dp.reducer.buckets]
+    calls = {k: after[k]["calls"] - before.get(k, {}).get("calls", 0) for k in after}
+    expected_ring = sum(_ring_bytes(n, comm.world_size, comm.rank, 4) for n in sizes)
+    return {
+        "stats": stats,
+        "sizes": sizes,
+        "calls": calls,
+        "expected_ring": expected_ring,
+        "n_params": 6,
+    }
+
+
+@pytest.mark.parametrize("algo", ["native", "ring"])
+def test_collectives_and_bytes_match_layout(pool: PoolFn, algo: str) -> None:
+    results = pool(3).run(traffic, algo, timeout_s=60)
+    for r in results:
+        stats, sizes = r["stats"], r["sizes"]
+        # first bucket: last layer's bias (16 B) + weight (512 B) pass 200 B; then 4 KB caps
+        assert sizes == [4 + 128, 32 + 1024, 32 + 512]
+        assert stats.num_buckets == 3 and stats.num_collectives == 3
+        if algo == "native":
+            assert r["calls"]["all_reduce"] == 3
+            assert stats.payload_bytes == 4 * sum(sizes) and stats.bytes_sent == 0
+        else:
+            assert "all_reduce" not in r["calls"]
+            assert stats.bytes_sent == r["expected_ring"] and stats.payload_bytes == 0
+        # Overlap: the first bucket left while 4 of the 6 gradients were still to come.
+        assert stats.launched_after_grads[0] == 2 < r["n_params"]
+        assert list(stats.launched_after_grads) == sorted(stats.launched_after_grads)
+
+
+class HalfCompressor:
+    """A tiny fp16 compressor with error feedback, standing in for commfuse.compress here."""
+
+    name = "half-test"
+    aggregation = "allreduce"
+
+    def __init__(self) -> None:
+        self.residual: dict[int, torch.Tensor] = {}
+
+    def reduce_(self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int) -> None:
+        corrected = grad + self.residual.get(bucket, torch.zeros_like(grad))
+        half = corrected.half()
+        self.residual[bucket] = corrected - half.float()
+        allreduce(comm, half, "sum", algo="native")
+        grad.copy_(half.float() / comm.world_size)
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype, world_size: int) -> int:
+        return 2 * numel
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residual": {k: v.clone() for k, v in self.residual.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residual = {int(k): v.clone() for k, v in state["residual"].items()}
+
+
+def nonfinite(mode: str, compressed: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    comp = HalfCompressor() if compressed else None
+    dp = DataParallel(
+        net, config=DataParallelConfig(on_nonfinite=mode, compressor=comp, bucket_cap_mb=TINY_MB)
+    )  # type: ignore[arg-type]
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+    out: dict[str, Any] = {"skipped": [], "messages": [], "error": None}
+    for step in range(3):
+        x = torch.randn(3, 4)
+        if step == 1 and dist.get_rank() == 1:
+            x[0, 0] = float("nan")
+        before = _params(net).clone()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                dp(x).sum().backward()
+            except NonFiniteGradientError as err:
+                out["error"] = str(err)
+                return out
+        out["messages"] += [str(w.message) for w in caught]
+        stepped = dp.step(opt)
+        opt.zero_grad()
+        out["skipped"].append(dp.last_step_skipped)
+        assert stepped != dp.last_step_skipped
+        if dp.last_step_skipped:
+            out["unchanged"] = bool(torch.equal(before, _params(net)))
+    if comp is not None:
+        out["residual_finite"] = all(bool(torch.isfinite(r).all()) for r in comp.residual.values())
+    out["finite"] = bool(torch.isfinite(_params(net)).all())
+    return out
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_nonfinite_skip(pool: PoolFn, compressed: bool) -> None:
+    for r in pool(2).run(nonfinite, "skip", compressed, timeout_s=60):
+        assert r["skipped"] == [False, True, False]
+        assert r["unchanged"] and r["finite"]
+        (message,) = r["messages"]
+        assert "step 1" in message and "0.weight" in message
+        if compressed:
+            assert "rank(s) [1]" in message and r["residual_finite"]
+
+
+def test_nonfinite_raise(pool: PoolFn) -> None:
+    for r in pool(2).run(nonfinite, "raise", False, timeout_s=60):
+        assert r["error"] is not None and "step 1" in r["error"] and "0.weight" in r["error"]
+
+
+def resume(split: int | None) -> torch.Tensor:
+    """6 steps with a compressor and cost-merged buckets; split: checkpoint after that many
+    steps and continue in fresh objects."""
+
+    def build() -> tuple[nn.Module, DataParallel, torch.optim.Optimizer]:
+        torch.manual_seed(3)
+        net = nn.Sequential(
+            nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+        )
+        config = DataParallelConfig(
+            compressor=HalfCompressor(), merge_buckets_by_cost=True, bucket_cap_mb=TINY_MB
+        )
+        dp = DataParallel(net, config=config)
+        return net, dp, torch.optim.AdamW(dp.parameters(), lr=0.01)
+
+    gen = torch.Generator().manual_seed(7 + dist.get_rank())
+    data = [torch.randn(4, 5, generator=gen) for _ in range(6)]
+    net, dp, opt = build()
+    for step, x in enumerate(data):
+        if step == split:
+            state = {"dp": dp.state_dict(), "opt": opt.state_dict()}
+            dp.close()
+            net, dp, opt = build()
+            dp.load_state_dict(state["dp"])
+            opt.load_state_dict(state["opt"])
+            assert dp.num_steps == split
+        dp(x).pow(2).sum().backward()
+        dp.step(opt)
+        opt.zero_grad()
+    dp.close()
+    return _params(net)
+
+
+def test_resume_is_bit_identical(pool: PoolFn) -> None:
+    whole = pool(2).run(resume, None, timeout_s=60)
+    split = pool(2).run(resume, 3, timeout_s=60)
+    for a, b in zip(whole, split, strict=True):
+        assert torch.equal(a, b)
