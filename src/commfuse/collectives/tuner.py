@@ -297,7 +297,8 @@ def _flat(profile: Profile) -> C.LinkCost:
 _LP_MODELS: dict[str, Callable[[int, int, C.LinkCost, int | None], float]] = {
     "broadcast": C.lp_broadcast,
     "reduce": C.lp_reduce,
-    "allreduce": C.lp_allreduce,
+    # One link per rank: the reduce and broadcast streams share it (cost.lp_allreduce_one_link).
+    "allreduce": C.lp_allreduce_one_link,
 }
 _MIN_BLOCK_BYTES = 4096
 
