@@ -1,0 +1,48 @@
+"""Error feedback: what a lossy compressor did not send this step is added to the next step.
+
+Error feedback (Seide et al. 2014, "1-bit SGD"; Stich et al. 2018, "Sparsified SGD with
+memory"; Karimireddy et al. 2019, "Error Feedback Fixes SignSGD") keeps, per bucket, the
+residual ``e`` between what the rank wanted to send and what its message decodes to:
+
+1. ``x = g + e``          (correct this step's gradient by last step's residual)
+2. send ``C(x)``          (the compressed message)
+3. ``e = x - D(C(x))``    (remember what was lost)
+
+so the sum over steps of what was sent plus the current residual equals the sum of true
+gradients exactly: nothing is dropped, only delayed, and biased compressors (top-k, sign)
+converge like SGD. The residuals are their own state object, so a checkpoint holds them and a
+resumed run continues bit for bit.
+
+A bucket whose size changes (torch DDP rebuilds its buckets after the first iteration) starts
+again from a zero residual: the old residual belongs to a different set of parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class ErrorFeedback:
+    """Per-bucket residuals ``e_b`` (flat tensors of the bucket's size and dtype)."""
+
+    def __init__(self) -> None:
+        self.residuals: dict[int, torch.Tensor] = {}
+
+    def corrected(self, bucket: int, grad: torch.Tensor) -> torch.Tensor:
+        """``grad + e_bucket`` as a new tensor (``grad`` itself is left alone)."""
+        residual = self.residuals.get(bucket)
+        if residual is None or residual.shape != grad.shape or residual.dtype != grad.dtype:
+            return grad.clone()
+        return grad + residual
+
+    def update(self, bucket: int, residual: torch.Tensor) -> None:
+        """Store the new residual (the caller commits only finite ones)."""
+        self.residuals[bucket] = residual
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {b: e.clone() for b, e in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals = {int(b): e.clone() for b, e in state["residuals"].items()}

@@ -1,0 +1,105 @@
+"""commfuse's compressors as PyTorch DDP communication hooks: one line for a plain DDP user.
+
+```python
+from commfuse.compress import make_compressor
+from commfuse.hooks import CompressionState, compressed_allreduce_hook
+
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+ddp.register_comm_hook(CompressionState(make_compressor("topk:ratio=0.01")),
+                       compressed_allreduce_hook)
+```
+
+DDP calls a hook as ``hook(state, bucket) -> Future[Tensor]`` each time a bucket of gradients
+is ready during backward, in bucket order on every rank, and waits on the futures before the
+optimizer step (the shape of torch's own ``allreduce_hook`` and ``powerSGD_hook``). This hook:
+
+1. takes the bucket's flat buffer (``bucket.buffer()``) and its index (``bucket.index()``, the
+   key of the compressor's per-bucket state) and counts that bucket's steps;
+2. queues ``compressor.reduce_`` on the communicator's worker thread
+   (``commfuse.collectives.executor.submit``), so backward keeps computing the next buckets
+   while this one is compressed and exchanged, which is the overlap DDP exists for;
+3. returns a Future that the worker completes with the averaged buffer (or the error).
+
+The state owns a PRIVATE process group over the same ranks (created when the state is, so
+every rank must construct it at the same point, as with any process group): the hook's
+collectives run on a background thread, and on a shared group they could interleave with
+DDP's own (its unused-parameter bitmap, buffer broadcasts) in a different order on different
+ranks. DDP does not divide gradients when a hook is registered; ``reduce_`` returns the
+average. DDP rebuilds its buckets after the first iteration: a bucket whose size changes
+restarts its compressor state from zero, so stateful compressors lose at most step 0's
+residual (PowerSGD's default ``warmup`` of 10 uncompressed steps covers it entirely).
+
+(No ``from __future__ import annotations`` here: DDP checks the hook's annotations at
+registration and rejects string annotations.)
+"""
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket  # = dist.GradBucket, visible to mypy
+
+from commfuse.collectives.executor import submit
+from commfuse.comm import CommConfig, Communicator
+from commfuse.compress.base import GradientCompressor
+
+
+@dataclasses.dataclass
+class CompressionState:
+    """What ``compressed_allreduce_hook`` needs: a compressor, a communicator, step counters."""
+
+    compressor: GradientCompressor
+    """The compressor every bucket goes through."""
+    process_group: dist.ProcessGroup | None = None
+    """The ranks to average over (DDP's group; None = the world)."""
+    config: CommConfig | None = None
+    """The communicator's deadlines and tracing (default: ``CommConfig()``)."""
+    steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Calls so far per bucket index (the ``step`` handed to the compressor)."""
+    comm: Communicator = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        if not dist.is_initialized():
+            raise ValueError("CompressionState needs torch.distributed.init_process_group() first")
+        parent = self.process_group if self.process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(parent)
+        # Private group: see the module docstring (ordering against DDP's own collectives).
+        private = dist.new_group(ranks=ranks)
+        self.comm = Communicator(private, config=self.config, name="ddp-hook")
+
+    def next_step(self, bucket: int) -> int:
+        step = self.steps.get(bucket, 0)
+        self.steps[bucket] = step + 1
+        return step
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's state and the step counters (for a checkpoint)."""
+        return {"compressor": self.compressor.state_dict(), "steps": dict(self.steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.compressor.load_state_dict(state["compressor"])
+        self.steps = {int(b): int(s) for b, s in state["steps"].items()}
+
+
+def compressed_allreduce_hook(
+    state: CompressionState, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket`` over the ranks through ``state.compressor`` on a background thread."""
+    buffer = bucket.buffer()
+    index = bucket.index()
+    step = state.next_step(index)
+    compressor = state.compressor
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def work() -> None:
+        try:
+            with state.comm.at_step(step):
+                compressor.reduce_(state.comm, buffer, bucket=index, step=step)
+        except Exception as err:
+            future.set_exception(err)  # type: ignore[arg-type]
+            raise
+        future.set_result(buffer)
+
+    submit(state.comm, f"ddp-hook.{compressor.name}[bucket {index}]", work)
+    return future
