@@ -16,7 +16,9 @@ from typing import Any
 from commfuse.units import parse_sizes
 
 #: Modules that each add one ``commfuse bench`` sub-command with ``register_bench(bench_sub)``.
-_BENCH_MODULES: tuple[str, ...] = ()
+_BENCH_MODULES: tuple[str, ...] = (
+    "commfuse.bench.fused_cli",
+)
 
 #: The embedded default: a short sweep on an emulated 4-host, 1 Gbit/s cluster.
 DEFAULT_SIZES = "64K,1M,16M"

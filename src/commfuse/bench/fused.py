@@ -1,0 +1,229 @@
+"""``commfuse bench fused``: each fused operator against its unfused reference, side by side.
+
+For every (op, shape) each rank times, interleaved (C M U F C M U F ...), after a barrier each:
+
+* ``compute``: the computation alone (``C``);
+* ``comm``: the collective alone, on a buffer of the result's size (``M``);
+* ``unfused``: the reference, computation then collective;
+* ``fused``: the chunked pipeline with ``k`` chosen by the cost model from the measured
+  ``C``, ``M`` and per-chunk overhead (or ``--chunks``).
+
+A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
+prediction and the ratios fused/unfused and fused/ideal, plus ``wrong``: elements where the fused
+result differs from the unfused one (both reduce in the same order, so it must be 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from commfuse.cluster.topology import Topology
+from commfuse.comm import Communicator
+from commfuse.fused import embedding_alltoall as emb
+from commfuse.fused import gemm_allreduce as gar
+from commfuse.fused.chunking import choose_chunks, measure_overhead_us, predict_us, split_sizes
+
+#: Operators this benchmark knows, and the shapes it times for each by default. GEMM shapes are
+#: (rows, in_features, out_features), the weight's in_features sharded across ranks; embedding
+#: shapes are (global batch, tables, rows per table, dim, lookups per bag).
+OPS: dict[str, tuple[tuple[int, ...], ...]] = {
+    "gemm_allreduce": ((1024, 2048, 1024), (1024, 8192, 512), (2048, 512, 1024)),
+    "gemv_allreduce": ((1, 8192, 16384),),
+    "embedding_alltoall": (
+        (4096, 32, 20000, 64, 16),
+        (4096, 32, 20000, 64, 64),
+        (8192, 32, 20000, 64, 4),
+    ),
+}
+ARITY = {"gemm_allreduce": 3, "gemv_allreduce": 3, "embedding_alltoall": 5}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FusedBenchConfig:
+    """What to time."""
+
+    ops: tuple[str, ...] = tuple(OPS)
+    """Operators, from OPS."""
+    iters: int = 7
+    """Timed repetitions per variant; medians are reported."""
+    warmup: int = 2
+    """Untimed runs of each variant first (connections, allocator, the measurement of k)."""
+    chunks: int | None = None
+    """Fixed number of chunks; None lets the cost model choose."""
+    shapes: tuple[tuple[int, ...], ...] | None = None
+    """Shapes to time instead of the defaults; each op takes those of its arity (3 or 5)."""
+
+    def __post_init__(self) -> None:
+        unknown = [op for op in self.ops if op not in OPS]
+        if unknown:
+            raise ValueError(
+                f"unknown --op {', '.join(unknown)}: use one or more of {', '.join(OPS)}"
+            )
+        if self.iters < 1 or self.warmup < 0:
+            raise ValueError("--iters must be >= 1 and --warmup >= 0")
+        for op in self.ops if self.shapes else ():
+            if not self.shapes_of(op):
+                raise ValueError(f"no --shape of {ARITY[op]} dimensions for {op}")
+        if self.chunks is not None and self.chunks < 1:
+            raise ValueError(f"--chunks must be >= 1, got {self.chunks}")
+
+    def shapes_of(self, op: str) -> tuple[tuple[int, ...], ...]:
+        if self.shapes is None:
+            return OPS[op]
+        return tuple(s for s in self.shapes if len(s) == ARITY[op])
+
+
+@dataclasses.dataclass
+class Case:
+    """The four timed variants of one (op, shape); ``fused`` takes the number of chunks."""
+
+    compute: Callable[[], Any]
+    comm: Callable[[], Any]
+    unfused: Callable[[], torch.Tensor]
+    fused: Callable[[int], torch.Tensor]
+    max_chunks: int
+
+
+def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
+    rows, in_features, out_features = shape
+    gen = torch.Generator().manual_seed(comm.rank)
+    shard = split_sizes(in_features, comm.world_size)[comm.rank]
+    x = torch.randint(-2, 3, (rows, shard), generator=gen).float()
+    w = torch.randint(-2, 3, (out_features, shard), generator=gen).float()
+    buf = torch.zeros(rows, out_features)
+    return Case(
+        compute=lambda: torch.matmul(x, w.t()),
+        comm=lambda: comm.all_reduce(buf),
+        unfused=lambda: gar.gemm_allreduce_reference(comm, x, w),
+        fused=lambda k: gar.gemm_allreduce(comm, x, w, chunks=k),
+        max_chunks=16,
+    )
+
+
+def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
+    batch, num_tables, rows, dim, pooling = shape
+    world, rank = comm.world_size, comm.rank
+    gen = torch.Generator().manual_seed(rank)
+    local = [t for t in range(num_tables) if t % world == rank]
+    per_rank = [sum(1 for t in range(num_tables) if t % world == r) for r in range(world)]
+    tables = [torch.randint(-3, 4, (rows, dim), generator=gen).float() for _ in local]
+    # Power-law indices (DLRM's generator draws skewed ids too): popular rows are hit often.
+    indices = [(torch.rand(batch * pooling, generator=gen) ** 3 * rows).long() for _ in local]
+    offsets = [torch.arange(0, batch * pooling, pooling) for _ in local]
+    splits = split_sizes(batch, world)
+    buf = torch.zeros(batch * len(local) * dim)
+    out = torch.empty(splits[rank] * num_tables * dim)
+    in_splits = [b * len(local) * dim for b in splits]
+    out_splits = [splits[rank] * t * dim for t in per_rank]
+    kw: dict[str, Any] = dict(dim=dim, dtype=torch.float32, mode="sum")
+    args = (tables, indices, offsets, splits, per_rank)
+    return Case(
+        compute=lambda: emb.lookup_rows(tables, indices, offsets, 0, batch, "sum", torch.float32),
+        comm=lambda: comm.all_to_all(out, buf, out_splits, in_splits),
+        unfused=lambda: emb.embedding_alltoall_reference(comm, *args, **kw),
+        fused=lambda k: emb.embedding_alltoall(comm, *args, chunks=k, **kw),
+        max_chunks=4 * max(world - 1, 1),
+    )
+
+
+def make_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> Case:
+    if op in ("gemm_allreduce", "gemv_allreduce"):
+        if len(shape) != 3:
+            raise ValueError(f"{op} shape is (rows, in_features, out_features), got {shape}")
+        return gemm_case(comm, shape)
+    if len(shape) != 5:
+        raise ValueError(f"{op} shape is (batch, tables, rows, dim, pooling), got {shape}")
+    return embedding_case(comm, shape)
+
+
+def _timed(comm: Communicator, fn: Callable[[], Any]) -> float:
+    comm.barrier()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e6
+
+
+def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
+    """Runs on every rank (process group up); rank 0's return value is the report."""
+    comm = Communicator()
+    topology = Topology.from_env()
+    records: list[dict[str, Any]] = []
+    for op in config.ops:
+        for shape in config.shapes_of(op):
+            case = make_case(comm, op, shape)
+            for _ in range(config.warmup):
+                compute_us, comm_us = _timed(comm, case.compute), _timed(comm, case.comm)
+                _timed(comm, case.unfused)
+            overhead_us = measure_overhead_us(comm, repeats=5)
+            agreed = torch.tensor([compute_us, comm_us, overhead_us], dtype=torch.float64)
+            comm.all_reduce(agreed, "max")
+            chunks = config.chunks or choose_chunks(*agreed.tolist(), max_chunks=case.max_chunks)
+            fused = functools.partial(case.fused, chunks)
+            for _ in range(config.warmup):
+                _timed(comm, fused)
+            variants: list[Callable[[], Any]] = [
+                case.compute,
+                case.comm,
+                case.unfused,
+                fused,
+            ]
+            times = torch.zeros(len(variants), config.iters, dtype=torch.float64)
+            for i in range(config.iters):
+                for v, fn in enumerate(variants):  # interleaved: C M U F C M U F ...
+                    times[v, i] = _timed(comm, fn)
+            comm.all_reduce(times, "max")
+            wrong = torch.tensor([int((case.fused(chunks) != case.unfused()).sum())])
+            comm.all_reduce(wrong)
+            c, m, u, f = (statistics.median(row.tolist()) for row in times)
+            ideal = max(c, m)
+            records.append(
+                {
+                    "op": op,
+                    "shape": list(shape),
+                    "world_size": comm.world_size,
+                    "hosts": topology.num_hosts,
+                    "ranks_per_host": topology.ranks_per_host,
+                    "link_mbit": topology.link_mbit,
+                    "emulated": bool(os.environ.get("COMMFUSE_NETLAB")),
+                    "chunks": chunks,
+                    "compute_us": c,
+                    "comm_us": m,
+                    "unfused_us": u,
+                    "fused_us": f,
+                    "ideal_us": ideal,
+                    "predicted_us": predict_us(c, m, chunks, float(agreed[2])),
+                    "overhead_us": float(agreed[2]),
+                    "fused_vs_unfused": f / u,
+                    "fused_vs_ideal": f / ideal,
+                    "c_over_m": c / m if m else float("inf"),
+                    "wrong": int(wrong),
+                    "iters": config.iters,
+                }
+            )
+    return records
+
+
+COLUMNS = (
+    ("op", lambda r: r["op"]),
+    ("shape", lambda r: "x".join(map(str, r["shape"]))),
+    ("P", lambda r: str(r["world_size"])),
+    ("k", lambda r: str(r["chunks"])),
+    ("C_us", lambda r: f"{r['compute_us']:.0f}"),
+    ("M_us", lambda r: f"{r['comm_us']:.0f}"),
+    ("C/M", lambda r: f"{r['c_over_m']:.2f}"),
+    ("unfused_us", lambda r: f"{r['unfused_us']:.0f}"),
+    ("fused_us", lambda r: f"{r['fused_us']:.0f}"),
+    ("ideal_us", lambda r: f"{r['ideal_us']:.0f}"),
+    ("pred_us", lambda r: f"{r['predicted_us']:.0f}"),
+    ("fused/unfused", lambda r: f"{r['fused_vs_unfused']:.3f}"),
+    ("fused/ideal", lambda r: f"{r['fused_vs_ideal']:.3f}"),
+    ("wrong", lambda r: str(r["wrong"])),
+)

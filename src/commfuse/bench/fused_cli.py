@@ -1,0 +1,111 @@
+"""``commfuse bench fused``: fused computation-collective operators against their unfused form.
+
+commfuse bench fused --hosts 4 --link 1gbit --op gemm_allreduce,embedding_alltoall --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from commfuse.bench.fused import OPS
+    from commfuse.cluster.launch_cli import add_topology_arguments
+
+    parser = bench_sub.add_parser(
+        "fused",
+        help="fused operators vs unfused: compute C, comm M, unfused, fused, ideal max(C, M), ratios",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_topology_arguments(parser, default_hosts=4, default_link="1gbit")
+    parser.add_argument("--op", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        metavar="AxBx...",
+        help="shape to time instead of the defaults (repeatable): rows x in x out for the GEMMs, "
+        "batch x tables x rows x dim x pooling for embedding_alltoall",
+    )
+    parser.add_argument("--chunks", type=int, help="fix the number of chunks (default: cost model)")
+    parser.add_argument("--iters", type=int, default=7, help="timed runs per variant (median)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
+    parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    parser.add_argument("--markdown", metavar="PATH", help="write a dated Markdown report")
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="stop the job after this many seconds"
+    )
+    parser.set_defaults(func=run_bench_fused)
+
+
+def run_bench_fused(args: argparse.Namespace) -> int:
+    from commfuse.bench.cli import machine_summary
+    from commfuse.bench.fused import COLUMNS, FusedBenchConfig, bench_fused_on_rank
+    from commfuse.bench.table import render
+    from commfuse.cluster import DeadlineExceeded, RankError, run
+    from commfuse.cluster.launch_cli import topology_from_args
+    from commfuse.cluster.netlab import NetlabError
+
+    try:
+        if str(args.link).lower() in ("none", "off"):
+            args.link = None
+        topology = topology_from_args(args)
+        shapes = None
+        if args.shape:
+            try:
+                shapes = tuple(tuple(int(d) for d in s.lower().split("x")) for s in args.shape)
+            except ValueError:
+                raise ValueError(
+                    f"--shape takes integers joined by x (1024x2048x1024), got {args.shape}"
+                ) from None
+        config = FusedBenchConfig(
+            ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),
+            iters=args.iters,
+            warmup=args.warmup,
+            chunks=args.chunks,
+            shapes=shapes,
+        )
+    except ValueError as err:
+        print(f"commfuse bench fused: {err}", file=sys.stderr)
+        return 2
+    print(
+        f"commfuse bench fused: {topology.describe()}, {config.iters} timed runs per variant (median)",
+        file=sys.stderr,
+    )
+    try:
+        results = run(
+            bench_fused_on_rank,
+            config,
+            net=topology,
+            emulate=False if args.no_emulate else None,
+            timeout_s=args.timeout,
+        )
+    except (RankError, DeadlineExceeded, NetlabError) as err:
+        print(f"commfuse bench fused: {err}", file=sys.stderr)
+        return 1
+    records = results[0]
+    emulated = bool(records and records[0]["emulated"])
+    title = f"# {topology.describe()}{'' if emulated else ' (NOT emulated: plain loopback)'}"
+    print(title)
+    print(render(records, COLUMNS))
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    if args.markdown:
+        machine = machine_summary()
+        lines = [
+            f"# Fused operators benchmark, {machine['date']}",
+            "",
+            f"Command: `{' '.join(sys.argv)}`",
+            "",
+            title.lstrip("# "),
+            "",
+            render(records, COLUMNS, markdown=True),
+            "",
+            "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if k != "date"),
+            "",
+        ]
+        Path(args.markdown).write_text("\n".join(lines))
+    return 0 if all(r["wrong"] == 0 for r in records) else 1

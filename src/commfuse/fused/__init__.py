@@ -1,0 +1,22 @@
+"""Layer 3: computation fused with the collective that depends on it (Punniyamurthy, Hamidouche
+and Beckmann, SC24, arXiv 2305.06942).
+
+Each operator computes its result in chunks and starts the collective of chunk ``i`` while chunk
+``i + 1`` is computed. One file per operator, each with its exact unfused reference and its
+backward; ``chunking.py`` holds the cost model that picks the number of chunks, ``ops.py`` the
+``torch.ops.commfuse.*`` registrations, ``modules.py`` the ``nn.Module``s. The functions live in their operator's module
+(``commfuse.fused.gemm_allreduce.gemm_allreduce``), which keeps those names for the modules.
+"""
+
+from commfuse.fused.chunking import ChunkConfig, choose_chunks, predict_us
+from commfuse.fused.modules import RowParallelLinear, ShardedEmbeddingBag
+from commfuse.fused.ops import register_communicator
+
+__all__ = [
+    "ChunkConfig",
+    "RowParallelLinear",
+    "ShardedEmbeddingBag",
+    "choose_chunks",
+    "predict_us",
+    "register_communicator",
+]

@@ -1,0 +1,312 @@
+"""Embedding + All-to-All: DLRM's sharded pooled lookup, fused with the exchange that follows it.
+
+DLRM (Naumov et al. 2019) shards its embedding tables table-wise across ranks (model
+parallelism) while its MLPs are data-parallel. Rank ``r`` owns ``T_r`` tables and receives the
+indices of the *global* batch for them; it computes the pooled lookups (``EmbeddingBag``, sum or
+mean) of all ``B`` samples, and an All-to-All sends the rows of rank ``j``'s samples
+(``B_j`` of them) to rank ``j``, which then holds all ``T`` tables for its own samples.
+
+Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, section 4.1):
+
+1. Post the receives of every incoming block first.
+2. For the destinations in ring order ``r+1, r+2, ..., r-1`` and the local rank last, compute the
+   lookups of that destination's samples (cut into pieces when asked) and send each piece as
+   soon as it is computed; the next piece is computed while it travels. Every rank sends to a
+   different peer at each step, as in a pairwise exchange, so no link receives from two at once.
+3. The local block is computed last: it never travels, so it hides the last transfers.
+
+Layout. Rank ``r`` passes, for each of its tables ``t``, EmbeddingBag inputs for the global batch:
+``indices[t]`` (1-D int64) and ``offsets[t]`` (``B`` starts, no trailing end). ``batch_splits``
+lists ``B_j`` per rank and ``tables_per_rank`` lists ``T_j``. The output on rank ``r`` is
+``[B_r, T, D]``, tables in rank-major order (rank 0's tables, then rank 1's, ...).
+
+Backward (gradient semantics). The backward of an All-to-All is the All-to-All in the opposite
+direction: rank ``r`` sends ``grad[:, tables of j]`` to owner ``j`` and receives from every rank
+``i`` the gradient of its lookups for ``i``'s samples. It is overlapped the same way, mirrored
+(All-to-All + compute): all receives are posted, all sends started, the local block is
+accumulated into the table gradients first, then each remote block as it arrives. Table
+gradients are dense (``index_add`` of each bag's gradient into the rows it looked up, divided
+by the bag's length for mean).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from commfuse.comm import Communicator, Handle
+from commfuse.fused.chunking import elapsed_us, split_ranges
+
+#: Stats label of the fused operator's point-to-point traffic (exact bytes and messages).
+LABEL = "embedding_alltoall"
+MODES = ("sum", "mean")
+
+
+def check_inputs(
+    comm: Communicator,
+    tables: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    offsets: list[torch.Tensor],
+    batch_splits: list[int],
+    tables_per_rank: list[int],
+    mode: str,
+) -> int:
+    """ValueError naming the problem; returns the global batch size."""
+    world = comm.world_size
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if len(batch_splits) != world or any(b < 0 for b in batch_splits):
+        raise ValueError(
+            f"batch_splits needs {world} non-negative entries (one per rank), got {batch_splits}"
+        )
+    if len(tables_per_rank) != world or any(t < 0 for t in tables_per_rank):
+        raise ValueError(
+            f"tables_per_rank needs {world} non-negative entries, got {tables_per_rank}"
+        )
+    if tables_per_rank[comm.rank] != len(tables):
+        raise ValueError(
+            f"rank {comm.rank} holds {len(tables)} tables but tables_per_rank says {tables_per_rank[comm.rank]}"
+        )
+    if len(indices) != len(tables) or len(offsets) != len(tables):
+        raise ValueError(
+            f"need one indices and one offsets tensor per local table: {len(tables)} tables, "
+            f"{len(indices)} indices, {len(offsets)} offsets"
+        )
+    batch = sum(batch_splits)
+    for t, (table, idx, off) in enumerate(zip(tables, indices, offsets, strict=True)):
+        if (
+            table.dim() != 2
+            or table.shape[1] != tables[0].shape[1]
+            or table.dtype != tables[0].dtype
+        ):
+            raise ValueError(
+                f"local table {t} must be 2-D with the same dim and dtype as table 0, got {tuple(table.shape)} {table.dtype}"
+            )
+        if off.dim() != 1 or off.numel() != batch:
+            raise ValueError(
+                f"offsets[{t}] must hold one start per sample of the global batch ({batch}), got {tuple(off.shape)}"
+            )
+        if idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32) or off.dtype != idx.dtype:
+            raise ValueError(f"indices[{t}] and offsets[{t}] must be 1-D int64 (or both int32)")
+    return batch
+
+
+def _bag_range(off: torch.Tensor, num_idx: int, start: int, stop: int) -> tuple[int, int]:
+    lo = int(off[start]) if start < off.numel() else num_idx
+    hi = int(off[stop]) if stop < off.numel() else num_idx
+    return lo, hi
+
+
+def lookup_rows(
+    tables: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    offsets: list[torch.Tensor],
+    start: int,
+    stop: int,
+    mode: str,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Pooled lookups of samples ``[start, stop)`` in every local table: ``[stop - start, T_r, D]``."""
+    columns = []
+    for table, idx, off in zip(tables, indices, offsets, strict=True):
+        lo, hi = _bag_range(off, idx.numel(), start, stop)
+        columns.append(F.embedding_bag(idx[lo:hi], table, off[start:stop] - lo, mode=mode))
+    if not columns:
+        return torch.empty((stop - start, 0, 0), dtype=dtype)
+    return torch.stack(columns, dim=1)
+
+
+def _empty_blocks(
+    comm: Communicator, rows: int, tables_per_rank: list[int], dim: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    return [torch.empty((rows, t, dim), dtype=dtype) for t in tables_per_rank]
+
+
+def embedding_alltoall(
+    comm: Communicator,
+    tables: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    offsets: list[torch.Tensor],
+    batch_splits: list[int],
+    tables_per_rank: list[int],
+    *,
+    dim: int,
+    dtype: torch.dtype,
+    mode: str = "sum",
+    chunks: int = 2,
+) -> torch.Tensor:
+    """The fused operator (module docstring). ``chunks=1`` is the unfused reference; ``chunks >= 2``
+    pipelines destination by destination, each destination's rows cut into
+    ``ceil(chunks / (P - 1))`` pieces. ``dim``/``dtype`` describe the tables (a rank may own none)."""
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    check_inputs(comm, tables, indices, offsets, batch_splits, tables_per_rank, mode)
+    rank, world = comm.rank, comm.world_size
+    if chunks == 1 or world == 1:
+        return embedding_alltoall_reference(
+            comm,
+            tables,
+            indices,
+            offsets,
+            batch_splits,
+            tables_per_rank,
+            dim=dim,
+            dtype=dtype,
+            mode=mode,
+        )
+    pieces = -(-chunks // (world - 1))
+    starts = [sum(batch_splits[:j]) for j in range(world)]
+    mine = batch_splits[rank]
+    blocks = _empty_blocks(comm, mine, tables_per_rank, dim, dtype)
+    handles: list[Handle] = []
+    for step in range(1, world):
+        src = (rank - step) % world
+        for tag, (lo, hi) in enumerate(split_ranges(mine, pieces)):
+            handles.append(comm.irecv(blocks[src][lo:hi], src, tag=tag, label=LABEL))
+    for step in range(1, world):
+        dst = (rank + step) % world
+        for tag, (lo, hi) in enumerate(split_ranges(batch_splits[dst], pieces)):
+            piece = lookup_rows(
+                tables, indices, offsets, starts[dst] + lo, starts[dst] + hi, mode, dtype
+            )
+            piece = piece.reshape(hi - lo, len(tables), dim).contiguous()
+            handles.append(comm.isend(piece, dst, tag=tag, label=LABEL))
+    local = lookup_rows(tables, indices, offsets, starts[rank], starts[rank] + mine, mode, dtype)
+    blocks[rank].copy_(local.reshape(blocks[rank].shape))
+    for handle in handles:
+        handle.wait()
+    return torch.cat(blocks, dim=1)
+
+
+def embedding_alltoall_reference(
+    comm: Communicator,
+    tables: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    offsets: list[torch.Tensor],
+    batch_splits: list[int],
+    tables_per_rank: list[int],
+    *,
+    dim: int,
+    dtype: torch.dtype,
+    mode: str = "sum",
+    algo: str = "native",
+) -> torch.Tensor:
+    """Unfused: every lookup, then one All-to-All (``algo`` of commfuse.collectives.all_to_all;
+    "pairwise" counts exact point-to-point bytes, "native" is gloo's own)."""
+    from commfuse.collectives import all_to_all
+
+    check_inputs(comm, tables, indices, offsets, batch_splits, tables_per_rank, mode)
+    rank, world = comm.rank, comm.world_size
+    batch = sum(batch_splits)
+    send = lookup_rows(tables, indices, offsets, 0, batch, mode, dtype).reshape(
+        batch, len(tables), dim
+    )
+    in_splits = [b * len(tables) * dim for b in batch_splits]
+    out_splits = [batch_splits[rank] * t * dim for t in tables_per_rank]
+    recv = torch.empty(sum(out_splits), dtype=dtype)
+    all_to_all(comm, recv, send.contiguous().view(-1), out_splits, in_splits, algo=algo)
+    blocks = [
+        part.view(batch_splits[rank], t, dim)
+        for part, t in zip(torch.split(recv, out_splits), tables_per_rank, strict=True)
+    ]
+    return torch.cat(blocks, dim=1) if world > 1 else blocks[0].clone()
+
+
+def _accumulate(
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    offsets: list[torch.Tensor],
+    start: int,
+    grad_rows: torch.Tensor,
+    mode: str,
+) -> None:
+    """Add the gradient of samples ``[start, start + rows)`` (``[rows, T_r, D]``) into the tables'."""
+    rows = grad_rows.shape[0]
+    if rows == 0:
+        return
+    for t, (grad_w, idx, off) in enumerate(zip(grads, indices, offsets, strict=True)):
+        lo, hi = _bag_range(off, idx.numel(), start, start + rows)
+        bounds = torch.cat([off[start : start + rows], off.new_tensor([hi])])
+        lengths = (bounds[1:] - bounds[:-1]).clamp_min(0)
+        bag = torch.repeat_interleave(torch.arange(rows), lengths)
+        g = grad_rows[:, t][bag].float()
+        if mode == "mean":
+            g = g / lengths[bag].unsqueeze(1)
+        grad_w.index_add_(0, idx[lo:hi], g)
+
+
+def embedding_alltoall_backward(
+    comm: Communicator,
+    grad_out: torch.Tensor,
+    tables: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    offsets: list[torch.Tensor],
+    batch_splits: list[int],
+    tables_per_rank: list[int],
+    *,
+    mode: str = "sum",
+    chunks: int = 2,
+) -> list[torch.Tensor]:
+    """Gradients of the local tables (module docstring): the reverse All-to-All, overlapped with
+    the accumulation. Sends the same bytes as the forward, in the other direction."""
+    rank, world = comm.rank, comm.world_size
+    dim = grad_out.shape[2] if grad_out.dim() == 3 else 0
+    # Accumulate in float32: a popular row sums many bags, and bfloat16 sums would drift.
+    grads = [torch.zeros(t.shape, dtype=torch.float32) for t in tables]
+    starts = [sum(batch_splits[:j]) for j in range(world)]
+    table_starts = [sum(tables_per_rank[:j]) for j in range(world)]
+    mine = batch_splits[rank]
+    pieces = 1 if world == 1 else -(-chunks // (world - 1))
+    incoming: list[tuple[Handle, int, torch.Tensor]] = []
+    for step in range(1, world):
+        src = (rank + step) % world  # the ranks whose samples I looked up, in the forward's order
+        buf = torch.empty((batch_splits[src], len(tables), dim), dtype=grad_out.dtype)
+        for tag, (lo, hi) in enumerate(split_ranges(batch_splits[src], pieces)):
+            handle = comm.irecv(buf[lo:hi], src, tag=tag, label=LABEL)
+            incoming.append((handle, starts[src] + lo, buf[lo:hi]))
+    outgoing: list[Handle] = []
+    for step in range(1, world):
+        dst = (rank - step) % world
+        block = grad_out[
+            :, table_starts[dst] : table_starts[dst] + tables_per_rank[dst]
+        ].contiguous()
+        for tag, (lo, hi) in enumerate(split_ranges(mine, pieces)):
+            outgoing.append(comm.isend(block[lo:hi], dst, tag=tag, label=LABEL))
+    own = grad_out[:, table_starts[rank] : table_starts[rank] + tables_per_rank[rank]]
+    _accumulate(grads, indices, offsets, starts[rank], own, mode)  # while the remote blocks travel
+    for handle, start, piece in incoming:
+        handle.wait()
+        _accumulate(grads, indices, offsets, start, piece, mode)
+    for handle in outgoing:
+        handle.wait()
+    return [g.to(t.dtype) for g, t in zip(grads, tables, strict=True)]
+
+
+def measure(
+    comm: Communicator,
+    tables: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    offsets: list[torch.Tensor],
+    batch_splits: list[int],
+    tables_per_rank: list[int],
+    *,
+    dim: int,
+    dtype: torch.dtype,
+    mode: str = "sum",
+) -> tuple[float, float]:
+    """(compute_us, comm_us) of one unfused run: all lookups alone, then the All-to-All alone."""
+    rank = comm.rank
+    batch = sum(batch_splits)
+    start = time.perf_counter()
+    send = lookup_rows(tables, indices, offsets, 0, batch, mode, dtype).reshape(
+        batch, len(tables), dim
+    )
+    compute_us = elapsed_us(start)
+    in_splits = [b * len(tables) * dim for b in batch_splits]
+    out_splits = [batch_splits[rank] * t * dim for t in tables_per_rank]
+    recv = torch.empty(sum(out_splits), dtype=dtype)
+    start = time.perf_counter()
+    comm.all_to_all(recv, send.contiguous().view(-1), out_splits, in_splits)
+    return compute_us, elapsed_us(start)

@@ -1,0 +1,131 @@
+"""GEMM/GEMV + AllReduce: the row-parallel linear layer of tensor parallelism, fused.
+
+In a row-parallel linear (Megatron-LM, Shoeybi et al. 2019) each rank holds the columns
+``x[:, K_r]`` of the input and the matching columns ``W[:, K_r]`` of the weight, computes the
+partial product ``x[:, K_r] @ W[:, K_r]^T`` and the ranks sum the partials with an AllReduce.
+The AllReduce depends on the whole GEMM, so unfused it sits on the critical path.
+
+Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, section 4.2):
+
+1. Cut the output into ``k`` pieces: row blocks (tokens) when there are at least ``k`` rows, else
+   column blocks (output features; a GEMV has one row).
+2. Compute piece ``i`` and post its reduce-scatter; compute piece ``i + 1`` while piece ``i``
+   travels; then reduce piece ``i``'s block and post its all-gather, which travels while piece
+   ``i + 2`` is computed (``direct_allreduce.py`` says why this, not gloo's async ring).
+3. Finish the last pieces. Every rank ends with the same sum (each block is summed once, by
+   its owner, in rank order), and each rank sends ``2 (P - 1) / P`` of the output, what a ring
+   allreduce of the unfused output sends.
+
+Backward (gradient semantics). The output is replicated on every rank, and every rank back-
+propagates the same ``grad_out``, so the backward of the forward AllReduce (a sum over ranks) is
+the identity: ``grad_x_r = grad_out @ W[:, K_r]`` and ``grad_W[:, K_r] = grad_out^T @ x_r``, both
+local. There is no collective to overlap in this backward (its mirror image, the column-parallel
+layer, has one).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from commfuse.comm import Communicator, check_consistent
+from commfuse.fused.chunking import elapsed_us, split_ranges
+from commfuse.fused.direct_allreduce import DirectAllReduce
+
+#: Stats label of the fused pipeline's point-to-point traffic (exact bytes and messages); the
+#: unfused reference's native allreduce counts its payload under "all_reduce".
+LABEL = "gemm_allreduce"
+
+
+def check_shapes(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """ValueError unless ``x[..., K] @ weight[N, K]^T`` is well formed."""
+    if weight.dim() != 2:
+        raise ValueError(
+            f"weight must be 2-D (out_features, in_features_shard), got {tuple(weight.shape)}"
+        )
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x's last dimension ({x.shape[-1] if x.dim() else 'scalar'}) must equal the weight's "
+            f"in_features shard ({weight.shape[1]})"
+        )
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}; cast one of them")
+
+
+def check_same_output(comm: Communicator, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """InconsistentInputError (a ValueError) if ranks would all-reduce outputs of different shapes."""
+    rows = math.prod(x.shape[:-1])
+    meta = torch.empty((rows, weight.shape[0]), dtype=x.dtype, device="meta")
+    check_consistent(comm, meta, "gemm_allreduce output")
+
+
+def gemm_allreduce_reference(
+    comm: Communicator, x: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """The unfused operator: the whole GEMM, then one AllReduce (sum) of the result."""
+    check_shapes(x, weight)
+    out = torch.matmul(x, weight.t())
+    comm.all_reduce(out, "sum")
+    return out
+
+
+def gemm_allreduce(
+    comm: Communicator, x: torch.Tensor, weight: torch.Tensor, *, chunks: int
+) -> torch.Tensor:
+    """``allreduce_sum(x @ weight^T)`` computed and reduced in ``chunks`` pieces (see the module
+    docstring). ``chunks=1`` is the unfused reference; every rank must pass the same ``chunks``."""
+    check_shapes(x, weight)
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    lead = x.shape[:-1]
+    rows, cols = math.prod(lead), weight.shape[0]
+    x2 = x.reshape(rows, x.shape[-1])  # explicit rows: an empty shard has K = 0
+    if chunks == 1 or comm.world_size == 1:
+        return gemm_allreduce_reference(comm, x, weight)
+    reducer = DirectAllReduce(comm, LABEL)
+
+    def overlap(piece: torch.Tensor) -> None:
+        # Keep one piece's reduce-scatter in flight while the next piece is computed.
+        reducer.start(piece)
+        if reducer.in_flight > 1:
+            reducer.advance()
+
+    if rows >= chunks:
+        out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+        for start, stop in split_ranges(rows, chunks):
+            piece = out[start:stop]  # a contiguous row block: reduced in place
+            torch.matmul(x2[start:stop], weight.t(), out=piece)
+            overlap(piece)
+        reducer.finish()
+        return out.reshape(*lead, cols)
+    # Few rows (a GEMV): cut the output features instead; each block is its own buffer.
+    pieces = []
+    for start, stop in split_ranges(cols, chunks):
+        pieces.append(torch.matmul(x2, weight[start:stop].t()).contiguous())
+        overlap(pieces[-1])
+    reducer.finish()
+    return torch.cat(pieces, dim=1).reshape(*lead, cols)
+
+
+def gemm_allreduce_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight): local, since the AllReduce's backward is the identity."""
+    rows = math.prod(x.shape[:-1])
+    g2 = grad_out.reshape(rows, weight.shape[0])
+    x2 = x.reshape(rows, x.shape[-1])
+    grad_x = torch.matmul(g2, weight).reshape(x.shape)
+    grad_w = torch.matmul(g2.t(), x2)
+    return grad_x, grad_w
+
+
+def measure(comm: Communicator, x: torch.Tensor, weight: torch.Tensor) -> tuple[float, float]:
+    """(compute_us, comm_us) of one unfused run: the GEMM alone, then the AllReduce alone."""
+    start = time.perf_counter()
+    out = torch.matmul(x, weight.t())
+    compute_us = elapsed_us(start)
+    start = time.perf_counter()
+    comm.all_reduce(out, "sum")
+    return compute_us, elapsed_us(start)

@@ -1,0 +1,209 @@
+"""``nn.Module``s that drop the fused operators into a model: ``RowParallelLinear`` and
+``ShardedEmbeddingBag``.
+
+Each module chooses its number of chunks once per input shape: the first call with a new shape
+runs the unfused operator once more, timing computation and communication apart, measures the
+per-chunk overhead, and picks ``k`` from the cost model (``fused.chunking``) on times agreed
+across ranks. That first call also checks that every rank passes compatible shapes. Pass
+``ChunkConfig(num_chunks=k)`` to fix ``k`` instead (no measurement, no check).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from commfuse.comm import Communicator
+from commfuse.fused import embedding_alltoall as emb
+from commfuse.fused import gemm_allreduce as gar
+from commfuse.fused.chunking import ChunkConfig, agree_chunks, measure_overhead_us, split_sizes
+from commfuse.fused.ops import (
+    anchor_for_backward,
+    embedding_alltoall_op,
+    gemm_allreduce_op,
+    register_communicator,
+)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W``'s input features sharded across ranks (Megatron's row-
+    parallel linear). Rank ``r`` receives its slice of ``x``'s last dimension (``in_shard``
+    features, the output of a column-parallel layer or ``x[..., in_range]``) and returns the full,
+    replicated ``y``. The AllReduce of partial products is fused with the GEMM."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Communicator,
+        *,
+        bias: bool = True,
+        dtype: torch.dtype = torch.float32,
+        chunk_config: ChunkConfig | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise ValueError(
+                f"in_features and out_features must be >= 1, got {in_features}, {out_features}"
+            )
+        self.comm = comm
+        self.comm_id = register_communicator(comm)
+        self.chunk_config = chunk_config or ChunkConfig()
+        sizes = split_sizes(in_features, comm.world_size)
+        start = sum(sizes[: comm.rank])
+        self.in_range = (start, start + sizes[comm.rank])
+        # Every rank draws the same full weight and keeps its columns: the same model as a
+        # single-process nn.Linear seeded alike, whatever the world size.
+        gen = torch.Generator().manual_seed(seed)
+        bound = 1.0 / math.sqrt(in_features)
+        full = (torch.rand((out_features, in_features), generator=gen) * 2 - 1) * bound
+        self.weight = nn.Parameter(full[:, start : start + sizes[comm.rank]].to(dtype).contiguous())
+        self.bias = (
+            nn.Parameter(((torch.rand(out_features, generator=gen) * 2 - 1) * bound).to(dtype))
+            if bias
+            else None
+        )
+        self._chunks: dict[tuple[int, torch.dtype], int] = {}
+
+    def chunks_for(self, x: torch.Tensor) -> int:
+        """The number of chunks for inputs shaped like ``x`` (measured on first use)."""
+        rows = math.prod(x.shape[:-1])
+        key = (rows, x.dtype)
+        if key not in self._chunks:
+            if self.chunk_config.num_chunks is not None:
+                self._chunks[key] = self.chunk_config.num_chunks
+            else:
+                gar.check_same_output(self.comm, x, self.weight)
+                with torch.no_grad():
+                    compute_us, comm_us = gar.measure(self.comm, x, self.weight)
+                overhead = self.chunk_config.overhead_us
+                if overhead is None:
+                    overhead = measure_overhead_us(self.comm)
+                limit = max(rows, self.weight.shape[0])
+                self._chunks[key] = agree_chunks(
+                    self.comm, compute_us, comm_us, overhead, self.chunk_config, limit=limit
+                )
+        return self._chunks[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = gemm_allreduce_op(x, self.weight, self.comm_id, self.chunks_for(x))
+        return y if self.bias is None else y + self.bias
+
+
+class ShardedEmbeddingBag(nn.Module):
+    """``T`` pooled embedding tables sharded table-wise (table ``t`` on rank ``t % P``), whose
+    lookups for the global batch are fused with the All-to-All that gives each rank every table
+    for its own samples (DLRM's model-parallel to data-parallel switch).
+
+    ``forward(indices, offsets, batch_splits)`` takes, for each *local* table (``local_tables``
+    lists their global ids), the EmbeddingBag inputs of the global batch, and returns
+    ``[B_r, T, D]`` with tables in global order."""
+
+    def __init__(
+        self,
+        num_embeddings: list[int],
+        embedding_dim: int,
+        comm: Communicator,
+        *,
+        mode: str = "sum",
+        dtype: torch.dtype = torch.float32,
+        chunk_config: ChunkConfig | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not num_embeddings or any(n < 1 for n in num_embeddings) or embedding_dim < 1:
+            raise ValueError(
+                f"need at least one table of >= 1 rows and embedding_dim >= 1, got {num_embeddings}, {embedding_dim}"
+            )
+        if mode not in emb.MODES:
+            raise ValueError(f"mode must be one of {emb.MODES}, got {mode!r}")
+        world = comm.world_size
+        self.comm, self.comm_id, self.mode, self.dim, self.dtype = (
+            comm,
+            register_communicator(comm),
+            mode,
+            embedding_dim,
+            dtype,
+        )
+        self.chunk_config = chunk_config or ChunkConfig()
+        self.owner = [t % world for t in range(len(num_embeddings))]
+        self.local_tables = [t for t, o in enumerate(self.owner) if o == comm.rank]
+        self.tables_per_rank = [self.owner.count(r) for r in range(world)]
+        rank_major = [t for r in range(world) for t, o in enumerate(self.owner) if o == r]
+        # Position of global table t in the operator's rank-major output.
+        self.order = torch.tensor([rank_major.index(t) for t in range(len(num_embeddings))])
+        tables = []
+        for t in self.local_tables:
+            gen = torch.Generator().manual_seed(seed + t)
+            bound = 1.0 / math.sqrt(num_embeddings[t])  # DLRM's uniform initialisation
+            w = (torch.rand((num_embeddings[t], embedding_dim), generator=gen) * 2 - 1) * bound
+            tables.append(nn.Parameter(w.to(dtype)))
+        self.tables = nn.ParameterList(tables)
+        self._chunks: dict[tuple[int, ...], int] = {}
+
+    def chunks_for(
+        self, indices: list[torch.Tensor], offsets: list[torch.Tensor], batch_splits: list[int]
+    ) -> int:
+        key = tuple(batch_splits)
+        if key not in self._chunks:
+            if self.chunk_config.num_chunks is not None:
+                self._chunks[key] = self.chunk_config.num_chunks
+            else:
+                spec = torch.empty(
+                    (sum(batch_splits), len(self.owner), self.dim), dtype=self.dtype, device="meta"
+                )
+                from commfuse.comm import check_consistent
+
+                check_consistent(self.comm, spec, "embedding_alltoall batch")
+                with torch.no_grad():
+                    compute_us, comm_us = emb.measure(
+                        self.comm,
+                        list(self.tables),
+                        indices,
+                        offsets,
+                        batch_splits,
+                        self.tables_per_rank,
+                        dim=self.dim,
+                        dtype=self.dtype,
+                        mode=self.mode,
+                    )
+                overhead = self.chunk_config.overhead_us
+                if overhead is None:
+                    overhead = measure_overhead_us(self.comm)
+                limit = max(sum(batch_splits), 1)
+                self._chunks[key] = agree_chunks(
+                    self.comm, compute_us, comm_us, overhead, self.chunk_config, limit=limit
+                )
+        return self._chunks[key]
+
+    def forward(
+        self,
+        indices: list[torch.Tensor],
+        offsets: list[torch.Tensor],
+        batch_splits: list[int] | None = None,
+    ) -> torch.Tensor:
+        world = self.comm.world_size
+        if batch_splits is None:
+            if not offsets:
+                raise ValueError(
+                    f"rank {self.comm.rank} owns no table: pass batch_splits (samples per rank)"
+                )
+            batch_splits = split_sizes(offsets[0].numel(), world)
+        chunks = self.chunks_for(indices, offsets, batch_splits)
+        out: torch.Tensor = embedding_alltoall_op(
+            list(self.tables),
+            indices,
+            offsets,
+            list(batch_splits),
+            self.tables_per_rank,
+            self.dim,
+            self.dtype,
+            self.mode,
+            self.comm_id,
+            chunks,
+            anchor_for_backward(),
+        )
+        return out.index_select(1, self.order)

@@ -1,0 +1,165 @@
+"""The fused operators as PyTorch operators: ``torch.ops.commfuse.<name>``, with autograd.
+
+``torch.library.custom_op`` makes each operator visible to the dispatcher (``torch.ops``),
+``register_fake`` gives it a shape function (so ``torch.compile`` and meta tensors can trace it
+without communicating), and ``register_autograd`` attaches the overlapped backward.
+
+An operator's arguments must be tensors and plain values, so the communicator is passed as an
+integer handle: ``register_communicator(comm)`` returns it, and the modules do this for you.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+
+from commfuse.comm import Communicator
+from commfuse.fused import embedding_alltoall as emb
+from commfuse.fused import gemm_allreduce as gar
+
+_COMMS: weakref.WeakValueDictionary[int, Communicator] = weakref.WeakValueDictionary()
+_IDS: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()
+_NEXT = itertools.count(1)
+
+
+def register_communicator(comm: Communicator) -> int:
+    """The integer handle of ``comm`` for ``torch.ops.commfuse.*`` (the same one on each call)."""
+    if comm not in _IDS:
+        handle = next(_NEXT)
+        _IDS[comm] = handle
+        _COMMS[handle] = comm
+    return _IDS[comm]
+
+
+def communicator(handle: int) -> Communicator:
+    comm = _COMMS.get(handle)
+    if comm is None:
+        raise ValueError(
+            f"no communicator with handle {handle}: pass register_communicator(comm), and keep comm alive"
+        )
+    return comm
+
+
+# -- GEMM + AllReduce -------------------------------------------------------------------------
+@torch.library.custom_op("commfuse::gemm_allreduce", mutates_args=())
+def gemm_allreduce_op(
+    x: torch.Tensor, weight: torch.Tensor, comm_id: int, chunks: int
+) -> torch.Tensor:
+    """``allreduce_sum(x @ weight^T)`` in ``chunks`` overlapped pieces (row-parallel linear)."""
+    return gar.gemm_allreduce(communicator(comm_id), x, weight, chunks=chunks)
+
+
+@gemm_allreduce_op.register_fake
+def _gemm_allreduce_fake(
+    x: torch.Tensor, weight: torch.Tensor, comm_id: int, chunks: int
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _gemm_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, weight, _, _ = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _gemm_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    x, weight = ctx.saved_tensors
+    grad_x, grad_w = gar.gemm_allreduce_backward(grad, x, weight)
+    return grad_x, grad_w, None, None
+
+
+gemm_allreduce_op.register_autograd(_gemm_backward, setup_context=_gemm_setup)
+
+
+# -- Embedding + All-to-All ---------------------------------------------------------------------
+def anchor_for_backward() -> torch.Tensor:
+    """A zero-element leaf that requires grad while grad mode is on (see embedding_alltoall_op)."""
+    return torch.empty(0, requires_grad=torch.is_grad_enabled())
+
+
+@torch.library.custom_op("commfuse::embedding_alltoall", mutates_args=())
+def embedding_alltoall_op(
+    tables: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    offsets: list[torch.Tensor],
+    batch_splits: list[int],
+    tables_per_rank: list[int],
+    dim: int,
+    dtype: torch.dtype,
+    mode: str,
+    comm_id: int,
+    chunks: int,
+    anchor: torch.Tensor,
+) -> torch.Tensor:
+    """Pooled lookups of the local tables for the global batch, exchanged so that each rank gets
+    every table for its own samples: ``[B_r, T, D]`` (tables rank-major).
+
+    ``anchor`` is any tensor that requires grad when training (``anchor_for_backward()``): a rank
+    that owns no table has no other input that does, and without it autograd would skip its
+    backward while its peers wait for the gradients of its samples."""
+    return emb.embedding_alltoall(
+        communicator(comm_id),
+        tables,
+        indices,
+        offsets,
+        batch_splits,
+        tables_per_rank,
+        dim=dim,
+        dtype=dtype,
+        mode=mode,
+        chunks=chunks,
+    )
+
+
+@embedding_alltoall_op.register_fake
+def _embedding_fake(
+    tables: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    offsets: list[torch.Tensor],
+    batch_splits: list[int],
+    tables_per_rank: list[int],
+    dim: int,
+    dtype: torch.dtype,
+    mode: str,
+    comm_id: int,
+    chunks: int,
+    anchor: torch.Tensor,
+) -> torch.Tensor:
+    rank = communicator(comm_id).rank
+    return torch.empty((batch_splits[rank], sum(tables_per_rank), dim), dtype=dtype)
+
+
+def _embedding_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    tables, indices, offsets, batch_splits, tables_per_rank, _, _, mode, comm_id, chunks, anchor = (
+        inputs
+    )
+    ctx.save_for_backward(*tables, *indices, *offsets)
+    ctx.num_tables = len(tables)
+    ctx.anchor_shape = anchor.shape
+    ctx.meta = (list(batch_splits), list(tables_per_rank), mode, comm_id, chunks)
+
+
+def _embedding_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    saved = ctx.saved_tensors
+    n = ctx.num_tables
+    tables, indices, offsets = list(saved[:n]), list(saved[n : 2 * n]), list(saved[2 * n :])
+    batch_splits, tables_per_rank, mode, comm_id, chunks = ctx.meta
+    grads = emb.embedding_alltoall_backward(
+        communicator(comm_id),
+        grad.contiguous(),
+        tables,
+        indices,
+        offsets,
+        batch_splits,
+        tables_per_rank,
+        mode=mode,
+        chunks=chunks,
+    )
+    none = [None] * n
+    anchor_grad = grad.new_zeros(ctx.anchor_shape)
+    return grads, none, list(none), None, None, None, None, None, None, None, anchor_grad
+
+
+embedding_alltoall_op.register_autograd(_embedding_backward, setup_context=_embedding_setup)
