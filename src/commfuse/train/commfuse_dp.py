@@ -1,0 +1,131 @@
+"""Strategies on commfuse's own engine, ``commfuse.ddp.DataParallel``.
+
+* ``commfuse``: DataParallel without compression (buckets as torch DDP lays them out, reduced
+  with commfuse collectives, ``algo=auto`` by default, launched during backward).
+* one strategy per compressor of ``commfuse.compress`` (``fp16``, ``bf16``, ``int8``, ``qsgd``,
+  ``terngrad``, ``sign``, ``ef-sign``, ``topk``, ``randomk``, ``randblock``, ``dgc``,
+  ``powersgd``): DataParallel with ``make_compressor(spec)`` reducing every bucket, so the spec's
+  options are the compressor's own (``powersgd:rank=4,warmup=10``, ``topk:ratio=0.01``).
+
+Bytes per step are what DataParallel's communicator counted: exact point-to-point bytes for
+commfuse's own algorithms plus the payload handed to native collectives. State for a checkpoint
+is ``DataParallel.engine_state_dict()``: step counter, bucket layout, compressor state
+(error-feedback residuals, PowerSGD's Q, DGC's momentum), so a resume is bit-identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from commfuse.train.strategy import (
+    Strategy,
+    StrategyContext,
+    StrategyInfo,
+    register_fallback,
+    register_strategy,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommfuseOptions:
+    """Options of ``commfuse`` (uncompressed DataParallel)."""
+
+    algo: str = "auto"
+    """Allreduce algorithm of every bucket (auto = the tuner's pick per size and topology)."""
+    merge: bool = False
+    """Re-bucket after the first step by MG-WFBP's cost model (merge_buckets_by_cost)."""
+    first_bucket_cap_mb: float = 1.0
+    """Cap of the first bucket launched, MiB."""
+
+
+class CommfuseDP(Strategy):
+    """DataParallel from ``commfuse.ddp``, optionally with a compressor."""
+
+    def __init__(self, ctx: StrategyContext, *, compressor: Any = None, **config: Any) -> None:
+        from commfuse.ddp import DataParallel, DataParallelConfig
+
+        super().__init__(ctx)
+        self.dp = DataParallel(
+            ctx.module,
+            ctx.comm,
+            config=DataParallelConfig(
+                bucket_cap_mb=ctx.bucket_cap_mb, compressor=compressor, **config
+            ),
+        )
+
+    @property
+    def model(self) -> nn.Module:
+        return self.dp
+
+    def optimizer_step(self) -> bool:
+        return self.dp.step(self.optimizer)
+
+    def bytes_sent(self) -> int:
+        total = self.comm.stats.total()
+        return total.bytes_sent + total.payload_bytes
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.dp.no_sync():
+            yield
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"engine": self.dp.engine_state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "engine" not in state:
+            raise ValueError("checkpoint has no commfuse engine state")
+        self.dp.load_engine_state_dict(state["engine"])
+
+    def close(self) -> None:
+        self.dp.close()
+
+
+def _commfuse(opts: CommfuseOptions, ctx: StrategyContext) -> Strategy:
+    return CommfuseDP(
+        ctx,
+        algo=opts.algo,
+        merge_buckets_by_cost=opts.merge,
+        first_bucket_cap_mb=opts.first_bucket_cap_mb,
+    )
+
+
+def _compressed(spec: str, ctx: StrategyContext) -> Strategy:
+    from commfuse.compress import make_compressor
+
+    return CommfuseDP(ctx, compressor=make_compressor(spec))
+
+
+def _validate_compressor(spec: str) -> None:
+    from commfuse.compress import make_compressor
+
+    make_compressor(spec)  # ValueError naming the known keys
+
+
+def _compressor_names() -> list[str]:
+    try:
+        from commfuse.compress import COMPRESSORS
+    except ImportError:  # the compressors are an optional layer for this registry
+        return []
+    return [name for name in COMPRESSORS if name != "none"]
+
+
+def _compressor_info(name: str) -> StrategyInfo:
+    return StrategyInfo(
+        name=name,
+        options_cls=None,
+        builder=_compressed,
+        help=f"commfuse DataParallel + the {name} compressor",
+        validate=_validate_compressor,
+    )
+
+
+register_strategy(
+    "commfuse", CommfuseOptions, _commfuse, help="commfuse DataParallel, uncompressed (algo=auto)"
+)
+register_fallback(_compressor_names, _compressor_info)

@@ -1,0 +1,170 @@
+"""``commfuse compare``: several strategies, same workload, seeds and cluster; one table, one plot.
+
+Strategies run one after another (``--repeats R`` runs R rounds, interleaved A B A B, and
+reports the median step time over rounds; everything else comes from the first round). The
+baseline is ``ddp`` (torch's DDP) when it is among them, else the first strategy. Columns:
+
+* ``step_ms``: median step time after warm-up; ``compute_ms``: the same step with all gradient
+  communication skipped (``loop.py``), and ``step/compute``: how close the strategy gets to that
+  floor (1.00 = communication fully hidden or removed);
+* ``MB/step``: bytes one rank handed to collectives per step (``metrics.py``), and ``x less``:
+  the baseline's bytes over this strategy's;
+* ``final_loss`` (smoothed training loss at the last step), held-out ``acc``;
+* ``wall_s``: training time; ``t_to_base_s``: wall time until this strategy's loss first reaches
+  the baseline's final loss ("-": never within the run);
+* ``x_ddp``: torch DDP's step time over this strategy's (above 1 = faster than DDP), and
+  ``x_ddp_loss``: DDP's ``t_to_base_s`` over this one's (the speed-up to the same loss; the
+  smoothed loss is not monotone, so DDP may reach its own final loss before its last step).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from commfuse.bench.table import render
+from commfuse.cluster import Topology
+from commfuse.train.loop import TrainConfig
+from commfuse.train.metrics import time_to_loss_s
+from commfuse.train.runner import run_training
+from commfuse.train.strategy import parse_strategy
+
+#: What ``commfuse compare`` with no arguments runs (about 3 minutes on 2 cores, as root).
+DEFAULT_STRATEGIES = (
+    "ddp",
+    "ddp-powersgd:rank=4,warmup=5",
+    "commfuse",
+    "powersgd:rank=4,warmup=5",
+)
+DEFAULT_WORKLOAD = "charlm"
+DEFAULT_STEPS = 20
+DEFAULT_HOSTS = 4
+DEFAULT_LINK = "100mbit"
+#: Compute-only steps timed after each run (their median is ``compute_step_time_s``).
+DEFAULT_COMPUTE_STEPS = 4
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def run_compare(
+    strategies: Sequence[str],
+    base: TrainConfig,
+    topology: Topology,
+    *,
+    repeats: int = 1,
+    emulate: bool | None = None,
+    progress: bool | None = None,
+    timeout_s: float | None = 3600.0,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Run every strategy on ``base``'s workload/seed/steps; return one record per strategy."""
+    if not strategies:
+        raise ValueError("compare needs at least one --strategy")
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    parsed = [parse_strategy(s) for s in strategies]  # every spec checked before any run
+    labels = [p.label for p in parsed]
+    canonical = [p.canonical for p in parsed]
+    if len(set(canonical)) != len(canonical):
+        raise ValueError(f"a strategy is given twice: {', '.join(canonical)}")
+    runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(strategies))}
+    for round_ in range(repeats):
+        for i, spec in enumerate(strategies):
+            config = TrainConfig(
+                workload=base.workload,
+                strategy=spec,
+                steps=base.steps,
+                seed=base.seed,
+                bucket_cap_mb=base.bucket_cap_mb,
+                compute_steps=base.compute_steps,
+            )
+            suffix = f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""
+            log(f"[{i + 1}/{len(strategies)}] {labels[i]}{suffix}")
+            runs[i].append(
+                run_training(
+                    config, topology, emulate=emulate, progress=progress, timeout_s=timeout_s
+                )
+            )
+    records = []
+    for i in range(len(strategies)):
+        record = dict(runs[i][0])
+        record["repeats"] = repeats
+        record["step_time_s_rounds"] = [r["step_time_s"] for r in runs[i]]
+        record["step_time_s"] = statistics.median(record["step_time_s_rounds"])
+        records.append(record)
+    add_comparisons(records)
+    return records
+
+
+def add_comparisons(records: list[dict[str, Any]]) -> None:
+    """Fill the baseline-relative fields (in place)."""
+    ddp = next((r for r in records if r.get("strategy_name") == "ddp"), None)
+    baseline = ddp or records[0]
+    target = baseline["final_loss"]
+    for r in records:
+        r["baseline"] = baseline["strategy"]
+        r["time_to_baseline_loss_s"] = time_to_loss_s(r, target)
+    for r in records:
+        r["step_over_compute"] = _ratio(r["step_time_s"], r["compute_step_time_s"])
+        r["bytes_reduction_vs_baseline"] = _ratio(baseline["bytes_per_step"], r["bytes_per_step"])
+        r["speedup_vs_ddp"] = None if ddp is None else _ratio(ddp["step_time_s"], r["step_time_s"])
+        r["time_to_loss_speedup_vs_ddp"] = (
+            None
+            if ddp is None
+            else _ratio(ddp["time_to_baseline_loss_s"], r["time_to_baseline_loss_s"])
+        )
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+COMPARE_COLUMNS = (
+    ("strategy", lambda r: r["strategy"]),
+    ("step_ms", lambda r: _fmt(r["step_time_s"], ".0f", 1e3)),
+    ("compute_ms", lambda r: _fmt(r["compute_step_time_s"], ".0f", 1e3)),
+    ("step/compute", lambda r: _fmt(r["step_over_compute"], ".2f")),
+    ("MB/step", lambda r: _fmt(r["bytes_per_step"], ".3f", 1e-6)),
+    ("x less", lambda r: _fmt(r["bytes_reduction_vs_baseline"], ".1f")),
+    ("final_loss", lambda r: _fmt(r["final_loss"], ".3f")),
+    ("acc", lambda r: _fmt(r["eval_accuracy"], ".1f", 100.0)),
+    ("wall_s", lambda r: _fmt(r["wall_s"], ".1f")),
+    ("t_to_base_s", lambda r: _fmt(r["time_to_baseline_loss_s"], ".1f")),
+    ("x_ddp", lambda r: _fmt(r["speedup_vs_ddp"], ".2f")),
+    ("x_ddp_loss", lambda r: _fmt(r["time_to_loss_speedup_vs_ddp"], ".2f")),
+)
+
+
+def render_table(records: Sequence[dict[str, Any]], *, markdown: bool = False) -> str:
+    return render(records, COMPARE_COLUMNS, markdown=markdown)
+
+
+def plot_loss_vs_time(
+    records: Sequence[dict[str, Any]], path: str | Path, *, title: str = ""
+) -> None:
+    """PNG/SVG/PDF (by extension) of smoothed training loss against wall time, one line each."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless machines
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for r in records:
+        ax.plot(r["wall_curve_s"], r["loss_curve"], label=r["strategy"], linewidth=1.6)
+    base = records[0].get("baseline")
+    target = next((r["final_loss"] for r in records if r["strategy"] == base), None)
+    if target is not None:
+        ax.axhline(target, color="black", linestyle="--", linewidth=0.8, label=f"{base} final loss")
+    ax.set_xlabel("wall time (s, training steps only)")
+    ax.set_ylabel("training loss (mean over ranks, moving average)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

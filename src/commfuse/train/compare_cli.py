@@ -1,0 +1,118 @@
+"""``commfuse compare``: train several strategies side by side; print a table, write a plot.
+
+commfuse compare                                   # the default: charlm, 4 hosts at 100 Mbit/s
+commfuse compare --strategy ddp --strategy fp16 --strategy topk:ratio=0.01 --steps 50
+commfuse compare --workload digits --nproc 2 --strategy ddp --strategy sign --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from commfuse.cluster.launch_cli import add_topology_arguments, topology_from_args
+from commfuse.train import compare as C
+from commfuse.train.train_cli import add_run_arguments
+
+LEGEND = """\
+step_ms       median time of one training step after warm-up (rank 0)
+compute_ms    the same step with every gradient collective skipped: the floor
+step/compute  step time over that floor (1.00 = communication fully hidden or removed)
+MB/step       bytes one rank handed to collectives per step; x less = baseline's / this one's
+final_loss    training loss at the last step (mean over ranks, moving average); acc = held-out
+t_to_base_s   wall time until this strategy reaches the baseline's final loss (- = never)
+x_ddp         torch DDP's step time / this one's; x_ddp_loss = DDP's t_to_base_s / this one's"""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "compare",
+        help="train several strategies on the same workload; table of step time, bytes, loss",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_run_arguments(parser, default_steps=C.DEFAULT_STEPS)
+    add_topology_arguments(parser, default_hosts=C.DEFAULT_HOSTS, default_link=C.DEFAULT_LINK)
+    parser.add_argument(
+        "--strategy",
+        action="append",
+        default=None,
+        help="repeat, one per strategy (default: " + " ".join(C.DEFAULT_STRATEGIES) + ")",
+    )
+    parser.add_argument(
+        "--compute-steps",
+        type=int,
+        default=C.DEFAULT_COMPUTE_STEPS,
+        help="steps timed with communication skipped after each run (the compute-only floor)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds of all strategies (A B A B); median step"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write one record per strategy")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        default="compare.png",
+        help="loss vs wall time (default compare.png)",
+    )
+    parser.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
+    parser.set_defaults(func=run_compare_cli)
+
+
+def run_compare_cli(args: argparse.Namespace) -> int:
+    from commfuse.cluster import DeadlineExceeded, RankError
+    from commfuse.train.loop import TrainConfig
+
+    strategies = args.strategy or list(C.DEFAULT_STRATEGIES)
+    try:
+        topology = topology_from_args(args, nproc=args.nproc)
+        base = TrainConfig(
+            workload=args.workload,
+            strategy=strategies[0],
+            steps=args.steps,
+            seed=args.seed,
+            bucket_cap_mb=args.bucket_cap_mb,
+            compute_steps=args.compute_steps,
+        )
+        from commfuse.workloads import make_workload
+
+        workload = make_workload(args.workload).describe()
+        print(
+            f"commfuse compare: {workload}\n  on {topology.describe()}, {args.steps} steps, "
+            f"seed {args.seed}, bucket cap {args.bucket_cap_mb:g} MB, strategies one after another"
+        )
+        records = C.run_compare(
+            strategies,
+            base,
+            topology,
+            repeats=args.repeats,
+            emulate=False if args.no_emulate else None,
+            progress=False if args.no_progress else None,
+            timeout_s=args.timeout,
+        )
+    except ValueError as err:
+        print(f"commfuse compare: {err}", file=sys.stderr)
+        return 2
+    except (RankError, DeadlineExceeded) as err:
+        print(f"commfuse compare: {err}", file=sys.stderr)
+        return 1
+    print()
+    print(C.render_table(records))
+    print()
+    print(LEGEND)
+    print(
+        f"baseline: {records[0]['baseline']}; times are medians on a shared machine, quote ratios"
+    )
+    title = f"{args.workload} on {topology.describe()}"
+    if args.plot:
+        C.plot_loss_vs_time(records, args.plot, title=title)
+        print(f"plot (loss vs wall time) written to {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+        print(f"records written to {args.json}")
+    if args.markdown:
+        Path(args.markdown).write_text(f"# {title}\n\n{C.render_table(records, markdown=True)}\n")
+        print(f"markdown table written to {args.markdown}")
+    return 0

@@ -1,0 +1,203 @@
+"""The training loop every rank runs: ``train_rank(config, progress)``.
+
+Step s (0-based) on rank r trains on ``workload.batch(s, r, world_size, seed=seed)``, so data
+position is the step count and a resumed run replays nothing and skips nothing. Each step is
+timed on each rank from batch creation to the end of the update; the launcher reports rank 0's
+times (the ranks are kept in lock-step by the gradient collectives).
+
+After the last step, rank 0 evaluates on the held-out split, and then every rank times
+``compute_steps`` extra steps inside ``strategy.no_sync()``: forward, backward and the plain
+optimizer step with no gradient communication (and no compression) at all. Their median is the
+compute-only floor that a strategy's step time is compared with. Those steps run after the
+final parameters were recorded and checkpointed, so they never touch the run's results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commfuse.comm import Communicator
+from commfuse.train import checkpoint as ckpt
+from commfuse.train.strategy import StrategyContext, parse_strategy
+from commfuse.workloads import make_workload
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run (the same on every rank)."""
+
+    workload: str = "charlm"
+    """Workload spec, ``NAME[:key=value,...]``."""
+    strategy: str = "ddp"
+    """Strategy spec, ``NAME[:key=value,...]``."""
+    steps: int = 100
+    """Total optimizer steps (a resumed run stops at the same total)."""
+    seed: int = 0
+    """Seed of the model's initial parameters and of every batch."""
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket cap in MB for strategies that bucket."""
+    compute_steps: int = 0
+    """Extra steps timed without communication after training (0: skip)."""
+    checkpoint_dir: str | None = None
+    """Where to save checkpoints (None: never)."""
+    checkpoint_every: int = 0
+    """Save every this many steps, and after the last step (0: only after the last step)."""
+    resume: bool = False
+    """Continue from ``checkpoint_dir``'s latest checkpoint (start fresh if there is none)."""
+    evaluate: bool = True
+    """Evaluate on the held-out split after the last step (rank 0)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
+        if self.compute_steps < 0 or self.checkpoint_every < 0:
+            raise ValueError("compute_steps and checkpoint_every must be >= 0")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("--resume needs --checkpoint-dir")
+        parse_strategy(self.strategy)  # ValueError before any rank starts
+        make_workload(self.workload)
+
+
+def params_digest(module: torch.nn.Module) -> str:
+    """SHA-256 of every parameter and buffer's bytes, in state_dict order."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _identity(config: TrainConfig, world_size: int) -> dict[str, Any]:
+    return {
+        "workload": config.workload,
+        "strategy": config.strategy,
+        "seed": config.seed,
+        "world_size": world_size,
+        "bucket_cap_mb": config.bucket_cap_mb,
+    }
+
+
+def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
+    """Train on this rank (process group already initialised); returns this rank's metrics.
+
+    ``progress``, if given, is a multiprocessing queue: rank 0 puts one
+    ``(step, loss, step_time_s, bytes)`` tuple per step on it, for the launcher's display.
+    """
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    workload = make_workload(config.workload)
+    parsed = parse_strategy(config.strategy)
+    module = workload.build_model(config.seed)
+    optimizer = workload.make_optimizer(module)
+    history: dict[str, list[float]] = {"loss": [], "step_time_s": [], "bytes": [], "skipped": []}
+    start = 0
+    resumed_state: dict[str, Any] | None = None
+    if config.resume and config.checkpoint_dir:
+        latest = ckpt.latest_step(config.checkpoint_dir)
+        if latest is not None:
+            resumed_state = ckpt.load_rank(config.checkpoint_dir, latest, rank)
+            ckpt.check_identity(
+                resumed_state["identity"], _identity(config, world), config.checkpoint_dir
+            )
+            module.load_state_dict(resumed_state["model"])
+            optimizer.load_state_dict(resumed_state["optimizer"])
+            history = resumed_state["history"]
+            start = resumed_state["step"]
+    strategy = parsed.build(
+        StrategyContext(
+            module=module,
+            optimizer=optimizer,
+            comm=comm,
+            bucket_cap_mb=config.bucket_cap_mb,
+            seed=config.seed,
+        )
+    )
+    try:
+        if resumed_state is not None:
+            strategy.load_state_dict(resumed_state["strategy"])
+            ckpt.set_rng_state(resumed_state["rng"])
+        for step in range(start, config.steps):
+            sent_before = strategy.bytes_sent()
+            t0 = time.perf_counter()
+            with comm.at_step(step):
+                batch = workload.batch(step, rank, world, seed=config.seed)
+                strategy.zero_grad()
+                loss = workload.loss(strategy.model, batch)
+                strategy.backward(loss)
+                strategy.sync()
+                applied = strategy.optimizer_step()
+            elapsed = time.perf_counter() - t0
+            sent = strategy.bytes_sent() - sent_before
+            history["loss"].append(float(loss.detach()))
+            history["step_time_s"].append(elapsed)
+            history["bytes"].append(float(sent))
+            history["skipped"].append(0.0 if applied else 1.0)
+            if progress is not None and rank == 0:
+                progress.put((step + 1, history["loss"][-1], elapsed, sent))
+            done = step + 1
+            every = config.checkpoint_every
+            if config.checkpoint_dir and (done == config.steps or (every and done % every == 0)):
+                _save(config, comm, strategy, optimizer, module, history, done, world)
+        result: dict[str, Any] = {
+            "rank": rank,
+            "start_step": start,
+            "history": history,
+            "digest": params_digest(module),
+        }
+        if config.evaluate and rank == 0:
+            result["eval"] = workload.evaluate(module)
+        result["compute_step_time_s"] = _time_compute_only(config, strategy, workload, rank, world)
+        return result
+    finally:
+        strategy.close()
+
+
+def _save(
+    config: TrainConfig,
+    comm: Communicator,
+    strategy: Any,
+    optimizer: torch.optim.Optimizer,
+    module: torch.nn.Module,
+    history: dict[str, list[float]],
+    step: int,
+    world: int,
+) -> None:
+    assert config.checkpoint_dir is not None
+    payload = {
+        "identity": _identity(config, world),
+        "step": step,
+        "model": module.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "strategy": strategy.state_dict(),
+        "rng": ckpt.rng_state(),
+        "history": {k: list(v) for k, v in history.items()},
+    }
+    ckpt.save_rank(config.checkpoint_dir, step, comm.rank, payload)
+    if world > 1:
+        dist.barrier(group=comm.group)  # every rank's file is on disk before `latest` moves
+    if comm.rank == 0:
+        ckpt.mark_latest(config.checkpoint_dir, step)
+
+
+def _time_compute_only(
+    config: TrainConfig, strategy: Any, workload: Any, rank: int, world: int
+) -> list[float]:
+    times = []
+    for i in range(config.compute_steps):
+        batch = workload.batch(config.steps + i, rank, world, seed=config.seed)
+        t0 = time.perf_counter()
+        with strategy.no_sync():
+            strategy.zero_grad()
+            loss = workload.loss(strategy.model, batch)
+            loss.backward()
+            strategy.optimizer.step()
+        times.append(time.perf_counter() - t0)
+    return times

@@ -1,0 +1,86 @@
+"""From the ranks' raw histories to one record per run (the metrics JSON, a compare row).
+
+Definitions (the same for ``train --json`` and ``compare``):
+
+* ``step_time_s``: median of rank 0's step times, after the first ``warmup`` steps (the first
+  steps pay one-off costs: bucket rebuilds, allocator growth, PowerSGD's uncompressed warm-up).
+* ``compute_step_time_s``: median of the steps timed with communication skipped (``loop.py``).
+* ``bytes_per_step``: median over the same steps of the bytes rank 0 handed to collectives
+  (payload per rank; a ring allreduce puts 2(P-1)/P of it on each rank's link).
+* ``loss_curve``: the training loss averaged over ranks at each step, then a trailing moving
+  average over ``window`` steps (a single rank's 512-symbol batch is noisy);
+  ``final_loss`` is its last value, so strategies are compared on the same smoothed quantity.
+* ``wall_s``: the sum of rank 0's step times after the first step (training only: no start-up,
+  evaluation or checkpoint time; the first step pays one-off set-up costs such as gloo's lazy
+  connections, measured up to seconds on the emulated cluster, which would swamp short runs),
+  and ``wall_curve_s`` its running sum (0 at step 1), the x axis of the plot.
+* ``time_to_loss_s(record, target)``: the first wall time at which the curve is <= target.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+
+def smoothing_window(steps: int) -> int:
+    """Moving-average window: a tenth of the run, at least 1, at most 20 steps."""
+    return max(1, min(20, steps // 10))
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def summarize(
+    rank_results: Sequence[dict[str, Any]], *, strategy: str, workload: str, warmup: int
+) -> dict[str, Any]:
+    """One JSON-able record from every rank's ``train_rank`` result."""
+    first = rank_results[0]
+    hist = first["history"]
+    steps = len(hist["loss"])
+    losses = [statistics.fmean(r["history"]["loss"][i] for r in rank_results) for i in range(steps)]
+    curve = moving_average(losses, smoothing_window(steps))
+    times = hist["step_time_s"]
+    timed = slice(min(warmup, max(0, steps - 1)), steps)
+    wall, walls = 0.0, []
+    for i, t in enumerate(times):
+        wall += t if i else 0.0
+        walls.append(wall)
+    compute = first.get("compute_step_time_s") or []
+    evaluation = first.get("eval") or {}
+    return {
+        "strategy": strategy,
+        "workload": workload,
+        "world_size": len(rank_results),
+        "steps": steps,
+        "step_time_s": statistics.median(times[timed]),
+        "compute_step_time_s": statistics.median(compute) if compute else None,
+        "bytes_per_step": statistics.median(hist["bytes"][timed]),
+        "bytes_total": sum(hist["bytes"]),
+        "skipped_steps": int(sum(hist["skipped"])),
+        "final_loss": curve[-1],
+        "eval_loss": evaluation.get("loss"),
+        "eval_accuracy": evaluation.get("accuracy"),
+        "wall_s": wall,
+        "first_step_s": times[0],
+        "loss_curve": curve,
+        "wall_curve_s": walls,
+        "digest": first["digest"],
+        "ranks_agree": len({r["digest"] for r in rank_results}) == 1,
+    }
+
+
+def time_to_loss_s(record: dict[str, Any], target: float) -> float | None:
+    """Wall time at which the record's smoothed loss first reaches ``target`` (None: never)."""
+    for loss, wall in zip(record["loss_curve"], record["wall_curve_s"], strict=True):
+        if loss <= target:
+            return float(wall)
+    return None

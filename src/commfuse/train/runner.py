@@ -1,0 +1,99 @@
+"""The launching side of a run: start the ranks, show progress, summarise.
+
+Ranks run through ``commfuse.cluster.run`` (real processes, on an emulated cluster when the
+topology asks for one and the machine allows it, else plain loopback). Rank 0 reports every
+step on a multiprocessing queue; a thread here drains it into a progress bar (rich) on stderr,
+so stdout stays clean for tables and JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import queue as queue_mod
+import sys
+import threading
+from typing import Any
+
+from commfuse.cluster import Topology, run
+from commfuse.train.loop import TrainConfig, train_rank
+from commfuse.train.metrics import summarize
+from commfuse.train.strategy import parse_strategy
+
+#: Steps excluded from the step-time median (one-off costs of the first steps).
+DEFAULT_WARMUP_STEPS = 2
+
+
+class _Progress:
+    """Drains rank 0's (step, loss, step_time_s, bytes) reports into a rich progress bar."""
+
+    def __init__(self, q: Any, total: int, label: str, enabled: bool) -> None:
+        self.q, self.total, self.label, self.enabled = q, total, label, enabled
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> _Progress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _loop(self) -> None:
+        if not self.enabled:
+            while not self._stop.is_set():
+                with contextlib.suppress(queue_mod.Empty):
+                    self.q.get(timeout=0.2)
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        columns = (
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
+        with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+            task = bar.add_task(self.label, total=self.total, info="starting ranks...")
+            while not self._stop.is_set():
+                try:
+                    step, loss, step_s, sent = self.q.get(timeout=0.2)
+                except queue_mod.Empty:
+                    continue
+                info = f"loss {loss:.3f}  {step_s * 1e3:.0f} ms/step  {sent / 1e6:.2f} MB/step"
+                bar.update(task, completed=step, info=info)
+
+
+def run_training(
+    config: TrainConfig,
+    topology: Topology,
+    *,
+    emulate: bool | None = None,
+    progress: bool | None = None,
+    timeout_s: float | None = 3600.0,
+    warmup: int = DEFAULT_WARMUP_STEPS,
+) -> dict[str, Any]:
+    """Run ``config`` on ``topology``; return the summary record (see ``metrics.py``)."""
+    parsed = parse_strategy(config.strategy)
+    ctx = mp.get_context("spawn")  # the context commfuse.cluster.run starts ranks with
+    q = ctx.Queue()
+    show = sys.stderr.isatty() if progress is None else progress
+    try:
+        with _Progress(q, config.steps, parsed.label, show):
+            results = run(train_rank, config, q, net=topology, emulate=emulate, timeout_s=timeout_s)
+    finally:
+        q.close()
+        q.cancel_join_thread()
+    record = summarize(results, strategy=parsed.label, workload=config.workload, warmup=warmup)
+    record.update(
+        spec=config.strategy,
+        strategy_name=parsed.info.name,
+        seed=config.seed,
+        bucket_cap_mb=config.bucket_cap_mb,
+        topology=topology.describe(),
+        link_mbit=topology.link_mbit,
+        start_step=results[0]["start_step"],
+    )
+    return record

@@ -1,0 +1,141 @@
+"""Training runs on real ranks: strategies agree with torch DDP, count their bytes, resume exactly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from commfuse.cli import main
+from commfuse.train import TrainConfig, parse_strategy, train_rank
+from commfuse.train import checkpoint as ckpt
+
+DIGITS = "digits:hidden=32,batch=16"
+#: digits:hidden=32 has (64*32+32) + (32*32+32) + (32*10+10) fp32 parameters.
+DIGITS_GRAD_BYTES = 4 * ((64 * 32 + 32) + (32 * 32 + 32) + (32 * 10 + 10))
+
+
+def run_rank(config: TrainConfig) -> dict[str, Any]:
+    return train_rank(config)
+
+
+def _config(strategy: str, steps: int, **kw: Any) -> TrainConfig:
+    return TrainConfig(workload=DIGITS, strategy=strategy, steps=steps, seed=1, **kw)
+
+
+def test_commfuse_matches_torch_ddp_and_bytes_are_counted(pool: Any) -> None:
+    """Same data and seeds: commfuse's engine gives torch DDP's parameters (2 ranks: a sum of
+    two is order-free, so bitwise); bytes per step are each strategy's message."""
+    p = pool(2)
+    ddp = p.run(run_rank, _config("ddp", 5, compute_steps=2), timeout_s=60)
+    ours = p.run(run_rank, _config("commfuse", 5), timeout_s=60)
+    fp16 = p.run(run_rank, _config("ddp-fp16", 5), timeout_s=60)
+    assert ddp[0]["digest"] == ddp[1]["digest"] == ours[0]["digest"] == ours[1]["digest"]
+    assert fp16[0]["digest"] != ddp[0]["digest"]  # fp16 rounding changes the update
+    # torch DDP: every bucket (all gradients) once per step; its fp16 hook: half of that.
+    assert ddp[0]["history"]["bytes"] == [DIGITS_GRAD_BYTES] * 5
+    assert fp16[0]["history"]["bytes"] == [DIGITS_GRAD_BYTES / 2] * 5
+    # commfuse (native allreduce payload at this size): at least the gradients, per step.
+    assert all(b >= DIGITS_GRAD_BYTES for b in ours[0]["history"]["bytes"])
+    assert len(ddp[0]["compute_step_time_s"]) == 2 and "eval" in ddp[0] and "eval" not in ddp[1]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "topk:ratio=0.05", "ddp-fp16"])
+def test_resume_from_checkpoint_is_exact(pool: Any, tmp_path: Path, strategy: str) -> None:
+    """Checkpoint at step 3 of 7, resume to 7: the same parameters, bit for bit, as 7 straight
+    (topk carries error-feedback residuals in its checkpointed state)."""
+    p = pool(2)
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    full = p.run(
+        run_rank,
+        _config(strategy, 7, checkpoint_dir=str(full_dir), checkpoint_every=3),
+        timeout_s=60,
+    )
+    assert ckpt.latest_step(full_dir) == 7
+    # A run interrupted after step 3 would have left exactly this behind.
+    shutil.copytree(ckpt.step_dir(full_dir, 3), ckpt.step_dir(resumed_dir, 3))
+    ckpt.mark_latest(resumed_dir, 3)
+    resumed = p.run(
+        run_rank, _config(strategy, 7, checkpoint_dir=str(resumed_dir), resume=True), timeout_s=60
+    )
+    assert resumed[0]["start_step"] == 3
+    assert [r["digest"] for r in resumed] == [r["digest"] for r in full]
+    assert resumed[0]["history"]["loss"] == full[0]["history"]["loss"]
+    if strategy.startswith("topk"):
+        state = ckpt.load_rank(full_dir, 3, 1)["strategy"]["engine"]["compressor"]
+        assert state, "error-feedback state must be in the checkpoint"
+
+
+def test_resume_refuses_a_different_run(pool: Any, tmp_path: Path) -> None:
+    p = pool(2)
+    p.run(run_rank, _config("ddp", 2, checkpoint_dir=str(tmp_path)), timeout_s=60)
+    with pytest.raises(
+        Exception, match=r"a different run.*strategy: checkpoint 'ddp', now 'commfuse'"
+    ):
+        p.run(
+            run_rank,
+            _config("commfuse", 4, checkpoint_dir=str(tmp_path), resume=True),
+            timeout_s=60,
+        )
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("ddpp", "unknown strategy 'ddpp'; known: ddp, ddp-fp16, ddp-bf16, ddp-powersgd, commfuse"),
+        (
+            "ddp-powersgd:rnak=4",
+            "unknown option.*rnak.*known: error_feedback, min_compression_rate",
+        ),
+        ("ddp-powersgd:rank=0", "rank must be at least 1"),
+        ("ddp-powersgd:rank=four", "rank='four' is not a valid int"),
+        ("commfuse:merge=maybe", "is not a boolean"),
+        ("topk:ratioo=0.1", "unknown key 'ratioo'"),
+        ("", "empty strategy"),
+    ],
+)
+def test_bad_strategy_specs(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_strategy(spec)
+
+
+def test_known_strategy_labels() -> None:
+    assert parse_strategy(" ddp-powersgd:rank=4").label == "ddp-powersgd:rank=4"
+    assert parse_strategy("ddp-powersgd:rank=4").canonical == "ddp-powersgd"
+    assert parse_strategy("ddp-powersgd:rank=8").canonical == "ddp-powersgd:rank=8"
+    assert parse_strategy("powersgd:rank=4").canonical == "powersgd:rank=4"
+
+
+def test_train_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "m.json"
+    argv = ["train", "--workload", DIGITS, "--nproc", "2", "--steps", "6", "--no-progress"]
+    assert main([*argv, "--strategy", "ddp-powersgd:rank=2", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["steps"] == 6 and record["world_size"] == 2 and record["ranks_agree"]
+    assert 0 < record["bytes_per_step"] < DIGITS_GRAD_BYTES  # PowerSGD after its 2-step warm-up
+    assert record["eval_accuracy"] > 0.2 and record["final_loss"] < 2.3
+    assert main([*argv, "--strategy", "nope"]) == 2
+    assert "unknown strategy 'nope'" in capsys.readouterr().err
+
+
+def test_compare_cli_writes_json_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    js, png = tmp_path / "c.json", tmp_path / "c.png"
+    argv = ["compare", "--workload", DIGITS, "--nproc", "2", "--hosts", "1", "--no-emulate"]
+    argv += ["--steps", "8", "--no-progress", "--strategy", "ddp", "--strategy", "sign"]
+    assert main([*argv, "--json", str(js), "--plot", str(png)]) == 0
+    records = json.loads(js.read_text())
+    keys = {
+        "strategy", "steps", "step_time_s", "compute_step_time_s", "bytes_per_step",
+        "final_loss", "wall_s", "time_to_baseline_loss_s", "speedup_vs_ddp",
+    }  # fmt: skip
+    assert [r["strategy"] for r in records] == ["ddp", "sign"]
+    assert all(keys <= set(r) and r["steps"] == 8 for r in records)
+    assert records[0]["speedup_vs_ddp"] == 1.0 and records[0]["time_to_baseline_loss_s"] is not None
+    assert records[1]["bytes_reduction_vs_baseline"] > 4  # 1 bit per gradient, on an allgather
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "x_ddp" in capsys.readouterr().out

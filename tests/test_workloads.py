@@ -1,0 +1,87 @@
+"""Workloads: real offline data, fixed disjoint splits, deterministic batches, losses that fall."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from commfuse.workloads import corpus, make_workload, parse_workload
+from commfuse.workloads.digits import HELDOUT_EVERY, load_split_tensors
+
+
+def test_corpus_files_present_and_heldout_disjoint() -> None:
+    train = corpus.module_paths(corpus.TRAIN_MODULES)
+    held = corpus.module_paths(corpus.HELDOUT_MODULES)
+    assert len(train) >= 30 and len(held) >= 12
+    assert not set(train) & set(held)
+    assert all(p.startswith(corpus.stdlib_dir()) and os.path.getsize(p) > 1000 for p in train)
+    ids = corpus.load_split("train")
+    assert ids.numel() > 500_000  # about 1.5 MB of real Python source
+    assert int(ids.min()) >= 0 and int(ids.max()) < corpus.VOCAB_SIZE
+    assert corpus.decode(corpus.encode(b"def f(x):\n\treturn x")) == "def f(x):\n\treturn x"
+
+
+def test_digits_split_fixed_and_disjoint() -> None:
+    splits = load_split_tensors()
+    (xt, yt), (_, yh) = splits["train"], splits["heldout"]
+    assert len(yt) + len(yh) == 1797 and len(yh) == -(-1797 // HELDOUT_EVERY)
+    assert set(yh.tolist()) == set(range(10))
+    assert float(xt.max()) == 1.0 and float(xt.min()) == 0.0
+
+
+@pytest.mark.parametrize("spec", ["charlm:dim=32,layers=1,heads=2", "digits:hidden=16"])
+def test_batches_are_a_function_of_seed_step_rank(spec: str) -> None:
+    w = make_workload(spec)
+
+    def flat(b: object) -> torch.Tensor:
+        return torch.cat([t.float().reshape(-1) for t in b]) if isinstance(b, tuple) else b  # type: ignore[return-value]
+
+    a = flat(w.batch(7, 1, 4, seed=3))
+    assert torch.equal(a, flat(w.batch(7, 1, 4, seed=3)))
+    for other in [(8, 1, 3), (7, 2, 3), (7, 1, 4)]:
+        step, rank, seed = other
+        assert not torch.equal(a, flat(w.batch(step, rank, 4, seed=seed))), other
+    with pytest.raises(ValueError, match="outside world size"):
+        w.batch(0, 4, 4, seed=0)
+
+
+def test_models_are_seeded() -> None:
+    w = make_workload("charlm")
+    a, b = w.build_model(5), w.build_model(5)
+    n = sum(p.numel() for p in a.parameters())
+    assert 3_000_000 < n < 3_400_000  # the issue's 3.2M-parameter character Transformer
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert not torch.equal(next(a.parameters()), next(w.build_model(6).parameters()))
+
+
+@pytest.mark.parametrize(("spec", "steps"), [("charlm", 12), ("digits", 40)])
+def test_a_few_steps_reduce_the_loss(spec: str, steps: int) -> None:
+    torch.set_num_threads(1)
+    w = make_workload(spec)
+    model = w.build_model(0)
+    opt = w.make_optimizer(model)
+    before = w.evaluate(model)
+    for step in range(steps):
+        opt.zero_grad()
+        w.loss(model, w.batch(step, 0, 1, seed=0)).backward()
+        opt.step()
+    after = w.evaluate(model)
+    assert after["loss"] < 0.8 * before["loss"], (before, after)
+    assert after["accuracy"] > before["accuracy"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("imagenet", "unknown workload 'imagenet'; known: charlm, digits"),
+        ("charlm:depth=3", "unknown option.*depth.*known: batch, dim"),
+        ("charlm:dim=65,heads=4", "heads=4 must divide dim=65"),
+        ("digits:lr=fast", "lr='fast' is not a valid float"),
+        ("digits:hidden", "is not key=value"),
+    ],
+)
+def test_bad_workload_specs(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_workload(spec)
