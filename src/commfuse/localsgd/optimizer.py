@@ -269,6 +269,9 @@ class PeriodicSyncOptimizer:
             "inner": self.inner.state_dict(),
             "step_count": self.step_count,
             "anchors": [a.clone() for a in self.anchors],
+            # This replica's own parameters: between synchronisations replicas differ, and the
+            # constructor's broadcast from rank 0 must not erase them on resume.
+            "replica": [self._flat(f) for f in range(len(self.fragments))],
             "momenta": [None if m is None else m.clone() for m in self.momenta],
             "pending": pending,
             "exchanges_started": self.exchanges_started,
@@ -284,6 +287,8 @@ class PeriodicSyncOptimizer:
         self.step_count = int(state["step_count"])
         for mine, saved in zip(self.anchors, state["anchors"], strict=True):
             mine.copy_(saved)
+        for f, saved in enumerate(state["replica"]):
+            self._write(f, saved)
         for f, saved in enumerate(state["momenta"]):
             self.momenta[f] = None if saved is None else saved.clone()
         self._locals = {}

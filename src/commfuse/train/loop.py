@@ -146,11 +146,13 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             every = config.checkpoint_every
             if config.checkpoint_dir and (done == config.steps or (every and done % every == 0)):
                 _save(config, comm, strategy, optimizer, module, history, done, world)
+        strategy.finish()
         result: dict[str, Any] = {
             "rank": rank,
             "start_step": start,
             "history": history,
             "digest": params_digest(module),
+            "strategy_metrics": strategy.metrics(),
         }
         if config.evaluate and rank == 0:
             result["eval"] = workload.evaluate(module)

@@ -46,6 +46,7 @@ from commfuse.workloads.options import build_options, format_options, parse_spec
 STRATEGY_MODULES: tuple[str, ...] = (
     "commfuse.train.torch_ddp",
     "commfuse.train.commfuse_dp",
+    "commfuse.train.periodic",
 )
 
 
@@ -107,6 +108,14 @@ class Strategy(abc.ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"{type(self).__name__} has no state, got keys {sorted(state)}")
+
+    def finish(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Complete communication still in flight at the end of training (an overlapped
+        exchange of streaming DiLoCo), so the final parameters are the trained ones."""
+
+    def metrics(self) -> dict[str, Any]:
+        """Strategy-specific metrics for the run's record (e.g. drift between replicas)."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release hooks or threads."""
