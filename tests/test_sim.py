@@ -159,7 +159,9 @@ def test_adding_load_never_makes_a_step_faster() -> None:
         strategy = Strategy(
             bucket_cap_mb=0,
             overlap=rng.random() < 0.8,
-            algorithms=(("allreduce", rng.choice(["auto", "ring", "native"])),),
+            # Fixed algorithms: "auto" is the tuner's choice from its isolated model, which may
+            # switch to an algorithm the shared-link engine finds faster at a larger size.
+            algorithms=(("allreduce", rng.choice(["rabenseifner", "ring", "native"])),),
             fused_chunks=rng.choice([1, 1, 4]),
         )
         base = simulate_step(cluster, workload, strategy).step_s

@@ -1,21 +1,41 @@
-"""End to end: ``commfuse simulate --validate --quick`` runs real collectives and a torch DDP step
-on a 2-host emulated cluster, predicts them from the calibrated model and writes the records."""
+"""End to end: ``commfuse simulate --validate --quick`` calibrates on real runs on a 2-host emulated
+cluster, then predicts held-out collectives, a torch DDP step and a local-SGD step, and writes one
+record per configuration, followed by the calibration fits' residuals (never scored)."""
 
 from __future__ import annotations
 
 import json
 import math
 
+from commfuse.sim.cluster import ClusterModel
 from commfuse.sim.validate import run_validation
 
 
 def test_validate_quick_writes_one_record_per_held_out_configuration(tmp_path, capsys) -> None:
-    path = tmp_path / "validation.json"
-    assert run_validation(hosts=2, link="1gbit", json_path=str(path), quick=True, reps=2) == 0
+    path, saved = tmp_path / "validation.json", tmp_path / "cluster.json"
+    assert (
+        run_validation(
+            hosts=2, link="1gbit", json_path=str(path), quick=True, reps=2, cluster_path=str(saved)
+        )
+        == 0
+    )
     records = json.loads(path.read_text())
-    assert [r["config"] for r in records] == ["allreduce native 1M", "DDP step MLP bucket=25MB"]
+    held_out = [r for r in records if r["role"] == "validation"]
+    assert [r["config"] for r in held_out] == [
+        "allreduce native 1M",
+        "allreduce ring 1M",
+        "torch DDP step MLP bucket=25MB",
+        "local SGD step H=4 MLP",
+    ]
     for r in records:
         assert r["measured_us"] > 0 and r["predicted_us"] > 0
         assert math.isclose(r["error"], r["predicted_us"] / r["measured_us"] - 1)
+    fits = {r["config"].rsplit(" ", 1)[0] for r in records if r["role"] == "calibration"}
+    assert fits == {"fit p2p", "fit allreduce/native"}
+    # Calibration sizes are not validation sizes: nothing scored was fitted.
+    fitted_sizes = {r["config"].rsplit(" ", 1)[1] for r in records if r["role"] == "calibration"}
+    assert "1M" not in fitted_sizes
+    cluster = ClusterModel.from_json(saved.read_text())
+    assert cluster.collective_link("allreduce", "native") is not None
     out = capsys.readouterr().out
-    assert "calibrated on 3 configurations (not scored)" in out and "median |error|" in out
+    assert "calibrated on" in out and "(not scored)" in out and "median |error|" in out

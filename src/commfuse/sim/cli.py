@@ -4,7 +4,8 @@ commfuse simulate --ranks 1024                                   # default workl
 commfuse simulate --workload dlrm --ranks 1024 --fused-chunks 1,8  # fused vs unfused All-to-All
 commfuse simulate --cluster two-dc --local-sgd-period 1,100 --ranks 256   # DP vs DiLoCo
 commfuse simulate --collective broadcast --size 16M --algo lp,tree --scale 2:1024 --plot b.png
-commfuse simulate --validate --json validation.json               # real runs on netlab
+commfuse simulate --validate --runs 3 --json validation.json      # real runs on netlab
+commfuse simulate --validate --save-cluster c.json; commfuse simulate --cluster c.json ...
 
 Comma lists in --algo, --fused-chunks and --local-sgd-period give one series each; --scale
 gives a table (and --plot a PNG) over rank counts.
@@ -84,6 +85,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="with --validate: fewer configurations"
     )
+    parser.add_argument(
+        "--runs", type=int, default=1, help="with --validate: calibrate and validate N times"
+    )
+    parser.add_argument(
+        "--reps", type=int, help="with --validate: repetitions per configuration (default 7)"
+    )
+    parser.add_argument(
+        "--save-cluster",
+        metavar="PATH",
+        help="with --validate: write the calibrated cluster JSON (then --cluster PATH)",
+    )
     parser.set_defaults(func=run_simulate)
 
 
@@ -158,7 +170,14 @@ def run_simulate(args: argparse.Namespace) -> int:
             from commfuse.sim.validate import run_validation
 
             return run_validation(
-                hosts=args.hosts, link=args.link, json_path=args.json, quick=args.quick
+                hosts=args.hosts,
+                link=args.link,
+                json_path=args.json,
+                quick=args.quick,
+                reps=args.reps,
+                runs=args.runs,
+                profile=args.profile,
+                cluster_path=args.save_cluster,
             )
         return _run(args)
     except ValueError as err:

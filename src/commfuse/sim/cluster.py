@@ -36,6 +36,37 @@ class Straggler:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class CollectiveLink:
+    """The link as one collective algorithm sees it, fitted to its own measured times.
+
+    gloo's native collectives are not built on our point-to-point path: its broadcast is a
+    binomial tree, its allreduce a ring, its all-to-all pairwise, each with its own per-message
+    cost and achieved rate. ``commfuse simulate --calibrate`` fits alpha and beta of each against
+    its own model (``sim/fit.py``); the simulator then prices that algorithm with this pair on the
+    host links instead of the cluster's point-to-point ``inter_*`` pair."""
+
+    collective: str
+    """allreduce, broadcast, all_to_all, allgather, ..."""
+    algorithm: str
+    """The registered algorithm name (``native`` for gloo's own)."""
+    latency_us: float
+    """Fitted alpha, microseconds per message."""
+    gbit_per_s: float
+    """Fitted 1 / beta, Gbit/s."""
+
+    def __post_init__(self) -> None:
+        if self.latency_us < 0 or not math.isfinite(self.latency_us):
+            raise ValueError(
+                f"{self.collective}/{self.algorithm} latency_us must be >= 0, got {self.latency_us}"
+            )
+        if not (self.gbit_per_s > 0 and math.isfinite(self.gbit_per_s)):
+            raise ValueError(
+                f"{self.collective}/{self.algorithm} gbit_per_s must be positive, "
+                f"got {self.gbit_per_s}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterModel:
     """What the simulator knows about a cluster. ``to_json``/``from_json`` round-trip it."""
 
@@ -53,6 +84,9 @@ class ClusterModel:
     """Each host's network link, Gbit/s, each direction."""
     inter_latency_us: float = 100.0
     """Per-message latency between hosts, microseconds."""
+    inter_burst_kbyte: float = 0.0
+    """Token bucket of each host link, KiB: the first this many bytes a collective sends through
+    an idle host link pass at once (tbf's ``burst`` on the emulated cluster; 0 on a real NIC)."""
     reduce_gbyte_per_s: float = 4.0
     """Rate of a local reduction (adding received data), GB/s (cost.py's 1 / gamma)."""
     flops_per_s: float = 1e10
@@ -75,6 +109,8 @@ class ClusterModel:
     """Ranks slower than the rest."""
     profile_path: str = ""
     """A ``commfuse tune`` profile whose measured corrections apply (same world size only)."""
+    collective_links: tuple[CollectiveLink, ...] = ()
+    """Per-algorithm fitted host links (``commfuse simulate --calibrate``); others use inter_*."""
 
     def __post_init__(self) -> None:
         for name in ("num_hosts", "ranks_per_host", "num_datacenters"):
@@ -93,7 +129,12 @@ class ClusterModel:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"cluster {name} must be a positive number, got {value!r}")
-        for name in ("intra_latency_us", "inter_latency_us", "interdc_latency_us"):
+        for name in (
+            "intra_latency_us",
+            "inter_latency_us",
+            "interdc_latency_us",
+            "inter_burst_kbyte",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"cluster {name} must be >= 0, got {getattr(self, name)}")
         if self.oversubscription < 1:
@@ -124,6 +165,13 @@ class ClusterModel:
     @property
     def gamma_s_per_byte(self) -> float:
         return 1.0 / (self.reduce_gbyte_per_s * 1e9)
+
+    def collective_link(self, collective: str, algorithm: str) -> CollectiveLink | None:
+        """The fitted link of ``collective``/``algorithm``, if calibration measured one."""
+        for link in self.collective_links:
+            if link.collective == collective and link.algorithm == algorithm:
+                return link
+        return None
 
     def intra_cost(self) -> LinkCost:
         return LinkCost(
@@ -182,6 +230,9 @@ class ClusterModel:
             )
         data = dict(data)
         data["stragglers"] = tuple(Straggler(**s) for s in data.get("stragglers", ()))
+        data["collective_links"] = tuple(
+            CollectiveLink(**c) for c in data.get("collective_links", ())
+        )
         return cls(**data)
 
     @classmethod
@@ -191,7 +242,8 @@ class ClusterModel:
 
 #: Built-in clusters. ``netlab-1gbit`` is the emulated cluster as ``commfuse tune`` measured it on
 #: 4 hosts x 1 rank (benchmarks/results/2026-11-29-profile-4x1-1gbit.json: alpha 51.9 us,
-#: 0.131 GB/s across hosts, reductions at 9.1 GB/s; loopback about 1 GB/s, DESIGN.md).
+#: 0.131 GB/s across hosts, reductions at 9.1 GB/s; loopback about 1 GB/s, DESIGN.md), with
+#: netlab's tbf bucket of 256 KiB (``commfuse simulate --validate --save-cluster`` refits it).
 #: ``dgx-h100`` is a DGX-H100-like node: 8 GPUs on NVLink (about 450 GB/s each way), one
 #: 400 Gbit/s NIC per GPU (so 3.2 Tbit/s per host), about 40% of the 989 TFLOP/s bf16 peak.
 PRESETS: dict[str, ClusterModel] = {
@@ -203,6 +255,7 @@ PRESETS: dict[str, ClusterModel] = {
         intra_latency_us=60.0,
         inter_gbit_per_s=1.05,
         inter_latency_us=51.9,
+        inter_burst_kbyte=256.0,
         reduce_gbyte_per_s=9.1,
         flops_per_s=2e10,
         mem_gbyte_per_s=5.0,

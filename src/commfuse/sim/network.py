@@ -24,7 +24,9 @@ depends on the algorithm's shape (ranks are host-major):
    once in the steps that leave the host: that host's link is shared by all of them;
 4. hierarchical: inside each host, then across hosts with 1/L of the data per rank, then inside.
 
-Where the cluster carries a ``commfuse tune`` profile with a measured correction for that
+Where the cluster carries a link fitted to one algorithm (``ClusterModel.collective_links``, from
+``commfuse simulate --calibrate``), that algorithm's host links use it. Where the cluster carries
+a ``commfuse tune`` profile with a measured correction for that
 collective, algorithm and group size, both parts are scaled so that the idle time is exactly the
 tuner's corrected prediction (``tuner.predict``), and
 ``algo="auto"`` is the tuner's own choice (``tuner.choose_for``).
@@ -175,6 +177,15 @@ def demand(
     dcs = min(cluster.num_datacenters, hosts) if hosts > 1 else 1
     intra = cluster.intra_cost()
     inter = cluster.inter_cost()
+    own = cluster.collective_link(collective, name)
+    if own is not None:
+        # Calibrated against this very algorithm's own model (``sim/fit.py``): its alpha and
+        # beta, not the point-to-point pair, price its steps across hosts.
+        inter = dataclasses.replace(
+            inter,
+            alpha_s=own.latency_us * 1e-6,
+            beta_s_per_byte=8.0 / (own.gbit_per_s * 1e9),
+        )
     if 0 < cluster.hosts_per_switch < hosts:
         inter = _with_beta(inter, cluster.oversubscription)
     wan = cluster.interdc_cost()
@@ -190,6 +201,13 @@ def demand(
                 intra = dataclasses.replace(intra, alpha_s=fitted)
                 inter = dataclasses.replace(inter, alpha_s=fitted)
         result = _flat(shape, fn, nbytes, group, dcs, intra, inter, wan)
+    if cluster.inter_burst_kbyte > 0 and "nic" in result.busy_s:
+        # The host link's token bucket is full when the collective starts: its first bytes pass
+        # at once, the rest at the link rate (netlab's tbf; ``fit.with_burst`` is the same).
+        credit = cluster.inter_burst_kbyte * 1024 * inter.beta_s_per_byte
+        busy = dict(result.busy_s)
+        busy["nic"] = max(busy["nic"] - credit, 0.0)
+        result = Demand(result.latency_s, busy)
     if profile.correction(collective, name, p) is not None:
         # Measured on this very group: scale both parts so the idle time is the tuner's
         # corrected prediction, whatever our model of the shape says.

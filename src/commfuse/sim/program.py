@@ -181,7 +181,7 @@ def build_step(
         previous = b.layer(layer, "bwd", layer.bwd_flops, [previous])
         if layer.data_parallel and layer.param_bytes and not local_sgd:
             bucket.append(layer)
-            if sum(x.param_bytes for x in bucket) >= s.bucket_cap_bytes:
+            if sum(x.param_bytes for x in bucket) >= s.cap_of_bucket(len(pending) + len(dp_tasks)):
                 flush(previous)
                 if s.overlap:
                     dp_tasks.append(_bucket(b, *pending.pop()))

@@ -33,6 +33,9 @@ class Strategy:
     """Per-collective overrides, e.g. (("allreduce", "ring"),)."""
     bucket_cap_mb: float = 25.0
     """Gradient bucket size, MB (2**20 bytes); 0 puts each layer in its own bucket."""
+    first_bucket_cap_mb: float = 0.0
+    """Cap of the first bucket (the last layers' gradients), MB; torch DDP and
+    ``commfuse.ddp.DataParallel`` use 1 MB so communication starts early (0: ``bucket_cap_mb``)."""
     overlap: bool = True
     """Start each bucket's allreduce during backward (else after it)."""
     compression_ratio: float = 1.0
@@ -47,6 +50,8 @@ class Strategy:
     def __post_init__(self) -> None:
         if self.bucket_cap_mb < 0:
             raise ValueError(f"bucket_cap_mb must be >= 0, got {self.bucket_cap_mb}")
+        if self.first_bucket_cap_mb < 0:
+            raise ValueError(f"first_bucket_cap_mb must be >= 0, got {self.first_bucket_cap_mb}")
         if not 0 < self.compression_ratio <= 1:
             raise ValueError(f"compression_ratio must be in (0, 1], got {self.compression_ratio}")
         if self.compression_gbyte_per_s < 0:
@@ -67,6 +72,12 @@ class Strategy:
     @property
     def bucket_cap_bytes(self) -> int:
         return int(self.bucket_cap_mb * (1 << 20))
+
+    def cap_of_bucket(self, index: int) -> int:
+        """Bytes at which bucket ``index`` (0: the first launched) closes."""
+        if index == 0 and self.first_bucket_cap_mb > 0:
+            return int(self.first_bucket_cap_mb * (1 << 20))
+        return self.bucket_cap_bytes
 
     def describe(self) -> str:
         parts = [f"algo={self.algorithm}"]

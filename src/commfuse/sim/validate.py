@@ -1,18 +1,24 @@
-"""``commfuse simulate --validate``: calibrate the model on some real runs, predict others.
+"""``commfuse simulate --validate``: calibrate on some real runs, predict others, print the error.
 
-On the emulated cluster (``commfuse.cluster.run``, 1 rank per host), every configuration runs
-for real, timed as the slowest rank, median of several runs:
+Each run on the emulated cluster (``commfuse.cluster.run``, 1 rank per host) has two launches:
 
-1. calibration (never scored): gloo's native allreduce at two sizes, from which the link's
-   alpha and beta are solved (ring model, ``cost.ring_allreduce``); and the forward+backward of a
-   small MLP on every rank at once with no communication, from which each rank's achieved FLOP/s
-   follows (FLOPs read from the module on the meta device, ``workload.from_module``);
-2. validation (held out): collectives of other sizes and algorithms through
-   ``commfuse.collectives``, and full training steps of the same MLP under torch DDP (gradient
-   buckets overlapped with backward), each predicted by the calibrated simulator.
+1. calibration (``calibrate.py``, never scored): native collectives at ``NATIVE_SIZES``,
+   ping-pongs, local rates and the compute-only step of ``CALIBRATION_MLP``, fitted into a
+   ``ClusterModel``;
+2. validation (held out), predicted by that model and measured in a second launch:
 
-The training steps of ``ddp/``, ``fused/`` and ``localsgd/`` are to be added here as those engines
-land; their strategies are simulated from the models meanwhile.
+   * native collectives at ``VALIDATION_SIZES`` (between and beyond the calibration sizes);
+   * commfuse's own ring allreduce, linear-pipeline allreduce and broadcast (at the block the
+     simulator picks, passed to the real call) and binomial-tree broadcast, never fitted: priced
+     from the point-to-point fit and their cost.py formulas;
+   * training steps of ``VALIDATION_MLP`` (another model than calibration's): torch DDP at two
+     bucket sizes, ``commfuse.ddp.DataParallel``, DataParallel with the fp16 compressor (the
+     simulator's ``compression_ratio`` 0.5 at the measured cast rate), and local SGD with
+     ``PeriodicSyncOptimizer`` (preset ``localsgd``, H = 4; the simulator's
+     ``local_sgd_period``), the mean step over a period.
+
+``runs`` repeats both launches (recalibrating each time); the summary gives each run's median
+and max |error| and each configuration's median over runs.
 """
 
 from __future__ import annotations
@@ -21,148 +27,145 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from commfuse.sim.calibrate import (
+    KB,
+    MB,
+    calibration_configs,
+    compression_gbyte_per_s,
+    describe_fits,
+    fit_cluster,
+    mlp_workload,
+)
+from commfuse.sim.cluster import ClusterModel
 
-ALLREDUCE_FIT = ("allreduce", "native", [256 << 10, 4 << 20])
-MLP_WIDTH, MLP_DEPTH, MLP_BATCH, MLP_IN = 1024, 3, 32, 784
+#: Held-out sizes: x4 apart, each between two calibration sizes or beyond them.
+VALIDATION_SIZES = (256 * KB, 1 * MB, 4 * MB, 16 * MB)
+#: The validation steps' model (calibration's is ``calibrate.CALIBRATION_MLP``): 11.6 MB of fp32
+#: parameters, so its gradient allreduce at 1 Gbit/s is about as long as its compute here.
+VALIDATION_MLP = {"in": 784, "width": 1024, "depth": 3, "out": 10, "batch": 32}
+LOCAL_SGD_H = 4
 
 
-def _configs(quick: bool) -> list[dict[str, Any]]:
-    sizes = [1 << 20] if quick else [1 << 20, 16 << 20]
-    out = [
-        {"kind": "collective", "collective": "allreduce", "algo": a, "bytes": n}
-        for a in (["native"] if quick else ["native", "ring", "pipeline"])
-        for n in sizes
-    ]
-    if not quick:
+def _collective(collective: str, algo: str, nbytes: int) -> dict[str, Any]:
+    return {"kind": "collective", "collective": collective, "algo": algo, "bytes": nbytes}
+
+
+def validation_configs(cluster: ClusterModel, *, quick: bool = False) -> list[dict[str, Any]]:
+    """The held-out configurations; pipelines carry the block the simulator prices them at."""
+    from commfuse.collectives.tuner import best_block_bytes
+    from commfuse.sim.network import profile_of
+
+    step = {"kind": "step", "model": VALIDATION_MLP, "algo": "native"}
+    if quick:
+        out = [_collective("allreduce", "native", MB), _collective("allreduce", "ring", MB)]
         out += [
-            {"kind": "collective", "collective": c, "algo": a, "bytes": 4 << 20}
-            for c, a in (
-                ("broadcast", "native"),
-                ("broadcast", "pipeline"),
-                ("allgather", "native"),
-                ("all_to_all", "native"),
-            )
+            {**step, "engine": "torch-ddp", "bucket_cap_mb": 25.0},
+            {**step, "engine": "localsgd", "H": LOCAL_SGD_H},
         ]
-    out += [{"kind": "ddp", "bucket_cap_mb": mb} for mb in ([25.0] if quick else [25.0, 1.0])]
+        return out
+    out = [_collective("allreduce", "native", n) for n in VALIDATION_SIZES]
+    out += [_collective(c, "native", n) for c in ("broadcast", "all_to_all") for n in (MB, 4 * MB)]
+    out.append(_collective("allgather", "native", 4 * MB))
+    out += [_collective("allreduce", "ring", n) for n in (MB, 16 * MB)]
+    out += [
+        _collective("allreduce", "pipeline", 4 * MB),
+        _collective("broadcast", "pipeline", 4 * MB),
+        _collective("broadcast", "pipeline", 16 * MB),
+        _collective("broadcast", "tree", 4 * MB),
+    ]
+    profile = profile_of(cluster)
+    for cfg in out:
+        if cfg["algo"] == "pipeline":
+            cfg["block_bytes"] = best_block_bytes(
+                cfg["collective"], cfg["bytes"], cluster.world_size, profile
+            )
+    out += [
+        {**step, "engine": "torch-ddp", "bucket_cap_mb": 25.0},
+        {**step, "engine": "torch-ddp", "bucket_cap_mb": 1.0},
+        {**step, "engine": "dataparallel", "bucket_cap_mb": 25.0},
+        {**step, "engine": "dataparallel", "bucket_cap_mb": 25.0, "compressor": "fp16"},
+        {**step, "engine": "localsgd", "H": LOCAL_SGD_H},
+    ]
     return out
 
 
-def _mlp() -> torch.nn.Module:
-    layers: list[torch.nn.Module] = [torch.nn.Linear(MLP_IN, MLP_WIDTH), torch.nn.ReLU()]
-    for _ in range(MLP_DEPTH - 1):
-        layers += [torch.nn.Linear(MLP_WIDTH, MLP_WIDTH), torch.nn.ReLU()]
-    layers.append(torch.nn.Linear(MLP_WIDTH, 10))
-    return torch.nn.Sequential(*layers)
-
-
-def _slowest(comm: Any, seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    comm.all_reduce(t, "max")
-    return float(t.item())
-
-
-def _time_collective(comm: Any, cfg: dict[str, Any], reps: int) -> float:
-    from commfuse import collectives as C
-
-    n = cfg["bytes"] // 4
-    world = comm.world_size
-    x = torch.ones(n)
-    runs = []
-    for _ in range(reps + 1):  # the first run warms up connections and is dropped
-        torch.distributed.barrier()
-        began = time.perf_counter()
-        if cfg["collective"] == "allreduce":
-            C.allreduce(comm, x, algo=cfg["algo"])
-        elif cfg["collective"] == "broadcast":
-            C.broadcast(comm, x, 0, algo=cfg["algo"])
-        elif cfg["collective"] == "allgather":
-            C.allgather(comm, torch.empty(n), x[: n // world], algo=cfg["algo"])
-        else:
-            C.all_to_all(comm, torch.empty(n), x, algo=cfg["algo"])
-        runs.append(_slowest(comm, time.perf_counter() - began))
-    return statistics.median(runs[1:])
-
-
-def _time_steps(comm: Any, bucket_cap_mb: float | None, reps: int) -> float:
-    """A training step (forward, backward, SGD step) of the MLP; without DDP when the bucket is
-    None (the compute calibration: every rank computes at once, nothing is communicated)."""
-    torch.manual_seed(0)
-    model = _mlp()
-    if bucket_cap_mb is not None:
-        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = torch.randn(MLP_BATCH, MLP_IN), torch.randint(0, 10, (MLP_BATCH,))
-    runs = []
-    for _ in range(reps + 1):
-        torch.distributed.barrier()
-        began = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
-        opt.step()
-        runs.append(_slowest(comm, time.perf_counter() - began))
-    return statistics.median(runs[1:])
-
-
-def measure_on_rank(configs: list[dict[str, Any]], reps: int) -> list[float]:
-    """Run on every rank: the measured seconds of each configuration."""
-    from commfuse.comm import Communicator
-
-    torch.set_num_threads(1)
-    comm = Communicator()
-    out = []
-    for cfg in configs:
-        if cfg["kind"] == "collective":
-            out.append(_time_collective(comm, cfg, reps))
-        else:
-            out.append(_time_steps(comm, cfg.get("bucket_cap_mb"), reps))
-    return out
-
-
-def calibrate(base: Any, fit_times: list[float], compute_s: float, workload: Any) -> Any:
-    """The cluster with alpha and beta solved from native allreduce times at two sizes
-    (t = 2(P-1) alpha + 2((P-1)/P) n (beta + gamma / 2), gamma kept), and the FLOP rate and memory
-    bandwidth from the compute-only step."""
-    (n1, n2), (t1, t2) = ALLREDUCE_FIT[2], fit_times
-    p = base.world_size
-    f = (p - 1) / p
-    gamma = base.gamma_s_per_byte
-    slope = (t2 - t1) / (n2 - n1)  # 2 f beta + f gamma
-    beta = max((slope - f * gamma) / (2 * f), 1e-12)
-    alpha = max((t1 - n1 * slope) / (2 * (p - 1)), 0.0)
-    # The step's compute: FLOPs at the achieved rate; the optimizer's memory traffic is small
-    # beside it here, so the whole step is charged to FLOPs.
-    flops = workload.flops / compute_s
-    return dataclasses.replace(
-        base,
-        inter_latency_us=alpha * 1e6,
-        inter_gbit_per_s=8.0 / beta / 1e9,
-        flops_per_s=flops,
-        mem_gbyte_per_s=1e6,
-    )
-
-
-def predict(cluster: Any, workload: Any, cfg: dict[str, Any]) -> float:
+def predict(cluster: ClusterModel, cfg: dict[str, Any], *, compression_gbps: float) -> float:
+    """The simulator's seconds for one validation configuration."""
     from commfuse.sim.network import collective_time_s
     from commfuse.sim.step import simulate_step
     from commfuse.sim.strategy import Strategy
 
     if cfg["kind"] == "collective":
         return collective_time_s(cfg["collective"], cfg["algo"], cfg["bytes"], cluster)
-    strategy = Strategy(algorithm="native", bucket_cap_mb=cfg["bucket_cap_mb"])
+    workload = mlp_workload(cfg["model"], "mlp")
+    # torch DDP and DataParallel both cap their first bucket at 1 MB.
+    strategy = Strategy(
+        algorithm=cfg["algo"],
+        bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0),
+        first_bucket_cap_mb=1.0,
+        local_sgd_period=int(cfg.get("H", 1)),
+        compression_ratio=0.5 if cfg.get("compressor") == "fp16" else 1.0,
+        compression_gbyte_per_s=compression_gbps if cfg.get("compressor") else 0.0,
+    )
     return simulate_step(cluster, workload, strategy).step_s
 
 
 def describe(cfg: dict[str, Any]) -> str:
-    if cfg["kind"] == "collective":
-        from commfuse.units import format_size
+    from commfuse.units import format_size
 
+    if cfg["kind"] == "collective":
         return f"{cfg['collective']} {cfg['algo']} {format_size(cfg['bytes'])}"
-    return f"DDP step MLP bucket={cfg['bucket_cap_mb']:g}MB"
+    engine = cfg["engine"]
+    if engine == "localsgd":
+        return f"local SGD step H={cfg['H']} MLP"
+    name = {"torch-ddp": "torch DDP", "dataparallel": "DataParallel"}[engine]
+    extra = f" {cfg['compressor']}" if cfg.get("compressor") else ""
+    return f"{name}{extra} step MLP bucket={cfg['bucket_cap_mb']:g}MB"
+
+
+def _one_run(
+    topology: Any, hosts: int, link: str, reps: int, quick: bool, profile: str | None
+) -> tuple[ClusterModel, float, list[dict[str, Any]], list[float], list[dict[str, Any]]]:
+    from commfuse.cluster import run
+    from commfuse.sim.cluster import PRESETS
+    from commfuse.sim.measure import measure_on_rank
+    from commfuse.units import format_size
+
+    base = dataclasses.replace(
+        PRESETS["netlab-1gbit"], num_hosts=hosts, inter_gbit_per_s=topology.link_gbit or 1.0
+    )
+    calibration = calibration_configs(quick=quick)
+    timed = run(measure_on_rank, calibration, reps, net=topology, timeout_s=600)[0]
+    cluster, fits = fit_cluster(base, calibration, timed)
+    if profile:
+        cluster = dataclasses.replace(cluster, profile_path=profile)
+    rate = compression_gbyte_per_s(calibration, timed)
+    print(
+        f"calibrated on {len(calibration)} configurations (not scored): compute "
+        f"{cluster.flops_per_s / 1e9:.2f} GFLOP/s, memory {cluster.mem_gbyte_per_s:.2f} GB/s, "
+        f"reduce {cluster.reduce_gbyte_per_s:.2f} GB/s, fp16 cast {rate:.2f} GB/s per rank"
+    )
+    for line in describe_fits(fits):
+        print(line)
+    validation = validation_configs(cluster, quick=quick)
+    measured = run(measure_on_rank, validation, reps, net=topology, timeout_s=600)[0]
+    fitted = [
+        {
+            "role": "calibration",
+            "config": f"fit {name} {format_size(n)}",
+            "predicted_us": t * (1 + residual) * 1e6,
+            "measured_us": t * 1e6,
+            "error": residual,
+        }
+        for name, fit in fits.items()
+        for n, t, residual in zip(
+            fit.sizes_bytes, fit.measured_s, fit.relative_residuals, strict=True
+        )
+    ]
+    return cluster, rate, validation, measured, fitted
 
 
 def run_validation(
@@ -172,63 +175,79 @@ def run_validation(
     json_path: str | None = None,
     quick: bool = False,
     reps: int | None = None,
+    runs: int = 1,
+    profile: str | None = None,
+    cluster_path: str | None = None,
 ) -> int:
-    from commfuse.cluster import DeadlineExceeded, RankError, Topology, run
+    """Calibrate and validate ``runs`` times; print and (``json_path``) write the records;
+    ``cluster_path`` receives the last calibrated cluster as JSON (``--cluster PATH`` reads it)."""
+    from commfuse.cluster import DeadlineExceeded, RankError, Topology
     from commfuse.cluster.netlab import NetlabError
-    from commfuse.sim.cluster import PRESETS
-    from commfuse.sim.workload import from_module
 
+    if runs < 1:
+        raise ValueError(f"--runs must be at least 1, got {runs}")
     topology = Topology.from_spec(hosts=hosts, ranks_per_host=1, link=link)
     reps = reps or (3 if quick else 7)
-    calibration = [
-        {"kind": "collective", "collective": "allreduce", "algo": "native", "bytes": n}
-        for n in ALLREDUCE_FIT[2]
-    ] + [{"kind": "ddp_compute"}]
-    validation = _configs(quick)
-    try:
-        measured = run(
-            measure_on_rank, calibration + validation, reps, net=topology, timeout_s=600
-        )[0]
-    except (RankError, DeadlineExceeded, NetlabError) as err:
-        print(f"commfuse simulate --validate: {err}", file=sys.stderr)
-        return 1
-    workload = from_module(_mlp(), (MLP_BATCH, MLP_IN), name="mlp")
-    base = dataclasses.replace(
-        PRESETS["netlab-1gbit"], num_hosts=hosts, inter_gbit_per_s=topology.link_gbit or 1.0
-    )
-    cluster = calibrate(base, measured[:2], measured[2], workload)
-    print(
-        f"calibrated on {len(calibration)} configurations (not scored): alpha "
-        f"{cluster.inter_latency_us:.1f} us, link {cluster.inter_gbit_per_s:.3f} Gbit/s, "
-        f"compute {cluster.flops_per_s / 1e9:.2f} GFLOP/s per rank"
-    )
-    records = []
-    print(f"{'configuration':<34} {'predicted_ms':>12} {'measured_ms':>12} {'error':>8}")
-    for cfg, seconds in zip(validation, measured[len(calibration) :], strict=True):
-        predicted = predict(cluster, workload, cfg)
-        error = predicted / seconds - 1.0
-        records.append(
-            {
-                "config": describe(cfg),
-                **cfg,
-                "hosts": hosts,
-                "link": link,
-                "predicted_us": predicted * 1e6,
-                "measured_us": seconds * 1e6,
-                "error": error,
-            }
-        )
+    records: list[dict[str, Any]] = []
+    calibration_records: list[dict[str, Any]] = []
+    for index in range(runs):
+        print(f"run {index + 1}/{runs}: {hosts} emulated hosts at {link}, {reps} repetitions")
+        try:
+            cluster, rate, validation, measured, fitted = _one_run(
+                topology, hosts, link, reps, quick, profile
+            )
+        except (RankError, DeadlineExceeded, NetlabError) as err:
+            print(f"commfuse simulate --validate: {err}", file=sys.stderr)
+            return 1
+        print(f"{'configuration':<40} {'predicted_ms':>12} {'measured_ms':>12} {'error':>8}")
+        for cfg, seconds in zip(validation, measured, strict=True):
+            predicted = predict(cluster, cfg, compression_gbps=rate)
+            error = predicted / seconds - 1.0
+            records.append(
+                {
+                    "role": "validation",
+                    "config": describe(cfg),
+                    **cfg,
+                    "run": index,
+                    "hosts": hosts,
+                    "link": link,
+                    "predicted_us": predicted * 1e6,
+                    "measured_us": seconds * 1e6,
+                    "error": error,
+                }
+            )
+            print(
+                f"{describe(cfg):<40} {predicted * 1e3:>12.3f} {seconds * 1e3:>12.3f} "
+                f"{error * 100:>+7.1f}%"
+            )
+        errors = [abs(r["error"]) for r in records if r["run"] == index]
+        calibration_records += [{**r, "run": index, "hosts": hosts, "link": link} for r in fitted]
         print(
-            f"{describe(cfg):<34} {predicted * 1e3:>12.3f} {seconds * 1e3:>12.3f} "
-            f"{error * 100:>+7.1f}%"
+            f"run {index + 1}: held-out configurations: {len(errors)}, median |error| "
+            f"{statistics.median(errors) * 100:.1f}%, max {max(errors) * 100:.1f}%"
         )
-    errors = [abs(r["error"]) for r in records]
-    print(
-        f"held-out configurations: {len(errors)}, median |error| "
-        f"{statistics.median(errors) * 100:.1f}%, max {max(errors) * 100:.1f}% "
-        "(the machine may be shared: timings are noisy)"
-    )
+        if cluster_path:
+            Path(cluster_path).write_text(cluster.to_json() + "\n")
+    _summary(records, runs)
     if json_path:
-        Path(json_path).write_text(json.dumps(records, indent=1) + "\n")
+        # Held-out records first; the calibration fits' residuals follow (role "calibration").
+        Path(json_path).write_text(json.dumps(records + calibration_records, indent=1) + "\n")
         print(f"records written to {json_path}")
     return 0
+
+
+def _summary(records: list[dict[str, Any]], runs: int) -> None:
+    by_config: dict[str, list[float]] = {}
+    for r in records:
+        by_config.setdefault(r["config"], []).append(r["error"])
+    medians = {k: statistics.median(v) for k, v in by_config.items()}
+    if runs > 1:
+        print(f"median error of each configuration over {runs} runs:")
+        for config, error in medians.items():
+            print(f"  {config:<40} {error * 100:>+7.1f}%")
+    absolute = [abs(e) for e in medians.values()]
+    print(
+        f"held-out configurations: {len(absolute)}, median |error| "
+        f"{statistics.median(absolute) * 100:.1f}%, max {max(absolute) * 100:.1f}% "
+        "(the machine is shared with other jobs: timings are noisy)"
+    )

@@ -1,0 +1,155 @@
+"""``commfuse simulate --calibrate``: fit the cluster model to real runs on the emulated cluster.
+
+What is measured (``measure.py``, round-robin, median of ``reps``, slowest rank) and fitted
+(``fit.py``, relative least squares with Huber weights, on host links with the base cluster's
+token-bucket burst, ``inter_burst_kbyte``):
+
+1. **Host link, point to point**: ping-pongs of ``P2P_SIZES`` between rank 0 and the next host;
+   alpha + n beta fitted -> ``inter_latency_us``, ``inter_gbit_per_s``. This prices commfuse's
+   own algorithms (ring, linear pipeline, binomial tree), which are built on point-to-point
+   messages.
+2. **Each native collective against its own model**: gloo's allreduce (ring), broadcast
+   (binomial tree), all-to-all (pairwise) and allgather (ring) at ``NATIVE_SIZES``; each fit
+   becomes a ``CollectiveLink`` that prices that algorithm alone.
+3. **Local rates**: ``a += b`` (gamma -> ``reduce_gbyte_per_s``), an SGD update
+   (``mem_gbyte_per_s``, 3 bytes moved per parameter byte), the fp16 compressor's scale-and-cast
+   (``compression_gbyte_per_s``), all on every rank at once, since in a step they share the cores.
+4. **Compute**: forward, backward and SGD step of ``CALIBRATION_MLP`` with no communication on
+   every rank at once; its FLOPs (PyTorch's counter on the meta device) over the time left after
+   the modelled optimizer give ``flops_per_s``.
+
+Kept apart from validation (``validate.py``): the validation collectives use other sizes
+(``validate.VALIDATION_SIZES`` interleave these) and other algorithms, and its training steps
+use another model (``validate.VALIDATION_MLP``), so nothing scored was fitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from commfuse.sim.cluster import ClusterModel, CollectiveLink
+from commfuse.sim.fit import LinkFit, fit_link, native_model, point_to_point, with_burst
+from commfuse.sim.workload import Workload, from_module
+
+KB, MB = 1 << 10, 1 << 20
+#: Sizes of the native-collective fits: x4 apart, from latency-bound to bandwidth-bound.
+NATIVE_SIZES = (128 * KB, 512 * KB, 2 * MB, 8 * MB)
+NATIVE_COLLECTIVES = ("allreduce", "broadcast", "all_to_all", "allgather")
+#: Ping-pong sizes of the point-to-point fit.
+P2P_SIZES = (128 * KB, 512 * KB, 2 * MB, 8 * MB)
+#: Local element-wise work: big enough to leave the caches.
+LOCAL_BYTES = 16 * MB
+#: The compute calibration's model: not the validation's (other widths and depth).
+CALIBRATION_MLP = {"in": 512, "width": 768, "depth": 4, "out": 10, "batch": 32}
+#: SGD without momentum reads the weight and the gradient and writes the weight.
+SGD_BYTES_PER_PARAM_BYTE = 3.0
+
+
+def mlp_workload(spec: dict[str, int], name: str) -> Workload:
+    """The MLP of ``spec`` as the simulator sees it (FLOPs read on the meta device)."""
+    from commfuse.sim.measure import mlp
+
+    workload = from_module(mlp(spec), (spec["batch"], spec["in"]), name=name)
+    return dataclasses.replace(workload, state_bytes_per_param_byte=SGD_BYTES_PER_PARAM_BYTE)
+
+
+def calibration_configs(*, quick: bool = False) -> list[dict[str, Any]]:
+    """What calibration measures (quick: allreduce only among the native collectives)."""
+    natives = ("allreduce",) if quick else NATIVE_COLLECTIVES
+    out: list[dict[str, Any]] = [
+        {"kind": "collective", "collective": c, "algo": "native", "bytes": n}
+        for c in natives
+        for n in NATIVE_SIZES
+    ]
+    out += [{"kind": "p2p", "bytes": n} for n in P2P_SIZES]
+    out += [{"kind": k, "bytes": LOCAL_BYTES} for k in ("reduce", "memory", "cast")]
+    out.append({"kind": "compute", "model": CALIBRATION_MLP})
+    return out
+
+
+def fit_cluster(
+    base: ClusterModel, configs: list[dict[str, Any]], measured_s: list[float]
+) -> tuple[ClusterModel, dict[str, LinkFit]]:
+    """``base`` with every fitted quantity replaced (module docstring), and the link fits by
+    name (``p2p``, ``allreduce/native``, ...). Pure: the tests feed it synthetic times."""
+    if len(configs) != len(measured_s):
+        raise ValueError(f"{len(configs)} calibration configs but {len(measured_s)} times")
+    by_kind: dict[str, list[tuple[dict[str, Any], float]]] = {}
+    for cfg, t in zip(configs, measured_s, strict=True):
+        key = f"{cfg['collective']}/{cfg['algo']}" if cfg["kind"] == "collective" else cfg["kind"]
+        by_kind.setdefault(key, []).append((cfg, t))
+
+    def one(kind: str) -> float:
+        if kind not in by_kind:
+            raise ValueError(f"calibration is missing its {kind!r} measurement")
+        cfg, t = by_kind[kind][0]
+        return float(cfg["bytes"]) / t
+
+    gamma = 1.0 / one("reduce")
+    p2p = by_kind.get("p2p", [])
+    if not p2p:
+        raise ValueError("calibration is missing its point-to-point ('p2p') measurements")
+    burst = base.inter_burst_kbyte * 1024
+    fits = {
+        "p2p": fit_link(
+            with_burst(point_to_point, burst),
+            [c["bytes"] for c, _ in p2p],
+            [t for _, t in p2p],
+        )
+    }
+    links = []
+    for key, rows in by_kind.items():
+        if "/" not in key:
+            continue
+        collective, algo = key.split("/")
+        fit = fit_link(
+            with_burst(native_model(collective, base.world_size), burst),
+            [c["bytes"] for c, _ in rows],
+            [t for _, t in rows],
+            gamma_s_per_byte=gamma,
+        )
+        fits[key] = fit
+        links.append(
+            CollectiveLink(
+                collective=collective,
+                algorithm=algo,
+                latency_us=fit.alpha_s * 1e6,
+                gbit_per_s=fit.gbit_per_s,
+            )
+        )
+    mem_gbyte = SGD_BYTES_PER_PARAM_BYTE * one("memory") / 1e9
+    cluster = dataclasses.replace(
+        base,
+        inter_latency_us=fits["p2p"].alpha_s * 1e6,
+        inter_gbit_per_s=fits["p2p"].gbit_per_s,
+        reduce_gbyte_per_s=1e-9 / gamma,
+        mem_gbyte_per_s=mem_gbyte,
+        collective_links=tuple(links),
+    )
+    if "compute" in by_kind:
+        cfg, step_s = by_kind["compute"][0]
+        workload = mlp_workload(cfg["model"], "calibration-mlp")
+        optimizer_s = workload.param_bytes * SGD_BYTES_PER_PARAM_BYTE / (mem_gbyte * 1e9)
+        # Whatever is not the optimizer's memory traffic is charged to FLOPs (activations,
+        # ReLU and the loss are small beside the matrix products here).
+        compute_s = max(step_s - optimizer_s, 0.1 * step_s)
+        cluster = dataclasses.replace(cluster, flops_per_s=workload.flops / compute_s)
+    return cluster, fits
+
+
+def compression_gbyte_per_s(configs: list[dict[str, Any]], measured_s: list[float]) -> float:
+    """The measured rate of the fp16 compressor's local work, GB of fp32 input per second."""
+    for cfg, t in zip(configs, measured_s, strict=True):
+        if cfg["kind"] == "cast":
+            return float(cfg["bytes"]) / t / 1e9
+    raise ValueError("calibration is missing its 'cast' measurement")
+
+
+def describe_fits(fits: dict[str, LinkFit]) -> list[str]:
+    """One line per fit: alpha, rate, worst residual (how well the model explains the sizes)."""
+    return [
+        f"  {name:<22} alpha {fit.alpha_s * 1e6:>8.1f} us  {fit.gbit_per_s:>7.3f} Gbit/s  "
+        f"worst residual {fit.max_residual * 100:>5.1f}% over {len(fit.sizes_bytes)} sizes"
+        for name, fit in fits.items()
+    ]

@@ -1,0 +1,172 @@
+"""Fitting a collective's alpha and beta to its own measured times, robustly.
+
+Every cost formula of ``collectives/cost.py`` is linear in alpha, beta and gamma, so a time
+measured at size n is ``t(n) = A(n) alpha + B(n) beta + G(n)``, where ``A(n)`` is the formula
+evaluated with alpha = 1 and beta = gamma = 0 (the number of message start-ups), ``B(n)`` with
+beta = 1 (the bytes on the critical path) and ``G(n)`` with the measured gamma only. Given times
+at several sizes (each the median of repetitions), alpha and beta follow by least squares
+(Hockney 1994's fit, generalised to any formula):
+
+1. each row is divided by its measured time, so the fit minimises *relative* error (the target
+   is a relative error; plain least squares would let the largest size decide everything);
+2. iteratively reweighted least squares with Huber weights (Huber 1964): rows whose relative
+   residual exceeds ``HUBER_K`` times the median absolute residual are down-weighted, so one run
+   spoiled by another engineer's job does not swing alpha, as a two-size solve did (0 to
+   1.2 ms between runs on the shared machine);
+3. alpha >= 0 and beta > 0: a negative alpha (noise at large sizes) is clamped and beta refitted.
+
+What the fit cannot do is separate alpha from per-message CPU waits: with 4 ranks on 2 cores a
+message can wait milliseconds for a core, and the fitted alpha prices that in (it is the
+*effective* latency of this machine, not the wire's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from commfuse.collectives import cost as C
+
+#: Huber's threshold, in units of the median absolute relative residual (1.345 sigma for
+#: Gaussian noise, and the median absolute deviation is about 0.67 sigma).
+HUBER_K = 2.0
+_IRLS_ROUNDS = 10
+
+#: A formula of one world size: seconds for n bytes on a link.
+Model = Callable[[int, C.LinkCost], float]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinkFit:
+    """alpha and beta of one model, and how well they explain the measurements."""
+
+    alpha_s: float
+    """Fitted start-up latency per message, seconds."""
+    beta_s_per_byte: float
+    """Fitted seconds per byte."""
+    sizes_bytes: tuple[int, ...]
+    """The sizes measured."""
+    measured_s: tuple[float, ...]
+    """The median time at each size, seconds."""
+    relative_residuals: tuple[float, ...]
+    """model / measured - 1 at each size, after the fit."""
+
+    @property
+    def gbit_per_s(self) -> float:
+        return 8.0 / self.beta_s_per_byte / 1e9
+
+    @property
+    def max_residual(self) -> float:
+        return max((abs(r) for r in self.relative_residuals), default=0.0)
+
+
+def point_to_point(n: int, link: C.LinkCost) -> float:
+    """One message (a ping-pong's one-way time): alpha + n beta."""
+    return link.alpha_s + n * link.beta_s_per_byte
+
+
+def coefficients(model: Model, n: int, gamma_s_per_byte: float) -> tuple[float, float, float]:
+    """(A, B, G) with model(n) = A alpha + B beta + G, by linearity of the formula."""
+    a = model(n, C.LinkCost(alpha_s=1.0, beta_s_per_byte=0.0, gamma_s_per_byte=0.0))
+    b = model(n, C.LinkCost(alpha_s=0.0, beta_s_per_byte=1.0, gamma_s_per_byte=0.0))
+    g = model(n, C.LinkCost(alpha_s=0.0, beta_s_per_byte=0.0, gamma_s_per_byte=gamma_s_per_byte))
+    return a, b, g
+
+
+def fit_link(
+    model: Model,
+    sizes_bytes: Sequence[int],
+    measured_s: Sequence[float],
+    *,
+    gamma_s_per_byte: float = 0.0,
+) -> LinkFit:
+    """alpha and beta of ``model`` from median times at several sizes (module docstring).
+
+    ValueError with fewer than two distinct sizes (two unknowns), a non-positive time, or a
+    model with no bandwidth term."""
+    if len(sizes_bytes) != len(measured_s):
+        raise ValueError(f"fit_link: {len(sizes_bytes)} sizes but {len(measured_s)} measured times")
+    if len(set(sizes_bytes)) < 2:
+        raise ValueError(
+            f"fit_link needs at least two distinct sizes to fit alpha and beta, got {sizes_bytes}"
+        )
+    if min(measured_s) <= 0:
+        raise ValueError(f"fit_link: measured times must be > 0 seconds, got {measured_s}")
+    rows = np.array([coefficients(model, n, gamma_s_per_byte) for n in sizes_bytes])
+    t = np.asarray(measured_s, dtype=np.float64)
+    if not np.any(rows[:, 1] > 0):
+        raise ValueError("fit_link: the model has no bandwidth term (B(n) = 0 at every size)")
+    # Relative least squares: row i says (A alpha + B beta) / t = 1 - G / t.
+    design = rows[:, :2] / t[:, None]
+    target = 1.0 - rows[:, 2] / t
+    # Scale the two columns to comparable magnitudes (alpha ~1e-4, beta ~1e-8) for lstsq.
+    scale = np.maximum(np.abs(design).max(axis=0), 1e-300)
+    weights = np.ones_like(t)
+    alpha = beta = 0.0
+    for _ in range(_IRLS_ROUNDS):
+        alpha, beta = _solve(design / scale, target, weights)
+        alpha, beta = alpha / scale[0], beta / scale[1]
+        residual = design @ np.array([alpha, beta]) - target
+        spread = statistics.median(np.abs(residual).tolist()) or 1e-12
+        cut = HUBER_K * spread
+        new = np.where(np.abs(residual) <= cut, 1.0, cut / np.maximum(np.abs(residual), 1e-300))
+        if np.allclose(new, weights):
+            break
+        weights = new
+    predicted = rows[:, 0] * alpha + rows[:, 1] * beta + rows[:, 2]
+    return LinkFit(
+        alpha_s=float(alpha),
+        beta_s_per_byte=float(beta),
+        sizes_bytes=tuple(int(n) for n in sizes_bytes),
+        measured_s=tuple(float(x) for x in t),
+        relative_residuals=tuple(float(x) for x in predicted / t - 1.0),
+    )
+
+
+def _solve(design: np.ndarray, target: np.ndarray, weights: np.ndarray) -> tuple[float, float]:
+    """Weighted least squares for (alpha, beta) with alpha >= 0 and beta > 0."""
+    w = np.sqrt(weights)[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(design * w, target * w[:, 0], rcond=None)
+    if alpha < 0:  # noise at large sizes: the line through them would start below zero
+        b_col = design[:, 1] * w[:, 0]
+        alpha, beta = 0.0, float(b_col @ (target * w[:, 0]) / (b_col @ b_col))
+    if beta <= 0:  # every size took the same time: all latency, bandwidth unmeasurable
+        a_col = design[:, 0] * w[:, 0]
+        beta = 1e-15
+        alpha = max(0.0, float(a_col @ (target * w[:, 0]) / max(a_col @ a_col, 1e-300)))
+    return float(alpha), float(beta)
+
+
+def with_burst(model: Model, burst_bytes: float) -> Model:
+    """``model`` on a host link with a token bucket of ``burst_bytes`` (netlab's tbf): the first
+    ``burst_bytes`` on the critical path cost no transfer time. Still linear in alpha and beta.
+    Without it, sizes near the bucket look faster than the link, and a line through them has a
+    negative intercept (alpha clamped to 0) and too high a rate (ping-pongs of 32 KB - 2 MB at
+    1 Gbit/s fitted 2.5 Gbit/s)."""
+    if burst_bytes <= 0:
+        return model
+    bandwidth_only = C.LinkCost(alpha_s=0.0, beta_s_per_byte=1.0, gamma_s_per_byte=0.0)
+
+    def burst_model(n: int, link: C.LinkCost) -> float:
+        on_path = model(n, bandwidth_only)
+        return model(n, link) - min(burst_bytes, on_path) * link.beta_s_per_byte
+
+    return burst_model
+
+
+def native_model(collective: str, world_size: int) -> Model:
+    """gloo's own algorithm for ``collective`` (DESIGN.md): a ring allreduce and allgather,
+    a binomial-tree broadcast, a pairwise all-to-all, each as a formula of cost.py."""
+    formulas: dict[str, Callable[[int, int, C.LinkCost], float]] = {
+        "allreduce": C.ring_allreduce,
+        "allgather": C.ring_allgather,
+        "broadcast": C.mst_broadcast,
+        "all_to_all": C.pairwise_all_to_all,
+    }
+    if collective not in formulas:
+        raise ValueError(f"no native model to fit for {collective!r}; known: {', '.join(formulas)}")
+    formula = formulas[collective]
+    return lambda n, link: formula(n, world_size, link)

@@ -1,0 +1,192 @@
+"""Real runs for calibration and validation: one runner per configuration, timed round-robin.
+
+Every rank builds one runner per configuration (a closure holding its buffers, model and
+optimizer), runs each once to warm it up (connections, allocator, autograd graphs), then runs
+``reps`` rounds of *all* runners in turn. A burst of load from another job on the shared
+machine then spoils one sample of many configurations instead of every sample of one (the same
+reason ``collectives/calibration.py`` times round-robin). A sample is the slowest rank's time
+(one all-reduce of max); the result is each configuration's median.
+
+Configurations are dicts (JSON-friendly, they go into the records):
+
+* ``{"kind": "collective", "collective", "algo", "bytes"[, "block_bytes"]}``;
+* ``{"kind": "p2p", "bytes"}``: a ping-pong between rank 0 and the first rank of the next host,
+  one-way time;
+* ``{"kind": "compute", "model": spec}``: forward, backward and SGD step with no communication;
+* ``{"kind": "memory", "bytes"}``: an SGD update ``p -= lr g`` (3 bytes moved per byte);
+* ``{"kind": "reduce", "bytes"}``: ``a += b`` (gamma);
+* ``{"kind": "cast", "bytes"}``: the fp16 compressor's local work (scale, cast, cast back);
+* ``{"kind": "step", "engine": "torch-ddp" | "dataparallel" | "localsgd", "model": spec, ...}``:
+  one training step (a local-SGD sample is a whole period of ``H`` steps, divided by H).
+
+``spec`` is an MLP ``{"in": 784, "width": 1024, "depth": 3, "out": 10, "batch": 32}``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Runner = Callable[[], float]
+
+
+def mlp(spec: dict[str, int]) -> torch.nn.Module:
+    """The MLP of ``spec``: Linear(in, width), ReLU, (depth - 1) x (Linear(width, width), ReLU),
+    Linear(width, out)."""
+    layers: list[torch.nn.Module] = [torch.nn.Linear(spec["in"], spec["width"]), torch.nn.ReLU()]
+    for _ in range(spec["depth"] - 1):
+        layers += [torch.nn.Linear(spec["width"], spec["width"]), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(spec["width"], spec["out"]))
+    return torch.nn.Sequential(*layers)
+
+
+def _slowest(comm: Any, seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    comm.all_reduce(t, "max")
+    return float(t.item())
+
+
+def _timed(comm: Any, body: Callable[[], None], *, divide: int = 1) -> Runner:
+    def run() -> float:
+        torch.distributed.barrier()
+        began = time.perf_counter()
+        body()
+        return _slowest(comm, (time.perf_counter() - began) / divide)
+
+    return run
+
+
+def _collective(comm: Any, cfg: dict[str, Any]) -> Runner:
+    from commfuse import collectives as C
+
+    n, world = cfg["bytes"] // 4, comm.world_size
+    x = torch.ones(n)
+    out = torch.empty(n)
+    opts = {"block_bytes": cfg["block_bytes"]} if cfg.get("block_bytes") else {}
+    algo, what = cfg["algo"], cfg["collective"]
+    calls: dict[str, Callable[[], object]] = {
+        "allreduce": lambda: C.allreduce(comm, x, algo=algo, **opts),
+        "broadcast": lambda: C.broadcast(comm, x, 0, algo=algo, **opts),
+        "allgather": lambda: C.allgather(comm, out, x[: n // world], algo=algo),
+        "all_to_all": lambda: C.all_to_all(comm, out, x, algo=algo),
+    }
+    if what not in calls:
+        raise ValueError(f"cannot time collective {what!r}; known: {', '.join(calls)}")
+    call = calls[what]
+
+    def body() -> None:
+        call()
+
+    return _timed(comm, body)
+
+
+def _p2p(comm: Any, cfg: dict[str, Any], ranks_per_host: int) -> Runner:
+    buf = torch.zeros(max(1, cfg["bytes"] // 4))
+    a, b = 0, ranks_per_host if comm.world_size > ranks_per_host else 1
+
+    def body() -> None:
+        if comm.rank == a:
+            comm.send(buf, b, label="sim")
+            comm.recv(buf, b, label="sim")
+        elif comm.rank == b:
+            comm.recv(buf, a, label="sim")
+            comm.send(buf, a, label="sim")
+
+    return _timed(comm, body, divide=2)
+
+
+def _local(comm: Any, cfg: dict[str, Any]) -> Runner:
+    """Element-wise work every rank does at once (they share the cores, as in a step)."""
+    n = cfg["bytes"] // 4
+    a, b = torch.ones(n), torch.ones(n)
+    world = comm.world_size
+
+    def memory() -> None:
+        a.add_(b, alpha=-1e-3)
+
+    def reduce() -> None:
+        a.add_(b)
+
+    def cast() -> None:  # CastCompressor: divide by the world, to fp16, back into the gradient
+        a.copy_((b / world).to(torch.float16))
+
+    return _timed(comm, {"memory": memory, "reduce": reduce, "cast": cast}[cfg["kind"]])
+
+
+def _step(comm: Any, cfg: dict[str, Any]) -> Runner:
+    spec = cfg["model"]
+    torch.manual_seed(0)
+    model = mlp(spec)
+    x = torch.randn(spec["batch"], spec["in"])
+    y = torch.randint(0, spec["out"], (spec["batch"],))
+    engine = cfg.get("engine", "none")
+    if engine == "torch-ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"])
+    elif engine == "dataparallel":
+        from commfuse.compress import make_compressor
+        from commfuse.ddp import DataParallel, DataParallelConfig
+
+        compressor = cfg.get("compressor")
+        config = DataParallelConfig(
+            bucket_cap_mb=cfg["bucket_cap_mb"],
+            algo=cfg["algo"],
+            compressor=make_compressor(compressor, algo=cfg["algo"]) if compressor else None,
+        )
+        model = DataParallel(model, comm, config=config)
+    inner = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if engine == "localsgd":
+        from commfuse.localsgd import PeriodicSyncOptimizer, config_from_preset
+
+        period = int(cfg["H"])
+        sync = config_from_preset("localsgd", {"H": str(period), "algo": cfg["algo"]})
+        opt: Any = PeriodicSyncOptimizer(inner, model, comm, sync)
+    else:
+        period, opt = 1, inner
+
+    def one() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+        if engine == "dataparallel":
+            model.step(opt)  # type: ignore[operator]
+        else:
+            opt.step()
+
+    def body() -> None:  # local SGD: one whole period, so each sample holds one sync
+        for _ in range(period):
+            one()
+
+    return _timed(comm, body, divide=period)
+
+
+def measure_on_rank(
+    configs: list[dict[str, Any]], reps: int, ranks_per_host: int = 1
+) -> list[float]:
+    """Run on every rank (``commfuse.cluster.run``): the median seconds of each configuration."""
+    from commfuse.comm import Communicator
+
+    torch.set_num_threads(1)  # ranks share 2 cores; more threads would only fight over them
+    comm = Communicator()
+    runners: list[Runner] = []
+    for cfg in configs:
+        kind = cfg["kind"]
+        if kind == "collective":
+            runners.append(_collective(comm, cfg))
+        elif kind == "p2p":
+            runners.append(_p2p(comm, cfg, ranks_per_host))
+        elif kind in ("memory", "reduce", "cast"):
+            runners.append(_local(comm, cfg))
+        elif kind in ("compute", "step"):
+            runners.append(_step(comm, cfg))
+        else:
+            raise ValueError(f"unknown measurement kind {kind!r}")
+    for runner in runners:  # warm-up, dropped
+        runner()
+    samples: list[list[float]] = [[] for _ in runners]
+    for _ in range(reps):
+        for i, runner in enumerate(runners):
+            samples[i].append(runner())
+    return [statistics.median(s) for s in samples]
