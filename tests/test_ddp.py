@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commfuse.collectives import allreduce
 from commfuse.collectives.blocks import even_blocks
-from commfuse.comm import Communicator
+from commfuse.comm import CommConfig, Communicator
+from commfuse.compress import make_compressor
 from commfuse.ddp import DataParallel, DataParallelConfig, NonFiniteGradientError
 from commfuse.testing import RankPool
 
@@ -295,3 +296,188 @@ def test_resume_is_bit_identical(pool: PoolFn) -> None:
     split = pool(2).run(resume, 3, timeout_s=60)
     for a, b in zip(whole, split, strict=True):
         assert torch.equal(a, b)
+
+
+# -- a rank whose backward gives no gradient at all -----------------------------------------------
+
+
+def _small_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def rank_without_gradient(via_step: bool) -> dict[str, Any]:
+    """Rank 1 skips backward at step 1. With ``dp.step(opt)`` it joins the reduction there
+    (exact: it contributes zero); with ``opt.step()`` it notices at the next forward (step 2,
+    the last, forward only), joins, then raises. A short deadline makes a hang fail the test
+    in seconds, not minutes."""
+    comm = Communicator(config=CommConfig(deadline_s=15))
+    net, ref = _small_net(), _small_net()
+    dp = DataParallel(net, comm, config=DataParallelConfig(algo="native"))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(5 + dist.get_rank())
+    out: dict[str, Any] = {"error": None, "warnings": []}
+    for step in range(3):
+        x = torch.randn(3, 4, generator=gen)
+        idle = dist.get_rank() == 1 and step == 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                y = dp(x)
+            except RuntimeError as err:
+                out["error"] = str(err)
+                break
+            if step == 2 and not via_step:
+                break
+            if not idle:
+                y.pow(2).sum().backward()
+            if via_step:
+                dp.step(opt)
+            else:
+                opt.step()
+        out["warnings"] += [str(w.message) for w in caught]
+        opt.zero_grad()
+        if not via_step:
+            continue  # rank 1 joins only at the next forward: no other collective before
+        # The reference: the same sums by hand (pre-divided, one flat native allreduce in the
+        # engine's launch order, so every element is summed in the same order).
+        ref_opt.zero_grad()
+        ref(x).pow(2).sum().mul(0.0 if idle else 1.0).backward()
+        order = list(reversed(list(ref.parameters())))
+        flat = torch.cat([p.grad.reshape(-1) for p in order]) * (1 / comm.world_size)
+        dist.all_reduce(flat)
+        offset = 0
+        for p in order:
+            p.grad.copy_(flat[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        ref_opt.step()
+    dp.close()
+    out["ours"], out["ref"] = _params(net), _params(ref)
+    return out
+
+
+def test_rank_without_gradient_joins_at_step(pool: PoolFn) -> None:
+    results = pool(3).run(rank_without_gradient, True, timeout_s=60)
+    for rank, r in enumerate(results):
+        assert r["error"] is None
+        assert torch.equal(r["ours"], r["ref"])  # rank 1 contributed exactly zero
+        assert torch.equal(r["ours"], results[0]["ours"])
+        expected = ["rank 1: no gradient reached"] if rank == 1 else []
+        assert [w[: len("rank 1: no gradient reached")] for w in r["warnings"]] == expected
+
+
+def test_rank_without_gradient_raises_at_next_forward(pool: PoolFn) -> None:
+    results = pool(3).run(rank_without_gradient, False, timeout_s=60)
+    assert results[0]["error"] is None and results[2]["error"] is None  # not left waiting
+    assert not torch.equal(results[0]["ours"], results[1]["ours"])  # what the error is about
+    error = results[1]["error"]
+    assert error is not None and error.startswith("rank 1:") and "DataParallel.step" in error
+
+
+# -- unused parameters marked ready when backward starts --------------------------------------------
+
+
+def early_unused(direct_param_loss: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = Net()
+    config = DataParallelConfig(
+        algo="native",
+        bucket_cap_mb=TINY_MB,
+        first_bucket_cap_mb=TINY_MB,
+        find_unused_parameters=True,
+    )
+    dp = DataParallel(net, config=config)
+    loss = dp(torch.randn(4, 6)).pow(2).mean()
+    if direct_param_loss:
+        loss = loss + net.dead.weight.pow(2).sum()  # reads a parameter the outputs cannot reach
+    try:
+        loss.backward()
+    except RuntimeError as err:
+        return {"error": str(err)}
+    stats = dp.last_stats
+    assert stats is not None
+    dp.close()
+    return {"error": None, "layout": dp.bucket_layout, "after": stats.launched_after_grads}
+
+
+def test_unused_parameters_launch_when_backward_starts(pool: PoolFn) -> None:
+    for r in pool(2).run(early_unused, False, timeout_s=60):
+        # Launch order: head.bias, head.weight, dead.bias, dead.weight, branch.bias, ...
+        assert r["layout"][:4] == [["head.bias"], ["head.weight"], ["dead.bias"], ["dead.weight"]]
+        used = 6  # head, branch, inp: weight + bias each
+        # dead's buckets leave right behind head's, not after all 6 gradients.
+        assert r["after"][2] == r["after"][3] == r["after"][1] < used
+        assert r["after"][-1] == used
+
+
+def test_loss_reading_an_unreachable_parameter_is_named(pool: PoolFn) -> None:
+    for r in pool(2).run(early_unused, True, timeout_s=60):
+        assert r["error"] is not None and "'dead.weight'" in r["error"]
+        assert "find_unused_parameters" in r["error"]
+
+
+# -- the real compressors of commfuse.compress --------------------------------------------------
+
+
+def with_compressor(spec: str, split: int | None) -> dict[str, Any]:
+    """6 steps of a small regression; split: checkpoint after that many steps, continue in
+    fresh objects. Returns losses, parameters, and per step the payload against the
+    compressor's claim."""
+
+    def build() -> tuple[nn.Module, DataParallel, torch.optim.Optimizer, Any]:
+        torch.manual_seed(11)
+        net = nn.Sequential(
+            nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+        )
+        comp = make_compressor(spec, algo="native", gather_algo="native")
+        config = DataParallelConfig(compressor=comp, bucket_cap_mb=0.004, first_bucket_cap_mb=0.001)
+        dp = DataParallel(net, Communicator(), config=config)
+        return net, dp, torch.optim.SGD(dp.parameters(), lr=0.05), comp
+
+    gen = torch.Generator().manual_seed(3 + dist.get_rank())
+    w_true = torch.linspace(-1, 1, 12)
+    data = [torch.randn(16, 12, generator=gen) for _ in range(2)] * 3  # steps 4-5 = steps 0-1
+    net, dp, opt, comp = build()
+    out: dict[str, Any] = {"losses": [], "payload": [], "claimed": []}
+    for step, x in enumerate(data):
+        if step == split:
+            state = dp.state_dict(), opt.state_dict()
+            dp.close()
+            net, dp, opt, comp = build()
+            dp.load_state_dict(state[0])
+            opt.load_state_dict(state[1])
+        loss = (dp(x).squeeze(1) - x @ w_true).pow(2).mean()
+        loss.backward()
+        dp.step(opt)
+        opt.zero_grad()
+        stats = dp.last_stats
+        assert stats is not None and stats.bytes_sent == 0  # native collectives only
+        world = dist.get_world_size()
+        buckets = dp.reducer.buckets
+        out["payload"].append(stats.payload_bytes)
+        out["claimed"].append(
+            sum(comp.payload_bytes(b.flat.numel(), b.flat.dtype, world, step=step) for b in buckets)
+            + sum(4 * world * len(b.params) for b in buckets)  # the finiteness flags
+        )
+        out["losses"].append(float(loss))
+    dp.close()
+    out["params"] = _params(net)
+    out["num_buckets"] = len(dp.reducer.buckets)
+    return out
+
+
+@pytest.mark.parametrize("spec", ["fp16", "powersgd:rank=2,warmup=2", "topk:ratio=0.1"])
+def test_real_compressors_train_count_and_resume(pool: PoolFn, spec: str) -> None:
+    whole = pool(2).run(with_compressor, spec, None, timeout_s=90)
+    split = pool(2).run(with_compressor, spec, 3, timeout_s=90)
+    for a, b in zip(whole, split, strict=True):
+        assert a["num_buckets"] >= 2
+        assert a["payload"] == a["claimed"]  # bytes on the wire = the compressor's claim
+        assert b["payload"] == b["claimed"]
+        assert torch.equal(a["params"], b["params"])  # resume is bit-identical
+        assert sum(a["losses"][4:]) < sum(a["losses"][:2])  # it trains (same two batches)
+    assert torch.equal(whole[0]["params"], whole[1]["params"])
+    if spec != "fp16":  # fp16 is 2x smaller; PowerSGD and top-k much more, after warm-up
+        full = sum(4 * n for n in [12 * 32 + 32, 32 * 32 + 32, 32 + 1])
+        assert whole[0]["claimed"][-1] < full / 2

@@ -73,3 +73,33 @@ def test_config_errors_name_the_field() -> None:
         DataParallelConfig(compressor=object())  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         DataParallelConfig(25.0)  # type: ignore[misc]
+
+
+def test_unreachable_params_walks_the_graph() -> None:
+    from torch import nn
+
+    from commfuse.ddp.graph import unreachable_params
+
+    a, b, c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+    params = [*a.parameters(), *b.parameters(), *c.parameters()]
+    x = torch.randn(2, 3)
+    assert unreachable_params({"out": [b(a(x))], "n": 3}, params) == [4, 5]
+    assert unreachable_params((a(x), c.weight), params) == [2, 3, 5]  # a parameter as output
+    with torch.no_grad():
+        assert unreachable_params(a(x), params) == list(range(6))
+
+
+def test_bench_config_errors_name_the_field() -> None:
+    from commfuse.ddp.bench import DdpBenchConfig, build_model
+
+    with pytest.raises(ValueError, match="model must be one of"):
+        DdpBenchConfig(model="resnet")
+    with pytest.raises(ValueError, match="num_reps"):
+        DdpBenchConfig(num_reps=0)
+    with pytest.raises(ValueError, match="not an allreduce algorithm"):
+        DdpBenchConfig(algos=("tree",))
+    net = build_model(DdpBenchConfig(model="transformer", num_layers=2, width=32))
+    assert (
+        sum(p.numel() for p in net.parameters())
+        == 2 * (4 * 32 * 33 + 2 * 32 * 128 + 128 + 32 + 4 * 32) + 330
+    )

@@ -18,6 +18,7 @@ from commfuse.units import parse_sizes
 #: Modules that each add one ``commfuse bench`` sub-command with ``register_bench(bench_sub)``.
 _BENCH_MODULES: tuple[str, ...] = (
     "commfuse.bench.fused_cli",
+    "commfuse.bench.ddp_cli",
 )
 
 #: The embedded default: a short sweep on an emulated 4-host, 1 Gbit/s cluster.

@@ -11,7 +11,8 @@ Usage, on every rank (the process group is up, e.g. under ``commfuse launch``)::
 
 What it does: rank 0's parameters and buffers are broadcast at construction; buffers again
 before each synchronized forward (``broadcast_buffers``); gradients are averaged in buckets
-during backward (``reducer.py``); ``no_sync()`` accumulates gradients locally for gradient
+during backward (``reducer.py``); a rank whose backward produced no gradient joins the
+others' reduction at its next forward or ``step()``; ``no_sync()`` accumulates gradients locally for gradient
 accumulation; ``state_dict()`` / ``load_state_dict()`` hold the module's weights and, under
 ``_extra_state``, the engine's own state (step counter, bucket layout, compressor state:
 ``engine_state_dict()``), so a resumed run is bit-identical.
@@ -29,6 +30,7 @@ from torch import nn
 from commfuse.collectives import broadcast
 from commfuse.comm import Communicator
 from commfuse.ddp.config import DataParallelConfig
+from commfuse.ddp.graph import unreachable_params
 from commfuse.ddp.reducer import Reducer, StepStats
 
 
@@ -76,19 +78,50 @@ class DataParallel(nn.Module):
                 self.comm, [p.data for p in module.parameters()] + list(module.buffers())
             )
         self.reducer = Reducer(named, self.comm, self.config)
+        # Listed once, as torch DDP does (``modules_buffers``): buffers are updated in place.
+        self._synced_buffers = [] if self.config.skip_communication else list(module.buffers())
 
     # -- training ----------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if (
-            self.config.broadcast_buffers
-            and not self.config.skip_communication
-            and self.reducer.sync
-            and torch.is_grad_enabled()
-        ):
-            buffers = list(self.module.buffers())
-            if buffers:
-                _broadcast_tensors(self.comm, buffers)
-        return self.module(*args, **kwargs)
+        synchronized = self.reducer.sync and torch.is_grad_enabled()
+        if synchronized:
+            # Before any collective of this forward: the other ranks may be waiting in their
+            # end-of-backward for this rank's buckets (see _catch_up).
+            self._catch_up()
+            if self.config.broadcast_buffers and self._synced_buffers:
+                _broadcast_tensors(self.comm, self._synced_buffers)
+        output = self.module(*args, **kwargs)
+        if synchronized and self.training:
+            self.reducer.awaiting_backward = True
+            if self.config.find_unused_parameters:
+                self.reducer.unused_in_forward = unreachable_params(output, self.reducer.params)
+        return output
+
+    def _catch_up(self, *, stepping: bool = False) -> None:
+        """A synchronized training forward that reached no hook in backward (no gradient on
+        this rank): reduce now, so the ranks that did get gradients are not left waiting.
+
+        From ``step()`` this is exact: the averages land in ``.grad`` before the optimizer
+        runs. From the next forward it is too late when the average is not zero: the other
+        ranks had gradients and stepped with them, this rank did not, so the replicas differ;
+        the reduction still runs, freeing the others, then this rank raises. An average of
+        zero is two synchronized forwards before one backward (no rank had a gradient): it
+        costs one extra reduction and a warning; run the extra forward under ``no_sync()`` or
+        ``torch.no_grad()``."""
+        if not (self.reducer.awaiting_backward and self.reducer.sync):
+            return
+        step = self.reducer.step
+        self.reducer.reduce_without_backward()
+        if stepping or self.reducer.last_step_skipped:
+            return
+        if any(bool(p.grad.any()) for p in self.reducer.params if p.grad is not None):
+            raise RuntimeError(
+                f"rank {self.comm.rank}: the backward after the synchronized forward of step "
+                f"{step} gave DataParallel's parameters no gradient on this rank while other "
+                "ranks had some, and this rank did not join their reduction before stepping, "
+                "so its replica no longer matches theirs; call DataParallel.step(optimizer) "
+                "instead of optimizer.step(): it joins the reduction first"
+            )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -102,7 +135,10 @@ class DataParallel(nn.Module):
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """``optimizer.step()`` unless the last synchronized backward found a non-finite
-        gradient (``on_nonfinite="skip"``); returns whether it stepped."""
+        gradient (``on_nonfinite="skip"``); returns whether it stepped. On a rank whose last
+        synchronized forward got no backward gradient, it first joins the other ranks'
+        reduction with zero gradients."""
+        self._catch_up(stepping=True)
         if self.reducer.last_step_skipped:
             return False
         optimizer.step()
@@ -154,6 +190,7 @@ class DataParallel(nn.Module):
             )
         self.reducer.set_layout(state["bucket_groups"])
         self.reducer._reset_step()
+        self.reducer.awaiting_backward = False
         self.reducer.step = int(state["step"])
         self.reducer.merged = bool(state["merged"])
         if self.config.compressor is not None:

@@ -1,0 +1,130 @@
+"""``commfuse bench ddp``: commfuse's DataParallel against torch DDP, step for step.
+
+commfuse bench ddp --hosts 4 --link 1gbit --model transformer --bucket-cap-mb 25 --json out.json
+
+The same model, batches, bucket caps and cluster under torch's DistributedDataParallel,
+commfuse's DataParallel (uncompressed, one engine per ``--algo``) and the bare model (no
+communication, the compute floor), timed interleaved; medians of ``--reps`` blocks of
+``--steps`` steps (see ``commfuse.ddp.bench``). The issue's target: commfuse <= 1.02x torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from commfuse.cluster.launch_cli import add_topology_arguments
+    from commfuse.ddp.bench import MODELS
+
+    parser = bench_sub.add_parser(
+        "ddp",
+        help="step time of commfuse DataParallel vs torch DDP and the compute floor (interleaved)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_topology_arguments(parser, default_hosts=4, default_link="1gbit")
+    parser.add_argument("--model", default="mlp", choices=MODELS, help="model (default mlp)")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="layers (default 8 mlp, 4 transformer)"
+    )
+    parser.add_argument(
+        "--width", type=int, default=None, help="width (default 512 mlp, 256 transformer)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="samples per rank (default 32 mlp, 8 transformer)",
+    )
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, default=25.0, help="bucket cap, MiB (default 25)"
+    )
+    parser.add_argument(
+        "--algo", default="native,auto", help="commfuse allreduce algorithms, comma list"
+    )
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed block (default 5)")
+    parser.add_argument(
+        "--reps", type=int, default=7, help="timed blocks per engine; medians reported"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write one JSON record per engine")
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="stop the job after this many seconds"
+    )
+    parser.set_defaults(func=run_bench_ddp)
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from commfuse.ddp.bench import DdpBenchConfig
+
+    transformer = args.model == "transformer"
+    return DdpBenchConfig(
+        model=args.model,
+        num_layers=args.layers or (4 if transformer else 8),
+        width=args.width or (256 if transformer else 512),
+        batch_size=args.batch_size or (8 if transformer else 32),
+        bucket_cap_mb=args.bucket_cap_mb,
+        num_steps=args.steps,
+        num_reps=args.reps,
+        algos=tuple(a.strip() for a in args.algo.split(",") if a.strip()),
+    )
+
+
+def render(records: list[dict[str, Any]]) -> str:
+    """A plain table: one row per engine."""
+    header = f"{'engine':<18}{'step ms':>9}{'min-max ms':>15}{'exposed ms':>12}{'x torch':>9}{'spread':>13}{'buckets':>9}"
+    rows = [header]
+    for r in records:
+        span = "{:.0f}-{:.0f}".format(r["step_s_min"] * 1e3, r["step_s_max"] * 1e3)
+        spread = "{:.2f}-{:.2f}".format(r["ratio_min"], r["ratio_max"])
+        buckets = "-" if r["num_buckets"] is None else str(r["num_buckets"])
+        rows.append(
+            f"{r['engine']:<18}{r['step_s'] * 1e3:>9.1f}{span:>15}"
+            f"{r['exposed_comm_s'] * 1e3:>12.1f}{r['ratio_to_torch_ddp']:>9.3f}{spread:>13}{buckets:>9}"
+        )
+    return "\n".join(rows)
+
+
+def run_bench_ddp(args: argparse.Namespace) -> int:
+    from commfuse.cluster import DeadlineExceeded, RankError, run
+    from commfuse.cluster.launch_cli import topology_from_args
+    from commfuse.cluster.netlab import NetlabError
+    from commfuse.ddp.bench import bench_rank
+
+    try:
+        if str(args.link).lower() in ("none", "off"):
+            args.link = None
+        topology = topology_from_args(args)
+        config = _config(args)
+    except ValueError as err:
+        print(f"commfuse bench ddp: {err}", file=sys.stderr)
+        return 2
+    print(
+        f"commfuse bench ddp: {config.model}, {topology.describe()}, "
+        f"{config.num_reps} interleaved blocks of {config.num_steps} steps (median)",
+        file=sys.stderr,
+    )
+    try:
+        results = run(
+            bench_rank,
+            config,
+            net=topology,
+            emulate=False if args.no_emulate else None,
+            timeout_s=args.timeout,
+        )
+    except (RankError, DeadlineExceeded, NetlabError) as err:
+        print(f"commfuse bench ddp: {err}", file=sys.stderr)
+        return 1
+    records = results[0]
+    params = records[0]["params"]
+    print(
+        f"# {config.model}, {params / 1e6:.2f}M parameters, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MiB"
+    )
+    print(render(records))
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    return 0

@@ -1,0 +1,35 @@
+"""Finding NaN/Inf gradients in a bucket without paying for it on every step.
+
+The exact test, ``torch.isfinite(x).all()``, writes a boolean per element and reads it back:
+on one core it cost 11 ms per 8 MB bucket, 24 ms of a 165 ms step on 4 hosts at 1 Gbit/s
+(cProfile of ``commfuse bench ddp``), which torch DDP, having no such check, does not pay. A sum
+is one fused read: NaN and Inf propagate through it (``inf + -inf`` is NaN), so a finite sum
+proves every element finite. A non-finite sum is either a non-finite element or an overflow of
+large finite ones; only then is the exact per-parameter test run, to name the culprits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from commfuse.ddp.buckets import Bucket
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of ``tensor`` is finite (one sum; exact test only when it is not)."""
+    if tensor.numel() == 0:
+        return True
+    if bool(torch.isfinite(tensor.sum())):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
+def nonfinite_slots(bucket: Bucket) -> list[int]:
+    """Slots of ``bucket`` whose gradient holds a NaN or Inf ([] on the fast path)."""
+    if all_finite(bucket.flat):
+        return []
+    return [
+        slot
+        for slot in range(len(bucket.params))
+        if not bool(torch.isfinite(bucket.view(slot)).all())
+    ]
