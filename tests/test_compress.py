@@ -230,3 +230,64 @@ def test_stochastic_quantizers_bounded_and_unbiased(spec: str, levels: int) -> N
     # Different ranks draw differently at the same step (independent rounding).
     assert not torch.equal(round_trip(spec, x, rank=0), round_trip(spec, x, rank=1))
     assert c.payload_bytes(1000, torch.float32, 2) == 8 + math.ceil(1000 * c.bits / 8 / 4) * 4  # type: ignore[attr-defined]
+
+
+# ---- PowerSGD's per-tensor layout --------------------------------------------------------------
+
+
+def test_powersgd_layout_plans_matrices_like_torchs_hook() -> None:
+    """Per tensor, as torch's powerSGD_hook (min_compression_rate 1): ``ndim >= 2`` tensors whose
+    factors are smaller become ``(shape[0], rest)`` matrices at rank ``min(r, rows, cols)``."""
+    shapes = [
+        (768, 256),
+        (768,),
+        (256, 256),
+        (256,),
+        (1, 40),
+        (3, 3),
+        (4, 3, 5),
+        (0, 7),
+        (768, 256),
+    ]
+    c = make_compressor("powersgd:rank=4,warmup=2")
+    assert isinstance(c, PowerSGDCompressor)
+    c.set_layout(5, [torch.Size(s) for s in shapes])
+    numel = sum(math.prod(s) for s in shapes)
+    plan = c.plans[5]
+    compressed = {(g.rows, g.cols, g.rank): len(g.members) for g in plan.groups}
+    # (1, 40): rank 1 gives 41 > 40; (3, 3): rank 3 gives 18 > 9; (4, 15): rank 4 gives 76 > 60.
+    assert compressed == {(768, 256, 4): 2, (256, 256, 4): 1}
+    plain = 768 + 256 + 40 + 9 + 60
+    assert plan.plain == (
+        (768 * 256, 768),
+        (768 * 257 + 256 * 256, 256 + 40 + 9 + 60),
+    )  # merged runs
+    expected = plain + 2 * (768 + 256) * 4 + (256 + 256) * 4
+    assert c.payload_bytes(numel, torch.float32, 4, step=2, bucket=5) == expected * 4
+    assert c.payload_bytes(numel, torch.float32, 4, step=1, bucket=5) == numel * 4  # warm-up
+    assert c.payload_bytes(numel, torch.bfloat16, 4, step=2, bucket=5) == expected * 4  # fp32
+    m, cols = matrix_shape(numel)  # without ``bucket``: the flat layout's count
+    assert c.payload_bytes(numel, torch.float32, 4) == (m + cols) * 4 * 4
+    only_plain = make_compressor("powersgd:rank=4")
+    assert isinstance(only_plain, PowerSGDCompressor)
+    only_plain.set_layout(0, [torch.Size([100]), torch.Size([2, 2])])
+    assert not only_plain.compresses(104, None, bucket=0)
+    assert only_plain.payload_bytes(104, torch.float32, 4, bucket=0) == 104 * 4
+
+
+def test_powersgd_layout_rejects_bad_shapes_and_mismatched_buckets() -> None:
+    c = make_compressor("powersgd:rank=2")
+    assert isinstance(c, PowerSGDCompressor)
+    with pytest.raises(ValueError, match=re.escape("tensor 1 has a negative dimension in (-1, 3)")):
+        c.set_layout(0, [torch.Size([3]), (-1, 3)])
+    with pytest.raises(
+        ValueError, match=re.escape("tensor 0 has shape 'ab', not a sequence of ints")
+    ):
+        c.set_layout(0, ["ab"])
+    c.set_layout(0, [torch.Size([10, 10])])
+    with pytest.raises(ValueError, match=re.escape("bucket 0 has 99 elements but its layout")):
+        c.payload_bytes(99, torch.float32, 2, bucket=0)
+    # Element-wise compressors accept a layout and ignore it.
+    topk = make_compressor("topk:ratio=0.1")
+    topk.set_layout(0, [torch.Size([10, 10])])
+    assert topk.payload_bytes(100, torch.float32, 2) == 10 * 8

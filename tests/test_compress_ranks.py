@@ -4,6 +4,7 @@ each rank put on the wire, error feedback, checkpoint and resume, and non-finite
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from commfuse.compress import (
     NoCompression,
     PowerSGDCompressor,
     RandomKCompressor,
+    generator_for,
     make_compressor,
 )
 from commfuse.compress.powersgd import matrix_shape, orthonormalize
@@ -36,7 +38,11 @@ EVERY = [
     "dgc:ratio=0.01,warmup=4",
     "powersgd:rank=2,warmup=0",
     "powersgd:rank=2,warmup=3",
+    "powersgd:rank=2,warmup=0+layout",
+    "powersgd:rank=2,warmup=3+layout",
 ]
+#: A spec ending in LAYOUT is built with ``set_layout(bucket, layout_shapes(numel))``.
+LAYOUT = "+layout"
 
 
 def integer_grad(rank: int, step: int, numel: int) -> torch.Tensor:
@@ -45,8 +51,41 @@ def integer_grad(rank: int, step: int, numel: int) -> torch.Tensor:
     return torch.randint(-8, 9, (numel,), generator=g).float()
 
 
-def build(spec: str) -> GradientCompressor:
-    return make_compressor(spec, algo="native", gather_algo="native")
+def layout_shapes(numel: int) -> list[torch.Size]:
+    """A bucket of ``numel`` elements as a model packs it: matrices (one 3-D), biases, and a
+    2 x 2 matrix whose rank-2 factors would not be smaller (so it travels uncompressed)."""
+    head = [(8, 16), (16,), (4, 5, 3), (3,), (2, 2)]
+    rest = numel - sum(math.prod(s) for s in head)
+    assert rest >= 20, numel
+    return [torch.Size(s) for s in (*head, (rest // 10, 10), (rest % 10,))]
+
+
+def build(spec: str, numel: int = 0, bucket: int = 0) -> GradientCompressor:
+    c = make_compressor(spec.removesuffix(LAYOUT), algo="native", gather_algo="native")
+    if spec.endswith(LAYOUT):
+        c.set_layout(bucket, layout_shapes(numel))
+    return c
+
+
+def layout_reference(c: PowerSGDCompressor, grads: list[torch.Tensor], step: int) -> torch.Tensor:
+    """Per-tensor PowerSGD of the first compressed step, one matrix at a time on one rank:
+    average the plain elements; per matrix P = avg M_r Q0, orthonormalise, Q = avg M_r^T P."""
+    world, numel = len(grads), grads[0].numel()
+    plan = c.plans[0]
+    if not c.compresses(numel, step, bucket=0):
+        return torch.stack(grads).sum(0) / world
+    q0 = torch.randn(plan.q_numel, generator=generator_for(c.seed, 0))
+    out = torch.stack(grads).sum(0) / world  # plain elements; matrices overwritten below
+    for g in plan.groups:
+        size = g.rows * g.cols
+        for j, m in enumerate(g.members):
+            start = g.q_offset + j * g.cols * g.rank
+            q = q0[start : start + g.cols * g.rank].view(g.cols, g.rank)
+            mats = [x[m.offset : m.offset + size].view(g.rows, g.cols) for x in grads]
+            p = orthonormalize(sum(mat @ q for mat in mats) / world)
+            q = sum(mat.T @ p for mat in mats) / world
+            out[m.offset : m.offset + size] = (p @ q.T).reshape(-1)
+    return out
 
 
 def reference(c: GradientCompressor, grads: list[torch.Tensor], step: int) -> torch.Tensor:
@@ -66,6 +105,8 @@ def reference(c: GradientCompressor, grads: list[torch.Tensor], step: int) -> to
         out[index] = torch.stack([g[index] for g in grads]).sum(0) / world
         return out
     assert isinstance(c, PowerSGDCompressor)
+    if c.plans:
+        return layout_reference(c, grads, step)
     if not c.compresses(numel, step):
         return torch.stack(grads).sum(0) / world
     m, cols = matrix_shape(numel)
@@ -82,11 +123,11 @@ def averages_and_bytes(specs: list[str], numel: int) -> list[str]:
     for spec in specs:
         comm = Communicator()
         world = comm.world_size
-        c = build(spec)
+        c = build(spec, numel)
         grads = [integer_grad(r, 0, numel) for r in range(world)]
         out = grads[comm.rank].clone()
         c.reduce_(comm, out, bucket=0, step=0)
-        want = reference(build(spec), grads, 0)
+        want = reference(build(spec, numel), grads, 0)
         exact = spec == "none" or (spec == "fp16" and world in (1, 2, 4))
         if exact and not torch.equal(out, want):
             failures.append(f"{spec}: not bitwise equal to the reference")
@@ -97,10 +138,14 @@ def averages_and_bytes(specs: list[str], numel: int) -> list[str]:
             if step:
                 comm.stats.reset()
                 c.reduce_(comm, integer_grad(comm.rank, step, numel), bucket=0, step=step)
-            claimed = c.payload_bytes(numel, torch.float32, world, step=step) if world > 1 else 0
+            if isinstance(c, PowerSGDCompressor):  # its bytes depend on the bucket's layout
+                claimed = c.payload_bytes(numel, torch.float32, world, step=step, bucket=0)
+                calls = 2 if c.compresses(numel, step, bucket=0) else 1
+            else:
+                claimed, calls = c.payload_bytes(numel, torch.float32, world, step=step), 1
+            claimed *= world > 1
             sent = comm.stats.total().payload_bytes
             kind = "all_gather" if c.aggregation == "allgather" else "all_reduce"
-            calls = 2 if isinstance(c, PowerSGDCompressor) and c.compresses(numel, step) else 1
             if sent != claimed or comm.stats[kind].calls != calls * (world > 1):
                 failures.append(
                     f"{spec} step {step}: claimed {claimed} B in {calls} {kind}, stats say {comm.stats.snapshot()}"
@@ -124,6 +169,7 @@ EF_SPECS = [
     "randblock:ratio=0.25",
     "dgc:ratio=0.1,momentum=0",
     "powersgd:rank=2,warmup=0",
+    "powersgd:rank=2,warmup=0+layout",
 ]
 
 
@@ -136,7 +182,7 @@ def error_feedback_tracks(
     mean = torch.randn(numel, generator=torch.Generator().manual_seed(comm.rank))
     result = {}
     for spec in specs:
-        c = build(spec)
+        c = build(spec, numel)
         sent, true = (
             torch.zeros(numel, dtype=torch.float64),
             torch.zeros(numel, dtype=torch.float64),
@@ -174,6 +220,7 @@ RESUME_SPECS = [
     *EVERY,
     "qsgd:levels=16,chunk_numel=64,ef=1",
     "powersgd:rank=2,warmup=1",
+    "powersgd:rank=2,warmup=1+layout",
     "dgc:ratio=0.05,warmup=3",
 ]
 
@@ -205,13 +252,13 @@ def resume_is_bit_identical(specs: list[str], numel: int) -> list[str]:
                 outs.append(out)
             return outs
 
-        straight = build(spec)
+        straight = build(spec, numel, bucket=3)
         expected = run(straight, range(6))
-        first = build(spec)
+        first = build(spec, numel, bucket=3)
         got = run(first, range(3))
         saved = io.BytesIO()
         torch.save(first.state_dict(), saved)
-        resumed = build(spec)
+        resumed = build(spec, numel, bucket=3)
         resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue())))
         got += run(resumed, range(3, 6))
         if not all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)):
@@ -233,7 +280,7 @@ def non_finite_leaves_state_alone(specs: list[str], numel: int) -> list[str]:
     comm = Communicator()
     failures = []
     for spec in specs:
-        c = build(spec)
+        c = build(spec, numel)
         c.reduce_(comm, torch.randn(numel), bucket=0, step=0)
         before = tensors_of(c.state_dict())
         grad = torch.randn(numel)
@@ -260,7 +307,8 @@ def non_finite_leaves_state_alone(specs: list[str], numel: int) -> list[str]:
 
 def test_non_finite_gradient_never_enters_the_state(pool: Any) -> None:
     specs = ["int8", "ef-sign", "topk:ratio=0.1", "randomk:ratio=0.1", "dgc:ratio=0.1",
-             "powersgd:rank=2,warmup=0", "qsgd:levels=16,chunk_numel=64,ef=1", "fp16:ef=1"]  # fmt: skip
+             "powersgd:rank=2,warmup=0", "powersgd:rank=2,warmup=0+layout",
+             "qsgd:levels=16,chunk_numel=64,ef=1", "fp16:ef=1"]  # fmt: skip
     for failures in pool(2).run(non_finite_leaves_state_alone, specs, 500, timeout_s=120):
         assert failures == []
 

@@ -457,7 +457,10 @@ def with_compressor(spec: str, split: int | None) -> dict[str, Any]:
         buckets = dp.reducer.buckets
         out["payload"].append(stats.payload_bytes)
         out["claimed"].append(
-            sum(comp.payload_bytes(b.flat.numel(), b.flat.dtype, world, step=step) for b in buckets)
+            sum(
+                comp.payload_bytes(b.flat.numel(), b.flat.dtype, world, step=step, bucket=b.index)
+                for b in buckets
+            )
             + sum(4 * world * len(b.params) for b in buckets)  # the finiteness flags
         )
         out["losses"].append(float(loss))

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from commfuse.compress import make_compressor
+from commfuse.compress import PowerSGDCompressor, make_compressor
 from commfuse.hooks import CompressionState, compressed_allreduce_hook
 
 #: Settings sized for a 577-parameter model in ~260-element buckets.
@@ -123,3 +123,38 @@ def hook_state_round_trip() -> bool:
     other.load_state_dict(saved)
     residual = other.compressor.state_dict()["feedback"]["residuals"][0]
     return other.steps == {0: 1} and torch.equal(residual, torch.tensor([0, 1, 2, 3, 0, 0, 0, 0.0]))
+
+
+def powersgd_hook_bytes(steps: int) -> dict[str, Any]:
+    """Per step: the bytes the hook allreduced, and the layout it handed the compressor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    ddp = DistributedDataParallel(model)  # 577 parameters: one bucket
+    state = CompressionState(make_compressor("powersgd:rank=2,warmup=1", algo="native"))
+    ddp.register_comm_hook(state, compressed_allreduce_hook)
+    x, y = regression_data(torch.distributed.get_rank())
+    per_step = []
+    for _ in range(steps):
+        before = state.comm.stats.snapshot().get("all_reduce", {"payload_bytes": 0, "calls": 0})
+        nn.functional.mse_loss(ddp(x), y).backward()
+        after = state.comm.stats.snapshot()["all_reduce"]
+        per_step.append(
+            (after["payload_bytes"] - before["payload_bytes"], after["calls"] - before["calls"])
+        )
+    compressor = state.compressor
+    assert isinstance(compressor, PowerSGDCompressor)
+    return {
+        "per_step": per_step,
+        "layouts": {b: [tuple(s) for s in p.shapes] for b, p in compressor.plans.items()},
+    }
+
+
+def test_powersgd_hook_compresses_each_weight_matrix(pool: Any) -> None:
+    """The hook hands PowerSGD the bucket's tensor shapes, so each weight is its own matrix:
+    (32, 16) at rank 2 sends (32 + 16) x 2 factors; the (1, 32) weight (rank 1 would be 33 > 32
+    elements) and both biases go uncompressed, packed with the P's: 2 allreduces per step."""
+    for result in pool(2).run(powersgd_hook_bytes, 3, timeout_s=60):
+        assert result["layouts"] == {0: [(1,), (1, 32), (32,), (32, 16)]}  # DDP: reverse order
+        warmup = 577 * 4
+        compressed = (1 + 32 + 32 + (32 + 16) * 2) * 4
+        assert result["per_step"] == [(warmup, 1), (compressed, 2), (compressed, 2)]

@@ -14,7 +14,10 @@ is ready during backward, in bucket order on every rank, and waits on the future
 optimizer step (the shape of torch's own ``allreduce_hook`` and ``powerSGD_hook``). This hook:
 
 1. takes the bucket's flat buffer (``bucket.buffer()``) and its index (``bucket.index()``, the
-   key of the compressor's per-bucket state) and counts that bucket's steps;
+   key of the compressor's per-bucket state), counts that bucket's steps, and hands the
+   compressor the shapes of the tensors in the buffer (``bucket.gradients()``,
+   ``GradientCompressor.set_layout``: PowerSGD then compresses each weight matrix on its own,
+   as torch's ``powerSGD_hook`` does);
 2. queues ``compressor.reduce_`` on the communicator's worker thread
    (``commfuse.collectives.executor.submit``), so backward keeps computing the next buckets
    while this one is compressed and exchanged, which is the overlap DDP exists for;
@@ -25,9 +28,10 @@ every rank must construct it at the same point, as with any process group): the 
 collectives run on a background thread, and on a shared group they could interleave with
 DDP's own (its unused-parameter bitmap, buffer broadcasts) in a different order on different
 ranks. DDP does not divide gradients when a hook is registered; ``reduce_`` returns the
-average. DDP rebuilds its buckets after the first iteration: a bucket whose size changes
-restarts its compressor state from zero, so stateful compressors lose at most step 0's
-residual (PowerSGD's default ``warmup`` of 10 uncompressed steps covers it entirely).
+average. DDP rebuilds its buckets after the first iteration: a bucket whose size (or, for
+PowerSGD, layout) changes restarts its compressor state from zero, so stateful compressors lose
+at most step 0's residual (PowerSGD's default ``warmup`` of 10 uncompressed steps covers it
+entirely).
 
 (No ``from __future__ import annotations`` here: DDP checks the hook's annotations at
 registration and rejects string annotations.)
@@ -90,6 +94,10 @@ def compressed_allreduce_hook(
     index = bucket.index()
     step = state.next_step(index)
     compressor = state.compressor
+    # The shapes of the bucket's tensors (views into ``buffer``, in order): PowerSGD compresses
+    # each weight matrix on its own. Here, on DDP's thread, before the job is queued, so the
+    # worker never sees a layout change halfway through a bucket.
+    compressor.set_layout(index, [g.shape for g in bucket.gradients()])
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
     def work() -> None:

@@ -21,11 +21,15 @@ topk        allgather k x (4 + 4) bytes, k = ceil(ratio d)                   on
 randomk     allreduce k x 4 bytes (shared random indices)                    on
 randblock   allreduce k x 4 bytes (shared random block)                      on
 dgc         allgather k x (4 + 4) bytes, momentum correction, warm-up        always
-powersgd    allreduce (m + c) r x 4 bytes, m x c ~ square of d               on
+powersgd    allreduce per tensor: 1-D ones x 4 + (rows + cols) r' x 4 bytes    on
+                      (flat bucket, no layout: (m + c) r x 4, m x c ~ d)
 =========== ========= ===================================================== ==============
 
 Messages of allgather compressors are padded to whole 4-byte words. (*) only when
 ``levels**2 > chunk_numel``: otherwise the quantiser's variance makes the residual diverge.
+PowerSGD needs the shapes of the tensors in a bucket (``set_layout``, which the engine and the
+hooks call) to compress each weight matrix on its own (r' = min(r, rows, cols); tensors whose
+factors would not be smaller travel as they are); other compressors ignore the layout.
 """
 
 from commfuse.compress.base import GradientCompressor, generator_for

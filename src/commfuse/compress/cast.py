@@ -42,7 +42,13 @@ class NoCompression(GradientCompressor):
         C.allreduce(comm, grad, "avg", algo=self.algo)
 
     def payload_bytes(
-        self, numel: int, dtype: torch.dtype, world_size: int, *, step: int | None = None
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        world_size: int,
+        *,
+        step: int | None = None,
+        bucket: int | None = None,
     ) -> int:
         return numel * element_bytes(dtype)
 
@@ -74,7 +80,13 @@ class CastCompressor(GradientCompressor):
         grad.copy_(message)
 
     def payload_bytes(
-        self, numel: int, dtype: torch.dtype, world_size: int, *, step: int | None = None
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        world_size: int,
+        *,
+        step: int | None = None,
+        bucket: int | None = None,
     ) -> int:
         return numel * element_bytes(self.wire_dtype)
 

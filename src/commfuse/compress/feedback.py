@@ -37,6 +37,16 @@ class ErrorFeedback:
             return grad.clone()
         return grad + residual
 
+    def add_to_(self, bucket: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """``grad += e_bucket`` IN PLACE (for a compressor that overwrites ``grad`` anyway);
+        returns ``e_bucket``, whose storage the caller may overwrite with the next residual
+        before handing it to ``update`` (no new bucket-sized buffer per step), or None."""
+        residual = self.residuals.get(bucket)
+        if residual is None or residual.shape != grad.shape or residual.dtype != grad.dtype:
+            return None
+        grad.add_(residual)
+        return residual
+
     def update(self, bucket: int, residual: torch.Tensor) -> None:
         """Store the new residual (the caller commits only finite ones)."""
         self.residuals[bucket] = residual

@@ -81,6 +81,12 @@ class MessageCompressor(GradientCompressor):
         grad.copy_(total.div_(comm.world_size))
 
     def payload_bytes(
-        self, numel: int, dtype: torch.dtype, world_size: int, *, step: int | None = None
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        world_size: int,
+        *,
+        step: int | None = None,
+        bucket: int | None = None,
     ) -> int:
         return self.layout(numel, dtype, step).wire_bytes if numel else 0

@@ -133,7 +133,13 @@ class RandomKCompressor(GradientCompressor):
         grad[index] = message
 
     def payload_bytes(
-        self, numel: int, dtype: torch.dtype, world_size: int, *, step: int | None = None
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        world_size: int,
+        *,
+        step: int | None = None,
+        bucket: int | None = None,
     ) -> int:
         return num_kept(self.ratio, numel) * element_bytes(dtype)
 

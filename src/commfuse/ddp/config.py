@@ -14,7 +14,8 @@ from commfuse.comm import Communicator
 class BucketCompressor(Protocol):
     """What the engine needs from a gradient compressor (``commfuse.compress.GradientCompressor``
     satisfies it): ``reduce_`` replaces a flat gradient bucket, in place and synchronously, by
-    the average over ranks; its state (error feedback, warm starts) is checkpointable."""
+    the average over ranks; its state (error feedback, warm starts) is checkpointable. An
+    optional ``set_layout(bucket, shapes)`` is called with the shapes packed into each bucket."""
 
     name: ClassVar[str]
     aggregation: ClassVar[Literal["allreduce", "allgather"]]

@@ -150,6 +150,12 @@ class Reducer:
             )
         self.groups = [list(group) for group in groups]
         self.buckets: list[Bucket] = build_buckets(self.params, self.groups)
+        set_layout = getattr(self.compressor, "set_layout", None)
+        if set_layout is not None:
+            # PowerSGD compresses each weight matrix on its own: it needs the shapes (optional
+            # for compressors that see a bucket as a flat vector).
+            for bucket in self.buckets:
+                set_layout(bucket.index, [self.params[i].shape for i in bucket.params])
         self.where = {i: (b.index, slot) for b in self.buckets for slot, i in enumerate(b.params)}
         self.direct = self._all_native()
 

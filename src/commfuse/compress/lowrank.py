@@ -1,0 +1,139 @@
+"""Where each tensor of a bucket goes in PowerSGD's messages: the per-tensor plan.
+
+A bucket is a flat buffer holding several gradients back to back (``set_layout`` gives their
+shapes, in order). A flat bucket, laid out as one square-ish matrix, has no low-rank structure:
+its rows cut across unrelated parameters. A weight gradient does: an ``(out, in)`` linear layer's
+gradient is a sum of ``batch`` outer products, so a few directions dominate it. torch's
+``powerSGD_hook`` therefore compresses each tensor on its own, as the matrix
+``(shape[0], numel / shape[0])``, and sends 1-D tensors (biases, norms) as they are. This module
+plans that for one bucket:
+
+* a tensor with ``ndim >= 2`` whose factors are smaller than itself,
+  ``(rows + cols) r' < rows cols`` with ``r' = min(r, rows, cols)``, is a ``Matrix``;
+* every other element is ``plain`` and is averaged exactly.
+
+The messages are two flat buffers, so a bucket costs two allreduces whatever its tensor count:
+``[plain elements | every P]`` (the plain elements ride with the first factor: one round trip
+fewer than torch's separate allreduce for them) and ``[every Q]``. Matrices of the same
+``(rows, cols, r')`` sit next to each other in both, so their P's form one ``(k, rows, r')``
+block that a single batched QR orthonormalises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Matrix:
+    """One compressed tensor: its slice of the bucket, viewed as ``rows x cols``."""
+
+    offset: int
+    """First element of the tensor in the bucket."""
+    rows: int
+    cols: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Compressed tensors of one shape and rank: contiguous ``(k, rows, rank)`` P's and
+    ``(k, cols, rank)`` Q's in the messages."""
+
+    rows: int
+    cols: int
+    rank: int
+    members: tuple[Matrix, ...]
+    p_offset: int
+    """Start of this group's P's in the P part of the first message."""
+    q_offset: int
+    """Start of this group's Q's in the second message."""
+
+    @property
+    def p_numel(self) -> int:
+        return len(self.members) * self.rows * self.rank
+
+    @property
+    def q_numel(self) -> int:
+        return len(self.members) * self.cols * self.rank
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The per-tensor plan of one bucket (see the module docstring)."""
+
+    shapes: tuple[torch.Size, ...]
+    numel: int
+    """Elements of the bucket (the sum over its tensors)."""
+    plain: tuple[tuple[int, int], ...]
+    """``(offset, length)`` runs of elements sent uncompressed (adjacent tensors merged)."""
+    groups: tuple[Group, ...]
+
+    @property
+    def plain_numel(self) -> int:
+        return sum(length for _, length in self.plain)
+
+    @property
+    def p_numel(self) -> int:
+        return sum(g.p_numel for g in self.groups)
+
+    @property
+    def q_numel(self) -> int:
+        return sum(g.q_numel for g in self.groups)
+
+    def message_numel(self) -> int:
+        """Elements this rank sends per compressed step: plain + P's, then Q's."""
+        return self.plain_numel + self.p_numel + self.q_numel
+
+
+def check_shapes(shapes: Sequence[torch.Size | Sequence[int]]) -> tuple[torch.Size, ...]:
+    """The shapes as ``torch.Size``; ValueError naming the first that is not a shape."""
+    checked = []
+    for i, shape in enumerate(shapes):
+        try:
+            size = torch.Size([int(d) for d in shape])
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"layout: tensor {i} has shape {shape!r}, not a sequence of ints"
+            ) from None
+        if any(d < 0 for d in size):
+            raise ValueError(f"layout: tensor {i} has a negative dimension in {tuple(size)}")
+        checked.append(size)
+    return tuple(checked)
+
+
+def plan_for(shapes: Sequence[torch.Size], rank: int) -> Plan:
+    """Plan a bucket holding tensors of ``shapes`` (in order) for rank-``rank`` PowerSGD."""
+    shapes = check_shapes(shapes)
+    plain: list[list[int]] = []
+    by_shape: dict[tuple[int, int, int], list[Matrix]] = {}
+    offset = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        rows = shape[0] if len(shape) >= 2 else 0
+        cols = numel // rows if rows else 0
+        r = min(rank, rows, cols)
+        if len(shape) >= 2 and numel > 0 and (rows + cols) * r < numel:
+            by_shape.setdefault((rows, cols, r), []).append(Matrix(offset, rows, cols))
+        elif numel > 0:
+            if plain and plain[-1][0] + plain[-1][1] == offset:
+                plain[-1][1] += numel  # adjacent plain tensors: one copy, not two
+            else:
+                plain.append([offset, numel])
+        offset += numel
+    groups = []
+    p_offset = q_offset = 0
+    for (rows, cols, r), members in by_shape.items():
+        group = Group(rows, cols, r, tuple(members), p_offset, q_offset)
+        groups.append(group)
+        p_offset += group.p_numel
+        q_offset += group.q_numel
+    return Plan(
+        shapes=shapes,
+        numel=offset,
+        plain=tuple((o, n) for o, n in plain),
+        groups=tuple(groups),
+    )

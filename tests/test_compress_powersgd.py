@@ -1,0 +1,98 @@
+"""PowerSGD's per-tensor layout on real gloo process groups: why it exists (exact recovery of
+low-rank weight gradients, which the flat layout cannot), 16-bit buckets, layout changes and
+mismatches. The shared grid (averages, bytes, error feedback, resume, non-finite) runs the
+layout too, in ``test_compress_ranks.py`` (the specs ending in ``+layout``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from commfuse.comm import Communicator
+from commfuse.compress import PowerSGDCompressor, make_compressor
+
+#: A bucket as a model packs it: weights (one 3-D), biases, a 2 x 2 matrix sent as it is.
+SHAPES = [torch.Size(s) for s in ((8, 16), (16,), (4, 5, 3), (3,), (2, 2), (28, 10), (9,))]
+NUMEL = sum(s.numel() for s in SHAPES)
+
+
+def low_rank_errors(shapes: list[tuple[int, ...]]) -> dict[str, float]:
+    """Relative error of one rank-4 PowerSGD step on weight gradients that are exactly rank 2
+    per rank (so rank <= 4 summed over 2 ranks), with and without the layout."""
+    comm = Communicator()
+    gen = torch.Generator().manual_seed(comm.rank)
+    parts = []
+    for shape in shapes:
+        rows, cols = shape[0], math.prod(shape) // shape[0]
+        if len(shape) >= 2:
+            parts.append(
+                (torch.randn(rows, 2, generator=gen) @ torch.randn(2, cols, generator=gen)).view(-1)
+            )
+        else:
+            parts.append(torch.randn(rows, generator=gen))
+    grad = torch.cat(parts)
+    want = grad.clone()
+    comm.all_reduce(want, "avg")
+    errors = {}
+    for layout in (False, True):
+        c = make_compressor("powersgd:rank=4,warmup=0", algo="native")
+        if layout:
+            c.set_layout(0, [torch.Size(s) for s in shapes])
+        out = grad.clone()
+        c.reduce_(comm, out, bucket=0, step=0)
+        errors["layout" if layout else "flat"] = float((out - want).norm() / want.norm())
+    # 16-bit buckets: factors (and the plain elements packed with them) in fp32, so the
+    # result is the fp32 result on the same (rounded) input, rounded once to bf16.
+    half = grad.to(torch.bfloat16)
+    fp32 = half.float()
+    for dtype_grad in (fp32, half):
+        c = make_compressor("powersgd:rank=4,warmup=0", algo="native")
+        c.set_layout(0, [torch.Size(s) for s in shapes])
+        comm.stats.reset()
+        c.reduce_(comm, dtype_grad, bucket=0, step=0)
+    errors["bf16"] = float(((half.float() - fp32).abs() / fp32.abs().clamp_min(1e-3)).max())
+    claimed = c.payload_bytes(grad.numel(), torch.bfloat16, comm.world_size, step=0, bucket=0)
+    errors["bf16 bytes off"] = float(comm.stats.total().payload_bytes - claimed)
+    return errors
+
+
+def test_per_tensor_layout_recovers_low_rank_weight_gradients(pool: Any) -> None:
+    """The reason for the layout: a weight gradient is low-rank, a flat bucket is not."""
+    shapes = [(48, 32), (48,), (32, 48), (32,), (20, 8, 4)]
+    for errors in pool(2).run(low_rank_errors, shapes, timeout_s=60):
+        assert errors["layout"] < 1e-5, errors
+        assert errors["flat"] > 0.1, errors
+        assert errors["bf16"] <= 2**-8 and errors["bf16 bytes off"] == 0, errors
+
+
+def layout_changes(numel: int) -> list[str]:
+    comm = Communicator()
+    c = make_compressor("powersgd:rank=2,warmup=0", algo="native")
+    assert isinstance(c, PowerSGDCompressor)
+    c.set_layout(0, SHAPES)
+    c.reduce_(comm, torch.randn(numel), bucket=0, step=0)
+    failures = []
+    if set(c.qs) != {0} or set(c.feedback.residuals) != {0}:
+        failures.append(f"no state after a step: {sorted(c.qs)}")
+    c.set_layout(0, list(SHAPES))  # the same layout again: state kept
+    if set(c.qs) != {0}:
+        failures.append("re-setting the same layout dropped the state")
+    c.set_layout(0, [torch.Size([numel])])  # a new layout: its old factors mean nothing
+    if c.qs or c.feedback.residuals:
+        failures.append("a changed layout kept the old state")
+    try:
+        c.reduce_(comm, torch.randn(numel + 1), bucket=0, step=1)
+        failures.append("a bucket that does not match its layout was accepted")
+    except ValueError as err:
+        if f"bucket 0 has {numel + 1} elements but its layout (1 tensors) holds {numel}" not in str(
+            err
+        ):
+            failures.append(str(err))
+    return failures
+
+
+def test_layout_change_restarts_state_and_mismatch_is_an_error(pool: Any) -> None:
+    for failures in pool(2).run(layout_changes, NUMEL, timeout_s=60):
+        assert failures == []
