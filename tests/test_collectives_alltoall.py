@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from commfuse.cluster import RankError
 from commfuse.collectives import all_to_all
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
@@ -93,3 +94,31 @@ def test_pairwise_all_to_all(pool: PoolFn, world: int) -> None:
     results += pool(world).run(equal_split_large, 1 << 18, timeout_s=120)
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures[:8])
+
+
+def a_rank_sends_nothing(algo: str) -> bool:
+    """Rank 0 sends no rows (its input is [0, 3]) but receives; rows are 3 wide everywhere."""
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    in_splits = [0] * world if rank == 0 else [1] * world
+    out_splits = [0 if i == 0 else 1 for i in range(world)]
+    inp = torch.full((sum(in_splits), 3), float(rank))
+    out = torch.full((sum(out_splits), 3), -1.0)
+    all_to_all(comm, out, inp, out_splits, in_splits, algo=algo)
+    want = torch.cat([torch.full((1, 3), float(i)) for i in range(1, world)])
+    return torch.equal(out, want)
+
+
+@pytest.mark.parametrize("algo", ["pairwise", "native", "auto"])
+def test_a_rank_that_sends_no_rows(pool: PoolFn, algo: str) -> None:
+    assert all(pool(3).run(a_rank_sends_nothing, algo, timeout_s=60))
+
+
+def test_rows_of_different_widths_are_refused(pool: PoolFn) -> None:
+    with pytest.raises(RankError, match="all_to_all rows differ"):
+        pool(2).run(mismatched_rows, timeout_s=60)
+
+
+def mismatched_rows() -> None:
+    comm = Communicator()
+    all_to_all(comm, torch.zeros(2, 4), torch.zeros(2, 3))

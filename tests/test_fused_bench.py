@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from commfuse.bench.fused import FusedBenchConfig, bench_fused_on_rank
+from commfuse.bench.fused import OPS, FusedBenchConfig, bench_fused_on_rank
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
@@ -25,9 +25,11 @@ FIELDS = {
 
 
 def test_bench_records(pool: PoolFn) -> None:
-    config = FusedBenchConfig(iters=1, warmup=1, chunks=3, shapes=((64, 32, 48), (96, 4, 50, 8, 3)))
+    config = FusedBenchConfig(
+        iters=1, warmup=1, chunks=3, shapes=((64, 32, 48), (96, 4, 50, 8, 3), (32, 16, 24, 2))
+    )
     records = pool(2).run(bench_fused_on_rank, config, timeout_s=120)[0]
-    assert [r["op"] for r in records] == ["gemm_allreduce", "gemv_allreduce", "embedding_alltoall"]
+    assert [r["op"] for r in records] == list(OPS)
     for r in records:
         assert set(r) >= FIELDS, r
         assert r["wrong"] == 0 and r["world_size"] == 2 and r["chunks"] == 3

@@ -1,6 +1,6 @@
 """``commfuse bench fused``: each fused operator against its unfused reference, side by side.
 
-For every (op, shape) each rank times, interleaved (C M U F C M U F ...), after a barrier each:
+For every (op, shape) each rank times, interleaved (C M U F F U M C ...), after a barrier each:
 
 * ``compute``: the computation alone (``C``);
 * ``comm``: the collective alone, on a buffer of the result's size (``M``);
@@ -29,11 +29,21 @@ from commfuse.cluster.topology import Topology
 from commfuse.comm import Communicator
 from commfuse.fused import embedding_alltoall as emb
 from commfuse.fused import gemm_allreduce as gar
-from commfuse.fused.chunking import choose_chunks, measure_overhead_us, predict_us, split_sizes
+from commfuse.fused.chunking import (
+    ChunkConfig,
+    choose_chunks,
+    measure_overhead_us,
+    predict_us,
+    split_sizes,
+)
 
-#: Operators this benchmark knows, and the shapes it times for each by default. GEMM shapes are
-#: (rows, in_features, out_features), the weight's in_features sharded across ranks; embedding
-#: shapes are (global batch, tables, rows per table, dim, lookups per bag).
+#: Operators this benchmark knows, and the shapes it times for each by default:
+#: - GEMM + AllReduce: (rows, in_features, out_features), in_features sharded across ranks;
+#: - embedding + All-to-All: (global batch, tables, rows per table, dim, lookups per bag);
+#: - GEMM + All-to-All (bench/fused_moe.py): (rows per rank, in_features, out_features,
+#:   experts per rank); ``moe_step`` is a training step of workloads/moe.py with (tokens per
+#:   rank, d_model, d_hidden, experts per rank);
+#: - sequence-parallel rings (bench/fused_sequence.py): (sequence, in_features, out_features).
 OPS: dict[str, tuple[tuple[int, ...], ...]] = {
     "gemm_allreduce": ((1024, 2048, 1024), (1024, 8192, 512), (2048, 512, 1024)),
     "gemv_allreduce": ((1, 8192, 16384),),
@@ -42,8 +52,13 @@ OPS: dict[str, tuple[tuple[int, ...], ...]] = {
         (4096, 32, 20000, 64, 64),
         (8192, 32, 20000, 64, 4),
     ),
+    "gemm_alltoall": ((2048, 256, 1024, 2), (2048, 1024, 1024, 2), (4096, 64, 1024, 2)),
+    "moe_step": ((1024, 512, 512, 2),),
+    "allgather_gemm": ((4096, 1024, 4096), (4096, 1024, 1024), (1024, 2048, 8192)),
+    "gemm_reducescatter": ((4096, 4096, 1024), (4096, 1024, 1024), (1024, 8192, 2048)),
 }
-ARITY = {"gemm_allreduce": 3, "gemv_allreduce": 3, "embedding_alltoall": 5}
+#: Numbers in each operator's shape.
+ARITY = {op: len(shapes[0]) for op, shapes in OPS.items()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,9 +84,10 @@ class FusedBenchConfig:
             )
         if self.iters < 1 or self.warmup < 0:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
-        for op in self.ops if self.shapes else ():
-            if not self.shapes_of(op):
-                raise ValueError(f"no --shape of {ARITY[op]} dimensions for {op}")
+        # --shape picks ops by arity: ops with no shape of theirs are skipped, unless none has any.
+        if self.shapes and not any(self.shapes_of(op) for op in self.ops):
+            missing = self.ops[0]
+            raise ValueError(f"no --shape of {ARITY[missing]} dimensions for {missing}")
         if self.chunks is not None and self.chunks < 1:
             raise ValueError(f"--chunks must be >= 1, got {self.chunks}")
 
@@ -90,6 +106,8 @@ class Case:
     unfused: Callable[[], torch.Tensor]
     fused: Callable[[int], torch.Tensor]
     max_chunks: int
+    choose: Callable[[], int] | None = None
+    """The operator's own chunk choice (measures and may fall back to 1), if it has one."""
 
 
 def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
@@ -105,6 +123,7 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
         unfused=lambda: gar.gemm_allreduce_reference(comm, x, w),
         fused=lambda k: gar.gemm_allreduce(comm, x, w, chunks=k),
         max_chunks=16,
+        choose=lambda: gar.choose_chunks_for(comm, x, w, ChunkConfig(max_chunks=16)),
     )
 
 
@@ -135,6 +154,14 @@ def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
 
 
 def make_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> Case:
+    if op in ("allgather_gemm", "gemm_reducescatter"):
+        from commfuse.bench.fused_sequence import sequence_case
+
+        return sequence_case(comm, op, shape)
+    if op in ("gemm_alltoall", "moe_step"):
+        from commfuse.bench.fused_moe import gemm_alltoall_case, moe_step_case
+
+        return (gemm_alltoall_case if op == "gemm_alltoall" else moe_step_case)(comm, shape)
     if op in ("gemm_allreduce", "gemv_allreduce"):
         if len(shape) != 3:
             raise ValueError(f"{op} shape is (rows, in_features, out_features), got {shape}")
@@ -165,7 +192,11 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             overhead_us = measure_overhead_us(comm, repeats=5)
             agreed = torch.tensor([compute_us, comm_us, overhead_us], dtype=torch.float64)
             comm.all_reduce(agreed, "max")
-            chunks = config.chunks or choose_chunks(*agreed.tolist(), max_chunks=case.max_chunks)
+            chunks = config.chunks or (
+                case.choose()
+                if case.choose
+                else choose_chunks(*agreed.tolist(), max_chunks=case.max_chunks)
+            )
             fused = functools.partial(case.fused, chunks)
             for _ in range(config.warmup):
                 _timed(comm, fused)
@@ -177,7 +208,11 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             ]
             times = torch.zeros(len(variants), config.iters, dtype=torch.float64)
             for i in range(config.iters):
-                for v, fn in enumerate(variants):  # interleaved: C M U F C M U F ...
+                # Interleaved, order reversed every other round (C M U F, F U M C, ...): with
+                # a fixed order, identical code timed as U and F differed by 2-17% on the shared
+                # machine (fused k = 1 runs the unfused code itself).
+                order = list(enumerate(variants))
+                for v, fn in order if i % 2 == 0 else order[::-1]:
                     times[v, i] = _timed(comm, fn)
             comm.all_reduce(times, "max")
             wrong = torch.tensor([int((case.fused(chunks) != case.unfused()).sum())])

@@ -1,6 +1,7 @@
 """``commfuse bench fused``: fused computation-collective operators against their unfused form.
 
 commfuse bench fused --hosts 4 --link 1gbit --op gemm_allreduce,embedding_alltoall --json out.json
+commfuse bench fused --hosts 4 --link 1gbit --step dlrm
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument("--iters", type=int, default=7, help="timed runs per variant (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
     parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    parser.add_argument(
+        "--step",
+        metavar="NAMES",
+        help="time whole training steps of these workloads (comma list: dlrm) instead of --op",
+    )
     parser.add_argument("--markdown", metavar="PATH", help="write a dated Markdown report")
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="stop the job after this many seconds"
@@ -42,6 +48,10 @@ def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser
 
 
 def run_bench_fused(args: argparse.Namespace) -> int:
+    if getattr(args, "step", None):
+        from commfuse.bench.fused_steps import run_bench_steps
+
+        return run_bench_steps(args)
     from commfuse.bench.cli import machine_summary
     from commfuse.bench.fused import COLUMNS, FusedBenchConfig, bench_fused_on_rank
     from commfuse.bench.table import render

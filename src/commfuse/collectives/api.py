@@ -9,6 +9,7 @@ Out-of-place forms write into ``out`` and leave the input untouched.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -241,10 +242,18 @@ def all_to_all(
     _check_tensor(inp, "all_to_all input")
     _check_tensor(out, "all_to_all output")
     world = comm.world_size
+    explicit_splits = in_splits is not None or out_splits is not None
     rows_in, rows_out = (
         (inp.shape[0] if inp.dim() else inp.numel()),
         (out.shape[0] if out.dim() else out.numel()),
     )
+    # Elements per row from the shape, not from a row: a rank may send or receive no rows.
+    row = math.prod(inp.shape[1:]) if inp.dim() else 1
+    if (math.prod(out.shape[1:]) if out.dim() else 1) != row:
+        raise ValueError(
+            f"all_to_all rows differ: input {tuple(inp.shape)} vs output {tuple(out.shape)} "
+            "(every dim but the first must match)"
+        )
     if in_splits is None:
         if rows_in % world:
             raise ValueError(
@@ -269,7 +278,10 @@ def all_to_all(
     if world == 1:
         out.copy_(inp)
         return CompletedHandle() if async_op else None
-    row = max(1, inp[0].numel()) if inp.dim() and inp.shape[0] else 1
+    if algo == "auto" and explicit_splits:
+        # Uneven splits give each rank a different size, so per-rank tuner choices could
+        # differ (and deadlock); the backend's own exchange is the one choice all ranks share.
+        algo = "native"
     name, opts = _pick(comm, "all_to_all", algo, inp.numel() * inp.element_size(), opts)
     fn = algorithms_for("all_to_all")[name]
     if name == "native":

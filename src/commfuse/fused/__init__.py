@@ -10,11 +10,16 @@ backward; ``chunking.py`` holds the cost model that picks the number of chunks, 
 
 from commfuse.fused.chunking import ChunkConfig, choose_chunks, predict_us
 from commfuse.fused.modules import RowParallelLinear, ShardedEmbeddingBag
+from commfuse.fused.moe import ExpertParallelMoE
 from commfuse.fused.ops import register_communicator
+from commfuse.fused.sequence_modules import ColumnParallelLinear, SequenceParallelRowLinear
 
 __all__ = [
     "ChunkConfig",
+    "ColumnParallelLinear",
+    "ExpertParallelMoE",
     "RowParallelLinear",
+    "SequenceParallelRowLinear",
     "ShardedEmbeddingBag",
     "choose_chunks",
     "predict_us",

@@ -16,6 +16,11 @@ Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, section 4
    its owner, in rank order), and each rank sends ``2 (P - 1) / P`` of the output, what a ring
    allreduce of the unfused output sends.
 
+Choosing ``k`` (``choose_chunks_for``): the fused pipeline's transport (point-to-point) and the
+unfused path's (gloo's ring) are timed apart, and a chunked choice is confirmed by a timed trial
+against the unfused operator; otherwise ``k = 1`` runs the unfused operator with gloo's own
+allreduce, so fusion never makes the layer measurably slower (``fallback.py``).
+
 Backward (gradient semantics). The output is replicated on every rank, and every rank back-
 propagates the same ``grad_out``, so the backward of the forward AllReduce (a sum over ranks) is
 the identity: ``grad_x_r = grad_out @ W[:, K_r]`` and ``grad_W[:, K_r] = grad_out^T @ x_r``, both
@@ -31,8 +36,9 @@ import time
 import torch
 
 from commfuse.comm import Communicator, check_consistent
-from commfuse.fused.chunking import elapsed_us, split_ranges
+from commfuse.fused.chunking import ChunkConfig, elapsed_us, measure_overhead_us, split_ranges
 from commfuse.fused.direct_allreduce import DirectAllReduce
+from commfuse.fused.fallback import choose_fused_chunks
 
 #: Stats label of the fused pipeline's point-to-point traffic (exact bytes and messages); the
 #: unfused reference's native allreduce counts its payload under "all_reduce".
@@ -129,3 +135,52 @@ def measure(comm: Communicator, x: torch.Tensor, weight: torch.Tensor) -> tuple[
     start = time.perf_counter()
     comm.all_reduce(out, "sum")
     return compute_us, elapsed_us(start)
+
+
+def measure_fused_comm_us(comm: Communicator, out: torch.Tensor) -> float:
+    """Time of the fused path's own transport (``DirectAllReduce``) on the whole output, one piece:
+    the ``M`` the pipeline really pays, which can differ from gloo's ring (``fallback.py``)."""
+    buf = out.reshape(-1).contiguous().clone()
+    start = time.perf_counter()
+    reducer = DirectAllReduce(comm, LABEL)
+    reducer.start(buf)
+    reducer.finish()
+    return elapsed_us(start)
+
+
+def choose_chunks_for(
+    comm: Communicator,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: ChunkConfig,
+    *,
+    trial_runs: int = 3,
+) -> int:
+    """The number of chunks for ``gemm_allreduce(comm, x, weight)``, the same on every rank:
+    measured C, gloo's M for the unfused path, DirectAllReduce's M for the fused path, the model,
+    then a timed trial of the chosen ``k`` against the unfused operator (``fallback.py``). Falls
+    back to 1 (the unfused operator, gloo's allreduce) whenever fusion does not measurably pay.
+    Every rank must call it with the same shapes; it runs the operator a few times."""
+    rows = math.prod(x.shape[:-1])
+    limit = max(rows, weight.shape[0])
+    if config.num_chunks is not None or comm.world_size == 1:
+        return max(1, min(config.num_chunks or 1, limit))
+    with torch.no_grad():
+        compute_us, unfused_comm_us = measure(comm, x, weight)
+        out = torch.matmul(x, weight.t())
+        fused_comm_us = measure_fused_comm_us(comm, out)
+        overhead_us = measure_overhead_us(comm)
+        return choose_fused_chunks(
+            comm,
+            config,
+            compute_us=compute_us,
+            fused_comm_us=fused_comm_us,
+            unfused_comm_us=unfused_comm_us,
+            overhead_us=overhead_us,
+            limit=limit,
+            trial=(
+                lambda k: gemm_allreduce(comm, x, weight, chunks=k),
+                lambda: gemm_allreduce_reference(comm, x, weight),
+            ),
+            trial_runs=trial_runs,
+        )

@@ -77,14 +77,10 @@ class RowParallelLinear(nn.Module):
                 self._chunks[key] = self.chunk_config.num_chunks
             else:
                 gar.check_same_output(self.comm, x, self.weight)
-                with torch.no_grad():
-                    compute_us, comm_us = gar.measure(self.comm, x, self.weight)
-                overhead = self.chunk_config.overhead_us
-                if overhead is None:
-                    overhead = measure_overhead_us(self.comm)
-                limit = max(rows, self.weight.shape[0])
-                self._chunks[key] = agree_chunks(
-                    self.comm, compute_us, comm_us, overhead, self.chunk_config, limit=limit
+                # Times gloo's allreduce (unfused) and the pipeline's own transport apart, and
+                # confirms a chunked choice by a timed trial (fused/fallback.py).
+                self._chunks[key] = gar.choose_chunks_for(
+                    self.comm, x.detach(), self.weight.detach(), self.chunk_config
                 )
         return self._chunks[key]
 

@@ -1,0 +1,133 @@
+"""The ``gemm_alltoall`` case of ``commfuse bench fused``: the MoE combine side (expert GEMMs +
+the All-to-All back to the tokens' ranks), fused against unfused.
+
+Shape ``(rows, in_features, out_features, experts_per_rank)``: every rank routes ``rows`` rows
+to the ``P * experts_per_rank`` experts uniformly at random (the same draw on every rank, so the
+counts are known everywhere without communicating), so the expert side of each rank receives
+about ``rows`` rows and sends ``(P - 1) / P`` of its output away.
+
+``moe_step`` times a whole training step of the MoE workload (``workloads/moe.py``), shape
+``(tokens_per_rank, d_model, d_hidden, experts_per_rank)``: unfused (both All-to-Alls after their
+GEMMs, gloo's) against fused (chunks chosen by the layer). ``compute`` is the same step on a
+one-rank group holding ``experts_per_rank`` experts (the same expert FLOPs: every routed row stays
+local), ``comm`` the step's four All-to-Alls (dispatch and combine, forward and backward) and
+its allreduce of replicated gradients alone. The learning rate is 1e-30, so every timed step sees the
+(numerically) the same parameters; the records' ``wrong`` compares losses rounded to 4 decimals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from commfuse.bench.fused import Case
+from commfuse.comm import Communicator
+from commfuse.fused import gemm_alltoall as ga
+from commfuse.fused.chunking import ChunkConfig
+from commfuse.fused.moe import choose_moe_chunks
+from commfuse.workloads.moe import MoEModel, MoEOptions, MoEWorkload
+
+
+def gemm_alltoall_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
+    if len(shape) != 4 or min(shape) < 1:
+        raise ValueError(
+            f"gemm_alltoall shape is (rows, in_features, out_features, experts_per_rank), got {shape}"
+        )
+    rows, k_in, n_out, per_rank = shape
+    world = comm.world_size
+    experts = [per_rank] * world
+    gen = torch.Generator().manual_seed(1234)
+    counts = torch.stack(
+        [
+            torch.bincount(
+                torch.randint(0, sum(experts), (rows,), generator=gen), minlength=sum(experts)
+            )
+            for _ in range(world)
+        ]
+    )
+    rt = ga.Routing(comm, counts, experts)
+    own = torch.Generator().manual_seed(comm.rank)
+    h = torch.randint(-2, 3, (rt.recv_start[-1], k_in), generator=own).float()
+    w = torch.randint(-2, 3, (per_rank, n_out, k_in), generator=own).float()
+    y = ga.expert_gemm(rt, h, w)
+    max_chunks = 4 * max(world - 1, 1)
+    return Case(
+        compute=lambda: ga.expert_gemm(rt, h, w),
+        comm=lambda: ga.native_exchange(comm, rt, y, to_experts=False),
+        unfused=lambda: ga.gemm_alltoall_reference(comm, rt, h, w),
+        fused=lambda k: ga.gemm_alltoall(comm, rt, h, w, chunks=k),
+        max_chunks=max_chunks,
+        choose=lambda: choose_moe_chunks(comm, rt, h, w, ChunkConfig(max_chunks=max_chunks)),
+    )
+
+
+def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
+    if len(shape) != 4 or min(shape) < 1:
+        raise ValueError(
+            f"moe_step shape is (tokens_per_rank, d_model, d_hidden, experts_per_rank), got {shape}"
+        )
+    tokens, d_model, d_hidden, per_rank = shape
+    world = comm.world_size
+    options = MoEOptions(
+        d_model=d_model,
+        d_hidden=d_hidden,
+        num_experts=per_rank * world,
+        tokens_per_rank=tokens,
+        lr=1e-30,  # SGD needs lr > 0; this leaves every parameter as it was
+    )
+    workload = MoEWorkload(options)
+    batch = workload.batch(0, comm.rank, seed=0)
+    models: dict[int | None, tuple[MoEModel, torch.optim.Optimizer]] = {}
+
+    def model(chunks: int | None) -> tuple[MoEModel, torch.optim.Optimizer]:
+        if chunks not in models:
+            m = workload.build_model(comm, 0, fused=chunks != 1, num_chunks=chunks)
+            models[chunks] = (m, workload.make_optimizer(m))
+        return models[chunks]
+
+    def step(chunks: int | None) -> torch.Tensor:
+        m, opt = model(chunks)
+        return torch.tensor([round(workload.train_step(comm, m, opt, batch), 4)])
+
+    def choose() -> int:
+        step(None)  # the layer measures and agrees its chunks on its first forward
+        return model(None)[0].moe._chunks[torch.float32]
+
+    local = comm.split([[r] for r in range(world)], name="moe_local")
+    # top_k experts at least, so every token still makes top_k expert passes (the same FLOPs).
+    local_experts = max(per_rank, options.top_k)
+    local_workload = MoEWorkload(dataclasses.replace(options, num_experts=local_experts))
+    local_model = local_workload.build_model(local, 0, fused=False)
+    local_opt = local_workload.make_optimizer(local_model)
+    # The step's communication alone, on buffers of its sizes (uniform routing, top-2).
+    gen = torch.Generator().manual_seed(1234)
+    counts = torch.stack(
+        [
+            torch.bincount(
+                torch.randint(0, options.num_experts, (2 * tokens,), generator=gen),
+                minlength=options.num_experts,
+            )
+            for _ in range(world)
+        ]
+    )
+    rt = ga.Routing(comm, counts, [per_rank] * world)
+    token_side = torch.zeros(rt.send_start[-1], d_model)
+    expert_side = torch.zeros(rt.recv_start[-1], d_model)
+    replicated = torch.zeros(sum(p.numel() for p in model(1)[0].replicated()))
+
+    def communicate() -> Any:
+        for _ in range(2):  # forward and backward
+            ga.native_exchange(comm, rt, token_side, to_experts=True)
+            ga.native_exchange(comm, rt, expert_side, to_experts=False)
+        comm.all_reduce(replicated)
+
+    return Case(
+        compute=lambda: local_workload.train_step(local, local_model, local_opt, batch),
+        comm=communicate,
+        unfused=lambda: step(1),
+        fused=step,
+        max_chunks=16,
+        choose=choose,
+    )

@@ -1,0 +1,70 @@
+"""``commfuse bench fused --op allgather_gemm,gemm_reducescatter``: the sequence-parallel rings.
+
+Shapes are ``(S, K, N)``: the whole sequence ``S`` (rows split across ranks), the input
+features ``K`` and the output features ``N`` of the full ``[N, K]`` weight. AllGather + GEMM
+shards the output features (column-parallel: rank ``r`` gathers ``x [S, K]`` and computes
+``[S, N / P]``); GEMM + ReduceScatter shards the input features (row-parallel: ``[S, K / P]``
+in, ``[S / P, N]`` out). Inputs are integer-valued, so the ring's sum order gives the same bits
+as gloo's and ``wrong`` must be 0. The fused variant is the ring (``P`` pieces); the automatic
+choice falls back to the unfused reference when the cost model says the ring cannot pay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from commfuse.bench.fused import Case
+from commfuse.comm import Communicator
+from commfuse.fused import sequence_parallel as sp
+from commfuse.fused.chunking import ChunkConfig, agree_chunks, measure_overhead_us, split_sizes
+
+
+def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> Case:
+    if len(shape) != 3:
+        raise ValueError(f"{op} shape is (sequence, in_features, out_features), got {shape}")
+    seq, k_in, n_out = shape
+    world, rank = comm.world_size, comm.rank
+    splits = split_sizes(seq, world)
+    gen = torch.Generator().manual_seed(rank)
+    if op == "allgather_gemm":
+        x = torch.randint(-2, 3, (splits[rank], k_in), generator=gen).float()
+        w = torch.randint(-2, 3, (split_sizes(n_out, world)[rank], k_in), generator=gen).float()
+        shard = torch.zeros(max(splits), k_in)
+        gathered = torch.zeros(world * max(splits), k_in)
+
+        def measure() -> tuple[float, float]:
+            return sp.measure_allgather_gemm(comm, x, w, splits)
+
+        def fused(k: int) -> torch.Tensor:
+            return sp.allgather_gemm(comm, x, w, splits=splits, chunks=k)[0]
+
+        return Case(
+            compute=lambda: torch.matmul(gathered[:seq], w.t()),
+            comm=lambda: comm.all_gather(gathered, shard),
+            unfused=lambda: sp.allgather_gemm_reference(comm, x, w, splits=splits)[0],
+            fused=fused,
+            max_chunks=world,
+            choose=lambda: _choose(comm, measure),
+        )
+    a = torch.randint(-2, 3, (seq, split_sizes(k_in, world)[rank]), generator=gen).float()
+    v = torch.randint(-2, 3, (n_out, a.shape[1]), generator=gen).float()
+    out = torch.zeros(max(splits), n_out)
+    full = torch.zeros(world * max(splits), n_out)
+    return Case(
+        compute=lambda: torch.matmul(a, v.t()),
+        comm=lambda: comm.reduce_scatter(out, full),
+        unfused=lambda: sp.gemm_reducescatter_reference(comm, a, v, splits=splits),
+        fused=lambda k: sp.gemm_reducescatter(comm, a, v, splits=splits, chunks=k),
+        max_chunks=world,
+        choose=lambda: _choose(comm, lambda: sp.measure_gemm_reducescatter(comm, a, v, splits)),
+    )
+
+
+def _choose(comm: Communicator, measure: object) -> int:
+    """``P`` (the ring) when the cost model gains at ``k = P``, else 1 (the reference)."""
+    assert callable(measure)
+    compute_us, comm_us = measure()
+    world = comm.world_size
+    config = ChunkConfig(max_chunks=world)
+    k = agree_chunks(comm, compute_us, comm_us, measure_overhead_us(comm), config, limit=world)
+    return world if k > 1 else 1

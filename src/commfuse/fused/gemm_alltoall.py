@@ -1,0 +1,405 @@
+"""GEMM + All-to-All and All-to-All + GEMM: the expert computation of a Mixture-of-Experts layer,
+fused with the exchanges around it.
+
+In expert parallelism (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021) rank ``r`` holds
+``E_r`` of the ``E`` experts. A gate routes each token to ``k`` experts; the *dispatch*
+All-to-All sends every routed row to the rank of its expert, the experts compute on the rows
+they received, and the *combine* All-to-All sends each result back to the token's rank.
+Both collectives depend on the computation next to them, so unfused they sit on the critical
+path. Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, section 4.3):
+
+* ``gemm_alltoall`` (combine side, GEMM + All-to-All): post every receive; for destinations in
+  ring order ``r+1, r+2, ..., r-1`` compute the expert GEMM of that destination's rows (cut into
+  pieces when asked) and send each piece as soon as it is computed, while the next is computed;
+  the local block is computed last (it never travels, so it hides the last transfers).
+* ``alltoall_gemm`` (dispatch side, All-to-All + GEMM): post every receive and every send (the
+  rows exist already); compute the local block first, then each source's rows as soon as they
+  arrive, in the order they are due (``r-1, r-2, ...``, who sends to ``r`` first).
+
+Layout. ``counts`` is the ``[P, E]`` matrix every rank knows: ``counts[i, e]`` rows of rank ``i``
+go to global expert ``e``; experts are numbered rank-major (``experts_per_rank[0]`` on rank 0,
+then rank 1's, ...). The *token side* of rank ``r`` is ``[S_r, *]``, its routed rows sorted by
+global expert (so grouped by destination rank); the *expert side* is ``[R_r, *]``, the rows it
+received, grouped by source rank and, inside, by local expert: what ``all_to_all_single``
+produces. ``weight`` is ``[E_r, N, K]``: local expert ``e`` maps a row ``x`` to ``x @ weight[e]^T``.
+
+Backward (gradient semantics). The backward of an All-to-All is the All-to-All in the opposite
+direction, so each operator's backward is the other one's pattern:
+
+* ``gemm_alltoall``'s backward is All-to-All + GEMM: the output gradient goes back to the
+  experts (all sends posted at once); ``grad_h = grad @ W_e`` and ``grad_W_e += grad^T h`` are
+  computed on the local block first and on each source's block as it arrives.
+* ``alltoall_gemm``'s backward is GEMM + All-to-All: ``grad_recv = grad @ W_e`` is computed per
+  source block and sent back to it as soon as it is ready; ``grad_W_e`` (no communication) is
+  accumulated after the last send is posted, while the last pieces travel.
+
+Both send exactly the forward's bytes in the other direction. Weight gradients accumulate in
+float32 and are rounded once, so bfloat16 results do not depend on the number of chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from commfuse.comm import Communicator, Handle
+from commfuse.fused.chunking import elapsed_us, split_ranges
+
+#: Stats label of the fused operators' point-to-point traffic (exact bytes and messages).
+LABEL = "gemm_alltoall"
+
+
+class Routing:
+    """What every rank knows about one exchange: ``counts [P, E]`` and ``experts_per_rank``."""
+
+    def __init__(self, comm: Communicator, counts: torch.Tensor, experts_per_rank: list[int]):
+        world, rank = comm.world_size, comm.rank
+        if len(experts_per_rank) != world or any(e < 1 for e in experts_per_rank):
+            raise ValueError(
+                f"experts_per_rank needs {world} entries >= 1 (one per rank), got {experts_per_rank}"
+            )
+        num_experts = sum(experts_per_rank)
+        if counts.shape != (world, num_experts) or bool((counts < 0).any()):
+            raise ValueError(
+                f"counts must be a non-negative [world_size, num_experts] = [{world}, {num_experts}] "
+                f"matrix, got {tuple(counts.shape)}"
+            )
+        self.rank, self.world = rank, world
+        bounds = [sum(experts_per_rank[:j]) for j in range(world + 1)]
+        mine = counts[:, bounds[rank] : bounds[rank + 1]]
+        #: seg[i]: rows rank i sends to each of my local experts (the segments of block i).
+        self.seg: list[list[int]] = mine.tolist()
+        #: recv_rows[i]: rows of my expert side from source i; send_rows[j]: token-side rows to j.
+        self.recv_rows = [sum(s) for s in self.seg]
+        per_rank = [counts[:, bounds[j] : bounds[j + 1]].sum(1) for j in range(world)]
+        self.send_rows: list[int] = [int(per_rank[j][rank]) for j in range(world)]
+        self.recv_start = [sum(self.recv_rows[:i]) for i in range(world + 1)]
+        self.send_start = [sum(self.send_rows[:j]) for j in range(world + 1)]
+        self.local_experts = experts_per_rank[rank]
+
+    def recv_block(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        return t[self.recv_start[src] : self.recv_start[src + 1]]
+
+    def send_block(self, t: torch.Tensor, dst: int) -> torch.Tensor:
+        return t[self.send_start[dst] : self.send_start[dst + 1]]
+
+
+def check_inputs(rt: Routing, rows: torch.Tensor, weight: torch.Tensor, side: str) -> None:
+    """ValueError naming the problem (``side`` is "token" or "expert": where ``rows`` live)."""
+    if weight.dim() != 3 or weight.shape[0] != rt.local_experts:
+        raise ValueError(
+            f"weight must be [local experts ({rt.local_experts}), out, in], got {tuple(weight.shape)}"
+        )
+    want = rt.send_start[-1] if side == "token" else rt.recv_start[-1]
+    if rows.dim() != 2 or rows.shape[0] != want:
+        raise ValueError(
+            f"rank {rt.rank}: {side}-side rows must be [{want}, features] as counts say, "
+            f"got {tuple(rows.shape)}"
+        )
+    k = weight.shape[2] if side == "expert" else rows.shape[1]
+    if rows.shape[1] != k or rows.dtype != weight.dtype:
+        raise ValueError(
+            f"rows {tuple(rows.shape)} {rows.dtype} do not match weight {tuple(weight.shape)} "
+            f"{weight.dtype}: features must equal the weight's in_features and dtypes must agree"
+        )
+
+
+def grouped_mm(
+    rows: torch.Tensor, seg: list[int], lo: int, hi: int, weight: torch.Tensor, *, transpose: bool
+) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of one source block (segments ``seg`` per local expert) times their
+    experts' weights: ``x @ W_e^T`` (``transpose``) or ``g @ W_e`` (the backward)."""
+    width = weight.shape[1] if transpose else weight.shape[2]
+    out = torch.empty((hi - lo, width), dtype=rows.dtype, device=rows.device)
+    start = 0
+    for e, n in enumerate(seg):
+        a, b = max(lo, start), min(hi, start + n)
+        if a < b:
+            w = weight[e].t() if transpose else weight[e]
+            torch.matmul(rows[a - lo : b - lo], w, out=out[a - lo : b - lo])
+        start += n
+    return out
+
+
+def add_weight_grad(
+    grad_w: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor, seg: list[int]
+) -> None:
+    """``grad_w[e] += grad_e^T @ inp_e`` for one source block's segments (float32 accumulation)."""
+    start = 0
+    for e, n in enumerate(seg):
+        if n:
+            g, x = grad[start : start + n].float(), inp[start : start + n].float()
+            grad_w[e].addmm_(g.t(), x)
+        start += n
+
+
+def _pieces(world: int, chunks: int) -> int:
+    return 1 if world == 1 else -(-chunks // (world - 1))
+
+
+def exchange_then_compute(
+    comm: Communicator,
+    rt: Routing,
+    send: torch.Tensor,
+    pieces: int,
+    compute: Callable[[int, int, int, torch.Tensor], None],
+) -> torch.Tensor:
+    """Token side ``send`` to the expert side; ``compute(src, lo, hi, rows)`` runs on the local
+    block first, then on each piece of each source block as soon as it has arrived. Returns the
+    expert-side rows received."""
+    rank, world = rt.rank, rt.world
+    recv = torch.empty((rt.recv_start[-1], send.shape[1]), dtype=send.dtype, device=send.device)
+    incoming: list[tuple[int, int, int, Handle, torch.Tensor]] = []
+    for step in range(1, world):
+        src = (rank - step) % world
+        block = rt.recv_block(recv, src)
+        for tag, (lo, hi) in enumerate(split_ranges(rt.recv_rows[src], pieces)):
+            handle = comm.irecv(block[lo:hi], src, tag=tag, label=LABEL)
+            incoming.append((src, lo, hi, handle, block[lo:hi]))
+    outgoing = []
+    for step in range(1, world):
+        dst = (rank + step) % world
+        block = rt.send_block(send, dst)
+        for tag, (lo, hi) in enumerate(split_ranges(rt.send_rows[dst], pieces)):
+            outgoing.append(comm.isend(block[lo:hi], dst, tag=tag, label=LABEL))
+    own = rt.recv_block(recv, rank)
+    own.copy_(rt.send_block(send, rank))
+    compute(rank, 0, own.shape[0], own)  # while the remote rows travel
+    for src, lo, hi, handle, rows in incoming:
+        handle.wait()
+        compute(src, lo, hi, rows)
+    for handle in outgoing:
+        handle.wait()
+    return recv
+
+
+def compute_then_exchange(
+    comm: Communicator,
+    rt: Routing,
+    width: int,
+    dtype: torch.dtype,
+    pieces: int,
+    compute: Callable[[int, int, int], torch.Tensor],
+    device: torch.device | str = "cpu",
+    then: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """Expert side to token side: ``compute(dst, lo, hi)`` makes rows ``[lo, hi)`` of the block
+    bound for ``dst``, each sent as soon as it is computed; the local block is computed last,
+    then ``then()`` (work that needs no communication) runs while the last pieces travel."""
+    rank, world = rt.rank, rt.world
+    out = torch.empty((rt.send_start[-1], width), dtype=dtype, device=device)
+    handles: list[Handle] = []
+    for step in range(1, world):
+        src = (rank - step) % world
+        block = rt.send_block(out, src)
+        for tag, (lo, hi) in enumerate(split_ranges(rt.send_rows[src], pieces)):
+            handles.append(comm.irecv(block[lo:hi], src, tag=tag, label=LABEL))
+    for step in range(1, world):
+        dst = (rank + step) % world
+        for tag, (lo, hi) in enumerate(split_ranges(rt.recv_rows[dst], pieces)):
+            piece = compute(dst, lo, hi).contiguous()
+            handles.append(comm.isend(piece, dst, tag=tag, label=LABEL))
+    rt.send_block(out, rank).copy_(compute(rank, 0, rt.recv_rows[rank]))
+    if then is not None:
+        then()
+    for handle in handles:
+        handle.wait()
+    return out
+
+
+def native_exchange(
+    comm: Communicator, rt: Routing, rows: torch.Tensor, *, to_experts: bool, algo: str = "native"
+) -> torch.Tensor:
+    """The unfused All-to-All (commfuse.collectives.all_to_all; "pairwise" counts exact bytes)."""
+    from commfuse.collectives import all_to_all
+
+    send_splits, recv_splits = (
+        (rt.send_rows, rt.recv_rows) if to_experts else (rt.recv_rows, rt.send_rows)
+    )
+    width = rows.shape[1]
+    out = torch.empty((sum(recv_splits), width), dtype=rows.dtype, device=rows.device)
+    # Flat views with element splits: the front door infers a row's width from the input's first
+    # row, which a rank that sends nothing does not have.
+    all_to_all(
+        comm,
+        out.view(-1),
+        rows.contiguous().view(-1),
+        [n * width for n in recv_splits],
+        [n * width for n in send_splits],
+        algo=algo,
+    )
+    return out
+
+
+def expert_gemm(rt: Routing, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The computation alone: every expert-side row times its expert's weight."""
+    out = torch.empty((rows.shape[0], weight.shape[1]), dtype=rows.dtype, device=rows.device)
+    for src in range(rt.world):
+        lo, hi = rt.recv_start[src], rt.recv_start[src + 1]
+        out[lo:hi] = grouped_mm(rows[lo:hi], rt.seg[src], 0, hi - lo, weight, transpose=True)
+    return out
+
+
+# -- forward ------------------------------------------------------------------------------------
+def gemm_alltoall_reference(
+    comm: Communicator, rt: Routing, h: torch.Tensor, weight: torch.Tensor, algo: str = "native"
+) -> torch.Tensor:
+    """Unfused combine: every expert GEMM, then one All-to-All back to the token side."""
+    check_inputs(rt, h, weight, "expert")
+    return native_exchange(comm, rt, expert_gemm(rt, h, weight), to_experts=False, algo=algo)
+
+
+def gemm_alltoall(
+    comm: Communicator, rt: Routing, h: torch.Tensor, weight: torch.Tensor, *, chunks: int
+) -> torch.Tensor:
+    """Fused combine (module docstring): expert side ``h [R_r, K]`` to token side ``[S_r, N]``.
+    ``chunks=1`` is the unfused reference; each remote block is cut into
+    ``ceil(chunks / (P - 1))`` pieces. Every rank must pass the same ``chunks``."""
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    check_inputs(rt, h, weight, "expert")
+    if chunks == 1 or rt.world == 1:
+        return gemm_alltoall_reference(comm, rt, h, weight)
+
+    def compute(dst: int, lo: int, hi: int) -> torch.Tensor:
+        return grouped_mm(rt.recv_block(h, dst)[lo:hi], rt.seg[dst], lo, hi, weight, transpose=True)
+
+    pieces = _pieces(rt.world, chunks)
+    return compute_then_exchange(comm, rt, weight.shape[1], h.dtype, pieces, compute, h.device)
+
+
+def alltoall_gemm_reference(
+    comm: Communicator, rt: Routing, x: torch.Tensor, weight: torch.Tensor, algo: str = "native"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unfused dispatch: one All-to-All to the expert side, then every expert GEMM.
+    Returns (output ``[R_r, N]``, the received rows ``[R_r, K]``)."""
+    check_inputs(rt, x, weight, "token")
+    recv = native_exchange(comm, rt, x, to_experts=True, algo=algo)
+    return expert_gemm(rt, recv, weight), recv
+
+
+def alltoall_gemm(
+    comm: Communicator, rt: Routing, x: torch.Tensor, weight: torch.Tensor, *, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused dispatch (module docstring): token side ``x [S_r, K]`` to expert side, each piece
+    multiplied as soon as it arrives. Returns (output ``[R_r, N]``, received rows ``[R_r, K]``)."""
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    check_inputs(rt, x, weight, "token")
+    if chunks == 1 or rt.world == 1:
+        return alltoall_gemm_reference(comm, rt, x, weight)
+    out = torch.empty((rt.recv_start[-1], weight.shape[1]), dtype=x.dtype, device=x.device)
+
+    def compute(src: int, lo: int, hi: int, rows: torch.Tensor) -> None:
+        block = rt.recv_block(out, src)
+        block[lo:hi] = grouped_mm(rows, rt.seg[src], lo, hi, weight, transpose=True)
+
+    recv = exchange_then_compute(comm, rt, x.contiguous(), _pieces(rt.world, chunks), compute)
+    return out, recv
+
+
+# -- backward -----------------------------------------------------------------------------------
+def gemm_alltoall_backward(
+    comm: Communicator,
+    rt: Routing,
+    grad_out: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    chunks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_h, grad_weight) of ``gemm_alltoall``: All-to-All + GEMM (module docstring)."""
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    grad_h = torch.empty_like(h)
+
+    def compute(src: int, lo: int, hi: int, g: torch.Tensor) -> None:
+        rows = rt.recv_block(h, src)[lo:hi]
+        rt.recv_block(grad_h, src)[lo:hi] = grouped_mm(
+            g, rt.seg[src], lo, hi, weight, transpose=False
+        )
+        _add_piece_grad(grad_w, g, rows, rt.seg[src], lo, hi)
+
+    if chunks == 1 or rt.world == 1:
+        g_all = native_exchange(comm, rt, grad_out, to_experts=True)
+        for src in range(rt.world):
+            compute(src, 0, rt.recv_rows[src], rt.recv_block(g_all, src))
+    else:
+        exchange_then_compute(comm, rt, grad_out.contiguous(), _pieces(rt.world, chunks), compute)
+    return grad_h, grad_w.to(weight.dtype)
+
+
+def alltoall_gemm_backward(
+    comm: Communicator,
+    rt: Routing,
+    grad_out: torch.Tensor,
+    recv: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    chunks: int,
+    grad_recv: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_weight) of ``alltoall_gemm``: GEMM + All-to-All (module docstring).
+    ``grad_recv`` is a gradient flowing into the returned received rows, if any."""
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+    def compute(dst: int, lo: int, hi: int) -> torch.Tensor:
+        g = rt.recv_block(grad_out, dst)[lo:hi]
+        piece = grouped_mm(g, rt.seg[dst], lo, hi, weight, transpose=False)
+        if grad_recv is not None:
+            piece += rt.recv_block(grad_recv, dst)[lo:hi]
+        return piece
+
+    def weight_grad() -> None:
+        for src in range(rt.world):
+            g, rows = rt.recv_block(grad_out, src), rt.recv_block(recv, src)
+            _add_piece_grad(grad_w, g, rows, rt.seg[src], 0, rt.recv_rows[src])
+
+    if chunks == 1 or rt.world == 1:
+        g_recv = torch.cat([compute(s, 0, rt.recv_rows[s]) for s in range(rt.world)])
+        grad_x = native_exchange(comm, rt, g_recv, to_experts=False)
+        weight_grad()
+    else:
+        # The weight gradient needs no communication: it runs while the last pieces travel.
+        grad_x = compute_then_exchange(
+            comm,
+            rt,
+            recv.shape[1],
+            recv.dtype,
+            _pieces(rt.world, chunks),
+            compute,
+            recv.device,
+            then=weight_grad,
+        )
+    return grad_x, grad_w.to(weight.dtype)
+
+
+def _add_piece_grad(
+    grad_w: torch.Tensor, g: torch.Tensor, rows: torch.Tensor, seg: list[int], lo: int, hi: int
+) -> None:
+    """``add_weight_grad`` for rows ``[lo, hi)`` of a block (segments cut to the piece)."""
+    start, cut = 0, []
+    for n in seg:
+        cut.append(max(0, min(hi, start + n) - max(lo, start)))
+        start += n
+    add_weight_grad(grad_w, g, rows, cut)
+
+
+# -- measurement ----------------------------------------------------------------------------------
+def measure(
+    comm: Communicator, rt: Routing, h: torch.Tensor, weight: torch.Tensor
+) -> tuple[float, float, float]:
+    """(compute_us, unfused_comm_us, fused_comm_us) of the combine side: the expert GEMMs alone,
+    gloo's All-to-All of their output, and the fused path's point-to-point exchange of it."""
+    start = time.perf_counter()
+    y = expert_gemm(rt, h, weight)
+    compute_us = elapsed_us(start)
+    start = time.perf_counter()
+    native_exchange(comm, rt, y, to_experts=False)
+    unfused_us = elapsed_us(start)
+    start = time.perf_counter()
+    compute_then_exchange(
+        comm, rt, y.shape[1], y.dtype, 1, lambda d, lo, hi: rt.recv_block(y, d), y.device
+    )
+    return compute_us, unfused_us, elapsed_us(start)

@@ -1,0 +1,251 @@
+"""``ExpertParallelMoE``: a Mixture-of-Experts feed-forward layer with experts sharded across
+ranks, whose two All-to-Alls are fused with the expert GEMMs next to them.
+
+One forward, on every rank for its own tokens ``x [T_r, D]``:
+
+1. Gate (replicated, data-parallel): ``p = softmax(x W_g^T)``; each token picks its top ``k``
+   experts; with ``normalize`` their weights are rescaled to sum to 1 (Mixtral), else they are
+   the raw probabilities (GShard, Switch).
+2. Capacity (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021): with ``capacity_factor``
+   set, each rank sends expert ``e`` at most ``ceil(capacity_factor * T_r * k / E)`` rows.
+   Assignments are admitted choice-major (every token's first choice before any second choice,
+   tokens in order); an assignment over capacity is dropped: the token gets no contribution from
+   that expert (the residual connection, the caller's, carries it). Capacity is per sending
+   rank, so it needs no communication. ``None`` keeps every assignment (no dropped tokens; the
+   All-to-All splits are then as uneven as the routing).
+3. The routed rows, sorted by expert, and the ``[P, E]`` counts (one tiny all-gather, which also
+   checks that every rank has the same ``d_model`` and dtype) define the exchange.
+4. ``alltoall_gemm`` (dispatch + the experts' first GEMM ``x W1_e^T``), the activation,
+   ``gemm_alltoall`` (the experts' second GEMM ``h W2_e^T`` + combine), then each token's
+   outputs are summed with their gate weights.
+
+Experts are sharded contiguously, ``split_sizes(num_experts, P)`` per rank (one or more each).
+Parameters: ``gate`` is replicated, so average its gradient across ranks like any data-parallel
+parameter; ``w1`` ``[E_r, H, D]`` and ``w2`` ``[E_r, D, H]`` are this rank's experts, whose
+gradients are complete locally (the backward All-to-Alls bring every token's gradient to its
+expert). Every rank draws the full model from ``seed`` and keeps its experts, so the layer
+equals ``dense_moe_reference`` whatever the world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from commfuse.comm import Communicator
+from commfuse.fused import gemm_alltoall as ga
+from commfuse.fused.chunking import ChunkConfig, measure_overhead_us, split_sizes
+from commfuse.fused.fallback import choose_fused_chunks
+from commfuse.fused.moe_ops import alltoall_gemm_op, gemm_alltoall_op
+from commfuse.fused.ops import register_communicator
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Routed:
+    """One rank's routing: assignments sorted by expert (stable), and rows per expert."""
+
+    token: torch.Tensor
+    """Token index of each kept assignment."""
+    expert: torch.Tensor
+    """Global expert of each kept assignment (non-decreasing)."""
+    weight: torch.Tensor
+    """Gate weight of each kept assignment (float32, differentiable)."""
+    counts: torch.Tensor
+    """Rows sent to each global expert ``[E]``."""
+
+
+def route_tokens(
+    logits: torch.Tensor, top_k: int, *, capacity_factor: float | None, normalize: bool
+) -> Routed:
+    """Steps 1-2 of the module docstring on gate logits ``[T, E]``."""
+    tokens, num_experts = logits.shape
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_w, top_e = probs.topk(top_k, dim=-1)
+    if normalize:
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+    expert = top_e.t().reshape(-1)  # choice-major: all first choices, then all second, ...
+    token = torch.arange(tokens).repeat(top_k)
+    weight = top_w.t().reshape(-1)
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * tokens * top_k / num_experts)
+        position = F.one_hot(expert, num_experts).cumsum(0).gather(1, expert[:, None])[:, 0] - 1
+        keep = position < capacity
+        expert, token, weight = expert[keep], token[keep], weight[keep]
+    order = torch.sort(expert, stable=True).indices
+    counts = torch.bincount(expert, minlength=num_experts)
+    return Routed(token[order], expert[order], weight[order], counts)
+
+
+def dense_moe_reference(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    top_k: int,
+    capacity_factor: float | None = None,
+    normalize: bool = True,
+    activation: str = "gelu",
+) -> torch.Tensor:
+    """The same layer in one process with all experts (``w1 [E, H, D]``, ``w2 [E, D, H]``) on one
+    rank's tokens ``x [T, D]``: the exact maths the distributed layer must reproduce."""
+    r = route_tokens(x @ gate.t(), top_k, capacity_factor=capacity_factor, normalize=normalize)
+    rows = x[r.token]
+    h = ACTIVATIONS[activation](torch.einsum("td,thd->th", rows, w1[r.expert]))
+    y = torch.einsum("th,tdh->td", h, w2[r.expert])
+    return torch.zeros_like(x).index_add(0, r.token, y * r.weight[:, None].to(y.dtype))
+
+
+def choose_moe_chunks(
+    comm: Communicator, rt: ga.Routing, h: torch.Tensor, weight: torch.Tensor, config: ChunkConfig
+) -> int:
+    """Chunks for both MoE operators, the same on every rank, from the combine side (expert GEMM +
+    All-to-All): measured C, gloo's M, the fused path's own M, then a timed trial against the
+    unfused operator (``fallback.py``); 1 (unfused, gloo's All-to-All) when fusion does not pay."""
+    limit = max(max(rt.recv_rows), 1) * max(rt.world - 1, 1)
+    if config.num_chunks is not None or rt.world == 1:
+        return max(1, min(config.num_chunks or 1, limit))
+    with torch.no_grad():
+        compute_us, unfused_us, fused_us = ga.measure(comm, rt, h, weight)
+        return choose_fused_chunks(
+            comm,
+            config,
+            compute_us=compute_us,
+            fused_comm_us=fused_us,
+            unfused_comm_us=unfused_us,
+            overhead_us=measure_overhead_us(comm),
+            limit=limit,
+            trial=(
+                lambda k: ga.gemm_alltoall(comm, rt, h, weight, chunks=k),
+                lambda: ga.gemm_alltoall_reference(comm, rt, h, weight),
+            ),
+        )
+
+
+class ExpertParallelMoE(nn.Module):
+    """Top-k gated MoE feed-forward layer, experts sharded across ``comm``'s ranks (module
+    docstring). ``forward(x [..., D]) -> [..., D]``; every rank must call it together.
+
+    Both fused operators use one number of chunks, chosen on the first forward of each dtype from
+    that step's routing (``choose_moe_chunks``: measured, agreed, confirmed against the unfused
+    operator, else 1) and kept; ``ChunkConfig(num_chunks=k)`` fixes it (``k = 1``: unfused)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        d_hidden: int,
+        num_experts: int,
+        comm: Communicator,
+        *,
+        top_k: int = 2,
+        capacity_factor: float | None = None,
+        normalize: bool = True,
+        activation: str = "gelu",
+        dtype: torch.dtype = torch.float32,
+        chunk_config: ChunkConfig | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        world = comm.world_size
+        if d_model < 1 or d_hidden < 1:
+            raise ValueError(f"d_model and d_hidden must be >= 1, got {d_model}, {d_hidden}")
+        if num_experts < world:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be >= world size ({world}): one or more experts per rank"
+            )
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")
+        self.comm, self.comm_id = comm, register_communicator(comm)
+        self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
+        self.capacity_factor, self.normalize, self.activation = (
+            capacity_factor,
+            normalize,
+            activation,
+        )
+        self.chunk_config = chunk_config or ChunkConfig()
+        self.experts_per_rank = split_sizes(num_experts, world)
+        first = sum(self.experts_per_rank[: comm.rank])
+        self.expert_range = (first, first + self.experts_per_rank[comm.rank])
+        gen = torch.Generator().manual_seed(seed)
+
+        def uniform(*shape: int, fan_in: int) -> torch.Tensor:
+            return (torch.rand(shape, generator=gen) * 2 - 1) / math.sqrt(fan_in)
+
+        self.gate = nn.Parameter(uniform(num_experts, d_model, fan_in=d_model).to(dtype))
+        w1 = uniform(num_experts, d_hidden, d_model, fan_in=d_model)
+        w2 = uniform(num_experts, d_model, d_hidden, fan_in=d_hidden)
+        lo, hi = self.expert_range
+        self.w1 = nn.Parameter(w1[lo:hi].to(dtype).contiguous())
+        self.w2 = nn.Parameter(w2[lo:hi].to(dtype).contiguous())
+        self._chunks: dict[torch.dtype, int] = {}
+
+    def gather_counts(self, counts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows per expert, ``[P, E]``; ValueError if ranks disagree on the features."""
+        comm, world = self.comm, self.comm.world_size
+        code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
+        mine = torch.cat([counts, torch.tensor([x.shape[-1], code])]).to(torch.int64)
+        everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
+        comm.all_gather(everyone, mine)
+        table = everyone.view(world, -1)
+        if bool((table[:, -2:] != table[0, -2:]).any()):
+            seen = "; ".join(
+                f"rank {r}: {int(d)} features {_DTYPES[int(c)] if c >= 0 else 'other dtype'}"
+                for r, (d, c) in enumerate(table[:, -2:].tolist())
+            )
+            raise ValueError(
+                f"ExpertParallelMoE: ranks passed different token features ({seen}); "
+                f"every rank must pass [..., d_model] of the same dtype"
+            )
+        return table[:, :-2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.d_model or x.dtype != self.w1.dtype:
+            raise ValueError(
+                f"rank {self.comm.rank}: expected [..., {self.d_model}] {self.w1.dtype}, "
+                f"got {tuple(x.shape)} {x.dtype}"
+            )
+        x2 = x.reshape(-1, self.d_model)
+        r = route_tokens(
+            x2 @ self.gate.t(),
+            self.top_k,
+            capacity_factor=self.capacity_factor,
+            normalize=self.normalize,
+        )
+        counts = self.gather_counts(r.counts, x2)
+        flat, epr = counts.reshape(-1).tolist(), list(self.experts_per_rank)
+        rows = x2[r.token]  # token side: routed rows sorted by expert
+        chunks = self.chunks_for(counts, rows)
+        h, _ = alltoall_gemm_op(rows, self.w1, flat, epr, self.comm_id, chunks)
+        h = ACTIVATIONS[self.activation](h)
+        y = gemm_alltoall_op(h, self.w2, flat, epr, self.comm_id, chunks)
+        out = torch.zeros_like(x2).index_add(0, r.token, y * r.weight[:, None].to(y.dtype))
+        return out.reshape(x.shape)
+
+    def chunks_for(self, counts: torch.Tensor, rows: torch.Tensor) -> int:
+        """Chunks for this dtype, measured on the first forward's routing (then reused)."""
+        if rows.dtype not in self._chunks:
+            rt = ga.Routing(self.comm, counts, list(self.experts_per_rank))
+            if self.chunk_config.num_chunks is not None:
+                self._chunks[rows.dtype] = self.chunk_config.num_chunks
+            else:
+                with torch.no_grad():
+                    h, _ = ga.alltoall_gemm_reference(self.comm, rt, rows, self.w1.detach())
+                    h = ACTIVATIONS[self.activation](h)
+                self._chunks[rows.dtype] = choose_moe_chunks(
+                    self.comm, rt, h, self.w2.detach(), self.chunk_config
+                )
+        return self._chunks[rows.dtype]

@@ -1,0 +1,130 @@
+"""The MoE operators as PyTorch operators: ``torch.ops.commfuse.gemm_alltoall`` (combine side)
+and ``torch.ops.commfuse.alltoall_gemm`` (dispatch side), with autograd.
+
+Same conventions as ``ops.py``: the communicator travels as ``register_communicator(comm)``'s
+integer handle, ``register_fake`` gives the shapes without communicating, ``register_autograd``
+the overlapped backward (``gemm_alltoall.py`` says which collective each backward is). The
+routing travels as ``counts`` (the ``[P, E]`` matrix, flattened row-major) and
+``experts_per_rank``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from commfuse.fused import gemm_alltoall as ga
+from commfuse.fused.ops import communicator
+
+
+def routing(comm_id: int, counts: list[int], experts_per_rank: list[int]) -> ga.Routing:
+    comm = communicator(comm_id)
+    num_experts = sum(experts_per_rank)
+    if len(counts) != comm.world_size * num_experts:
+        raise ValueError(
+            f"counts must hold world_size x num_experts = {comm.world_size} x {num_experts} "
+            f"entries, got {len(counts)}"
+        )
+    matrix = torch.tensor(counts, dtype=torch.int64).view(comm.world_size, num_experts)
+    return ga.Routing(comm, matrix, list(experts_per_rank))
+
+
+# -- combine: GEMM + All-to-All -------------------------------------------------------------------
+@torch.library.custom_op("commfuse::gemm_alltoall", mutates_args=())
+def gemm_alltoall_op(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    counts: list[int],
+    experts_per_rank: list[int],
+    comm_id: int,
+    chunks: int,
+) -> torch.Tensor:
+    """Expert GEMM of the expert-side rows ``h``, each destination's rows sent as soon as they
+    are computed: the token-side result ``[S_r, N]``."""
+    rt = routing(comm_id, counts, experts_per_rank)
+    return ga.gemm_alltoall(communicator(comm_id), rt, h, weight, chunks=chunks)
+
+
+@gemm_alltoall_op.register_fake
+def _gemm_alltoall_fake(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    counts: list[int],
+    experts_per_rank: list[int],
+    comm_id: int,
+    chunks: int,
+) -> torch.Tensor:
+    rt = routing(comm_id, counts, experts_per_rank)
+    return h.new_empty((rt.send_start[-1], weight.shape[1]))
+
+
+def _combine_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    h, weight, counts, experts_per_rank, comm_id, chunks = inputs
+    ctx.save_for_backward(h, weight)
+    ctx.meta = (list(counts), list(experts_per_rank), comm_id, chunks)
+
+
+def _combine_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    h, weight = ctx.saved_tensors
+    counts, experts_per_rank, comm_id, chunks = ctx.meta
+    rt = routing(comm_id, counts, experts_per_rank)
+    grad_h, grad_w = ga.gemm_alltoall_backward(
+        communicator(comm_id), rt, grad.contiguous(), h, weight, chunks=chunks
+    )
+    return grad_h, grad_w, None, None, None, None
+
+
+gemm_alltoall_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+# -- dispatch: All-to-All + GEMM ------------------------------------------------------------------
+@torch.library.custom_op("commfuse::alltoall_gemm", mutates_args=())
+def alltoall_gemm_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counts: list[int],
+    experts_per_rank: list[int],
+    comm_id: int,
+    chunks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-side rows ``x`` sent to their experts, each source's rows multiplied as soon as they
+    arrive: (expert-side output ``[R_r, N]``, received rows ``[R_r, K]``, not differentiable)."""
+    rt = routing(comm_id, counts, experts_per_rank)
+    return ga.alltoall_gemm(communicator(comm_id), rt, x, weight, chunks=chunks)
+
+
+@alltoall_gemm_op.register_fake
+def _alltoall_gemm_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counts: list[int],
+    experts_per_rank: list[int],
+    comm_id: int,
+    chunks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rt = routing(comm_id, counts, experts_per_rank)
+    rows = rt.recv_start[-1]
+    return x.new_empty((rows, weight.shape[1])), x.new_empty((rows, x.shape[1]))
+
+
+def _dispatch_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    _x, weight, counts, experts_per_rank, comm_id, chunks = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(output[1], weight)
+    ctx.meta = (list(counts), list(experts_per_rank), comm_id, chunks)
+
+
+def _dispatch_backward(
+    ctx: Any, grad: torch.Tensor, grad_recv: torch.Tensor | None
+) -> tuple[Any, ...]:
+    recv, weight = ctx.saved_tensors
+    counts, experts_per_rank, comm_id, chunks = ctx.meta
+    rt = routing(comm_id, counts, experts_per_rank)
+    grad_x, grad_w = ga.alltoall_gemm_backward(
+        communicator(comm_id), rt, grad.contiguous(), recv, weight, chunks=chunks
+    )
+    return grad_x, grad_w, None, None, None, None
+
+
+alltoall_gemm_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)

@@ -1,0 +1,158 @@
+"""The DLRM-style workload: a training step with the fused embedding + All-to-All trains exactly
+the same model as the unfused step (lookups, then gloo's All-to-All), bit for bit, over world
+sizes 1-4, ranks owning no table included; the fused step sends exactly the off-diagonal bytes
+of the unfused All-to-All in each direction, and both allreduce the same MLP gradients; the
+loss falls; the synthetic data is deterministic and power-law skewed; bad configs are rejected."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from commfuse.comm import Communicator
+from commfuse.fused import ChunkConfig
+from commfuse.fused.embedding_alltoall import LABEL
+from commfuse.testing import RankPool
+from commfuse.workloads.dlrm import (
+    DLRM,
+    DLRMConfig,
+    make_optimizer,
+    power_law_ids,
+    synthetic_batch,
+    train_step,
+)
+
+PoolFn = Callable[[int], RankPool]
+
+
+def fused_equals_unfused(num_tables: int, interaction: str, steps: int) -> list[str]:
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    config = DLRMConfig(
+        num_tables=num_tables,
+        rows_per_table=50,
+        embedding_dim=4,
+        dense_features=5,
+        bottom_mlp=(8,),
+        top_mlp=(8,),
+        interaction=interaction,
+        pooling=3,
+        batch_per_rank=7,
+    )
+    failures: list[str] = []
+    runs = {}
+    for exchange in ("fused", "unfused"):
+        model = DLRM(config, comm, exchange=exchange, chunk_config=ChunkConfig(num_chunks=3))
+        opt = make_optimizer(model)
+        losses, counters = [], []
+        for step in range(steps):
+            comm.stats.reset()
+            losses.append(train_step(model, opt, synthetic_batch(config, step, rank, world)))
+            counters.append(comm.stats.snapshot())
+        runs[exchange] = (model, losses, counters)
+    fused, unfused = runs["fused"], runs["unfused"]
+    where = f"rank {rank} world {world} tables {num_tables} {interaction}"
+    if fused[1] != unfused[1]:
+        failures.append(f"{where}: losses differ {fused[1]} vs {unfused[1]}")
+    for (name, p), q in zip(fused[0].named_parameters(), unfused[0].parameters(), strict=True):
+        if not torch.equal(p, q):
+            failures.append(f"{where}: parameter {name} differs by {(p - q).abs().max():.3g}")
+    # Communication: the fused exchange sends the unfused All-to-All's payload minus the block
+    # that stays local, forward (my tables, others' samples) and backward (mine, others' tables).
+    per_rank = fused[0].embedding.tables_per_rank
+    d, b = config.embedding_dim, config.batch_per_rank
+    forward = (world - 1) * b * per_rank[rank] * d * 4
+    backward = b * (num_tables - per_rank[rank]) * d * 4
+    for step in range(steps):
+        f, u = fused[2][step], unfused[2][step]
+        sent = f.get(LABEL, {}).get("bytes_sent", 0)
+        if sent != forward + backward:
+            failures.append(f"{where}: fused sent {sent} bytes, want {forward + backward}")
+        payload = u.get("all_to_all", {}).get("payload_bytes", 0)
+        own = b * per_rank[rank] * d * 4 + b * per_rank[rank] * d * 4  # local blocks fwd + bwd
+        if world > 1 and payload - own != sent:
+            failures.append(
+                f"{where}: unfused All-to-All payload {payload} - local {own} != {sent}"
+            )
+        if f["all_reduce"] != u["all_reduce"]:
+            failures.append(
+                f"{where}: MLP allreduce differs {f['all_reduce']} vs {u['all_reduce']}"
+            )
+        if "all_to_all" in f:
+            failures.append(f"{where}: the fused step used the native All-to-All")
+    return failures
+
+
+def loss_falls() -> list[str]:
+    comm = Communicator()
+    config = DLRMConfig(num_tables=3, rows_per_table=40, embedding_dim=4, batch_per_rank=32, lr=0.2)
+    model = DLRM(config, comm, chunk_config=ChunkConfig(num_chunks=2))
+    opt = make_optimizer(model)
+    losses = [
+        train_step(model, opt, synthetic_batch(config, s, comm.rank, comm.world_size))
+        for s in range(30)
+    ]
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    return [] if last < 0.9 * first else [f"rank {comm.rank}: loss {first:.3f} -> {last:.3f}"]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fused_step_equals_unfused(pool: PoolFn, world: int) -> None:
+    # 5 tables: uneven tables per rank; 2 tables at world >= 3: some ranks own none.
+    failures = [
+        f for r in pool(world).run(fused_equals_unfused, 5, "dot", 3, timeout_s=180) for f in r
+    ]
+    if world >= 3:
+        failures += [
+            f for r in pool(world).run(fused_equals_unfused, 2, "cat", 2, timeout_s=180) for f in r
+        ]
+    assert not failures, "\n".join(failures[:8])
+
+
+def test_loss_falls(pool: PoolFn) -> None:
+    failures = [f for r in pool(2).run(loss_falls, timeout_s=180) for f in r]
+    assert not failures, "\n".join(failures)
+
+
+def test_synthetic_data_is_deterministic_and_skewed() -> None:
+    config = DLRMConfig(num_tables=4, rows_per_table=1000, pooling=4, batch_per_rank=256)
+    a = synthetic_batch(config, 3, 1, 2, seed=7)
+    b = synthetic_batch(config, 3, 1, 2, seed=7)
+    c = synthetic_batch(config, 4, 1, 2, seed=7)
+    assert torch.equal(a.dense, b.dense) and all(
+        torch.equal(x, y) for x, y in zip(a.indices, b.indices, strict=True)
+    )
+    assert not torch.equal(a.dense, c.dense)
+    # Rank 1 owns tables 1 and 3; the ids of rank 0's samples are the ones rank 0 would draw.
+    other = synthetic_batch(config, 3, 0, 2, seed=7)
+    assert len(a.indices) == 2 and len(other.indices) == 2
+    ids = power_law_ids(200_000, 1000, 1.2, torch.Generator().manual_seed(0))
+    counts = torch.bincount(ids, minlength=1000).double()
+    assert int(ids.min()) >= 0 and int(ids.max()) <= 999
+    # A power law: id 0 about 2^1.2 times as frequent as id 1; the top 1% of ids take > 40%.
+    assert 1.8 < float(counts[0] / counts[1]) < 2.9
+    assert float(counts[:10].sum() / counts.sum()) > 0.4
+    uniform = power_law_ids(100_000, 100, 0.0, torch.Generator().manual_seed(0))
+    assert float(torch.bincount(uniform, minlength=100).double().std() / 1000) < 0.15
+
+
+def test_bad_config() -> None:
+    with pytest.raises(ValueError, match="interaction must be one of"):
+        DLRMConfig(interaction="sum")
+    with pytest.raises(ValueError, match="num_tables must be >= 1"):
+        DLRMConfig(num_tables=0)
+    with pytest.raises(ValueError, match="MLP widths"):
+        DLRMConfig(top_mlp=(0,))
+
+
+def test_step_bench_records(pool: PoolFn) -> None:
+    from commfuse.bench.fused_steps import StepBenchConfig, bench_steps_on_rank
+
+    config = StepBenchConfig(iters=2, warmup=1, chunks=2, shapes=((24, 3, 20, 4, 2),))
+    (record,) = pool(2).run(bench_steps_on_rank, config, timeout_s=120)[0]
+    assert record["op"] == "dlrm_step" and record["wrong"] == 0 and record["chunks"] == 2
+    assert record["fused_vs_unfused"] == pytest.approx(record["fused_us"] / record["unfused_us"])
+    with pytest.raises(ValueError, match="unknown --step"):
+        StepBenchConfig(steps=("bert",))

@@ -1,0 +1,188 @@
+"""GEMM + All-to-All and All-to-All + GEMM (MoE combine and dispatch): the fused operators equal
+the unfused references and a global single-process computation exactly (integer-valued inputs,
+float32 and bfloat16: every value is computed exactly and rounded once), forward and backward
+through ``torch.ops.commfuse.*``, for world sizes 1-5, uneven experts per rank, a rank with no
+tokens for some expert, a rank that sends nothing, chunk counts that do not divide the rows; each
+rank sends exactly the bytes of the pairwise reference All-to-All (off-diagonal blocks) and the
+backward sends back what the forward received. Bad routing raises ValueError."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from commfuse.collectives.registry import label
+from commfuse.comm import Communicator
+from commfuse.fused import gemm_alltoall as ga
+from commfuse.fused.chunking import split_sizes
+from commfuse.fused.ops import register_communicator
+from commfuse.testing import RankPool
+
+PoolFn = Callable[[int], RankPool]
+PAIRWISE = label("all_to_all", "pairwise")
+K, H, N = 4, 3, 5  # features in, hidden, out
+
+
+def setup(world: int) -> tuple[list[int], torch.Tensor]:
+    """Uneven experts per rank (world + 1 experts) and counts with zeros: rank 0 sends nothing
+    to the last expert, rank 2 (when there is one) sends nothing at all."""
+    experts = split_sizes(world + 1, world)
+    counts = torch.randint(0, 4, (world, world + 1), generator=torch.Generator().manual_seed(world))
+    counts[0, -1] = 0
+    if world >= 3:
+        counts[2] = 0
+    return experts, counts
+
+
+def rank_data(
+    counts: torch.Tensor, rank: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s token-side rows, the gradient of its output, and each row's expert."""
+    gen = torch.Generator().manual_seed(10 + rank)
+    rows = int(counts[rank].sum())
+    x = torch.randint(-2, 3, (rows, K), generator=gen).to(dtype)
+    g = torch.randint(-2, 3, (rows, N), generator=gen).to(dtype)
+    expert = torch.repeat_interleave(torch.arange(counts.shape[1]), counts[rank])
+    return x, g, expert
+
+
+def full_weights(num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(99)
+    w1 = torch.randint(-2, 3, (num_experts, H, K), generator=gen).double()
+    w2 = torch.randint(-2, 3, (num_experts, N, H), generator=gen).double()
+    return w1, w2
+
+
+def expected(counts: torch.Tensor, world: int, rank: int) -> dict[str, torch.Tensor]:
+    """Output and gradients of ``y = (x W1_e^T) W2_e^T`` per row, all ranks' rows, in float64."""
+    w1, w2 = full_weights(counts.shape[1])
+    w1.requires_grad_(True)
+    w2.requires_grad_(True)
+    mine: dict[str, torch.Tensor] = {}
+    loss = torch.zeros((), dtype=torch.float64)
+    for i in range(world):
+        x, g, e = rank_data(counts, i, torch.float64)
+        x.requires_grad_(True)
+        y = torch.einsum("th,tnh->tn", torch.einsum("tk,thk->th", x, w1[e]), w2[e])
+        loss = loss + (y * g).sum()
+        if i == rank:
+            mine["y"], mine["x"] = y.detach(), x
+    loss.backward()
+    assert w1.grad is not None and w2.grad is not None and mine["x"].grad is not None
+    mine.update(grad_x=mine["x"].grad, grad_w1=w1.grad, grad_w2=w2.grad)
+    return mine
+
+
+def op_grid() -> list[str]:
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    comm_id = register_communicator(comm)
+    experts, counts = setup(world)
+    rt = ga.Routing(comm, counts, experts)
+    flat = counts.reshape(-1).tolist()
+    lo, hi = sum(experts[:rank]), sum(experts[: rank + 1])
+    want = expected(counts, world, rank)
+    failures: list[str] = []
+    for dtype in (torch.float32, torch.bfloat16):
+        w1_full, w2_full = full_weights(counts.shape[1])
+        x0, g, _ = rank_data(counts, rank, dtype)
+        # References, with the pairwise All-to-All so that their bytes are exact.
+        comm.stats.reset()
+        h_ref, _ = ga.alltoall_gemm_reference(
+            comm, rt, x0, w1_full[lo:hi].to(dtype), algo="pairwise"
+        )
+        y_ref = ga.gemm_alltoall_reference(comm, rt, h_ref, w2_full[lo:hi].to(dtype), "pairwise")
+        ref_bytes = comm.stats[PAIRWISE].bytes_sent
+        for chunks in (1, 2, 3, 7):
+            where = f"rank {rank} {dtype} chunks={chunks}"
+            x = x0.clone().requires_grad_(True)
+            w1 = w1_full[lo:hi].to(dtype).requires_grad_(True)
+            w2 = w2_full[lo:hi].to(dtype).requires_grad_(True)
+            comm.stats.reset()
+            h, _ = torch.ops.commfuse.alltoall_gemm(x, w1, flat, experts, comm_id, chunks)
+            y = torch.ops.commfuse.gemm_alltoall(h, w2, flat, experts, comm_id, chunks)
+            forward = comm.stats[ga.LABEL]
+            sent, received = forward.bytes_sent, forward.bytes_recv
+            comm.stats.reset()
+            (y * g).sum().backward()
+            backward = comm.stats[ga.LABEL]
+            assert x.grad is not None and w1.grad is not None and w2.grad is not None
+            checks = {
+                "y": (y, want["y"]),
+                "y vs reference": (y, y_ref),
+                "h vs reference": (h, h_ref),
+                "grad_x": (x.grad, want["grad_x"]),
+                "grad_w1": (w1.grad, want["grad_w1"][lo:hi]),
+                "grad_w2": (w2.grad, want["grad_w2"][lo:hi]),
+            }
+            for name, (got, exp) in checks.items():
+                if not torch.equal(got, exp.to(dtype)):
+                    failures.append(f"{where}: {name} differs: {got.tolist()} vs {exp.tolist()}")
+            if chunks > 1 and world > 1:
+                if sent != ref_bytes:
+                    failures.append(f"{where}: fused sent {sent} bytes, reference {ref_bytes}")
+                if backward.bytes_sent != received:
+                    failures.append(
+                        f"{where}: backward sent {backward.bytes_sent}, forward received {received}"
+                    )
+    return failures
+
+
+def bad_inputs() -> list[str]:
+    comm = Communicator()
+    world = comm.world_size
+    experts, counts = setup(world)
+    rt = ga.Routing(comm, counts, experts)
+    w = torch.zeros(experts[comm.rank], N, H)
+    messages = []
+    attempts: list[Callable[[], object]] = [
+        lambda: ga.Routing(comm, counts[:, :-1], experts),
+        lambda: ga.Routing(comm, counts, [0] * world),
+        lambda: ga.gemm_alltoall(comm, rt, torch.zeros(rt.recv_start[-1] + 1, H), w, chunks=2),
+        lambda: ga.gemm_alltoall(comm, rt, torch.zeros(rt.recv_start[-1], H + 1), w, chunks=2),
+        lambda: ga.gemm_alltoall(comm, rt, torch.zeros(rt.recv_start[-1], H), w, chunks=0),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+            messages.append("no error")
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_moe_operators_exact(pool: PoolFn, world: int) -> None:
+    failures = [f for r in pool(world).run(op_grid, timeout_s=120) for f in r]
+    assert not failures, "\n".join(failures[:8])
+
+
+def test_moe_operators_bad_input(pool: PoolFn) -> None:
+    messages = pool(2).run(bad_inputs, timeout_s=60)[0]
+    assert "counts must be" in messages[0]
+    assert "experts_per_rank needs 2 entries >= 1" in messages[1]
+    assert "expert-side rows must be" in messages[2]
+    assert "must equal the weight's in_features" in messages[3]
+    assert "chunks must be >= 1" in messages[4]
+
+
+def test_bench_gemm_alltoall_records(pool: PoolFn) -> None:
+    from commfuse.bench.fused import FusedBenchConfig, bench_fused_on_rank
+
+    config = FusedBenchConfig(ops=("gemm_alltoall",), iters=1, warmup=1, shapes=((40, 8, 12, 2),))
+    records = pool(3).run(bench_fused_on_rank, config, timeout_s=120)[0]
+    assert [r["op"] for r in records] == ["gemm_alltoall"]
+    r = records[0]
+    assert r["wrong"] == 0 and r["world_size"] == 3 and r["shape"] == [40, 8, 12, 2]
+    assert 1 <= r["chunks"] <= 8 and r["ideal_us"] == max(r["compute_us"], r["comm_us"])
+
+
+def test_bench_moe_step_records(pool: PoolFn) -> None:
+    from commfuse.bench.fused import FusedBenchConfig, bench_fused_on_rank
+
+    config = FusedBenchConfig(ops=("moe_step",), iters=1, warmup=1, shapes=((16, 8, 8, 1),))
+    records = pool(2).run(bench_fused_on_rank, config, timeout_s=120)[0]
+    assert [r["op"] for r in records] == ["moe_step"]
+    assert records[0]["wrong"] == 0 and records[0]["chunks"] >= 1

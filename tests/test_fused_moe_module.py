@@ -1,0 +1,203 @@
+"""ExpertParallelMoE: top-k gating, capacity, experts sharded across ranks, both All-to-Alls
+fused. Forward: fused (3 chunks) equals unfused (1 chunk) bitwise (integer-valued experts, so
+expert outputs are exact) and the single-process ``dense_moe_reference`` over the global batch
+(float32: rtol 1e-5; bfloat16: rtol 2e-2). Backward: float32 gradients of x, experts and the
+gate (averaged like a data-parallel parameter) match the dense model's (rtol 1e-4); bfloat16
+gradients of the fused and unfused layers agree (rtol 2e-2). World sizes 1-5, a rank with no
+tokens, uneven experts per rank, dropped assignments; mismatched features raise ValueError; the
+automatic chunk choice is agreed by all ranks. The fallback choice itself is tested in one
+process (``choose_against_unfused``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from commfuse.comm import Communicator
+from commfuse.fused import ChunkConfig, ExpertParallelMoE
+from commfuse.fused.fallback import Measured, choose_against_unfused, confirm_by_trial
+from commfuse.fused.moe import dense_moe_reference, route_tokens
+from commfuse.testing import RankPool
+
+PoolFn = Callable[[int], RankPool]
+D, HID = 6, 4
+TOKENS = [5, 0, 7, 3, 6]  # rank 1 has no tokens
+
+
+def tokens(rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(50 + rank)
+    x = torch.randint(-2, 3, (TOKENS[rank], D), generator=gen).to(dtype)
+    g = torch.randint(-2, 3, (TOKENS[rank], D), generator=gen).to(dtype)
+    return x, g
+
+
+def integer_experts(num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    w1 = torch.randint(-1, 2, (num_experts, HID, D), generator=gen).float()
+    w2 = torch.randint(-1, 2, (num_experts, D, HID), generator=gen).float()
+    return w1, w2
+
+
+def make_layer(
+    comm: Communicator, num_experts: int, cf: float | None, dtype: torch.dtype, chunks: int | None
+) -> ExpertParallelMoE:
+    layer = ExpertParallelMoE(
+        D,
+        HID,
+        num_experts,
+        comm,
+        top_k=2,
+        capacity_factor=cf,
+        activation="relu",
+        dtype=dtype,
+        chunk_config=ChunkConfig(num_chunks=chunks),
+        seed=3,
+    )
+    w1, w2 = integer_experts(num_experts)
+    lo, hi = layer.expert_range
+    with torch.no_grad():
+        layer.w1.copy_(w1[lo:hi])
+        layer.w2.copy_(w2[lo:hi])
+    return layer
+
+
+def module_grid(num_experts: int, cf: float | None) -> tuple[list[str], int]:
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    failures: list[str] = []
+    kept = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        x0, g = tokens(rank, dtype)
+        results = {}
+        for chunks in (1, 3):
+            layer = make_layer(comm, num_experts, cf, dtype, chunks)
+            x = x0.clone().requires_grad_(True)
+            out = layer(x)
+            (out * g).sum().backward()
+            assert x.grad is not None and layer.gate.grad is not None
+            gate_grad = layer.gate.grad.float().clone()
+            comm.all_reduce(gate_grad)  # what data parallelism does with the replicated gate
+            results[chunks] = (layer, out, x.grad, gate_grad)
+        where = f"rank {rank} {dtype} experts={num_experts} cf={cf}"
+        (l1, out1, gx1, gg1), (l3, out3, gx3, gg3) = results[1], results[3]
+        if not torch.equal(out1, out3):
+            failures.append(f"{where}: fused output differs from unfused")
+        # The dense model over the global batch (each rank's tokens routed with its capacity).
+        w1, w2 = (w.to(dtype).requires_grad_(True) for w in integer_experts(num_experts))
+        gate = l1.gate.detach().clone().requires_grad_(True)
+        loss = torch.zeros(())
+        mine: torch.Tensor | None = None
+        for i in range(world):
+            xi, gi = tokens(i, dtype)
+            xi.requires_grad_(True)
+            yi = dense_moe_reference(
+                xi, gate, w1, w2, top_k=2, capacity_factor=cf, activation="relu"
+            )
+            loss = loss + (yi.float() * gi.float()).sum()
+            if i == rank:
+                mine, x_ref, y_ref = xi, xi, yi
+        loss.backward()
+        assert mine is not None and x_ref.grad is not None and w1.grad is not None
+        assert w2.grad is not None and gate.grad is not None
+        lo, hi = l1.expert_range
+        tol = (
+            {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+        )
+        if not torch.allclose(out3.float(), y_ref.float(), **tol):
+            failures.append(f"{where}: output differs from the dense reference")
+        grads = {
+            "grad_x": (gx3, gx1, x_ref.grad),
+            "grad_w1": (l3.w1.grad, l1.w1.grad, w1.grad[lo:hi]),
+            "grad_w2": (l3.w2.grad, l1.w2.grad, w2.grad[lo:hi]),
+            "grad_gate": (gg3, gg1, gate.grad),
+        }
+        for name, (fused, unfused, dense) in grads.items():
+            assert fused is not None and unfused is not None
+            if not torch.allclose(fused.float(), unfused.float(), rtol=2e-2, atol=5e-2):
+                failures.append(f"{where}: {name} fused vs unfused differ")
+            if dtype == torch.float32 and not torch.allclose(fused, dense, rtol=1e-4, atol=1e-4):
+                failures.append(f"{where}: {name} differs from dense {fused} {dense}")
+        routed = route_tokens(x0 @ l1.gate.detach().t(), 2, capacity_factor=cf, normalize=True)
+        kept = int(routed.counts.sum())
+    return failures, kept
+
+
+def mismatched_features() -> str:
+    comm = Communicator()
+    width = D + comm.rank
+    layer = ExpertParallelMoE(width, HID, 2, comm, top_k=1)
+    try:
+        layer(torch.ones(3, width))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def auto_chunks() -> tuple[int, bool]:
+    comm = Communicator()
+    x, _ = tokens(comm.rank, torch.float32)
+    auto = make_layer(comm, comm.world_size + 1, None, torch.float32, None)
+    ref = make_layer(comm, comm.world_size + 1, None, torch.float32, 1)
+    out = auto(x)
+    return auto._chunks[torch.float32], torch.equal(out, ref(x))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_moe_module(pool: PoolFn, world: int) -> None:
+    results = pool(world).run(module_grid, world + 2, None, timeout_s=180)
+    failures = [f for fs, _ in results for f in fs]
+    assert not failures, "\n".join(failures[:8])
+
+
+def test_moe_module_capacity_drops(pool: PoolFn) -> None:
+    # capacity ceil(0.5 * T * 2 / 4) per expert: some of the T * 2 assignments are dropped.
+    results = pool(3).run(module_grid, 4, 0.5, timeout_s=180)
+    failures = [f for fs, _ in results for f in fs]
+    assert not failures, "\n".join(failures[:8])
+    assert sum(kept for _, kept in results) < 2 * sum(TOKENS[:3])
+
+
+def test_moe_mismatched_features(pool: PoolFn) -> None:
+    for message in pool(2).run(mismatched_features, timeout_s=60):
+        assert "ranks passed different token features" in message
+        assert "rank 0: 6 features" in message and "rank 1: 7 features" in message
+
+
+def test_moe_auto_chunks_agree(pool: PoolFn) -> None:
+    results = pool(3).run(auto_chunks, timeout_s=120)
+    assert len({k for k, _ in results}) == 1 and results[0][0] >= 1
+    assert all(same for _, same in results)
+
+
+def test_fallback_choice() -> None:
+    # Fused transport slower than gloo's: chunking is predicted to lose, so one chunk.
+    slow = Measured(compute_us=100, fused_comm_us=200, unfused_comm_us=100, overhead_us=1)
+    assert choose_against_unfused(slow, max_chunks=16, min_gain=0.05) == 1
+    # Same transport, C = M: chunking pays (max + min / k + k o, k* = sqrt(100 / 1) = 10).
+    even = Measured(compute_us=100, fused_comm_us=100, unfused_comm_us=100, overhead_us=1)
+    assert choose_against_unfused(even, max_chunks=16, min_gain=0.05) == 10
+    # One side negligible: nothing to hide.
+    tiny = Measured(compute_us=1, fused_comm_us=1000, unfused_comm_us=1000, overhead_us=5)
+    assert choose_against_unfused(tiny, max_chunks=16, min_gain=0.05) == 1
+
+
+def trial_choices() -> tuple[int, int]:
+    """A fused candidate 20x slower than unfused is rejected, one 20x faster kept (real runs)."""
+    comm = Communicator()
+
+    def slow(_: int) -> None:
+        time.sleep(0.04)
+
+    def fast(_: int = 0) -> None:
+        time.sleep(0.002)
+
+    rejected = confirm_by_trial(comm, 4, slow, fast, runs=3, min_gain=0.05)
+    kept = confirm_by_trial(comm, 4, fast, lambda: slow(0), runs=3, min_gain=0.05)
+    return rejected, kept
+
+
+def test_fallback_trial(pool: PoolFn) -> None:
+    assert pool(2).run(trial_choices, timeout_s=60) == [(1, 4), (1, 4)]

@@ -1,0 +1,261 @@
+"""AllGather + GEMM and GEMM + ReduceScatter (sequence parallelism): the fused rings and the
+unfused references equal the single-process product, forward and backward (through
+torch.ops.commfuse.*), for world sizes 1-5, equal and uneven sequence shards (an empty shard
+included), uneven feature shards (an empty one at P = 5), float32 and bfloat16 (integer-valued
+inputs: every sum is exact in both); each ring sends exactly a ring collective's bytes (the
+reference's ring algorithm's, when shards are equal) and its backward the mirror collective's;
+the modules match a single-process linear; bad input raises a clear ValueError."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from commfuse.collectives.registry import label
+from commfuse.comm import Communicator
+from commfuse.fused import ChunkConfig
+from commfuse.fused import sequence_parallel as sp
+from commfuse.fused.chunking import split_sizes
+from commfuse.fused.ops import register_communicator
+from commfuse.fused.sequence_modules import (
+    ColumnParallelLinear,
+    SequenceParallelRowLinear,
+    allgather_gemm_op,
+    gemm_reducescatter_op,
+)
+from commfuse.testing import RankPool
+
+PoolFn = Callable[[int], RankPool]
+
+
+def ints(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randint(-2, 3, shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def seq_splits(world: int, uneven: bool) -> list[int]:
+    if not uneven:
+        return [2] * world
+    return {1: [3], 2: [3, 1]}.get(world, [3, 0, 1, 2, 4][:world])
+
+
+def shard(total: int, world: int, rank: int) -> slice:
+    sizes = split_sizes(total, world)
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def grid() -> list[str]:
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    cid = register_communicator(comm)
+    failures: list[str] = []
+    k_in, n_out = 6, 5
+    for dtype in (torch.float32, torch.bfloat16):
+        es = torch.tensor([], dtype=dtype).element_size()
+        for uneven in (False, True):
+            splits = seq_splits(world, uneven)
+            s_total, starts = sum(splits), [sum(splits[:j]) for j in range(world)]
+            mine = slice(starts[rank], starts[rank] + splits[rank])
+            full_x = ints((s_total, k_in), 1, dtype)
+            full_w = ints((n_out, k_in), 2, dtype)
+            grad = ints((s_total, n_out), 3, dtype)
+            for chunks in (1, 2):
+                where = f"rank {rank}/{world} {dtype} splits={splits} chunks={chunks}"
+                # AllGather + GEMM: column-parallel (output features sharded).
+                cols = shard(n_out, world, rank)
+                x = full_x[mine].clone().requires_grad_(True)
+                w = full_w[cols].clone().requires_grad_(True)
+                comm.stats.reset()
+                y, gathered = allgather_gemm_op(x, w, splits, cid, chunks)
+                fwd = comm.stats[sp.LABEL_AG]
+                if not torch.equal(y, full_x @ full_w[cols].t()) or not torch.equal(
+                    gathered, full_x
+                ):
+                    failures.append(f"{where}: allgather_gemm forward differs")
+                comm.stats.reset()
+                (y * grad[:, cols]).sum().backward()
+                bwd = comm.stats[sp.LABEL_RS]
+                want_gx = (grad.float() @ full_w.float()).to(dtype)[mine]  # summed over ranks
+                want_gw = grad[:, cols].t() @ full_x
+                if x.grad is None or not torch.equal(x.grad, want_gx):
+                    failures.append(f"{where}: allgather_gemm grad_x differs")
+                if w.grad is None or not torch.equal(w.grad, want_gw):
+                    failures.append(f"{where}: allgather_gemm grad_w differs")
+                if chunks > 1 and world > 1:
+                    right = (rank + 1) % world
+                    want = sum(n for j, n in enumerate(splits) if j != right) * k_in * es
+                    msgs = sum(1 for j, n in enumerate(splits) if j != right and n)
+                    if (fwd.bytes_sent, fwd.messages_sent) != (want, msgs):
+                        failures.append(
+                            f"{where}: AG sent {fwd.bytes_sent}B/{fwd.messages_sent}, want {want}/{msgs}"
+                        )
+                    want_rs = sum(n for j, n in enumerate(splits) if j != rank) * k_in * es
+                    if bwd.bytes_sent != want_rs:
+                        failures.append(
+                            f"{where}: AG backward sent {bwd.bytes_sent}, want {want_rs}"
+                        )
+                    if not uneven:  # equal shards: exactly the ring allgather's bytes
+                        comm.stats.reset()
+                        sp.allgather_gemm_reference(
+                            comm, x.detach(), w.detach(), splits=splits, algo="ring"
+                        )
+                        ring = comm.stats[label("allgather", "ring")].bytes_sent
+                        if ring != fwd.bytes_sent:
+                            failures.append(
+                                f"{where}: AG sent {fwd.bytes_sent}, ring reference {ring}"
+                            )
+                # GEMM + ReduceScatter: row-parallel (input features sharded, 4 of them: an
+                # empty shard at P = 5).
+                kin = shard(4, world, rank)
+                full_a = ints((s_total, 4), 4, dtype)
+                full_v = ints((n_out, 4), 5, dtype)
+                a = full_a[:, kin].clone().requires_grad_(True)
+                v = full_v[:, kin].clone().requires_grad_(True)
+                comm.stats.reset()
+                z = gemm_reducescatter_op(a, v, splits, cid, chunks)
+                fwd = comm.stats[sp.LABEL_RS]
+                if not torch.equal(z, (full_a @ full_v.t())[mine]):
+                    failures.append(f"{where}: gemm_reducescatter forward differs")
+                ref = sp.gemm_reducescatter_reference(comm, a.detach(), v.detach(), splits=splits)
+                if not torch.equal(ref, z.detach()):
+                    failures.append(f"{where}: fused differs from the unfused reference")
+                comm.stats.reset()
+                (z * grad[mine]).sum().backward()
+                bwd = comm.stats[sp.LABEL_AG]
+                if a.grad is None or not torch.equal(a.grad, grad @ full_v[:, kin]):
+                    failures.append(f"{where}: gemm_reducescatter grad_a differs")
+                if v.grad is None or not torch.equal(v.grad, grad.t() @ full_a[:, kin]):
+                    failures.append(f"{where}: gemm_reducescatter grad_w differs")
+                if chunks > 1 and world > 1:
+                    want = sum(n for j, n in enumerate(splits) if j != rank) * n_out * es
+                    if fwd.bytes_sent != want:
+                        failures.append(f"{where}: RS sent {fwd.bytes_sent}, want {want}")
+                    right = (rank + 1) % world
+                    want_ag = sum(n for j, n in enumerate(splits) if j != right) * n_out * es
+                    if bwd.bytes_sent != want_ag:
+                        failures.append(
+                            f"{where}: RS backward sent {bwd.bytes_sent}, want {want_ag}"
+                        )
+                    if not uneven:
+                        comm.stats.reset()
+                        sp.gemm_reducescatter_reference(
+                            comm, a.detach(), v.detach(), splits=splits, algo="ring"
+                        )
+                        ring = comm.stats[label("reduce_scatter", "ring")].bytes_sent
+                        if ring != fwd.bytes_sent:
+                            failures.append(
+                                f"{where}: RS sent {fwd.bytes_sent}, ring reference {ring}"
+                            )
+    return failures
+
+
+def modules() -> list[str]:
+    """Column then row layer over [S_r, batch=2, hidden] against one process's nn.Linear pair."""
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    failures: list[str] = []
+    for config in (ChunkConfig(num_chunks=2), ChunkConfig()):
+        col = ColumnParallelLinear(6, 7, comm, chunk_config=config, seed=1)
+        row = SequenceParallelRowLinear(7, 6, comm, chunk_config=config, seed=2)
+        ref1, ref2 = torch.nn.Linear(6, 7), torch.nn.Linear(7, 6)
+        with torch.no_grad():
+            for ref, mod, seed in ((ref1, col, 1), (ref2, row, 2)):
+                full_w = ints(tuple(ref.weight.shape), 10 + seed, torch.float32)
+                full_b = ints(tuple(ref.bias.shape), 20 + seed, torch.float32)
+                ref.weight.copy_(full_w)
+                ref.bias.copy_(full_b)
+                if isinstance(mod, ColumnParallelLinear):
+                    mod.weight.copy_(full_w[slice(*mod.out_range)])
+                    assert mod.bias is not None
+                    mod.bias.copy_(full_b[slice(*mod.out_range)])
+                else:
+                    mod.weight.copy_(full_w[:, slice(*mod.in_range)])
+                    assert mod.bias is not None
+                    mod.bias.copy_(full_b)
+        splits = split_sizes(3 * world + 1, world)
+        full = ints((sum(splits), 2, 6), 30, torch.float32)
+        mine = slice(sum(splits[:rank]), sum(splits[: rank + 1]))
+        x = full[mine].clone().requires_grad_(True)
+        out = row(col(x, splits), splits)
+        truth_x = full.clone().requires_grad_(True)
+        truth = ref2(ref1(truth_x))
+        where = f"rank {rank}/{world} {config}"
+        if out.shape != truth[mine].shape or not torch.equal(out, truth[mine]):
+            failures.append(f"{where}: modules differ from nn.Linear")
+        out.sum().backward()
+        truth.sum().backward()  # every rank's rows: the weights see all of them
+        assert truth_x.grad is not None
+        if x.grad is None or not torch.equal(x.grad, truth_x.grad[mine]):
+            failures.append(f"{where}: input gradient differs")
+        if col.weight.grad is None or not torch.equal(
+            col.weight.grad, ref1.weight.grad[slice(*col.out_range)]
+        ):  # type: ignore[index]
+            failures.append(f"{where}: column weight gradient differs")
+        if row.weight.grad is None or not torch.equal(
+            row.weight.grad, ref2.weight.grad[:, slice(*row.in_range)]
+        ):  # type: ignore[index]
+            failures.append(f"{where}: row weight gradient differs")
+    return failures
+
+
+def errors() -> list[str]:
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    failures: list[str] = []
+    x, w = torch.ones(2, 3), torch.ones(4, 3)
+    checks: dict[str, Callable[[], object]] = {
+        "splits needs": lambda: sp.allgather_gemm(comm, x, w, splits=[2] * (world + 1)),
+        "has 2 rows but splits": lambda: sp.allgather_gemm(comm, x, w, splits=[1] * world),
+        "need x [rows, K]": lambda: sp.gemm_reducescatter(comm, x, torch.ones(4, 2)),
+        "cast one of them": lambda: sp.allgather_gemm(comm, x, w.double()),
+        "chunks must be >= 1": lambda: sp.gemm_reducescatter(comm, x, w, chunks=0),
+    }
+    for needle, call in checks.items():
+        try:
+            call()
+            failures.append(f"rank {rank}: no error for {needle!r}")
+        except ValueError as err:
+            if needle not in str(err):
+                failures.append(f"rank {rank}: unclear error {err}")
+    # Ranks disagreeing on the hidden size: every rank raises, naming each rank's shape.
+    col = ColumnParallelLinear(3 + rank % 2, 4, comm)
+    try:
+        col(torch.ones(2, 3 + rank % 2))
+        if world > 1:
+            failures.append(f"rank {rank}: mismatched hidden sizes went through")
+    except ValueError as err:
+        if "ranks passed different tensors" not in str(err):
+            failures.append(f"rank {rank}: unclear error {err}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_sequence_parallel_ops(pool: PoolFn, world: int) -> None:
+    failures = [f for r in pool(world).run(grid, timeout_s=180) for f in r]
+    assert not failures, "\n".join(failures[:8])
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_sequence_parallel_modules(pool: PoolFn, world: int) -> None:
+    failures = [f for r in pool(world).run(modules, timeout_s=180) for f in r]
+    assert not failures, "\n".join(failures[:8])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sequence_parallel_errors(pool: PoolFn, world: int) -> None:
+    failures = [f for r in pool(world).run(errors, timeout_s=120) for f in r]
+    assert not failures, "\n".join(failures[:8])
+
+
+def test_bench_records(pool: PoolFn) -> None:
+    from commfuse.bench.fused import FusedBenchConfig, bench_fused_on_rank
+
+    ops = ("allgather_gemm", "gemm_reducescatter")
+    config = FusedBenchConfig(ops=ops, iters=1, warmup=1, shapes=((9, 8, 6),))
+    records = pool(2).run(bench_fused_on_rank, config, timeout_s=120)[0]
+    assert [r["op"] for r in records] == list(ops)
+    for r in records:
+        assert r["wrong"] == 0 and r["world_size"] == 2 and r["chunks"] in (1, 2)
+        assert r["ideal_us"] == max(r["compute_us"], r["comm_us"])
