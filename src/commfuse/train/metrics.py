@@ -5,8 +5,12 @@ Definitions (the same for ``train --json`` and ``compare``):
 * ``step_time_s``: median of rank 0's step times, after the first ``warmup`` steps (the first
   steps pay one-off costs: bucket rebuilds, allocator growth, PowerSGD's uncompressed warm-up).
 * ``compute_step_time_s``: median of the steps timed with communication skipped (``loop.py``).
-* ``bytes_per_step``: median over the same steps of the bytes rank 0 handed to collectives
-  (payload per rank; a ring allreduce puts 2(P-1)/P of it on each rank's link).
+* ``mean_step_time_s``: the mean over the same steps, which includes the rare synchronising
+  steps of the local-SGD family (the median skips them); speed-ups use it.
+* ``bytes_per_step``: mean over the same steps of the bytes rank 0 handed to collectives
+  (payload per rank; a ring allreduce puts 2(P-1)/P of it on each rank's link; a mean, so a
+  strategy that sends every H steps is charged 1/H of an exchange per step), and
+  ``peak_bytes_per_step`` the most it sent in one step (a synchronisation's burst).
 * ``loss_curve``: the training loss averaged over ranks at each step, then a trailing moving
   average over ``window`` steps (a single rank's 512-symbol batch is noisy);
   ``final_loss`` is its last value, so strategies are compared on the same smoothed quantity.
@@ -63,7 +67,9 @@ def summarize(
         "steps": steps,
         "step_time_s": statistics.median(times[timed]),
         "compute_step_time_s": statistics.median(compute) if compute else None,
-        "bytes_per_step": statistics.median(hist["bytes"][timed]),
+        "mean_step_time_s": statistics.fmean(times[timed]),
+        "bytes_per_step": statistics.fmean(hist["bytes"][timed]),
+        "peak_bytes_per_step": max(hist["bytes"]),
         "bytes_total": sum(hist["bytes"]),
         "skipped_steps": int(sum(hist["skipped"])),
         "final_loss": curve[-1],
