@@ -124,8 +124,11 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
         if resumed_state is not None:
             strategy.load_state_dict(resumed_state["strategy"])
             ckpt.set_rng_state(resumed_state["rng"])
+        # Bytes are charged from one end of step to the next, not from the start of a step:
+        # an exchange running on a worker thread (streaming DiLoCo) counts its bytes whenever
+        # its sends happen, including between two steps.
+        sent_before = strategy.bytes_sent()
         for step in range(start, config.steps):
-            sent_before = strategy.bytes_sent()
             t0 = time.perf_counter()
             with comm.at_step(step):
                 batch = workload.batch(step, rank, world, seed=config.seed)
@@ -135,7 +138,8 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
                 strategy.sync()
                 applied = strategy.optimizer_step()
             elapsed = time.perf_counter() - t0
-            sent = strategy.bytes_sent() - sent_before
+            sent_now = strategy.bytes_sent()
+            sent, sent_before = sent_now - sent_before, sent_now
             history["loss"].append(float(loss.detach()))
             history["step_time_s"].append(elapsed)
             history["bytes"].append(float(sent))
@@ -147,6 +151,9 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             if config.checkpoint_dir and (done == config.steps or (every and done % every == 0)):
                 _save(config, comm, strategy, optimizer, module, history, done, world)
         strategy.finish()
+        if history["bytes"]:
+            # An exchange still in flight at the last step is real traffic of that step.
+            history["bytes"][-1] += float(strategy.bytes_sent() - sent_before)
         result: dict[str, Any] = {
             "rank": rank,
             "start_step": start,

@@ -7,7 +7,7 @@ Definitions (the same for ``train --json`` and ``compare``):
 * ``compute_step_time_s``: median of the steps timed with communication skipped (``loop.py``).
 * ``mean_step_time_s``: the mean over the same steps, which includes the rare synchronising
   steps of the local-SGD family (the median skips them); speed-ups use it.
-* ``bytes_per_step``: mean over the same steps of the bytes rank 0 handed to collectives
+* ``bytes_per_step``: mean over all steps of the bytes rank 0 handed to collectives
   (payload per rank; a ring allreduce puts 2(P-1)/P of it on each rank's link; a mean, so a
   strategy that sends every H steps is charged 1/H of an exchange per step), and
   ``peak_bytes_per_step`` the most it sent in one step (a synchronisation's burst).
@@ -68,7 +68,9 @@ def summarize(
         "step_time_s": statistics.median(times[timed]),
         "compute_step_time_s": statistics.median(compute) if compute else None,
         "mean_step_time_s": statistics.fmean(times[timed]),
-        "bytes_per_step": statistics.fmean(hist["bytes"][timed]),
+        # Over all steps: warm-up steps send as much as any, and a periodic strategy's
+        # synchronisations must be averaged over the whole period.
+        "bytes_per_step": statistics.fmean(hist["bytes"]),
         "peak_bytes_per_step": max(hist["bytes"]),
         "bytes_total": sum(hist["bytes"]),
         "skipped_steps": int(sum(hist["skipped"])),
