@@ -15,7 +15,8 @@ import torch
 
 from commfuse.cli import main
 from commfuse.collectives import cost as C
-from commfuse.collectives.tuner import best_block_bytes, predict
+from commfuse.collectives.pipeline import PIPELINE_BLOCK_ALPHA_S
+from commfuse.collectives.tuner import predict
 from commfuse.sim import (
     ClusterModel,
     Demand,
@@ -56,11 +57,16 @@ def test_idle_network_matches_closed_forms(hosts: int, nbytes: int) -> None:
     lg = math.ceil(math.log2(hosts))
     assert _close(tree, lg * (link.alpha_s + nbytes * link.beta_s_per_byte))
     lp = collective_time_s("broadcast", "lp", nbytes, cluster)
-    # At the block the tuner would run it with (powers of two, C.lp_best_block_bytes' optimum).
-    b = best_block_bytes("broadcast", nbytes, hosts, profile_of(cluster))
-    assert _close(
-        lp, (hosts - 1 + math.ceil(nbytes / b)) * (link.alpha_s + b * link.beta_s_per_byte)
+    # At the block collectives/pipeline.py cuts with no block size (0.5 ms per block, whole
+    # fp32 elements); filling the chain pays alpha and beta per hop, then the per-block alpha
+    # runs under the wire (sim/lp.py).
+    code_link = C.LinkCost(alpha_s=PIPELINE_BLOCK_ALPHA_S, beta_s_per_byte=link.beta_s_per_byte)
+    b = min(nbytes, max(1, C.lp_best_block_bytes(nbytes, hosts, code_link) // 4) * 4)
+    steps = math.ceil(nbytes / b)
+    by_hand = (hosts - 1) * link.alpha_s + (steps - 1) * max(
+        0.0, link.alpha_s - b * link.beta_s_per_byte
     )
+    assert _close(lp, by_hand + (nbytes + (hosts - 2) * b) * link.beta_s_per_byte)
     # The same numbers the tuner predicts with this cluster as its profile.
     profile = profile_of(cluster)
     for collective, algo in (

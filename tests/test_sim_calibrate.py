@@ -12,7 +12,7 @@ import math
 import pytest
 
 from commfuse.collectives import cost as C
-from commfuse.sim import ClusterModel, Strategy, build_step, collective_time_s
+from commfuse.sim import ClusterModel, Strategy, build_step, collective_time_s, simulate_step
 from commfuse.sim.calibrate import (
     CALIBRATION_MLP,
     SGD_BYTES_PER_PARAM_BYTE,
@@ -173,6 +173,10 @@ def test_fit_cluster_recovers_a_known_cluster_from_its_own_times() -> None:
             times.append(SGD_BYTES_PER_PARAM_BYTE * cfg["bytes"] / 6.0e9)
         elif kind == "cast":
             times.append(cfg["bytes"] / 1e9)
+        elif kind == "step":  # the communicating step: a CPU cost of 800 us per MB to recover
+            strategy = Strategy(bucket_cap_mb=cfg["bucket_cap_mb"], first_bucket_cap_mb=1.0)
+            slowed = dataclasses.replace(truth, comm_cpu_us_per_mbyte=800.0)
+            times.append(simulate_step(slowed, workload, strategy).step_s)
         else:
             optimizer = workload.param_bytes * SGD_BYTES_PER_PARAM_BYTE / 6.0e9
             times.append(workload.flops / 1.5e10 + optimizer)
@@ -189,6 +193,7 @@ def test_fit_cluster_recovers_a_known_cluster_from_its_own_times() -> None:
         "mem_gbyte_per_s",
     ):
         assert math.isclose(getattr(fitted, name), getattr(truth, name), rel_tol=1e-6), name
+    assert math.isclose(fitted.comm_cpu_us_per_mbyte, 800.0, rel_tol=1e-4)
     for collective, algo in (
         ("allreduce", "native"),
         ("broadcast", "native"),

@@ -2,7 +2,7 @@
 
 What is measured (``measure.py``, round-robin, median of ``reps``, slowest rank) and fitted
 (``fit.py``, relative least squares with Huber weights, on host links with the base cluster's
-token-bucket burst, ``inter_burst_kbyte``):
+token-bucket burst, ``inter_burst_kbyte``, no faster than its shaped rate ``inter_gbit_per_s``):
 
 1. **Host link, point to point**: ping-pongs of ``P2P_SIZES`` between rank 0 and the next host;
    alpha + n beta fitted -> ``inter_latency_us``, ``inter_gbit_per_s``. This prices commfuse's
@@ -17,6 +17,14 @@ token-bucket burst, ``inter_burst_kbyte``):
 4. **Compute**: forward, backward and SGD step of ``CALIBRATION_MLP`` with no communication on
    every rank at once; its FLOPs (PyTorch's counter on the meta device) over the time left after
    the modelled optimizer give ``flops_per_s``.
+5. **CPU cost of communication**: the same MLP's torch DDP step (25 MB buckets: its 1 MB first
+   bucket runs under the rest of backward, the other after it), every rank at once. With small
+   buckets the step is bound by its queue of allreduces, and a slower backward hides behind the
+   queue: the step barely moves with the coefficient, which is then ill-determined; here it
+   moves linearly; ``comm_cpu_us_per_mbyte`` is
+   the coefficient at which the simulated step (``cpu_share.py``) matches it, by bisection.
+   Fitted on the calibration MLP only, after every other quantity, so it absorbs only what the
+   free-overlap model misses: the network's CPU time on the shared cores.
 
 Kept apart from validation (``validate.py``): the validation collectives use other sizes
 (``validate.VALIDATION_SIZES`` interleave these) and other algorithms, and its training steps
@@ -29,7 +37,9 @@ import dataclasses
 from typing import Any
 
 from commfuse.sim.cluster import ClusterModel, CollectiveLink
+from commfuse.sim.cpu_share import fit_comm_cpu
 from commfuse.sim.fit import LinkFit, fit_link, native_model, point_to_point, with_burst
+from commfuse.sim.strategy import Strategy
 from commfuse.sim.workload import Workload, from_module
 
 KB, MB = 1 << 10, 1 << 20
@@ -44,6 +54,14 @@ LOCAL_BYTES = 16 * MB
 CALIBRATION_MLP = {"in": 512, "width": 768, "depth": 4, "out": 10, "batch": 32}
 #: SGD without momentum reads the weight and the gradient and writes the weight.
 SGD_BYTES_PER_PARAM_BYTE = 3.0
+#: The communicating step of the calibration MLP that ``comm_cpu_us_per_mbyte`` is fitted to.
+COMM_STEP: dict[str, Any] = {
+    "kind": "step",
+    "engine": "torch-ddp",
+    "bucket_cap_mb": 25.0,
+    "model": CALIBRATION_MLP,
+    "algo": "native",
+}
 
 
 def mlp_workload(spec: dict[str, int], name: str) -> Workload:
@@ -65,6 +83,7 @@ def calibration_configs(*, quick: bool = False) -> list[dict[str, Any]]:
     out += [{"kind": "p2p", "bytes": n} for n in P2P_SIZES]
     out += [{"kind": k, "bytes": LOCAL_BYTES} for k in ("reduce", "memory", "cast")]
     out.append({"kind": "compute", "model": CALIBRATION_MLP})
+    out.append(dict(COMM_STEP))
     return out
 
 
@@ -96,6 +115,7 @@ def fit_cluster(
             with_burst(point_to_point, burst),
             [c["bytes"] for c, _ in p2p],
             [t for _, t in p2p],
+            max_gbit_per_s=base.inter_gbit_per_s,
         )
     }
     links = []
@@ -108,6 +128,7 @@ def fit_cluster(
             [c["bytes"] for c, _ in rows],
             [t for _, t in rows],
             gamma_s_per_byte=gamma,
+            max_gbit_per_s=base.inter_gbit_per_s,
         )
         fits[key] = fit
         links.append(
@@ -135,7 +156,36 @@ def fit_cluster(
         # ReLU and the loss are small beside the matrix products here).
         compute_s = max(step_s - optimizer_s, 0.1 * step_s)
         cluster = dataclasses.replace(cluster, flops_per_s=workload.flops / compute_s)
+        if "step" in by_kind:
+            cfg, step_s = by_kind["step"][0]
+            cluster = dataclasses.replace(
+                cluster, comm_cpu_us_per_mbyte=fit_comm_cpu_of(cluster, cfg, step_s)
+            )
     return cluster, fits
+
+
+def comm_step_strategy(cfg: dict[str, Any]) -> Strategy:
+    """The simulator's view of a torch DDP step config (DDP caps its first bucket at 1 MB)."""
+    return Strategy(
+        algorithm=cfg.get("algo", "native"),
+        bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0),
+        first_bucket_cap_mb=1.0,
+    )
+
+
+def fit_comm_cpu_of(cluster: ClusterModel, cfg: dict[str, Any], step_s: float) -> float:
+    """``comm_cpu_us_per_mbyte`` at which ``cluster`` predicts the measured step ``step_s`` of
+    ``cfg`` (a torch DDP step of an MLP), all else fitted already."""
+    from commfuse.sim.step import simulate_step
+
+    workload = mlp_workload(cfg["model"], "calibration-mlp")
+    strategy = comm_step_strategy(cfg)
+
+    def predict(coefficient: float) -> float:
+        model = dataclasses.replace(cluster, comm_cpu_us_per_mbyte=coefficient)
+        return simulate_step(model, workload, strategy).step_s
+
+    return fit_comm_cpu(predict, step_s)
 
 
 def compression_gbyte_per_s(configs: list[dict[str, Any]], measured_s: list[float]) -> float:

@@ -111,6 +111,11 @@ class ClusterModel:
     """A ``commfuse tune`` profile whose measured corrections apply (same world size only)."""
     collective_links: tuple[CollectiveLink, ...] = ()
     """Per-algorithm fitted host links (``commfuse simulate --calibrate``); others use inter_*."""
+    comm_cpu_us_per_mbyte: float = 0.0
+    """CPU time a rank's compute loses per MB (1e6 bytes) of collective payload that is in
+    flight while it computes, microseconds (``sim/cpu_share.py``). 0 on a real cluster, where
+    NICs and GPUs move the bytes; on the emulated cluster the veths, bridge, tbf and gloo's
+    threads run on the ranks' own cores, so calibration fits it from a communicating step."""
 
     def __post_init__(self) -> None:
         for name in ("num_hosts", "ranks_per_host", "num_datacenters"):
@@ -134,6 +139,7 @@ class ClusterModel:
             "inter_latency_us",
             "interdc_latency_us",
             "inter_burst_kbyte",
+            "comm_cpu_us_per_mbyte",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"cluster {name} must be >= 0, got {getattr(self, name)}")

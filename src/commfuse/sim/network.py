@@ -42,7 +42,8 @@ from pathlib import Path
 
 from commfuse.collectives import cost as C
 from commfuse.collectives.registry import COLLECTIVES, resolve
-from commfuse.collectives.tuner import Profile, best_block_bytes, choose_for, predict
+from commfuse.collectives.tuner import Profile, choose_for, predict
+from commfuse.sim import lp
 from commfuse.sim.cluster import ClusterModel
 
 RESOURCES = ("intra", "nic", "wan")
@@ -194,13 +195,9 @@ def demand(
     else:
         shape, fn = _SHAPES[(collective, name)]
         if name == "pipeline":
-            fitted = profile.pipeline_alpha_s.get(collective)
-            block = best_block_bytes(collective, nbytes, p, profile)
-            fn = functools.partial(fn, block_bytes=block)  # type: ignore[call-arg]
-            if fitted is not None:
-                intra = dataclasses.replace(intra, alpha_s=fitted)
-                inter = dataclasses.replace(inter, alpha_s=fitted)
-        result = _flat(shape, fn, nbytes, group, dcs, intra, inter, wan)
+            result = _pipeline(collective, nbytes, group, dcs, intra, inter, wan, cluster, profile)
+        else:
+            result = _flat(shape, fn, nbytes, group, dcs, intra, inter, wan)
     if cluster.inter_burst_kbyte > 0 and "nic" in result.busy_s:
         # The host link's token bucket is full when the collective starts: its first bytes pass
         # at once, the rest at the link rate (netlab's tbf; ``fit.with_burst`` is the same).
@@ -249,11 +246,6 @@ def _flat(
     # How many of one group's streams cross each resource at once (module docstring, 1-3).
     if shape == "chain":
         at_once = {"intra": 1, "nic": 1, "wan": 1}
-        if fn is C.lp_allreduce or getattr(fn, "func", None) is C.lp_allreduce:
-            # Its reduce and its broadcast stream at once, in opposite directions along the
-            # chain: cost.py's formula holds for a chain of separate links, but a host's one
-            # link to the switch carries both (the tuner measured 1.6x its model at 16 MB).
-            at_once = {"intra": 2, "nic": 2, "wan": 2}
     else:
         at_once = {"intra": 1, "nic": local, "wan": local * (hosts // dcs)}
     at_once["nic"] *= group.groups_per_host
@@ -278,6 +270,51 @@ def _flat(
         if spans:
             busy[resource] = _split(fn, n, p, _with_beta(link, at_once[resource]))[1]
     return Demand(latency, busy)
+
+
+def _pipeline(
+    collective: str,
+    n: int,
+    group: Group,
+    dcs: int,
+    intra: C.LinkCost,
+    inter: C.LinkCost,
+    wan: C.LinkCost,
+    cluster: ClusterModel,
+    profile: Profile,
+) -> Demand:
+    """commfuse's linear pipeline at the block the code picks, priced as it runs (``lp.py``)."""
+    hosts = group.hosts
+    slowest, link = ("wan", wan) if dcs > 1 else ("nic", inter) if hosts > 1 else ("intra", intra)
+    betas = {}
+    if group.ranks_per_host > 1:
+        betas["intra"] = intra.beta_s_per_byte
+    if hosts > 1:
+        betas["nic"] = inter.beta_s_per_byte * group.groups_per_host
+    if dcs > 1:
+        betas["wan"] = wan.beta_s_per_byte * group.num_groups
+    paced = dataclasses.replace(link, beta_s_per_byte=betas[slowest])
+    block = lp.block_bytes(collective, n, group.size, paced, profile)
+    latency, busy = lp.pipeline_cost(
+        collective,
+        n,
+        group.size,
+        block,
+        alpha_s=profile.pipeline_alpha_s.get(collective, link.alpha_s),
+        gamma_s_per_byte=intra.gamma_s_per_byte,
+        beta_by_resource=betas,
+        burst_by_resource={"nic": cluster.inter_burst_kbyte * 1024},
+        slowest=slowest,
+    )
+    return Demand(latency, busy)
+
+
+def pipeline_block_bytes(collective: str, nbytes: int, cluster: ClusterModel) -> int:
+    """The block the simulator prices ``collective`` at on the whole of ``cluster`` (what
+    ``--validate`` passes to the real call, so both run the same blocks)."""
+    group = Group(size=cluster.world_size, ranks_per_host=cluster.ranks_per_host)
+    slowest = cluster.inter_cost() if group.hosts > 1 else cluster.intra_cost()
+    return lp.block_bytes(collective, nbytes, group.size, slowest, profile_of(cluster))
 
 
 def _hierarchical(

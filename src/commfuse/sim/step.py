@@ -2,7 +2,9 @@
 
 The breakdown is the slowest rank's view: ``compute_s`` is its compute, ``exposed_comm_s`` the
 rest of the step (time it spends waiting for communication), ``overlapped_comm_s`` the
-communication that ran under its compute. With local SGD the step time is the mean over one
+communication that ran under its compute. Compute under communication is slowed by its CPU cost
+(``cpu_share.py``, ``ClusterModel.comm_cpu_us_per_mbyte``; 0 on real clusters), and
+``compute_s`` includes that slowdown. With local SGD the step time is the mean over one
 period: ``H - 1`` steps without synchronisation and one that ends with the outer allreduce.
 """
 
@@ -16,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from commfuse.sim.cluster import ClusterModel
-from commfuse.sim.engine import Timeline, simulate
+from commfuse.sim.cpu_share import simulate_shared_cpu
+from commfuse.sim.engine import Timeline
 from commfuse.sim.program import build_step
 from commfuse.sim.strategy import Strategy
 from commfuse.sim.workload import Workload
@@ -95,12 +98,17 @@ def simulate_step(
 ) -> StepResult:
     """Predict the step time of ``workload`` on ``cluster`` with ``strategy`` (DDP by default)."""
     strategy = strategy or Strategy()
-    synced = simulate(build_step(cluster, workload, strategy, sync=True), cluster.world_size)
+    cpu = cluster.comm_cpu_us_per_mbyte
+    synced = simulate_shared_cpu(
+        build_step(cluster, workload, strategy, sync=True), cluster.world_size, cpu
+    )
     compute, exposed, overlapped, in_flight, count = _breakdown(synced)
     step = synced.step_s
     period = strategy.local_sgd_period
     if period > 1:
-        local = simulate(build_step(cluster, workload, strategy, sync=False), cluster.world_size)
+        local = simulate_shared_cpu(
+            build_step(cluster, workload, strategy, sync=False), cluster.world_size, cpu
+        )
         lc, le, lo, _, _ = _breakdown(local)
         step = (local.step_s * (period - 1) + step) / period
         exposed = (le * (period - 1) + exposed) / period

@@ -3,13 +3,13 @@
 Each run on the emulated cluster (``commfuse.cluster.run``, 1 rank per host) has two launches:
 
 1. calibration (``calibrate.py``, never scored): native collectives at ``NATIVE_SIZES``,
-   ping-pongs, local rates and the compute-only step of ``CALIBRATION_MLP``, fitted into a
-   ``ClusterModel``;
+   ping-pongs, local rates, the compute-only step of ``CALIBRATION_MLP`` and its torch DDP
+   step (communication's CPU cost), fitted into a ``ClusterModel``;
 2. validation (held out), predicted by that model and measured in a second launch:
 
    * native collectives at ``VALIDATION_SIZES`` (between and beyond the calibration sizes);
    * commfuse's own ring allreduce, linear-pipeline allreduce and broadcast (at the block the
-     simulator picks, passed to the real call) and binomial-tree broadcast, never fitted: priced
+     code cuts by default, ``lp.block_bytes``, passed to the real call) and binomial-tree broadcast, never fitted: priced
      from the point-to-point fit and their cost.py formulas;
    * training steps of ``VALIDATION_MLP`` (another model than calibration's): torch DDP at two
      bucket sizes, ``commfuse.ddp.DataParallel``, DataParallel with the fp16 compressor (the
@@ -55,8 +55,7 @@ def _collective(collective: str, algo: str, nbytes: int) -> dict[str, Any]:
 
 def validation_configs(cluster: ClusterModel, *, quick: bool = False) -> list[dict[str, Any]]:
     """The held-out configurations; pipelines carry the block the simulator prices them at."""
-    from commfuse.collectives.tuner import best_block_bytes
-    from commfuse.sim.network import profile_of
+    from commfuse.sim.network import pipeline_block_bytes
 
     step = {"kind": "step", "model": VALIDATION_MLP, "algo": "native"}
     if quick:
@@ -76,12 +75,9 @@ def validation_configs(cluster: ClusterModel, *, quick: bool = False) -> list[di
         _collective("broadcast", "pipeline", 16 * MB),
         _collective("broadcast", "tree", 4 * MB),
     ]
-    profile = profile_of(cluster)
     for cfg in out:
         if cfg["algo"] == "pipeline":
-            cfg["block_bytes"] = best_block_bytes(
-                cfg["collective"], cfg["bytes"], cluster.world_size, profile
-            )
+            cfg["block_bytes"] = pipeline_block_bytes(cfg["collective"], cfg["bytes"], cluster)
     out += [
         {**step, "engine": "torch-ddp", "bucket_cap_mb": 25.0},
         {**step, "engine": "torch-ddp", "bucket_cap_mb": 1.0},
@@ -146,7 +142,8 @@ def _one_run(
     print(
         f"calibrated on {len(calibration)} configurations (not scored): compute "
         f"{cluster.flops_per_s / 1e9:.2f} GFLOP/s, memory {cluster.mem_gbyte_per_s:.2f} GB/s, "
-        f"reduce {cluster.reduce_gbyte_per_s:.2f} GB/s, fp16 cast {rate:.2f} GB/s per rank"
+        f"reduce {cluster.reduce_gbyte_per_s:.2f} GB/s, fp16 cast {rate:.2f} GB/s per rank, "
+        f"communication's CPU cost {cluster.comm_cpu_us_per_mbyte:.0f} us per MB"
     )
     for line in describe_fits(fits):
         print(line)
