@@ -10,7 +10,8 @@ Definitions (the same for ``train --json`` and ``compare``):
 * ``bytes_per_step``: mean over all steps of the bytes rank 0 handed to collectives
   (payload per rank; a ring allreduce puts 2(P-1)/P of it on each rank's link; a mean, so a
   strategy that sends every H steps is charged 1/H of an exchange per step), and
-  ``peak_bytes_per_step`` the most it sent in one step (a synchronisation's burst).
+  ``peak_bytes_per_step`` the most it sent in one step (a synchronisation's burst), and
+  ``median_bytes_per_step`` a steady-state step's (0 for a strategy that rarely sends).
 * ``loss_curve``: the training loss averaged over ranks at each step, then a trailing moving
   average over ``window`` steps (a single rank's 512-symbol batch is noisy);
   ``final_loss`` is its last value, so strategies are compared on the same smoothed quantity.
@@ -72,6 +73,8 @@ def summarize(
         # synchronisations must be averaged over the whole period.
         "bytes_per_step": statistics.fmean(hist["bytes"]),
         "peak_bytes_per_step": max(hist["bytes"]),
+        # A steady-state step (after warm-up; a compressor's uncompressed warm-up excluded).
+        "median_bytes_per_step": statistics.median(hist["bytes"][timed]),
         "bytes_total": sum(hist["bytes"]),
         "skipped_steps": int(sum(hist["skipped"])),
         "final_loss": curve[-1],
