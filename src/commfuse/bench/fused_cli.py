@@ -7,9 +7,7 @@ commfuse bench fused --hosts 4 --link 1gbit --step dlrm
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 
 def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,12 +50,9 @@ def run_bench_fused(args: argparse.Namespace) -> int:
         from commfuse.bench.fused_steps import run_bench_steps
 
         return run_bench_steps(args)
-    from commfuse.bench.cli import machine_summary
     from commfuse.bench.fused import COLUMNS, FusedBenchConfig, bench_fused_on_rank
-    from commfuse.bench.table import render
-    from commfuse.cluster import DeadlineExceeded, RankError, run
+    from commfuse.bench.report import run_and_report
     from commfuse.cluster.launch_cli import topology_from_args
-    from commfuse.cluster.netlab import NetlabError
 
     try:
         if str(args.link).lower() in ("none", "off"):
@@ -85,37 +80,12 @@ def run_bench_fused(args: argparse.Namespace) -> int:
         f"commfuse bench fused: {topology.describe()}, {config.iters} timed runs per variant (median)",
         file=sys.stderr,
     )
-    try:
-        results = run(
-            bench_fused_on_rank,
-            config,
-            net=topology,
-            emulate=False if args.no_emulate else None,
-            timeout_s=args.timeout,
-        )
-    except (RankError, DeadlineExceeded, NetlabError) as err:
-        print(f"commfuse bench fused: {err}", file=sys.stderr)
-        return 1
-    records = results[0]
-    emulated = bool(records and records[0]["emulated"])
-    title = f"# {topology.describe()}{'' if emulated else ' (NOT emulated: plain loopback)'}"
-    print(title)
-    print(render(records, COLUMNS))
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
-    if args.markdown:
-        machine = machine_summary()
-        lines = [
-            f"# Fused operators benchmark, {machine['date']}",
-            "",
-            f"Command: `{' '.join(sys.argv)}`",
-            "",
-            title.lstrip("# "),
-            "",
-            render(records, COLUMNS, markdown=True),
-            "",
-            "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if k != "date"),
-            "",
-        ]
-        Path(args.markdown).write_text("\n".join(lines))
-    return 0 if all(r["wrong"] == 0 for r in records) else 1
+    return run_and_report(
+        bench_fused_on_rank,
+        config,
+        topology,
+        args,
+        prog="commfuse bench fused",
+        heading="Fused operators benchmark",
+        columns=COLUMNS,
+    )
