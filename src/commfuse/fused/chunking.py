@@ -115,6 +115,13 @@ def split_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, stop)`` of part ``index`` of ``split_sizes(total, parts)``: a rank's shard."""
+    sizes = split_sizes(total, parts)
+    start = sum(sizes[:index])
+    return start, start + sizes[index]
+
+
 def split_ranges(total: int, parts: int) -> list[tuple[int, int]]:
     """``split_sizes`` as ``(start, stop)`` ranges, empty ranges dropped (at least one kept)."""
     ranges: list[tuple[int, int]] = []

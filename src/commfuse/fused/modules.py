@@ -18,13 +18,32 @@ from torch import nn
 from commfuse.comm import Communicator
 from commfuse.fused import embedding_alltoall as emb
 from commfuse.fused import gemm_allreduce as gar
-from commfuse.fused.chunking import ChunkConfig, agree_chunks, measure_overhead_us, split_sizes
+from commfuse.fused.chunking import (
+    ChunkConfig,
+    agree_chunks,
+    measure_overhead_us,
+    shard_range,
+    split_sizes,
+)
 from commfuse.fused.ops import (
     anchor_for_backward,
     embedding_alltoall_op,
     gemm_allreduce_op,
     register_communicator,
 )
+
+
+def full_linear_weight(
+    out_features: int, in_features: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unsharded weight and bias every rank draws alike (nn.Linear's uniform bound), so the
+    sharded model is the single-process model whatever the world size; each rank keeps its
+    slice."""
+    gen = torch.Generator().manual_seed(seed)
+    bound = 1.0 / math.sqrt(in_features)
+    weight = (torch.rand((out_features, in_features), generator=gen) * 2 - 1) * bound
+    bias = (torch.rand(out_features, generator=gen) * 2 - 1) * bound
+    return weight, bias
 
 
 class RowParallelLinear(nn.Module):
@@ -52,20 +71,11 @@ class RowParallelLinear(nn.Module):
         self.comm = comm
         self.comm_id = register_communicator(comm)
         self.chunk_config = chunk_config or ChunkConfig()
-        sizes = split_sizes(in_features, comm.world_size)
-        start = sum(sizes[: comm.rank])
-        self.in_range = (start, start + sizes[comm.rank])
-        # Every rank draws the same full weight and keeps its columns: the same model as a
-        # single-process nn.Linear seeded alike, whatever the world size.
-        gen = torch.Generator().manual_seed(seed)
-        bound = 1.0 / math.sqrt(in_features)
-        full = (torch.rand((out_features, in_features), generator=gen) * 2 - 1) * bound
-        self.weight = nn.Parameter(full[:, start : start + sizes[comm.rank]].to(dtype).contiguous())
-        self.bias = (
-            nn.Parameter(((torch.rand(out_features, generator=gen) * 2 - 1) * bound).to(dtype))
-            if bias
-            else None
-        )
+        self.in_range = shard_range(in_features, comm.world_size, comm.rank)
+        start, stop = self.in_range
+        weight, b = full_linear_weight(out_features, in_features, seed)
+        self.weight = nn.Parameter(weight[:, start:stop].to(dtype).contiguous())
+        self.bias = nn.Parameter(b.to(dtype)) if bias else None
         self._chunks: dict[tuple[int, torch.dtype], int] = {}
 
     def chunks_for(self, x: torch.Tensor) -> int:

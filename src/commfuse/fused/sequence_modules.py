@@ -21,7 +21,8 @@ from torch import nn
 
 from commfuse.comm import Communicator, check_consistent
 from commfuse.fused import sequence_parallel as sp
-from commfuse.fused.chunking import ChunkConfig, agree_chunks, measure_overhead_us, split_sizes
+from commfuse.fused.chunking import ChunkConfig, agree_chunks, measure_overhead_us, shard_range
+from commfuse.fused.modules import full_linear_weight
 from commfuse.fused.ops import communicator, register_communicator
 
 
@@ -101,18 +102,6 @@ gemm_reducescatter_op.register_autograd(_rs_backward, setup_context=_rs_setup)
 
 
 # -- modules -------------------------------------------------------------------------------------
-def _full_weight(
-    out_features: int, in_features: int, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unsharded weight and bias every rank draws alike (nn.Linear's uniform bound), so the
-    sharded model is the single-process model whatever the world size."""
-    gen = torch.Generator().manual_seed(seed)
-    bound = 1.0 / math.sqrt(in_features)
-    weight = (torch.rand((out_features, in_features), generator=gen) * 2 - 1) * bound
-    bias = (torch.rand(out_features, generator=gen) * 2 - 1) * bound
-    return weight, bias
-
-
 class _SequenceParallel(nn.Module):
     """Shared plumbing: communicator handle, chunk choice per (shape, dtype), input checks."""
 
@@ -165,12 +154,11 @@ class ColumnParallelLinear(_SequenceParallel):
             raise ValueError(
                 f"in_features and out_features must be >= 1, got {in_features}, {out_features}"
             )
-        sizes = split_sizes(out_features, comm.world_size)
-        start = sum(sizes[: comm.rank])
-        self.out_range = (start, start + sizes[comm.rank])
-        weight, b = _full_weight(out_features, in_features, seed)
-        self.weight = nn.Parameter(weight[start : start + sizes[comm.rank]].to(dtype).contiguous())
-        self.bias = nn.Parameter(b[start : start + sizes[comm.rank]].to(dtype)) if bias else None
+        self.out_range = shard_range(out_features, comm.world_size, comm.rank)
+        start, stop = self.out_range
+        weight, b = full_linear_weight(out_features, in_features, seed)
+        self.weight = nn.Parameter(weight[start:stop].to(dtype).contiguous())
+        self.bias = nn.Parameter(b[start:stop].to(dtype)) if bias else None
 
     def forward(self, x: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:
         if x.dim() < 2 or x.shape[-1] != self.weight.shape[1]:
@@ -215,13 +203,10 @@ class SequenceParallelRowLinear(_SequenceParallel):
             raise ValueError(
                 f"in_features and out_features must be >= 1, got {in_features}, {out_features}"
             )
-        sizes = split_sizes(in_features, comm.world_size)
-        start = sum(sizes[: comm.rank])
-        self.in_range = (start, start + sizes[comm.rank])
-        weight, b = _full_weight(out_features, in_features, seed)
-        self.weight = nn.Parameter(
-            weight[:, start : start + sizes[comm.rank]].to(dtype).contiguous()
-        )
+        self.in_range = shard_range(in_features, comm.world_size, comm.rank)
+        start, stop = self.in_range
+        weight, b = full_linear_weight(out_features, in_features, seed)
+        self.weight = nn.Parameter(weight[:, start:stop].to(dtype).contiguous())
         self.bias = nn.Parameter(b.to(dtype)) if bias else None
 
     def forward(self, a: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:
