@@ -91,8 +91,6 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
     from commfuse.cluster.netlab import NetlabError
 
     try:
-        if str(args.link).lower() in ("none", "off"):
-            args.link = None  # the default is shaped; this is how to ask for unshaped
         topology = topology_from_args(args)
         config = CollectiveBenchConfig(
             ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),

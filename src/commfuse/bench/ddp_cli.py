@@ -96,8 +96,6 @@ def run_bench_ddp(args: argparse.Namespace) -> int:
     from commfuse.ddp.bench import bench_rank
 
     try:
-        if str(args.link).lower() in ("none", "off"):
-            args.link = None
         topology = topology_from_args(args)
         config = _config(args)
     except ValueError as err:

@@ -206,8 +206,6 @@ def run_bench_steps(args: argparse.Namespace) -> int:
     from commfuse.cluster.launch_cli import topology_from_args
 
     try:
-        if str(args.link).lower() in ("none", "off"):
-            args.link = None
         topology = topology_from_args(args)
         shapes = None
         if args.shape:

@@ -68,7 +68,10 @@ class Topology:
 
     @classmethod
     def from_spec(cls, *, hosts: int, ranks_per_host: int = 1, link: str | None = None) -> Topology:
-        """Build from command-line words: ``hosts=4, ranks_per_host=1, link="1gbit"``."""
+        """Build from command-line words: ``hosts=4, ranks_per_host=1, link="1gbit"``;
+        ``link`` None, ``"none"`` or ``"off"`` means unshaped (how to override a shaped default)."""
+        if link is not None and link.strip().lower() in ("none", "off"):
+            link = None
         return cls(
             num_hosts=hosts,
             ranks_per_host=ranks_per_host,
