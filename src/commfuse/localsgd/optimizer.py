@@ -72,6 +72,9 @@ class _Pending:
     sent_at_step: int
     apply_at_step: int
     delta_avg: torch.Tensor
+    """This replica's delta when sent; the replicas' average once the exchange finished."""
+    local_delta: torch.Tensor
+    """This replica's delta as sent (for the drift)."""
     handle: Any  # a collective handle, or None once finished
 
 
@@ -106,8 +109,6 @@ class PeriodicSyncOptimizer:
         self.step_count = 0
         self.syncs: list[SyncRecord] = []
         self._pending: list[_Pending] = []
-        self._locals: dict[tuple[int, int], torch.Tensor] = {}
-        """Each in-flight exchange's local delta, by (fragment, step sent), for the drift."""
         self.exchanges_started = 0
         """Exchanges begun so far (the compressor's step index: the same on every rank)."""
         self._compressor: Any = None
@@ -179,7 +180,7 @@ class PeriodicSyncOptimizer:
 
     def _start_exchange(self, fragment: int) -> None:
         delta = self.anchors[fragment] - self._flat(fragment)
-        local = delta.clone()
+        local = delta.clone()  # before the exchange averages ``delta`` in place
         sync_index = self.exchanges_started
         self.exchanges_started += 1
         comm = self.outer_comm
@@ -203,11 +204,10 @@ class PeriodicSyncOptimizer:
                 self.step_count,
                 self.step_count + self.config.overlap_steps,
                 delta,
+                local,
                 handle,
             )
         )
-        # The drift is known once the average is; record it when the exchange is applied.
-        self._locals[(fragment, self.step_count)] = local
 
     def _apply_arrived(self) -> None:
         keep: list[_Pending] = []
@@ -223,13 +223,11 @@ class PeriodicSyncOptimizer:
 
     def _apply(self, pending: _Pending) -> None:
         f, avg = pending.fragment, pending.delta_avg
-        sent_at = pending.sent_at_step
-        local = self._locals.pop((f, sent_at), None)
         anchor = self.anchors[f]
-        if local is not None:
-            drift = float((local - avg).norm())
-            scale = float(anchor.norm()) or 1.0
-            self.syncs.append(SyncRecord(sent_at, f, avg.numel(), drift, drift / scale))
+        # The drift is known once the average is.
+        drift = float((pending.local_delta - avg).norm())
+        scale = float(anchor.norm()) or 1.0
+        self.syncs.append(SyncRecord(pending.sent_at_step, f, avg.numel(), drift, drift / scale))
         cfg = self.config
         outer_sgd_(
             anchor,
@@ -255,14 +253,13 @@ class PeriodicSyncOptimizer:
             if p.handle is not None:
                 p.handle.wait()
                 p.handle = None
-            local = self._locals.get((p.fragment, p.sent_at_step))
             pending.append(
                 {
                     "fragment": p.fragment,
                     "sent_at_step": p.sent_at_step,
                     "apply_at_step": p.apply_at_step,
                     "delta_avg": p.delta_avg.clone(),
-                    "local": None if local is None else local.clone(),
+                    "local": p.local_delta.clone(),
                 }
             )
         return {
@@ -291,15 +288,17 @@ class PeriodicSyncOptimizer:
             self._write(f, saved)
         for f, saved in enumerate(state["momenta"]):
             self.momenta[f] = None if saved is None else saved.clone()
-        self._locals = {}
-        self._pending = []
-        for p in state["pending"]:
-            sent_at = int(p["sent_at_step"])
-            self._pending.append(
-                _Pending(p["fragment"], sent_at, p["apply_at_step"], p["delta_avg"].clone(), None)
+        self._pending = [
+            _Pending(
+                p["fragment"],
+                int(p["sent_at_step"]),
+                p["apply_at_step"],
+                p["delta_avg"].clone(),
+                p["local"].clone(),
+                None,
             )
-            if p["local"] is not None:
-                self._locals[(p["fragment"], sent_at)] = p["local"].clone()
+            for p in state["pending"]
+        ]
         self.exchanges_started = int(state["exchanges_started"])
         if self._compressor is not None and state["compressor"] is not None:
             self._compressor.load_state_dict(state["compressor"])
