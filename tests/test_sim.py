@@ -215,10 +215,15 @@ def test_collectives_issued_match_the_strategy() -> None:
     # 6 MB, 5 MB | 4 MB, 3 MB | 2 MB, 1 MB with a 9 MB cap (backward order, flushed when full)
     assert simulate_step(cluster, workload, Strategy(bucket_cap_mb=9)).num_collectives == 3
     half = simulate_step(cluster, workload, Strategy(bucket_cap_mb=0, compression_ratio=0.5))
+    agree = [t for t in half.timeline.tasks if t.name.startswith("agree finite")]
+    # Each compressed bucket: a (4 ranks x 2 tensors) fp32 flag table, then half its bytes.
+    assert [t.nbytes for t in agree] == [4 * 4 * 2] * 6
     assert (
-        sum(t.nbytes for t in half.timeline.tasks if t.category == "dp")
+        sum(t.nbytes for t in half.timeline.tasks if t.category == "dp" and t not in agree)
         == workload.param_bytes // 2
     )
+    no_agree = Strategy(bucket_cap_mb=0, compression_ratio=0.5, finite_agreement=False)
+    assert simulate_step(cluster, workload, no_agree).num_collectives == 6
     synced = simulate_step(cluster, workload, Strategy(local_sgd_period=8))
     assert [t.category for t in synced.timeline.tasks if t.demand] == ["outer"]
     model = dlrm(world_size=4, num_tables=8, rows_per_table=1000, batch_per_rank=64)

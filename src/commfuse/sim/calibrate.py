@@ -12,8 +12,10 @@ token-bucket burst, ``inter_burst_kbyte``, no faster than its shaped rate ``inte
    (binomial tree), all-to-all (pairwise) and allgather (ring) at ``NATIVE_SIZES``; each fit
    becomes a ``CollectiveLink`` that prices that algorithm alone.
 3. **Local rates**: ``a += b`` (gamma -> ``reduce_gbyte_per_s``), an SGD update
-   (``mem_gbyte_per_s``, 3 bytes moved per parameter byte), the fp16 compressor's scale-and-cast
-   (``compression_gbyte_per_s``), all on every rank at once, since in a step they share the cores.
+   (``mem_gbyte_per_s``, 3 bytes moved per parameter byte), the fp16 compressor's local work
+   (finiteness test, scale, cast) and what gloo's fp16 allreduce costs beyond an fp32 one of the
+   same bytes (``HALF_ALLREDUCE_SIZES``; together ``compression_gbyte_per_s``), all on every
+   rank at once, since in a step they share the cores.
 4. **Compute**: forward, backward and SGD step of ``CALIBRATION_MLP`` with no communication on
    every rank at once; its FLOPs (PyTorch's counter on the meta device) over the time left after
    the modelled optimizer give ``flops_per_s``.
@@ -34,6 +36,7 @@ use another model (``validate.VALIDATION_MLP``), so nothing scored was fitted.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any
 
 from commfuse.sim.cluster import ClusterModel, CollectiveLink
@@ -46,6 +49,9 @@ KB, MB = 1 << 10, 1 << 20
 #: Sizes of the native-collective fits: x4 apart, from latency-bound to bandwidth-bound.
 NATIVE_SIZES = (128 * KB, 512 * KB, 2 * MB, 8 * MB)
 NATIVE_COLLECTIVES = ("allreduce", "broadcast", "all_to_all", "allgather")
+#: Sizes of the fp16 allreduce whose excess over fp32 at the same bytes is fp16's summation
+#: cost (gloo adds halves in software) charged to the fp16 compressor.
+HALF_ALLREDUCE_SIZES = (2 * MB, 8 * MB)
 #: Ping-pong sizes of the point-to-point fit.
 P2P_SIZES = (128 * KB, 512 * KB, 2 * MB, 8 * MB)
 #: Local element-wise work: big enough to leave the caches.
@@ -80,6 +86,16 @@ def calibration_configs(*, quick: bool = False) -> list[dict[str, Any]]:
         for c in natives
         for n in NATIVE_SIZES
     ]
+    out += [
+        {
+            "kind": "collective",
+            "collective": "allreduce",
+            "algo": "native",
+            "bytes": n,
+            "dtype": "float16",
+        }
+        for n in HALF_ALLREDUCE_SIZES
+    ]
     out += [{"kind": "p2p", "bytes": n} for n in P2P_SIZES]
     out += [{"kind": k, "bytes": LOCAL_BYTES} for k in ("reduce", "memory", "cast")]
     out.append({"kind": "compute", "model": CALIBRATION_MLP})
@@ -96,7 +112,12 @@ def fit_cluster(
         raise ValueError(f"{len(configs)} calibration configs but {len(measured_s)} times")
     by_kind: dict[str, list[tuple[dict[str, Any], float]]] = {}
     for cfg, t in zip(configs, measured_s, strict=True):
-        key = f"{cfg['collective']}/{cfg['algo']}" if cfg["kind"] == "collective" else cfg["kind"]
+        if cfg["kind"] == "collective":
+            key = f"{cfg['collective']}/{cfg['algo']}"
+            if cfg.get("dtype", "float32") != "float32":
+                key = f"{key}@{cfg['dtype']}"  # not a link fit: compression_gbyte_per_s's
+        else:
+            key = cfg["kind"]
         by_kind.setdefault(key, []).append((cfg, t))
 
     def one(kind: str) -> float:
@@ -120,7 +141,7 @@ def fit_cluster(
     }
     links = []
     for key, rows in by_kind.items():
-        if "/" not in key:
+        if "/" not in key or "@" in key:
             continue
         collective, algo = key.split("/")
         fit = fit_link(
@@ -188,12 +209,28 @@ def fit_comm_cpu_of(cluster: ClusterModel, cfg: dict[str, Any], step_s: float) -
     return fit_comm_cpu(predict, step_s)
 
 
-def compression_gbyte_per_s(configs: list[dict[str, Any]], measured_s: list[float]) -> float:
-    """The measured rate of the fp16 compressor's local work, GB of fp32 input per second."""
+def compression_gbyte_per_s(
+    configs: list[dict[str, Any]], measured_s: list[float], cluster: ClusterModel | None = None
+) -> float:
+    """The fp16 compressor's cost as a rate, GB of fp32 input per second: its measured local
+    work (``cast``: finiteness test, divide, cast, copy back) plus, with ``cluster`` (the fitted
+    model), what an fp16 allreduce costs beyond an fp32 one of the same bytes (the median
+    excess per byte of the ``HALF_ALLREDUCE_SIZES`` runs, clamped at 0; an fp16 message is half
+    its input's bytes). The simulator charges it before the compressed allreduce."""
+    from commfuse.sim.network import collective_time_s
+
+    cast_s_per_byte = None
+    excess: list[float] = []
     for cfg, t in zip(configs, measured_s, strict=True):
         if cfg["kind"] == "cast":
-            return float(cfg["bytes"]) / t / 1e9
-    raise ValueError("calibration is missing its 'cast' measurement")
+            cast_s_per_byte = t / float(cfg["bytes"])
+        elif cfg["kind"] == "collective" and cfg.get("dtype") == "float16" and cluster:
+            fp32_s = collective_time_s(cfg["collective"], cfg["algo"], cfg["bytes"], cluster)
+            excess.append((t - fp32_s) / cfg["bytes"])
+    if cast_s_per_byte is None:
+        raise ValueError("calibration is missing its 'cast' measurement")
+    half_s_per_input_byte = max(0.0, statistics.median(excess)) / 2 if excess else 0.0
+    return 1e-9 / (cast_s_per_byte + half_s_per_input_byte)
 
 
 def describe_fits(fits: dict[str, LinkFit]) -> list[str]:

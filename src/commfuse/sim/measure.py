@@ -9,7 +9,8 @@ reason ``collectives/calibration.py`` times round-robin). A sample is the slowes
 
 Configurations are dicts (JSON-friendly, they go into the records):
 
-* ``{"kind": "collective", "collective", "algo", "bytes"[, "block_bytes"]}``;
+* ``{"kind": "collective", "collective", "algo", "bytes"[, "block_bytes"][, "dtype"]}``
+  (``dtype`` a torch dtype name, default ``float32``; ``bytes`` is the buffer's size);
 * ``{"kind": "p2p", "bytes"}``: a ping-pong between rank 0 and the first rank of the next host,
   one-way time;
 * ``{"kind": "compute", "model": spec}``: forward, backward and SGD step with no communication;
@@ -50,8 +51,19 @@ def _slowest(comm: Any, seconds: float) -> float:
     return float(t.item())
 
 
-def _timed(comm: Any, body: Callable[[], None], *, divide: int = 1) -> Runner:
+def _timed(
+    comm: Any, body: Callable[[], None], *, divide: int = 1, refill_s: float = 0.0
+) -> Runner:
+    """``body`` timed on every rank; the sample is the slowest rank's seconds / ``divide``.
+
+    ``refill_s``: idle time before each sample, so that the host links' token buckets (netlab's
+    tbf) are full when it starts, as the model assumes (``fit.with_burst``). Without it, a
+    sample's burst credit depends on the previous configuration's traffic: allreduce 256 KB
+    (the bucket's size) measured 2.9 to 12.6 ms for the same call in five runs."""
+
     def run() -> float:
+        if refill_s > 0:
+            time.sleep(refill_s)
         torch.distributed.barrier()
         began = time.perf_counter()
         body()
@@ -60,12 +72,13 @@ def _timed(comm: Any, body: Callable[[], None], *, divide: int = 1) -> Runner:
     return run
 
 
-def _collective(comm: Any, cfg: dict[str, Any]) -> Runner:
+def _collective(comm: Any, cfg: dict[str, Any], refill_s: float) -> Runner:
     from commfuse import collectives as C
 
-    n, world = cfg["bytes"] // 4, comm.world_size
-    x = torch.ones(n)
-    out = torch.empty(n)
+    dtype = getattr(torch, cfg.get("dtype", "float32"))
+    n, world = cfg["bytes"] // dtype.itemsize, comm.world_size
+    x = torch.ones(n, dtype=dtype)
+    out = torch.empty(n, dtype=dtype)
     opts = {"block_bytes": cfg["block_bytes"]} if cfg.get("block_bytes") else {}
     algo, what = cfg["algo"], cfg["collective"]
     calls: dict[str, Callable[[], object]] = {
@@ -81,10 +94,10 @@ def _collective(comm: Any, cfg: dict[str, Any]) -> Runner:
     def body() -> None:
         call()
 
-    return _timed(comm, body)
+    return _timed(comm, body, refill_s=refill_s)
 
 
-def _p2p(comm: Any, cfg: dict[str, Any], ranks_per_host: int) -> Runner:
+def _p2p(comm: Any, cfg: dict[str, Any], ranks_per_host: int, refill_s: float) -> Runner:
     buf = torch.zeros(max(1, cfg["bytes"] // 4))
     a, b = 0, ranks_per_host if comm.world_size > ranks_per_host else 1
 
@@ -96,11 +109,13 @@ def _p2p(comm: Any, cfg: dict[str, Any], ranks_per_host: int) -> Runner:
             comm.recv(buf, a, label="sim")
             comm.send(buf, a, label="sim")
 
-    return _timed(comm, body, divide=2)
+    return _timed(comm, body, divide=2, refill_s=refill_s)
 
 
 def _local(comm: Any, cfg: dict[str, Any]) -> Runner:
     """Element-wise work every rank does at once (they share the cores, as in a step)."""
+    from commfuse.compress.base import all_finite
+
     n = cfg["bytes"] // 4
     a, b = torch.ones(n), torch.ones(n)
     world = comm.world_size
@@ -111,13 +126,16 @@ def _local(comm: Any, cfg: dict[str, Any]) -> Runner:
     def reduce() -> None:
         a.add_(b)
 
-    def cast() -> None:  # CastCompressor: divide by the world, to fp16, back into the gradient
+    def cast() -> None:
+        # What DataParallel's fp16 path does locally per bucket: the finiteness test
+        # (base.all_finite, one sum), CastCompressor's divide-and-cast, the copy back.
+        all_finite(b)
         a.copy_((b / world).to(torch.float16))
 
     return _timed(comm, {"memory": memory, "reduce": reduce, "cast": cast}[cfg["kind"]])
 
 
-def _step(comm: Any, cfg: dict[str, Any]) -> Runner:
+def _step(comm: Any, cfg: dict[str, Any], refill_s: float) -> Runner:
     spec = cfg["model"]
     torch.manual_seed(0)
     model = mlp(spec)
@@ -159,13 +177,14 @@ def _step(comm: Any, cfg: dict[str, Any]) -> Runner:
         for _ in range(period):
             one()
 
-    return _timed(comm, body, divide=period)
+    return _timed(comm, body, divide=period, refill_s=refill_s)
 
 
 def measure_on_rank(
-    configs: list[dict[str, Any]], reps: int, ranks_per_host: int = 1
+    configs: list[dict[str, Any]], reps: int, ranks_per_host: int = 1, refill_s: float = 0.0
 ) -> list[float]:
-    """Run on every rank (``commfuse.cluster.run``): the median seconds of each configuration."""
+    """Run on every rank (``commfuse.cluster.run``): the median seconds of each configuration.
+    ``refill_s``: idle seconds before each networked sample (``_timed``)."""
     from commfuse.comm import Communicator
 
     torch.set_num_threads(1)  # ranks share 2 cores; more threads would only fight over them
@@ -174,13 +193,13 @@ def measure_on_rank(
     for cfg in configs:
         kind = cfg["kind"]
         if kind == "collective":
-            runners.append(_collective(comm, cfg))
+            runners.append(_collective(comm, cfg, refill_s))
         elif kind == "p2p":
-            runners.append(_p2p(comm, cfg, ranks_per_host))
+            runners.append(_p2p(comm, cfg, ranks_per_host, refill_s))
         elif kind in ("memory", "reduce", "cast"):
             runners.append(_local(comm, cfg))
         elif kind in ("compute", "step"):
-            runners.append(_step(comm, cfg))
+            runners.append(_step(comm, cfg, refill_s if kind == "step" else 0.0))
         else:
             raise ValueError(f"unknown measurement kind {kind!r}")
     for runner in runners:  # warm-up, dropped

@@ -12,7 +12,8 @@ A task starts when its stream's previous task and its dependencies are done. The
    bucket, and a full bucket's allreduce is issued on ``dp`` (right away with overlap, after the
    last backward task without);
 3. the optimizer, after every bucket; with local SGD every ``local_sgd_period``-th step ends with
-   one allreduce of the parameters (``outer``).
+   one allreduce of the parameters (``outer``), between the memory-bound work that forms the
+   delta and applies the outer step (``OUTER_*_BYTES_PER_PARAM_BYTE``).
 
 Compute tasks last per rank (stragglers are slower); a collective starts when the last of its
 ranks is ready, since it cannot complete before every rank has joined.
@@ -191,18 +192,30 @@ def build_step(
     optimizer_bytes = workload.param_bytes * workload.state_bytes_per_param_byte
     done = b.compute("optimizer", 0.0, optimizer_bytes, [previous, *dp_tasks])
     if local_sgd and sync and workload.dp_param_bytes:
-        size = int(workload.dp_param_bytes * s.compression_ratio)
-        b.comm(
+        params = workload.dp_param_bytes
+        prepare = b.compute("outer delta", 0.0, OUTER_PREPARE_BYTES_PER_PARAM_BYTE * params, [done])
+        size = int(params * s.compression_ratio)
+        exchange = b.comm(
             "outer allreduce",
             "allreduce",
             size,
             "dp",
             "dp",
-            [done],
-            overhead_s=_compress_s(b, workload.dp_param_bytes),
+            [prepare],
+            overhead_s=_compress_s(b, params),
         )
         b.tasks[-1].category = "outer"
+        b.compute("outer step", 0.0, OUTER_APPLY_BYTES_PER_PARAM_BYTE * params, [exchange])
     return b.tasks
+
+
+#: Memory traffic of a synchronisation of ``localsgd.PeriodicSyncOptimizer``, bytes moved per
+#: parameter byte, counted from the code: flatten the parameters (read, write), ``anchor -
+#: flat`` (2 reads, 1 write), keep a copy of this rank's delta (2) ...
+OUTER_PREPARE_BYTES_PER_PARAM_BYTE = 7.0
+#: ... then divide the sum (2), the drift ``norm(local - avg)`` (3 + 1) and the anchor's norm
+#: (1), the outer SGD step on the anchor (3), the anchor written back into the parameters (2).
+OUTER_APPLY_BYTES_PER_PARAM_BYTE = 12.0
 
 
 def _compress_s(b: _Builder, nbytes: int) -> float:
@@ -212,8 +225,17 @@ def _compress_s(b: _Builder, nbytes: int) -> float:
     return nbytes / (s.compression_gbyte_per_s * 1e9)
 
 
+#: Parameter tensors per layer in the NaN/Inf agreement table (a weight and a bias).
+TENSORS_PER_LAYER = 2
+
+
 def _bucket(b: _Builder, layers: list[Layer], after: int) -> int:
     nbytes = sum(x.param_bytes for x in layers)
     size = int(nbytes * b.strategy.compression_ratio)
     name = f"allreduce bucket {layers[0].name}..{layers[-1].name}"
+    if b.strategy.compression_ratio < 1 and b.strategy.finite_agreement:
+        # commfuse.ddp agrees on NaN/Inf before a compressor touches its error feedback: one
+        # max-allreduce of a (ranks x tensors) fp32 flag table per bucket, latency-bound.
+        table = 4 * b.cluster.world_size * TENSORS_PER_LAYER * len(layers)
+        after = b.comm(f"agree finite {name}", "allreduce", table, "dp", "dp", [after])
     return b.comm(name, "allreduce", size, "dp", "dp", [after], overhead_s=_compress_s(b, nbytes))

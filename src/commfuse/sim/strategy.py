@@ -9,7 +9,8 @@ implement them live in ``ddp/``, ``fused/`` and ``localsgd/``):
   bucket's allreduce starts as soon as it is full, under the rest of backward (wait-free
   backprop; PyTorch DDP's default is 25 MB), or all after backward when ``overlap`` is off;
 * ``compression_ratio`` and ``compression_gbyte_per_s``: gradients shrink to this fraction of
-  their bytes, at the price of compressing and decompressing them at that rate;
+  their bytes, at the price of compressing and decompressing them at that rate (and, with
+  ``finite_agreement``, of one small flag allreduce per bucket);
 * ``fused_chunks``: a fused computation-collective operator splits a layer's compute into this
   many chunks and sends each chunk's result while computing the next (1: unfused);
 * ``local_sgd_period``: synchronise the model every H steps (local SGD, DiLoCo) with one
@@ -42,6 +43,10 @@ class Strategy:
     """Communicated bytes / original bytes of gradients (and outer updates), in (0, 1]."""
     compression_gbyte_per_s: float = 0.0
     """Rate of compression plus decompression, GB of original data per second (0: free)."""
+    finite_agreement: bool = True
+    """With compression, each bucket first allreduces a small table of NaN/Inf flags, so that
+    every rank skips a poisoned step before its error feedback is touched (``commfuse.ddp``
+    does; torch's communication hooks do not)."""
     fused_chunks: int = 1
     """Chunks of a fused compute + collective operator (1: unfused)."""
     local_sgd_period: int = 1

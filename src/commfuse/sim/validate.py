@@ -134,11 +134,13 @@ def _one_run(
         PRESETS["netlab-1gbit"], num_hosts=hosts, inter_gbit_per_s=topology.link_gbit or 1.0
     )
     calibration = calibration_configs(quick=quick)
-    timed = run(measure_on_rank, calibration, reps, net=topology, timeout_s=600)[0]
+    # Idle before each sample until the token buckets are full again (twice the refill time).
+    refill_s = 2 * base.inter_burst_kbyte * 1024 * 8 / (base.inter_gbit_per_s * 1e9)
+    timed = run(measure_on_rank, calibration, reps, 1, refill_s, net=topology, timeout_s=600)[0]
     cluster, fits = fit_cluster(base, calibration, timed)
     if profile:
         cluster = dataclasses.replace(cluster, profile_path=profile)
-    rate = compression_gbyte_per_s(calibration, timed)
+    rate = compression_gbyte_per_s(calibration, timed, cluster)
     print(
         f"calibrated on {len(calibration)} configurations (not scored): compute "
         f"{cluster.flops_per_s / 1e9:.2f} GFLOP/s, memory {cluster.mem_gbyte_per_s:.2f} GB/s, "
@@ -148,7 +150,7 @@ def _one_run(
     for line in describe_fits(fits):
         print(line)
     validation = validation_configs(cluster, quick=quick)
-    measured = run(measure_on_rank, validation, reps, net=topology, timeout_s=600)[0]
+    measured = run(measure_on_rank, validation, reps, 1, refill_s, net=topology, timeout_s=600)[0]
     fitted = [
         {
             "role": "calibration",
