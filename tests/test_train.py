@@ -69,6 +69,47 @@ def test_resume_from_checkpoint_is_exact(pool: Any, tmp_path: Path, strategy: st
         assert state, "error-feedback state must be in the checkpoint"
 
 
+def test_extra_steps_extend_only_the_curves(pool: Any) -> None:
+    """compare --max-steps-factor: 3 extra steps past 4 change nothing that is read at step 4
+    (parameters' digest, evaluation, bytes, final loss); only the curves go on."""
+    from commfuse.train.metrics import summarize
+
+    p = pool(2)
+    plain = p.run(run_rank, _config("topk:ratio=0.05", 4), timeout_s=60)
+    longer = p.run(run_rank, _config("topk:ratio=0.05", 4, extra_steps=3), timeout_s=60)
+    assert [r["digest"] for r in longer] == [r["digest"] for r in plain]
+    assert longer[0]["eval"] == plain[0]["eval"]
+    assert longer[0]["history"]["loss"][:4] == plain[0]["history"]["loss"]
+    assert len(longer[0]["history"]["loss"]) == 7 and longer[0]["extra_steps"] == 3
+    short = summarize(plain, strategy="topk", workload=DIGITS, warmup=1)
+    long_ = summarize(longer, strategy="topk", workload=DIGITS, warmup=1)
+    for key in ("steps", "final_loss", "bytes_total", "bytes_per_step", "eval_loss"):
+        assert long_[key] == short[key], key
+    assert len(long_["loss_curve"]) == len(long_["wall_curve_s"]) == 7
+    assert long_["loss_curve"][:4] == short["loss_curve"]
+
+
+def test_init_from_continues_another_strategys_model(pool: Any, tmp_path: Path) -> None:
+    """--init-from: a DDP run's step-3 model and optimizer, continued by another strategy to 6,
+    equals that strategy resumed from the same state; a total not past the checkpoint is refused."""
+    p = pool(2)
+    p.run(run_rank, _config("ddp", 3, checkpoint_dir=str(tmp_path)), timeout_s=60)
+    ddp_rest = p.run(run_rank, _config("ddp", 6, init_from=str(tmp_path)), timeout_s=60)
+    straight = p.run(run_rank, _config("ddp", 6), timeout_s=60)
+    # The optimizer state came along, so DDP continued is DDP straight through.
+    assert [r["digest"] for r in ddp_rest] == [r["digest"] for r in straight]
+    assert ddp_rest[0]["start_step"] == 3 and len(ddp_rest[0]["history"]["loss"]) == 3
+    local = p.run(run_rank, _config("localsgd:H=3", 6, init_from=str(tmp_path)), timeout_s=60)
+    # Its period counts from the start of this run: 3 local steps, then the average.
+    assert local[0]["digest"] == local[1]["digest"]
+    assert local[0]["digest"] != ddp_rest[0]["digest"]
+    assert local[0]["history"]["loss"][0] == ddp_rest[0]["history"]["loss"][0]
+    with pytest.raises(Exception, match="must be larger"):
+        p.run(run_rank, _config("ddp", 3, init_from=str(tmp_path)), timeout_s=60)
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        _config("ddp", 6, init_from=str(tmp_path / "nothing"))
+
+
 def test_resume_refuses_a_different_run(pool: Any, tmp_path: Path) -> None:
     p = pool(2)
     p.run(run_rank, _config("ddp", 2, checkpoint_dir=str(tmp_path)), timeout_s=60)

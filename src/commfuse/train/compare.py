@@ -56,21 +56,33 @@ def run_compare(
     topology: Topology,
     *,
     repeats: int = 1,
+    max_steps_factor: float = 1.0,
     emulate: bool | None = None,
     progress: bool | None = None,
     timeout_s: float | None = 3600.0,
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Run every strategy on ``base``'s workload/seed/steps; return one record per strategy."""
+    """Run every strategy on ``base``'s workload/seed/steps; return one record per strategy.
+
+    ``max_steps_factor`` > 1: every strategy but the baseline trains on up to that multiple of
+    ``base.steps`` (``TrainConfig.extra_steps``), so that one that learns less per step (a
+    compressor, local SGD) still shows when it reaches the baseline's final loss; its other
+    figures are read at ``base.steps``, like the baseline's."""
     if not strategies:
         raise ValueError("compare needs at least one --strategy")
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    if max_steps_factor < 1:
+        raise ValueError(f"--max-steps-factor must be at least 1, got {max_steps_factor}")
     parsed = [parse_strategy(s) for s in strategies]  # every spec checked before any run
     labels = [p.label for p in parsed]
     canonical = [p.canonical for p in parsed]
     if len(set(canonical)) != len(canonical):
         raise ValueError(f"a strategy is given twice: {', '.join(canonical)}")
+    names = [p.info.name for p in parsed]
+    baseline = names.index("ddp") if "ddp" in names else 0
+    done_steps = _checkpoint_step(base.init_from) if base.init_from else 0
+    extra = round((max_steps_factor - 1) * (base.steps - done_steps))
     runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(strategies))}
     for round_ in range(repeats):
         for i, spec in enumerate(strategies):
@@ -81,6 +93,8 @@ def run_compare(
                 seed=base.seed,
                 bucket_cap_mb=base.bucket_cap_mb,
                 compute_steps=base.compute_steps,
+                extra_steps=0 if i == baseline else extra,
+                init_from=base.init_from,
             )
             suffix = f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""
             log(f"[{i + 1}/{len(strategies)}] {labels[i]}{suffix}")
@@ -98,6 +112,12 @@ def run_compare(
         records.append(record)
     add_comparisons(records)
     return records
+
+
+def _checkpoint_step(root: str) -> int:
+    from commfuse.train.checkpoint import latest_step
+
+    return latest_step(root) or 0
 
 
 def add_comparisons(records: list[dict[str, Any]]) -> None:

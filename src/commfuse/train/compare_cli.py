@@ -51,6 +51,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument(
         "--repeats", type=int, default=1, help="rounds of all strategies (A B A B); median step"
     )
+    parser.add_argument(
+        "--max-steps-factor",
+        type=float,
+        default=1.0,
+        help="strategies other than the baseline may train up to this multiple of --steps to "
+        "reach the baseline's final loss (t_to_base_s); all else is read at --steps",
+    )
     parser.add_argument("--json", metavar="PATH", help="write one record per strategy")
     parser.add_argument(
         "--plot",
@@ -76,6 +83,7 @@ def run_compare_cli(args: argparse.Namespace) -> int:
             seed=args.seed,
             bucket_cap_mb=args.bucket_cap_mb,
             compute_steps=args.compute_steps,
+            init_from=args.init_from,
         )
         from commfuse.workloads import make_workload
 
@@ -89,6 +97,7 @@ def run_compare_cli(args: argparse.Namespace) -> int:
             base,
             topology,
             repeats=args.repeats,
+            max_steps_factor=args.max_steps_factor,
             emulate=False if args.no_emulate else None,
             progress=False if args.no_progress else None,
             timeout_s=args.timeout,

@@ -52,6 +52,16 @@ class TrainConfig:
     """Continue from ``checkpoint_dir``'s latest checkpoint (start fresh if there is none)."""
     evaluate: bool = True
     """Evaluate on the held-out split after the last step (rank 0)."""
+    extra_steps: int = 0
+    """Steps trained after ``steps`` only to see when the loss gets somewhere (``compare
+    --max-steps-factor``: time to the baseline's loss for a strategy that learns less per
+    step). Nothing else is read there: no checkpoint, the evaluation and the digest are of the
+    parameters after step ``steps``, and ``metrics.summarize`` reads every other figure over the
+    first ``steps``."""
+    init_from: str | None = None
+    """A checkpoint directory (of any strategy) whose latest model and optimizer state this run
+    starts from, at its step: another strategy continues a pre-trained run (DiLoCo starts from
+    a pre-trained model). Strategy state, history and RNG are fresh; ``steps`` is the total."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -62,6 +72,10 @@ class TrainConfig:
             raise ValueError("compute_steps and checkpoint_every must be >= 0")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
+        if self.extra_steps < 0:
+            raise ValueError(f"extra_steps must be >= 0, got {self.extra_steps}")
+        if self.init_from is not None and ckpt.latest_step(self.init_from) is None:
+            raise ValueError(f"--init-from {self.init_from}: no complete checkpoint there")
         parse_strategy(self.strategy)  # ValueError before any rank starts
         make_workload(self.workload)
 
@@ -111,6 +125,8 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             optimizer.load_state_dict(resumed_state["optimizer"])
             history = resumed_state["history"]
             start = resumed_state["step"]
+    if resumed_state is None and config.init_from:
+        start = _init_from(config, module, optimizer, rank)
     strategy = parsed.build(
         StrategyContext(
             module=module,
@@ -128,7 +144,12 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
         # an exchange running on a worker thread (streaming DiLoCo) counts its bytes whenever
         # its sends happen, including between two steps.
         sent_before = strategy.bytes_sent()
-        for step in range(start, config.steps):
+        snapshot: dict[str, torch.Tensor] | None = None
+        for step in range(start, config.steps + config.extra_steps):
+            if step == config.steps and config.extra_steps:
+                # The run's result is the model after ``steps``; what follows only times a loss.
+                strategy.finish()
+                snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
             t0 = time.perf_counter()
             with comm.at_step(step):
                 batch = workload.batch(step, rank, world, seed=config.seed)
@@ -148,16 +169,25 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
                 progress.put((step + 1, history["loss"][-1], elapsed, sent))
             done = step + 1
             every = config.checkpoint_every
-            if config.checkpoint_dir and (done == config.steps or (every and done % every == 0)):
+            in_run = done <= config.steps
+            if (
+                in_run
+                and config.checkpoint_dir
+                and (done == config.steps or (every and done % every == 0))
+            ):
                 _save(config, comm, strategy, optimizer, module, history, done, world)
         strategy.finish()
         if history["bytes"]:
             # An exchange still in flight at the last step is real traffic of that step.
             history["bytes"][-1] += float(strategy.bytes_sent() - sent_before)
+        if snapshot is not None:
+            module.load_state_dict(snapshot)
         result: dict[str, Any] = {
             "rank": rank,
             "start_step": start,
             "history": history,
+            # History entries past ``steps`` (extra_steps: read only for time to a loss).
+            "extra_steps": config.steps + config.extra_steps - max(start, config.steps),
             "digest": params_digest(module),
             "strategy_metrics": strategy.metrics(),
         }
@@ -167,6 +197,24 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
         return result
     finally:
         strategy.close()
+
+
+def _init_from(
+    config: TrainConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> int:
+    """Load ``config.init_from``'s latest model and optimizer state; return its step."""
+    assert config.init_from is not None
+    step = ckpt.latest_step(config.init_from)
+    assert step is not None  # TrainConfig checked it
+    if step >= config.steps:
+        raise ValueError(
+            f"--init-from {config.init_from} is at step {step}: --steps (the total) must be "
+            f"larger, got {config.steps}"
+        )
+    state = ckpt.load_rank(config.init_from, step, rank)
+    module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return step
 
 
 def _save(
@@ -201,7 +249,7 @@ def _time_compute_only(
 ) -> list[float]:
     times = []
     for i in range(config.compute_steps):
-        batch = workload.batch(config.steps + i, rank, world, seed=config.seed)
+        batch = workload.batch(config.steps + config.extra_steps + i, rank, world, seed=config.seed)
         t0 = time.perf_counter()
         with strategy.no_sync():
             strategy.zero_grad()

@@ -15,6 +15,8 @@ Definitions (the same for ``train --json`` and ``compare``):
 * ``loss_curve``: the training loss averaged over ranks at each step, then a trailing moving
   average over ``window`` steps (a single rank's 512-symbol batch is noisy);
   ``final_loss`` is its last value, so strategies are compared on the same smoothed quantity.
+* a run with ``extra_steps`` (``compare --max-steps-factor``) reads every figure over its first
+  ``steps``; only ``loss_curve`` and ``wall_curve_s`` go on, for ``time_to_loss_s``;
 * ``wall_s``: the sum of rank 0's step times after the first step (training only: no start-up,
   evaluation or checkpoint time; the first step pays one-off set-up costs such as gloo's lazy
   connections, measured up to seconds on the emulated cluster, which would swamp short runs),
@@ -49,14 +51,17 @@ def summarize(
 ) -> dict[str, Any]:
     """One JSON-able record from every rank's ``train_rank`` result."""
     first = rank_results[0]
-    hist = first["history"]
-    steps = len(hist["loss"])
-    losses = [statistics.fmean(r["history"]["loss"][i] for r in rank_results) for i in range(steps)]
+    full = first["history"]
+    total = len(full["loss"])
+    # Entries past the run's ``steps`` (``TrainConfig.extra_steps``) only extend the curves.
+    steps = total - int(first.get("extra_steps", 0))
+    hist = {k: v[:steps] for k, v in full.items()}
+    losses = [statistics.fmean(r["history"]["loss"][i] for r in rank_results) for i in range(total)]
     curve = moving_average(losses, smoothing_window(steps))
     times = hist["step_time_s"]
     timed = slice(min(warmup, max(0, steps - 1)), steps)
     wall, walls = 0.0, []
-    for i, t in enumerate(times):
+    for i, t in enumerate(full["step_time_s"]):
         wall += t if i else 0.0
         walls.append(wall)
     compute = first.get("compute_step_time_s") or []
@@ -77,10 +82,11 @@ def summarize(
         "median_bytes_per_step": statistics.median(hist["bytes"][timed]),
         "bytes_total": sum(hist["bytes"]),
         "skipped_steps": int(sum(hist["skipped"])),
-        "final_loss": curve[-1],
+        "final_loss": curve[steps - 1],
         "eval_loss": evaluation.get("loss"),
         "eval_accuracy": evaluation.get("accuracy"),
-        "wall_s": wall,
+        "wall_s": walls[steps - 1],
+        "extra_steps": total - steps,
         "first_step_s": times[0],
         "loss_curve": curve,
         "wall_curve_s": walls,

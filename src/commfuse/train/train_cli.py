@@ -37,6 +37,13 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, default_steps: int) ->
     parser.add_argument(
         "--timeout", type=float, default=3600.0, help="stop a run after this many seconds"
     )
+    parser.add_argument(
+        "--init-from",
+        metavar="DIR",
+        default=None,
+        help="start from the latest model and optimizer state in this checkpoint directory "
+        "(any strategy's), at its step; --steps is the total",
+    )
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -105,6 +112,7 @@ def run_train(args: argparse.Namespace) -> int:
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,
+            init_from=args.init_from,
         )
     except ValueError as err:
         print(f"commfuse train: {err}", file=sys.stderr)
