@@ -461,7 +461,7 @@ def with_compressor(spec: str, split: int | None) -> dict[str, Any]:
                 comp.payload_bytes(b.flat.numel(), b.flat.dtype, world, step=step, bucket=b.index)
                 for b in buckets
             )
-            + sum(4 * world * len(b.params) for b in buckets)  # the finiteness flags
+            + sum(4 * len(b.params) for b in buckets)  # the finiteness flags, one per tensor
         )
         out["losses"].append(float(loss))
     dp.close()

@@ -216,8 +216,8 @@ def test_collectives_issued_match_the_strategy() -> None:
     assert simulate_step(cluster, workload, Strategy(bucket_cap_mb=9)).num_collectives == 3
     half = simulate_step(cluster, workload, Strategy(bucket_cap_mb=0, compression_ratio=0.5))
     agree = [t for t in half.timeline.tasks if t.name.startswith("agree finite")]
-    # Each compressed bucket: a (4 ranks x 2 tensors) fp32 flag table, then half its bytes.
-    assert [t.nbytes for t in agree] == [4 * 4 * 2] * 6
+    # Each compressed bucket: an fp32 flag per tensor (weight, bias), then half its bytes.
+    assert [t.nbytes for t in agree] == [4 * 2] * 6
     assert (
         sum(t.nbytes for t in half.timeline.tasks if t.category == "dp" and t not in agree)
         == workload.param_bytes // 2

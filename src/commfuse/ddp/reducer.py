@@ -45,7 +45,8 @@ true gradient: the ranks stay matched and nothing waits for the deadline.
 Non-finite gradients. Uncompressed, any rank's NaN/Inf survives the sum, so the averaged buffer
 is checked (the same on every rank, so every rank takes the same decision). Compressed, the
 check must come first, or error feedback would absorb the NaN: each bucket's job on the worker
-first allreduces a tiny (rank x parameter) flag table; if anything is set, the compressor is not
+first max-allreduces one flag per tensor (rank + 1 where non-finite, so the error names a rank
+at 4 bytes per tensor whatever the world size); if anything is set, the compressor is not
 called for that bucket nor any later one of the step. Buckets compressed before the bad one
 already updated their error feedback with finite gradients of the skipped step.
 """
@@ -299,11 +300,13 @@ class Reducer:
         """On the worker: agree on finiteness first, then compress (see the module docstring).
         Returns the (rank, parameter) pairs that were non-finite."""
         assert self.compressor is not None
-        flags = torch.zeros(self.comm.world_size, len(bucket.params))
+        # One flag per tensor holding rank + 1 where non-finite: after a max, each bad tensor
+        # names a rank (the highest bad one) in 4 bytes per tensor at any world size.
+        flags = torch.zeros(len(bucket.params))
         for slot in nonfinite_slots(bucket):
-            flags[self.comm.rank, slot] = 1.0
+            flags[slot] = float(self.comm.rank + 1)
         allreduce(self.comm, flags, "max", algo="native")
-        bad = [(int(r), bucket.params[int(s)]) for r, s in flags.nonzero().tolist()]
+        bad = [(int(flags[s]) - 1, bucket.params[int(s)]) for s in flags.nonzero().flatten()]
         if bad:
             self._poisoned = True
         if self._poisoned:

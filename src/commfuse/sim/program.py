@@ -225,7 +225,7 @@ def _compress_s(b: _Builder, nbytes: int) -> float:
     return nbytes / (s.compression_gbyte_per_s * 1e9)
 
 
-#: Parameter tensors per layer in the NaN/Inf agreement table (a weight and a bias).
+#: Parameter tensors per layer in the NaN/Inf agreement message (a weight and a bias).
 TENSORS_PER_LAYER = 2
 
 
@@ -235,7 +235,7 @@ def _bucket(b: _Builder, layers: list[Layer], after: int) -> int:
     name = f"allreduce bucket {layers[0].name}..{layers[-1].name}"
     if b.strategy.compression_ratio < 1 and b.strategy.finite_agreement:
         # commfuse.ddp agrees on NaN/Inf before a compressor touches its error feedback: one
-        # max-allreduce of a (ranks x tensors) fp32 flag table per bucket, latency-bound.
-        table = 4 * b.cluster.world_size * TENSORS_PER_LAYER * len(layers)
+        # max-allreduce of an fp32 flag per tensor per bucket, latency-bound.
+        table = 4 * TENSORS_PER_LAYER * len(layers)
         after = b.comm(f"agree finite {name}", "allreduce", table, "dp", "dp", [after])
     return b.comm(name, "allreduce", size, "dp", "dp", [after], overhead_s=_compress_s(b, nbytes))
