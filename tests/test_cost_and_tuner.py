@@ -52,6 +52,15 @@ def test_lp_broadcast_is_invariant_to_world_size_and_tree_is_not() -> None:
     assert lp[1] < tree[1] / 1.8
 
 
+def test_gloo_broadcast_shares_each_senders_link_among_its_children() -> None:
+    """Closed form: L alpha + L(L+1)/2 n beta, L = ceil(lg P); a plain binomial tree at P = 2."""
+    n, a, b = 1 << 20, GIG.alpha_s, GIG.beta_s_per_byte
+    assert C.gloo_broadcast(n, 2, GIG) == pytest.approx(C.mst_broadcast(n, 2, GIG))
+    assert C.gloo_broadcast(n, 4, GIG) == pytest.approx(2 * a + 3 * n * b)
+    assert C.gloo_broadcast(n, 5, GIG) == pytest.approx(3 * a + 6 * n * b)
+    assert C.gloo_broadcast(n, 1, GIG) == 0.0
+
+
 def test_best_block_minimises_the_lp_formula() -> None:
     n, p = 16 << 20, 4
     best = C.lp_best_block_bytes(n, p, GIG)

@@ -89,7 +89,7 @@ def test_a_fitted_collective_link_prices_that_algorithm_only() -> None:
     link = dataclasses.replace(base.inter_cost(), alpha_s=700e-6, beta_s_per_byte=8.0 / 0.5e9)
     n = 4 << 20
     assert math.isclose(
-        collective_time_s("broadcast", "native", n, cluster), C.mst_broadcast(n, 4, link)
+        collective_time_s("broadcast", "native", n, cluster), C.gloo_broadcast(n, 4, link)
     )
     for collective, algo in (("broadcast", "tree"), ("allreduce", "native")):
         assert collective_time_s(collective, algo, n, cluster) == collective_time_s(

@@ -367,7 +367,7 @@ COSTS: dict[tuple[str, str], CostFn] = {
     ("allreduce", "doubling"): lambda n, p, pr: C.recursive_doubling_allreduce(n, p, _flat(pr)),
     ("allreduce", "rabenseifner"): lambda n, p, pr: C.rabenseifner_allreduce(n, p, _flat(pr)),
     ("allreduce", "hierarchical"): _hier_allreduce,
-    ("broadcast", "native"): lambda n, p, pr: C.mst_broadcast(n, p, _flat(pr)),
+    ("broadcast", "native"): lambda n, p, pr: C.gloo_broadcast(n, p, _flat(pr)),
     ("broadcast", "tree"): lambda n, p, pr: C.mst_broadcast(n, p, _flat(pr)),
     ("broadcast", "pipeline"): _lp("broadcast"),
     ("broadcast", "hierarchical"): _hier_broadcast,

@@ -9,7 +9,7 @@ token-bucket burst, ``inter_burst_kbyte``, no faster than its shaped rate ``inte
    own algorithms (ring, linear pipeline, binomial tree), which are built on point-to-point
    messages.
 2. **Each native collective against its own model**: gloo's allreduce (ring), broadcast
-   (binomial tree), all-to-all (pairwise) and allgather (ring) at ``NATIVE_SIZES``; each fit
+   (binomial tree, concurrent sends), all-to-all (pairwise) and allgather (ring) at ``NATIVE_SIZES``; each fit
    becomes a ``CollectiveLink`` that prices that algorithm alone.
 3. **Local rates**: ``a += b`` (gamma -> ``reduce_gbyte_per_s``), an SGD update
    (``mem_gbyte_per_s``, 3 bytes moved per parameter byte), the fp16 compressor's local work

@@ -173,11 +173,12 @@ def with_burst(model: Model, burst_bytes: float) -> Model:
 
 def native_model(collective: str, world_size: int) -> Model:
     """gloo's own algorithm for ``collective`` (DESIGN.md): a ring allreduce and allgather,
-    a binomial-tree broadcast, a pairwise all-to-all, each as a formula of cost.py."""
+    a binomial-tree broadcast whose sends share the sender's link (``cost.gloo_broadcast``), a
+    pairwise all-to-all, each as a formula of cost.py."""
     formulas: dict[str, Callable[[int, int, C.LinkCost], float]] = {
         "allreduce": C.ring_allreduce,
         "allgather": C.ring_allgather,
-        "broadcast": C.mst_broadcast,
+        "broadcast": C.gloo_broadcast,
         "all_to_all": C.pairwise_all_to_all,
     }
     if collective not in formulas:

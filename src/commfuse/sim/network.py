@@ -89,7 +89,7 @@ _SHAPES: dict[tuple[str, str], tuple[str, _Fn]] = {
     ("allreduce", "pipeline"): ("chain", C.lp_allreduce),
     ("allreduce", "doubling"): ("spread", C.recursive_doubling_allreduce),
     ("allreduce", "rabenseifner"): ("spread", C.rabenseifner_allreduce),
-    ("broadcast", "native"): ("tree", C.mst_broadcast),
+    ("broadcast", "native"): ("tree", C.gloo_broadcast),
     ("broadcast", "tree"): ("tree", C.mst_broadcast),
     ("broadcast", "pipeline"): ("chain", C.lp_broadcast),
     ("reduce", "native"): ("tree", C.mst_reduce),
