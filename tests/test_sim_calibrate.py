@@ -150,7 +150,11 @@ def test_fit_cluster_recovers_a_known_cluster_from_its_own_times() -> None:
         mem_gbyte_per_s=6.0,
         collective_links=(
             CollectiveLink(
-                collective="allreduce", algorithm="native", latency_us=500, gbit_per_s=1.1
+                collective="allreduce",
+                algorithm="native",
+                latency_us=500,
+                gbit_per_s=1.1,
+                latency_overlaps_transfer=True,  # as calibration fits gloo's allreduce
             ),
             CollectiveLink(
                 collective="broadcast", algorithm="native", latency_us=50, gbit_per_s=0.8

@@ -41,7 +41,14 @@ from typing import Any
 
 from commfuse.sim.cluster import ClusterModel, CollectiveLink
 from commfuse.sim.cpu_share import fit_comm_cpu
-from commfuse.sim.fit import LinkFit, fit_link, native_model, point_to_point, with_burst
+from commfuse.sim.fit import (
+    LinkFit,
+    fit_link,
+    native_model,
+    overlapped,
+    point_to_point,
+    with_burst,
+)
 from commfuse.sim.strategy import Strategy
 from commfuse.sim.workload import Workload, from_module
 
@@ -52,6 +59,9 @@ NATIVE_COLLECTIVES = ("allreduce", "broadcast", "all_to_all", "allgather")
 #: Sizes of the fp16 allreduce whose excess over fp32 at the same bytes is fp16's summation
 #: cost (gloo adds halves in software) charged to the fp16 compressor.
 HALF_ALLREDUCE_SIZES = (2 * MB, 8 * MB)
+#: Native collectives whose start-ups run under their transfers (``fit.overlapped``): gloo's
+#: segmented ring allreduce.
+OVERLAPPED_NATIVE = {("allreduce", "native")}
 #: Ping-pong sizes of the point-to-point fit.
 P2P_SIZES = (128 * KB, 512 * KB, 2 * MB, 8 * MB)
 #: Local element-wise work: big enough to leave the caches.
@@ -144,13 +154,19 @@ def fit_cluster(
         if "/" not in key or "@" in key:
             continue
         collective, algo = key.split("/")
+        model = with_burst(native_model(collective, base.world_size), burst)
         fit = fit_link(
-            with_burst(native_model(collective, base.world_size), burst),
+            model,
             [c["bytes"] for c, _ in rows],
             [t for _, t in rows],
             gamma_s_per_byte=gamma,
             max_gbit_per_s=base.inter_gbit_per_s,
         )
+        overlaps = (collective, algo) in OVERLAPPED_NATIVE
+        if overlaps:
+            fit = overlapped(
+                fit, model, gamma_s_per_byte=gamma, max_gbit_per_s=base.inter_gbit_per_s
+            )
         fits[key] = fit
         links.append(
             CollectiveLink(
@@ -158,6 +174,7 @@ def fit_cluster(
                 algorithm=algo,
                 latency_us=fit.alpha_s * 1e6,
                 gbit_per_s=fit.gbit_per_s,
+                latency_overlaps_transfer=overlaps,
             )
         )
     mem_gbyte = SGD_BYTES_PER_PARAM_BYTE * one("memory") / 1e9

@@ -140,6 +140,49 @@ def fit_link(
     )
 
 
+def overlapped(
+    fit: LinkFit,
+    model: Model,
+    *,
+    gamma_s_per_byte: float = 0.0,
+    max_gbit_per_s: float | None = None,
+) -> LinkFit:
+    """Refit ``fit`` for the overlapped form of ``model``: start-ups run under the transfer,
+    ``t(n) = sqrt((A alpha + G)**2 + (B beta)**2)`` (``CollectiveLink.
+    latency_overlaps_transfer``; the reduction's G goes with the start-ups, as the simulator's
+    ``Demand`` counts it in the part that is not shared). Not linear in alpha and beta: bounded non-linear least squares
+    on the relative residuals (scipy's trust-region reflective, a Huber loss as in
+    ``fit_link``), started from the linear fit, alpha >= 0, beta no faster than the cap."""
+    from scipy.optimize import least_squares
+
+    rows = np.array([coefficients(model, n, gamma_s_per_byte) for n in fit.sizes_bytes])
+    t = np.asarray(fit.measured_s, dtype=np.float64)
+    # Unknowns scaled to order 1: alpha in ms, beta in ns per byte.
+    scale = np.array([1e-3, 1e-9])
+
+    def predict(x: np.ndarray) -> np.ndarray:
+        alpha, beta = x * scale
+        return np.asarray(np.hypot(rows[:, 0] * alpha + rows[:, 2], rows[:, 1] * beta))
+
+    min_beta = 8.0 / (max_gbit_per_s * 1e9) if max_gbit_per_s else 0.0
+    lower = np.array([0.0, max(min_beta, 1e-15) / scale[1]])
+    start = np.maximum([fit.alpha_s / scale[0], fit.beta_s_per_byte / scale[1]], lower)
+    solved = least_squares(
+        lambda x: predict(x) / t - 1.0,
+        start,
+        bounds=(lower, np.full(2, np.inf)),
+        loss="huber",
+        f_scale=0.1,
+    )
+    alpha, beta = (solved.x * scale).tolist()
+    return dataclasses.replace(
+        fit,
+        alpha_s=float(alpha),
+        beta_s_per_byte=float(beta),
+        relative_residuals=tuple(float(x) for x in predict(solved.x) / t - 1.0),
+    )
+
+
 def _solve(design: np.ndarray, target: np.ndarray, weights: np.ndarray) -> tuple[float, float]:
     """Weighted least squares for (alpha, beta) with alpha >= 0 and beta > 0."""
     w = np.sqrt(weights)[:, None]

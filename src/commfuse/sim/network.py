@@ -205,6 +205,12 @@ def demand(
         busy = dict(result.busy_s)
         busy["nic"] = max(busy["nic"] - credit, 0.0)
         result = Demand(result.latency_s, busy)
+    if own is not None and own.latency_overlaps_transfer:
+        # Smooth maximum of latency and transfer (CollectiveLink): the latency part shrinks to
+        # what is left above the transfer, so contention still stretches the transfer.
+        transfer = max(result.busy_s.values(), default=0.0)
+        overlapped = math.hypot(result.latency_s, transfer) - transfer
+        result = Demand(overlapped, result.busy_s)
     if profile.correction(collective, name, p) is not None:
         # Measured on this very group: scale both parts so the idle time is the tuner's
         # corrected prediction, whatever our model of the shape says.
