@@ -2,6 +2,7 @@
 
 commfuse bench fused --hosts 4 --link 1gbit --op gemm_allreduce,embedding_alltoall --json out.json
 commfuse bench fused --hosts 4 --link 1gbit --step dlrm
+commfuse bench fused --hosts 4 --link 1gbit --step tp-transformer,tp-transformer-sp
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser
         action="append",
         metavar="AxBx...",
         help="shape to time instead of the defaults (repeatable): rows x in x out for the GEMMs, "
-        "batch x tables x rows x dim x pooling for embedding_alltoall",
+        "batch x tables x rows x dim x pooling for embedding_alltoall and --step dlrm, "
+        "seq x batch x d_model x heads x d_ff x layers for --step tp-transformer",
     )
     parser.add_argument("--chunks", type=int, help="fix the number of chunks (default: cost model)")
     parser.add_argument("--iters", type=int, default=7, help="timed runs per variant (median)")
@@ -36,7 +38,8 @@ def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument(
         "--step",
         metavar="NAMES",
-        help="time whole training steps of these workloads (comma list: dlrm) instead of --op",
+        help="time whole training steps of these workloads (comma list: dlrm, tp-transformer, "
+        "tp-transformer-sp) instead of --op",
     )
     parser.add_argument("--markdown", metavar="PATH", help="write a dated Markdown report")
     parser.add_argument(

@@ -8,7 +8,10 @@ on a warmer machine) on the same batches, after a barrier each. A run's time is 
 rank's; a row reports medians and fused/unfused. Both models must end with identical
 parameters (``wrong`` counts the elements that differ, summed over ranks).
 
-Steps: ``dlrm`` (``workloads/dlrm.py``; shape = global batch x tables x rows x dim x pooling).
+Steps: ``dlrm`` (``workloads/dlrm.py``; shape = global batch x tables x rows x dim x pooling);
+``tp-transformer`` and ``tp-transformer-sp`` (``workloads/tp_transformer.py``, Megatron tensor
+parallelism without and with sequence parallelism; shape = seq x batch x d_model x heads x d_ff
+x layers; the world size must divide heads).
 To add one, write a ``*_case(comm, shape, chunks) -> StepCase`` and add it to ``STEPS``.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -99,11 +103,69 @@ def dlrm_case(comm: Communicator, shape: tuple[int, ...], chunks: int | None) ->
     )
 
 
+def tp_transformer_case(
+    comm: Communicator,
+    shape: tuple[int, ...],
+    chunks: int | None,
+    *,
+    sequence_parallel: bool = False,
+) -> StepCase:
+    """``workloads/tp_transformer.py``; shape = seq x batch x d_model x heads x d_ff x layers.
+    Fused and unfused sum in different orders (the fused pipeline by rank, gloo's ring along
+    the ring), so ``differing`` counts elements apart by more than rtol 1e-4 (atol 1e-6)."""
+    from commfuse.workloads import tp_transformer as tp
+
+    if len(shape) != 6:
+        raise ValueError(
+            f"tp-transformer shape is seq x batch x d_model x heads x d_ff x layers, got {shape}"
+        )
+    seq, batch, d_model, heads, d_ff, layers = shape
+    options = tp.TPTransformerOptions(
+        d_model=d_model,
+        num_heads=heads,
+        d_ff=d_ff,
+        num_layers=layers,
+        seq_len=seq,
+        batch=batch,
+        sequence_parallel=sequence_parallel,
+    )
+    workload = tp.TPTransformerWorkload(options)
+    models = {
+        fused: workload.build_model(comm, 0, fused=fused, num_chunks=chunks)
+        for fused in (True, False)
+    }
+    opts = {fused: workload.make_optimizer(m) for fused, m in models.items()}
+
+    def step_fn(fused: bool) -> Callable[[Any], float]:
+        def run(data: Any) -> float:
+            return workload.train_step(comm, models[fused], opts[fused], data)
+
+        return run
+
+    def differing() -> int:
+        pairs = zip(models[True].parameters(), models[False].parameters(), strict=True)
+        return sum(int((~torch.isclose(p, q, rtol=1e-4, atol=1e-6)).sum()) for p, q in pairs)
+
+    return StepCase(
+        prepare=lambda step: workload.batch(step, comm.rank, comm.world_size, seed=0),
+        fused=step_fn(True),
+        unfused=step_fn(False),
+        chunks=models[True].chosen_chunks,
+        differing=differing,
+        extra={},
+    )
+
+
 #: step name -> (case builder, default shapes). DLRM's default makes the embedding exchange most
 #: of the step (the regime the fused operator is for): 32 tables of dim 64, 4 ids per bag (the
 #: table-gradient accumulation grows with the ids per bag, the exchange does not).
 STEPS: dict[str, tuple[Callable[..., StepCase], tuple[tuple[int, ...], ...]]] = {
     "dlrm": (dlrm_case, ((4096, 32, 5000, 64, 4),)),
+    "tp-transformer": (tp_transformer_case, ((512, 4, 512, 8, 2048, 2),)),
+    "tp-transformer-sp": (
+        functools.partial(tp_transformer_case, sequence_parallel=True),
+        ((512, 4, 512, 8, 2048, 2),),
+    ),
 }
 
 
@@ -120,7 +182,7 @@ class StepBenchConfig:
     chunks: int | None = None
     """Fixed number of chunks; None lets each fused module choose."""
     shapes: tuple[tuple[int, ...], ...] | None = None
-    """Shapes instead of the defaults (5 dimensions for dlrm)."""
+    """Shapes instead of the defaults (5 dimensions for dlrm, 6 for tp-transformer)."""
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.steps if s not in STEPS]
@@ -191,8 +253,8 @@ COLUMNS = (
     ("shape", lambda r: "x".join(map(str, r["shape"]))),
     ("P", lambda r: str(r["world_size"])),
     ("k", lambda r: str(r["chunks"])),
-    ("exch_C_us", lambda r: f"{r.get('compute_us', 0):.0f}"),
-    ("exch_M_us", lambda r: f"{r.get('comm_us', 0):.0f}"),
+    ("exch_C_us", lambda r: f"{r['compute_us']:.0f}" if "compute_us" in r else "-"),
+    ("exch_M_us", lambda r: f"{r['comm_us']:.0f}" if "comm_us" in r else "-"),
     ("unfused_us", lambda r: f"{r['unfused_us']:.0f}"),
     ("fused_us", lambda r: f"{r['fused_us']:.0f}"),
     ("fused/unfused", lambda r: f"{r['fused_vs_unfused']:.3f}"),

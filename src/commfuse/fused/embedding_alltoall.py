@@ -26,7 +26,7 @@ direction: rank ``r`` sends ``grad[:, tables of j]`` to owner ``j`` and receives
 (All-to-All + compute): all receives are posted, all sends started, the local block is
 accumulated into the table gradients first, then each remote block as it arrives. Table
 gradients are dense (``index_add`` of each bag's gradient into the rows it looked up, divided
-by the bag's length for mean).
+by the bag's length for mean; ``TableGradients`` does it for all tables in one ``index_add_``).
 """
 
 from __future__ import annotations
@@ -214,27 +214,89 @@ def embedding_alltoall_reference(
     return torch.cat(blocks, dim=1) if world > 1 else blocks[0].clone()
 
 
-def _accumulate(
-    grads: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    offsets: list[torch.Tensor],
-    start: int,
-    grad_rows: torch.Tensor,
-    mode: str,
-) -> None:
-    """Add the gradient of samples ``[start, start + rows)`` (``[rows, T_r, D]``) into the tables'."""
-    rows = grad_rows.shape[0]
-    if rows == 0:
-        return
-    for t, (grad_w, idx, off) in enumerate(zip(grads, indices, offsets, strict=True)):
-        lo, hi = _bag_range(off, idx.numel(), start, start + rows)
-        bounds = torch.cat([off[start : start + rows], off.new_tensor([hi])])
-        lengths = (bounds[1:] - bounds[:-1]).clamp_min(0)
-        bag = torch.repeat_interleave(torch.arange(rows), lengths)
-        g = grad_rows[:, t][bag].float()
-        if mode == "mean":
-            g = g / lengths[bag].unsqueeze(1)
-        grad_w.index_add_(0, idx[lo:hi], g)
+class TableGradients:
+    """Dense float32 gradients of the local tables, accumulated block by block (``add``) as the
+    reverse All-to-All delivers the gradients of each block of samples.
+
+    All tables share one buffer (``[sum of rows, D]``, table ``t``'s rows at ``row_starts[t]``),
+    so a block costs one gather and one ``index_add_`` whatever the number of tables:
+
+    1. Once per backward, the offsets are expanded: for every entry (an id in a bag) of table
+       ``t``, its sample ``b`` (``repeat_interleave`` of the bag lengths, no Python loop over
+       bags), its source row ``b * T_r + t`` in the gradient seen as ``[B * T_r, D]``, its
+       destination row ``row_starts[t] + id`` in the buffer, and for ``mean`` its bag's length.
+    2. Per block of samples ``[start, start + rows)``: each table's entries are one slice of
+       those arrays (two offsets read); ``index_select`` the source rows of all tables at once
+       (contiguous row copies), cast to float32, divide by the bag length for ``mean``.
+    3. One ``index_add_`` into the buffer.
+
+    Exactly the per-table result it replaced, bit for bit (tested against it): ``index_add_``
+    adds the sources of each row in source order (a serial loop, or a stable sort by row), and
+    each row belongs to one table, whose entries stay in index order, so every row is
+    ``((g + s_1) + s_2) + ...`` in the same order as one ``index_add_`` per table. What it
+    replaces, measured with one thread (as the ranks run): ``grad[:, t][bag]`` (advanced indexing
+    of a strided view) took 78% of the accumulation; one rank's backward of the DLRM step
+    benchmark (8 tables of 5000 x 64, 4096 samples, 4 ids per bag, 4 blocks) went from 17.1 to
+    8.7 ms (fastest of 15; medians 19.2 and 13.6 ms on the shared 2-core machine).
+    """
+
+    def __init__(
+        self,
+        tables: list[torch.Tensor],
+        indices: list[torch.Tensor],
+        offsets: list[torch.Tensor],
+        mode: str,
+    ) -> None:
+        rows = [t.shape[0] for t in tables]
+        self.row_starts = [sum(rows[:i]) for i in range(len(rows))]
+        self.mode, self.num_tables = mode, len(tables)
+        dim = tables[0].shape[1] if tables else 0
+        # float32: a popular row sums many bags, and bfloat16 sums would drift.
+        self.flat = torch.zeros((sum(rows), dim), dtype=torch.float32)
+        self._views = [self.flat[a : a + n] for a, n in zip(self.row_starts, rows, strict=True)]
+        self._offsets = offsets
+        # Entries before a table's first offset belong to no bag; the arrays start after them.
+        self._firsts = [
+            int(off[0]) if off.numel() else idx.numel()
+            for idx, off in zip(indices, offsets, strict=True)
+        ]
+        self._numels = [idx.numel() for idx in indices]
+        self._sources: list[torch.Tensor] = []
+        self._targets: list[torch.Tensor] = []
+        self._lengths: list[torch.Tensor] = []
+        for t, (idx, off, first) in enumerate(zip(indices, offsets, self._firsts, strict=True)):
+            bounds = torch.cat([off, off.new_tensor([idx.numel()])])
+            bag_lengths = (bounds[1:] - bounds[:-1]).clamp_min(0)
+            bag = torch.repeat_interleave(torch.arange(off.numel()), bag_lengths)
+            self._sources.append(bag * self.num_tables + t)
+            self._targets.append(idx[first:].long() + self.row_starts[t])
+            if mode == "mean":
+                self._lengths.append(bag_lengths[bag])
+
+    def add(self, start: int, grad_rows: torch.Tensor) -> None:
+        """Add the gradient of samples ``[start, start + rows)`` (``[rows, T_r, D]``)."""
+        rows = grad_rows.shape[0]
+        if rows == 0 or self.num_tables == 0:
+            return
+        ranges = []
+        for off, numel, first in zip(self._offsets, self._numels, self._firsts, strict=True):
+            lo, hi = _bag_range(off, numel, start, start + rows)
+            ranges.append((lo - first, hi - first))
+        # Sources count samples from 0; this block's gradient starts at sample ``start``.
+        sources = torch.cat([s[lo:hi] for s, (lo, hi) in zip(self._sources, ranges, strict=True)])
+        sources -= start * self.num_tables
+        flat_grad = grad_rows.reshape(rows * self.num_tables, grad_rows.shape[2])
+        g = flat_grad.index_select(0, sources).float()
+        if self.mode == "mean":
+            g = g / torch.cat(
+                [n[lo:hi] for n, (lo, hi) in zip(self._lengths, ranges, strict=True)]
+            ).unsqueeze(1)
+        targets = [d[lo:hi] for d, (lo, hi) in zip(self._targets, ranges, strict=True)]
+        self.flat.index_add_(0, torch.cat(targets), g)
+
+    def result(self, tables: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One gradient per table, in the table's dtype (views of the buffer for float32)."""
+        return [g.to(t.dtype) for g, t in zip(self._views, tables, strict=True)]
 
 
 def embedding_alltoall_backward(
@@ -253,8 +315,7 @@ def embedding_alltoall_backward(
     the accumulation. Sends the same bytes as the forward, in the other direction."""
     rank, world = comm.rank, comm.world_size
     dim = grad_out.shape[2] if grad_out.dim() == 3 else 0
-    # Accumulate in float32: a popular row sums many bags, and bfloat16 sums would drift.
-    grads = [torch.zeros(t.shape, dtype=torch.float32) for t in tables]
+    grads = TableGradients(tables, indices, offsets, mode)
     starts = [sum(batch_splits[:j]) for j in range(world)]
     table_starts = [sum(tables_per_rank[:j]) for j in range(world)]
     mine = batch_splits[rank]
@@ -275,13 +336,13 @@ def embedding_alltoall_backward(
         for tag, (lo, hi) in enumerate(split_ranges(mine, pieces)):
             outgoing.append(comm.isend(block[lo:hi], dst, tag=tag, label=LABEL))
     own = grad_out[:, table_starts[rank] : table_starts[rank] + tables_per_rank[rank]]
-    _accumulate(grads, indices, offsets, starts[rank], own, mode)  # while the remote blocks travel
+    grads.add(starts[rank], own)  # while the remote blocks travel
     for handle, start, piece in incoming:
         handle.wait()
-        _accumulate(grads, indices, offsets, start, piece, mode)
+        grads.add(start, piece)
     for handle in outgoing:
         handle.wait()
-    return [g.to(t.dtype) for g, t in zip(grads, tables, strict=True)]
+    return grads.result(tables)
 
 
 def measure(

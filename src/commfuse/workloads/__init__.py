@@ -5,6 +5,12 @@
 
 To add a workload: subclass :class:`Workload` in its own file, give it an options dataclass
 (keyword-only, one docstring per field), and add one line to ``WORKLOADS`` below.
+
+The model-parallel workloads are not in ``WORKLOADS``: ``dlrm`` (sharded embedding tables),
+``moe`` (sharded experts) and ``tp_transformer`` (Megatron tensor parallelism) need the
+communicator to build their model, shard it, and own their gradient communication, which the
+data-parallel strategies of ``commfuse train`` would duplicate. ``commfuse bench fused --step``
+and their tests drive them.
 """
 
 from __future__ import annotations

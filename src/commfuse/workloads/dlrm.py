@@ -216,13 +216,13 @@ class _UnfusedExchange(torch.autograd.Function):
         recv = torch.empty(sum(out_splits), dtype=grad.dtype)
         comm.all_to_all(recv, send, out_splits, in_splits)
         blocks = torch.split(recv, out_splits)
-        grads = [torch.zeros(t.shape, dtype=torch.float32) for t in tables]
+        grads = emb.TableGradients(list(tables), batch.indices, batch.offsets, module.mode)
         starts = [sum(splits[:j]) for j in range(world)]
         # The fused backward's order: own samples first, then ranks r+1, r+2, ... (same bits).
         for src in [rank] + [(rank + s) % world for s in range(1, world)]:
             block = blocks[src].view(splits[src], len(tables), dim)
-            emb._accumulate(grads, batch.indices, batch.offsets, starts[src], block, module.mode)
-        return (None, None, None, *[g.to(t.dtype) for g, t in zip(grads, tables, strict=True)])
+            grads.add(starts[src], block)
+        return (None, None, None, *grads.result(list(tables)))
 
 
 class DLRM(nn.Module):

@@ -1,0 +1,365 @@
+"""A tensor-parallel Transformer (Megatron-LM, Shoeybi et al., arXiv 1909.08053) whose collectives
+are the fused operators of ``commfuse.fused`` (Punniyamurthy, Hamidouche and Beckmann, SC24,
+arXiv 2305.06942).
+
+Megatron splits each sublayer of a pre-norm block into a column-parallel linear followed by a
+row-parallel one, so each sublayer costs one collective in forward and one in backward:
+
+1. attention: the QKV projection is column-parallel *by heads* (rank ``r`` holds whole heads,
+   their Q, K and V rows); each rank attends with its own heads, which needs no communication
+   (heads are independent); the output projection is row-parallel (its input features are the
+   head outputs rank ``r`` holds) and an AllReduce sums the ranks' partial products;
+2. MLP: the first linear is column-parallel (rank ``r`` holds hidden units ``F_r``), GELU is
+   elementwise, the second linear is row-parallel, then an AllReduce;
+3. backward: the input of each column-parallel linear is replicated, so its gradient is the sum
+   of every rank's ``grad_y_r @ W_r`` (Megatron's ``f`` operator), another GEMM + AllReduce; the
+   row-parallel backward is local.
+
+``fused=True`` runs every AllReduce as the fused GEMM + AllReduce (``RowParallelLinear`` forward,
+``TensorParallelColumnLinear`` backward; chunks chosen by the modules, or ``num_chunks``);
+``fused=False`` builds the same modules with ``ChunkConfig(num_chunks=1)``: the whole GEMM, then
+gloo's allreduce. Same maths, same bytes (the fused pipeline sends what a ring allreduce does).
+
+Sequence parallelism (``sequence_parallel=True``, Korthikanti et al., arXiv 2205.05198): the
+activations between sublayers are sharded along the sequence, so LayerNorm and the residuals run
+on ``S / P`` rows; each row-parallel output is a ReduceScatter (fused GEMM + ReduceScatter,
+``SequenceParallelRowLinear``) and each column-parallel input an AllGather (fused AllGather +
+GEMM, ``ColumnParallelLinear``; their backwards are the mirrored fused rings): the AllReduce's
+bytes in two halves. Replicated parameters (LayerNorms, row-parallel biases, the head) then see
+only their rows' gradients, which ``train_step`` sums with one allreduce.
+
+Shards. Every linear's full weight is ``full_linear_weight(out, in, seed)``, the same whatever
+the world size, and each rank keeps its ``shard_range`` of rows (column-parallel) or columns
+(row-parallel), so the model on ``P`` ranks is the model on one. The QKV rows are head-major
+(head 0's q, k, v, then head 1's, ...), so a contiguous shard of rows is whole heads when ``P``
+divides the number of heads (Megatron's own requirement).
+
+Data (a pure function of ``(seed, step)``): ``batch`` sequences of ``seq_len`` Gaussian tokens,
+sequence-first ``[S, B, d_model]`` (Megatron's layout, which keeps a rank's sequence shard
+contiguous); a token's label is the class of a fixed "teacher" projection of it and its
+predecessor, so causal attention has something to learn. Every rank of the tensor-parallel
+group sees the same batch (it is one data-parallel replica); with sequence parallelism each
+keeps its rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from commfuse.comm import Communicator
+from commfuse.fused import gemm_allreduce as gar
+from commfuse.fused.chunking import ChunkConfig, shard_range, split_sizes
+from commfuse.fused.modules import RowParallelLinear, full_linear_weight
+from commfuse.fused.sequence_modules import ColumnParallelLinear, SequenceParallelRowLinear
+from commfuse.workloads.base import batch_generator
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TPTransformerOptions:
+    """Shape of the tensor-parallel Transformer and of its synthetic data."""
+
+    d_model: int = 256
+    """Token features (the residual stream's width)."""
+    num_heads: int = 8
+    """Attention heads; the world size must divide it."""
+    d_ff: int = 1024
+    """Hidden units of the MLP (sharded as evenly as possible)."""
+    num_layers: int = 1
+    """Transformer blocks in the stack."""
+    seq_len: int = 128
+    """Tokens per sequence (sharded across ranks with sequence parallelism)."""
+    batch: int = 4
+    """Sequences per step (the same on every rank of the group)."""
+    num_classes: int = 16
+    """Classes of the synthetic labels."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence (AllGather + GEMM, GEMM + ReduceScatter)."""
+    lr: float = 0.05
+    """SGD learning rate."""
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "num_heads", "d_ff", "num_layers", "seq_len", "batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be a multiple of num_heads ({self.num_heads})"
+            )
+        if self.num_classes < 2 or self.lr <= 0:
+            raise ValueError(f"need num_classes >= 2 and lr > 0, got {self.num_classes}, {self.lr}")
+
+
+class _ColumnGemm(torch.autograd.Function):
+    """``y = x @ W_r^T`` for a replicated ``x``; backward ``grad_x = sum_r grad_y_r @ W_r`` as the
+    fused GEMM + AllReduce (the operator of ``RowParallelLinear``, on ``(grad_y_r, W_r^T)``)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: TensorParallelColumnLinear
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.module = module
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        module: TensorParallelColumnLinear = ctx.module
+        rows = math.prod(x.shape[:-1])
+        g2 = grad.reshape(rows, weight.shape[0])
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # the same on every rank: all skip the collective or none
+            w_t = weight.t()  # [in, out_r]: grad_y_r @ (W_r^T)^T, no copy (matmul transposes)
+            grad_x = gar.gemm_allreduce(
+                module.comm, g2, w_t, chunks=module.chunks_for(g2, w_t)
+            ).reshape(x.shape)
+        grad_w = torch.matmul(g2.t(), x.reshape(rows, x.shape[-1]))
+        return grad_x, grad_w, None
+
+
+class TensorParallelColumnLinear(nn.Module):
+    """Megatron's column-parallel linear without sequence parallelism: ``x`` is replicated, rank
+    ``r`` keeps rows ``out_range`` of the full ``[out, in]`` weight and returns ``x @ W_r^T + b_r``
+    (``[..., out_shard]``). Forward is local; backward sums the input gradients over ranks with
+    the fused GEMM + AllReduce. (The sequence-parallel form is ``ColumnParallelLinear``.)"""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Communicator,
+        *,
+        bias: bool = True,
+        dtype: torch.dtype = torch.float32,
+        chunk_config: ChunkConfig | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise ValueError(
+                f"in_features and out_features must be >= 1, got {in_features}, {out_features}"
+            )
+        self.comm = comm
+        self.chunk_config = chunk_config or ChunkConfig()
+        self.out_range = shard_range(out_features, comm.world_size, comm.rank)
+        start, stop = self.out_range
+        weight, b = full_linear_weight(out_features, in_features, seed)
+        self.weight = nn.Parameter(weight[start:stop].to(dtype).contiguous())
+        self.bias = nn.Parameter(b[start:stop].to(dtype)) if bias else None
+        self._chunks: dict[tuple[int, torch.dtype], int] = {}
+
+    def chunks_for(self, grad: torch.Tensor, weight_t: torch.Tensor) -> int:
+        """Chunks of the backward GEMM + AllReduce for gradients shaped like ``grad`` (chosen on
+        first use, as ``RowParallelLinear`` chooses its forward's)."""
+        key = (grad.shape[0], grad.dtype)
+        if key not in self._chunks:
+            if self.chunk_config.num_chunks is not None:
+                self._chunks[key] = self.chunk_config.num_chunks
+            else:
+                gar.check_same_output(self.comm, grad, weight_t)
+                self._chunks[key] = gar.choose_chunks_for(
+                    self.comm, grad.detach(), weight_t.detach(), self.chunk_config
+                )
+        return self._chunks[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 1 or x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(f"x must be [..., {self.weight.shape[1]}], got {tuple(x.shape)}")
+        y: torch.Tensor = _ColumnGemm.apply(x, self.weight, self)  # type: ignore[no-untyped-call]
+        return y if self.bias is None else y + self.bias
+
+
+def causal_attention(qkv: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[S, B, h * 3 * head_dim]`` (head-major q, k, v) -> ``[S, B, h * head_dim]``: causal
+    scaled dot-product attention of each of the ``h`` heads, outputs concatenated by head."""
+    seq, batch = qkv.shape[0], qkv.shape[1]
+    heads = qkv.shape[-1] // (3 * head_dim)
+    q, k, v = qkv.reshape(seq, batch, heads, 3, head_dim).permute(3, 1, 2, 0, 4).unbind(0)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, h, S, head_dim]
+    return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim)
+
+
+class TPBlock(nn.Module):
+    """``h = x + proj(attn(qkv(norm1(x))))``, ``out = h + fc2(gelu(fc1(norm2(h))))``, with
+    ``qkv``/``fc1`` column-parallel and ``proj``/``fc2`` row-parallel (module docstring).
+    ``x`` is ``[S, B, d]``, or this rank's ``[S_r, B, d]`` with sequence parallelism."""
+
+    def __init__(
+        self,
+        options: TPTransformerOptions,
+        comm: Communicator,
+        *,
+        chunk_config: ChunkConfig,
+        seed: int,
+    ) -> None:
+        super().__init__()
+        d, f = options.d_model, options.d_ff
+        self.sequence_parallel = options.sequence_parallel
+        self.head_dim = d // options.num_heads
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        kw: dict[str, Any] = dict(chunk_config=chunk_config)
+        column: Any = ColumnParallelLinear if self.sequence_parallel else TensorParallelColumnLinear
+        row: Any = SequenceParallelRowLinear if self.sequence_parallel else RowParallelLinear
+        self.qkv = column(d, 3 * d, comm, seed=seed, **kw)
+        self.proj = row(d, d, comm, seed=seed + 1, **kw)
+        self.fc1 = column(d, f, comm, seed=seed + 2, **kw)
+        self.fc2 = row(f, d, comm, seed=seed + 3, **kw)
+
+    def _linear(self, layer: nn.Module, x: torch.Tensor, splits: list[int]) -> torch.Tensor:
+        out: torch.Tensor = layer(x, splits) if self.sequence_parallel else layer(x)
+        return out
+
+    def forward(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor:
+        qkv = self._linear(self.qkv, self.norm1(x), splits)
+        h = x + self._linear(self.proj, causal_attention(qkv, self.head_dim), splits)
+        hidden = F.gelu(self._linear(self.fc1, self.norm2(h), splits))
+        out: torch.Tensor = h + self._linear(self.fc2, hidden, splits)
+        return out
+
+
+class TPTransformer(nn.Module):
+    """``logits = head(norm(blocks(x)))`` on one rank of the tensor-parallel group."""
+
+    def __init__(
+        self,
+        options: TPTransformerOptions,
+        comm: Communicator,
+        *,
+        chunk_config: ChunkConfig,
+        seed: int,
+    ) -> None:
+        super().__init__()
+        if options.num_heads % comm.world_size:
+            raise ValueError(
+                f"num_heads ({options.num_heads}) must be a multiple of the world size "
+                f"({comm.world_size}): each rank holds whole heads"
+            )
+        self.options, self.comm = options, comm
+        self.blocks = nn.ModuleList(
+            TPBlock(options, comm, chunk_config=chunk_config, seed=seed + 10 * i)
+            for i in range(options.num_layers)
+        )
+        self.norm = nn.LayerNorm(options.d_model)
+        self.head = nn.Linear(options.d_model, options.num_classes)
+        weight, bias = full_linear_weight(options.num_classes, options.d_model, seed + 7)
+        with torch.no_grad():  # the same head on every rank
+            self.head.weight.copy_(weight)
+            self.head.bias.copy_(bias)
+
+    def seq_splits(self) -> list[int]:
+        """Sequence rows per rank with sequence parallelism (larger shards first)."""
+        return split_sizes(self.options.seq_len, self.comm.world_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        splits = self.seq_splits()
+        for block in self.blocks:
+            x = block(x, splits)
+        out: torch.Tensor = self.head(self.norm(x))
+        return out
+
+    def replicated(self) -> list[nn.Parameter]:
+        """Parameters every rank holds whole: LayerNorms, row-parallel biases and the head."""
+        sharded: set[int] = set()
+        for block in self.blocks:
+            assert isinstance(block, TPBlock)
+            for layer in (block.qkv, block.fc1):
+                sharded.update(id(p) for p in layer.parameters())
+            for layer in (block.proj, block.fc2):
+                sharded.add(id(layer.weight))
+        return [p for p in self.parameters() if id(p) not in sharded]
+
+    def chosen_chunks(self) -> int:
+        """The largest number of chunks any fused module chose so far (1: all unfused)."""
+        chosen = [k for m in self.modules() for k in getattr(m, "_chunks", {}).values()]
+        return max(chosen, default=1)
+
+
+class TPTransformerWorkload:
+    """Build, feed and step the tensor-parallel Transformer on ``comm``'s ranks."""
+
+    name = "tp-transformer"
+
+    def __init__(self, options: TPTransformerOptions | None = None) -> None:
+        self.options = options or TPTransformerOptions()
+
+    def build_model(
+        self, comm: Communicator, seed: int, *, fused: bool = True, num_chunks: int | None = None
+    ) -> TPTransformer:
+        """The model (the same full parameters on any world size); ``fused=False`` means one
+        chunk everywhere, the unfused operators."""
+        config = ChunkConfig(num_chunks=num_chunks if fused else 1)
+        return TPTransformer(self.options, comm, chunk_config=config, seed=seed)
+
+    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=self.options.lr)
+
+    def full_batch(self, step: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole batch at ``step``: tokens ``[S, B, d_model]`` and labels ``[S, B]``."""
+        o = self.options
+        gen = batch_generator(seed, step, 0)
+        x = torch.randn((o.seq_len, o.batch, o.d_model), generator=gen)
+        teacher = torch.randn(
+            (o.num_classes, o.d_model), generator=torch.Generator().manual_seed(seed + 11)
+        )
+        context = x.clone()
+        context[1:] += x[:-1]  # the token and its predecessor
+        return x, (context @ teacher.t()).argmax(-1)
+
+    def batch(
+        self, step: int, rank: int, world_size: int, *, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s part of the batch: all of it, or its sequence rows with sequence
+        parallelism."""
+        x, y = self.full_batch(step, seed=seed)
+        if not self.options.sequence_parallel:
+            return x, y
+        start, stop = shard_range(self.options.seq_len, world_size, rank)
+        return x[start:stop], y[start:stop]
+
+    def loss(self, model: TPTransformer, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the mean cross-entropy over every token of the batch (the whole
+        mean without sequence parallelism; summed over ranks with it)."""
+        x, y = batch
+        logits = model(x)
+        total = self.options.seq_len * self.options.batch
+        return (
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+            / total
+        )
+
+    def sync_gradients(self, comm: Communicator, model: TPTransformer, loss: torch.Tensor) -> float:
+        """After the backward: with sequence parallelism, one allreduce sums the replicated
+        parameters' gradients (each rank saw only its rows) with the loss riding along; without,
+        they are already whole. Returns the global mean loss."""
+        if not self.options.sequence_parallel:
+            return float(loss.detach())
+        grads = [p.grad for p in model.replicated() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)])
+        comm.all_reduce(flat, "sum")
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return float(flat[-1])
+
+    def train_step(
+        self,
+        comm: Communicator,
+        model: TPTransformer,
+        optimizer: torch.optim.Optimizer,
+        batch: tuple[torch.Tensor, torch.Tensor],
+    ) -> float:
+        """One step: forward and backward through the fused (or unfused) collectives, the
+        gradient sum of ``sync_gradients``, the update. Returns the global mean loss."""
+        optimizer.zero_grad(set_to_none=False)
+        loss = self.loss(model, batch)
+        torch.autograd.backward(loss)
+        value = self.sync_gradients(comm, model, loss)
+        optimizer.step()
+        return value
