@@ -21,7 +21,13 @@ from commfuse.sim.calibrate import (
     mlp_workload,
 )
 from commfuse.sim.cluster import CollectiveLink
-from commfuse.sim.fit import fit_link, native_model, point_to_point, with_burst
+from commfuse.sim.fit import (
+    fit_link,
+    native_model,
+    native_with_burst,
+    point_to_point,
+    with_burst,
+)
 from commfuse.sim.workload import Layer, Workload
 
 SIZES = [128 << 10, 512 << 10, 2 << 20, 8 << 20]
@@ -31,7 +37,7 @@ LINK = C.LinkCost(alpha_s=400e-6, beta_s_per_byte=8e-9, gamma_s_per_byte=0.5e-9)
 @pytest.mark.parametrize("collective", ["allreduce", "broadcast", "all_to_all", "allgather"])
 @pytest.mark.parametrize("burst", [0.0, 256 * 1024.0])
 def test_fit_recovers_alpha_and_beta_of_its_own_model(collective: str, burst: float) -> None:
-    model = with_burst(native_model(collective, 4), burst)
+    model = native_with_burst(collective, 4, burst)
     times = [model(n, LINK) for n in SIZES]
     fit = fit_link(model, SIZES, times, gamma_s_per_byte=LINK.gamma_s_per_byte)
     assert math.isclose(fit.alpha_s, LINK.alpha_s, rel_tol=1e-6)

@@ -105,6 +105,13 @@ def gloo_broadcast(n: int, p: int, c: LinkCost) -> float:
     return levels * c.alpha_s + levels * (levels + 1) / 2 * n * c.beta_s_per_byte
 
 
+def gloo_broadcast_burst_bytes(n: int, p: int, burst_bytes: float) -> float:
+    """Bytes of ``gloo_broadcast``'s deepest chain that pass at once on links shaped by token
+    buckets of ``burst_bytes`` (netlab's tbf): each of its L hops leaves from another host, whose
+    bucket is full, and the k-th hop from the end carries k n bytes on its link."""
+    return float(sum(min(burst_bytes, k * n) for k in range(1, _lg(p) + 1)))
+
+
 def mst_reduce(n: int, p: int, c: LinkCost) -> float:
     return _lg(p) * (c.alpha_s + n * (c.beta_s_per_byte + c.gamma_s_per_byte))
 

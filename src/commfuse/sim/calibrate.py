@@ -44,7 +44,7 @@ from commfuse.sim.cpu_share import fit_comm_cpu
 from commfuse.sim.fit import (
     LinkFit,
     fit_link,
-    native_model,
+    native_with_burst,
     overlapped,
     point_to_point,
     with_burst,
@@ -154,7 +154,7 @@ def fit_cluster(
         if "/" not in key or "@" in key:
             continue
         collective, algo = key.split("/")
-        model = with_burst(native_model(collective, base.world_size), burst)
+        model = native_with_burst(collective, base.world_size, burst)
         fit = fit_link(
             model,
             [c["bytes"] for c, _ in rows],

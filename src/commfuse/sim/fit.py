@@ -214,6 +214,21 @@ def with_burst(model: Model, burst_bytes: float) -> Model:
     return burst_model
 
 
+def native_with_burst(collective: str, world_size: int, burst_bytes: float) -> Model:
+    """``native_model`` on host links with token buckets: ``with_burst``, except for gloo's
+    broadcast, whose deepest chain crosses one full bucket per hop
+    (``cost.gloo_broadcast_burst_bytes``; one bucket's credit left 1 MB 25% slow)."""
+    model = native_model(collective, world_size)
+    if collective != "broadcast" or burst_bytes <= 0:
+        return with_burst(model, burst_bytes)
+
+    def chain_model(n: int, link: C.LinkCost) -> float:
+        credit = C.gloo_broadcast_burst_bytes(n, world_size, burst_bytes)
+        return model(n, link) - credit * link.beta_s_per_byte
+
+    return chain_model
+
+
 def native_model(collective: str, world_size: int) -> Model:
     """gloo's own algorithm for ``collective`` (DESIGN.md): a ring allreduce and allgather,
     a binomial-tree broadcast whose sends share the sender's link (``cost.gloo_broadcast``), a

@@ -4,7 +4,8 @@ Every rank builds one runner per configuration (a closure holding its buffers, m
 optimizer), runs each once to warm it up (connections, allocator, autograd graphs), then runs
 ``reps`` rounds of *all* runners in turn. A burst of load from another job on the shared
 machine then spoils one sample of many configurations instead of every sample of one (the same
-reason ``collectives/calibration.py`` times round-robin). A sample is the slowest rank's time
+reason ``collectives/calibration.py`` times round-robin; each round starts one configuration
+later, so no configuration is always the first after a round's end). A sample is the slowest rank's time
 (one all-reduce of max); the result is each configuration's median.
 
 Configurations are dicts (JSON-friendly, they go into the records):
@@ -205,7 +206,12 @@ def measure_on_rank(
     for runner in runners:  # warm-up, dropped
         runner()
     samples: list[list[float]] = [[] for _ in runners]
-    for _ in range(reps):
-        for i, runner in enumerate(runners):
-            samples[i].append(runner())
+    for round_ in range(reps):
+        # Each round starts one configuration later: whatever the first sample after the
+        # previous round's last one pays (it was the noisiest of every run: allreduce 128 KB
+        # first in calibration, 256 KB first in validation) falls on a different configuration
+        # each round, where the median drops it.
+        for k in range(len(runners)):
+            i = (round_ + k) % len(runners)
+            samples[i].append(runners[i]())
     return [statistics.median(s) for s in samples]

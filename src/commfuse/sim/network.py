@@ -201,7 +201,10 @@ def demand(
     if cluster.inter_burst_kbyte > 0 and "nic" in result.busy_s:
         # The host link's token bucket is full when the collective starts: its first bytes pass
         # at once, the rest at the link rate (netlab's tbf; ``fit.with_burst`` is the same).
-        credit = cluster.inter_burst_kbyte * 1024 * inter.beta_s_per_byte
+        burst = cluster.inter_burst_kbyte * 1024
+        if (collective, name) == ("broadcast", "native"):
+            burst = C.gloo_broadcast_burst_bytes(nbytes, hosts, burst)  # a full bucket per hop
+        credit = burst * inter.beta_s_per_byte
         busy = dict(result.busy_s)
         busy["nic"] = max(busy["nic"] - credit, 0.0)
         result = Demand(result.latency_s, busy)

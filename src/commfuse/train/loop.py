@@ -197,6 +197,10 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
         return result
     finally:
         strategy.close()
+        if progress is not None and rank == 0:
+            # Flush the queue's feeder thread now: the rank process ends with os._exit.
+            progress.close()
+            progress.join_thread()
 
 
 def _init_from(
