@@ -183,6 +183,23 @@ def test_auto_chunks_agree(pool: PoolFn) -> None:
     assert not [f for _, bad in results for f in bad]
 
 
+def float64_error() -> float:
+    """Largest relative error of the fused float64 result against a dense float64 product."""
+    comm = Communicator()
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 40, generator=gen, dtype=torch.float64)
+    w = torch.randn(9, 40, generator=gen, dtype=torch.float64)
+    cols = my_columns(comm, 40)
+    got = gemm_allreduce(comm, x[:, cols].contiguous(), w[:, cols].contiguous(), chunks=2)
+    want = x @ w.t()
+    return float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
+
+
+def test_float64_is_summed_in_float64(pool: PoolFn) -> None:
+    """A float32 accumulator would leave errors near 1e-7; float64 sums differ only in order."""
+    assert max(pool(3).run(float64_error, timeout_s=60)) < 1e-10
+
+
 def test_mismatched_shapes_raise(pool: PoolFn) -> None:
     messages = pool(2).run(mismatched_rows, timeout_s=60)
     for message in messages:

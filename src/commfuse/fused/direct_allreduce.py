@@ -11,7 +11,8 @@ phases, every message posted at once:
 1. reduce-scatter: piece = P blocks; block ``j`` goes to rank ``j`` (``isend``), and this rank
    receives its own block from every other rank (``irecv``);
 2. (later, after the caller has computed the next piece) sum the received blocks in rank order
-   (float32 accumulation, so every rank and dtype gets the same, well-rounded sum), then
+   (accumulated in at least float32, so every rank gets the same, well-rounded sum; float64
+   stays float64), then
    all-gather: send the reduced block to every rank and receive theirs in place.
 
 All ranks together send ``2 (P - 1)`` times every piece, as a ring allreduce does (each rank
@@ -87,9 +88,11 @@ class DirectAllReduce:
         for handle in item.handles:  # our sends too: the all-gather overwrites those blocks
             handle.wait()
         lo, hi = item.blocks[rank]
-        acc = torch.zeros(hi - lo, dtype=torch.float32, device=item.buf.device)
+        # At least float32 (16-bit sums are rounded once, at the end), float64 kept as such.
+        acc_dtype = torch.promote_types(item.buf.dtype, torch.float32)
+        acc = torch.zeros(hi - lo, dtype=acc_dtype, device=item.buf.device)
         for src in range(world):
-            acc += (item.buf[lo:hi] if src == rank else item.received[src]).float()
+            acc += (item.buf[lo:hi] if src == rank else item.received[src]).to(acc_dtype)
         item.buf[lo:hi].copy_(acc)
         for step in range(1, world):
             dst = (rank + step) % world
