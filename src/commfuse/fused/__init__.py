@@ -13,6 +13,7 @@ from commfuse.fused.modules import RowParallelLinear, ShardedEmbeddingBag
 from commfuse.fused.moe import ExpertParallelMoE
 from commfuse.fused.ops import register_communicator
 from commfuse.fused.sequence_modules import ColumnParallelLinear, SequenceParallelRowLinear
+from commfuse.fused.tensor_parallel import TensorParallelColumnLinear
 
 __all__ = [
     "ChunkConfig",
@@ -21,6 +22,7 @@ __all__ = [
     "RowParallelLinear",
     "SequenceParallelRowLinear",
     "ShardedEmbeddingBag",
+    "TensorParallelColumnLinear",
     "choose_chunks",
     "predict_us",
     "register_communicator",

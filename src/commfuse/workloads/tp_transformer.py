@@ -45,7 +45,6 @@ keeps its rows.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -53,10 +52,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from commfuse.comm import Communicator
-from commfuse.fused import gemm_allreduce as gar
 from commfuse.fused.chunking import ChunkConfig, shard_range, split_sizes
 from commfuse.fused.modules import RowParallelLinear, full_linear_weight
 from commfuse.fused.sequence_modules import ColumnParallelLinear, SequenceParallelRowLinear
+from commfuse.fused.tensor_parallel import TensorParallelColumnLinear
 from commfuse.workloads.base import batch_generator
 
 
@@ -93,86 +92,6 @@ class TPTransformerOptions:
             )
         if self.num_classes < 2 or self.lr <= 0:
             raise ValueError(f"need num_classes >= 2 and lr > 0, got {self.num_classes}, {self.lr}")
-
-
-class _ColumnGemm(torch.autograd.Function):
-    """``y = x @ W_r^T`` for a replicated ``x``; backward ``grad_x = sum_r grad_y_r @ W_r`` as the
-    fused GEMM + AllReduce (the operator of ``RowParallelLinear``, on ``(grad_y_r, W_r^T)``)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: TensorParallelColumnLinear
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.module = module
-        return torch.matmul(x, weight.t())
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x, weight = ctx.saved_tensors
-        module: TensorParallelColumnLinear = ctx.module
-        rows = math.prod(x.shape[:-1])
-        g2 = grad.reshape(rows, weight.shape[0])
-        grad_x = None
-        if ctx.needs_input_grad[0]:  # the same on every rank: all skip the collective or none
-            w_t = weight.t()  # [in, out_r]: grad_y_r @ (W_r^T)^T, no copy (matmul transposes)
-            grad_x = gar.gemm_allreduce(
-                module.comm, g2, w_t, chunks=module.chunks_for(g2, w_t)
-            ).reshape(x.shape)
-        grad_w = torch.matmul(g2.t(), x.reshape(rows, x.shape[-1]))
-        return grad_x, grad_w, None
-
-
-class TensorParallelColumnLinear(nn.Module):
-    """Megatron's column-parallel linear without sequence parallelism: ``x`` is replicated, rank
-    ``r`` keeps rows ``out_range`` of the full ``[out, in]`` weight and returns ``x @ W_r^T + b_r``
-    (``[..., out_shard]``). Forward is local; backward sums the input gradients over ranks with
-    the fused GEMM + AllReduce. (The sequence-parallel form is ``ColumnParallelLinear``.)"""
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        comm: Communicator,
-        *,
-        bias: bool = True,
-        dtype: torch.dtype = torch.float32,
-        chunk_config: ChunkConfig | None = None,
-        seed: int = 0,
-    ) -> None:
-        super().__init__()
-        if in_features < 1 or out_features < 1:
-            raise ValueError(
-                f"in_features and out_features must be >= 1, got {in_features}, {out_features}"
-            )
-        self.comm = comm
-        self.chunk_config = chunk_config or ChunkConfig()
-        self.out_range = shard_range(out_features, comm.world_size, comm.rank)
-        start, stop = self.out_range
-        weight, b = full_linear_weight(out_features, in_features, seed)
-        self.weight = nn.Parameter(weight[start:stop].to(dtype).contiguous())
-        self.bias = nn.Parameter(b[start:stop].to(dtype)) if bias else None
-        self._chunks: dict[tuple[int, torch.dtype], int] = {}
-
-    def chunks_for(self, grad: torch.Tensor, weight_t: torch.Tensor) -> int:
-        """Chunks of the backward GEMM + AllReduce for gradients shaped like ``grad`` (chosen on
-        first use, as ``RowParallelLinear`` chooses its forward's)."""
-        key = (grad.shape[0], grad.dtype)
-        if key not in self._chunks:
-            if self.chunk_config.num_chunks is not None:
-                self._chunks[key] = self.chunk_config.num_chunks
-            else:
-                gar.check_same_output(self.comm, grad, weight_t)
-                self._chunks[key] = gar.choose_chunks_for(
-                    self.comm, grad.detach(), weight_t.detach(), self.chunk_config
-                )
-        return self._chunks[key]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 1 or x.shape[-1] != self.weight.shape[1]:
-            raise ValueError(f"x must be [..., {self.weight.shape[1]}], got {tuple(x.shape)}")
-        y: torch.Tensor = _ColumnGemm.apply(x, self.weight, self)  # type: ignore[no-untyped-call]
-        return y if self.bias is None else y + self.bias
 
 
 def causal_attention(qkv: torch.Tensor, head_dim: int) -> torch.Tensor:
