@@ -208,10 +208,29 @@ class HalfCompressor:
         self.residual = {int(k): v.clone() for k, v in state["residual"].items()}
 
 
-def nonfinite(mode: str, compressed: bool) -> dict[str, Any]:
+def _state_finite(state: Any) -> bool:
+    if isinstance(state, torch.Tensor):
+        return bool(torch.isfinite(state).all()) if state.is_floating_point() else True
+    if isinstance(state, dict):
+        return all(_state_finite(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return all(_state_finite(v) for v in state)
+    return True
+
+
+def nonfinite(mode: str, compressor: str | None) -> dict[str, Any]:
+    """3 steps on 2 ranks, rank 1's step-1 input NaN. ``compressor``: None, "half-test" (a
+    custom one: agreement round first) or a commfuse.compress spec (fp16 and PowerSGD skip the
+    round: their output turns non-finite everywhere and is checked)."""
+    from commfuse.compress import make_compressor
+
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    comp = HalfCompressor() if compressed else None
+    comp: Any = None
+    if compressor == "half-test":
+        comp = HalfCompressor()
+    elif compressor is not None:
+        comp = make_compressor(compressor)
     dp = DataParallel(
         net, config=DataParallelConfig(on_nonfinite=mode, compressor=comp, bucket_cap_mb=TINY_MB)
     )  # type: ignore[arg-type]
@@ -237,24 +256,27 @@ def nonfinite(mode: str, compressed: bool) -> dict[str, Any]:
         if dp.last_step_skipped:
             out["unchanged"] = bool(torch.equal(before, _params(net)))
     if comp is not None:
-        out["residual_finite"] = all(bool(torch.isfinite(r).all()) for r in comp.residual.values())
+        out["residual_finite"] = _state_finite(comp.state_dict())
+        out["collectives_last_step"] = dp.last_stats is not None and dp.last_stats.num_collectives
     out["finite"] = bool(torch.isfinite(_params(net)).all())
     return out
 
 
-@pytest.mark.parametrize("compressed", [False, True])
-def test_nonfinite_skip(pool: PoolFn, compressed: bool) -> None:
-    for r in pool(2).run(nonfinite, "skip", compressed, timeout_s=60):
+@pytest.mark.parametrize("compressor", [None, "half-test", "fp16:ef=1", "powersgd:rank=1"])
+def test_nonfinite_skip(pool: PoolFn, compressor: str | None) -> None:
+    for r in pool(2).run(nonfinite, "skip", compressor, timeout_s=60):
         assert r["skipped"] == [False, True, False]
         assert r["unchanged"] and r["finite"]
         (message,) = r["messages"]
         assert "step 1" in message and "0.weight" in message
-        if compressed:
+        if compressor is not None:
             assert "rank(s) [1]" in message and r["residual_finite"]
+        if compressor in ("fp16:ef=1", "powersgd:rank=1"):
+            assert r["collectives_last_step"] == 1  # one bucket, no agreement round when clean
 
 
 def test_nonfinite_raise(pool: PoolFn) -> None:
-    for r in pool(2).run(nonfinite, "raise", False, timeout_s=60):
+    for r in pool(2).run(nonfinite, "raise", None, timeout_s=60):
         assert r["error"] is not None and "step 1" in r["error"] and "0.weight" in r["error"]
 
 
@@ -461,7 +483,8 @@ def with_compressor(spec: str, split: int | None) -> dict[str, Any]:
                 comp.payload_bytes(b.flat.numel(), b.flat.dtype, world, step=step, bucket=b.index)
                 for b in buckets
             )
-            + sum(4 * len(b.params) for b in buckets)  # the finiteness flags, one per tensor
+            # The finiteness flags, one per tensor, unless the compressor needs no agreement.
+            + (0 if comp.nonfinite_reaches_every_rank else sum(4 * len(b.params) for b in buckets))
         )
         out["losses"].append(float(loss))
     dp.close()

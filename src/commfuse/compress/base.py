@@ -70,6 +70,11 @@ class GradientCompressor(abc.ABC):
     """The registry name (``"topk"``, ``"powersgd"``, ...)."""
     aggregation: ClassVar[Literal["allreduce", "allgather"]]
     """The collective that combines the ranks' messages."""
+    nonfinite_reaches_every_rank: ClassVar[bool] = False
+    """Whether one rank's NaN/Inf input makes every rank's output non-finite (it survives the
+    sum of the messages) while leaving every rank's state clean. Then ``commfuse.ddp`` needs no
+    agreement round before compressing: it checks the output, as it does uncompressed. Not so
+    for sign bits, top-k or quantisers with a per-rank scale, which can drop a NaN."""
 
     algo: str = "auto"
     """The commfuse allreduce algorithm for allreduce-compatible compressors."""

@@ -29,6 +29,7 @@ from commfuse.compress.wire import element_bytes
 class NoCompression(GradientCompressor):
     """The exact average with a commfuse allreduce: the baseline every compressor is held to."""
 
+    nonfinite_reaches_every_rank: ClassVar[bool] = True
     name: ClassVar[str] = "none"
     aggregation: ClassVar[Literal["allreduce", "allgather"]] = "allreduce"
 
@@ -56,6 +57,10 @@ class NoCompression(GradientCompressor):
 @dataclasses.dataclass(kw_only=True)
 class CastCompressor(GradientCompressor):
     """Divide by the world size, cast to ``wire_dtype``, allreduce (sum), cast back."""
+
+    #: NaN and Inf survive the cast and the sum (error feedback, if on, is only written by the
+    #: rank's own finite input: what it records is that rank's own rounding error).
+    nonfinite_reaches_every_rank: ClassVar[bool] = True
 
     wire_dtype: ClassVar[torch.dtype]
 

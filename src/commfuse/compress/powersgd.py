@@ -93,6 +93,9 @@ class PowerSGDCompressor(GradientCompressor):
 
     name: ClassVar[str] = "powersgd"
     aggregation: ClassVar[Literal["allreduce", "allgather"]] = "allreduce"
+    #: A non-finite M reaches every rank through P (or the plain elements) in the first
+    #: allreduce, and Q and the residual are only written when that message is finite.
+    nonfinite_reaches_every_rank: ClassVar[bool] = True
     rank: int = 2
     """Rank ``r`` of the approximation."""
     warmup: int = 10

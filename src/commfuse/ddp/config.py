@@ -15,7 +15,9 @@ class BucketCompressor(Protocol):
     """What the engine needs from a gradient compressor (``commfuse.compress.GradientCompressor``
     satisfies it): ``reduce_`` replaces a flat gradient bucket, in place and synchronously, by
     the average over ranks; its state (error feedback, warm starts) is checkpointable. An
-    optional ``set_layout(bucket, shapes)`` is called with the shapes packed into each bucket."""
+    optional ``set_layout(bucket, shapes)`` is called with the shapes packed into each bucket,
+    and an optional ``nonfinite_reaches_every_rank = True`` skips the NaN/Inf agreement round
+    before each bucket (``reducer.py``)."""
 
     name: ClassVar[str]
     aggregation: ClassVar[Literal["allreduce", "allgather"]]

@@ -44,9 +44,12 @@ true gradient: the ranks stay matched and nothing waits for the deadline.
 
 Non-finite gradients. Uncompressed, any rank's NaN/Inf survives the sum, so the averaged buffer
 is checked (the same on every rank, so every rank takes the same decision). Compressed, the
-check must come first, or error feedback would absorb the NaN: each bucket's job on the worker
-first max-allreduces one flag per tensor (rank + 1 where non-finite, so the error names a rank
-at 4 bytes per tensor whatever the world size); if anything is set, the compressor is not
+check must come first, or error feedback would absorb the NaN (unless the compressor declares
+``nonfinite_reaches_every_rank``: fp16, bf16, PowerSGD, whose output is then checked like the
+uncompressed buffer, and the flags are exchanged only when it is not finite): each bucket's
+job on the worker first max-allreduces one flag per tensor (rank + 1 where non-finite, so the
+error names a rank at 4 bytes per tensor whatever the world size); if anything is set, the
+compressor is not
 called for that bucket nor any later one of the step. Buckets compressed before the bad one
 already updated their error feedback with finite gradients of the skipped step.
 """
@@ -65,6 +68,7 @@ from commfuse.collectives import allreduce, broadcast
 from commfuse.collectives.executor import CompletedHandle, drain, submit
 from commfuse.collectives.registry import resolve
 from commfuse.comm import Communicator, OpCounters
+from commfuse.compress.base import all_finite
 from commfuse.ddp.buckets import Bucket, assign_buckets, build_buckets
 from commfuse.ddp.checks import nonfinite_slots
 from commfuse.ddp.config import DataParallelConfig
@@ -95,6 +99,11 @@ class StepStats:
     """Per bucket, how many gradients had arrived when it was launched (overlap evidence)."""
     skipped: bool
     """Whether the step was skipped for a non-finite gradient."""
+
+
+def _propagates_nonfinite(compressor: Any) -> bool:
+    """The optional ``nonfinite_reaches_every_rank`` of a compressor (False if it has none)."""
+    return bool(getattr(compressor, "nonfinite_reaches_every_rank", False))
 
 
 def _counters(comm: Communicator) -> OpCounters:
@@ -159,6 +168,11 @@ class Reducer:
                 set_layout(bucket.index, [self.params[i].shape for i in bucket.params])
         self.where = {i: (b.index, slot) for b in self.buckets for slot, i in enumerate(b.params)}
         self.direct = self._all_native()
+
+    @property
+    def _agrees_first(self) -> bool:
+        """Whether each bucket's job starts with the NaN/Inf agreement allreduce."""
+        return self.compressor is not None and not _propagates_nonfinite(self.compressor)
 
     def _all_native(self) -> bool:
         """Whether every bucket runs gloo/NCCL's own allreduce. Then buckets go straight to the
@@ -297,27 +311,54 @@ class Reducer:
             )
 
     def _compressed_job(self, bucket: Bucket, step: int) -> list[tuple[int, int]]:
-        """On the worker: agree on finiteness first, then compress (see the module docstring).
-        Returns the (rank, parameter) pairs that were non-finite."""
+        """On the worker: agree on finiteness, compress (see the module docstring). Returns the
+        (rank, parameter) pairs that were non-finite (rank -1: not known)."""
         assert self.compressor is not None
-        # One flag per tensor holding rank + 1 where non-finite: after a max, each bad tensor
-        # names a rank (the highest bad one) in 4 bytes per tensor at any world size.
-        flags = torch.zeros(len(bucket.params))
-        for slot in nonfinite_slots(bucket):
-            flags[slot] = float(self.comm.rank + 1)
-        allreduce(self.comm, flags, "max", algo="native")
-        bad = [(int(flags[s]) - 1, bucket.params[int(s)]) for s in flags.nonzero().flatten()]
+        if _propagates_nonfinite(self.compressor):
+            return self._compress_then_check(bucket, step)
+        bad = self._agree_nonfinite(nonfinite_slots(bucket), bucket)
         if bad:
             self._poisoned = True
         if self._poisoned:
             return bad
+        self._reduce_compressed(bucket, step)
+        return bad
+
+    def _compress_then_check(self, bucket: Bucket, step: int) -> list[tuple[int, int]]:
+        """A compressor whose output turns non-finite on every rank when any input is: no
+        agreement round before it (a latency round and a wait for the slowest rank per bucket,
+        about 30 ms per step with fp16 at 1 Gbit/s); the output is checked instead, the same on
+        every rank, and only then do the ranks name the culprit."""
+        if self._poisoned:  # an earlier bucket of this step was bad: no state may see this one
+            return []
+        mine = nonfinite_slots(bucket)  # local, before the output overwrites the gradient
+        self._reduce_compressed(bucket, step)
+        if all_finite(bucket.flat):
+            return []
+        self._poisoned = True
+        # Every rank is here: the output is the same everywhere. No bad input anywhere means
+        # the compression itself overflowed (e.g. an fp16 sum past 65504).
+        bad = self._agree_nonfinite(mine, bucket)
+        return bad or [(-1, index) for index in bucket.params]
+
+    def _agree_nonfinite(self, slots: list[int], bucket: Bucket) -> list[tuple[int, int]]:
+        """(rank, parameter) of every non-finite tensor of ``bucket`` on any rank."""
+        # One flag per tensor holding rank + 1 where non-finite: after a max, each bad tensor
+        # names a rank (the highest bad one) in 4 bytes per tensor at any world size.
+        flags = torch.zeros(len(bucket.params))
+        for slot in slots:
+            flags[slot] = float(self.comm.rank + 1)
+        allreduce(self.comm, flags, "max", algo="native")
+        return [(int(flags[s]) - 1, bucket.params[int(s)]) for s in flags.nonzero().flatten()]
+
+    def _reduce_compressed(self, bucket: Bucket, step: int) -> None:
+        assert self.compressor is not None
         if not self.merged:
             # The MG-WFBP timing step reduces uncompressed: its buckets are about to change, and
             # a compressor's per-bucket state (error feedback) must only ever see final buckets.
             allreduce(self.comm, bucket.flat, "avg", algo=self.config.algo)
         else:
             self.compressor.reduce_(self.comm, bucket.flat, bucket=bucket.index, step=step)
-        return bad
 
     # -- end of backward --------------------------------------------------------------------------
     def _end_of_backward(self) -> None:
@@ -364,7 +405,7 @@ class Reducer:
             if used_handle is not None:
                 used_handle.wait()
         bad_params = sorted({index for _, index in bad} | set(bad_params))
-        bad_ranks = sorted({rank for rank, _ in bad})
+        bad_ranks = sorted({rank for rank, _ in bad if rank >= 0})
         self.last_step_skipped = bool(bad_params)
         if bad_params:
             self._on_nonfinite(bad_params, bad_ranks)
@@ -381,7 +422,7 @@ class Reducer:
             num_buckets=len(self.buckets),
             num_collectives=0
             if self.config.skip_communication
-            else len(self.buckets) * (2 if self.compressor else 1) + extra,
+            else len(self.buckets) * (2 if self._agrees_first else 1) + extra,
             bytes_sent=now.bytes_sent - self._baseline.bytes_sent,
             payload_bytes=now.payload_bytes - self._baseline.payload_bytes,
             exposed_comm_s=exposed_s,

@@ -46,7 +46,8 @@ class Strategy:
     finite_agreement: bool = True
     """With compression, each bucket first allreduces a small table of NaN/Inf flags, so that
     every rank skips a poisoned step before its error feedback is touched (``commfuse.ddp``
-    does; torch's communication hooks do not)."""
+    does for compressors that can drop a NaN, such as sign or top-k; not for fp16, bf16 or
+    PowerSGD, whose output turns non-finite everywhere; torch's hooks never do)."""
     fused_chunks: int = 1
     """Chunks of a fused compute + collective operator (1: unfused)."""
     local_sgd_period: int = 1

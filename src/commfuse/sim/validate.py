@@ -96,7 +96,10 @@ def predict(cluster: ClusterModel, cfg: dict[str, Any], *, compression_gbps: flo
 
     if cfg["kind"] == "collective":
         return collective_time_s(cfg["collective"], cfg["algo"], cfg["bytes"], cluster)
+    from commfuse.compress import make_compressor
+
     workload = mlp_workload(cfg["model"], "mlp")
+    compressor = make_compressor(cfg["compressor"]) if cfg.get("compressor") else None
     # torch DDP and DataParallel both cap their first bucket at 1 MB.
     strategy = Strategy(
         algorithm=cfg["algo"],
@@ -105,6 +108,8 @@ def predict(cluster: ClusterModel, cfg: dict[str, Any], *, compression_gbps: flo
         local_sgd_period=int(cfg.get("H", 1)),
         compression_ratio=0.5 if cfg.get("compressor") == "fp16" else 1.0,
         compression_gbyte_per_s=compression_gbps if cfg.get("compressor") else 0.0,
+        # DataParallel agrees on NaN/Inf first only for compressors that can drop a NaN.
+        finite_agreement=compressor is not None and not compressor.nonfinite_reaches_every_rank,
     )
     return simulate_step(cluster, workload, strategy).step_s
 
