@@ -16,6 +16,7 @@ import fcntl
 import os
 import socket
 import struct
+import sys
 
 import torch
 import torch.distributed as dist
@@ -79,12 +80,15 @@ def main() -> None:
         ):
             raise SystemExit(f"ranks disagree on placement: {rows}")
     dist.destroy_process_group()
-    print(
+    # One write of the whole line: ranks of one torchrun agent share its stdout pipe, and
+    # print() writes the text and the newline separately, so two ranks' lines could interleave
+    # ("...:38195ALLREDUCE_OK rank=0 ..." on one line, seen once in CI).
+    sys.stdout.write(
         f"ALLREDUCE_OK rank={rank} world={world} group_rank={group_rank} local_rank={local_rank} "
         f"host={host} sum={tensor[0].item():g} "
-        f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-        flush=True,
+        f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}\n"
     )
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
