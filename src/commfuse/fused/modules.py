@@ -46,6 +46,14 @@ def full_linear_weight(
     return weight, bias
 
 
+def check_linear_features(in_features: int, out_features: int) -> None:
+    """ValueError unless both sizes of a linear layer are positive."""
+    if in_features < 1 or out_features < 1:
+        raise ValueError(
+            f"in_features and out_features must be >= 1, got {in_features}, {out_features}"
+        )
+
+
 class RowParallelLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W``'s input features sharded across ranks (Megatron's row-
     parallel linear). Rank ``r`` receives its slice of ``x``'s last dimension (``in_shard``
@@ -64,10 +72,7 @@ class RowParallelLinear(nn.Module):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if in_features < 1 or out_features < 1:
-            raise ValueError(
-                f"in_features and out_features must be >= 1, got {in_features}, {out_features}"
-            )
+        check_linear_features(in_features, out_features)
         self.comm = comm
         self.comm_id = register_communicator(comm)
         self.chunk_config = chunk_config or ChunkConfig()

@@ -22,7 +22,7 @@ from torch import nn
 from commfuse.comm import Communicator, check_consistent
 from commfuse.fused import sequence_parallel as sp
 from commfuse.fused.chunking import ChunkConfig, agree_chunks, measure_overhead_us, shard_range
-from commfuse.fused.modules import full_linear_weight
+from commfuse.fused.modules import check_linear_features, full_linear_weight
 from commfuse.fused.ops import communicator, register_communicator
 
 
@@ -150,10 +150,7 @@ class ColumnParallelLinear(_SequenceParallel):
         seed: int = 0,
     ) -> None:
         super().__init__(comm, chunk_config)
-        if in_features < 1 or out_features < 1:
-            raise ValueError(
-                f"in_features and out_features must be >= 1, got {in_features}, {out_features}"
-            )
+        check_linear_features(in_features, out_features)
         self.out_range = shard_range(out_features, comm.world_size, comm.rank)
         start, stop = self.out_range
         weight, b = full_linear_weight(out_features, in_features, seed)
@@ -199,10 +196,7 @@ class SequenceParallelRowLinear(_SequenceParallel):
         seed: int = 0,
     ) -> None:
         super().__init__(comm, chunk_config)
-        if in_features < 1 or out_features < 1:
-            raise ValueError(
-                f"in_features and out_features must be >= 1, got {in_features}, {out_features}"
-            )
+        check_linear_features(in_features, out_features)
         self.in_range = shard_range(in_features, comm.world_size, comm.rank)
         start, stop = self.in_range
         weight, b = full_linear_weight(out_features, in_features, seed)

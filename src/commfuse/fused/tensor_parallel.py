@@ -22,7 +22,7 @@ from torch import nn
 from commfuse.comm import Communicator
 from commfuse.fused import gemm_allreduce as gar
 from commfuse.fused.chunking import ChunkConfig, shard_range
-from commfuse.fused.modules import full_linear_weight
+from commfuse.fused.modules import check_linear_features, full_linear_weight
 
 
 class _ColumnGemm(torch.autograd.Function):
@@ -71,10 +71,7 @@ class TensorParallelColumnLinear(nn.Module):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if in_features < 1 or out_features < 1:
-            raise ValueError(
-                f"in_features and out_features must be >= 1, got {in_features}, {out_features}"
-            )
+        check_linear_features(in_features, out_features)
         self.comm = comm
         self.chunk_config = chunk_config or ChunkConfig()
         self.out_range = shard_range(out_features, comm.world_size, comm.rank)
