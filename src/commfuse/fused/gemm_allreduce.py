@@ -148,6 +148,27 @@ def measure_fused_comm_us(comm: Communicator, out: torch.Tensor) -> float:
     return elapsed_us(start)
 
 
+def cached_chunks(
+    cache: dict[tuple[int, torch.dtype], int],
+    comm: Communicator,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: ChunkConfig,
+) -> int:
+    """``config.num_chunks``, or ``choose_chunks_for`` on first use, for inputs with the rows
+    and dtype of ``x``, remembered in ``cache`` (a layer's, one entry per input shape)."""
+    key = (math.prod(x.shape[:-1]), x.dtype)
+    if key not in cache:
+        if config.num_chunks is not None:
+            cache[key] = config.num_chunks
+        else:
+            check_same_output(comm, x, weight)
+            # Times gloo's allreduce (unfused) and the pipeline's own transport apart, and
+            # confirms a chunked choice by a timed trial (fused/fallback.py).
+            cache[key] = choose_chunks_for(comm, x.detach(), weight.detach(), config)
+    return cache[key]
+
+
 def choose_chunks_for(
     comm: Communicator,
     x: torch.Tensor,

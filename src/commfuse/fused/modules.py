@@ -54,6 +54,36 @@ def check_linear_features(in_features: int, out_features: int) -> None:
         )
 
 
+def sharded_linear(
+    in_features: int,
+    out_features: int,
+    comm: Communicator,
+    *,
+    along: str,
+    bias: bool,
+    dtype: torch.dtype,
+    seed: int,
+) -> tuple[tuple[int, int], nn.Parameter, nn.Parameter | None]:
+    """This rank's ``(range, weight, bias)`` of the linear ``full_linear_weight(out, in, seed)``:
+    ``along="out"`` (column-parallel) keeps rows ``range`` of the weight and of the bias,
+    ``along="in"`` (row-parallel) columns ``range`` of the weight and the whole bias."""
+    check_linear_features(in_features, out_features)
+    weight, b = full_linear_weight(out_features, in_features, seed)
+    if along == "out":
+        start, stop = shard_range(out_features, comm.world_size, comm.rank)
+        shard, kept = weight[start:stop], b[start:stop]
+    elif along == "in":
+        start, stop = shard_range(in_features, comm.world_size, comm.rank)
+        shard, kept = weight[:, start:stop], b
+    else:
+        raise ValueError(f"along must be 'out' or 'in', got {along!r}")
+    return (
+        (start, stop),
+        nn.Parameter(shard.to(dtype).contiguous()),
+        nn.Parameter(kept.to(dtype)) if bias else None,
+    )
+
+
 class RowParallelLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W``'s input features sharded across ranks (Megatron's row-
     parallel linear). Rank ``r`` receives its slice of ``x``'s last dimension (``in_shard``
@@ -72,32 +102,17 @@ class RowParallelLinear(nn.Module):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        check_linear_features(in_features, out_features)
         self.comm = comm
         self.comm_id = register_communicator(comm)
         self.chunk_config = chunk_config or ChunkConfig()
-        self.in_range = shard_range(in_features, comm.world_size, comm.rank)
-        start, stop = self.in_range
-        weight, b = full_linear_weight(out_features, in_features, seed)
-        self.weight = nn.Parameter(weight[:, start:stop].to(dtype).contiguous())
-        self.bias = nn.Parameter(b.to(dtype)) if bias else None
+        self.in_range, self.weight, self.bias = sharded_linear(
+            in_features, out_features, comm, along="in", bias=bias, dtype=dtype, seed=seed
+        )
         self._chunks: dict[tuple[int, torch.dtype], int] = {}
 
     def chunks_for(self, x: torch.Tensor) -> int:
         """The number of chunks for inputs shaped like ``x`` (measured on first use)."""
-        rows = math.prod(x.shape[:-1])
-        key = (rows, x.dtype)
-        if key not in self._chunks:
-            if self.chunk_config.num_chunks is not None:
-                self._chunks[key] = self.chunk_config.num_chunks
-            else:
-                gar.check_same_output(self.comm, x, self.weight)
-                # Times gloo's allreduce (unfused) and the pipeline's own transport apart, and
-                # confirms a chunked choice by a timed trial (fused/fallback.py).
-                self._chunks[key] = gar.choose_chunks_for(
-                    self.comm, x.detach(), self.weight.detach(), self.chunk_config
-                )
-        return self._chunks[key]
+        return gar.cached_chunks(self._chunks, self.comm, x, self.weight, self.chunk_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = gemm_allreduce_op(x, self.weight, self.comm_id, self.chunks_for(x))

@@ -21,8 +21,8 @@ from torch import nn
 
 from commfuse.comm import Communicator, check_consistent
 from commfuse.fused import sequence_parallel as sp
-from commfuse.fused.chunking import ChunkConfig, agree_chunks, measure_overhead_us, shard_range
-from commfuse.fused.modules import check_linear_features, full_linear_weight
+from commfuse.fused.chunking import ChunkConfig, agree_chunks, measure_overhead_us
+from commfuse.fused.modules import sharded_linear
 from commfuse.fused.ops import communicator, register_communicator
 
 
@@ -150,12 +150,9 @@ class ColumnParallelLinear(_SequenceParallel):
         seed: int = 0,
     ) -> None:
         super().__init__(comm, chunk_config)
-        check_linear_features(in_features, out_features)
-        self.out_range = shard_range(out_features, comm.world_size, comm.rank)
-        start, stop = self.out_range
-        weight, b = full_linear_weight(out_features, in_features, seed)
-        self.weight = nn.Parameter(weight[start:stop].to(dtype).contiguous())
-        self.bias = nn.Parameter(b[start:stop].to(dtype)) if bias else None
+        self.out_range, self.weight, self.bias = sharded_linear(
+            in_features, out_features, comm, along="out", bias=bias, dtype=dtype, seed=seed
+        )
 
     def forward(self, x: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:
         if x.dim() < 2 or x.shape[-1] != self.weight.shape[1]:
@@ -196,12 +193,9 @@ class SequenceParallelRowLinear(_SequenceParallel):
         seed: int = 0,
     ) -> None:
         super().__init__(comm, chunk_config)
-        check_linear_features(in_features, out_features)
-        self.in_range = shard_range(in_features, comm.world_size, comm.rank)
-        start, stop = self.in_range
-        weight, b = full_linear_weight(out_features, in_features, seed)
-        self.weight = nn.Parameter(weight[:, start:stop].to(dtype).contiguous())
-        self.bias = nn.Parameter(b.to(dtype)) if bias else None
+        self.in_range, self.weight, self.bias = sharded_linear(
+            in_features, out_features, comm, along="in", bias=bias, dtype=dtype, seed=seed
+        )
 
     def forward(self, a: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:
         if a.dim() < 2 or a.shape[-1] != self.weight.shape[1]:

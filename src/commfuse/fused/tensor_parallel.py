@@ -21,8 +21,8 @@ from torch import nn
 
 from commfuse.comm import Communicator
 from commfuse.fused import gemm_allreduce as gar
-from commfuse.fused.chunking import ChunkConfig, shard_range
-from commfuse.fused.modules import check_linear_features, full_linear_weight
+from commfuse.fused.chunking import ChunkConfig
+from commfuse.fused.modules import sharded_linear
 
 
 class _ColumnGemm(torch.autograd.Function):
@@ -71,29 +71,17 @@ class TensorParallelColumnLinear(nn.Module):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        check_linear_features(in_features, out_features)
         self.comm = comm
         self.chunk_config = chunk_config or ChunkConfig()
-        self.out_range = shard_range(out_features, comm.world_size, comm.rank)
-        start, stop = self.out_range
-        weight, b = full_linear_weight(out_features, in_features, seed)
-        self.weight = nn.Parameter(weight[start:stop].to(dtype).contiguous())
-        self.bias = nn.Parameter(b[start:stop].to(dtype)) if bias else None
+        self.out_range, self.weight, self.bias = sharded_linear(
+            in_features, out_features, comm, along="out", bias=bias, dtype=dtype, seed=seed
+        )
         self._chunks: dict[tuple[int, torch.dtype], int] = {}
 
     def chunks_for(self, grad: torch.Tensor, weight_t: torch.Tensor) -> int:
         """Chunks of the backward GEMM + AllReduce for gradients shaped like ``grad`` (chosen on
         first use, as ``RowParallelLinear`` chooses its forward's)."""
-        key = (grad.shape[0], grad.dtype)
-        if key not in self._chunks:
-            if self.chunk_config.num_chunks is not None:
-                self._chunks[key] = self.chunk_config.num_chunks
-            else:
-                gar.check_same_output(self.comm, grad, weight_t)
-                self._chunks[key] = gar.choose_chunks_for(
-                    self.comm, grad.detach(), weight_t.detach(), self.chunk_config
-                )
-        return self._chunks[key]
+        return gar.cached_chunks(self._chunks, self.comm, grad, weight_t, self.chunk_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 1 or x.shape[-1] != self.weight.shape[1]:
