@@ -61,6 +61,18 @@ OPS: dict[str, tuple[tuple[int, ...], ...]] = {
 ARITY = {op: len(shapes[0]) for op, shapes in OPS.items()}
 
 
+def parse_shapes(specs: list[str] | None) -> tuple[tuple[int, ...], ...] | None:
+    """``--shape`` values (``1024x2048x1024``, repeatable) as tuples of ints; None if none."""
+    if not specs:
+        return None
+    try:
+        return tuple(tuple(int(d) for d in s.lower().split("x")) for s in specs)
+    except ValueError:
+        raise ValueError(
+            f"--shape takes integers joined by x (1024x2048x1024), got {specs}"
+        ) from None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FusedBenchConfig:
     """What to time."""

@@ -53,20 +53,13 @@ def run_bench_fused(args: argparse.Namespace) -> int:
         from commfuse.bench.fused_steps import run_bench_steps
 
         return run_bench_steps(args)
-    from commfuse.bench.fused import COLUMNS, FusedBenchConfig, bench_fused_on_rank
+    from commfuse.bench.fused import COLUMNS, FusedBenchConfig, bench_fused_on_rank, parse_shapes
     from commfuse.bench.report import run_and_report
     from commfuse.cluster.launch_cli import topology_from_args
 
     try:
         topology = topology_from_args(args)
-        shapes = None
-        if args.shape:
-            try:
-                shapes = tuple(tuple(int(d) for d in s.lower().split("x")) for s in args.shape)
-            except ValueError:
-                raise ValueError(
-                    f"--shape takes integers joined by x (1024x2048x1024), got {args.shape}"
-                ) from None
+        shapes = parse_shapes(args.shape)
         config = FusedBenchConfig(
             ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),
             iters=args.iters,

@@ -264,14 +264,13 @@ COLUMNS = (
 
 def run_bench_steps(args: argparse.Namespace) -> int:
     """The ``--step`` form of ``commfuse bench fused`` (same topology, shape and output flags)."""
+    from commfuse.bench.fused import parse_shapes
     from commfuse.bench.report import run_and_report
     from commfuse.cluster.launch_cli import topology_from_args
 
     try:
         topology = topology_from_args(args)
-        shapes = None
-        if args.shape:
-            shapes = tuple(tuple(int(d) for d in s.lower().split("x")) for s in args.shape)
+        shapes = parse_shapes(args.shape)
         config = StepBenchConfig(
             steps=tuple(s.strip() for s in args.step.split(",") if s.strip()),
             iters=args.iters,
