@@ -57,6 +57,11 @@ class DataParallelConfig:
     allreduce per step. Without it they get a zero gradient (see ``reducer.py``)."""
     skip_communication: bool = False
     """Compute-only mode: everything but the collectives (gradients stay local), for the compute floor."""
+    staleness: int = 0
+    """1: apply each step's averaged gradient one step later (Pipe-SGD, Li et al. NeurIPS 2018), so
+    its communication runs during the next step's forward and backward instead of being waited
+    for; the first step has nothing to apply (``DataParallel.step`` returns False). 0: apply it in
+    the same step, as torch DDP does. See ``reducer.py``."""
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
@@ -73,6 +78,13 @@ class DataParallelConfig:
                 raise ValueError(
                     f"algo={self.algo!r} is not an allreduce algorithm: use auto or one of {', '.join(sorted(known))}"
                 )
+        if self.staleness not in (0, 1):
+            raise ValueError(f"staleness must be 0 or 1 steps, got {self.staleness}")
+        if self.staleness and (self.find_unused_parameters or self.merge_buckets_by_cost):
+            raise ValueError(
+                "staleness=1 does not combine with find_unused_parameters or "
+                "merge_buckets_by_cost (both need the step's own reduction before the next step)"
+            )
         if self.compressor is not None and not isinstance(self.compressor, BucketCompressor):
             raise ValueError(
                 f"compressor must implement reduce_, payload_bytes, state_dict and load_state_dict "

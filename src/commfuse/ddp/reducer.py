@@ -42,6 +42,14 @@ synchronized forward or ``step()`` (a forward was not followed by a backward) an
 reduction then, with every slot holding the accumulated ``.grad`` or zero, which is that rank's
 true gradient: the ranks stay matched and nothing waits for the deadline.
 
+Staleness (``staleness=1``, Pipe-SGD; ``flight.py``). The end of backward launches this step's
+buckets and lands the previous step's instead of this one's: their collectives (and a
+compressor's work on the worker thread) ran during this step's forward and backward. The
+optimizer then steps with the average of the gradients computed one step earlier, on weights one
+update older; the first step has nothing to apply. Each bucket has two buffers, swapped at every
+step, so the next backward never writes into one that is on the wire. A checkpoint waits for
+the flight and stores its averages, so a resumed run applies them at its first step.
+
 Non-finite gradients. Uncompressed, any rank's NaN/Inf survives the sum, so the averaged buffer
 is checked (the same on every rank, so every rank takes the same decision). Compressed, the
 check must come first, or error feedback would absorb the NaN (unless the compressor declares
@@ -72,6 +80,7 @@ from commfuse.compress.base import all_finite
 from commfuse.ddp.buckets import Bucket, assign_buckets, build_buckets
 from commfuse.ddp.checks import nonfinite_slots
 from commfuse.ddp.config import DataParallelConfig
+from commfuse.ddp.flight import Flight
 from commfuse.ddp.merge import merge_by_cost
 
 
@@ -99,6 +108,9 @@ class StepStats:
     """Per bucket, how many gradients had arrived when it was launched (overlap evidence)."""
     skipped: bool
     """Whether the step was skipped for a non-finite gradient."""
+    gradient_step: int
+    """The step whose averaged gradient ``.grad`` now holds: this one, the previous one with
+    ``staleness=1``, -1 when none (the first step with ``staleness=1``)."""
 
 
 def _propagates_nonfinite(compressor: Any) -> bool:
@@ -139,6 +151,10 @@ class Reducer:
         self.sync = True
         self.step = 0
         self.last_step_skipped = False
+        self.update_ready = False
+        """Whether ``.grad`` holds an averaged gradient to step with (False with staleness=1
+        after the first synchronized step: nothing has landed yet)."""
+        self._in_flight: Flight | None = None  # staleness=1: the previous step's reduction
         self.last_stats: StepStats | None = None
         self.used_since_sync = [False] * len(self.params)
         self.awaiting_backward = False
@@ -167,6 +183,8 @@ class Reducer:
             for bucket in self.buckets:
                 set_layout(bucket.index, [self.params[i].shape for i in bucket.params])
         self.where = {i: (b.index, slot) for b in self.buckets for slot, i in enumerate(b.params)}
+        # staleness=1: the second buffer of each bucket, filled while the first is in flight.
+        self._spares = [torch.zeros_like(b.flat) for b in self.buckets if self.config.staleness]
         self.direct = self._all_native()
 
     @property
@@ -191,6 +209,9 @@ class Reducer:
         return all(tuner.choose(self.comm, "allreduce", b.nbytes) == "native" for b in self.buckets)
 
     def close(self) -> None:
+        # staleness=1: the last step's collectives are still running; a rank that left now
+        # would cut the others off mid-collective.
+        self.land_in_flight()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -201,13 +222,10 @@ class Reducer:
         self.arrival_s = [0.0] * len(self.params)
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
-        self._handles: list[Any] = []
-        self._jobs: list[Any] = []
-        self._launched_after: list[int] = []
+        self._flight = Flight(step=self.step)
         self._num_ready = 0
         self._next_launch = 0
         self._queued = False
-        self._poisoned = False
         self._t0 = 0.0
         self._marked_unused: set[int] = set()
 
@@ -294,48 +312,50 @@ class Reducer:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        self._launched_after.append(self._num_ready)
+        flight = self._flight
+        flight.launched_after.append(self._num_ready)
+        if self.config.staleness:
+            # The flight keeps the buffer it launched; the next backward fills the other one.
+            bucket = dataclasses.replace(bucket)
+        flight.buckets.append(bucket)
+        handle: Any
         if self.config.skip_communication:
-            self._handles.append(CompletedHandle())
+            handle = CompletedHandle()
         elif self.compressor is not None:
-            self._handles.append(
-                submit(
-                    self.comm, f"ddp.bucket{bucket.index}", self._compressed_job, bucket, self.step
-                )
-            )
+            name = f"ddp.bucket{bucket.index}"
+            handle = submit(self.comm, name, self._compressed_job, bucket, flight)
         elif self.direct:
-            self._handles.append(self.comm.all_reduce(bucket.flat, "sum", async_op=True))
+            handle = self.comm.all_reduce(bucket.flat, "sum", async_op=True)
         else:
-            self._handles.append(
-                allreduce(self.comm, bucket.flat, "sum", algo=self.config.algo, async_op=True)
-            )
+            handle = allreduce(self.comm, bucket.flat, "sum", algo=self.config.algo, async_op=True)
+        flight.handles.append(handle)
 
-    def _compressed_job(self, bucket: Bucket, step: int) -> list[tuple[int, int]]:
+    def _compressed_job(self, bucket: Bucket, flight: Flight) -> list[tuple[int, int]]:
         """On the worker: agree on finiteness, compress (see the module docstring). Returns the
         (rank, parameter) pairs that were non-finite (rank -1: not known)."""
         assert self.compressor is not None
         if _propagates_nonfinite(self.compressor):
-            return self._compress_then_check(bucket, step)
+            return self._compress_then_check(bucket, flight)
         bad = self._agree_nonfinite(nonfinite_slots(bucket), bucket)
         if bad:
-            self._poisoned = True
-        if self._poisoned:
+            flight.poisoned = True
+        if flight.poisoned:
             return bad
-        self._reduce_compressed(bucket, step)
+        self._reduce_compressed(bucket, flight.step)
         return bad
 
-    def _compress_then_check(self, bucket: Bucket, step: int) -> list[tuple[int, int]]:
+    def _compress_then_check(self, bucket: Bucket, flight: Flight) -> list[tuple[int, int]]:
         """A compressor whose output turns non-finite on every rank when any input is: no
         agreement round before it (a latency round and a wait for the slowest rank per bucket,
         about 30 ms per step with fp16 at 1 Gbit/s); the output is checked instead, the same on
         every rank, and only then do the ranks name the culprit."""
-        if self._poisoned:  # an earlier bucket of this step was bad: no state may see this one
+        if flight.poisoned:  # an earlier bucket of this step was bad: no state may see this one
             return []
         mine = nonfinite_slots(bucket)  # local, before the output overwrites the gradient
-        self._reduce_compressed(bucket, step)
+        self._reduce_compressed(bucket, flight.step)
         if all_finite(bucket.flat):
             return []
-        self._poisoned = True
+        flight.poisoned = True
         # Every rank is here: the output is the same everywhere. No bad input anywhere means
         # the compression itself overflowed (e.g. an fp16 sum past 65504).
         bad = self._agree_nonfinite(mine, bucket)
@@ -368,8 +388,8 @@ class Reducer:
         finally:
             self.used_since_sync = [False] * len(self.params)
             self.unused_in_forward = []
-            self._reset_step()
             self.step += 1
+            self._reset_step()
 
     def _finish_step(self) -> None:
         start = time.perf_counter()
@@ -387,31 +407,23 @@ class Reducer:
                 if self.direct
                 else allreduce(self.comm, used_counts, "sum", algo="native", async_op=True)
             )
-        bad: list[tuple[int, int]] = []  # (rank, parameter); ranks known only when compressed
-        bad_params: list[int] = []
-        copy = used_counts is None  # else wait for the counts: unused parameters keep .grad
-        with self.comm.at_step(self.step):
-            # Bucket by bucket, in launch order: check and copy back each one while the later
-            # ones are still on the wire (torch DDP copies back only after the last one).
-            for bucket, handle in zip(self.buckets, self._handles, strict=True):
-                result = handle.result() if hasattr(handle, "result") else handle.wait()
-                if isinstance(result, list):
-                    bad += result  # compressed: the job agreed on finiteness before sending
-                else:
-                    bad_params += [bucket.params[slot] for slot in nonfinite_slots(bucket)]
-                copy = copy and not bad and not bad_params
-                if copy:
-                    self._copy_back(bucket, None)
-            if used_handle is not None:
-                used_handle.wait()
-        bad_params = sorted({index for _, index in bad} | set(bad_params))
-        bad_ranks = sorted({rank for rank, _ in bad if rank >= 0})
-        self.last_step_skipped = bool(bad_params)
-        if bad_params:
-            self._on_nonfinite(bad_params, bad_ranks)
-        elif used_counts is not None:
+        landing: Flight | None = self._flight
+        if self.config.staleness:
+            # This step's buckets stay in flight through the next step's compute; the previous
+            # step's land now. The next backward fills the buffers that just landed.
+            landing, self._in_flight = self._in_flight, self._flight
             for bucket in self.buckets:
-                self._copy_back(bucket, used_counts)
+                bucket.flat, self._spares[bucket.index] = self._spares[bucket.index], bucket.flat
+        bad_params: list[int] = []
+        self.update_ready = landing is not None
+        if landing is None:  # staleness=1, first step: nothing averaged yet, nothing to apply
+            with torch.no_grad():
+                for param in self.params:
+                    if param.grad is not None:
+                        param.grad.zero_()
+        else:
+            bad_params = self._land(landing, used_counts, used_handle)
+        self.last_step_skipped = bool(bad_params)
         exposed_s = time.perf_counter() - start
         if not self.merged:
             self._merge_by_cost()
@@ -426,15 +438,61 @@ class Reducer:
             bytes_sent=now.bytes_sent - self._baseline.bytes_sent,
             payload_bytes=now.payload_bytes - self._baseline.payload_bytes,
             exposed_comm_s=exposed_s,
-            launched_after_grads=tuple(self._launched_after),
+            launched_after_grads=tuple(self._flight.launched_after),
             skipped=self.last_step_skipped,
+            gradient_step=-1 if landing is None else landing.step,
         )
         self._baseline = now
 
-    def _on_nonfinite(self, bad_params: list[int], bad_ranks: list[int]) -> None:
+    def _land(
+        self, flight: Flight, used_counts: torch.Tensor | None, used_handle: Any
+    ) -> list[int]:
+        """Wait for ``flight``'s buckets and copy their averages into ``.grad``; returns the
+        non-finite parameters (then every gradient is zeroed, ``_on_nonfinite``)."""
+        bad: list[tuple[int, int]] = []  # (rank, parameter); ranks known only when compressed
+        bad_params: list[int] = []
+        copy = used_counts is None  # else wait for the counts: unused parameters keep .grad
+        with self.comm.at_step(flight.step):
+            # Bucket by bucket, in launch order: check and copy back each one while the later
+            # ones are still on the wire (torch DDP copies back only after the last one).
+            for bucket, handle in zip(flight.buckets, flight.handles, strict=True):
+                result = handle.result() if hasattr(handle, "result") else handle.wait()
+                if isinstance(result, list):
+                    bad += result  # compressed: the job agreed on finiteness before sending
+                else:
+                    bad_params += [bucket.params[slot] for slot in nonfinite_slots(bucket)]
+                copy = copy and not bad and not bad_params
+                if copy:
+                    self._copy_back(bucket, None)
+            if used_handle is not None:
+                used_handle.wait()
+        bad_params = sorted({index for _, index in bad} | set(bad_params))
+        if bad_params:
+            self._on_nonfinite(
+                bad_params, sorted({rank for rank, _ in bad if rank >= 0}), flight.step
+            )
+        elif used_counts is not None:
+            for bucket in flight.buckets:
+                self._copy_back(bucket, used_counts)
+        return bad_params
+
+    def land_in_flight(self) -> dict[str, Any] | None:
+        """staleness=1: wait for the reduction still in flight and return it as checkpoint state
+        (``Flight.state_dict``; None when nothing is in flight). It stays pending, to be applied
+        at the next step as if nothing had happened."""
+        if self._in_flight is None:
+            return None
+        self._in_flight = self._in_flight.landed()
+        return self._in_flight.state_dict()
+
+    def restore_in_flight(self, state: dict[str, Any] | None) -> None:
+        """Inverse of ``land_in_flight`` on a resumed engine (same bucket layout)."""
+        self._in_flight = None if state is None else Flight.from_state(state, self.buckets)
+
+    def _on_nonfinite(self, bad_params: list[int], bad_ranks: list[int], step: int) -> None:
         names = ", ".join(self.names[i] for i in bad_params)
         where = f" on rank(s) {bad_ranks}" if bad_ranks else ""
-        message = f"non-finite (NaN/Inf) gradient at step {self.step}{where} in: {names}"
+        message = f"non-finite (NaN/Inf) gradient at step {step}{where} in: {names}"
         with torch.no_grad():
             for param in self.params:
                 if param.grad is not None:

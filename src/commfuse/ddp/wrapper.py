@@ -135,11 +135,12 @@ class DataParallel(nn.Module):
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """``optimizer.step()`` unless the last synchronized backward found a non-finite
-        gradient (``on_nonfinite="skip"``); returns whether it stepped. On a rank whose last
+        gradient (``on_nonfinite="skip"``) or, with ``staleness=1``, nothing has landed yet
+        (the first step); returns whether it stepped. On a rank whose last
         synchronized forward got no backward gradient, it first joins the other ranks'
         reduction with zero gradients."""
         self._catch_up(stepping=True)
-        if self.reducer.last_step_skipped:
+        if self.reducer.last_step_skipped or not self.reducer.update_ready:
             return False
         optimizer.step()
         return True
@@ -166,13 +167,18 @@ class DataParallel(nn.Module):
 
     # -- checkpoints -------------------------------------------------------------------------------
     def engine_state_dict(self) -> dict[str, Any]:
-        """The engine's own state: step counter, bucket layout, compressor state. (The module's
-        weights are in ``state_dict()``, as for any module; the optimizer's are the caller's.)"""
+        """The engine's own state: step counter, bucket layout, compressor state and, with
+        ``staleness=1``, the averaged gradient still in flight (waited for here, applied at the
+        next step as usual). (The module's weights are in ``state_dict()``, as for any module;
+        the optimizer's are the caller's.)"""
         state: dict[str, Any] = {
             "step": self.reducer.step,
             "bucket_groups": [list(g) for g in self.reducer.groups],
             "merged": self.reducer.merged,
         }
+        in_flight = self.reducer.land_in_flight()  # first: the compressor state it updates
+        if in_flight is not None:
+            state["in_flight"] = in_flight
         if self.config.compressor is not None:
             state["compressor"] = self.config.compressor.state_dict()
         return state
@@ -188,11 +194,16 @@ class DataParallel(nn.Module):
                 f"state has {'one' if 'compressor' in state else 'none'}, config has "
                 f"{'one' if self.config.compressor is not None else 'none'}"
             )
+        if ("in_flight" in state) and not self.config.staleness:
+            raise ValueError(
+                "engine state holds a gradient in flight but the config has staleness=0"
+            )
         self.reducer.set_layout(state["bucket_groups"])
+        self.reducer.step = int(state["step"])
         self.reducer._reset_step()
         self.reducer.awaiting_backward = False
-        self.reducer.step = int(state["step"])
         self.reducer.merged = bool(state["merged"])
+        self.reducer.restore_in_flight(state.get("in_flight"))
         if self.config.compressor is not None:
             self.config.compressor.load_state_dict(state["compressor"])
 

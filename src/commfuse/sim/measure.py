@@ -6,7 +6,8 @@ optimizer), runs each once to warm it up (connections, allocator, autograd graph
 machine then spoils one sample of many configurations instead of every sample of one (the same
 reason ``collectives/calibration.py`` times round-robin; each round starts one configuration
 later, so no configuration is always the first after a round's end). A sample is the slowest rank's time
-(one all-reduce of max); the result is each configuration's median.
+(one all-reduce of max); the result is each configuration's median. Small messages take
+``SMALL_MESSAGE_SAMPLES`` samples per round (their medians moved by up to 50% between runs).
 
 Configurations are dicts (JSON-friendly, they go into the records):
 
@@ -34,6 +35,18 @@ from typing import Any
 import torch
 
 Runner = Callable[[], float]
+
+#: Messages up to this size take a few milliseconds, where one late wake-up of one of the
+#: processes sharing the cores moves a sample by 50-100%: they get ``SMALL_MESSAGE_SAMPLES``
+#: samples per round instead of one (cheap: about 10 ms each).
+SMALL_MESSAGE_BYTES = 512 * 1024
+SMALL_MESSAGE_SAMPLES = 5
+
+
+def samples_per_round(cfg: dict[str, Any]) -> int:
+    """How many samples of ``cfg`` each round takes (see ``SMALL_MESSAGE_BYTES``)."""
+    small = cfg["kind"] in ("collective", "p2p") and cfg["bytes"] <= SMALL_MESSAGE_BYTES
+    return SMALL_MESSAGE_SAMPLES if small else 1
 
 
 def mlp(spec: dict[str, int]) -> torch.nn.Module:
@@ -213,5 +226,6 @@ def measure_on_rank(
         # each round, where the median drops it.
         for k in range(len(runners)):
             i = (round_ + k) % len(runners)
-            samples[i].append(runners[i]())
+            for _ in range(samples_per_round(configs[i])):
+                samples[i].append(runners[i]())
     return [statistics.median(s) for s in samples]

@@ -5,7 +5,9 @@
 * one strategy per compressor of ``commfuse.compress`` (``fp16``, ``bf16``, ``int8``, ``qsgd``,
   ``terngrad``, ``sign``, ``ef-sign``, ``topk``, ``randomk``, ``randblock``, ``dgc``,
   ``powersgd``): DataParallel with ``make_compressor(spec)`` reducing every bucket, so the spec's
-  options are the compressor's own (``powersgd:rank=4,warmup=10``, ``topk:ratio=0.01``).
+  options are the compressor's own (``powersgd:rank=4,warmup=10``, ``topk:ratio=0.01``), plus
+  the engine's ``staleness`` (``powersgd:rank=4,staleness=1``: each step applies the previous
+  step's averaged gradient, its communication hidden behind this step's compute; Pipe-SGD).
 
 Bytes per step are what DataParallel's communicator counted: exact point-to-point bytes for
 commfuse's own algorithms plus the payload handed to native collectives. State for a checkpoint
@@ -41,6 +43,8 @@ class CommfuseOptions:
     """Re-bucket after the first step by MG-WFBP's cost model (merge_buckets_by_cost)."""
     first_bucket_cap_mb: float = 1.0
     """Cap of the first bucket launched, MiB."""
+    staleness: int = 0
+    """1: apply each step's averaged gradient at the next step (DataParallelConfig.staleness)."""
 
 
 class CommfuseDP(Strategy):
@@ -92,19 +96,45 @@ def _commfuse(opts: CommfuseOptions, ctx: StrategyContext) -> Strategy:
         algo=opts.algo,
         merge_buckets_by_cost=opts.merge,
         first_bucket_cap_mb=opts.first_bucket_cap_mb,
+        staleness=opts.staleness,
     )
+
+
+#: Keys of a compressor strategy's spec that configure the engine, not the compressor.
+ENGINE_KEYS = ("staleness",)
+
+
+def split_engine_options(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"powersgd:rank=4,staleness=1"`` -> ``("powersgd:rank=4", {"staleness": 1})``."""
+    from commfuse.compress.spec import parse_spec
+
+    name, options = parse_spec(spec)
+    engine: dict[str, Any] = {}
+    for key in ENGINE_KEYS:
+        if key in options:
+            text = options.pop(key)
+            try:
+                engine[key] = int(text)
+            except ValueError:
+                raise ValueError(f"{name}: {key} must be an integer, got {text!r}") from None
+    rest = ",".join(f"{k}={v}" for k, v in options.items())
+    return (f"{name}:{rest}" if rest else name), engine
 
 
 def _compressed(spec: str, ctx: StrategyContext) -> Strategy:
     from commfuse.compress import make_compressor
 
-    return CommfuseDP(ctx, compressor=make_compressor(spec))
+    compressor_spec, engine = split_engine_options(spec)
+    return CommfuseDP(ctx, compressor=make_compressor(compressor_spec), **engine)
 
 
 def _validate_compressor(spec: str) -> None:
     from commfuse.compress import make_compressor
+    from commfuse.ddp import DataParallelConfig
 
-    make_compressor(spec)  # ValueError naming the known keys
+    compressor_spec, engine = split_engine_options(spec)
+    make_compressor(compressor_spec)  # ValueError naming the known keys
+    DataParallelConfig(**engine)  # ValueError on a bad staleness
 
 
 def _compressor_names() -> list[str]:

@@ -178,7 +178,15 @@ def _ensure_loaded() -> None:
 def known_strategies() -> list[str]:
     """Every name ``--strategy`` accepts, registered ones first."""
     _ensure_loaded()
-    names = list(_REGISTRY)
+
+    def module_order(name: str) -> int:
+        module = _REGISTRY[name].builder.__module__
+        return (
+            STRATEGY_MODULES.index(module) if module in STRATEGY_MODULES else len(STRATEGY_MODULES)
+        )
+
+    # In STRATEGY_MODULES' order, whichever module happened to be imported first.
+    names = sorted(_REGISTRY, key=module_order)
     for known, _ in _FALLBACKS:
         names += [n for n in known() if n not in names]
     return names
