@@ -39,3 +39,12 @@ def test_validate_quick_writes_one_record_per_held_out_configuration(tmp_path, c
     assert cluster.collective_link("allreduce", "native") is not None
     out = capsys.readouterr().out
     assert "calibrated on" in out and "(not scored)" in out and "median |error|" in out
+
+
+def test_small_messages_get_more_samples_per_round() -> None:
+    from commfuse.sim.measure import SMALL_MESSAGE_SAMPLES, samples_per_round
+
+    assert samples_per_round({"kind": "collective", "bytes": 256 * 1024}) == SMALL_MESSAGE_SAMPLES
+    assert samples_per_round({"kind": "p2p", "bytes": 512 * 1024}) == SMALL_MESSAGE_SAMPLES
+    assert samples_per_round({"kind": "collective", "bytes": 1024 * 1024}) == 1
+    assert samples_per_round({"kind": "step", "model": {}}) == 1
