@@ -214,3 +214,14 @@ def test_powersgd_fp16_warmup_sends_half(pool: PoolFn) -> None:
         assert r["exact"]
         assert r["sent"] == r["claimed"] == 64 * 2
         assert r["after"] < 64 * 2
+
+
+def test_stale_engine_result_through_a_fresh_launch() -> None:
+    """The same job through ``commfuse.cluster.run`` (fresh processes that ``os._exit`` right
+    after sending their result): a tensor result used to travel as a shared-memory descriptor
+    that the parent fetched from the rank after it had gone ("connection reset")."""
+    from commfuse.cluster import run
+
+    results = run(stale_resume, "powersgd:rank=2,warmup=2", 3, world_size=2, timeout_s=120)
+    assert all(r["held_in_flight"] for r in results)
+    assert torch.equal(results[0]["params"], results[1]["params"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -57,11 +58,11 @@ def _rank_main(
         if backend is not None:
             init_default_group(backend, timeout_s=pg_timeout_s)
         value = fn(*args, **kwargs)
-        result_w.send(("ok", value))
+        _send_by_value(result_w, ("ok", value))
         code = 0
     except BaseException as exc:
         # The traceback travels in the RankError; not printing it keeps the report single.
-        result_w.send(("err", pack_exception(exc), time.monotonic()))
+        _send_by_value(result_w, ("err", pack_exception(exc), time.monotonic()))
     finally:
         if backend is not None:
             import torch.distributed as dist
@@ -200,9 +201,18 @@ def run(
     return [results[rank][1] for rank in range(net.world_size)]
 
 
+def _send_by_value(conn: Connection, message: tuple[Any, ...]) -> None:
+    """Send with the standard pickle, which copies tensors' bytes. ``Connection.send`` uses
+    torch's reductions, which hand a CPU tensor over as a shared-memory file descriptor that the
+    receiver fetches from the sender later; the rank ``os._exit``s right after sending, and a
+    receiver that came too late failed with "connection reset" (seen with a 2-rank result of a
+    few KB)."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def _collect(rank: int, conn: Connection, results: dict[int, tuple[Any, ...]]) -> None:
     try:
-        results[rank] = conn.recv()
+        results[rank] = pickle.loads(conn.recv_bytes())
     except EOFError:
         pass
     finally:
