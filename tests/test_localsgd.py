@@ -282,3 +282,31 @@ def test_bad_options_are_named() -> None:
         config_from_preset("fedavg")
     with pytest.raises(ValueError, match="num_fragments=9 > period_steps=4"):
         config_from_preset("streaming-diloco", {"H": "4", "fragments": "9"})
+
+
+def inner_lr_scaled() -> dict[str, float]:
+    """One rank of post-local SGD (2 synchronous steps) with inner_lr_scale=0.5 against AdamW
+    whose lr is halved from step 2 on; the optimizer's own lr is left as it was."""
+    got, opt = train(
+        "postlocal", {"H": "3", "warmup": "2", "inner_lr_scale": "0.5"}, 7, inner="adamw"
+    )
+    model = tiny_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(7):
+        for group in inner.param_groups:
+            group["lr"] = 0.01 if step < 2 else 0.005
+        loss_of(model, 0, step).backward()
+        inner.step()
+        inner.zero_grad()
+    return {
+        "err": float((got - flat_params(model)).abs().max()),
+        "lr_after": float(opt.param_groups[0]["lr"]),
+    }
+
+
+def test_inner_lr_scale_applies_to_the_periodic_phase_only(pool) -> None:
+    (r,) = pool(1).run(inner_lr_scaled)
+    assert r["err"] < 1e-6
+    assert r["lr_after"] == 0.01
+    with pytest.raises(ValueError, match="inner_lr_scale must be > 0"):
+        config_from_preset("diloco", {"inner_lr_scale": "0"})

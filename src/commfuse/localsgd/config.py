@@ -23,6 +23,13 @@ class PeriodicSyncConfig:
     plain model averaging)."""
     outer_momentum: float = 0.0
     """Momentum of the outer SGD (SlowMo's beta, DiLoCo's 0.9)."""
+    inner_lr_scale: float = 1.0
+    """Multiplies the inner optimizer's learning rate in the periodic phase (not during the
+    synchronous warm-up). A replica's optimizer sees 1/P of the batch that synchronous
+    training's does, so its gradients are noisier; AdamW normalises them to full-size steps
+    anyway, and the noise then goes into the drift that averaging removes. On charlm (4
+    replicas, H=50, 100 steps) 0.5 brought DiLoCo's loss from 8% to about 5% above DDP's; 2.0
+    made it 23% worse."""
     nesterov: bool = False
     """Nesterov momentum for the outer SGD (DiLoCo)."""
     num_fragments: int = 1
@@ -51,6 +58,8 @@ class PeriodicSyncConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.outer_lr <= 0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not self.inner_lr_scale > 0:
+            raise ValueError(f"inner_lr_scale must be > 0, got {self.inner_lr_scale}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.num_fragments < 1:
@@ -114,7 +123,12 @@ PRESETS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
 }
 
 #: Keys every preset accepts.
-_COMMON_KEYS = {"compress": "compressor", "algo": "algo", "hierarchical": "hierarchical"}
+_COMMON_KEYS = {
+    "compress": "compressor",
+    "algo": "algo",
+    "hierarchical": "hierarchical",
+    "inner_lr_scale": "inner_lr_scale",
+}
 
 
 def config_from_preset(name: str, options: dict[str, str] | None = None) -> PeriodicSyncConfig:

@@ -132,7 +132,7 @@ class PeriodicSyncOptimizer:
             self._average_gradients(self.world_comm)
         elif self.config.hierarchical:
             self._average_gradients(self.grad_comm)
-        self.inner.step()
+        self._inner_step(1.0 if warm else self.config.inner_lr_scale)
         self.step_count += 1
         if warm or self.step_count == self.config.warmup_steps:
             # Still synchronous: replicas are equal, so the anchor simply follows them.
@@ -144,6 +144,21 @@ class PeriodicSyncOptimizer:
         for f in fragments_due(periodic_step, len(self.fragments), self.config.period_steps):
             self._start_exchange(f)
         self._apply_arrived()
+
+    def _inner_step(self, lr_scale: float) -> None:
+        """The inner optimizer's step with its learning rates scaled for this step only (a
+        scheduler's own values are left as they were)."""
+        if lr_scale == 1.0:
+            self.inner.step()
+            return
+        saved = [group["lr"] for group in self.inner.param_groups]
+        for group in self.inner.param_groups:
+            group["lr"] = group["lr"] * lr_scale
+        try:
+            self.inner.step()
+        finally:
+            for group, lr in zip(self.inner.param_groups, saved, strict=True):
+                group["lr"] = lr
 
     def finish(self) -> None:
         """Wait for and apply every exchange in flight (end of training)."""
