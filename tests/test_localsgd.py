@@ -167,7 +167,15 @@ def test_fragments_cover_every_parameter_once_per_cycle() -> None:
     params = [torch.zeros(n) for n in (7, 1, 30, 2, 2, 9, 100, 3)]
     for num_fragments, period in [(1, 5), (2, 4), (4, 8), (3, 10), (8, 8)]:
         fragments = split_into_fragments(params, num_fragments)
-        assert sorted(i for f in fragments for i in f) == list(range(len(params)))
+        elements = [
+            (piece.param, e)
+            for f in fragments
+            for piece in f
+            for e in range(piece.start, piece.stop)
+        ]
+        assert sorted(elements) == [(i, e) for i, p in enumerate(params) for e in range(p.numel())]
+        counts = [sum(piece.numel for piece in f) for f in fragments]
+        assert max(counts) - min(counts) <= 1  # 1/F of the model each, to the element
         for cycle_start in (1, 1 + period, 1 + 5 * period):
             due = [
                 f
@@ -176,7 +184,7 @@ def test_fragments_cover_every_parameter_once_per_cycle() -> None:
             ]
             assert sorted(due) == list(range(num_fragments))  # each exactly once per H steps
     with pytest.raises(ValueError, match="cannot fill"):
-        split_into_fragments(params[:2], 3)
+        split_into_fragments([torch.zeros(1), torch.zeros(1)], 3)
 
 
 def streaming_bytes() -> tuple[list[int], int, list[int]]:
@@ -186,7 +194,7 @@ def streaming_bytes() -> tuple[list[int], int, list[int]]:
         8,
         inner="adamw",
     )
-    sizes = [sum(opt.params[i].numel() for i in f) for f in opt.fragments]
+    sizes = [sum(piece.numel for piece in f) for f in opt.fragments]
     return sizes, opt.world_comm.stats["all_reduce"].payload_bytes, [s.step for s in opt.syncs]
 
 

@@ -98,6 +98,10 @@ class PeriodicSyncOptimizer:
             self.grad_comm, self.outer_comm = comm.split_by_host(config.ranks_per_host)
         else:
             self.grad_comm, self.outer_comm = comm, comm
+        if not all(p.is_contiguous() for p in self.params):
+            raise ValueError(
+                "PeriodicSyncOptimizer needs contiguous parameters (fragments are views)"
+            )
         self.fragments = split_into_fragments(self.params, config.num_fragments)
         # Replicas must start equal: rank 0's parameters everywhere.
         with torch.no_grad():
@@ -168,15 +172,20 @@ class PeriodicSyncOptimizer:
 
     # -- internals --------------------------------------------------------------------------
     def _flat(self, fragment: int) -> torch.Tensor:
-        return torch.cat([self.params[i].detach().reshape(-1) for i in self.fragments[fragment]])
+        return torch.cat(
+            [
+                self.params[piece.param].detach().view(-1)[piece.start : piece.stop]
+                for piece in self.fragments[fragment]
+            ]
+        )
 
     def _write(self, fragment: int, flat: torch.Tensor) -> None:
         offset = 0
         with torch.no_grad():
-            for i in self.fragments[fragment]:
-                p = self.params[i]
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for piece in self.fragments[fragment]:
+                target = self.params[piece.param].view(-1)[piece.start : piece.stop]
+                target.copy_(flat[offset : offset + piece.numel])
+                offset += piece.numel
 
     def _average_gradients(self, comm: Communicator) -> None:
         if comm.world_size == 1:

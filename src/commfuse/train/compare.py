@@ -36,7 +36,8 @@ DEFAULT_STRATEGIES = (
     "ddp",
     "ddp-powersgd:rank=4,warmup=5",
     "commfuse",
-    "powersgd:rank=4,warmup=5",
+    # The same 5 uncompressed warm-up steps as torch's hook, sent in fp16 (torch's are fp32).
+    "powersgd:rank=4,warmup=5,warmup_fp16=1",
 )
 DEFAULT_WORKLOAD = "charlm"
 DEFAULT_STEPS = 20
