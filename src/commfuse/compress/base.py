@@ -100,12 +100,22 @@ class GradientCompressor(abc.ABC):
         on every rank, before the bucket's first ``reduce_`` and again whenever it changes."""
         del bucket, shapes  # element-wise compressors do not depend on tensor boundaries
 
-    def reduce_(self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int) -> None:
+    def reduce_(
+        self,
+        comm: Communicator,
+        grad: torch.Tensor,
+        *,
+        bucket: int,
+        step: int,
+        finite: bool | None = None,
+    ) -> None:
         """Replace the flat 1-D ``grad`` of bucket ``bucket`` IN PLACE by the average over ranks
         of what every rank's compressed message decodes to (error feedback applied).
 
         Synchronous; every rank calls it for the same buckets in the same order. Run it on the
-        communicator's worker thread (``commfuse.collectives.executor.submit``) to overlap."""
+        communicator's worker thread (``commfuse.collectives.executor.submit``) to overlap.
+        ``finite``: whether every element of ``grad`` is finite, when the caller has already
+        checked (DataParallel has: one pass over the bucket instead of two)."""
         if grad.dim() != 1 or not grad.is_contiguous():
             raise ValueError(
                 f"{self.name}: reduce_ needs a flat, contiguous 1-D bucket, got shape {tuple(grad.shape)}"
@@ -114,7 +124,8 @@ class GradientCompressor(abc.ABC):
             raise ValueError(f"{self.name}: gradients must be floating point, got {grad.dtype}")
         if grad.numel() == 0:
             return  # every rank has the same empty bucket: nothing to exchange
-        finite = all_finite(grad)
+        if finite is None:
+            finite = all_finite(grad)
         self._reduce(comm, grad, bucket=bucket, step=step, commit=finite)
         if not finite:
             grad.fill_(float("nan"))

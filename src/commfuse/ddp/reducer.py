@@ -76,7 +76,7 @@ from commfuse.collectives import allreduce, broadcast
 from commfuse.collectives.executor import CompletedHandle, drain, submit
 from commfuse.collectives.registry import resolve
 from commfuse.comm import Communicator, OpCounters
-from commfuse.compress.base import all_finite
+from commfuse.compress.base import GradientCompressor, all_finite
 from commfuse.ddp.buckets import Bucket, assign_buckets, build_buckets
 from commfuse.ddp.checks import nonfinite_slots
 from commfuse.ddp.config import DataParallelConfig
@@ -336,12 +336,13 @@ class Reducer:
         assert self.compressor is not None
         if _propagates_nonfinite(self.compressor):
             return self._compress_then_check(bucket, flight)
-        bad = self._agree_nonfinite(nonfinite_slots(bucket), bucket)
+        mine = nonfinite_slots(bucket)
+        bad = self._agree_nonfinite(mine, bucket)
         if bad:
             flight.poisoned = True
         if flight.poisoned:
             return bad
-        self._reduce_compressed(bucket, flight.step)
+        self._reduce_compressed(bucket, flight.step, finite=not mine)
         return bad
 
     def _compress_then_check(self, bucket: Bucket, flight: Flight) -> list[tuple[int, int]]:
@@ -352,7 +353,7 @@ class Reducer:
         if flight.poisoned:  # an earlier bucket of this step was bad: no state may see this one
             return []
         mine = nonfinite_slots(bucket)  # local, before the output overwrites the gradient
-        self._reduce_compressed(bucket, flight.step)
+        self._reduce_compressed(bucket, flight.step, finite=not mine)
         if all_finite(bucket.flat):
             return []
         flight.poisoned = True
@@ -371,14 +372,21 @@ class Reducer:
         allreduce(self.comm, flags, "max", algo="native")
         return [(int(flags[s]) - 1, bucket.params[int(s)]) for s in flags.nonzero().flatten()]
 
-    def _reduce_compressed(self, bucket: Bucket, step: int) -> None:
+    def _reduce_compressed(self, bucket: Bucket, step: int, *, finite: bool) -> None:
+        """``finite``: this rank's bucket passed ``nonfinite_slots`` (commfuse's compressors then
+        skip their own check: one pass over the bucket, not two)."""
         assert self.compressor is not None
         if not self.merged:
             # The MG-WFBP timing step reduces uncompressed: its buckets are about to change, and
             # a compressor's per-bucket state (error feedback) must only ever see final buckets.
             allreduce(self.comm, bucket.flat, "avg", algo=self.config.algo)
         else:
-            self.compressor.reduce_(self.comm, bucket.flat, bucket=bucket.index, step=step)
+            if isinstance(self.compressor, GradientCompressor):
+                self.compressor.reduce_(
+                    self.comm, bucket.flat, bucket=bucket.index, step=step, finite=finite
+                )
+            else:  # a user's compressor (BucketCompressor protocol) checks for itself
+                self.compressor.reduce_(self.comm, bucket.flat, bucket=bucket.index, step=step)
 
     # -- end of backward --------------------------------------------------------------------------
     def _end_of_backward(self) -> None:
