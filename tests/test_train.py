@@ -43,10 +43,13 @@ def test_commfuse_matches_torch_ddp_and_bytes_are_counted(pool: Any) -> None:
     assert len(ddp[0]["compute_step_time_s"]) == 2 and "eval" in ddp[0] and "eval" not in ddp[1]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "topk:ratio=0.05", "ddp-fp16"])
+@pytest.mark.parametrize(
+    "strategy", ["ddp", "topk:ratio=0.05", "ddp-fp16", "powersgd:rank=2,warmup=1,staleness=1"]
+)
 def test_resume_from_checkpoint_is_exact(pool: Any, tmp_path: Path, strategy: str) -> None:
     """Checkpoint at step 3 of 7, resume to 7: the same parameters, bit for bit, as 7 straight
-    (topk carries error-feedback residuals in its checkpointed state)."""
+    (topk carries error-feedback residuals in its checkpointed state; staleness=1 a gradient
+    still in flight)."""
     p = pool(2)
     full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
     full = p.run(
