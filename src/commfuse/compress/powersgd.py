@@ -67,6 +67,7 @@ import torch
 from commfuse import collectives as C
 from commfuse.comm import Communicator
 from commfuse.compress.base import GradientCompressor, all_finite, generator_for
+from commfuse.compress.cast import FP16Compressor
 from commfuse.compress.lowrank import Plan, check_shapes, plan_for
 from commfuse.compress.wire import element_bytes
 
@@ -108,12 +109,24 @@ class PowerSGDCompressor(GradientCompressor):
     ef: bool = True
     qs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False)
     plans: dict[int, Plan] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    warmup_cast: FP16Compressor | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
+    """The fp16 compressor (no error feedback) that sends the warm-up with ``warmup_fp16``."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"powersgd: rank must be >= 1, got {self.rank}")
         if self.warmup < 0:
             raise ValueError(f"powersgd: warmup must be >= 0 steps, got {self.warmup}")
+        if self.warmup_fp16:
+            self.warmup_cast = FP16Compressor(algo=self.algo)
+
+    def _warmup_cast_at(self, step: int | None) -> FP16Compressor | None:
+        """The compressor of an uncompressed step: fp16 during a ``warmup_fp16`` warm-up."""
+        if self.warmup_cast is not None and step is not None and step < self.warmup:
+            return self.warmup_cast
+        return None
 
     # -- layout -----------------------------------------------------------------------------------
     def set_layout(self, bucket: int, shapes: Sequence[torch.Size]) -> None:
@@ -161,8 +174,9 @@ class PowerSGDCompressor(GradientCompressor):
         """As the base's; with ``bucket``, that bucket's layout (if one was set) decides: plain
         elements + P's + Q's per tensor. Without, the flat layout's ``(m + c) r``."""
         if not self.compresses(numel, step, bucket=bucket):
-            if self.warmup_fp16 and step is not None and step < self.warmup:
-                return numel * element_bytes(torch.float16)
+            cast = self._warmup_cast_at(step)
+            if cast is not None:
+                return cast.payload_bytes(numel, dtype, world_size)
             return numel * element_bytes(dtype)
         plan = self._plan(bucket, numel)
         if plan is not None:
@@ -181,10 +195,9 @@ class PowerSGDCompressor(GradientCompressor):
     ) -> None:
         numel = grad.numel()
         if not self.compresses(numel, step, bucket=bucket):
-            if self.warmup_fp16 and step < self.warmup:
-                half = (grad / comm.world_size).to(torch.float16)
-                C.allreduce(comm, half, "sum", algo=self.algo)
-                grad.copy_(half)
+            cast = self._warmup_cast_at(step)
+            if cast is not None:
+                cast._reduce(comm, grad, bucket=bucket, step=step, commit=commit)
             else:
                 C.allreduce(comm, grad, "avg", algo=self.algo)
             return
