@@ -425,10 +425,7 @@ class Reducer:
         bad_params: list[int] = []
         self.update_ready = landing is not None
         if landing is None:  # staleness=1, first step: nothing averaged yet, nothing to apply
-            with torch.no_grad():
-                for param in self.params:
-                    if param.grad is not None:
-                        param.grad.zero_()
+            self._zero_grads()
         else:
             bad_params = self._land(landing, used_counts, used_handle)
         self.last_step_skipped = bool(bad_params)
@@ -497,14 +494,18 @@ class Reducer:
         """Inverse of ``land_in_flight`` on a resumed engine (same bucket layout)."""
         self._in_flight = None if state is None else Flight.from_state(state, self.buckets)
 
-    def _on_nonfinite(self, bad_params: list[int], bad_ranks: list[int], step: int) -> None:
-        names = ", ".join(self.names[i] for i in bad_params)
-        where = f" on rank(s) {bad_ranks}" if bad_ranks else ""
-        message = f"non-finite (NaN/Inf) gradient at step {step}{where} in: {names}"
+    def _zero_grads(self) -> None:
+        """Zero every ``.grad``: a step with nothing (finite) to apply changes no replica."""
         with torch.no_grad():
             for param in self.params:
                 if param.grad is not None:
                     param.grad.zero_()
+
+    def _on_nonfinite(self, bad_params: list[int], bad_ranks: list[int], step: int) -> None:
+        names = ", ".join(self.names[i] for i in bad_params)
+        where = f" on rank(s) {bad_ranks}" if bad_ranks else ""
+        message = f"non-finite (NaN/Inf) gradient at step {step}{where} in: {names}"
+        self._zero_grads()
         if self.config.on_nonfinite == "raise":
             raise NonFiniteGradientError(message)
         warnings.warn(message + "; gradients zeroed, step skipped", RuntimeWarning, stacklevel=2)
