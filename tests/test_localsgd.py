@@ -114,7 +114,8 @@ def h1_equals_ddp() -> tuple[float, int, int]:
 def test_h1_local_sgd_equals_synchronous_data_parallel(pool, world: int) -> None:
     for rel, calls, _ in pool(world).run(h1_equals_ddp):
         assert rel < 1e-6
-        assert calls == 5  # one exchange of the whole model per step, nothing else
+        assert calls == 5  # one exchange of the whole model per step, nothing else (the
+        # replicas are in sync at the end: finish() sends nothing)
 
 
 # -- DiLoCo against a hand-computed replay of every replica --------------------------------
@@ -190,7 +191,8 @@ def test_fragments_cover_every_parameter_once_per_cycle() -> None:
 def streaming_bytes() -> tuple[list[int], int, list[int]]:
     _, opt = train(
         "streaming-diloco",
-        {"H": "4", "fragments": "2", "overlap": "1", "algo": "native"},
+        # Without the final synchronisation: this test counts the periodic exchanges only.
+        {"H": "4", "fragments": "2", "overlap": "1", "algo": "native", "final_sync": "0"},
         8,
         inner="adamw",
     )
@@ -204,6 +206,59 @@ def test_streaming_sends_each_fragment_at_its_own_step(pool) -> None:
         assert steps == [2, 4, 6, 8]
         assert payload == 4 * 2 * sum(sizes)
         assert max(sizes) < sum(sizes)  # one sync moves only part of the model
+
+
+# -- the final synchronisation: one model on every rank at the end ------------------------
+def final_models(
+    name: str, options: dict[str, str], steps: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
+    """Every rank's parameters after ``finish()`` without and with the final synchronisation,
+    and the number of exchanges of each run."""
+    comm = Communicator()
+
+    def everyone(flat: torch.Tensor) -> list[torch.Tensor]:
+        out = torch.empty(comm.world_size * flat.numel())
+        comm.all_gather(out, flat)
+        return list(out.view(comm.world_size, -1))
+
+    drifted, opt_drifted = train(name, {**options, "final_sync": "0"}, steps, inner="adamw")
+    synced, opt_synced = train(name, options, steps, inner="adamw")
+    return everyone(drifted), everyone(synced), len(opt_drifted.syncs), len(opt_synced.syncs)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_final_sync_of_local_sgd_is_the_replicas_average(pool, world: int) -> None:
+    # H=8 stopped after 5 steps: no periodic exchange yet, then one of the whole model. With
+    # outer lr 1 and no momentum the outer step is the plain average.
+    drifted, synced, n_drifted, n_synced = pool(world).run(
+        final_models, "localsgd", {"H": "8", "algo": "native"}, 5
+    )[0]
+    assert (n_drifted, n_synced) == (0, 1)
+    assert not torch.equal(drifted[0], drifted[1])  # the replicas did drift apart
+    average = torch.stack(drifted).mean(0)
+    for replica in synced:
+        assert torch.equal(replica, synced[0])  # bitwise one model
+        assert float((replica - average).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "steps", "extra"),
+    [
+        # Fragment 1 syncs at step 2 and 6, fragment 0 at 4 and 8 (in flight at the end, then
+        # mixed): both fragments are out of sync at the end.
+        ("streaming-diloco", {"H": "4", "fragments": "2", "overlap": "1"}, 8, 2),
+        # Stopped exactly at a period's end: already one model, nothing more is sent.
+        ("diloco", {"H": "3"}, 6, 0),
+    ],
+)
+def test_final_sync_leaves_one_model(
+    pool, name: str, options: dict[str, str], steps: int, extra: int
+) -> None:
+    drifted, synced, n_drifted, n_synced = pool(3).run(final_models, name, options, steps)[0]
+    assert n_synced == n_drifted + extra
+    assert all(torch.equal(replica, synced[0]) for replica in synced)
+    if extra:
+        assert not torch.equal(drifted[0], drifted[1])
 
 
 # -- checkpoint in the middle of a period --------------------------------------------------

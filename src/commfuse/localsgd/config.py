@@ -53,6 +53,13 @@ class PeriodicSyncConfig:
     """A ``commfuse.compress`` spec applied to the outer exchange ("fp16", "int8", ...)."""
     algo: str = "auto"
     """The commfuse allreduce algorithm of the outer exchange."""
+    final_sync: bool = True
+    """At the end of training (``finish()``), synchronise every fragment whose replicas have
+    moved since its last exchange, with the same outer step, and write the result exactly (no
+    mixing), so that every rank holds the same final model. Without it a run that stops
+    mid-period, and streaming DiLoCo always (its fragments sit at staggered phases and are
+    mixed with local values), ends with P different replicas and rank 0's is the one
+    evaluated and saved."""
 
     def __post_init__(self) -> None:
         if self.period_steps < 1:
@@ -131,6 +138,7 @@ _COMMON_KEYS = {
     "algo": "algo",
     "hierarchical": "hierarchical",
     "inner_lr_scale": "inner_lr_scale",
+    "final_sync": "final_sync",
 }
 
 

@@ -29,6 +29,10 @@ What happens in ``step()``:
    set to ``mix_global * anchor + (1 - mix_global) * params``. The delay is exactly tau inner
    steps on every rank, so replicas stay in step.
 
+4. ``finish()`` at the end of training lands the exchanges in flight and (``final_sync``, the
+   default) synchronises every fragment that moved since its last exchange, written exactly,
+   so that every rank ends with one model: the one that is evaluated and saved.
+
 Metrics: ``syncs`` lists one ``SyncRecord`` per exchange (step, fragment, elements, the drift
 between this replica and the average before the exchange); bytes come from ``comm.stats``.
 Checkpoint: ``state_dict()`` holds the inner optimizer, the step counter, anchors, outer
@@ -111,6 +115,9 @@ class PeriodicSyncOptimizer:
         use_momentum = config.outer_momentum > 0
         self.momenta = [torch.zeros_like(a) if use_momentum else None for a in self.anchors]
         self.step_count = 0
+        self.in_sync_at = [0] * len(self.fragments)
+        """Per fragment, the last step after which every replica held exactly the anchor (an
+        exchange written without mixing, or the synchronous warm-up)."""
         self.syncs: list[SyncRecord] = []
         self._pending: list[_Pending] = []
         self.exchanges_started = 0
@@ -142,6 +149,7 @@ class PeriodicSyncOptimizer:
             # Still synchronous: replicas are equal, so the anchor simply follows them.
             for f, anchor in enumerate(self.anchors):
                 anchor.copy_(self._flat(f))
+                self.in_sync_at[f] = self.step_count
             return
         self._apply_arrived()
         periodic_step = self.step_count - self.config.warmup_steps
@@ -165,10 +173,19 @@ class PeriodicSyncOptimizer:
                 group["lr"] = lr
 
     def finish(self) -> None:
-        """Wait for and apply every exchange in flight (end of training)."""
+        """End of training: wait for and apply every exchange in flight, then (``final_sync``)
+        synchronise each fragment whose replicas moved since its last exchange, so that every
+        rank ends with the same model. Calling it again changes nothing."""
         for pending in self._pending:
             pending.apply_at_step = self.step_count
         self._apply_arrived()
+        if self.config.final_sync:
+            # ``in_sync_at`` is the same on every rank (every rank takes the same steps), so
+            # every rank exchanges the same fragments without asking the others.
+            for f, step in enumerate(self.in_sync_at):
+                if step != self.step_count:
+                    self._start_exchange(f, background=False)
+                    self._apply(self._pending.pop(), mix=False)
 
     # -- internals --------------------------------------------------------------------------
     def _flat(self, fragment: int) -> torch.Tensor:
@@ -202,7 +219,7 @@ class PeriodicSyncOptimizer:
                 p.grad.copy_(chunk)
             offset += p.numel()
 
-    def _start_exchange(self, fragment: int) -> None:
+    def _start_exchange(self, fragment: int, *, background: bool = True) -> None:
         delta = self.anchors[fragment] - self._flat(fragment)
         local = delta.clone()  # before the exchange averages ``delta`` in place
         sync_index = self.exchanges_started
@@ -217,7 +234,7 @@ class PeriodicSyncOptimizer:
             else:
                 collectives.allreduce(comm, delta, "avg", algo=self.config.algo)
 
-        if self.config.overlap_steps > 0:
+        if background and self.config.overlap_steps > 0:
             handle = submit(comm, f"outer exchange of fragment {fragment}", exchange)
         else:
             exchange()
@@ -245,7 +262,7 @@ class PeriodicSyncOptimizer:
             self._apply(pending)
         self._pending = keep
 
-    def _apply(self, pending: _Pending) -> None:
+    def _apply(self, pending: _Pending, *, mix: bool = True) -> None:
         f, avg = pending.fragment, pending.delta_avg
         anchor = self.anchors[f]
         # The drift is known once the average is.
@@ -261,11 +278,12 @@ class PeriodicSyncOptimizer:
             mu=cfg.outer_momentum,
             nesterov=cfg.nesterov,
         )
-        if cfg.overlap_steps > 0 and cfg.mix_global < 1.0:
+        if mix and cfg.overlap_steps > 0 and cfg.mix_global < 1.0:
             merged = anchor * cfg.mix_global + self._flat(f) * (1.0 - cfg.mix_global)
             self._write(f, merged)
         else:
             self._write(f, anchor)
+            self.in_sync_at[f] = self.step_count
 
     # -- checkpoint -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -296,6 +314,7 @@ class PeriodicSyncOptimizer:
             "momenta": [None if m is None else m.clone() for m in self.momenta],
             "pending": pending,
             "exchanges_started": self.exchanges_started,
+            "in_sync_at": list(self.in_sync_at),
             "compressor": None if self._compressor is None else self._compressor.state_dict(),
         }
 
@@ -324,5 +343,8 @@ class PeriodicSyncOptimizer:
             for p in state["pending"]
         ]
         self.exchanges_started = int(state["exchanges_started"])
+        # A checkpoint from before the final synchronisation existed: assume every fragment
+        # moved (the same on every rank, so the final exchange stays collective).
+        self.in_sync_at = list(state.get("in_sync_at", [-1] * len(self.anchors)))
         if self._compressor is not None and state["compressor"] is not None:
             self._compressor.load_state_dict(state["compressor"])

@@ -9,7 +9,10 @@ baseline is ``ddp`` (torch's DDP) when it is among them, else the first strategy
   floor (1.00 = communication fully hidden or removed);
 * ``MB/step``: bytes one rank handed to collectives per step, on average (``metrics.py``),
   ``x less``: the baseline's bytes over this strategy's, ``peak_MB``: the most in one step;
-* ``final_loss`` (smoothed training loss at the last step), held-out ``acc``;
+* ``final_loss`` (smoothed training loss at the last step, over the ranks' own batches), and the
+  final model's loss and accuracy on the held-out split, ``held_loss`` and ``acc`` (for local
+  SGD and DiLoCo, the model after the final synchronisation: the training loss there is the
+  replicas' loss while they drift apart, the held-out loss is the one model the run delivers);
 * ``wall_s``: training time; ``t_to_base_s``: wall time until this strategy's loss first reaches
   the baseline's final loss ("-": never within the run);
 * ``x_ddp``: torch DDP's mean step time over this strategy's (above 1 = faster than DDP), and
@@ -156,6 +159,7 @@ COMPARE_COLUMNS = (
     ("x less", lambda r: _fmt(r["bytes_reduction_vs_baseline"], ".1f")),
     ("peak_MB", lambda r: _fmt(r["peak_bytes_per_step"], ".2f", 1e-6)),
     ("final_loss", lambda r: _fmt(r["final_loss"], ".3f")),
+    ("held_loss", lambda r: _fmt(r["eval_loss"], ".3f")),
     ("acc", lambda r: _fmt(r["eval_accuracy"], ".1f", 100.0)),
     ("wall_s", lambda r: _fmt(r["wall_s"], ".1f")),
     ("t_to_base_s", lambda r: _fmt(r["time_to_baseline_loss_s"], ".1f")),

@@ -22,7 +22,9 @@ compute_ms    the same step with every gradient collective skipped: the floor
 step/compute  step time over that floor (1.00 = communication fully hidden or removed)
 MB/step       mean bytes one rank handed to collectives per step; x less = baseline's / this one's;
               peak_MB = the most in one step (a synchronisation's burst)
-final_loss    training loss at the last step (mean over ranks, moving average); acc = held-out
+final_loss    training loss at the last step (mean over ranks, moving average)
+held_loss     the final model's loss on the held-out split (local SGD: after the final sync);
+              acc = its held-out accuracy
 t_to_base_s   wall time until this strategy reaches the baseline's final loss (- = never)
 x_ddp         torch DDP's mean step time / this one's; x_ddp_loss = DDP's t_to_base_s / this one's"""
 

@@ -148,7 +148,10 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
         for step in range(start, config.steps + config.extra_steps):
             if step == config.steps and config.extra_steps:
                 # The run's result is the model after ``steps``; what follows only times a loss.
-                strategy.finish()
+                _finish_into_last_step(strategy, history)
+                sent_now = strategy.bytes_sent()
+                history["bytes"][-1] += float(sent_now - sent_before)
+                sent_before = sent_now
                 snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
             t0 = time.perf_counter()
             with comm.at_step(step):
@@ -176,9 +179,10 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
                 and (done == config.steps or (every and done % every == 0))
             ):
                 _save(config, comm, strategy, optimizer, module, history, done, world)
-        strategy.finish()
+        _finish_into_last_step(strategy, history)
         if history["bytes"]:
-            # An exchange still in flight at the last step is real traffic of that step.
+            # An exchange still in flight at the last step, or a final synchronisation, is
+            # real traffic of that step.
             history["bytes"][-1] += float(strategy.bytes_sent() - sent_before)
         if snapshot is not None:
             module.load_state_dict(snapshot)
@@ -201,6 +205,15 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             # Flush the queue's feeder thread now: the rank process ends with os._exit.
             progress.close()
             progress.join_thread()
+
+
+def _finish_into_last_step(strategy: Any, history: dict[str, list[float]]) -> None:
+    """``strategy.finish()`` (land what is in flight; local SGD's final synchronisation), its
+    time charged to the last step trained: the run is not over until it is done."""
+    start = time.perf_counter()
+    strategy.finish()
+    if history["step_time_s"]:
+        history["step_time_s"][-1] += time.perf_counter() - start
 
 
 def _init_from(
