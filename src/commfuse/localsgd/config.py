@@ -54,8 +54,8 @@ class PeriodicSyncConfig:
     algo: str = "auto"
     """The commfuse allreduce algorithm of the outer exchange."""
     final_sync: bool = True
-    """At the end of training (``finish()``), synchronise every fragment whose replicas have
-    moved since its last exchange, with the same outer step, and write the result exactly (no
+    """At the end of training (``finish()``), replace every fragment whose replicas have moved
+    since its last exchange by the replicas' average (an exchange in flight is applied without
     mixing), so that every rank holds the same final model. Without it a run that stops
     mid-period, and streaming DiLoCo always (its fragments sit at staggered phases and are
     mixed with local values), ends with P different replicas and rank 0's is the one

@@ -30,8 +30,8 @@ What happens in ``step()``:
    steps on every rank, so replicas stay in step.
 
 4. ``finish()`` at the end of training lands the exchanges in flight and (``final_sync``, the
-   default) synchronises every fragment that moved since its last exchange, written exactly,
-   so that every rank ends with one model: the one that is evaluated and saved.
+   default) replaces every fragment that moved since its last exchange by the replicas'
+   average, so that every rank ends with one model: the one that is evaluated and saved.
 
 Metrics: ``syncs`` lists one ``SyncRecord`` per exchange (step, fragment, elements, the drift
 between this replica and the average before the exchange); bytes come from ``comm.stats``.
@@ -174,18 +174,26 @@ class PeriodicSyncOptimizer:
 
     def finish(self) -> None:
         """End of training: wait for and apply every exchange in flight, then (``final_sync``)
-        synchronise each fragment whose replicas moved since its last exchange, so that every
-        rank ends with the same model. Calling it again changes nothing."""
+        replace each fragment whose replicas moved since its last exchange by the replicas'
+        average, so that every rank ends with the same model. Calling it again changes nothing.
+
+        The average, not an outer step: the outer momentum extrapolates for the period that
+        follows, and there is none. Measured on charlm (streaming DiLoCo, 4 fragments, from a
+        200-step DDP model plus 200 steps): held-out loss 1.809 with the average, 1.816 with an
+        outer step on the partial periods, 1.855 without the final synchronisation (rank 0's
+        replica); DiLoCo's own synchronised model 1.801."""
         for pending in self._pending:
             pending.apply_at_step = self.step_count
-        self._apply_arrived()
+        # With the final synchronisation, an exchange in flight is written exactly (not mixed
+        # with the local steps taken meanwhile), so its fragment is not sent a second time.
+        self._apply_arrived(mix=not self.config.final_sync)
         if self.config.final_sync:
             # ``in_sync_at`` is the same on every rank (every rank takes the same steps), so
             # every rank exchanges the same fragments without asking the others.
             for f, step in enumerate(self.in_sync_at):
                 if step != self.step_count:
                     self._start_exchange(f, background=False)
-                    self._apply(self._pending.pop(), mix=False)
+                    self._apply(self._pending.pop(), mix=False, average=True)
 
     # -- internals --------------------------------------------------------------------------
     def _flat(self, fragment: int) -> torch.Tensor:
@@ -250,7 +258,7 @@ class PeriodicSyncOptimizer:
             )
         )
 
-    def _apply_arrived(self) -> None:
+    def _apply_arrived(self, *, mix: bool = True) -> None:
         keep: list[_Pending] = []
         for pending in self._pending:
             if pending.apply_at_step > self.step_count:
@@ -259,10 +267,13 @@ class PeriodicSyncOptimizer:
             if pending.handle is not None:
                 pending.handle.wait()
                 pending.handle = None
-            self._apply(pending)
+            self._apply(pending, mix=mix)
         self._pending = keep
 
-    def _apply(self, pending: _Pending, *, mix: bool = True) -> None:
+    def _apply(self, pending: _Pending, *, mix: bool = True, average: bool = False) -> None:
+        """Apply an arrived exchange: the outer step on the anchor (``average``: the plain
+        average of the replicas instead, momentum untouched), then the parameters restart from
+        the anchor, or from its mix with the local values (``mix`` and streaming's mix_global)."""
         f, avg = pending.fragment, pending.delta_avg
         anchor = self.anchors[f]
         # The drift is known once the average is.
@@ -270,14 +281,17 @@ class PeriodicSyncOptimizer:
         scale = float(anchor.norm()) or 1.0
         self.syncs.append(SyncRecord(pending.sent_at_step, f, avg.numel(), drift, drift / scale))
         cfg = self.config
-        outer_sgd_(
-            anchor,
-            avg,
-            self.momenta[f],
-            lr=cfg.outer_lr,
-            mu=cfg.outer_momentum,
-            nesterov=cfg.nesterov,
-        )
+        if average:
+            anchor.sub_(avg)  # anchor - mean(anchor - params) = mean(params)
+        else:
+            outer_sgd_(
+                anchor,
+                avg,
+                self.momenta[f],
+                lr=cfg.outer_lr,
+                mu=cfg.outer_momentum,
+                nesterov=cfg.nesterov,
+            )
         if mix and cfg.overlap_steps > 0 and cfg.mix_global < 1.0:
             merged = anchor * cfg.mix_global + self._flat(f) * (1.0 - cfg.mix_global)
             self._write(f, merged)
