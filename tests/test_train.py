@@ -12,6 +12,7 @@ import pytest
 from commfuse.cli import main
 from commfuse.train import TrainConfig, parse_strategy, train_rank
 from commfuse.train import checkpoint as ckpt
+from commfuse.train.metrics import summarize
 
 DIGITS = "digits:hidden=32,batch=16"
 #: digits:hidden=32 has (64*32+32) + (32*32+32) + (32*10+10) fp32 parameters.
@@ -75,7 +76,6 @@ def test_resume_from_checkpoint_is_exact(pool: Any, tmp_path: Path, strategy: st
 def test_extra_steps_extend_only_the_curves(pool: Any) -> None:
     """compare --max-steps-factor: 3 extra steps past 4 change nothing that is read at step 4
     (parameters' digest, evaluation, bytes, final loss); only the curves go on."""
-    from commfuse.train.metrics import summarize
 
     p = pool(2)
     plain = p.run(run_rank, _config("topk:ratio=0.05", 4), timeout_s=60)
@@ -212,6 +212,17 @@ def test_local_sgd_family_trains_and_resumes_exactly(
     assert 0 < sent < 7 * DIGITS_GRAD_BYTES  # communicates less often than every step
     metrics = full[0]["strategy_metrics"]
     assert metrics["syncs"] >= 1 and all(d > 0 for d in metrics["drift"])
+    # 7 steps end mid-period for every one of them: the final synchronisation sent something
+    # and left one model on both ranks.
+    assert metrics["final_sync_bytes"] > 0
+    assert full[0]["digest"] == full[1]["digest"]
+    if strategy == "localsgd:H=2":
+        # Exchanges after steps 2, 4, 6, then the final one: the whole model each time.
+        assert metrics["final_sync_bytes"] == full[0]["history"]["bytes"][1]
+        summary = summarize(full, strategy=strategy, workload=DIGITS, warmup=1)
+        assert summary["final_sync_bytes"] == metrics["final_sync_bytes"]
+        assert summary["peak_bytes_per_step"] == full[0]["history"]["bytes"][1]
+        assert summary["bytes_total"] == 4 * full[0]["history"]["bytes"][1]
     shutil.copytree(ckpt.step_dir(full_dir, 3), ckpt.step_dir(resumed_dir, 3))
     ckpt.mark_latest(resumed_dir, 3)
     resumed = p.run(

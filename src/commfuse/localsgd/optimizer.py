@@ -182,18 +182,27 @@ class PeriodicSyncOptimizer:
         200-step DDP model plus 200 steps): held-out loss 1.809 with the average, 1.816 with an
         outer step on the partial periods, 1.855 without the final synchronisation (rank 0's
         replica); DiLoCo's own synchronised model 1.801."""
+        self.land_in_flight()
+        if self.config.final_sync:
+            self.average_moved_fragments()
+
+    def land_in_flight(self) -> None:
+        """Wait for and apply every exchange in flight now (``finish()``'s first half). With
+        ``final_sync`` it is written exactly, not mixed with the local steps taken meanwhile,
+        so its fragment is in sync and is not sent a second time."""
         for pending in self._pending:
             pending.apply_at_step = self.step_count
-        # With the final synchronisation, an exchange in flight is written exactly (not mixed
-        # with the local steps taken meanwhile), so its fragment is not sent a second time.
         self._apply_arrived(mix=not self.config.final_sync)
-        if self.config.final_sync:
-            # ``in_sync_at`` is the same on every rank (every rank takes the same steps), so
-            # every rank exchanges the same fragments without asking the others.
-            for f, step in enumerate(self.in_sync_at):
-                if step != self.step_count:
-                    self._start_exchange(f, background=False)
-                    self._apply(self._pending.pop(), mix=False, average=True)
+
+    def average_moved_fragments(self) -> None:
+        """Replace every fragment that moved since its last exchange by the replicas' average
+        (``finish()``'s second half)."""
+        # ``in_sync_at`` is the same on every rank (every rank takes the same steps), so every
+        # rank exchanges the same fragments without asking the others.
+        for f, step in enumerate(self.in_sync_at):
+            if step != self.step_count:
+                self._start_exchange(f, background=False)
+                self._apply(self._pending.pop(), mix=False, average=True)
 
     # -- internals --------------------------------------------------------------------------
     def _flat(self, fragment: int) -> torch.Tensor:

@@ -145,6 +145,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
         # its sends happen, including between two steps.
         sent_before = strategy.bytes_sent()
         snapshot: dict[str, torch.Tensor] | None = None
+        run_metrics: dict[str, Any] | None = None  # the strategy's, as of step ``steps``
         for step in range(start, config.steps + config.extra_steps):
             if step == config.steps and config.extra_steps:
                 # The run's result is the model after ``steps``; what follows only times a loss.
@@ -152,6 +153,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
                 sent_now = strategy.bytes_sent()
                 history["bytes"][-1] += float(sent_now - sent_before)
                 sent_before = sent_now
+                run_metrics = strategy.metrics()
                 snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
             t0 = time.perf_counter()
             with comm.at_step(step):
@@ -193,7 +195,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             # History entries past ``steps`` (extra_steps: read only for time to a loss).
             "extra_steps": config.steps + config.extra_steps - max(start, config.steps),
             "digest": params_digest(module),
-            "strategy_metrics": strategy.metrics(),
+            "strategy_metrics": strategy.metrics() if run_metrics is None else run_metrics,
         }
         if config.evaluate and rank == 0:
             result["eval"] = workload.evaluate(module)

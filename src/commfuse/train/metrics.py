@@ -10,7 +10,8 @@ Definitions (the same for ``train --json`` and ``compare``):
 * ``bytes_per_step``: mean over all steps of the bytes rank 0 handed to collectives
   (payload per rank; a ring allreduce puts 2(P-1)/P of it on each rank's link; a mean, so a
   strategy that sends every H steps is charged 1/H of an exchange per step), and
-  ``peak_bytes_per_step`` the most it sent in one step (a synchronisation's burst), and
+  ``peak_bytes_per_step`` the most it sent in one step (a synchronisation's burst; local SGD's
+  end-of-training synchronisation, ``final_sync_bytes``, is left out of it), and
   ``median_bytes_per_step`` a steady-state step's (0 for a strategy that rarely sends).
 * ``loss_curve``: the training loss averaged over ranks at each step, then a trailing moving
   average over ``window`` steps (a single rank's 512-symbol batch is noisy);
@@ -66,6 +67,7 @@ def summarize(
         walls.append(wall)
     compute = first.get("compute_step_time_s") or []
     evaluation = first.get("eval") or {}
+    final_sync = float((first.get("strategy_metrics") or {}).get("final_sync_bytes", 0))
     return {
         "strategy": strategy,
         "workload": workload,
@@ -77,7 +79,10 @@ def summarize(
         # Over all steps: warm-up steps send as much as any, and a periodic strategy's
         # synchronisations must be averaged over the whole period.
         "bytes_per_step": statistics.fmean(hist["bytes"]),
-        "peak_bytes_per_step": max(hist["bytes"]),
+        # The end-of-training synchronisation (local SGD's ``final_sync``) is charged to the
+        # last step but is not part of the periodic schedule whose burst this measures.
+        "peak_bytes_per_step": max([*hist["bytes"][:-1], hist["bytes"][-1] - final_sync]),
+        "final_sync_bytes": final_sync,
         # A steady-state step (after warm-up; a compressor's uncompressed warm-up excluded).
         "median_bytes_per_step": statistics.median(hist["bytes"][timed]),
         "bytes_total": sum(hist["bytes"]),

@@ -33,6 +33,8 @@ class PeriodicSync(Strategy):
             config.ranks_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.periodic = PeriodicSyncOptimizer(ctx.optimizer, ctx.module, ctx.comm, config)
         self._communicate = True
+        self.final_sync_bytes = 0
+        """Bytes this rank sent in the end-of-training synchronisation (``finish()``)."""
 
     @property
     def model(self) -> nn.Module:
@@ -68,6 +70,7 @@ class PeriodicSync(Strategy):
             "syncs": len(syncs),
             "drift": [s.drift for s in syncs],
             "relative_drift": [s.relative_drift for s in syncs],
+            "final_sync_bytes": self.final_sync_bytes,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -79,7 +82,11 @@ class PeriodicSync(Strategy):
         self.periodic.load_state_dict(state["periodic"])
 
     def finish(self) -> None:
-        self.periodic.finish()
+        self.periodic.land_in_flight()
+        if self.periodic.config.final_sync:
+            before = self.bytes_sent()
+            self.periodic.average_moved_fragments()
+            self.final_sync_bytes += self.bytes_sent() - before
 
 
 def _validate(spec: str) -> None:
