@@ -133,7 +133,7 @@ def allgather_gemm_reference(
     weight: torch.Tensor,
     *,
     splits: list[int] | None = None,
-    algo: str = "native",
+    algo: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unfused: one AllGather (shards padded to the longest; ``algo`` of
     commfuse.collectives.allgather, "ring" counts exact bytes), then the whole GEMM."""
@@ -199,7 +199,7 @@ def gemm_reducescatter_reference(
     weight: torch.Tensor,
     *,
     splits: list[int] | None = None,
-    algo: str = "native",
+    algo: str = "auto",
 ) -> torch.Tensor:
     """Unfused: the whole GEMM, then one ReduceScatter (blocks padded to the longest)."""
     from commfuse.collectives import reduce_scatter
@@ -249,11 +249,13 @@ def measure_allgather_gemm(
     comm: Communicator, x: torch.Tensor, weight: torch.Tensor, splits: list[int]
 ) -> tuple[float, float]:
     """(compute_us, comm_us) of one unfused run: the AllGather alone, then the whole GEMM."""
+    from commfuse.collectives import allgather
+
     longest = max(splits)
     padded = torch.zeros((longest, x.shape[1]), dtype=x.dtype)
     out = torch.empty((comm.world_size * longest, x.shape[1]), dtype=x.dtype)
     start = time.perf_counter()
-    comm.all_gather(out, padded)
+    allgather(comm, out, padded, algo="auto")  # what the unfused reference calls
     comm_us = elapsed_us(start)
     start = time.perf_counter()
     torch.matmul(out[: sum(splits)], weight.t())
@@ -264,6 +266,8 @@ def measure_gemm_reducescatter(
     comm: Communicator, a: torch.Tensor, weight: torch.Tensor, splits: list[int]
 ) -> tuple[float, float]:
     """(compute_us, comm_us) of one unfused run: the whole GEMM, then the ReduceScatter alone."""
+    from commfuse.collectives import reduce_scatter
+
     start = time.perf_counter()
     torch.matmul(a, weight.t())
     compute_us = elapsed_us(start)
@@ -271,5 +275,5 @@ def measure_gemm_reducescatter(
     out = torch.empty((longest, weight.shape[0]), dtype=a.dtype)
     padded = torch.zeros((comm.world_size * longest, weight.shape[0]), dtype=a.dtype)
     start = time.perf_counter()
-    comm.reduce_scatter(out, padded)
+    reduce_scatter(comm, out, padded, algo="auto")  # what the unfused reference calls
     return compute_us, elapsed_us(start)
