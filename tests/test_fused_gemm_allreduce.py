@@ -1,7 +1,7 @@
 """GEMM/GEMV + AllReduce (row-parallel linear): the fused operator equals the unfused reference
 and a single-process linear exactly (integer-valued inputs), forward and backward, for world
-sizes 1-5, uneven and empty shards, row and column chunking, float32 and bfloat16; each rank sends exactly
-2 (P-1)/P of each piece and all ranks together send what a ring allreduce of the unfused
+sizes 1-5, uneven and empty shards, row groups (ring) and column chunking, float32 and bfloat16;
+each rank sends exactly 2 (P-1)/P of each piece and all ranks together send what a ring allreduce of the unfused
 output sends; mismatched shapes across ranks raise ValueError."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.fused import ChunkConfig, RowParallelLinear
 from commfuse.fused.chunking import split_sizes
-from commfuse.fused.direct_allreduce import sent_bytes
 from commfuse.fused.gemm_allreduce import (
     LABEL,
     check_shapes,
     gemm_allreduce,
     gemm_allreduce_reference,
+    sent_bytes,
 )
 from commfuse.testing import RankPool
 
@@ -60,7 +60,7 @@ def forward_grid() -> list[str]:
             allreduce(comm, (xs @ ws.t()).contiguous(), algo="ring")
             ring_total = torch.tensor([comm.stats[label("allreduce", "ring")].bytes_sent])
             comm.all_reduce(ring_total)
-            for chunks in (1, 2, 3, 4):
+            for chunks in (1, 2, 3, 4, 8):  # 8: several ring groups where rows allow
                 where = (
                     f"rank {comm.rank} {dtype} rows={rows} in={in_f} out={out_f} chunks={chunks}"
                 )
@@ -71,11 +71,9 @@ def forward_grid() -> list[str]:
                     failures.append(f"{where}: wrong result {got.tolist()} want {want.tolist()}")
                 if chunks == 1 or comm.world_size == 1:
                     continue  # the unfused path itself
-                if rows >= chunks:
-                    numels = [n * out_f for n in split_sizes(rows, chunks) if n]
-                else:
-                    numels = [n * rows for n in split_sizes(out_f, chunks) if n]
-                want_sent = sent_bytes(numels, comm.world_size, comm.rank, got.element_size())
+                want_sent = sent_bytes(
+                    rows, out_f, chunks, comm.world_size, comm.rank, got.element_size()
+                )
                 if c.bytes_sent != want_sent:
                     failures.append(f"{where}: sent {c.bytes_sent} bytes, formula {want_sent}")
                 total = torch.tensor([c.bytes_sent])

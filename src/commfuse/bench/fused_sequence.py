@@ -44,7 +44,7 @@ def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> Case:
 
         return Case(
             compute=lambda: torch.matmul(gathered[:seq], w.t()),
-            comm=lambda: allgather(comm, gathered, shard, algo="auto"),
+            comm=lambda: allgather(comm, gathered, shard, algo=sp.REFERENCE_ALGO),
             unfused=lambda: sp.allgather_gemm_reference(comm, x, w, splits=splits)[0],
             fused=fused,
             max_chunks=world,
@@ -56,7 +56,7 @@ def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> Case:
     full = torch.zeros(world * max(splits), n_out)
     return Case(
         compute=lambda: torch.matmul(a, v.t()),
-        comm=lambda: reduce_scatter(comm, out, full, algo="auto"),
+        comm=lambda: reduce_scatter(comm, out, full, algo=sp.REFERENCE_ALGO),
         unfused=lambda: sp.gemm_reducescatter_reference(comm, a, v, splits=splits),
         fused=lambda k: sp.gemm_reducescatter(comm, a, v, splits=splits, chunks=k),
         max_chunks=world,

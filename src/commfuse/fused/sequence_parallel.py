@@ -46,6 +46,11 @@ from commfuse.fused.chunking import elapsed_us
 #: Stats labels of the rings' point-to-point traffic (exact bytes and messages).
 LABEL_AG = "allgather_gemm"
 LABEL_RS = "gemm_reducescatter"
+#: The algorithm of the unfused references' AllGather and ReduceScatter (``algo=None``):
+#: commfuse's own choice. gloo's reduce-scatter costs as much as its allreduce (112 ms for 8 MB
+#: on 4 hosts at 1 Gbit/s, where the ring takes 64 ms): a baseline that slow would flatter the
+#: fused rings. "native" (gloo's) counts bytes under the collective's own name.
+REFERENCE_ALGO = "auto"
 
 
 def check_splits(
@@ -133,7 +138,7 @@ def allgather_gemm_reference(
     weight: torch.Tensor,
     *,
     splits: list[int] | None = None,
-    algo: str = "auto",
+    algo: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unfused: one AllGather (shards padded to the longest; ``algo`` of
     commfuse.collectives.allgather, "ring" counts exact bytes), then the whole GEMM."""
@@ -145,7 +150,7 @@ def allgather_gemm_reference(
     padded = torch.zeros((longest, x.shape[1]), dtype=x.dtype)
     padded[: x.shape[0]].copy_(x)
     out = torch.empty((comm.world_size * longest, x.shape[1]), dtype=x.dtype)
-    allgather(comm, out, padded, algo=algo)
+    allgather(comm, out, padded, algo=algo or REFERENCE_ALGO)
     gathered = torch.cat([out[j * longest : j * longest + n] for j, n in enumerate(splits)])
     return torch.matmul(gathered, weight.t()), gathered
 
@@ -157,9 +162,11 @@ def gemm_reducescatter(
     *,
     splits: list[int] | None = None,
     chunks: int = 2,
+    label: str = LABEL_RS,
 ) -> torch.Tensor:
     """``RS(a @ weight^T)``: this rank's rows [S_r, N] of the sum over ranks, for the whole
-    sequence ``a`` [S, K_r] and weight [N, K_r] (module docstring)."""
+    sequence ``a`` [S, K_r] and weight [N, K_r] (module docstring). ``label`` names the ring's
+    messages in ``comm.stats`` (GEMM + AllReduce runs this ring under its own)."""
     _check_gemm(a, weight, "gemm_reducescatter")
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
@@ -179,7 +186,7 @@ def gemm_reducescatter(
             nxt = (j - 1) % world  # the running sum my left neighbour sends me next
             buf = torch.empty((splits[nxt], weight.shape[0]), dtype=a.dtype)
             pending = incoming
-            incoming = (comm.irecv(buf, left, tag=s, label=LABEL_RS), buf) if splits[nxt] else None
+            incoming = (comm.irecv(buf, left, tag=s, label=label), buf) if splits[nxt] else None
         else:
             pending = incoming
         partial = torch.matmul(a[starts[j] : starts[j] + splits[j]], w_t)  # while the sum arrives
@@ -187,7 +194,7 @@ def gemm_reducescatter(
             pending[0].wait()
             partial = pending[1].add_(partial)  # running sum (ranks j+1 .. r-1) + mine
         if s < world - 1 and splits[j]:
-            sends.append(comm.isend(partial, right, tag=s, label=LABEL_RS))
+            sends.append(comm.isend(partial, right, tag=s, label=label))
     for handle in sends:
         handle.wait()
     return partial
@@ -199,7 +206,7 @@ def gemm_reducescatter_reference(
     weight: torch.Tensor,
     *,
     splits: list[int] | None = None,
-    algo: str = "auto",
+    algo: str | None = None,
 ) -> torch.Tensor:
     """Unfused: the whole GEMM, then one ReduceScatter (blocks padded to the longest)."""
     from commfuse.collectives import reduce_scatter
@@ -212,7 +219,7 @@ def gemm_reducescatter_reference(
     for j, n in enumerate(splits):
         padded[j * longest : j * longest + n].copy_(full[starts[j] : starts[j] + n])
     out = torch.empty((longest, weight.shape[0]), dtype=a.dtype)
-    reduce_scatter(comm, out, padded, algo=algo)
+    reduce_scatter(comm, out, padded, algo=algo or REFERENCE_ALGO)
     return out[: splits[comm.rank]].clone()
 
 
@@ -255,7 +262,7 @@ def measure_allgather_gemm(
     padded = torch.zeros((longest, x.shape[1]), dtype=x.dtype)
     out = torch.empty((comm.world_size * longest, x.shape[1]), dtype=x.dtype)
     start = time.perf_counter()
-    allgather(comm, out, padded, algo="auto")  # what the unfused reference calls
+    allgather(comm, out, padded, algo=REFERENCE_ALGO)  # what the unfused reference calls
     comm_us = elapsed_us(start)
     start = time.perf_counter()
     torch.matmul(out[: sum(splits)], weight.t())
@@ -275,5 +282,5 @@ def measure_gemm_reducescatter(
     out = torch.empty((longest, weight.shape[0]), dtype=a.dtype)
     padded = torch.zeros((comm.world_size * longest, weight.shape[0]), dtype=a.dtype)
     start = time.perf_counter()
-    reduce_scatter(comm, out, padded, algo="auto")  # what the unfused reference calls
+    reduce_scatter(comm, out, padded, algo=REFERENCE_ALGO)  # what the unfused reference calls
     return compute_us, elapsed_us(start)
