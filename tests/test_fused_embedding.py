@@ -7,6 +7,7 @@ backward sends the same bytes back."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -16,11 +17,13 @@ import torch.nn.functional as F
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.fused import ChunkConfig, ShardedEmbeddingBag
+from commfuse.fused.chunking import split_sizes
 from commfuse.fused.embedding_alltoall import (
     LABEL,
     embedding_alltoall,
     embedding_alltoall_reference,
 )
+from commfuse.fused.fallback import fastest_by_trial
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
@@ -205,3 +208,28 @@ def test_embedding_alltoall(pool: PoolFn, world: int) -> None:
 def test_embedding_function_and_errors(pool: PoolFn, world: int) -> None:
     failures = [f for r in pool(world).run(direct_call_and_errors, timeout_s=120) for f in r]
     assert not failures, "\n".join(failures[:8])
+
+
+def trial_choices() -> tuple[int, int, int]:
+    """fastest_by_trial on operators whose speed is known (a sleep), and the embedding choice."""
+    comm = Communicator()
+    fast = fastest_by_trial(
+        comm, [2, 3], lambda k: time.sleep(0.002 if k == 2 else 0.03), runs=3, min_gain=0.05
+    )
+    slower = fastest_by_trial(
+        comm, [2, 3], lambda k: time.sleep(0.002 if k == 1 else 0.03), runs=3, min_gain=0.05
+    )
+    module = ShardedEmbeddingBag([50] * 6, 4, comm)
+    idx = [bags(t, 50, 64)[0] for t in module.local_tables]
+    off = [bags(t, 50, 64)[1] for t in module.local_tables]
+    chosen = module.chunks_for(idx, off, split_sizes(64, comm.world_size))
+    everyone = torch.tensor([chosen])
+    comm.all_reduce(everyone, "max")
+    return fast, slower, chosen if int(everyone) == chosen else -1
+
+
+def test_chunks_chosen_by_trial(pool: PoolFn) -> None:
+    for fast, slower, chosen in pool(3).run(trial_choices, timeout_s=120):
+        assert (fast, slower) == (2, 1)  # the fastest wins; nothing beats the unfused: 1
+        # The same on every rank, and the unfused operator or whole pieces per destination.
+        assert chosen in (1, 2, 4, 6)

@@ -146,3 +146,30 @@ def choose_fused_chunks(
             comm, chunks, trial[0], trial[1], runs=trial_runs, min_gain=config.min_gain
         )
     return chunks
+
+
+def fastest_by_trial(
+    comm: Communicator,
+    candidates: list[int],
+    run: Callable[[int], Any],
+    *,
+    runs: int,
+    min_gain: float,
+) -> int:
+    """The candidate ``k`` whose median time (slowest rank, ``runs`` interleaved rounds) is the
+    lowest, kept only if it beats ``k = 1`` (the unfused operator, always timed) by ``min_gain``;
+    else 1. For operators whose chunk count changes the schedule in steps the model does not
+    see (the embedding exchange cuts ``k`` into pieces per destination). Every rank must call it
+    alike."""
+    ks = [1, *sorted({k for k in candidates if k > 1})]
+    if len(ks) == 1 or runs < 1 or comm.world_size == 1:
+        return 1
+    times: list[list[float]] = [[] for _ in ks]
+    for i in range(runs):
+        order = list(enumerate(ks)) if i % 2 == 0 else list(enumerate(ks))[::-1]
+        for slot, k in order:
+            times[slot].append(timed_us(comm, lambda k=k: run(k)))  # type: ignore[misc]
+    agreed = agree(comm, [t for row in times for t in row])
+    medians = [sorted(agreed[j * runs : (j + 1) * runs])[runs // 2] for j in range(len(ks))]
+    best = min(range(len(ks)), key=lambda j: medians[j])
+    return ks[best] if medians[best] <= (1.0 - min_gain) * medians[0] else 1

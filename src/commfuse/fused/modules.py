@@ -20,8 +20,6 @@ from commfuse.fused import embedding_alltoall as emb
 from commfuse.fused import gemm_allreduce as gar
 from commfuse.fused.chunking import (
     ChunkConfig,
-    agree_chunks,
-    measure_overhead_us,
     shard_range,
     split_sizes,
 )
@@ -184,24 +182,17 @@ class ShardedEmbeddingBag(nn.Module):
                 from commfuse.comm import check_consistent
 
                 check_consistent(self.comm, spec, "embedding_alltoall batch")
-                with torch.no_grad():
-                    compute_us, comm_us = emb.measure(
-                        self.comm,
-                        list(self.tables),
-                        indices,
-                        offsets,
-                        batch_splits,
-                        self.tables_per_rank,
-                        dim=self.dim,
-                        dtype=self.dtype,
-                        mode=self.mode,
-                    )
-                overhead = self.chunk_config.overhead_us
-                if overhead is None:
-                    overhead = measure_overhead_us(self.comm)
-                limit = max(sum(batch_splits), 1)
-                self._chunks[key] = agree_chunks(
-                    self.comm, compute_us, comm_us, overhead, self.chunk_config, limit=limit
+                self._chunks[key] = emb.choose_chunks_for(
+                    self.comm,
+                    list(self.tables),
+                    indices,
+                    offsets,
+                    batch_splits,
+                    self.tables_per_rank,
+                    dim=self.dim,
+                    dtype=self.dtype,
+                    mode=self.mode,
+                    config=self.chunk_config,
                 )
         return self._chunks[key]
 
