@@ -31,6 +31,7 @@ by the bag's length for mean; ``TableGradients`` does it for all tables in one `
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -397,10 +398,12 @@ def choose_chunks_for(
 ) -> int:
     """The ``chunks`` of ``embedding_alltoall`` for these inputs, the same on every rank.
 
-    The cost model (measured ``C``, ``M`` and per-chunk overhead) decides whether chunking can
-    pay at all; if it can, the candidates 1, 2 and 3 pieces per destination (``chunks`` =
-    ``P - 1``, ``2 (P - 1)``, ``3 (P - 1)``) and the unfused operator are timed, interleaved,
-    and the fastest is kept (``fallback.fastest_by_trial``). The model alone counts chunks, not
+    The cost model (measured ``C``, ``M`` and per-chunk overhead, without its ``min_gain``
+    margin, which it missed by noise from one run to the next on a DLRM step) decides whether
+    chunking can pay at all; if it can, the candidates 1, 2 and 3 pieces per destination (``chunks`` =
+    ``P - 1``, ``2 (P - 1)``, ``3 (P - 1)``) and ``chunks = 1`` are timed, forward and backward
+    as a training step runs them (``chunks`` cuts the reverse exchange too), interleaved, and
+    the fastest is kept (``fallback.fastest_by_trial``). The model alone counts chunks, not
     the pieces they become: on a DLRM step (4 hosts at 1 Gbit/s) its choice flipped between
     ``k = 3`` (one piece per destination: step 0.91-0.94 of unfused) and ``k = 4`` (two pieces:
     0.84-0.86) from one run to the next. Every rank must call it alike; it runs the operator a
@@ -417,16 +420,22 @@ def choose_chunks_for(
         overhead = config.overhead_us
         if overhead is None:
             overhead = measure_overhead_us(comm)
-        chunks = agree_chunks(comm, compute_us, comm_us, overhead, config, limit=limit)
+        # The model without its margin: only "can chunking pay at all?" (no computation to hide,
+        # or overheads beyond it); how much it pays is for the trial to say.
+        loose = dataclasses.replace(config, min_gain=0.0)
+        chunks = agree_chunks(comm, compute_us, comm_us, overhead, loose, limit=limit)
         if chunks == 1 or trial_runs < 1:
             return chunks
         cap = min(config.max_chunks, limit)
         candidates = [p * (world - 1) for p in (1, 2, 3) if p * (world - 1) <= cap] or [chunks]
-        embedding_alltoall(comm, *args, chunks=candidates[0], **kw)  # opens the pairs' connections
+        grad = torch.ones((batch_splits[comm.rank], sum(tables_per_rank), dim), dtype=dtype)
+
+        def forward_and_backward(k: int) -> None:
+            # Both directions, as a training step runs them: ``k`` cuts the backward too.
+            embedding_alltoall(comm, *args, chunks=k, **kw)
+            embedding_alltoall_backward(comm, grad, *args, mode=mode, chunks=k)
+
+        forward_and_backward(candidates[0])  # opens the pairs' connections
         return fastest_by_trial(
-            comm,
-            candidates,
-            lambda k: embedding_alltoall(comm, *args, chunks=k, **kw),
-            runs=trial_runs,
-            min_gain=config.min_gain,
+            comm, candidates, forward_and_backward, runs=trial_runs, min_gain=config.min_gain
         )
