@@ -162,9 +162,10 @@ def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
         unfused=lambda: emb.embedding_alltoall_reference(comm, *args, **kw),
         fused=lambda k: emb.embedding_alltoall(comm, *args, chunks=k, **kw),
         max_chunks=4 * max(world - 1, 1),
-        # The module's own choice (ShardedEmbeddingBag): the model, then a timed trial.
+        # The module's own choice (ShardedEmbeddingBag): the model, then a timed trial, here of
+        # the forward alone (what this row times).
         choose=lambda: emb.choose_chunks_for(
-            comm, *args, **kw, config=ChunkConfig(max_chunks=4 * max(world - 1, 1))
+            comm, *args, **kw, config=ChunkConfig(max_chunks=4 * max(world - 1, 1)), backward=False
         ),
     )
 

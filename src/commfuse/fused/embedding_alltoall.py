@@ -394,15 +394,17 @@ def choose_chunks_for(
     dtype: torch.dtype,
     mode: str,
     config: ChunkConfig,
+    backward: bool = True,
     trial_runs: int = 3,
 ) -> int:
-    """The ``chunks`` of ``embedding_alltoall`` for these inputs, the same on every rank.
+    """The ``chunks`` of ``embedding_alltoall`` for these inputs, the same on every rank
+    (``backward``: for training, where the reverse exchange runs with the same ``chunks``).
 
     The cost model (measured ``C``, ``M`` and per-chunk overhead, without its ``min_gain``
     margin, which it missed by noise from one run to the next on a DLRM step) decides whether
     chunking can pay at all; if it can, the candidates 1, 2 and 3 pieces per destination (``chunks`` =
-    ``P - 1``, ``2 (P - 1)``, ``3 (P - 1)``) and ``chunks = 1`` are timed, forward and backward
-    as a training step runs them (``chunks`` cuts the reverse exchange too), interleaved, and
+    ``P - 1``, ``2 (P - 1)``, ``3 (P - 1)``) and ``chunks = 1`` are timed, forward and (``backward``)
+    backward as a training step runs them (``chunks`` cuts the reverse exchange too), interleaved, and
     the fastest is kept (``fallback.fastest_by_trial``). The model alone counts chunks, not
     the pieces they become: on a DLRM step (4 hosts at 1 Gbit/s) its choice flipped between
     ``k = 3`` (one piece per destination: step 0.91-0.94 of unfused) and ``k = 4`` (two pieces:
@@ -433,7 +435,8 @@ def choose_chunks_for(
         def forward_and_backward(k: int) -> None:
             # Both directions, as a training step runs them: ``k`` cuts the backward too.
             embedding_alltoall(comm, *args, chunks=k, **kw)
-            embedding_alltoall_backward(comm, grad, *args, mode=mode, chunks=k)
+            if backward:
+                embedding_alltoall_backward(comm, grad, *args, mode=mode, chunks=k)
 
         forward_and_backward(candidates[0])  # opens the pairs' connections
         return fastest_by_trial(

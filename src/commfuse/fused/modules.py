@@ -193,6 +193,7 @@ class ShardedEmbeddingBag(nn.Module):
                     dtype=self.dtype,
                     mode=self.mode,
                     config=self.chunk_config,
+                    backward=torch.is_grad_enabled() and any(t.requires_grad for t in self.tables),
                 )
         return self._chunks[key]
 
