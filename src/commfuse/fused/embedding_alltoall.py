@@ -395,7 +395,7 @@ def choose_chunks_for(
     mode: str,
     config: ChunkConfig,
     backward: bool = True,
-    trial_runs: int = 3,
+    trial_runs: int = 5,
 ) -> int:
     """The ``chunks`` of ``embedding_alltoall`` for these inputs, the same on every rank
     (``backward``: for training, where the reverse exchange runs with the same ``chunks``).
