@@ -175,14 +175,17 @@ def test_compare_cli_writes_json_and_plot(
     records = json.loads(js.read_text())
     keys = {
         "strategy", "steps", "step_time_s", "compute_step_time_s", "bytes_per_step",
-        "final_loss", "wall_s", "time_to_baseline_loss_s", "speedup_vs_ddp",
+        "final_loss", "wall_s", "time_to_baseline_loss_s", "speedup_vs_ddp", "eval_loss",
+        "final_sync_bytes",
     }  # fmt: skip
     assert [r["strategy"] for r in records] == ["ddp", "sign"]
     assert all(keys <= set(r) and r["steps"] == 8 for r in records)
     assert records[0]["speedup_vs_ddp"] == 1.0 and records[0]["time_to_baseline_loss_s"] is not None
     assert records[1]["bytes_reduction_vs_baseline"] > 4  # 1 bit per gradient, on an allgather
     assert png.read_bytes()[:4] == b"\x89PNG"
-    assert "x_ddp" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "x_ddp" in out and "held_loss" in out
+    assert all(r["eval_loss"] > 0 and r["final_sync_bytes"] == 0 for r in records)
 
 
 @pytest.mark.parametrize(
