@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from commfuse.comm import Communicator
+from commfuse.fused import baselines
 from commfuse.fused import gemm_allreduce as gar
 from commfuse.fused import sequence_parallel as sp
 from commfuse.fused.chunking import shard_range
@@ -127,11 +128,11 @@ def ring_equivalent_bytes(
 def check_block(sequence_parallel: bool, num_chunks: int) -> list[str]:
     # gloo's own AllGather/ReduceScatter in the unfused references: their bytes are counted
     # under the collectives' names, whichever algorithm auto would pick at these sizes.
-    sp.REFERENCE_ALGO = "native"
+    baselines.SEQUENCE = "native"
     try:
         return _check_block(sequence_parallel, num_chunks)
     finally:
-        sp.REFERENCE_ALGO = "auto"
+        baselines.SEQUENCE = "auto"
 
 
 def _check_block(sequence_parallel: bool, num_chunks: int) -> list[str]:

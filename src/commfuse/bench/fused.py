@@ -26,7 +26,9 @@ from typing import Any
 import torch
 
 from commfuse.cluster.topology import Topology
+from commfuse.collectives import all_to_all
 from commfuse.comm import Communicator
+from commfuse.fused import baselines
 from commfuse.fused import embedding_alltoall as emb
 from commfuse.fused import gemm_allreduce as gar
 from commfuse.fused.chunking import (
@@ -158,7 +160,7 @@ def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
     args = (tables, indices, offsets, splits, per_rank)
     return Case(
         compute=lambda: emb.lookup_rows(tables, indices, offsets, 0, batch, "sum", torch.float32),
-        comm=lambda: comm.all_to_all(out, buf, out_splits, in_splits),
+        comm=lambda: all_to_all(comm, out, buf, out_splits, in_splits, algo=baselines.ALL_TO_ALL),
         unfused=lambda: emb.embedding_alltoall_reference(comm, *args, **kw),
         fused=lambda k: emb.embedding_alltoall(comm, *args, chunks=k, **kw),
         max_chunks=4 * max(world - 1, 1),

@@ -19,6 +19,7 @@ import torch
 from commfuse.bench.fused import Case
 from commfuse.collectives import allgather, reduce_scatter
 from commfuse.comm import Communicator
+from commfuse.fused import baselines
 from commfuse.fused import sequence_parallel as sp
 from commfuse.fused.chunking import ChunkConfig, agree_chunks, measure_overhead_us, split_sizes
 
@@ -44,7 +45,7 @@ def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> Case:
 
         return Case(
             compute=lambda: torch.matmul(gathered[:seq], w.t()),
-            comm=lambda: allgather(comm, gathered, shard, algo=sp.REFERENCE_ALGO),
+            comm=lambda: allgather(comm, gathered, shard, algo=baselines.SEQUENCE),
             unfused=lambda: sp.allgather_gemm_reference(comm, x, w, splits=splits)[0],
             fused=fused,
             max_chunks=world,
@@ -56,7 +57,7 @@ def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> Case:
     full = torch.zeros(world * max(splits), n_out)
     return Case(
         compute=lambda: torch.matmul(a, v.t()),
-        comm=lambda: reduce_scatter(comm, out, full, algo=sp.REFERENCE_ALGO),
+        comm=lambda: reduce_scatter(comm, out, full, algo=baselines.SEQUENCE),
         unfused=lambda: sp.gemm_reducescatter_reference(comm, a, v, splits=splits),
         fused=lambda k: sp.gemm_reducescatter(comm, a, v, splits=splits, chunks=k),
         max_chunks=world,

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from commfuse.comm import Communicator, Handle
+from commfuse.fused import baselines
 from commfuse.fused.chunking import (
     ChunkConfig,
     agree_chunks,
@@ -200,10 +201,11 @@ def embedding_alltoall_reference(
     dim: int,
     dtype: torch.dtype,
     mode: str = "sum",
-    algo: str = "native",
+    algo: str | None = None,
 ) -> torch.Tensor:
-    """Unfused: every lookup, then one All-to-All (``algo`` of commfuse.collectives.all_to_all;
-    "pairwise" counts exact point-to-point bytes, "native" is gloo's own)."""
+    """Unfused: every lookup, then one All-to-All (``algo`` of commfuse.collectives.all_to_all,
+    by default ``baselines.ALL_TO_ALL``; "pairwise" counts exact point-to-point bytes, "native"
+    is gloo's own)."""
     from commfuse.collectives import all_to_all
 
     check_inputs(comm, tables, indices, offsets, batch_splits, tables_per_rank, mode)
@@ -215,7 +217,8 @@ def embedding_alltoall_reference(
     in_splits = [b * len(tables) * dim for b in batch_splits]
     out_splits = [batch_splits[rank] * t * dim for t in tables_per_rank]
     recv = torch.empty(sum(out_splits), dtype=dtype)
-    all_to_all(comm, recv, send.contiguous().view(-1), out_splits, in_splits, algo=algo)
+    flat = send.contiguous().view(-1)
+    all_to_all(comm, recv, flat, out_splits, in_splits, algo=algo or baselines.ALL_TO_ALL)
     blocks = [
         part.view(batch_splits[rank], t, dim)
         for part, t in zip(torch.split(recv, out_splits), tables_per_rank, strict=True)
@@ -367,6 +370,8 @@ def measure(
     mode: str = "sum",
 ) -> tuple[float, float]:
     """(compute_us, comm_us) of one unfused run: all lookups alone, then the All-to-All alone."""
+    from commfuse.collectives import all_to_all
+
     rank = comm.rank
     batch = sum(batch_splits)
     start = time.perf_counter()
@@ -377,8 +382,9 @@ def measure(
     in_splits = [b * len(tables) * dim for b in batch_splits]
     out_splits = [batch_splits[rank] * t * dim for t in tables_per_rank]
     recv = torch.empty(sum(out_splits), dtype=dtype)
+    flat = send.contiguous().view(-1)
     start = time.perf_counter()
-    comm.all_to_all(recv, send.contiguous().view(-1), out_splits, in_splits)
+    all_to_all(comm, recv, flat, out_splits, in_splits, algo=baselines.ALL_TO_ALL)
     return compute_us, elapsed_us(start)
 
 

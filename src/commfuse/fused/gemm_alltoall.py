@@ -45,6 +45,7 @@ from collections.abc import Callable
 import torch
 
 from commfuse.comm import Communicator, Handle
+from commfuse.fused import baselines
 from commfuse.fused.chunking import elapsed_us, split_ranges
 
 #: Stats label of the fused operators' point-to-point traffic (exact bytes and messages).
@@ -210,7 +211,12 @@ def compute_then_exchange(
 
 
 def native_exchange(
-    comm: Communicator, rt: Routing, rows: torch.Tensor, *, to_experts: bool, algo: str = "native"
+    comm: Communicator,
+    rt: Routing,
+    rows: torch.Tensor,
+    *,
+    to_experts: bool,
+    algo: str | None = None,
 ) -> torch.Tensor:
     """The unfused All-to-All (commfuse.collectives.all_to_all; "pairwise" counts exact bytes)."""
     from commfuse.collectives import all_to_all
@@ -228,7 +234,7 @@ def native_exchange(
         rows.contiguous().view(-1),
         [n * width for n in recv_splits],
         [n * width for n in send_splits],
-        algo=algo,
+        algo=algo or baselines.ALL_TO_ALL,
     )
     return out
 
@@ -244,7 +250,7 @@ def expert_gemm(rt: Routing, rows: torch.Tensor, weight: torch.Tensor) -> torch.
 
 # -- forward ------------------------------------------------------------------------------------
 def gemm_alltoall_reference(
-    comm: Communicator, rt: Routing, h: torch.Tensor, weight: torch.Tensor, algo: str = "native"
+    comm: Communicator, rt: Routing, h: torch.Tensor, weight: torch.Tensor, algo: str | None = None
 ) -> torch.Tensor:
     """Unfused combine: every expert GEMM, then one All-to-All back to the token side."""
     check_inputs(rt, h, weight, "expert")
@@ -271,7 +277,7 @@ def gemm_alltoall(
 
 
 def alltoall_gemm_reference(
-    comm: Communicator, rt: Routing, x: torch.Tensor, weight: torch.Tensor, algo: str = "native"
+    comm: Communicator, rt: Routing, x: torch.Tensor, weight: torch.Tensor, algo: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unfused dispatch: one All-to-All to the expert side, then every expert GEMM.
     Returns (output ``[R_r, N]``, the received rows ``[R_r, K]``)."""

@@ -41,16 +41,12 @@ import time
 import torch
 
 from commfuse.comm import Communicator, Handle
+from commfuse.fused import baselines
 from commfuse.fused.chunking import elapsed_us
 
 #: Stats labels of the rings' point-to-point traffic (exact bytes and messages).
 LABEL_AG = "allgather_gemm"
 LABEL_RS = "gemm_reducescatter"
-#: The algorithm of the unfused references' AllGather and ReduceScatter (``algo=None``):
-#: commfuse's own choice. gloo's reduce-scatter costs as much as its allreduce (112 ms for 8 MB
-#: on 4 hosts at 1 Gbit/s, where the ring takes 64 ms): a baseline that slow would flatter the
-#: fused rings. "native" (gloo's) counts bytes under the collective's own name.
-REFERENCE_ALGO = "auto"
 
 
 def check_splits(
@@ -150,7 +146,7 @@ def allgather_gemm_reference(
     padded = torch.zeros((longest, x.shape[1]), dtype=x.dtype)
     padded[: x.shape[0]].copy_(x)
     out = torch.empty((comm.world_size * longest, x.shape[1]), dtype=x.dtype)
-    allgather(comm, out, padded, algo=algo or REFERENCE_ALGO)
+    allgather(comm, out, padded, algo=algo or baselines.SEQUENCE)
     gathered = torch.cat([out[j * longest : j * longest + n] for j, n in enumerate(splits)])
     return torch.matmul(gathered, weight.t()), gathered
 
@@ -219,7 +215,7 @@ def gemm_reducescatter_reference(
     for j, n in enumerate(splits):
         padded[j * longest : j * longest + n].copy_(full[starts[j] : starts[j] + n])
     out = torch.empty((longest, weight.shape[0]), dtype=a.dtype)
-    reduce_scatter(comm, out, padded, algo=algo or REFERENCE_ALGO)
+    reduce_scatter(comm, out, padded, algo=algo or baselines.SEQUENCE)
     return out[: splits[comm.rank]].clone()
 
 
@@ -262,7 +258,7 @@ def measure_allgather_gemm(
     padded = torch.zeros((longest, x.shape[1]), dtype=x.dtype)
     out = torch.empty((comm.world_size * longest, x.shape[1]), dtype=x.dtype)
     start = time.perf_counter()
-    allgather(comm, out, padded, algo=REFERENCE_ALGO)  # what the unfused reference calls
+    allgather(comm, out, padded, algo=baselines.SEQUENCE)  # what the unfused reference calls
     comm_us = elapsed_us(start)
     start = time.perf_counter()
     torch.matmul(out[: sum(splits)], weight.t())
@@ -282,5 +278,5 @@ def measure_gemm_reducescatter(
     out = torch.empty((longest, weight.shape[0]), dtype=a.dtype)
     padded = torch.zeros((comm.world_size * longest, weight.shape[0]), dtype=a.dtype)
     start = time.perf_counter()
-    reduce_scatter(comm, out, padded, algo=REFERENCE_ALGO)  # what the unfused reference calls
+    reduce_scatter(comm, out, padded, algo=baselines.SEQUENCE)  # what the unfused reference calls
     return compute_us, elapsed_us(start)

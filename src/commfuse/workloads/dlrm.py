@@ -42,7 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from commfuse.collectives import all_to_all
 from commfuse.comm import Communicator
+from commfuse.fused import baselines
 from commfuse.fused import embedding_alltoall as emb
 from commfuse.fused.chunking import ChunkConfig
 from commfuse.fused.modules import ShardedEmbeddingBag
@@ -214,7 +216,7 @@ class _UnfusedExchange(torch.autograd.Function):
         in_splits = [splits[rank] * per_rank[j] * dim for j in range(world)]
         out_splits = [splits[i] * per_rank[rank] * dim for i in range(world)]
         recv = torch.empty(sum(out_splits), dtype=grad.dtype)
-        comm.all_to_all(recv, send, out_splits, in_splits)
+        all_to_all(comm, recv, send, out_splits, in_splits, algo=baselines.ALL_TO_ALL)
         blocks = torch.split(recv, out_splits)
         grads = emb.TableGradients(list(tables), batch.indices, batch.offsets, module.mode)
         starts = [sum(splits[:j]) for j in range(world)]
