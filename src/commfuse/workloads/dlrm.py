@@ -276,8 +276,11 @@ class DLRM(nn.Module):
 
     def forward(self, batch: DLRMBatch) -> torch.Tensor:
         """Logits ``[B_r]``."""
-        x = self.bottom(batch.dense)
+        # The exchange first, the bottom MLP second: autograd runs the later-created of two
+        # ready nodes first, so in backward the bottom MLP's gradients are done before the
+        # reverse exchange starts, and their allreduce travels with it (``train_step``).
         sparse = self.embed(batch)
+        x = self.bottom(batch.dense)
         z = torch.cat([x.unsqueeze(1), sparse.to(x.dtype)], dim=1)  # [B_r, T + 1, D]
         if self.config.interaction == "dot":
             dots = torch.bmm(z, z.transpose(1, 2))[:, self._pairs[0], self._pairs[1]]
@@ -291,19 +294,47 @@ class DLRM(nn.Module):
 def train_step(model: DLRM, optimizer: torch.optim.Optimizer, batch: DLRMBatch) -> float:
     """One step; returns the global mean loss. The loss is summed over this rank's samples and
     divided by the global batch, so the table gradients the reverse All-to-All sums and the MLP
-    gradients one allreduce sums are both gradients of the global mean."""
+    gradients one allreduce sums are both gradients of the global mean.
+
+    The MLP gradients are summed with one coalesced allreduce (the loss riding along for the
+    log), started from a gradient hook the moment the last of them is accumulated, so it runs
+    while the reverse exchange of the embedding gradients does, and waited for before the
+    update (wait-free backpropagation, as DDP does for its buckets)."""
     comm = model.comm
     optimizer.zero_grad(set_to_none=False)
     logits = model(batch)
     global_batch = max(sum(batch.batch_splits), 1)
     loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / global_batch
-    loss.backward()  # type: ignore[no-untyped-call]
     params = model.dense_parameters()
-    # One coalesced allreduce of every MLP gradient, with the loss riding along for the log.
-    flat = torch.cat(
-        [p.grad.reshape(-1) for p in params if p.grad is not None] + [loss.detach().reshape(1)]
-    )
-    comm.all_reduce(flat, "sum")
+    pending: list[Any] = []  # [flat, handle] once started
+
+    def start(_: torch.Tensor) -> None:
+        counted[0] += 1
+        if counted[0] == len(params):  # each parameter's hook fires once per backward
+            grads = [p.grad for p in params]
+            assert all(g is not None for g in grads)
+            flat = torch.cat(
+                [g.reshape(-1) for g in grads if g is not None] + [loss.detach().reshape(1)]
+            )
+            pending.extend((flat, comm.all_reduce(flat, "sum", async_op=True)))
+
+    counted = [0]
+    hooks = [
+        p.register_post_accumulate_grad_hook(start)  # type: ignore[no-untyped-call]
+        for p in params
+    ]
+    try:
+        loss.backward()  # type: ignore[no-untyped-call]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not pending:  # some MLP parameter got no gradient this step: sum what there is now
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)])
+        comm.all_reduce(flat, "sum")
+    else:
+        flat, handle = pending
+        handle.wait()
     offset = 0
     for p in params:
         assert p.grad is not None
