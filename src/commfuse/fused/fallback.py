@@ -29,9 +29,10 @@ The choice made here, in three steps:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -107,14 +108,24 @@ def confirm_by_trial(
     ``min_gain`` over ``runs`` interleaved runs each, else 1. Every rank must call it alike."""
     if chunks == 1 or runs < 1 or comm.world_size == 1:
         return chunks
-    fused_times, unfused_times = [], []
-    for _ in range(runs):  # interleaved (U F U F ...): both see the same load
-        unfused_times.append(timed_us(comm, unfused))
-        fused_times.append(timed_us(comm, lambda: fused(chunks)))
-    agreed = agree(comm, fused_times + unfused_times)
-    f = sorted(agreed[:runs])[runs // 2]
-    u = sorted(agreed[runs:])[runs // 2]
+    # Interleaved (U F U F ...): both see the same load.
+    u, f = median_times(comm, [unfused, lambda: fused(chunks)], runs=runs, alternate=False)
     return chunks if f <= (1.0 - min_gain) * u else 1
+
+
+def median_times(
+    comm: Communicator, fns: Sequence[Callable[[], Any]], *, runs: int, alternate: bool
+) -> list[float]:
+    """Each function's median time over ``runs`` interleaved rounds (each run started together
+    on every rank; its time the slowest rank's), in ``fns``'s order; ``alternate`` reverses the
+    order within every other round. Every rank must call it alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(runs):
+        order = list(enumerate(fns))
+        for slot, fn in order[::-1] if alternate and i % 2 else order:
+            times[slot].append(timed_us(comm, fn))
+    agreed = agree(comm, [t for row in times for t in row])
+    return [sorted(agreed[j * runs : (j + 1) * runs])[runs // 2] for j in range(len(fns))]
 
 
 def choose_fused_chunks(
@@ -164,12 +175,7 @@ def fastest_by_trial(
     ks = [1, *sorted({k for k in candidates if k > 1})]
     if len(ks) == 1 or runs < 1 or comm.world_size == 1:
         return 1
-    times: list[list[float]] = [[] for _ in ks]
-    for i in range(runs):
-        order = list(enumerate(ks)) if i % 2 == 0 else list(enumerate(ks))[::-1]
-        for slot, k in order:
-            times[slot].append(timed_us(comm, lambda k=k: run(k)))  # type: ignore[misc]
-    agreed = agree(comm, [t for row in times for t in row])
-    medians = [sorted(agreed[j * runs : (j + 1) * runs])[runs // 2] for j in range(len(ks))]
+    fns = [functools.partial(run, k) for k in ks]
+    medians = median_times(comm, fns, runs=runs, alternate=True)
     best = min(range(len(ks)), key=lambda j: medians[j])
     return ks[best] if medians[best] <= (1.0 - min_gain) * medians[0] else 1

@@ -149,10 +149,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
         for step in range(start, config.steps + config.extra_steps):
             if step == config.steps and config.extra_steps:
                 # The run's result is the model after ``steps``; what follows only times a loss.
-                _finish_into_last_step(strategy, history)
-                sent_now = strategy.bytes_sent()
-                history["bytes"][-1] += float(sent_now - sent_before)
-                sent_before = sent_now
+                sent_before = _finish_into_last_step(strategy, history, sent_before)
                 run_metrics = strategy.metrics()
                 snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
             t0 = time.perf_counter()
@@ -181,11 +178,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
                 and (done == config.steps or (every and done % every == 0))
             ):
                 _save(config, comm, strategy, optimizer, module, history, done, world)
-        _finish_into_last_step(strategy, history)
-        if history["bytes"]:
-            # An exchange still in flight at the last step, or a final synchronisation, is
-            # real traffic of that step.
-            history["bytes"][-1] += float(strategy.bytes_sent() - sent_before)
+        _finish_into_last_step(strategy, history, sent_before)
         if snapshot is not None:
             module.load_state_dict(snapshot)
         result: dict[str, Any] = {
@@ -209,13 +202,18 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             progress.join_thread()
 
 
-def _finish_into_last_step(strategy: Any, history: dict[str, list[float]]) -> None:
+def _finish_into_last_step(strategy: Any, history: dict[str, list[float]], sent_before: int) -> int:
     """``strategy.finish()`` (land what is in flight; local SGD's final synchronisation), its
-    time charged to the last step trained: the run is not over until it is done."""
+    time and the bytes sent since ``sent_before`` charged to the last step trained: the run is
+    not over until it is done, and an exchange still in flight at the last step, or a final
+    synchronisation, is real traffic of that step. Returns the bytes sent so far."""
     start = time.perf_counter()
     strategy.finish()
+    sent_now: int = strategy.bytes_sent()
     if history["step_time_s"]:
         history["step_time_s"][-1] += time.perf_counter() - start
+        history["bytes"][-1] += float(sent_now - sent_before)
+    return sent_now
 
 
 def _init_from(

@@ -311,11 +311,7 @@ def train_step(model: DLRM, optimizer: torch.optim.Optimizer, batch: DLRMBatch) 
     def start(_: torch.Tensor) -> None:
         counted[0] += 1
         if counted[0] == len(params):  # each parameter's hook fires once per backward
-            grads = [p.grad for p in params]
-            assert all(g is not None for g in grads)
-            flat = torch.cat(
-                [g.reshape(-1) for g in grads if g is not None] + [loss.detach().reshape(1)]
-            )
+            flat = _mlp_grads_and_loss(params, loss)
             pending.extend((flat, comm.all_reduce(flat, "sum", async_op=True)))
 
     counted = [0]
@@ -329,8 +325,7 @@ def train_step(model: DLRM, optimizer: torch.optim.Optimizer, batch: DLRMBatch) 
         for hook in hooks:
             hook.remove()
     if not pending:  # some MLP parameter got no gradient this step: sum what there is now
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)])
+        flat = _mlp_grads_and_loss(params, loss)
         comm.all_reduce(flat, "sum")
     else:
         flat, handle = pending
@@ -342,6 +337,12 @@ def train_step(model: DLRM, optimizer: torch.optim.Optimizer, batch: DLRMBatch) 
         offset += p.numel()
     optimizer.step()
     return float(flat[-1])
+
+
+def _mlp_grads_and_loss(params: list[nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
+    """Every MLP gradient (zeros where there is none) in one buffer, the loss last."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    return torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)])
 
 
 def make_optimizer(model: DLRM) -> torch.optim.Optimizer:
