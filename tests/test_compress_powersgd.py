@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 
 from commfuse.comm import Communicator
@@ -96,3 +97,71 @@ def layout_changes(numel: int) -> list[str]:
 def test_layout_change_restarts_state_and_mismatch_is_an_error(pool: Any) -> None:
     for failures in pool(2).run(layout_changes, NUMEL, timeout_s=60):
         assert failures == []
+
+
+def alternating_recovery(shapes: list[tuple[int, ...]]) -> dict[str, Any]:
+    """ACP-SGD rank 4 on the same rank-2-per-rank gradient twice: the first step (P sent,
+    random Q fixed) projects onto a random subspace; the second (Q sent, P = span of the first
+    step's M Q fixed) holds the whole column space, so with error feedback the two outputs add
+    up to twice the true average. One allreduce per step."""
+    comm = Communicator()
+    gen = torch.Generator().manual_seed(comm.rank)
+    grad = torch.cat(
+        [(torch.randn(s[0], 2, generator=gen) @ torch.randn(2, s[1], generator=gen)).view(-1)
+         for s in shapes]
+    )  # fmt: skip
+    want = grad.clone()
+    comm.all_reduce(want, "avg")
+    c = make_compressor("acpsgd:rank=4,warmup=0", algo="native")
+    c.set_layout(0, [torch.Size(s) for s in shapes])
+    outs, calls = [], []
+    for step in range(2):
+        comm.stats.reset()
+        out = grad.clone()
+        c.reduce_(comm, out, bucket=0, step=step)
+        outs.append(out)
+        calls.append(comm.stats["all_reduce"].calls)
+    return {
+        "first": float((outs[0] - want).norm() / want.norm()),
+        "two steps": float((outs[0] + outs[1] - 2 * want).norm() / want.norm()),
+        "calls": calls,
+    }
+
+
+def test_acpsgd_alternation_recovers_low_rank_gradients_over_two_steps(pool: Any) -> None:
+    for r in pool(2).run(alternating_recovery, [(48, 32), (32, 48), (20, 40)], timeout_s=60):
+        assert r["first"] > 0.05, r  # a random subspace misses part of the gradient...
+        assert r["two steps"] < 1e-5, r  # ...which error feedback sends in the next step
+        assert r["calls"] == [1, 1], r  # one factor, one round trip per step
+
+
+def high_rank_warmup(numel: int) -> dict[str, Any]:
+    """``warmup_rank``: the warm-up steps go as PowerSGD of that rank (its bytes), and what
+    they leave out is in the shared residual when the low-rank steps begin."""
+    comm = Communicator()
+    c = make_compressor("powersgd:rank=1,warmup=2,warmup_rank=4", algo="native")
+    c.set_layout(0, SHAPES)
+    high = make_compressor("powersgd:rank=4,warmup=0", algo="native")
+    high.set_layout(0, SHAPES)
+    sent, claimed = [], []
+    for step in range(3):
+        comm.stats.reset()
+        c.reduce_(comm, torch.randn(numel, generator=torch.Generator().manual_seed(step)),
+                  bucket=0, step=step)  # fmt: skip
+        sent.append(comm.stats.total().payload_bytes)
+        claimed.append(c.payload_bytes(numel, torch.float32, 2, step=step, bucket=0))
+    return {
+        "sent": sent,
+        "claimed": claimed,
+        "rank 4 bytes": high.payload_bytes(numel, torch.float32, 2, step=0, bucket=0),
+        "residual": float(c.feedback.residuals[0].norm()),
+    }
+
+
+def test_powersgd_warmup_at_a_higher_rank(pool: Any) -> None:
+    for r in pool(2).run(high_rank_warmup, NUMEL, timeout_s=60):
+        assert r["sent"] == r["claimed"], r
+        assert r["sent"][0] == r["sent"][1] == r["rank 4 bytes"] > r["sent"][2], r
+        assert r["residual"] > 0, r
+    with pytest.raises(ValueError, match="warmup_fp16 or warmup_rank"):
+        make_compressor("powersgd:warmup_fp16=1,warmup_rank=8")

@@ -493,7 +493,9 @@ def with_compressor(spec: str, split: int | None) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("spec", ["fp16", "powersgd:rank=2,warmup=2", "topk:ratio=0.1"])
+@pytest.mark.parametrize(
+    "spec", ["fp16", "powersgd:rank=2,warmup=2", "acpsgd:rank=2,warmup=1", "topk:ratio=0.1"]
+)
 def test_real_compressors_train_count_and_resume(pool: PoolFn, spec: str) -> None:
     whole = pool(2).run(with_compressor, spec, None, timeout_s=90)
     split = pool(2).run(with_compressor, spec, 3, timeout_s=90)

@@ -23,6 +23,8 @@ randblock   allreduce k x 4 bytes (shared random block)                      on
 dgc         allgather k x (4 + 4) bytes, momentum correction, warm-up        always
 powersgd    allreduce per tensor: 1-D ones x 4 + (rows + cols) r' x 4 bytes    on
                       (flat bucket, no layout: (m + c) r x 4, m x c ~ d)
+acpsgd      allreduce per tensor: 1-D ones x 4 + rows r' x 4 bytes (even      on
+                      steps, P) or cols r' x 4 (odd steps, Q): one round trip
 =========== ========= ===================================================== ==============
 
 Messages of allgather compressors are padded to whole 4-byte words. (*) only when
@@ -32,6 +34,7 @@ hooks call) to compress each weight matrix on its own (r' = min(r, rows, cols); 
 factors would not be smaller travel as they are); other compressors ignore the layout.
 """
 
+from commfuse.compress.acpsgd import ACPSGDCompressor
 from commfuse.compress.base import GradientCompressor, generator_for
 from commfuse.compress.cast import BF16Compressor, CastCompressor, FP16Compressor, NoCompression
 from commfuse.compress.dgc import DGCCompressor
@@ -46,6 +49,7 @@ from commfuse.compress.spec import COMPRESSORS, make_compressor, parse_spec
 
 __all__ = [
     "COMPRESSORS",
+    "ACPSGDCompressor",
     "BF16Compressor",
     "CastCompressor",
     "DGCCompressor",

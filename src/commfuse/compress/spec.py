@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from commfuse.compress.acpsgd import ACPSGDCompressor
 from commfuse.compress.base import GradientCompressor
 from commfuse.compress.cast import BF16Compressor, FP16Compressor, NoCompression
 from commfuse.compress.dgc import DGCCompressor
@@ -36,6 +37,7 @@ COMPRESSORS: dict[str, type[GradientCompressor]] = {
         RandomBlockCompressor,
         DGCCompressor,
         PowerSGDCompressor,
+        ACPSGDCompressor,
     )
 }
 _NOT_IN_SPEC = ("algo", "gather_algo")
