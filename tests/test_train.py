@@ -232,3 +232,31 @@ def test_local_sgd_family_trains_and_resumes_exactly(
         run_rank, _config(strategy, 7, checkpoint_dir=str(resumed_dir), resume=True), timeout_s=60
     )
     assert [r["digest"] for r in resumed] == [r["digest"] for r in full]
+
+
+def test_bench_strategies_interleaves_and_counts_each_strategys_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Several torch-DDP strategies in one process: each counts only its own steps' bytes
+    (torch DDP: every gradient; its fp16 hook: half; PowerSGD after warm-up: fewer)."""
+    js = tmp_path / "s.json"
+    argv = ["bench", "strategies", "--workload", DIGITS, "--hosts", "2", "--no-emulate"]
+    argv += ["--steps", "2", "--reps", "2", "--warmup-steps", "2", "--json", str(js)]
+    for spec in ("ddp", "ddp-fp16", "ddp-powersgd:rank=2,warmup=2", "powersgd:rank=2,warmup=2"):
+        argv += ["--strategy", spec]
+    assert main(argv) == 0
+    records = {r["strategy"]: r for r in json.loads(js.read_text())}
+    assert list(records)[-1] == "compute" and len(records) == 5
+    assert records["ddp"]["ratio_to_first"] == 1.0
+    assert records["ddp"]["bytes_per_step"] == DIGITS_GRAD_BYTES
+    assert records["ddp-fp16"]["bytes_per_step"] == DIGITS_GRAD_BYTES / 2
+    hook, ours = records["ddp-powersgd:rank=2,warmup=2"], records["powersgd:rank=2,warmup=2"]
+    assert 0 < hook["bytes_per_step"] < DIGITS_GRAD_BYTES / 4
+    assert 0 < ours["bytes_per_step"] < DIGITS_GRAD_BYTES / 4
+    assert (
+        records["compute"]["bytes_per_step"] == 0 and records["compute"]["step_over_compute"] == 1
+    )
+    assert all(r["step_s"] > 0 and r["forward_s"] > 0 for r in records.values())
+    assert "x first" in capsys.readouterr().out
+    assert main(["bench", "strategies", "--strategy", "ddp", "--strategy", "ddp"]) == 2
+    assert "given twice" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from commfuse.units import parse_sizes
 _BENCH_MODULES: tuple[str, ...] = (
     "commfuse.bench.fused_cli",
     "commfuse.bench.ddp_cli",
+    "commfuse.bench.strategies_cli",
 )
 
 #: The embedded default: a short sweep on an emulated 4-host, 1 Gbit/s cluster.

@@ -26,7 +26,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -42,35 +42,52 @@ logging.getLogger(powerSGD_hook.__name__).setLevel(logging.ERROR)
 
 
 class _AllreduceCounter:
-    """Counts bytes handed to ``torch.distributed.all_reduce`` while installed (one per process)."""
+    """Counts bytes handed to ``torch.distributed.all_reduce`` while it is the armed counter.
 
-    _lock = threading.Lock()
-    _installed: _AllreduceCounter | None = None
+    One wrapper per process, put in place with the first counter and removed with the last.
+    Several torch-DDP strategies may live in one process (``commfuse bench strategies`` steps
+    them in turn): each arms its counter at the start of its step, so each counts its own."""
+
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+    _counters: ClassVar[list[_AllreduceCounter]] = []
+    _armed: ClassVar[_AllreduceCounter | None] = None
+    _original: ClassVar[Callable[..., Any] | None] = None
 
     def __init__(self) -> None:
         self.bytes = 0
-        self._original: Callable[..., Any] | None = None
 
     def install(self) -> None:
-        with self._lock:
-            if _AllreduceCounter._installed is not None:
-                raise RuntimeError("an all_reduce byte counter is already installed")
-            original = dist.all_reduce
+        cls = _AllreduceCounter
+        with cls._lock:
+            if not cls._counters:
+                original = dist.all_reduce
 
-            @functools.wraps(original)
-            def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                self.bytes += tensor.numel() * tensor.element_size()
-                return original(tensor, *args, **kwargs)
+                @functools.wraps(original)
+                def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                    armed = _AllreduceCounter._armed
+                    if armed is not None:
+                        armed.bytes += tensor.numel() * tensor.element_size()
+                    return original(tensor, *args, **kwargs)
 
-            self._original = original
-            dist.all_reduce = counted
-            _AllreduceCounter._installed = self
+                cls._original = original
+                dist.all_reduce = counted
+            cls._counters.append(self)
+            cls._armed = self
+
+    def arm(self) -> None:
+        """Count the all_reduces from now on in this counter (its strategy's step begins)."""
+        _AllreduceCounter._armed = self
 
     def uninstall(self) -> None:
-        with self._lock:
-            if _AllreduceCounter._installed is self and self._original is not None:
-                dist.all_reduce = self._original
-                _AllreduceCounter._installed = None
+        cls = _AllreduceCounter
+        with cls._lock:
+            if self in cls._counters:
+                cls._counters.remove(self)
+            if cls._armed is self:
+                cls._armed = cls._counters[-1] if cls._counters else None
+            if not cls._counters and cls._original is not None:
+                dist.all_reduce = cls._original
+                cls._original = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,6 +156,11 @@ class TorchDDP(Strategy):
     @property
     def model(self) -> nn.Module:
         return self.ddp
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        if self._counter is not None:
+            self._counter.arm()  # a step begins: its hook's all_reduces are this strategy's
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()  # type: ignore[no-untyped-call]

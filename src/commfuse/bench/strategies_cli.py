@@ -1,0 +1,120 @@
+"""``commfuse bench strategies``: training strategies' step times, interleaved in one job.
+
+commfuse bench strategies --hosts 4 --link 100mbit --strategy ddp-powersgd:rank=4,warmup=2 --strategy powersgd:rank=4,warmup=2
+
+Every strategy (same syntax as ``commfuse train``) on its own copy of the workload's model,
+after ``--warmup-steps`` untimed steps each, timed in turns of ``--steps`` steps (A B A B ...)
+for ``--reps`` rounds, plus the bare model without communication (the floor). Ratios are to the
+first strategy, median over rounds (see ``commfuse.train.interleaved``). For losses and time to
+a loss use ``commfuse compare``; this command is for step times a few percent apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from commfuse.cluster.launch_cli import add_topology_arguments
+
+    parser = bench_sub.add_parser(
+        "strategies",
+        help="step times of training strategies, interleaved in one job, against the first",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_topology_arguments(parser, default_hosts=4, default_link="100mbit")
+    parser.add_argument("--workload", default="charlm", help="charlm or digits, with options")
+    parser.add_argument(
+        "--strategy",
+        action="append",
+        required=True,
+        help="repeat, one per strategy; the first is the baseline of the ratios",
+    )
+    parser.add_argument("--steps", type=int, default=6, help="steps per timed block (default 6)")
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds (default 5)")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=3, help="untimed steps of each strategy first"
+    )
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap, MB")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-compute", action="store_true", help="skip the bare model (the compute floor)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write one JSON record per strategy")
+    parser.add_argument(
+        "--timeout", type=float, default=1200.0, help="stop the job after this many seconds"
+    )
+    parser.set_defaults(func=run_bench_strategies)
+
+
+def render(records: list[dict[str, Any]]) -> str:
+    """A plain table, one row per strategy."""
+    width = max(len("strategy"), *(len(r["strategy"]) for r in records)) + 2
+    header = (
+        f"{'strategy':<{width}}{'step ms':>9}{'min-max':>11}{'x first':>9}{'spread':>12}"
+        f"{'/compute':>10}{'fwd ms':>8}{'bwd+sync':>10}{'opt ms':>8}{'MB/step':>9}"
+    )
+    rows = [header]
+    for r in records:
+        span = "{:.0f}-{:.0f}".format(r["step_s_min"] * 1e3, r["step_s_max"] * 1e3)
+        spread = "{:.2f}-{:.2f}".format(r["ratio_min"], r["ratio_max"])
+        over = r.get("step_over_compute")
+        rows.append(
+            f"{r['strategy']:<{width}}{r['step_s'] * 1e3:>9.1f}{span:>11}"
+            f"{r['ratio_to_first']:>9.3f}{spread:>12}"
+            f"{'-' if over is None else format(over, '.2f'):>10}"
+            f"{r['forward_s'] * 1e3:>8.1f}{r['backward_sync_s'] * 1e3:>10.1f}"
+            f"{r['optimizer_s'] * 1e3:>8.1f}{r['bytes_per_step'] / 1e6:>9.3f}"
+        )
+    return "\n".join(rows)
+
+
+def run_bench_strategies(args: argparse.Namespace) -> int:
+    from commfuse.cluster import DeadlineExceeded, RankError, run
+    from commfuse.cluster.launch_cli import topology_from_args
+    from commfuse.cluster.netlab import NetlabError
+    from commfuse.train.interleaved import InterleavedConfig, interleaved_rank
+
+    try:
+        topology = topology_from_args(args)
+        config = InterleavedConfig(
+            strategies=tuple(args.strategy),
+            workload=args.workload,
+            steps=args.steps,
+            reps=args.reps,
+            warmup_steps=args.warmup_steps,
+            bucket_cap_mb=args.bucket_cap_mb,
+            seed=args.seed,
+            include_compute=not args.no_compute,
+        )
+    except ValueError as err:
+        print(f"commfuse bench strategies: {err}", file=sys.stderr)
+        return 2
+    print(
+        f"commfuse bench strategies: {config.workload}, {topology.describe()}, "
+        f"{config.reps} interleaved rounds of {config.steps} steps after "
+        f"{config.warmup_steps} untimed (medians; phases: rank 0)",
+        file=sys.stderr,
+    )
+    try:
+        results = run(
+            interleaved_rank,
+            config,
+            net=topology,
+            emulate=False if args.no_emulate else None,
+            timeout_s=args.timeout,
+        )
+    except (RankError, DeadlineExceeded, NetlabError) as err:
+        print(f"commfuse bench strategies: {err}", file=sys.stderr)
+        return 1
+    records = results[0]
+    print(f"# {config.workload}, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MB")
+    print(render(records))
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    return 0

@@ -1,0 +1,196 @@
+"""Strategies' step times side by side in one job (``commfuse bench strategies``).
+
+``commfuse compare`` trains each strategy in a job of its own, one after the other: right for
+losses and time to a loss, too coarse for step times a few percent apart, because this kind of
+machine drifts by 5-10% between jobs (torch's PowerSGD hook measured 323 and 359 ms per step in
+two rounds of one comparison). Here every rank builds every strategy on its own copy of the
+same model and optimizer, trains each ``warmup_steps`` untimed steps (past compressors' warm-up
+and torch DDP's bucket rebuild), then times ``reps`` rounds in which each strategy in turn runs
+``steps`` steps (A B C A B C ...), each block after a barrier and as the slowest rank's time.
+A strategy's ratio is the median over rounds of its block time over the first strategy's in the
+same round, so a drift hits both sides of every ratio alike. Every strategy sees the same
+batches (step ``i`` of each is the workload's batch ``i``).
+
+Also reported per strategy: the median phases of rank 0's steps (forward, backward up to the
+synchronised gradients, optimizer step) and the bytes it handed to collectives per timed step;
+and, unless ``include_compute`` is off, the bare model with no communication at all
+(``compute``): the floor every step time is measured against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commfuse.comm import Communicator
+from commfuse.train.strategy import StrategyContext, parse_strategy
+from commfuse.workloads import make_workload
+
+#: The name of the bare-model row.
+COMPUTE = "compute"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InterleavedConfig:
+    """What to time (see the module docstring)."""
+
+    strategies: tuple[str, ...]
+    """Strategy specs as for ``commfuse train``; the first is the baseline of the ratios."""
+    workload: str = "charlm"
+    steps: int = 6
+    """Steps per timed block."""
+    reps: int = 5
+    """Timed rounds (blocks per strategy); medians are reported."""
+    warmup_steps: int = 3
+    """Untimed steps of each strategy first."""
+    bucket_cap_mb: float = 25.0
+    seed: int = 0
+    include_compute: bool = True
+    """Also time the bare model (no communication): the floor."""
+
+    def __post_init__(self) -> None:
+        if not self.strategies:
+            raise ValueError("give at least one strategy")
+        if len(set(self.strategies)) != len(self.strategies):
+            raise ValueError("a strategy is given twice")
+        for key in ("steps", "reps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        for spec in self.strategies:
+            parse_strategy(spec)  # ValueError naming the known strategies or keys
+        make_workload(self.workload)
+
+
+@dataclasses.dataclass
+class _Runner:
+    """One strategy (or the bare model) with its own model, optimizer and step counter."""
+
+    name: str
+    step_fn: Callable[[int], tuple[float, float, float]]
+    bytes_fn: Callable[[], int]
+    close: Callable[[], None]
+    next_step: int = 0
+    blocks_s: list[float] = dataclasses.field(default_factory=list)
+    phases: list[tuple[float, float, float]] = dataclasses.field(default_factory=list)
+    bytes_timed: int = 0
+
+    def run(self, num_steps: int, *, timed: bool) -> None:
+        dist.barrier()
+        sent = self.bytes_fn()
+        start = time.perf_counter()
+        phases = [self.step_fn(self.next_step + i) for i in range(num_steps)]
+        elapsed = torch.tensor([(time.perf_counter() - start) / num_steps], dtype=torch.float64)
+        sent = self.bytes_fn() - sent  # before the timing allreduce, which is not the strategy's
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        self.next_step += num_steps
+        if timed:
+            self.blocks_s.append(float(elapsed))
+            self.phases += phases
+            self.bytes_timed += sent
+
+
+def _runners(config: InterleavedConfig, comm: Communicator) -> list[_Runner]:
+    workload = make_workload(config.workload)
+    rank, world = comm.rank, comm.world_size
+    runners = []
+    for spec in config.strategies:
+        module = workload.build_model(config.seed)
+        optimizer = workload.make_optimizer(module)
+        strategy = parse_strategy(spec).build(
+            StrategyContext(
+                module=module,
+                optimizer=optimizer,
+                comm=comm,
+                bucket_cap_mb=config.bucket_cap_mb,
+                seed=config.seed,
+            )
+        )
+
+        def step(i: int, strategy: Any = strategy) -> tuple[float, float, float]:
+            batch = workload.batch(i, rank, world, seed=config.seed)
+            t0 = time.perf_counter()
+            with comm.at_step(i):
+                strategy.zero_grad()
+                loss = workload.loss(strategy.model, batch)
+                t1 = time.perf_counter()
+                strategy.backward(loss)
+                strategy.sync()
+                t2 = time.perf_counter()
+                strategy.optimizer_step()
+            return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+        runners.append(_Runner(spec, step, strategy.bytes_sent, strategy.close))
+    if config.include_compute:
+        bare = workload.build_model(config.seed)
+        bare_opt = workload.make_optimizer(bare)
+
+        def bare_step(i: int) -> tuple[float, float, float]:
+            batch = workload.batch(i, rank, world, seed=config.seed)
+            t0 = time.perf_counter()
+            bare_opt.zero_grad(set_to_none=True)
+            loss = workload.loss(bare, batch)
+            t1 = time.perf_counter()
+            loss.backward()  # type: ignore[no-untyped-call]
+            t2 = time.perf_counter()
+            bare_opt.step()
+            return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+        runners.append(_Runner(COMPUTE, bare_step, lambda: 0, lambda: None))
+    return runners
+
+
+def interleaved_rank(config: InterleavedConfig) -> list[dict[str, Any]]:
+    """Run on every rank; returns one record per strategy (and ``compute``), the same on every
+    rank except the phases, which are this rank's."""
+    comm = Communicator()
+    runners = _runners(config, comm)
+    try:
+        for runner in runners:
+            if config.warmup_steps:
+                runner.run(config.warmup_steps, timed=False)
+        for _ in range(config.reps):
+            for runner in runners:
+                runner.run(config.steps, timed=True)
+    finally:
+        for runner in runners:
+            runner.close()
+    base = runners[0].blocks_s
+    floor = runners[-1].blocks_s if config.include_compute else None
+    records = []
+    for runner in runners:
+        ratios = [a / b for a, b in zip(runner.blocks_s, base, strict=True)]
+        forward, backward, optimizer = (
+            statistics.median(p[k] for p in runner.phases) for k in range(3)
+        )
+        record: dict[str, Any] = {
+            "strategy": runner.name,
+            "workload": config.workload,
+            "world_size": comm.world_size,
+            "step_s": statistics.median(runner.blocks_s),
+            "step_s_min": min(runner.blocks_s),
+            "step_s_max": max(runner.blocks_s),
+            "ratio_to_first": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "forward_s": forward,
+            "backward_sync_s": backward,
+            "optimizer_s": optimizer,
+            "bytes_per_step": runner.bytes_timed / (config.reps * config.steps),
+            "steps": config.steps,
+            "reps": config.reps,
+            "warmup_steps": config.warmup_steps,
+        }
+        if floor is not None:
+            record["step_over_compute"] = statistics.median(
+                a / b for a, b in zip(runner.blocks_s, floor, strict=True)
+            )
+        records.append(record)
+    return records
