@@ -138,6 +138,8 @@ def test_resume_refuses_a_different_run(pool: Any, tmp_path: Path) -> None:
         ("ddp-powersgd:rank=four", "rank='four' is not a valid int"),
         ("commfuse:merge=maybe", "is not a boolean"),
         ("topk:ratioo=0.1", "unknown key 'ratioo'"),
+        ("powersgd:algo=nope", "algo='nope' is not an allreduce algorithm"),
+        ("topk:gather_algo=doubling,algo=ringg", "algo='ringg' is not an allreduce"),
         ("", "empty strategy"),
     ],
 )
@@ -151,6 +153,10 @@ def test_known_strategy_labels() -> None:
     assert parse_strategy("ddp-powersgd:rank=4").canonical == "ddp-powersgd"
     assert parse_strategy("ddp-powersgd:rank=8").canonical == "ddp-powersgd:rank=8"
     assert parse_strategy("powersgd:rank=4").canonical == "powersgd:rank=4"
+    from commfuse.train.commfuse_dp import _build_compressor
+
+    compressor, engine = _build_compressor("topk:ratio=0.1,gather_algo=ring,staleness=1")
+    assert (compressor.gather_algo, compressor.algo, engine) == ("ring", "auto", {"staleness": 1})
 
 
 def test_train_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

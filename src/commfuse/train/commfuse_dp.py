@@ -5,7 +5,8 @@
 * one strategy per compressor of ``commfuse.compress`` (``fp16``, ``bf16``, ``int8``, ``qsgd``,
   ``terngrad``, ``sign``, ``ef-sign``, ``topk``, ``randomk``, ``randblock``, ``dgc``,
   ``powersgd``): DataParallel with ``make_compressor(spec)`` reducing every bucket, so the spec's
-  options are the compressor's own (``powersgd:rank=4,warmup=10``, ``topk:ratio=0.01``), plus
+  options are the compressor's own (``powersgd:rank=4,warmup=10``, ``topk:ratio=0.01``), the
+  collectives its messages ride (``algo=native``, ``gather_algo=ring``; default ``auto``), plus
   the engine's ``staleness`` (``powersgd:rank=4,staleness=1``: each step applies the previous
   step's averaged gradient, its communication hidden behind this step's compute; Pipe-SGD).
 
@@ -121,19 +122,41 @@ def split_engine_options(spec: str) -> tuple[str, dict[str, Any]]:
     return (f"{name}:{rest}" if rest else name), engine
 
 
-def _compressed(spec: str, ctx: StrategyContext) -> Strategy:
+#: Keys of a compressor strategy's spec that pick the collectives its messages ride
+#: (``make_compressor``'s keyword arguments; ``auto``, the tuner's pick, by default).
+ALGO_KEYS = ("algo", "gather_algo")
+
+
+def _build_compressor(spec: str) -> tuple[Any, dict[str, Any]]:
+    """The compressor of ``spec`` and the engine options given in it."""
+    from commfuse.collectives.registry import algorithms_for, resolve
     from commfuse.compress import make_compressor
+    from commfuse.compress.spec import parse_spec
 
     compressor_spec, engine = split_engine_options(spec)
-    return CommfuseDP(ctx, compressor=make_compressor(compressor_spec), **engine)
+    name, options = parse_spec(compressor_spec)
+    algos = {key: options.pop(key) for key in ALGO_KEYS if key in options}
+    for key, algo in algos.items():
+        collective = "allreduce" if key == "algo" else "allgather"
+        known = algorithms_for(collective)
+        if algo != "auto" and resolve(collective, algo) not in known:
+            raise ValueError(
+                f"{name}: {key}={algo!r} is not an {collective} algorithm: use auto or one of "
+                f"{', '.join(sorted(known))}"
+            )
+    rest = ",".join(f"{k}={v}" for k, v in options.items())
+    return make_compressor(f"{name}:{rest}" if rest else name, **algos), engine
+
+
+def _compressed(spec: str, ctx: StrategyContext) -> Strategy:
+    compressor, engine = _build_compressor(spec)
+    return CommfuseDP(ctx, compressor=compressor, **engine)
 
 
 def _validate_compressor(spec: str) -> None:
-    from commfuse.compress import make_compressor
     from commfuse.ddp import DataParallelConfig
 
-    compressor_spec, engine = split_engine_options(spec)
-    make_compressor(compressor_spec)  # ValueError naming the known keys
+    _, engine = _build_compressor(spec)  # ValueError naming the known keys
     DataParallelConfig(**engine)  # ValueError on a bad staleness
 
 
