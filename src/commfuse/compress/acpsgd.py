@@ -42,7 +42,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from commfuse import collectives as C
 from commfuse.comm import Communicator
 from commfuse.compress.base import all_finite, generator_for
 from commfuse.compress.lowrank import Plan, plan_for
@@ -52,7 +51,6 @@ from commfuse.compress.powersgd import (
     matrix_shape,
     orthonormalize,
 )
-from commfuse.compress.wire import element_bytes
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -95,7 +93,7 @@ class ACPSGDCompressor(PowerSGDCompressor):
         factor = plan.p_numel if self.sends_p(step) else plan.q_numel
         if step is None:
             factor = max(plan.p_numel, plan.q_numel)
-        return (plan.plain_numel + factor) * element_bytes(factor_dtype(dtype))
+        return (plan.plain_numel + factor) * self._wire_bytes(dtype)
 
     def _flat_plan(self, numel: int) -> Plan:
         """A bucket without a layout: one zero-padded, square-ish matrix."""
@@ -195,7 +193,7 @@ class ACPSGDCompressor(PowerSGDCompressor):
                     # e = M - (own P) Q^T, or M - P (own Q)^T: what this rank's message left out
                     p, q = (s, f) if send_p else (f, s)
                     torch.addmm(mat, p, q.T, alpha=-1, out=e)
-        C.allreduce(comm, message, "avg", algo=self.algo)
+        self._average(comm, message)
         # A non-finite M anywhere reaches every rank here: then no state changes on any rank.
         committed = commit and all_finite(message)
         at = 0

@@ -83,6 +83,10 @@ def matrix_shape(numel: int) -> tuple[int, int]:
     return -(-numel // cols), cols
 
 
+#: ``PowerSGDCompressor.wire`` names and their dtypes.
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def factor_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
@@ -114,6 +118,10 @@ class PowerSGDCompressor(GradientCompressor):
     warmup_rank: int = 0
     """Send the warm-up steps as PowerSGD of this (higher) rank instead of uncompressed (0:
     uncompressed, or fp16 with ``warmup_fp16``); its residual carries into the steps after."""
+    wire: str = "fp32"
+    """The factors' (and plain elements') type on the wire: ``fp32``, or ``bf16`` / ``fp16`` for
+    half the bytes (the maths stays in fp32; a message is divided by the world size, rounded,
+    summed, and widened back, the same on every rank). The rounding is not error-fed back."""
     ef: bool = True
     qs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False)
     plans: dict[int, Plan] = dataclasses.field(default_factory=dict, init=False, repr=False)
@@ -130,13 +138,22 @@ class PowerSGDCompressor(GradientCompressor):
             raise ValueError(f"powersgd: warmup must be >= 0 steps, got {self.warmup}")
         if self.warmup_rank < 0:
             raise ValueError(f"powersgd: warmup_rank must be >= 0, got {self.warmup_rank}")
+        if self.wire not in WIRE_DTYPES:
+            raise ValueError(
+                f"powersgd: wire must be one of {', '.join(WIRE_DTYPES)}, got {self.wire!r}"
+            )
         if self.warmup_fp16 and self.warmup_rank:
             raise ValueError("powersgd: give warmup_fp16 or warmup_rank, not both")
         if self.warmup_fp16:
             self.warmup_compressor = FP16Compressor(algo=self.algo)
         elif self.warmup_rank:
             lowrank = PowerSGDCompressor(
-                algo=self.algo, rank=self.warmup_rank, warmup=0, ef=self.ef, seed=self.seed
+                algo=self.algo,
+                rank=self.warmup_rank,
+                warmup=0,
+                ef=self.ef,
+                seed=self.seed,
+                wire=self.wire,
             )
             lowrank.feedback = self.feedback  # what the warm-up leaves out is sent later
             self.warmup_compressor = lowrank
@@ -201,9 +218,28 @@ class PowerSGDCompressor(GradientCompressor):
             return numel * element_bytes(dtype)
         plan = self._plan(bucket, numel)
         if plan is not None:
-            return plan.message_numel() * element_bytes(factor_dtype(dtype))
+            return plan.message_numel() * self._wire_bytes(dtype)
         m, c = matrix_shape(numel)
-        return (m + c) * self.rank * element_bytes(factor_dtype(dtype))
+        return (m + c) * self.rank * self._wire_bytes(dtype)
+
+    def _wire_dtype(self, factors: torch.dtype) -> torch.dtype:
+        """The type factors computed in ``factors`` travel in (``wire`` narrows fp32 only)."""
+        return WIRE_DTYPES[self.wire] if factors == torch.float32 else factors
+
+    def _wire_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes per factor element on the wire for gradients of ``dtype``."""
+        return element_bytes(self._wire_dtype(factor_dtype(dtype)))
+
+    def _average(self, comm: Communicator, message: torch.Tensor) -> None:
+        """Average the factors ``message`` over the ranks in place, in the ``wire`` type."""
+        wire = self._wire_dtype(message.dtype)
+        if wire == message.dtype:
+            C.allreduce(comm, message, "avg", algo=self.algo)
+            return
+        # Pre-divided, so a 16-bit sum overflows only where the average itself would.
+        on_wire = (message / comm.world_size).to(wire)
+        C.allreduce(comm, on_wire, "sum", algo=self.algo)
+        message.copy_(on_wire)
 
     def initial_q(self, cols: int, dtype: torch.dtype, bucket: int) -> torch.Tensor:
         """The first Q of a bucket: a normal draw, the same on every rank (``cols x rank``;
@@ -260,7 +296,7 @@ class PowerSGDCompressor(GradientCompressor):
             for mat, p, q in zip(mats, ps, qs, strict=True):
                 torch.mm(mat, q, out=p)
             blocks.append((mats, ps))
-        C.allreduce(comm, first, "avg", algo=self.algo)
+        self._average(comm, first)
         # Another rank's non-finite gradient reaches everyone through P: keep Q and e clean.
         commit = commit and all_finite(first)
         # Message 2: Q = M^T P per matrix, with P orthonormalised one batched QR per shape.
@@ -280,7 +316,7 @@ class PowerSGDCompressor(GradientCompressor):
                     torch.addmm(mat, p, q.T, alpha=-1, out=e)
         if residual is not None:
             self.feedback.update(bucket, residual.to(grad.dtype))
-        C.allreduce(comm, q_new, "avg", algo=self.algo)
+        self._average(comm, q_new)
         if commit and all_finite(q_new):
             self.qs[bucket] = q_new  # warm start of the next step (a fresh tensor, not shared)
         # Output: the averaged plain elements and P Q^T per matrix, in place.
@@ -311,7 +347,7 @@ class PowerSGDCompressor(GradientCompressor):
         if q is None or q.shape != (c, self.rank) or q.dtype != dtype:
             q = self.initial_q(c, dtype, bucket)
         p = matrix @ q
-        C.allreduce(comm, p, "avg", algo=self.algo)
+        self._average(comm, p)
         # Another rank's non-finite gradient reaches everyone through P: keep Q and e clean.
         commit = commit and bool(torch.isfinite(p).all())
         p = orthonormalize(p)
@@ -320,7 +356,7 @@ class PowerSGDCompressor(GradientCompressor):
             own = (p @ q.T).view(-1)[:numel]
             self.feedback.update(bucket, x - own.to(grad.dtype))
         q = q.contiguous()
-        C.allreduce(comm, q, "avg", algo=self.algo)
+        self._average(comm, q)
         if commit and bool(torch.isfinite(q).all()):
             self.qs[bucket] = q.clone()  # warm start of the next step
         grad.copy_((p @ q.T).view(-1)[:numel])
