@@ -22,7 +22,8 @@ randomk     allreduce k x 4 bytes (shared random indices)                    on
 randblock   allreduce k x 4 bytes (shared random block)                      on
 dgc         allgather k x (4 + 4) bytes, momentum correction, warm-up        always
 powersgd    allreduce per tensor: 1-D ones x 4 + (rows + cols) r' x 4 bytes    on
-                      (flat bucket, no layout: (m + c) r x 4, m x c ~ d)
+                      (flat bucket, no layout: (m + c) r x 4, m x c ~ d);
+                      x 2 instead of x 4 with wire=bf16 or wire=fp16
 acpsgd      allreduce per tensor: 1-D ones x 4 + rows r' x 4 bytes (even      on
                       steps, P) or cols r' x 4 (odd steps, Q): one round trip
 =========== ========= ===================================================== ==============
