@@ -26,6 +26,8 @@ HOOK_SPECS = [
     "randblock:ratio=0.25",
     "dgc:ratio=0.1,warmup=5,momentum=0.5",
     "powersgd:rank=2,warmup=2",
+    "powersgd:rank=2,warmup=2,warmup_rank=8,wire=bf16",
+    "acpsgd:rank=4,warmup=2",
 ]
 
 
