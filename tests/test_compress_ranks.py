@@ -336,10 +336,15 @@ def non_finite_leaves_state_alone(specs: list[str], numel: int) -> list[str]:
                 failures.append(f"{spec}: state changed on a non-finite gradient")
         if not all(bool(t.isfinite().all()) for t in after):
             failures.append(f"{spec}: non-finite value in the state")
+        # A certifying compressor (PowerSGD's family) says so on every rank, without a check.
+        if c.certifies_output and c.output_finite is not False:
+            failures.append(f"{spec}: output_finite {c.output_finite} after a NaN step")
         nxt = torch.randn(numel)
         c.reduce_(comm, nxt, bucket=0, step=2)  # ranks still matched: no hang, finite again
         if not bool(nxt.isfinite().all()):
             failures.append(f"{spec}: step after the non-finite one is not finite")
+        if c.certifies_output and c.output_finite is not True:
+            failures.append(f"{spec}: output_finite {c.output_finite} after a finite step")
     return failures
 
 

@@ -262,7 +262,11 @@ def nonfinite(mode: str, compressor: str | None) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("compressor", [None, "half-test", "fp16:ef=1", "powersgd:rank=1"])
+@pytest.mark.parametrize(
+    "compressor",
+    [None, "half-test", "fp16:ef=1", "powersgd:rank=1", "powersgd:rank=1,warmup=0",
+     "acpsgd:rank=1,warmup=0"],
+)  # fmt: skip
 def test_nonfinite_skip(pool: PoolFn, compressor: str | None) -> None:
     for r in pool(2).run(nonfinite, "skip", compressor, timeout_s=60):
         assert r["skipped"] == [False, True, False]

@@ -262,7 +262,9 @@ def test_bench_strategies_interleaves_and_counts_each_strategys_bytes(
     assert (
         records["compute"]["bytes_per_step"] == 0 and records["compute"]["step_over_compute"] == 1
     )
-    assert all(r["step_s"] > 0 and r["forward_s"] > 0 for r in records.values())
+    assert all(
+        r["step_s"] > 0 and r["forward_s"] > 0 and r["cpu_s_per_step"] > 0 for r in records.values()
+    )
     assert "x first" in capsys.readouterr().out
     assert main(["bench", "strategies", "--strategy", "ddp", "--strategy", "ddp"]) == 2
     assert "given twice" in capsys.readouterr().err

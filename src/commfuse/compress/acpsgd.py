@@ -119,7 +119,9 @@ class ACPSGDCompressor(PowerSGDCompressor):
             if spare is None or spare.shape != xf.shape or spare.dtype != dtype:
                 spare = torch.empty_like(xf)
             residual = spare if self.ef and commit else None
-            out, committed = self._exchange(comm, xf, plan, residual, bucket, send_p, commit)
+            out, committed = self._exchange(
+                comm, xf, plan, residual, bucket, send_p, commit, grad.dtype
+            )
             if out is not grad:
                 grad.copy_(out)
             if residual is not None and committed:
@@ -136,7 +138,9 @@ class ACPSGDCompressor(PowerSGDCompressor):
         padded = torch.zeros(flat.numel, dtype=dtype)
         padded[:numel] = x
         residual = torch.empty_like(padded) if self.ef and commit else None
-        out, committed = self._exchange(comm, padded, flat, residual, bucket, send_p, commit)
+        out, committed = self._exchange(
+            comm, padded, flat, residual, bucket, send_p, commit, grad.dtype
+        )
         if residual is not None and committed:
             self.feedback.update(bucket, residual[:numel].to(grad.dtype))
         grad.copy_(out[:numel])
@@ -150,11 +154,13 @@ class ACPSGDCompressor(PowerSGDCompressor):
         bucket: int,
         send_p: bool,
         commit: bool,
+        grad_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, bool]:
         """One alternating step on the flat ``M`` (``xf``, laid out by ``plan``): the message
         ``[plain | P's]`` or ``[plain | Q's]``, allreduced; ``residual`` (if given) gets this
         rank's ``M`` minus its own projection. Returns the averaged update (written into
-        ``xf``) and whether the state was committed (all finite everywhere)."""
+        ``xf``) and whether the state was committed (all finite everywhere); sets
+        ``output_finite`` for gradients of ``grad_dtype``."""
         dtype = xf.dtype
         fixed_store, sent_store = (self.qs, self.ps) if send_p else (self.ps, self.qs)
         fixed_numel = plan.q_numel if send_p else plan.p_numel
@@ -195,7 +201,10 @@ class ACPSGDCompressor(PowerSGDCompressor):
                     torch.addmm(mat, p, q.T, alpha=-1, out=e)
         self._average(comm, message)
         # A non-finite M anywhere reaches every rank here: then no state changes on any rank.
-        committed = commit and all_finite(message)
+        received_finite = all_finite(message)
+        # The output multiplies the averaged factor by the orthonormal fixed one.
+        self.output_finite = self._certify(received_finite, sent_all, grad_dtype)
+        committed = commit and received_finite
         at = 0
         for offset, length in plan.plain:
             xf[offset : offset + length] = message[at : at + length]

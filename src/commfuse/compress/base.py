@@ -76,6 +76,17 @@ class GradientCompressor(abc.ABC):
     agreement round before compressing: it checks the output, as it does uncompressed. Not so
     for sign bits, top-k or quantisers with a per-rank scale, which can drop a NaN."""
 
+    certifies_output: ClassVar[bool] = False
+    """Whether ``reduce_`` sets ``output_finite`` from the messages it received (PowerSGD's
+    family: a finite received factor, within bounds, makes a finite output), so a caller can
+    skip its own passes over the bucket; a local NaN/Inf always reaches those messages, so such a
+    compressor needs no ``finite`` from the caller to keep its state clean either."""
+    output_finite: bool | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
+    """After ``reduce_`` (``certifies_output`` compressors): whether the output is finite on
+    every rank, known from the received messages; None = not known, check the output."""
+
     algo: str = "auto"
     """The commfuse allreduce algorithm for allreduce-compatible compressors."""
     gather_algo: str = "auto"
@@ -126,6 +137,7 @@ class GradientCompressor(abc.ABC):
             return  # every rank has the same empty bucket: nothing to exchange
         if finite is None:
             finite = all_finite(grad)
+        self.output_finite = None
         self._reduce(comm, grad, bucket=bucket, step=step, commit=finite)
         if not finite:
             grad.fill_(float("nan"))

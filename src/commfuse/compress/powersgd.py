@@ -113,6 +113,9 @@ class PowerSGDCompressor(GradientCompressor):
     #: A non-finite M reaches every rank through P (or the plain elements) in the first
     #: allreduce, and Q and the residual are only written when that message is finite.
     nonfinite_reaches_every_rank: ClassVar[bool] = True
+    #: The output is P F^T with P orthonormal (entries at most 1) and F a received factor: it is
+    #: finite when every message was and r |F| stays below the gradient type's largest value.
+    certifies_output: ClassVar[bool] = True
     rank: int = 2
     """Rank ``r`` of the approximation."""
     warmup: int = 10
@@ -235,6 +238,18 @@ class PowerSGDCompressor(GradientCompressor):
         """Bytes per factor element on the wire for gradients of ``dtype``."""
         return element_bytes(self._wire_dtype(factor_dtype(dtype)))
 
+    def _certify(self, finite: bool, factor: torch.Tensor, grad_dtype: torch.dtype) -> bool | None:
+        """``output_finite`` for an output ``B factor^T`` with ``B`` orthonormal: False when a
+        received message was not finite, True when ``2 r max|factor|`` fits ``grad_dtype``
+        (2: a margin for rounding), None (check the output) for 16-bit gradients, whose plain
+        elements narrow from fp32 on the way out."""
+        if not finite:
+            return False
+        if grad_dtype not in (torch.float32, torch.float64):
+            return None
+        limit = torch.finfo(grad_dtype).max / (2 * self.rank)
+        return factor.numel() == 0 or bool(factor.abs().max() < limit) or None
+
     def _average(self, comm: Communicator, message: torch.Tensor) -> None:
         """Average the factors ``message`` over the ranks in place, in the ``wire`` type."""
         wire = self._wire_dtype(message.dtype)
@@ -303,7 +318,8 @@ class PowerSGDCompressor(GradientCompressor):
             blocks.append((mats, ps))
         self._average(comm, first)
         # Another rank's non-finite gradient reaches everyone through P: keep Q and e clean.
-        commit = commit and all_finite(first)
+        first_finite = all_finite(first)
+        commit = commit and first_finite
         # Message 2: Q = M^T P per matrix, with P orthonormalised one batched QR per shape.
         q_new = torch.empty(plan.q_numel, dtype=dtype)
         residual = None
@@ -322,8 +338,10 @@ class PowerSGDCompressor(GradientCompressor):
         if residual is not None:
             self.feedback.update(bucket, residual.to(grad.dtype))
         self._average(comm, q_new)
-        if commit and all_finite(q_new):
+        q_finite = all_finite(q_new)
+        if commit and q_finite:
             self.qs[bucket] = q_new  # warm start of the next step (a fresh tensor, not shared)
+        self.output_finite = self._certify(first_finite and q_finite, q_new, grad.dtype)
         # Output: the averaged plain elements and P Q^T per matrix, in place.
         out = grad if grad.dtype == dtype else torch.empty(plan.numel, dtype=dtype)
         at = 0
@@ -354,7 +372,8 @@ class PowerSGDCompressor(GradientCompressor):
         p = matrix @ q
         self._average(comm, p)
         # Another rank's non-finite gradient reaches everyone through P: keep Q and e clean.
-        commit = commit and bool(torch.isfinite(p).all())
+        p_finite = all_finite(p)
+        commit = commit and p_finite
         p = orthonormalize(p)
         q = matrix.T @ p
         if self.ef and commit:
@@ -362,8 +381,10 @@ class PowerSGDCompressor(GradientCompressor):
             self.feedback.update(bucket, x - own.to(grad.dtype))
         q = q.contiguous()
         self._average(comm, q)
-        if commit and bool(torch.isfinite(q).all()):
+        q_finite = all_finite(q)
+        if commit and q_finite:
             self.qs[bucket] = q.clone()  # warm start of the next step
+        self.output_finite = self._certify(p_finite and q_finite, q, grad.dtype)
         grad.copy_((p @ q.T).view(-1)[:numel])
 
     # -- state ------------------------------------------------------------------------------------

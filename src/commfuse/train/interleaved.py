@@ -12,7 +12,9 @@ same round, so a drift hits both sides of every ratio alike. Every strategy sees
 batches (step ``i`` of each is the workload's batch ``i``).
 
 Also reported per strategy: the median phases of rank 0's steps (forward, backward up to the
-synchronised gradients, optimizer step) and the bytes it handed to collectives per timed step;
+synchronised gradients, optimizer step), the CPU seconds a rank's threads spent per step (mean
+over ranks: where ranks share cores, CPU spent on communication is compute another rank lacks)
+and the bytes it handed to collectives per timed step;
 and, unless ``include_compute`` is off, the bare model with no communication at all
 (``compute``): the floor every step time is measured against.
 """
@@ -79,20 +81,29 @@ class _Runner:
     close: Callable[[], None]
     next_step: int = 0
     blocks_s: list[float] = dataclasses.field(default_factory=list)
+    cpu_s: list[float] = dataclasses.field(default_factory=list)
     phases: list[tuple[float, float, float]] = dataclasses.field(default_factory=list)
     bytes_timed: int = 0
 
     def run(self, num_steps: int, *, timed: bool) -> None:
         dist.barrier()
         sent = self.bytes_fn()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         phases = [self.step_fn(self.next_step + i) for i in range(num_steps)]
-        elapsed = torch.tensor([(time.perf_counter() - start) / num_steps], dtype=torch.float64)
+        elapsed = time.perf_counter() - start
+        # CPU seconds of every thread of this rank (compute, gloo's, commfuse's workers): where
+        # ranks share cores, a strategy's CPU is other ranks' lost compute.
+        cpu = time.process_time() - cpu_start
         sent = self.bytes_fn() - sent  # before the timing allreduce, which is not the strategy's
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        # [slowest rank's block, sum of the ranks' CPU]
+        times = torch.tensor([elapsed / num_steps, cpu / num_steps], dtype=torch.float64)
+        slowest, cpu_sum = times.clone(), times.clone()
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(cpu_sum)
         self.next_step += num_steps
         if timed:
-            self.blocks_s.append(float(elapsed))
+            self.blocks_s.append(float(slowest[0]))
+            self.cpu_s.append(float(cpu_sum[1]) / dist.get_world_size())
             self.phases += phases
             self.bytes_timed += sent
 
@@ -183,6 +194,7 @@ def interleaved_rank(config: InterleavedConfig) -> list[dict[str, Any]]:
             "forward_s": forward,
             "backward_sync_s": backward,
             "optimizer_s": optimizer,
+            "cpu_s_per_step": statistics.median(runner.cpu_s),
             "bytes_per_step": runner.bytes_timed / (config.reps * config.steps),
             "steps": config.steps,
             "reps": config.reps,
