@@ -353,7 +353,7 @@ def test_non_finite_gradient_never_enters_the_state(pool: Any) -> None:
              "powersgd:rank=2,warmup=0", "powersgd:rank=2,warmup=0+layout",
              "acpsgd:rank=2,warmup=0", "acpsgd:rank=2,warmup=0+layout",
              "acpsgd:rank=2,warmup=1+layout", "powersgd:rank=2,warmup=0,wire=fp16+layout",
-             "qsgd:levels=16,chunk_numel=64,ef=1", "fp16:ef=1"]  # fmt: skip
+             "qsgd:levels=16,chunk_numel=64,ef=1", "fp16:ef=1", "fp16", "bf16"]  # fmt: skip
     for failures in pool(2).run(non_finite_leaves_state_alone, specs, 500, timeout_s=120):
         assert failures == []
 

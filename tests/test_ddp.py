@@ -264,7 +264,7 @@ def nonfinite(mode: str, compressor: str | None) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     "compressor",
-    [None, "half-test", "fp16:ef=1", "powersgd:rank=1", "powersgd:rank=1,warmup=0",
+    [None, "half-test", "fp16:ef=1", "fp16", "powersgd:rank=1", "powersgd:rank=1,warmup=0",
      "acpsgd:rank=1,warmup=0"],
 )  # fmt: skip
 def test_nonfinite_skip(pool: PoolFn, compressor: str | None) -> None:
@@ -275,7 +275,7 @@ def test_nonfinite_skip(pool: PoolFn, compressor: str | None) -> None:
         assert "step 1" in message and "0.weight" in message
         if compressor is not None:
             assert "rank(s) [1]" in message and r["residual_finite"]
-        if compressor in ("fp16:ef=1", "powersgd:rank=1"):
+        if compressor in ("fp16:ef=1", "fp16", "powersgd:rank=1"):
             assert r["collectives_last_step"] == 1  # one bucket, no agreement round when clean
 
 

@@ -76,11 +76,6 @@ class GradientCompressor(abc.ABC):
     agreement round before compressing: it checks the output, as it does uncompressed. Not so
     for sign bits, top-k or quantisers with a per-rank scale, which can drop a NaN."""
 
-    certifies_output: ClassVar[bool] = False
-    """Whether ``reduce_`` sets ``output_finite`` from the messages it received (PowerSGD's
-    family: a finite received factor, within bounds, makes a finite output), so a caller can
-    skip its own passes over the bucket; a local NaN/Inf always reaches those messages, so such a
-    compressor needs no ``finite`` from the caller to keep its state clean either."""
     output_finite: bool | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
@@ -98,6 +93,15 @@ class GradientCompressor(abc.ABC):
     feedback: ErrorFeedback = dataclasses.field(
         default_factory=ErrorFeedback, init=False, repr=False
     )
+
+    @property
+    def certifies_output(self) -> bool:
+        """Whether ``reduce_`` sets ``output_finite`` from the messages it received (PowerSGD's
+        family: a finite received factor, within bounds, makes a finite output; fp16/bf16
+        without error feedback: the output is the received message), so a caller can skip its
+        own passes over the bucket. A local NaN/Inf always reaches those messages, and such a
+        compressor keeps its state clean without the caller's ``finite``."""
+        return False
 
     # -- the interface the engine and the hooks call ----------------------------------------
     def set_layout(self, bucket: int, shapes: Sequence[torch.Size]) -> None:

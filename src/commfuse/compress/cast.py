@@ -21,7 +21,7 @@ import torch
 
 from commfuse import collectives as C
 from commfuse.comm import Communicator
-from commfuse.compress.base import GradientCompressor
+from commfuse.compress.base import GradientCompressor, all_finite
 from commfuse.compress.wire import element_bytes
 
 
@@ -72,6 +72,12 @@ class CastCompressor(GradientCompressor):
     def decompress(self, message: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return message.to(dtype)
 
+    @property
+    def certifies_output(self) -> bool:
+        """Without error feedback the output is the received sum, widened: finite exactly when
+        the (half-size) message is, and there is no state to protect."""
+        return not self.ef
+
     def _reduce(
         self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int, commit: bool
     ) -> None:
@@ -82,6 +88,8 @@ class CastCompressor(GradientCompressor):
             # What this rank contributes, scaled back to its own gradient's units.
             self.feedback.update(bucket, x - self.decompress(message, x.dtype) * world)
         C.allreduce(comm, message, "sum", algo=self.algo)
+        if self.certifies_output:
+            self.output_finite = all_finite(message)
         grad.copy_(message)
 
     def payload_bytes(

@@ -113,9 +113,6 @@ class PowerSGDCompressor(GradientCompressor):
     #: A non-finite M reaches every rank through P (or the plain elements) in the first
     #: allreduce, and Q and the residual are only written when that message is finite.
     nonfinite_reaches_every_rank: ClassVar[bool] = True
-    #: The output is P F^T with P orthonormal (entries at most 1) and F a received factor: it is
-    #: finite when every message was and r |F| stays below the gradient type's largest value.
-    certifies_output: ClassVar[bool] = True
     rank: int = 2
     """Rank ``r`` of the approximation."""
     warmup: int = 10
@@ -237,6 +234,12 @@ class PowerSGDCompressor(GradientCompressor):
     def _wire_bytes(self, dtype: torch.dtype) -> int:
         """Bytes per factor element on the wire for gradients of ``dtype``."""
         return element_bytes(self._wire_dtype(factor_dtype(dtype)))
+
+    @property
+    def certifies_output(self) -> bool:
+        """The output is ``P F^T`` with ``P`` orthonormal (entries at most 1) and ``F`` a
+        received factor: finite when every message was and ``r |F|`` stays in range."""
+        return True
 
     def _certify(self, finite: bool, factor: torch.Tensor, grad_dtype: torch.dtype) -> bool | None:
         """``output_finite`` for an output ``B factor^T`` with ``B`` orthonormal: False when a
