@@ -55,7 +55,13 @@ def _batches(steps: int, micro: int) -> list[list[torch.Tensor]]:
     return [[torch.randn(4, 6, generator=gen) for _ in range(micro)] for _ in range(steps)]
 
 
-def _train(model: nn.Module, wrapper: Any, batches: list[list[torch.Tensor]], unused: bool) -> None:
+def _train(
+    model: nn.Module,
+    wrapper: Any,
+    batches: list[list[torch.Tensor]],
+    unused: bool,
+    set_to_none: bool = True,
+) -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
     use_branch = not unused or dist.get_rank() % 2 == 0
     for micro in batches:
@@ -65,7 +71,7 @@ def _train(model: nn.Module, wrapper: Any, batches: list[list[torch.Tensor]], un
             with ctx:
                 wrapper(x, use_branch).pow(2).mean().backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
 
 
 class _null:
@@ -80,7 +86,9 @@ def _params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def against_torch_ddp(algo: str, cap_mb: float, micro: int, unused: bool) -> dict[str, Any]:
+def against_torch_ddp(
+    algo: str, cap_mb: float, micro: int, unused: bool, set_to_none: bool = True
+) -> dict[str, Any]:
     torch.manual_seed(1 + dist.get_rank())  # different initial weights: the broadcast must fix them
     ours_net, theirs_net = Net(), Net()
     theirs_net.load_state_dict(ours_net.state_dict())
@@ -90,10 +98,17 @@ def against_torch_ddp(algo: str, cap_mb: float, micro: int, unused: bool) -> dic
     ours = DataParallel(ours_net, Communicator(), config=config)
     theirs = DDP(theirs_net, bucket_cap_mb_list=[cap_mb], find_unused_parameters=unused)
     batches = _batches(3, micro)
-    _train(theirs_net, theirs, batches, unused)
-    _train(ours_net, ours, batches, unused)
+    _train(theirs_net, theirs, batches, unused, set_to_none)
+    _train(ours_net, ours, batches, unused, set_to_none)
     ours.close()
+    head = ours_net.head.weight
+    index = next(i for i, q in enumerate(ours.reducer.params) if q is head)
+    bucket, slot = ours.reducer.where[index]
     return {
+        # The averaged bucket slot is the gradient (no copy back; with set_to_none=False
+        # autograd accumulated the next steps straight into it).
+        "grad_is_bucket": head.grad is not None
+        and head.grad.data_ptr() == ours.reducer.buckets[bucket].view(slot).data_ptr(),
         "ours": _params(ours_net),
         "theirs": _params(theirs_net),
         "dead_grad_none": ours_net.dead.weight.grad is None,
@@ -113,6 +128,16 @@ def test_bitwise_equal_to_torch_ddp(pool: PoolFn, world: int) -> None:
         assert ["frozen.weight"] not in r["layout"]  # frozen parameters are not bucketed
         assert len(r["layout"]) == 8  # 4 trainable layers x (weight, bias)
     assert all(torch.equal(results[0]["ours"], r["ours"]) for r in results)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bitwise_equal_to_torch_ddp_when_grads_are_kept(pool: PoolFn, world: int) -> None:
+    """zero_grad(set_to_none=False): .grad is the bucket slot from the first step on, autograd
+    accumulates into it (micro-batches under no_sync too), and the result stays torch's."""
+    results = pool(world).run(against_torch_ddp, "native", TINY_MB, 2, True, False, timeout_s=120)
+    for r in results:
+        assert torch.equal(r["ours"], r["theirs"])
+        assert r["grad_is_bucket"]
 
 
 @pytest.mark.parametrize(
