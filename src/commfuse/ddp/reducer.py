@@ -29,8 +29,9 @@ Where the time went. Against torch DDP on 4 hosts x 1 rank at 1 Gbit/s (2.1M-par
 wait in the end-of-backward callback) matched torch to 1%, so neither the Python hooks nor the
 GIL were the cost; cProfile showed 24 ms per step in the exact NaN test of both buckets after
 the last wait, plus 5 ms of copy-back, all exposed. Both now overlap the wire or cost a sum,
-and the copy-back is gone: on charlm (3.2M parameters) the engine's CPU over the bare model
-fell by 4.6 ms per step and rank, which counts where ranks share cores.
+and the copy-back is gone: on charlm (3.2M parameters) the two bucket-sized copies cost 4.6
+ms of CPU per step and rank (one is left when ``zero_grad`` sets ``.grad`` to None, none when
+it zeroes it in place), which counts where ranks share cores.
 
 Unused parameters. A parameter that no rank used gets a zero gradient, which an optimizer with
 weight decay or momentum still acts on. With ``find_unused_parameters`` one more tiny allreduce
@@ -551,9 +552,9 @@ class Reducer:
         """Hand each averaged slot to its parameter. Without staleness the slot itself becomes
         ``.grad`` (torch DDP's ``gradient_as_bucket_view``): no copy now, and none at the next
         step's hook either when ``.grad`` survives (``zero_grad(set_to_none=False)``), since
-        autograd then accumulates straight into the bucket. Two passes over every gradient
-        fewer: on charlm (3.2M parameters) about 4.6 ms of CPU per step. With staleness=1 the
-        buffers alternate between steps, so ``.grad`` gets a copy."""
+        autograd then accumulates straight into the bucket: one or two bucket-sized copies
+        fewer per step (each about 2.3 ms of CPU on charlm's 3.2M parameters). With
+        staleness=1 the buffers alternate between steps, so ``.grad`` gets a copy."""
         views = not self.config.staleness
         with torch.no_grad():
             for slot, index in enumerate(bucket.params):
