@@ -93,9 +93,11 @@ class CastCompressor(GradientCompressor):
             # What this rank contributes, scaled back to its own gradient's units.
             self.feedback.update(bucket, x - self.decompress(message, x.dtype) * world)
         C.allreduce(comm, message, "sum", algo=self.algo)
-        if self.certifies_output:
-            self.output_finite = all_finite(message)
         grad.copy_(message)
+        if self.certifies_output:
+            # Checked once widened: a sum over fp32 takes 0.5 ms per 3.2M elements here, over
+            # the fp16 message (accumulated in fp32, as all_finite must) 3.9 ms.
+            self.output_finite = all_finite(grad)
 
     def payload_bytes(
         self,
