@@ -12,16 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from commfuse.compress.base import all_finite
 from commfuse.ddp.buckets import Bucket
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every element of ``tensor`` is finite (one sum; exact test only when it is not)."""
-    if tensor.numel() == 0:
-        return True
-    if bool(torch.isfinite(tensor.sum())):
-        return True
-    return bool(torch.isfinite(tensor).all())
 
 
 def nonfinite_slots(bucket: Bucket) -> list[int]:
