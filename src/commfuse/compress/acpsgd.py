@@ -59,11 +59,6 @@ class ACPSGDCompressor(PowerSGDCompressor):
 
     name: ClassVar[str] = "acpsgd"
     ps: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False)
-    spares: dict[int, torch.Tensor] = dataclasses.field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    """Per bucket, a buffer the next residual is written into before the exchange (the
-    current residual must survive a step whose exchange turns out non-finite). Not state."""
 
     def sends_p(self, step: int | None) -> bool:
         """Whether a compressed ``step`` sends P (Q held fixed); else it sends Q."""
@@ -74,7 +69,6 @@ class ACPSGDCompressor(PowerSGDCompressor):
         super().set_layout(bucket, shapes)
         if self.plans.get(bucket) is not before:  # the factors belong to other tensors now
             self.ps.pop(bucket, None)
-            self.spares.pop(bucket, None)
 
     def payload_bytes(
         self,
@@ -111,25 +105,20 @@ class ACPSGDCompressor(PowerSGDCompressor):
         plan = self._plan(bucket, numel)
         send_p = self.sends_p(step)
         if plan is not None:
-            # M = g + e in grad itself; the output overwrites it after M's last read.
+            # M = g + e in grad itself; the output overwrites it after M's last read. The new
+            # residual goes into the old one's storage, written only once the exchange is
+            # known finite everywhere (no bucket-sized allocation per step, as in PowerSGD).
             old = self.feedback.add_to_(bucket, grad) if self.ef else None
             dtype = factor_dtype(grad.dtype)
             xf = grad if grad.dtype == dtype else grad.to(dtype)
-            spare = self.spares.pop(bucket, None)
-            if spare is None or spare.shape != xf.shape or spare.dtype != dtype:
-                spare = torch.empty_like(xf)
-            residual = spare if self.ef and commit else None
-            out, committed = self._exchange(
-                comm, xf, plan, residual, bucket, send_p, commit, grad.dtype
-            )
-            if out is not grad:
-                grad.copy_(out)
+            residual = None
+            if self.ef and commit:
+                residual = old if old is not None and old.dtype == dtype else torch.empty_like(xf)
+            committed = self._exchange(comm, xf, plan, residual, bucket, send_p, commit, grad.dtype)
+            if xf is not grad:
+                grad.copy_(xf)
             if residual is not None and committed:
                 self.feedback.update(bucket, residual.to(grad.dtype))
-                if old is not None and old.dtype == dtype:
-                    self.spares[bucket] = old  # the replaced residual's storage is next step's
-            elif old is not None:
-                self.spares[bucket] = spare
             return
         # No layout: the bucket as one zero-padded m x c matrix.
         x = self.feedback.corrected(bucket, grad) if self.ef else grad
@@ -138,12 +127,10 @@ class ACPSGDCompressor(PowerSGDCompressor):
         padded = torch.zeros(flat.numel, dtype=dtype)
         padded[:numel] = x
         residual = torch.empty_like(padded) if self.ef and commit else None
-        out, committed = self._exchange(
-            comm, padded, flat, residual, bucket, send_p, commit, grad.dtype
-        )
+        committed = self._exchange(comm, padded, flat, residual, bucket, send_p, commit, grad.dtype)
         if residual is not None and committed:
             self.feedback.update(bucket, residual[:numel].to(grad.dtype))
-        grad.copy_(out[:numel])
+        grad.copy_(padded[:numel])
 
     def _exchange(
         self,
@@ -155,12 +142,13 @@ class ACPSGDCompressor(PowerSGDCompressor):
         send_p: bool,
         commit: bool,
         grad_dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, bool]:
+    ) -> bool:
         """One alternating step on the flat ``M`` (``xf``, laid out by ``plan``): the message
-        ``[plain | P's]`` or ``[plain | Q's]``, allreduced; ``residual`` (if given) gets this
-        rank's ``M`` minus its own projection. Returns the averaged update (written into
-        ``xf``) and whether the state was committed (all finite everywhere); sets
-        ``output_finite`` for gradients of ``grad_dtype``."""
+        ``[plain | P's]`` or ``[plain | Q's]``, allreduced, and the averaged update written into
+        ``xf``. ``residual`` (if given) gets this rank's ``M`` minus its own projection, only
+        when the exchange was finite everywhere (it may be the old residual's storage). Returns
+        whether the state was committed; sets ``output_finite`` for gradients of
+        ``grad_dtype``."""
         dtype = xf.dtype
         fixed_store, sent_store = (self.qs, self.ps) if send_p else (self.ps, self.qs)
         fixed_numel = plan.q_numel if send_p else plan.p_numel
@@ -170,12 +158,9 @@ class ACPSGDCompressor(PowerSGDCompressor):
             gen = generator_for(self.seed, bucket, 0 if send_p else 1)
             fixed_all = torch.randn(fixed_numel, generator=gen).to(dtype)
         message = torch.empty(plan.plain_numel + sent_numel, dtype=dtype)
-        at = 0
-        for offset, length in plan.plain:
-            message[at : at + length] = xf[offset : offset + length]
-            at += length
-        sent_all = message[at:]
-        blocks = []  # per group: (matrices, fixed factors orthonormalised, sent factors)
+        plan.pack_plain(xf, message)
+        sent_all = message[plan.plain_numel :]
+        blocks = []  # per group: (group, matrices, fixed factors orthonormalised, sent's place)
         for g in plan.groups:
             k = len(g.members)
             fixed_rows, sent_rows = (g.cols, g.rows) if send_p else (g.rows, g.cols)
@@ -186,36 +171,34 @@ class ACPSGDCompressor(PowerSGDCompressor):
             fixed = orthonormalize(
                 fixed_all[fixed_at : fixed_at + k * fixed_rows * g.rank].view(k, fixed_rows, g.rank)
             )
-            sent = sent_all[sent_at : sent_at + k * sent_rows * g.rank].view(k, sent_rows, g.rank)
+            place = (slice(sent_at, sent_at + k * sent_rows * g.rank), (k, sent_rows, g.rank))
+            sent = sent_all[place[0]].view(place[1])
             for mat, f, s in zip(mats, fixed, sent, strict=True):
                 torch.mm(mat if send_p else mat.T, f, out=s)  # P = M Q, or Q = M^T P
-            blocks.append((g, mats, fixed, sent))
-        if residual is not None:
-            for offset, length in plan.plain:
-                residual[offset : offset + length] = 0  # sent exactly: nothing left over
-            for g, mats, fixed, sent in blocks:
-                for m, mat, f, s in zip(g.members, mats, fixed, sent, strict=True):
-                    e = residual[m.offset : m.offset + g.rows * g.cols].view(g.rows, g.cols)
-                    # e = M - (own P) Q^T, or M - P (own Q)^T: what this rank's message left out
-                    p, q = (s, f) if send_p else (f, s)
-                    torch.addmm(mat, p, q.T, alpha=-1, out=e)
+            blocks.append((g, mats, fixed, place))
+        own = sent_all.clone() if residual is not None else None  # the average overwrites it
         self._average(comm, message)
         # A non-finite M anywhere reaches every rank here: then no state changes on any rank.
         received_finite = all_finite(message)
         # The output multiplies the averaged factor by the orthonormal fixed one.
         self.output_finite = self._certify(received_finite, sent_all, grad_dtype)
         committed = commit and received_finite
-        at = 0
-        for offset, length in plan.plain:
-            xf[offset : offset + length] = message[at : at + length]
-            at += length
-        for _, mats, fixed, sent in blocks:
-            for mat, f, s in zip(mats, fixed, sent, strict=True):
+        if residual is not None and own is not None and committed:
+            plan.zero_plain(residual)  # sent exactly: nothing left over
+            for g, mats, fixed, (span, shape) in blocks:
+                for m, mat, f, s in zip(g.members, mats, fixed, own[span].view(shape), strict=True):
+                    e = residual[m.offset : m.offset + g.rows * g.cols].view(g.rows, g.cols)
+                    # e = M - (own P) Q^T, or M - P (own Q)^T: what this rank's message left out
+                    p, q = (s, f) if send_p else (f, s)
+                    torch.addmm(mat, p, q.T, alpha=-1, out=e)
+        plan.unpack_plain(message, xf)
+        for _, mats, fixed, (span, shape) in blocks:
+            for mat, f, s in zip(mats, fixed, sent_all[span].view(shape), strict=True):
                 p, q = (s, f) if send_p else (f, s)
                 torch.mm(p, q.T, out=mat)  # the average of the ranks' projections
         if committed:
             sent_store[bucket] = sent_all.clone()  # the next step holds this factor fixed
-        return xf, committed
+        return committed
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -224,4 +207,3 @@ class ACPSGDCompressor(PowerSGDCompressor):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.ps = {int(b): p.clone() for b, p in state["ps"].items()}
-        self.spares = {}

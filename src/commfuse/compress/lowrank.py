@@ -88,6 +88,25 @@ class Plan:
         """Elements this rank sends per compressed step: plain + P's, then Q's."""
         return self.plain_numel + self.p_numel + self.q_numel
 
+    def pack_plain(self, flat: torch.Tensor, message: torch.Tensor) -> None:
+        """Copy the plain elements of the bucket ``flat`` to the front of ``message``."""
+        at = 0
+        for offset, length in self.plain:
+            message[at : at + length] = flat[offset : offset + length]
+            at += length
+
+    def unpack_plain(self, message: torch.Tensor, flat: torch.Tensor) -> None:
+        """Copy the front of ``message`` back to the plain elements' places in ``flat``."""
+        at = 0
+        for offset, length in self.plain:
+            flat[offset : offset + length] = message[at : at + length]
+            at += length
+
+    def zero_plain(self, flat: torch.Tensor) -> None:
+        """Zero the plain elements of ``flat`` (a residual: they were sent exactly)."""
+        for offset, length in self.plain:
+            flat[offset : offset + length] = 0
+
 
 def check_shapes(shapes: Sequence[torch.Size | Sequence[int]]) -> tuple[torch.Size, ...]:
     """The shapes as ``torch.Size``; ValueError naming the first that is not a shape."""

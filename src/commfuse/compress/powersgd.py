@@ -303,11 +303,8 @@ class PowerSGDCompressor(GradientCompressor):
             q_all = torch.randn(plan.q_numel, generator=gen).to(dtype)
         # Message 1: [plain elements | P of every matrix]; P = M Q written straight into it.
         first = torch.empty(plan.plain_numel + plan.p_numel, dtype=dtype)
-        at = 0
-        for offset, length in plan.plain:
-            first[at : at + length] = xf[offset : offset + length]
-            at += length
-        p_all = first[at:]
+        plan.pack_plain(xf, first)
+        p_all = first[plan.plain_numel :]
         blocks = []  # per group: (matrices, P block, Q block)
         for g in plan.groups:
             k = len(g.members)
@@ -328,8 +325,7 @@ class PowerSGDCompressor(GradientCompressor):
         residual = None
         if self.ef and commit:  # only a finite step may touch the state
             residual = old if old is not None and old.dtype == dtype else torch.empty_like(xf)
-            for offset, length in plan.plain:
-                residual[offset : offset + length] = 0  # sent exactly: nothing left over
+            plan.zero_plain(residual)  # sent exactly: nothing left over
         for g, (mats, ps) in zip(plan.groups, blocks, strict=True):
             ps.copy_(orthonormalize(ps))
             qs = q_new[g.q_offset : g.q_offset + g.q_numel].view(len(mats), g.cols, g.rank)
@@ -347,10 +343,7 @@ class PowerSGDCompressor(GradientCompressor):
         self.output_finite = self._certify(first_finite and q_finite, q_new, grad.dtype)
         # Output: the averaged plain elements and P Q^T per matrix, in place.
         out = grad if grad.dtype == dtype else torch.empty(plan.numel, dtype=dtype)
-        at = 0
-        for offset, length in plan.plain:
-            out[offset : offset + length] = first[at : at + length]
-            at += length
+        plan.unpack_plain(first, out)
         for g, (_, ps) in zip(plan.groups, blocks, strict=True):
             qs = q_new[g.q_offset : g.q_offset + g.q_numel].view(len(ps), g.cols, g.rank)
             for m, p, q in zip(g.members, ps, qs, strict=True):
