@@ -78,6 +78,19 @@ def algorithms_for(collective: str) -> dict[str, AlgorithmFn]:
     return ALGORITHMS[collective]
 
 
+def check_algorithm(collective: str, algo: str, *, key: str = "algo") -> None:
+    """ValueError unless ``algo`` is ``auto`` or names (or aliases) a registered algorithm of
+    ``collective``; the message starts ``{key}='...'`` (for settings checked before any run)."""
+    if algo == "auto":
+        return
+    known = algorithms_for(collective)
+    if resolve(collective, algo) not in known:
+        raise ValueError(
+            f"{key}={algo!r} is not an {collective} algorithm: use auto or one of "
+            f"{', '.join(sorted(known))}"
+        )
+
+
 _loaded = False
 
 

@@ -70,14 +70,9 @@ class DataParallelConfig:
             raise ValueError(f"first_bucket_cap_mb must be > 0, got {self.first_bucket_cap_mb}")
         if self.on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {self.on_nonfinite!r}")
-        if self.algo != "auto":
-            from commfuse.collectives.registry import algorithms_for, resolve
+        from commfuse.collectives.registry import check_algorithm
 
-            known = algorithms_for("allreduce")
-            if resolve("allreduce", self.algo) not in known:
-                raise ValueError(
-                    f"algo={self.algo!r} is not an allreduce algorithm: use auto or one of {', '.join(sorted(known))}"
-                )
+        check_algorithm("allreduce", self.algo)
         if self.staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 or 1 steps, got {self.staleness}")
         if self.staleness and (self.find_unused_parameters or self.merge_buckets_by_cost):

@@ -129,7 +129,7 @@ ALGO_KEYS = ("algo", "gather_algo")
 
 def _build_compressor(spec: str) -> tuple[Any, dict[str, Any]]:
     """The compressor of ``spec`` and the engine options given in it."""
-    from commfuse.collectives.registry import algorithms_for, resolve
+    from commfuse.collectives.registry import check_algorithm
     from commfuse.compress import make_compressor
     from commfuse.compress.spec import parse_spec
 
@@ -137,13 +137,10 @@ def _build_compressor(spec: str) -> tuple[Any, dict[str, Any]]:
     name, options = parse_spec(compressor_spec)
     algos = {key: options.pop(key) for key in ALGO_KEYS if key in options}
     for key, algo in algos.items():
-        collective = "allreduce" if key == "algo" else "allgather"
-        known = algorithms_for(collective)
-        if algo != "auto" and resolve(collective, algo) not in known:
-            raise ValueError(
-                f"{name}: {key}={algo!r} is not an {collective} algorithm: use auto or one of "
-                f"{', '.join(sorted(known))}"
-            )
+        try:
+            check_algorithm("allreduce" if key == "algo" else "allgather", algo, key=key)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
     rest = ",".join(f"{k}={v}" for k, v in options.items())
     return make_compressor(f"{name}:{rest}" if rest else name, **algos), engine
 
