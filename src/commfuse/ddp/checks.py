@@ -10,6 +10,8 @@ large finite ones; only then is the exact per-parameter test run, to name the cu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from commfuse.compress.base import all_finite
@@ -20,8 +22,9 @@ def nonfinite_slots(bucket: Bucket) -> list[int]:
     """Slots of ``bucket`` whose gradient holds a NaN or Inf ([] on the fast path)."""
     if all_finite(bucket.flat):
         return []
-    return [
-        slot
-        for slot in range(len(bucket.params))
-        if not bool(torch.isfinite(bucket.view(slot)).all())
-    ]
+    return nonfinite_positions([bucket.view(slot) for slot in range(len(bucket.params))])
+
+
+def nonfinite_positions(tensors: Sequence[torch.Tensor | None]) -> list[int]:
+    """Positions of the tensors holding a NaN or Inf (the exact test; None counts as finite)."""
+    return [i for i, t in enumerate(tensors) if t is not None and not bool(torch.isfinite(t).all())]

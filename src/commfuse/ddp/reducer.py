@@ -83,7 +83,7 @@ from commfuse.collectives.registry import resolve
 from commfuse.comm import Communicator, OpCounters
 from commfuse.compress.base import GradientCompressor, all_finite
 from commfuse.ddp.buckets import Bucket, assign_buckets, build_buckets
-from commfuse.ddp.checks import nonfinite_slots
+from commfuse.ddp.checks import nonfinite_positions, nonfinite_slots
 from commfuse.ddp.config import DataParallelConfig
 from commfuse.ddp.flight import Flight
 from commfuse.ddp.merge import merge_by_cost
@@ -383,22 +383,12 @@ class Reducer:
         if verdict:
             return []
         flight.poisoned = True
-        if mine is None:
-            mine = self._nonfinite_grad_slots(bucket)
+        if mine is None:  # the bucket holds the output now: its parameters' .grad the input
+            mine = nonfinite_positions([self.params[index].grad for index in bucket.params])
         # Every rank is here: the output is the same everywhere. No bad input anywhere means
         # the compression itself overflowed (e.g. an fp16 sum past 65504).
         bad = self._agree_nonfinite(mine, bucket)
         return bad or [(-1, index) for index in bucket.params]
-
-    def _nonfinite_grad_slots(self, bucket: Bucket) -> list[int]:
-        """Slots of ``bucket`` whose parameter's ``.grad`` (what the bucket was filled from)
-        holds a NaN or Inf."""
-        slots = []
-        for slot, index in enumerate(bucket.params):
-            grad = self.params[index].grad
-            if grad is not None and not bool(torch.isfinite(grad).all()):
-                slots.append(slot)
-        return slots
 
     def _agree_nonfinite(self, slots: list[int], bucket: Bucket) -> list[tuple[int, int]]:
         """(rank, parameter) of every non-finite tensor of ``bucket`` on any rank."""
