@@ -268,3 +268,31 @@ def test_bench_strategies_interleaves_and_counts_each_strategys_bytes(
     assert "x first" in capsys.readouterr().out
     assert main(["bench", "strategies", "--strategy", "ddp", "--strategy", "ddp"]) == 2
     assert "given twice" in capsys.readouterr().err
+
+
+def test_compare_time_to_loss_is_the_median_over_rounds() -> None:
+    """--repeats: each round's time to the baseline's loss from its own curves; the median is
+    the headline, a round that never got there counts as the slowest."""
+    from commfuse.train.compare import add_comparisons
+
+    def record(name: str, final: float, rounds: list[tuple[list[float], list[float]]]) -> dict:
+        loss, wall = rounds[0]
+        return {
+            "strategy": name, "strategy_name": name, "final_loss": final, "loss_curve": loss,
+            "wall_curve_s": wall, "step_time_s": 1.0, "compute_step_time_s": 0.5,
+            "bytes_per_step": 10.0, "mean_step_time_s": 1.0, "curves_rounds": rounds,
+        }  # fmt: skip
+
+    ddp = record("ddp", 2.0, [([3.0, 2.0], [1.0, 2.0]), ([3.0, 2.0], [1.5, 3.0])])
+    ours = record(
+        "powersgd",
+        2.1,
+        [([2.5, 1.9], [0.5, 1.0]), ([2.5, 2.05], [0.6, 1.2]), ([1.99, 2.5], [0.7, 1.4])],
+    )
+    add_comparisons([ddp, ours])
+    assert ddp["time_to_baseline_loss_s_rounds"] == [2.0, 3.0]
+    assert ddp["time_to_baseline_loss_s"] == 2.5
+    assert ours["time_to_baseline_loss_s_rounds"] == [1.0, None, 0.7]
+    assert ours["time_to_baseline_loss_s"] == 1.0
+    assert ours["time_to_loss_speedup_vs_ddp"] == 2.5
+    assert "curves_rounds" not in ours

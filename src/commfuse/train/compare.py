@@ -1,7 +1,8 @@
 """``commfuse compare``: several strategies, same workload, seeds and cluster; one table, one plot.
 
 Strategies run one after another (``--repeats R`` runs R rounds, interleaved A B A B, and
-reports the median step time over rounds; everything else comes from the first round). The
+reports the median over rounds of the step time, the compute-only step time and the time to the
+baseline's loss, with each round's value beside it; everything else comes from the first round). The
 baseline is ``ddp`` (torch's DDP) when it is among them, else the first strategy. Columns:
 
 * ``step_ms``: median step time after warm-up; ``compute_ms``: the same step with all gradient
@@ -22,6 +23,7 @@ baseline is ``ddp`` (torch's DDP) when it is among them, else the first strategy
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -115,6 +117,11 @@ def run_compare(
         record["repeats"] = repeats
         record["step_time_s_rounds"] = [r["step_time_s"] for r in runs[i]]
         record["step_time_s"] = statistics.median(record["step_time_s_rounds"])
+        computes = [r["compute_step_time_s"] for r in runs[i] if r["compute_step_time_s"]]
+        if computes:
+            record["compute_step_time_s"] = statistics.median(computes)
+        # Each round's own curves: its loss may differ in the last bits (reduction order).
+        record["curves_rounds"] = [(r["loss_curve"], r["wall_curve_s"]) for r in runs[i]]
         records.append(record)
     add_comparisons(records)
     return records
@@ -133,7 +140,18 @@ def add_comparisons(records: list[dict[str, Any]]) -> None:
     target = baseline["final_loss"]
     for r in records:
         r["baseline"] = baseline["strategy"]
-        r["time_to_baseline_loss_s"] = time_to_loss_s(r, target)
+        rounds = r.pop("curves_rounds", None)
+        if not rounds:
+            r["time_to_baseline_loss_s"] = time_to_loss_s(r, target)
+            continue
+        times = [
+            time_to_loss_s({"loss_curve": loss, "wall_curve_s": wall}, target)
+            for loss, wall in rounds
+        ]
+        r["time_to_baseline_loss_s_rounds"] = times
+        # A round that never got there counts as slower than any that did.
+        middle = statistics.median([math.inf if t is None else t for t in times])
+        r["time_to_baseline_loss_s"] = None if math.isinf(middle) else middle
     for r in records:
         r["step_over_compute"] = _ratio(r["step_time_s"], r["compute_step_time_s"])
         r["bytes_reduction_vs_baseline"] = _ratio(baseline["bytes_per_step"], r["bytes_per_step"])
