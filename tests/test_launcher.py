@@ -429,3 +429,23 @@ def test_bad_input_through_the_command() -> None:
         "commfuse launch: script '/nonexistent/train.py' does not exist; "
         "give the path of a Python file (or -m module)"
     ]
+
+
+def test_no_emulate_drops_the_link_rate_nothing_would_enforce() -> None:
+    """--no-emulate runs on plain loopback: the topology every table and record describes has
+    no link rate then, not the --link that nothing caps."""
+    import argparse
+
+    from commfuse.cluster.launch_cli import topology_from_args
+
+    args = argparse.Namespace(hosts=4, ranks_per_host=None, link="100mbit", no_emulate=True)
+    topology = topology_from_args(args, nproc=4)
+    assert topology.link_mbit is None and topology.num_hosts == 4
+    assert "unshaped" in topology.describe()
+    args.no_emulate = False
+    from commfuse.cluster.netlab import netlab_unavailable_reason
+
+    shaped = netlab_unavailable_reason() is None
+    assert topology_from_args(args, nproc=4).link_mbit == (100.0 if shaped else None)
+    args.link = None
+    assert topology_from_args(args, nproc=4).link_mbit is None

@@ -7,13 +7,14 @@ commfuse launch --hosts 4 --ranks-per-host 2 --link 1gbit train.py
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import threading
 
 from commfuse.cluster.errors import LaunchError
 from commfuse.cluster.launcher import launch, script_command
-from commfuse.cluster.netlab import NetlabError
+from commfuse.cluster.netlab import NetlabError, netlab_unavailable_reason
 from commfuse.cluster.topology import Topology
 
 
@@ -59,7 +60,21 @@ def topology_from_args(args: argparse.Namespace, *, nproc: int | None = None) ->
             raise ValueError(
                 f"--nproc {nproc} != --hosts {args.hosts} x --ranks-per-host {ranks_per_host}"
             )
-    return Topology.from_spec(hosts=args.hosts, ranks_per_host=ranks_per_host or 1, link=args.link)
+    topology = Topology.from_spec(
+        hosts=args.hosts, ranks_per_host=ranks_per_host or 1, link=args.link
+    )
+    if topology.link_mbit is not None and not _will_shape(args):
+        # On plain loopback nothing caps the links: say so in every table and record (and
+        # give the ranks' cost models no rate that is not there).
+        topology = dataclasses.replace(topology, link_mbit=None)
+    return topology
+
+
+def _will_shape(args: argparse.Namespace) -> bool:
+    """Whether a job started with these arguments runs on an emulated (shaped) network."""
+    if getattr(args, "no_emulate", False):
+        return False
+    return netlab_unavailable_reason() is None
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
