@@ -8,8 +8,9 @@ are not always the best unfused choice (measured on the emulated cluster, 4 host
   ring there;
 * its all-to-all posts every message at once and reached 63-69% of the link, where commfuse's
   pairwise exchange (one peer per step) reached 85-89%: 1.26x faster at 4 MB, 1.40x at 32 MB.
-  The tuner's alpha-beta model prices both alike, so ``auto`` keeps gloo's; the all-to-all
-  references name ``"pairwise"``.
+  ``auto`` picks pairwise from 2 MB on shaped multi-host layouts (``tuner.
+  UNCALIBRATED_NATIVE_ALL_TO_ALL``) but keeps gloo's on loopback and below; the all-to-all
+  references name ``"pairwise"`` so that every layout and size times the same exchange.
 
 These are read at call time, so a test can pin ``"native"`` to count bytes under gloo's names.
 """
