@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -13,6 +15,9 @@ from commfuse.bench.cases import OPS, bus_factor, element_count, make_case
 from commfuse.bench.collectives import CollectiveBenchConfig, bench_collectives_on_rank
 from commfuse.cluster.netlab import netlab_unavailable_reason
 from commfuse.comm import Communicator
+from commfuse.testing import RankPool
+
+PoolFn = Callable[[int], RankPool]
 
 REQUIRED_FIELDS = {
     "op",
@@ -51,7 +56,7 @@ def test_element_counts_split_evenly() -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_every_op_is_correct(pool, world: int) -> None:
+def test_every_op_is_correct(pool: PoolFn, world: int) -> None:
     config = CollectiveBenchConfig(ops=OPS, sizes_bytes=(4, 4000, 65536), iters=2, warmup=1)
     results = pool(world).run(bench_collectives_on_rank, config)
     records = results[0]
@@ -65,7 +70,7 @@ def test_every_op_is_correct(pool, world: int) -> None:
         )
 
 
-def test_wrong_column_detects_a_skipped_collective(pool) -> None:
+def test_wrong_column_detects_a_skipped_collective(pool: PoolFn) -> None:
     for op in OPS:
         wrong = pool(2).run(corrupted_case_is_caught, op)
         # The root of reduce (rank 0) holds the result; the root of broadcast already has it.
@@ -146,4 +151,5 @@ def test_cli_bad_input_is_one_line_exit_2() -> None:
         )
         assert proc.returncode == 2, (args, proc.stderr)
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and needle in lines[0], (args, proc.stderr)
+        # cast: mypy types each [args, needle] case list as Sequence[str]
+        assert len(lines) == 1 and cast(str, needle) in lines[0], (args, proc.stderr)

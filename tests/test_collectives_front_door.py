@@ -7,6 +7,8 @@ checks what every algorithm shares through ``commfuse.collectives``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import cast
 
 import pytest
 import torch
@@ -15,6 +17,9 @@ from commfuse import collectives as C
 from commfuse.cluster import RankError
 from commfuse.collectives.registry import algorithms_for, resolve
 from commfuse.comm import CommConfig, CommError, Communicator, InconsistentInputError
+from commfuse.testing import RankPool
+
+PoolFn = Callable[[int], RankPool]
 
 
 def every(collective: str) -> list[str]:
@@ -66,7 +71,11 @@ def out_of_place_leaves_input() -> dict[str, bool]:
         keep = src.clone()
         out = torch.empty_like(src)
         C.allreduce(comm, src, "sum", algo=algo, out=out)
-        expected = sum(torch.arange(10, dtype=torch.float64) + r for r in range(comm.world_size))
+        # cast: typeshed's sum() adds Literal[0] for an empty iterable; world_size >= 1 here
+        expected = cast(
+            torch.Tensor,
+            sum(torch.arange(10, dtype=torch.float64) + r for r in range(comm.world_size)),
+        )
         ok[algo] = torch.equal(src, keep) and torch.equal(out, expected)
     return ok
 
@@ -119,6 +128,7 @@ def mismatched_lengths(algo: str) -> None:
 def bad_arguments() -> list[str]:
     comm = Communicator()
     messages = []
+    call: Callable[[], object]
     for call in (
         lambda: C.allreduce(comm, torch.ones(4), algo="carrier-pigeon"),
         lambda: C.allreduce(comm, torch.ones(4, dtype=torch.int32), "avg"),
@@ -150,30 +160,30 @@ def peer_dies_mid_collective(algo: str) -> str:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
-def test_empty_and_single_element_through_every_algorithm(pool, world: int) -> None:
+def test_empty_and_single_element_through_every_algorithm(pool: PoolFn, world: int) -> None:
     for result in pool(world).run(empty_and_single_element, timeout_s=120):
         failed = [name for name, good in result.items() if not good]
         assert not failed, failed
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_out_of_place_allreduce_leaves_the_input(pool, world: int) -> None:
+def test_out_of_place_allreduce_leaves_the_input(pool: PoolFn, world: int) -> None:
     for result in pool(world).run(out_of_place_leaves_input):
         assert all(result.values()), result
 
 
 @pytest.mark.parametrize("algo", ["ring", "rabenseifner", "doubling", "pipeline", "native"])
-def test_async_then_sync_on_every_rank(pool, algo: str) -> None:
+def test_async_then_sync_on_every_rank(pool: PoolFn, algo: str) -> None:
     assert all(pool(3).run(async_then_sync_keeps_order, algo))
 
 
-def test_collectives_inside_a_queued_function_run_in_order(pool) -> None:
+def test_collectives_inside_a_queued_function_run_in_order(pool: PoolFn) -> None:
     for total, after in pool(3).run(rounds_inside_a_queued_function):
         assert (total, after) == (12.0, 2.0)
 
 
 @pytest.mark.parametrize("algo", ["ring", "pipeline"])
-def test_mismatched_lengths_are_named_not_hung(pool, algo: str) -> None:
+def test_mismatched_lengths_are_named_not_hung(pool: PoolFn, algo: str) -> None:
     with pytest.raises(RankError) as info:
         pool(2).run(mismatched_lengths, algo, timeout_s=60)
     assert isinstance(info.value.exc, InconsistentInputError)
@@ -182,7 +192,7 @@ def test_mismatched_lengths_are_named_not_hung(pool, algo: str) -> None:
     ) and "rank 1: torch.float32 (101,)" in str(info.value.exc)
 
 
-def test_bad_arguments_get_clear_errors(pool) -> None:
+def test_bad_arguments_get_clear_errors(pool: PoolFn) -> None:
     messages = pool(2).run(bad_arguments)[0]
     expected = [
         "unknown allreduce algorithm 'carrier-pigeon'",
@@ -200,7 +210,7 @@ def test_bad_arguments_get_clear_errors(pool) -> None:
 
 
 @pytest.mark.parametrize("algo", ["ring", "rabenseifner", "pipeline"])
-def test_a_dead_peer_makes_the_others_raise_within_the_deadline(pool, algo: str) -> None:
+def test_a_dead_peer_makes_the_others_raise_within_the_deadline(pool: PoolFn, algo: str) -> None:
     with pytest.raises(RankError) as info:
         pool(3).run(peer_dies_mid_collective, algo, timeout_s=60)
     assert info.value.rank == 1

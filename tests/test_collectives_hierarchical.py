@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 import torch
@@ -23,8 +24,12 @@ from commfuse.collectives.hierarchical import _LEVELS, predicted_allreduce_s
 from commfuse.collectives.reduce_ops import reference_reduce
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
+from commfuse.testing import RankPool
 from test_collectives_pipeline_tree import Counts, _cases, lp_counts, rank_input, tree_counts
 from test_collectives_ring_doubling import expected_allreduce
+
+PoolFn = Callable[[int], RankPool]
+Outcomes = dict[int, list[dict[str, Any]]]  # world size -> each rank's hierarchical_checks()
 
 LAYOUTS = {4: [2], 8: [2, 4]}  # world size -> ranks per host to test
 NUMEL, BLOCK_BYTES = 1001, 400  # float32: n = 4004 bytes, k = 11 blocks of 100 elements
@@ -45,7 +50,7 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
         for index, (dtype, op, numel) in enumerate(_cases()):
             everyone = [rank_input(r, numel, dtype, op) for r in range(world)]
             where = f"L={local} {dtype} {op} n={numel}"
-            opts = {"ranks_per_host": local, "block_bytes": ODD_BLOCK_BYTES}
+            opts: dict[str, Any] = {"ranks_per_host": local, "block_bytes": ODD_BLOCK_BYTES}
             # 2D, pipelined in 3 chunks of odd sizes; the cross-host step on the worker thread.
             t = everyone[rank].clone()
             allreduce(comm, t, op, algo="hierarchical", inter_algo="pipeline", num_chunks=3, **opts)
@@ -88,7 +93,7 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
         c = comm.stats[label(fn.__name__, "hierarchical")]
         traffic[key] = (c.bytes_sent, c.messages_sent, c.bytes_recv, c.messages_recv)
 
-    two_d = {"num_chunks": CHUNKS, "num_segments": SEGMENTS}
+    two_d: dict[str, Any] = {"num_chunks": CHUNKS, "num_segments": SEGMENTS}
     opts = {"block_bytes": BLOCK_BYTES, "inter_algo": "pipeline", "intra_algo": "tree"}
     for local in layouts:
         count(f"allreduce.2d.{local}", allreduce, ranks_per_host=local, **two_d)
@@ -132,12 +137,16 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
     if not (busy and torch.equal(t, reference_reduce(everyone, "sum"))):
         bad.append("async allreduce")
     errors = []
-    for bad_opts in [
-        {"ranks_per_host": 3},
-        {"inter_algo": "hierarchical"},
-        {"intra_algo": "x"},
-        {"num_chunks": 0},
-    ]:
+    # cast: the literal's dicts mix int and str values, which mypy joins to list[object]
+    for bad_opts in cast(
+        "list[dict[str, Any]]",
+        [
+            {"ranks_per_host": 3},
+            {"inter_algo": "hierarchical"},
+            {"intra_algo": "x"},
+            {"num_chunks": 0},
+        ],
+    ):
         try:
             allreduce(comm, torch.ones(8), algo="hierarchical", **{"ranks_per_host": 2, **bad_opts})
         except ValueError as err:
@@ -203,20 +212,20 @@ def broadcast_counts(rank: int, local: int, world: int, root: int) -> Counts:
 
 
 @pytest.fixture(scope="module")
-def outcomes(pool) -> dict[int, list[dict[str, Any]]]:
+def outcomes(pool: PoolFn) -> Outcomes:
     return {
         w: pool(w).run(hierarchical_checks, layouts, timeout_s=240)
         for w, layouts in LAYOUTS.items()
     }
 
 
-def test_results_match_exact_reference(outcomes) -> None:
+def test_results_match_exact_reference(outcomes: Outcomes) -> None:
     failures = [f for per_rank in outcomes.values() for out in per_rank for f in out["failures"]]
     assert failures == []
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_bytes_and_messages_per_level(outcomes, world: int) -> None:
+def test_bytes_and_messages_per_level(outcomes: Outcomes, world: int) -> None:
     for rank, out in enumerate(outcomes[world]):
         got = out["traffic"]
         expected: dict[str, Counts] = {}
@@ -241,7 +250,7 @@ def test_bytes_and_messages_per_level(outcomes, world: int) -> None:
         assert got == expected, f"rank {rank}"
 
 
-def test_bad_options_and_cached_groups(outcomes) -> None:
+def test_bad_options_and_cached_groups(outcomes: Outcomes) -> None:
     for per_rank in outcomes.values():
         for out in per_rank:
             assert out["cached"]

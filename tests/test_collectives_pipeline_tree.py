@@ -9,6 +9,7 @@ bitwise; ``avg`` is the exact sum divided in the dtype, as ``finish_`` does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ from commfuse.collectives.pipeline import link_cost_from_env
 from commfuse.collectives.reduce_ops import reference_reduce
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
+from commfuse.testing import RankPool
+
+PoolFn = Callable[[int], RankPool]
 
 WORLDS = [2, 3, 4, 5, 8]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
@@ -198,7 +202,7 @@ def tree_counts(collective: str, rank: int, world: int, root: int, n: int) -> Co
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_results_match_exact_reference(pool, world: int) -> None:
+def test_results_match_exact_reference(pool: PoolFn, world: int) -> None:
     failures = [f for per_rank in pool(world).run(check_grid, timeout_s=180) for f in per_rank]
     assert failures == []
 
@@ -206,7 +210,7 @@ def test_results_match_exact_reference(pool, world: int) -> None:
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("numel,block_bytes", [(1, 4), (1001, 400), (100_003, None)])
 def test_bytes_and_messages_match_formulas(
-    pool, world: int, numel: int, block_bytes: int | None
+    pool: PoolFn, world: int, numel: int, block_bytes: int | None
 ) -> None:
     n = 4 * numel
     assert tree_num_children(0, world) == math.ceil(math.log2(world))
@@ -226,11 +230,11 @@ def test_bytes_and_messages_match_formulas(
 
 
 @pytest.mark.parametrize("world", [3, 4])
-def test_async_form_overlaps_and_keeps_order(pool, world: int) -> None:
+def test_async_form_overlaps_and_keeps_order(pool: PoolFn, world: int) -> None:
     failures = [f for per_rank in pool(world).run(check_async) for f in per_rank]
     assert failures == []
 
 
-def test_bad_block_bytes_is_a_value_error(pool) -> None:
+def test_bad_block_bytes_is_a_value_error(pool: PoolFn) -> None:
     errors = pool(2).run(bad_block_bytes)[0]
     assert len(errors) == 4 and all("block_bytes must be a positive int" in e for e in errors)

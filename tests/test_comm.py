@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +22,9 @@ from commfuse.comm import (
     PeerFailureError,
     merge_chrome_traces,
 )
+from commfuse.testing import RankPool
+
+PoolFn = Callable[[int], RankPool]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 
@@ -27,7 +32,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 # ---- rank functions (module level, so the pool's ranks can import them) -----------------------
 
 
-def ring_shift(numel: int, dtype: torch.dtype) -> dict[str, object]:
+def ring_shift(numel: int, dtype: torch.dtype) -> dict[str, Any]:
     """Every rank sends numel elements to the next rank and receives from the previous."""
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
@@ -142,7 +147,7 @@ def bad_op() -> None:
     comm.all_reduce(torch.ones(4, dtype=torch.int32), "avg")
 
 
-def traced(path: str) -> list[dict[str, object]]:
+def traced(path: str) -> list[dict[str, Any]]:
     comm = Communicator(config=CommConfig(trace=True))
     t = torch.ones(1000)
     with comm.at_step(3):
@@ -201,7 +206,7 @@ def split_of_a_split() -> tuple[float, float, str]:
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("numel", [0, 1, 1023])
-def test_point_to_point_counts_are_exact(pool, world: int, numel: int) -> None:
+def test_point_to_point_counts_are_exact(pool: PoolFn, world: int, numel: int) -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         results = pool(world).run(ring_shift, numel, dtype)
         size = torch.tensor([], dtype=dtype).element_size()
@@ -216,18 +221,18 @@ def test_point_to_point_counts_are_exact(pool, world: int, numel: int) -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_native_collectives_match_reference(pool, world: int, dtype: torch.dtype) -> None:
+def test_native_collectives_match_reference(pool: PoolFn, world: int, dtype: torch.dtype) -> None:
     for numel in (1, 33):
         for result in pool(world).run(native_collectives, numel, dtype):
             assert all(result.values()), result
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_all_to_all_with_uneven_splits(pool, world: int) -> None:
+def test_all_to_all_with_uneven_splits(pool: PoolFn, world: int) -> None:
     assert all(pool(world).run(uneven_all_to_all))
 
 
-def test_wait_past_deadline_names_rank_op_peer_and_step(pool) -> None:
+def test_wait_past_deadline_names_rank_op_peer_and_step(pool: PoolFn) -> None:
     results = pool(2).run(recv_never_sent, 1.0, timeout_s=30)
     kind, rank, op, peer, step, message = results[0].split("|", 5)
     assert (kind, rank, op, peer, step) == ("CommTimeoutError", "0", "recv", "1", "7")
@@ -241,7 +246,7 @@ def test_wait_past_deadline_names_rank_op_peer_and_step(pool) -> None:
     assert all(r["ok"] for r in pool(2).run(ring_shift, 8, torch.float32))
 
 
-def test_peer_death_raises_on_the_survivor_within_deadline(pool) -> None:
+def test_peer_death_raises_on_the_survivor_within_deadline(pool: PoolFn) -> None:
     with pytest.raises(RankError) as info:
         pool(2).run(die_mid_collective, 20.0, timeout_s=30)
     assert info.value.rank == 1 and "died" in str(info.value)
@@ -253,7 +258,7 @@ def test_peer_death_raises_on_the_survivor_within_deadline(pool) -> None:
     assert all(r["ok"] for r in pool(2).run(ring_shift, 8, torch.float32))
 
 
-def test_mismatched_shapes_are_named(pool) -> None:
+def test_mismatched_shapes_are_named(pool: PoolFn) -> None:
     with pytest.raises(RankError) as info:
         pool(2).run(mismatched_shapes)
     assert isinstance(info.value.exc, InconsistentInputError)
@@ -262,13 +267,13 @@ def test_mismatched_shapes_are_named(pool) -> None:
     ) and "rank 1: torch.float32 (5,)" in str(info.value.exc)
 
 
-def test_avg_of_integers_is_refused(pool) -> None:
+def test_avg_of_integers_is_refused(pool: PoolFn) -> None:
     with pytest.raises(RankError) as info:
         pool(2).run(bad_op)
     assert isinstance(info.value.exc, ValueError) and "avg" in str(info.value.exc)
 
 
-def test_trace_exports_chrome_json(pool, tmp_path: Path) -> None:
+def test_trace_exports_chrome_json(pool: PoolFn, tmp_path: Path) -> None:
     results = pool(2).run(traced, str(tmp_path))
     for events in results:
         kinds = [e["kind"] for e in events]
@@ -283,7 +288,7 @@ def test_trace_exports_chrome_json(pool, tmp_path: Path) -> None:
     assert {e["name"] for e in spans} == {"sendrecv", "all_reduce"}
 
 
-def test_host_subgroups(pool) -> None:
+def test_host_subgroups(pool: PoolFn) -> None:
     results = pool(4).run(hierarchical_groups)
     for rank, result in enumerate(results):
         host = rank // 2
@@ -295,7 +300,7 @@ def test_host_subgroups(pool) -> None:
         assert result["intra_sent"] == 4 and result["world_sent"] == 0
 
 
-def test_world_of_one_is_a_cheap_real_path(pool) -> None:
+def test_world_of_one_is_a_cheap_real_path(pool: PoolFn) -> None:
     for dtype in (torch.float32, torch.int64):
         assert all(pool(1).run(native_collectives, 5, dtype)[0].values())
 
@@ -310,7 +315,7 @@ def test_peer_failure_is_a_comm_error() -> None:
     assert issubclass(PeerFailureError, CommError) and issubclass(CommTimeoutError, TimeoutError)
 
 
-def test_split_of_a_sub_communicator(pool) -> None:
+def test_split_of_a_sub_communicator(pool: PoolFn) -> None:
     results = pool(5).run(split_of_a_split, timeout_s=60)
     # world ranks 0,2 | 1 | 3 | 4; halves of 3 and 2 ranks.
     assert [r[0] for r in results] == [2.0, 1.0, 2.0, 3.0, 4.0]

@@ -202,7 +202,7 @@ def test_random_sparsifiers_share_indices_per_step_and_bucket(spec: str) -> None
     same = c.indices(1000, step=4, bucket=2)
     assert torch.equal(same, c.indices(1000, step=4, bucket=2))  # what every rank draws
     assert not torch.equal(same, c.indices(1000, step=5, bucket=2))
-    assert same.numel() == 100 and same.unique().numel() == 100
+    assert same.numel() == 100 and same.unique().numel() == 100  # type: ignore[no-untyped-call]  # torch's Tensor.unique is unannotated
     back = c.decompress(c.compress(x, step=4, bucket=2), 1000, step=4, bucket=2)
     assert torch.equal(back[same], x[same]) and int((back != 0).sum()) == 100
     if spec.startswith("randblock"):
@@ -279,11 +279,11 @@ def test_powersgd_layout_rejects_bad_shapes_and_mismatched_buckets() -> None:
     c = make_compressor("powersgd:rank=2")
     assert isinstance(c, PowerSGDCompressor)
     with pytest.raises(ValueError, match=re.escape("tensor 1 has a negative dimension in (-1, 3)")):
-        c.set_layout(0, [torch.Size([3]), (-1, 3)])
+        c.set_layout(0, [torch.Size([3]), (-1, 3)])  # type: ignore[list-item]  # a bad layout on purpose
     with pytest.raises(
         ValueError, match=re.escape("tensor 0 has shape 'ab', not a sequence of ints")
     ):
-        c.set_layout(0, ["ab"])
+        c.set_layout(0, ["ab"])  # type: ignore[list-item]  # a bad layout on purpose
     c.set_layout(0, [torch.Size([10, 10])])
     with pytest.raises(ValueError, match=re.escape("bucket 0 has 99 elements but its layout")):
         c.payload_bytes(99, torch.float32, 2, bucket=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -87,8 +87,8 @@ def layout_reference(c: PowerSGDCompressor, grads: list[torch.Tensor], step: int
             start = g.q_offset + j * g.cols * g.rank
             q = q0[start : start + g.cols * g.rank].view(g.cols, g.rank)
             mats = [x[m.offset : m.offset + size].view(g.rows, g.cols) for x in grads]
-            p = orthonormalize(sum(mat @ q for mat in mats) / world)
-            q = sum(mat.T @ p for mat in mats) / world
+            p = orthonormalize(cast(torch.Tensor, sum(mat @ q for mat in mats)) / world)
+            q = cast(torch.Tensor, sum(mat.T @ p for mat in mats)) / world
             out[m.offset : m.offset + size] = (p @ q.T).reshape(-1)
     return out
 
@@ -109,7 +109,9 @@ def acp_reference(c: ACPSGDCompressor, grads: list[torch.Tensor], step: int) -> 
             start = g.q_offset + j * g.cols * g.rank
             q = orthonormalize(q0[start : start + g.cols * g.rank].view(g.cols, g.rank))
             mats = [x[m.offset : m.offset + size].view(g.rows, g.cols) for x in padded]
-            out[m.offset : m.offset + size] = (sum(mat @ q @ q.T for mat in mats) / world).view(-1)
+            out[m.offset : m.offset + size] = (
+                cast(torch.Tensor, sum(mat @ q @ q.T for mat in mats)) / world
+            ).view(-1)
     return out[:numel]
 
 
@@ -139,8 +141,8 @@ def reference(c: GradientCompressor, grads: list[torch.Tensor], step: int) -> to
     m, cols = matrix_shape(numel)
     mats = [torch.nn.functional.pad(g, (0, m * cols - numel)).view(m, cols) for g in grads]
     q = c.initial_q(cols, torch.float32, 0)
-    p = orthonormalize(sum(mat @ q for mat in mats) / world)
-    q = sum(mat.T @ p for mat in mats) / world
+    p = orthonormalize(cast(torch.Tensor, sum(mat @ q for mat in mats)) / world)
+    q = cast(torch.Tensor, sum(mat.T @ p for mat in mats)) / world
     return (p @ q.T).reshape(-1)[:numel]
 
 

@@ -7,7 +7,9 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -39,6 +41,9 @@ from commfuse.collectives.tuner import (
     set_profile,
 )
 from commfuse.comm import Communicator
+from commfuse.testing import RankPool
+
+PoolFn = Callable[[int], RankPool]
 
 GIG = C.LinkCost.from_link_gbit(1.0, alpha_s=100e-6)
 
@@ -344,7 +349,7 @@ def calibrate_and_choose() -> tuple[str, list[tuple[str, int, str, str]], int]:
     return profile.to_json(), choices, len(again)
 
 
-def test_calibration_gives_every_rank_the_same_profile_and_choices(pool) -> None:
+def test_calibration_gives_every_rank_the_same_profile_and_choices(pool: PoolFn) -> None:
     results = pool(3).run(calibrate_and_choose, timeout_s=120)
     assert len({r[0] for r in results}) == 1 and len({tuple(r[1]) for r in results}) == 1
     profile = Profile.from_json(results[0][0])
@@ -421,7 +426,8 @@ def test_tune_cli_bad_input_is_one_line_exit_2() -> None:
         proc = _tune(*args)
         assert proc.returncode == 2, (args, proc.stderr)
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and needle in lines[0], (args, proc.stderr)
+        # cast: mypy types each [args, needle] case list as Sequence[str]
+        assert len(lines) == 1 and cast(str, needle) in lines[0], (args, proc.stderr)
 
 
 def test_uncalibrated_all_to_all_goes_pairwise_only_where_gloos_was_measured_slower(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar, Literal, cast
 
 import pytest
 import torch
@@ -47,7 +47,8 @@ class Net(nn.Module):
         h = torch.relu(self.frozen(torch.relu(self.inp(x))))
         if use_branch:
             h = h + torch.tanh(self.branch(h))
-        return self.head(h)
+        out: torch.Tensor = self.head(h)
+        return out
 
 
 def _batches(steps: int, micro: int) -> list[list[torch.Tensor]]:
@@ -96,7 +97,8 @@ def against_torch_ddp(
         algo=algo, bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb, find_unused_parameters=unused
     )
     ours = DataParallel(ours_net, Communicator(), config=config)
-    theirs = DDP(theirs_net, bucket_cap_mb_list=[cap_mb], find_unused_parameters=unused)
+    # torch annotates list[int], but scales each cap with int(cap_mb * 2**20): fractional MiB work
+    theirs = DDP(theirs_net, bucket_cap_mb_list=[cap_mb], find_unused_parameters=unused)  # type: ignore[list-item]
     batches = _batches(3, micro)
     _train(theirs_net, theirs, batches, unused, set_to_none)
     _train(ours_net, ours, batches, unused, set_to_none)
@@ -210,8 +212,8 @@ def test_collectives_and_bytes_match_layout(pool: PoolFn, algo: str) -> None:
 class HalfCompressor:
     """A tiny fp16 compressor with error feedback, standing in for commfuse.compress here."""
 
-    name = "half-test"
-    aggregation = "allreduce"
+    name: ClassVar[str] = "half-test"
+    aggregation: ClassVar[Literal["allreduce", "allgather"]] = "allreduce"
 
     def __init__(self) -> None:
         self.residual: dict[int, torch.Tensor] = {}
@@ -243,7 +245,7 @@ def _state_finite(state: Any) -> bool:
     return True
 
 
-def nonfinite(mode: str, compressor: str | None) -> dict[str, Any]:
+def nonfinite(mode: Literal["skip", "raise"], compressor: str | None) -> dict[str, Any]:
     """3 steps on 2 ranks, rank 1's step-1 input NaN. ``compressor``: None, "half-test" (a
     custom one: agreement round first) or a commfuse.compress spec (fp16 and PowerSGD skip the
     round: their output turns non-finite everywhere and is checked)."""
@@ -258,7 +260,7 @@ def nonfinite(mode: str, compressor: str | None) -> dict[str, Any]:
         comp = make_compressor(compressor)
     dp = DataParallel(
         net, config=DataParallelConfig(on_nonfinite=mode, compressor=comp, bucket_cap_mb=TINY_MB)
-    )  # type: ignore[arg-type]
+    )
     opt = torch.optim.SGD(dp.parameters(), lr=0.1)
     out: dict[str, Any] = {"skipped": [], "messages": [], "error": None}
     for step in range(3):
@@ -396,10 +398,14 @@ def rank_without_gradient(via_step: bool) -> dict[str, Any]:
         ref_opt.zero_grad()
         ref(x).pow(2).sum().mul(0.0 if idle else 1.0).backward()
         order = list(reversed(list(ref.parameters())))
-        flat = torch.cat([p.grad.reshape(-1) for p in order]) * (1 / comm.world_size)
+        # cast: the backward just above gave every parameter a gradient
+        flat = torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in order]) * (
+            1 / comm.world_size
+        )
         dist.all_reduce(flat)
         offset = 0
         for p in order:
+            assert p.grad is not None
             p.grad.copy_(flat[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
         ref_opt.step()

@@ -72,7 +72,7 @@ def test_config_errors_name_the_field() -> None:
     with pytest.raises(ValueError, match="compressor must implement"):
         DataParallelConfig(compressor=object())  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        DataParallelConfig(25.0)  # type: ignore[misc]
+        DataParallelConfig(25.0)  # type: ignore[call-arg]
 
 
 def test_unreachable_params_walks_the_graph() -> None:

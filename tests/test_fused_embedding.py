@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -128,7 +129,7 @@ def grid(num_tables: int) -> list[str]:
                 comm.stats.reset()
                 (out * g[mine]).sum().backward()
                 back = comm.stats[LABEL]
-                (truth * g).sum().backward()
+                (truth * g).sum().backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
                 for p, t in zip(module.tables, module.local_tables, strict=True):
                     grad_truth = leaves[t].grad
                     assert p.grad is not None and grad_truth is not None
@@ -176,18 +177,20 @@ def direct_call_and_errors() -> list[str]:
     if not torch.equal(direct.index_select(1, module.order), out.detach()):
         failures.append(f"rank {comm.rank}: function form differs from the module")
     # Checked before any communication, so every rank raises (nobody is left waiting).
-    bad_calls = {
+    bad_calls: dict[str, dict[str, Any]] = {
         "batch_splits needs": dict(batch_splits=[*splits, 1]),
         "mode must be one of": dict(mode="max"),
         "tables_per_rank says": dict(tables_per_rank=[t + 1 for t in module.tables_per_rank]),
     }
     for needle, change in bad_calls.items():
-        kwargs = dict(batch_splits=splits, tables_per_rank=module.tables_per_rank, mode="sum", **{})
+        kwargs: dict[str, Any] = dict(
+            batch_splits=splits, tables_per_rank=module.tables_per_rank, mode="sum", **{}
+        )
         kwargs.update(change)
         try:
             embedding_alltoall(
                 comm, list(module.tables), idx, off, dim=2, dtype=torch.float32, **kwargs
-            )  # type: ignore[arg-type]
+            )
             failures.append(f"rank {comm.rank}: no error for {change}")
         except ValueError as err:
             if needle not in str(err):

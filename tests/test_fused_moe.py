@@ -69,7 +69,7 @@ def expected(counts: torch.Tensor, world: int, rank: int) -> dict[str, torch.Ten
         loss = loss + (y * g).sum()
         if i == rank:
             mine["y"], mine["x"] = y.detach(), x
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
     assert w1.grad is not None and w2.grad is not None and mine["x"].grad is not None
     mine.update(grad_x=mine["x"].grad, grad_w1=w1.grad, grad_w2=w2.grad)
     return mine

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -99,11 +100,11 @@ def module_grid(num_experts: int, cf: float | None) -> tuple[list[str], int]:
             loss = loss + (yi.float() * gi.float()).sum()
             if i == rank:
                 mine, x_ref, y_ref = xi, xi, yi
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         assert mine is not None and x_ref.grad is not None and w1.grad is not None
         assert w2.grad is not None and gate.grad is not None
         lo, hi = l1.expert_range
-        tol = (
+        tol: dict[str, Any] = (
             {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
         )
         if not torch.allclose(out3.float(), y_ref.float(), **tol):

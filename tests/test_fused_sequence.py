@@ -187,15 +187,16 @@ def modules() -> list[str]:
         out.sum().backward()
         truth.sum().backward()  # every rank's rows: the weights see all of them
         assert truth_x.grad is not None
+        assert ref1.weight.grad is not None and ref2.weight.grad is not None
         if x.grad is None or not torch.equal(x.grad, truth_x.grad[mine]):
             failures.append(f"{where}: input gradient differs")
         if col.weight.grad is None or not torch.equal(
             col.weight.grad, ref1.weight.grad[slice(*col.out_range)]
-        ):  # type: ignore[index]
+        ):
             failures.append(f"{where}: column weight gradient differs")
         if row.weight.grad is None or not torch.equal(
             row.weight.grad, ref2.weight.grad[:, slice(*row.in_range)]
-        ):  # type: ignore[index]
+        ):
             failures.append(f"{where}: row weight gradient differs")
     return failures
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 import torch
@@ -38,7 +39,9 @@ from commfuse.workloads.tp_transformer import (
 PoolFn = Callable[[int], RankPool]
 SEED = 3
 #: 6 heads and 6 tokens divide by 1, 2 and 3 ranks; d_ff = 10 gives uneven MLP shards at P = 3.
-SHAPE = dict(d_model=12, num_heads=6, d_ff=10, num_layers=2, seq_len=6, batch=2, num_classes=5)
+SHAPE: dict[str, Any] = dict(
+    d_model=12, num_heads=6, d_ff=10, num_layers=2, seq_len=6, batch=2, num_classes=5
+)
 FUSED_LABELS = (gar.LABEL, sp.LABEL_AG, sp.LABEL_RS)
 
 
@@ -99,9 +102,9 @@ def my_shard(model: TPTransformer, name: str, full: torch.Tensor) -> torch.Tenso
     module_name, _, kind = name.rpartition(".")
     module = model.get_submodule(module_name)
     if module_name.endswith((".qkv", ".fc1")):
-        return full[slice(*module.out_range)]
+        return full[slice(*cast("tuple[int, int]", module.out_range))]
     if module_name.endswith((".proj", ".fc2")) and kind == "weight":
-        return full[:, slice(*module.in_range)]
+        return full[:, slice(*cast("tuple[int, int]", module.in_range))]
     return full
 
 
@@ -146,6 +149,7 @@ def _check_block(sequence_parallel: bool, num_chunks: int) -> list[str]:
     where = f"rank {rank}/{world} sp={sequence_parallel} chunks={num_chunks}"
     failures: list[str] = []
     runs = {}
+    fused: bool | TPTransformer  # the loop's flag, then (below) the fused model
     for fused in (False, True):
         model = workload.build_model(comm, SEED, fused=fused, num_chunks=num_chunks)
         x, y = workload.batch(0, rank, world, seed=SEED)
@@ -154,7 +158,7 @@ def _check_block(sequence_parallel: bool, num_chunks: int) -> list[str]:
         loss = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
         ) / (options.seq_len * options.batch)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         workload.sync_gradients(comm, model, loss)
         snapshot = comm.stats.snapshot()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -7,6 +7,8 @@ written out by hand.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -14,6 +16,9 @@ from torch import nn
 from commfuse.comm import Communicator
 from commfuse.localsgd import PeriodicSyncOptimizer, config_from_preset
 from commfuse.localsgd.fragments import fragments_due, split_into_fragments
+from commfuse.testing import RankPool
+
+PoolFn = Callable[[int], RankPool]
 
 
 def tiny_model() -> nn.Module:
@@ -29,7 +34,8 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     x, y = batch(rank, step)
-    return ((model(x) - y) ** 2).mean()
+    loss: torch.Tensor = ((model(x) - y) ** 2).mean()
+    return loss
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
@@ -48,7 +54,7 @@ def train(
     )
     opt = PeriodicSyncOptimizer(opt_inner, model, comm, config_from_preset(name, options))
     for step in range(steps):
-        loss_of(model, comm.rank, step).backward()
+        loss_of(model, comm.rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         opt.step()
         opt.zero_grad()
     opt.finish()
@@ -80,14 +86,14 @@ def one_rank_equals_inner(name: str, options: dict[str, str]) -> float:
     model = tiny_model()
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
     for step in range(7):
-        loss_of(model, 0, step).backward()
+        loss_of(model, 0, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         inner.step()
         inner.zero_grad()
     return float((got - flat_params(model)).abs().max())
 
 
 @pytest.mark.parametrize(("name", "options"), PLAIN)
-def test_one_rank_equals_inner_optimizer(pool, name: str, options: dict[str, str]) -> None:
+def test_one_rank_equals_inner_optimizer(pool: PoolFn, name: str, options: dict[str, str]) -> None:
     (err,) = pool(1).run(one_rank_equals_inner, name, options)
     assert err < 1e-6
 
@@ -101,7 +107,7 @@ def h1_equals_ddp() -> tuple[float, int, int]:
     ddp = nn.parallel.DistributedDataParallel(model)
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(5):
-        loss_of(ddp, comm.rank, step).backward()
+        loss_of(ddp, comm.rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         sgd.step()
         sgd.zero_grad()
     ref = flat_params(model)
@@ -111,7 +117,7 @@ def h1_equals_ddp() -> tuple[float, int, int]:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_h1_local_sgd_equals_synchronous_data_parallel(pool, world: int) -> None:
+def test_h1_local_sgd_equals_synchronous_data_parallel(pool: PoolFn, world: int) -> None:
     for rel, calls, _ in pool(world).run(h1_equals_ddp):
         assert rel < 1e-6
         assert calls == 5  # one exchange of the whole model per step, nothing else (the
@@ -136,7 +142,7 @@ def diloco_vs_replay(period: int, periods: int) -> tuple[float, int, int, list[f
         for local in range(period):
             step = p_index * period + local
             for rank, (m, o) in enumerate(zip(replicas, inners, strict=True)):
-                loss_of(m, rank, step).backward()
+                loss_of(m, rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
                 o.step()
                 o.zero_grad()
         deltas = [anchor - flat_params(m) for m in replicas]
@@ -155,7 +161,7 @@ def diloco_vs_replay(period: int, periods: int) -> tuple[float, int, int, list[f
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_diloco_outer_step_matches_hand_computed_reference(pool, world: int) -> None:
+def test_diloco_outer_step_matches_hand_computed_reference(pool: PoolFn, world: int) -> None:
     for err, calls, payload, drifts in pool(world).run(diloco_vs_replay, 3, 2):
         assert err < 1e-5
         numel = sum(p.numel() for p in tiny_model().parameters())
@@ -200,7 +206,7 @@ def streaming_bytes() -> tuple[list[int], int, list[int]]:
     return sizes, opt.world_comm.stats["all_reduce"].payload_bytes, [s.step for s in opt.syncs]
 
 
-def test_streaming_sends_each_fragment_at_its_own_step(pool) -> None:
+def test_streaming_sends_each_fragment_at_its_own_step(pool: PoolFn) -> None:
     for sizes, payload, steps in pool(2).run(streaming_bytes):
         # 8 steps, H=4, 2 fragments: fragment 1 at steps 2 and 6, fragment 0 at 4 and 8.
         assert steps == [2, 4, 6, 8]
@@ -227,7 +233,7 @@ def final_models(
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_final_sync_of_local_sgd_is_the_replicas_average(pool, world: int) -> None:
+def test_final_sync_of_local_sgd_is_the_replicas_average(pool: PoolFn, world: int) -> None:
     # H=8 stopped after 5 steps: no periodic exchange yet, then one of the whole model. With
     # outer lr 1 and no momentum the outer step is the plain average.
     drifted, synced, n_drifted, n_synced = pool(world).run(
@@ -253,7 +259,7 @@ def test_final_sync_of_local_sgd_is_the_replicas_average(pool, world: int) -> No
     ],
 )
 def test_final_sync_leaves_one_model(
-    pool, name: str, options: dict[str, str], steps: int, extra: int
+    pool: PoolFn, name: str, options: dict[str, str], steps: int, extra: int
 ) -> None:
     drifted, synced, n_drifted, n_synced = pool(3).run(final_models, name, options, steps)[0]
     assert n_synced == n_drifted + extra
@@ -275,7 +281,7 @@ def resume_mid_period(name: str, options: dict[str, str]) -> float:
         config_from_preset(name, options),
     )
     for step in range(5):
-        loss_of(model, comm.rank, step).backward()
+        loss_of(model, comm.rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         opt.step()
         opt.zero_grad()
     saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict())
@@ -293,7 +299,7 @@ def resume_mid_period(name: str, options: dict[str, str]) -> float:
     model2.load_state_dict(saved[0])
     opt2.load_state_dict(saved[1])
     for step in range(5, 9):
-        loss_of(model2, comm.rank, step).backward()
+        loss_of(model2, comm.rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         opt2.step()
         opt2.zero_grad()
     opt2.finish()
@@ -308,12 +314,14 @@ def resume_mid_period(name: str, options: dict[str, str]) -> float:
         ("streaming-diloco", {"H": "4", "fragments": "2", "overlap": "2"}),
     ],
 )
-def test_resume_mid_period_equals_uninterrupted(pool, name: str, options: dict[str, str]) -> None:
+def test_resume_mid_period_equals_uninterrupted(
+    pool: PoolFn, name: str, options: dict[str, str]
+) -> None:
     assert pool(2).run(resume_mid_period, name, options) == [0.0, 0.0]
 
 
 # -- hierarchical: every step inside a host, every H across ------------------------------
-def test_hierarchical_periods(pool) -> None:
+def test_hierarchical_periods(pool: PoolFn) -> None:
     results = pool(4).run(hierarchical_counts_2x2)
     for intra_calls, inter_calls, spread in results:
         assert (intra_calls, inter_calls) == (6, 2)
@@ -327,7 +335,7 @@ def hierarchical_counts_2x2() -> tuple[int, int, float]:
     cfg.ranks_per_host = 2
     opt = PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm, cfg)
     for step in range(6):
-        loss_of(model, comm.rank, step).backward()
+        loss_of(model, comm.rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         opt.step()
         opt.zero_grad()
     got = flat_params(model)
@@ -359,7 +367,7 @@ def inner_lr_scaled() -> dict[str, float]:
     for step in range(7):
         for group in inner.param_groups:
             group["lr"] = 0.01 if step < 2 else 0.005
-        loss_of(model, 0, step).backward()
+        loss_of(model, 0, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         inner.step()
         inner.zero_grad()
     return {
@@ -368,7 +376,7 @@ def inner_lr_scaled() -> dict[str, float]:
     }
 
 
-def test_inner_lr_scale_applies_to_the_periodic_phase_only(pool) -> None:
+def test_inner_lr_scale_applies_to_the_periodic_phase_only(pool: PoolFn) -> None:
     (r,) = pool(1).run(inner_lr_scaled)
     assert r["err"] < 1e-6
     assert r["lr_after"] == 0.01

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,7 +131,7 @@ def test_allreduce_never_beats_the_bandwidth_lower_bound() -> None:
 def _random_workload(rng: random.Random, comms: bool) -> Workload:
     layers = []
     for i in range(rng.randint(1, 6)):
-        extra = ()
+        extra: tuple[LayerComm, ...] = ()
         if comms and rng.random() < 0.5:
             extra = (
                 LayerComm(
@@ -279,7 +280,7 @@ def test_workload_from_a_real_module_on_meta() -> None:
     assert workload.layers[1].bwd_flops == 2 * 2 * 32 * 128 * 10
 
 
-def test_cli_step_trace_and_scale(tmp_path, capsys) -> None:
+def test_cli_step_trace_and_scale(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.json"
     assert main(["simulate", "--ranks", "64", "--trace", str(trace), "--straggler", "5:2"]) == 0
     out = capsys.readouterr().out

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
+
+import pytest
 
 from commfuse.sim.cluster import ClusterModel
 from commfuse.sim.validate import run_validation
 
 
-def test_validate_quick_writes_one_record_per_held_out_configuration(tmp_path, capsys) -> None:
+def test_validate_quick_writes_one_record_per_held_out_configuration(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path, saved = tmp_path / "validation.json", tmp_path / "cluster.json"
     assert (
         run_validation(

@@ -275,7 +275,9 @@ def test_compare_time_to_loss_is_the_median_over_rounds() -> None:
     the headline, a round that never got there counts as the slowest."""
     from commfuse.train.compare import add_comparisons
 
-    def record(name: str, final: float, rounds: list[tuple[list[float], list[float]]]) -> dict:
+    def record(
+        name: str, final: float, rounds: list[tuple[list[float], list[float]]]
+    ) -> dict[str, Any]:
         loss, wall = rounds[0]
         return {
             "strategy": name, "strategy_name": name, "final_loss": final, "loss_curve": loss,

@@ -65,7 +65,7 @@ def test_a_few_steps_reduce_the_loss(spec: str, steps: int) -> None:
     before = w.evaluate(model)
     for step in range(steps):
         opt.zero_grad()
-        w.loss(model, w.batch(step, 0, 1, seed=0)).backward()
+        w.loss(model, w.batch(step, 0, 1, seed=0)).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         opt.step()
     after = w.evaluate(model)
     assert after["loss"] < 0.8 * before["loss"], (before, after)
