@@ -230,3 +230,42 @@ def test_aliases_name_the_same_algorithms() -> None:
         and resolve("broadcast", "hier") == "hierarchical"
     )
     assert resolve("allgather", "rd") == "doubling" and resolve("allreduce", "ring") == "ring"
+
+
+def handed_bytes_per_algorithm() -> dict[str, tuple[int, int, int]]:
+    """(handed bytes counted, input bytes, wire bytes sent) of one call per algorithm."""
+    comm = Communicator()
+    world = comm.world_size
+    x = torch.ones(96 * world)
+    nbytes = x.numel() * x.element_size()
+    calls: dict[str, Callable[[str], object]] = {
+        "allreduce": lambda a: C.allreduce(comm, x.clone(), algo=a),
+        "broadcast": lambda a: C.broadcast(comm, x.clone(), 0, algo=a),
+        "reduce": lambda a: C.reduce(comm, x.clone(), 0, algo=a),
+        "allgather": lambda a: C.allgather(comm, torch.empty(world * x.numel()), x, algo=a),
+        "reduce_scatter": lambda a: C.reduce_scatter(comm, torch.empty(96), x, algo=a),
+        "all_to_all": lambda a: C.all_to_all(comm, torch.empty_like(x), x, algo=a),
+    }
+    out = {}
+    for collective, call in calls.items():
+        for algo in every(collective):
+            comm.stats.reset()
+            call(algo)
+            total = comm.stats.total()
+            out[f"{collective}.{algo}"] = (total.handed_bytes, nbytes, total.bytes_sent)
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_handed_bytes_count_the_callers_buffer_once_whatever_the_algorithm(
+    pool: PoolFn, world: int
+) -> None:
+    """``handed_bytes``: every rank's input, once per call, for gloo's collectives and commfuse's
+    algorithms alike (the accounting the training strategies compare with torch DDP's hooks);
+    ``bytes_sent`` stays the exact wire traffic of commfuse's own algorithms."""
+    for result in pool(world).run(handed_bytes_per_algorithm, timeout_s=120):
+        wrong = {k: v for k, v in result.items() if v[0] != v[1]}
+        assert not wrong, wrong
+        handed, nbytes, sent = result["allreduce.ring"]
+        assert sent == 2 * (world - 1) * nbytes // world
+        assert result["allreduce.native"][2] == 0

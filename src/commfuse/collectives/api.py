@@ -17,7 +17,7 @@ import torch
 
 from commfuse.collectives.executor import CollectiveHandle, CompletedHandle, drain, submit
 from commfuse.collectives.reduce_ops import check_op, finish_
-from commfuse.collectives.registry import algorithms_for, resolve
+from commfuse.collectives.registry import algorithms_for, label, resolve
 from commfuse.comm import Communicator, check_consistent
 
 Handle = CollectiveHandle | CompletedHandle
@@ -48,6 +48,14 @@ def _pick(
             f"unknown {collective} algorithm {algo!r}: use auto or one of {', '.join(sorted(table))}"
         )
     return name, opts
+
+
+def _count_handed(comm: Communicator, collective: str, name: str, tensor: torch.Tensor) -> None:
+    """Count the caller's buffer as handed to a collective (``OpCounters.handed_bytes``) once:
+    gloo's own collectives count it where they run, commfuse's algorithms here, under the kind
+    that holds their point-to-point traffic."""
+    if name != "native":
+        comm.stats[label(collective, name)].handed_bytes += tensor.numel() * tensor.element_size()
 
 
 def _check_tensor(tensor: torch.Tensor, what: str) -> None:
@@ -96,6 +104,7 @@ def allreduce(
     if comm.world_size == 1 or target.numel() == 0:
         return CompletedHandle() if async_op else None
     name, opts = _pick(comm, "allreduce", algo, target.numel() * target.element_size(), opts)
+    _count_handed(comm, "allreduce", name, target)
     fn = algorithms_for("allreduce")[name]
 
     def body() -> None:
@@ -123,6 +132,7 @@ def broadcast(
     if comm.world_size == 1 or tensor.numel() == 0:
         return CompletedHandle() if async_op else None
     name, opts = _pick(comm, "broadcast", algo, tensor.numel() * tensor.element_size(), opts)
+    _count_handed(comm, "broadcast", name, tensor)
     return _run(
         comm,
         f"broadcast.{name}",
@@ -154,6 +164,7 @@ def reduce(
     if comm.world_size == 1 or tensor.numel() == 0:
         return CompletedHandle() if async_op else None
     name, opts = _pick(comm, "reduce", algo, tensor.numel() * tensor.element_size(), opts)
+    _count_handed(comm, "reduce", name, tensor)
     fn = algorithms_for("reduce")[name]
 
     def body() -> None:
@@ -183,6 +194,7 @@ def allgather(
         out.view(-1).copy_(inp.view(-1))
         return CompletedHandle() if async_op else None
     name, opts = _pick(comm, "allgather", algo, out.numel() * out.element_size(), opts)
+    _count_handed(comm, "allgather", name, inp)
     return _run(
         comm,
         f"allgather.{name}",
@@ -216,6 +228,7 @@ def reduce_scatter(
         out.view(-1).copy_(inp.view(-1))
         return CompletedHandle() if async_op else None
     name, opts = _pick(comm, "reduce_scatter", algo, inp.numel() * inp.element_size(), opts)
+    _count_handed(comm, "reduce_scatter", name, inp)
     fn = algorithms_for("reduce_scatter")[name]
 
     def body() -> None:
@@ -283,6 +296,7 @@ def all_to_all(
         # differ (and deadlock); the backend's own exchange is the one choice all ranks share.
         algo = "native"
     name, opts = _pick(comm, "all_to_all", algo, inp.numel() * inp.element_size(), opts)
+    _count_handed(comm, "all_to_all", name, inp)
     fn = algorithms_for("all_to_all")[name]
     if name == "native":
         return _run(

@@ -174,7 +174,9 @@ def _charged(comm: Communicator, kind: str, *subs: Communicator) -> Iterator[Non
         yield
     finally:
         for sub in subs:
-            comm.stats[kind].add(sub.stats.total())
+            inner = sub.stats.total()
+            inner.handed_bytes = 0  # the front door counted the caller's buffer once already
+            comm.stats[kind].add(inner)
 
 
 def _algorithm(collective: str, name: str, what: str) -> Any:

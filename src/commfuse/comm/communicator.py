@@ -217,6 +217,8 @@ class Communicator:
         counters = self.stats[kind]
         counters.calls += 1
         counters.payload_bytes += nbytes
+        if kind != "barrier":
+            counters.handed_bytes += nbytes
         if self.world_size == 1:
             # A world of one: nothing to exchange; the caller's local result is the answer.
             handle = Handle(None, ctx, deadline_s=self.config.deadline_s, event=event, then=then)

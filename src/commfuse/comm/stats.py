@@ -4,7 +4,9 @@ Point-to-point traffic is counted exactly (every isend is one message of ``nbyte
 wire), which is what lets a test assert that a ring allreduce sent 2(P-1)/P of the buffer and
 not three times that. A native collective's wire traffic depends on the backend's internal
 algorithm, which we do not observe, so for those we count calls and the payload handed to the
-backend, and say so (``payload_bytes``, never ``bytes_sent``).
+backend, and say so (``payload_bytes``, never ``bytes_sent``). ``handed_bytes`` counts every
+collective call's input, whichever algorithm runs it: the figure to compare with a system whose
+wire traffic is not observed (torch DDP and its hooks).
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ class OpCounters:
     """Bytes received point-to-point (exact)."""
     payload_bytes: int = 0
     """Bytes handed to a native collective (its wire traffic depends on the backend)."""
+    handed_bytes: int = 0
+    """Bytes of the buffers handed to collectives, gloo's or commfuse's own algorithms alike
+    (each rank's input, as ``payload_bytes``): what a caller asked to communicate, independent
+    of the algorithm that moved it. A ring allreduce of n bytes counts n here and its exact
+    2 (P - 1) / P n in ``bytes_sent``; torch DDP's hooks can only be counted this way."""
 
     def add(self, other: OpCounters) -> None:
         for field in dataclasses.fields(self):

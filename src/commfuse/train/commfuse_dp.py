@@ -71,8 +71,9 @@ class CommfuseDP(Strategy):
         return self.dp.step(self.optimizer)
 
     def bytes_sent(self) -> int:
-        total = self.comm.stats.total()
-        return total.bytes_sent + total.payload_bytes
+        # Bytes handed to collectives: what torch DDP's hooks are counted by (the exact wire
+        # bytes of commfuse's own algorithms are in stats' bytes_sent).
+        return self.comm.stats.total().handed_bytes
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -51,8 +51,7 @@ class PeriodicSync(Strategy):
         comms = {id(c): c for c in (self.comm, self.periodic.grad_comm, self.periodic.outer_comm)}
         total = 0
         for comm in comms.values():
-            counters = comm.stats.total()
-            total += counters.bytes_sent + counters.payload_bytes
+            total += comm.stats.total().handed_bytes  # as the DDP strategies (commfuse_dp.py)
         return total
 
     @contextlib.contextmanager
