@@ -266,6 +266,6 @@ def test_handed_bytes_count_the_callers_buffer_once_whatever_the_algorithm(
     for result in pool(world).run(handed_bytes_per_algorithm, timeout_s=120):
         wrong = {k: v for k, v in result.items() if v[0] != v[1]}
         assert not wrong, wrong
-        handed, nbytes, sent = result["allreduce.ring"]
+        _, nbytes, sent = result["allreduce.ring"]
         assert sent == 2 * (world - 1) * nbytes // world
         assert result["allreduce.native"][2] == 0

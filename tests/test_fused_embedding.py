@@ -7,6 +7,7 @@ backward sends the same bytes back."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from commfuse.fused import ChunkConfig, ShardedEmbeddingBag
 from commfuse.fused.chunking import split_sizes
 from commfuse.fused.embedding_alltoall import (
     LABEL,
+    ShardedLookup,
     embedding_alltoall,
     embedding_alltoall_reference,
 )
@@ -105,18 +107,9 @@ def grid(num_tables: int) -> list[str]:
                     failures.append(f"{where}: forward differs")
                 # Unfused reference with exact point-to-point accounting (pairwise all-to-all).
                 comm.stats.reset()
-                ref = embedding_alltoall_reference(
-                    comm,
-                    [p.detach() for p in module.tables],
-                    idx,
-                    off,
-                    splits,
-                    module.tables_per_rank,
-                    dim=3,
-                    dtype=dtype,
-                    mode=mode,
-                    algo="pairwise",
-                )
+                detached = [p.detach() for p in module.tables]
+                lookup = module.lookup(idx, off, splits, detached)
+                ref = embedding_alltoall_reference(comm, lookup, algo="pairwise")
                 if not torch.equal(ref.index_select(1, module.order), out.detach()):
                     failures.append(f"{where}: fused differs from the unfused reference")
                 want_bytes = comm.stats[PAIRWISE].bytes_sent if world > 1 else 0
@@ -162,18 +155,17 @@ def direct_call_and_errors() -> list[str]:
     out = module(idx, off, splits)
     if tuple(out.shape) != (splits[comm.rank], 2, 2):
         failures.append(f"rank {comm.rank}: auto-chunked output shape {tuple(out.shape)}")
+    lookup = ShardedLookup(
+        tables=list(module.tables),
+        indices=idx,
+        offsets=off,
+        batch_splits=splits,
+        tables_per_rank=module.tables_per_rank,
+        dim=2,
+        dtype=torch.float32,
+    )
     with torch.no_grad():
-        direct = embedding_alltoall(
-            comm,
-            list(module.tables),
-            idx,
-            off,
-            splits,
-            module.tables_per_rank,
-            dim=2,
-            dtype=torch.float32,
-            chunks=3,
-        )
+        direct = embedding_alltoall(comm, lookup, chunks=3)
     if not torch.equal(direct.index_select(1, module.order), out.detach()):
         failures.append(f"rank {comm.rank}: function form differs from the module")
     # Checked before any communication, so every rank raises (nobody is left waiting).
@@ -183,14 +175,8 @@ def direct_call_and_errors() -> list[str]:
         "tables_per_rank says": dict(tables_per_rank=[t + 1 for t in module.tables_per_rank]),
     }
     for needle, change in bad_calls.items():
-        kwargs: dict[str, Any] = dict(
-            batch_splits=splits, tables_per_rank=module.tables_per_rank, mode="sum", **{}
-        )
-        kwargs.update(change)
         try:
-            embedding_alltoall(
-                comm, list(module.tables), idx, off, dim=2, dtype=torch.float32, **kwargs
-            )
+            embedding_alltoall(comm, dataclasses.replace(lookup, **change))
             failures.append(f"rank {comm.rank}: no error for {change}")
         except ValueError as err:
             if needle not in str(err):

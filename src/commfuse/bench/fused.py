@@ -147,27 +147,32 @@ def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
     gen = torch.Generator().manual_seed(rank)
     local = [t for t in range(num_tables) if t % world == rank]
     per_rank = [sum(1 for t in range(num_tables) if t % world == r) for r in range(world)]
-    tables = [torch.randint(-3, 4, (rows, dim), generator=gen).float() for _ in local]
-    # Power-law indices (DLRM's generator draws skewed ids too): popular rows are hit often.
-    indices = [(torch.rand(batch * pooling, generator=gen) ** 3 * rows).long() for _ in local]
-    offsets = [torch.arange(0, batch * pooling, pooling) for _ in local]
     splits = split_sizes(batch, world)
+    lookup = emb.ShardedLookup(
+        tables=[torch.randint(-3, 4, (rows, dim), generator=gen).float() for _ in local],
+        # Power-law indices (DLRM's generator draws skewed ids too): popular rows are hit often.
+        indices=[(torch.rand(batch * pooling, generator=gen) ** 3 * rows).long() for _ in local],
+        offsets=[torch.arange(0, batch * pooling, pooling) for _ in local],
+        batch_splits=splits,
+        tables_per_rank=per_rank,
+        dim=dim,
+        dtype=torch.float32,
+        mode="sum",
+    )
     buf = torch.zeros(batch * len(local) * dim)
     out = torch.empty(splits[rank] * num_tables * dim)
     in_splits = [b * len(local) * dim for b in splits]
     out_splits = [splits[rank] * t * dim for t in per_rank]
-    kw: dict[str, Any] = dict(dim=dim, dtype=torch.float32, mode="sum")
-    args = (tables, indices, offsets, splits, per_rank)
     return Case(
-        compute=lambda: emb.lookup_rows(tables, indices, offsets, 0, batch, "sum", torch.float32),
+        compute=lambda: lookup.rows(0, batch),
         comm=lambda: all_to_all(comm, out, buf, out_splits, in_splits, algo=baselines.ALL_TO_ALL),
-        unfused=lambda: emb.embedding_alltoall_reference(comm, *args, **kw),
-        fused=lambda k: emb.embedding_alltoall(comm, *args, chunks=k, **kw),
+        unfused=lambda: emb.embedding_alltoall_reference(comm, lookup),
+        fused=lambda k: emb.embedding_alltoall(comm, lookup, chunks=k),
         max_chunks=4 * max(world - 1, 1),
         # The module's own choice (ShardedEmbeddingBag): the model, then a timed trial, here of
         # the forward alone (what this row times).
         choose=lambda: emb.choose_chunks_for(
-            comm, *args, **kw, config=ChunkConfig(max_chunks=4 * max(world - 1, 1)), backward=False
+            comm, lookup, config=ChunkConfig(max_chunks=4 * max(world - 1, 1)), backward=False
         ),
     )
 

@@ -84,13 +84,11 @@ def dlrm_case(comm: Communicator, shape: tuple[int, ...], chunks: int | None) ->
 
     # The exchange alone, for context: lookups (C) and gloo's All-to-All (M) of one forward.
     data = dlrm.synthetic_batch(config, 0, comm.rank, comm.world_size)
-    table_list = [p.detach() for p in models["unfused"].embedding.tables]
-    per_rank = models["unfused"].embedding.tables_per_rank
-    kw: dict[str, Any] = dict(dim=dim, dtype=torch.float32, mode="sum")
-    emb.measure(comm, table_list, data.indices, data.offsets, data.batch_splits, per_rank, **kw)
-    c_us, m_us = emb.measure(
-        comm, table_list, data.indices, data.offsets, data.batch_splits, per_rank, **kw
-    )
+    embedding = models["unfused"].embedding
+    table_list = [p.detach() for p in embedding.tables]
+    lookup = embedding.lookup(data.indices, data.offsets, data.batch_splits, table_list)
+    emb.measure(comm, lookup)
+    c_us, m_us = emb.measure(comm, lookup)
     agreed = torch.tensor([c_us, m_us], dtype=torch.float64)
     comm.all_reduce(agreed, "max")
     return StepCase(

@@ -18,7 +18,9 @@ Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, section 4
 Layout. Rank ``r`` passes, for each of its tables ``t``, EmbeddingBag inputs for the global batch:
 ``indices[t]`` (1-D int64) and ``offsets[t]`` (``B`` starts, no trailing end). ``batch_splits``
 lists ``B_j`` per rank and ``tables_per_rank`` lists ``T_j``. The output on rank ``r`` is
-``[B_r, T, D]``, tables in rank-major order (rank 0's tables, then rank 1's, ...).
+``[B_r, T, D]``, tables in rank-major order (rank 0's tables, then rank 1's, ...). A
+``ShardedLookup`` carries these inputs (with ``D``, the dtype and the pooling mode) to every
+function here.
 
 Backward (gradient semantics). The backward of an All-to-All is the All-to-All in the opposite
 direction: rank ``r`` sends ``grad[:, tables of j]`` to owner ``j`` and receives from every rank
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,53 +55,103 @@ LABEL = "embedding_alltoall"
 MODES = ("sum", "mean")
 
 
-def check_inputs(
-    comm: Communicator,
-    tables: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    offsets: list[torch.Tensor],
-    batch_splits: list[int],
-    tables_per_rank: list[int],
-    mode: str,
-) -> int:
-    """ValueError naming the problem; returns the global batch size."""
-    world = comm.world_size
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if len(batch_splits) != world or any(b < 0 for b in batch_splits):
-        raise ValueError(
-            f"batch_splits needs {world} non-negative entries (one per rank), got {batch_splits}"
-        )
-    if len(tables_per_rank) != world or any(t < 0 for t in tables_per_rank):
-        raise ValueError(
-            f"tables_per_rank needs {world} non-negative entries, got {tables_per_rank}"
-        )
-    if tables_per_rank[comm.rank] != len(tables):
-        raise ValueError(
-            f"rank {comm.rank} holds {len(tables)} tables but tables_per_rank says {tables_per_rank[comm.rank]}"
-        )
-    if len(indices) != len(tables) or len(offsets) != len(tables):
-        raise ValueError(
-            f"need one indices and one offsets tensor per local table: {len(tables)} tables, "
-            f"{len(indices)} indices, {len(offsets)} offsets"
-        )
-    batch = sum(batch_splits)
-    for t, (table, idx, off) in enumerate(zip(tables, indices, offsets, strict=True)):
-        if (
-            table.dim() != 2
-            or table.shape[1] != tables[0].shape[1]
-            or table.dtype != tables[0].dtype
-        ):
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardedLookup:
+    """One rank's inputs to the embedding + All-to-All (layout in the module docstring): what
+    the forward, its reference, its backward and the chunk choice all take, so that the eight of
+    them travel together and are checked in one place (``check``).
+
+    Nothing is copied: the lists and tensors are the caller's, and frozen only means the fields
+    are not rebound. ``eq=False`` because comparing field by field would compare tensors, whose
+    ``==`` has no truth value; two lookups are the same only if they are the same object.
+
+    The fields are in the order of ``torch.ops.commfuse.embedding_alltoall``'s first eight
+    arguments (``fused/ops.py``), which passes them flattened (an operator takes only tensors
+    and plain values) and rebuilds the lookup from them positionally."""
+
+    tables: list[torch.Tensor]
+    """This rank's tables, ``T_r`` of them (none is allowed): 2-D ``[rows_t, D]``, all of the
+    same ``D`` and dtype."""
+    indices: list[torch.Tensor]
+    """Per local table, the ids its bags look up for every sample of the *global* batch: 1-D
+    int64 (or int32, with int32 offsets)."""
+    offsets: list[torch.Tensor]
+    """Per local table, where each of the ``B`` bags of the global batch starts in its indices:
+    ``B`` entries, no trailing end (a bag runs to the next start, the last to the end)."""
+    batch_splits: list[int]
+    """``B_j``, the samples of rank ``j``, one entry per rank (0 allowed), rank-major: the global
+    batch is their sum, and rank ``r`` receives the rows of its own ``B_r``."""
+    tables_per_rank: list[int]
+    """``T_j``, the tables rank ``j`` owns, one entry per rank: the output is
+    ``[B_r, sum(T_j), D]``, rank 0's tables first."""
+    dim: int
+    """``D``, the embedding dimension. Given rather than read from the tables because a rank
+    may own none, and it still receives every table's rows."""
+    dtype: torch.dtype
+    """The tables' dtype (the output's), given for the same reason."""
+    mode: str = "sum"
+    """How a bag pools its rows: ``"sum"`` or ``"mean"`` (``MODES``)."""
+
+    def check(self, comm: Communicator) -> int:
+        """ValueError naming the problem; returns the global batch size.
+
+        Checks only this rank's inputs against ``comm``'s size and rank, before anything is
+        sent: a rank that raises here has not left a peer waiting on it."""
+        tables, indices, offsets = self.tables, self.indices, self.offsets
+        batch_splits, tables_per_rank, mode = self.batch_splits, self.tables_per_rank, self.mode
+        world = comm.world_size
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if len(batch_splits) != world or any(b < 0 for b in batch_splits):
             raise ValueError(
-                f"local table {t} must be 2-D with the same dim and dtype as table 0, got {tuple(table.shape)} {table.dtype}"
+                f"batch_splits needs {world} non-negative entries (one per rank), got {batch_splits}"
             )
-        if off.dim() != 1 or off.numel() != batch:
+        if len(tables_per_rank) != world or any(t < 0 for t in tables_per_rank):
             raise ValueError(
-                f"offsets[{t}] must hold one start per sample of the global batch ({batch}), got {tuple(off.shape)}"
+                f"tables_per_rank needs {world} non-negative entries, got {tables_per_rank}"
             )
-        if idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32) or off.dtype != idx.dtype:
-            raise ValueError(f"indices[{t}] and offsets[{t}] must be 1-D int64 (or both int32)")
-    return batch
+        if tables_per_rank[comm.rank] != len(tables):
+            raise ValueError(
+                f"rank {comm.rank} holds {len(tables)} tables but tables_per_rank says {tables_per_rank[comm.rank]}"
+            )
+        if len(indices) != len(tables) or len(offsets) != len(tables):
+            raise ValueError(
+                f"need one indices and one offsets tensor per local table: {len(tables)} tables, "
+                f"{len(indices)} indices, {len(offsets)} offsets"
+            )
+        batch = sum(batch_splits)
+        for t, (table, idx, off) in enumerate(zip(tables, indices, offsets, strict=True)):
+            if (
+                table.dim() != 2
+                or table.shape[1] != tables[0].shape[1]
+                or table.dtype != tables[0].dtype
+            ):
+                raise ValueError(
+                    f"local table {t} must be 2-D with the same dim and dtype as table 0, got {tuple(table.shape)} {table.dtype}"
+                )
+            if off.dim() != 1 or off.numel() != batch:
+                raise ValueError(
+                    f"offsets[{t}] must hold one start per sample of the global batch ({batch}), got {tuple(off.shape)}"
+                )
+            if (
+                idx.dim() != 1
+                or idx.dtype not in (torch.int64, torch.int32)
+                or off.dtype != idx.dtype
+            ):
+                raise ValueError(f"indices[{t}] and offsets[{t}] must be 1-D int64 (or both int32)")
+        return batch
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Pooled lookups of samples ``[start, stop)`` of the global batch in every local table:
+        ``[stop - start, T_r, D]`` (``T_r = 0`` when this rank owns no table)."""
+        columns = []
+        for table, idx, off in zip(self.tables, self.indices, self.offsets, strict=True):
+            lo, hi = _bag_range(off, idx.numel(), start, stop)
+            columns.append(F.embedding_bag(idx[lo:hi], table, off[start:stop] - lo, mode=self.mode))
+        if not columns:
+            # No table: the shape still says how many samples, and the dim their rows would have.
+            return torch.empty((stop - start, 0, self.dim), dtype=self.dtype)
+        return torch.stack(columns, dim=1).reshape(stop - start, len(self.tables), self.dim)
 
 
 def _bag_range(off: torch.Tensor, num_idx: int, start: int, stop: int) -> tuple[int, int]:
@@ -109,67 +160,42 @@ def _bag_range(off: torch.Tensor, num_idx: int, start: int, stop: int) -> tuple[
     return lo, hi
 
 
-def lookup_rows(
-    tables: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    offsets: list[torch.Tensor],
-    start: int,
-    stop: int,
-    mode: str,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Pooled lookups of samples ``[start, stop)`` in every local table: ``[stop - start, T_r, D]``."""
-    columns = []
-    for table, idx, off in zip(tables, indices, offsets, strict=True):
-        lo, hi = _bag_range(off, idx.numel(), start, stop)
-        columns.append(F.embedding_bag(idx[lo:hi], table, off[start:stop] - lo, mode=mode))
-    if not columns:
-        return torch.empty((stop - start, 0, 0), dtype=dtype)
-    return torch.stack(columns, dim=1)
-
-
 def _empty_blocks(
     comm: Communicator, rows: int, tables_per_rank: list[int], dim: int, dtype: torch.dtype
 ) -> list[torch.Tensor]:
     return [torch.empty((rows, t, dim), dtype=dtype) for t in tables_per_rank]
 
 
+def _unfused_buffers(
+    comm: Communicator, lookup: ShardedLookup, send: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """The unfused All-to-All's arguments for ``send`` (every lookup, ``[B, T_r, D]``): the
+    receive buffer, the flat send buffer, and the element counts received from and sent to
+    each rank (``all_to_all``'s ``out_splits`` and ``in_splits``)."""
+    rank, splits, dim = comm.rank, lookup.batch_splits, lookup.dim
+    in_splits = [b * len(lookup.tables) * dim for b in splits]
+    out_splits = [splits[rank] * t * dim for t in lookup.tables_per_rank]
+    recv = torch.empty(sum(out_splits), dtype=lookup.dtype)
+    return recv, send.contiguous().view(-1), out_splits, in_splits
+
+
 def embedding_alltoall(
-    comm: Communicator,
-    tables: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    offsets: list[torch.Tensor],
-    batch_splits: list[int],
-    tables_per_rank: list[int],
-    *,
-    dim: int,
-    dtype: torch.dtype,
-    mode: str = "sum",
-    chunks: int = 2,
+    comm: Communicator, lookup: ShardedLookup, *, chunks: int = 2
 ) -> torch.Tensor:
     """The fused operator (module docstring). ``chunks=1`` is the unfused reference; ``chunks >= 2``
     pipelines destination by destination, each destination's rows cut into
-    ``ceil(chunks / (P - 1))`` pieces. ``dim``/``dtype`` describe the tables (a rank may own none)."""
+    ``ceil(chunks / (P - 1))`` pieces."""
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
-    check_inputs(comm, tables, indices, offsets, batch_splits, tables_per_rank, mode)
+    lookup.check(comm)
     rank, world = comm.rank, comm.world_size
     if chunks == 1 or world == 1:
-        return embedding_alltoall_reference(
-            comm,
-            tables,
-            indices,
-            offsets,
-            batch_splits,
-            tables_per_rank,
-            dim=dim,
-            dtype=dtype,
-            mode=mode,
-        )
+        return embedding_alltoall_reference(comm, lookup)
+    batch_splits, dim = lookup.batch_splits, lookup.dim
     pieces = -(-chunks // (world - 1))
     starts = [sum(batch_splits[:j]) for j in range(world)]
     mine = batch_splits[rank]
-    blocks = _empty_blocks(comm, mine, tables_per_rank, dim, dtype)
+    blocks = _empty_blocks(comm, mine, lookup.tables_per_rank, dim, lookup.dtype)
     handles: list[Handle] = []
     for step in range(1, world):
         src = (rank - step) % world
@@ -178,50 +204,30 @@ def embedding_alltoall(
     for step in range(1, world):
         dst = (rank + step) % world
         for tag, (lo, hi) in enumerate(split_ranges(batch_splits[dst], pieces)):
-            piece = lookup_rows(
-                tables, indices, offsets, starts[dst] + lo, starts[dst] + hi, mode, dtype
-            )
-            piece = piece.reshape(hi - lo, len(tables), dim).contiguous()
+            piece = lookup.rows(starts[dst] + lo, starts[dst] + hi).contiguous()
             handles.append(comm.isend(piece, dst, tag=tag, label=LABEL))
-    local = lookup_rows(tables, indices, offsets, starts[rank], starts[rank] + mine, mode, dtype)
-    blocks[rank].copy_(local.reshape(blocks[rank].shape))
+    blocks[rank].copy_(lookup.rows(starts[rank], starts[rank] + mine))
     for handle in handles:
         handle.wait()
     return torch.cat(blocks, dim=1)
 
 
 def embedding_alltoall_reference(
-    comm: Communicator,
-    tables: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    offsets: list[torch.Tensor],
-    batch_splits: list[int],
-    tables_per_rank: list[int],
-    *,
-    dim: int,
-    dtype: torch.dtype,
-    mode: str = "sum",
-    algo: str | None = None,
+    comm: Communicator, lookup: ShardedLookup, *, algo: str | None = None
 ) -> torch.Tensor:
     """Unfused: every lookup, then one All-to-All (``algo`` of commfuse.collectives.all_to_all,
     by default ``baselines.ALL_TO_ALL``; "pairwise" counts exact point-to-point bytes, "native"
     is gloo's own)."""
     from commfuse.collectives import all_to_all
 
-    check_inputs(comm, tables, indices, offsets, batch_splits, tables_per_rank, mode)
+    batch = lookup.check(comm)
     rank, world = comm.rank, comm.world_size
-    batch = sum(batch_splits)
-    send = lookup_rows(tables, indices, offsets, 0, batch, mode, dtype).reshape(
-        batch, len(tables), dim
-    )
-    in_splits = [b * len(tables) * dim for b in batch_splits]
-    out_splits = [batch_splits[rank] * t * dim for t in tables_per_rank]
-    recv = torch.empty(sum(out_splits), dtype=dtype)
-    flat = send.contiguous().view(-1)
+    recv, flat, out_splits, in_splits = _unfused_buffers(comm, lookup, lookup.rows(0, batch))
     all_to_all(comm, recv, flat, out_splits, in_splits, algo=algo or baselines.ALL_TO_ALL)
+    mine = lookup.batch_splits[rank]
     blocks = [
-        part.view(batch_splits[rank], t, dim)
-        for part, t in zip(torch.split(recv, out_splits), tables_per_rank, strict=True)
+        part.view(mine, t, lookup.dim)
+        for part, t in zip(torch.split(recv, out_splits), lookup.tables_per_rank, strict=True)
     ]
     return torch.cat(blocks, dim=1) if world > 1 else blocks[0].clone()
 
@@ -312,22 +318,16 @@ class TableGradients:
 
 
 def embedding_alltoall_backward(
-    comm: Communicator,
-    grad_out: torch.Tensor,
-    tables: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    offsets: list[torch.Tensor],
-    batch_splits: list[int],
-    tables_per_rank: list[int],
-    *,
-    mode: str = "sum",
-    chunks: int = 2,
+    comm: Communicator, lookup: ShardedLookup, grad_out: torch.Tensor, *, chunks: int = 2
 ) -> list[torch.Tensor]:
-    """Gradients of the local tables (module docstring): the reverse All-to-All, overlapped with
-    the accumulation. Sends the same bytes as the forward, in the other direction."""
+    """Gradients of the local tables (module docstring) for the gradient ``grad_out`` of the
+    forward's output (``[B_r, T, D]``): the reverse All-to-All, overlapped with the
+    accumulation. Sends the same bytes as the forward, in the other direction."""
     rank, world = comm.rank, comm.world_size
+    tables = lookup.tables
+    batch_splits, tables_per_rank = lookup.batch_splits, lookup.tables_per_rank
     dim = grad_out.shape[2] if grad_out.dim() == 3 else 0
-    grads = TableGradients(tables, indices, offsets, mode)
+    grads = TableGradients(tables, lookup.indices, lookup.offsets, lookup.mode)
     starts = [sum(batch_splits[:j]) for j in range(world)]
     table_starts = [sum(tables_per_rank[:j]) for j in range(world)]
     mine = batch_splits[rank]
@@ -357,32 +357,15 @@ def embedding_alltoall_backward(
     return grads.result(tables)
 
 
-def measure(
-    comm: Communicator,
-    tables: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    offsets: list[torch.Tensor],
-    batch_splits: list[int],
-    tables_per_rank: list[int],
-    *,
-    dim: int,
-    dtype: torch.dtype,
-    mode: str = "sum",
-) -> tuple[float, float]:
+def measure(comm: Communicator, lookup: ShardedLookup) -> tuple[float, float]:
     """(compute_us, comm_us) of one unfused run: all lookups alone, then the All-to-All alone."""
     from commfuse.collectives import all_to_all
 
-    rank = comm.rank
-    batch = sum(batch_splits)
+    batch = sum(lookup.batch_splits)
     start = time.perf_counter()
-    send = lookup_rows(tables, indices, offsets, 0, batch, mode, dtype).reshape(
-        batch, len(tables), dim
-    )
+    send = lookup.rows(0, batch)
     compute_us = elapsed_us(start)
-    in_splits = [b * len(tables) * dim for b in batch_splits]
-    out_splits = [batch_splits[rank] * t * dim for t in tables_per_rank]
-    recv = torch.empty(sum(out_splits), dtype=dtype)
-    flat = send.contiguous().view(-1)
+    recv, flat, out_splits, in_splits = _unfused_buffers(comm, lookup, send)
     start = time.perf_counter()
     all_to_all(comm, recv, flat, out_splits, in_splits, algo=baselines.ALL_TO_ALL)
     return compute_us, elapsed_us(start)
@@ -390,15 +373,8 @@ def measure(
 
 def choose_chunks_for(
     comm: Communicator,
-    tables: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    offsets: list[torch.Tensor],
-    batch_splits: list[int],
-    tables_per_rank: list[int],
+    lookup: ShardedLookup,
     *,
-    dim: int,
-    dtype: torch.dtype,
-    mode: str,
     config: ChunkConfig,
     backward: bool = True,
     trial_runs: int = 5,
@@ -417,14 +393,12 @@ def choose_chunks_for(
     0.84-0.86) from one run to the next. Every rank must call it alike; it runs the operator a
     few times."""
     world = comm.world_size
-    limit = max(sum(batch_splits), 1)
+    limit = max(sum(lookup.batch_splits), 1)
     if config.num_chunks is not None or world == 1:
         return max(1, min(config.num_chunks or 1, limit))
-    args = (tables, indices, offsets, batch_splits, tables_per_rank)
-    kw: dict[str, Any] = dict(dim=dim, dtype=dtype, mode=mode)
     with torch.no_grad():
-        measure(comm, *args, **kw)  # the first run pays one-off costs
-        compute_us, comm_us = measure(comm, *args, **kw)
+        measure(comm, lookup)  # the first run pays one-off costs
+        compute_us, comm_us = measure(comm, lookup)
         overhead = config.overhead_us
         if overhead is None:
             overhead = measure_overhead_us(comm)
@@ -436,13 +410,16 @@ def choose_chunks_for(
             return chunks
         cap = min(config.max_chunks, limit)
         candidates = [p * (world - 1) for p in (1, 2, 3) if p * (world - 1) <= cap] or [chunks]
-        grad = torch.ones((batch_splits[comm.rank], sum(tables_per_rank), dim), dtype=dtype)
+        grad = torch.ones(
+            (lookup.batch_splits[comm.rank], sum(lookup.tables_per_rank), lookup.dim),
+            dtype=lookup.dtype,
+        )
 
         def forward_and_backward(k: int) -> None:
             # Both directions, as a training step runs them: ``k`` cuts the backward too.
-            embedding_alltoall(comm, *args, chunks=k, **kw)
+            embedding_alltoall(comm, lookup, chunks=k)
             if backward:
-                embedding_alltoall_backward(comm, grad, *args, mode=mode, chunks=k)
+                embedding_alltoall_backward(comm, lookup, grad, chunks=k)
 
         forward_and_backward(candidates[0])  # opens the pairs' connections
         return fastest_by_trial(

@@ -168,6 +168,27 @@ class ShardedEmbeddingBag(nn.Module):
         self.tables = nn.ParameterList(tables)
         self._chunks: dict[tuple[int, ...], int] = {}
 
+    def lookup(
+        self,
+        indices: list[torch.Tensor],
+        offsets: list[torch.Tensor],
+        batch_splits: list[int],
+        tables: list[torch.Tensor] | None = None,
+    ) -> emb.ShardedLookup:
+        """The operator's inputs for one batch (``forward``'s arguments) on this module's
+        tables, or on ``tables`` where a caller has its own handles on them (an autograd
+        function's inputs)."""
+        return emb.ShardedLookup(
+            tables=list(self.tables) if tables is None else tables,
+            indices=indices,
+            offsets=offsets,
+            batch_splits=batch_splits,
+            tables_per_rank=self.tables_per_rank,
+            dim=self.dim,
+            dtype=self.dtype,
+            mode=self.mode,
+        )
+
     def chunks_for(
         self, indices: list[torch.Tensor], offsets: list[torch.Tensor], batch_splits: list[int]
     ) -> int:
@@ -184,14 +205,7 @@ class ShardedEmbeddingBag(nn.Module):
                 check_consistent(self.comm, spec, "embedding_alltoall batch")
                 self._chunks[key] = emb.choose_chunks_for(
                     self.comm,
-                    list(self.tables),
-                    indices,
-                    offsets,
-                    batch_splits,
-                    self.tables_per_rank,
-                    dim=self.dim,
-                    dtype=self.dtype,
-                    mode=self.mode,
+                    self.lookup(indices, offsets, batch_splits),
                     config=self.chunk_config,
                     backward=torch.is_grad_enabled() and any(t.requires_grad for t in self.tables),
                 )

@@ -10,6 +10,7 @@ integer handle: ``register_communicator(comm)`` returns it, and the modules do t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from typing import Any
@@ -96,66 +97,64 @@ def embedding_alltoall_op(
     """Pooled lookups of the local tables for the global batch, exchanged so that each rank gets
     every table for its own samples: ``[B_r, T, D]`` (tables rank-major).
 
+    The first eight arguments are the fields of ``emb.ShardedLookup``, in its order, passed one
+    by one because an operator's arguments must be tensors and plain values.
+
     ``anchor`` is any tensor that requires grad when training (``anchor_for_backward()``): a rank
     that owns no table has no other input that does, and without it autograd would skip its
     backward while its peers wait for the gradients of its samples."""
-    return emb.embedding_alltoall(
-        communicator(comm_id),
-        tables,
-        indices,
-        offsets,
-        batch_splits,
-        tables_per_rank,
-        dim=dim,
-        dtype=dtype,
-        mode=mode,
-        chunks=chunks,
+    lookup = emb.ShardedLookup(
+        tables, indices, offsets, batch_splits, tables_per_rank, dim, dtype, mode
     )
+    return emb.embedding_alltoall(communicator(comm_id), lookup, chunks=chunks)
+
+
+def _unpack(inputs: tuple[Any, ...]) -> tuple[emb.ShardedLookup, int, int, torch.Tensor]:
+    """``embedding_alltoall_op``'s arguments, in its registered order, as (lookup, comm_id,
+    chunks, anchor): its first eight are the lookup's fields, in the lookup's order."""
+    *fields, comm_id, chunks, anchor = inputs
+    return emb.ShardedLookup(*fields), comm_id, chunks, anchor
 
 
 @embedding_alltoall_op.register_fake
-def _embedding_fake(
-    tables: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    offsets: list[torch.Tensor],
-    batch_splits: list[int],
-    tables_per_rank: list[int],
-    dim: int,
-    dtype: torch.dtype,
-    mode: str,
-    comm_id: int,
-    chunks: int,
-    anchor: torch.Tensor,
-) -> torch.Tensor:
+def _embedding_fake(*inputs: Any) -> torch.Tensor:
+    # torch calls the fake with the operator's arguments as registered; ``_unpack`` names them.
+    lookup, comm_id, _, _ = _unpack(inputs)
     rank = communicator(comm_id).rank
-    return torch.empty((batch_splits[rank], sum(tables_per_rank), dim), dtype=dtype)
+    shape = (lookup.batch_splits[rank], sum(lookup.tables_per_rank), lookup.dim)
+    return torch.empty(shape, dtype=lookup.dtype)
 
 
 def _embedding_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    tables, indices, offsets, batch_splits, tables_per_rank, _, _, mode, comm_id, chunks, anchor = (
-        inputs
-    )
-    ctx.save_for_backward(*tables, *indices, *offsets)
-    ctx.num_tables = len(tables)
+    lookup, comm_id, chunks, anchor = _unpack(inputs)
+    # The tensors go through save_for_backward (version checks, saved-tensor hooks); the rest
+    # of the lookup is kept without them and the tensors are put back in the backward.
+    ctx.save_for_backward(*lookup.tables, *lookup.indices, *lookup.offsets)
+    ctx.num_tables = len(lookup.tables)
     ctx.anchor_shape = anchor.shape
-    ctx.meta = (list(batch_splits), list(tables_per_rank), mode, comm_id, chunks)
+    ctx.lookup = dataclasses.replace(
+        lookup,
+        tables=[],
+        indices=[],
+        offsets=[],
+        batch_splits=list(lookup.batch_splits),
+        tables_per_rank=list(lookup.tables_per_rank),
+    )
+    ctx.meta = (comm_id, chunks)
 
 
 def _embedding_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     saved = ctx.saved_tensors
     n = ctx.num_tables
-    tables, indices, offsets = list(saved[:n]), list(saved[n : 2 * n]), list(saved[2 * n :])
-    batch_splits, tables_per_rank, mode, comm_id, chunks = ctx.meta
+    lookup = dataclasses.replace(
+        ctx.lookup,
+        tables=list(saved[:n]),
+        indices=list(saved[n : 2 * n]),
+        offsets=list(saved[2 * n :]),
+    )
+    comm_id, chunks = ctx.meta
     grads = emb.embedding_alltoall_backward(
-        communicator(comm_id),
-        grad.contiguous(),
-        tables,
-        indices,
-        offsets,
-        batch_splits,
-        tables_per_rank,
-        mode=mode,
-        chunks=chunks,
+        communicator(comm_id), lookup, grad.contiguous(), chunks=chunks
     )
     none = [None] * n
     anchor_grad = grad.new_zeros(ctx.anchor_shape)

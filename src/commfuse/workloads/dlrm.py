@@ -190,17 +190,8 @@ class _UnfusedExchange(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.module, ctx.batch = module, batch
         ctx.save_for_backward(*tables)
-        return emb.embedding_alltoall_reference(
-            module.comm,
-            list(tables),
-            batch.indices,
-            batch.offsets,
-            batch.batch_splits,
-            module.tables_per_rank,
-            dim=module.dim,
-            dtype=module.dtype,
-            mode=module.mode,
-        )
+        lookup = module.lookup(batch.indices, batch.offsets, batch.batch_splits, list(tables))
+        return emb.embedding_alltoall_reference(module.comm, lookup)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
