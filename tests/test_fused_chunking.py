@@ -48,7 +48,8 @@ def test_splits_cover_everything_once() -> None:
 
 def test_config_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="num_chunks"):
-        ChunkConfig(num_chunks=0)
+        ChunkConfig(num_chunks=-1)
+    assert ChunkConfig(num_chunks=0).num_chunks == 0  # the embedding exchange by table
     with pytest.raises(ValueError, match="min_gain"):
         ChunkConfig(min_gain=1.0)
     with pytest.raises(ValueError, match="overhead_us"):

@@ -28,7 +28,9 @@ from commfuse.workloads.dlrm import (
 PoolFn = Callable[[int], RankPool]
 
 
-def fused_equals_unfused(num_tables: int, interaction: str, steps: int) -> list[str]:
+def fused_equals_unfused(
+    num_tables: int, interaction: str, steps: int, chunks: int = 3
+) -> list[str]:
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
     config = DLRMConfig(
@@ -45,7 +47,7 @@ def fused_equals_unfused(num_tables: int, interaction: str, steps: int) -> list[
     failures: list[str] = []
     runs = {}
     for exchange in ("fused", "unfused"):
-        model = DLRM(config, comm, exchange=exchange, chunk_config=ChunkConfig(num_chunks=3))
+        model = DLRM(config, comm, exchange=exchange, chunk_config=ChunkConfig(num_chunks=chunks))
         opt = make_optimizer(model)
         losses, counters = [], []
         for step in range(steps):
@@ -54,7 +56,7 @@ def fused_equals_unfused(num_tables: int, interaction: str, steps: int) -> list[
             counters.append(comm.stats.snapshot())
         runs[exchange] = (model, losses, counters)
     fused, unfused = runs["fused"], runs["unfused"]
-    where = f"rank {rank} world {world} tables {num_tables} {interaction}"
+    where = f"rank {rank} world {world} tables {num_tables} {interaction} chunks {chunks}"
     if fused[1] != unfused[1]:
         failures.append(f"{where}: losses differ {fused[1]} vs {unfused[1]}")
     for (name, p), q in zip(fused[0].named_parameters(), unfused[0].parameters(), strict=True):
@@ -107,6 +109,12 @@ def test_fused_step_equals_unfused(pool: PoolFn, world: int) -> None:
     if world >= 3:
         failures += [
             f for r in pool(world).run(fused_equals_unfused, 2, "cat", 2, timeout_s=180) for f in r
+        ]
+        # By table (embedding_alltoall.BY_TABLE): the same model, the same bytes.
+        failures += [
+            f
+            for r in pool(world).run(fused_equals_unfused, 5, "dot", 2, 0, timeout_s=180)
+            for f in r
         ]
     assert not failures, "\n".join(failures[:8])
 

@@ -35,7 +35,9 @@ class ChunkConfig:
     """How a fused operator chooses its number of chunks."""
 
     num_chunks: int | None = None
-    """Fixed number of chunks; None chooses it from measured compute and communication times."""
+    """Fixed number of chunks; None chooses it from measured compute and communication times.
+    0 asks the embedding exchange for its by-table schedule (``embedding_alltoall.BY_TABLE``);
+    the other operators take 1 or more."""
     max_chunks: int = 16
     """Upper bound of the automatic choice."""
     overhead_us: float | None = None
@@ -44,8 +46,11 @@ class ChunkConfig:
     """Chunk only when the model predicts at least this fraction less time than one chunk."""
 
     def __post_init__(self) -> None:
-        if self.num_chunks is not None and self.num_chunks < 1:
-            raise ValueError(f"num_chunks must be >= 1 or None (automatic), got {self.num_chunks}")
+        if self.num_chunks is not None and self.num_chunks < 0:
+            raise ValueError(
+                f"num_chunks must be >= 1, 0 (the embedding exchange by table) or None "
+                f"(automatic), got {self.num_chunks}"
+            )
         if self.max_chunks < 1:
             raise ValueError(f"max_chunks must be >= 1, got {self.max_chunks}")
         if self.overhead_us is not None and self.overhead_us < 0:

@@ -172,7 +172,7 @@ def fastest_by_trial(
     else 1. For operators whose chunk count changes the schedule in steps the model does not
     see (the embedding exchange cuts ``k`` into pieces per destination). Every rank must call it
     alike."""
-    ks = [1, *sorted({k for k in candidates if k > 1})]
+    ks = [1, *sorted({k for k in candidates if k != 1})]  # 0: a schedule named by 0 (BY_TABLE)
     if len(ks) == 1 or runs < 1 or comm.world_size == 1:
         return 1
     fns = [functools.partial(run, k) for k in ks]
