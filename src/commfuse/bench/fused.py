@@ -258,7 +258,10 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                     "unfused_us": u,
                     "fused_us": f,
                     "ideal_us": ideal,
-                    "predicted_us": predict_us(c, m, chunks, float(agreed[2])),
+                    # The model counts pieces of rows; a by-table schedule (k = 0) it has none.
+                    "predicted_us": (
+                        predict_us(c, m, chunks, float(agreed[2])) if chunks >= 1 else None
+                    ),
                     "overhead_us": float(agreed[2]),
                     "fused_vs_unfused": f / u,
                     "fused_vs_ideal": f / ideal,
@@ -281,7 +284,7 @@ COLUMNS = (
     ("unfused_us", lambda r: f"{r['unfused_us']:.0f}"),
     ("fused_us", lambda r: f"{r['fused_us']:.0f}"),
     ("ideal_us", lambda r: f"{r['ideal_us']:.0f}"),
-    ("pred_us", lambda r: f"{r['predicted_us']:.0f}"),
+    ("pred_us", lambda r: "-" if r["predicted_us"] is None else f"{r['predicted_us']:.0f}"),
     ("fused/unfused", lambda r: f"{r['fused_vs_unfused']:.3f}"),
     ("fused/ideal", lambda r: f"{r['fused_vs_ideal']:.3f}"),
     ("wrong", lambda r: str(r["wrong"])),
