@@ -69,11 +69,18 @@ def test_equals_per_table_index_add_bitwise(mode: str, dtype: torch.dtype) -> No
         blocks = blocks[1:] + blocks[:1]  # not in sample order, as in the fused backward
         want = [torch.zeros(t.shape, dtype=torch.float32) for t in tables]
         got = TableGradients(tables, indices, offsets, mode)
+        by_table = TableGradients(tables, indices, offsets, mode)  # the by-table backward's way
         for lo, hi in blocks:
             per_table_reference(want, indices, offsets, lo, grad[lo:hi], mode)
             got.add(lo, grad[lo:hi])
-        for t, (w, g) in enumerate(zip(want, got.result(tables), strict=True)):
+        for t in range(num_tables):
+            for lo, hi in blocks:
+                by_table.add_table(t, lo, grad[lo:hi, t])
+        for t, (w, g, b) in enumerate(
+            zip(want, got.result(tables), by_table.result(tables), strict=True)
+        ):
             assert torch.equal(w, g), f"seed {seed} table {t}: differs by {(w - g).abs().max()}"
+            assert torch.equal(w, b), f"seed {seed} table {t} by table: {(w - b).abs().max()}"
 
 
 def test_is_the_embedding_bag_gradient() -> None:

@@ -327,6 +327,7 @@ class TableGradients:
         ]
         self._numels = [idx.numel() for idx in indices]
         self._sources: list[torch.Tensor] = []
+        self._bags: list[torch.Tensor] = []
         self._targets: list[torch.Tensor] = []
         self._lengths: list[torch.Tensor] = []
         for t, (idx, off, first) in enumerate(zip(indices, offsets, self._firsts, strict=True)):
@@ -334,6 +335,7 @@ class TableGradients:
             bag_lengths = (bounds[1:] - bounds[:-1]).clamp_min(0)
             bag = torch.repeat_interleave(torch.arange(off.numel()), bag_lengths)
             self._sources.append(bag * self.num_tables + t)
+            self._bags.append(bag)
             self._targets.append(idx[first:].long() + self.row_starts[t])
             if mode == "mean":
                 self._lengths.append(bag_lengths[bag])
@@ -359,6 +361,21 @@ class TableGradients:
         targets = [d[lo:hi] for d, (lo, hi) in zip(self._targets, ranges, strict=True)]
         self.flat.index_add_(0, torch.cat(targets), g)
 
+    def add_table(self, table: int, start: int, grad_rows: torch.Tensor) -> None:
+        """Add local table ``table``'s gradient of samples ``[start, start + rows)`` (``[rows,
+        D]``): the by-table backward's blocks. Each row gets the same terms in the same order as
+        through ``add`` when the blocks of a table come in ``add``'s sample order."""
+        rows = grad_rows.shape[0]
+        if rows == 0:
+            return
+        first = self._firsts[table]
+        lo, hi = _bag_range(self._offsets[table], self._numels[table], start, start + rows)
+        lo, hi = lo - first, hi - first
+        g = grad_rows.index_select(0, self._bags[table][lo:hi] - start).float()
+        if self.mode == "mean":
+            g = g / self._lengths[table][lo:hi].unsqueeze(1)
+        self.flat.index_add_(0, self._targets[table][lo:hi], g)
+
     def result(self, tables: list[torch.Tensor]) -> list[torch.Tensor]:
         """One gradient per table, in the table's dtype (views of the buffer for float32)."""
         return [g.to(t.dtype) for g, t in zip(self._views, tables, strict=True)]
@@ -375,11 +392,13 @@ def embedding_alltoall_backward(
     batch_splits, tables_per_rank = lookup.batch_splits, lookup.tables_per_rank
     dim = grad_out.shape[2] if grad_out.dim() == 3 else 0
     grads = TableGradients(tables, lookup.indices, lookup.offsets, lookup.mode)
+    if chunks == BY_TABLE and world > 1:
+        _backward_by_table(comm, lookup, grad_out, grads)
+        return grads.result(tables)
     starts = [sum(batch_splits[:j]) for j in range(world)]
     table_starts = [sum(tables_per_rank[:j]) for j in range(world)]
     mine = batch_splits[rank]
-    # By table (forward): the gradients go back in one piece per peer.
-    pieces = 1 if world == 1 or chunks == BY_TABLE else -(-chunks // (world - 1))
+    pieces = 1 if world == 1 else -(-chunks // (world - 1))
     incoming: list[tuple[Handle, int, torch.Tensor]] = []
     for step in range(1, world):
         src = (rank + step) % world  # the ranks whose samples I looked up, in the forward's order
@@ -403,6 +422,45 @@ def embedding_alltoall_backward(
     for handle in outgoing:
         handle.wait()
     return grads.result(tables)
+
+
+def _backward_by_table(
+    comm: Communicator, lookup: ShardedLookup, grad_out: torch.Tensor, grads: TableGradients
+) -> None:
+    """The by-table schedule's backward: each rank sends every owner the gradient column of
+    each of its tables (table by table, so owners can start on their first table), and an owner
+    accumulates table by table, its own samples first, then ranks ``r+1, r+2, ...`` as the
+    sample-cut backward does, so each row sums the same terms in the same order. One table's
+    rows at a time stay in cache where a block of every table did not."""
+    rank, world = comm.rank, comm.world_size
+    splits, per_rank = lookup.batch_splits, lookup.tables_per_rank
+    dim = grad_out.shape[2]
+    starts = [sum(splits[:j]) for j in range(world)]
+    table_starts = [sum(per_rank[:j]) for j in range(world)]
+    mine, local = splits[rank], len(lookup.tables)
+    sources = [(rank + step) % world for step in range(1, world)]  # the forward's order
+    landing = {src: torch.empty((local, splits[src], dim), dtype=grad_out.dtype) for src in sources}
+    incoming: dict[tuple[int, int], Handle] = {}
+    for src in sources:
+        if splits[src]:
+            for t in range(local):
+                incoming[t, src] = comm.irecv(landing[src][t], src, tag=t, label=LABEL)
+    outgoing: list[Handle] = []
+    if mine:
+        for t in range(max(per_rank)):
+            for step in range(1, world):
+                dst = (rank - step) % world
+                if t < per_rank[dst]:
+                    column = grad_out[:, table_starts[dst] + t].contiguous()  # [B_r, D]
+                    outgoing.append(comm.isend(column, dst, tag=t, label=LABEL))
+    for t in range(local):
+        grads.add_table(t, starts[rank], grad_out[:, table_starts[rank] + t])
+        for src in sources:
+            if splits[src]:
+                incoming[t, src].wait()
+                grads.add_table(t, starts[src], landing[src][t])
+    for handle in outgoing:
+        handle.wait()
 
 
 def measure(comm: Communicator, lookup: ShardedLookup) -> tuple[float, float]:
@@ -434,7 +492,7 @@ def choose_chunks_for(
     margin, which it missed by noise from one run to the next on a DLRM step) decides whether
     chunking can pay at all; if it can, the candidates 1, 2 and 3 pieces per destination (``chunks`` =
     ``P - 1``, ``2 (P - 1)``, ``3 (P - 1)``), the by-table schedule (``BY_TABLE``, its reverse
-    exchange in one piece per peer) and ``chunks = 1`` are timed, forward and (``backward``)
+    exchange table by table too) and ``chunks = 1`` are timed, forward and (``backward``)
     backward as a training step runs them (``chunks`` cuts the reverse exchange too), interleaved, and
     the fastest is kept (``fallback.fastest_by_trial``). The model alone counts chunks, not
     the pieces they become: on a DLRM step (4 hosts at 1 Gbit/s) its choice flipped between
