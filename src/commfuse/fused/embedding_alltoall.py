@@ -45,6 +45,7 @@ by the bag's length for mean; ``TableGradients`` does it for all tables in one `
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 
 import torch
@@ -104,6 +105,16 @@ class ShardedLookup:
     """The tables' dtype (the output's), given for the same reason."""
     mode: str = "sum"
     """How a bag pools its rows: ``"sum"`` or ``"mean"`` (``MODES``)."""
+
+    @property
+    def sample_starts(self) -> list[int]:
+        """Where each rank's samples start in the global batch."""
+        return list(itertools.accumulate(self.batch_splits, initial=0))[:-1]
+
+    @property
+    def table_starts(self) -> list[int]:
+        """Where each rank's tables start in the output's rank-major table order."""
+        return list(itertools.accumulate(self.tables_per_rank, initial=0))[:-1]
 
     def check(self, comm: Communicator) -> int:
         """ValueError naming the problem; returns the global batch size.
@@ -208,7 +219,7 @@ def embedding_alltoall(
         return _by_table(comm, lookup)
     batch_splits, dim = lookup.batch_splits, lookup.dim
     pieces = -(-chunks // (world - 1))
-    starts = [sum(batch_splits[:j]) for j in range(world)]
+    starts = lookup.sample_starts
     mine = batch_splits[rank]
     blocks = _empty_blocks(comm, mine, lookup.tables_per_rank, dim, lookup.dtype)
     handles: list[Handle] = []
@@ -232,7 +243,7 @@ def _by_table(comm: Communicator, lookup: ShardedLookup) -> torch.Tensor:
     batch computed once and its slices sent to every peer while the next table is looked up."""
     rank, world = comm.rank, comm.world_size
     splits, per_rank, dim = lookup.batch_splits, lookup.tables_per_rank, lookup.dim
-    starts = [sum(splits[:j]) for j in range(world)]
+    starts = lookup.sample_starts
     mine = splits[rank]
     # Table-major landing buffers, one per source rank: [T_src, B_r, D], a table per message.
     columns = [torch.empty((t, mine, dim), dtype=lookup.dtype) for t in per_rank]
@@ -395,8 +406,7 @@ def embedding_alltoall_backward(
     if chunks == BY_TABLE and world > 1:
         _backward_by_table(comm, lookup, grad_out, grads)
         return grads.result(tables)
-    starts = [sum(batch_splits[:j]) for j in range(world)]
-    table_starts = [sum(tables_per_rank[:j]) for j in range(world)]
+    starts, table_starts = lookup.sample_starts, lookup.table_starts
     mine = batch_splits[rank]
     pieces = 1 if world == 1 else -(-chunks // (world - 1))
     incoming: list[tuple[Handle, int, torch.Tensor]] = []
@@ -435,8 +445,7 @@ def _backward_by_table(
     rank, world = comm.rank, comm.world_size
     splits, per_rank = lookup.batch_splits, lookup.tables_per_rank
     dim = grad_out.shape[2]
-    starts = [sum(splits[:j]) for j in range(world)]
-    table_starts = [sum(per_rank[:j]) for j in range(world)]
+    starts, table_starts = lookup.sample_starts, lookup.table_starts
     mine, local = splits[rank], len(lookup.tables)
     sources = [(rank + step) % world for step in range(1, world)]  # the forward's order
     landing = {src: torch.empty((local, splits[src], dim), dtype=grad_out.dtype) for src in sources}

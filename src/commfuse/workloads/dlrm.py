@@ -200,7 +200,8 @@ class _UnfusedExchange(torch.autograd.Function):
         comm, rank, world = module.comm, module.comm.rank, module.comm.world_size
         splits, per_rank, dim = batch.batch_splits, module.tables_per_rank, module.dim
         grad = grad.contiguous()
-        t_starts = [sum(per_rank[:j]) for j in range(world)]
+        lookup = module.lookup(batch.indices, batch.offsets, splits, list(tables))
+        t_starts, starts = lookup.table_starts, lookup.sample_starts
         send = torch.cat(
             [grad[:, t_starts[j] : t_starts[j] + per_rank[j]].reshape(-1) for j in range(world)]
         )
@@ -210,7 +211,6 @@ class _UnfusedExchange(torch.autograd.Function):
         all_to_all(comm, recv, send, out_splits, in_splits, algo=baselines.ALL_TO_ALL)
         blocks = torch.split(recv, out_splits)
         grads = emb.TableGradients(list(tables), batch.indices, batch.offsets, module.mode)
-        starts = [sum(splits[:j]) for j in range(world)]
         # The fused backward's order: own samples first, then ranks r+1, r+2, ... (same bits).
         for src in [rank] + [(rank + s) % world for s in range(1, world)]:
             block = blocks[src].view(splits[src], len(tables), dim)
