@@ -79,7 +79,7 @@ from commfuse.comm import Communicator
 from commfuse.compress.base import GradientCompressor, all_finite, generator_for
 from commfuse.compress.cast import FP16Compressor
 from commfuse.compress.lowrank import Plan, check_shapes, plan_for
-from commfuse.compress.wire import element_bytes
+from commfuse.compress.wire import divided_into, element_bytes
 
 
 def matrix_shape(numel: int) -> tuple[int, int]:
@@ -259,8 +259,7 @@ class PowerSGDCompressor(GradientCompressor):
         if wire == message.dtype:
             C.allreduce(comm, message, "avg", algo=self.algo)
             return
-        # Pre-divided, so a 16-bit sum overflows only where the average itself would.
-        on_wire = (message / comm.world_size).to(wire)
+        on_wire = divided_into(message, comm.world_size, wire)  # pre-divided: see divided_into
         C.allreduce(comm, on_wire, "sum", algo=self.algo)
         message.copy_(on_wire)
 
