@@ -95,15 +95,14 @@ class _Runner:
         # ranks share cores, a strategy's CPU is other ranks' lost compute.
         cpu = time.process_time() - cpu_start
         sent = self.bytes_fn() - sent  # before the timing allreduce, which is not the strategy's
-        # [slowest rank's block, sum of the ranks' CPU]
-        times = torch.tensor([elapsed / num_steps, cpu / num_steps], dtype=torch.float64)
-        slowest, cpu_sum = times.clone(), times.clone()
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        dist.all_reduce(cpu_sum)
+        slowest = torch.tensor([elapsed / num_steps], dtype=torch.float64)
+        cpu_sum = torch.tensor([cpu / num_steps], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank's block
+        dist.all_reduce(cpu_sum)  # every rank's CPU
         self.next_step += num_steps
         if timed:
-            self.blocks_s.append(float(slowest[0]))
-            self.cpu_s.append(float(cpu_sum[1]) / dist.get_world_size())
+            self.blocks_s.append(float(slowest))
+            self.cpu_s.append(float(cpu_sum) / dist.get_world_size())
             self.phases += phases
             self.bytes_timed += sent
 
