@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from commfuse.bench.fused import OPS, FusedBenchConfig, bench_fused_on_rank
+from commfuse.bench.fused import OPS, FusedBenchConfig, bench_fused_on_rank, run_together
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
@@ -21,6 +21,7 @@ FIELDS = {
     "unfused_us",
     "fused_us",
     "ideal_us",
+    "overlap_us",
 }
 
 
@@ -35,6 +36,21 @@ def test_bench_records(pool: PoolFn) -> None:
         assert r["wrong"] == 0 and r["world_size"] == 2 and r["chunks"] == 3
         assert r["ideal_us"] == max(r["compute_us"], r["comm_us"])
         assert r["fused_vs_unfused"] == pytest.approx(r["fused_us"] / r["unfused_us"])
+        assert r["fused_vs_overlap"] == pytest.approx(r["fused_us"] / r["overlap_us"])
+        assert r["overlap_us"] > 0
+
+
+def test_run_together_runs_both_and_raises_the_collectives_error() -> None:
+    ran: list[str] = []
+    run_together(lambda: ran.append("compute"), lambda: ran.append("collective"))
+    assert sorted(ran) == ["collective", "compute"]
+
+    def broken() -> None:
+        raise RuntimeError("rank 1 left during all_reduce")
+
+    with pytest.raises(RuntimeError, match="rank 1 left"):
+        run_together(lambda: ran.append("again"), broken)
+    assert ran[-1] == "again"  # the computation still ran to its end
 
 
 def test_bench_config_errors() -> None:

@@ -1,15 +1,23 @@
 """``commfuse bench fused``: each fused operator against its unfused reference, side by side.
 
-For every (op, shape) each rank times, interleaved (C M U F F U M C ...), after a barrier each:
+For every (op, shape) each rank times, interleaved (C M U F O O F U M C ...), after a barrier each:
 
 * ``compute``: the computation alone (``C``);
 * ``comm``: the collective alone, on a buffer of the result's size (``M``);
 * ``unfused``: the reference, computation then collective;
 * ``fused``: the chunked pipeline with ``k`` chosen by the cost model from the measured
-  ``C``, ``M`` and per-chunk overhead (or ``--chunks``).
+  ``C``, ``M`` and per-chunk overhead (or ``--chunks``);
+* ``overlap``: the computation and the collective started together with no dependency between
+  them (the collective on a second thread, gloo releasing the GIL): what perfect overlap
+  costs on this machine, where the two share the cores. ``max(C, M)`` assumes the collective
+  costs no CPU; on the emulated cluster it does (the kernel copies every byte through the
+  veth pairs, the bridge and tbf, gloo adds and copies): a 2 MB gloo allreduce on 4 hosts at
+  1 Gbit/s kept the 2-core machine busy for 17 ms of its 26, so a 33 ms GEMM with that
+  allreduce beside it took 49-53 ms, not 33. ``fused/overlap`` near 1 means the pipeline
+  hides all the machine lets it hide.
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
-prediction and the ratios fused/unfused and fused/ideal, plus ``wrong``: elements where the fused
+prediction and the ratios fused/unfused, fused/ideal and fused/overlap, plus ``wrong``: elements where the fused
 result differs from the unfused one (both reduce in the same order, so it must be 0).
 """
 
@@ -19,6 +27,7 @@ import dataclasses
 import functools
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -202,6 +211,27 @@ def _timed(comm: Communicator, fn: Callable[[], Any]) -> float:
     return (time.perf_counter() - start) * 1e6
 
 
+def run_together(compute: Callable[[], Any], collective: Callable[[], Any]) -> None:
+    """``collective()`` on a second thread while this one runs ``compute()``; both finish before
+    it returns, and an error of either is raised here."""
+    errors: list[BaseException] = []
+
+    def communicate() -> None:
+        try:
+            collective()
+        except BaseException as err:  # re-raised on the calling thread
+            errors.append(err)
+
+    worker = threading.Thread(target=communicate, name="bench-overlap", daemon=True)
+    worker.start()
+    try:
+        compute()
+    finally:
+        worker.join()
+    if errors:
+        raise errors[0]
+
+
 def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
     """Runs on every rank (process group up); rank 0's return value is the report."""
     comm = Communicator()
@@ -229,10 +259,11 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 case.comm,
                 case.unfused,
                 fused,
+                functools.partial(run_together, case.compute, case.comm),
             ]
             times = torch.zeros(len(variants), config.iters, dtype=torch.float64)
             for i in range(config.iters):
-                # Interleaved, order reversed every other round (C M U F, F U M C, ...): with
+                # Interleaved, order reversed every other round (C M U F O, O F U M C, ...): with
                 # a fixed order, identical code timed as U and F differed by 2-17% on the shared
                 # machine (fused k = 1 runs the unfused code itself).
                 order = list(enumerate(variants))
@@ -241,7 +272,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             comm.all_reduce(times, "max")
             wrong = torch.tensor([int((case.fused(chunks) != case.unfused()).sum())])
             comm.all_reduce(wrong)
-            c, m, u, f = (statistics.median(row.tolist()) for row in times)
+            c, m, u, f, o = (statistics.median(row.tolist()) for row in times)
             ideal = max(c, m)
             records.append(
                 {
@@ -258,6 +289,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                     "unfused_us": u,
                     "fused_us": f,
                     "ideal_us": ideal,
+                    "overlap_us": o,
                     # The model counts pieces of rows; a by-table schedule (k = 0) it has none.
                     "predicted_us": (
                         predict_us(c, m, chunks, float(agreed[2])) if chunks >= 1 else None
@@ -265,6 +297,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                     "overhead_us": float(agreed[2]),
                     "fused_vs_unfused": f / u,
                     "fused_vs_ideal": f / ideal,
+                    "fused_vs_overlap": f / o,
                     "c_over_m": c / m if m else float("inf"),
                     "wrong": int(wrong),
                     "iters": config.iters,
@@ -284,8 +317,10 @@ COLUMNS = (
     ("unfused_us", lambda r: f"{r['unfused_us']:.0f}"),
     ("fused_us", lambda r: f"{r['fused_us']:.0f}"),
     ("ideal_us", lambda r: f"{r['ideal_us']:.0f}"),
+    ("overlap_us", lambda r: f"{r['overlap_us']:.0f}"),
     ("pred_us", lambda r: "-" if r["predicted_us"] is None else f"{r['predicted_us']:.0f}"),
     ("fused/unfused", lambda r: f"{r['fused_vs_unfused']:.3f}"),
     ("fused/ideal", lambda r: f"{r['fused_vs_ideal']:.3f}"),
+    ("fused/overlap", lambda r: f"{r['fused_vs_overlap']:.3f}"),
     ("wrong", lambda r: str(r["wrong"])),
 )
