@@ -57,19 +57,22 @@ def render(records: list[dict[str, Any]]) -> str:
     width = max(len("strategy"), *(len(r["strategy"]) for r in records)) + 2
     header = (
         f"{'strategy':<{width}}{'step ms':>9}{'min-max':>11}{'x first':>9}{'spread':>12}"
-        f"{'/compute':>10}{'fwd ms':>8}{'bwd+sync':>10}{'opt ms':>8}{'cpu ms':>8}{'MB/step':>9}"
+        f"{'/compute':>10}{'fwd ms':>8}{'bwd+sync':>10}{'opt ms':>8}{'cpu ms':>8}{'floor ms':>10}"
+        f"{'MB/step':>9}"
     )
     rows = [header]
     for r in records:
         span = "{:.0f}-{:.0f}".format(r["step_s_min"] * 1e3, r["step_s_max"] * 1e3)
         spread = "{:.2f}-{:.2f}".format(r["ratio_min"], r["ratio_max"])
         over = r.get("step_over_compute")
+        floor = r.get("cpu_floor_s")
         rows.append(
             f"{r['strategy']:<{width}}{r['step_s'] * 1e3:>9.1f}{span:>11}"
             f"{r['ratio_to_first']:>9.3f}{spread:>12}"
             f"{'-' if over is None else format(over, '.2f'):>10}"
             f"{r['forward_s'] * 1e3:>8.1f}{r['backward_sync_s'] * 1e3:>10.1f}"
             f"{r['optimizer_s'] * 1e3:>8.1f}{r['cpu_s_per_step'] * 1e3:>8.1f}"
+            f"{'-' if floor is None else format(floor * 1e3, '.1f'):>10}"
             f"{r['bytes_per_step'] / 1e6:>9.3f}"
         )
     return "\n".join(rows)

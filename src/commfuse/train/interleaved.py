@@ -13,8 +13,10 @@ batches (step ``i`` of each is the workload's batch ``i``).
 
 Also reported per strategy: the median phases of rank 0's steps (forward, backward up to the
 synchronised gradients, optimizer step), the CPU seconds a rank's threads spent per step (mean
-over ranks: where ranks share cores, CPU spent on communication is compute another rank lacks)
-and the bytes it handed to collectives per timed step;
+over ranks: where ranks share cores, CPU spent on communication is compute another rank lacks),
+the machine's CPU floor of its step (every core's busy time during its blocks, divided by the
+cores, per step: ``cluster/machine.py``; where the step is close to it, the step is CPU-bound and
+no overlap can shorten it) and the bytes it handed to collectives per timed step;
 and, unless ``include_compute`` is off, the bare model with no communication at all
 (``compute``): the floor every step time is measured against.
 """
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commfuse.cluster import machine
 from commfuse.comm import Communicator
 from commfuse.train.strategy import StrategyContext, parse_strategy
 from commfuse.workloads import make_workload
@@ -82,27 +85,39 @@ class _Runner:
     next_step: int = 0
     blocks_s: list[float] = dataclasses.field(default_factory=list)
     cpu_s: list[float] = dataclasses.field(default_factory=list)
+    floor_s: list[float] = dataclasses.field(default_factory=list)
     phases: list[tuple[float, float, float]] = dataclasses.field(default_factory=list)
     bytes_timed: int = 0
 
     def run(self, num_steps: int, *, timed: bool) -> None:
         dist.barrier()
         sent = self.bytes_fn()
+        busy_start = machine.busy_cpu_s()
         start, cpu_start = time.perf_counter(), time.process_time()
         phases = [self.step_fn(self.next_step + i) for i in range(num_steps)]
         elapsed = time.perf_counter() - start
+        busy_end = machine.busy_cpu_s()
         # CPU seconds of every thread of this rank (compute, gloo's, commfuse's workers): where
         # ranks share cores, a strategy's CPU is other ranks' lost compute.
         cpu = time.process_time() - cpu_start
         sent = self.bytes_fn() - sent  # before the timing allreduce, which is not the strategy's
         slowest = torch.tensor([elapsed / num_steps], dtype=torch.float64)
         cpu_sum = torch.tensor([cpu / num_steps], dtype=torch.float64)
+        # The busiest machine's floor (ranks of one machine read the same counters); -1 where
+        # a machine cannot tell (no /proc/stat), so the max says "unknown" only if none can.
+        floor = -1.0
+        if busy_start is not None and busy_end is not None:
+            floor = (busy_end - busy_start) / machine.cores() / num_steps
+        machine_floor = torch.tensor([floor], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank's block
         dist.all_reduce(cpu_sum)  # every rank's CPU
+        dist.all_reduce(machine_floor, op=dist.ReduceOp.MAX)
         self.next_step += num_steps
         if timed:
             self.blocks_s.append(float(slowest))
             self.cpu_s.append(float(cpu_sum) / dist.get_world_size())
+            if float(machine_floor) >= 0:
+                self.floor_s.append(float(machine_floor))
             self.phases += phases
             self.bytes_timed += sent
 
@@ -194,6 +209,7 @@ def interleaved_rank(config: InterleavedConfig) -> list[dict[str, Any]]:
             "backward_sync_s": backward,
             "optimizer_s": optimizer,
             "cpu_s_per_step": statistics.median(runner.cpu_s),
+            "cpu_floor_s": statistics.median(runner.floor_s) if runner.floor_s else None,
             "bytes_per_step": runner.bytes_timed / (config.reps * config.steps),
             "steps": config.steps,
             "reps": config.reps,
