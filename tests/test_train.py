@@ -192,6 +192,28 @@ def test_compare_cli_writes_json_and_plot(
     out = capsys.readouterr().out
     assert "x_ddp" in out and "held_loss" in out
     assert all(r["eval_loss"] > 0 and r["final_sync_bytes"] == 0 for r in records)
+    # Steps of a few ms fall between the machine's 10 ms ticks: known, but not meaningful here.
+    assert all(r["machine_busy"] is not None and r["machine_busy"] >= 0 for r in records)
+    assert "busy" in out
+
+
+def test_machine_busy_is_the_busy_share_of_the_cores_over_the_timed_steps() -> None:
+    history = {
+        "loss": [2.0, 1.5, 1.0, 0.5],
+        "step_time_s": [0.5, 0.3, 0.2, 0.4],
+        "bytes": [0.0] * 4,
+        "skipped": [0.0] * 4,
+        # step 1 is warm-up; step 4's busy time is unknown (-1) and left out
+        "busy_cpu_s": [0.9, 0.6, 0.4, -1.0],
+    }
+    ranks = [{"history": history, "digest": "d", "cores": 2}]
+    record = summarize(ranks, strategy="ddp", workload=DIGITS, warmup=1)
+    # (0.6 + 0.4) s of busy CPU on 2 cores over 0.3 + 0.2 s of steps: the machine was full.
+    assert record["cpu_floor_s"] == pytest.approx(0.25)
+    assert record["machine_busy"] == pytest.approx(1.0)
+    older = {k: v for k, v in history.items() if k != "busy_cpu_s"}  # a pre-recording checkpoint
+    record = summarize([{"history": older, "digest": "d"}], strategy="x", workload=DIGITS, warmup=1)
+    assert record["cpu_floor_s"] is None and record["machine_busy"] is None
 
 
 @pytest.mark.parametrize(

@@ -117,6 +117,9 @@ def run_compare(
         record["repeats"] = repeats
         record["step_time_s_rounds"] = [r["step_time_s"] for r in runs[i]]
         record["step_time_s"] = statistics.median(record["step_time_s_rounds"])
+        for key in ("cpu_floor_s", "machine_busy"):
+            known = [r[key] for r in runs[i] if r.get(key) is not None]
+            record[key] = statistics.median(known) if known else None
         computes = [r["compute_step_time_s"] for r in runs[i] if r["compute_step_time_s"]]
         if computes:
             record["compute_step_time_s"] = statistics.median(computes)
@@ -175,6 +178,7 @@ COMPARE_COLUMNS = (
     ("step_ms", lambda r: _fmt(r["step_time_s"], ".0f", 1e3)),
     ("compute_ms", lambda r: _fmt(r["compute_step_time_s"], ".0f", 1e3)),
     ("step/compute", lambda r: _fmt(r["step_over_compute"], ".2f")),
+    ("busy", lambda r: _fmt(r.get("machine_busy"), ".0%")),
     ("MB/step", lambda r: _fmt(r["bytes_per_step"], ".3f", 1e-6)),
     ("x less", lambda r: _fmt(r["bytes_reduction_vs_baseline"], ".1f")),
     ("peak_MB", lambda r: _fmt(r["peak_bytes_per_step"], ".2f", 1e-6)),

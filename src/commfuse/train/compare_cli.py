@@ -20,6 +20,8 @@ LEGEND = """\
 step_ms       median time of one training step after warm-up (rank 0)
 compute_ms    the same step with every gradient collective skipped: the floor
 step/compute  step time over that floor (1.00 = communication fully hidden or removed)
+busy          share of the machine's cores busy during the steps (every rank, gloo, the kernel's
+              packet work): near 100% the step is CPU-bound, and fewer bytes cannot shorten it
 MB/step       mean bytes one rank handed to collectives per step; x less = baseline's / this one's;
               peak_MB = the most in one step (a synchronisation's burst)
 final_loss    training loss at the last step (mean over ranks, moving average)

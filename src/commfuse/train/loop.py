@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commfuse.cluster import machine
 from commfuse.comm import Communicator
 from commfuse.train import checkpoint as ckpt
 from commfuse.train.strategy import StrategyContext, parse_strategy
@@ -127,6 +128,9 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             start = resumed_state["step"]
     if resumed_state is None and config.init_from:
         start = _init_from(config, module, optimizer, rank)
+    # Busy CPU seconds of the whole machine during each step (-1: unknown, or a step of a
+    # checkpoint written before this was recorded): metrics.py's ``machine_busy``.
+    history.setdefault("busy_cpu_s", [-1.0] * len(history["loss"]))
     strategy = parsed.build(
         StrategyContext(
             module=module,
@@ -152,6 +156,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
                 sent_before = _finish_into_last_step(strategy, history, sent_before)
                 run_metrics = strategy.metrics()
                 snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            busy_before = machine.busy_cpu_s()
             t0 = time.perf_counter()
             with comm.at_step(step):
                 batch = workload.batch(step, rank, world, seed=config.seed)
@@ -161,6 +166,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
                 strategy.sync()
                 applied = strategy.optimizer_step()
             elapsed = time.perf_counter() - t0
+            history["busy_cpu_s"].append(_busy_since(busy_before))
             sent_now = strategy.bytes_sent()
             sent, sent_before = sent_now - sent_before, sent_now
             history["loss"].append(float(loss.detach()))
@@ -189,6 +195,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             "extra_steps": config.steps + config.extra_steps - max(start, config.steps),
             "digest": params_digest(module),
             "strategy_metrics": strategy.metrics() if run_metrics is None else run_metrics,
+            "cores": machine.cores(),
         }
         if config.evaluate and rank == 0:
             result["eval"] = workload.evaluate(module)
@@ -207,13 +214,23 @@ def _finish_into_last_step(strategy: Any, history: dict[str, list[float]], sent_
     time and the bytes sent since ``sent_before`` charged to the last step trained: the run is
     not over until it is done, and an exchange still in flight at the last step, or a final
     synchronisation, is real traffic of that step. Returns the bytes sent so far."""
+    busy_before = machine.busy_cpu_s()
     start = time.perf_counter()
     strategy.finish()
     sent_now: int = strategy.bytes_sent()
     if history["step_time_s"]:
         history["step_time_s"][-1] += time.perf_counter() - start
         history["bytes"][-1] += float(sent_now - sent_before)
+        busy = _busy_since(busy_before)
+        if busy >= 0 and history["busy_cpu_s"][-1] >= 0:
+            history["busy_cpu_s"][-1] += busy
     return sent_now
+
+
+def _busy_since(before: float | None) -> float:
+    """The machine's busy CPU seconds since ``before`` (``machine.busy_cpu_s``), -1 if unknown."""
+    now = machine.busy_cpu_s()
+    return -1.0 if before is None or now is None else now - before
 
 
 def _init_from(

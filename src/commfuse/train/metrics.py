@@ -23,6 +23,11 @@ Definitions (the same for ``train --json`` and ``compare``):
   connections, measured up to seconds on the emulated cluster, which would swamp short runs),
   and ``wall_curve_s`` its running sum (0 at step 1), the x axis of the plot.
 * ``time_to_loss_s(record, target)``: the first wall time at which the curve is <= target.
+* ``machine_busy``: the share of rank 0's machine's cores that were busy (anyone's work: every
+  rank, gloo's threads, the kernel moving the emulated links' packets) over the timed steps,
+  and ``cpu_floor_s`` the mean step's busy CPU divided by the cores: a step cannot be shorter,
+  however well communication is hidden. Near 1, the run is CPU-bound: sending fewer bytes
+  cannot shorten its step, spending less CPU can. None where the machine cannot tell.
 """
 
 from __future__ import annotations
@@ -47,6 +52,21 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
+def _machine_busy(
+    hist: dict[str, list[float]], cores: int | None, timed: slice
+) -> tuple[float | None, float | None]:
+    """(cpu_floor_s, machine_busy) over the timed steps whose busy time is known."""
+    recorded = hist.get("busy_cpu_s")
+    if recorded is None:  # a history from before busy time was recorded
+        return None, None
+    steps = hist["step_time_s"][timed]
+    pairs = [(busy, step) for busy, step in zip(recorded[timed], steps, strict=True) if busy >= 0]
+    if not cores or not pairs:
+        return None, None
+    busy_s = sum(busy for busy, _ in pairs) / cores
+    return busy_s / len(pairs), busy_s / sum(step for _, step in pairs)
+
+
 def summarize(
     rank_results: Sequence[dict[str, Any]], *, strategy: str, workload: str, warmup: int
 ) -> dict[str, Any]:
@@ -65,6 +85,7 @@ def summarize(
     for i, t in enumerate(full["step_time_s"]):
         wall += t if i else 0.0
         walls.append(wall)
+    busy_floor_s, busy_share = _machine_busy(hist, first.get("cores"), timed)
     compute = first.get("compute_step_time_s") or []
     evaluation = first.get("eval") or {}
     final_sync = float((first.get("strategy_metrics") or {}).get("final_sync_bytes", 0))
@@ -76,6 +97,8 @@ def summarize(
         "step_time_s": statistics.median(times[timed]),
         "compute_step_time_s": statistics.median(compute) if compute else None,
         "mean_step_time_s": statistics.fmean(times[timed]),
+        "cpu_floor_s": busy_floor_s,
+        "machine_busy": busy_share,
         # Over all steps: warm-up steps send as much as any, and a periodic strategy's
         # synchronisations must be averaged over the whole period.
         "bytes_per_step": statistics.fmean(hist["bytes"]),
