@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from commfuse.bench.fused import OPS, FusedBenchConfig, bench_fused_on_rank, run_together
+from commfuse.bench.fused_steps import StepBenchConfig
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
@@ -53,7 +54,22 @@ def test_run_together_runs_both_and_raises_the_collectives_error() -> None:
     assert ran[-1] == "again"  # the computation still ran to its end
 
 
+def test_chunks_zero_times_the_embedding_exchange_by_table(pool: PoolFn) -> None:
+    config = FusedBenchConfig(
+        ops=("embedding_alltoall",), iters=1, warmup=1, chunks=0, shapes=((40, 5, 30, 4, 3),)
+    )
+    (record,) = pool(3).run(bench_fused_on_rank, config, timeout_s=120)[0]
+    assert record["chunks"] == 0 and record["wrong"] == 0 and record["predicted_us"] is None
+
+
 def test_bench_config_errors() -> None:
+    with pytest.raises(ValueError, match="by table, a schedule of the embedding exchange only"):
+        FusedBenchConfig(ops=("embedding_alltoall", "gemm_allreduce"), chunks=0)
+    with pytest.raises(ValueError, match="--chunks must be >= 1, or 0"):
+        FusedBenchConfig(ops=("embedding_alltoall",), chunks=-1)
+    with pytest.raises(ValueError, match="tp-transformer take"):
+        StepBenchConfig(steps=("dlrm", "tp-transformer"), chunks=0)
+    StepBenchConfig(steps=("dlrm",), chunks=0)
     with pytest.raises(ValueError, match="unknown --op"):
         FusedBenchConfig(ops=("gemm_allgather",))
     with pytest.raises(ValueError, match="no --shape of 5 dimensions"):

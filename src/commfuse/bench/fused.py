@@ -84,6 +84,22 @@ def parse_shapes(specs: list[str] | None) -> tuple[tuple[int, ...], ...] | None:
         ) from None
 
 
+def check_chunks(chunks: int | None, names: tuple[str, ...], *, by_table: tuple[str, ...]) -> None:
+    """ValueError unless ``--chunks`` is unset, >= 1, or 0 (by table: ``emb.BY_TABLE``) with only
+    operators or steps in ``by_table`` (the embedding exchange's schedule; no other has one)."""
+    if chunks is None or chunks >= 1:
+        return
+    if chunks == emb.BY_TABLE:
+        others = [name for name in names if name not in by_table]
+        if not others:
+            return
+        raise ValueError(
+            f"--chunks 0 means by table, a schedule of the embedding exchange only "
+            f"({', '.join(by_table)}); {', '.join(others)} take(s) --chunks >= 1"
+        )
+    raise ValueError(f"--chunks must be >= 1, or 0 for by table, got {chunks}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FusedBenchConfig:
     """What to time."""
@@ -95,7 +111,8 @@ class FusedBenchConfig:
     warmup: int = 2
     """Untimed runs of each variant first (connections, allocator, the measurement of k)."""
     chunks: int | None = None
-    """Fixed number of chunks; None lets the cost model choose."""
+    """Fixed number of chunks (0: by table, embedding_alltoall only); None lets the cost model
+    choose."""
     shapes: tuple[tuple[int, ...], ...] | None = None
     """Shapes to time instead of the defaults; each op takes those of its arity (3 or 5)."""
 
@@ -111,8 +128,7 @@ class FusedBenchConfig:
         if self.shapes and not any(self.shapes_of(op) for op in self.ops):
             missing = self.ops[0]
             raise ValueError(f"no --shape of {ARITY[missing]} dimensions for {missing}")
-        if self.chunks is not None and self.chunks < 1:
-            raise ValueError(f"--chunks must be >= 1, got {self.chunks}")
+        check_chunks(self.chunks, self.ops, by_table=("embedding_alltoall",))
 
     def shapes_of(self, op: str) -> tuple[tuple[int, ...], ...]:
         if self.shapes is None:
@@ -246,10 +262,14 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             overhead_us = measure_overhead_us(comm, repeats=5)
             agreed = torch.tensor([compute_us, comm_us, overhead_us], dtype=torch.float64)
             comm.all_reduce(agreed, "max")
-            chunks = config.chunks or (
-                case.choose()
-                if case.choose
-                else choose_chunks(*agreed.tolist(), max_chunks=case.max_chunks)
+            chunks = (
+                config.chunks
+                if config.chunks is not None
+                else (
+                    case.choose()
+                    if case.choose
+                    else choose_chunks(*agreed.tolist(), max_chunks=case.max_chunks)
+                )
             )
             fused = functools.partial(case.fused, chunks)
             for _ in range(config.warmup):

@@ -31,7 +31,12 @@ def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser
         "batch x tables x rows x dim x pooling for embedding_alltoall and --step dlrm, "
         "seq x batch x d_model x heads x d_ff x layers for --step tp-transformer",
     )
-    parser.add_argument("--chunks", type=int, help="fix the number of chunks (default: cost model)")
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        help="fix the number of chunks (default: cost model); 0: table by table, for "
+        "embedding_alltoall and --step dlrm",
+    )
     parser.add_argument("--iters", type=int, default=7, help="timed runs per variant (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
     parser.add_argument("--json", metavar="PATH", help="write the records as JSON")

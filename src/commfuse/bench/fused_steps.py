@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from commfuse.bench.fused import check_chunks
 from commfuse.cluster.topology import Topology
 from commfuse.comm import Communicator
 from commfuse.fused import embedding_alltoall as emb
@@ -178,7 +179,8 @@ class StepBenchConfig:
     warmup: int = 2
     """Untimed steps of each variant first (connections, allocator, the choice of chunks)."""
     chunks: int | None = None
-    """Fixed number of chunks; None lets each fused module choose."""
+    """Fixed number of chunks (0: the embedding exchange by table, dlrm only); None lets each
+    fused module choose."""
     shapes: tuple[tuple[int, ...], ...] | None = None
     """Shapes instead of the defaults (5 dimensions for dlrm, 6 for tp-transformer)."""
 
@@ -188,8 +190,7 @@ class StepBenchConfig:
             raise ValueError(f"unknown --step {', '.join(unknown)}: use one of {', '.join(STEPS)}")
         if self.iters < 1 or self.warmup < 0:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
-        if self.chunks is not None and self.chunks < 1:
-            raise ValueError(f"--chunks must be >= 1, got {self.chunks}")
+        check_chunks(self.chunks, self.steps, by_table=("dlrm",))
 
 
 def _timed(comm: Communicator, fn: Callable[[Any], Any], data: Any) -> float:
