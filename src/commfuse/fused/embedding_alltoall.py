@@ -243,16 +243,19 @@ def _by_table(comm: Communicator, lookup: ShardedLookup) -> torch.Tensor:
     batch computed once and its slices sent to every peer while the next table is looked up."""
     rank, world = comm.rank, comm.world_size
     splits, per_rank, dim = lookup.batch_splits, lookup.tables_per_rank, lookup.dim
-    starts = lookup.sample_starts
+    starts, table_starts = lookup.sample_starts, lookup.table_starts
     mine = splits[rank]
-    # Table-major landing buffers, one per source rank: [T_src, B_r, D], a table per message.
-    columns = [torch.empty((t, mine, dim), dtype=lookup.dtype) for t in per_rank]
+    # One table-major landing buffer, [T, B_r, D] in rank-major table order: every message (one
+    # source's table) lands in its own contiguous slice, so the output costs one transposing
+    # copy at the end (a buffer per source cost a concatenation more: 8 MB at 64-dim x 32 tables).
+    landing = torch.empty((sum(per_rank), mine, dim), dtype=lookup.dtype)
     handles: list[Handle] = []
     if mine:
         for step in range(1, world):
             src = (rank - step) % world
             for t in range(per_rank[src]):
-                handles.append(comm.irecv(columns[src][t], src, tag=t, label=LABEL))
+                target = landing[table_starts[src] + t]
+                handles.append(comm.irecv(target, src, tag=t, label=LABEL))
     for t, (table, idx, off) in enumerate(
         zip(lookup.tables, lookup.indices, lookup.offsets, strict=True)
     ):
@@ -263,11 +266,11 @@ def _by_table(comm: Communicator, lookup: ShardedLookup) -> torch.Tensor:
             if splits[dst]:
                 part = column[starts[dst] : starts[dst] + splits[dst]]  # contiguous rows
                 handles.append(comm.isend(part, dst, tag=t, label=LABEL))
-        columns[rank][t] = column[starts[rank] : starts[rank] + mine]
+        landing[table_starts[rank] + t] = column[starts[rank] : starts[rank] + mine]
     for handle in handles:
         handle.wait()
-    # [T, B_r, D] in rank-major table order -> [B_r, T, D], as the reference returns.
-    return torch.cat(columns, dim=0).permute(1, 0, 2).contiguous()
+    # [T, B_r, D] -> [B_r, T, D], as the reference returns.
+    return landing.permute(1, 0, 2).contiguous()
 
 
 def embedding_alltoall_reference(
