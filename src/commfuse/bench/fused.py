@@ -1,6 +1,7 @@
 """``commfuse bench fused``: each fused operator against its unfused reference, side by side.
 
-For every (op, shape) each rank times, interleaved (C M U F O O F U M C ...), after a barrier each:
+For every (op, shape) each rank times, interleaved (C M U F O O F U M C ...), after a barrier
+each:
 
 * ``compute``: the computation alone (``C``);
 * ``comm``: the collective alone, on a buffer of the result's size (``M``);
@@ -17,8 +18,9 @@ For every (op, shape) each rank times, interleaved (C M U F O O F U M C ...), af
   hides all the machine lets it hide.
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
-prediction and the ratios fused/unfused, fused/ideal and fused/overlap, plus ``wrong``: elements where the fused
-result differs from the unfused one (both reduce in the same order, so it must be 0).
+prediction and the ratios fused/unfused, fused/ideal and fused/overlap, plus ``wrong``: elements
+where the fused result differs from the unfused one (both reduce in the same order, so it must
+be 0).
 """
 
 from __future__ import annotations

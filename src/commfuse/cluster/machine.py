@@ -26,7 +26,9 @@ def busy_cpu_s() -> float | None:
     ticks = [int(v) for v in fields[1:8]]  # user nice system idle iowait irq softirq
     busy = sum(ticks) - ticks[3] - ticks[4]
     if len(fields) > 8:
-        busy += int(fields[8])  # steal: a vCPU's time taken by the hypervisor is not ours either
+        # steal: time the hypervisor gave a vCPU's core to another guest; the ranks could not
+        # use it either, so for the floor it counts as taken
+        busy += int(fields[8])
     return busy / os.sysconf("SC_CLK_TCK")
 
 
