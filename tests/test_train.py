@@ -197,6 +197,19 @@ def test_compare_cli_writes_json_and_plot(
     assert "busy" in out
 
 
+def test_cpu_bound_note_names_the_strategies_that_kept_the_cores_busy() -> None:
+    from commfuse.train.compare import cpu_bound_note
+
+    records: list[dict[str, Any]] = [
+        {"strategy": "ddp", "machine_busy": 0.23},
+        {"strategy": "powersgd:rank=8", "machine_busy": 0.94},
+        {"strategy": "old", "machine_busy": None},
+    ]
+    note = cpu_bound_note(records)
+    assert note is not None and "powersgd:rank=8 (94%)" in note and "ddp" not in note
+    assert cpu_bound_note(records[::2]) is None
+
+
 def test_machine_busy_is_the_busy_share_of_the_cores_over_the_timed_steps() -> None:
     history = {
         "loss": [2.0, 1.5, 1.0, 0.5],

@@ -169,6 +169,28 @@ def add_comparisons(records: list[dict[str, Any]]) -> None:
         )
 
 
+#: A run whose steps kept at least this share of the machine's cores busy is called CPU-bound.
+CPU_BOUND_BUSY = 0.9
+
+
+def cpu_bound_note(records: Sequence[dict[str, Any]]) -> str | None:
+    """One line naming the strategies whose steps kept the cores >= ``CPU_BOUND_BUSY`` busy:
+    there the cores, not the network, set the step, so sending fewer bytes cannot make it
+    shorter and spending less CPU can (on the emulated cluster the kernel's packet work and
+    every rank share one machine's cores). None when no run was."""
+    bound = [
+        f"{r['strategy']} ({r['machine_busy']:.0%})"
+        for r in records
+        if (r.get("machine_busy") or 0.0) >= CPU_BOUND_BUSY
+    ]
+    if not bound:
+        return None
+    return (
+        "CPU-bound here (the cores, not the network, set the step; fewer bytes will not shorten "
+        f"it): {', '.join(bound)}"
+    )
+
+
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 

@@ -119,6 +119,9 @@ def run_compare_cli(args: argparse.Namespace) -> int:
     print(
         f"baseline: {records[0]['baseline']}; times are medians on a shared machine, quote ratios"
     )
+    note = C.cpu_bound_note(records)
+    if note:
+        print(note)
     title = f"{args.workload} on {topology.describe()}"
     if args.plot:
         C.plot_loss_vs_time(records, args.plot, title=title)
