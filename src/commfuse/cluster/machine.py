@@ -32,6 +32,13 @@ def busy_cpu_s() -> float | None:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+def busy_since(before: float | None) -> float | None:
+    """Busy CPU seconds of the machine since ``before`` (a ``busy_cpu_s`` reading); None if
+    either reading is unknown."""
+    now = busy_cpu_s()
+    return None if before is None or now is None else now - before
+
+
 def cores() -> int:
     """Cores of the machine (all of them: ``/proc/stat`` counts all)."""
     return os.cpu_count() or 1

@@ -117,12 +117,10 @@ def run_compare(
         record["repeats"] = repeats
         record["step_time_s_rounds"] = [r["step_time_s"] for r in runs[i]]
         record["step_time_s"] = statistics.median(record["step_time_s_rounds"])
-        for key in ("cpu_floor_s", "machine_busy"):
-            known = [r[key] for r in runs[i] if r.get(key) is not None]
-            record[key] = statistics.median(known) if known else None
-        computes = [r["compute_step_time_s"] for r in runs[i] if r["compute_step_time_s"]]
-        if computes:
-            record["compute_step_time_s"] = statistics.median(computes)
+        for key in ("compute_step_time_s", "cpu_floor_s", "machine_busy"):
+            known = [r[key] for r in runs[i] if r.get(key) is not None]  # rounds that measured it
+            if known:  # else round 1's: None
+                record[key] = statistics.median(known)
         # Each round's own curves: its loss may differ in the last bits (reduction order).
         record["curves_rounds"] = [(r["loss_curve"], r["wall_curve_s"]) for r in runs[i]]
         records.append(record)

@@ -96,7 +96,7 @@ class _Runner:
         start, cpu_start = time.perf_counter(), time.process_time()
         phases = [self.step_fn(self.next_step + i) for i in range(num_steps)]
         elapsed = time.perf_counter() - start
-        busy_end = machine.busy_cpu_s()
+        busy = machine.busy_since(busy_start)
         # CPU seconds of every thread of this rank (compute, gloo's, commfuse's workers): where
         # ranks share cores, a strategy's CPU is other ranks' lost compute.
         cpu = time.process_time() - cpu_start
@@ -106,8 +106,8 @@ class _Runner:
         # The busiest machine's floor (ranks of one machine read the same counters); -1 where
         # a machine cannot tell (no /proc/stat), so the max says "unknown" only if none can.
         floor = -1.0
-        if busy_start is not None and busy_end is not None:
-            floor = (busy_end - busy_start) / machine.cores() / num_steps
+        if busy is not None:
+            floor = busy / machine.cores() / num_steps
         machine_floor = torch.tensor([floor], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank's block
         dist.all_reduce(cpu_sum)  # every rank's CPU

@@ -228,9 +228,9 @@ def _finish_into_last_step(strategy: Any, history: dict[str, list[float]], sent_
 
 
 def _busy_since(before: float | None) -> float:
-    """The machine's busy CPU seconds since ``before`` (``machine.busy_cpu_s``), -1 if unknown."""
-    now = machine.busy_cpu_s()
-    return -1.0 if before is None or now is None else now - before
+    """``machine.busy_since(before)``, -1 if unknown (the history holds floats)."""
+    busy = machine.busy_since(before)
+    return -1.0 if busy is None else busy
 
 
 def _init_from(
