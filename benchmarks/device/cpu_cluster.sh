@@ -1,8 +1,7 @@
-#!/usr/bin/env bash
-# The issue-4 and issue-5 benchmarks on a machine with a core per rank (the lent device machine:
-# 16 cores, no network, its own python3 with torch). On the 2-core development VM the 4 ranks
-# share 2 cores and every compressed or fused step is CPU-bound (README, "Why the two time
-# targets are missed here"); this measures the same commands where they are not.
+# The training and fused-operator comparisons on a machine with a core per rank (16 cores, no
+# network of its own, its own python3 with torch). On a 2-core machine 4 ranks share 2 cores and
+# every compressed or fused step is CPU-bound (docs/benchmarking.md, "The CPU floor"); this
+# measures the same commands where they are not.
 #
 # Usage, from the repository root: benchmarks/device/cpu_cluster.sh OUTDIR [quick]
 # About 8 minutes in all; "quick" runs one round of each (about 4). Every result goes to OUTDIR.
