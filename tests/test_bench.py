@@ -13,7 +13,6 @@ import pytest
 
 from commfuse.bench.cases import OPS, bus_factor, element_count, make_case
 from commfuse.bench.collectives import CollectiveBenchConfig, bench_collectives_on_rank
-from commfuse.cluster.netlab import netlab_unavailable_reason
 from commfuse.comm import Communicator
 from commfuse.testing import RankPool
 
@@ -86,9 +85,6 @@ def test_bad_config_is_refused() -> None:
 
 
 @pytest.mark.netlab
-@pytest.mark.skipif(
-    netlab_unavailable_reason() is not None, reason=str(netlab_unavailable_reason())
-)
 def test_cli_on_an_emulated_cluster_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     report = tmp_path / "report.md"

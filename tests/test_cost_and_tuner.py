@@ -13,7 +13,6 @@ from typing import cast
 
 import pytest
 
-from commfuse.cluster.netlab import netlab_unavailable_reason
 from commfuse.collectives import cost as C
 from commfuse.collectives.calibration import (
     _paired_medians,
@@ -395,9 +394,6 @@ def _tune(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.netlab
-@pytest.mark.skipif(
-    netlab_unavailable_reason() is not None, reason=str(netlab_unavailable_reason())
-)
 def test_tune_cli_writes_a_corrected_profile_and_reports_errors(tmp_path: Path) -> None:
     out, table = tmp_path / "profile.json", tmp_path / "table.json"
     proc = _tune(

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from commfuse.cluster.env import CONTRACT_VARS
-from commfuse.cluster.netlab import Netlab, netlab_unavailable_reason
+from commfuse.cluster.netlab import Netlab
 from commfuse.cluster.topology import Topology
 
 pytestmark = [pytest.mark.netlab, pytest.mark.slow]
@@ -30,13 +30,6 @@ pytestmark = [pytest.mark.netlab, pytest.mark.slow]
 SCRIPT = str(Path(__file__).parent / "scripts" / "allreduce_check.py")
 RDZV_PORT = 29400  # the lab's namespaces are fresh: nothing else listens there
 RESULT = re.compile(r"ALLREDUCE_OK (.*)$")
-
-
-@pytest.fixture(autouse=True)
-def _needs_netlab() -> None:
-    reason = netlab_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
 
 
 def processes_with(marker: str) -> list[int]:
