@@ -426,7 +426,7 @@ def test_no_emulate_drops_the_link_rate_nothing_would_enforce() -> None:
     no link rate then, not the --link that nothing caps."""
     import argparse
 
-    from commfuse.cluster.launch_cli import topology_from_args
+    from commfuse.cli.common import topology_from_args
 
     args = argparse.Namespace(hosts=4, ranks_per_host=None, link="100mbit", no_emulate=True)
     topology = topology_from_args(args, nproc=4)

@@ -8,7 +8,6 @@ never removes a lab it did not make.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -19,7 +18,7 @@ import threading
 
 import pytest
 
-from commfuse.cluster import net_cli
+from commfuse.cli import main
 from commfuse.cluster.netlab import (
     STATE_DIR,
     Netlab,
@@ -207,10 +206,7 @@ def test_atexit_tears_down_after_an_uncaught_error() -> None:
 
 
 def _cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="commfuse")
-    net_cli.register(parser.add_subparsers())
-    args = parser.parse_args(list(argv))
-    return int(args.func(args))
+    return main(list(argv))
 
 
 def test_bad_input_is_refused_before_anything_is_built(capsys: pytest.CaptureFixture[str]) -> None:

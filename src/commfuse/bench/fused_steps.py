@@ -17,12 +17,10 @@ To add one, write a ``*_case(comm, shape, chunks) -> StepCase`` and add it to ``
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -259,37 +257,3 @@ COLUMNS = (
     ("fused/unfused", lambda r: f"{r['fused_vs_unfused']:.3f}"),
     ("wrong", lambda r: str(r["wrong"])),
 )
-
-
-def run_bench_steps(args: argparse.Namespace) -> int:
-    """The ``--step`` form of ``commfuse bench fused`` (same topology, shape and output flags)."""
-    from commfuse.bench.fused import parse_shapes
-    from commfuse.bench.report import run_and_report
-    from commfuse.cluster.launch_cli import topology_from_args
-
-    try:
-        topology = topology_from_args(args)
-        shapes = parse_shapes(args.shape)
-        config = StepBenchConfig(
-            steps=tuple(s.strip() for s in args.step.split(",") if s.strip()),
-            iters=args.iters,
-            warmup=args.warmup,
-            chunks=args.chunks,
-            shapes=shapes,
-        )
-    except ValueError as err:
-        print(f"commfuse bench fused: {err}", file=sys.stderr)
-        return 2
-    print(
-        f"commfuse bench fused --step: {topology.describe()}, {config.iters} steps per variant (median)",
-        file=sys.stderr,
-    )
-    return run_and_report(
-        bench_steps_on_rank,
-        config,
-        topology,
-        args,
-        prog="commfuse bench fused",
-        heading="Fused training-step benchmark",
-        columns=COLUMNS,
-    )

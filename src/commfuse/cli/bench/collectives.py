@@ -1,4 +1,4 @@
-"""``commfuse bench``: benchmark commands.
+"""``commfuse bench collectives``: time collectives over a size sweep, nccl-tests style.
 
 commfuse bench collectives --hosts 4 --link 1gbit --op allreduce --sizes 16M --json out.json
 """
@@ -6,32 +6,26 @@ commfuse bench collectives --hosts 4 --link 1gbit --op allreduce --sizes 16M --j
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 from pathlib import Path
 from typing import Any
 
-from commfuse.units import parse_sizes
-
-#: Modules that each add one ``commfuse bench`` sub-command with ``register_bench(bench_sub)``.
-_BENCH_MODULES: tuple[str, ...] = (
-    "commfuse.bench.fused_cli",
-    "commfuse.bench.ddp_cli",
-    "commfuse.bench.strategies_cli",
+from commfuse.cli.common import (
+    Subparsers,
+    add_topology_arguments,
+    run_on_ranks,
+    set_command,
+    topology_from_args,
 )
+from commfuse.units import parse_sizes
 
 #: The embedded default: a short sweep on an emulated 4-host, 1 Gbit/s cluster.
 DEFAULT_SIZES = "64K,1M,16M"
 DEFAULT_OPS = "allreduce,broadcast,allgather"
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from commfuse.cluster.launch_cli import add_topology_arguments
-
-    parser = sub.add_parser("bench", help="benchmarks (nccl-tests style tables, --json records)")
-    bench_sub = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+def register(bench_sub: Subparsers) -> None:
     coll = bench_sub.add_parser(
         "collectives",
         help="time collectives over a size sweep: time, algbw, busbw, percent of link, wrong elements",
@@ -74,11 +68,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     coll.add_argument(
         "--timeout", type=float, default=600.0, help="stop the job after this many seconds"
     )
-    coll.set_defaults(func=run_bench_collectives)
-    import importlib
-
-    for module in _BENCH_MODULES:
-        importlib.import_module(module).register_bench(bench_sub)
+    set_command(coll, run_bench_collectives)
 
 
 def run_bench_collectives(args: argparse.Namespace) -> int:
@@ -87,39 +77,22 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
         bench_collectives_on_rank,
     )
     from commfuse.bench.table import render
-    from commfuse.cluster import DeadlineExceeded, RankError, run
-    from commfuse.cluster.launch_cli import topology_from_args
-    from commfuse.cluster.netlab import NetlabError
 
-    try:
-        topology = topology_from_args(args)
-        config = CollectiveBenchConfig(
-            ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),
-            sizes_bytes=tuple(parse_sizes(args.sizes)),
-            iters=args.iters,
-            warmup=args.warmup,
-            dtype=args.dtype,
-            algos=tuple(a.strip() for a in args.algo.split(",") if a.strip()),
-        )
-        check_algo_names(config.ops, config.algos)  # fail here, before any rank starts
-    except ValueError as err:
-        print(f"commfuse bench collectives: {err}", file=sys.stderr)
-        return 2
+    topology = topology_from_args(args)
+    config = CollectiveBenchConfig(
+        ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),
+        sizes_bytes=tuple(parse_sizes(args.sizes)),
+        iters=args.iters,
+        warmup=args.warmup,
+        dtype=args.dtype,
+        algos=tuple(a.strip() for a in args.algo.split(",") if a.strip()),
+    )
+    check_algo_names(config.ops, config.algos)  # fail here, before any rank starts
     print(
         f"commfuse bench collectives: {topology.describe()}, {config.iters} timed runs per row (median)",
         file=sys.stderr,
     )
-    try:
-        results = run(
-            bench_collectives_on_rank,
-            config,
-            net=topology,
-            emulate=False if args.no_emulate else None,
-            timeout_s=args.timeout,
-        )
-    except (RankError, DeadlineExceeded, NetlabError) as err:
-        print(f"commfuse bench collectives: {err}", file=sys.stderr)
-        return 1
+    results = run_on_ranks(bench_collectives_on_rank, config, topology=topology, args=args)
     records = results[0]
     emulated = bool(records and records[0]["emulated"])
     print(f"# {topology.describe()}{'' if emulated else ' (NOT emulated: plain loopback)'}")
@@ -146,23 +119,10 @@ def check_algo_names(ops: tuple[str, ...], algos: tuple[str, ...]) -> None:
             expand_algos(ops[0], (algo,), strict=True)  # raises, naming the known ones
 
 
-def machine_summary() -> dict[str, Any]:
-    import os
-
-    import torch
-
-    return {
-        "date": datetime.date.today().isoformat(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "processor": platform.processor() or platform.machine(),
-    }
-
-
 def markdown_report(records: list[dict[str, Any]], command: str, emulated: bool) -> str:
+    """A dated Markdown report of the collectives table, with the command and the machine."""
     from commfuse.bench.table import render
+    from commfuse.cli.bench.report import machine_summary
 
     machine = machine_summary()
     lines = [

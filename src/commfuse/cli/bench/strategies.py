@@ -17,9 +17,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from commfuse.cli.common import (
+    Subparsers,
+    add_topology_arguments,
+    run_on_ranks,
+    set_command,
+    topology_from_args,
+)
 
-def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from commfuse.cluster.launch_cli import add_topology_arguments
+
+def register(bench_sub: Subparsers) -> None:
 
     parser = bench_sub.add_parser(
         "strategies",
@@ -49,7 +56,7 @@ def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument(
         "--timeout", type=float, default=1200.0, help="stop the job after this many seconds"
     )
-    parser.set_defaults(func=run_bench_strategies)
+    set_command(parser, run_bench_strategies)
 
 
 def render(records: list[dict[str, Any]]) -> str:
@@ -79,43 +86,26 @@ def render(records: list[dict[str, Any]]) -> str:
 
 
 def run_bench_strategies(args: argparse.Namespace) -> int:
-    from commfuse.cluster import DeadlineExceeded, RankError, run
-    from commfuse.cluster.launch_cli import topology_from_args
-    from commfuse.cluster.netlab import NetlabError
     from commfuse.train.interleaved import InterleavedConfig, interleaved_rank
 
-    try:
-        topology = topology_from_args(args)
-        config = InterleavedConfig(
-            strategies=tuple(args.strategy),
-            workload=args.workload,
-            steps=args.steps,
-            reps=args.reps,
-            warmup_steps=args.warmup_steps,
-            bucket_cap_mb=args.bucket_cap_mb,
-            seed=args.seed,
-            include_compute=not args.no_compute,
-        )
-    except ValueError as err:
-        print(f"commfuse bench strategies: {err}", file=sys.stderr)
-        return 2
+    topology = topology_from_args(args)
+    config = InterleavedConfig(
+        strategies=tuple(args.strategy),
+        workload=args.workload,
+        steps=args.steps,
+        reps=args.reps,
+        warmup_steps=args.warmup_steps,
+        bucket_cap_mb=args.bucket_cap_mb,
+        seed=args.seed,
+        include_compute=not args.no_compute,
+    )
     print(
         f"commfuse bench strategies: {config.workload}, {topology.describe()}, "
         f"{config.reps} interleaved rounds of {config.steps} steps after "
         f"{config.warmup_steps} untimed (medians; phases: rank 0)",
         file=sys.stderr,
     )
-    try:
-        results = run(
-            interleaved_rank,
-            config,
-            net=topology,
-            emulate=False if args.no_emulate else None,
-            timeout_s=args.timeout,
-        )
-    except (RankError, DeadlineExceeded, NetlabError) as err:
-        print(f"commfuse bench strategies: {err}", file=sys.stderr)
-        return 1
+    results = run_on_ranks(interleaved_rank, config, topology=topology, args=args)
     records = results[0]
     print(f"# {config.workload}, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MB")
     print(render(records))

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from commfuse.cluster.launch_cli import add_topology_arguments, topology_from_args
+from commfuse.cli.common import (
+    Subparsers,
+    add_topology_arguments,
+    emulate_arg,
+    set_command,
+    topology_from_args,
+)
+from commfuse.cli.train import add_run_arguments
 from commfuse.train import compare as C
-from commfuse.train.train_cli import add_run_arguments
 
 LEGEND = """\
 step_ms       median time of one training step after warm-up (rank 0)
@@ -31,7 +36,7 @@ t_to_base_s   wall time until this strategy reaches the baseline's final loss (-
 x_ddp         torch DDP's mean step time / this one's; x_ddp_loss = DDP's t_to_base_s / this one's"""
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: Subparsers) -> None:
     parser = sub.add_parser(
         "compare",
         help="train several strategies on the same workload; table of step time, bytes, loss",
@@ -70,48 +75,39 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="loss vs wall time (default compare.png)",
     )
     parser.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
-    parser.set_defaults(func=run_compare_cli)
+    set_command(parser, run_compare)
 
 
-def run_compare_cli(args: argparse.Namespace) -> int:
-    from commfuse.cluster import DeadlineExceeded, RankError
+def run_compare(args: argparse.Namespace) -> int:
     from commfuse.train.loop import TrainConfig
+    from commfuse.workloads import make_workload
 
     strategies = args.strategy or list(C.DEFAULT_STRATEGIES)
-    try:
-        topology = topology_from_args(args, nproc=args.nproc)
-        base = TrainConfig(
-            workload=args.workload,
-            strategy=strategies[0],
-            steps=args.steps,
-            seed=args.seed,
-            bucket_cap_mb=args.bucket_cap_mb,
-            compute_steps=args.compute_steps,
-            init_from=args.init_from,
-        )
-        from commfuse.workloads import make_workload
-
-        workload = make_workload(args.workload).describe()
-        print(
-            f"commfuse compare: {workload}\n  on {topology.describe()}, {args.steps} steps, "
-            f"seed {args.seed}, bucket cap {args.bucket_cap_mb:g} MB, strategies one after another"
-        )
-        records = C.run_compare(
-            strategies,
-            base,
-            topology,
-            repeats=args.repeats,
-            max_steps_factor=args.max_steps_factor,
-            emulate=False if args.no_emulate else None,
-            progress=False if args.no_progress else None,
-            timeout_s=args.timeout,
-        )
-    except ValueError as err:
-        print(f"commfuse compare: {err}", file=sys.stderr)
-        return 2
-    except (RankError, DeadlineExceeded) as err:
-        print(f"commfuse compare: {err}", file=sys.stderr)
-        return 1
+    topology = topology_from_args(args, nproc=args.nproc)
+    base = TrainConfig(
+        workload=args.workload,
+        strategy=strategies[0],
+        steps=args.steps,
+        seed=args.seed,
+        bucket_cap_mb=args.bucket_cap_mb,
+        compute_steps=args.compute_steps,
+        init_from=args.init_from,
+    )
+    workload = make_workload(args.workload).describe()
+    print(
+        f"commfuse compare: {workload}\n  on {topology.describe()}, {args.steps} steps, "
+        f"seed {args.seed}, bucket cap {args.bucket_cap_mb:g} MB, strategies one after another"
+    )
+    records = C.run_compare(
+        strategies,
+        base,
+        topology,
+        repeats=args.repeats,
+        max_steps_factor=args.max_steps_factor,
+        emulate=emulate_arg(args),
+        progress=False if args.no_progress else None,
+        timeout_s=args.timeout,
+    )
     print()
     print(C.render_table(records))
     print()

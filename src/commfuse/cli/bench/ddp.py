@@ -16,9 +16,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from commfuse.cli.common import (
+    Subparsers,
+    add_topology_arguments,
+    run_on_ranks,
+    set_command,
+    topology_from_args,
+)
 
-def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from commfuse.cluster.launch_cli import add_topology_arguments
+
+def register(bench_sub: Subparsers) -> None:
     from commfuse.ddp.bench import MODELS
 
     parser = bench_sub.add_parser(
@@ -55,7 +62,7 @@ def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="stop the job after this many seconds"
     )
-    parser.set_defaults(func=run_bench_ddp)
+    set_command(parser, run_bench_ddp)
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -90,33 +97,16 @@ def render(records: list[dict[str, Any]]) -> str:
 
 
 def run_bench_ddp(args: argparse.Namespace) -> int:
-    from commfuse.cluster import DeadlineExceeded, RankError, run
-    from commfuse.cluster.launch_cli import topology_from_args
-    from commfuse.cluster.netlab import NetlabError
     from commfuse.ddp.bench import bench_rank
 
-    try:
-        topology = topology_from_args(args)
-        config = _config(args)
-    except ValueError as err:
-        print(f"commfuse bench ddp: {err}", file=sys.stderr)
-        return 2
+    topology = topology_from_args(args)
+    config = _config(args)
     print(
         f"commfuse bench ddp: {config.model}, {topology.describe()}, "
         f"{config.num_reps} interleaved blocks of {config.num_steps} steps (median)",
         file=sys.stderr,
     )
-    try:
-        results = run(
-            bench_rank,
-            config,
-            net=topology,
-            emulate=False if args.no_emulate else None,
-            timeout_s=args.timeout,
-        )
-    except (RankError, DeadlineExceeded, NetlabError) as err:
-        print(f"commfuse bench ddp: {err}", file=sys.stderr)
-        return 1
+    results = run_on_ranks(bench_rank, config, topology=topology, args=args)
     records = results[0]
     params = records[0]["params"]
     print(

@@ -17,14 +17,14 @@ import argparse
 import dataclasses
 import itertools
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
+from commfuse.cli.common import Subparsers, set_command
 from commfuse.units import parse_size
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: Subparsers) -> None:
     from commfuse.sim.builtins import WORKLOADS
     from commfuse.sim.cluster import PRESETS
 
@@ -96,7 +96,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="PATH",
         help="with --validate: write the calibrated cluster JSON (then --cluster PATH)",
     )
-    parser.set_defaults(func=run_simulate)
+    set_command(parser, run_simulate)
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -165,24 +165,20 @@ def _cluster(args: argparse.Namespace) -> Any:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    try:
-        if args.validate:
-            from commfuse.sim.validate import run_validation
+    if args.validate:
+        from commfuse.sim.validate import run_validation
 
-            return run_validation(
-                hosts=args.hosts,
-                link=args.link,
-                json_path=args.json,
-                quick=args.quick,
-                reps=args.reps,
-                runs=args.runs,
-                profile=args.profile,
-                cluster_path=args.save_cluster,
-            )
-        return _run(args)
-    except ValueError as err:
-        print(f"commfuse simulate: {err}", file=sys.stderr)
-        return 2
+        return run_validation(
+            hosts=args.hosts,
+            link=args.link,
+            json_path=args.json,
+            quick=args.quick,
+            reps=args.reps,
+            runs=args.runs,
+            profile=args.profile,
+            cluster_path=args.save_cluster,
+        )
+    return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:

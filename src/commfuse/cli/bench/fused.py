@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from commfuse.cli.common import Subparsers, add_topology_arguments, set_command, topology_from_args
 
-def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+
+def register(bench_sub: Subparsers) -> None:
     from commfuse.bench.fused import OPS
-    from commfuse.cluster.launch_cli import add_topology_arguments
 
     parser = bench_sub.add_parser(
         "fused",
@@ -50,31 +51,23 @@ def register_bench(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument(
         "--timeout", type=float, default=900.0, help="stop the job after this many seconds"
     )
-    parser.set_defaults(func=run_bench_fused)
+    set_command(parser, run_bench_fused)
 
 
 def run_bench_fused(args: argparse.Namespace) -> int:
-    if getattr(args, "step", None):
-        from commfuse.bench.fused_steps import run_bench_steps
-
-        return run_bench_steps(args)
     from commfuse.bench.fused import COLUMNS, FusedBenchConfig, bench_fused_on_rank, parse_shapes
-    from commfuse.bench.report import run_and_report
-    from commfuse.cluster.launch_cli import topology_from_args
+    from commfuse.cli.bench.report import run_and_report
 
-    try:
-        topology = topology_from_args(args)
-        shapes = parse_shapes(args.shape)
-        config = FusedBenchConfig(
-            ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),
-            iters=args.iters,
-            warmup=args.warmup,
-            chunks=args.chunks,
-            shapes=shapes,
-        )
-    except ValueError as err:
-        print(f"commfuse bench fused: {err}", file=sys.stderr)
-        return 2
+    if args.step:
+        return run_bench_steps(args)
+    topology = topology_from_args(args)
+    config = FusedBenchConfig(
+        ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),
+        iters=args.iters,
+        warmup=args.warmup,
+        chunks=args.chunks,
+        shapes=parse_shapes(args.shape),
+    )
     print(
         f"commfuse bench fused: {topology.describe()}, {config.iters} timed runs per variant (median)",
         file=sys.stderr,
@@ -84,7 +77,34 @@ def run_bench_fused(args: argparse.Namespace) -> int:
         config,
         topology,
         args,
-        prog="commfuse bench fused",
         heading="Fused operators benchmark",
+        columns=COLUMNS,
+    )
+
+
+def run_bench_steps(args: argparse.Namespace) -> int:
+    """The ``--step`` form (same topology, shape and output flags): whole training steps."""
+    from commfuse.bench.fused import parse_shapes
+    from commfuse.bench.fused_steps import COLUMNS, StepBenchConfig, bench_steps_on_rank
+    from commfuse.cli.bench.report import run_and_report
+
+    topology = topology_from_args(args)
+    config = StepBenchConfig(
+        steps=tuple(s.strip() for s in args.step.split(",") if s.strip()),
+        iters=args.iters,
+        warmup=args.warmup,
+        chunks=args.chunks,
+        shapes=parse_shapes(args.shape),
+    )
+    print(
+        f"commfuse bench fused --step: {topology.describe()}, {config.iters} steps per variant (median)",
+        file=sys.stderr,
+    )
+    return run_and_report(
+        bench_steps_on_rank,
+        config,
+        topology,
+        args,
+        heading="Fused training-step benchmark",
         columns=COLUMNS,
     )

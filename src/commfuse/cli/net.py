@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any
 
+from commfuse.cli.common import Subparsers, set_command
 from commfuse.cluster.netlab import (
     LAB_ID_LEN,
     LAB_PREFIX,
@@ -196,7 +197,7 @@ def _lab_options(parser: argparse.ArgumentParser, *, hosts: int | None, link: st
     parser.add_argument("--burst-kb", type=int, default=256, help="tbf burst in KiB (> MTU)")
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(subparsers: Subparsers) -> None:
     """Add ``net up|down|status|check`` to the ``commfuse`` command."""
     net = subparsers.add_parser(
         "net",
@@ -208,24 +209,24 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         net.print_help()
         return 2
 
-    net.set_defaults(func=net_help)
+    set_command(net, net_help)
     sub = net.add_subparsers(dest="net_command", metavar="NET_COMMAND")
 
     up = sub.add_parser("up", help="build a lab that outlives this command, then self-check it")
     _lab_options(up, hosts=None, link=None)
     up.add_argument("--no-check", action="store_true", help="skip the link self-check")
-    up.set_defaults(func=cmd_up)
+    set_command(up, cmd_up)
 
     down = sub.add_parser("down", help="remove a lab (LAB_ID) or every lab and leftover (--all)")
     down.add_argument("lab_id", nargs="?", metavar="LAB_ID", help="lab to remove, e.g. cfuse3fa2")
     down.add_argument("--all", action="store_true", help="remove every lab and leftover")
-    down.set_defaults(func=cmd_down)
+    set_command(down, cmd_down)
 
     status = sub.add_parser("status", help="list labs, including leftovers of crashed programs")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    status.set_defaults(func=cmd_status)
+    set_command(status, cmd_status)
 
     check = sub.add_parser("check", help="temporary lab: measure link rate vs spec, tear down")
     _lab_options(check, hosts=2, link="1gbit")
     check.add_argument("--json", action="store_true", help="print the result as JSON")
-    check.set_defaults(func=cmd_check)
+    set_command(check, cmd_check)

@@ -7,13 +7,31 @@ Shared by the ``commfuse bench`` sub-commands whose ranks each return the same l
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from commfuse.cli.common import run_on_ranks
 from commfuse.cluster.topology import Topology
+
+
+def machine_summary() -> dict[str, Any]:
+    """Date, Python, torch, platform, CPUs and processor of this machine, for a report."""
+    import torch
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+    }
 
 
 def run_and_report(
@@ -22,30 +40,15 @@ def run_and_report(
     topology: Topology,
     args: argparse.Namespace,
     *,
-    prog: str,
     heading: str,
     columns: Sequence[tuple[str, Any]],
 ) -> int:
     """``fn(config)`` on the ranks of ``topology``; print the records as a table, write
-    ``args.json`` and a dated ``args.markdown`` report titled ``heading``. Exit code: 1 when the
-    job failed or a record has wrong elements, else 0."""
-    from commfuse.bench.cli import machine_summary
+    ``args.json`` and a dated ``args.markdown`` report titled ``heading``. Exit code: 1 when a
+    record has wrong elements, else 0 (a failed job raises, see ``common.run_command``)."""
     from commfuse.bench.table import render
-    from commfuse.cluster import DeadlineExceeded, RankError, run
-    from commfuse.cluster.netlab import NetlabError
 
-    try:
-        results = run(
-            fn,
-            config,
-            net=topology,
-            emulate=False if args.no_emulate else None,
-            timeout_s=args.timeout,
-        )
-    except (RankError, DeadlineExceeded, NetlabError) as err:
-        print(f"{prog}: {err}", file=sys.stderr)
-        return 1
-    records = results[0]
+    records = run_on_ranks(fn, config, topology=topology, args=args)[0]
     emulated = bool(records and records[0]["emulated"])
     title = f"# {topology.describe()}{'' if emulated else ' (NOT emulated: plain loopback)'}"
     print(title)

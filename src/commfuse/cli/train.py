@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from commfuse.cluster.launch_cli import add_topology_arguments, topology_from_args
+from commfuse.cli.common import (
+    Subparsers,
+    add_topology_arguments,
+    emulate_arg,
+    set_command,
+    topology_from_args,
+)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, default_steps: int) -> None:
@@ -46,7 +51,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, default_steps: int) ->
     )
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: Subparsers) -> None:
     parser = sub.add_parser(
         "train",
         help="train a workload (charlm, digits) on N ranks with one strategy",
@@ -79,7 +84,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="extra steps timed with communication skipped (the compute-only floor)",
     )
     parser.add_argument("--json", metavar="PATH", help="write the run's metrics as JSON")
-    parser.set_defaults(func=run_train)
+    set_command(parser, run_train)
 
 
 def list_strategies() -> str:
@@ -93,42 +98,33 @@ def list_strategies() -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from commfuse.cluster import DeadlineExceeded, RankError
     from commfuse.train.loop import TrainConfig
     from commfuse.train.runner import run_training
 
     if args.list_strategies:
         print(list_strategies())
         return 0
-    try:
-        topology = topology_from_args(args, nproc=args.nproc)
-        config = TrainConfig(
-            workload=args.workload,
-            strategy=args.strategy,
-            steps=args.steps,
-            seed=args.seed,
-            bucket_cap_mb=args.bucket_cap_mb,
-            compute_steps=args.compute_steps,
-            checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every,
-            resume=args.resume,
-            init_from=args.init_from,
-        )
-    except ValueError as err:
-        print(f"commfuse train: {err}", file=sys.stderr)
-        return 2
+    topology = topology_from_args(args, nproc=args.nproc)
+    config = TrainConfig(
+        workload=args.workload,
+        strategy=args.strategy,
+        steps=args.steps,
+        seed=args.seed,
+        bucket_cap_mb=args.bucket_cap_mb,
+        compute_steps=args.compute_steps,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        init_from=args.init_from,
+    )
     print(f"commfuse train: {config.workload} on {topology.describe()}, strategy {config.strategy}")
-    try:
-        record = run_training(
-            config,
-            topology,
-            emulate=False if args.no_emulate else None,
-            progress=False if args.no_progress else None,
-            timeout_s=args.timeout,
-        )
-    except (RankError, DeadlineExceeded) as err:
-        print(f"commfuse train: {err}", file=sys.stderr)
-        return 1
+    record = run_training(
+        config,
+        topology,
+        emulate=emulate_arg(args),
+        progress=False if args.no_progress else None,
+        timeout_s=args.timeout,
+    )
     print(describe_record(record))
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")

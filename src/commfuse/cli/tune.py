@@ -15,17 +15,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
+from commfuse.cli.common import (
+    Subparsers,
+    add_topology_arguments,
+    run_on_ranks,
+    set_command,
+    topology_from_args,
+)
 from commfuse.units import format_size, parse_sizes
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from commfuse.cluster.launch_cli import add_topology_arguments
+def register(sub: Subparsers) -> None:
     from commfuse.collectives.tuner import CALIBRATION_SIZES
 
     calibration = ",".join(format_size(s) for s in CALIBRATION_SIZES)
@@ -60,7 +65,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="stop the job after this many seconds"
     )
-    parser.set_defaults(func=run_tune)
+    set_command(parser, run_tune)
 
 
 def _calibrate_on_rank(sizes: list[int], reps: int) -> str:
@@ -99,34 +104,18 @@ def print_calibration(records: list[dict[str, Any]]) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from commfuse.cluster import DeadlineExceeded, RankError, run
-    from commfuse.cluster.launch_cli import topology_from_args
-    from commfuse.cluster.netlab import NetlabError
     from commfuse.collectives.registry import COLLECTIVES
     from commfuse.collectives.tuner import Profile, choose_for, describe, options_for, predict
 
-    try:
-        topology = topology_from_args(args)
-        sizes = parse_sizes(args.sizes)
-        text = args.calibrate_sizes.strip().lower()
-        calibrate_sizes = [] if text in ("", "none") else parse_sizes(args.calibrate_sizes)
-        if args.reps < 1:
-            raise ValueError(f"--reps must be at least 1, got {args.reps}")
-    except ValueError as err:
-        print(f"commfuse tune: {err}", file=sys.stderr)
-        return 2
-    try:
-        profile_json = run(
-            _calibrate_on_rank,
-            calibrate_sizes,
-            args.reps,
-            net=topology,
-            emulate=False if args.no_emulate else None,
-            timeout_s=args.timeout,
-        )[0]
-    except (RankError, DeadlineExceeded, NetlabError) as err:
-        print(f"commfuse tune: {err}", file=sys.stderr)
-        return 1
+    topology = topology_from_args(args)
+    sizes = parse_sizes(args.sizes)
+    text = args.calibrate_sizes.strip().lower()
+    calibrate_sizes = [] if text in ("", "none") else parse_sizes(args.calibrate_sizes)
+    if args.reps < 1:
+        raise ValueError(f"--reps must be at least 1, got {args.reps}")
+    profile_json = run_on_ranks(
+        _calibrate_on_rank, calibrate_sizes, args.reps, topology=topology, args=args
+    )[0]
     Path(args.out).write_text(profile_json + "\n")
     profile = Profile.from_json(profile_json)
     for name, link in (("intra-host", profile.intra), ("inter-host", profile.inter)):

@@ -1,0 +1,127 @@
+"""What every ``commfuse`` command shares: the cluster arguments, the runner, the error handler.
+
+A command that runs ranks adds the one set of cluster flags (``add_topology_arguments``),
+resolves them into a ``Topology`` (``topology_from_args``) and calls a function on every rank
+with ``run_on_ranks``. Every command's function is wrapped by ``run_command``, the one place
+that turns an exception into an exit status and a one-line message:
+
+- 2: bad input (``ValueError``) or a job that could not start (``LaunchError``); nothing ran,
+  change the command;
+- 1: the job ran and failed (a rank raised, a deadline passed, the emulated network broke);
+- 130: interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any, TypeAlias, TypeVar
+
+from commfuse.cluster.errors import DeadlineExceeded, LaunchError, RankError
+from commfuse.cluster.netlab import NetlabError, netlab_unavailable_reason
+from commfuse.cluster.topology import Topology
+
+T = TypeVar("T")
+
+#: The command's function: parsed arguments in, exit status out.
+Command = Callable[[argparse.Namespace], int]
+
+#: A ``commfuse`` sub-command parser collection (``parser.add_subparsers()``).
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def add_topology_arguments(
+    parser: argparse.ArgumentParser, *, default_hosts: int = 1, default_link: str | None = None
+) -> None:
+    """--hosts / --ranks-per-host / --link / --no-emulate, shared by every command that runs ranks."""
+    group = parser.add_argument_group("cluster")
+    group.add_argument(
+        "--hosts", type=int, default=default_hosts, help="emulated hosts (network namespaces)"
+    )
+    group.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=None,
+        help="ranks on each host (they share its loopback)",
+    )
+    group.add_argument(
+        "--link",
+        default=default_link,
+        help=f"each host's link rate, e.g. 100mbit, 1gbit (default: {default_link or 'unshaped'})",
+    )
+    group.add_argument(
+        "--no-emulate",
+        action="store_true",
+        help="run on plain loopback even where namespaces could be built",
+    )
+
+
+def topology_from_args(args: argparse.Namespace, *, nproc: int | None = None) -> Topology:
+    """Resolve --nproc / --hosts / --ranks-per-host / --link into a Topology (ValueError if bad)."""
+    ranks_per_host = args.ranks_per_host
+    if nproc is not None:
+        if nproc < 1:
+            raise ValueError(f"--nproc must be at least 1, got {nproc}")
+        if ranks_per_host is None:
+            if nproc % args.hosts:
+                raise ValueError(
+                    f"--nproc {nproc} does not divide evenly over --hosts {args.hosts}"
+                )
+            ranks_per_host = nproc // args.hosts
+        elif ranks_per_host * args.hosts != nproc:
+            raise ValueError(
+                f"--nproc {nproc} != --hosts {args.hosts} x --ranks-per-host {ranks_per_host}"
+            )
+    topology = Topology.from_spec(
+        hosts=args.hosts, ranks_per_host=ranks_per_host or 1, link=args.link
+    )
+    if topology.link_mbit is not None and not will_shape(args):
+        # On plain loopback nothing caps the links: say so in every table and record (and
+        # give the ranks' cost models no rate that is not there).
+        topology = dataclasses.replace(topology, link_mbit=None)
+    return topology
+
+
+def will_shape(args: argparse.Namespace) -> bool:
+    """Whether a job started with these arguments runs on an emulated (shaped) network."""
+    if getattr(args, "no_emulate", False):
+        return False
+    return netlab_unavailable_reason() is None
+
+
+def emulate_arg(args: argparse.Namespace) -> bool | None:
+    """The launcher's ``emulate=``: False under --no-emulate, else None (emulate when useful)."""
+    return False if args.no_emulate else None
+
+
+def run_on_ranks(
+    fn: Callable[..., T], *fn_args: Any, topology: Topology, args: argparse.Namespace
+) -> list[T]:
+    """``fn(*fn_args)`` on every rank of ``topology`` (emulated unless --no-emulate), stopped
+    after ``args.timeout`` seconds; the results in rank order."""
+    from commfuse.cluster import run
+
+    return run(fn, *fn_args, net=topology, emulate=emulate_arg(args), timeout_s=args.timeout)
+
+
+def set_command(parser: argparse.ArgumentParser, func: Command) -> None:
+    """Make ``func`` the function ``parser``'s command runs; its errors carry ``parser.prog``."""
+    parser.set_defaults(func=func, prog=parser.prog)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed command; map its exception to an exit status and one line on stderr."""
+    prog = getattr(args, "prog", "commfuse")
+    try:
+        return int(args.func(args))
+    except (ValueError, LaunchError) as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 2
+    except (RankError, DeadlineExceeded, NetlabError) as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("commfuse: interrupted", file=sys.stderr)
+        return 130
