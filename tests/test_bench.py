@@ -149,3 +149,23 @@ def test_cli_bad_input_is_one_line_exit_2() -> None:
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         # cast: mypy types each [args, needle] case list as Sequence[str]
         assert len(lines) == 1 and cast(str, needle) in lines[0], (args, proc.stderr)
+
+
+def test_control_times_the_first_algorithm_twice(pool: PoolFn) -> None:
+    config = CollectiveBenchConfig(
+        ops=("allreduce",),
+        sizes_bytes=(4000,),
+        iters=4,
+        warmup=1,
+        algos=("native", "ring"),
+        control=True,
+    )
+    records = pool(2).run(bench_collectives_on_rank, config)[0]
+    assert [r["variant"] for r in records] == ["native", "ring", "native'"]
+    assert [r["algo"] for r in records] == ["native", "ring", "native"]
+    control = records[2]
+    assert all(
+        r["control_ratio"] == pytest.approx(1 / control["speedup_vs_first"]) for r in records
+    )
+    assert records[0]["tie"] is None and isinstance(records[1]["tie"], bool)
+    assert control["tie"] is True and all(r["wrong"] == 0 for r in records)

@@ -90,7 +90,7 @@ def test_unreachable_params_walks_the_graph() -> None:
 
 
 def test_bench_config_errors_name_the_field() -> None:
-    from commfuse.ddp.bench import DdpBenchConfig, build_model
+    from commfuse.bench.ddp import DdpBenchConfig, build_model
 
     with pytest.raises(ValueError, match="model must be one of"):
         DdpBenchConfig(model="resnet")

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from commfuse.bench.fused import OPS, FusedBenchConfig, bench_fused_on_rank, run_together
-from commfuse.bench.fused_steps import StepBenchConfig
+from commfuse.bench.fused_steps import StepBenchConfig, bench_steps_on_rank
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
@@ -74,3 +74,19 @@ def test_bench_config_errors() -> None:
         FusedBenchConfig(ops=("gemm_allgather",))
     with pytest.raises(ValueError, match="no --shape of 5 dimensions"):
         FusedBenchConfig(ops=("embedding_alltoall",), shapes=((1, 2, 3),))
+
+
+def test_control_times_the_unfused_reference_twice(pool: PoolFn) -> None:
+    config = FusedBenchConfig(
+        ops=("gemm_allreduce",), iters=3, warmup=1, chunks=2, shapes=((64, 32, 48),), control=True
+    )
+    (record,) = pool(2).run(bench_fused_on_rank, config, timeout_s=120)[0]
+    assert record["control_ratio"] == pytest.approx(
+        record["unfused_control_us"] / record["unfused_us"]
+    )
+    assert isinstance(record["tie"], bool) and record["wrong"] == 0
+    steps = StepBenchConfig(
+        steps=("dlrm",), iters=2, warmup=1, shapes=((16, 3, 20, 4, 2),), control=True
+    )
+    (step,) = pool(2).run(bench_steps_on_rank, steps, timeout_s=120)[0]
+    assert step["control_ratio"] is not None and step["wrong"] == 0  # U' trained as U did

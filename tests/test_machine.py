@@ -1,20 +1,123 @@
-"""The machine's busy-CPU counter that ``bench strategies`` divides into a step's CPU floor."""
+"""The ranks' busy-CPU counter that ``compare`` and ``bench strategies`` turn into a step's CPU
+floor: it counts the given processes, their children and the kernel's softirqs, and nothing else
+that runs on the machine."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 
 from commfuse.cluster import machine
+from commfuse.testing import RankPool
+
+#: A process that spins until it has used SECONDS of CPU, then prints "done" and waits for stdin.
+SPIN = """
+import sys, time
+end = time.process_time() + float(sys.argv[1])
+while time.process_time() < end:
+    pass
+print("done", flush=True)
+sys.stdin.read()
+"""
+
+#: A process that runs a spinning child to its end (reaped: its CPU is the parent's cutime).
+PARENT = """
+import subprocess, sys
+subprocess.run([sys.executable, "-c", sys.argv[1], sys.argv[2]], input=b"", check=True)
+print("done", flush=True)
+sys.stdin.read()
+"""
 
 
-def test_busy_cpu_counts_work_done_on_this_machine() -> None:
-    before = machine.busy_cpu_s()
-    assert before is not None  # Linux: /proc/stat
+def start(code: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_done(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "done"
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    proc.communicate("")
+
+
+def test_the_ranks_own_cpu_counts_and_another_programs_does_not() -> None:
+    idle = start("import sys; print('done', flush=True); sys.stdin.read()")
+    wait_done(idle)
+    rank_before = machine.process_cpu_s([idle.pid])
+    other = start(SPIN, "0.4")  # busy, but not one of the "ranks"
+    try:
+        wait_done(other)
+        rank_after = machine.process_cpu_s([idle.pid])
+        other_cpu = machine.process_cpu_s([other.pid])
+    finally:
+        stop(other)
+        stop(idle)
+    assert rank_before is not None and rank_after is not None and other_cpu is not None
+    assert other_cpu >= 0.35  # the spinner's own 0.4 s, wherever the scheduler put it
+    assert rank_after - rank_before < 0.05  # none of it is the idle rank's
+
+
+def test_a_reaped_child_counts_for_its_parent() -> None:
+    assert machine.process_cpu_s([]) == 0.0
+    parent = start(PARENT, SPIN, "0.3")
+    try:
+        wait_done(parent)
+        reaped = machine.process_cpu_s([parent.pid])
+    finally:
+        stop(parent)
+    assert reaped is not None and reaped >= 0.25  # the child's CPU, in the parent's cutime
+
+
+def test_descendants_are_found_from_the_rank() -> None:
+    before = machine.process_cpu_s([os.getpid()])
+    child = start(SPIN, "0.3")
+    try:
+        wait_done(child)
+        during = machine.process_cpu_s([os.getpid()])  # the child is alive: found via /proc
+    finally:
+        stop(child)
+    assert before is not None and during is not None
+    assert during - before >= 0.25
+
+
+def test_busy_is_processes_plus_softirq_and_unknown_pids_are_none() -> None:
+    softirq = machine.softirq_s()
+    assert softirq is not None and softirq >= 0
+    busy = machine.busy_cpu_s([])
+    assert busy is not None and busy >= softirq
     spin_until = time.process_time() + 0.3
-    while time.process_time() < spin_until:  # 0.3 s of this process's CPU
+    before = machine.busy_cpu_s([os.getpid()])
+    while time.process_time() < spin_until:
         pass
-    after = machine.busy_cpu_s()
-    assert after is not None
-    # Every tick this process ran is a busy tick of the machine (others may add more).
-    assert after - before >= 0.25
+    delta = machine.busy_since(before, [os.getpid()])
+    assert delta is not None and delta >= 0.25
+    ended = start("print('done')")
+    wait_done(ended)
+    ended.wait()
+    assert machine.process_cpu_s([ended.pid]) is None
+    assert machine.busy_since(before, [ended.pid]) is None
     assert machine.cores() >= 1
+
+
+def test_rank_pids_without_a_process_group_is_this_process() -> None:
+    assert machine.rank_pids() == (os.getpid(),)
+    assert "/" in machine.machine_id()
+
+
+def rank_pids_on_rank() -> tuple[int, tuple[int, ...]]:
+    return os.getpid(), machine.rank_pids()
+
+
+def test_ranks_of_one_machine_find_each_other(pool: Callable[[int], RankPool]) -> None:
+    results = pool(3).run(rank_pids_on_rank)
+    pids = tuple(pid for pid, _ in results)
+    assert all(found == pids for _, found in results)

@@ -1,5 +1,9 @@
-"""One benchmark case per collective: inputs, the call, the exact expected result, and the
-nccl-tests size and bus-bandwidth conventions.
+"""What a benchmark times: ``Case``, one timed form of a benchmark row (an algorithm, the fused or
+the unfused operator, a training step), and the cases of the collectives benchmark: inputs, the
+call, the exact expected result, and the nccl-tests size and bus-bandwidth conventions.
+
+Every benchmark that compares variants builds one ``Case`` per variant and times them in the
+balanced orders of ``bench/schedule.py``.
 
 Inputs are small integers (value = (index + rank) mod 11), so sums over up to thousands of ranks
 are exact in float32 and a result can be compared element by element: the ``wrong`` column
@@ -25,6 +29,15 @@ from commfuse.comm import Communicator
 
 __all__ = ["OPS", "Case", "bus_factor", "element_count", "make_case"]
 
+
+def _nothing() -> None:
+    return None
+
+
+def _unchecked() -> int:
+    return 0
+
+
 OPS = COLLECTIVES
 _MODULUS = 11
 
@@ -33,19 +46,21 @@ def pattern(numel: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
     return ((torch.arange(numel, dtype=torch.int64) + rank) % _MODULUS).to(dtype)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Case:
-    """Buffers of one op at one size on one rank, ready to run repeatedly."""
+    """One timed form of a benchmark row on one rank, ready to run repeatedly."""
 
-    op: str
-    size_bytes: int
-    """nccl-tests' S for this op (see module docstring)."""
-    reset: Callable[[], object]
-    """Restore the input (in-place ops overwrite it); not timed."""
+    name: str
+    """What it is (the op, the variant)."""
     call: Callable[[], object]
-    """The timed collective."""
-    count_wrong: Callable[[], int]
-    """Elements of this rank's result that differ from the reference."""
+    """The timed work."""
+    reset: Callable[[], object] = _nothing
+    """Restore the inputs (in-place work overwrites them); not timed."""
+    count_wrong: Callable[[], int] = _unchecked
+    """Elements of this rank's last result that differ from the reference (0 where the
+    benchmark checks results another way)."""
+    size_bytes: int = 0
+    """The bytes the row is named by (nccl-tests' S for a collective: module docstring)."""
 
 
 def element_count(op: str, size_bytes: int, world: int, element_size: int) -> int:
@@ -101,7 +116,9 @@ def make_case(
                 return 0
             return int((buf != expected).sum())
 
-        return Case(op, numel * esize, reset, call, count_wrong)
+        return Case(
+            name=op, call=call, reset=reset, count_wrong=count_wrong, size_bytes=numel * esize
+        )
 
     block = numel // world
     if op == "allgather":
@@ -109,22 +126,22 @@ def make_case(
         out = torch.empty(numel, dtype=dtype)
         expected = torch.cat([pattern(block, r, dtype) for r in range(world)])
         return Case(
-            op,
-            numel * esize,
-            lambda: out.zero_(),
-            lambda: C.allgather(comm, out, mine, algo=algo),
-            lambda: int((out != expected).sum()),
+            name=op,
+            size_bytes=numel * esize,
+            reset=lambda: out.zero_(),
+            call=lambda: C.allgather(comm, out, mine, algo=algo),
+            count_wrong=lambda: int((out != expected).sum()),
         )
     if op == "reduce_scatter":
         full = pattern(numel, rank, dtype)
         piece = torch.empty(block, dtype=dtype)
         expected = total[rank * block : (rank + 1) * block].to(dtype)  # type: ignore[index]
         return Case(
-            op,
-            numel * esize,
-            lambda: piece.zero_(),
-            lambda: C.reduce_scatter(comm, piece, full, "sum", algo=algo),
-            lambda: int((piece != expected).sum()),
+            name=op,
+            size_bytes=numel * esize,
+            reset=lambda: piece.zero_(),
+            call=lambda: C.reduce_scatter(comm, piece, full, "sum", algo=algo),
+            count_wrong=lambda: int((piece != expected).sum()),
         )
     if op == "all_to_all":
         # Block j of rank r's input is pattern(block, 1000 r + j): every block is distinguishable.
@@ -132,10 +149,10 @@ def make_case(
         recv = torch.empty(numel, dtype=dtype)
         expected = torch.cat([pattern(block, 7 * i + rank, dtype) for i in range(world)])
         return Case(
-            op,
-            numel * esize,
-            lambda: recv.zero_(),
-            lambda: C.all_to_all(comm, recv, send, algo=algo),
-            lambda: int((recv != expected).sum()),
+            name=op,
+            size_bytes=numel * esize,
+            reset=lambda: recv.zero_(),
+            call=lambda: C.all_to_all(comm, recv, send, algo=algo),
+            count_wrong=lambda: int((recv != expected).sum()),
         )
     raise ValueError(f"unknown op {op!r}: use one of {', '.join(OPS)}")

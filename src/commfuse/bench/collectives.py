@@ -1,9 +1,13 @@
 """``commfuse bench collectives``: an nccl-tests style sweep of collectives over sizes.
 
-Each (op, size) is timed ``iters`` times after ``warmup`` untimed runs. Every timed run starts
-after a barrier; its time is the slowest rank's (a collective is done when its last rank is
-done), and the row reports the median over runs, with algbw, busbw and, on an emulated
-cluster, busbw as a percent of the host link rate, the physical limit there.
+Each (op, size) is timed ``iters`` rounds after ``warmup`` untimed runs; in each round every
+algorithm runs once, in the balanced orders of ``bench/schedule.py`` (every algorithm in every
+position equally often). Every timed run starts after a barrier; its time is the slowest rank's
+(a collective is done when its last rank is done), and the row reports the median over rounds,
+with algbw, busbw and, on an emulated cluster, busbw as a percent of the host link rate, the
+physical limit there. With ``control`` the first algorithm also runs as a second variant on
+buffers of its own (``native'``): the ratio of their medians is the noise floor, and a ratio
+within it is a tie.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import torch
 
 from commfuse.bench.cases import OPS, bus_factor, make_case
+from commfuse.bench.schedule import Schedule, summarize
 from commfuse.cluster.topology import Topology
 from commfuse.comm import Communicator
 
@@ -37,7 +42,11 @@ class CollectiveBenchConfig:
     """Element type of the buffers."""
     algos: tuple[str, ...] = ("native",)
     """Algorithms to time side by side; "all" expands to every registered one, "auto" lets the
-    tuner pick. Rows of one (op, size) run interleaved (A B A B) so noise hits them alike."""
+    tuner pick. Rows of one (op, size) run in balanced rounds so noise hits them alike."""
+    control: bool = False
+    """Time the first algorithm twice (A/A): the noise floor of the ratios."""
+    seed_order: int | None = 0
+    """Seed of the rounds' balanced orders."""
 
     def __post_init__(self) -> None:
         unknown = [op for op in self.ops if op not in OPS]
@@ -60,15 +69,24 @@ def bench_collectives_on_rank(config: CollectiveBenchConfig) -> list[dict[str, A
     for op in config.ops:
         algos = expand_algos(op, config.algos)
         for size in config.sizes_bytes:
-            cases = [make_case(comm, op, size, dtype, algo) for algo in algos]
-            for case in cases:
+            schedule = Schedule(
+                tuple(algos), rounds=config.iters, control=config.control, seed=config.seed_order
+            )
+            # The control's copy gets buffers of its own: A and A' differ in nothing but memory.
+            cases = {
+                name: make_case(comm, op, size, dtype, schedule.code_of(name))
+                for name in schedule.names
+            }
+            for case in cases.values():
                 for _ in range(config.warmup):
                     case.reset()
                     case.call()
-            times = torch.zeros(len(cases), config.iters, dtype=torch.float64)
-            wrong = torch.zeros(len(cases), dtype=torch.int64)
-            for i in range(config.iters):
-                for c, case in enumerate(cases):  # interleaved: A B A B ...
+            names = list(schedule.names)
+            times = torch.zeros(len(names), config.iters, dtype=torch.float64)
+            wrong = torch.zeros(len(names), dtype=torch.int64)
+            for i, order in enumerate(schedule.orders()):  # the same seeded orders on every rank
+                for name in order:
+                    c, case = names.index(name), cases[name]
                     case.reset()
                     comm.barrier()
                     start = time.perf_counter()
@@ -78,21 +96,33 @@ def bench_collectives_on_rank(config: CollectiveBenchConfig) -> list[dict[str, A
             # A collective takes as long as its slowest rank: max over ranks, then the median.
             comm.all_reduce(times, "max")
             comm.all_reduce(wrong, "sum")
-            baseline = statistics.median(times[0].tolist())
-            for c, (algo, case) in enumerate(zip(algos, cases, strict=True)):
-                records.append(
-                    _record(
-                        config,
-                        comm,
-                        topology,
-                        op,
-                        algo,
-                        case.size_bytes,
-                        times[c],
-                        int(wrong[c]),
-                        baseline,
-                    )
+            summary = summarize(
+                {name: times[c].tolist() for c, name in enumerate(names)},
+                baseline=schedule.baseline,
+                control=schedule.control_variant,
+                paired=False,  # the time column is the median: its ratio is the medians'
+            )
+            baseline = summary.medians[schedule.baseline]
+            for c, name in enumerate(names):
+                record = _record(
+                    config,
+                    comm,
+                    topology,
+                    op,
+                    schedule.code_of(name),
+                    cases[name].size_bytes,
+                    times[c],
+                    int(wrong[c]),
+                    baseline,
                 )
+                record["variant"] = name
+                record.update(summary.as_dict())
+                record["tie"] = (
+                    summary.is_tie(record["speedup_vs_first"])
+                    if name != schedule.baseline
+                    else None
+                )
+                records.append(record)
     return records
 
 

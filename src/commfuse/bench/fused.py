@@ -1,7 +1,7 @@
 """``commfuse bench fused``: each fused operator against its unfused reference, side by side.
 
-For every (op, shape) each rank times, interleaved (C M U F O O F U M C ...), after a barrier
-each:
+For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.py`` balances
+(every variant in every position equally often), after a barrier each:
 
 * ``compute``: the computation alone (``C``);
 * ``comm``: the collective alone, on a buffer of the result's size (``M``);
@@ -18,9 +18,13 @@ each:
   hides all the machine lets it hide.
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
-prediction and the ratios fused/unfused, fused/ideal and fused/overlap, plus ``wrong``: elements
-where the fused result differs from the unfused one (both reduce in the same order, so it must
-be 0).
+prediction and the ratios fused/unfused, fused/ideal and fused/overlap (of the medians), plus
+``wrong``: elements where the fused result differs from the unfused one (both reduce in the
+same order, so it must be 0). With ``control`` the unfused reference runs twice per round (U
+and U'): U'/U is the noise floor, and a fused/unfused ratio within it is a tie.
+
+Each operator is described by its ``FusedForms`` (the four forms above, before the number of
+chunks is known); the benchmark turns them into one ``Case`` per variant.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +39,9 @@ from typing import Any
 
 import torch
 
+from commfuse.bench.cases import Case
+from commfuse.bench.schedule import Schedule, summarize
+from commfuse.bench.table import ratio_cell
 from commfuse.cluster.topology import Topology
 from commfuse.collectives import all_to_all
 from commfuse.comm import Communicator
@@ -117,6 +123,10 @@ class FusedBenchConfig:
     choose."""
     shapes: tuple[tuple[int, ...], ...] | None = None
     """Shapes to time instead of the defaults; each op takes those of its arity (3 or 5)."""
+    control: bool = False
+    """Time the unfused reference twice per round (A/A): the noise floor of fused/unfused."""
+    seed_order: int | None = 0
+    """Seed of the rounds' balanced orders."""
 
     def __post_init__(self) -> None:
         unknown = [op for op in self.ops if op not in OPS]
@@ -139,8 +149,9 @@ class FusedBenchConfig:
 
 
 @dataclasses.dataclass
-class Case:
-    """The four timed variants of one (op, shape); ``fused`` takes the number of chunks."""
+class FusedForms:
+    """The four forms of one fused operator at one (op, shape), from which the benchmark builds
+    its cases; ``fused`` takes the number of chunks."""
 
     compute: Callable[[], Any]
     comm: Callable[[], Any]
@@ -151,14 +162,14 @@ class Case:
     """The operator's own chunk choice (measures and may fall back to 1), if it has one."""
 
 
-def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
+def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     rows, in_features, out_features = shape
     gen = torch.Generator().manual_seed(comm.rank)
     shard = split_sizes(in_features, comm.world_size)[comm.rank]
     x = torch.randint(-2, 3, (rows, shard), generator=gen).float()
     w = torch.randint(-2, 3, (out_features, shard), generator=gen).float()
     buf = torch.zeros(rows, out_features)
-    return Case(
+    return FusedForms(
         compute=lambda: torch.matmul(x, w.t()),
         comm=lambda: comm.all_reduce(buf),
         unfused=lambda: gar.gemm_allreduce_reference(comm, x, w),
@@ -168,7 +179,7 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
     )
 
 
-def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
+def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     batch, num_tables, rows, dim, pooling = shape
     world, rank = comm.world_size, comm.rank
     gen = torch.Generator().manual_seed(rank)
@@ -190,7 +201,7 @@ def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
     out = torch.empty(splits[rank] * num_tables * dim)
     in_splits = [b * len(local) * dim for b in splits]
     out_splits = [splits[rank] * t * dim for t in per_rank]
-    return Case(
+    return FusedForms(
         compute=lambda: lookup.rows(0, batch),
         comm=lambda: all_to_all(comm, out, buf, out_splits, in_splits, algo=baselines.ALL_TO_ALL),
         unfused=lambda: emb.embedding_alltoall_reference(comm, lookup),
@@ -204,7 +215,7 @@ def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
     )
 
 
-def make_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> Case:
+def make_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedForms:
     if op in ("allgather_gemm", "gemm_reducescatter"):
         from commfuse.bench.fused_sequence import sequence_case
 
@@ -257,10 +268,10 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     for op in config.ops:
         for shape in config.shapes_of(op):
-            case = make_case(comm, op, shape)
+            forms = make_case(comm, op, shape)
             for _ in range(config.warmup):
-                compute_us, comm_us = _timed(comm, case.compute), _timed(comm, case.comm)
-                _timed(comm, case.unfused)
+                compute_us, comm_us = _timed(comm, forms.compute), _timed(comm, forms.comm)
+                _timed(comm, forms.unfused)
             overhead_us = measure_overhead_us(comm, repeats=5)
             agreed = torch.tensor([compute_us, comm_us, overhead_us], dtype=torch.float64)
             comm.all_reduce(agreed, "max")
@@ -268,33 +279,51 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 config.chunks
                 if config.chunks is not None
                 else (
-                    case.choose()
-                    if case.choose
-                    else choose_chunks(*agreed.tolist(), max_chunks=case.max_chunks)
+                    forms.choose()
+                    if forms.choose
+                    else choose_chunks(*agreed.tolist(), max_chunks=forms.max_chunks)
                 )
             )
-            fused = functools.partial(case.fused, chunks)
+            fused = functools.partial(forms.fused, chunks)
             for _ in range(config.warmup):
                 _timed(comm, fused)
-            variants: list[Callable[[], Any]] = [
-                case.compute,
-                case.comm,
-                case.unfused,
-                fused,
-                functools.partial(run_together, case.compute, case.comm),
-            ]
-            times = torch.zeros(len(variants), config.iters, dtype=torch.float64)
-            for i in range(config.iters):
-                # Interleaved, order reversed every other round (C M U F O, O F U M C, ...): with
-                # a fixed order, identical code timed as U and F differed by 2-17% on the shared
-                # machine (fused k = 1 runs the unfused code itself).
-                order = list(enumerate(variants))
-                for v, fn in order if i % 2 == 0 else order[::-1]:
-                    times[v, i] = _timed(comm, fn)
+            cases = {
+                c.name: c
+                for c in (
+                    Case(name="compute", call=forms.compute),
+                    Case(name="comm", call=forms.comm),
+                    Case(name="unfused", call=forms.unfused),
+                    Case(name="fused", call=fused),
+                    Case(
+                        name="overlap",
+                        call=functools.partial(run_together, forms.compute, forms.comm),
+                    ),
+                )
+            }
+            # Balanced orders, not a fixed one: with a fixed order, identical code timed as U and
+            # F differed by 2-17% on the shared machine (fused k = 1 runs the unfused code).
+            schedule = Schedule(
+                tuple(cases),
+                rounds=config.iters,
+                baseline="unfused",
+                control=config.control,
+                seed=config.seed_order,
+            )
+            names = list(schedule.names)
+            times = torch.zeros(len(names), config.iters, dtype=torch.float64)
+            for i, order in enumerate(schedule.orders()):  # the same on every rank (seeded)
+                for name in order:
+                    times[names.index(name), i] = _timed(comm, cases[schedule.code_of(name)].call)
             comm.all_reduce(times, "max")
-            wrong = torch.tensor([int((case.fused(chunks) != case.unfused()).sum())])
+            wrong = torch.tensor([int((forms.fused(chunks) != forms.unfused()).sum())])
             comm.all_reduce(wrong)
-            c, m, u, f, o = (statistics.median(row.tolist()) for row in times)
+            summary = summarize(
+                {name: times[v].tolist() for v, name in enumerate(names)},
+                baseline="unfused",
+                control=schedule.control_variant,
+                paired=False,  # the ratios below are of the medians
+            )
+            c, m, u, f, o = (summary.medians[name] for name in cases)
             ideal = max(c, m)
             records.append(
                 {
@@ -320,6 +349,13 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                     "fused_vs_unfused": f / u,
                     "fused_vs_ideal": f / ideal,
                     "fused_vs_overlap": f / o,
+                    **summary.as_dict(),
+                    "unfused_control_us": (
+                        summary.medians[schedule.control_variant]
+                        if schedule.control_variant
+                        else None
+                    ),
+                    "tie": summary.is_tie(f / u),
                     "c_over_m": c / m if m else float("inf"),
                     "wrong": int(wrong),
                     "iters": config.iters,
@@ -341,7 +377,8 @@ COLUMNS = (
     ("ideal_us", lambda r: f"{r['ideal_us']:.0f}"),
     ("overlap_us", lambda r: f"{r['overlap_us']:.0f}"),
     ("pred_us", lambda r: "-" if r["predicted_us"] is None else f"{r['predicted_us']:.0f}"),
-    ("fused/unfused", lambda r: f"{r['fused_vs_unfused']:.3f}"),
+    ("fused/unfused", lambda r: ratio_cell(r, "fused_vs_unfused")),
+    ("U'/U", lambda r: "-" if r.get("control_ratio") is None else f"{r['control_ratio']:.3f}"),
     ("fused/ideal", lambda r: f"{r['fused_vs_ideal']:.3f}"),
     ("fused/overlap", lambda r: f"{r['fused_vs_overlap']:.3f}"),
     ("wrong", lambda r: str(r["wrong"])),

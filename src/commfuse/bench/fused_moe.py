@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from commfuse.bench.fused import Case
+from commfuse.bench.fused import FusedForms
 from commfuse.comm import Communicator
 from commfuse.fused import gemm_alltoall as ga
 from commfuse.fused.chunking import ChunkConfig
@@ -30,7 +30,7 @@ from commfuse.fused.moe import choose_moe_chunks
 from commfuse.workloads.moe import MoEModel, MoEOptions, MoEWorkload
 
 
-def gemm_alltoall_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
+def gemm_alltoall_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     if len(shape) != 4 or min(shape) < 1:
         raise ValueError(
             f"gemm_alltoall shape is (rows, in_features, out_features, experts_per_rank), got {shape}"
@@ -53,7 +53,7 @@ def gemm_alltoall_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
     w = torch.randint(-2, 3, (per_rank, n_out, k_in), generator=own).float()
     y = ga.expert_gemm(rt, h, w)
     max_chunks = 4 * max(world - 1, 1)
-    return Case(
+    return FusedForms(
         compute=lambda: ga.expert_gemm(rt, h, w),
         comm=lambda: ga.native_exchange(comm, rt, y, to_experts=False),
         unfused=lambda: ga.gemm_alltoall_reference(comm, rt, h, w),
@@ -63,7 +63,7 @@ def gemm_alltoall_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
     )
 
 
-def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
+def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     if len(shape) != 4 or min(shape) < 1:
         raise ValueError(
             f"moe_step shape is (tokens_per_rank, d_model, d_hidden, experts_per_rank), got {shape}"
@@ -123,7 +123,7 @@ def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> Case:
             ga.native_exchange(comm, rt, expert_side, to_experts=False)
         comm.all_reduce(replicated)
 
-    return Case(
+    return FusedForms(
         compute=lambda: local_workload.train_step(local, local_model, local_opt, batch),
         comm=communicate,
         unfused=lambda: step(1),

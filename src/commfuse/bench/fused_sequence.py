@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from commfuse.bench.fused import Case
+from commfuse.bench.fused import FusedForms
 from commfuse.collectives import allgather, reduce_scatter
 from commfuse.comm import Communicator
 from commfuse.fused import baselines
@@ -24,7 +24,7 @@ from commfuse.fused import sequence_parallel as sp
 from commfuse.fused.chunking import ChunkConfig, agree_chunks, measure_overhead_us, split_sizes
 
 
-def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> Case:
+def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedForms:
     if len(shape) != 3:
         raise ValueError(f"{op} shape is (sequence, in_features, out_features), got {shape}")
     seq, k_in, n_out = shape
@@ -43,7 +43,7 @@ def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> Case:
         def fused(k: int) -> torch.Tensor:
             return sp.allgather_gemm(comm, x, w, splits=splits, chunks=k)[0]
 
-        return Case(
+        return FusedForms(
             compute=lambda: torch.matmul(gathered[:seq], w.t()),
             comm=lambda: allgather(comm, gathered, shard, algo=baselines.SEQUENCE),
             unfused=lambda: sp.allgather_gemm_reference(comm, x, w, splits=splits)[0],
@@ -55,7 +55,7 @@ def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> Case:
     v = torch.randint(-2, 3, (n_out, a.shape[1]), generator=gen).float()
     out = torch.zeros(max(splits), n_out)
     full = torch.zeros(world * max(splits), n_out)
-    return Case(
+    return FusedForms(
         compute=lambda: torch.matmul(a, v.t()),
         comm=lambda: reduce_scatter(comm, out, full, algo=baselines.SEQUENCE),
         unfused=lambda: sp.gemm_reducescatter_reference(comm, a, v, splits=splits),

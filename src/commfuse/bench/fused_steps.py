@@ -3,16 +3,19 @@
 The operator benchmark (``bench/fused.py``) times one operator; this one times what a user
 sees: a full step (forward, backward, gradient allreduce, optimizer) of a model built twice
 from the same seed, once with the fused operators and once with the unfused references, run
-interleaved (fused, unfused, unfused, fused, ...: the order alternates so neither always runs
-on a warmer machine) on the same batches, after a barrier each. A run's time is the slowest
-rank's; a row reports medians and fused/unfused. Both models must end with identical
-parameters (``wrong`` counts the elements that differ, summed over ranks).
+in rounds on the same batches, fused and unfused in the balanced orders of
+``bench/schedule.py`` (so neither always runs on a warmer machine), after a barrier each. A
+run's time is the slowest rank's; a row reports medians and fused/unfused (of the medians).
+Both models must end with identical parameters (``wrong`` counts the elements that differ,
+summed over ranks). With ``control`` a third model, unfused again, joins the rounds (U'): U'/U
+is the noise floor, a fused/unfused ratio within it is a tie, and U' must match U too.
 
 Steps: ``dlrm`` (``workloads/dlrm.py``; shape = global batch x tables x rows x dim x pooling);
 ``tp-transformer`` and ``tp-transformer-sp`` (``workloads/tp_transformer.py``, Megatron tensor
 parallelism without and with sequence parallelism; shape = seq x batch x d_model x heads x d_ff
 x layers; the world size must divide heads).
-To add one, write a ``*_case(comm, shape, chunks) -> StepCase`` and add it to ``STEPS``.
+To add one, write a ``*_case(comm, shape, chunks, *, control) -> StepForms`` and add it to
+``STEPS``.
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from commfuse.bench.cases import Case
 from commfuse.bench.fused import check_chunks
+from commfuse.bench.schedule import Schedule, summarize
+from commfuse.bench.table import ratio_cell
 from commfuse.cluster.topology import Topology
 from commfuse.comm import Communicator
 from commfuse.fused import embedding_alltoall as emb
@@ -35,22 +40,27 @@ from commfuse.fused.chunking import ChunkConfig
 
 
 @dataclasses.dataclass
-class StepCase:
-    """One workload, built twice. ``fused(data)`` and ``unfused(data)`` run one training step
-    on ``prepare(step)`` (made outside the timed region)."""
+class StepForms:
+    """One workload, built twice (three times with a control). ``fused(data)``,
+    ``unfused(data)`` (and ``control(data)``) run one training step on ``prepare(step)`` (made
+    outside the timed region)."""
 
     prepare: Callable[[int], Any]
     fused: Callable[[Any], Any]
     unfused: Callable[[Any], Any]
+    control: Callable[[Any], Any] | None
     chunks: Callable[[], int]
     """The number of chunks the fused model chose (valid after its first step)."""
     differing: Callable[[], int]
-    """Parameter elements that differ between the two models."""
+    """Parameter elements that differ between the fused (and the control) model and the
+    unfused one."""
     extra: dict[str, float]
     """Context for the record (e.g. the exchange's compute and communication alone)."""
 
 
-def dlrm_case(comm: Communicator, shape: tuple[int, ...], chunks: int | None) -> StepCase:
+def dlrm_case(
+    comm: Communicator, shape: tuple[int, ...], chunks: int | None, *, control: bool = False
+) -> StepForms:
     from commfuse.workloads import dlrm
 
     batch, tables, rows, dim, pooling = shape
@@ -65,9 +75,10 @@ def dlrm_case(comm: Communicator, shape: tuple[int, ...], chunks: int | None) ->
         bottom_mlp=(128,),
         top_mlp=(128,),
     )
+    variants = {ex: ex for ex in dlrm.EXCHANGES} | ({"control": "unfused"} if control else {})
     models = {
-        ex: dlrm.DLRM(config, comm, exchange=ex, chunk_config=ChunkConfig(num_chunks=chunks))
-        for ex in dlrm.EXCHANGES
+        name: dlrm.DLRM(config, comm, exchange=ex, chunk_config=ChunkConfig(num_chunks=chunks))
+        for name, ex in variants.items()
     }
     opts = {ex: dlrm.make_optimizer(m) for ex, m in models.items()}
 
@@ -78,8 +89,12 @@ def dlrm_case(comm: Communicator, shape: tuple[int, ...], chunks: int | None) ->
         return run
 
     def differing() -> int:
-        pairs = zip(models["fused"].parameters(), models["unfused"].parameters(), strict=True)
-        return sum(int((p != q).sum()) for p, q in pairs)
+        return sum(
+            int((p != q).sum())
+            for other in models
+            if other != "unfused"
+            for p, q in zip(models[other].parameters(), models["unfused"].parameters(), strict=True)
+        )
 
     # The exchange alone, for context: lookups (C) and gloo's All-to-All (M) of one forward.
     data = dlrm.synthetic_batch(config, 0, comm.rank, comm.world_size)
@@ -90,10 +105,11 @@ def dlrm_case(comm: Communicator, shape: tuple[int, ...], chunks: int | None) ->
     c_us, m_us = emb.measure(comm, lookup)
     agreed = torch.tensor([c_us, m_us], dtype=torch.float64)
     comm.all_reduce(agreed, "max")
-    return StepCase(
+    return StepForms(
         prepare=lambda step: dlrm.synthetic_batch(config, step, comm.rank, comm.world_size),
         fused=step_fn("fused"),
         unfused=step_fn("unfused"),
+        control=step_fn("control") if control else None,
         chunks=lambda: max(models["fused"].embedding._chunks.values(), default=1),
         differing=differing,
         extra={"compute_us": float(agreed[0]), "comm_us": float(agreed[1])},
@@ -106,7 +122,8 @@ def tp_transformer_case(
     chunks: int | None,
     *,
     sequence_parallel: bool = False,
-) -> StepCase:
+    control: bool = False,
+) -> StepForms:
     """``workloads/tp_transformer.py``; shape = seq x batch x d_model x heads x d_ff x layers.
     Fused and unfused sum in different orders (the fused pipeline by rank, gloo's ring along
     the ring), so ``differing`` counts elements apart by more than rtol 1e-4 (atol 1e-6)."""
@@ -127,27 +144,33 @@ def tp_transformer_case(
         sequence_parallel=sequence_parallel,
     )
     workload = tp.TPTransformerWorkload(options)
+    variants = {"fused": True, "unfused": False} | ({"control": False} if control else {})
     models = {
-        fused: workload.build_model(comm, 0, fused=fused, num_chunks=chunks)
-        for fused in (True, False)
+        name: workload.build_model(comm, 0, fused=fused, num_chunks=chunks)
+        for name, fused in variants.items()
     }
-    opts = {fused: workload.make_optimizer(m) for fused, m in models.items()}
+    opts = {name: workload.make_optimizer(m) for name, m in models.items()}
 
-    def step_fn(fused: bool) -> Callable[[Any], float]:
+    def step_fn(name: str) -> Callable[[Any], float]:
         def run(data: Any) -> float:
-            return workload.train_step(comm, models[fused], opts[fused], data)
+            return workload.train_step(comm, models[name], opts[name], data)
 
         return run
 
     def differing() -> int:
-        pairs = zip(models[True].parameters(), models[False].parameters(), strict=True)
-        return sum(int((~torch.isclose(p, q, rtol=1e-4, atol=1e-6)).sum()) for p, q in pairs)
+        return sum(
+            int((~torch.isclose(p, q, rtol=1e-4, atol=1e-6)).sum())
+            for other in models
+            if other != "unfused"
+            for p, q in zip(models[other].parameters(), models["unfused"].parameters(), strict=True)
+        )
 
-    return StepCase(
+    return StepForms(
         prepare=lambda step: workload.batch(step, comm.rank, comm.world_size, seed=0),
-        fused=step_fn(True),
-        unfused=step_fn(False),
-        chunks=models[True].chosen_chunks,
+        fused=step_fn("fused"),
+        unfused=step_fn("unfused"),
+        control=step_fn("control") if control else None,
+        chunks=models["fused"].chosen_chunks,
         differing=differing,
         extra={},
     )
@@ -156,7 +179,7 @@ def tp_transformer_case(
 #: step name -> (case builder, default shapes). DLRM's default makes the embedding exchange most
 #: of the step (the regime the fused operator is for): 32 tables of dim 64, 4 ids per bag (the
 #: table-gradient accumulation grows with the ids per bag, the exchange does not).
-STEPS: dict[str, tuple[Callable[..., StepCase], tuple[tuple[int, ...], ...]]] = {
+STEPS: dict[str, tuple[Callable[..., StepForms], tuple[tuple[int, ...], ...]]] = {
     "dlrm": (dlrm_case, ((4096, 32, 5000, 64, 4),)),
     "tp-transformer": (tp_transformer_case, ((512, 4, 512, 8, 2048, 2),)),
     "tp-transformer-sp": (
@@ -181,6 +204,10 @@ class StepBenchConfig:
     fused module choose."""
     shapes: tuple[tuple[int, ...], ...] | None = None
     """Shapes instead of the defaults (5 dimensions for dlrm, 6 for tp-transformer)."""
+    control: bool = False
+    """Train a second unfused model beside the first (A/A): the noise floor of fused/unfused."""
+    seed_order: int | None = 0
+    """Seed of the rounds' balanced orders."""
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.steps if s not in STEPS]
@@ -191,10 +218,16 @@ class StepBenchConfig:
         check_chunks(self.chunks, self.steps, by_table=("dlrm",))
 
 
-def _timed(comm: Communicator, fn: Callable[[Any], Any], data: Any) -> float:
+def _on_batch(step: Callable[[Any], Any] | None, batch: list[Any]) -> Callable[[], Any]:
+    """A call that runs ``step`` on the batch ``batch[0]`` holds when it runs (each round's)."""
+    assert step is not None
+    return lambda: step(batch[0])
+
+
+def _timed(comm: Communicator, fn: Callable[[], Any]) -> float:
     comm.barrier()
     start = time.perf_counter()
-    fn(data)
+    fn()
     return (time.perf_counter() - start) * 1e6
 
 
@@ -206,24 +239,48 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
     for name in config.steps:
         build, defaults = STEPS[name]
         for shape in config.shapes or defaults:
-            case = build(comm, tuple(shape), config.chunks)
+            forms = build(comm, tuple(shape), config.chunks, control=config.control)
             step = 0
             for _ in range(config.warmup):
-                data = case.prepare(step)
-                case.fused(data)
-                case.unfused(data)
+                data = forms.prepare(step)
+                forms.fused(data)
+                forms.unfused(data)
+                if forms.control is not None:
+                    forms.control(data)
                 step += 1
-            times = torch.zeros(2, config.iters, dtype=torch.float64)
-            for i in range(config.iters):
-                order = (0, 1) if i % 2 == 0 else (1, 0)
-                data = case.prepare(step)
-                for v in order:
-                    times[v, i] = _timed(comm, case.fused if v == 0 else case.unfused, data)
+            batch: list[Any] = [None]  # this round's data, read by every variant's call
+            cases = {
+                "fused": Case(name="fused", call=_on_batch(forms.fused, batch)),
+                "unfused": Case(name="unfused", call=_on_batch(forms.unfused, batch)),
+            }
+            schedule = Schedule(
+                tuple(cases),
+                rounds=config.iters,
+                baseline="unfused",
+                control=forms.control is not None,
+                seed=config.seed_order,
+            )
+            if forms.control is not None and schedule.control_variant is not None:
+                # its own model: running U twice would train U twice per round
+                twin = schedule.control_variant
+                cases[twin] = Case(name=twin, call=_on_batch(forms.control, batch))
+            names = list(schedule.names)
+            times = torch.zeros(len(names), config.iters, dtype=torch.float64)
+            for i, order in enumerate(schedule.orders()):  # the same on every rank (seeded)
+                batch[0] = forms.prepare(step)
+                for variant in order:
+                    times[names.index(variant), i] = _timed(comm, cases[variant].call)
                 step += 1
             comm.all_reduce(times, "max")
-            wrong = torch.tensor([case.differing()])
+            wrong = torch.tensor([forms.differing()])
             comm.all_reduce(wrong)
-            f, u = (statistics.median(row.tolist()) for row in times)
+            summary = summarize(
+                {variant: times[v].tolist() for v, variant in enumerate(names)},
+                baseline="unfused",
+                control=schedule.control_variant,
+                paired=False,
+            )
+            f, u = summary.medians["fused"], summary.medians["unfused"]
             records.append(
                 {
                     "op": f"{name}_step",
@@ -233,11 +290,13 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
                     "ranks_per_host": topology.ranks_per_host,
                     "link_mbit": topology.link_mbit,
                     "emulated": bool(os.environ.get("COMMFUSE_NETLAB")),
-                    "chunks": case.chunks(),
-                    **case.extra,
+                    "chunks": forms.chunks(),
+                    **forms.extra,
                     "unfused_us": u,
                     "fused_us": f,
                     "fused_vs_unfused": f / u,
+                    **summary.as_dict(),
+                    "tie": summary.is_tie(f / u),
                     "wrong": int(wrong),
                     "iters": config.iters,
                 }
@@ -254,6 +313,7 @@ COLUMNS = (
     ("exch_M_us", lambda r: f"{r['comm_us']:.0f}" if "comm_us" in r else "-"),
     ("unfused_us", lambda r: f"{r['unfused_us']:.0f}"),
     ("fused_us", lambda r: f"{r['fused_us']:.0f}"),
-    ("fused/unfused", lambda r: f"{r['fused_vs_unfused']:.3f}"),
+    ("fused/unfused", lambda r: ratio_cell(r, "fused_vs_unfused")),
+    ("U'/U", lambda r: "-" if r.get("control_ratio") is None else f"{r['control_ratio']:.3f}"),
     ("wrong", lambda r: str(r["wrong"])),
 )

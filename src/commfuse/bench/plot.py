@@ -22,7 +22,8 @@ def plot_busbw(records: Sequence[dict[str, Any]], path: str | Path, *, title: st
     for ax, op in zip(axes[0], ops, strict=True):
         lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
         for r in records:
-            if r["op"] == op:
+            # The A/A control's copy (variant "native'") would draw the baseline's line twice.
+            if r["op"] == op and r.get("variant", r["algo"]) == r["algo"]:
                 lines[r["algo"]].append((r["bytes"], r["busbw_GBps"]))
         for algo, points in lines.items():
             points.sort()

@@ -10,15 +10,38 @@ from commfuse.units import format_size
 COLLECTIVE_COLUMNS = (
     ("size", lambda r: format_size(r["bytes"])),
     ("op", lambda r: r["op"]),
-    ("algo", lambda r: r["algo"]),
+    ("algo", lambda r: r.get("variant", r["algo"])),
     ("time_us", lambda r: f"{r['time_us']:.1f}"),
     ("pred_us", lambda r: "-" if r.get("predicted_us") is None else f"{r['predicted_us']:.1f}"),
     ("algbw_GB/s", lambda r: f"{r['algbw_GBps']:.4f}"),
     ("busbw_GB/s", lambda r: f"{r['busbw_GBps']:.4f}"),
     ("%link", lambda r: "-" if r.get("link_pct") is None else f"{r['link_pct']:.1f}"),
-    ("x_first", lambda r: f"{r['speedup_vs_first']:.2f}" if "speedup_vs_first" in r else "-"),
+    ("x_first", lambda r: ratio_cell(r, "speedup_vs_first", ".2f")),
     ("wrong", lambda r: str(r["wrong"])),
 )
+
+
+def ratio_cell(record: dict[str, Any], key: str, spec: str = ".3f") -> str:
+    """``record[key]`` formatted, with " (tie)" where the record says it lies within the A/A
+    control's noise floor (``bench/schedule.py``); "-" where it is missing."""
+    value = record.get(key)
+    if value is None:
+        return "-"
+    return format(value, spec) + (" (tie)" if record.get("tie") else "")
+
+
+def control_note(records: Sequence[dict[str, Any]], label: str = "variant") -> str | None:
+    """One line per distinct A/A control in ``records`` (their ``control_ratio``): what the
+    noise floor was and what a tie means; None when no record has a control."""
+    seen: list[float] = [r["control_ratio"] for r in records if r.get("control_ratio") is not None]
+    if not seen:
+        return None
+    low, high = min(seen), max(seen)
+    spread = f"{low:.3f}" if len(seen) == 1 or low == high else f"{low:.3f} to {high:.3f}"
+    return (
+        f"A/A control (the baseline {label} timed twice, A'/A): {spread}; a ratio as close to 1 "
+        "as its row's control is marked (tie): this job cannot tell the two apart"
+    )
 
 
 def render(

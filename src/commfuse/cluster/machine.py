@@ -1,42 +1,153 @@
-"""How busy the machine under the ranks is: the CPU floor of a step where ranks share cores.
+"""How busy the ranks keep the machine under them: the CPU floor of a step where ranks share cores.
 
 On the emulated cluster every rank, every gloo thread and the kernel's work for every emulated
 link (the copies through veth pairs, the bridge, tbf) share one machine's cores. A step then
 cannot be shorter than the CPU all of that needs divided by the cores, however well
 communication overlaps computation: ``busy CPU seconds / cores`` is the floor that overlap
-cannot beat, and a step close to it is CPU-bound, not network-bound. Read from ``/proc/stat``
-(all CPUs, everything but idle and iowait, in clock ticks of 10 ms, so time blocks of a second or
-more); ``None`` where the file does not exist (not Linux).
+cannot beat, and a step close to it is CPU-bound, not network-bound.
+
+The busy CPU is counted over the ranks' own processes, so that another program on the machine
+(a test suite, a compiler) cannot make a strategy look CPU-bound:
+
+1. every rank process of this machine (``rank_pids``: the ranks exchange their pid and machine
+   once) and its descendants: ``utime + stime`` of ``/proc/PID/stat`` (all its threads: gloo's,
+   commfuse's workers) plus ``cutime + cstime`` (children it has reaped);
+2. plus the kernel's softirq time from ``/proc/stat``: network receive and transmit processing
+   (the veth pairs, the bridge, tbf), work the kernel does on the ranks' behalf, often on no
+   rank's clock. It is the whole machine's, so another program's network traffic counts too.
+
+Where the kernel accounts CPU time by ticks without ``CONFIG_IRQ_TIME_ACCOUNTING``, a tick that
+interrupts a rank inside a softirq is charged both to that rank's ``stime`` and to softirq, so
+the sum can overstate the busy time by up to the softirq share: an upper bound there, exact
+with IRQ time accounting. Counters are in clock ticks (10 ms): time blocks of a second or more.
+Everything is ``None`` where ``/proc`` does not exist (not Linux).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
+
+__all__ = [
+    "busy_cpu_s",
+    "busy_since",
+    "cores",
+    "machine_id",
+    "process_cpu_s",
+    "rank_pids",
+    "softirq_s",
+]
+
+#: The field of ``/proc/stat``'s ``cpu`` line that holds softirq ticks (after the label).
+_SOFTIRQ = 6
 
 
-def busy_cpu_s() -> float | None:
-    """CPU seconds this machine has spent busy since boot (all cores, user + system + irq ...)."""
+def _tick() -> float:
+    return float(os.sysconf("SC_CLK_TCK"))
+
+
+def _own_and_children_ticks(pid: int) -> int | None:
+    """utime + stime + cutime + cstime of ``pid`` in ticks; None if it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            text = stat.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: split after it.
+    fields = text[text.rindex(")") + 2 :].split()
+    # fields[0] is field 3 (state); utime, stime, cutime, cstime are fields 14-17.
+    return sum(int(v) for v in fields[11:15])
+
+
+def _children(pid: int) -> list[int]:
+    """Live children of ``pid`` (any of its threads may have started one)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as children:
+                out += [int(c) for c in children.read().split()]
+        except OSError:
+            continue  # the thread ended meanwhile, or no CONFIG_PROC_CHILDREN
+    return out
+
+
+def process_cpu_s(pids: Iterable[int]) -> float | None:
+    """CPU seconds that ``pids`` and all their descendants have used (every thread, user and
+    system, plus reaped children); None if one of ``pids`` cannot be read."""
+    seen: set[int] = set()
+    todo = list(pids)
+    roots = set(todo)
+    ticks = 0
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        own = _own_and_children_ticks(pid)
+        if own is None:
+            if pid in roots:
+                return None
+            continue  # a descendant that ended between listing and reading
+        ticks += own
+        todo += _children(pid)
+    return ticks / _tick()
+
+
+def softirq_s() -> float | None:
+    """Seconds the whole machine has spent in softirqs since boot (all cores): mostly network
+    processing; None without ``/proc/stat``."""
     try:
         with open("/proc/stat") as stat:
             fields = stat.readline().split()
     except OSError:
         return None
-    if not fields or fields[0] != "cpu":
+    if len(fields) <= _SOFTIRQ + 1 or fields[0] != "cpu":
         return None
-    ticks = [int(v) for v in fields[1:8]]  # user nice system idle iowait irq softirq
-    busy = sum(ticks) - ticks[3] - ticks[4]
-    if len(fields) > 8:
-        # steal: time the hypervisor gave a vCPU's core to another guest; the ranks could not
-        # use it either, so for the floor it counts as taken
-        busy += int(fields[8])
-    return busy / os.sysconf("SC_CLK_TCK")
+    return int(fields[_SOFTIRQ + 1]) / _tick()
 
 
-def busy_since(before: float | None) -> float | None:
-    """Busy CPU seconds of the machine since ``before`` (a ``busy_cpu_s`` reading); None if
-    either reading is unknown."""
-    now = busy_cpu_s()
+def busy_cpu_s(pids: Iterable[int]) -> float | None:
+    """CPU seconds spent by ``pids`` (and descendants) plus the machine's softirq time: the
+    reading that ``busy_since`` subtracts. None where either part is unknown."""
+    processes = process_cpu_s(pids)
+    kernel = softirq_s()
+    return None if processes is None or kernel is None else processes + kernel
+
+
+def busy_since(before: float | None, pids: Iterable[int]) -> float | None:
+    """Busy CPU seconds of ``pids`` and the kernel's softirqs since ``before`` (a
+    ``busy_cpu_s(pids)`` reading); None if either reading is unknown."""
+    now = busy_cpu_s(pids)
     return None if before is None or now is None else now - before
+
+
+def machine_id() -> str:
+    """Names this machine and pid namespace: ranks with the same id can read each other's
+    ``/proc/PID`` (the emulated hosts share one; real hosts and containers differ)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return f"pid-{os.getpid()}"  # unknown: this rank alone
+    return f"{boot_id}/{namespace}"
+
+
+def rank_pids() -> tuple[int, ...]:
+    """The pids of every rank on this machine (this one included), in rank order. A collective:
+    every rank of the default process group must call it (once, outside any timed region)."""
+    import torch.distributed as dist
+
+    mine = (machine_id(), os.getpid())
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return (mine[1],)
+    everyone: list[tuple[str, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return tuple(entry[1] for entry in everyone if entry is not None and entry[0] == mine[0])
 
 
 def cores() -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import time
 from typing import Any
 
@@ -108,6 +109,11 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
     """
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
+    # The busy time of a step is this machine's ranks' CPU (and the kernel's softirqs), not
+    # whatever else runs on the machine (machine.py). One rank per machine reads it (the others
+    # record -1): reading every rank's /proc costs about a millisecond.
+    local = machine.rank_pids()
+    pids = local if local[0] == os.getpid() else None
     workload = make_workload(config.workload)
     parsed = parse_strategy(config.strategy)
     module = workload.build_model(config.seed)
@@ -128,8 +134,8 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             start = resumed_state["step"]
     if resumed_state is None and config.init_from:
         start = _init_from(config, module, optimizer, rank)
-    # Busy CPU seconds of the whole machine during each step (-1: unknown, or a step of a
-    # checkpoint written before this was recorded): metrics.py's ``machine_busy``.
+    # Busy CPU seconds of this machine's ranks and softirqs during each step (-1: unknown, or a
+    # step of a checkpoint written before this was recorded): metrics.py's ``machine_busy``.
     history.setdefault("busy_cpu_s", [-1.0] * len(history["loss"]))
     strategy = parsed.build(
         StrategyContext(
@@ -153,10 +159,10 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
         for step in range(start, config.steps + config.extra_steps):
             if step == config.steps and config.extra_steps:
                 # The run's result is the model after ``steps``; what follows only times a loss.
-                sent_before = _finish_into_last_step(strategy, history, sent_before)
+                sent_before = _finish_into_last_step(strategy, history, sent_before, pids)
                 run_metrics = strategy.metrics()
                 snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
-            busy_before = machine.busy_cpu_s()
+            busy_before = _busy_now(pids)
             t0 = time.perf_counter()
             with comm.at_step(step):
                 batch = workload.batch(step, rank, world, seed=config.seed)
@@ -166,7 +172,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
                 strategy.sync()
                 applied = strategy.optimizer_step()
             elapsed = time.perf_counter() - t0
-            history["busy_cpu_s"].append(_busy_since(busy_before))
+            history["busy_cpu_s"].append(_busy_since(busy_before, pids))
             sent_now = strategy.bytes_sent()
             sent, sent_before = sent_now - sent_before, sent_now
             history["loss"].append(float(loss.detach()))
@@ -184,7 +190,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
                 and (done == config.steps or (every and done % every == 0))
             ):
                 _save(config, comm, strategy, optimizer, module, history, done, world)
-        _finish_into_last_step(strategy, history, sent_before)
+        _finish_into_last_step(strategy, history, sent_before, pids)
         if snapshot is not None:
             module.load_state_dict(snapshot)
         result: dict[str, Any] = {
@@ -209,27 +215,35 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             progress.join_thread()
 
 
-def _finish_into_last_step(strategy: Any, history: dict[str, list[float]], sent_before: int) -> int:
+def _finish_into_last_step(
+    strategy: Any, history: dict[str, list[float]], sent_before: int, pids: tuple[int, ...] | None
+) -> int:
     """``strategy.finish()`` (land what is in flight; local SGD's final synchronisation), its
     time and the bytes sent since ``sent_before`` charged to the last step trained: the run is
     not over until it is done, and an exchange still in flight at the last step, or a final
     synchronisation, is real traffic of that step. Returns the bytes sent so far."""
-    busy_before = machine.busy_cpu_s()
+    busy_before = _busy_now(pids)
     start = time.perf_counter()
     strategy.finish()
     sent_now: int = strategy.bytes_sent()
     if history["step_time_s"]:
         history["step_time_s"][-1] += time.perf_counter() - start
         history["bytes"][-1] += float(sent_now - sent_before)
-        busy = _busy_since(busy_before)
+        busy = _busy_since(busy_before, pids)
         if busy >= 0 and history["busy_cpu_s"][-1] >= 0:
             history["busy_cpu_s"][-1] += busy
     return sent_now
 
 
-def _busy_since(before: float | None) -> float:
-    """``machine.busy_since(before)``, -1 if unknown (the history holds floats)."""
-    busy = machine.busy_since(before)
+def _busy_now(pids: tuple[int, ...] | None) -> float | None:
+    """``machine.busy_cpu_s(pids)``; None on a rank that does not read it (``pids`` None)."""
+    return None if pids is None else machine.busy_cpu_s(pids)
+
+
+def _busy_since(before: float | None, pids: tuple[int, ...] | None) -> float:
+    """``machine.busy_since(before, pids)``, -1 if unknown or not read here (the history holds
+    floats)."""
+    busy = None if pids is None else machine.busy_since(before, pids)
     return -1.0 if busy is None else busy
 
 

@@ -23,8 +23,9 @@ Definitions (the same for ``train --json`` and ``compare``):
   connections, measured up to seconds on the emulated cluster, which would swamp short runs),
   and ``wall_curve_s`` its running sum (0 at step 1), the x axis of the plot.
 * ``time_to_loss_s(record, target)``: the first wall time at which the curve is <= target.
-* ``machine_busy``: the share of rank 0's machine's cores that were busy (anyone's work: every
-  rank, gloo's threads, the kernel moving the emulated links' packets) over the timed steps,
+* ``machine_busy``: the share of rank 0's machine's cores that its ranks kept busy (their
+  processes with every thread and child, and the kernel's softirqs moving the emulated links'
+  packets; not other programs: ``cluster/machine.py``) over the timed steps,
   and ``cpu_floor_s`` the mean step's busy CPU divided by the cores: a step cannot be shorter,
   however well communication is hidden. Near 1, the run is CPU-bound: sending fewer bytes
   cannot shorten its step, spending less CPU can. None where the machine cannot tell.

@@ -5,7 +5,7 @@ commfuse bench ddp --hosts 4 --link 1gbit --model transformer --bucket-cap-mb 25
 The same model, batches, bucket caps and cluster under torch's DistributedDataParallel,
 commfuse's DataParallel (uncompressed, one engine per ``--algo``) and the bare model (no
 communication, the compute floor), timed interleaved; medians of ``--reps`` blocks of
-``--steps`` steps (see ``commfuse.ddp.bench``). The issue's target: commfuse <= 1.02x torch.
+``--steps`` steps (see ``commfuse.bench.ddp``). The issue's target: commfuse <= 1.02x torch.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from commfuse.cli.common import (
 
 
 def register(bench_sub: Subparsers) -> None:
-    from commfuse.ddp.bench import MODELS
+    from commfuse.bench.ddp import MODELS
 
     parser = bench_sub.add_parser(
         "ddp",
@@ -66,7 +66,7 @@ def register(bench_sub: Subparsers) -> None:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from commfuse.ddp.bench import DdpBenchConfig
+    from commfuse.bench.ddp import DdpBenchConfig
 
     transformer = args.model == "transformer"
     return DdpBenchConfig(
@@ -97,7 +97,7 @@ def render(records: list[dict[str, Any]]) -> str:
 
 
 def run_bench_ddp(args: argparse.Namespace) -> int:
-    from commfuse.ddp.bench import bench_rank
+    from commfuse.bench.ddp import bench_ddp_on_rank
 
     topology = topology_from_args(args)
     config = _config(args)
@@ -106,7 +106,7 @@ def run_bench_ddp(args: argparse.Namespace) -> int:
         f"{config.num_reps} interleaved blocks of {config.num_steps} steps (median)",
         file=sys.stderr,
     )
-    results = run_on_ranks(bench_rank, config, topology=topology, args=args)
+    results = run_on_ranks(bench_ddp_on_rank, config, topology=topology, args=args)
     records = results[0]
     params = records[0]["params"]
     print(

@@ -5,7 +5,7 @@ commfuse bench strategies --hosts 4 --link 100mbit --strategy ddp-powersgd:rank=
 Every strategy (same syntax as ``commfuse train``) on its own copy of the workload's model,
 after ``--warmup-steps`` untimed steps each, timed in turns of ``--steps`` steps (A B A B ...)
 for ``--reps`` rounds, plus the bare model without communication (the floor). Ratios are to the
-first strategy, median over rounds (see ``commfuse.train.interleaved``). For losses and time to
+first strategy, median over rounds (see ``commfuse.bench.strategies``). For losses and time to
 a loss use ``commfuse compare``; this command is for step times a few percent apart.
 """
 
@@ -86,10 +86,10 @@ def render(records: list[dict[str, Any]]) -> str:
 
 
 def run_bench_strategies(args: argparse.Namespace) -> int:
-    from commfuse.train.interleaved import InterleavedConfig, interleaved_rank
+    from commfuse.bench.strategies import StrategiesBenchConfig, bench_strategies_on_rank
 
     topology = topology_from_args(args)
-    config = InterleavedConfig(
+    config = StrategiesBenchConfig(
         strategies=tuple(args.strategy),
         workload=args.workload,
         steps=args.steps,
@@ -105,7 +105,7 @@ def run_bench_strategies(args: argparse.Namespace) -> int:
         f"{config.warmup_steps} untimed (medians; phases: rank 0)",
         file=sys.stderr,
     )
-    results = run_on_ranks(interleaved_rank, config, topology=topology, args=args)
+    results = run_on_ranks(bench_strategies_on_rank, config, topology=topology, args=args)
     records = results[0]
     print(f"# {config.workload}, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MB")
     print(render(records))

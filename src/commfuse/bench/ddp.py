@@ -1,13 +1,16 @@
 """Step time of ``DataParallel`` against torch's ``DistributedDataParallel``, side by side.
 
-Run on every rank (``commfuse.cluster.run(bench_rank, ..., net=Topology(...))``; the command is
+Run on every rank (``commfuse.cluster.run(bench_ddp_on_rank, ..., net=Topology(...))``; the command is
 ``commfuse bench ddp``). Every engine wraps its own copy of the same model with the same bucket
 caps (torch's defaults: 25 MiB, 1 MiB for the first bucket) and trains on the same batches:
 torch DDP, commfuse uncompressed with each allreduce ``algo`` asked for, and the bare model
-(no communication: the compute floor). They are timed interleaved (A B C A B C ...), each block
-of steps after a barrier and as the slowest rank's time, and compared by the median of the
-per-repetition ratios to torch DDP, so drifts of a shared, noisy machine hit all alike.
-Exposed communication is an engine's step time minus the compute floor's.
+(no communication: the compute floor). They are timed in rounds, each round in the balanced
+order of ``bench/schedule.py`` (every engine in every position equally often), each block of
+steps after a barrier and as the slowest rank's time, and compared by the median of the
+per-round ratios to torch DDP, so drifts of a shared, noisy machine hit all alike. With
+``control`` torch DDP is built and timed twice (``torch_ddp'``): its ratio is the noise floor,
+and a ratio within it is a tie. Exposed communication is an engine's step time minus the
+compute floor's.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from commfuse.bench.schedule import Schedule, control_name, summarize
 from commfuse.comm import Communicator
 from commfuse.ddp.config import DataParallelConfig
 from commfuse.ddp.wrapper import DataParallel
@@ -47,9 +51,13 @@ class DdpBenchConfig:
     num_steps: int = 5
     """Steps per timed block."""
     num_reps: int = 7
-    """Timed blocks per engine (interleaved)."""
+    """Timed blocks per engine (rounds in balanced orders)."""
     algos: tuple[str, ...] = ("native", "auto")
     """commfuse allreduce algorithms, one engine each."""
+    control: bool = False
+    """Time a second torch DDP (A/A): its ratio to the first is the noise floor."""
+    seed_order: int | None = 0
+    """Seed of the rounds' balanced orders."""
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -96,22 +104,27 @@ def _time_block(step: Callable[[], None], num_steps: int) -> float:
     return float(elapsed)
 
 
-def bench_rank(config: DdpBenchConfig | None = None) -> list[dict[str, Any]]:
+#: The baseline engine.
+BASELINE = "torch_ddp"
+
+
+def bench_ddp_on_rank(config: DdpBenchConfig | None = None) -> list[dict[str, Any]]:
     """One record per engine (the same on every rank): median step seconds, exposed
     communication, and the median ratio to torch DDP's step."""
     config = config or DdpBenchConfig()
     torch.manual_seed(0)
-    nets = {"torch_ddp": build_model(config), "compute": build_model(config)}
+    twin = control_name(BASELINE)
+    torch_names = [BASELINE, *([twin] if config.control else [])]
+    nets = {name: build_model(config) for name in [*torch_names, "compute"]}
     for algo in config.algos:
         nets[f"commfuse:{algo}"] = build_model(config)
     for net in nets.values():
-        net.load_state_dict(nets["torch_ddp"].state_dict())
+        net.load_state_dict(nets[BASELINE].state_dict())
     models: dict[str, nn.Module] = {
-        "torch_ddp": nn.parallel.DistributedDataParallel(
-            nets["torch_ddp"], bucket_cap_mb=config.bucket_cap_mb
-        ),
-        "compute": nets["compute"],
+        name: nn.parallel.DistributedDataParallel(nets[name], bucket_cap_mb=config.bucket_cap_mb)
+        for name in torch_names
     }
+    models["compute"] = nets["compute"]
     ours: dict[str, DataParallel] = {}
     for algo in config.algos:
         dp_config = DataParallelConfig(algo=algo, bucket_cap_mb=config.bucket_cap_mb)
@@ -132,33 +145,43 @@ def bench_rank(config: DdpBenchConfig | None = None) -> list[dict[str, Any]]:
 
     for name in models:  # warm-up (torch rebuilds its buckets after its first step)
         _time_block(stepper(name), 2)
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(config.num_reps):
-        for name in models:
+    schedule = Schedule(
+        tuple(name for name in models if name != twin),
+        rounds=config.num_reps,
+        control=config.control,
+        seed=config.seed_order,
+    )
+    times: dict[str, list[float]] = {name: [] for name in schedule.names}
+    for order in schedule.orders():  # the same seeded orders on every rank
+        for name in order:
             times[name].append(_time_block(stepper(name), config.num_steps))
+    summary = summarize(times, baseline=BASELINE, control=schedule.control_variant)
     records = []
-    for name in models:
-        ratios = [a / b for a, b in zip(times[name], times["torch_ddp"], strict=True)]
+    for name in schedule.names:
         exposed = [a - b for a, b in zip(times[name], times["compute"], strict=True)]
+        ratio = summary.ratios[name]
         records.append(
             {
                 "engine": name,
                 "model": config.model,
                 "params": sum(p.numel() for p in nets[name].parameters()),
                 "num_buckets": len(ours[name.split(":", 1)[1]].bucket_layout)
-                if name in nets and name.startswith("commfuse:")
+                if name.startswith("commfuse:")
                 else None,
-                "step_s": statistics.median(times[name]),
+                "step_s": summary.medians[name],
                 "step_s_min": min(times[name]),
                 "step_s_max": max(times[name]),
                 "exposed_comm_s": statistics.median(exposed),
-                "ratio_to_torch_ddp": statistics.median(ratios),
-                "ratio_min": min(ratios),
-                "ratio_max": max(ratios),
+                "ratio_to_torch_ddp": ratio,
+                "ratio_min": summary.ratio_ranges[name][0],
+                "ratio_max": summary.ratio_ranges[name][1],
+                **summary.as_dict(),
+                "tie": summary.is_tie(ratio) if name != BASELINE else None,
                 "world_size": dist.get_world_size(),
                 "bucket_cap_mb": config.bucket_cap_mb,
                 "num_steps": config.num_steps,
                 "num_reps": config.num_reps,
+                "orders": [list(order) for order in schedule.orders()],
             }
         )
     for dp in ours.values():

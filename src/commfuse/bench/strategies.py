@@ -2,28 +2,30 @@
 
 ``commfuse compare`` trains each strategy in a job of its own, one after the other: right for
 losses and time to a loss, too coarse for step times a few percent apart, because this kind of
-machine drifts by 5-10% between jobs (torch's PowerSGD hook measured 323 and 359 ms per step in
-two rounds of one comparison). Here every rank builds every strategy on its own copy of the
-same model and optimizer, trains each ``warmup_steps`` untimed steps (past compressors' warm-up
-and torch DDP's bucket rebuild), then times ``reps`` rounds in which each strategy in turn runs
-``steps`` steps (A B C A B C ...), each block after a barrier and as the slowest rank's time.
-A strategy's ratio is the median over rounds of its block time over the first strategy's in the
+machine drifts by 5-10% between jobs. Here every rank builds every strategy on its own copy of
+the same model and optimizer, trains each ``warmup_steps`` untimed steps (past compressors'
+warm-up and torch DDP's bucket rebuild), then times ``reps`` rounds in which each strategy runs
+``steps`` steps, in the balanced orders of ``bench/schedule.py`` (every strategy in every
+position equally often), each block after a barrier and as the slowest rank's time. A
+strategy's ratio is the median over rounds of its block time over the first strategy's in the
 same round, so a drift hits both sides of every ratio alike. Every strategy sees the same
-batches (step ``i`` of each is the workload's batch ``i``).
+batches (step ``i`` of each is the workload's batch ``i``). With ``control`` the first strategy
+is built and timed twice (A and A'); A'/A is the noise floor, and a ratio within it is a tie.
 
 Also reported per strategy: the median phases of rank 0's steps (forward, backward up to the
 synchronised gradients, optimizer step), the CPU seconds a rank's threads spent per step (mean
 over ranks: where ranks share cores, CPU spent on communication is compute another rank lacks),
-the machine's CPU floor of its step (every core's busy time during its blocks, divided by the
-cores, per step: ``cluster/machine.py``; where the step is close to it, the step is CPU-bound and
-no overlap can shorten it) and the bytes it handed to collectives per timed step;
-and, unless ``include_compute`` is off, the bare model with no communication at all
-(``compute``): the floor every step time is measured against.
+the CPU floor of its step (the busy time of this machine's ranks and the kernel's softirqs
+during its blocks, divided by the cores, per step: ``cluster/machine.py``; where the step is
+close to it, the step is CPU-bound and no overlap can shorten it) and the bytes it handed to
+collectives per timed step; and, unless ``include_compute`` is off, the bare model with no
+communication at all (``compute``): the floor every step time is measured against.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commfuse.bench.schedule import Schedule, control_name, summarize
 from commfuse.cluster import machine
 from commfuse.comm import Communicator
 from commfuse.train.strategy import StrategyContext, parse_strategy
@@ -42,7 +45,7 @@ COMPUTE = "compute"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class InterleavedConfig:
+class StrategiesBenchConfig:
     """What to time (see the module docstring)."""
 
     strategies: tuple[str, ...]
@@ -58,6 +61,10 @@ class InterleavedConfig:
     seed: int = 0
     include_compute: bool = True
     """Also time the bare model (no communication): the floor."""
+    control: bool = False
+    """Build and time the first strategy twice (A/A): its ratio is the noise floor."""
+    seed_order: int | None = 0
+    """Seed of the rounds' balanced orders (``bench/schedule.py``)."""
 
     def __post_init__(self) -> None:
         if not self.strategies:
@@ -88,23 +95,26 @@ class _Runner:
     floor_s: list[float] = dataclasses.field(default_factory=list)
     phases: list[tuple[float, float, float]] = dataclasses.field(default_factory=list)
     bytes_timed: int = 0
+    pids: tuple[int, ...] | None = None
+    """This machine's ranks, whose CPU is the floor's (``machine.rank_pids``), on the one rank
+    of each machine that reads them; None on the others."""
 
     def run(self, num_steps: int, *, timed: bool) -> None:
         dist.barrier()
         sent = self.bytes_fn()
-        busy_start = machine.busy_cpu_s()
+        busy_start = None if self.pids is None else machine.busy_cpu_s(self.pids)
         start, cpu_start = time.perf_counter(), time.process_time()
         phases = [self.step_fn(self.next_step + i) for i in range(num_steps)]
         elapsed = time.perf_counter() - start
-        busy = machine.busy_since(busy_start)
+        busy = None if self.pids is None else machine.busy_since(busy_start, self.pids)
         # CPU seconds of every thread of this rank (compute, gloo's, commfuse's workers): where
         # ranks share cores, a strategy's CPU is other ranks' lost compute.
         cpu = time.process_time() - cpu_start
         sent = self.bytes_fn() - sent  # before the timing allreduce, which is not the strategy's
         slowest = torch.tensor([elapsed / num_steps], dtype=torch.float64)
         cpu_sum = torch.tensor([cpu / num_steps], dtype=torch.float64)
-        # The busiest machine's floor (ranks of one machine read the same counters); -1 where
-        # a machine cannot tell (no /proc/stat), so the max says "unknown" only if none can.
+        # The busiest machine's floor (one rank per machine reads it); -1 where a rank does not
+        # read or a machine cannot tell (no /proc), so the max says "unknown" only if none can.
         floor = -1.0
         if busy is not None:
             floor = busy / machine.cores() / num_steps
@@ -122,11 +132,17 @@ class _Runner:
             self.bytes_timed += sent
 
 
-def _runners(config: InterleavedConfig, comm: Communicator) -> list[_Runner]:
+def _runners(config: StrategiesBenchConfig, comm: Communicator) -> list[_Runner]:
     workload = make_workload(config.workload)
     rank, world = comm.rank, comm.world_size
+    local = machine.rank_pids()
+    pids = local if local[0] == os.getpid() else None  # one reader per machine
     runners = []
-    for spec in config.strategies:
+    names = list(config.strategies)
+    if config.control:
+        names.append(control_name(config.strategies[0]))
+    for name in names:
+        spec = config.strategies[0] if name == control_name(config.strategies[0]) else name
         module = workload.build_model(config.seed)
         optimizer = workload.make_optimizer(module)
         strategy = parse_strategy(spec).build(
@@ -152,7 +168,7 @@ def _runners(config: InterleavedConfig, comm: Communicator) -> list[_Runner]:
                 strategy.optimizer_step()
             return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-        runners.append(_Runner(spec, step, strategy.bytes_sent, strategy.close))
+        runners.append(_Runner(name, step, strategy.bytes_sent, strategy.close, pids=pids))
     if config.include_compute:
         bare = workload.build_model(config.seed)
         bare_opt = workload.make_optimizer(bare)
@@ -168,43 +184,56 @@ def _runners(config: InterleavedConfig, comm: Communicator) -> list[_Runner]:
             bare_opt.step()
             return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-        runners.append(_Runner(COMPUTE, bare_step, lambda: 0, lambda: None))
+        runners.append(_Runner(COMPUTE, bare_step, lambda: 0, lambda: None, pids=pids))
     return runners
 
 
-def interleaved_rank(config: InterleavedConfig) -> list[dict[str, Any]]:
-    """Run on every rank; returns one record per strategy (and ``compute``), the same on every
-    rank except the phases, which are this rank's."""
+def bench_strategies_on_rank(config: StrategiesBenchConfig) -> list[dict[str, Any]]:
+    """Run on every rank; returns one record per strategy (its A/A copy, and ``compute``), the
+    same on every rank except the phases, which are this rank's."""
     comm = Communicator()
     runners = _runners(config, comm)
+    by_name = {runner.name: runner for runner in runners}
+    baseline = config.strategies[0]
+    schedule = Schedule(
+        tuple(r.name for r in runners if r.name != control_name(baseline) or not config.control),
+        rounds=config.reps,
+        control=config.control,
+        seed=config.seed_order,
+    )
     try:
         for runner in runners:
             if config.warmup_steps:
                 runner.run(config.warmup_steps, timed=False)
-        for _ in range(config.reps):
-            for runner in runners:
-                runner.run(config.steps, timed=True)
+        for order in schedule.orders():  # the same orders on every rank (seeded)
+            for name in order:
+                by_name[name].run(config.steps, timed=True)
     finally:
         for runner in runners:
             runner.close()
-    base = runners[0].blocks_s
-    floor = runners[-1].blocks_s if config.include_compute else None
+    summary = summarize(
+        {r.name: r.blocks_s for r in runners}, baseline=baseline, control=schedule.control_variant
+    )
+    floor = by_name[COMPUTE].blocks_s if config.include_compute else None
     records = []
     for runner in runners:
-        ratios = [a / b for a, b in zip(runner.blocks_s, base, strict=True)]
         forward, backward, optimizer = (
             statistics.median(p[k] for p in runner.phases) for k in range(3)
         )
+        ratio = summary.ratios[runner.name]
         record: dict[str, Any] = {
             "strategy": runner.name,
             "workload": config.workload,
             "world_size": comm.world_size,
-            "step_s": statistics.median(runner.blocks_s),
+            "step_s": summary.medians[runner.name],
             "step_s_min": min(runner.blocks_s),
             "step_s_max": max(runner.blocks_s),
-            "ratio_to_first": statistics.median(ratios),
-            "ratio_min": min(ratios),
-            "ratio_max": max(ratios),
+            "ratio_to_first": ratio,
+            "ratio_min": summary.ratio_ranges[runner.name][0],
+            "ratio_max": summary.ratio_ranges[runner.name][1],
+            # the A/A control (None without one) and whether this ratio lies within it
+            **summary.as_dict(),
+            "tie": summary.is_tie(ratio) if runner.name != baseline else None,
             "forward_s": forward,
             "backward_sync_s": backward,
             "optimizer_s": optimizer,
@@ -214,6 +243,7 @@ def interleaved_rank(config: InterleavedConfig) -> list[dict[str, Any]]:
             "steps": config.steps,
             "reps": config.reps,
             "warmup_steps": config.warmup_steps,
+            "orders": [list(order) for order in schedule.orders()],
         }
         if floor is not None:
             record["step_over_compute"] = statistics.median(

@@ -1,0 +1,277 @@
+"""The one scheduler of every benchmark that times several variants in one job.
+
+On a shared machine the order in which variants run biases them: the first run after a barrier
+meets cold caches, the last one a machine that other jobs have filled, and a variant that always
+follows the same neighbour inherits its allocator and thermal state (identical code timed in a
+fixed order differed by 2-17% here). Timing in rounds, each round in a different order, spreads
+those effects over every variant alike:
+
+1. **Position balance.** The orders form Latin squares: over every ``n`` rounds (``n``
+   variants) each variant runs once in each position, so none always runs first or last; after
+   any number of rounds, a variant's count in a position differs from any other's by at most 1.
+2. **Carry-over balance.** The squares are Williams designs (E. J. Williams, "Experimental
+   designs balanced for the estimation of residual effects of treatments", Australian Journal
+   of Scientific Research A 2(2), 1949): over a full design (``n`` rounds for even ``n``,
+   ``2n`` for odd ``n``) each variant runs right after every other one equally often. For two
+   variants the design is A B, B A: the alternation the benchmarks used before.
+3. **Seeded shuffle.** ``seed`` relabels the variants and shuffles the rows of each square with
+   a private ``random.Random(seed)``, so every rank computes the same orders (they must all run
+   the same collectives) and a rerun repeats them; both balances survive the shuffle.
+4. **Paired ratios.** Each round yields one sample per variant. A variant's ratio to the
+   baseline is the median over rounds of ``sample / baseline sample`` of the same round, so a
+   drift of the machine between rounds hits both sides of every ratio alike.
+5. **The A/A control.** With ``control=True`` the baseline is timed twice, as two variants A and
+   A' (``control_name``) that run the same code; the control's ratio A'/A measures the noise
+   floor of this job on this machine. A ratio within that floor of 1 (``|r - 1| <= |A'/A - 1|``)
+   is a tie: the benchmark cannot tell the two apart.
+
+Usage::
+
+    schedule = Schedule(("native", "ring"), rounds=10, control=True)
+    for order in schedule.orders():
+        for name in order:
+            run(schedule.code_of(name))   # A' runs the baseline's code
+    summary = summarize(samples, baseline=schedule.baseline, control=schedule.control)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+
+__all__ = [
+    "Schedule",
+    "Summary",
+    "balanced_orders",
+    "control_line",
+    "control_name",
+    "run_rounds",
+    "summarize",
+    "tie_mark",
+    "williams_square",
+]
+
+
+def control_name(baseline: str) -> str:
+    """The name of the baseline's second copy in an A/A control (``A`` -> ``A'``)."""
+    return f"{baseline}'"
+
+
+def williams_square(n: int) -> list[tuple[int, ...]]:
+    """Williams's design for ``n`` variants: ``n`` orders for even ``n`` (and ``n = 1``), ``2n``
+    for odd ``n`` (the square and its mirror image). Each block of ``n`` rows is a Latin square
+    (every variant once in every position) and over all rows every variant immediately follows
+    every other equally often.
+
+    Row 0 is ``0, 1, n-1, 2, n-2, ...``; row ``r`` adds ``r`` to each entry, modulo ``n``.
+    """
+    if n < 1:
+        raise ValueError(f"a schedule needs at least one variant, got {n}")
+    first = [0]
+    low, high = 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    square = [tuple((v + r) % n for v in first) for r in range(n)]
+    if n % 2 == 1 and n > 1:
+        square += [row[::-1] for row in square]
+    return square
+
+
+def balanced_orders(
+    num_variants: int, num_rounds: int, *, seed: int | None = 0
+) -> list[tuple[int, ...]]:
+    """The order of each round: ``num_rounds`` permutations of ``range(num_variants)``.
+
+    Consecutive blocks of ``num_variants`` rounds are Latin squares, so after any number of
+    rounds every variant has run in every position ``num_rounds // num_variants`` or one more
+    times; a whole Williams design (``williams_square``) is also balanced for carry-over.
+    ``seed=None`` gives the unshuffled design (round 0 is ``0, 1, n-1, 2, ...``).
+    """
+    if num_rounds < 1:
+        raise ValueError(f"a schedule needs at least one round, got {num_rounds}")
+    design = williams_square(num_variants)
+    rng = None if seed is None else random.Random(seed)
+    label = list(range(num_variants))
+    if rng is not None:
+        rng.shuffle(label)
+    orders: list[tuple[int, ...]] = []
+    while len(orders) < num_rounds:
+        for start in range(0, len(design), num_variants):
+            # Shuffle within each Latin block, never across: a block stays a Latin square.
+            block = design[start : start + num_variants]
+            if rng is not None:
+                block = rng.sample(block, len(block))
+            orders += [tuple(label[v] for v in row) for row in block]
+    return orders[:num_rounds]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Variants timed side by side for ``rounds`` rounds, in balanced orders.
+
+    ``variants`` are names; the baseline of every ratio is ``baseline`` (default: the first).
+    With ``control`` the baseline's copy ``control_name(baseline)`` joins the variants; it runs
+    the baseline's code (``code_of``)."""
+
+    variants: tuple[str, ...]
+    rounds: int
+    baseline: str = ""
+    control: bool = False
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        if not self.variants:
+            raise ValueError("a schedule needs at least one variant")
+        if len(set(self.variants)) != len(self.variants):
+            raise ValueError(f"a variant is named twice: {', '.join(self.variants)}")
+        if not self.baseline:
+            object.__setattr__(self, "baseline", self.variants[0])
+        if self.baseline not in self.variants:
+            raise ValueError(
+                f"baseline {self.baseline!r} is not a variant: {', '.join(self.variants)}"
+            )
+        if self.control and control_name(self.baseline) in self.variants:
+            raise ValueError(f"{control_name(self.baseline)!r} is the control's name")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every timed variant: ``variants``, then the control's copy if there is one."""
+        extra = (control_name(self.baseline),) if self.control else ()
+        return (*self.variants, *extra)
+
+    @property
+    def control_variant(self) -> str | None:
+        """The name of the baseline's copy, or None without a control."""
+        return control_name(self.baseline) if self.control else None
+
+    def code_of(self, name: str) -> str:
+        """The variant whose code ``name`` runs: itself, or the baseline for its copy."""
+        return self.baseline if name == self.control_variant else name
+
+    def orders(self) -> list[tuple[str, ...]]:
+        """The names in the order of each round."""
+        names = self.names
+        return [
+            tuple(names[i] for i in order)
+            for order in balanced_orders(len(names), self.rounds, seed=self.seed)
+        ]
+
+
+def run_rounds(schedule: Schedule, run: Callable[[str], float]) -> dict[str, list[float]]:
+    """``run(name)`` for every name of every round in the schedule's orders; returns each name's
+    samples, indexed by round (``samples[name][r]`` is round ``r``'s)."""
+    samples: dict[str, list[float]] = {name: [] for name in schedule.names}
+    for order in schedule.orders():
+        for name in order:
+            samples[name].append(run(name))
+    return samples
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """Medians and paired ratios of one schedule's samples."""
+
+    baseline: str
+    medians: dict[str, float]
+    """Median sample of each variant."""
+    ratios: dict[str, float]
+    """Median over rounds of ``sample / baseline's sample`` of the same round, or the ratio of
+    the medians (``summarize(paired=False)``); 1 for the baseline itself."""
+    ratio_ranges: dict[str, tuple[float, float]]
+    """The smallest and largest of those per-round ratios."""
+    control: str | None
+    """The control's name (the baseline's copy), or None."""
+
+    @property
+    def control_ratio(self) -> float | None:
+        """A'/A: the control's ratio to the baseline (None without a control)."""
+        return None if self.control is None else self.ratios[self.control]
+
+    @property
+    def noise_floor(self) -> float | None:
+        """``|A'/A - 1|``: how far from 1 identical code landed (None without a control)."""
+        ratio = self.control_ratio
+        return None if ratio is None else abs(ratio - 1.0)
+
+    def is_tie(self, ratio: float) -> bool | None:
+        """Whether ``ratio`` lies as close to 1 as the control's, ``|ln ratio| <= |ln A'/A|``:
+        symmetric, so a ratio of times and its inverse (a speed-up) get the same answer. None
+        without a control."""
+        control = self.control_ratio
+        if control is None:
+            return None
+        if ratio <= 0 or control <= 0 or math.isinf(ratio):
+            return False
+        # The slack absorbs rounding: the control's own ratio, inverted, is a tie.
+        return abs(math.log(ratio)) <= abs(math.log(control)) + 1e-12
+
+    def as_dict(self) -> dict[str, object]:
+        """The control's figures for a record: ``control_ratio``, ``noise_floor`` (None without
+        a control)."""
+        return {"control_ratio": self.control_ratio, "noise_floor": self.noise_floor}
+
+
+def summarize(
+    samples: Mapping[str, Sequence[float]],
+    *,
+    baseline: str,
+    control: str | None = None,
+    paired: bool = True,
+) -> Summary:
+    """Medians, ratios to ``baseline`` and the control of per-round ``samples`` (every variant
+    has one sample per round, in round order). ``paired``: a ratio is the median of the
+    per-round ratios (robust to drift between rounds); else the ratio of the medians (what
+    nccl-tests style tables print beside their median times). The ranges are per round in both."""
+    if baseline not in samples:
+        raise ValueError(f"no samples of the baseline {baseline!r}")
+    if control is not None and control not in samples:
+        raise ValueError(f"no samples of the control {control!r}")
+    base = samples[baseline]
+    base_median = statistics.median(base) if base else 0.0
+    medians: dict[str, float] = {}
+    ratios: dict[str, float] = {}
+    ranges: dict[str, tuple[float, float]] = {}
+    for name, values in samples.items():
+        if len(values) != len(base) or not values:
+            raise ValueError(
+                f"{name!r} has {len(values)} samples and {baseline!r} {len(base)}: "
+                "every variant needs one per round"
+            )
+        medians[name] = statistics.median(values)
+        per_round = [v / b if b else float("inf") for v, b in zip(values, base, strict=True)]
+        if paired:
+            ratios[name] = statistics.median(per_round)
+        else:
+            ratios[name] = medians[name] / base_median if base_median else float("inf")
+        ranges[name] = (min(per_round), max(per_round))
+    return Summary(
+        baseline=baseline, medians=medians, ratios=ratios, ratio_ranges=ranges, control=control
+    )
+
+
+def tie_mark(summary: Summary, ratio: float | None) -> str:
+    """``" (tie)"`` where ``ratio`` is within the control's noise floor, else ``""``: what a
+    table appends to a ratio."""
+    return " (tie)" if ratio is not None and summary.is_tie(ratio) else ""
+
+
+def control_line(summary: Summary, unit: str = "time") -> str | None:
+    """One line for under a table: the control's ratio and what it means; None without one."""
+    if summary.control is None or summary.control_ratio is None:
+        return None
+    low, high = summary.ratio_ranges[summary.control]
+    floor = summary.noise_floor or 0.0
+    return (
+        f"A/A control: {summary.control} / {summary.baseline} {unit} = "
+        f"{summary.control_ratio:.3f} (rounds {low:.3f}-{high:.3f}): noise floor "
+        f"{100 * floor:.1f}%; ratios within it of 1 are ties"
+    )
