@@ -23,6 +23,7 @@ _COMMAND_MODULES = (
     "commfuse.cli.simulate",
     "commfuse.cli.train",
     "commfuse.cli.compare",
+    "commfuse.cli.report",
 )
 
 

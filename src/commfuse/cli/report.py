@@ -1,0 +1,289 @@
+"""``commfuse report``: render result JSON files as the tables their commands printed.
+
+    commfuse report benchmarks/fused_netlab-4x1gbit-2core_202611.json
+    commfuse report a.json b.json --markdown tables.md
+
+Every command that writes ``--json`` writes a list of records (or one record, for ``train``
+and ``tune``); the record's keys say which command made it, and this command prints the same
+columns that command prints, so the tables in ``docs/`` and ``benchmarks/`` are generated
+from the raw data instead of typed. A value an older record lacks prints as ``-``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from commfuse.cli.common import Subparsers, set_command
+
+Record = dict[str, Any]
+Column = tuple[str, Callable[[Record], str]]
+
+
+def _ms(key: str, spec: str = ".1f") -> Callable[[Record], str]:
+    return lambda r: format(r[key] * 1e3, spec)
+
+
+STRATEGIES_COLUMNS: tuple[Column, ...] = (
+    ("strategy", lambda r: r["strategy"]),
+    ("step_ms", _ms("step_s")),
+    ("min-max_ms", lambda r: f"{r['step_s_min'] * 1e3:.0f}-{r['step_s_max'] * 1e3:.0f}"),
+    ("x_first", lambda r: f"{r['ratio_to_first']:.3f}"),
+    ("spread", lambda r: f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"),
+    ("/compute", lambda r: f"{r['step_over_compute']:.2f}"),
+    ("fwd_ms", _ms("forward_s")),
+    ("bwd+sync_ms", _ms("backward_sync_s")),
+    ("opt_ms", _ms("optimizer_s")),
+    ("cpu_ms", _ms("cpu_s_per_step")),
+    ("floor_ms", _ms("cpu_floor_s")),
+    ("MB/step", lambda r: f"{r['bytes_per_step'] / 1e6:.3f}"),
+)
+
+DDP_COLUMNS: tuple[Column, ...] = (
+    ("engine", lambda r: r["engine"]),
+    ("step_ms", _ms("step_s")),
+    ("min-max_ms", lambda r: f"{r['step_s_min'] * 1e3:.0f}-{r['step_s_max'] * 1e3:.0f}"),
+    ("exposed_ms", _ms("exposed_comm_s")),
+    ("x_torch", lambda r: f"{r['ratio_to_torch_ddp']:.3f}"),
+    ("spread", lambda r: f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"),
+    ("buckets", lambda r: "-" if r["num_buckets"] is None else str(r["num_buckets"])),
+)
+
+TRAIN_COLUMNS: tuple[Column, ...] = (
+    ("strategy", lambda r: r["strategy"]),
+    ("steps", lambda r: str(r["steps"])),
+    ("step_ms", _ms("step_time_s", ".0f")),
+    ("compute_ms", _ms("compute_step_time_s", ".0f")),
+    ("MB/step", lambda r: f"{r['bytes_per_step'] / 1e6:.3f}"),
+    ("final_loss", lambda r: f"{r['final_loss']:.3f}"),
+    ("held_loss", lambda r: f"{r['eval_loss']:.3f}"),
+)
+
+PROFILE_COLUMNS: tuple[Column, ...] = (
+    ("link", lambda r: r["link"]),
+    ("alpha_us", lambda r: f"{r['alpha_s'] * 1e6:.1f}"),
+    ("beta_GB/s", lambda r: f"{1e-9 / r['beta_s_per_byte']:.4f}"),
+    ("gamma_GB/s", lambda r: f"{1e-9 / r['gamma_s_per_byte']:.2f}"),
+)
+
+VALIDATION_COLUMNS: tuple[Column, ...] = (
+    ("configuration", lambda r: r["config"]),
+    ("kind", lambda r: r["kind"]),
+    ("runs", lambda r: str(r["runs"])),
+    ("predicted_ms", lambda r: f"{r['predicted_us'] / 1e3:.2f}"),
+    ("measured_ms", lambda r: f"{r['measured_us'] / 1e3:.2f}"),
+    ("error", lambda r: f"{r['error'] * 100:+.1f}%"),
+)
+
+
+def _collective_columns() -> Sequence[Column]:
+    from commfuse.bench.table import COLLECTIVE_COLUMNS
+
+    return COLLECTIVE_COLUMNS
+
+
+def _fused_columns() -> Sequence[Column]:
+    from commfuse.bench.fused import COLUMNS
+
+    return COLUMNS
+
+
+def _fused_step_columns() -> Sequence[Column]:
+    from commfuse.bench.fused_steps import COLUMNS
+
+    return COLUMNS
+
+
+def _compare_columns() -> Sequence[Column]:
+    from commfuse.train.compare import COMPARE_COLUMNS
+
+    return COMPARE_COLUMNS
+
+
+def kind_of(data: Any) -> str:
+    """Which command wrote ``data`` (the parsed JSON), from the keys of its records.
+
+    Raises:
+        ValueError: when no command writes records of this shape.
+    """
+    if isinstance(data, dict):
+        if "intra" in data and "inter" in data:
+            return "tune"
+        if "strategy" in data and "step_time_s" in data:
+            return "train"
+    elif isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
+        keys = set(data[0])
+        if {"op", "algo", "time_us"} <= keys:
+            return "bench collectives"
+        if {"op", "shape", "fused_us"} <= keys:
+            steps = all(str(r["op"]).endswith("_step") and "ideal_us" not in r for r in data)
+            return "bench fused --step" if steps else "bench fused"
+        if {"strategy", "step_time_s"} <= keys:
+            return "compare"
+        if {"strategy", "step_s", "ratio_to_first"} <= keys:
+            return "bench strategies"
+        if {"engine", "step_s"} <= keys:
+            return "bench ddp"
+        if {"ranks", "series", "step_us"} <= keys:
+            return "simulate --scale"
+        if {"config", "predicted_us", "measured_us", "error"} <= keys:
+            return "simulate --validate"
+    raise ValueError(
+        "not a commfuse result: expected the --json output of bench, compare, train, tune or "
+        "simulate (a list of records, or one record for train and tune)"
+    )
+
+
+def _safe(fmt: Callable[[Record], str]) -> Callable[[Record], str]:
+    def cell(record: Record) -> str:
+        try:
+            return fmt(record)
+        except (KeyError, TypeError):
+            return "-"
+
+    return cell
+
+
+def _table(records: Sequence[Record], columns: Sequence[Column], markdown: bool) -> str:
+    from commfuse.bench.table import render
+
+    return render(records, [(name, _safe(fmt)) for name, fmt in columns], markdown=markdown)
+
+
+def _scale_table(records: Sequence[Record], markdown: bool) -> str:
+    """Ranks down, one column per series (ms), then each series relative to its first row."""
+    series = list(dict.fromkeys(r["series"] for r in records))
+    ranks = list(dict.fromkeys(r["ranks"] for r in records))
+    time_us = {(r["ranks"], r["series"]): r["step_us"] for r in records}
+    rows: list[Record] = []
+    for p in ranks:
+        row: Record = {"ranks": p}
+        for s in series:
+            row[f"{s} ms"] = time_us[(p, s)] / 1e3
+            row[f"x {s}"] = time_us[(p, s)] / max(time_us[(ranks[0], s)], 1e-12)
+        rows.append(row)
+    columns: list[Column] = [("ranks", lambda r: str(r["ranks"]))]
+    columns += [(f"{s}_ms", _cell(f"{s} ms", ".3f")) for s in series]
+    columns += [(f"x_{s}", _cell(f"x {s}", ".2f")) for s in series]
+    return _table(rows, columns, markdown)
+
+
+def _cell(key: str, spec: str) -> Callable[[Record], str]:
+    return lambda r: format(r[key], spec)
+
+
+def _validation_table(records: Sequence[Record], markdown: bool) -> str:
+    """Median signed error of each held-out configuration over the runs, then the summary
+    (the calibration fits' residuals, role ``calibration``, are not held out: left out)."""
+    by_config: dict[str, list[Record]] = {}
+    for r in records:
+        if r.get("role", "validation") != "validation":
+            continue
+        by_config.setdefault(r["config"], []).append(r)
+    rows = [
+        {
+            "config": config,
+            "kind": runs[0].get("kind", "-"),
+            "runs": len(runs),
+            "predicted_us": statistics.median(r["predicted_us"] for r in runs),
+            "measured_us": statistics.median(r["measured_us"] for r in runs),
+            "error": statistics.median(r["error"] for r in runs),
+        }
+        for config, runs in by_config.items()
+    ]
+    absolute = [abs(r["error"]) for r in rows]
+    summary = (
+        f"held-out configurations: {len(rows)}, median |error| "
+        f"{statistics.median(absolute) * 100:.1f}%, max {max(absolute) * 100:.1f}%"
+    )
+    return _table(rows, VALIDATION_COLUMNS, markdown) + "\n\n" + summary
+
+
+def render_result(data: Any, *, markdown: bool = False) -> str:
+    """The table the command that wrote ``data`` printed (Markdown with ``markdown=True``).
+
+    Args:
+        data: a parsed ``--json`` file of ``bench``, ``compare``, ``train``, ``tune`` or
+            ``simulate``.
+        markdown: a Markdown table instead of aligned plain text.
+
+    Returns:
+        The table, without a trailing newline.
+
+    Raises:
+        ValueError: when ``data`` is not such a file.
+    """
+    kind = kind_of(data)
+    if kind == "bench collectives":
+        columns = list(_collective_columns())
+        layouts = {(r.get("hosts"), r.get("ranks_per_host")) for r in data}
+        if len(layouts) > 1:  # several runs in one file (a scaling sweep): say which is which
+            columns.insert(0, ("hosts", lambda r: f"{r['hosts']}x{r['ranks_per_host']}"))
+        return _table(data, columns, markdown)
+    if kind == "bench fused":
+        return _table(data, _fused_columns(), markdown)
+    if kind == "bench fused --step":
+        return _table(data, _fused_step_columns(), markdown)
+    if kind == "compare":
+        return _table(data, _compare_columns(), markdown)
+    if kind == "bench strategies":
+        return _table(data, STRATEGIES_COLUMNS, markdown)
+    if kind == "bench ddp":
+        return _table(data, DDP_COLUMNS, markdown)
+    if kind == "simulate --scale":
+        return _scale_table(data, markdown)
+    if kind == "simulate --validate":
+        return _validation_table(data, markdown)
+    if kind == "train":
+        return _table([data], TRAIN_COLUMNS, markdown)
+    rows = [{"link": link, **data[link]} for link in ("intra", "inter")]
+    return _table(rows, PROFILE_COLUMNS, markdown)
+
+
+def report(paths: Sequence[str | Path], *, markdown: bool = False) -> str:
+    """Each file's table under a heading naming the file and the command that wrote it.
+
+    Raises:
+        ValueError: a file that is not JSON, or not a commfuse result (the message names it).
+    """
+    parts: list[str] = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not a JSON file ({err})") from err
+        except OSError as err:
+            raise ValueError(f"{path}: {err.strerror or err}") from err
+        try:
+            table = render_result(data, markdown=markdown)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from err
+        heading = f"{Path(path).name} (commfuse {kind_of(data)})"
+        parts.append(f"## {heading}\n\n{table}" if markdown else f"# {heading}\n{table}")
+    return "\n\n".join(parts)
+
+
+def register(sub: Subparsers) -> None:
+    parser = sub.add_parser(
+        "report",
+        help="print result JSON files as the tables their commands printed (--markdown: as Markdown)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("results", nargs="+", metavar="RESULTS.json", help="--json output files")
+    parser.add_argument(
+        "--markdown", metavar="P", default=None, help="also write the tables as Markdown to P"
+    )
+    set_command(parser, run_report)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Print every file's table; ``--markdown P`` writes the same tables as Markdown to P."""
+    print(report(args.results))
+    if args.markdown:
+        Path(args.markdown).write_text(report(args.results, markdown=True) + "\n")
+    return 0
