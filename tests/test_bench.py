@@ -103,7 +103,7 @@ def test_cli_on_an_emulated_cluster_writes_json(tmp_path: Path) -> None:
             "allreduce,all_to_all",
             "--sizes",
             "64K,256K",
-            "--iters",
+            "--repeats",
             "2",
             "--warmup",
             "1",

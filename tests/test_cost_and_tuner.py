@@ -397,7 +397,7 @@ def _tune(*args: str) -> subprocess.CompletedProcess[str]:
 def test_tune_cli_writes_a_corrected_profile_and_reports_errors(tmp_path: Path) -> None:
     out, table = tmp_path / "profile.json", tmp_path / "table.json"
     proc = _tune(
-        *("--hosts", "2", "--link", "200mbit", "--calibrate-sizes", "4K,64K", "--reps", "1"),
+        *("--hosts", "2", "--link", "200mbit", "--calibrate-sizes", "4K,64K", "--repeats", "1"),
         *("--sizes", "4K,1M", "--out", str(out), "--json", str(table)),
     )
     assert proc.returncode == 0, proc.stderr
@@ -416,7 +416,7 @@ def test_tune_cli_writes_a_corrected_profile_and_reports_errors(tmp_path: Path) 
 
 def test_tune_cli_bad_input_is_one_line_exit_2() -> None:
     for args, needle in (
-        [["--reps", "0"], "--reps"],
+        [["--repeats", "0"], "--repeats"],
         [["--calibrate-sizes", "12Q"], "bad size"],
     ):
         proc = _tune(*args)

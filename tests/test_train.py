@@ -282,7 +282,7 @@ def test_bench_strategies_interleaves_and_counts_each_strategys_bytes(
     (torch DDP: every gradient; its fp16 hook: half; PowerSGD after warm-up: fewer)."""
     js = tmp_path / "s.json"
     argv = ["bench", "strategies", "--workload", DIGITS, "--hosts", "2", "--no-emulate"]
-    argv += ["--steps", "2", "--reps", "2", "--warmup-steps", "2", "--json", str(js)]
+    argv += ["--steps", "2", "--repeats", "2", "--warmup-steps", "2", "--json", str(js)]
     for spec in ("ddp", "ddp-fp16", "ddp-powersgd:rank=2,warmup=2", "powersgd:rank=2,warmup=2"):
         argv += ["--strategy", spec]
     assert main(argv) == 0

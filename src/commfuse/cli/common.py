@@ -33,12 +33,22 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def add_topology_arguments(
-    parser: argparse.ArgumentParser, *, default_hosts: int = 1, default_link: str | None = None
+    parser: argparse.ArgumentParser,
+    *,
+    default_hosts: int | None = 1,
+    default_link: str | None = None,
+    emulate_flag: bool = True,
 ) -> None:
-    """--hosts / --ranks-per-host / --link / --no-emulate, shared by every command that runs ranks."""
+    """--hosts / --ranks-per-host / --link / --no-emulate, shared by every command that runs ranks
+    (``default_hosts=None``: --hosts is required; ``emulate_flag=False``: no --no-emulate, for
+    the commands that build the emulated network itself)."""
     group = parser.add_argument_group("cluster")
     group.add_argument(
-        "--hosts", type=int, default=default_hosts, help="emulated hosts (network namespaces)"
+        "--hosts",
+        type=int,
+        default=default_hosts,
+        required=default_hosts is None,
+        help="emulated hosts (network namespaces)",
     )
     group.add_argument(
         "--ranks-per-host",
@@ -49,13 +59,63 @@ def add_topology_arguments(
     group.add_argument(
         "--link",
         default=default_link,
-        help=f"each host's link rate, e.g. 100mbit, 1gbit (default: {default_link or 'unshaped'})",
+        help=f"each host's link rate, each direction, e.g. 100mbit, 1gbit "
+        f"(default: {default_link or 'unshaped'})",
     )
-    group.add_argument(
-        "--no-emulate",
-        action="store_true",
-        help="run on plain loopback even where namespaces could be built",
+    if emulate_flag:
+        group.add_argument(
+            "--no-emulate",
+            action="store_true",
+            help="run on plain loopback even where namespaces could be built",
+        )
+
+
+def add_timeout_argument(parser: argparse.ArgumentParser, *, default_s: float | None) -> None:
+    """--timeout: the deadline of the whole job, after which every rank is stopped."""
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=default_s,
+        help="stop the job after this many seconds"
+        + ("" if default_s is None else f" (default {default_s:g})"),
     )
+
+
+def add_bucket_cap_argument(parser: argparse.ArgumentParser) -> None:
+    """--bucket-cap-mb: the gradient bucket cap, in MiB as torch DDP's ``bucket_cap_mb``."""
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=25.0,
+        help="gradient bucket cap, MiB (torch DDP's bucket_cap_mb; default 25)",
+    )
+
+
+def add_output_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    json: str,
+    markdown: str | None = None,
+    plot: str | None = None,
+    plot_default: str | None = None,
+) -> None:
+    """--json PATH, and where the command has them --markdown PATH and --plot PATH; each
+    ``str`` says what the file holds (``json="one record per row"``)."""
+    group = parser.add_argument_group("output")
+    group.add_argument("--json", metavar="PATH", help=f"write {json} as JSON")
+    if markdown is not None:
+        group.add_argument("--markdown", metavar="PATH", help=f"write {markdown} as Markdown")
+    if plot is not None:
+        default = "" if plot_default is None else f" (default {plot_default})"
+        group.add_argument(
+            "--plot", metavar="PATH", default=plot_default, help=f"plot {plot}{default}"
+        )
+
+
+def require_at_least(flag: str, value: int, minimum: int) -> None:
+    """ValueError naming the flag when ``value < minimum`` (checked before any rank starts)."""
+    if value < minimum:
+        raise ValueError(f"{flag} must be at least {minimum}, got {value}")
 
 
 def topology_from_args(args: argparse.Namespace, *, nproc: int | None = None) -> Topology:

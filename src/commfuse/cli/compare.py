@@ -13,6 +13,7 @@ from pathlib import Path
 
 from commfuse.cli.common import (
     Subparsers,
+    add_output_arguments,
     add_topology_arguments,
     emulate_arg,
     set_command,
@@ -67,14 +68,13 @@ def register(sub: Subparsers) -> None:
         help="strategies other than the baseline may train up to this multiple of --steps to "
         "reach the baseline's final loss (t_to_base_s); all else is read at --steps",
     )
-    parser.add_argument("--json", metavar="PATH", help="write one record per strategy")
-    parser.add_argument(
-        "--plot",
-        metavar="PATH",
-        default="compare.png",
-        help="loss vs wall time (default compare.png)",
+    add_output_arguments(
+        parser,
+        json="one record per strategy",
+        markdown="the table",
+        plot="loss vs wall time",
+        plot_default="compare.png",
     )
-    parser.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
     set_command(parser, run_compare)
 
 
@@ -96,7 +96,7 @@ def run_compare(args: argparse.Namespace) -> int:
     workload = make_workload(args.workload).describe()
     print(
         f"commfuse compare: {workload}\n  on {topology.describe()}, {args.steps} steps, "
-        f"seed {args.seed}, bucket cap {args.bucket_cap_mb:g} MB, strategies one after another"
+        f"seed {args.seed}, bucket cap {args.bucket_cap_mb:g} MiB, strategies one after another"
     )
     records = C.run_compare(
         strategies,

@@ -13,6 +13,7 @@ import threading
 
 from commfuse.cli.common import (
     Subparsers,
+    add_timeout_argument,
     add_topology_arguments,
     emulate_arg,
     set_command,
@@ -38,9 +39,7 @@ def register(sub: Subparsers) -> None:
         help="total ranks (default: hosts x ranks-per-host)",
     )
     add_topology_arguments(parser)
-    parser.add_argument(
-        "--timeout", type=float, default=None, help="stop every rank after this many seconds"
-    )
+    add_timeout_argument(parser, default_s=None)
     parser.add_argument(
         "-m", "--module", action="store_true", help="run the target as a module (python -m)"
     )

@@ -13,9 +13,10 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from commfuse.cli.common import Subparsers, set_command
+from commfuse.cli.common import Subparsers, add_topology_arguments, set_command
 from commfuse.cluster.netlab import (
     LAB_ID_LEN,
     LAB_PREFIX,
@@ -39,7 +40,18 @@ def _fail(cmd: str, message: str, code: int = 2) -> int:
 
 
 def _topology(args: argparse.Namespace) -> Topology:
-    return Topology.from_spec(hosts=args.hosts, ranks_per_host=args.ranks_per_host, link=args.link)
+    return Topology.from_spec(
+        hosts=args.hosts, ranks_per_host=args.ranks_per_host or 1, link=args.link
+    )
+
+
+def _write_json(obj: Any, path: str) -> None:
+    """``--json``: print to stdout for ``-`` (the flag alone), else write the file."""
+    text = json.dumps(obj, indent=2)
+    if path == "-":
+        print(text)
+    else:
+        Path(path).write_text(text + "\n")
 
 
 def _print_check(result: dict[str, Any]) -> bool:
@@ -130,7 +142,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     """List labs from state files and leftover namespaces/links (orphans of a crash)."""
     labs = list_labs()
     if args.json:
-        print(json.dumps(labs, indent=2))
+        _write_json(labs, args.json)
         return 0
     if not labs:
         print("no labs")
@@ -180,21 +192,25 @@ def cmd_check(args: argparse.Namespace) -> int:
     except NetlabError as exc:
         return _fail("check", str(exc), 1)
     if args.json:
-        print(json.dumps(result, indent=2))
+        _write_json(result, args.json)
         return 0 if result["ratio"] is None or abs(result["ratio"] - 1) <= TOLERANCE else 1
     return 0 if _print_check(result) else 1
 
 
 def _lab_options(parser: argparse.ArgumentParser, *, hosts: int | None, link: str | None) -> None:
-    parser.add_argument(
-        "--hosts", type=int, required=hosts is None, default=hosts, help="emulated hosts"
-    )
-    parser.add_argument("--ranks-per-host", type=int, default=1, help="ranks per host (recorded)")
-    parser.add_argument(
-        "--link", default=link, help="per-host link rate, each direction, e.g. 1gbit or 200mbit"
-    )
+    add_topology_arguments(parser, default_hosts=hosts, default_link=link, emulate_flag=False)
     parser.add_argument("--mtu", type=int, default=9000, help="MTU of every link (default 9000)")
     parser.add_argument("--burst-kb", type=int, default=256, help="tbf burst in KiB (> MTU)")
+
+
+def _json_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        nargs="?",
+        const="-",
+        help=f"write {what} as JSON (no PATH: print it instead of the table)",
+    )
 
 
 def register(subparsers: Subparsers) -> None:
@@ -223,10 +239,10 @@ def register(subparsers: Subparsers) -> None:
     set_command(down, cmd_down)
 
     status = sub.add_parser("status", help="list labs, including leftovers of crashed programs")
-    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _json_option(status, "the labs")
     set_command(status, cmd_status)
 
     check = sub.add_parser("check", help="temporary lab: measure link rate vs spec, tear down")
     _lab_options(check, hosts=2, link="1gbit")
-    check.add_argument("--json", action="store_true", help="print the result as JSON")
+    _json_option(check, "the measured rates")
     set_command(check, cmd_check)

@@ -20,7 +20,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from commfuse.cli.common import Subparsers, set_command
+from commfuse.cli.common import (
+    Subparsers,
+    add_bucket_cap_argument,
+    add_output_arguments,
+    set_command,
+)
 from commfuse.units import parse_size
 
 
@@ -57,7 +62,7 @@ def register(sub: Subparsers) -> None:
     parser.add_argument("--collective", help="simulate this collective instead of a step")
     parser.add_argument("--size", default="16M", help="message size with --collective")
     parser.add_argument("--algo", default="auto", help="algorithm(s), comma list")
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket, MB")
+    add_bucket_cap_argument(parser)
     parser.add_argument("--no-overlap", action="store_true", help="allreduce after backward")
     parser.add_argument("--compression-ratio", type=float, default=1.0)
     parser.add_argument(
@@ -73,8 +78,7 @@ def register(sub: Subparsers) -> None:
     )
     parser.add_argument("--scale", help="rank counts: comma list or doubling range (2:1024)")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome trace of rank 0's step")
-    parser.add_argument("--plot", metavar="PATH", help="with --scale: PNG of the curve")
-    parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    add_output_arguments(parser, json="the records", plot="the curve over --scale (PNG)")
     parser.add_argument(
         "--validate",
         action="store_true",
@@ -89,7 +93,7 @@ def register(sub: Subparsers) -> None:
         "--runs", type=int, default=1, help="with --validate: calibrate and validate N times"
     )
     parser.add_argument(
-        "--reps", type=int, help="with --validate: repetitions per configuration (default 7)"
+        "--repeats", type=int, help="with --validate: timed runs per configuration (default 7)"
     )
     parser.add_argument(
         "--save-cluster",
@@ -128,7 +132,7 @@ def _strategies(args: argparse.Namespace) -> dict[str, Any]:
         )
         out[label] = Strategy(
             algorithm=algo,
-            bucket_cap_mb=args.bucket_mb,
+            bucket_cap_mb=args.bucket_cap_mb,
             overlap=not args.no_overlap,
             compression_ratio=args.compression_ratio,
             compression_gbyte_per_s=args.compression_gbps,
@@ -173,7 +177,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             link=args.link,
             json_path=args.json,
             quick=args.quick,
-            reps=args.reps,
+            reps=args.repeats,
             runs=args.runs,
             profile=args.profile,
             cluster_path=args.save_cluster,

@@ -14,6 +14,9 @@ from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
+    add_bucket_cap_argument,
+    add_output_arguments,
+    add_timeout_argument,
     add_topology_arguments,
     emulate_arg,
     set_command,
@@ -33,15 +36,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, default_steps: int) ->
     )
     parser.add_argument("--steps", type=int, default=default_steps, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
-    parser.add_argument(
-        "--bucket-cap-mb", type=float, default=25.0, help="gradient bucket cap in MB (default 25)"
-    )
+    add_bucket_cap_argument(parser)
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (default: on a terminal)"
     )
-    parser.add_argument(
-        "--timeout", type=float, default=3600.0, help="stop a run after this many seconds"
-    )
+    add_timeout_argument(parser, default_s=3600.0)
     parser.add_argument(
         "--init-from",
         metavar="DIR",
@@ -83,7 +82,7 @@ def register(sub: Subparsers) -> None:
         default=0,
         help="extra steps timed with communication skipped (the compute-only floor)",
     )
-    parser.add_argument("--json", metavar="PATH", help="write the run's metrics as JSON")
+    add_output_arguments(parser, json="the run's metrics")
     set_command(parser, run_train)
 
 

@@ -20,7 +20,10 @@ from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
+    add_output_arguments,
+    add_timeout_argument,
     add_topology_arguments,
+    require_at_least,
     run_on_ranks,
     set_command,
     topology_from_args,
@@ -56,15 +59,13 @@ def register(sub: Subparsers) -> None:
         f"(default {calibration})",
     )
     parser.add_argument(
-        "--reps",
+        "--repeats",
         type=int,
         default=5,
         help="timed runs per algorithm and size (3x that up to 512K); the median is used",
     )
-    parser.add_argument("--json", metavar="PATH", help="write the calibration table as JSON")
-    parser.add_argument(
-        "--timeout", type=float, default=600.0, help="stop the job after this many seconds"
-    )
+    add_output_arguments(parser, json="the calibration table")
+    add_timeout_argument(parser, default_s=600.0)
     set_command(parser, run_tune)
 
 
@@ -111,10 +112,9 @@ def run_tune(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.sizes)
     text = args.calibrate_sizes.strip().lower()
     calibrate_sizes = [] if text in ("", "none") else parse_sizes(args.calibrate_sizes)
-    if args.reps < 1:
-        raise ValueError(f"--reps must be at least 1, got {args.reps}")
+    require_at_least("--repeats", args.repeats, 1)
     profile_json = run_on_ranks(
-        _calibrate_on_rank, calibrate_sizes, args.reps, topology=topology, args=args
+        _calibrate_on_rank, calibrate_sizes, args.repeats, topology=topology, args=args
     )[0]
     Path(args.out).write_text(profile_json + "\n")
     profile = Profile.from_json(profile_json)

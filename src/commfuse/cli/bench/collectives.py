@@ -13,6 +13,8 @@ from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
+    add_output_arguments,
+    add_timeout_argument,
     add_topology_arguments,
     run_on_ranks,
     set_command,
@@ -48,7 +50,7 @@ def register(bench_sub: Subparsers) -> None:
         "the first is the baseline of the x-first column",
     )
     coll.add_argument(
-        "--iters", type=int, default=10, help="timed runs per row; the median is reported"
+        "--repeats", type=int, default=10, help="timed runs per row; the median is reported"
     )
     coll.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
     coll.add_argument(
@@ -56,18 +58,13 @@ def register(bench_sub: Subparsers) -> None:
         default="float32",
         choices=["float32", "float64", "float16", "bfloat16", "int32", "int64"],
     )
-    coll.add_argument("--json", metavar="PATH", help="write one JSON record per row")
-    coll.add_argument(
-        "--plot", metavar="PATH", help="write busbw vs size, one line per algorithm (PNG/SVG/PDF)"
+    add_output_arguments(
+        coll,
+        json="one record per row",
+        markdown="a dated report (table, machine, versions)",
+        plot="busbw vs size, one line per algorithm (PNG/SVG/PDF)",
     )
-    coll.add_argument(
-        "--markdown",
-        metavar="PATH",
-        help="write a dated Markdown report (table, machine, versions)",
-    )
-    coll.add_argument(
-        "--timeout", type=float, default=600.0, help="stop the job after this many seconds"
-    )
+    add_timeout_argument(coll, default_s=600.0)
     set_command(coll, run_bench_collectives)
 
 
@@ -82,7 +79,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
     config = CollectiveBenchConfig(
         ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),
         sizes_bytes=tuple(parse_sizes(args.sizes)),
-        iters=args.iters,
+        iters=args.repeats,
         warmup=args.warmup,
         dtype=args.dtype,
         algos=tuple(a.strip() for a in args.algo.split(",") if a.strip()),

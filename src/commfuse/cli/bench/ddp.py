@@ -4,7 +4,7 @@ commfuse bench ddp --hosts 4 --link 1gbit --model transformer --bucket-cap-mb 25
 
 The same model, batches, bucket caps and cluster under torch's DistributedDataParallel,
 commfuse's DataParallel (uncompressed, one engine per ``--algo``) and the bare model (no
-communication, the compute floor), timed interleaved; medians of ``--reps`` blocks of
+communication, the compute floor), timed interleaved; medians of ``--repeats`` blocks of
 ``--steps`` steps (see ``commfuse.bench.ddp``). The issue's target: commfuse <= 1.02x torch.
 """
 
@@ -18,6 +18,9 @@ from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
+    add_bucket_cap_argument,
+    add_output_arguments,
+    add_timeout_argument,
     add_topology_arguments,
     run_on_ranks,
     set_command,
@@ -48,20 +51,16 @@ def register(bench_sub: Subparsers) -> None:
         default=None,
         help="samples per rank (default 32 mlp, 8 transformer)",
     )
-    parser.add_argument(
-        "--bucket-cap-mb", type=float, default=25.0, help="bucket cap, MiB (default 25)"
-    )
+    add_bucket_cap_argument(parser)
     parser.add_argument(
         "--algo", default="native,auto", help="commfuse allreduce algorithms, comma list"
     )
     parser.add_argument("--steps", type=int, default=5, help="steps per timed block (default 5)")
     parser.add_argument(
-        "--reps", type=int, default=7, help="timed blocks per engine; medians reported"
+        "--repeats", type=int, default=7, help="timed blocks per engine; medians reported"
     )
-    parser.add_argument("--json", metavar="PATH", help="write one JSON record per engine")
-    parser.add_argument(
-        "--timeout", type=float, default=900.0, help="stop the job after this many seconds"
-    )
+    add_output_arguments(parser, json="one record per engine")
+    add_timeout_argument(parser, default_s=900.0)
     set_command(parser, run_bench_ddp)
 
 
@@ -76,7 +75,7 @@ def _config(args: argparse.Namespace) -> Any:
         batch_size=args.batch_size or (8 if transformer else 32),
         bucket_cap_mb=args.bucket_cap_mb,
         num_steps=args.steps,
-        num_reps=args.reps,
+        num_reps=args.repeats,
         algos=tuple(a.strip() for a in args.algo.split(",") if a.strip()),
     )
 

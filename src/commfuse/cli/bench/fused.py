@@ -10,7 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from commfuse.cli.common import Subparsers, add_topology_arguments, set_command, topology_from_args
+from commfuse.cli.common import (
+    Subparsers,
+    add_output_arguments,
+    add_timeout_argument,
+    add_topology_arguments,
+    set_command,
+    topology_from_args,
+)
 
 
 def register(bench_sub: Subparsers) -> None:
@@ -38,19 +45,16 @@ def register(bench_sub: Subparsers) -> None:
         help="fix the number of chunks (default: cost model); 0: table by table, for "
         "embedding_alltoall and --step dlrm",
     )
-    parser.add_argument("--iters", type=int, default=7, help="timed runs per variant (median)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per variant (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
-    parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
     parser.add_argument(
         "--step",
         metavar="NAMES",
         help="time whole training steps of these workloads (comma list: dlrm, tp-transformer, "
         "tp-transformer-sp) instead of --op",
     )
-    parser.add_argument("--markdown", metavar="PATH", help="write a dated Markdown report")
-    parser.add_argument(
-        "--timeout", type=float, default=900.0, help="stop the job after this many seconds"
-    )
+    add_output_arguments(parser, json="one record per row", markdown="a dated report")
+    add_timeout_argument(parser, default_s=900.0)
     set_command(parser, run_bench_fused)
 
 
@@ -63,7 +67,7 @@ def run_bench_fused(args: argparse.Namespace) -> int:
     topology = topology_from_args(args)
     config = FusedBenchConfig(
         ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),
-        iters=args.iters,
+        iters=args.repeats,
         warmup=args.warmup,
         chunks=args.chunks,
         shapes=parse_shapes(args.shape),
@@ -91,7 +95,7 @@ def run_bench_steps(args: argparse.Namespace) -> int:
     topology = topology_from_args(args)
     config = StepBenchConfig(
         steps=tuple(s.strip() for s in args.step.split(",") if s.strip()),
-        iters=args.iters,
+        iters=args.repeats,
         warmup=args.warmup,
         chunks=args.chunks,
         shapes=parse_shapes(args.shape),

@@ -4,7 +4,7 @@ commfuse bench strategies --hosts 4 --link 100mbit --strategy ddp-powersgd:rank=
 
 Every strategy (same syntax as ``commfuse train``) on its own copy of the workload's model,
 after ``--warmup-steps`` untimed steps each, timed in turns of ``--steps`` steps (A B A B ...)
-for ``--reps`` rounds, plus the bare model without communication (the floor). Ratios are to the
+for ``--repeats`` rounds, plus the bare model without communication (the floor). Ratios are to the
 first strategy, median over rounds (see ``commfuse.bench.strategies``). For losses and time to
 a loss use ``commfuse compare``; this command is for step times a few percent apart.
 """
@@ -19,6 +19,9 @@ from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
+    add_bucket_cap_argument,
+    add_output_arguments,
+    add_timeout_argument,
     add_topology_arguments,
     run_on_ranks,
     set_command,
@@ -43,19 +46,17 @@ def register(bench_sub: Subparsers) -> None:
         help="repeat, one per strategy; the first is the baseline of the ratios",
     )
     parser.add_argument("--steps", type=int, default=6, help="steps per timed block (default 6)")
-    parser.add_argument("--reps", type=int, default=5, help="timed rounds (default 5)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument(
         "--warmup-steps", type=int, default=3, help="untimed steps of each strategy first"
     )
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap, MB")
+    add_bucket_cap_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--no-compute", action="store_true", help="skip the bare model (the compute floor)"
     )
-    parser.add_argument("--json", metavar="PATH", help="write one JSON record per strategy")
-    parser.add_argument(
-        "--timeout", type=float, default=1200.0, help="stop the job after this many seconds"
-    )
+    add_output_arguments(parser, json="one record per strategy")
+    add_timeout_argument(parser, default_s=1200.0)
     set_command(parser, run_bench_strategies)
 
 
@@ -93,7 +94,7 @@ def run_bench_strategies(args: argparse.Namespace) -> int:
         strategies=tuple(args.strategy),
         workload=args.workload,
         steps=args.steps,
-        reps=args.reps,
+        reps=args.repeats,
         warmup_steps=args.warmup_steps,
         bucket_cap_mb=args.bucket_cap_mb,
         seed=args.seed,
@@ -107,7 +108,7 @@ def run_bench_strategies(args: argparse.Namespace) -> int:
     )
     results = run_on_ranks(bench_strategies_on_rank, config, topology=topology, args=args)
     records = results[0]
-    print(f"# {config.workload}, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MB")
+    print(f"# {config.workload}, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MiB")
     print(render(records))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
