@@ -94,15 +94,16 @@ def add_bucket_cap_argument(parser: argparse.ArgumentParser) -> None:
 def add_output_arguments(
     parser: argparse.ArgumentParser,
     *,
-    json: str,
+    json: str | None,
     markdown: str | None = None,
     plot: str | None = None,
     plot_default: str | None = None,
 ) -> None:
-    """--json PATH, and where the command has them --markdown PATH and --plot PATH; each
+    """--json PATH, --markdown PATH and --plot PATH, those the command has (not None); each
     ``str`` says what the file holds (``json="one record per row"``)."""
     group = parser.add_argument_group("output")
-    group.add_argument("--json", metavar="PATH", help=f"write {json} as JSON")
+    if json is not None:
+        group.add_argument("--json", metavar="PATH", help=f"write {json} as JSON")
     if markdown is not None:
         group.add_argument("--markdown", metavar="PATH", help=f"write {markdown} as Markdown")
     if plot is not None:

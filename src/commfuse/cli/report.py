@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from commfuse.cli.common import Subparsers, set_command
+from commfuse.cli.common import Subparsers, add_output_arguments, set_command
 
 Record = dict[str, Any]
 Column = tuple[str, Callable[[Record], str]]
@@ -275,14 +275,12 @@ def register(sub: Subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("results", nargs="+", metavar="RESULTS.json", help="--json output files")
-    parser.add_argument(
-        "--markdown", metavar="P", default=None, help="also write the tables as Markdown to P"
-    )
+    add_output_arguments(parser, json=None, markdown="the same tables")
     set_command(parser, run_report)
 
 
 def run_report(args: argparse.Namespace) -> int:
-    """Print every file's table; ``--markdown P`` writes the same tables as Markdown to P."""
+    """Print every file's table; ``--markdown PATH`` writes the same tables as Markdown."""
     print(report(args.results))
     if args.markdown:
         Path(args.markdown).write_text(report(args.results, markdown=True) + "\n")
