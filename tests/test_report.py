@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from commfuse.cli import main
-from commfuse.cli.report import kind_of, render_result, report
+from commfuse.cli.report import kind_of, render_result, report, update_report
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 RESULTS = sorted(BENCH.glob("*.json"))
@@ -21,7 +21,8 @@ def test_every_benchmark_json_renders_as_the_table_in_its_report(path: Path) -> 
     table = render_result(data, markdown=True)
     assert table.count("\n") >= 2, table
     assert table in path.with_suffix(".md").read_text(), (
-        f"{path.with_suffix('.md').name}'s table is not `commfuse report {path.name}`'s output"
+        f"{path.with_suffix('.md').name}'s table is not `commfuse report {path.name}`'s output "
+        f"(after a change to a command's columns: commfuse report benchmarks/*.json --update)"
     )
 
 
@@ -71,3 +72,22 @@ def test_the_command_exits_2_on_a_missing_file(
 ) -> None:
     assert main(["report", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_update_rewrites_only_the_table(tmp_path: Path) -> None:
+    source = RESULTS[0]
+    data, text = source.read_text(), source.with_suffix(".md").read_text()
+    table = render_result(json.loads(data), markdown=True)
+    (tmp_path / source.name).write_text(data)
+    stale = text.replace(table, "| old |\n|-----|\n|   1 |")
+    assert stale != text
+    (tmp_path / source.with_suffix(".md").name).write_text(stale)
+    assert update_report(tmp_path / source.name) is True
+    assert (tmp_path / source.with_suffix(".md").name).read_text() == text
+    assert update_report(tmp_path / source.name) is False
+
+
+def test_update_needs_a_report_beside_the_json(tmp_path: Path) -> None:
+    (tmp_path / "alone.json").write_text(RESULTS[0].read_text())
+    with pytest.raises(ValueError, match=r"no report alone\.md"):
+        update_report(tmp_path / "alone.json")

@@ -2,6 +2,7 @@
 
     commfuse report benchmarks/fused_netlab-4x1gbit-2core_202611.json
     commfuse report a.json b.json --markdown tables.md
+    commfuse report benchmarks/*.json --update   # rewrite each report's table from its JSON
 
 Every command that writes ``--json`` writes a list of records (or one record, for ``train``
 and ``tune``); the record's keys say which command made it, and this command prints the same
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -267,6 +269,35 @@ def report(paths: Sequence[str | Path], *, markdown: bool = False) -> str:
     return "\n\n".join(parts)
 
 
+#: The table of a report ``X.md`` beside ``X.json``: after ``## Results``, up to the plot or
+#: the next section (``benchmarks/README.md`` describes the layout).
+_RESULTS_BLOCK = re.compile(r"(## Results\n\n)(.*?)(\n\n(?:!\[|## ))", re.DOTALL)
+
+
+def update_report(path: str | Path) -> bool:
+    """Rewrite the table in the report beside the result JSON ``path`` from that JSON.
+
+    Returns:
+        Whether the report changed.
+
+    Raises:
+        ValueError: no report beside ``path``, no ``## Results`` table in it, or ``path`` not a
+            result JSON.
+    """
+    report_path = Path(path).with_suffix(".md")
+    if not report_path.exists():
+        raise ValueError(f"{path}: no report {report_path.name} beside it")
+    text = report_path.read_text()
+    match = _RESULTS_BLOCK.search(text)
+    if match is None:
+        raise ValueError(f"{report_path}: no '## Results' table to update")
+    table = render_result(json.loads(Path(path).read_text()), markdown=True)
+    updated = text[: match.start(2)] + table + text[match.end(2) :]
+    if updated != text:
+        report_path.write_text(updated)
+    return updated != text
+
+
 def register(sub: Subparsers) -> None:
     parser = sub.add_parser(
         "report",
@@ -276,11 +307,23 @@ def register(sub: Subparsers) -> None:
     )
     parser.add_argument("results", nargs="+", metavar="RESULTS.json", help="--json output files")
     add_output_arguments(parser, json=None, markdown="the same tables")
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="rewrite the table of the report X.md beside each X.json instead of printing",
+    )
     set_command(parser, run_report)
 
 
 def run_report(args: argparse.Namespace) -> int:
-    """Print every file's table; ``--markdown PATH`` writes the same tables as Markdown."""
+    """Print every file's table; ``--markdown PATH`` writes the same tables as Markdown;
+    ``--update`` rewrites the reports' tables instead."""
+    if args.update:
+        for path in args.results:
+            print(
+                f"{Path(path).with_suffix('.md')}: {'updated' if update_report(path) else 'unchanged'}"
+            )
+        return 0
     print(report(args.results))
     if args.markdown:
         Path(args.markdown).write_text(report(args.results, markdown=True) + "\n")
