@@ -1,11 +1,15 @@
-"""The ``commfuse`` command's surface: every sub-command answers ``--help``, flags agree."""
+"""The ``commfuse`` command's surface: every sub-command answers ``--help``, flags agree, and
+the command (not the library under it) reads the environment."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+from pathlib import Path
 
 import pytest
 
+import commfuse
 from commfuse.cli import build_parser, main
 
 
@@ -53,3 +57,43 @@ def test_one_spelling_per_flag() -> None:
         for flag in ("--json", "--markdown", "--plot"):
             if flag in flags:
                 assert flags[flag].metavar == "PATH", (path, flag)
+
+
+#: Library layers that take every setting as an argument: the environment is read by the
+#: command (``cli/``) and by a rank's start-up (``cluster/``), which pass it down explicitly.
+_NO_ENVIRONMENT = ("bench", "compress", "ddp", "fused", "localsgd", "sim", "workloads")
+
+
+def _environment_reads(path: Path) -> list[int]:
+    """Lines of ``path`` that touch ``os.environ`` / ``os.getenv`` (however imported)."""
+    tree = ast.parse(path.read_text())
+    names = {"environ", "getenv", "putenv", "unsetenv"}
+    imported = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "os"
+        for alias in node.names
+        if alias.name in names
+    }
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in names
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "os"
+        )
+        or (isinstance(node, ast.Name) and node.id in imported)
+    ]
+
+
+def test_library_layers_read_no_environment() -> None:
+    root = Path(commfuse.__file__).parent
+    found = {
+        f"{path.relative_to(root)}:{line}"
+        for layer in _NO_ENVIRONMENT
+        for path in sorted((root / layer).rglob("*.py"))
+        for line in _environment_reads(path)
+    }
+    assert not found, f"environment read outside cli/ and cluster/: {sorted(found)}"

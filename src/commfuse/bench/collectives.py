@@ -13,7 +13,6 @@ within it is a tie.
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import time
 from typing import Any
@@ -47,6 +46,8 @@ class CollectiveBenchConfig:
     """Time the first algorithm twice (A/A): the noise floor of the ratios."""
     seed_order: int | None = 0
     """Seed of the rounds' balanced orders."""
+    emulated: bool = False
+    """Whether the ranks run on an emulated network (netlab); recorded in every row."""
 
     def __post_init__(self) -> None:
         unknown = [op for op in self.ops if op not in OPS]
@@ -183,7 +184,7 @@ def _record(
         "hosts": topology.num_hosts,
         "ranks_per_host": topology.ranks_per_host,
         "link_gbit": link_gbit,
-        "emulated": bool(os.environ.get("COMMFUSE_NETLAB")),
+        "emulated": config.emulated,
         "time_us": seconds * 1e6,
         "time_us_min": float(times.min()) * 1e6,
         # baseline (the first algorithm) time / this time: > 1 means faster

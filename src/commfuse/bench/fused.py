@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -127,6 +126,8 @@ class FusedBenchConfig:
     """Time the unfused reference twice per round (A/A): the noise floor of fused/unfused."""
     seed_order: int | None = 0
     """Seed of the rounds' balanced orders."""
+    emulated: bool = False
+    """Whether the ranks run on an emulated network (netlab); recorded in every row."""
 
     def __post_init__(self) -> None:
         unknown = [op for op in self.ops if op not in OPS]
@@ -333,7 +334,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                     "hosts": topology.num_hosts,
                     "ranks_per_host": topology.ranks_per_host,
                     "link_mbit": topology.link_mbit,
-                    "emulated": bool(os.environ.get("COMMFUSE_NETLAB")),
+                    "emulated": config.emulated,
                     "chunks": chunks,
                     "compute_us": c,
                     "comm_us": m,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -208,6 +207,8 @@ class StepBenchConfig:
     """Train a second unfused model beside the first (A/A): the noise floor of fused/unfused."""
     seed_order: int | None = 0
     """Seed of the rounds' balanced orders."""
+    emulated: bool = False
+    """Whether the ranks run on an emulated network (netlab); recorded in every row."""
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.steps if s not in STEPS]
@@ -289,7 +290,7 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
                     "hosts": topology.num_hosts,
                     "ranks_per_host": topology.ranks_per_host,
                     "link_mbit": topology.link_mbit,
-                    "emulated": bool(os.environ.get("COMMFUSE_NETLAB")),
+                    "emulated": config.emulated,
                     "chunks": forms.chunks(),
                     **forms.extra,
                     "unfused_us": u,

@@ -152,6 +152,15 @@ def will_shape(args: argparse.Namespace) -> bool:
     return netlab_unavailable_reason() is None
 
 
+def will_emulate(topology: Topology, args: argparse.Namespace) -> bool:
+    """Whether ``run_on_ranks(..., topology=topology, args=args)`` runs on an emulated network:
+    the decision ``cluster.placement.open_placement`` makes, known before the ranks start so the
+    benchmark configs can record it."""
+    from commfuse.cluster.placement import wants_emulation
+
+    return wants_emulation(topology) and will_shape(args)
+
+
 def emulate_arg(args: argparse.Namespace) -> bool | None:
     """The launcher's ``emulate=``: False under --no-emulate, else None (emulate when useful)."""
     return False if args.no_emulate else None

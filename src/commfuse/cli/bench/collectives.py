@@ -19,6 +19,7 @@ from commfuse.cli.common import (
     run_on_ranks,
     set_command,
     topology_from_args,
+    will_emulate,
 )
 from commfuse.units import parse_sizes
 
@@ -83,6 +84,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         dtype=args.dtype,
         algos=tuple(a.strip() for a in args.algo.split(",") if a.strip()),
+        emulated=will_emulate(topology, args),
     )
     check_algo_names(config.ops, config.algos)  # fail here, before any rank starts
     print(

@@ -17,6 +17,7 @@ from commfuse.cli.common import (
     add_topology_arguments,
     set_command,
     topology_from_args,
+    will_emulate,
 )
 
 
@@ -71,6 +72,7 @@ def run_bench_fused(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         chunks=args.chunks,
         shapes=parse_shapes(args.shape),
+        emulated=will_emulate(topology, args),
     )
     print(
         f"commfuse bench fused: {topology.describe()}, {config.iters} timed runs per variant (median)",
@@ -99,6 +101,7 @@ def run_bench_steps(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         chunks=args.chunks,
         shapes=parse_shapes(args.shape),
+        emulated=will_emulate(topology, args),
     )
     print(
         f"commfuse bench fused --step: {topology.describe()}, {config.iters} steps per variant (median)",
