@@ -41,16 +41,16 @@ def corrupted_case_is_caught(op: str) -> int:
 
 
 def test_bus_factors_follow_nccl_tests() -> None:
-    assert bus_factor("allreduce", 4) == 1.5
-    assert bus_factor("allgather", 4) == 0.75 and bus_factor("all_to_all", 8) == 0.875
+    assert bus_factor("all_reduce", 4) == 1.5
+    assert bus_factor("all_gather", 4) == 0.75 and bus_factor("all_to_all", 8) == 0.875
     assert bus_factor("broadcast", 8) == 1.0
     with pytest.raises(ValueError, match="unknown collective"):
         bus_factor("gossip", 2)
 
 
 def test_element_counts_split_evenly() -> None:
-    assert element_count("allgather", 1000, 3, 4) == 249  # 250 rounded down to a multiple of 3
-    assert element_count("allreduce", 1000, 3, 4) == 250
+    assert element_count("all_gather", 1000, 3, 4) == 249  # 250 rounded down to a multiple of 3
+    assert element_count("all_reduce", 1000, 3, 4) == 250
     assert element_count("all_to_all", 1, 4, 4) == 4  # never smaller than one element per rank
 
 
@@ -100,7 +100,7 @@ def test_cli_on_an_emulated_cluster_writes_json(tmp_path: Path) -> None:
             "--link",
             "200mbit",
             "--op",
-            "allreduce,all_to_all",
+            "all_reduce,all_to_all",
             "--sizes",
             "64K,256K",
             "--repeats",
@@ -119,8 +119,8 @@ def test_cli_on_an_emulated_cluster_writes_json(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     records = json.loads(out.read_text())
     assert [(r["op"], r["bytes"]) for r in records] == [
-        ("allreduce", 65536),
-        ("allreduce", 262144),
+        ("all_reduce", 65536),
+        ("all_reduce", 262144),
         ("all_to_all", 65536),
         ("all_to_all", 262144),
     ]
@@ -128,7 +128,7 @@ def test_cli_on_an_emulated_cluster_writes_json(tmp_path: Path) -> None:
         assert record.keys() >= REQUIRED_FIELDS and record["wrong"] == 0
         assert record["hosts"] == 2 and record["link_gbit"] == 0.2 and record["emulated"]
         assert record["link_pct"] == pytest.approx(100 * record["busbw_GBps"] / 0.025)
-    assert "busbw_GB/s" in proc.stdout and "allreduce" in proc.stdout
+    assert "busbw_GB/s" in proc.stdout and "all_reduce" in proc.stdout
     assert "| size" in report.read_text() and "torch" in report.read_text()
 
 
@@ -153,7 +153,7 @@ def test_cli_bad_input_is_one_line_exit_2() -> None:
 
 def test_control_times_the_first_algorithm_twice(pool: PoolFn) -> None:
     config = CollectiveBenchConfig(
-        ops=("allreduce",),
+        ops=("all_reduce",),
         sizes_bytes=(4000,),
         iters=4,
         warmup=1,

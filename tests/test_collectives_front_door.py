@@ -31,12 +31,12 @@ def empty_and_single_element() -> dict[str, bool]:
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
     ok: dict[str, bool] = {}
-    for algo in every("allreduce"):
+    for algo in every("all_reduce"):
         empty = torch.zeros(0)
-        C.allreduce(comm, empty, algo=algo)
+        C.all_reduce(comm, empty, algo=algo)
         one = torch.tensor([float(rank + 1)])
-        C.allreduce(comm, one, "sum", algo=algo)
-        ok[f"allreduce.{algo}"] = empty.numel() == 0 and one.item() == world * (world + 1) / 2
+        C.all_reduce(comm, one, "sum", algo=algo)
+        ok[f"all_reduce.{algo}"] = empty.numel() == 0 and one.item() == world * (world + 1) / 2
     for algo in every("broadcast"):
         one = torch.tensor([float(rank)])
         C.broadcast(comm, one, world - 1, algo=algo)
@@ -46,11 +46,11 @@ def empty_and_single_element() -> dict[str, bool]:
         one = torch.tensor([float(rank + 1)])
         C.reduce(comm, one, 0, "max", algo=algo)
         ok[f"reduce.{algo}"] = one.item() == (world if rank == 0 else rank + 1)
-    for algo in every("allgather"):
+    for algo in every("all_gather"):
         out = torch.zeros(world)
-        C.allgather(comm, out, torch.tensor([float(rank)]), algo=algo)
-        C.allgather(comm, torch.zeros(0), torch.zeros(0), algo=algo)
-        ok[f"allgather.{algo}"] = out.tolist() == [float(r) for r in range(world)]
+        C.all_gather(comm, out, torch.tensor([float(rank)]), algo=algo)
+        C.all_gather(comm, torch.zeros(0), torch.zeros(0), algo=algo)
+        ok[f"all_gather.{algo}"] = out.tolist() == [float(r) for r in range(world)]
     for algo in every("reduce_scatter"):
         out = torch.zeros(1)
         C.reduce_scatter(comm, out, torch.arange(world, dtype=torch.float32), "sum", algo=algo)
@@ -66,11 +66,11 @@ def empty_and_single_element() -> dict[str, bool]:
 def out_of_place_leaves_input() -> dict[str, bool]:
     comm = Communicator()
     ok: dict[str, bool] = {}
-    for algo in every("allreduce"):
+    for algo in every("all_reduce"):
         src = torch.arange(10, dtype=torch.float64) + comm.rank
         keep = src.clone()
         out = torch.empty_like(src)
-        C.allreduce(comm, src, "sum", algo=algo, out=out)
+        C.all_reduce(comm, src, "sum", algo=algo, out=out)
         # cast: typeshed's sum() adds Literal[0] for an empty iterable; world_size >= 1 here
         expected = cast(
             torch.Tensor,
@@ -85,9 +85,9 @@ def async_then_sync_keeps_order(algo: str) -> bool:
     comm = Communicator()
     a = torch.ones(1 << 16) * comm.rank
     b = torch.ones(8) * (comm.rank + 1)
-    handle = C.allreduce(comm, a, "sum", algo=algo, async_op=True)
+    handle = C.all_reduce(comm, a, "sum", algo=algo, async_op=True)
     busy = torch.randn(256, 256) @ torch.randn(256, 256)  # compute while it travels
-    C.allreduce(comm, b, "max", algo=algo)
+    C.all_reduce(comm, b, "max", algo=algo)
     assert handle is not None
     handle.wait()
     world = comm.world_size
@@ -107,22 +107,22 @@ def rounds_inside_a_queued_function() -> tuple[float, float]:
 
     def two_rounds() -> float:
         first = torch.ones(4) * (comm.rank + 1)
-        C.allreduce(comm, first, "sum", algo="ring")
+        C.all_reduce(comm, first, "sum", algo="ring")
         second = first.clone()
-        inner = C.allreduce(comm, second, "max", algo="doubling", async_op=True)
+        inner = C.all_reduce(comm, second, "max", algo="doubling", async_op=True)
         assert inner is not None
         inner.wait()
         return float(first[0] + second[0])
 
     handle = submit(comm, "two rounds", two_rounds)
     after = torch.ones(2) * comm.rank
-    C.allreduce(comm, after, "max", algo="native")  # queued behind the two rounds
+    C.all_reduce(comm, after, "max", algo="native")  # queued behind the two rounds
     return float(handle.result()), float(after[0])
 
 
 def mismatched_lengths(algo: str) -> None:
     comm = Communicator(config=CommConfig(validate=True, deadline_s=10))
-    C.allreduce(comm, torch.ones(100 + comm.rank), algo=algo)
+    C.all_reduce(comm, torch.ones(100 + comm.rank), algo=algo)
 
 
 def bad_arguments() -> list[str]:
@@ -130,15 +130,15 @@ def bad_arguments() -> list[str]:
     messages = []
     call: Callable[[], object]
     for call in (
-        lambda: C.allreduce(comm, torch.ones(4), algo="carrier-pigeon"),
-        lambda: C.allreduce(comm, torch.ones(4, dtype=torch.int32), "avg"),
-        lambda: C.allreduce(comm, torch.ones(4), "median"),
-        lambda: C.allreduce(comm, torch.ones(4, 4).t()),
-        lambda: C.allreduce(comm, torch.ones(4), out=torch.ones(5)),
+        lambda: C.all_reduce(comm, torch.ones(4), algo="carrier-pigeon"),
+        lambda: C.all_reduce(comm, torch.ones(4, dtype=torch.int32), "avg"),
+        lambda: C.all_reduce(comm, torch.ones(4), "median"),
+        lambda: C.all_reduce(comm, torch.ones(4, 4).t()),
+        lambda: C.all_reduce(comm, torch.ones(4), out=torch.ones(5)),
         lambda: C.broadcast(comm, torch.ones(4), comm.world_size),
-        lambda: C.allgather(comm, torch.ones(3), torch.ones(2)),
+        lambda: C.all_gather(comm, torch.ones(3), torch.ones(2)),
         lambda: C.all_to_all(comm, torch.ones(3), torch.ones(3)),
-        lambda: C.allreduce(comm, torch.ones(4, dtype=torch.complex64)),
+        lambda: C.all_reduce(comm, torch.ones(4, dtype=torch.complex64)),
     ):
         try:
             call()
@@ -153,7 +153,7 @@ def peer_dies_mid_collective(algo: str) -> str:
     if comm.rank == 1:
         os._exit(9)
     try:
-        C.allreduce(comm, torch.ones(1 << 16), algo=algo)
+        C.all_reduce(comm, torch.ones(1 << 16), algo=algo)
     except CommError as err:
         return f"{type(err).__name__}: {err}"
     return "no error"
@@ -167,7 +167,7 @@ def test_empty_and_single_element_through_every_algorithm(pool: PoolFn, world: i
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_out_of_place_allreduce_leaves_the_input(pool: PoolFn, world: int) -> None:
+def test_out_of_place_all_reduce_leaves_the_input(pool: PoolFn, world: int) -> None:
     for result in pool(world).run(out_of_place_leaves_input):
         assert all(result.values()), result
 
@@ -195,13 +195,13 @@ def test_mismatched_lengths_are_named_not_hung(pool: PoolFn, algo: str) -> None:
 def test_bad_arguments_get_clear_errors(pool: PoolFn) -> None:
     messages = pool(2).run(bad_arguments)[0]
     expected = [
-        "unknown allreduce algorithm 'carrier-pigeon'",
+        "unknown all_reduce algorithm 'carrier-pigeon'",
         "needs a floating-point",
         "unknown reduce op 'median'",
         "contiguous",
         "out must match",
         "root=2 is not a rank",
-        "allgather output must hold",
+        "all_gather output must hold",
         "must divide by world size",
         "dtype torch.complex64",
     ]
@@ -218,18 +218,18 @@ def test_a_dead_peer_makes_the_others_raise_within_the_deadline(pool: PoolFn, al
     assert set(survivors) == {0, 2}, survivors
     for text in survivors.values():
         assert str(text).startswith(("PeerFailureError", "CommTimeoutError")), text
-        assert "allreduce" in str(text) and "rank " in str(text)
+        assert "all_reduce" in str(text) and "rank " in str(text)
 
 
 def test_aliases_name_the_same_algorithms() -> None:
     assert (
-        resolve("allreduce", "lp") == "pipeline" and resolve("allreduce", "rab") == "rabenseifner"
+        resolve("all_reduce", "lp") == "pipeline" and resolve("all_reduce", "rab") == "rabenseifner"
     )
     assert (
         resolve("reduce_scatter", "rab") == "halving"
         and resolve("broadcast", "hier") == "hierarchical"
     )
-    assert resolve("allgather", "rd") == "doubling" and resolve("allreduce", "ring") == "ring"
+    assert resolve("all_gather", "rd") == "doubling" and resolve("all_reduce", "ring") == "ring"
 
 
 def handed_bytes_per_algorithm() -> dict[str, tuple[int, int, int]]:
@@ -239,10 +239,10 @@ def handed_bytes_per_algorithm() -> dict[str, tuple[int, int, int]]:
     x = torch.ones(96 * world)
     nbytes = x.numel() * x.element_size()
     calls: dict[str, Callable[[str], object]] = {
-        "allreduce": lambda a: C.allreduce(comm, x.clone(), algo=a),
+        "all_reduce": lambda a: C.all_reduce(comm, x.clone(), algo=a),
         "broadcast": lambda a: C.broadcast(comm, x.clone(), 0, algo=a),
         "reduce": lambda a: C.reduce(comm, x.clone(), 0, algo=a),
-        "allgather": lambda a: C.allgather(comm, torch.empty(world * x.numel()), x, algo=a),
+        "all_gather": lambda a: C.all_gather(comm, torch.empty(world * x.numel()), x, algo=a),
         "reduce_scatter": lambda a: C.reduce_scatter(comm, torch.empty(96), x, algo=a),
         "all_to_all": lambda a: C.all_to_all(comm, torch.empty_like(x), x, algo=a),
     }
@@ -266,6 +266,6 @@ def test_handed_bytes_count_the_callers_buffer_once_whatever_the_algorithm(
     for result in pool(world).run(handed_bytes_per_algorithm, timeout_s=120):
         wrong = {k: v for k, v in result.items() if v[0] != v[1]}
         assert not wrong, wrong
-        _, nbytes, sent = result["allreduce.ring"]
+        _, nbytes, sent = result["all_reduce.ring"]
         assert sent == 2 * (world - 1) * nbytes // world
-        assert result["allreduce.native"][2] == 0
+        assert result["all_reduce.native"][2] == 0

@@ -17,16 +17,16 @@ from typing import Any, cast
 import pytest
 import torch
 
-from commfuse.collectives import allreduce, broadcast
+from commfuse.collectives import all_reduce, broadcast
 from commfuse.collectives.blocks import even_blocks
-from commfuse.collectives.cost import LinkCost, ring_allreduce
-from commfuse.collectives.hierarchical import _LEVELS, predicted_allreduce_s
+from commfuse.collectives.cost import LinkCost, ring_all_reduce
+from commfuse.collectives.hierarchical import _LEVELS, predicted_all_reduce_s
 from commfuse.collectives.reduce_ops import reference_reduce
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.testing import RankPool
 from test_collectives_pipeline_tree import Counts, _cases, lp_counts, rank_input, tree_counts
-from test_collectives_ring_doubling import expected_allreduce
+from test_collectives_ring_doubling import expected_all_reduce
 
 PoolFn = Callable[[int], RankPool]
 Outcomes = dict[int, list[dict[str, Any]]]  # world size -> each rank's hierarchical_checks()
@@ -53,8 +53,10 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
             opts: dict[str, Any] = {"ranks_per_host": local, "block_bytes": ODD_BLOCK_BYTES}
             # 2D, pipelined in 3 chunks of odd sizes; the cross-host step on the worker thread.
             t = everyone[rank].clone()
-            allreduce(comm, t, op, algo="hierarchical", inter_algo="pipeline", num_chunks=3, **opts)
-            bad += [] if torch.equal(t, reference_reduce(everyone, op)) else [f"allreduce {where}"]
+            all_reduce(
+                comm, t, op, algo="hierarchical", inter_algo="pipeline", num_chunks=3, **opts
+            )
+            bad += [] if torch.equal(t, reference_reduce(everyone, op)) else [f"all_reduce {where}"]
             if op == "sum":
                 root = index % world
                 t = everyone[rank].clone()
@@ -72,7 +74,7 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
             everyone = [rank_input(r, numel, torch.float32, "sum") for r in range(world)]
             t = everyone[rank].clone()
             opts = {"inter_algo": inter} if inter else {}
-            allreduce(
+            all_reduce(
                 comm,
                 t,
                 "avg",
@@ -83,7 +85,7 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
                 **opts,
             )
             if not torch.equal(t, reference_reduce(everyone, "avg")):
-                bad.append(f"allreduce L={local} n={numel} inter={inter} intra={intra}")
+                bad.append(f"all_reduce L={local} n={numel} inter={inter} intra={intra}")
     traffic: dict[str, Counts] = {}
 
     def count(key: str, fn: Any, *args: Any, **kwargs: Any) -> None:
@@ -96,32 +98,32 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
     two_d: dict[str, Any] = {"num_chunks": CHUNKS, "num_segments": SEGMENTS}
     opts = {"block_bytes": BLOCK_BYTES, "inter_algo": "pipeline", "intra_algo": "tree"}
     for local in layouts:
-        count(f"allreduce.2d.{local}", allreduce, ranks_per_host=local, **two_d)
+        count(f"all_reduce.2d.{local}", all_reduce, ranks_per_host=local, **two_d)
         count(
-            f"allreduce.2dnative.{local}",
-            allreduce,
+            f"all_reduce.2dnative.{local}",
+            all_reduce,
             ranks_per_host=local,
             inter_algo="native",
             **two_d,
         )
-        count(f"allreduce.leader.{local}", allreduce, ranks_per_host=local, **opts)
+        count(f"all_reduce.leader.{local}", all_reduce, ranks_per_host=local, **opts)
         for root in _roots(world):
             count(f"broadcast.{local}.{root}", broadcast, root, ranks_per_host=local, **opts)
     for local in (1, world):
-        count(f"allreduce.flat{local}", allreduce, ranks_per_host=local, **opts)
+        count(f"all_reduce.flat{local}", all_reduce, ranks_per_host=local, **opts)
         count(f"broadcast.flat{local}", broadcast, world - 1, ranks_per_host=local, **opts)
     # No option: LOCAL_WORLD_SIZE decides (the pool exports the world size: one host, flat).
-    count("allreduce.env", allreduce, **opts)
+    count("all_reduce.env", all_reduce, **opts)
     saved = os.environ["LOCAL_WORLD_SIZE"]
     os.environ["LOCAL_WORLD_SIZE"] = str(layouts[0])
     try:
-        count(f"allreduce.env{layouts[0]}", allreduce, **two_d)
+        count(f"all_reduce.env{layouts[0]}", all_reduce, **two_d)
     finally:
         os.environ["LOCAL_WORLD_SIZE"] = saved
     # Async: the caller computes while the two levels run on the worker threads.
     everyone = [rank_input(r, NUMEL, torch.float32, "sum") for r in range(world)]
     t = everyone[rank].clone()
-    handle = allreduce(
+    handle = all_reduce(
         comm,
         t,
         "sum",
@@ -135,7 +137,7 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
     assert handle is not None
     handle.wait()
     if not (busy and torch.equal(t, reference_reduce(everyone, "sum"))):
-        bad.append("async allreduce")
+        bad.append("async all_reduce")
     errors = []
     # cast: the literal's dicts mix int and str values, which mypy joins to list[object]
     for bad_opts in cast(
@@ -148,7 +150,9 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
         ],
     ):
         try:
-            allreduce(comm, torch.ones(8), algo="hierarchical", **{"ranks_per_host": 2, **bad_opts})
+            all_reduce(
+                comm, torch.ones(8), algo="hierarchical", **{"ranks_per_host": 2, **bad_opts}
+            )
         except ValueError as err:
             errors.append(str(err))
     # Dozens of calls above, yet one pair of sub-groups per layout was created.
@@ -184,7 +188,7 @@ def two_d_counts(rank: int, local: int, world: int, across: bool) -> Counts:
         msgs = [sum(min(s, SEGMENTS) for s in side) for side in (sent, got)]
         total = _plus(total, (4 * sum(sent), msgs[0], 4 * sum(got), msgs[1]))
         if across:
-            sb, sm, rb, rm = expected_allreduce("ring", host, world // local, shard[lr], SEGMENTS)
+            sb, sm, rb, rm = expected_all_reduce("ring", host, world // local, shard[lr], SEGMENTS)
             total = _plus(total, (4 * sb, sm, 4 * rb, rm))
     return total
 
@@ -197,7 +201,7 @@ def leader_counts(rank: int, local: int, world: int) -> Counts:
         tree_counts("broadcast", lr, local, 0, N_BYTES),
     ]
     if lr == 0:
-        steps.append(lp_counts("allreduce", host, world // local, 0, N_BYTES, K_BLOCKS))
+        steps.append(lp_counts("all_reduce", host, world // local, 0, N_BYTES, K_BLOCKS))
     return _plus(*steps)
 
 
@@ -230,21 +234,21 @@ def test_bytes_and_messages_per_level(outcomes: Outcomes, world: int) -> None:
         got = out["traffic"]
         expected: dict[str, Counts] = {}
         for local in LAYOUTS[world]:
-            expected[f"allreduce.2d.{local}"] = two_d_counts(rank, local, world, True)
+            expected[f"all_reduce.2d.{local}"] = two_d_counts(rank, local, world, True)
             # gloo's own allreduce across hosts sends nothing point-to-point.
-            expected[f"allreduce.2dnative.{local}"] = two_d_counts(rank, local, world, False)
-            expected[f"allreduce.leader.{local}"] = leader_counts(rank, local, world)
+            expected[f"all_reduce.2dnative.{local}"] = two_d_counts(rank, local, world, False)
+            expected[f"all_reduce.leader.{local}"] = leader_counts(rank, local, world)
             for root in _roots(world):
                 expected[f"broadcast.{local}.{root}"] = broadcast_counts(rank, local, world, root)
         # One level (one rank per host, or one host): the flat algorithm on the whole group.
-        flat = lp_counts("allreduce", rank, world, 0, N_BYTES, K_BLOCKS)
+        flat = lp_counts("all_reduce", rank, world, 0, N_BYTES, K_BLOCKS)
         for local in (1, world):
-            expected[f"allreduce.flat{local}"] = flat
+            expected[f"all_reduce.flat{local}"] = flat
             expected[f"broadcast.flat{local}"] = lp_counts(
                 "broadcast", rank, world, world - 1, N_BYTES, K_BLOCKS
             )
-        expected["allreduce.env"] = flat
-        expected[f"allreduce.env{LAYOUTS[world][0]}"] = two_d_counts(
+        expected["all_reduce.env"] = flat
+        expected[f"all_reduce.env{LAYOUTS[world][0]}"] = two_d_counts(
             rank, LAYOUTS[world][0], world, True
         )
         assert got == expected, f"rank {rank}"
@@ -257,7 +261,7 @@ def test_bad_options_and_cached_groups(outcomes: Outcomes) -> None:
             assert len(out["errors"]) == 4
             assert "must divide the group size" in out["errors"][0]
             assert (
-                "inter_algo='hierarchical' is not a registered allreduce algorithm"
+                "inter_algo='hierarchical' is not a registered all_reduce algorithm"
                 in out["errors"][1]
             )
             assert (
@@ -270,19 +274,19 @@ def test_cost_model() -> None:
     intra = LinkCost(alpha_s=0.0, beta_s_per_byte=0.0, gamma_s_per_byte=0.0)
     inter = LinkCost(alpha_s=0.0, beta_s_per_byte=8e-9, gamma_s_per_byte=0.0)
     n = 16 << 20
-    assert predicted_allreduce_s(n, 1, 4, intra, inter) == math.inf
-    assert predicted_allreduce_s(n, 4, 1, intra, inter) == math.inf
+    assert predicted_all_reduce_s(n, 1, 4, intra, inter) == math.inf
+    assert predicted_all_reduce_s(n, 4, 1, intra, inter) == math.inf
     # Free host links: the cross-host bytes alone, 2((H-1)/H) n per host link, against
     # 2((P-1)/P) n for the flat ring (1.5x less on 2 hosts x 2 ranks).
     for hosts, local in [(2, 2), (4, 2), (2, 4)]:
-        two_level = predicted_allreduce_s(n, hosts, local, intra, inter)
+        two_level = predicted_all_reduce_s(n, hosts, local, intra, inter)
         assert two_level == pytest.approx(2 * (hosts - 1) / hosts * n * 8e-9, rel=1e-6)
-        flat = ring_allreduce(n, hosts * local, inter)
+        flat = ring_all_reduce(n, hosts * local, inter)
         assert flat / two_level == pytest.approx(
             (hosts * local - 1) / (hosts * local) * hosts / (hosts - 1)
         )
     # Slow host links show up once the cross-host step is no longer the bottleneck.
     slow = LinkCost(alpha_s=0.0, beta_s_per_byte=1e-7, gamma_s_per_byte=0.0)
-    assert predicted_allreduce_s(n, 2, 2, slow, inter) > predicted_allreduce_s(
+    assert predicted_all_reduce_s(n, 2, 2, slow, inter) > predicted_all_reduce_s(
         n, 2, 2, intra, inter
     )

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from commfuse.collectives import allreduce, broadcast, reduce
+from commfuse.collectives import all_reduce, broadcast, reduce
 from commfuse.collectives.cost import LinkCost, lp_best_block_bytes
 from commfuse.collectives.pipeline import link_cost_from_env
 from commfuse.collectives.reduce_ops import reference_reduce
@@ -61,9 +61,9 @@ def check_grid() -> list[str]:
         expected = reference_reduce(everyone, op)
         where = f"{dtype} {op} n={numel}"
         t = everyone[rank].clone()
-        allreduce(comm, t, op, algo="pipeline", block_bytes=ODD_BLOCK_BYTES)
+        all_reduce(comm, t, op, algo="pipeline", block_bytes=ODD_BLOCK_BYTES)
         if not torch.equal(t, expected):
-            bad.append(f"allreduce.pipeline {where}")
+            bad.append(f"all_reduce.pipeline {where}")
         for algo in ("pipeline", "tree"):
             root = (index + len(algo)) % world
             t = everyone[rank].clone()
@@ -80,8 +80,8 @@ def check_grid() -> list[str]:
     total = reference_reduce(big, "sum")
     for block_bytes in (1 << 16, None):
         t = big[rank].clone()
-        allreduce(comm, t, "sum", algo="pipeline", block_bytes=block_bytes)
-        bad += [] if torch.equal(t, total) else [f"allreduce.pipeline big b={block_bytes}"]
+        all_reduce(comm, t, "sum", algo="pipeline", block_bytes=block_bytes)
+        bad += [] if torch.equal(t, total) else [f"all_reduce.pipeline big b={block_bytes}"]
         for algo in ("pipeline", "tree"):
             t = big[rank].clone()
             broadcast(comm, t, world - 1, algo=algo, block_bytes=block_bytes)
@@ -99,7 +99,7 @@ def count_traffic(numel: int, block_bytes: int | None) -> tuple[dict[str, Counts
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
     out: dict[str, Counts] = {}
-    calls: list[tuple[str, str, int]] = [("allreduce", "pipeline", 0)]
+    calls: list[tuple[str, str, int]] = [("all_reduce", "pipeline", 0)]
     calls += [
         (c, a, root)
         for c in ("broadcast", "reduce")
@@ -109,8 +109,8 @@ def count_traffic(numel: int, block_bytes: int | None) -> tuple[dict[str, Counts
     for collective, algo, root in calls:
         t = torch.full((numel,), float(rank))
         comm.stats.reset()
-        if collective == "allreduce":
-            allreduce(comm, t, "sum", algo=algo, block_bytes=block_bytes)
+        if collective == "all_reduce":
+            all_reduce(comm, t, "sum", algo=algo, block_bytes=block_bytes)
         elif collective == "broadcast":
             broadcast(comm, t, root, algo=algo, block_bytes=block_bytes)
         else:
@@ -134,7 +134,7 @@ def check_async() -> list[str]:
     total = reference_reduce(everyone, "sum")
     a, b, c = (everyone[rank].clone() for _ in range(3))
     handles = [
-        allreduce(comm, a, "avg", algo="pipeline", block_bytes=1000, async_op=True),
+        all_reduce(comm, a, "avg", algo="pipeline", block_bytes=1000, async_op=True),
         broadcast(comm, b, world - 1, algo="tree", async_op=True),
         reduce(comm, c, world - 1, "sum", algo="pipeline", block_bytes=1000, async_op=True),
     ]
@@ -143,12 +143,12 @@ def check_async() -> list[str]:
         assert handle is not None
         handle.wait()
     bad = [] if busy else ["compute"]
-    bad += [] if torch.equal(a, total / world) else ["allreduce avg"]
+    bad += [] if torch.equal(a, total / world) else ["all_reduce avg"]
     bad += [] if torch.equal(b, everyone[-1]) else ["broadcast"]
     bad += [] if torch.equal(c, total if rank == world - 1 else everyone[rank]) else ["reduce"]
     # A synchronous call after async ones runs after them (the front door drains the queue).
     t = everyone[rank].clone()
-    handle = allreduce(comm, t, "max", algo="pipeline", async_op=True)
+    handle = all_reduce(comm, t, "max", algo="pipeline", async_op=True)
     broadcast(comm, t, 0, algo="pipeline")
     bad += [] if torch.equal(t, reference_reduce(everyone, "max")) else ["async then sync"]
     return [f"rank {rank}: {b}" for b in bad]
@@ -159,7 +159,7 @@ def bad_block_bytes() -> list[str]:
     errors = []
     for value in (0, -4, 2.5, "64k"):
         try:
-            allreduce(comm, torch.ones(10), "sum", algo="pipeline", block_bytes=value)
+            all_reduce(comm, torch.ones(10), "sum", algo="pipeline", block_bytes=value)
         except ValueError as err:
             errors.append(str(err))
     return errors
@@ -222,7 +222,7 @@ def test_bytes_and_messages_match_formulas(
             if algo == "tree":
                 expected = tree_counts(collective, rank, world, int(root), n)
             else:
-                depth = world - 1 if collective != "allreduce" else 2 * (world - 1)
+                depth = world - 1 if collective != "all_reduce" else 2 * (world - 1)
                 b = block_bytes or lp_best_block_bytes(n, depth + 1, link)
                 k = math.ceil(numel / max(1, b // 4))
                 expected = lp_counts(collective, rank, world, int(root), n, k)

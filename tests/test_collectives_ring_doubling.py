@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from commfuse.collectives import allgather, allreduce, reduce_scatter
+from commfuse.collectives import all_gather, all_reduce, reduce_scatter
 from commfuse.collectives.blocks import even_blocks
 from commfuse.collectives.registry import label
 from commfuse.collectives.ring import default_num_segments
@@ -25,7 +25,7 @@ PoolFn = Callable[[int], RankPool]
 WORLDS = [2, 3, 4, 5, 8]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 OPS = ["sum", "avg", "max", "min", "prod"]
-ALLREDUCE = ["ring", "doubling", "rabenseifner"]
+ALL_REDUCE = ["ring", "doubling", "rabenseifner"]
 Counts = tuple[int, int, int, int]  # bytes_sent, messages_sent, bytes_recv, messages_recv
 
 # ---- expected traffic: the algorithms' formulas, per rank, in elements -----------------------
@@ -69,7 +69,7 @@ def _msg(n: int) -> Counts:
     return (n, int(n > 0), n, int(n > 0))
 
 
-def expected_allreduce(name: str, rank: int, world: int, n: int, segments: int) -> Counts:
+def expected_all_reduce(name: str, rank: int, world: int, n: int, segments: int) -> Counts:
     if name == "ring":
         # Sends every block but r+1 (reduce-scatter) and every block but r+2 (allgather);
         # receives every block but r, then every block but r+1. A block of b elements is
@@ -114,7 +114,7 @@ def expected_reduce_scatter(name: str, rank: int, world: int, m: int, segments: 
     return counts
 
 
-def expected_allgather(name: str, world: int, m: int, segments: int) -> Counts:
+def expected_all_gather(name: str, world: int, m: int, segments: int) -> Counts:
     # Both send exactly P - 1 blocks: the ring one per step, doubling/Bruck ceil(lg P) ranges.
     messages = (world - 1) * min(m, segments) if name == "ring" else (world - 1).bit_length()
     return ((world - 1) * m, messages, (world - 1) * m, messages)
@@ -155,7 +155,7 @@ def _ops(dtype: torch.dtype) -> list[str]:
     return OPS if dtype.is_floating_point else [op for op in OPS if op != "avg"]
 
 
-def allreduce_grid(
+def all_reduce_grid(
     names: list[str], sizes: list[int], segments: int | None, dtypes: list[torch.dtype] = DTYPES
 ) -> list[str]:
     comm = Communicator()
@@ -165,18 +165,18 @@ def allreduce_grid(
         for dtype in dtypes:
             for op in _ops(dtype):
                 for n in sizes:
-                    where = f"rank {rank} allreduce.{name} {dtype} {op} n={n} seg={segments}"
+                    where = f"rank {rank} all_reduce.{name} {dtype} {op} n={n} seg={segments}"
                     t = make_input(rank, n, dtype, op)
                     comm.stats.reset()
                     opts: dict[str, Any] = {} if segments is None else {"num_segments": segments}
-                    allreduce(comm, t, op, algo=name, **opts)
+                    all_reduce(comm, t, op, algo=name, **opts)
                     want = reference([make_input(r, n, dtype, op) for r in range(world)], op)
                     if not torch.equal(t, want):
                         failures.append(f"{where}: wrong result")
                     seg = segments or default_num_segments(-(-n // world) * t.element_size())
-                    counts = expected_allreduce(name, rank, world, n, seg)
+                    counts = expected_all_reduce(name, rank, world, n, seg)
                     got, want_counts = (
-                        _counts(comm, label("allreduce", name)),
+                        _counts(comm, label("all_reduce", name)),
                         _in_bytes(counts, t.element_size()),
                     )
                     if got != want_counts:
@@ -215,16 +215,16 @@ def scatter_gather_grid(
                     if got != want_counts:
                         failures.append(f"{where}: sent/recv {got}, formula {want_counts}")
             for name in ("ring", "doubling"):
-                where = f"rank {rank} allgather.{name} {dtype} m={m}"
+                where = f"rank {rank} all_gather.{name} {dtype} m={m}"
                 inp = make_input(rank, m, dtype, "sum")
                 out = torch.empty(world * m, dtype=dtype)
                 comm.stats.reset()
-                allgather(comm, out, inp, algo=name, **opts)
+                all_gather(comm, out, inp, algo=name, **opts)
                 want = torch.cat([make_input(r, m, dtype, "sum") for r in range(world)])
                 if not torch.equal(out, want):
                     failures.append(f"{where}: wrong result")
-                counts = _in_bytes(expected_allgather(name, world, m, seg), inp.element_size())
-                got = _counts(comm, label("allgather", name))
+                counts = _in_bytes(expected_all_gather(name, world, m, seg), inp.element_size())
+                got = _counts(comm, label("all_gather", name))
                 if got != counts:
                     failures.append(f"{where}: sent/recv {got}, formula {counts}")
     return failures
@@ -237,17 +237,17 @@ def large_and_async(n: int) -> list[str]:
     rank, world = comm.rank, comm.world_size
     failures: list[str] = []
     want = reference([make_input(r, n, torch.float32, "sum") for r in range(world)], "sum")
-    tensors = {name: make_input(rank, n, torch.float32, "sum") for name in ALLREDUCE}
+    tensors = {name: make_input(rank, n, torch.float32, "sum") for name in ALL_REDUCE}
     comm.stats.reset()
-    handles = [allreduce(comm, t, "sum", algo=name, async_op=True) for name, t in tensors.items()]
+    handles = [all_reduce(comm, t, "sum", algo=name, async_op=True) for name, t in tensors.items()]
     busy = sum(i * i for i in range(200_000))  # Python work overlapping the collectives
     for handle in handles:
         assert handle is not None
         handle.wait()
     for name, t in tensors.items():
         if not torch.equal(t, want) or busy <= 0:
-            failures.append(f"rank {rank} async allreduce.{name} n={n}: wrong result")
-        sent = comm.stats[label("allreduce", name)]
+            failures.append(f"rank {rank} async all_reduce.{name} n={n}: wrong result")
+        sent = comm.stats[label("all_reduce", name)]
         if world & (world - 1) == 0 and n % world == 0 and name != "doubling":
             # Ring and Rabenseifner: 2 (P-1)/P n bytes; ring in 2(P-1) steps, Rabenseifner 2 lg P.
             steps = 2 * (world - 1) * default_num_segments(4 * n // world)
@@ -258,19 +258,19 @@ def large_and_async(n: int) -> list[str]:
     out = torch.empty(m)
     handle = reduce_scatter(comm, out, want[: world * m].clone(), "max", algo="ring", async_op=True)
     gathered = torch.empty(world * m)
-    handle2 = allgather(comm, gathered, out, algo="doubling", async_op=True)
+    handle2 = all_gather(comm, gathered, out, algo="doubling", async_op=True)
     assert handle is not None and handle2 is not None
     handle.wait()
     handle2.wait()
     if not torch.equal(gathered, want[: world * m]):
-        failures.append(f"rank {rank} async reduce_scatter+allgather: wrong result")
+        failures.append(f"rank {rank} async reduce_scatter+all_gather: wrong result")
     return failures
 
 
 def bad_segments() -> str:
     comm = Communicator()
     try:
-        allreduce(comm, torch.ones(8), algo="ring", num_segments=0)
+        all_reduce(comm, torch.ones(8), algo="ring", num_segments=0)
     except ValueError as err:
         return str(err)
     return "no error"
@@ -285,15 +285,15 @@ def _check(results: list[list[str]]) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_allreduce_exact_with_exact_traffic(pool: PoolFn, world: int) -> None:
+def test_all_reduce_exact_with_exact_traffic(pool: PoolFn, world: int) -> None:
     # 1; numel < P (empty blocks); 1001 divides by no world size here (the divisible case is in
     # test_large_async, 1 << 18 elements).
     sizes = sorted({1, world - 1, 1001})
-    _check(pool(world).run(allreduce_grid, ALLREDUCE, sizes, None, timeout_s=120))
+    _check(pool(world).run(all_reduce_grid, ALL_REDUCE, sizes, None, timeout_s=120))
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_reduce_scatter_and_allgather_exact_with_exact_traffic(pool: PoolFn, world: int) -> None:
+def test_reduce_scatter_and_all_gather_exact_with_exact_traffic(pool: PoolFn, world: int) -> None:
     _check(pool(world).run(scatter_gather_grid, [1, 3, 125], None, timeout_s=120))
 
 
@@ -301,8 +301,8 @@ def test_reduce_scatter_and_allgather_exact_with_exact_traffic(pool: PoolFn, wor
 def test_ring_segments_option(pool: PoolFn, world: int) -> None:
     # 3 segments of uneven blocks; 64 segments of blocks of 1-2 elements (mostly empty segments).
     dtypes = [torch.float32, torch.bfloat16, torch.int32]
-    _check(pool(world).run(allreduce_grid, ["ring"], [world + 1, 1001], 3, dtypes, timeout_s=120))
-    _check(pool(world).run(allreduce_grid, ["ring"], [2 * world - 1], 64, dtypes, timeout_s=120))
+    _check(pool(world).run(all_reduce_grid, ["ring"], [world + 1, 1001], 3, dtypes, timeout_s=120))
+    _check(pool(world).run(all_reduce_grid, ["ring"], [2 * world - 1], 64, dtypes, timeout_s=120))
     _check(pool(world).run(scatter_gather_grid, [2, 77], 5, dtypes, timeout_s=120))
 
 

@@ -78,18 +78,18 @@ def test_best_block_minimises_the_lp_formula() -> None:
     )
 
 
-def test_ring_allreduce_approaches_the_lower_bound_for_large_messages() -> None:
+def test_ring_all_reduce_approaches_the_lower_bound_for_large_messages() -> None:
     n, p = 256 << 20, 8
-    bound = C.allreduce_lower_bound(n, p, 1 / GIG.beta_s_per_byte)
-    ring = C.ring_allreduce(n, p, GIG)
+    bound = C.all_reduce_lower_bound(n, p, 1 / GIG.beta_s_per_byte)
+    ring = C.ring_all_reduce(n, p, GIG)
     assert bound < ring < 1.01 * bound + n * GIG.gamma_s_per_byte
 
 
 def test_world_of_one_costs_nothing() -> None:
     for fn in (
-        C.ring_allreduce,
-        C.rabenseifner_allreduce,
-        C.ring_allgather,
+        C.ring_all_reduce,
+        C.rabenseifner_all_reduce,
+        C.ring_all_gather,
         C.pairwise_all_to_all,
         C.lp_broadcast,
     ):
@@ -98,14 +98,14 @@ def test_world_of_one_costs_nothing() -> None:
 
 def test_tuner_prefers_latency_algorithms_for_small_and_bandwidth_ones_for_large() -> None:
     profile = Profile(intra=GIG, inter=GIG, num_hosts=8, ranks_per_host=1)
-    small = [name for _, name in rank_algorithms("allreduce", 4096, 8, profile)]
-    large = [name for _, name in rank_algorithms("allreduce", 64 << 20, 8, profile)]
+    small = [name for _, name in rank_algorithms("all_reduce", 4096, 8, profile)]
+    large = [name for _, name in rank_algorithms("all_reduce", 64 << 20, 8, profile)]
     assert small.index("doubling") < small.index("ring")
     assert large.index("ring") < large.index("doubling")
     assert predict("broadcast", "pipeline", 16 << 20, 8, profile) < predict(
         "broadcast", "tree", 16 << 20, 8, profile
     )
-    assert predict("allreduce", "no-such-algo", 1, 8, profile) == math.inf
+    assert predict("all_reduce", "no-such-algo", 1, 8, profile) == math.inf
 
 
 def test_profile_round_trips_through_json() -> None:
@@ -150,33 +150,33 @@ def test_leave_one_out_error_is_zero_where_the_ratio_is_log_linear() -> None:
 
 def test_predict_scales_the_model_only_for_the_group_size_it_was_measured_on() -> None:
     fix = Correction(sizes_bytes=(1 * MB,), ratios=(1.3,), measured_s=(0.5,))
-    profile = dataclasses.replace(FLAT4, corrections={"allreduce": {"ring": fix}})
+    profile = dataclasses.replace(FLAT4, corrections={"all_reduce": {"ring": fix}})
     for size in (4 * KB, 1 * MB, 64 * MB):
-        model = model_time("allreduce", "ring", size, 4, profile)
-        assert predict("allreduce", "ring", size, 4, profile) == pytest.approx(1.3 * model)
-    assert predict("allreduce", "ring", MB, 8, profile) == model_time(
-        "allreduce", "ring", MB, 8, profile
+        model = model_time("all_reduce", "ring", size, 4, profile)
+        assert predict("all_reduce", "ring", size, 4, profile) == pytest.approx(1.3 * model)
+    assert predict("all_reduce", "ring", MB, 8, profile) == model_time(
+        "all_reduce", "ring", MB, 8, profile
     )
-    assert predict("allreduce", "native", MB, 4, profile) == model_time(
-        "allreduce", "native", MB, 4, profile
+    assert predict("all_reduce", "native", MB, 4, profile) == model_time(
+        "all_reduce", "native", MB, 4, profile
     )
 
 
 def test_fit_corrections_reproduce_the_measurements_at_calibration_sizes() -> None:
     # On 4 hosts x 1 rank the hierarchical allreduce is a flat wrapper: no model, no correction.
-    names = sorted(algorithms_for("allreduce"), key=lambda a: a != "native")
+    names = sorted(algorithms_for("all_reduce"), key=lambda a: a != "native")
     measured = [
-        Measurement("allreduce", name, size, 1e-3 * (i + 1) * size / KB)
+        Measurement("all_reduce", name, size, 1e-3 * (i + 1) * size / KB)
         for i, name in enumerate(names)
         for size in (4 * KB, 1 * MB, 16 * MB)
     ]
     corrections = fit_corrections(measured, 4, FLAT4)
     profile = dataclasses.replace(FLAT4, corrections=corrections)
-    assert set(corrections["allreduce"]) == set(names) - {"hierarchical"}
+    assert set(corrections["all_reduce"]) == set(names) - {"hierarchical"}
     for _, name, size, seconds, *_ in measured:
         if name != "hierarchical":
-            assert predict("allreduce", name, size, 4, profile) == pytest.approx(seconds)
-    assert predict("allreduce", "hierarchical", MB, 4, profile) == math.inf
+            assert predict("all_reduce", name, size, 4, profile) == pytest.approx(seconds)
+    assert predict("all_reduce", "hierarchical", MB, 4, profile) == math.inf
     rows = describe(profile)
     assert len(rows) == 3 * (len(names) - 1)
     assert all(row["chosen"] == (row["algo"] == "native") for row in rows)  # native is fastest
@@ -187,31 +187,31 @@ def test_pipeline_block_latency_is_fitted_from_its_runs_and_sizes_the_blocks() -
     slow = C.LinkCost(alpha_s=1.5e-3, beta_s_per_byte=GIG.beta_s_per_byte)
     runs = []
     for size in (64 * KB, 1 * MB, 4 * MB, 16 * MB):
-        block = best_block_bytes("allreduce", size, 4, FLAT4)  # sized by the ping-pong alpha
+        block = best_block_bytes("all_reduce", size, 4, FLAT4)  # sized by the ping-pong alpha
         # Runs that cost 1.5 ms per block step (what the Python pipeline costs on 4 hosts), and
         # a small run whose scheduler noise must not count.
-        seconds = C.lp_allreduce_one_link(size, 4, slow, block) * (5.0 if size < MB else 1.0)
-        runs.append(Measurement("allreduce", "pipeline", size, seconds, block))
+        seconds = C.lp_all_reduce_one_link(size, 4, slow, block) * (5.0 if size < MB else 1.0)
+        runs.append(Measurement("all_reduce", "pipeline", size, seconds, block))
     runs.append(Measurement("broadcast", "pipeline", 4 * MB, 1e-6, 64 * KB))  # faster than wire
     alphas = fit_pipeline_alpha(runs, 4, FLAT4)
-    assert alphas["allreduce"] == pytest.approx(1.5e-3)
+    assert alphas["all_reduce"] == pytest.approx(1.5e-3)
     assert alphas["broadcast"] == GIG.alpha_s  # never below the ping-pong's alpha
     fitted = dataclasses.replace(FLAT4, pipeline_alpha_s=alphas)
-    assert best_block_bytes("allreduce", 4 * MB, 4, fitted) >= 2 * best_block_bytes(
-        "allreduce", 4 * MB, 4, FLAT4
+    assert best_block_bytes("all_reduce", 4 * MB, 4, fitted) >= 2 * best_block_bytes(
+        "all_reduce", 4 * MB, 4, FLAT4
     )
     # Corrections are taken at the block each run used, so they stay near 1 for the big runs
     # even though the profile now picks other blocks; predictions use the new blocks.
-    fixes = fit_corrections(runs, 4, fitted)["allreduce"]["pipeline"]
+    fixes = fit_corrections(runs, 4, fitted)["all_reduce"]["pipeline"]
     assert fixes.block_bytes == tuple(m.block_bytes for m in runs[:4])
     assert fixes.ratios[1:] == pytest.approx((1.0, 1.0, 1.0))
-    profile = dataclasses.replace(fitted, corrections={"allreduce": {"pipeline": fixes}})
-    assert predict("allreduce", "pipeline", 4 * MB, 4, profile) < runs[2].seconds
+    profile = dataclasses.replace(fitted, corrections={"all_reduce": {"pipeline": fixes}})
+    assert predict("all_reduce", "pipeline", 4 * MB, 4, profile) < runs[2].seconds
     assert Profile.from_json(profile.to_json()) == profile
     # Past the largest calibrated block the model alone would choose: blocks stop there.
-    assert best_block_bytes("allreduce", 1 << 30, 4, fitted) > max(fixes.block_bytes)
-    assert best_block_bytes("allreduce", 1 << 30, 4, profile) == max(fixes.block_bytes)
-    assert best_block_bytes("allreduce", 1 << 30, 8, profile) > max(fixes.block_bytes)
+    assert best_block_bytes("all_reduce", 1 << 30, 4, fitted) > max(fixes.block_bytes)
+    assert best_block_bytes("all_reduce", 1 << 30, 4, profile) == max(fixes.block_bytes)
+    assert best_block_bytes("all_reduce", 1 << 30, 8, profile) > max(fixes.block_bytes)
 
 
 def test_noisy_near_wins_are_not_taken_for_wins() -> None:
@@ -229,20 +229,20 @@ def test_noisy_near_wins_are_not_taken_for_wins() -> None:
     # The choice takes each prediction at the top of its error; predict() stays unbiased.
     size = 1 * MB
     slow = {"pipeline": 10.0, "doubling": 10.0, "ring": 10.0}
-    win = _scaled(FLAT4, "allreduce", {**slow, "native": 1.0, "rabenseifner": 1.0})
-    model = {n: model_time("allreduce", n, size, 4, FLAT4) for n in ("native", "rabenseifner")}
-    fixes = dict(win.corrections["allreduce"])
+    win = _scaled(FLAT4, "all_reduce", {**slow, "native": 1.0, "rabenseifner": 1.0})
+    model = {n: model_time("all_reduce", n, size, 4, FLAT4) for n in ("native", "rabenseifner")}
+    fixes = dict(win.corrections["all_reduce"])
     fixes["rabenseifner"] = Correction(
         sizes_bytes=(size,),
         ratios=(0.97 * model["native"] / model["rabenseifner"],),
         stderr=(noisy_err,),
     )
-    noisy_profile = dataclasses.replace(win, corrections={"allreduce": fixes})
+    noisy_profile = dataclasses.replace(win, corrections={"all_reduce": fixes})
     clean = dict(fixes, rabenseifner=dataclasses.replace(fixes["rabenseifner"], stderr=(0.0,)))
-    clean_profile = dataclasses.replace(win, corrections={"allreduce": clean})
-    assert choose_for("allreduce", size, 4, noisy_profile) == "native"
-    assert choose_for("allreduce", size, 4, clean_profile) == "rabenseifner"
-    assert predict("allreduce", "rabenseifner", size, 4, noisy_profile) == pytest.approx(
+    clean_profile = dataclasses.replace(win, corrections={"all_reduce": clean})
+    assert choose_for("all_reduce", size, 4, noisy_profile) == "native"
+    assert choose_for("all_reduce", size, 4, clean_profile) == "rabenseifner"
+    assert predict("all_reduce", "rabenseifner", size, 4, noisy_profile) == pytest.approx(
         0.97 * model["native"]
     )
     assert Profile.from_json(noisy_profile.to_json()) == noisy_profile
@@ -260,39 +260,39 @@ def test_corrections_steer_the_choice() -> None:
     size = 64 * MB
     # The pure model: ring-like bandwidth for native, ring and Rabenseifner, near ties go to
     # native; the pipeline's two streams share each host's link, so it is not a contender.
-    assert choose_for("allreduce", size, 4, FLAT4) == "native"
+    assert choose_for("all_reduce", size, 4, FLAT4) == "native"
     # Measured corrections steer it: a backend that runs at 1/1.5 its model loses to our ring.
-    slow_native = _scaled(FLAT4, "allreduce", {"native": 1.5, "ring": 1.05, "rabenseifner": 1.2})
-    assert choose_for("allreduce", size, 4, slow_native) == "ring"
+    slow_native = _scaled(FLAT4, "all_reduce", {"native": 1.5, "ring": 1.05, "rabenseifner": 1.2})
+    assert choose_for("all_reduce", size, 4, slow_native) == "ring"
     # As measured on 4 hosts at 1 Gbit/s: the Python pipeline runs at half its model's speed,
     # Rabenseifner 20% and gloo's ring 7% slower than theirs.
     measured = _scaled(
         FLAT4,
-        "allreduce",
+        "all_reduce",
         {"pipeline": 1.9, "rabenseifner": 1.2, "native": 1.07, "ring": 1.12, "hierarchical": 1.15},
     )
-    assert choose_for("allreduce", size, 4, measured) == "native"
-    assert rank_algorithms("allreduce", size, 4, measured)[0][1] == "native"
+    assert choose_for("all_reduce", size, 4, measured) == "native"
+    assert rank_algorithms("all_reduce", size, 4, measured)[0][1] == "native"
     # A correction for another group size changes nothing.
-    assert choose_for("allreduce", size, 8, measured) == choose_for("allreduce", size, 8, FLAT4)
+    assert choose_for("all_reduce", size, 8, measured) == choose_for("all_reduce", size, 8, FLAT4)
 
 
 def test_near_ties_go_to_native_and_clear_wins_do_not() -> None:
     size = 16 * MB
-    ring = model_time("allreduce", "ring", size, 4, FLAT4)
-    assert ring == model_time("allreduce", "native", size, 4, FLAT4)  # same model
+    ring = model_time("all_reduce", "ring", size, 4, FLAT4)
+    assert ring == model_time("all_reduce", "native", size, 4, FLAT4)  # same model
     slow = {"pipeline": 10.0, "doubling": 10.0, "rabenseifner": 10.0, "hierarchical": 10.0}
-    near = _scaled(FLAT4, "allreduce", {**slow, "native": 1.0 + NEAR_TIE * 0.9, "ring": 1.0})
-    clear = _scaled(FLAT4, "allreduce", {**slow, "native": 1.0 + NEAR_TIE * 1.5, "ring": 1.0})
-    exact = _scaled(FLAT4, "allreduce", {**slow, "native": 1.0, "ring": 1.0})
-    assert choose_for("allreduce", size, 4, near) == "native"
-    assert choose_for("allreduce", size, 4, exact) == "native"
-    assert choose_for("allreduce", size, 4, clear) == "ring"
+    near = _scaled(FLAT4, "all_reduce", {**slow, "native": 1.0 + NEAR_TIE * 0.9, "ring": 1.0})
+    clear = _scaled(FLAT4, "all_reduce", {**slow, "native": 1.0 + NEAR_TIE * 1.5, "ring": 1.0})
+    exact = _scaled(FLAT4, "all_reduce", {**slow, "native": 1.0, "ring": 1.0})
+    assert choose_for("all_reduce", size, 4, near) == "native"
+    assert choose_for("all_reduce", size, 4, exact) == "native"
+    assert choose_for("all_reduce", size, 4, clear) == "ring"
 
 
 def test_pipelines_get_the_modelled_best_power_of_two_block() -> None:
     tuned = dataclasses.replace(FLAT4, tuned_blocks=True)
-    for collective in ("broadcast", "reduce", "allreduce"):
+    for collective in ("broadcast", "reduce", "all_reduce"):
         for size in (1 * KB, 4 * KB, 1 * MB, 64 * MB):
             # Only a profile calibrated with tuned blocks hands them out (else the pipelines
             # were timed, and run, with their own default block).
@@ -305,13 +305,13 @@ def test_pipelines_get_the_modelled_best_power_of_two_block() -> None:
             for other in (block // 2, block * 2):
                 if 4 * KB <= other <= size:
                     lp = {"broadcast": C.lp_broadcast, "reduce": C.lp_reduce}
-                    fn = lp.get(collective, C.lp_allreduce_one_link)
+                    fn = lp.get(collective, C.lp_all_reduce_one_link)
                     assert fn(size, 4, GIG, other) >= model
     # Larger messages pipeline in larger blocks (b* grows as sqrt(n)).
     assert best_block_bytes("broadcast", 64 * MB, 4, FLAT4) > best_block_bytes(
         "broadcast", 1 * MB, 4, FLAT4
     )
-    assert options_for("allreduce", "ring", MB, 4, tuned) == {}
+    assert options_for("all_reduce", "ring", MB, 4, tuned) == {}
     assert options_for("broadcast", "pipeline", MB, 1, tuned) == {}
 
 
@@ -325,6 +325,14 @@ def test_profile_without_corrections_still_loads() -> None:
     assert profile.corrections == {} and profile.world_size == 4
     fixed = _scaled(profile, "broadcast", {"tree": 1.5, "pipeline": 2.0})
     assert Profile.from_json(fixed.to_json()) == fixed
+
+
+def test_profile_with_an_unknown_collective_is_refused() -> None:
+    """A saved profile keyed by a name the registry lacks (``allreduce``, not ``all_reduce``)
+    would leave ``algo="auto"`` uncorrected without a word; loading it must fail instead."""
+    text = _scaled(FLAT4, "broadcast", {"tree": 1.5}).to_json().replace('"broadcast"', '"bcast"')
+    with pytest.raises(ValueError, match=r"unknown collectives bcast .*commfuse tune"):
+        Profile.from_json(text)
 
 
 # -- on ranks: calibration and choice agree everywhere -------------------------------------------
@@ -376,7 +384,7 @@ def test_calibration_gives_every_rank_the_same_profile_and_choices(pool: PoolFn)
         tuned = (
             profile.tuned_blocks
             and name == "pipeline"
-            and collective in ("broadcast", "reduce", "allreduce")
+            and collective in ("broadcast", "reduce", "all_reduce")
         )
         assert ("block_bytes" in opts) == tuned
 

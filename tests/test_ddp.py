@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from commfuse.collectives import allreduce
+from commfuse.collectives import all_reduce
 from commfuse.collectives.blocks import even_blocks
 from commfuse.comm import CommConfig, Communicator
 from commfuse.compress import make_compressor
@@ -213,7 +213,7 @@ class HalfCompressor:
     """A tiny fp16 compressor with error feedback, standing in for commfuse.compress here."""
 
     name: ClassVar[str] = "half-test"
-    aggregation: ClassVar[Literal["allreduce", "allgather"]] = "allreduce"
+    aggregation: ClassVar[Literal["all_reduce", "all_gather"]] = "all_reduce"
 
     def __init__(self) -> None:
         self.residual: dict[int, torch.Tensor] = {}
@@ -222,7 +222,7 @@ class HalfCompressor:
         corrected = grad + self.residual.get(bucket, torch.zeros_like(grad))
         half = corrected.half()
         self.residual[bucket] = corrected - half.float()
-        allreduce(comm, half, "sum", algo="native")
+        all_reduce(comm, half, "sum", algo="native")
         grad.copy_(half.float() / comm.world_size)
 
     def payload_bytes(self, numel: int, dtype: torch.dtype, world_size: int) -> int:

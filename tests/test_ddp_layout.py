@@ -67,7 +67,7 @@ def test_config_errors_name_the_field() -> None:
         DataParallelConfig(bucket_cap_mb=0)
     with pytest.raises(ValueError, match="on_nonfinite"):
         DataParallelConfig(on_nonfinite="ignore")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="not an allreduce algorithm"):
+    with pytest.raises(ValueError, match="not an all_reduce algorithm"):
         DataParallelConfig(algo="tree")
     with pytest.raises(ValueError, match="compressor must implement"):
         DataParallelConfig(compressor=object())  # type: ignore[arg-type]
@@ -96,7 +96,7 @@ def test_bench_config_errors_name_the_field() -> None:
         DdpBenchConfig(model="resnet")
     with pytest.raises(ValueError, match="num_reps"):
         DdpBenchConfig(num_reps=0)
-    with pytest.raises(ValueError, match="not an allreduce algorithm"):
+    with pytest.raises(ValueError, match="not an all_reduce algorithm"):
         DdpBenchConfig(algos=("tree",))
     net = build_model(DdpBenchConfig(model="transformer", num_layers=2, width=32))
     assert (

@@ -56,7 +56,7 @@ def test_run_together_runs_both_and_raises_the_collectives_error() -> None:
 
 def test_chunks_zero_times_the_embedding_exchange_by_table(pool: PoolFn) -> None:
     config = FusedBenchConfig(
-        ops=("embedding_alltoall",), iters=1, warmup=1, chunks=0, shapes=((40, 5, 30, 4, 3),)
+        ops=("embedding_all_to_all",), iters=1, warmup=1, chunks=0, shapes=((40, 5, 30, 4, 3),)
     )
     (record,) = pool(3).run(bench_fused_on_rank, config, timeout_s=120)[0]
     assert record["chunks"] == 0 and record["wrong"] == 0 and record["predicted_us"] is None
@@ -64,21 +64,21 @@ def test_chunks_zero_times_the_embedding_exchange_by_table(pool: PoolFn) -> None
 
 def test_bench_config_errors() -> None:
     with pytest.raises(ValueError, match="by table, a schedule of the embedding exchange only"):
-        FusedBenchConfig(ops=("embedding_alltoall", "gemm_allreduce"), chunks=0)
+        FusedBenchConfig(ops=("embedding_all_to_all", "gemm_all_reduce"), chunks=0)
     with pytest.raises(ValueError, match="--chunks must be >= 1, or 0"):
-        FusedBenchConfig(ops=("embedding_alltoall",), chunks=-1)
+        FusedBenchConfig(ops=("embedding_all_to_all",), chunks=-1)
     with pytest.raises(ValueError, match="tp-transformer take"):
         StepBenchConfig(steps=("dlrm", "tp-transformer"), chunks=0)
     StepBenchConfig(steps=("dlrm",), chunks=0)
     with pytest.raises(ValueError, match="unknown --op"):
-        FusedBenchConfig(ops=("gemm_allgather",))
+        FusedBenchConfig(ops=("gemm_all_gather",))
     with pytest.raises(ValueError, match="no --shape of 5 dimensions"):
-        FusedBenchConfig(ops=("embedding_alltoall",), shapes=((1, 2, 3),))
+        FusedBenchConfig(ops=("embedding_all_to_all",), shapes=((1, 2, 3),))
 
 
 def test_control_times_the_unfused_reference_twice(pool: PoolFn) -> None:
     config = FusedBenchConfig(
-        ops=("gemm_allreduce",), iters=3, warmup=1, chunks=2, shapes=((64, 32, 48),), control=True
+        ops=("gemm_all_reduce",), iters=3, warmup=1, chunks=2, shapes=((64, 32, 48),), control=True
     )
     (record,) = pool(2).run(bench_fused_on_rank, config, timeout_s=120)[0]
     assert record["control_ratio"] == pytest.approx(

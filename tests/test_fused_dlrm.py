@@ -14,7 +14,7 @@ import torch
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.fused import ChunkConfig
-from commfuse.fused.embedding_alltoall import LABEL
+from commfuse.fused.embedding_all_to_all import LABEL
 from commfuse.testing import RankPool
 from commfuse.workloads.dlrm import (
     DLRM,
@@ -80,7 +80,7 @@ def fused_equals_unfused(
             failures.append(f"{where}: unfused pairwise All-to-All sent {pairwise} != {sent}")
         if f["all_reduce"] != u["all_reduce"]:
             failures.append(
-                f"{where}: MLP allreduce differs {f['all_reduce']} vs {u['all_reduce']}"
+                f"{where}: MLP all_reduce differs {f['all_reduce']} vs {u['all_reduce']}"
             )
         if "all_to_all" in f or label("all_to_all", "pairwise") in f:
             failures.append(f"{where}: the fused step used an unfused All-to-All")

@@ -20,12 +20,12 @@ from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.fused import ChunkConfig, ShardedEmbeddingBag
 from commfuse.fused.chunking import split_sizes
-from commfuse.fused.embedding_alltoall import (
+from commfuse.fused.embedding_all_to_all import (
     BY_TABLE,
     LABEL,
     ShardedLookup,
-    embedding_alltoall,
-    embedding_alltoall_reference,
+    embedding_all_to_all,
+    embedding_all_to_all_reference,
 )
 from commfuse.fused.fallback import fastest_by_trial
 from commfuse.testing import RankPool
@@ -110,7 +110,7 @@ def grid(num_tables: int) -> list[str]:
                 comm.stats.reset()
                 detached = [p.detach() for p in module.tables]
                 lookup = module.lookup(idx, off, splits, detached)
-                ref = embedding_alltoall_reference(comm, lookup, algo="pairwise")
+                ref = embedding_all_to_all_reference(comm, lookup, algo="pairwise")
                 if not torch.equal(ref.index_select(1, module.order), out.detach()):
                     failures.append(f"{where}: fused differs from the unfused reference")
                 want_bytes = comm.stats[PAIRWISE].bytes_sent if world > 1 else 0
@@ -166,7 +166,7 @@ def direct_call_and_errors() -> list[str]:
         dtype=torch.float32,
     )
     with torch.no_grad():
-        direct = embedding_alltoall(comm, lookup, chunks=3)
+        direct = embedding_all_to_all(comm, lookup, chunks=3)
     if not torch.equal(direct.index_select(1, module.order), out.detach()):
         failures.append(f"rank {comm.rank}: function form differs from the module")
     # Checked before any communication, so every rank raises (nobody is left waiting).
@@ -177,7 +177,7 @@ def direct_call_and_errors() -> list[str]:
     }
     for needle, change in bad_calls.items():
         try:
-            embedding_alltoall(comm, dataclasses.replace(lookup, **change))
+            embedding_all_to_all(comm, dataclasses.replace(lookup, **change))
             failures.append(f"rank {comm.rank}: no error for {change}")
         except ValueError as err:
             if needle not in str(err):
@@ -186,7 +186,7 @@ def direct_call_and_errors() -> list[str]:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
-def test_embedding_alltoall(pool: PoolFn, world: int) -> None:
+def test_embedding_all_to_all(pool: PoolFn, world: int) -> None:
     # 5 tables: uneven tables per rank; 2 tables: ranks 2.. own none.
     failures = [f for r in pool(world).run(grid, 5, timeout_s=180) for f in r]
     if world >= 3:

@@ -15,7 +15,7 @@ import torch
 
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
-from commfuse.fused import gemm_alltoall as ga
+from commfuse.fused import gemm_all_to_all as ga
 from commfuse.fused.chunking import split_sizes
 from commfuse.fused.ops import register_communicator
 from commfuse.testing import RankPool
@@ -90,10 +90,10 @@ def op_grid() -> list[str]:
         x0, g, _ = rank_data(counts, rank, dtype)
         # References, with the pairwise All-to-All so that their bytes are exact.
         comm.stats.reset()
-        h_ref, _ = ga.alltoall_gemm_reference(
+        h_ref, _ = ga.all_to_all_gemm_reference(
             comm, rt, x0, w1_full[lo:hi].to(dtype), algo="pairwise"
         )
-        y_ref = ga.gemm_alltoall_reference(comm, rt, h_ref, w2_full[lo:hi].to(dtype), "pairwise")
+        y_ref = ga.gemm_all_to_all_reference(comm, rt, h_ref, w2_full[lo:hi].to(dtype), "pairwise")
         ref_bytes = comm.stats[PAIRWISE].bytes_sent
         for chunks in (1, 2, 3, 7):
             where = f"rank {rank} {dtype} chunks={chunks}"
@@ -101,8 +101,8 @@ def op_grid() -> list[str]:
             w1 = w1_full[lo:hi].to(dtype).requires_grad_(True)
             w2 = w2_full[lo:hi].to(dtype).requires_grad_(True)
             comm.stats.reset()
-            h, _ = torch.ops.commfuse.alltoall_gemm(x, w1, flat, experts, comm_id, chunks)
-            y = torch.ops.commfuse.gemm_alltoall(h, w2, flat, experts, comm_id, chunks)
+            h, _ = torch.ops.commfuse.all_to_all_gemm(x, w1, flat, experts, comm_id, chunks)
+            y = torch.ops.commfuse.gemm_all_to_all(h, w2, flat, experts, comm_id, chunks)
             forward = comm.stats[ga.LABEL]
             sent, received = forward.bytes_sent, forward.bytes_recv
             comm.stats.reset()
@@ -140,9 +140,9 @@ def bad_inputs() -> list[str]:
     attempts: list[Callable[[], object]] = [
         lambda: ga.Routing(comm, counts[:, :-1], experts),
         lambda: ga.Routing(comm, counts, [0] * world),
-        lambda: ga.gemm_alltoall(comm, rt, torch.zeros(rt.recv_start[-1] + 1, H), w, chunks=2),
-        lambda: ga.gemm_alltoall(comm, rt, torch.zeros(rt.recv_start[-1], H + 1), w, chunks=2),
-        lambda: ga.gemm_alltoall(comm, rt, torch.zeros(rt.recv_start[-1], H), w, chunks=0),
+        lambda: ga.gemm_all_to_all(comm, rt, torch.zeros(rt.recv_start[-1] + 1, H), w, chunks=2),
+        lambda: ga.gemm_all_to_all(comm, rt, torch.zeros(rt.recv_start[-1], H + 1), w, chunks=2),
+        lambda: ga.gemm_all_to_all(comm, rt, torch.zeros(rt.recv_start[-1], H), w, chunks=0),
     ]
     for attempt in attempts:
         try:
@@ -168,12 +168,12 @@ def test_moe_operators_bad_input(pool: PoolFn) -> None:
     assert "chunks must be >= 1" in messages[4]
 
 
-def test_bench_gemm_alltoall_records(pool: PoolFn) -> None:
+def test_bench_gemm_all_to_all_records(pool: PoolFn) -> None:
     from commfuse.bench.fused import FusedBenchConfig, bench_fused_on_rank
 
-    config = FusedBenchConfig(ops=("gemm_alltoall",), iters=1, warmup=1, shapes=((40, 8, 12, 2),))
+    config = FusedBenchConfig(ops=("gemm_all_to_all",), iters=1, warmup=1, shapes=((40, 8, 12, 2),))
     records = pool(3).run(bench_fused_on_rank, config, timeout_s=120)[0]
-    assert [r["op"] for r in records] == ["gemm_alltoall"]
+    assert [r["op"] for r in records] == ["gemm_all_to_all"]
     r = records[0]
     assert r["wrong"] == 0 and r["world_size"] == 3 and r["shape"] == [40, 8, 12, 2]
     assert 1 <= r["chunks"] <= 8 and r["ideal_us"] == max(r["compute_us"], r["comm_us"])

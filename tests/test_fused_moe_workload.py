@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from commfuse.comm import Communicator
-from commfuse.fused import gemm_alltoall as ga
+from commfuse.fused import gemm_all_to_all as ga
 from commfuse.testing import RankPool
 from commfuse.workloads.moe import MoEOptions, MoEWorkload
 

@@ -22,8 +22,8 @@ from commfuse.fused.ops import register_communicator
 from commfuse.fused.sequence_modules import (
     ColumnParallelLinear,
     SequenceParallelRowLinear,
-    allgather_gemm_op,
-    gemm_reducescatter_op,
+    all_gather_gemm_op,
+    gemm_reduce_scatter_op,
 )
 from commfuse.testing import RankPool
 
@@ -68,21 +68,21 @@ def grid() -> list[str]:
                 x = full_x[mine].clone().requires_grad_(True)
                 w = full_w[cols].clone().requires_grad_(True)
                 comm.stats.reset()
-                y, gathered = allgather_gemm_op(x, w, splits, cid, chunks)
+                y, gathered = all_gather_gemm_op(x, w, splits, cid, chunks)
                 fwd = comm.stats[sp.LABEL_AG]
                 if not torch.equal(y, full_x @ full_w[cols].t()) or not torch.equal(
                     gathered, full_x
                 ):
-                    failures.append(f"{where}: allgather_gemm forward differs")
+                    failures.append(f"{where}: all_gather_gemm forward differs")
                 comm.stats.reset()
                 (y * grad[:, cols]).sum().backward()
                 bwd = comm.stats[sp.LABEL_RS]
                 want_gx = (grad.float() @ full_w.float()).to(dtype)[mine]  # summed over ranks
                 want_gw = grad[:, cols].t() @ full_x
                 if x.grad is None or not torch.equal(x.grad, want_gx):
-                    failures.append(f"{where}: allgather_gemm grad_x differs")
+                    failures.append(f"{where}: all_gather_gemm grad_x differs")
                 if w.grad is None or not torch.equal(w.grad, want_gw):
-                    failures.append(f"{where}: allgather_gemm grad_w differs")
+                    failures.append(f"{where}: all_gather_gemm grad_w differs")
                 if chunks > 1 and world > 1:
                     right = (rank + 1) % world
                     want = sum(n for j, n in enumerate(splits) if j != right) * k_in * es
@@ -98,10 +98,10 @@ def grid() -> list[str]:
                         )
                     if not uneven:  # equal shards: exactly the ring allgather's bytes
                         comm.stats.reset()
-                        sp.allgather_gemm_reference(
+                        sp.all_gather_gemm_reference(
                             comm, x.detach(), w.detach(), splits=splits, algo="ring"
                         )
-                        ring = comm.stats[label("allgather", "ring")].bytes_sent
+                        ring = comm.stats[label("all_gather", "ring")].bytes_sent
                         if ring != fwd.bytes_sent:
                             failures.append(
                                 f"{where}: AG sent {fwd.bytes_sent}, ring reference {ring}"
@@ -114,20 +114,20 @@ def grid() -> list[str]:
                 a = full_a[:, kin].clone().requires_grad_(True)
                 v = full_v[:, kin].clone().requires_grad_(True)
                 comm.stats.reset()
-                z = gemm_reducescatter_op(a, v, splits, cid, chunks)
+                z = gemm_reduce_scatter_op(a, v, splits, cid, chunks)
                 fwd = comm.stats[sp.LABEL_RS]
                 if not torch.equal(z, (full_a @ full_v.t())[mine]):
-                    failures.append(f"{where}: gemm_reducescatter forward differs")
-                ref = sp.gemm_reducescatter_reference(comm, a.detach(), v.detach(), splits=splits)
+                    failures.append(f"{where}: gemm_reduce_scatter forward differs")
+                ref = sp.gemm_reduce_scatter_reference(comm, a.detach(), v.detach(), splits=splits)
                 if not torch.equal(ref, z.detach()):
                     failures.append(f"{where}: fused differs from the unfused reference")
                 comm.stats.reset()
                 (z * grad[mine]).sum().backward()
                 bwd = comm.stats[sp.LABEL_AG]
                 if a.grad is None or not torch.equal(a.grad, grad @ full_v[:, kin]):
-                    failures.append(f"{where}: gemm_reducescatter grad_a differs")
+                    failures.append(f"{where}: gemm_reduce_scatter grad_a differs")
                 if v.grad is None or not torch.equal(v.grad, grad.t() @ full_a[:, kin]):
-                    failures.append(f"{where}: gemm_reducescatter grad_w differs")
+                    failures.append(f"{where}: gemm_reduce_scatter grad_w differs")
                 if chunks > 1 and world > 1:
                     want = sum(n for j, n in enumerate(splits) if j != rank) * n_out * es
                     if fwd.bytes_sent != want:
@@ -140,7 +140,7 @@ def grid() -> list[str]:
                         )
                     if not uneven:
                         comm.stats.reset()
-                        sp.gemm_reducescatter_reference(
+                        sp.gemm_reduce_scatter_reference(
                             comm, a.detach(), v.detach(), splits=splits, algo="ring"
                         )
                         ring = comm.stats[label("reduce_scatter", "ring")].bytes_sent
@@ -207,11 +207,11 @@ def errors() -> list[str]:
     failures: list[str] = []
     x, w = torch.ones(2, 3), torch.ones(4, 3)
     checks: dict[str, Callable[[], object]] = {
-        "splits needs": lambda: sp.allgather_gemm(comm, x, w, splits=[2] * (world + 1)),
-        "has 2 rows but splits": lambda: sp.allgather_gemm(comm, x, w, splits=[1] * world),
-        "need x [rows, K]": lambda: sp.gemm_reducescatter(comm, x, torch.ones(4, 2)),
-        "cast one of them": lambda: sp.allgather_gemm(comm, x, w.double()),
-        "chunks must be >= 1": lambda: sp.gemm_reducescatter(comm, x, w, chunks=0),
+        "splits needs": lambda: sp.all_gather_gemm(comm, x, w, splits=[2] * (world + 1)),
+        "has 2 rows but splits": lambda: sp.all_gather_gemm(comm, x, w, splits=[1] * world),
+        "need x [rows, K]": lambda: sp.gemm_reduce_scatter(comm, x, torch.ones(4, 2)),
+        "cast one of them": lambda: sp.all_gather_gemm(comm, x, w.double()),
+        "chunks must be >= 1": lambda: sp.gemm_reduce_scatter(comm, x, w, chunks=0),
     }
     for needle, call in checks.items():
         try:
@@ -253,7 +253,7 @@ def test_sequence_parallel_errors(pool: PoolFn, world: int) -> None:
 def test_bench_records(pool: PoolFn) -> None:
     from commfuse.bench.fused import FusedBenchConfig, bench_fused_on_rank
 
-    ops = ("allgather_gemm", "gemm_reducescatter")
+    ops = ("all_gather_gemm", "gemm_reduce_scatter")
     config = FusedBenchConfig(ops=ops, iters=1, warmup=1, shapes=((9, 8, 6),))
     records = pool(2).run(bench_fused_on_rank, config, timeout_s=120)[0]
     assert [r["op"] for r in records] == list(ops)

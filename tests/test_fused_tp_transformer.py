@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from commfuse.comm import Communicator
 from commfuse.fused import baselines
-from commfuse.fused import gemm_allreduce as gar
+from commfuse.fused import gemm_all_reduce as gar
 from commfuse.fused import sequence_parallel as sp
 from commfuse.fused.chunking import shard_range
 from commfuse.fused.modules import full_linear_weight
@@ -201,11 +201,11 @@ def _check_block(sequence_parallel: bool, num_chunks: int) -> list[str]:
         # in backward; plus one allreduce of the replicated gradients in both steps.
         want_calls = {"all_gather": 4 * layers, "reduce_scatter": 4 * layers, "all_reduce": 1}
         if f_snap.get("all_reduce", {}).get("calls") != 1:
-            failures.append(f"{where}: fused step made {f_snap.get('all_reduce')} allreduces")
+            failures.append(f"{where}: fused step made {f_snap.get('all_reduce')} all_reduces")
     else:
         want_calls = {"all_reduce": 4 * layers}  # proj, fc2 forward; qkv, fc1 inputs backward
         if "all_reduce" in f_snap and world > 1:
-            failures.append(f"{where}: the fused step used gloo's allreduce")
+            failures.append(f"{where}: the fused step used gloo's all_reduce")
     for kind, calls in want_calls.items():
         got = u_snap.get(kind, {}).get("calls", 0)
         if got != calls and world > 1:  # one rank: the sequence-parallel ops skip theirs

@@ -108,7 +108,7 @@ def hook_error_reaches_backward() -> str:
 
 def test_hook_error_reaches_backward(pool: Any) -> None:
     for message in pool(2).run(hook_error_reaches_backward, timeout_s=60):
-        assert "unknown allreduce algorithm 'no-such-algo'" in message
+        assert "unknown all_reduce algorithm 'no-such-algo'" in message
 
 
 def test_state_dict_of_the_hook_state_round_trips(pool: Any) -> None:

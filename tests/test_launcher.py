@@ -34,7 +34,7 @@ from commfuse.cluster.store import host_store
 SCRIPTS = Path(__file__).parent / "scripts"
 PRINT_ENV = str(SCRIPTS / "print_env.py")
 MISBEHAVE = str(SCRIPTS / "misbehave.py")
-ALLREDUCE = str(SCRIPTS / "allreduce_check.py")
+ALL_REDUCE = str(SCRIPTS / "all_reduce_check.py")
 
 _console_script = Path(sys.executable).with_name("commfuse")
 #: The installed ``commfuse`` command (or the same entry point through ``python -m``).
@@ -121,8 +121,8 @@ def summary_line(stderr: str) -> str:
     return own[-1]
 
 
-def parse_allreduce(stdout: str) -> dict[int, dict[str, str]]:
-    lines = rank_lines(stdout, "ALLREDUCE_OK ")
+def parse_all_reduce(stdout: str) -> dict[int, dict[str, str]]:
+    lines = rank_lines(stdout, "ALL_REDUCE_OK ")
     return {
         rank: dict(item.split("=", 1) for item in texts[0].split()) for rank, texts in lines.items()
     }
@@ -163,16 +163,16 @@ def test_every_rank_gets_the_torchrun_contract(hosts: int, per_host: int) -> Non
 
 @pytest.mark.timeout(120)
 def test_world_size_one_runs_a_torchrun_script() -> None:
-    proc = commfuse_launch("--nproc", "1", ALLREDUCE)
+    proc = commfuse_launch("--nproc", "1", ALL_REDUCE)
     assert proc.returncode == 0, proc.stderr
-    results = parse_allreduce(proc.stdout)
+    results = parse_all_reduce(proc.stdout)
     assert list(results) == [0]
     assert results[0]["world"] == "1" and results[0]["sum"] == "1"
 
 
 @pytest.mark.timeout(120)
 def test_two_jobs_at_once_get_their_own_ports() -> None:
-    procs = [start_launch("--nproc", "2", ALLREDUCE) for _ in range(2)]
+    procs = [start_launch("--nproc", "2", ALL_REDUCE) for _ in range(2)]
     try:
         outputs = [p.communicate(timeout=80) for p in procs]
     finally:
@@ -181,7 +181,7 @@ def test_two_jobs_at_once_get_their_own_ports() -> None:
     ports = []
     for p, (stdout, stderr) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, stderr
-        results = parse_allreduce(stdout)
+        results = parse_all_reduce(stdout)
         assert sorted(results) == [0, 1]
         assert all(r["world"] == "2" and r["sum"] == "3" for r in results.values())
         (port,) = {r["master"].rsplit(":", 1)[1] for r in results.values()}

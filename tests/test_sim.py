@@ -49,8 +49,8 @@ def _close(a: float, b: float) -> bool:
 def test_idle_network_matches_closed_forms(hosts: int, nbytes: int) -> None:
     cluster = dataclasses.replace(FLAT, num_hosts=hosts)
     link = cluster.inter_cost()
-    ring = collective_time_s("allreduce", "ring", nbytes, cluster)
-    assert _close(ring, C.ring_allreduce(nbytes, hosts, link))
+    ring = collective_time_s("all_reduce", "ring", nbytes, cluster)
+    assert _close(ring, C.ring_all_reduce(nbytes, hosts, link))
     f = (hosts - 1) / hosts
     by_hand = 2 * (hosts - 1) * link.alpha_s + 2 * f * nbytes * link.beta_s_per_byte
     assert _close(ring, by_hand + f * nbytes * link.gamma_s_per_byte)
@@ -71,20 +71,20 @@ def test_idle_network_matches_closed_forms(hosts: int, nbytes: int) -> None:
     # The same numbers the tuner predicts with this cluster as its profile.
     profile = profile_of(cluster)
     for collective, algo in (
-        ("allreduce", "ring"),
+        ("all_reduce", "ring"),
         ("broadcast", "tree"),
-        ("allgather", "ring"),
+        ("all_gather", "ring"),
         ("all_to_all", "pairwise"),
-        ("allreduce", "rabenseifner"),
+        ("all_reduce", "rabenseifner"),
     ):
         sim = collective_time_s(collective, algo, nbytes, cluster)
         assert _close(sim, predict(collective, algo, nbytes, hosts, profile))
 
 
 def test_engine_runs_one_collective_in_its_closed_form_time() -> None:
-    need = demand("allreduce", "ring", 1 << 20, Group(size=8, ranks_per_host=1), FLAT)
+    need = demand("all_reduce", "ring", 1 << 20, Group(size=8, ranks_per_host=1), FLAT)
     timeline = simulate([Task("ar", "dp", "dp", [], demand=need)], world_size=8)
-    assert _close(timeline.step_s, C.ring_allreduce(1 << 20, 8, FLAT.inter_cost()))
+    assert _close(timeline.step_s, C.ring_all_reduce(1 << 20, 8, FLAT.inter_cost()))
 
 
 def test_concurrent_flows_divide_the_link() -> None:
@@ -108,7 +108,7 @@ def test_concurrent_flows_divide_the_link() -> None:
     assert _close(serial.step_s, 22e-3)
 
 
-def test_allreduce_never_beats_the_bandwidth_lower_bound() -> None:
+def test_all_reduce_never_beats_the_bandwidth_lower_bound() -> None:
     rng = random.Random(0)
     algos = ["ring", "native", "pipeline", "doubling", "rabenseifner", "auto"]
     for _ in range(300):
@@ -121,11 +121,15 @@ def test_allreduce_never_beats_the_bandwidth_lower_bound() -> None:
         )
         n = rng.randint(1, 1 << 28)
         algo = rng.choice(algos + (["hierarchical"] if local > 1 else []))
-        t = collective_time_s("allreduce", algo, n, cluster)
+        t = collective_time_s("all_reduce", algo, n, cluster)
         host_link = cluster.inter_gbit_per_s * 1e9 / 8
         # 2((P-1)/P) n / B over hosts: what must cross each host's link at the very least (with
         # one rank per host, the bound over ranks exactly).
-        assert t >= C.allreduce_lower_bound(n, hosts, host_link) * (1 - 1e-12), (hosts, local, algo)
+        assert t >= C.all_reduce_lower_bound(n, hosts, host_link) * (1 - 1e-12), (
+            hosts,
+            local,
+            algo,
+        )
 
 
 def _random_workload(rng: random.Random, comms: bool) -> Workload:
@@ -135,7 +139,7 @@ def _random_workload(rng: random.Random, comms: bool) -> Workload:
         if comms and rng.random() < 0.5:
             extra = (
                 LayerComm(
-                    collective=rng.choice(["allreduce", "all_to_all"]),
+                    collective=rng.choice(["all_reduce", "all_to_all"]),
                     nbytes=rng.randint(1, 1 << 22),
                     group="world",
                     phase=rng.choice(["fwd", "bwd"]),
@@ -168,7 +172,7 @@ def test_adding_load_never_makes_a_step_faster() -> None:
             overlap=rng.random() < 0.8,
             # Fixed algorithms: "auto" is the tuner's choice from its isolated model, which may
             # switch to an algorithm the shared-link engine finds faster at a larger size.
-            algorithms=(("allreduce", rng.choice(["rabenseifner", "ring", "native"])),),
+            algorithms=(("all_reduce", rng.choice(["rabenseifner", "ring", "native"])),),
             fused_chunks=rng.choice([1, 1, 4]),
         )
         base = simulate_step(cluster, workload, strategy).step_s
@@ -247,8 +251,8 @@ def test_overlap_hides_communication_and_breakdown_adds_up() -> None:
 def test_bad_input_is_refused_clearly() -> None:
     with pytest.raises(ValueError, match="inter_gbit_per_s must be a positive"):
         ClusterModel(inter_gbit_per_s=-1.0)
-    with pytest.raises(ValueError, match="unknown algorithm 'bogus' for allreduce"):
-        collective_time_s("allreduce", "bogus", 1024, FLAT)
+    with pytest.raises(ValueError, match="unknown algorithm 'bogus' for all_reduce"):
+        collective_time_s("all_reduce", "bogus", 1024, FLAT)
     with pytest.raises(ValueError, match="unknown collective"):
         collective_time_s("gossip", "ring", 1024, FLAT)
     with pytest.raises(ValueError, match="more than the cluster's 1 GB"):

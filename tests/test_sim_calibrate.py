@@ -34,7 +34,7 @@ SIZES = [128 << 10, 512 << 10, 2 << 20, 8 << 20]
 LINK = C.LinkCost(alpha_s=400e-6, beta_s_per_byte=8e-9, gamma_s_per_byte=0.5e-9)
 
 
-@pytest.mark.parametrize("collective", ["allreduce", "broadcast", "all_to_all", "allgather"])
+@pytest.mark.parametrize("collective", ["all_reduce", "broadcast", "all_to_all", "all_gather"])
 @pytest.mark.parametrize("burst", [0.0, 256 * 1024.0])
 def test_fit_recovers_alpha_and_beta_of_its_own_model(collective: str, burst: float) -> None:
     model = native_with_burst(collective, 4, burst)
@@ -49,7 +49,7 @@ def test_one_spoiled_size_does_not_swing_the_fit() -> None:
     """A burst of load from another job triples one of six sizes' median: the Huber weights keep
     beta within 3% and alpha within a factor 2, where plain least squares moves far more."""
     sizes = [64 << 10, 128 << 10, 512 << 10, 1 << 20, 2 << 20, 8 << 20]
-    model = native_model("allreduce", 4)
+    model = native_model("all_reduce", 4)
     times = [model(n, LINK) for n in sizes]
     times[2] *= 3.0
     fit = fit_link(model, sizes, times, gamma_s_per_byte=LINK.gamma_s_per_byte)
@@ -97,7 +97,7 @@ def test_a_fitted_collective_link_prices_that_algorithm_only() -> None:
     assert math.isclose(
         collective_time_s("broadcast", "native", n, cluster), C.gloo_broadcast(n, 4, link)
     )
-    for collective, algo in (("broadcast", "tree"), ("allreduce", "native")):
+    for collective, algo in (("broadcast", "tree"), ("all_reduce", "native")):
         assert collective_time_s(collective, algo, n, cluster) == collective_time_s(
             collective, algo, n, base
         )
@@ -113,14 +113,14 @@ def test_burst_credit_is_the_closed_form_minus_the_bucket() -> None:
     link = plain.inter_cost()
     credit = 256 * 1024 * link.beta_s_per_byte
     for n in (1 << 20, 16 << 20):
-        got = collective_time_s("allreduce", "ring", n, bursty)
-        assert math.isclose(got, C.ring_allreduce(n, 4, link) - credit, rel_tol=1e-12)
+        got = collective_time_s("all_reduce", "ring", n, bursty)
+        assert math.isclose(got, C.ring_all_reduce(n, 4, link) - credit, rel_tol=1e-12)
     # Smaller than the bucket: only the latency and reduction terms remain.
     small = 64 << 10
     latency_only = dataclasses.replace(link, beta_s_per_byte=0.0)
     assert math.isclose(
-        collective_time_s("allreduce", "ring", small, bursty),
-        C.ring_allreduce(small, 4, latency_only),
+        collective_time_s("all_reduce", "ring", small, bursty),
+        C.ring_all_reduce(small, 4, latency_only),
         rel_tol=1e-12,
     )
     with pytest.raises(ValueError, match="inter_burst_kbyte must be >= 0"):
@@ -156,7 +156,7 @@ def test_fit_cluster_recovers_a_known_cluster_from_its_own_times() -> None:
         mem_gbyte_per_s=6.0,
         collective_links=(
             CollectiveLink(
-                collective="allreduce",
+                collective="all_reduce",
                 algorithm="native",
                 latency_us=500,
                 gbit_per_s=1.1,
@@ -193,7 +193,7 @@ def test_fit_cluster_recovers_a_known_cluster_from_its_own_times() -> None:
     base = dataclasses.replace(truth, collective_links=(), inter_gbit_per_s=5.0)
     fitted, fits = fit_cluster(base, configs, times)
     assert set(fits) == {"p2p"} | {
-        f"{c}/native" for c in ("allreduce", "broadcast", "all_to_all", "allgather")
+        f"{c}/native" for c in ("all_reduce", "broadcast", "all_to_all", "all_gather")
     }
     for name in (
         "inter_gbit_per_s",
@@ -205,9 +205,9 @@ def test_fit_cluster_recovers_a_known_cluster_from_its_own_times() -> None:
         assert math.isclose(getattr(fitted, name), getattr(truth, name), rel_tol=1e-6), name
     assert math.isclose(fitted.comm_cpu_us_per_mbyte, 800.0, rel_tol=1e-4)
     for collective, algo in (
-        ("allreduce", "native"),
+        ("all_reduce", "native"),
         ("broadcast", "native"),
-        ("allreduce", "ring"),
+        ("all_reduce", "ring"),
     ):
         held_out = 3 << 20
         assert math.isclose(

@@ -99,7 +99,7 @@ def test_presets_keep_zero_and_json_round_trips_it() -> None:
 
 
 def test_link_fit_is_capped_at_the_shaped_rate() -> None:
-    model = native_model("allreduce", 4)
+    model = native_model("all_reduce", 4)
     sizes = [128 << 10, 512 << 10, 2 << 20, 8 << 20]
     fast = C.LinkCost(alpha_s=1e-3, beta_s_per_byte=8.0 / 1.2e9)  # 1.2 Gbit/s: above the cap
     times = [model(n, fast) for n in sizes]
@@ -116,7 +116,7 @@ def test_link_fit_is_capped_at_the_shaped_rate() -> None:
         fit_link(model, sizes, times, gamma_s_per_byte=g, max_gbit_per_s=0.0)
 
 
-@pytest.mark.parametrize("collective", ["broadcast", "allreduce"])
+@pytest.mark.parametrize("collective", ["broadcast", "all_reduce"])
 @pytest.mark.parametrize("nbytes", [4 * MB, 16 * MB])
 def test_pipeline_is_priced_at_the_block_the_code_cuts(
     collective: str, nbytes: int, monkeypatch: pytest.MonkeyPatch
@@ -124,20 +124,20 @@ def test_pipeline_is_priced_at_the_block_the_code_cuts(
     cluster = dataclasses.replace(PRESETS["netlab-1gbit"], inter_gbit_per_s=1.0)
     monkeypatch.setenv("COMMFUSE_LINK_MBIT", "1000")
     p = cluster.world_size
-    depth = 2 * (p - 1) if collective == "allreduce" else p - 1
+    depth = 2 * (p - 1) if collective == "all_reduce" else p - 1
     lo, hi = block_ranges(torch.empty(nbytes // 4), None, depth)[0]
     assert pipeline_block_bytes(collective, nbytes, cluster) == (hi - lo) * 4
     # Wire-bound here (0.5 ms per block under 2-4 ms of wire per block): the busiest link's
     # bytes (n, or 2n for the allreduce's two streams on one link, less the token bucket's
     # 256 KiB that pass at once) set the time, plus the fill.
     link = cluster.inter_cost()
-    on_link = (2 if collective == "allreduce" else 1) * nbytes - 256 * 1024
+    on_link = (2 if collective == "all_reduce" else 1) * nbytes - 256 * 1024
     wire = on_link * link.beta_s_per_byte
     t = collective_time_s(collective, "pipeline", nbytes, cluster)
     assert wire < t < wire * 1.15
     # The textbook synchronous schedule (alpha then the block, every step) is slower.
     block = (hi - lo) * 4
-    textbook = (C.lp_allreduce_one_link if collective == "allreduce" else C.lp_broadcast)(
+    textbook = (C.lp_all_reduce_one_link if collective == "all_reduce" else C.lp_broadcast)(
         nbytes, p, link, block
     )
     assert t < textbook

@@ -27,8 +27,8 @@ def test_validate_quick_writes_one_record_per_held_out_configuration(
     records = json.loads(path.read_text())
     held_out = [r for r in records if r["role"] == "validation"]
     assert [r["config"] for r in held_out] == [
-        "allreduce native 1M",
-        "allreduce ring 1M",
+        "all_reduce native 1M",
+        "all_reduce ring 1M",
         "torch DDP step MLP bucket=25MB",
         "local SGD step H=4 MLP",
     ]
@@ -36,12 +36,12 @@ def test_validate_quick_writes_one_record_per_held_out_configuration(
         assert r["measured_us"] > 0 and r["predicted_us"] > 0
         assert math.isclose(r["error"], r["predicted_us"] / r["measured_us"] - 1)
     fits = {r["config"].rsplit(" ", 1)[0] for r in records if r["role"] == "calibration"}
-    assert fits == {"fit p2p", "fit allreduce/native"}
+    assert fits == {"fit p2p", "fit all_reduce/native"}
     # Calibration sizes are not validation sizes: nothing scored was fitted.
     fitted_sizes = {r["config"].rsplit(" ", 1)[1] for r in records if r["role"] == "calibration"}
     assert "1M" not in fitted_sizes
     cluster = ClusterModel.from_json(saved.read_text())
-    assert cluster.collective_link("allreduce", "native") is not None
+    assert cluster.collective_link("all_reduce", "native") is not None
     out = capsys.readouterr().out
     assert "calibrated on" in out and "(not scored)" in out and "median |error|" in out
 

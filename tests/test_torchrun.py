@@ -27,9 +27,9 @@ from commfuse.cluster.topology import Topology
 
 pytestmark = [pytest.mark.netlab, pytest.mark.slow]
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "allreduce_check.py")
+SCRIPT = str(Path(__file__).parent / "scripts" / "all_reduce_check.py")
 RDZV_PORT = 29400  # the lab's namespaces are fresh: nothing else listens there
-RESULT = re.compile(r"ALLREDUCE_OK (.*)$")
+RESULT = re.compile(r"ALL_REDUCE_OK (.*)$")
 
 
 def processes_with(marker: str) -> list[int]:
@@ -132,7 +132,7 @@ def test_the_same_script_under_commfuse_launch() -> None:
     got = results(stdout)
     assert sorted(got) == [0, 1, 2, 3]
     for rank, fields in got.items():
-        assert stdout.count(f"[rank {rank}] ALLREDUCE_OK rank={rank} ") == 1
+        assert stdout.count(f"[rank {rank}] ALL_REDUCE_OK rank={rank} ") == 1
         assert fields["world"] == "4" and fields["sum"] == "10"
         assert fields["group_rank"] == fields["host"] == str(rank // 2)
         assert fields["local_rank"] == str(rank % 2)

@@ -138,8 +138,8 @@ def test_resume_refuses_a_different_run(pool: Any, tmp_path: Path) -> None:
         ("ddp-powersgd:rank=four", "rank='four' is not a valid int"),
         ("commfuse:merge=maybe", "is not a boolean"),
         ("topk:ratioo=0.1", "unknown key 'ratioo'"),
-        ("powersgd:algo=nope", "algo='nope' is not an allreduce algorithm"),
-        ("topk:gather_algo=doubling,algo=ringg", "algo='ringg' is not an allreduce"),
+        ("powersgd:algo=nope", "algo='nope' is not an all_reduce algorithm"),
+        ("topk:gather_algo=doubling,algo=ringg", "algo='ringg' is not an all_reduce"),
         ("", "empty strategy"),
     ],
 )

@@ -66,9 +66,9 @@ class Case:
 def element_count(op: str, size_bytes: int, world: int, element_size: int) -> int:
     """Elements per rank buffer for a requested S, rounded down so blocks split evenly."""
     numel = size_bytes // element_size
-    if op in ("allgather", "reduce_scatter", "all_to_all"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         numel -= numel % world
-    return max(numel, world if op in ("allgather", "reduce_scatter", "all_to_all") else 1)
+    return max(numel, world if op in ("all_gather", "reduce_scatter", "all_to_all") else 1)
 
 
 def make_case(
@@ -84,19 +84,19 @@ def make_case(
     numel = element_count(op, size_bytes, world, esize)
     total = (
         sum(pattern(numel, r, torch.int64) for r in range(world))
-        if op in ("allreduce", "reduce", "reduce_scatter")
+        if op in ("all_reduce", "reduce", "reduce_scatter")
         else None
     )
 
-    if op in ("allreduce", "broadcast", "reduce"):
+    if op in ("all_reduce", "broadcast", "reduce"):
         source = pattern(numel, rank, dtype)
         buf = source.clone()
         root = 0
-        if op == "allreduce":
+        if op == "all_reduce":
             expected = total.to(dtype)  # type: ignore[union-attr]
 
             def call() -> None:
-                C.allreduce(comm, buf, "sum", algo=algo)
+                C.all_reduce(comm, buf, "sum", algo=algo)
         elif op == "broadcast":
             expected = pattern(numel, root, dtype)
 
@@ -121,7 +121,7 @@ def make_case(
         )
 
     block = numel // world
-    if op == "allgather":
+    if op == "all_gather":
         mine = pattern(block, rank, dtype)
         out = torch.empty(numel, dtype=dtype)
         expected = torch.cat([pattern(block, r, dtype) for r in range(world)])
@@ -129,7 +129,7 @@ def make_case(
             name=op,
             size_bytes=numel * esize,
             reset=lambda: out.zero_(),
-            call=lambda: C.allgather(comm, out, mine, algo=algo),
+            call=lambda: C.all_gather(comm, out, mine, algo=algo),
             count_wrong=lambda: int((out != expected).sum()),
         )
     if op == "reduce_scatter":

@@ -29,7 +29,7 @@ from commfuse.comm import Communicator
 class CollectiveBenchConfig:
     """What to sweep."""
 
-    ops: tuple[str, ...] = ("allreduce",)
+    ops: tuple[str, ...] = ("all_reduce",)
     """Collectives to time, from OPS."""
     sizes_bytes: tuple[int, ...] = (1 << 20,)
     """Message sizes S (nccl-tests' convention per op)."""

@@ -68,7 +68,7 @@ class DdpBenchConfig:
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         if not self.algos:
-            raise ValueError("algos must name at least one allreduce algorithm")
+            raise ValueError("algos must name at least one all_reduce algorithm")
         for algo in self.algos:
             DataParallelConfig(algo=algo)  # ValueError naming the known algorithms
 

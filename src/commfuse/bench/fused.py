@@ -45,8 +45,8 @@ from commfuse.cluster.topology import Topology
 from commfuse.collectives import all_to_all
 from commfuse.comm import Communicator
 from commfuse.fused import baselines
-from commfuse.fused import embedding_alltoall as emb
-from commfuse.fused import gemm_allreduce as gar
+from commfuse.fused import embedding_all_to_all as emb
+from commfuse.fused import gemm_all_reduce as gar
 from commfuse.fused.chunking import (
     ChunkConfig,
     choose_chunks,
@@ -63,17 +63,17 @@ from commfuse.fused.chunking import (
 #:   rank, d_model, d_hidden, experts per rank);
 #: - sequence-parallel rings (bench/fused_sequence.py): (sequence, in_features, out_features).
 OPS: dict[str, tuple[tuple[int, ...], ...]] = {
-    "gemm_allreduce": ((1024, 2048, 1024), (1024, 8192, 512), (2048, 512, 1024)),
-    "gemv_allreduce": ((1, 8192, 16384),),
-    "embedding_alltoall": (
+    "gemm_all_reduce": ((1024, 2048, 1024), (1024, 8192, 512), (2048, 512, 1024)),
+    "gemv_all_reduce": ((1, 8192, 16384),),
+    "embedding_all_to_all": (
         (4096, 32, 20000, 64, 16),
         (4096, 32, 20000, 64, 64),
         (8192, 32, 20000, 64, 4),
     ),
-    "gemm_alltoall": ((2048, 256, 1024, 2), (2048, 1024, 1024, 2), (4096, 64, 1024, 2)),
+    "gemm_all_to_all": ((2048, 256, 1024, 2), (2048, 1024, 1024, 2), (4096, 64, 1024, 2)),
     "moe_step": ((1024, 512, 512, 2),),
-    "allgather_gemm": ((4096, 1024, 4096), (4096, 1024, 1024), (1024, 2048, 8192)),
-    "gemm_reducescatter": ((4096, 4096, 1024), (4096, 1024, 1024), (1024, 8192, 2048)),
+    "all_gather_gemm": ((4096, 1024, 4096), (4096, 1024, 1024), (1024, 2048, 8192)),
+    "gemm_reduce_scatter": ((4096, 4096, 1024), (4096, 1024, 1024), (1024, 8192, 2048)),
 }
 #: Numbers in each operator's shape.
 ARITY = {op: len(shapes[0]) for op, shapes in OPS.items()}
@@ -141,7 +141,7 @@ class FusedBenchConfig:
         if self.shapes and not any(self.shapes_of(op) for op in self.ops):
             missing = self.ops[0]
             raise ValueError(f"no --shape of {ARITY[missing]} dimensions for {missing}")
-        check_chunks(self.chunks, self.ops, by_table=("embedding_alltoall",))
+        check_chunks(self.chunks, self.ops, by_table=("embedding_all_to_all",))
 
     def shapes_of(self, op: str) -> tuple[tuple[int, ...], ...]:
         if self.shapes is None:
@@ -173,8 +173,8 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     return FusedForms(
         compute=lambda: torch.matmul(x, w.t()),
         comm=lambda: comm.all_reduce(buf),
-        unfused=lambda: gar.gemm_allreduce_reference(comm, x, w),
-        fused=lambda k: gar.gemm_allreduce(comm, x, w, chunks=k),
+        unfused=lambda: gar.gemm_all_reduce_reference(comm, x, w),
+        fused=lambda k: gar.gemm_all_reduce(comm, x, w, chunks=k),
         max_chunks=16,
         choose=lambda: gar.choose_chunks_for(comm, x, w, ChunkConfig(max_chunks=16)),
     )
@@ -205,8 +205,8 @@ def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     return FusedForms(
         compute=lambda: lookup.rows(0, batch),
         comm=lambda: all_to_all(comm, out, buf, out_splits, in_splits, algo=baselines.ALL_TO_ALL),
-        unfused=lambda: emb.embedding_alltoall_reference(comm, lookup),
-        fused=lambda k: emb.embedding_alltoall(comm, lookup, chunks=k),
+        unfused=lambda: emb.embedding_all_to_all_reference(comm, lookup),
+        fused=lambda k: emb.embedding_all_to_all(comm, lookup, chunks=k),
         max_chunks=4 * max(world - 1, 1),
         # The module's own choice (ShardedEmbeddingBag): the model, then a timed trial, here of
         # the forward alone (what this row times).
@@ -217,15 +217,15 @@ def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
 
 
 def make_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedForms:
-    if op in ("allgather_gemm", "gemm_reducescatter"):
+    if op in ("all_gather_gemm", "gemm_reduce_scatter"):
         from commfuse.bench.fused_sequence import sequence_case
 
         return sequence_case(comm, op, shape)
-    if op in ("gemm_alltoall", "moe_step"):
-        from commfuse.bench.fused_moe import gemm_alltoall_case, moe_step_case
+    if op in ("gemm_all_to_all", "moe_step"):
+        from commfuse.bench.fused_moe import gemm_all_to_all_case, moe_step_case
 
-        return (gemm_alltoall_case if op == "gemm_alltoall" else moe_step_case)(comm, shape)
-    if op in ("gemm_allreduce", "gemv_allreduce"):
+        return (gemm_all_to_all_case if op == "gemm_all_to_all" else moe_step_case)(comm, shape)
+    if op in ("gemm_all_reduce", "gemv_all_reduce"):
         if len(shape) != 3:
             raise ValueError(f"{op} shape is (rows, in_features, out_features), got {shape}")
         return gemm_case(comm, shape)

@@ -1,4 +1,4 @@
-"""The ``gemm_alltoall`` case of ``commfuse bench fused``: the MoE combine side (expert GEMMs +
+"""The ``gemm_all_to_all`` case of ``commfuse bench fused``: the MoE combine side (expert GEMMs +
 the All-to-All back to the tokens' ranks), fused against unfused.
 
 Shape ``(rows, in_features, out_features, experts_per_rank)``: every rank routes ``rows`` rows
@@ -24,16 +24,16 @@ import torch
 
 from commfuse.bench.fused import FusedForms
 from commfuse.comm import Communicator
-from commfuse.fused import gemm_alltoall as ga
+from commfuse.fused import gemm_all_to_all as ga
 from commfuse.fused.chunking import ChunkConfig
 from commfuse.fused.moe import choose_moe_chunks
 from commfuse.workloads.moe import MoEModel, MoEOptions, MoEWorkload
 
 
-def gemm_alltoall_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
+def gemm_all_to_all_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     if len(shape) != 4 or min(shape) < 1:
         raise ValueError(
-            f"gemm_alltoall shape is (rows, in_features, out_features, experts_per_rank), got {shape}"
+            f"gemm_all_to_all shape is (rows, in_features, out_features, experts_per_rank), got {shape}"
         )
     rows, k_in, n_out, per_rank = shape
     world = comm.world_size
@@ -56,8 +56,8 @@ def gemm_alltoall_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms
     return FusedForms(
         compute=lambda: ga.expert_gemm(rt, h, w),
         comm=lambda: ga.native_exchange(comm, rt, y, to_experts=False),
-        unfused=lambda: ga.gemm_alltoall_reference(comm, rt, h, w),
-        fused=lambda k: ga.gemm_alltoall(comm, rt, h, w, chunks=k),
+        unfused=lambda: ga.gemm_all_to_all_reference(comm, rt, h, w),
+        fused=lambda k: ga.gemm_all_to_all(comm, rt, h, w, chunks=k),
         max_chunks=max_chunks,
         choose=lambda: choose_moe_chunks(comm, rt, h, w, ChunkConfig(max_chunks=max_chunks)),
     )

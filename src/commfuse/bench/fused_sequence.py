@@ -1,4 +1,4 @@
-"""``commfuse bench fused --op allgather_gemm,gemm_reducescatter``: the sequence-parallel rings.
+"""``commfuse bench fused --op all_gather_gemm,gemm_reduce_scatter``: the sequence-parallel rings.
 
 Shapes are ``(S, K, N)``: the whole sequence ``S`` (rows split across ranks), the input
 features ``K`` and the output features ``N`` of the full ``[N, K]`` weight. AllGather + GEMM
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from commfuse.bench.fused import FusedForms
-from commfuse.collectives import allgather, reduce_scatter
+from commfuse.collectives import all_gather, reduce_scatter
 from commfuse.comm import Communicator
 from commfuse.fused import baselines
 from commfuse.fused import sequence_parallel as sp
@@ -31,22 +31,22 @@ def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedF
     world, rank = comm.world_size, comm.rank
     splits = split_sizes(seq, world)
     gen = torch.Generator().manual_seed(rank)
-    if op == "allgather_gemm":
+    if op == "all_gather_gemm":
         x = torch.randint(-2, 3, (splits[rank], k_in), generator=gen).float()
         w = torch.randint(-2, 3, (split_sizes(n_out, world)[rank], k_in), generator=gen).float()
         shard = torch.zeros(max(splits), k_in)
         gathered = torch.zeros(world * max(splits), k_in)
 
         def measure() -> tuple[float, float]:
-            return sp.measure_allgather_gemm(comm, x, w, splits)
+            return sp.measure_all_gather_gemm(comm, x, w, splits)
 
         def fused(k: int) -> torch.Tensor:
-            return sp.allgather_gemm(comm, x, w, splits=splits, chunks=k)[0]
+            return sp.all_gather_gemm(comm, x, w, splits=splits, chunks=k)[0]
 
         return FusedForms(
             compute=lambda: torch.matmul(gathered[:seq], w.t()),
-            comm=lambda: allgather(comm, gathered, shard, algo=baselines.SEQUENCE),
-            unfused=lambda: sp.allgather_gemm_reference(comm, x, w, splits=splits)[0],
+            comm=lambda: all_gather(comm, gathered, shard, algo=baselines.SEQUENCE),
+            unfused=lambda: sp.all_gather_gemm_reference(comm, x, w, splits=splits)[0],
             fused=fused,
             max_chunks=world,
             choose=lambda: _choose(comm, measure),
@@ -58,10 +58,10 @@ def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedF
     return FusedForms(
         compute=lambda: torch.matmul(a, v.t()),
         comm=lambda: reduce_scatter(comm, out, full, algo=baselines.SEQUENCE),
-        unfused=lambda: sp.gemm_reducescatter_reference(comm, a, v, splits=splits),
-        fused=lambda k: sp.gemm_reducescatter(comm, a, v, splits=splits, chunks=k),
+        unfused=lambda: sp.gemm_reduce_scatter_reference(comm, a, v, splits=splits),
+        fused=lambda k: sp.gemm_reduce_scatter(comm, a, v, splits=splits, chunks=k),
         max_chunks=world,
-        choose=lambda: _choose(comm, lambda: sp.measure_gemm_reducescatter(comm, a, v, splits)),
+        choose=lambda: _choose(comm, lambda: sp.measure_gemm_reduce_scatter(comm, a, v, splits)),
     )
 
 

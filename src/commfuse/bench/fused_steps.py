@@ -34,7 +34,7 @@ from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
 from commfuse.cluster.topology import Topology
 from commfuse.comm import Communicator
-from commfuse.fused import embedding_alltoall as emb
+from commfuse.fused import embedding_all_to_all as emb
 from commfuse.fused.chunking import ChunkConfig
 
 

@@ -63,7 +63,7 @@ def register(sub: Subparsers) -> None:
     parser.add_argument("--size", default="16M", help="message size with --collective")
     parser.add_argument("--algo", default="auto", help="algorithm(s), comma list")
     add_bucket_cap_argument(parser)
-    parser.add_argument("--no-overlap", action="store_true", help="allreduce after backward")
+    parser.add_argument("--no-overlap", action="store_true", help="all_reduce after backward")
     parser.add_argument("--compression-ratio", type=float, default=1.0)
     parser.add_argument(
         "--compression-gbps",

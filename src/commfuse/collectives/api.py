@@ -1,4 +1,4 @@
-"""The front door: ``allreduce(comm, tensor, op, algo=...)`` and friends.
+"""The front door: ``all_reduce(comm, tensor, op, algo=...)`` and friends.
 
 Each call validates its arguments (a clear ValueError, never a hang on bad input), flattens the
 tensor, takes the fast paths (world of one, empty tensor), picks the algorithm (``algo="auto"``
@@ -77,7 +77,7 @@ def _run(
     return None
 
 
-def allreduce(
+def all_reduce(
     comm: Communicator,
     tensor: torch.Tensor,
     op: str = "sum",
@@ -88,31 +88,31 @@ def allreduce(
     **opts: Any,
 ) -> Handle | None:
     """Reduce ``tensor`` over all ranks; the result lands in ``tensor`` (or ``out``)."""
-    _check_tensor(tensor, "allreduce tensor")
+    _check_tensor(tensor, "all_reduce tensor")
     check_op(op, tensor.dtype)
     if comm.config.validate:
-        check_consistent(comm, tensor, "allreduce")
+        check_consistent(comm, tensor, "all_reduce")
     target = tensor
     if out is not None:
         if out.shape != tensor.shape or out.dtype != tensor.dtype:
             raise ValueError(
-                f"allreduce out must match the input: {tuple(tensor.shape)} {tensor.dtype}, got {tuple(out.shape)} {out.dtype}"
+                f"all_reduce out must match the input: {tuple(tensor.shape)} {tensor.dtype}, got {tuple(out.shape)} {out.dtype}"
             )
-        _check_tensor(out, "allreduce out")
+        _check_tensor(out, "all_reduce out")
         out.copy_(tensor)
         target = out
     if comm.world_size == 1 or target.numel() == 0:
         return CompletedHandle() if async_op else None
-    name, opts = _pick(comm, "allreduce", algo, target.numel() * target.element_size(), opts)
-    _count_handed(comm, "allreduce", name, target)
-    fn = algorithms_for("allreduce")[name]
+    name, opts = _pick(comm, "all_reduce", algo, target.numel() * target.element_size(), opts)
+    _count_handed(comm, "all_reduce", name, target)
+    fn = algorithms_for("all_reduce")[name]
 
     def body() -> None:
         fn(comm, target.view(-1), op, **opts)
         if name != "native":
             finish_(target, op, comm.world_size)
 
-    return _run(comm, f"allreduce.{name}", async_op, body)
+    return _run(comm, f"all_reduce.{name}", async_op, body)
 
 
 def broadcast(
@@ -175,7 +175,7 @@ def reduce(
     return _run(comm, f"reduce.{name}", async_op, body)
 
 
-def allgather(
+def all_gather(
     comm: Communicator,
     out: torch.Tensor,
     inp: torch.Tensor,
@@ -185,21 +185,21 @@ def allgather(
     **opts: Any,
 ) -> Handle | None:
     """``out`` (world_size x inp.numel() elements) receives every rank's ``inp`` in rank order."""
-    _check_tensor(inp, "allgather input")
-    _check_tensor(out, "allgather output")
-    _check_world_multiple("allgather output", out, "input", inp, comm.world_size)
+    _check_tensor(inp, "all_gather input")
+    _check_tensor(out, "all_gather output")
+    _check_world_multiple("all_gather output", out, "input", inp, comm.world_size)
     if comm.config.validate:
-        check_consistent(comm, inp, "allgather")
+        check_consistent(comm, inp, "all_gather")
     if comm.world_size == 1 or inp.numel() == 0:
         out.view(-1).copy_(inp.view(-1))
         return CompletedHandle() if async_op else None
-    name, opts = _pick(comm, "allgather", algo, out.numel() * out.element_size(), opts)
-    _count_handed(comm, "allgather", name, inp)
+    name, opts = _pick(comm, "all_gather", algo, out.numel() * out.element_size(), opts)
+    _count_handed(comm, "all_gather", name, inp)
     return _run(
         comm,
-        f"allgather.{name}",
+        f"all_gather.{name}",
         async_op,
-        algorithms_for("allgather")[name],
+        algorithms_for("all_gather")[name],
         comm,
         out.view(-1),
         inp.view(-1),

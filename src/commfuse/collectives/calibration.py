@@ -132,16 +132,16 @@ def _call_of(
 
     world = comm.world_size
     elems = nbytes // 4
-    if collective in ("allreduce", "broadcast", "reduce"):
+    if collective in ("all_reduce", "broadcast", "reduce"):
         buf = torch.zeros(elems)
-        if collective == "allreduce":
-            return lambda: api.allreduce(comm, buf, "sum", algo=algo, **opts)
+        if collective == "all_reduce":
+            return lambda: api.all_reduce(comm, buf, "sum", algo=algo, **opts)
         if collective == "broadcast":
             return lambda: api.broadcast(comm, buf, 0, algo=algo, **opts)
         return lambda: api.reduce(comm, buf, 0, "sum", algo=algo, **opts)
     whole, piece = torch.zeros(elems), torch.zeros(elems // world)
-    if collective == "allgather":
-        return lambda: api.allgather(comm, whole, piece, algo=algo, **opts)
+    if collective == "all_gather":
+        return lambda: api.all_gather(comm, whole, piece, algo=algo, **opts)
     if collective == "reduce_scatter":
         return lambda: api.reduce_scatter(comm, piece, whole, "sum", algo=algo, **opts)
     if collective == "all_to_all":

@@ -65,25 +65,25 @@ def lp_reduce(n: int, p: int, c: LinkCost, block_bytes: int | None = None) -> fl
     return (p - 1 + math.ceil(n / b)) * (c.alpha_s + b * (c.beta_s_per_byte + c.gamma_s_per_byte))
 
 
-def lp_allreduce(n: int, p: int, c: LinkCost, block_bytes: int | None = None) -> float:
+def lp_all_reduce(n: int, p: int, c: LinkCost, block_bytes: int | None = None) -> float:
     """Pipelined reduce then broadcast, overlapped: about one reduce plus P - 1 more block steps.
 
     This holds for a chain of separate links. Where each rank has one link (one NIC per host,
-    as on the emulated cluster), see ``lp_allreduce_one_link``."""
+    as on the emulated cluster), see ``lp_all_reduce_one_link``."""
     if p <= 1:
         return 0.0
     b = block_bytes or lp_best_block_bytes(n, p, c)
     return lp_reduce(n, p, c, b) + (p - 1) * (c.alpha_s + b * c.beta_s_per_byte)
 
 
-def lp_allreduce_one_link(n: int, p: int, c: LinkCost, block_bytes: int | None = None) -> float:
-    """LP allreduce when each rank's two outgoing streams share its one link: a middle rank
+def lp_all_reduce_one_link(n: int, p: int, c: LinkCost, block_bytes: int | None = None) -> float:
+    """LP all-reduce when each rank's two outgoing streams share its one link: a middle rank
     sends partial block i toward the head and finished block j away from it in the same step,
     so its link carries 2n bytes, not n. With P = 2 each end sends one stream only.
     ``(2(P - 1) + n/b)(alpha + 2 b beta) + n gamma`` (the tuner measured 1.6x the separate-link
     model at 16 MB on 4 emulated hosts)."""
     if p <= 2:
-        return lp_allreduce(n, p, c, block_bytes)
+        return lp_all_reduce(n, p, c, block_bytes)
     b = block_bytes or lp_best_block_bytes(n, p, c)
     steps = 2 * (p - 1) + math.ceil(n / b)
     return steps * (c.alpha_s + 2 * b * c.beta_s_per_byte) + n * c.gamma_s_per_byte
@@ -116,7 +116,7 @@ def mst_reduce(n: int, p: int, c: LinkCost) -> float:
     return _lg(p) * (c.alpha_s + n * (c.beta_s_per_byte + c.gamma_s_per_byte))
 
 
-def ring_allreduce(n: int, p: int, c: LinkCost) -> float:
+def ring_all_reduce(n: int, p: int, c: LinkCost) -> float:
     """2(P-1) alpha + 2((P-1)/P) n beta + ((P-1)/P) n gamma."""
     if p <= 1:
         return 0.0
@@ -132,14 +132,14 @@ def ring_reduce_scatter(n: int, p: int, c: LinkCost) -> float:
     return (p - 1) * c.alpha_s + f * n * (c.beta_s_per_byte + c.gamma_s_per_byte)
 
 
-def ring_allgather(n: int, p: int, c: LinkCost) -> float:
+def ring_all_gather(n: int, p: int, c: LinkCost) -> float:
     """n is the full output: (P-1) alpha + ((P-1)/P) n beta."""
     if p <= 1:
         return 0.0
     return (p - 1) * c.alpha_s + (p - 1) / p * n * c.beta_s_per_byte
 
 
-def recursive_doubling_allreduce(n: int, p: int, c: LinkCost) -> float:
+def recursive_doubling_all_reduce(n: int, p: int, c: LinkCost) -> float:
     """lg P (alpha + n beta + n gamma), plus two extra steps when P is not a power of two."""
     extra = 0 if p & (p - 1) == 0 else 2
     return (_lg(p) - (1 if extra else 0) + extra) * (c.alpha_s + n * c.beta_s_per_byte) + _lg(
@@ -147,14 +147,14 @@ def recursive_doubling_allreduce(n: int, p: int, c: LinkCost) -> float:
     ) * n * c.gamma_s_per_byte
 
 
-def recursive_doubling_allgather(n: int, p: int, c: LinkCost) -> float:
+def recursive_doubling_all_gather(n: int, p: int, c: LinkCost) -> float:
     """n is the full output: lg P alpha + ((P-1)/P) n beta."""
     if p <= 1:
         return 0.0
     return _lg(p) * c.alpha_s + (p - 1) / p * n * c.beta_s_per_byte
 
 
-def rabenseifner_allreduce(n: int, p: int, c: LinkCost) -> float:
+def rabenseifner_all_reduce(n: int, p: int, c: LinkCost) -> float:
     """2 lg P alpha + 2((P-1)/P) n beta + ((P-1)/P) n gamma (+ a fold for non-powers of two)."""
     if p <= 1:
         return 0.0
@@ -172,7 +172,7 @@ def pairwise_all_to_all(n: int, p: int, c: LinkCost) -> float:
     return (p - 1) * (c.alpha_s + n / p * c.beta_s_per_byte)
 
 
-def allreduce_lower_bound(n: int, p: int, bandwidth_bytes_per_s: float) -> float:
+def all_reduce_lower_bound(n: int, p: int, bandwidth_bytes_per_s: float) -> float:
     """No algorithm without in-network reduction beats 2((P-1)/P) n / B."""
     return 2 * (p - 1) / p * n / bandwidth_bytes_per_s if p > 1 else 0.0
 
@@ -180,9 +180,9 @@ def allreduce_lower_bound(n: int, p: int, bandwidth_bytes_per_s: float) -> float
 def bus_factor(collective: str, world_size: int) -> float:
     """nccl-tests' factor from algorithm bandwidth to bus bandwidth."""
     n = world_size
-    if collective == "allreduce":
+    if collective == "all_reduce":
         return 2 * (n - 1) / n
-    if collective in ("allgather", "reduce_scatter", "all_to_all"):
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     if collective in ("broadcast", "reduce", "sendrecv"):
         return 1.0

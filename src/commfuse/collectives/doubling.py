@@ -1,18 +1,18 @@
-"""Recursive doubling and halving: allreduce and allgather in lg P steps (names ``"doubling"``,
+"""Recursive doubling and halving: all-reduce and all-gather in lg P steps (names ``"doubling"``,
 ``"rabenseifner"``, ``"halving"``).
 
 Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH"
 (IJHPCA 2005), sections 4.3 and 4.5; Bruck et al., "Efficient Algorithms for All-to-All
-Communications in Multiport Message-Passing Systems" (IEEE TPDS 1997) for the allgather.
+Communications in Multiport Message-Passing Systems" (IEEE TPDS 1997) for the all-gather.
 
-* **Recursive doubling allreduce** (``doubling``): in step k rank r exchanges its whole buffer
+* **Recursive doubling all-reduce** (``doubling``): in step k rank r exchanges its whole buffer
   with ``r xor 2^k`` and reduces; after lg P steps everyone has the result. Cost
   ``lg P (alpha + n beta + n gamma)``: few messages, best for short buffers.
 * **Recursive halving reduce-scatter** (``halving``): in the step with distance d (P/2, P/4, ...,
   1) rank r keeps the half of its current range that holds block r, sends the other half to
   ``r xor d`` and reduces what it receives into the kept half. Cost
   ``lg P alpha + ((P-1)/P) n (beta + gamma)``.
-* **Rabenseifner allreduce** (``rabenseifner``): recursive halving, then recursive doubling to
+* **Rabenseifner all-reduce** (``rabenseifner``): recursive halving, then recursive doubling to
   gather the reduced blocks back (distance 1, 2, ..., P/2, the halves growing again). Cost
   ``2 lg P alpha + 2((P-1)/P) n beta + ((P-1)/P) n gamma``: the ring's bandwidth with lg P
   latency, best for medium and large buffers.
@@ -21,7 +21,7 @@ Communications in Multiport Message-Passing Systems" (IEEE TPDS 1997) for the al
   ``r + 2^k``, rotate at the end). Both cost ``ceil(lg P) alpha + ((P-1)/P) n beta``; every rank
   sends exactly P - 1 blocks.
 
-**Non-powers of two** (the MPICH way, for every algorithm here but the allgather): with
+**Non-powers of two** (the MPICH way, for every algorithm here but the all-gather): with
 ``P' = 2^floor(lg P)`` and ``rem = P - P'``, the first ``2 rem`` ranks fold pairwise before the
 algorithm: each even rank ``2i`` sends its whole buffer to ``2i + 1``, which reduces it, and then
 **idles** until the odd rank sends the result back after the algorithm. Odd ranks ``2i + 1``
@@ -143,10 +143,10 @@ def _fold_out(comm: Communicator, buf: torch.Tensor, tag: str) -> None:
             comm.recv(buf, rank + 1, label=tag)
 
 
-@register("allreduce", "doubling")
-def doubling_allreduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
-    """Recursive doubling allreduce: lg P' full-buffer exchanges (plus the fold)."""
-    tag = label("allreduce", "doubling")
+@register("all_reduce", "doubling")
+def doubling_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
+    """Recursive doubling all-reduce: lg P' full-buffer exchanges (plus the fold)."""
+    tag = label("all_reduce", "doubling")
     pof2, rem = fold_sizes(comm.world_size)
     new_rank = _fold_in(comm, buf, op, tag)
     if new_rank is not None:
@@ -161,10 +161,10 @@ def doubling_allreduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any)
     _fold_out(comm, buf, tag)
 
 
-@register("allreduce", "rabenseifner")
-def rabenseifner_allreduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
-    """Rabenseifner: recursive-halving reduce-scatter, recursive-doubling allgather."""
-    tag = label("allreduce", "rabenseifner")
+@register("all_reduce", "rabenseifner")
+def rabenseifner_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
+    """Rabenseifner: recursive-halving reduce-scatter, recursive-doubling all-gather."""
+    tag = label("all_reduce", "rabenseifner")
     pof2 = fold_sizes(comm.world_size)[0]
     new_rank = _fold_in(comm, buf, op, tag)
     if new_rank is not None:
@@ -200,10 +200,10 @@ def halving_reduce_scatter(
         out.copy_(work[rank * size : (rank + 1) * size])
 
 
-@register("allgather", "doubling")
-def doubling_allgather(comm: Communicator, out: torch.Tensor, inp: torch.Tensor, **_: Any) -> None:
-    """Recursive doubling allgather (P a power of two) or Bruck's algorithm (any other P)."""
-    tag = label("allgather", "doubling")
+@register("all_gather", "doubling")
+def doubling_all_gather(comm: Communicator, out: torch.Tensor, inp: torch.Tensor, **_: Any) -> None:
+    """Recursive doubling all-gather (P a power of two) or Bruck's algorithm (any other P)."""
+    tag = label("all_gather", "doubling")
     rank, world = comm.rank, comm.world_size
     size = inp.numel()
     if world & (world - 1) == 0:

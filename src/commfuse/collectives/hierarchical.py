@@ -1,29 +1,29 @@
-"""Two-level (hierarchical) allreduce and broadcast: fast links inside a host, slow ones across.
+"""Two-level (hierarchical) all-reduce and broadcast: fast links inside a host, slow ones across.
 
-On H hosts of L ranks each (P = HL), a flat ring allreduce sends ``2((P-1)/P) n`` bytes over
+On H hosts of L ranks each (P = HL), a flat ring all-reduce sends ``2((P-1)/P) n`` bytes over
 every ring link, host links included: on 2 hosts x 2 ranks each host link carries 1.5 n where
 two levels need only n (Wang et al., arXiv 1611.04255).
 
-**Allreduce, 2D** (``intra_algo="ring"``, the default): the 2D-torus allreduce of Mikami et al.
+**Allreduce, 2D** (``intra_algo="ring"``, the default): the 2D-torus all-reduce of Mikami et al.
 ("Massively Distributed SGD: ImageNet/ResNet-50 Training in a Flash", arXiv 1811.05233), as in
-Horovod's hierarchical allreduce over NCCL:
+Horovod's hierarchical all-reduce over NCCL:
 
 1. Reduce-scatter inside each host (in-place ring over loopback): local rank l ends with shard
    l, 1/L of the buffer, reduced over its host.
 2. Allreduce of shard l across hosts among the H ranks of local rank l (``inter_algo``, a ring
-   by default). The L allreduces run at once and share each host link, which carries
+   by default). The L all-reduces run at once and share each host link, which carries
    ``2((H-1)/H) n`` bytes in all: n for 2 hosts, under 2 n for any H.
 3. Allgather inside each host (in-place ring): every rank ends with all L reduced shards.
 
 **Pipelining.** The buffer is cut into C chunks (``num_chunks``; default ``P x
 CHUNK_BYTES_PER_RANK`` bytes each, at most ``MAX_CHUNKS``). Chunk i's host phases run on the
 calling thread while chunk i - 1 crosses hosts on the cross-host communicator's worker thread
-(gloo waits release the GIL; ``inter_algo="native"`` uses gloo's async allreduce instead), so the
-slow links stay busy and only the first reduce-scatter and the last allgather are exposed. Host
-phases run in the order RS(0), RS(1), AG(0), RS(2), AG(1), ..., cross-host allreduces in chunk
+(gloo waits release the GIL; ``inter_algo="native"`` uses gloo's async all-reduce instead), so the
+slow links stay busy and only the first reduce-scatter and the last all-gather are exposed. Host
+phases run in the order RS(0), RS(1), AG(0), RS(2), AG(1), ..., cross-host all-reduces in chunk
 order, the same on every rank, so no two ranks wait on each other in different orders.
 
-**Cost** (``predicted_allreduce_s``): with m = n / C and beta_e multiplied by L (L flows share a
+**Cost** (``predicted_all_reduce_s``): with m = n / C and beta_e multiplied by L (L flows share a
 host link), ``rs + x + ag + (C - 1) max(x, rs + ag)``, where
 ``rs = (L-1) alpha_i + ((L-1)/L) m (beta_i + gamma)``, ``ag = (L-1) alpha_i + ((L-1)/L) m beta_i``,
 ``x = 2(H-1) alpha_e + 2((H-1)/H) m beta_e + ((H-1)/H)(m/L) gamma``. For large n it tends to
@@ -40,7 +40,7 @@ copies saturate the 2 cores (host phases alone take 145 ms) and 2D runs 0.95x of
 
 **Allreduce, leader** (a reduce/broadcast name as ``intra_algo``, e.g. ``"tree"``; Jia et al.,
 "Highly Scalable Deep Learning Training System with Mixed-Precision", arXiv 1807.11205): reduce
-to local rank 0, allreduce among the H leaders, broadcast from the leader. Fewer messages for
+to local rank 0, all-reduce among the H leaders, broadcast from the leader. Fewer messages for
 tiny buffers, but one rank per host drives the link and nothing overlaps.
 
 **Broadcast** from root r on host h with local rank l: among the ranks of local rank l from host
@@ -68,11 +68,16 @@ from typing import Any
 import torch
 
 from commfuse.collectives.blocks import even_blocks
-from commfuse.collectives.cost import LinkCost, ring_allgather, ring_allreduce, ring_reduce_scatter
+from commfuse.collectives.cost import (
+    LinkCost,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
 from commfuse.collectives.executor import CompletedHandle, submit
 from commfuse.collectives.registry import algorithms_for, label, register
 
-# The ring's in-place phases work on any block layout of a buffer; the 2D allreduce runs them on
+# The ring's in-place phases work on any block layout of a buffer; the 2D all-reduce runs them on
 # the shards of each chunk (the public ring functions would copy the whole input first).
 from commfuse.collectives.ring import _gather_phase, _reduce_phase, _segments_for
 from commfuse.comm import Communicator
@@ -83,7 +88,7 @@ _LEVELS: weakref.WeakKeyDictionary[Communicator, dict[int, tuple[Communicator, C
 )
 _FLAT: weakref.WeakKeyDictionary[Communicator, Communicator] = weakref.WeakKeyDictionary()
 _NAME = "hierarchical"
-#: ``intra_algo`` of the 2D allreduce; any reduce/broadcast name selects the leader scheme.
+#: ``intra_algo`` of the 2D all-reduce; any reduce/broadcast name selects the leader scheme.
 TWO_D = "ring"
 
 #: Default chunk bytes per rank of the group: a chunk's ring steps move blocks of this size
@@ -91,9 +96,9 @@ TWO_D = "ring"
 CHUNK_BYTES_PER_RANK = 512 << 10
 #: Upper bound of the default chunk count.
 MAX_CHUNKS = 64
-#: Host messages of the 2D allreduce when ``num_segments`` is not given (see Tuning).
+#: Host messages of the 2D all-reduce when ``num_segments`` is not given (see Tuning).
 HOST_SEGMENT_BYTES = 1 << 20
-#: Cross-host allreduces in flight while the host phases run (see Tuning).
+#: Cross-host all-reduces in flight while the host phases run (see Tuning).
 _LAG = 1
 
 
@@ -102,10 +107,10 @@ def default_num_chunks(n_bytes: int, world_size: int) -> int:
     return max(1, min(MAX_CHUNKS, math.ceil(n_bytes / (world_size * CHUNK_BYTES_PER_RANK))))
 
 
-def predicted_allreduce_s(
+def predicted_all_reduce_s(
     n_bytes: int, num_hosts: int, ranks_per_host: int, intra: LinkCost, inter: LinkCost
 ) -> float:
-    """Predicted seconds of the pipelined 2D allreduce (see the module docstring); inf when
+    """Predicted seconds of the pipelined 2D all-reduce (see the module docstring); inf when
     there is only one level."""
     hosts, local = num_hosts, ranks_per_host
     if local <= 1 or hosts <= 1:
@@ -114,8 +119,8 @@ def predicted_allreduce_s(
     m = math.ceil(n_bytes / chunks)
     shared = dataclasses.replace(inter, beta_s_per_byte=inter.beta_s_per_byte * local)
     rs = ring_reduce_scatter(m, local, intra)
-    ag = ring_allgather(m, local, intra)
-    across = ring_allreduce(math.ceil(m / local), hosts, shared)
+    ag = ring_all_gather(m, local, intra)
+    across = ring_all_reduce(math.ceil(m / local), hosts, shared)
     return rs + across + ag + (chunks - 1) * max(across, rs + ag)
 
 
@@ -206,13 +211,13 @@ def _two_d(
     num_chunks: int | None,
     opts: dict[str, Any],
 ) -> None:
-    """Reduce-scatter in the host, allreduce across hosts, allgather in the host; pipelined."""
-    tag, mine, size = label("allreduce", _NAME), intra.rank, buf.element_size()
+    """Reduce-scatter in the host, all-reduce across hosts, all-gather in the host; pipelined."""
+    tag, mine, size = label("all_reduce", _NAME), intra.rank, buf.element_size()
     if num_chunks is None:
         num_chunks = default_num_chunks(buf.numel() * size, intra.world_size * inter.world_size)
     elif isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
-    inter_fn = algorithms_for("allreduce")[inter_algo]
+    inter_fn = algorithms_for("all_reduce")[inter_algo]
     segments_opt = opts.get("num_segments")
     queued: collections.deque[tuple[Block, Waitable]] = collections.deque()
 
@@ -247,7 +252,7 @@ def _two_d(
         return submit(inter, f"{tag} (across hosts)", inter_fn, inter, buf[start:stop], op, **opts)
 
     # Host phases run here in the order RS(0), RS(1), AG(0), RS(2), AG(1), ...; cross-host
-    # allreduces in chunk order, on their own thread: the same order on every rank.
+    # all-reduces in chunk order, on their own thread: the same order on every rank.
     for chunk in (c for c in even_blocks(buf.numel(), num_chunks) if c[1] > c[0]):
         last = chunk[1] == buf.numel()
         host_phase(chunk, True)
@@ -258,8 +263,8 @@ def _two_d(
             host_phase(done, False)
 
 
-@register("allreduce", _NAME)
-def hierarchical_allreduce(
+@register("all_reduce", _NAME)
+def hierarchical_all_reduce(
     comm: Communicator,
     buf: torch.Tensor,
     op: str,
@@ -270,10 +275,10 @@ def hierarchical_allreduce(
     num_chunks: int | None = None,
     **opts: Any,
 ) -> None:
-    """2D allreduce (``intra_algo="ring"``) or leader-based (a reduce/broadcast name)."""
+    """2D all-reduce (``intra_algo="ring"``) or leader-based (a reduce/broadcast name)."""
     if inter_algo is None:
-        inter_algo = "ring" if "ring" in algorithms_for("allreduce") else "pipeline"
-    inter_fn = _algorithm("allreduce", inter_algo, "inter_algo")
+        inter_algo = "ring" if "ring" in algorithms_for("all_reduce") else "pipeline"
+    inter_fn = _algorithm("all_reduce", inter_algo, "inter_algo")
     if intra_algo != TWO_D and intra_algo not in algorithms_for("reduce"):
         choices = ", ".join(sorted({TWO_D, *algorithms_for("reduce")} - {_NAME}))
         raise ValueError(
@@ -281,7 +286,7 @@ def hierarchical_allreduce(
             f"algorithm (leader-based): use one of {choices}"
         )
     op = _sum_for_avg(op)
-    kind = label("allreduce", _NAME)
+    kind = label("all_reduce", _NAME)
     local = ranks_per_host_of(comm, ranks_per_host)
     if local in (1, comm.world_size):
         flat = _flat(comm)

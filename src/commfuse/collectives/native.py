@@ -1,5 +1,5 @@
-"""The backend's own collectives as first-class algorithms (gloo: ring allreduce, binomial-tree
-broadcast, allreduce-then-slice reduce-scatter; NCCL: its tuned rings and trees).
+"""The backend's own collectives as first-class algorithms (gloo: ring all-reduce, binomial-tree
+broadcast, all-reduce-then-slice reduce-scatter; NCCL: its tuned rings and trees).
 
 Beating the native algorithm is the point of the other families, so it is always measured
 beside them, with the same front door, validation and accounting.
@@ -16,8 +16,8 @@ from commfuse.collectives.registry import register
 from commfuse.comm import Communicator
 
 
-@register("allreduce", "native")
-def native_allreduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
+@register("all_reduce", "native")
+def native_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
     comm.all_reduce(buf, op)
 
 
@@ -33,8 +33,8 @@ def native_reduce(comm: Communicator, buf: torch.Tensor, root: int, op: str, **_
     comm.reduce(target, root, op)
 
 
-@register("allgather", "native")
-def native_allgather(comm: Communicator, out: torch.Tensor, inp: torch.Tensor, **_: Any) -> None:
+@register("all_gather", "native")
+def native_all_gather(comm: Communicator, out: torch.Tensor, inp: torch.Tensor, **_: Any) -> None:
     comm.all_gather(out, inp)
 
 

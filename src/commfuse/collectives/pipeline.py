@@ -1,4 +1,4 @@
-"""Linear pipeline (LP) broadcast, reduce and allreduce along a chain of ranks.
+"""Linear pipeline (LP) broadcast, reduce and all-reduce along a chain of ranks.
 
 Wang et al., "Efficient Communications in Training Large Scale Neural Networks" (arXiv
 1611.04255): when the message is large, a chain whose links all carry data at the same time
@@ -26,7 +26,7 @@ Every rank sends and receives at most n bytes per direction of each of its links
 (``test_collectives_pipeline_tree.py`` asserts the exact counts).
 
 Tuning: ``block_bytes`` sets b. The default minimises the cost above,
-b* = sqrt(n alpha / (D beta)) with D the chain's depth (P - 1, or 2(P - 1) for the allreduce),
+b* = sqrt(n alpha / (D beta)) with D the chain's depth (P - 1, or 2(P - 1) for the all-reduce),
 from the link rate in ``COMMFUSE_LINK_MBIT`` when the launcher exports it. Small blocks pay
 alpha k times; large blocks leave the chain's far end idle while it fills.
 """
@@ -183,13 +183,13 @@ def pipeline_reduce(
     wait_all(sends)
 
 
-@register("allreduce", "pipeline")
-def pipeline_allreduce(
+@register("all_reduce", "pipeline")
+def pipeline_all_reduce(
     comm: Communicator, buf: torch.Tensor, op: str, *, block_bytes: int | None = None, **_: Any
 ) -> None:
-    """LP allreduce: a pipelined reduce toward rank 0 overlapped with the pipelined broadcast of
+    """LP all-reduce: a pipelined reduce toward rank 0 overlapped with the pipelined broadcast of
     the blocks it has finished (see the module docstring)."""
-    kind = label("allreduce", "pipeline")
+    kind = label("all_reduce", "pipeline")
     size, pos = comm.world_size, comm.rank
     ranges = block_ranges(buf, block_bytes, 2 * (size - 1))
     views = _cut(buf, ranges)

@@ -5,11 +5,11 @@ contiguous tensors; the front door (``api.py``) flattens, validates, picks the a
 runs it synchronously or on the communicator's worker thread. The signatures, per collective:
 
 =============== =============================================================================
-allreduce       ``fn(comm, buf, op, **opts)``: ``buf`` reduced in place on every rank
+all_reduce      ``fn(comm, buf, op, **opts)``: ``buf`` reduced in place on every rank
 broadcast       ``fn(comm, buf, root, **opts)``: root's ``buf`` copied into every ``buf``
 reduce          ``fn(comm, buf, root, op, **opts)``: reduction into root's ``buf``; other
                 ranks' ``buf`` left unchanged
-allgather       ``fn(comm, out, inp, **opts)``: ``out`` (world x numel(inp)) = every ``inp`` in
+all_gather      ``fn(comm, out, inp, **opts)``: ``out`` (world x numel(inp)) = every ``inp`` in
                 rank order
 reduce_scatter  ``fn(comm, out, inp, op, **opts)``: ``out`` on rank r = reduction of block r of
                 every ``inp`` (``inp`` is world x numel(out), left unchanged)
@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "all_to_all")
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 AlgorithmFn = Callable[..., None]
 ALGORITHMS: dict[str, dict[str, AlgorithmFn]] = {name: {} for name in COLLECTIVES}
@@ -111,7 +111,7 @@ FAMILY_MODULES: tuple[str, ...] = (
     "commfuse.collectives.native",
     "commfuse.collectives.ring",
     "commfuse.collectives.doubling",
-    "commfuse.collectives.alltoall",
+    "commfuse.collectives.pairwise",
     "commfuse.collectives.pipeline",
     "commfuse.collectives.tree",
     "commfuse.collectives.hierarchical",

@@ -1,4 +1,4 @@
-"""Pipelined ring allreduce, reduce-scatter and allgather (name ``"ring"``).
+"""Pipelined ring all-reduce, reduce-scatter and all-gather (name ``"ring"``).
 
 The ring is the bandwidth-optimal algorithm for large messages (Thakur, Rabenseifner and Gropp,
 "Optimization of Collective Communication Operations in MPICH", IJHPCA 2005; Patarasuk and Yuan,
@@ -13,9 +13,9 @@ neighbours, sending to ``rank + 1`` and receiving from ``rank - 1``.
    each received block forwarded in the next step.
 
 Cost (alpha: latency, beta: seconds per byte, gamma: reduction per byte):
-allreduce ``2(P-1) alpha + 2((P-1)/P) n beta + ((P-1)/P) n gamma``; reduce-scatter and
-allgather are one phase each, ``(P-1) alpha + ((P-1)/P) n beta`` (+ ``gamma`` for the former).
-Every rank sends exactly the blocks it forwards: 2(P-1) blocks for allreduce, P-1 otherwise.
+all-reduce ``2(P-1) alpha + 2((P-1)/P) n beta + ((P-1)/P) n gamma``; reduce-scatter and
+all-gather are one phase each, ``(P-1) alpha + ((P-1)/P) n beta`` (+ ``gamma`` for the former).
+Every rank sends exactly the blocks it forwards: 2(P-1) blocks for all-reduce, P-1 otherwise.
 
 **Pipelining.** An unpipelined ring idles the link while it reduces (DESIGN.md measured a naive
 Python ring at 0.078 GB/s against gloo's 0.121 GB/s on a 0.125 GB/s link). Here each block is
@@ -25,7 +25,7 @@ of step s are still arriving. The receives of a step are posted before its sends
 reduction of the previous step's later segments, so the link always has data queued.
 
 Tuning: by default segments are at most ``SEGMENT_BYTES`` (128 KiB). Measured on 4 emulated hosts
-with 1 Gbit/s links (4, 16 and 64 MB allreduces; 16 MB on plain loopback too), 128 KiB segments
+with 1 Gbit/s links (4, 16 and 64 MB all-reduces; 16 MB on plain loopback too), 128 KiB segments
 ran within a few percent of gloo's own ring, 64 KiB a little slower (Python cost per message),
 while 256-512 KiB segments ran 1.5-3x slower and unsegmented 1-16 MB blocks 5-95% slower. The
 cause lies in gloo's TCP transport and was not pinned down: re-measure before changing this. ``num_segments=1`` is the textbook ring, fewest messages, best for small
@@ -154,7 +154,7 @@ def _gather_phase(
     owner: int,
     tag: str,
 ) -> None:
-    """Ring allgather in place on ``buf``: rank r starts with block ``(r + owner) mod P`` and
+    """Ring all-gather in place on ``buf``: rank r starts with block ``(r + owner) mod P`` and
     ends with all blocks; received segments land directly in ``buf`` (no copies)."""
     rank, world = comm.rank, comm.world_size
     segs = [segment_ranges(block, num_segments) for block in blocks]
@@ -173,14 +173,14 @@ def _gather_phase(
     )
 
 
-@register("allreduce", "ring")
-def ring_allreduce(
+@register("all_reduce", "ring")
+def ring_all_reduce(
     comm: Communicator, buf: torch.Tensor, op: str, *, num_segments: int | None = None, **_: Any
 ) -> None:
-    """Pipelined ring allreduce: reduce-scatter, then allgather of the reduced blocks."""
+    """Pipelined ring all-reduce: reduce-scatter, then all-gather of the reduced blocks."""
     blocks = even_blocks(buf.numel(), comm.world_size)
     segments = _segments_for(num_segments, blocks, buf.element_size())
-    tag = label("allreduce", "ring")
+    tag = label("all_reduce", "ring")
     _reduce_phase(comm, buf, blocks, op, segments, 0, tag)
     _gather_phase(comm, buf, blocks, segments, 1, tag)
 
@@ -206,8 +206,8 @@ def ring_reduce_scatter(
     out.copy_(work[start:stop])
 
 
-@register("allgather", "ring")
-def ring_allgather(
+@register("all_gather", "ring")
+def ring_all_gather(
     comm: Communicator,
     out: torch.Tensor,
     inp: torch.Tensor,
@@ -215,9 +215,9 @@ def ring_allgather(
     num_segments: int | None = None,
     **_: Any,
 ) -> None:
-    """Pipelined ring allgather: each rank's block travels P - 1 hops around the ring."""
+    """Pipelined ring all-gather: each rank's block travels P - 1 hops around the ring."""
     blocks = even_blocks(out.numel(), comm.world_size)
     segments = _segments_for(num_segments, blocks, out.element_size())
     start, stop = blocks[comm.rank]
     out[start:stop].copy_(inp)
-    _gather_phase(comm, out, blocks, segments, 0, label("allgather", "ring"))
+    _gather_phase(comm, out, blocks, segments, 0, label("all_gather", "ring"))

@@ -17,8 +17,8 @@ Calibration (``calibrate``) runs on every rank of the cluster it describes:
    with its standard error (``_paired_medians``).
 
 Why step 5: the pure alpha-beta-gamma models rank algorithms wrongly on real machines. On 4
-hosts x 1 rank at 1 Gbit/s they put Rabenseifner ahead of gloo's ring for large allreduces,
-where it is 8% slower; they price gloo's 64 KB allreduce at 1.1 ms, where it takes 5.6 ms (5x),
+hosts x 1 rank at 1 Gbit/s they put Rabenseifner ahead of gloo's ring for large all-reduces,
+where it is 8% slower; they price gloo's 64 KB all-reduce at 1.1 ms, where it takes 5.6 ms (5x),
 while at 16 MB the same model is only 11% low. One affine map ``measured = a + k * model``
 cannot hold both (fitted on 1 MB and 16 MB it says 2.0 ms at 64 KB), so each (collective,
 algorithm) gets a piecewise ``Correction``: the ratio measured / model at each calibration
@@ -26,7 +26,7 @@ size, interpolated linearly in log(size) between them and held constant beyond t
 time and model become affine in the size there, so the ratio settles). The model still gives
 the shape between calibration points and the choice of block size; the ratios pin it to what
 this cluster really does, including Python overhead, CPU contention and gloo's quirks.
-Native algorithms are modelled like the others (native allreduce = ring model + its own
+Native algorithms are modelled like the others (native all-reduce = ring model + its own
 correction). Corrections apply only to a group of the size they were measured on.
 
 Selection must agree on all ranks, or they would run different algorithms and deadlock. So
@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 import torch
 
 from commfuse.collectives import cost as C
-from commfuse.collectives.registry import Options, algorithms_for
+from commfuse.collectives.registry import COLLECTIVES, Options, algorithms_for
 from commfuse.comm import Communicator
 
 #: Message sizes (bytes, nccl-tests' S) that calibration times every algorithm at: every 4x, and
@@ -75,7 +75,7 @@ CALIBRATION_SIZES: tuple[int, ...] = (
 #: Up to this size calibration times ``SMALL_REPS_FACTOR`` times as many runs: small messages cost
 #: little, and their times are bimodal (a 4-6 ms scheduler delay in a third of the runs when 4
 #: ranks share 2 cores), so a median of 5 is a coin toss between the modes; at 1 MB several
-#: allreduces are within 5% of each other.
+#: all-reduces are within 5% of each other.
 SMALL_BYTES_MAX = 1 << 20
 SMALL_REPS_FACTOR = 3
 #: An algorithm must be predicted more than this much faster than native to be chosen.
@@ -209,7 +209,7 @@ class Profile:
     pipeline_alpha_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Per collective, our pipeline's cost per block beyond the bytes (Python, thread wake-ups,
     the reduction's bookkeeping), fitted from its calibration runs. A ping-pong's alpha is a
-    fraction of it (on 4 hosts x 1 rank at 1 Gbit/s: 0.09 ms against 1-2 ms for the allreduce
+    fraction of it (on 4 hosts x 1 rank at 1 Gbit/s: 0.09 ms against 1-2 ms for the all-reduce
     pipeline), and blocks sized by that alpha were 1.7x slower there (64 KB blocks at 4 MB:
     133 ms against 78 ms with 256 KB). It sets the pipelines' block size and model."""
 
@@ -227,7 +227,16 @@ class Profile:
 
     @classmethod
     def from_json(cls, text: str) -> Profile:
+        """The profile ``to_json`` wrote. ValueError for a collective outside ``COLLECTIVES``
+        (``allreduce`` where ``all_reduce`` is meant): measure a new one with ``commfuse tune``."""
         data = json.loads(text)
+        unknown = sorted(set(data.get("corrections", {})) - set(COLLECTIVES))
+        unknown += sorted(set(data.get("pipeline_alpha_s", {})) - set(COLLECTIVES))
+        if unknown:
+            raise ValueError(
+                f"tuner profile names unknown collectives {', '.join(unknown)} (known: "
+                f"{', '.join(COLLECTIVES)}); measure a new profile with `commfuse tune`"
+            )
         corrections: Corrections = {
             collective: {
                 algo: Correction(
@@ -320,7 +329,7 @@ _LP_MODELS: dict[str, Callable[[int, int, C.LinkCost, int | None], float]] = {
     "broadcast": C.lp_broadcast,
     "reduce": C.lp_reduce,
     # One link per rank: the reduce and broadcast streams share it (cost.lp_allreduce_one_link).
-    "allreduce": C.lp_allreduce_one_link,
+    "all_reduce": C.lp_all_reduce_one_link,
 }
 _MIN_BLOCK_BYTES = 4096
 
@@ -338,7 +347,7 @@ def best_block_bytes(collective: str, nbytes: int, world_size: int, profile: Pro
     powers of two keep blocks whole elements of every dtype). Ties go to the larger block:
     fewer messages, less Python overhead. Never above the largest block calibration ran with:
     past it the model alone would decide, and it credits big blocks too much (at 64 MB it put
-    the allreduce pipeline with 2 MB blocks 29% below what it took)."""
+    the all-reduce pipeline with 2 MB blocks 29% below what it took)."""
     model = _LP_MODELS[collective]
     link = _pipeline_link(profile, collective)
     fix = profile.correction(collective, "pipeline", world_size)
@@ -362,17 +371,17 @@ def _lp(collective: str) -> CostFn:
     return cost
 
 
-def _hier_allreduce(n: int, p: int, prof: Profile) -> float:
+def _hier_all_reduce(n: int, p: int, prof: Profile) -> float:
     local, hosts = prof.ranks_per_host, prof.num_hosts
     if local <= 1 or hosts <= 1:
         # One level: it only wraps a flat algorithm that is a candidate of its own. Timing the
         # same thing twice and keeping the faster is a bet on noise (at 512 KB on 4 hosts x 1
         # rank it beat its own ring by 19% in calibration, then lost 13% to native).
         return math.inf
-    # The two-level scheme's cost lives beside it (pipelined 2D reduce-scatter/allreduce/allgather).
-    from commfuse.collectives.hierarchical import predicted_allreduce_s
+    # The two-level scheme's cost lives beside it (pipelined 2D reduce-scatter/all-reduce/all-gather).
+    from commfuse.collectives.hierarchical import predicted_all_reduce_s
 
-    return predicted_allreduce_s(n, hosts, local, prof.intra, prof.inter)
+    return predicted_all_reduce_s(n, hosts, local, prof.intra, prof.inter)
 
 
 def _hier_broadcast(n: int, p: int, prof: Profile) -> float:
@@ -383,12 +392,12 @@ def _hier_broadcast(n: int, p: int, prof: Profile) -> float:
 
 
 COSTS: dict[tuple[str, str], CostFn] = {
-    ("allreduce", "native"): lambda n, p, pr: C.ring_allreduce(n, p, _flat(pr)),
-    ("allreduce", "ring"): lambda n, p, pr: C.ring_allreduce(n, p, _flat(pr)),
-    ("allreduce", "pipeline"): _lp("allreduce"),
-    ("allreduce", "doubling"): lambda n, p, pr: C.recursive_doubling_allreduce(n, p, _flat(pr)),
-    ("allreduce", "rabenseifner"): lambda n, p, pr: C.rabenseifner_allreduce(n, p, _flat(pr)),
-    ("allreduce", "hierarchical"): _hier_allreduce,
+    ("all_reduce", "native"): lambda n, p, pr: C.ring_all_reduce(n, p, _flat(pr)),
+    ("all_reduce", "ring"): lambda n, p, pr: C.ring_all_reduce(n, p, _flat(pr)),
+    ("all_reduce", "pipeline"): _lp("all_reduce"),
+    ("all_reduce", "doubling"): lambda n, p, pr: C.recursive_doubling_all_reduce(n, p, _flat(pr)),
+    ("all_reduce", "rabenseifner"): lambda n, p, pr: C.rabenseifner_all_reduce(n, p, _flat(pr)),
+    ("all_reduce", "hierarchical"): _hier_all_reduce,
     ("broadcast", "native"): lambda n, p, pr: C.gloo_broadcast(n, p, _flat(pr)),
     ("broadcast", "tree"): lambda n, p, pr: C.mst_broadcast(n, p, _flat(pr)),
     ("broadcast", "pipeline"): _lp("broadcast"),
@@ -396,11 +405,11 @@ COSTS: dict[tuple[str, str], CostFn] = {
     ("reduce", "native"): lambda n, p, pr: C.mst_reduce(n, p, _flat(pr)),
     ("reduce", "tree"): lambda n, p, pr: C.mst_reduce(n, p, _flat(pr)),
     ("reduce", "pipeline"): _lp("reduce"),
-    ("allgather", "native"): lambda n, p, pr: C.ring_allgather(n, p, _flat(pr)),
-    ("allgather", "ring"): lambda n, p, pr: C.ring_allgather(n, p, _flat(pr)),
-    ("allgather", "doubling"): lambda n, p, pr: C.recursive_doubling_allgather(n, p, _flat(pr)),
-    # gloo's reduce-scatter is an allreduce followed by a slice (DESIGN.md).
-    ("reduce_scatter", "native"): lambda n, p, pr: C.ring_allreduce(n, p, _flat(pr)),
+    ("all_gather", "native"): lambda n, p, pr: C.ring_all_gather(n, p, _flat(pr)),
+    ("all_gather", "ring"): lambda n, p, pr: C.ring_all_gather(n, p, _flat(pr)),
+    ("all_gather", "doubling"): lambda n, p, pr: C.recursive_doubling_all_gather(n, p, _flat(pr)),
+    # gloo's reduce-scatter is an all-reduce followed by a slice (DESIGN.md).
+    ("reduce_scatter", "native"): lambda n, p, pr: C.ring_all_reduce(n, p, _flat(pr)),
     ("reduce_scatter", "ring"): lambda n, p, pr: C.ring_reduce_scatter(n, p, _flat(pr)),
     ("reduce_scatter", "halving"): lambda n, p, pr: (
         C.ring_reduce_scatter(n, p, _flat(pr)) - (p - 1 - C._lg(p)) * _flat(pr).alpha_s

@@ -239,7 +239,7 @@ class Communicator:
     def all_reduce(
         self, tensor: torch.Tensor, op: ReduceOpName = "sum", *, async_op: bool = False
     ) -> Handle | None:
-        """In-place allreduce with the backend's own algorithm (gloo: a ring)."""
+        """In-place all-reduce with the backend's own algorithm (gloo: a ring)."""
         self._validate("all_reduce", tensor)
         red, then = self._reduce_op(op, tensor)
         handle = self._collective(

@@ -1,7 +1,7 @@
 """Byte and message accounting per rank and per operation kind.
 
 Point-to-point traffic is counted exactly (every isend is one message of ``nbytes`` on the
-wire), which is what lets a test assert that a ring allreduce sent 2(P-1)/P of the buffer and
+wire), which is what lets a test assert that a ring all-reduce sent 2(P-1)/P of the buffer and
 not three times that. A native collective's wire traffic depends on the backend's internal
 algorithm, which we do not observe, so for those we count calls and the payload handed to the
 backend, and say so (``payload_bytes``, never ``bytes_sent``). ``handed_bytes`` counts every
@@ -34,7 +34,7 @@ class OpCounters:
     handed_bytes: int = 0
     """Bytes of the buffers handed to collectives, gloo's or commfuse's own algorithms alike
     (each rank's input, as ``payload_bytes``): what a caller asked to communicate, independent
-    of the algorithm that moved it. A ring allreduce of n bytes counts n here and its exact
+    of the algorithm that moved it. A ring all-reduce of n bytes counts n here and its exact
     2 (P - 1) / P n in ``bytes_sent``; torch DDP's hooks can only be counted this way."""
 
     def add(self, other: OpCounters) -> None:

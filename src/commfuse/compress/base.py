@@ -70,7 +70,7 @@ class GradientCompressor(abc.ABC):
 
     name: ClassVar[str]
     """The registry name (``"topk"``, ``"powersgd"``, ...)."""
-    aggregation: ClassVar[Literal["allreduce", "allgather"]]
+    aggregation: ClassVar[Literal["all_reduce", "all_gather"]]
     """The collective that combines the ranks' messages."""
     nonfinite_reaches_every_rank: ClassVar[bool] = False
     """Whether one rank's NaN/Inf input makes every rank's output non-finite (it survives the

@@ -31,7 +31,7 @@ class NoCompression(GradientCompressor):
 
     nonfinite_reaches_every_rank: ClassVar[bool] = True
     name: ClassVar[str] = "none"
-    aggregation: ClassVar[Literal["allreduce", "allgather"]] = "allreduce"
+    aggregation: ClassVar[Literal["all_reduce", "all_gather"]] = "all_reduce"
 
     def __post_init__(self) -> None:
         if self.ef:
@@ -40,7 +40,7 @@ class NoCompression(GradientCompressor):
     def _reduce(
         self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int, commit: bool
     ) -> None:
-        C.allreduce(comm, grad, "avg", algo=self.algo)
+        C.all_reduce(comm, grad, "avg", algo=self.algo)
 
     def payload_bytes(
         self,
@@ -88,7 +88,7 @@ class CastCompressor(GradientCompressor):
         if self.ef and commit:
             # What this rank contributes, scaled back to its own gradient's units.
             self.feedback.update(bucket, x - self.decompress(message, x.dtype) * world)
-        C.allreduce(comm, message, "sum", algo=self.algo)
+        C.all_reduce(comm, message, "sum", algo=self.algo)
         grad.copy_(message)
         if self.certifies_output:
             # Checked once widened, on the output the caller gets (its own-type sum overflows
@@ -112,7 +112,7 @@ class FP16Compressor(CastCompressor):
     """IEEE half precision on the wire (2x smaller than fp32)."""
 
     name: ClassVar[str] = "fp16"
-    aggregation: ClassVar[Literal["allreduce", "allgather"]] = "allreduce"
+    aggregation: ClassVar[Literal["all_reduce", "all_gather"]] = "all_reduce"
     wire_dtype: ClassVar[torch.dtype] = torch.float16
 
 
@@ -121,5 +121,5 @@ class BF16Compressor(CastCompressor):
     """bfloat16 on the wire: fp32's range, 8 bits of mantissa (2x smaller than fp32)."""
 
     name: ClassVar[str] = "bf16"
-    aggregation: ClassVar[Literal["allreduce", "allgather"]] = "allreduce"
+    aggregation: ClassVar[Literal["all_reduce", "all_gather"]] = "all_reduce"
     wire_dtype: ClassVar[torch.dtype] = torch.bfloat16

@@ -35,7 +35,7 @@ class MessageCompressor(GradientCompressor):
     """An allgather-based compressor: subclasses give ``layout``, ``compress`` and
     ``decompress_sum`` (pure functions of the settings and their arguments)."""
 
-    aggregation: ClassVar[Literal["allreduce", "allgather"]] = "allgather"
+    aggregation: ClassVar[Literal["all_reduce", "all_gather"]] = "all_gather"
 
     @abc.abstractmethod
     def layout(self, numel: int, dtype: torch.dtype, step: int | None) -> Layout:
@@ -65,7 +65,7 @@ class MessageCompressor(GradientCompressor):
         """Every rank's message fields (rank x numel each), with one allgather."""
         words = layout.pack(parts)
         gathered = torch.empty(comm.world_size * words.numel(), dtype=torch.int32)
-        C.allgather(comm, gathered, words, algo=self.gather_algo)
+        C.all_gather(comm, gathered, words, algo=self.gather_algo)
         return layout.unpack(gathered)
 
     def _reduce(

@@ -109,7 +109,7 @@ class PowerSGDCompressor(GradientCompressor):
     """Rank-``rank`` power iteration with warm start and error feedback."""
 
     name: ClassVar[str] = "powersgd"
-    aggregation: ClassVar[Literal["allreduce", "allgather"]] = "allreduce"
+    aggregation: ClassVar[Literal["all_reduce", "all_gather"]] = "all_reduce"
     #: A non-finite M reaches every rank through P (or the plain elements) in the first
     #: allreduce, and Q and the residual are only written when that message is finite.
     nonfinite_reaches_every_rank: ClassVar[bool] = True
@@ -257,10 +257,10 @@ class PowerSGDCompressor(GradientCompressor):
         """Average the factors ``message`` over the ranks in place, in the ``wire`` type."""
         wire = self._wire_dtype(message.dtype)
         if wire == message.dtype:
-            C.allreduce(comm, message, "avg", algo=self.algo)
+            C.all_reduce(comm, message, "avg", algo=self.algo)
             return
         on_wire = divided_into(message, comm.world_size, wire)  # pre-divided: see divided_into
-        C.allreduce(comm, on_wire, "sum", algo=self.algo)
+        C.all_reduce(comm, on_wire, "sum", algo=self.algo)
         message.copy_(on_wire)
 
     def initial_q(self, cols: int, dtype: torch.dtype, bucket: int) -> torch.Tensor:
@@ -278,7 +278,7 @@ class PowerSGDCompressor(GradientCompressor):
             if warm is not None:
                 warm._reduce(comm, grad, bucket=bucket, step=step, commit=commit)
             else:
-                C.allreduce(comm, grad, "avg", algo=self.algo)
+                C.all_reduce(comm, grad, "avg", algo=self.algo)
             return
         plan = self._plan(bucket, numel)
         if plan is None:

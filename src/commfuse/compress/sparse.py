@@ -87,7 +87,7 @@ class RandomKCompressor(GradientCompressor):
     """k shared random indices per (step, bucket); their values allreduced."""
 
     name: ClassVar[str] = "randomk"
-    aggregation: ClassVar[Literal["allreduce", "allgather"]] = "allreduce"
+    aggregation: ClassVar[Literal["all_reduce", "all_gather"]] = "all_reduce"
     ratio: float = 0.01
     """Fraction of the bucket's elements sent each step."""
     ef: bool = True
@@ -128,7 +128,7 @@ class RandomKCompressor(GradientCompressor):
         if self.ef and commit:
             x[index] = 0  # x is the corrected copy: what stays behind is the residual
             self.feedback.update(bucket, x)
-        C.allreduce(comm, message, "avg", algo=self.algo)
+        C.all_reduce(comm, message, "avg", algo=self.algo)
         grad.zero_()
         grad[index] = message
 

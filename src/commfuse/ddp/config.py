@@ -20,7 +20,7 @@ class BucketCompressor(Protocol):
     before each bucket (``reducer.py``)."""
 
     name: ClassVar[str]
-    aggregation: ClassVar[Literal["allreduce", "allgather"]]
+    aggregation: ClassVar[Literal["all_reduce", "all_gather"]]
 
     def reduce_(
         self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int
@@ -72,7 +72,7 @@ class DataParallelConfig:
             raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {self.on_nonfinite!r}")
         from commfuse.collectives.registry import check_algorithm
 
-        check_algorithm("allreduce", self.algo)
+        check_algorithm("all_reduce", self.algo)
         if self.staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 or 1 steps, got {self.staleness}")
         if self.staleness and (self.find_unused_parameters or self.merge_buckets_by_cost):

@@ -8,7 +8,7 @@ together finishes earlier than sending them apart. The paper's rule, as we apply
 
 1. Measure, for one step, when each unit (a parameter) becomes ready in backward (``ready_s``,
    seconds since backward started), and know each unit's size and the collective's time for
-   n bytes (``allreduce_s``, from ``collectives/tuner.py``: alpha-beta-gamma corrected by
+   n bytes (``all_reduce_s``, from ``collectives/tuner.py``: alpha-beta-gamma corrected by
    what calibration measured).
 2. Walk the units in launch order, keeping the group being built. Simulate the communication
    stream (one collective at a time, each starting when both its data and the stream are
@@ -40,7 +40,7 @@ def _finish(
 def merge_by_cost(
     sizes_bytes: Sequence[int],
     ready_s: Sequence[float],
-    allreduce_s: Callable[[int], float],
+    all_reduce_s: Callable[[int], float],
     *,
     cap_bytes: int | None = None,
 ) -> list[list[int]]:
@@ -56,8 +56,8 @@ def merge_by_cost(
     for unit in range(1, len(sizes_bytes)):
         size, ready = sizes_bytes[unit], max(ready_s[unit], current_ready)
         # Choice A: send the current group now, the unit after it; choice B: send them together.
-        apart = _finish(free, [(current_ready, current_bytes), (ready, size)], allreduce_s)
-        together = _finish(free, [(ready, current_bytes + size)], allreduce_s)
+        apart = _finish(free, [(current_ready, current_bytes), (ready, size)], all_reduce_s)
+        together = _finish(free, [(ready, current_bytes + size)], all_reduce_s)
         fits = cap_bytes is None or current_bytes + size <= cap_bytes
         if fits and together <= apart:
             current.append(unit)
@@ -65,7 +65,7 @@ def merge_by_cost(
             current_ready = ready
             continue
         groups.append(current)
-        free = _finish(free, [(current_ready, current_bytes)], allreduce_s)
+        free = _finish(free, [(current_ready, current_bytes)], all_reduce_s)
         current, current_bytes, current_ready = [unit], size, ready
     groups.append(current)
     return groups

@@ -7,7 +7,7 @@ The algorithm (Zhang et al., "Poseidon", ATC 2017; Li et al., "PyTorch Distribut
    buffer, already multiplied by 1/world (as torch DDP does: the sum of pre-divided gradients is
    the average, with no second pass and no fp16 overflow), and the bucket's count of missing
    gradients drops by one.
-2. A bucket whose count reaches zero is launched asynchronously: ``collectives.allreduce(...,
+2. A bucket whose count reaches zero is launched asynchronously: ``collectives.all_reduce(...,
    async_op=True)``, or the compressor's ``reduce_`` on the communicator's worker thread. The
    collective runs (in gloo, GIL released) while autograd computes the earlier layers.
 3. Buckets are launched in bucket order on every rank, whatever order their gradients arrive
@@ -77,7 +77,7 @@ from typing import Any
 
 import torch
 
-from commfuse.collectives import allreduce, broadcast
+from commfuse.collectives import all_reduce, broadcast
 from commfuse.collectives.executor import CompletedHandle, drain, submit
 from commfuse.collectives.registry import resolve
 from commfuse.comm import Communicator, OpCounters
@@ -213,10 +213,12 @@ class Reducer:
         if self.comm.world_size == 1:
             return False
         if self.config.algo != "auto":
-            return resolve("allreduce", self.config.algo) == "native"
+            return resolve("all_reduce", self.config.algo) == "native"
         from commfuse.collectives import tuner
 
-        return all(tuner.choose(self.comm, "allreduce", b.nbytes) == "native" for b in self.buckets)
+        return all(
+            tuner.choose(self.comm, "all_reduce", b.nbytes) == "native" for b in self.buckets
+        )
 
     def close(self) -> None:
         # staleness=1: the last step's collectives are still running; a rank that left now
@@ -342,7 +344,7 @@ class Reducer:
         elif self.direct:
             handle = self.comm.all_reduce(bucket.flat, "sum", async_op=True)
         else:
-            handle = allreduce(self.comm, bucket.flat, "sum", algo=self.config.algo, async_op=True)
+            handle = all_reduce(self.comm, bucket.flat, "sum", algo=self.config.algo, async_op=True)
         flight.handles.append(handle)
 
     def _compressed_job(self, bucket: Bucket, flight: Flight) -> list[tuple[int, int]]:
@@ -397,7 +399,7 @@ class Reducer:
         flags = torch.zeros(len(bucket.params))
         for slot in slots:
             flags[slot] = float(self.comm.rank + 1)
-        allreduce(self.comm, flags, "max", algo="native")
+        all_reduce(self.comm, flags, "max", algo="native")
         return [(int(flags[s]) - 1, bucket.params[int(s)]) for s in flags.nonzero().flatten()]
 
     def _reduce_compressed(self, bucket: Bucket, step: int, *, finite: bool) -> None:
@@ -407,7 +409,7 @@ class Reducer:
         if not self.merged:
             # The MG-WFBP timing step reduces uncompressed: its buckets are about to change, and
             # a compressor's per-bucket state (error feedback) must only ever see final buckets.
-            allreduce(self.comm, bucket.flat, "avg", algo=self.config.algo)
+            all_reduce(self.comm, bucket.flat, "avg", algo=self.config.algo)
         else:
             if isinstance(self.compressor, GradientCompressor):
                 self.compressor.reduce_(
@@ -441,7 +443,7 @@ class Reducer:
             used_handle = (
                 self.comm.all_reduce(used_counts, "sum", async_op=True)
                 if self.direct
-                else allreduce(self.comm, used_counts, "sum", algo="native", async_op=True)
+                else all_reduce(self.comm, used_counts, "sum", algo="native", async_op=True)
             )
         landing: Flight | None = self._flight
         if self.config.staleness:
@@ -572,8 +574,10 @@ class Reducer:
         algo = self.config.algo
 
         def cost(nbytes: int) -> float:
-            name = tuner.choose_for("allreduce", nbytes, world, profile) if algo == "auto" else algo
-            return tuner.predict("allreduce", name, nbytes, world, profile)
+            name = (
+                tuner.choose_for("all_reduce", nbytes, world, profile) if algo == "auto" else algo
+            )
+            return tuner.predict("all_reduce", name, nbytes, world, profile)
 
         sizes = [self.params[i].numel() * self.params[i].element_size() for i in order]
         dtypes = [self.params[i].dtype for i in order]

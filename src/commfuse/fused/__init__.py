@@ -5,7 +5,7 @@ Each operator computes its result in chunks and starts the collective of chunk `
 ``i + 1`` is computed. One file per operator, each with its exact unfused reference and its
 backward; ``chunking.py`` holds the cost model that picks the number of chunks, ``ops.py`` the
 ``torch.ops.commfuse.*`` registrations, ``modules.py`` the ``nn.Module``s. The functions live in their operator's module
-(``commfuse.fused.gemm_allreduce.gemm_allreduce``), which keeps those names for the modules.
+(``commfuse.fused.gemm_all_reduce.gemm_all_reduce``), which keeps those names for the modules.
 """
 
 from commfuse.fused.chunking import ChunkConfig, choose_chunks, predict_us

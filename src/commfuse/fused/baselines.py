@@ -3,7 +3,7 @@
 A fused operator is only as good as the baseline it is measured against. gloo's own collectives
 are not always the best unfused choice (measured on the emulated cluster, 4 hosts at 1 Gbit/s):
 
-* its reduce-scatter costs as much as its allreduce (8 MB: 112 ms, where commfuse's ring takes
+* its reduce-scatter costs as much as its all-reduce (8 MB: 112 ms, where commfuse's ring takes
   64 ms), so the sequence-parallel references use commfuse's ``algo="auto"``, which picks the
   ring there;
 * its all-to-all posts every message at once and reached 63-69% of the link, where commfuse's

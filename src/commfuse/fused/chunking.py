@@ -16,7 +16,7 @@ With compute time ``C`` and communication time ``M`` for the whole operator, and
    more than 3% slower than unfused").
 
 Every rank must cut the same number of chunks (each chunk is a collective), so the measured times
-are agreed with one tiny allreduce (max over ranks) before ``k`` is chosen (``agree_chunks``).
+are agreed with one tiny all-reduce (max over ranks) before ``k`` is chosen (``agree_chunks``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class ChunkConfig:
 
     num_chunks: int | None = None
     """Fixed number of chunks; None chooses it from measured compute and communication times.
-    0 asks the embedding exchange for its by-table schedule (``embedding_alltoall.BY_TABLE``);
+    0 asks the embedding exchange for its by-table schedule (``embedding_all_to_all.BY_TABLE``);
     the other operators take 1 or more."""
     max_chunks: int = 16
     """Upper bound of the automatic choice."""
@@ -101,7 +101,7 @@ def agree_chunks(
 ) -> int:
     """``choose_chunks`` on times agreed across ranks (max), capped at ``limit`` pieces.
 
-    Every rank must call it at the same point: it issues one allreduce of three numbers."""
+    Every rank must call it at the same point: it issues one all-reduce of three numbers."""
     if config.num_chunks is not None:
         return max(1, min(config.num_chunks, max(limit, 1)))
     times = torch.tensor([compute_us, comm_us, overhead_us], dtype=torch.float64)
@@ -144,7 +144,7 @@ def elapsed_us(start_s: float) -> float:
 
 
 def measure_overhead_us(comm: Communicator, repeats: int = 3) -> float:
-    """The per-chunk overhead o: the median time of a one-element allreduce (one collective's
+    """The per-chunk overhead o: the median time of a one-element all-reduce (one collective's
     latency and launch cost; the extra kernel launch per chunk is small beside it on gloo)."""
     if comm.world_size == 1:
         return 0.0

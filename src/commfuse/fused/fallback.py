@@ -3,9 +3,9 @@
 ``chunking.choose_chunks`` models ``T(k) = max(C, M) + min(C, M) / k + k o`` with one ``M`` for both
 ``k = 1`` and ``k > 1``. That is only true when the fused pipeline and the unfused operator move
 their bytes the same way. They do not here: the unfused reference calls gloo's own collective
-(its ring allreduce, its ``all_to_all_single``), while the fused pipelines post point-to-point
-messages (``direct_allreduce.py`` says why). Measured on the emulated cluster (4 hosts at
-1 Gbit/s, a shared 2-core machine) the point-to-point form of an allreduce can be slower than
+(its ring all-reduce, its ``all_to_all_single``), while the fused pipelines post point-to-point
+messages (``direct_all_reduce.py`` says why). Measured on the emulated cluster (4 hosts at
+1 Gbit/s, a shared 2-core machine) the point-to-point form of an all-reduce can be slower than
 gloo's, so a model fed gloo's ``M`` chunked GEMM + AllReduce where the fused operator then ran
 up to 1.24x slower than unfused.
 
@@ -81,7 +81,7 @@ def choose_against_unfused(measured: Measured, *, max_chunks: int, min_gain: flo
 
 
 def agree(comm: Communicator, times: list[float]) -> list[float]:
-    """Each time's maximum over ranks (one tiny allreduce)."""
+    """Each time's maximum over ranks (one tiny all-reduce)."""
     t = torch.tensor(times, dtype=torch.float64)
     comm.all_reduce(t, "max")
     return [float(v) for v in t.tolist()]

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from commfuse.comm import Communicator
-from commfuse.fused import embedding_alltoall as emb
-from commfuse.fused import gemm_allreduce as gar
+from commfuse.fused import embedding_all_to_all as emb
+from commfuse.fused import gemm_all_reduce as gar
 from commfuse.fused.chunking import (
     ChunkConfig,
     shard_range,
@@ -25,8 +25,8 @@ from commfuse.fused.chunking import (
 )
 from commfuse.fused.ops import (
     anchor_for_backward,
-    embedding_alltoall_op,
-    gemm_allreduce_op,
+    embedding_all_to_all_op,
+    gemm_all_reduce_op,
     register_communicator,
 )
 
@@ -113,7 +113,7 @@ class RowParallelLinear(nn.Module):
         return gar.cached_chunks(self._chunks, self.comm, x, self.weight, self.chunk_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = gemm_allreduce_op(x, self.weight, self.comm_id, self.chunks_for(x))
+        y: torch.Tensor = gemm_all_reduce_op(x, self.weight, self.comm_id, self.chunks_for(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -202,7 +202,7 @@ class ShardedEmbeddingBag(nn.Module):
                 )
                 from commfuse.comm import check_consistent
 
-                check_consistent(self.comm, spec, "embedding_alltoall batch")
+                check_consistent(self.comm, spec, "embedding_all_to_all batch")
                 self._chunks[key] = emb.choose_chunks_for(
                     self.comm,
                     self.lookup(indices, offsets, batch_splits),
@@ -225,7 +225,7 @@ class ShardedEmbeddingBag(nn.Module):
                 )
             batch_splits = split_sizes(offsets[0].numel(), world)
         chunks = self.chunks_for(indices, offsets, batch_splits)
-        out: torch.Tensor = embedding_alltoall_op(
+        out: torch.Tensor = embedding_all_to_all_op(
             list(self.tables),
             indices,
             offsets,

@@ -15,8 +15,8 @@ One forward, on every rank for its own tokens ``x [T_r, D]``:
    All-to-All splits are then as uneven as the routing).
 3. The routed rows, sorted by expert, and the ``[P, E]`` counts (one tiny all-gather, which also
    checks that every rank has the same ``d_model`` and dtype) define the exchange.
-4. ``alltoall_gemm`` (dispatch + the experts' first GEMM ``x W1_e^T``), the activation,
-   ``gemm_alltoall`` (the experts' second GEMM ``h W2_e^T`` + combine), then each token's
+4. ``all_to_all_gemm`` (dispatch + the experts' first GEMM ``x W1_e^T``), the activation,
+   ``gemm_all_to_all`` (the experts' second GEMM ``h W2_e^T`` + combine), then each token's
    outputs are summed with their gate weights.
 
 Experts are sharded contiguously, ``split_sizes(num_experts, P)`` per rank (one or more each).
@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from commfuse.comm import Communicator
-from commfuse.fused import gemm_alltoall as ga
+from commfuse.fused import gemm_all_to_all as ga
 from commfuse.fused.chunking import ChunkConfig, measure_overhead_us, split_sizes
 from commfuse.fused.fallback import choose_fused_chunks
-from commfuse.fused.moe_ops import alltoall_gemm_op, gemm_alltoall_op
+from commfuse.fused.moe_ops import all_to_all_gemm_op, gemm_all_to_all_op
 from commfuse.fused.ops import register_communicator
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}
@@ -124,8 +124,8 @@ def choose_moe_chunks(
             overhead_us=measure_overhead_us(comm),
             limit=limit,
             trial=(
-                lambda k: ga.gemm_alltoall(comm, rt, h, weight, chunks=k),
-                lambda: ga.gemm_alltoall_reference(comm, rt, h, weight),
+                lambda k: ga.gemm_all_to_all(comm, rt, h, weight, chunks=k),
+                lambda: ga.gemm_all_to_all_reference(comm, rt, h, weight),
             ),
         )
 
@@ -229,9 +229,9 @@ class ExpertParallelMoE(nn.Module):
         flat, epr = counts.reshape(-1).tolist(), list(self.experts_per_rank)
         rows = x2[r.token]  # token side: routed rows sorted by expert
         chunks = self.chunks_for(counts, rows)
-        h, _ = alltoall_gemm_op(rows, self.w1, flat, epr, self.comm_id, chunks)
+        h, _ = all_to_all_gemm_op(rows, self.w1, flat, epr, self.comm_id, chunks)
         h = ACTIVATIONS[self.activation](h)
-        y = gemm_alltoall_op(h, self.w2, flat, epr, self.comm_id, chunks)
+        y = gemm_all_to_all_op(h, self.w2, flat, epr, self.comm_id, chunks)
         out = torch.zeros_like(x2).index_add(0, r.token, y * r.weight[:, None].to(y.dtype))
         return out.reshape(x.shape)
 
@@ -243,7 +243,7 @@ class ExpertParallelMoE(nn.Module):
                 self._chunks[rows.dtype] = self.chunk_config.num_chunks
             else:
                 with torch.no_grad():
-                    h, _ = ga.alltoall_gemm_reference(self.comm, rt, rows, self.w1.detach())
+                    h, _ = ga.all_to_all_gemm_reference(self.comm, rt, rows, self.w1.detach())
                     h = ACTIVATIONS[self.activation](h)
                 self._chunks[rows.dtype] = choose_moe_chunks(
                     self.comm, rt, h, self.w2.detach(), self.chunk_config

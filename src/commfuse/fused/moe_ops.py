@@ -1,9 +1,9 @@
-"""The MoE operators as PyTorch operators: ``torch.ops.commfuse.gemm_alltoall`` (combine side)
-and ``torch.ops.commfuse.alltoall_gemm`` (dispatch side), with autograd.
+"""The MoE operators as PyTorch operators: ``torch.ops.commfuse.gemm_all_to_all`` (combine side)
+and ``torch.ops.commfuse.all_to_all_gemm`` (dispatch side), with autograd.
 
 Same conventions as ``ops.py``: the communicator travels as ``register_communicator(comm)``'s
 integer handle, ``register_fake`` gives the shapes without communicating, ``register_autograd``
-the overlapped backward (``gemm_alltoall.py`` says which collective each backward is). The
+the overlapped backward (``gemm_all_to_all.py`` says which collective each backward is). The
 routing travels as ``counts`` (the ``[P, E]`` matrix, flattened row-major) and
 ``experts_per_rank``.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from commfuse.fused import gemm_alltoall as ga
+from commfuse.fused import gemm_all_to_all as ga
 from commfuse.fused.ops import communicator
 
 
@@ -31,8 +31,8 @@ def routing(comm_id: int, counts: list[int], experts_per_rank: list[int]) -> ga.
 
 
 # -- combine: GEMM + All-to-All -------------------------------------------------------------------
-@torch.library.custom_op("commfuse::gemm_alltoall", mutates_args=())
-def gemm_alltoall_op(
+@torch.library.custom_op("commfuse::gemm_all_to_all", mutates_args=())
+def gemm_all_to_all_op(
     h: torch.Tensor,
     weight: torch.Tensor,
     counts: list[int],
@@ -43,11 +43,11 @@ def gemm_alltoall_op(
     """Expert GEMM of the expert-side rows ``h``, each destination's rows sent as soon as they
     are computed: the token-side result ``[S_r, N]``."""
     rt = routing(comm_id, counts, experts_per_rank)
-    return ga.gemm_alltoall(communicator(comm_id), rt, h, weight, chunks=chunks)
+    return ga.gemm_all_to_all(communicator(comm_id), rt, h, weight, chunks=chunks)
 
 
-@gemm_alltoall_op.register_fake
-def _gemm_alltoall_fake(
+@gemm_all_to_all_op.register_fake
+def _gemm_all_to_all_fake(
     h: torch.Tensor,
     weight: torch.Tensor,
     counts: list[int],
@@ -69,18 +69,18 @@ def _combine_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     h, weight = ctx.saved_tensors
     counts, experts_per_rank, comm_id, chunks = ctx.meta
     rt = routing(comm_id, counts, experts_per_rank)
-    grad_h, grad_w = ga.gemm_alltoall_backward(
+    grad_h, grad_w = ga.gemm_all_to_all_backward(
         communicator(comm_id), rt, grad.contiguous(), h, weight, chunks=chunks
     )
     return grad_h, grad_w, None, None, None, None
 
 
-gemm_alltoall_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+gemm_all_to_all_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 # -- dispatch: All-to-All + GEMM ------------------------------------------------------------------
-@torch.library.custom_op("commfuse::alltoall_gemm", mutates_args=())
-def alltoall_gemm_op(
+@torch.library.custom_op("commfuse::all_to_all_gemm", mutates_args=())
+def all_to_all_gemm_op(
     x: torch.Tensor,
     weight: torch.Tensor,
     counts: list[int],
@@ -91,11 +91,11 @@ def alltoall_gemm_op(
     """Token-side rows ``x`` sent to their experts, each source's rows multiplied as soon as they
     arrive: (expert-side output ``[R_r, N]``, received rows ``[R_r, K]``, not differentiable)."""
     rt = routing(comm_id, counts, experts_per_rank)
-    return ga.alltoall_gemm(communicator(comm_id), rt, x, weight, chunks=chunks)
+    return ga.all_to_all_gemm(communicator(comm_id), rt, x, weight, chunks=chunks)
 
 
-@alltoall_gemm_op.register_fake
-def _alltoall_gemm_fake(
+@all_to_all_gemm_op.register_fake
+def _all_to_all_gemm_fake(
     x: torch.Tensor,
     weight: torch.Tensor,
     counts: list[int],
@@ -121,10 +121,10 @@ def _dispatch_backward(
     recv, weight = ctx.saved_tensors
     counts, experts_per_rank, comm_id, chunks = ctx.meta
     rt = routing(comm_id, counts, experts_per_rank)
-    grad_x, grad_w = ga.alltoall_gemm_backward(
+    grad_x, grad_w = ga.all_to_all_gemm_backward(
         communicator(comm_id), rt, grad.contiguous(), recv, weight, chunks=chunks
     )
     return grad_x, grad_w, None, None, None, None
 
 
-alltoall_gemm_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+all_to_all_gemm_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from commfuse.comm import Communicator
-from commfuse.fused import embedding_alltoall as emb
-from commfuse.fused import gemm_allreduce as gar
+from commfuse.fused import embedding_all_to_all as emb
+from commfuse.fused import gemm_all_reduce as gar
 
 _COMMS: weakref.WeakValueDictionary[int, Communicator] = weakref.WeakValueDictionary()
 _IDS: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()
@@ -45,16 +45,16 @@ def communicator(handle: int) -> Communicator:
 
 
 # -- GEMM + AllReduce -------------------------------------------------------------------------
-@torch.library.custom_op("commfuse::gemm_allreduce", mutates_args=())
-def gemm_allreduce_op(
+@torch.library.custom_op("commfuse::gemm_all_reduce", mutates_args=())
+def gemm_all_reduce_op(
     x: torch.Tensor, weight: torch.Tensor, comm_id: int, chunks: int
 ) -> torch.Tensor:
-    """``allreduce_sum(x @ weight^T)`` in ``chunks`` overlapped pieces (row-parallel linear)."""
-    return gar.gemm_allreduce(communicator(comm_id), x, weight, chunks=chunks)
+    """``all_reduce_sum(x @ weight^T)`` in ``chunks`` overlapped pieces (row-parallel linear)."""
+    return gar.gemm_all_reduce(communicator(comm_id), x, weight, chunks=chunks)
 
 
-@gemm_allreduce_op.register_fake
-def _gemm_allreduce_fake(
+@gemm_all_reduce_op.register_fake
+def _gemm_all_reduce_fake(
     x: torch.Tensor, weight: torch.Tensor, comm_id: int, chunks: int
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
@@ -67,11 +67,11 @@ def _gemm_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None
 
 def _gemm_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     x, weight = ctx.saved_tensors
-    grad_x, grad_w = gar.gemm_allreduce_backward(grad, x, weight)
+    grad_x, grad_w = gar.gemm_all_reduce_backward(grad, x, weight)
     return grad_x, grad_w, None, None
 
 
-gemm_allreduce_op.register_autograd(_gemm_backward, setup_context=_gemm_setup)
+gemm_all_reduce_op.register_autograd(_gemm_backward, setup_context=_gemm_setup)
 
 
 # -- Embedding + All-to-All ---------------------------------------------------------------------
@@ -80,8 +80,8 @@ def anchor_for_backward() -> torch.Tensor:
     return torch.empty(0, requires_grad=torch.is_grad_enabled())
 
 
-@torch.library.custom_op("commfuse::embedding_alltoall", mutates_args=())
-def embedding_alltoall_op(
+@torch.library.custom_op("commfuse::embedding_all_to_all", mutates_args=())
+def embedding_all_to_all_op(
     tables: list[torch.Tensor],
     indices: list[torch.Tensor],
     offsets: list[torch.Tensor],
@@ -106,17 +106,17 @@ def embedding_alltoall_op(
     lookup = emb.ShardedLookup(
         tables, indices, offsets, batch_splits, tables_per_rank, dim, dtype, mode
     )
-    return emb.embedding_alltoall(communicator(comm_id), lookup, chunks=chunks)
+    return emb.embedding_all_to_all(communicator(comm_id), lookup, chunks=chunks)
 
 
 def _unpack(inputs: tuple[Any, ...]) -> tuple[emb.ShardedLookup, int, int, torch.Tensor]:
-    """``embedding_alltoall_op``'s arguments, in its registered order, as (lookup, comm_id,
+    """``embedding_all_to_all_op``'s arguments, in its registered order, as (lookup, comm_id,
     chunks, anchor): its first eight are the lookup's fields, in the lookup's order."""
     *fields, comm_id, chunks, anchor = inputs
     return emb.ShardedLookup(*fields), comm_id, chunks, anchor
 
 
-@embedding_alltoall_op.register_fake
+@embedding_all_to_all_op.register_fake
 def _embedding_fake(*inputs: Any) -> torch.Tensor:
     # torch calls the fake with the operator's arguments as registered; ``_unpack`` names them.
     lookup, comm_id, _, _ = _unpack(inputs)
@@ -153,7 +153,7 @@ def _embedding_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         offsets=list(saved[2 * n :]),
     )
     comm_id, chunks = ctx.meta
-    grads = emb.embedding_alltoall_backward(
+    grads = emb.embedding_all_to_all_backward(
         communicator(comm_id), lookup, grad.contiguous(), chunks=chunks
     )
     none = [None] * n
@@ -161,4 +161,4 @@ def _embedding_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     return grads, none, list(none), None, None, None, None, None, None, None, anchor_grad
 
 
-embedding_alltoall_op.register_autograd(_embedding_backward, setup_context=_embedding_setup)
+embedding_all_to_all_op.register_autograd(_embedding_backward, setup_context=_embedding_setup)

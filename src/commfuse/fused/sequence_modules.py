@@ -1,5 +1,5 @@
 """Sequence-parallel linear layers on the fused rings of ``sequence_parallel.py``:
-``torch.ops.commfuse.allgather_gemm`` / ``gemm_reducescatter`` (with autograd), and the modules
+``torch.ops.commfuse.all_gather_gemm`` / ``gemm_reduce_scatter`` (with autograd), and the modules
 ``ColumnParallelLinear`` (AllGather + GEMM) and ``SequenceParallelRowLinear`` (GEMM +
 ReduceScatter), Megatron's pair with sequence parallelism (Korthikanti et al., arXiv 2205.05198).
 
@@ -27,19 +27,19 @@ from commfuse.fused.ops import communicator, register_communicator
 
 
 # -- AllGather + GEMM ----------------------------------------------------------------------------
-@torch.library.custom_op("commfuse::allgather_gemm", mutates_args=())
-def allgather_gemm_op(
+@torch.library.custom_op("commfuse::all_gather_gemm", mutates_args=())
+def all_gather_gemm_op(
     x: torch.Tensor, weight: torch.Tensor, splits: list[int], comm_id: int, chunks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(AG(x) @ weight^T, AG(x))``; the second output (the gathered input) has no gradient."""
-    y, gathered = sp.allgather_gemm(
+    y, gathered = sp.all_gather_gemm(
         communicator(comm_id), x, weight, splits=list(splits), chunks=chunks
     )
     return y, gathered
 
 
-@allgather_gemm_op.register_fake
-def _allgather_gemm_fake(
+@all_gather_gemm_op.register_fake
+def _all_gather_gemm_fake(
     x: torch.Tensor, weight: torch.Tensor, splits: list[int], comm_id: int, chunks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows = sum(splits)
@@ -56,28 +56,28 @@ def _ag_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...
 def _ag_backward(ctx: Any, grad_y: torch.Tensor, _grad_gathered: Any) -> tuple[Any, ...]:
     gathered, weight = ctx.saved_tensors
     splits, comm_id, chunks = ctx.meta
-    grad_x, grad_w = sp.allgather_gemm_backward(
+    grad_x, grad_w = sp.all_gather_gemm_backward(
         communicator(comm_id), grad_y, gathered, weight, splits, chunks
     )
     return grad_x, grad_w, None, None, None
 
 
-allgather_gemm_op.register_autograd(_ag_backward, setup_context=_ag_setup)
+all_gather_gemm_op.register_autograd(_ag_backward, setup_context=_ag_setup)
 
 
 # -- GEMM + ReduceScatter ------------------------------------------------------------------------
-@torch.library.custom_op("commfuse::gemm_reducescatter", mutates_args=())
-def gemm_reducescatter_op(
+@torch.library.custom_op("commfuse::gemm_reduce_scatter", mutates_args=())
+def gemm_reduce_scatter_op(
     a: torch.Tensor, weight: torch.Tensor, splits: list[int], comm_id: int, chunks: int
 ) -> torch.Tensor:
     """This rank's rows of ``sum_ranks(a @ weight^T)``."""
-    return sp.gemm_reducescatter(
+    return sp.gemm_reduce_scatter(
         communicator(comm_id), a, weight, splits=list(splits), chunks=chunks
     )
 
 
-@gemm_reducescatter_op.register_fake
-def _gemm_reducescatter_fake(
+@gemm_reduce_scatter_op.register_fake
+def _gemm_reduce_scatter_fake(
     a: torch.Tensor, weight: torch.Tensor, splits: list[int], comm_id: int, chunks: int
 ) -> torch.Tensor:
     return a.new_empty((splits[communicator(comm_id).rank], weight.shape[0]))
@@ -92,13 +92,13 @@ def _rs_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
 def _rs_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     a, weight = ctx.saved_tensors
     splits, comm_id, chunks = ctx.meta
-    grad_a, grad_w = sp.gemm_reducescatter_backward(
+    grad_a, grad_w = sp.gemm_reduce_scatter_backward(
         communicator(comm_id), grad, a, weight, splits, chunks
     )
     return grad_a, grad_w, None, None, None
 
 
-gemm_reducescatter_op.register_autograd(_rs_backward, setup_context=_rs_setup)
+gemm_reduce_scatter_op.register_autograd(_rs_backward, setup_context=_rs_setup)
 
 
 # -- modules -------------------------------------------------------------------------------------
@@ -165,10 +165,10 @@ class ColumnParallelLinear(_SequenceParallel):
         chunks = self._choose(
             (tuple(seq), inner, x.dtype),
             meta,
-            lambda: sp.measure_allgather_gemm(self.comm, x2, self.weight, rows),
+            lambda: sp.measure_all_gather_gemm(self.comm, x2, self.weight, rows),
         )
         y: torch.Tensor
-        y, _ = allgather_gemm_op(x2, self.weight, rows, self.comm_id, chunks)
+        y, _ = all_gather_gemm_op(x2, self.weight, rows, self.comm_id, chunks)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(sum(seq), *x.shape[1:-1], self.weight.shape[0])
@@ -208,9 +208,9 @@ class SequenceParallelRowLinear(_SequenceParallel):
         chunks = self._choose(
             (tuple(seq), inner, a.dtype),
             meta,
-            lambda: sp.measure_gemm_reducescatter(self.comm, a2, self.weight, rows),
+            lambda: sp.measure_gemm_reduce_scatter(self.comm, a2, self.weight, rows),
         )
-        z: torch.Tensor = gemm_reducescatter_op(a2, self.weight, rows, self.comm_id, chunks)
+        z: torch.Tensor = gemm_reduce_scatter_op(a2, self.weight, rows, self.comm_id, chunks)
         if self.bias is not None:
             z = z + self.bias
         return z.reshape(seq[self.comm.rank], *a.shape[1:-1], self.weight.shape[0])

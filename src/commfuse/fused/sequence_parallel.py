@@ -14,7 +14,7 @@ Decomposition", ASPLOS 2023):
 * **AllGather + GEMM** ``y = AG(x) @ W^T``: for ``s = 0 .. P-1``, rank ``r`` holds the shard of
   rank ``r - s``; it posts the send of that shard to ``r + 1`` and the receive of shard
   ``r - s - 1`` from ``r - 1``, then computes ``y[rows of r - s]`` while they travel. ``P - 1``
-  messages, exactly a ring allgather's bytes.
+  messages, exactly a ring all-gather's bytes.
 * **GEMM + ReduceScatter** ``z_r = sum_i (a_i @ W_i^T)[rows of r]``: the partial sum of block
   ``j`` starts on rank ``j + 1`` and travels the ring to ``j``; at step ``s`` rank ``r`` computes
   its partial of block ``j = r - 1 - s`` (while the running sum of that block arrives from
@@ -45,8 +45,8 @@ from commfuse.fused import baselines
 from commfuse.fused.chunking import elapsed_us
 
 #: Stats labels of the rings' point-to-point traffic (exact bytes and messages).
-LABEL_AG = "allgather_gemm"
-LABEL_RS = "gemm_reducescatter"
+LABEL_AG = "all_gather_gemm"
+LABEL_RS = "gemm_reduce_scatter"
 
 
 def check_splits(
@@ -88,7 +88,7 @@ def _starts(splits: list[int]) -> list[int]:
     return out
 
 
-def allgather_gemm(
+def all_gather_gemm(
     comm: Communicator,
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -98,12 +98,12 @@ def allgather_gemm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(AG(x) @ weight^T, AG(x))`` for this rank's shard ``x`` [S_r, K] and weight [N_r, K]
     (module docstring): the ring when ``chunks >= 2``, else the unfused reference."""
-    _check_gemm(x, weight, "allgather_gemm")
+    _check_gemm(x, weight, "all_gather_gemm")
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     splits = check_splits(comm, splits, x.shape[0], local=True)
     if chunks == 1 or comm.world_size == 1:
-        return allgather_gemm_reference(comm, x, weight, splits=splits)
+        return all_gather_gemm_reference(comm, x, weight, splits=splits)
     rank, world = comm.rank, comm.world_size
     starts = _starts(splits)
     gathered = torch.empty((sum(splits), x.shape[1]), dtype=x.dtype)
@@ -128,7 +128,7 @@ def allgather_gemm(
     return y, gathered
 
 
-def allgather_gemm_reference(
+def all_gather_gemm_reference(
     comm: Communicator,
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -137,21 +137,21 @@ def allgather_gemm_reference(
     algo: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unfused: one AllGather (shards padded to the longest; ``algo`` of
-    commfuse.collectives.allgather, "ring" counts exact bytes), then the whole GEMM."""
-    from commfuse.collectives import allgather
+    ``commfuse.collectives.all_gather``, "ring" counts exact bytes), then the whole GEMM."""
+    from commfuse.collectives import all_gather
 
-    _check_gemm(x, weight, "allgather_gemm")
+    _check_gemm(x, weight, "all_gather_gemm")
     splits = check_splits(comm, splits, x.shape[0], local=True)
     longest = max(splits)
     padded = torch.zeros((longest, x.shape[1]), dtype=x.dtype)
     padded[: x.shape[0]].copy_(x)
     out = torch.empty((comm.world_size * longest, x.shape[1]), dtype=x.dtype)
-    allgather(comm, out, padded, algo=algo or baselines.SEQUENCE)
+    all_gather(comm, out, padded, algo=algo or baselines.SEQUENCE)
     gathered = torch.cat([out[j * longest : j * longest + n] for j, n in enumerate(splits)])
     return torch.matmul(gathered, weight.t()), gathered
 
 
-def gemm_reducescatter(
+def gemm_reduce_scatter(
     comm: Communicator,
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -163,12 +163,12 @@ def gemm_reducescatter(
     """``RS(a @ weight^T)``: this rank's rows [S_r, N] of the sum over ranks, for the whole
     sequence ``a`` [S, K_r] and weight [N, K_r] (module docstring). ``label`` names the ring's
     messages in ``comm.stats`` (GEMM + AllReduce runs this ring under its own)."""
-    _check_gemm(a, weight, "gemm_reducescatter")
+    _check_gemm(a, weight, "gemm_reduce_scatter")
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     splits = check_splits(comm, splits, a.shape[0], local=False)
     if chunks == 1 or comm.world_size == 1:
-        return gemm_reducescatter_reference(comm, a, weight, splits=splits)
+        return gemm_reduce_scatter_reference(comm, a, weight, splits=splits)
     rank, world = comm.rank, comm.world_size
     starts = _starts(splits)
     right, left = (rank + 1) % world, (rank - 1) % world
@@ -196,7 +196,7 @@ def gemm_reducescatter(
     return partial
 
 
-def gemm_reducescatter_reference(
+def gemm_reduce_scatter_reference(
     comm: Communicator,
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -207,7 +207,7 @@ def gemm_reducescatter_reference(
     """Unfused: the whole GEMM, then one ReduceScatter (blocks padded to the longest)."""
     from commfuse.collectives import reduce_scatter
 
-    _check_gemm(a, weight, "gemm_reducescatter")
+    _check_gemm(a, weight, "gemm_reduce_scatter")
     splits = check_splits(comm, splits, a.shape[0], local=False)
     full = torch.matmul(a, weight.t())
     longest, starts = max(splits), _starts(splits)
@@ -219,7 +219,7 @@ def gemm_reducescatter_reference(
     return out[: splits[comm.rank]].clone()
 
 
-def allgather_gemm_backward(
+def all_gather_gemm_backward(
     comm: Communicator,
     grad_y: torch.Tensor,
     gathered: torch.Tensor,
@@ -229,11 +229,11 @@ def allgather_gemm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x, grad_weight): ``RS(grad_y @ W)`` on the fused ring, ``grad_y^T @ AG(x)`` local."""
     grad_y = grad_y.contiguous()
-    grad_x = gemm_reducescatter(comm, grad_y, weight.t(), splits=splits, chunks=chunks)
+    grad_x = gemm_reduce_scatter(comm, grad_y, weight.t(), splits=splits, chunks=chunks)
     return grad_x, torch.matmul(grad_y.t(), gathered)
 
 
-def gemm_reducescatter_backward(
+def gemm_reduce_scatter_backward(
     comm: Communicator,
     grad_z: torch.Tensor,
     a: torch.Tensor,
@@ -242,30 +242,30 @@ def gemm_reducescatter_backward(
     chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_a, grad_weight): ``AG(grad_z) @ W`` on the fused ring, then ``AG(grad_z)^T @ a``."""
-    grad_a, gathered = allgather_gemm(
+    grad_a, gathered = all_gather_gemm(
         comm, grad_z.contiguous(), weight.t().contiguous(), splits=splits, chunks=chunks
     )
     return grad_a, torch.matmul(gathered.t(), a)
 
 
-def measure_allgather_gemm(
+def measure_all_gather_gemm(
     comm: Communicator, x: torch.Tensor, weight: torch.Tensor, splits: list[int]
 ) -> tuple[float, float]:
     """(compute_us, comm_us) of one unfused run: the AllGather alone, then the whole GEMM."""
-    from commfuse.collectives import allgather
+    from commfuse.collectives import all_gather
 
     longest = max(splits)
     padded = torch.zeros((longest, x.shape[1]), dtype=x.dtype)
     out = torch.empty((comm.world_size * longest, x.shape[1]), dtype=x.dtype)
     start = time.perf_counter()
-    allgather(comm, out, padded, algo=baselines.SEQUENCE)  # what the unfused reference calls
+    all_gather(comm, out, padded, algo=baselines.SEQUENCE)  # what the unfused reference calls
     comm_us = elapsed_us(start)
     start = time.perf_counter()
     torch.matmul(out[: sum(splits)], weight.t())
     return elapsed_us(start), comm_us
 
 
-def measure_gemm_reducescatter(
+def measure_gemm_reduce_scatter(
     comm: Communicator, a: torch.Tensor, weight: torch.Tensor, splits: list[int]
 ) -> tuple[float, float]:
     """(compute_us, comm_us) of one unfused run: the whole GEMM, then the ReduceScatter alone."""

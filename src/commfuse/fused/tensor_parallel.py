@@ -4,7 +4,7 @@
 Its input ``x`` is replicated on every rank of the tensor-parallel group; rank ``r`` keeps rows
 ``out_range`` of the full weight and computes its slice of the output locally (Megatron's ``f``
 operator is the identity in forward). Backward, ``grad_x = sum_r grad_y_r @ W_r`` sums partial
-products over ranks: a GEMM + AllReduce, run as ``gemm_allreduce.gemm_allreduce`` (chunk ``i``
+products over ranks: a GEMM + AllReduce, run as ``gemm_all_reduce.gemm_all_reduce`` (chunk ``i``
 is reduced while chunk ``i + 1`` is multiplied). The weight gradient ``grad_y_r^T x`` is local.
 Paired with ``RowParallelLinear`` it makes a Megatron MLP or attention block: one fused
 AllReduce in forward (the row-parallel output) and one in backward (this layer's input).
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from commfuse.comm import Communicator
-from commfuse.fused import gemm_allreduce as gar
+from commfuse.fused import gemm_all_reduce as gar
 from commfuse.fused.chunking import ChunkConfig
 from commfuse.fused.modules import sharded_linear
 
@@ -46,7 +46,7 @@ class _ColumnGemm(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:  # the same on every rank: all skip the collective or none
             w_t = weight.t()  # [in, out_r]: grad_y_r @ (W_r^T)^T, no copy (matmul transposes)
-            grad_x = gar.gemm_allreduce(
+            grad_x = gar.gemm_all_reduce(
                 module.comm, g2, w_t, chunks=module.chunks_for(g2, w_t)
             ).reshape(x.shape)
         grad_w = torch.matmul(g2.t(), x.reshape(rows, x.shape[-1]))

@@ -226,7 +226,7 @@ class PeriodicSyncOptimizer:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        collectives.allreduce(comm, flat, "avg", algo=self.config.algo)
+        collectives.all_reduce(comm, flat, "avg", algo=self.config.algo)
         offset = 0
         for p in self.params:
             chunk = flat[offset : offset + p.numel()].view_as(p)
@@ -249,7 +249,7 @@ class PeriodicSyncOptimizer:
             if self._compressor is not None:
                 self._compressor.reduce_(comm, delta, bucket=fragment, step=sync_index)
             else:
-                collectives.allreduce(comm, delta, "avg", algo=self.config.algo)
+                collectives.all_reduce(comm, delta, "avg", algo=self.config.algo)
 
         if background and self.config.overlap_steps > 0:
             handle = submit(comm, f"outer exchange of fragment {fragment}", exchange)

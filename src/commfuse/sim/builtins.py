@@ -58,7 +58,7 @@ def transformer(
         if tp > 1:
             # Megatron: one allreduce after attention and one after the MLP, each way.
             comms = tuple(
-                LayerComm(collective="allreduce", nbytes=act, group="tp", phase=phase)
+                LayerComm(collective="all_reduce", nbytes=act, group="tp", phase=phase)
                 for phase in ("fwd", "fwd", "bwd", "bwd")
             )
         fwd = (24.0 * tokens * h * h + 4.0 * b * s * s * h) / tp

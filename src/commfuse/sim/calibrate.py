@@ -14,7 +14,7 @@ token-bucket burst, ``inter_burst_kbyte``, no faster than its shaped rate ``inte
 3. **Local rates**: ``a += b`` (gamma -> ``reduce_gbyte_per_s``), an SGD update
    (``mem_gbyte_per_s``, 3 bytes moved per parameter byte), the fp16 compressor's local work
    (finiteness test, scale, cast) and what gloo's fp16 allreduce costs beyond an fp32 one of the
-   same bytes (``HALF_ALLREDUCE_SIZES``; together ``compression_gbyte_per_s``), all on every
+   same bytes (``HALF_ALL_REDUCE_SIZES``; together ``compression_gbyte_per_s``), all on every
    rank at once, since in a step they share the cores.
 4. **Compute**: forward, backward and SGD step of ``CALIBRATION_MLP`` with no communication on
    every rank at once; its FLOPs (PyTorch's counter on the meta device) over the time left after
@@ -55,13 +55,13 @@ from commfuse.sim.workload import Workload, from_module
 KB, MB = 1 << 10, 1 << 20
 #: Sizes of the native-collective fits: x4 apart, from latency-bound to bandwidth-bound.
 NATIVE_SIZES = (128 * KB, 512 * KB, 2 * MB, 8 * MB)
-NATIVE_COLLECTIVES = ("allreduce", "broadcast", "all_to_all", "allgather")
+NATIVE_COLLECTIVES = ("all_reduce", "broadcast", "all_to_all", "all_gather")
 #: Sizes of the fp16 allreduce whose excess over fp32 at the same bytes is fp16's summation
 #: cost (gloo adds halves in software) charged to the fp16 compressor.
-HALF_ALLREDUCE_SIZES = (2 * MB, 8 * MB)
+HALF_ALL_REDUCE_SIZES = (2 * MB, 8 * MB)
 #: Native collectives whose start-ups run under their transfers (``fit.overlapped``): gloo's
 #: segmented ring allreduce.
-OVERLAPPED_NATIVE = {("allreduce", "native")}
+OVERLAPPED_NATIVE = {("all_reduce", "native")}
 #: Ping-pong sizes of the point-to-point fit.
 P2P_SIZES = (128 * KB, 512 * KB, 2 * MB, 8 * MB)
 #: Local element-wise work: big enough to leave the caches.
@@ -90,7 +90,7 @@ def mlp_workload(spec: dict[str, int], name: str) -> Workload:
 
 def calibration_configs(*, quick: bool = False) -> list[dict[str, Any]]:
     """What calibration measures (quick: allreduce only among the native collectives)."""
-    natives = ("allreduce",) if quick else NATIVE_COLLECTIVES
+    natives = ("all_reduce",) if quick else NATIVE_COLLECTIVES
     out: list[dict[str, Any]] = [
         {"kind": "collective", "collective": c, "algo": "native", "bytes": n}
         for c in natives
@@ -99,12 +99,12 @@ def calibration_configs(*, quick: bool = False) -> list[dict[str, Any]]:
     out += [
         {
             "kind": "collective",
-            "collective": "allreduce",
+            "collective": "all_reduce",
             "algo": "native",
             "bytes": n,
             "dtype": "float16",
         }
-        for n in HALF_ALLREDUCE_SIZES
+        for n in HALF_ALL_REDUCE_SIZES
     ]
     out += [{"kind": "p2p", "bytes": n} for n in P2P_SIZES]
     out += [{"kind": k, "bytes": LOCAL_BYTES} for k in ("reduce", "memory", "cast")]
@@ -117,7 +117,7 @@ def fit_cluster(
     base: ClusterModel, configs: list[dict[str, Any]], measured_s: list[float]
 ) -> tuple[ClusterModel, dict[str, LinkFit]]:
     """``base`` with every fitted quantity replaced (module docstring), and the link fits by
-    name (``p2p``, ``allreduce/native``, ...). Pure: the tests feed it synthetic times."""
+    name (``p2p``, ``all_reduce/native``, ...). Pure: the tests feed it synthetic times."""
     if len(configs) != len(measured_s):
         raise ValueError(f"{len(configs)} calibration configs but {len(measured_s)} times")
     by_kind: dict[str, list[tuple[dict[str, Any], float]]] = {}
@@ -232,7 +232,7 @@ def compression_gbyte_per_s(
     """The fp16 compressor's cost as a rate, GB of fp32 input per second: its measured local
     work (``cast``: finiteness test, divide, cast, copy back) plus, with ``cluster`` (the fitted
     model), what an fp16 allreduce costs beyond an fp32 one of the same bytes (the median
-    excess per byte of the ``HALF_ALLREDUCE_SIZES`` runs, clamped at 0; an fp16 message is half
+    excess per byte of the ``HALF_ALL_REDUCE_SIZES`` runs, clamped at 0; an fp16 message is half
     its input's bytes). The simulator charges it before the compressed allreduce."""
     from commfuse.sim.network import collective_time_s
 

@@ -46,7 +46,7 @@ class CollectiveLink:
     host links instead of the cluster's point-to-point ``inter_*`` pair."""
 
     collective: str
-    """allreduce, broadcast, all_to_all, allgather, ..."""
+    """all_reduce, broadcast, all_to_all, all_gather, ..."""
     algorithm: str
     """The registered algorithm name (``native`` for gloo's own)."""
     latency_us: float

@@ -234,8 +234,8 @@ def native_model(collective: str, world_size: int) -> Model:
     a binomial-tree broadcast whose sends share the sender's link (``cost.gloo_broadcast``), a
     pairwise all-to-all, each as a formula of cost.py."""
     formulas: dict[str, Callable[[int, int, C.LinkCost], float]] = {
-        "allreduce": C.ring_allreduce,
-        "allgather": C.ring_allgather,
+        "all_reduce": C.ring_all_reduce,
+        "all_gather": C.ring_all_gather,
         "broadcast": C.gloo_broadcast,
         "all_to_all": C.pairwise_all_to_all,
     }

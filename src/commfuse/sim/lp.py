@@ -19,7 +19,7 @@ that lets a block up to its size through an idle link at once, so filling hops a
 
 * broadcast, reduce: fill ``(P - 1)`` hops; the busiest link carries ``n`` bytes;
 * allreduce, ``P > 2``: a middle rank's one link carries the partial blocks toward the head and
-  the finished ones away from it, ``2n`` bytes (``cost.lp_allreduce_one_link``), two blocks per
+  the finished ones away from it, ``2n`` bytes (``cost.lp_all_reduce_one_link``), two blocks per
   step; the rank next to the head waits ``P - 2`` hops for its first partial block and its last
   finished block needs ``P - 2`` more hops to reach the chain's end. With ``P = 2`` each end
   sends one stream of ``n`` bytes, one hop behind the other.
@@ -40,7 +40,7 @@ def block_bytes(collective: str, nbytes: int, p: int, link: C.LinkCost, profile:
     """The block the pipeline cuts ``nbytes`` into on ``p`` ranks over ``link`` (docstring)."""
     if collective in profile.pipeline_alpha_s:
         return best_block_bytes(collective, nbytes, p, profile)
-    depth = 2 * (p - 1) if collective == "allreduce" else p - 1
+    depth = 2 * (p - 1) if collective == "all_reduce" else p - 1
     code_link = C.LinkCost(alpha_s=PIPELINE_BLOCK_ALPHA_S, beta_s_per_byte=link.beta_s_per_byte)
     best = C.lp_best_block_bytes(nbytes, depth + 1, code_link)
     return max(1, best // _FP32_BYTES) * _FP32_BYTES
@@ -61,7 +61,7 @@ def pipeline_cost(
     """(latency seconds, busy seconds per resource) of one pipelined collective (docstring).
     ``beta_by_resource``: seconds per byte of each resource the chain crosses, already shared
     among the groups using it; ``slowest``: the resource whose beta paces a step."""
-    if collective not in ("broadcast", "reduce", "allreduce"):
+    if collective not in ("broadcast", "reduce", "all_reduce"):
         raise ValueError(f"no linear pipeline for {collective!r}")
     if p <= 1 or n <= 0:
         return 0.0, {}
@@ -69,12 +69,12 @@ def pipeline_cost(
     k = math.ceil(n / b)
     gamma = 0.0 if collective == "broadcast" else gamma_s_per_byte
     cpu = alpha_s + b * gamma  # one block's per-message and reduction work
-    two_streams = collective == "allreduce" and p > 2
+    two_streams = collective == "all_reduce" and p > 2
     per_step = 2 if two_streams else 1
     wire = per_step * b * beta_by_resource[slowest]
     if two_streams:
         fill_hops, link_bytes = 2 * (p - 2), 2 * n
-    elif collective == "allreduce":  # P = 2: the finished stream runs one hop behind
+    elif collective == "all_reduce":  # P = 2: the finished stream runs one hop behind
         fill_hops, link_bytes = 2, n
     else:
         fill_hops, link_bytes = p - 1, n

@@ -96,9 +96,9 @@ def _collective(comm: Any, cfg: dict[str, Any], refill_s: float) -> Runner:
     opts = {"block_bytes": cfg["block_bytes"]} if cfg.get("block_bytes") else {}
     algo, what = cfg["algo"], cfg["collective"]
     calls: dict[str, Callable[[], object]] = {
-        "allreduce": lambda: C.allreduce(comm, x, algo=algo, **opts),
+        "all_reduce": lambda: C.all_reduce(comm, x, algo=algo, **opts),
         "broadcast": lambda: C.broadcast(comm, x, 0, algo=algo, **opts),
-        "allgather": lambda: C.allgather(comm, out, x[: n // world], algo=algo),
+        "all_gather": lambda: C.all_gather(comm, out, x[: n // world], algo=algo),
         "all_to_all": lambda: C.all_to_all(comm, out, x, algo=algo),
     }
     if what not in calls:

@@ -84,31 +84,31 @@ _Fn = Callable[[int, int, C.LinkCost], float]
 #: (collective, algorithm) -> (shape, cost.py formula). Native follows gloo (DESIGN.md): ring
 #: allreduce and allgather, binomial broadcast and reduce, reduce-scatter as a full allreduce.
 _SHAPES: dict[tuple[str, str], tuple[str, _Fn]] = {
-    ("allreduce", "native"): ("chain", C.ring_allreduce),
-    ("allreduce", "ring"): ("chain", C.ring_allreduce),
-    ("allreduce", "pipeline"): ("chain", C.lp_allreduce),
-    ("allreduce", "doubling"): ("spread", C.recursive_doubling_allreduce),
-    ("allreduce", "rabenseifner"): ("spread", C.rabenseifner_allreduce),
+    ("all_reduce", "native"): ("chain", C.ring_all_reduce),
+    ("all_reduce", "ring"): ("chain", C.ring_all_reduce),
+    ("all_reduce", "pipeline"): ("chain", C.lp_all_reduce),
+    ("all_reduce", "doubling"): ("spread", C.recursive_doubling_all_reduce),
+    ("all_reduce", "rabenseifner"): ("spread", C.rabenseifner_all_reduce),
     ("broadcast", "native"): ("tree", C.gloo_broadcast),
     ("broadcast", "tree"): ("tree", C.mst_broadcast),
     ("broadcast", "pipeline"): ("chain", C.lp_broadcast),
     ("reduce", "native"): ("tree", C.mst_reduce),
     ("reduce", "tree"): ("tree", C.mst_reduce),
     ("reduce", "pipeline"): ("chain", C.lp_reduce),
-    ("allgather", "native"): ("chain", C.ring_allgather),
-    ("allgather", "ring"): ("chain", C.ring_allgather),
-    ("allgather", "doubling"): ("spread", C.recursive_doubling_allgather),
-    ("reduce_scatter", "native"): ("chain", C.ring_allreduce),
+    ("all_gather", "native"): ("chain", C.ring_all_gather),
+    ("all_gather", "ring"): ("chain", C.ring_all_gather),
+    ("all_gather", "doubling"): ("spread", C.recursive_doubling_all_gather),
+    ("reduce_scatter", "native"): ("chain", C.ring_all_reduce),
     ("reduce_scatter", "ring"): ("chain", C.ring_reduce_scatter),
     ("reduce_scatter", "halving"): ("spread", C.ring_reduce_scatter),
-    ("all_to_all", "native"): ("alltoall", C.pairwise_all_to_all),
-    ("all_to_all", "pairwise"): ("alltoall", C.pairwise_all_to_all),
+    ("all_to_all", "native"): ("all_to_all", C.pairwise_all_to_all),
+    ("all_to_all", "pairwise"): ("all_to_all", C.pairwise_all_to_all),
 }
-_PIPELINES = {"broadcast", "reduce", "allreduce"}
+_PIPELINES = {"broadcast", "reduce", "all_reduce"}
 
 
 def known_algorithms(collective: str) -> list[str]:
-    hier = {"hierarchical"} if collective in ("allreduce", "broadcast") else set()
+    hier = {"hierarchical"} if collective in ("all_reduce", "broadcast") else set()
     return sorted({a for c, a in _SHAPES if c == collective} | {"auto"} | hier)
 
 
@@ -260,7 +260,7 @@ def _flat(
     at_once["nic"] *= group.groups_per_host
     at_once["wan"] *= group.num_groups
     busy = dict[str, float]()
-    if shape == "alltoall":
+    if shape == "all_to_all":
         # Exact bytes: each rank sends n/p to each other rank; count what leaves a host / DC.
         per_dc = p // dcs
         if local > 1:
@@ -332,16 +332,16 @@ def _hierarchical(
     """Inside each host, across hosts with 1/L of the data (L groups share each host link),
     inside again (``collectives/hierarchical.py``); chunk pipelining is left out."""
     local, hosts = group.ranks_per_host, group.hosts
-    if local <= 1 or hosts <= 1 or collective not in ("allreduce", "broadcast"):
+    if local <= 1 or hosts <= 1 or collective not in ("all_reduce", "broadcast"):
         raise ValueError(
             f"hierarchical {collective} needs a group spanning several hosts with several ranks "
             f"each (got {hosts} host(s) x {local} rank(s)); pick a flat algorithm"
         )
     shared = _with_beta(inter, local * group.groups_per_host)
-    if collective == "allreduce":
+    if collective == "all_reduce":
         rs = _split(C.ring_reduce_scatter, n, local, intra)
-        across = _split(C.ring_allreduce, math.ceil(n / local), hosts, shared)
-        ag = _split(C.ring_allgather, n, local, intra)
+        across = _split(C.ring_all_reduce, math.ceil(n / local), hosts, shared)
+        ag = _split(C.ring_all_gather, n, local, intra)
         latency = rs[0] + across[0] + ag[0]
         return Demand(
             latency, {"intra": rs[1] + ag[1] + across[1], "nic": rs[1] + ag[1] + across[1]}

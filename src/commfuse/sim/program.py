@@ -196,8 +196,8 @@ def build_step(
         prepare = b.compute("outer delta", 0.0, OUTER_PREPARE_BYTES_PER_PARAM_BYTE * params, [done])
         size = int(params * s.compression_ratio)
         exchange = b.comm(
-            "outer allreduce",
-            "allreduce",
+            "outer all_reduce",
+            "all_reduce",
             size,
             "dp",
             "dp",
@@ -232,10 +232,10 @@ TENSORS_PER_LAYER = 2
 def _bucket(b: _Builder, layers: list[Layer], after: int) -> int:
     nbytes = sum(x.param_bytes for x in layers)
     size = int(nbytes * b.strategy.compression_ratio)
-    name = f"allreduce bucket {layers[0].name}..{layers[-1].name}"
+    name = f"all_reduce bucket {layers[0].name}..{layers[-1].name}"
     if b.strategy.compression_ratio < 1 and b.strategy.finite_agreement:
         # commfuse.ddp agrees on NaN/Inf before a compressor touches its error feedback: one
         # max-allreduce of an fp32 flag per tensor per bucket, latency-bound.
         table = 4 * TENSORS_PER_LAYER * len(layers)
-        after = b.comm(f"agree finite {name}", "allreduce", table, "dp", "dp", [after])
-    return b.comm(name, "allreduce", size, "dp", "dp", [after], overhead_s=_compress_s(b, nbytes))
+        after = b.comm(f"agree finite {name}", "all_reduce", table, "dp", "dp", [after])
+    return b.comm(name, "all_reduce", size, "dp", "dp", [after], overhead_s=_compress_s(b, nbytes))

@@ -31,7 +31,7 @@ class Strategy:
     algorithm: str = "auto"
     """Algorithm for every collective (a registered name, an alias, or "auto")."""
     algorithms: tuple[tuple[str, str], ...] = ()
-    """Per-collective overrides, e.g. (("allreduce", "ring"),)."""
+    """Per-collective overrides, e.g. (("all_reduce", "ring"),)."""
     bucket_cap_mb: float = 25.0
     """Gradient bucket size, MB (2**20 bytes); 0 puts each layer in its own bucket."""
     first_bucket_cap_mb: float = 0.0

@@ -59,18 +59,18 @@ def validation_configs(cluster: ClusterModel, *, quick: bool = False) -> list[di
 
     step = {"kind": "step", "model": VALIDATION_MLP, "algo": "native"}
     if quick:
-        out = [_collective("allreduce", "native", MB), _collective("allreduce", "ring", MB)]
+        out = [_collective("all_reduce", "native", MB), _collective("all_reduce", "ring", MB)]
         out += [
             {**step, "engine": "torch-ddp", "bucket_cap_mb": 25.0},
             {**step, "engine": "localsgd", "H": LOCAL_SGD_H},
         ]
         return out
-    out = [_collective("allreduce", "native", n) for n in VALIDATION_SIZES]
+    out = [_collective("all_reduce", "native", n) for n in VALIDATION_SIZES]
     out += [_collective(c, "native", n) for c in ("broadcast", "all_to_all") for n in (MB, 4 * MB)]
-    out.append(_collective("allgather", "native", 4 * MB))
-    out += [_collective("allreduce", "ring", n) for n in (MB, 16 * MB)]
+    out.append(_collective("all_gather", "native", 4 * MB))
+    out += [_collective("all_reduce", "ring", n) for n in (MB, 16 * MB)]
     out += [
-        _collective("allreduce", "pipeline", 4 * MB),
+        _collective("all_reduce", "pipeline", 4 * MB),
         _collective("broadcast", "pipeline", 4 * MB),
         _collective("broadcast", "pipeline", 16 * MB),
         _collective("broadcast", "tree", 4 * MB),

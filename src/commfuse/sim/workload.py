@@ -24,7 +24,7 @@ class LayerComm:
     """A collective a layer runs on its own activations, in forward or backward."""
 
     collective: str
-    """allreduce, all_to_all, allgather, reduce_scatter, broadcast or reduce."""
+    """all_reduce, all_to_all, all_gather, reduce_scatter, broadcast or reduce."""
     nbytes: int
     """The full buffer per rank, bytes (nccl-tests' S)."""
     group: str = "tp"

@@ -139,7 +139,7 @@ def _build_compressor(spec: str) -> tuple[Any, dict[str, Any]]:
     algos = {key: options.pop(key) for key in ALGO_KEYS if key in options}
     for key, algo in algos.items():
         try:
-            check_algorithm("allreduce" if key == "algo" else "allgather", algo, key=key)
+            check_algorithm("all_reduce" if key == "algo" else "all_gather", algo, key=key)
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from None
     rest = ",".join(f"{k}={v}" for k, v in options.items())

@@ -41,7 +41,7 @@ from commfuse.train.strategy import Strategy, StrategyContext, register_strategy
 logging.getLogger(powerSGD_hook.__name__).setLevel(logging.ERROR)
 
 
-class _AllreduceCounter:
+class _AllReduceCounter:
     """Counts bytes handed to ``torch.distributed.all_reduce`` while it is the armed counter.
 
     One wrapper per process, put in place with the first counter and removed with the last.
@@ -49,22 +49,22 @@ class _AllreduceCounter:
     them in turn): each arms its counter at the start of its step, so each counts its own."""
 
     _lock: ClassVar[threading.Lock] = threading.Lock()
-    _counters: ClassVar[list[_AllreduceCounter]] = []
-    _armed: ClassVar[_AllreduceCounter | None] = None
+    _counters: ClassVar[list[_AllReduceCounter]] = []
+    _armed: ClassVar[_AllReduceCounter | None] = None
     _original: ClassVar[Callable[..., Any] | None] = None
 
     def __init__(self) -> None:
         self.bytes = 0
 
     def install(self) -> None:
-        cls = _AllreduceCounter
+        cls = _AllReduceCounter
         with cls._lock:
             if not cls._counters:
                 original = dist.all_reduce
 
                 @functools.wraps(original)
                 def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                    armed = _AllreduceCounter._armed
+                    armed = _AllReduceCounter._armed
                     if armed is not None:
                         armed.bytes += tensor.numel() * tensor.element_size()
                     return original(tensor, *args, **kwargs)
@@ -76,10 +76,10 @@ class _AllreduceCounter:
 
     def arm(self) -> None:
         """Count the all_reduces from now on in this counter (its strategy's step begins)."""
-        _AllreduceCounter._armed = self
+        _AllReduceCounter._armed = self
 
     def uninstall(self) -> None:
-        cls = _AllreduceCounter
+        cls = _AllReduceCounter
         with cls._lock:
             if self in cls._counters:
                 cls._counters.remove(self)
@@ -142,7 +142,7 @@ class TorchDDP(Strategy):
             static_graph=static_graph,
         )
         self.hook_state = hook_state
-        self._counter: _AllreduceCounter | None = None
+        self._counter: _AllReduceCounter | None = None
         self._analytic_bytes = 0
         self._grad_bytes = sum(
             p.numel() * p.element_size() for p in ctx.module.parameters() if p.requires_grad
@@ -150,7 +150,7 @@ class TorchDDP(Strategy):
         self._syncing = True
         if hook is not None:
             self.ddp.register_comm_hook(hook_state, hook)
-            self._counter = _AllreduceCounter()
+            self._counter = _AllReduceCounter()
             self._counter.install()
 
     @property

@@ -13,7 +13,7 @@ hybrid parallelism, the reason for the fused operator:
    takes the pairwise dot products of the ``T + 1`` vectors (DLRM's ``dot``) or concatenates
    them (``cat``); the top MLP maps the result to one logit; the loss is binary cross-entropy;
 4. backward: the reverse All-to-All brings each table's gradients back to its owner (see
-   ``fused/embedding_alltoall.py``), and the MLP gradients are summed with one allreduce.
+   ``fused/embedding_all_to_all.py``), and the MLP gradients are summed with one allreduce.
 
 ``exchange="fused"`` uses the chunked embedding + All-to-All operator (``ShardedEmbeddingBag``);
 ``exchange="unfused"`` does every lookup, then gloo's native All-to-All, and in backward the
@@ -45,7 +45,7 @@ from torch import nn
 from commfuse.collectives import all_to_all
 from commfuse.comm import Communicator
 from commfuse.fused import baselines
-from commfuse.fused import embedding_alltoall as emb
+from commfuse.fused import embedding_all_to_all as emb
 from commfuse.fused.chunking import ChunkConfig
 from commfuse.fused.modules import ShardedEmbeddingBag
 from commfuse.workloads.base import batch_generator
@@ -191,7 +191,7 @@ class _UnfusedExchange(torch.autograd.Function):
         ctx.module, ctx.batch = module, batch
         ctx.save_for_backward(*tables)
         lookup = module.lookup(batch.indices, batch.offsets, batch.batch_splits, list(tables))
-        return emb.embedding_alltoall_reference(module.comm, lookup)
+        return emb.embedding_all_to_all_reference(module.comm, lookup)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:

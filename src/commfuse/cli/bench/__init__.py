@@ -1,7 +1,7 @@
 """``commfuse bench``: benchmark commands, one module each (nccl-tests style tables, --json).
 
-commfuse bench collectives --hosts 4 --link 1gbit --op allreduce --sizes 16M --json out.json
-commfuse bench fused --hosts 4 --link 1gbit --op gemm_allreduce
+commfuse bench collectives --hosts 4 --link 1gbit --op all_reduce --sizes 16M --json out.json
+commfuse bench fused --hosts 4 --link 1gbit --op gemm_all_reduce
 commfuse bench ddp --hosts 4 --link 1gbit --model transformer
 commfuse bench strategies --hosts 4 --link 100mbit --strategy ddp --strategy powersgd:rank=4
 """

@@ -1,6 +1,6 @@
 """``commfuse bench collectives``: time collectives over a size sweep, nccl-tests style.
 
-commfuse bench collectives --hosts 4 --link 1gbit --op allreduce --sizes 16M --json out.json
+commfuse bench collectives --hosts 4 --link 1gbit --op all_reduce --sizes 16M --json out.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from commfuse.units import parse_sizes
 
 #: The embedded default: a short sweep on an emulated 4-host, 1 Gbit/s cluster.
 DEFAULT_SIZES = "64K,1M,16M"
-DEFAULT_OPS = "allreduce,broadcast,allgather"
+DEFAULT_OPS = "all_reduce,broadcast,all_gather"
 
 
 def register(bench_sub: Subparsers) -> None:

@@ -53,7 +53,7 @@ def register(bench_sub: Subparsers) -> None:
     )
     add_bucket_cap_argument(parser)
     parser.add_argument(
-        "--algo", default="native,auto", help="commfuse allreduce algorithms, comma list"
+        "--algo", default="native,auto", help="commfuse all_reduce algorithms, comma list"
     )
     parser.add_argument("--steps", type=int, default=5, help="steps per timed block (default 5)")
     parser.add_argument(

@@ -1,6 +1,6 @@
 """``commfuse bench fused``: fused computation-collective operators against their unfused form.
 
-commfuse bench fused --hosts 4 --link 1gbit --op gemm_allreduce,embedding_alltoall --json out.json
+commfuse bench fused --hosts 4 --link 1gbit --op gemm_all_reduce,embedding_all_to_all --json out.json
 commfuse bench fused --hosts 4 --link 1gbit --step dlrm
 commfuse bench fused --hosts 4 --link 1gbit --step tp-transformer,tp-transformer-sp
 """
@@ -37,14 +37,14 @@ def register(bench_sub: Subparsers) -> None:
         action="append",
         metavar="AxBx...",
         help="shape to time instead of the defaults (repeatable): rows x in x out for the GEMMs, "
-        "batch x tables x rows x dim x pooling for embedding_alltoall and --step dlrm, "
+        "batch x tables x rows x dim x pooling for embedding_all_to_all and --step dlrm, "
         "seq x batch x d_model x heads x d_ff x layers for --step tp-transformer",
     )
     parser.add_argument(
         "--chunks",
         type=int,
         help="fix the number of chunks (default: cost model); 0: table by table, for "
-        "embedding_alltoall and --step dlrm",
+        "embedding_all_to_all and --step dlrm",
     )
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per variant (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")

@@ -11,16 +11,16 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from commfuse.collectives import allreduce
+from commfuse.collectives import all_reduce
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.fused import ChunkConfig, RowParallelLinear
 from commfuse.fused.chunking import split_sizes
-from commfuse.fused.gemm_allreduce import (
+from commfuse.fused.gemm_all_reduce import (
     LABEL,
     check_shapes,
-    gemm_allreduce,
-    gemm_allreduce_reference,
+    gemm_all_reduce,
+    gemm_all_reduce_reference,
     sent_bytes,
 )
 from commfuse.testing import RankPool
@@ -54,18 +54,18 @@ def forward_grid() -> list[str]:
             want = (x.float() @ w.float().t()).to(dtype)
             cols = my_columns(comm, in_f)
             xs, ws = x[:, cols].contiguous(), w[:, cols].contiguous()
-            ref = gemm_allreduce_reference(comm, xs, ws)
+            ref = gemm_all_reduce_reference(comm, xs, ws)
             # What a ring allreduce of the unfused output sends, summed over ranks.
             comm.stats.reset()
-            allreduce(comm, (xs @ ws.t()).contiguous(), algo="ring")
-            ring_total = torch.tensor([comm.stats[label("allreduce", "ring")].bytes_sent])
+            all_reduce(comm, (xs @ ws.t()).contiguous(), algo="ring")
+            ring_total = torch.tensor([comm.stats[label("all_reduce", "ring")].bytes_sent])
             comm.all_reduce(ring_total)
             for chunks in (1, 2, 3, 4, 8):  # 8: several ring groups where rows allow
                 where = (
                     f"rank {comm.rank} {dtype} rows={rows} in={in_f} out={out_f} chunks={chunks}"
                 )
                 comm.stats.reset()
-                got = gemm_allreduce(comm, xs, ws, chunks=chunks)
+                got = gemm_all_reduce(comm, xs, ws, chunks=chunks)
                 c = comm.stats[LABEL]
                 if not (torch.equal(got, want) and torch.equal(got, ref)):
                     failures.append(f"{where}: wrong result {got.tolist()} want {want.tolist()}")
@@ -80,12 +80,12 @@ def forward_grid() -> list[str]:
                 comm.all_reduce(total)
                 if int(total) != int(ring_total):
                     failures.append(
-                        f"{where}: ranks sent {int(total)}, ring allreduce {int(ring_total)}"
+                        f"{where}: ranks sent {int(total)}, ring all_reduce {int(ring_total)}"
                     )
     # 3-D input (batch, tokens, features) keeps its leading shape.
     x, w = full_inputs(6, 7, 3, torch.float32)
     cols = my_columns(comm, 7)
-    got = gemm_allreduce(comm, x[:, cols].reshape(2, 3, -1), w[:, cols].contiguous(), chunks=4)
+    got = gemm_all_reduce(comm, x[:, cols].reshape(2, 3, -1), w[:, cols].contiguous(), chunks=4)
     if not torch.equal(got, (x @ w.t()).reshape(2, 3, 3)):
         failures.append(f"rank {comm.rank}: 3-D input wrong")
     return failures
@@ -162,7 +162,7 @@ def mismatched_rows() -> str:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
-def test_gemm_allreduce_forward(pool: PoolFn, world: int) -> None:
+def test_gemm_all_reduce_forward(pool: PoolFn, world: int) -> None:
     failures = [f for r in pool(world).run(forward_grid, timeout_s=120) for f in r]
     assert not failures, "\n".join(failures[:8])
 
@@ -188,7 +188,7 @@ def float64_error() -> float:
     x = torch.randn(6, 40, generator=gen, dtype=torch.float64)
     w = torch.randn(9, 40, generator=gen, dtype=torch.float64)
     cols = my_columns(comm, 40)
-    got = gemm_allreduce(comm, x[:, cols].contiguous(), w[:, cols].contiguous(), chunks=2)
+    got = gemm_all_reduce(comm, x[:, cols].contiguous(), w[:, cols].contiguous(), chunks=2)
     want = x @ w.t()
     return float(((got - want).abs() / want.abs().clamp_min(1e-3)).max())
 

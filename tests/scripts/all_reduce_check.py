@@ -84,7 +84,7 @@ def main() -> None:
     # print() writes the text and the newline separately, so two ranks' lines could interleave
     # ("...:38195ALLREDUCE_OK rank=0 ..." on one line, seen once in CI).
     sys.stdout.write(
-        f"ALLREDUCE_OK rank={rank} world={world} group_rank={group_rank} local_rank={local_rank} "
+        f"ALL_REDUCE_OK rank={rank} world={world} group_rank={group_rank} local_rank={local_rank} "
         f"host={host} sum={tensor[0].item():g} "
         f"master={os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}\n"
     )

@@ -8,11 +8,11 @@ they received, and the *combine* All-to-All sends each result back to the token'
 Both collectives depend on the computation next to them, so unfused they sit on the critical
 path. Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, section 4.3):
 
-* ``gemm_alltoall`` (combine side, GEMM + All-to-All): post every receive; for destinations in
+* ``gemm_all_to_all`` (combine side, GEMM + All-to-All): post every receive; for destinations in
   ring order ``r+1, r+2, ..., r-1`` compute the expert GEMM of that destination's rows (cut into
   pieces when asked) and send each piece as soon as it is computed, while the next is computed;
   the local block is computed last (it never travels, so it hides the last transfers).
-* ``alltoall_gemm`` (dispatch side, All-to-All + GEMM): post every receive and every send (the
+* ``all_to_all_gemm`` (dispatch side, All-to-All + GEMM): post every receive and every send (the
   rows exist already); compute the local block first, then each source's rows as soon as they
   arrive, in the order they are due (``r-1, r-2, ...``, who sends to ``r`` first).
 
@@ -26,10 +26,10 @@ produces. ``weight`` is ``[E_r, N, K]``: local expert ``e`` maps a row ``x`` to 
 Backward (gradient semantics). The backward of an All-to-All is the All-to-All in the opposite
 direction, so each operator's backward is the other one's pattern:
 
-* ``gemm_alltoall``'s backward is All-to-All + GEMM: the output gradient goes back to the
+* ``gemm_all_to_all``'s backward is All-to-All + GEMM: the output gradient goes back to the
   experts (all sends posted at once); ``grad_h = grad @ W_e`` and ``grad_W_e += grad^T h`` are
   computed on the local block first and on each source's block as it arrives.
-* ``alltoall_gemm``'s backward is GEMM + All-to-All: ``grad_recv = grad @ W_e`` is computed per
+* ``all_to_all_gemm``'s backward is GEMM + All-to-All: ``grad_recv = grad @ W_e`` is computed per
   source block and sent back to it as soon as it is ready; ``grad_W_e`` (no communication) is
   accumulated after the last send is posted, while the last pieces travel.
 
@@ -49,7 +49,7 @@ from commfuse.fused import baselines
 from commfuse.fused.chunking import elapsed_us, split_ranges
 
 #: Stats label of the fused operators' point-to-point traffic (exact bytes and messages).
-LABEL = "gemm_alltoall"
+LABEL = "gemm_all_to_all"
 
 
 class Routing:
@@ -249,7 +249,7 @@ def expert_gemm(rt: Routing, rows: torch.Tensor, weight: torch.Tensor) -> torch.
 
 
 # -- forward ------------------------------------------------------------------------------------
-def gemm_alltoall_reference(
+def gemm_all_to_all_reference(
     comm: Communicator, rt: Routing, h: torch.Tensor, weight: torch.Tensor, algo: str | None = None
 ) -> torch.Tensor:
     """Unfused combine: every expert GEMM, then one All-to-All back to the token side."""
@@ -257,7 +257,7 @@ def gemm_alltoall_reference(
     return native_exchange(comm, rt, expert_gemm(rt, h, weight), to_experts=False, algo=algo)
 
 
-def gemm_alltoall(
+def gemm_all_to_all(
     comm: Communicator, rt: Routing, h: torch.Tensor, weight: torch.Tensor, *, chunks: int
 ) -> torch.Tensor:
     """Fused combine (module docstring): expert side ``h [R_r, K]`` to token side ``[S_r, N]``.
@@ -267,7 +267,7 @@ def gemm_alltoall(
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     check_inputs(rt, h, weight, "expert")
     if chunks == 1 or rt.world == 1:
-        return gemm_alltoall_reference(comm, rt, h, weight)
+        return gemm_all_to_all_reference(comm, rt, h, weight)
 
     def compute(dst: int, lo: int, hi: int) -> torch.Tensor:
         return grouped_mm(rt.recv_block(h, dst)[lo:hi], rt.seg[dst], lo, hi, weight, transpose=True)
@@ -276,7 +276,7 @@ def gemm_alltoall(
     return compute_then_exchange(comm, rt, weight.shape[1], h.dtype, pieces, compute, h.device)
 
 
-def alltoall_gemm_reference(
+def all_to_all_gemm_reference(
     comm: Communicator, rt: Routing, x: torch.Tensor, weight: torch.Tensor, algo: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unfused dispatch: one All-to-All to the expert side, then every expert GEMM.
@@ -286,7 +286,7 @@ def alltoall_gemm_reference(
     return expert_gemm(rt, recv, weight), recv
 
 
-def alltoall_gemm(
+def all_to_all_gemm(
     comm: Communicator, rt: Routing, x: torch.Tensor, weight: torch.Tensor, *, chunks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused dispatch (module docstring): token side ``x [S_r, K]`` to expert side, each piece
@@ -295,7 +295,7 @@ def alltoall_gemm(
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     check_inputs(rt, x, weight, "token")
     if chunks == 1 or rt.world == 1:
-        return alltoall_gemm_reference(comm, rt, x, weight)
+        return all_to_all_gemm_reference(comm, rt, x, weight)
     out = torch.empty((rt.recv_start[-1], weight.shape[1]), dtype=x.dtype, device=x.device)
 
     def compute(src: int, lo: int, hi: int, rows: torch.Tensor) -> None:
@@ -307,7 +307,7 @@ def alltoall_gemm(
 
 
 # -- backward -----------------------------------------------------------------------------------
-def gemm_alltoall_backward(
+def gemm_all_to_all_backward(
     comm: Communicator,
     rt: Routing,
     grad_out: torch.Tensor,
@@ -316,7 +316,7 @@ def gemm_alltoall_backward(
     *,
     chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_h, grad_weight) of ``gemm_alltoall``: All-to-All + GEMM (module docstring)."""
+    """(grad_h, grad_weight) of ``gemm_all_to_all``: All-to-All + GEMM (module docstring)."""
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     grad_h = torch.empty_like(h)
 
@@ -336,7 +336,7 @@ def gemm_alltoall_backward(
     return grad_h, grad_w.to(weight.dtype)
 
 
-def alltoall_gemm_backward(
+def all_to_all_gemm_backward(
     comm: Communicator,
     rt: Routing,
     grad_out: torch.Tensor,
@@ -346,7 +346,7 @@ def alltoall_gemm_backward(
     chunks: int,
     grad_recv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_x, grad_weight) of ``alltoall_gemm``: GEMM + All-to-All (module docstring).
+    """(grad_x, grad_weight) of ``all_to_all_gemm``: GEMM + All-to-All (module docstring).
     ``grad_recv`` is a gradient flowing into the returned received rows, if any."""
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
 

@@ -25,16 +25,16 @@ Why the ring for rows: measured on the emulated cluster (4 hosts at 1 Gbit/s, 2 
 time where the direct reduce-scatter path, whose all-gather of piece ``i`` can only be posted
 after the next piece's GEMM, took 1.05-1.10 (no overlap at all).
 
-Bytes: each rank sends ``2 (P - 1) / P`` of the output, what a ring allreduce of the unfused
+Bytes: each rank sends ``2 (P - 1) / P`` of the output, what a ring all-reduce of the unfused
 output sends (``sent_bytes``). Sums: every block is summed once, by one rank, and sent to all,
 so every rank holds the same result. The ring adds in ring order, in the tensors' own dtype (as
-gloo's ring allreduce does: bfloat16 partial sums are rounded at each hop), so results equal
+gloo's ring all-reduce does: bfloat16 partial sums are rounded at each hop), so results equal
 the unfused operator's bit for bit only where sums are exact (integer-valued inputs); the
 column path accumulates in at least float32.
 
 Choosing ``k`` (``choose_chunks_for``): the fused pipeline's transport and the unfused path's
 (gloo's ring) are timed apart, and a chunked choice is confirmed by a timed trial against the
-unfused operator; otherwise ``k = 1`` runs the unfused operator with gloo's own allreduce, so
+unfused operator; otherwise ``k = 1`` runs the unfused operator with gloo's own all-reduce, so
 fusion never makes the layer measurably slower (``fallback.py``).
 
 Backward (gradient semantics). The output is replicated on every rank, and every rank back-
@@ -59,13 +59,13 @@ from commfuse.fused.chunking import (
     split_ranges,
     split_sizes,
 )
-from commfuse.fused.direct_allreduce import DirectAllReduce
-from commfuse.fused.direct_allreduce import sent_bytes as direct_sent_bytes
+from commfuse.fused.direct_all_reduce import DirectAllReduce
+from commfuse.fused.direct_all_reduce import sent_bytes as direct_sent_bytes
 from commfuse.fused.fallback import choose_fused_chunks
 
 #: Stats label of the fused pipeline's point-to-point traffic (exact bytes and messages); the
-#: unfused reference's native allreduce counts its payload under "all_reduce".
-LABEL = "gemm_allreduce"
+#: unfused reference's native all-reduce counts its payload under "all_reduce".
+LABEL = "gemm_all_reduce"
 
 
 def check_shapes(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -87,10 +87,10 @@ def check_same_output(comm: Communicator, x: torch.Tensor, weight: torch.Tensor)
     """InconsistentInputError (a ValueError) if ranks would all-reduce outputs of different shapes."""
     rows = math.prod(x.shape[:-1])
     meta = torch.empty((rows, weight.shape[0]), dtype=x.dtype, device="meta")
-    check_consistent(comm, meta, "gemm_allreduce output")
+    check_consistent(comm, meta, "gemm_all_reduce output")
 
 
-def gemm_allreduce_reference(
+def gemm_all_reduce_reference(
     comm: Communicator, x: torch.Tensor, weight: torch.Tensor
 ) -> torch.Tensor:
     """The unfused operator: the whole GEMM, then one AllReduce (sum) of the result."""
@@ -100,10 +100,10 @@ def gemm_allreduce_reference(
     return out
 
 
-def gemm_allreduce(
+def gemm_all_reduce(
     comm: Communicator, x: torch.Tensor, weight: torch.Tensor, *, chunks: int
 ) -> torch.Tensor:
-    """``allreduce_sum(x @ weight^T)`` computed and reduced in ``chunks`` pieces (see the module
+    """``all_reduce_sum(x @ weight^T)`` computed and reduced in ``chunks`` pieces (see the module
     docstring). ``chunks=1`` is the unfused reference; every rank must pass the same ``chunks``."""
     check_shapes(x, weight)
     if chunks < 1:
@@ -112,7 +112,7 @@ def gemm_allreduce(
     rows, cols = math.prod(lead), weight.shape[0]
     x2 = x.reshape(rows, x.shape[-1])  # explicit rows: an empty shard has K = 0
     if chunks == 1 or comm.world_size == 1:
-        return gemm_allreduce_reference(comm, x, weight)
+        return gemm_all_reduce_reference(comm, x, weight)
     if rows >= comm.world_size:
         out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
         _ring_then_gather(comm, x2, weight, out, row_groups(rows, chunks, comm.world_size))
@@ -149,14 +149,14 @@ def _ring_then_gather(
 ) -> None:
     """The row path (module docstring): per group, the fused GEMM + ReduceScatter ring, then this
     rank's summed block posted to every rank; every gather is waited for at the end."""
-    from commfuse.fused.sequence_parallel import gemm_reducescatter
+    from commfuse.fused.sequence_parallel import gemm_reduce_scatter
 
     rank, world = comm.rank, comm.world_size
     gathers: list[Handle] = []
     for start, stop in groups:
         splits = split_sizes(stop - start, world)
         offsets = [start + sum(splits[:j]) for j in range(world)]
-        mine = gemm_reducescatter(
+        mine = gemm_reduce_scatter(
             comm, x2[start:stop], weight, splits=splits, chunks=world, label=LABEL
         )
         block = out[offsets[rank] : offsets[rank] + splits[rank]]
@@ -173,9 +173,9 @@ def _ring_then_gather(
 
 
 def sent_bytes(rows: int, cols: int, chunks: int, world: int, rank: int, element_size: int) -> int:
-    """Bytes this rank sends in ``gemm_allreduce(..., chunks)`` (``chunks > 1``, ``world > 1``)
+    """Bytes this rank sends in ``gemm_all_reduce(..., chunks)`` (``chunks > 1``, ``world > 1``)
     for a ``[rows, cols]`` output: the ring sends every block of each group but its own, the
-    gather its own block ``P - 1`` times; the column path is ``direct_allreduce.sent_bytes``."""
+    gather its own block ``P - 1`` times; the column path is ``direct_all_reduce.sent_bytes``."""
     if rows < world:
         numels = [n * rows for n in split_sizes(cols, chunks) if n]
         return direct_sent_bytes(numels, world, rank, element_size)
@@ -186,7 +186,7 @@ def sent_bytes(rows: int, cols: int, chunks: int, world: int, rank: int, element
     return total * element_size
 
 
-def gemm_allreduce_backward(
+def gemm_all_reduce_backward(
     grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x, grad_weight): local, since the AllReduce's backward is the identity."""
@@ -210,15 +210,15 @@ def measure(comm: Communicator, x: torch.Tensor, weight: torch.Tensor) -> tuple[
 
 def measure_fused_comm_us(comm: Communicator, out: torch.Tensor) -> float:
     """Time of the fused path's own transport on the whole output, in one piece: the ``M`` the
-    pipeline really pays, which can differ from gloo's allreduce (``fallback.py``). Rows: a ring
-    reduce-scatter and all-gather (commfuse's ring allreduce moves the same bytes the same way);
+    pipeline really pays, which can differ from gloo's all-reduce (``fallback.py``). Rows: a ring
+    reduce-scatter and all-gather (commfuse's ring all-reduce moves the same bytes the same way);
     a GEMV's columns: ``DirectAllReduce``."""
-    from commfuse.collectives import allreduce
+    from commfuse.collectives import all_reduce
 
     buf = out.reshape(math.prod(out.shape[:-1]), out.shape[-1]).contiguous().clone()
     start = time.perf_counter()
     if buf.shape[0] >= comm.world_size:
-        allreduce(comm, buf, "sum", algo="ring")
+        all_reduce(comm, buf, "sum", algo="ring")
     else:
         reducer = DirectAllReduce(comm, LABEL)
         reducer.start(buf.view(-1))
@@ -241,7 +241,7 @@ def cached_chunks(
             cache[key] = config.num_chunks
         else:
             check_same_output(comm, x, weight)
-            # Times gloo's allreduce (unfused) and the pipeline's own transport apart, and
+            # Times gloo's all-reduce (unfused) and the pipeline's own transport apart, and
             # confirms a chunked choice by a timed trial (fused/fallback.py).
             cache[key] = choose_chunks_for(comm, x.detach(), weight.detach(), config)
     return cache[key]
@@ -255,10 +255,10 @@ def choose_chunks_for(
     *,
     trial_runs: int = 5,
 ) -> int:
-    """The number of chunks for ``gemm_allreduce(comm, x, weight)``, the same on every rank:
+    """The number of chunks for ``gemm_all_reduce(comm, x, weight)``, the same on every rank:
     measured C, gloo's M for the unfused path, the fused path's own M, the model,
     then a timed trial of the chosen ``k`` against the unfused operator (``fallback.py``). Falls
-    back to 1 (the unfused operator, gloo's allreduce) whenever fusion does not measurably pay.
+    back to 1 (the unfused operator, gloo's all-reduce) whenever fusion does not measurably pay.
     Every rank must call it with the same shapes; it runs the operator a few times."""
     rows = math.prod(x.shape[:-1])
     limit = max(rows, weight.shape[0])
@@ -294,8 +294,8 @@ def choose_chunks_for(
             overhead_us=overhead_us,
             limit=limit,
             trial=(
-                lambda k: gemm_allreduce(comm, x, weight, chunks=k),
-                lambda: gemm_allreduce_reference(comm, x, weight),
+                lambda k: gemm_all_reduce(comm, x, weight, chunks=k),
+                lambda: gemm_all_reduce_reference(comm, x, weight),
             ),
             trial_runs=trial_runs,
         )

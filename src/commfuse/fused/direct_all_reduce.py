@@ -1,7 +1,7 @@
 """A sum-AllReduce of a stream of pieces, progressed from the caller's thread between its kernels.
 
 Why not ``comm.all_reduce(piece, async_op=True)``? Measured on the emulated cluster (4 hosts at
-1 Gbit/s, 2 shared cores): a native gloo allreduce started before a matmul did not overlap it at
+1 Gbit/s, 2 shared cores): a native gloo all-reduce started before a matmul did not overlap it at
 all (62.7 ms against C = 12.6 ms and M = 50.3 ms), while point-to-point sends did (31.8 ms against
 C = 12.6 ms and M = 28.0 ms). gloo's ring is a chain of dependent steps run by one of its worker
 threads, and a starved thread stalls the whole ring; a posted point-to-point message is moved by
@@ -15,7 +15,7 @@ phases, every message posted at once:
    stays float64), then
    all-gather: send the reduced block to every rank and receive theirs in place.
 
-All ranks together send ``2 (P - 1)`` times every piece, as a ring allreduce does (each rank
+All ranks together send ``2 (P - 1)`` times every piece, as a ring all-reduce does (each rank
 ``2 (P - 1) / P`` of it when P divides it: the bandwidth lower bound), in ``2 (P - 1)`` messages
 per rank and piece instead of the ring's chain of dependent steps.
 """

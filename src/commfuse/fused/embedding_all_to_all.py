@@ -63,7 +63,7 @@ from commfuse.fused.chunking import (
 from commfuse.fused.fallback import fastest_by_trial
 
 #: Stats label of the fused operator's point-to-point traffic (exact bytes and messages).
-LABEL = "embedding_alltoall"
+LABEL = "embedding_all_to_all"
 MODES = ("sum", "mean")
 #: ``chunks`` value of the by-table schedule (module docstring): one message per table and peer.
 BY_TABLE = 0
@@ -79,7 +79,7 @@ class ShardedLookup:
     are not rebound. ``eq=False`` because comparing field by field would compare tensors, whose
     ``==`` has no truth value; two lookups are the same only if they are the same object.
 
-    The fields are in the order of ``torch.ops.commfuse.embedding_alltoall``'s first eight
+    The fields are in the order of ``torch.ops.commfuse.embedding_all_to_all``'s first eight
     arguments (``fused/ops.py``), which passes them flattened (an operator takes only tensors
     and plain values) and rebuilds the lookup from them positionally."""
 
@@ -203,7 +203,7 @@ def _unfused_buffers(
     return recv, send.contiguous().view(-1), out_splits, in_splits
 
 
-def embedding_alltoall(
+def embedding_all_to_all(
     comm: Communicator, lookup: ShardedLookup, *, chunks: int = 2
 ) -> torch.Tensor:
     """The fused operator (module docstring). ``chunks=1`` is the unfused reference; ``chunks >= 2``
@@ -214,7 +214,7 @@ def embedding_alltoall(
     lookup.check(comm)
     rank, world = comm.rank, comm.world_size
     if chunks == 1 or world == 1:
-        return embedding_alltoall_reference(comm, lookup)
+        return embedding_all_to_all_reference(comm, lookup)
     if chunks == BY_TABLE:
         return _by_table(comm, lookup)
     batch_splits, dim = lookup.batch_splits, lookup.dim
@@ -273,7 +273,7 @@ def _by_table(comm: Communicator, lookup: ShardedLookup) -> torch.Tensor:
     return landing.permute(1, 0, 2).contiguous()
 
 
-def embedding_alltoall_reference(
+def embedding_all_to_all_reference(
     comm: Communicator, lookup: ShardedLookup, *, algo: str | None = None
 ) -> torch.Tensor:
     """Unfused: every lookup, then one All-to-All (``algo`` of commfuse.collectives.all_to_all,
@@ -395,7 +395,7 @@ class TableGradients:
         return [g.to(t.dtype) for g, t in zip(self._views, tables, strict=True)]
 
 
-def embedding_alltoall_backward(
+def embedding_all_to_all_backward(
     comm: Communicator, lookup: ShardedLookup, grad_out: torch.Tensor, *, chunks: int = 2
 ) -> list[torch.Tensor]:
     """Gradients of the local tables (module docstring) for the gradient ``grad_out`` of the
@@ -497,7 +497,7 @@ def choose_chunks_for(
     backward: bool = True,
     trial_runs: int = 5,
 ) -> int:
-    """The ``chunks`` of ``embedding_alltoall`` for these inputs, the same on every rank
+    """The ``chunks`` of ``embedding_all_to_all`` for these inputs, the same on every rank
     (``backward``: for training, where the reverse exchange runs with the same ``chunks``).
 
     The cost model (measured ``C``, ``M`` and per-chunk overhead, without its ``min_gain``
@@ -539,9 +539,9 @@ def choose_chunks_for(
 
         def forward_and_backward(k: int) -> None:
             # Both directions, as a training step runs them: ``k`` cuts the backward too.
-            embedding_alltoall(comm, lookup, chunks=k)
+            embedding_all_to_all(comm, lookup, chunks=k)
             if backward:
-                embedding_alltoall_backward(comm, lookup, grad, chunks=k)
+                embedding_all_to_all_backward(comm, lookup, grad, chunks=k)
 
         forward_and_backward(candidates[0])  # opens the pairs' connections
         return fastest_by_trial(
