@@ -1,16 +1,17 @@
 """The collectives the unfused references call: the best unfused code commfuse has.
 
-A fused operator is only as good as the baseline it is measured against. gloo's own collectives
-are not always the best unfused choice (measured on the emulated cluster, 4 hosts at 1 Gbit/s):
+A fused operator is only as good as the baseline it is measured against, and gloo's own
+collectives are not always the best unfused choice:
 
-* its reduce-scatter costs as much as its all-reduce (8 MB: 112 ms, where commfuse's ring takes
-  64 ms), so the sequence-parallel references use commfuse's ``algo="auto"``, which picks the
-  ring there;
-* its all-to-all posts every message at once and reached 63-69% of the link, where commfuse's
-  pairwise exchange (one peer per step) reached 85-89%: 1.26x faster at 4 MB, 1.40x at 32 MB.
-  ``auto`` picks pairwise from 2 MB on shaped multi-host layouts (``tuner.
-  UNCALIBRATED_NATIVE_ALL_TO_ALL``) but keeps gloo's on loopback and below; the all-to-all
-  references name ``"pairwise"`` so that every layout and size times the same exchange.
+* its reduce-scatter is an all-reduce followed by a slice, so it costs as much as the
+  all-reduce, twice the ring reduce-scatter's bytes; the sequence-parallel references use
+  commfuse's ``algo="auto"``, which picks the ring there;
+* its all-to-all posts every message at once, which floods the first receivers of a shaped
+  link, where commfuse's pairwise exchange (one peer per step, Thakur et al. 2005) keeps every
+  link busy with one stream. ``auto`` picks pairwise for large messages on shaped multi-host
+  layouts (``tuner.UNCALIBRATED_NATIVE_ALL_TO_ALL``) but keeps gloo's on loopback and for small
+  ones; the all-to-all references name ``"pairwise"`` so that every layout and size times the
+  same exchange.
 
 These are read at call time, so a test can pin ``"native"`` to count bytes under gloo's names.
 """

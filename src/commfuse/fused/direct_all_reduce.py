@@ -1,11 +1,10 @@
 """A sum-AllReduce of a stream of pieces, progressed from the caller's thread between its kernels.
 
-Why not ``comm.all_reduce(piece, async_op=True)``? Measured on the emulated cluster (4 hosts at
-1 Gbit/s, 2 shared cores): a native gloo all-reduce started before a matmul did not overlap it at
-all (62.7 ms against C = 12.6 ms and M = 50.3 ms), while point-to-point sends did (31.8 ms against
-C = 12.6 ms and M = 28.0 ms). gloo's ring is a chain of dependent steps run by one of its worker
-threads, and a starved thread stalls the whole ring; a posted point-to-point message is moved by
-the kernel and gloo's event loop without further help. So each piece is reduced in two direct
+Why not ``comm.all_reduce(piece, async_op=True)``? On a machine whose cores the ranks' compute
+fills, a native gloo all-reduce started before a matmul barely overlaps it (the pair takes about
+C + M), while posted point-to-point sends do. gloo's ring is a chain of dependent steps run by
+one of its worker threads, and a starved thread stalls the whole ring; a posted point-to-point
+message is moved by the kernel and gloo's event loop without further help. So each piece is reduced in two direct
 phases, every message posted at once:
 
 1. reduce-scatter: piece = P blocks; block ``j`` goes to rank ``j`` (``isend``), and this rank

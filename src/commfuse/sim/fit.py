@@ -10,15 +10,15 @@ at several sizes (each the median of repetitions), alpha and beta follow by leas
 1. each row is divided by its measured time, so the fit minimises *relative* error (the target
    is a relative error; plain least squares would let the largest size decide everything);
 2. iteratively reweighted least squares with Huber weights (Huber 1964): rows whose relative
-   residual exceeds ``HUBER_K`` times the median absolute residual are down-weighted, so one run
-   spoiled by another engineer's job does not swing alpha, as a two-size solve did (0 to
-   1.2 ms between runs on the shared machine);
+   residual exceeds ``HUBER_K`` times the median absolute residual are down-weighted, so one
+   sample spoiled by another job on a shared machine does not swing alpha, as an exact solve
+   through two sizes does;
 3. alpha >= 0 and beta > 0: a negative alpha (noise at large sizes) is clamped and beta refitted;
 4. optionally the rate is capped at the link's (``max_gbit_per_s``: netlab's tbf shapes every
    host link to a known rate, no algorithm can beat it): above the cap beta is set to it and
-   alpha refitted alone. Without it, latency-bound small sizes that swing 2-4x with the load
-   (128-512 KB allreduces took 5.9-8.6 ms in two quiet runs) tilt the line and gave gloo's
-   allreduce 1.15 Gbit/s on a 1 Gbit/s link, 16% short at 8 and 16 MB.
+   alpha refitted alone. Without it, latency-bound small sizes, whose times swing several-fold
+   with the load, tilt the line and fit a rate above the link's, which then under-predicts
+   the large sizes.
 
 What the fit cannot do is separate alpha from per-message CPU waits: with 4 ranks on 2 cores a
 message can wait milliseconds for a core, and the fitted alpha prices that in (it is the

@@ -2,7 +2,7 @@
 
 Block size. Called with ``algo="pipeline"`` and no ``block_bytes``, the code cuts blocks of
 ``lp_best_block_bytes(n, depth + 1, link)`` bytes (whole fp32 elements), ``link`` being the
-launcher's link rate with ``PIPELINE_BLOCK_ALPHA_S`` (0.5 ms) per block and ``depth`` the hops
+launcher's link rate with ``PIPELINE_BLOCK_ALPHA_S`` per block and ``depth`` the hops
 its chain must fill: ``P - 1`` for broadcast and reduce, ``2(P - 1)`` for allreduce (its reduce
 goes up the chain and its broadcast comes back). ``block_bytes`` does the same with the
 cluster's host-link rate; where a ``commfuse tune`` profile fitted a per-block cost, the tuner's
@@ -14,8 +14,8 @@ receives posted ahead and sends asynchronously, so a block's per-message cost (a
 gloo's handshake, a wake-up) runs while earlier blocks are on the wire: in the steady state a
 step costs ``max(alpha + b gamma, blocks-per-step x b beta)``, and only filling the chain pays
 alpha and beta in series. On netlab each host link also has a token bucket (``inter_burst_kbyte``)
-that lets a block up to its size through an idle link at once, so filling hops are nearly free
-(measured on 4 emulated hosts, 4 MB broadcast in 34.0 ms: the wire alone takes 33.4 ms).
+that lets a block up to its size through an idle link at once, so filling hops are nearly free:
+a pipelined broadcast then takes little more than its bytes on the wire.
 
 * broadcast, reduce: fill ``(P - 1)`` hops; the busiest link carries ``n`` bytes;
 * allreduce, ``P > 2``: a middle rank's one link carries the partial blocks toward the head and
