@@ -45,24 +45,33 @@ def test_williams_square_is_latin_in_every_block_and_balanced_for_carry_over(n: 
 
 
 @pytest.mark.parametrize("seed", [None, 0, 1, 12345])
-@pytest.mark.parametrize("n", range(1, 7))
+@pytest.mark.parametrize("n", range(1, 8))
 def test_every_variant_holds_every_position_equally_often(n: int, seed: int | None) -> None:
-    for rounds in range(1, 3 * n + 2):
+    design = n if n % 2 == 0 or n == 1 else 2 * n
+    for rounds in range(1, 2 * design + 2):
         orders = balanced_orders(n, rounds, seed=seed)
         assert len(orders) == rounds
         assert all(sorted(order) == list(range(n)) for order in orders)
         counts = position_counts(orders, n)
-        flat = [c for row in counts for c in row]
-        # never more than one apart; exactly equal after whole squares
-        assert min(flat) >= rounds // n and max(flat) <= -(-rounds // n)
-        if rounds % n == 0:
-            assert set(flat) == {rounds // n}
+        if rounds % 2 == 0:
+            # every two rounds, every variant's positions add up to the same total
+            assert {sum(p * c for p, c in enumerate(row)) for row in counts} == {
+                rounds * (n - 1) // 2
+            }
+        if rounds % design == 0:
+            # a whole design: every variant in every position equally often, and right after
+            # every other variant equally often
+            assert {c for row in counts for c in row} == {rounds // n}
+            follows = Counter(pair for order in orders for pair in itertools.pairwise(order))
+            assert len(set(follows.values())) <= 1 and len(follows) == n * (n - 1)
 
 
 def test_no_variant_always_runs_first_or_last() -> None:
     orders = balanced_orders(4, 4)
     assert {order[0] for order in orders} == {0, 1, 2, 3}
     assert {order[-1] for order in orders} == {0, 1, 2, 3}
+    # unseeded: the caller's order, then its reverse (A B C D / D C B A)
+    assert balanced_orders(4, 2, seed=None) == [(0, 1, 2, 3), (3, 2, 1, 0)]
     assert balanced_orders(2, 4, seed=None) == [(0, 1), (1, 0), (0, 1), (1, 0)]
 
 

@@ -335,3 +335,31 @@ def test_compare_time_to_loss_is_the_median_over_rounds() -> None:
     assert ours["time_to_baseline_loss_s"] == 1.0
     assert ours["time_to_loss_speedup_vs_ddp"] == 2.5
     assert "curves_rounds" not in ours
+
+
+def test_compare_rounds_are_balanced_and_the_control_runs_the_baseline_again() -> None:
+    """--repeats 2 --control: round 1 in the given order, round 2 reversed; the baseline's
+    second run is a strategy of its own whose x_ddp is the noise floor."""
+    from commfuse.cluster import Topology
+    from commfuse.train.compare import run_compare
+
+    log: list[str] = []
+    base = TrainConfig(workload=DIGITS, steps=4, compute_steps=1)
+    records = run_compare(
+        ["ddp", "fp16"],
+        base,
+        Topology(num_hosts=1, ranks_per_host=2),
+        repeats=2,
+        control=True,
+        emulate=False,
+        progress=False,
+        log=log.append,
+    )
+    assert [line.split()[1] for line in log] == ["ddp", "fp16", "ddp'", "ddp'", "fp16", "ddp"]
+    assert [r["strategy"] for r in records] == ["ddp", "fp16", "ddp'"]
+    ddp, fp16, twin = records
+    assert twin["control_of"] == "ddp" and ddp["speedup_vs_ddp"] == 1.0
+    assert twin["control_ratio"] == pytest.approx(1 / twin["speedup_vs_ddp"])
+    assert all(r["control_ratio"] == twin["control_ratio"] for r in records)
+    assert twin["tie"] is True and ddp["tie"] is None and isinstance(fp16["tie"], bool)
+    assert len(twin["mean_step_time_s_rounds"]) == 2

@@ -6,17 +6,21 @@ follows the same neighbour inherits its allocator and thermal state (identical c
 fixed order differed by 2-17% here). Timing in rounds, each round in a different order, spreads
 those effects over every variant alike:
 
-1. **Position balance.** The orders form Latin squares: over every ``n`` rounds (``n``
-   variants) each variant runs once in each position, so none always runs first or last; after
-   any number of rounds, a variant's count in a position differs from any other's by at most 1.
-2. **Carry-over balance.** The squares are Williams designs (E. J. Williams, "Experimental
-   designs balanced for the estimation of residual effects of treatments", Australian Journal
-   of Scientific Research A 2(2), 1949): over a full design (``n`` rounds for even ``n``,
-   ``2n`` for odd ``n``) each variant runs right after every other one equally often. For two
-   variants the design is A B, B A: the alternation the benchmarks used before.
-3. **Seeded shuffle.** ``seed`` relabels the variants and shuffles the rows of each square with
-   a private ``random.Random(seed)``, so every rank computes the same orders (they must all run
-   the same collectives) and a rerun repeats them; both balances survive the shuffle.
+1. **Position balance.** Rounds come in pairs, an order and its reverse (A B C D, D C B A), so
+   after every two rounds each variant's mean position is the middle one: none always runs
+   first or last, even in a job of two rounds. Over a whole design (``n`` rounds for an even
+   number ``n`` of variants, ``2n`` for odd ``n``) every variant runs in every position equally
+   often.
+2. **Carry-over balance.** The design is Williams's (E. J. Williams, "Experimental designs
+   balanced for the estimation of residual effects of treatments", Australian Journal of
+   Scientific Research A 2(2), 1949): over a whole design each variant runs right after every
+   other one equally often. Its rows pair up as reverses (for even ``n`` row ``r + n/2`` is row
+   ``r`` reversed; for odd ``n`` the design is a square and its mirror). For two variants it is
+   A B, B A.
+3. **Seeded shuffle.** ``seed`` relabels the variants and shuffles the pairs of each design
+   with a private ``random.Random(seed)``, so every rank computes the same orders (they must all
+   run the same collectives) and a rerun repeats them; both balances survive the shuffle.
+   ``seed=None`` keeps the caller's order in round 0.
 4. **Paired ratios.** Each round yields one sample per variant. A variant's ratio to the
    baseline is the median over rounds of ``sample / baseline sample`` of the same round, so a
    drift of the machine between rounds hits both sides of every ratio alike.
@@ -84,31 +88,49 @@ def williams_square(n: int) -> list[tuple[int, ...]]:
     return square
 
 
+def _paired_rows(n: int) -> list[tuple[int, ...]]:
+    """Williams's design with every row followed by its reverse.
+
+    For even ``n`` row ``r + n/2`` of the square is the reverse of row ``r``, so pairing them
+    keeps all ``n`` rows (a Latin square); for odd ``n`` the design is the square and its
+    mirror, paired row by row."""
+    square = williams_square(n)
+    if n == 1:
+        return square
+    half = len(square) // 2
+    pairs: list[tuple[int, ...]] = []
+    for r in range(half):
+        pairs += [square[r], square[r][::-1]]
+    return pairs
+
+
 def balanced_orders(
     num_variants: int, num_rounds: int, *, seed: int | None = 0
 ) -> list[tuple[int, ...]]:
     """The order of each round: ``num_rounds`` permutations of ``range(num_variants)``.
 
-    Consecutive blocks of ``num_variants`` rounds are Latin squares, so after any number of
-    rounds every variant has run in every position ``num_rounds // num_variants`` or one more
-    times; a whole Williams design (``williams_square``) is also balanced for carry-over.
-    ``seed=None`` gives the unshuffled design (round 0 is ``0, 1, n-1, 2, ...``).
+    Rounds come in pairs, an order and its reverse, so after every even number of rounds each
+    variant's mean position is the middle one (A B C D, D C B A, ...). A whole design (``n``
+    rounds for an even number ``n`` of variants, ``2n`` for odd ``n``) puts every variant in
+    every position equally often and after every other variant equally often. ``seed=None``
+    keeps the given order in round 0 (and its reverse in round 1); a seed relabels the variants
+    and shuffles the pairs of each design.
     """
     if num_rounds < 1:
         raise ValueError(f"a schedule needs at least one round, got {num_rounds}")
-    design = williams_square(num_variants)
+    design = _paired_rows(num_variants)
+    label = [0] * num_variants
+    for position, v in enumerate(design[0]):
+        label[v] = position  # round 0 becomes 0, 1, ..., n-1
     rng = None if seed is None else random.Random(seed)
-    label = list(range(num_variants))
     if rng is not None:
         rng.shuffle(label)
+    pairs = [design[i : i + 2] for i in range(0, len(design), 2)]
     orders: list[tuple[int, ...]] = []
     while len(orders) < num_rounds:
-        for start in range(0, len(design), num_variants):
-            # Shuffle within each Latin block, never across: a block stays a Latin square.
-            block = design[start : start + num_variants]
-            if rng is not None:
-                block = rng.sample(block, len(block))
-            orders += [tuple(label[v] for v in row) for row in block]
+        # Shuffle whole pairs, never split one: the reverse keeps following its order.
+        for pair in pairs if rng is None else rng.sample(pairs, len(pairs)):
+            orders += [tuple(label[v] for v in row) for row in pair]
     return orders[:num_rounds]
 
 

@@ -26,15 +26,17 @@ LEGEND = """\
 step_ms       median time of one training step after warm-up (rank 0)
 compute_ms    the same step with every gradient collective skipped: the floor
 step/compute  step time over that floor (1.00 = communication fully hidden or removed)
-busy          share of the machine's cores busy during the steps (every rank, gloo, the kernel's
-              packet work): near 100% the step is CPU-bound, and fewer bytes cannot shorten it
+busy          share of the machine's cores the ranks kept busy during the steps (their processes
+              with gloo's threads, and the kernel's packet work; not other programs): near 100%
+              the step is CPU-bound, and fewer bytes cannot shorten it
 MB/step       mean bytes one rank handed to collectives per step; x less = baseline's / this one's;
               peak_MB = the most in one step (a synchronisation's burst)
 final_loss    training loss at the last step (mean over ranks, moving average)
 held_loss     the final model's loss on the held-out split (local SGD: after the final sync);
               acc = its held-out accuracy
 t_to_base_s   wall time until this strategy reaches the baseline's final loss (- = never)
-x_ddp         torch DDP's mean step time / this one's; x_ddp_loss = DDP's t_to_base_s / this one's"""
+x_ddp         torch DDP's mean step time / this one's; x_ddp_loss = DDP's t_to_base_s / this one's;
+              (tie): within the A/A control's noise floor (--control)"""
 
 
 def register(sub: Subparsers) -> None:
@@ -59,7 +61,17 @@ def register(sub: Subparsers) -> None:
         help="steps timed with communication skipped after each run (the compute-only floor)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=1, help="rounds of all strategies (A B A B); median step"
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of all strategies in balanced orders (A B C D, D C B A, ...); medians over "
+        "rounds of the step times, the busy share and the time to the baseline's loss",
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A control: run the baseline twice per round (NAME', a job of its own); its "
+        "x_ddp is the noise floor, ratios within it are ties",
     )
     parser.add_argument(
         "--max-steps-factor",
@@ -97,12 +109,14 @@ def run_compare(args: argparse.Namespace) -> int:
     print(
         f"commfuse compare: {workload}\n  on {topology.describe()}, {args.steps} steps, "
         f"seed {args.seed}, bucket cap {args.bucket_cap_mb:g} MiB, strategies one after another"
+        f"{' (A/A control: the baseline twice)' if args.control else ''}"
     )
     records = C.run_compare(
         strategies,
         base,
         topology,
         repeats=args.repeats,
+        control=args.control,
         max_steps_factor=args.max_steps_factor,
         emulate=emulate_arg(args),
         progress=False if args.no_progress else None,
@@ -115,9 +129,17 @@ def run_compare(args: argparse.Namespace) -> int:
     print(
         f"baseline: {records[0]['baseline']}; times are medians on a shared machine, quote ratios"
     )
-    note = C.cpu_bound_note(records)
-    if note:
-        print(note)
+    from commfuse.bench.table import control_note
+
+    rounds = (
+        f"medians over {args.repeats} rounds in balanced orders"
+        if args.repeats > 1
+        else "one run each (--repeats R for medians over rounds)"
+    )
+    print(f"timings: {rounds}; losses, bytes and accuracy from the first round")
+    for note in (control_note(records, "strategy"), C.cpu_bound_note(records)):
+        if note:
+            print(note)
     title = f"{args.workload} on {topology.describe()}"
     if args.plot:
         C.plot_loss_vs_time(records, args.plot, title=title)

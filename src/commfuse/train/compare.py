@@ -1,9 +1,14 @@
 """``commfuse compare``: several strategies, same workload, seeds and cluster; one table, one plot.
 
-Strategies run one after another (``--repeats R`` runs R rounds, interleaved A B A B, and
-reports the median over rounds of the step time, the compute-only step time and the time to the
-baseline's loss, with each round's value beside it; everything else comes from the first round). The
-baseline is ``ddp`` (torch's DDP) when it is among them, else the first strategy. Columns:
+Strategies run one after another, each in a job of its own. ``--repeats R`` runs R rounds in
+the balanced orders of ``bench/schedule.py`` (A B C D, D C B A, ...: every strategy's mean
+position is the middle one after every two rounds), and reports the median over rounds of the
+step time (median and mean), the compute-only step time, the busy share and the time to the
+baseline's loss, with each round's value beside it; the losses, bytes and accuracy come from the
+first round (the rounds train the same model on the same batches). With ``control`` the
+baseline runs twice per round, as a second strategy (``ddp'``): its x_ddp is the noise floor of
+the job, and a ratio within it is a tie. The baseline is ``ddp`` (torch's DDP) when it is among
+them, else the first strategy. Columns:
 
 * ``step_ms``: median step time after warm-up; ``compute_ms``: the same step with all gradient
   communication skipped (``loop.py``), and ``step/compute``: how close the strategy gets to that
@@ -29,7 +34,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from commfuse.bench.table import render
+from commfuse.bench.schedule import balanced_orders, control_name, summarize
+from commfuse.bench.table import ratio_cell, render
 from commfuse.cluster import Topology
 from commfuse.train.loop import TrainConfig
 from commfuse.train.metrics import time_to_loss_s
@@ -64,6 +70,7 @@ def run_compare(
     topology: Topology,
     *,
     repeats: int = 1,
+    control: bool = False,
     max_steps_factor: float = 1.0,
     emulate: bool | None = None,
     progress: bool | None = None,
@@ -75,7 +82,8 @@ def run_compare(
     ``max_steps_factor`` > 1: every strategy but the baseline trains on up to that multiple of
     ``base.steps`` (``TrainConfig.extra_steps``), so that one that learns less per step (a
     compressor, local SGD) still shows when it reaches the baseline's final loss; its other
-    figures are read at ``base.steps``, like the baseline's."""
+    figures are read at ``base.steps``, like the baseline's. ``control`` also runs the baseline
+    a second time in every round (its record is named ``control_name(label)``, last)."""
     if not strategies:
         raise ValueError("compare needs at least one --strategy")
     if repeats < 1:
@@ -91,12 +99,17 @@ def run_compare(
     baseline = names.index("ddp") if "ddp" in names else 0
     done_steps = _checkpoint_step(base.init_from) if base.init_from else 0
     extra = round((max_steps_factor - 1) * (base.steps - done_steps))
-    runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(strategies))}
-    for round_ in range(repeats):
-        for i, spec in enumerate(strategies):
+    # Jobs: every strategy, and with a control the baseline once more (a run of its own).
+    jobs = list(range(len(strategies))) + ([baseline] if control else [])
+    job_names = labels + ([control_name(labels[baseline])] if control else [])
+    runs: dict[int, list[dict[str, Any]]] = {j: [] for j in range(len(jobs))}
+    # seed=None: round 1 in the given order, round 2 reversed, ... (bench/schedule.py)
+    for round_, order in enumerate(balanced_orders(len(jobs), repeats, seed=None)):
+        for j in order:
+            i = jobs[j]
             config = TrainConfig(
                 workload=base.workload,
-                strategy=spec,
+                strategy=strategies[i],
                 steps=base.steps,
                 seed=base.seed,
                 bucket_cap_mb=base.bucket_cap_mb,
@@ -105,26 +118,48 @@ def run_compare(
                 init_from=base.init_from,
             )
             suffix = f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""
-            log(f"[{i + 1}/{len(strategies)}] {labels[i]}{suffix}")
-            runs[i].append(
+            log(f"[{j + 1}/{len(jobs)}] {job_names[j]}{suffix}")
+            runs[j].append(
                 run_training(
                     config, topology, emulate=emulate, progress=progress, timeout_s=timeout_s
                 )
             )
     records = []
-    for i in range(len(strategies)):
-        record = dict(runs[i][0])
+    for j in range(len(jobs)):
+        record = dict(runs[j][0])
         record["repeats"] = repeats
-        record["step_time_s_rounds"] = [r["step_time_s"] for r in runs[i]]
+        record["step_time_s_rounds"] = [r["step_time_s"] for r in runs[j]]
+        record["mean_step_time_s_rounds"] = [r["mean_step_time_s"] for r in runs[j]]
         record["step_time_s"] = statistics.median(record["step_time_s_rounds"])
+        record["mean_step_time_s"] = statistics.median(record["mean_step_time_s_rounds"])
         for key in ("compute_step_time_s", "cpu_floor_s", "machine_busy"):
-            known = [r[key] for r in runs[i] if r.get(key) is not None]  # rounds that measured it
+            known = [r[key] for r in runs[j] if r.get(key) is not None]  # rounds that measured it
             if known:  # else round 1's: None
                 record[key] = statistics.median(known)
         # Each round's own curves: its loss may differ in the last bits (reduction order).
-        record["curves_rounds"] = [(r["loss_curve"], r["wall_curve_s"]) for r in runs[i]]
+        record["curves_rounds"] = [(r["loss_curve"], r["wall_curve_s"]) for r in runs[j]]
+        if j >= len(strategies):  # the control: the baseline's second run
+            record["strategy"] = job_names[j]
+            record["control_of"] = labels[baseline]
         records.append(record)
     add_comparisons(records)
+    if control:
+        # The noise floor: the baseline's two runs, by the figure x_ddp is made of.
+        summary = summarize(
+            {
+                "base": records[baseline]["mean_step_time_s_rounds"],
+                "control": records[-1]["mean_step_time_s_rounds"],
+            },
+            baseline="base",
+            control="control",
+            paired=False,
+        )
+        for r in records:
+            r.update(summary.as_dict())
+            speedup = r.get("speedup_vs_ddp")
+            r["tie"] = (
+                None if r is records[baseline] or speedup is None else summary.is_tie(speedup)
+            )
     return records
 
 
@@ -136,7 +171,9 @@ def _checkpoint_step(root: str) -> int:
 
 def add_comparisons(records: list[dict[str, Any]]) -> None:
     """Fill the baseline-relative fields (in place)."""
-    ddp = next((r for r in records if r.get("strategy_name") == "ddp"), None)
+    ddp = next(
+        (r for r in records if r.get("strategy_name") == "ddp" and "control_of" not in r), None
+    )
     baseline = ddp or records[0]
     target = baseline["final_loss"]
     for r in records:
@@ -207,7 +244,7 @@ COMPARE_COLUMNS = (
     ("acc", lambda r: _fmt(r["eval_accuracy"], ".1f", 100.0)),
     ("wall_s", lambda r: _fmt(r["wall_s"], ".1f")),
     ("t_to_base_s", lambda r: _fmt(r["time_to_baseline_loss_s"], ".1f")),
-    ("x_ddp", lambda r: _fmt(r["speedup_vs_ddp"], ".2f")),
+    ("x_ddp", lambda r: ratio_cell(r, "speedup_vs_ddp", ".2f")),
     ("x_ddp_loss", lambda r: _fmt(r["time_to_loss_speedup_vs_ddp"], ".2f")),
 )
 

@@ -48,7 +48,7 @@ def register(bench_sub: Subparsers) -> None:
         "--algo",
         default="native",
         help="comma list of algorithms timed side by side (all = every one; auto = the tuner's pick); "
-        "the first is the baseline of the x-first column",
+        "the first is the baseline of the x-first column; rounds run in balanced orders",
     )
     coll.add_argument(
         "--repeats", type=int, default=10, help="timed runs per row; the median is reported"
@@ -58,6 +58,11 @@ def register(bench_sub: Subparsers) -> None:
         "--dtype",
         default="float32",
         choices=["float32", "float64", "float16", "bfloat16", "int32", "int64"],
+    )
+    coll.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A control: also time the first algorithm as a second variant (its buffers of its own); the ratio of the two is the noise floor, ratios within it are ties",
     )
     add_output_arguments(
         coll,
@@ -74,7 +79,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
         CollectiveBenchConfig,
         bench_collectives_on_rank,
     )
-    from commfuse.bench.table import render
+    from commfuse.bench.table import control_note, render
 
     topology = topology_from_args(args)
     config = CollectiveBenchConfig(
@@ -85,6 +90,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         algos=tuple(a.strip() for a in args.algo.split(",") if a.strip()),
         emulated=will_emulate(topology, args),
+        control=args.control,
     )
     check_algo_names(config.ops, config.algos)  # fail here, before any rank starts
     print(
@@ -96,6 +102,9 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
     emulated = bool(records and records[0]["emulated"])
     print(f"# {topology.describe()}{'' if emulated else ' (NOT emulated: plain loopback)'}")
     print(render(records))
+    note = control_note(records, "algorithm")
+    if note:
+        print(note)
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
     if args.plot:
@@ -120,7 +129,7 @@ def check_algo_names(ops: tuple[str, ...], algos: tuple[str, ...]) -> None:
 
 def markdown_report(records: list[dict[str, Any]], command: str, emulated: bool) -> str:
     """A dated Markdown report of the collectives table, with the command and the machine."""
-    from commfuse.bench.table import render
+    from commfuse.bench.table import control_note, render
     from commfuse.cli.bench.report import machine_summary
 
     machine = machine_summary()
@@ -132,6 +141,8 @@ def markdown_report(records: list[dict[str, Any]], command: str, emulated: bool)
         f"Network: {'emulated (netlab: namespaces, veth, tbf)' if emulated else 'plain loopback (not emulated)'}",
         "",
         render(records, markdown=True),
+        "",
+        control_note(records, "algorithm") or "No A/A control in this run.",
         "",
         "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if k != "date"),
         "",

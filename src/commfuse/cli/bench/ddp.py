@@ -4,7 +4,7 @@ commfuse bench ddp --hosts 4 --link 1gbit --model transformer --bucket-cap-mb 25
 
 The same model, batches, bucket caps and cluster under torch's DistributedDataParallel,
 commfuse's DataParallel (uncompressed, one engine per ``--algo``) and the bare model (no
-communication, the compute floor), timed interleaved; medians of ``--repeats`` blocks of
+communication, the compute floor), timed in rounds of balanced orders; medians of ``--repeats`` blocks of
 ``--steps`` steps (see ``commfuse.bench.ddp``). The issue's target: commfuse <= 1.02x torch.
 """
 
@@ -59,6 +59,11 @@ def register(bench_sub: Subparsers) -> None:
     parser.add_argument(
         "--repeats", type=int, default=7, help="timed blocks per engine; medians reported"
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A control: time a second torch DDP (torch_ddp'); its ratio to the first is the noise floor, ratios within it are ties",
+    )
     add_output_arguments(parser, json="one record per engine")
     add_timeout_argument(parser, default_s=900.0)
     set_command(parser, run_bench_ddp)
@@ -77,12 +82,15 @@ def _config(args: argparse.Namespace) -> Any:
         num_steps=args.steps,
         num_reps=args.repeats,
         algos=tuple(a.strip() for a in args.algo.split(",") if a.strip()),
+        control=args.control,
     )
 
 
 def render(records: list[dict[str, Any]]) -> str:
     """A plain table: one row per engine."""
-    header = f"{'engine':<18}{'step ms':>9}{'min-max ms':>15}{'exposed ms':>12}{'x torch':>9}{'spread':>13}{'buckets':>9}"
+    from commfuse.bench.table import ratio_cell
+
+    header = f"{'engine':<18}{'step ms':>9}{'min-max ms':>15}{'exposed ms':>12}{'x torch':>15}{'spread':>13}{'buckets':>9}"
     rows = [header]
     for r in records:
         span = "{:.0f}-{:.0f}".format(r["step_s_min"] * 1e3, r["step_s_max"] * 1e3)
@@ -90,7 +98,8 @@ def render(records: list[dict[str, Any]]) -> str:
         buckets = "-" if r["num_buckets"] is None else str(r["num_buckets"])
         rows.append(
             f"{r['engine']:<18}{r['step_s'] * 1e3:>9.1f}{span:>15}"
-            f"{r['exposed_comm_s'] * 1e3:>12.1f}{r['ratio_to_torch_ddp']:>9.3f}{spread:>13}{buckets:>9}"
+            f"{r['exposed_comm_s'] * 1e3:>12.1f}{ratio_cell(r, 'ratio_to_torch_ddp'):>15}"
+            f"{spread:>13}{buckets:>9}"
         )
     return "\n".join(rows)
 
@@ -102,7 +111,7 @@ def run_bench_ddp(args: argparse.Namespace) -> int:
     config = _config(args)
     print(
         f"commfuse bench ddp: {config.model}, {topology.describe()}, "
-        f"{config.num_reps} interleaved blocks of {config.num_steps} steps (median)",
+        f"{config.num_reps} rounds (balanced orders) of {config.num_steps} steps (median)",
         file=sys.stderr,
     )
     results = run_on_ranks(bench_ddp_on_rank, config, topology=topology, args=args)
@@ -112,6 +121,11 @@ def run_bench_ddp(args: argparse.Namespace) -> int:
         f"# {config.model}, {params / 1e6:.2f}M parameters, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MiB"
     )
     print(render(records))
+    from commfuse.bench.table import control_note
+
+    note = control_note(records, "engine")
+    if note:
+        print(note)
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
     return 0

@@ -54,6 +54,11 @@ def register(bench_sub: Subparsers) -> None:
         help="time whole training steps of these workloads (comma list: dlrm, tp-transformer, "
         "tp-transformer-sp) instead of --op",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A control: time the unfused reference twice per round (U and U'; with --step a second unfused model); U'/U is the noise floor, fused/unfused within it is a tie",
+    )
     add_output_arguments(parser, json="one record per row", markdown="a dated report")
     add_timeout_argument(parser, default_s=900.0)
     set_command(parser, run_bench_fused)
@@ -73,6 +78,7 @@ def run_bench_fused(args: argparse.Namespace) -> int:
         chunks=args.chunks,
         shapes=parse_shapes(args.shape),
         emulated=will_emulate(topology, args),
+        control=args.control,
     )
     print(
         f"commfuse bench fused: {topology.describe()}, {config.iters} timed runs per variant (median)",
@@ -102,6 +108,7 @@ def run_bench_steps(args: argparse.Namespace) -> int:
         chunks=args.chunks,
         shapes=parse_shapes(args.shape),
         emulated=will_emulate(topology, args),
+        control=args.control,
     )
     print(
         f"commfuse bench fused --step: {topology.describe()}, {config.iters} steps per variant (median)",

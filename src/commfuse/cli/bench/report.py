@@ -46,13 +46,16 @@ def run_and_report(
     """``fn(config)`` on the ranks of ``topology``; print the records as a table, write
     ``args.json`` and a dated ``args.markdown`` report titled ``heading``. Exit code: 1 when a
     record has wrong elements, else 0 (a failed job raises, see ``common.run_command``)."""
-    from commfuse.bench.table import render
+    from commfuse.bench.table import control_note, render
 
     records = run_on_ranks(fn, config, topology=topology, args=args)[0]
     emulated = bool(records and records[0]["emulated"])
     title = f"# {topology.describe()}{'' if emulated else ' (NOT emulated: plain loopback)'}"
     print(title)
     print(render(records, columns))
+    note = control_note(records)
+    if note:
+        print(note)
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
     if args.markdown:
@@ -65,6 +68,8 @@ def run_and_report(
             title.lstrip("# "),
             "",
             render(records, columns, markdown=True),
+            "",
+            note or "No A/A control in this run.",
             "",
             "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if k != "date"),
             "",

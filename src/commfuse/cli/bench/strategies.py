@@ -3,10 +3,12 @@
 commfuse bench strategies --hosts 4 --link 100mbit --strategy ddp-powersgd:rank=4,warmup=2 --strategy powersgd:rank=4,warmup=2
 
 Every strategy (same syntax as ``commfuse train``) on its own copy of the workload's model,
-after ``--warmup-steps`` untimed steps each, timed in turns of ``--steps`` steps (A B A B ...)
-for ``--repeats`` rounds, plus the bare model without communication (the floor). Ratios are to the
-first strategy, median over rounds (see ``commfuse.bench.strategies``). For losses and time to
-a loss use ``commfuse compare``; this command is for step times a few percent apart.
+after ``--warmup-steps`` untimed steps each, timed in turns of ``--steps`` steps for
+``--repeats`` rounds in balanced orders (every strategy in every position equally often), plus
+the bare model without communication (the floor). Ratios are to the first strategy, median over
+rounds (see ``commfuse.bench.strategies``); ``--control`` times the first one twice (A/A). For
+losses and time to a loss use ``commfuse compare``; this command is for step times a few
+percent apart.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ def register(bench_sub: Subparsers) -> None:
     parser.add_argument(
         "--no-compute", action="store_true", help="skip the bare model (the compute floor)"
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A control: build and time the first strategy twice (NAME'); its ratio is the noise floor, ratios within it are ties",
+    )
     add_output_arguments(parser, json="one record per strategy")
     add_timeout_argument(parser, default_s=1200.0)
     set_command(parser, run_bench_strategies)
@@ -62,9 +69,11 @@ def register(bench_sub: Subparsers) -> None:
 
 def render(records: list[dict[str, Any]]) -> str:
     """A plain table, one row per strategy."""
+    from commfuse.bench.table import ratio_cell
+
     width = max(len("strategy"), *(len(r["strategy"]) for r in records)) + 2
     header = (
-        f"{'strategy':<{width}}{'step ms':>9}{'min-max':>11}{'x first':>9}{'spread':>12}"
+        f"{'strategy':<{width}}{'step ms':>9}{'min-max':>11}{'x first':>15}{'spread':>12}"
         f"{'/compute':>10}{'fwd ms':>8}{'bwd+sync':>10}{'opt ms':>8}{'cpu ms':>8}{'floor ms':>10}"
         f"{'MB/step':>9}"
     )
@@ -76,7 +85,7 @@ def render(records: list[dict[str, Any]]) -> str:
         floor = r.get("cpu_floor_s")
         rows.append(
             f"{r['strategy']:<{width}}{r['step_s'] * 1e3:>9.1f}{span:>11}"
-            f"{r['ratio_to_first']:>9.3f}{spread:>12}"
+            f"{ratio_cell(r, 'ratio_to_first'):>15}{spread:>12}"
             f"{'-' if over is None else format(over, '.2f'):>10}"
             f"{r['forward_s'] * 1e3:>8.1f}{r['backward_sync_s'] * 1e3:>10.1f}"
             f"{r['optimizer_s'] * 1e3:>8.1f}{r['cpu_s_per_step'] * 1e3:>8.1f}"
@@ -99,10 +108,11 @@ def run_bench_strategies(args: argparse.Namespace) -> int:
         bucket_cap_mb=args.bucket_cap_mb,
         seed=args.seed,
         include_compute=not args.no_compute,
+        control=args.control,
     )
     print(
         f"commfuse bench strategies: {config.workload}, {topology.describe()}, "
-        f"{config.reps} interleaved rounds of {config.steps} steps after "
+        f"{config.reps} rounds (balanced orders) of {config.steps} steps after "
         f"{config.warmup_steps} untimed (medians; phases: rank 0)",
         file=sys.stderr,
     )
@@ -110,6 +120,11 @@ def run_bench_strategies(args: argparse.Namespace) -> int:
     records = results[0]
     print(f"# {config.workload}, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MiB")
     print(render(records))
+    from commfuse.bench.table import control_note
+
+    note = control_note(records, "strategy")
+    if note:
+        print(note)
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
     return 0
