@@ -14,11 +14,12 @@ import torch
 
 from commfuse.compress import (
     COMPRESSORS,
+    DGC,
+    BucketLayout,
     CastCompressor,
-    DGCCompressor,
     MessageCompressor,
-    PowerSGDCompressor,
-    RandomKCompressor,
+    PowerSGD,
+    RandomK,
     make_compressor,
 )
 from commfuse.compress.powersgd import matrix_shape
@@ -38,7 +39,7 @@ def test_every_name_builds_and_specs_set_fields() -> None:
     for name in COMPRESSORS:
         assert make_compressor(name).name == name
     c = make_compressor("powersgd:rank=4,warmup=3", algo="ring")
-    assert isinstance(c, PowerSGDCompressor)
+    assert isinstance(c, PowerSGD)
     assert (c.rank, c.warmup, c.algo, c.ef) == (4, 3, "ring", True)
     t = make_compressor(" TopK : ratio=0.05 , ef=0 ")
     assert (t.name, t.ef) == ("topk", False)
@@ -105,7 +106,7 @@ def test_declared_ratios() -> None:
 
 def test_dgc_warmup_decays_density_exponentially() -> None:
     dgc = make_compressor("dgc:ratio=0.001,warmup=4")
-    assert isinstance(dgc, DGCCompressor)
+    assert isinstance(dgc, DGC)
     densities = [dgc.density(s) for s in range(6)]
     assert densities[0] == 0.25 and densities[4:] == [0.001, 0.001]
     factors = [densities[i] / densities[i + 1] for i in range(3)]
@@ -197,7 +198,7 @@ def test_topk_keeps_exactly_the_largest() -> None:
 @pytest.mark.parametrize("spec", ["randomk:ratio=0.1", "randblock:ratio=0.1"])
 def test_random_sparsifiers_share_indices_per_step_and_bucket(spec: str) -> None:
     c = make_compressor(spec)
-    assert isinstance(c, RandomKCompressor)
+    assert isinstance(c, RandomK)
     x = sample(1000, 3)
     same = c.indices(1000, step=4, bucket=2)
     assert torch.equal(same, c.indices(1000, step=4, bucket=2))  # what every rank draws
@@ -250,10 +251,10 @@ def test_powersgd_layout_plans_matrices_like_torchs_hook() -> None:
         (768, 256),
     ]
     c = make_compressor("powersgd:rank=4,warmup=2")
-    assert isinstance(c, PowerSGDCompressor)
-    c.set_layout(5, [torch.Size(s) for s in shapes])
+    assert isinstance(c, PowerSGD)
+    c.set_layout(5, BucketLayout.of_shapes([torch.Size(s) for s in shapes], prefix="b5."))
     numel = sum(math.prod(s) for s in shapes)
-    plan = c.plans[5]
+    plan = c.plans[c.layouts[5].key]
     compressed = {(g.rows, g.cols, g.rank): len(g.members) for g in plan.groups}
     # (1, 40): rank 1 gives 41 > 40; (3, 3): rank 3 gives 18 > 9; (4, 15): rank 4 gives 76 > 60.
     assert compressed == {(768, 256, 4): 2, (256, 256, 4): 1}
@@ -269,25 +270,27 @@ def test_powersgd_layout_plans_matrices_like_torchs_hook() -> None:
     m, cols = matrix_shape(numel)  # without ``bucket``: the flat layout's count
     assert c.payload_bytes(numel, torch.float32, 4) == (m + cols) * 4 * 4
     only_plain = make_compressor("powersgd:rank=4")
-    assert isinstance(only_plain, PowerSGDCompressor)
-    only_plain.set_layout(0, [torch.Size([100]), torch.Size([2, 2])])
+    assert isinstance(only_plain, PowerSGD)
+    only_plain.set_layout(
+        0, BucketLayout.of_shapes([torch.Size([100]), torch.Size([2, 2])], prefix="b0.")
+    )
     assert not only_plain.compresses(104, None, bucket=0)
     assert only_plain.payload_bytes(104, torch.float32, 4, bucket=0) == 104 * 4
 
 
 def test_powersgd_layout_rejects_bad_shapes_and_mismatched_buckets() -> None:
     c = make_compressor("powersgd:rank=2")
-    assert isinstance(c, PowerSGDCompressor)
+    assert isinstance(c, PowerSGD)
     with pytest.raises(ValueError, match=re.escape("tensor 1 has a negative dimension in (-1, 3)")):
-        c.set_layout(0, [torch.Size([3]), (-1, 3)])  # type: ignore[list-item]  # a bad layout on purpose
+        c.set_layout(0, BucketLayout.of_shapes([torch.Size([3]), (-1, 3)], prefix="b0."))
     with pytest.raises(
         ValueError, match=re.escape("tensor 0 has shape 'ab', not a sequence of ints")
     ):
-        c.set_layout(0, ["ab"])  # type: ignore[list-item]  # a bad layout on purpose
-    c.set_layout(0, [torch.Size([10, 10])])
+        c.set_layout(0, BucketLayout.of_shapes(["ab"], prefix="b0."))  # type: ignore[list-item]  # a bad layout on purpose
+    c.set_layout(0, BucketLayout.of_shapes([torch.Size([10, 10])], prefix="b0."))
     with pytest.raises(ValueError, match=re.escape("bucket 0 has 99 elements but its layout")):
         c.payload_bytes(99, torch.float32, 2, bucket=0)
     # Element-wise compressors accept a layout and ignore it.
     topk = make_compressor("topk:ratio=0.1")
-    topk.set_layout(0, [torch.Size([10, 10])])
+    topk.set_layout(0, BucketLayout.of_shapes([torch.Size([10, 10])], prefix="b0."))
     assert topk.payload_bytes(100, torch.float32, 2) == 10 * 8

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from commfuse.comm import Communicator
-from commfuse.compress import PowerSGDCompressor, make_compressor
+from commfuse.compress import BucketLayout, PowerSGD, make_compressor
 
 #: A bucket as a model packs it: weights (one 3-D), biases, a 2 x 2 matrix sent as it is.
 SHAPES = [torch.Size(s) for s in ((8, 16), (16,), (4, 5, 3), (3,), (2, 2), (28, 10), (9,))]
@@ -40,7 +40,7 @@ def low_rank_errors(shapes: list[tuple[int, ...]]) -> dict[str, float]:
     for layout in (False, True):
         c = make_compressor("powersgd:rank=4,warmup=0", algo="native")
         if layout:
-            c.set_layout(0, [torch.Size(s) for s in shapes])
+            c.set_layout(0, BucketLayout.of_shapes([torch.Size(s) for s in shapes], prefix="b0."))
         out = grad.clone()
         c.reduce_(comm, out, bucket=0, step=0)
         errors["layout" if layout else "flat"] = float((out - want).norm() / want.norm())
@@ -50,7 +50,7 @@ def low_rank_errors(shapes: list[tuple[int, ...]]) -> dict[str, float]:
     fp32 = half.float()
     for dtype_grad in (fp32, half):
         c = make_compressor("powersgd:rank=4,warmup=0", algo="native")
-        c.set_layout(0, [torch.Size(s) for s in shapes])
+        c.set_layout(0, BucketLayout.of_shapes([torch.Size(s) for s in shapes], prefix="b0."))
         comm.stats.reset()
         c.reduce_(comm, dtype_grad, bucket=0, step=0)
     errors["bf16"] = float(((half.float() - fp32).abs() / fp32.abs().clamp_min(1e-3)).max())
@@ -71,18 +71,24 @@ def test_per_tensor_layout_recovers_low_rank_weight_gradients(pool: Any) -> None
 def layout_changes(numel: int) -> list[str]:
     comm = Communicator()
     c = make_compressor("powersgd:rank=2,warmup=0", algo="native")
-    assert isinstance(c, PowerSGDCompressor)
-    c.set_layout(0, SHAPES)
+    assert isinstance(c, PowerSGD)
+    c.set_layout(0, BucketLayout.of_shapes(SHAPES, prefix="b0."))
+    key = c._state_key(0)
     c.reduce_(comm, torch.randn(numel), bucket=0, step=0)
     failures = []
-    if set(c.qs) != {0} or set(c.feedback.residuals) != {0}:
+    if set(c.qs) != {key} or set(c.feedback.residuals) != {key}:
         failures.append(f"no state after a step: {sorted(c.qs)}")
-    c.set_layout(0, list(SHAPES))  # the same layout again: state kept
-    if set(c.qs) != {0}:
+    c.set_layout(0, BucketLayout.of_shapes(list(SHAPES), prefix="b0."))  # the same layout again
+    if set(c.qs) != {key}:
         failures.append("re-setting the same layout dropped the state")
-    c.set_layout(0, [torch.Size([numel])])  # a new layout: its old factors mean nothing
-    if c.qs or c.feedback.residuals:
-        failures.append("a changed layout kept the old state")
+    # A new layout whose one tensor has the first one's name but another shape: that tensor's
+    # old residual and factor mean nothing for it (dropped and counted), the bucket starts anew.
+    c.set_layout(0, BucketLayout.of_shapes([torch.Size([numel])], prefix="b0."))
+    if c._state_key(0) in c.qs or c._state_key(0) in c.feedback.residuals:
+        failures.append("a changed layout took over state of another shape")
+    dropped = SHAPES[0].numel() + SHAPES[0][1] * 2  # its residual and its Q (cols x rank)
+    if c.state_moves.dropped_numel != dropped or c.state_moves.moved_numel != 0:
+        failures.append(f"state moves {c.state_moves}, expected {dropped} dropped")
     try:
         c.reduce_(comm, torch.randn(numel + 1), bucket=0, step=1)
         failures.append("a bucket that does not match its layout was accepted")
@@ -94,7 +100,7 @@ def layout_changes(numel: int) -> list[str]:
     return failures
 
 
-def test_layout_change_restarts_state_and_mismatch_is_an_error(pool: Any) -> None:
+def test_layout_change_drops_state_of_another_shape_and_mismatch_is_an_error(pool: Any) -> None:
     for failures in pool(2).run(layout_changes, NUMEL, timeout_s=60):
         assert failures == []
 
@@ -113,7 +119,7 @@ def alternating_recovery(shapes: list[tuple[int, ...]]) -> dict[str, Any]:
     want = grad.clone()
     comm.all_reduce(want, "avg")
     c = make_compressor("acpsgd:rank=4,warmup=0", algo="native")
-    c.set_layout(0, [torch.Size(s) for s in shapes])
+    c.set_layout(0, BucketLayout.of_shapes([torch.Size(s) for s in shapes], prefix="b0."))
     outs, calls = [], []
     for step in range(2):
         comm.stats.reset()
@@ -140,9 +146,9 @@ def high_rank_warmup(numel: int) -> dict[str, Any]:
     they leave out is in the shared residual when the low-rank steps begin."""
     comm = Communicator()
     c = make_compressor("powersgd:rank=1,warmup=2,warmup_rank=4", algo="native")
-    c.set_layout(0, SHAPES)
+    c.set_layout(0, BucketLayout.of_shapes(SHAPES, prefix="b0."))
     high = make_compressor("powersgd:rank=4,warmup=0", algo="native")
-    high.set_layout(0, SHAPES)
+    high.set_layout(0, BucketLayout.of_shapes(SHAPES, prefix="b0."))
     sent, claimed = [], []
     for step in range(3):
         comm.stats.reset()
@@ -154,7 +160,7 @@ def high_rank_warmup(numel: int) -> dict[str, Any]:
         "sent": sent,
         "claimed": claimed,
         "rank 4 bytes": high.payload_bytes(numel, torch.float32, 2, step=0, bucket=0),
-        "residual": float(c.feedback.residuals[0].norm()),
+        "residual": float(c.feedback.residuals[c._state_key(0)].norm()),
     }
 
 

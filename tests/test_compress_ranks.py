@@ -12,13 +12,14 @@ import torch
 
 from commfuse.comm import Communicator
 from commfuse.compress import (
-    ACPSGDCompressor,
+    ACPSGD,
+    BucketLayout,
     CastCompressor,
-    GradientCompressor,
+    Compressor,
     MessageCompressor,
     NoCompression,
-    PowerSGDCompressor,
-    RandomKCompressor,
+    PowerSGD,
+    RandomK,
     generator_for,
     make_compressor,
 )
@@ -46,7 +47,7 @@ EVERY = [
     "powersgd:rank=2,warmup=0,wire=bf16+layout",
     "acpsgd:rank=2,warmup=0,wire=fp16",
 ]
-#: A spec ending in LAYOUT is built with ``set_layout(bucket, layout_shapes(numel))``.
+#: A spec ending in LAYOUT is built with ``set_layout`` of ``layout_shapes(numel)``.
 LAYOUT = "+layout"
 
 
@@ -65,18 +66,18 @@ def layout_shapes(numel: int) -> list[torch.Size]:
     return [torch.Size(s) for s in (*head, (rest // 10, 10), (rest % 10,))]
 
 
-def build(spec: str, numel: int = 0, bucket: int = 0) -> GradientCompressor:
+def build(spec: str, numel: int = 0, bucket: int = 0) -> Compressor:
     c = make_compressor(spec.removesuffix(LAYOUT), algo="native", gather_algo="native")
     if spec.endswith(LAYOUT):
-        c.set_layout(bucket, layout_shapes(numel))
+        c.set_layout(bucket, BucketLayout.of_shapes(layout_shapes(numel), prefix=f"b{bucket}."))
     return c
 
 
-def layout_reference(c: PowerSGDCompressor, grads: list[torch.Tensor], step: int) -> torch.Tensor:
+def layout_reference(c: PowerSGD, grads: list[torch.Tensor], step: int) -> torch.Tensor:
     """Per-tensor PowerSGD of the first compressed step, one matrix at a time on one rank:
     average the plain elements; per matrix P = avg M_r Q0, orthonormalise, Q = avg M_r^T P."""
     world, numel = len(grads), grads[0].numel()
-    plan = c.plans[0]
+    plan = c.plans[c.layouts[0].key]
     if not c.compresses(numel, step, bucket=0):
         return torch.stack(grads).sum(0) / world
     q0 = torch.randn(plan.q_numel, generator=generator_for(c.seed, 0))
@@ -93,13 +94,13 @@ def layout_reference(c: PowerSGDCompressor, grads: list[torch.Tensor], step: int
     return out
 
 
-def acp_reference(c: ACPSGDCompressor, grads: list[torch.Tensor], step: int) -> torch.Tensor:
+def acp_reference(c: ACPSGD, grads: list[torch.Tensor], step: int) -> torch.Tensor:
     """ACP-SGD's first compressed step (it sends P): per matrix the average of the ranks'
     projections ``M_r Q0 Q0^T`` onto the orthonormalised initial Q; plain elements averaged."""
     world, numel = len(grads), grads[0].numel()
     if not c.compresses(numel, step, bucket=0):
         return torch.stack(grads).sum(0) / world
-    plan = c.plans.get(0) or c._flat_plan(numel)
+    plan = c._plan(0, numel) or c._flat_plan(numel)
     padded = [torch.nn.functional.pad(g, (0, plan.numel - numel)) for g in grads]
     q0 = torch.randn(plan.q_numel, generator=generator_for(c.seed, 0, 0))
     out = torch.stack(padded).sum(0) / world  # plain elements; matrices overwritten below
@@ -115,10 +116,10 @@ def acp_reference(c: ACPSGDCompressor, grads: list[torch.Tensor], step: int) -> 
     return out[:numel]
 
 
-def reference(c: GradientCompressor, grads: list[torch.Tensor], step: int) -> torch.Tensor:
+def reference(c: Compressor, grads: list[torch.Tensor], step: int) -> torch.Tensor:
     """What a fresh compressor's reduce_ must return at ``step``, computed on one rank."""
     world, numel = len(grads), grads[0].numel()
-    if isinstance(c, ACPSGDCompressor):
+    if isinstance(c, ACPSGD):
         return acp_reference(c, grads, step)
     if isinstance(c, NoCompression):
         return torch.stack(grads).sum(0) / world
@@ -128,13 +129,13 @@ def reference(c: GradientCompressor, grads: list[torch.Tensor], step: int) -> to
         parts = [c.compress(g, step=step, bucket=0, rank=r) for r, g in enumerate(grads)]
         stacked = [torch.stack(fields) for fields in zip(*parts, strict=True)]
         return c.decompress_sum(stacked, numel, torch.float32, step) / world
-    if isinstance(c, RandomKCompressor):
+    if isinstance(c, RandomK):
         index = c.indices(numel, step=step, bucket=0)
         out = torch.zeros(numel)
         out[index] = torch.stack([g[index] for g in grads]).sum(0) / world
         return out
-    assert isinstance(c, PowerSGDCompressor)
-    if c.plans:
+    assert isinstance(c, PowerSGD)
+    if c.layouts:
         return layout_reference(c, grads, step)
     if not c.compresses(numel, step):
         return torch.stack(grads).sum(0) / world
@@ -169,9 +170,9 @@ def averages_and_bytes(specs: list[str], numel: int) -> list[str]:
             if step:
                 comm.stats.reset()
                 c.reduce_(comm, integer_grad(comm.rank, step, numel), bucket=0, step=step)
-            if isinstance(c, PowerSGDCompressor):  # its bytes depend on the bucket's layout
+            if isinstance(c, PowerSGD):  # its bytes depend on the bucket's layout
                 claimed = c.payload_bytes(numel, torch.float32, world, step=step, bucket=0)
-                rounds = 1 if isinstance(c, ACPSGDCompressor) else 2  # ACP: one factor
+                rounds = 1 if isinstance(c, ACPSGD) else 2  # ACP: one factor
                 calls = rounds if c.compresses(numel, step, bucket=0) else 1
             else:
                 claimed, calls = c.payload_bytes(numel, torch.float32, world, step=step), 1
@@ -229,7 +230,7 @@ def error_feedback_tracks(
             true += grad
             c.reduce_(comm, grad, bucket=0, step=step)
             sent += grad * world
-        residual = c.state_dict()["feedback"]["residuals"][0].double()
+        residual = c.state_dict()["feedback"]["residuals"][c._state_key(0)].double()
         for t in (true, residual):
             comm.all_reduce(t, "sum")
         scale = float(true.norm())
@@ -283,7 +284,7 @@ def resume_is_bit_identical(specs: list[str], numel: int) -> list[str]:
         ]
 
         def run(
-            c: GradientCompressor, steps: range, grads: list[torch.Tensor] = grads
+            c: Compressor, steps: range, grads: list[torch.Tensor] = grads
         ) -> list[torch.Tensor]:
             outs = []
             for step in steps:

@@ -10,6 +10,7 @@ else within 1e-6 relative.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, cast
@@ -23,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from commfuse.collectives import all_reduce
 from commfuse.collectives.blocks import even_blocks
 from commfuse.comm import CommConfig, Communicator
-from commfuse.compress import make_compressor
+from commfuse.compress import Compressor, make_compressor
 from commfuse.ddp import DataParallel, DataParallelConfig, NonFiniteGradientError
 from commfuse.testing import RankPool
 
@@ -209,30 +210,37 @@ def test_collectives_and_bytes_match_layout(pool: PoolFn, algo: str) -> None:
         assert list(stats.launched_after_grads) == sorted(stats.launched_after_grads)
 
 
-class HalfCompressor:
-    """A tiny fp16 compressor with error feedback, standing in for commfuse.compress here."""
+@dataclasses.dataclass(kw_only=True)
+class HalfCompressor(Compressor):
+    """A tiny fp16 compressor with error feedback written as a user would, on the base class:
+    the engine drives it through ``Compressor`` alone (agreement round first, state filed by
+    the base's layout keys)."""
 
     name: ClassVar[str] = "half-test"
     aggregation: ClassVar[Literal["all_reduce", "all_gather"]] = "all_reduce"
 
-    def __init__(self) -> None:
-        self.residual: dict[int, torch.Tensor] = {}
-
-    def reduce_(self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int) -> None:
-        corrected = grad + self.residual.get(bucket, torch.zeros_like(grad))
+    def _reduce(
+        self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int, commit: bool
+    ) -> None:
+        key = self._state_key(bucket)
+        residual = self.feedback.residuals.get(key)
+        corrected = grad + (residual if residual is not None else torch.zeros_like(grad))
         half = corrected.half()
-        self.residual[bucket] = corrected - half.float()
+        if commit:
+            self.feedback.update(key, corrected - half.float())
         all_reduce(comm, half, "sum", algo="native")
         grad.copy_(half.float() / comm.world_size)
 
-    def payload_bytes(self, numel: int, dtype: torch.dtype, world_size: int) -> int:
+    def payload_bytes(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        world_size: int,
+        *,
+        step: int | None = None,
+        bucket: int | None = None,
+    ) -> int:
         return 2 * numel
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"residual": {k: v.clone() for k, v in self.residual.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.residual = {int(k): v.clone() for k, v in state["residual"].items()}
 
 
 def _state_finite(state: Any) -> bool:

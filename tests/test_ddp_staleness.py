@@ -177,7 +177,7 @@ def test_stale_nonfinite_skips_the_step_that_would_apply_it(pool: PoolFn, spec: 
 
 def test_staleness_config_errors() -> None:
     with pytest.raises(ValueError, match="staleness must be 0 or 1"):
-        DataParallelConfig(staleness=2)
+        DataParallelConfig(staleness=2)  # type: ignore[arg-type]  # a bad value on purpose
     with pytest.raises(ValueError, match="find_unused_parameters"):
         DataParallelConfig(staleness=1, find_unused_parameters=True)
     assert split_engine_options("powersgd:rank=4,staleness=1,warmup=2") == (

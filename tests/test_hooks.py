@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from commfuse.compress import PowerSGDCompressor, make_compressor
+from commfuse.compress import PowerSGD, make_compressor
 from commfuse.hooks import CompressionState, compressed_allreduce_hook
 
 #: Settings sized for a 577-parameter model in ~260-element buckets.
@@ -47,7 +47,8 @@ def train(spec: str | None, steps: int) -> dict[str, Any]:
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.001)
     state = None
     if spec is not None:
-        state = CompressionState(make_compressor(spec, algo="native", gather_algo="native"))
+        comp = make_compressor(spec, algo="native", gather_algo="native")
+        state = CompressionState(comp, module=model)
         ddp.register_comm_hook(state, compressed_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     x, y = regression_data(rank)
@@ -97,7 +98,7 @@ def test_every_hook_trains_and_none_equals_torch_default(pool: Any) -> None:
 def hook_error_reaches_backward() -> str:
     """A compressor that fails on the worker thread fails backward (not a hang)."""
     ddp = DistributedDataParallel(nn.Linear(4, 1))
-    state = CompressionState(make_compressor("none", algo="no-such-algo"))
+    state = CompressionState(make_compressor("none", algo="no-such-algo"), module=ddp)
     ddp.register_comm_hook(state, compressed_allreduce_hook)
     try:
         ddp(torch.randn(3, 4)).sum().backward()
@@ -117,13 +118,14 @@ def test_state_dict_of_the_hook_state_round_trips(pool: Any) -> None:
 
 
 def hook_state_round_trip() -> bool:
-    state = CompressionState(make_compressor("topk:ratio=0.5"))
+    model = nn.Linear(8, 1, bias=False)
+    state = CompressionState(make_compressor("topk:ratio=0.5"), module=model)
     grad = torch.arange(8, dtype=torch.float32)
     state.compressor.reduce_(state.comm, grad, bucket=0, step=state.next_step(0))
     saved = state.state_dict()
-    other = CompressionState(make_compressor("topk:ratio=0.5"))
+    other = CompressionState(make_compressor("topk:ratio=0.5"), module=model)
     other.load_state_dict(saved)
-    residual = other.compressor.state_dict()["feedback"]["residuals"][0]
+    residual = other.compressor.state_dict()["feedback"]["residuals"]["#0"]  # no layout given
     return other.steps == {0: 1} and torch.equal(residual, torch.tensor([0, 1, 2, 3, 0, 0, 0, 0.0]))
 
 
@@ -132,7 +134,7 @@ def powersgd_hook_bytes(steps: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     ddp = DistributedDataParallel(model)  # 577 parameters: one bucket
-    state = CompressionState(make_compressor("powersgd:rank=2,warmup=1", algo="native"))
+    state = CompressionState(make_compressor("powersgd:rank=2,warmup=1", algo="native"), module=ddp)
     ddp.register_comm_hook(state, compressed_allreduce_hook)
     x, y = regression_data(torch.distributed.get_rank())
     per_step = []
@@ -144,10 +146,10 @@ def powersgd_hook_bytes(steps: int) -> dict[str, Any]:
             (after["payload_bytes"] - before["payload_bytes"], after["calls"] - before["calls"])
         )
     compressor = state.compressor
-    assert isinstance(compressor, PowerSGDCompressor)
+    assert isinstance(compressor, PowerSGD)
     return {
         "per_step": per_step,
-        "layouts": {b: [tuple(s) for s in p.shapes] for b, p in compressor.plans.items()},
+        "layouts": {b: [tuple(s) for s in lay.shapes] for b, lay in compressor.layouts.items()},
     }
 
 

@@ -1,11 +1,11 @@
 """commfuse's compressors as PyTorch DDP communication hooks: one line for a plain DDP user.
 
 ```python
-from commfuse.compress import make_compressor
+from commfuse.compress import TopK
 from commfuse.hooks import CompressionState, compressed_allreduce_hook
 
 ddp = torch.nn.parallel.DistributedDataParallel(model)
-ddp.register_comm_hook(CompressionState(make_compressor("topk:ratio=0.01")),
+ddp.register_comm_hook(CompressionState(TopK(ratio=0.01), module=ddp),
                        compressed_allreduce_hook)
 ```
 
@@ -13,25 +13,28 @@ DDP calls a hook as ``hook(state, bucket) -> Future[Tensor]`` each time a bucket
 is ready during backward, in bucket order on every rank, and waits on the futures before the
 optimizer step (the shape of torch's own ``allreduce_hook`` and ``powerSGD_hook``). This hook:
 
-1. takes the bucket's flat buffer (``bucket.buffer()``) and its index (``bucket.index()``, the
-   key of the compressor's per-bucket state), counts that bucket's steps, and hands the
-   compressor the shapes of the tensors in the buffer (``bucket.gradients()``,
-   ``GradientCompressor.set_layout``: PowerSGD then compresses each weight matrix on its own,
-   as torch's ``powerSGD_hook`` does);
+1. takes the bucket's flat buffer (``bucket.buffer()``) and its index (``bucket.index()``),
+   counts that bucket's steps, and hands the compressor the bucket's layout: the names of its
+   parameters (from ``module``) and their shapes (``Compressor.set_layout``). The compressor
+   files the bucket's state (residuals, momentum, factors) under those parameters, and
+   PowerSGD compresses each weight matrix on its own, as torch's ``powerSGD_hook`` does;
 2. queues ``compressor.reduce_`` on the communicator's worker thread
    (``commfuse.collectives.executor.submit``), so backward keeps computing the next buckets
    while this one is compressed and exchanged, which is the overlap DDP exists for;
 3. returns a Future that the worker completes with the averaged buffer (or the error).
+
+DDP rebuilds its buckets after the first iteration, in the order the gradients arrived, so a
+bucket index may then hold other parameters (two buckets of equal size can trade places). The
+compressor's state follows the parameters into the new buckets, element by element, instead
+of staying with the index (``compress/layout.py``); torch's own hooks key their state by
+bucket index and restart a bucket whose size changed.
 
 The state owns a PRIVATE process group over the same ranks (created when the state is, so
 every rank must construct it at the same point, as with any process group): the hook's
 collectives run on a background thread, and on a shared group they could interleave with
 DDP's own (its unused-parameter bitmap, buffer broadcasts) in a different order on different
 ranks. DDP does not divide gradients when a hook is registered; ``reduce_`` returns the
-average. DDP rebuilds its buckets after the first iteration: a bucket whose size (or, for
-PowerSGD, layout) changes restarts its compressor state from zero, so stateful compressors lose
-at most step 0's residual (PowerSGD's default ``warmup`` of 10 uncompressed steps covers it
-entirely).
+average.
 
 (No ``from __future__ import annotations`` here: DDP checks the hook's annotations at
 registration and rejects string annotations.)
@@ -46,15 +49,24 @@ from torch._C._distributed_c10d import GradBucket  # = dist.GradBucket, visible 
 
 from commfuse.collectives.executor import submit
 from commfuse.comm import CommConfig, Communicator
-from commfuse.compress.base import GradientCompressor
+from commfuse.compress.base import Compressor
+from commfuse.compress.layout import BucketLayout
 
 
 @dataclasses.dataclass
 class CompressionState:
-    """What ``compressed_allreduce_hook`` needs: a compressor, a communicator, step counters."""
+    """What ``compressed_allreduce_hook`` needs: a compressor, the names of the parameters,
+    a communicator, step counters.
 
-    compressor: GradientCompressor
+    Raises:
+        ValueError: no process group is up, or ``module`` has no parameters."""
+
+    compressor: Compressor
     """The compressor every bucket goes through."""
+    _: dataclasses.KW_ONLY
+    module: torch.nn.Module
+    """The model DDP wraps (or the DDP module itself): its parameter names identify each
+    bucket's state across DDP's bucket rebuild and in checkpoints."""
     process_group: dist.ProcessGroup | None = None
     """The ranks to average over (DDP's group; None = the world)."""
     config: CommConfig | None = None
@@ -62,8 +74,22 @@ class CompressionState:
     steps: dict[int, int] = dataclasses.field(default_factory=dict)
     """Calls so far per bucket index (the ``step`` handed to the compressor)."""
     comm: Communicator = dataclasses.field(init=False)
+    names: dict[int, str] = dataclasses.field(init=False, repr=False)
+    """``id(parameter) -> name`` for every parameter of ``module``."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compressor, Compressor):
+            raise ValueError(
+                "CompressionState needs a commfuse.compress.Compressor object, e.g. "
+                f"TopK(ratio=0.01), got {self.compressor!r}"
+            )
+        # The wrapped model's names, the same whether DDP or its module was passed.
+        model = self.module
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        if not self.names:
+            raise ValueError("CompressionState: module has no parameters to name the buckets by")
         if not dist.is_initialized():
             raise ValueError("CompressionState needs torch.distributed.init_process_group() first")
         parent = self.process_group if self.process_group is not None else dist.group.WORLD
@@ -76,6 +102,17 @@ class CompressionState:
         step = self.steps.get(bucket, 0)
         self.steps[bucket] = step + 1
         return step
+
+    def layout_of(self, bucket: GradBucket) -> BucketLayout:
+        """The names and shapes of the parameters in ``bucket``, in buffer order."""
+        try:
+            names = tuple(self.names[id(p)] for p in bucket.parameters())
+        except KeyError:
+            raise ValueError(
+                "CompressionState: a DDP bucket holds a parameter that is not in "
+                "CompressionState.module; pass the model that DDP wraps"
+            ) from None
+        return BucketLayout(names=names, shapes=tuple(g.shape for g in bucket.gradients()))
 
     def state_dict(self) -> dict[str, Any]:
         """The compressor's state and the step counters (for a checkpoint)."""
@@ -94,10 +131,10 @@ def compressed_allreduce_hook(
     index = bucket.index()
     step = state.next_step(index)
     compressor = state.compressor
-    # The shapes of the bucket's tensors (views into ``buffer``, in order): PowerSGD compresses
-    # each weight matrix on its own. Here, on DDP's thread, before the job is queued, so the
+    # The bucket's parameters (views into ``buffer``, in order): the compressor's state for
+    # them, and PowerSGD's matrices. Here, on DDP's thread, before the job is queued, so the
     # worker never sees a layout change halfway through a bucket.
-    compressor.set_layout(index, [g.shape for g in bucket.gradients()])
+    compressor.set_layout(index, state.layout_of(bucket))
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
     def work() -> None:

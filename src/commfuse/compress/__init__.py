@@ -1,73 +1,80 @@
 """Layer 3: gradient compressors with error feedback.
 
-Every compressor averages a flat bucket of gradients over the ranks in place with a smaller
-message (``GradientCompressor.reduce_``), declares its ``aggregation`` (allreduce or allgather)
-and the exact bytes it contributes (``payload_bytes``), and keeps its step-to-step state
-(error-feedback residuals, momentum, PowerSGD factors) in ``state_dict``. Build one with
-``make_compressor("topk:ratio=0.01")``; ``commfuse.hooks`` exposes the same ones as torch DDP
-communication hooks.
+Every compressor is a ``Compressor`` (``base.py``): it averages a flat bucket of gradients over
+the ranks in place with a smaller message (``reduce_``), declares its ``aggregation``
+(``all_reduce`` or ``all_gather``) and the exact bytes it contributes (``payload_bytes``), and
+keeps its step-to-step state (error-feedback residuals, momentum, PowerSGD factors) in
+``state_dict``, filed under the parameters each bucket holds (``set_layout``, ``layout.py``), so the state
+follows them when buckets change. Build one as an object, e.g. ``PowerSGD(rank=8,
+wire="bf16")`` or ``TopK(ratio=0.01)``, and hand it to ``commfuse.ddp.DataParallelConfig`` or
+to ``commfuse.hooks`` (the same compressors as torch DDP communication hooks).
 
-=========== ========= ===================================================== ==============
-name        aggreg.   message per rank (d elements, fp32)                   error feedback
-=========== ========= ===================================================== ==============
-none        allreduce d x 4 bytes                                           -
-fp16, bf16  allreduce d x 2 bytes                                           off (ef=1)
-int8        allgather 4 + d bytes                                           on
-qsgd        allgather 4 per 512-chunk + d x 4 bits (levels <= 7)             off (ef=1 *)
-terngrad    allgather 4 per 512-chunk + d x 2 bits                           off
-sign        allgather 4 + d / 8 bytes                                       off
-ef-sign     allgather 4 + d / 8 bytes                                       on
-topk        allgather k x (4 + 4) bytes, k = ceil(ratio d)                   on
-randomk     allreduce k x 4 bytes (shared random indices)                    on
-randblock   allreduce k x 4 bytes (shared random block)                      on
-dgc         allgather k x (4 + 4) bytes, momentum correction, warm-up        always
-powersgd    allreduce per tensor: 1-D ones x 4 + (rows + cols) r' x 4 bytes    on
-                      (flat bucket, no layout: (m + c) r x 4, m x c ~ d);
-                      x 2 instead of x 4 with wire=bf16 or wire=fp16
-acpsgd      allreduce per tensor: 1-D ones x 4 + rows r' x 4 bytes (even      on
-                      steps, P) or cols r' x 4 (odd steps, Q): one round trip
-=========== ========= ===================================================== ==============
+============= =========== ======================================================= ===============
+class         aggregation message per rank (d elements, fp32)                     error feedback
+============= =========== ======================================================= ===============
+NoCompression all_reduce  d x 4 bytes                                             -
+FP16, BF16    all_reduce  d x 2 bytes                                             off (ef=True)
+Int8          all_gather  4 + d bytes                                             on
+QSGD          all_gather  4 per 512-chunk + d x 4 bits (levels <= 7)              off (ef=True *)
+TernGrad      all_gather  4 per 512-chunk + d x 2 bits                            off
+Sign          all_gather  4 + d / 8 bytes                                         off
+EFSign        all_gather  4 + d / 8 bytes                                         on
+TopK          all_gather  k x (4 + 4) bytes, k = ceil(ratio d)                    on
+RandomK       all_reduce  k x 4 bytes (shared random indices)                     on
+RandomBlock   all_reduce  k x 4 bytes (shared random block)                       on
+DGC           all_gather  k x (4 + 4) bytes, momentum correction, warm-up         always
+PowerSGD      all_reduce  per tensor: 1-D ones x 4 + (rows + cols) r' x 4 bytes   on
+                          (flat bucket, no layout: (m + c) r x 4, m x c ~ d);
+                          x 2 instead of x 4 with wire="bf16" or wire="fp16"
+ACPSGD        all_reduce  per tensor: 1-D ones x 4 + rows r' x 4 bytes (even      on
+                          steps, P) or cols r' x 4 (odd steps, Q): one round trip
+============= =========== ======================================================= ===============
 
 Messages of allgather compressors are padded to whole 4-byte words. (*) only when
 ``levels**2 > chunk_numel``: otherwise the quantiser's variance makes the residual diverge.
-PowerSGD needs the shapes of the tensors in a bucket (``set_layout``, which the engine and the
-hooks call) to compress each weight matrix on its own (r' = min(r, rows, cols); tensors whose
-factors would not be smaller travel as they are); other compressors ignore the layout.
+PowerSGD needs the shapes of the tensors in a bucket (the layout, which the engine and the
+hooks give) to compress each weight matrix on its own (r' = min(r, rows, cols); tensors whose
+factors would not be smaller travel as they are); other compressors use the layout only to
+file their state.
 """
 
-from commfuse.compress.acpsgd import ACPSGDCompressor
-from commfuse.compress.base import GradientCompressor, generator_for
-from commfuse.compress.cast import BF16Compressor, CastCompressor, FP16Compressor, NoCompression
-from commfuse.compress.dgc import DGCCompressor
+from commfuse.compress.acpsgd import ACPSGD
+from commfuse.compress.base import Compressor, generator_for
+from commfuse.compress.cast import BF16, FP16, CastCompressor, NoCompression
+from commfuse.compress.dgc import DGC
 from commfuse.compress.feedback import ErrorFeedback
-from commfuse.compress.int8 import Int8Compressor
+from commfuse.compress.int8 import Int8
+from commfuse.compress.layout import BucketLayout, StateMoves
 from commfuse.compress.message import MessageCompressor
-from commfuse.compress.powersgd import PowerSGDCompressor
-from commfuse.compress.quantize import QSGDCompressor, TernGradCompressor
-from commfuse.compress.sign import EFSignCompressor, SignCompressor
-from commfuse.compress.sparse import RandomBlockCompressor, RandomKCompressor, TopKCompressor
+from commfuse.compress.powersgd import PowerSGD, Wire
+from commfuse.compress.quantize import QSGD, TernGrad
+from commfuse.compress.sign import EFSign, Sign
+from commfuse.compress.sparse import RandomBlock, RandomK, TopK
 from commfuse.compress.spec import COMPRESSORS, make_compressor, parse_spec
 
 __all__ = [
+    "ACPSGD",
+    "BF16",
     "COMPRESSORS",
-    "ACPSGDCompressor",
-    "BF16Compressor",
+    "DGC",
+    "FP16",
+    "QSGD",
+    "BucketLayout",
     "CastCompressor",
-    "DGCCompressor",
-    "EFSignCompressor",
+    "Compressor",
+    "EFSign",
     "ErrorFeedback",
-    "FP16Compressor",
-    "GradientCompressor",
-    "Int8Compressor",
+    "Int8",
     "MessageCompressor",
     "NoCompression",
-    "PowerSGDCompressor",
-    "QSGDCompressor",
-    "RandomBlockCompressor",
-    "RandomKCompressor",
-    "SignCompressor",
-    "TernGradCompressor",
-    "TopKCompressor",
+    "PowerSGD",
+    "RandomBlock",
+    "RandomK",
+    "Sign",
+    "StateMoves",
+    "TernGrad",
+    "TopK",
+    "Wire",
     "generator_for",
     "make_compressor",
     "parse_spec",

@@ -24,29 +24,31 @@ matrix, 1-D tensors travel exactly, packed in front of the factors), the warm-up
 (``warmup``, ``warmup_fp16``, ``warmup_rank``), factors in fp32 for 16-bit buckets, a bucket
 without a layout laid out as one square-ish matrix. Which factor a step sends follows from the
 step number (``(step - warmup) % 2``), so the bytes of a step are known without state and every
-rank agrees. State per bucket: the last averaged P and Q, and the residual, all checkpointed.
+rank agrees. State per bucket: the last averaged P and Q, and the residual, all checkpointed and
+moved matrix by matrix when buckets are laid out anew (``layout.py``).
 
-Measured (charlm, 4 ranks, AdamW, 30 steps from scratch, 2 warm-up steps at rank 32; DDP
-2.477): ACP-SGD rank 16 (PowerSGD rank 8's bytes) ended at 2.632, rank 8 at 2.672, against
-PowerSGD rank 4's 2.548 and rank 8's 2.519. In this run's fastest descent the subspace moves
-faster than one half-iteration per step follows, so on short runs from scratch PowerSGD learns
-more per byte here; the one round trip per bucket did not make the step faster either (100
-Mbit/s, 4 emulated hosts on 2 cores: 379 ms against PowerSGD rank 8's 391, rank 4's 370).
-The paper reports parity with PowerSGD's accuracy on full-length ImageNet/CIFAR training.
+Cost per bucket and step: one allreduce of ``plain + sum rows r'`` (P steps) or ``plain + sum
+cols r'`` (Q steps) elements, two products per matrix and one batched QR of the fixed factor.
+Because each step runs only half an iteration, the subspace follows a fast-changing gradient
+more slowly than PowerSGD's full iteration per step; the paper reports parity with PowerSGD's
+accuracy on full-length ImageNet and CIFAR training. Tuning: start from twice the PowerSGD
+rank that works (the same bytes), with PowerSGD's warm-up; prefer PowerSGD on short runs from
+scratch, and ACP-SGD where the second round trip per bucket is what the step waits for.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from commfuse.comm import Communicator
 from commfuse.compress.base import all_finite, generator_for
+from commfuse.compress.layout import BucketLayout
 from commfuse.compress.lowrank import Plan, plan_for
 from commfuse.compress.powersgd import (
-    PowerSGDCompressor,
+    PowerSGD,
     factor_dtype,
     matrix_shape,
     orthonormalize,
@@ -54,21 +56,34 @@ from commfuse.compress.powersgd import (
 
 
 @dataclasses.dataclass(kw_only=True)
-class ACPSGDCompressor(PowerSGDCompressor):
+class ACPSGD(PowerSGD):
     """Alternating PowerSGD: one factor, one allreduce per bucket and step."""
 
     name: ClassVar[str] = "acpsgd"
-    ps: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    ps: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    """The last averaged P of each bucket, keyed like the residuals (``layout.py``)."""
 
     def sends_p(self, step: int | None) -> bool:
         """Whether a compressed ``step`` sends P (Q held fixed); else it sends Q."""
         return step is None or (step - self.warmup) % 2 == 0
 
-    def set_layout(self, bucket: int, shapes: Any) -> None:
-        before = self.plans.get(bucket)
-        super().set_layout(bucket, shapes)
-        if self.plans.get(bucket) is not before:  # the factors belong to other tensors now
-            self.ps.pop(bucket, None)
+    def _state_stores(self) -> list[dict[str, torch.Tensor]]:
+        return [*super()._state_stores(), self.ps]
+
+    def _move_state(
+        self, bucket: int, layout: BucketLayout, sources: dict[str, BucketLayout]
+    ) -> None:
+        super()._move_state(bucket, layout, sources)  # residuals and Q's
+        self._move_factors(self.ps, "p", bucket, layout, sources)
+
+    def _initial_factor(
+        self, factor: Literal["p", "q"], plan: Plan, dtype: torch.dtype, bucket: int
+    ) -> torch.Tensor:
+        """The fixed factor of a bucket's first P step (Q) or Q step (P), drawn alike on
+        every rank."""
+        numel = plan.q_numel if factor == "q" else plan.p_numel
+        gen = generator_for(self.seed, bucket, 0 if factor == "q" else 1)
+        return torch.randn(numel, generator=gen).to(dtype)
 
     def payload_bytes(
         self,
@@ -98,6 +113,7 @@ class ACPSGDCompressor(PowerSGDCompressor):
     def _reduce(
         self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int, commit: bool
     ) -> None:
+        key = self._state_key(bucket)
         numel = grad.numel()
         if not self.compresses(numel, step, bucket=bucket):
             super()._reduce(comm, grad, bucket=bucket, step=step, commit=commit)  # warm-up
@@ -108,7 +124,7 @@ class ACPSGDCompressor(PowerSGDCompressor):
             # M = g + e in grad itself; the output overwrites it after M's last read. The new
             # residual goes into the old one's storage, written only once the exchange is
             # known finite everywhere (no bucket-sized allocation per step, as in PowerSGD).
-            old = self.feedback.add_to_(bucket, grad) if self.ef else None
+            old = self.feedback.add_to_(key, grad) if self.ef else None
             dtype = factor_dtype(grad.dtype)
             xf = grad if grad.dtype == dtype else grad.to(dtype)
             residual = None
@@ -118,10 +134,10 @@ class ACPSGDCompressor(PowerSGDCompressor):
             if xf is not grad:
                 grad.copy_(xf)
             if residual is not None and committed:
-                self.feedback.update(bucket, residual.to(grad.dtype))
+                self.feedback.update(key, residual.to(grad.dtype))
             return
         # No layout: the bucket as one zero-padded m x c matrix.
-        x = self.feedback.corrected(bucket, grad) if self.ef else grad
+        x = self.feedback.corrected(key, grad) if self.ef else grad
         flat = self._flat_plan(numel)
         dtype = factor_dtype(grad.dtype)
         padded = torch.zeros(flat.numel, dtype=dtype)
@@ -129,7 +145,7 @@ class ACPSGDCompressor(PowerSGDCompressor):
         residual = torch.empty_like(padded) if self.ef and commit else None
         committed = self._exchange(comm, padded, flat, residual, bucket, send_p, commit, grad.dtype)
         if residual is not None and committed:
-            self.feedback.update(bucket, residual[:numel].to(grad.dtype))
+            self.feedback.update(key, residual[:numel].to(grad.dtype))
         grad.copy_(padded[:numel])
 
     def _exchange(
@@ -153,7 +169,8 @@ class ACPSGDCompressor(PowerSGDCompressor):
         fixed_store, sent_store = (self.qs, self.ps) if send_p else (self.ps, self.qs)
         fixed_numel = plan.q_numel if send_p else plan.p_numel
         sent_numel = plan.p_numel if send_p else plan.q_numel
-        fixed_all = fixed_store.get(bucket)
+        key = self._state_key(bucket)
+        fixed_all = fixed_store.get(key)
         if fixed_all is None or fixed_all.shape != (fixed_numel,) or fixed_all.dtype != dtype:
             gen = generator_for(self.seed, bucket, 0 if send_p else 1)
             fixed_all = torch.randn(fixed_numel, generator=gen).to(dtype)
@@ -197,13 +214,13 @@ class ACPSGDCompressor(PowerSGDCompressor):
                 p, q = (s, f) if send_p else (f, s)
                 torch.mm(p, q.T, out=mat)  # the average of the ranks' projections
         if committed:
-            sent_store[bucket] = sent_all.clone()  # the next step holds this factor fixed
+            sent_store[key] = sent_all.clone()  # the next step holds this factor fixed
         return committed
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "ps": {b: p.clone() for b, p in self.ps.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.ps = {int(b): p.clone() for b, p in state["ps"].items()}
+    def _load_stores(self, state: dict[str, Any]) -> None:
+        super()._load_stores(state)
+        self.ps = {str(b): p.clone() for b, p in state["ps"].items()}

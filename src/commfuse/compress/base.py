@@ -1,10 +1,22 @@
-"""What every gradient compressor is: an in-place, averaged ``reduce_`` of one flat bucket.
+"""What every compressor is: an in-place, averaged ``reduce_`` of one flat bucket.
 
-A compressor replaces the allreduce of a bucket of gradients: every rank encodes its bucket
-into a smaller message, the messages are combined with a commfuse collective (an allreduce
-when messages can be summed as they are, as with fp16 or PowerSGD's factors; an allgather
-when they cannot, as with top-k's values and indices), and each rank decodes the average.
-The declared ``aggregation`` says which.
+A compressor replaces the allreduce of a bucket of gradients (Horovod's
+``Compressor.compress/decompress``, torch's DDP communication hooks): every rank encodes its
+bucket into a smaller message, the messages are combined with a commfuse collective (an
+allreduce when messages can be summed as they are, as with fp16 or PowerSGD's factors; an
+allgather when they cannot, as with top-k's values and indices), and each rank decodes the
+average. ``Compressor`` declares everything the engine (``commfuse.ddp``) and the DDP hook
+(``commfuse.hooks``) ask of one, with defaults:
+
+1. ``aggregation``: the collective that combines the messages;
+2. ``set_layout(bucket, layout)`` / ``set_layouts(layouts)``: which parameters a bucket holds
+   (``layout.py``); the state of a bucket is filed under its layout, so it follows its
+   parameters when buckets change;
+3. ``reduce_``: the exchange itself, synchronous, in place;
+4. ``payload_bytes``: the exact bytes this rank contributes, for accounting;
+5. the finiteness guarantees, ``nonfinite_reaches_every_rank`` and ``certifies_output``
+   (below), which let the engine skip an agreement round or a pass over the bucket;
+6. ``state_dict`` / ``load_state_dict`` and ``state_moves``: checkpoints and re-layouts.
 
 The pure parts (encode, decode) are methods that read only the compressor's settings; the
 state that changes from step to step (error-feedback residuals, momentum, PowerSGD's Q) lives
@@ -34,6 +46,7 @@ import torch
 
 from commfuse.comm import Communicator
 from commfuse.compress.feedback import ErrorFeedback
+from commfuse.compress.layout import BucketLayout, StateMoves, anonymous_key, move_elementwise
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _MIX = 0x9E3779B97F4A7C15
@@ -51,12 +64,11 @@ def generator_for(*keys: int) -> torch.Generator:
 def all_finite(tensor: torch.Tensor) -> bool:
     """Whether every element is finite, exactly, for the price of one sum.
 
-    ``torch.isfinite(x).all()`` writes and reads back a boolean per element: 15 ms for a 3M
-    element bucket on one core of this machine, where a sum takes 1.2 ms. NaN and Inf
-    propagate through a sum (``inf + -inf`` is NaN), so a finite sum proves every element
-    finite; a non-finite one is a non-finite element or an overflow of large finite ones, and
-    only then is the exact test run. The sum is in the tensor's own type: accumulating a 16-bit
-    tensor in fp32 took 3.9 ms per 3.2M elements where its own sum took 0.3 ms; an own-type sum
+    ``torch.isfinite(x).all()`` writes and reads back a boolean per element; a sum is one
+    fused read. NaN and Inf propagate through a sum (``inf + -inf`` is NaN), so a finite sum
+    proves every element finite; a non-finite one is a non-finite element or an overflow of
+    large finite ones, and only then is the exact test run. The sum is in the tensor's own
+    type (widening a 16-bit tensor to accumulate costs more than the sum): an own-type sum
     that overflows only sends the check down the exact path."""
     if bool(torch.isfinite(tensor.sum())):
         return True
@@ -64,12 +76,12 @@ def all_finite(tensor: torch.Tensor) -> bool:
 
 
 @dataclasses.dataclass(kw_only=True)
-class GradientCompressor(abc.ABC):
-    """Base of all compressors. Subclasses are keyword-only dataclasses whose init fields are
-    their settings (``make_compressor`` parses ``name:key=value,...`` into them)."""
+class Compressor(abc.ABC):
+    """Base of all compressors (see the module docstring). Subclasses are keyword-only
+    dataclasses whose init fields are their settings: ``TopK(ratio=0.01)``."""
 
     name: ClassVar[str]
-    """The registry name (``"topk"``, ``"powersgd"``, ...)."""
+    """A short name for messages and reports (``"topk"``, ``"powersgd"``, ...)."""
     aggregation: ClassVar[Literal["all_reduce", "all_gather"]]
     """The collective that combines the ranks' messages."""
     nonfinite_reaches_every_rank: ClassVar[bool] = False
@@ -77,12 +89,6 @@ class GradientCompressor(abc.ABC):
     sum of the messages) while leaving every rank's state clean. Then ``commfuse.ddp`` needs no
     agreement round before compressing: it checks the output, as it does uncompressed. Not so
     for sign bits, top-k or quantisers with a per-rank scale, which can drop a NaN."""
-
-    output_finite: bool | None = dataclasses.field(
-        default=None, init=False, repr=False, compare=False
-    )
-    """After ``reduce_`` (``certifies_output`` compressors): whether the output is finite on
-    every rank, known from the received messages; None = not known, check the output."""
 
     algo: str = "auto"
     """The commfuse allreduce algorithm for allreduce-compatible compressors."""
@@ -92,9 +98,34 @@ class GradientCompressor(abc.ABC):
     """Error feedback: carry what was not sent into the next step (see ``feedback.py``)."""
     seed: int = 0
     """Seed of the compressor's random choices (mixed with step, bucket and rank)."""
-    feedback: ErrorFeedback = dataclasses.field(
-        default_factory=ErrorFeedback, init=False, repr=False
+
+    output_finite: bool | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
     )
+    """After ``reduce_`` (``certifies_output`` compressors): whether the output is finite on
+    every rank, known from the received messages; None = not known, check the output."""
+    feedback: ErrorFeedback = dataclasses.field(
+        default_factory=ErrorFeedback, init=False, repr=False, compare=False
+    )
+    layouts: dict[int, BucketLayout] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    """The layout each bucket index holds now (``set_layout``)."""
+    state_moves: StateMoves = dataclasses.field(
+        default_factory=StateMoves, init=False, repr=False, compare=False
+    )
+    """Elements of state moved to, or dropped from, new bucket layouts so far."""
+    _known: dict[str, BucketLayout] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    """Every layout that holds state or a bucket, by key."""
+    _owners: dict[str, str] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    """Parameter name -> key of the layout whose state holds that parameter's."""
+    _shares_feedback: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
+    """Whether ``feedback`` belongs to another compressor, which then checkpoints and moves it
+    (PowerSGD's warm-up compressor shares the residuals of the PowerSGD it warms up)."""
 
     @property
     def certifies_output(self) -> bool:
@@ -105,18 +136,104 @@ class GradientCompressor(abc.ABC):
         compressor keeps its state clean without the caller's ``finite``."""
         return False
 
-    # -- the interface the engine and the hooks call ----------------------------------------
-    def set_layout(self, bucket: int, shapes: Sequence[torch.Size]) -> None:
-        """Tell the compressor that bucket ``bucket``'s flat buffer holds tensors of ``shapes``,
-        packed in this order with no gaps (so their numels add up to the bucket's).
+    # -- layout and the state that follows it ------------------------------------------------
+    def set_layout(self, bucket: int, layout: BucketLayout) -> None:
+        """Bucket ``bucket``'s flat buffer holds the tensors of ``layout`` from now on.
 
-        Optional: the engine (``commfuse.ddp``) calls it for every bucket whenever it lays the
-        buckets out, the DDP hook (``commfuse.hooks``) from each ``GradBucket``'s gradients.
-        Compressors that work element-wise ignore it (this default); PowerSGD compresses each
-        matrix-shaped tensor on its own once it knows the shapes. Call it with the same layout
-        on every rank, before the bucket's first ``reduce_`` and again whenever it changes."""
-        del bucket, shapes  # element-wise compressors do not depend on tensor boundaries
+        The engine (``commfuse.ddp``) calls it for every bucket whenever it lays the buckets
+        out, the DDP hook (``commfuse.hooks``) from each ``GradBucket`` before reducing it. Call
+        it with the same layout on every rank, before the bucket's first ``reduce_`` and again
+        whenever it changes; the same layout again costs a dictionary lookup. The bucket's
+        state is then that layout's; a layout new to this compressor collects its parameters'
+        state from wherever they were (``layout.py``). Without a layout a bucket's state is
+        keyed by its index, and the caller must keep the same parameters in it."""
+        if not isinstance(layout, BucketLayout):
+            raise ValueError(
+                f"{self.name}: set_layout takes a BucketLayout, got {type(layout).__name__}"
+            )
+        old = self.layouts.get(bucket)
+        if old is not None and old.key == layout.key and self._owns(layout):
+            return
+        if old is None:
+            # State kept by index before a layout was known cannot be told apart by parameter.
+            self._forget(anonymous_key(bucket), count=True)
+        self.layouts[bucket] = layout
+        self._bind(bucket, layout)
 
+    def set_layouts(self, layouts: Sequence[BucketLayout]) -> None:
+        """The buckets are exactly these from now on (bucket ``i`` holds ``layouts[i]``): as
+        ``set_layout`` for each, and buckets past the end are forgotten, so state that no
+        bucket holds any more is freed. The engine calls it whenever it lays buckets out."""
+        for bucket in [b for b in self.layouts if b >= len(layouts)]:
+            del self.layouts[bucket]
+        for bucket, layout in enumerate(layouts):
+            self.set_layout(bucket, layout)
+        self._collect()
+
+    def _owns(self, layout: BucketLayout) -> bool:
+        """Whether ``layout``'s key holds the current state of all its parameters."""
+        key = layout.key
+        return all(self._owners.get(name) == key for name in layout.names)
+
+    def _state_key(self, bucket: int) -> str:
+        """Where bucket ``bucket``'s state is filed: its layout's key, or its index."""
+        layout = self.layouts.get(bucket)
+        return layout.key if layout is not None else anonymous_key(bucket)
+
+    def _bind(self, bucket: int, layout: BucketLayout) -> None:
+        key = layout.key
+        self._known[key] = layout
+        if not (self._owns(layout) and self._holds_state(key)):
+            # No state under this key, or some of it stale (a parameter's state has moved on
+            # since): gather each parameter's state from the layout that holds it now, this
+            # one included, and drop what the gathering did not replace.
+            sources = {
+                name: self._known[owner]
+                for name in layout.names
+                if (owner := self._owners.get(name)) is not None and owner in self._known
+            }
+            stores = self._state_stores()
+            before = [store.get(key) for store in stores]
+            if sources:
+                self._move_state(bucket, layout, sources)
+            for store, stale in zip(stores, before, strict=True):
+                if stale is not None and store.get(key) is stale:
+                    del store[key]
+        for name in layout.names:
+            self._owners[name] = key
+        self._collect()
+
+    def _collect(self) -> None:
+        """Forget every layout that neither a bucket nor any parameter's state points to."""
+        bound = {held.key for held in self.layouts.values()}
+        owning = set(self._owners.values())
+        for stale in [k for k in self._known if k not in bound and k not in owning]:
+            del self._known[stale]
+            self._forget(stale, count=False)  # everything it held has moved on
+
+    def _state_stores(self) -> list[dict[str, torch.Tensor]]:
+        """Every per-bucket state dictionary of this compressor, keyed by state key."""
+        return [] if self._shares_feedback else [self.feedback.residuals]
+
+    def _holds_state(self, key: str) -> bool:
+        return any(key in store for store in self._state_stores())
+
+    def _forget(self, key: str, *, count: bool) -> None:
+        for store in self._state_stores():
+            old = store.pop(key, None)
+            if old is not None and count:
+                self.state_moves.dropped_numel += old.numel()
+
+    def _move_state(
+        self, bucket: int, layout: BucketLayout, sources: dict[str, BucketLayout]
+    ) -> None:
+        """Build ``layout``'s state from its parameters' state in ``sources`` (name -> the
+        layout holding it). Element-wise state moves element by element (this default);
+        compressors with other state (PowerSGD's factors) move theirs too."""
+        if not self._shares_feedback:
+            move_elementwise(self.feedback.residuals, layout, sources, self.state_moves)
+
+    # -- the exchange -----------------------------------------------------------------------
     def reduce_(
         self,
         comm: Communicator,
@@ -132,13 +249,23 @@ class GradientCompressor(abc.ABC):
         Synchronous; every rank calls it for the same buckets in the same order. Run it on the
         communicator's worker thread (``commfuse.collectives.executor.submit``) to overlap.
         ``finite``: whether every element of ``grad`` is finite, when the caller has already
-        checked (DataParallel has: one pass over the bucket instead of two)."""
+        checked (DataParallel has: one pass over the bucket instead of two).
+
+        Raises:
+            ValueError: ``grad`` is not a flat floating-point tensor, or not the size of the
+                bucket's layout."""
         if grad.dim() != 1 or not grad.is_contiguous():
             raise ValueError(
                 f"{self.name}: reduce_ needs a flat, contiguous 1-D bucket, got shape {tuple(grad.shape)}"
             )
         if grad.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{self.name}: gradients must be floating point, got {grad.dtype}")
+        layout = self.layouts.get(bucket)
+        if layout is not None and layout.numel != grad.numel():
+            raise ValueError(
+                f"{self.name}: bucket {bucket} has {grad.numel()} elements but its layout "
+                f"({len(layout.names)} tensors) holds {layout.numel}"
+            )
         if grad.numel() == 0:
             return  # every rank has the same empty bucket: nothing to exchange
         if finite is None:
@@ -170,12 +297,32 @@ class GradientCompressor(abc.ABC):
         ``bucket`` is the index given to ``set_layout``: a compressor whose message depends on
         the bucket's layout (PowerSGD) counts with it; the others ignore it."""
 
+    # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything that changes across steps (residuals, momentum, factors), as tensors."""
-        return {"feedback": self.feedback.state_dict()}
+        """Everything that changes across steps (residuals, momentum, factors) keyed by the
+        layout it belongs to, and those layouts: tensors, dicts, lists, strings and numbers
+        only, so ``torch.load(weights_only=True)`` reads it."""
+        return {
+            "layouts": {key: layout.to_state() for key, layout in self._known.items()},
+            "feedback": self.feedback.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.feedback.load_state_dict(state["feedback"])
+        """Restore ``state_dict()``. Buckets laid out already take their state from it,
+        moved to their layouts where those differ from the checkpoint's."""
+        self._load_stores(state)
+        self._load_layouts(state)
+
+    def _load_stores(self, state: dict[str, Any]) -> None:
+        """Every per-bucket state dictionary from ``state`` (subclasses add theirs)."""
+        if not self._shares_feedback:
+            self.feedback.load_state_dict(state["feedback"])
+
+    def _load_layouts(self, state: dict[str, Any]) -> None:
+        self._known = {k: BucketLayout.from_state(v) for k, v in state["layouts"].items()}
+        self._owners = {name: key for key, layout in self._known.items() for name in layout.names}
+        for bucket, layout in self.layouts.items():
+            self._bind(bucket, layout)
 
     # -- helpers --------------------------------------------------------------------------------
     def _check_positive(self, key: str, value: float, *, at_most: float | None = None) -> None:

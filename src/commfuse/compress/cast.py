@@ -9,7 +9,7 @@ exact, so integer-valued gradients come back exactly.
 
 Round-trip error: relative ``2**-11`` for fp16 (within its normal range, |x| >= 6.1e-5; below
 that, absolute 6e-8) and ``2**-8`` for bf16 (same range as fp32). Error feedback is off by
-default (the error is at the level of fp32 rounding in most trainings); ``ef=1`` turns it on.
+default (the error is at the level of fp32 rounding in most trainings); ``ef=True`` turns it on.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import torch
 
 from commfuse import collectives as C
 from commfuse.comm import Communicator
-from commfuse.compress.base import GradientCompressor, all_finite
+from commfuse.compress.base import Compressor, all_finite
 from commfuse.compress.wire import divided_into, element_bytes
 
 
 @dataclasses.dataclass(kw_only=True)
-class NoCompression(GradientCompressor):
+class NoCompression(Compressor):
     """The exact average with a commfuse allreduce: the baseline every compressor is held to."""
 
     nonfinite_reaches_every_rank: ClassVar[bool] = True
@@ -55,7 +55,7 @@ class NoCompression(GradientCompressor):
 
 
 @dataclasses.dataclass(kw_only=True)
-class CastCompressor(GradientCompressor):
+class CastCompressor(Compressor):
     """Divide by the world size, cast to ``wire_dtype``, allreduce (sum), cast back."""
 
     #: NaN and Inf survive the cast and the sum (error feedback, if on, is only written by the
@@ -82,12 +82,13 @@ class CastCompressor(GradientCompressor):
     def _reduce(
         self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int, commit: bool
     ) -> None:
+        key = self._state_key(bucket)
         world = comm.world_size
-        x = self.feedback.corrected(bucket, grad) if self.ef else grad
+        x = self.feedback.corrected(key, grad) if self.ef else grad
         message = self.compress(x, world)
         if self.ef and commit:
             # What this rank contributes, scaled back to its own gradient's units.
-            self.feedback.update(bucket, x - self.decompress(message, x.dtype) * world)
+            self.feedback.update(key, x - self.decompress(message, x.dtype) * world)
         C.all_reduce(comm, message, "sum", algo=self.algo)
         grad.copy_(message)
         if self.certifies_output:
@@ -108,7 +109,7 @@ class CastCompressor(GradientCompressor):
 
 
 @dataclasses.dataclass(kw_only=True)
-class FP16Compressor(CastCompressor):
+class FP16(CastCompressor):
     """IEEE half precision on the wire (2x smaller than fp32)."""
 
     name: ClassVar[str] = "fp16"
@@ -117,7 +118,7 @@ class FP16Compressor(CastCompressor):
 
 
 @dataclasses.dataclass(kw_only=True)
-class BF16Compressor(CastCompressor):
+class BF16(CastCompressor):
     """bfloat16 on the wire: fp32's range, 8 bits of mantissa (2x smaller than fp32)."""
 
     name: ClassVar[str] = "bf16"

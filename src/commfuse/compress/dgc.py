@@ -26,14 +26,15 @@ from typing import Any, ClassVar
 import torch
 
 from commfuse.comm import Communicator
-from commfuse.compress.sparse import TopKCompressor, num_kept, top_k
+from commfuse.compress.layout import BucketLayout, move_elementwise
+from commfuse.compress.sparse import TopK, num_kept, top_k
 
 WARMUP_START_DENSITY = 0.25
 """The density DGC's warm-up starts from (75% sparsity, the paper's first epoch)."""
 
 
 @dataclasses.dataclass(kw_only=True)
-class DGCCompressor(TopKCompressor):
+class DGC(TopK):
     """Top-k of the momentum-corrected accumulation, with masking and sparsity warm-up."""
 
     name: ClassVar[str] = "dgc"
@@ -43,9 +44,10 @@ class DGCCompressor(TopKCompressor):
     """Momentum factor ``m`` (the optimizer itself should not add momentum)."""
     warmup: int = 0
     """Steps over which the density decays from 25% to ``ratio``."""
-    velocities: dict[int, torch.Tensor] = dataclasses.field(
+    velocities: dict[str, torch.Tensor] = dataclasses.field(
         default_factory=dict, init=False, repr=False
     )
+    """The momentum ``u`` per bucket, keyed like the residuals (``layout.py``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,18 +73,28 @@ class DGCCompressor(TopKCompressor):
         self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int, commit: bool
     ) -> None:
         numel = grad.numel()
-        old = self.velocities.get(bucket)
+        key = self._state_key(bucket)
+        old = self.velocities.get(key)
         u = grad.clone() if old is None or old.shape != grad.shape else old * self.momentum + grad
-        v = self.feedback.corrected(bucket, u)
+        v = self.feedback.corrected(key, u)
         values, indices = top_k(v, self.k_for(numel, step))
         if commit:
             v[indices.long()] = 0
             u[indices.long()] = 0  # momentum factor masking
-            self.feedback.update(bucket, v)
-            self.velocities[bucket] = u
+            self.feedback.update(key, v)
+            self.velocities[key] = u
         gathered = self._exchange(comm, self.layout(numel, grad.dtype, step), [values, indices])
         total = self.decompress_sum(gathered, numel, grad.dtype, step)
         grad.copy_(total.div_(comm.world_size))
+
+    def _state_stores(self) -> list[dict[str, torch.Tensor]]:
+        return [*super()._state_stores(), self.velocities]
+
+    def _move_state(
+        self, bucket: int, layout: BucketLayout, sources: dict[str, BucketLayout]
+    ) -> None:
+        super()._move_state(bucket, layout, sources)
+        move_elementwise(self.velocities, layout, sources, self.state_moves)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -90,6 +102,6 @@ class DGCCompressor(TopKCompressor):
             "velocities": {b: u.clone() for b, u in self.velocities.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self.velocities = {int(b): u.clone() for b, u in state["velocities"].items()}
+    def _load_stores(self, state: dict[str, Any]) -> None:
+        super()._load_stores(state)
+        self.velocities = {str(b): u.clone() for b, u in state["velocities"].items()}

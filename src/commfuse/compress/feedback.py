@@ -13,8 +13,9 @@ gradients exactly: nothing is dropped, only delayed, and biased compressors (top
 converge like SGD. The residuals are their own state object, so a checkpoint holds them and a
 resumed run continues bit for bit.
 
-A bucket whose size changes (torch DDP rebuilds its buckets after the first iteration) starts
-again from a zero residual: the old residual belongs to a different set of parameters.
+Residuals are filed under the bucket's state key (its ``BucketLayout.key``, see ``layout.py``),
+so a residual stays with its parameters when buckets are laid out anew; a residual whose size
+does not match the bucket it is asked for is ignored (the bucket starts from zero).
 """
 
 from __future__ import annotations
@@ -25,34 +26,35 @@ import torch
 
 
 class ErrorFeedback:
-    """Per-bucket residuals ``e_b`` (flat tensors of the bucket's size and dtype)."""
+    """Per-bucket residuals ``e_b`` (flat tensors of the bucket's size and dtype), keyed by the
+    bucket's state key."""
 
     def __init__(self) -> None:
-        self.residuals: dict[int, torch.Tensor] = {}
+        self.residuals: dict[str, torch.Tensor] = {}
 
-    def corrected(self, bucket: int, grad: torch.Tensor) -> torch.Tensor:
-        """``grad + e_bucket`` as a new tensor (``grad`` itself is left alone)."""
-        residual = self.residuals.get(bucket)
+    def corrected(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """``grad + e_key`` as a new tensor (``grad`` itself is left alone)."""
+        residual = self.residuals.get(key)
         if residual is None or residual.shape != grad.shape or residual.dtype != grad.dtype:
             return grad.clone()
         return grad + residual
 
-    def add_to_(self, bucket: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """``grad += e_bucket`` IN PLACE (for a compressor that overwrites ``grad`` anyway);
-        returns ``e_bucket``, whose storage the caller may overwrite with the next residual
+    def add_to_(self, key: str, grad: torch.Tensor) -> torch.Tensor | None:
+        """``grad += e_key`` IN PLACE (for a compressor that overwrites ``grad`` anyway);
+        returns ``e_key``, whose storage the caller may overwrite with the next residual
         before handing it to ``update`` (no new bucket-sized buffer per step), or None."""
-        residual = self.residuals.get(bucket)
+        residual = self.residuals.get(key)
         if residual is None or residual.shape != grad.shape or residual.dtype != grad.dtype:
             return None
         grad.add_(residual)
         return residual
 
-    def update(self, bucket: int, residual: torch.Tensor) -> None:
+    def update(self, key: str, residual: torch.Tensor) -> None:
         """Store the new residual (the caller commits only finite ones)."""
-        self.residuals[bucket] = residual
+        self.residuals[key] = residual
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {b: e.clone() for b, e in self.residuals.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.residuals = {int(b): e.clone() for b, e in state["residuals"].items()}
+        self.residuals = {str(b): e.clone() for b, e in state["residuals"].items()}

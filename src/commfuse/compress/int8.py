@@ -24,7 +24,7 @@ INT8_MAX = 127
 
 
 @dataclasses.dataclass(kw_only=True)
-class Int8Compressor(MessageCompressor):
+class Int8(MessageCompressor):
     """``max|x| / 127`` scale and int8 codes per bucket, allgathered."""
 
     name: ClassVar[str] = "int8"

@@ -1,7 +1,7 @@
 """Where each tensor of a bucket goes in PowerSGD's messages: the per-tensor plan.
 
-A bucket is a flat buffer holding several gradients back to back (``set_layout`` gives their
-shapes, in order). A flat bucket, laid out as one square-ish matrix, has no low-rank structure:
+A bucket is a flat buffer holding several gradients back to back (its ``BucketLayout`` gives
+their shapes, in order). A flat bucket, laid out as one square-ish matrix, has no low-rank structure:
 its rows cut across unrelated parameters. A weight gradient does: an ``(out, in)`` linear layer's
 gradient is a sum of ``batch`` outer products, so a few directions dominate it. torch's
 ``powerSGD_hook`` therefore compresses each tensor on its own, as the matrix
@@ -24,8 +24,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
+
+from commfuse.compress.layout import check_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,8 @@ class Matrix:
     """First element of the tensor in the bucket."""
     rows: int
     cols: int
+    index: int
+    """Position of the tensor in the bucket's layout."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,26 +107,22 @@ class Plan:
             flat[offset : offset + length] = message[at : at + length]
             at += length
 
+    def factor_slices(self, factor: Literal["p", "q"]) -> dict[int, tuple[int, int, Group]]:
+        """Where each compressed tensor's factor sits in the P part of the first message
+        (``"p"``, ``rows x rank``) or in the second message (``"q"``, ``cols x rank``): tensor
+        index -> (start, numel, its group)."""
+        out = {}
+        for g in self.groups:
+            size = (g.rows if factor == "p" else g.cols) * g.rank
+            start = g.p_offset if factor == "p" else g.q_offset
+            for j, m in enumerate(g.members):
+                out[m.index] = (start + j * size, size, g)
+        return out
+
     def zero_plain(self, flat: torch.Tensor) -> None:
         """Zero the plain elements of ``flat`` (a residual: they were sent exactly)."""
         for offset, length in self.plain:
             flat[offset : offset + length] = 0
-
-
-def check_shapes(shapes: Sequence[torch.Size | Sequence[int]]) -> tuple[torch.Size, ...]:
-    """The shapes as ``torch.Size``; ValueError naming the first that is not a shape."""
-    checked = []
-    for i, shape in enumerate(shapes):
-        try:
-            size = torch.Size([int(d) for d in shape])
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"layout: tensor {i} has shape {shape!r}, not a sequence of ints"
-            ) from None
-        if any(d < 0 for d in size):
-            raise ValueError(f"layout: tensor {i} has a negative dimension in {tuple(size)}")
-        checked.append(size)
-    return tuple(checked)
 
 
 def plan_for(shapes: Sequence[torch.Size], rank: int) -> Plan:
@@ -130,13 +131,13 @@ def plan_for(shapes: Sequence[torch.Size], rank: int) -> Plan:
     plain: list[list[int]] = []
     by_shape: dict[tuple[int, int, int], list[Matrix]] = {}
     offset = 0
-    for shape in shapes:
+    for index, shape in enumerate(shapes):
         numel = math.prod(shape)
         rows = shape[0] if len(shape) >= 2 else 0
         cols = numel // rows if rows else 0
         r = min(rank, rows, cols)
         if len(shape) >= 2 and numel > 0 and (rows + cols) * r < numel:
-            by_shape.setdefault((rows, cols, r), []).append(Matrix(offset, rows, cols))
+            by_shape.setdefault((rows, cols, r), []).append(Matrix(offset, rows, cols, index))
         elif numel > 0:
             if plain and plain[-1][0] + plain[-1][1] == offset:
                 plain[-1][1] += numel  # adjacent plain tensors: one copy, not two

@@ -26,12 +26,12 @@ import torch
 
 from commfuse import collectives as C
 from commfuse.comm import Communicator
-from commfuse.compress.base import GradientCompressor
+from commfuse.compress.base import Compressor
 from commfuse.compress.wire import Layout
 
 
 @dataclasses.dataclass(kw_only=True)
-class MessageCompressor(GradientCompressor):
+class MessageCompressor(Compressor):
     """An allgather-based compressor: subclasses give ``layout``, ``compress`` and
     ``decompress_sum`` (pure functions of the settings and their arguments)."""
 
@@ -71,11 +71,12 @@ class MessageCompressor(GradientCompressor):
     def _reduce(
         self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int, commit: bool
     ) -> None:
+        key = self._state_key(bucket)
         numel = grad.numel()
-        x = self.feedback.corrected(bucket, grad) if self.ef else grad
+        x = self.feedback.corrected(key, grad) if self.ef else grad
         parts = self.compress(x, step=step, bucket=bucket, rank=comm.rank)
         if self.ef and commit:
-            self.feedback.update(bucket, x - self.decompress(parts, numel, grad.dtype, step))
+            self.feedback.update(key, x - self.decompress(parts, numel, grad.dtype, step))
         gathered = self._exchange(comm, self.layout(numel, grad.dtype, step), parts)
         total = self.decompress_sum(gathered, numel, grad.dtype, step)
         grad.copy_(total.div_(comm.world_size))

@@ -1,4 +1,5 @@
-"""PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019): rank-r factors, allreduced.
+"""PowerSGD (Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient
+Compression for Distributed Optimization", NeurIPS 2019): rank-r factors, allreduced.
 
 A gradient matrix ``M`` (m x c) is approximated by ``P Q^T`` with ``P`` m x r and ``Q`` c x r,
 found by one step of power iteration that starts from the previous step's ``Q`` (warm start:
@@ -14,71 +15,58 @@ are sums of the ranks' own factors, so they ride plain allreduces. Per bucket an
 4. ONE allreduce(avg) of every Q; the output is ``P Q^T`` = the average of the ranks'
    ``P P^T M_r``.
 
-Matrices. With a layout (``set_layout(bucket, shapes)``, called by the engine and by
-``commfuse.hooks`` with the shapes of the tensors packed into the bucket) each tensor with
-``ndim >= 2`` is its own ``(shape[0], numel / shape[0])`` matrix at rank ``min(r, rows, cols)``,
-as in torch's ``powerSGD_hook``, and 1-D tensors (biases, norms) and tensors whose factors would
-not be smaller travel uncompressed (``lowrank.py``). This is what makes PowerSGD work: a weight
-gradient is low-rank, a flat run of unrelated parameters is not: on charlm after 20 steps (5
-uncompressed), rank 4, the flat layout ended at loss 2.926, per tensor at 2.664, the same as
-torch's hook (2.664; DDP 2.614).
-Without a layout, the bucket is laid out as one square-ish ``m x c`` matrix (``c =
-ceil(sqrt(d))``, ``m = ceil(d/c)``, zero-padded), about ``2 r sqrt(d)`` elements per rank: fewer
-bytes than per tensor, much worse approximation.
+Matrices. With a layout (``set_layout(bucket, layout)``, called by the engine and by
+``commfuse.hooks`` with the tensors packed into the bucket) each tensor with ``ndim >= 2`` is
+its own ``(shape[0], numel / shape[0])`` matrix at rank ``min(r, rows, cols)``, as in torch's
+``powerSGD_hook``, and 1-D tensors (biases, norms) and tensors whose factors would not be
+smaller travel uncompressed (``lowrank.py``). This is what makes PowerSGD work: a weight
+gradient is a sum of a batch of outer products, so a few directions dominate it, while a flat
+run of unrelated parameters has no such structure. Without a layout, the bucket is laid out as
+one square-ish ``m x c`` matrix (``c = ceil(sqrt(d))``, ``m = ceil(d/c)``, zero-padded): fewer
+bytes than per tensor, a much worse approximation.
 
-A bucket (or, with a layout, a tensor) whose factors are not smaller than itself is sent
-uncompressed (torch's ``min_compression_rate`` = 1), and so is every bucket during the first
-``warmup`` steps (torch's ``start_powerSGD_iter``): early gradients change too fast for a
-warm-started low rank to follow. ``warmup_fp16`` sends those steps in fp16: on a slow link they
-are the most expensive of the run (on charlm at 100 Mbit/s about 1.9 s each in fp32 against
-0.35 s for a compressed step; torch's hook needs at least 2 of them). ``warmup_rank=R`` sends
-them as rank-R PowerSGD instead, sharing this compressor's residuals, so what the warm-up leaves
-out is sent by the steps after it: on charlm, rank 4 after 2 warm-up steps at rank 32 had the
-loss of the fp16 warm-up at step 30 (2.5479 vs 2.5480; DDP 2.4773) for 2.3 MB instead of 6.45
-MB per warm-up step (0.57 s against 1.1 s in fp16 and 1.9 s in fp32 at 100 Mbit/s). Warm-up 0
-is no substitute: 2.591 at step 30.
+Warm-up. A bucket (or, with a layout, a tensor) whose factors are not smaller than itself is
+sent uncompressed (torch's ``min_compression_rate`` = 1), and so is every bucket during the
+first ``warmup`` steps (torch's ``start_powerSGD_iter``): early gradients change too fast for
+a warm-started low rank to follow. Those steps are the most expensive of a run on a slow link,
+so they can be made cheaper: ``warmup_fp16`` sends them in fp16 (half the bytes), and
+``warmup_rank=R`` sends them as rank-R PowerSGD sharing this compressor's residuals, so what
+the warm-up leaves out is sent by the steps after it. Skipping the warm-up (``warmup=0``) is
+no substitute: the first compressed steps then follow a subspace that is still moving.
 
-``wire="bf16"`` (or ``"fp16"``) sends the factors in 16 bits: half the bytes, so rank 8 costs
-what rank 4 costs in fp32. Factors are orthonormal bases and their projections, well scaled, so
-8 significant bits lose little next to the rank-r truncation itself: on charlm at step 30,
-rank 8 ended at 2.515 with bf16 factors and 2.519 in fp32 (rank 4: 2.545 and 2.548).
+Wire. ``wire="bf16"`` (or ``"fp16"``) sends the factors in 16 bits: half the bytes, so rank
+2r costs what rank r costs in fp32. Factors are orthonormal bases and their projections, well
+scaled, so 8 significant bits lose little next to the rank-r truncation itself.
 
-Tuning (as in torch's docs): raise ``rank`` until accuracy matches the uncompressed run
-(1-4 is often enough); ``warmup`` of about 10% of training. Q starts from a normal draw
-seeded by (seed, bucket), the same on all ranks. Factors are computed in fp32 for 16-bit
-buckets (CPU QR needs it); their plain elements then travel in fp32 too, packed with the P's.
-State per bucket: the Q message (every matrix's Q, flat) and the residual; a bucket whose layout
-changes restarts both (they belong to other tensors).
+Cost per bucket and step: two allreduces of ``plain + sum (rows + cols) r'`` elements in all
+(against ``sum rows cols`` uncompressed), three products per matrix (``M Q``, ``M^T P``,
+``M - P Q^T``) plus the output ``P Q^T``, and one batched QR per matrix shape.
 
-Speed (charlm, 3.2M parameters in 2 buckets, 4 emulated hosts at 100 Mbit/s, shared 2-core
-machine). The bytes are torch's to the byte (0.334 MB per step), so the step time is the
-collectives' latency plus local work, and local work was the difference: ``isfinite(x).all()``
-on every bucket cost 15 ms per 3M elements (now one sum, ``base.all_finite``), and
-bucket-sized temporaries cost page faults (M is built in the gradient buffer, the residual in
-the old residual's storage). What is left is about 13 ms per step on one core, mostly the
-three products per matrix that torch's hook also does (``M Q``, ``M^T P``, ``M - P Q^T``) and
-the output ``P Q^T``. Paired step by step against torch's hook, both inside torch DDP, this
-compressor's hook takes 0.98-0.99x its time. Not done, measured as not worth it: Gram-Schmidt
-(QR is under 1 ms per step here), torch's orthogonalisation of Q before ``P = M Q`` (the span of
-``M Q`` does not depend on it), and native instead of ``algo="auto"`` for the small factor
-messages (the tuner's recursive doubling and Rabenseifner beat gloo below 64 KB: 3.0 vs 5.6 ms
-at 1 KB, 4.7 vs 5.6 ms at 16 KB; natively above).
+Tuning (as torch's docs advise): raise ``rank`` until accuracy matches the uncompressed run
+(1-4 is often enough, 16-bit factors make a doubled rank free); ``warmup`` of about 10% of
+training, cheaper with ``warmup_rank`` or ``warmup_fp16``. Q starts from a normal draw seeded
+by (seed, bucket), the same on all ranks. Factors are computed in fp32 for 16-bit buckets (CPU
+QR needs it); their plain elements then travel in fp32 too, packed with the P's.
+
+State per bucket: the Q message (every matrix's Q, flat) and the residual, filed under the
+bucket's layout; when buckets are laid out anew each matrix's Q and each element's residual
+move to their tensor's new place (``layout.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
 
 from commfuse import collectives as C
 from commfuse.comm import Communicator
-from commfuse.compress.base import GradientCompressor, all_finite, generator_for
-from commfuse.compress.cast import FP16Compressor
-from commfuse.compress.lowrank import Plan, check_shapes, plan_for
+from commfuse.compress.base import Compressor, all_finite, generator_for
+from commfuse.compress.cast import FP16
+from commfuse.compress.layout import BucketLayout
+from commfuse.compress.lowrank import Plan, plan_for
 from commfuse.compress.wire import divided_into, element_bytes
 
 
@@ -88,8 +76,14 @@ def matrix_shape(numel: int) -> tuple[int, int]:
     return -(-numel // cols), cols
 
 
-#: ``PowerSGDCompressor.wire`` names and their dtypes.
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+Wire = Literal["fp32", "bf16", "fp16"]
+"""The type factors travel in (``PowerSGD.wire``)."""
+
+WIRE_DTYPES: dict[Wire, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 
 def factor_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -105,7 +99,7 @@ def orthonormalize(p: torch.Tensor) -> torch.Tensor:
 
 
 @dataclasses.dataclass(kw_only=True)
-class PowerSGDCompressor(GradientCompressor):
+class PowerSGD(Compressor):
     """Rank-``rank`` power iteration with warm start and error feedback."""
 
     name: ClassVar[str] = "powersgd"
@@ -123,14 +117,18 @@ class PowerSGDCompressor(GradientCompressor):
     warmup_rank: int = 0
     """Send the warm-up steps as PowerSGD of this (higher) rank instead of uncompressed (0:
     uncompressed, or fp16 with ``warmup_fp16``); its residual carries into the steps after."""
-    wire: str = "fp32"
+    wire: Wire = "fp32"
     """The factors' (and plain elements') type on the wire: ``fp32``, or ``bf16`` / ``fp16`` for
     half the bytes (the maths stays in fp32; a message is divided by the world size, rounded,
     summed, and widened back, the same on every rank). The rounding is not error-fed back."""
     ef: bool = True
-    qs: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False)
-    plans: dict[int, Plan] = dataclasses.field(default_factory=dict, init=False, repr=False)
-    warmup_compressor: GradientCompressor | None = dataclasses.field(
+    qs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    """The last averaged Q of each bucket, keyed like the residuals (``layout.py``)."""
+    plans: dict[str, Plan] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    """The per-tensor plan of each layout seen, by layout key (derived, not state)."""
+    warmup_compressor: Compressor | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
     )
     """What sends the warm-up steps when they are not plain fp32: fp16 (no error feedback) with
@@ -150,9 +148,9 @@ class PowerSGDCompressor(GradientCompressor):
         if self.warmup_fp16 and self.warmup_rank:
             raise ValueError("powersgd: give warmup_fp16 or warmup_rank, not both")
         if self.warmup_fp16:
-            self.warmup_compressor = FP16Compressor(algo=self.algo)
+            self.warmup_compressor = FP16(algo=self.algo)
         elif self.warmup_rank:
-            lowrank = PowerSGDCompressor(
+            lowrank = PowerSGD(
                 algo=self.algo,
                 rank=self.warmup_rank,
                 warmup=0,
@@ -160,39 +158,104 @@ class PowerSGDCompressor(GradientCompressor):
                 seed=self.seed,
                 wire=self.wire,
             )
-            lowrank.feedback = self.feedback  # what the warm-up leaves out is sent later
+            # What the warm-up leaves out is sent later: one residual, checkpointed and moved
+            # by this compressor, and one count of moved state.
+            lowrank.feedback = self.feedback
+            lowrank._shares_feedback = True
+            lowrank.state_moves = self.state_moves
             self.warmup_compressor = lowrank
 
-    def _warmup_compressor_at(self, step: int | None) -> GradientCompressor | None:
+    def _warmup_compressor_at(self, step: int | None) -> Compressor | None:
         """What sends a warm-up step that is not plain fp32 (None after the warm-up)."""
         if self.warmup_compressor is not None and step is not None and step < self.warmup:
             return self.warmup_compressor
         return None
 
     # -- layout -----------------------------------------------------------------------------------
-    def set_layout(self, bucket: int, shapes: Sequence[torch.Size]) -> None:
-        """Compress bucket ``bucket`` tensor by tensor (see the module docstring). A changed
-        layout drops the bucket's Q and residual; the same one again is free (the hook calls
-        this for every bucket of every step)."""
-        checked = check_shapes(shapes)
+    def set_layout(self, bucket: int, layout: BucketLayout) -> None:
+        """Compress bucket ``bucket`` tensor by tensor (see the module docstring)."""
         if self.warmup_compressor is not None:
-            self.warmup_compressor.set_layout(bucket, checked)
-        old = self.plans.get(bucket)
-        if old is not None and old.shapes == checked:
-            return
-        if old is not None:
-            self.qs.pop(bucket, None)
-            self.feedback.residuals.pop(bucket, None)
-        self.plans[bucket] = plan_for(checked, self.rank)
+            self.warmup_compressor.set_layout(bucket, layout)
+        super().set_layout(bucket, layout)
+        self._plan_of(layout)
+
+    def _plan_of(self, layout: BucketLayout) -> Plan:
+        plan = self.plans.get(layout.key)
+        if plan is None:
+            plan = self.plans[layout.key] = plan_for(layout.shapes, self.rank)
+        return plan
 
     def _plan(self, bucket: int | None, numel: int) -> Plan | None:
-        plan = self.plans.get(bucket) if bucket is not None else None
-        if plan is not None and plan.numel != numel:
+        layout = self.layouts.get(bucket) if bucket is not None else None
+        if layout is None:
+            return None
+        plan = self._plan_of(layout)
+        if plan.numel != numel:
             raise ValueError(
                 f"powersgd: bucket {bucket} has {numel} elements but its layout "
                 f"({len(plan.shapes)} tensors) holds {plan.numel}"
             )
         return plan
+
+    # -- state that follows the layout ------------------------------------------------------------
+    def _state_stores(self) -> list[dict[str, torch.Tensor]]:
+        return [*super()._state_stores(), self.qs]
+
+    def _move_state(
+        self, bucket: int, layout: BucketLayout, sources: dict[str, BucketLayout]
+    ) -> None:
+        super()._move_state(bucket, layout, sources)
+        self._move_factors(self.qs, "q", bucket, layout, sources)
+
+    def _initial_factor(
+        self, factor: Literal["p", "q"], plan: Plan, dtype: torch.dtype, bucket: int
+    ) -> torch.Tensor:
+        """The factor a bucket starts from (a normal draw, the same on every rank)."""
+        del factor  # PowerSGD starts from Q only
+        return torch.randn(plan.q_numel, generator=generator_for(self.seed, bucket)).to(dtype)
+
+    def _move_factors(
+        self,
+        store: dict[str, torch.Tensor],
+        factor: Literal["p", "q"],
+        bucket: int,
+        layout: BucketLayout,
+        sources: dict[str, BucketLayout],
+    ) -> None:
+        """Build ``store[layout.key]`` matrix by matrix from each tensor's factor where it
+        lives now; matrices without one start as a fresh bucket would. A factor whose matrix
+        changed shape or rank is dropped and counted."""
+        plan = self._plan_of(layout)
+        targets = plan.factor_slices(factor)
+        pieces = []
+        for index, name in enumerate(layout.names):
+            source = sources.get(name)
+            old = store.get(source.key) if source is not None else None
+            if source is None or old is None:
+                continue
+            source_plan = self._plan_of(source)
+            found = source_plan.factor_slices(factor).get(source.names.index(name))
+            if found is None:
+                continue  # sent exactly there: no factor to move
+            target = targets.get(index)
+            total = source_plan.p_numel if factor == "p" else source_plan.q_numel
+            same = target is not None and (target[2].rows, target[2].cols, target[2].rank) == (
+                found[2].rows,
+                found[2].cols,
+                found[2].rank,
+            )
+            if target is None or not same or old.numel() != total:
+                self.state_moves.dropped_numel += found[1]
+                continue
+            pieces.append((target[0], old[found[0] : found[0] + found[1]]))
+        if not pieces:
+            return
+        like = pieces[0][1]
+        new = self._initial_factor(factor, plan, like.dtype, bucket).to(like.device)
+        for start, piece in pieces:
+            new[start : start + piece.numel()] = piece
+            self.state_moves.moved_numel += piece.numel()
+        store[layout.key] = new
 
     # -- sizes ------------------------------------------------------------------------------------
     def compresses(self, numel: int, step: int | None, *, bucket: int | None = None) -> bool:
@@ -292,14 +355,14 @@ class PowerSGDCompressor(GradientCompressor):
         """Steps 1-4 of the module docstring, one matrix per tensor, two allreduces."""
         dtype = factor_dtype(grad.dtype)
         # M = g + e in grad itself: grad is overwritten by the output only after the last read
-        # of M, and the old residual's storage takes the new one (no bucket-sized allocation:
-        # each costs page faults, ~1.5 ms per 12 MB here).
-        old = self.feedback.add_to_(bucket, grad) if self.ef else None
+        # of M, and the old residual's storage takes the new one (no bucket-sized allocation,
+        # which costs page faults on every step).
+        key = self._state_key(bucket)
+        old = self.feedback.add_to_(key, grad) if self.ef else None
         xf = grad if grad.dtype == dtype else grad.to(dtype)
-        q_all = self.qs.get(bucket)
+        q_all = self.qs.get(key)
         if q_all is None or q_all.shape != (plan.q_numel,) or q_all.dtype != dtype:
-            gen = generator_for(self.seed, bucket)
-            q_all = torch.randn(plan.q_numel, generator=gen).to(dtype)
+            q_all = self._initial_factor("q", plan, dtype, bucket)
         # Message 1: [plain elements | P of every matrix]; P = M Q written straight into it.
         first = torch.empty(plan.plain_numel + plan.p_numel, dtype=dtype)
         plan.pack_plain(xf, first)
@@ -334,11 +397,11 @@ class PowerSGDCompressor(GradientCompressor):
                     e = residual[m.offset : m.offset + g.rows * g.cols].view(g.rows, g.cols)
                     torch.addmm(mat, p, q.T, alpha=-1, out=e)
         if residual is not None:
-            self.feedback.update(bucket, residual.to(grad.dtype))
+            self.feedback.update(key, residual.to(grad.dtype))
         self._average(comm, q_new)
         q_finite = all_finite(q_new)
         if commit and q_finite:
-            self.qs[bucket] = q_new  # warm start of the next step (a fresh tensor, not shared)
+            self.qs[key] = q_new  # warm start of the next step (a fresh tensor, not shared)
         self.output_finite = self._certify(first_finite and q_finite, q_new, grad.dtype)
         # Output: the averaged plain elements and P Q^T per matrix, in place.
         out = grad if grad.dtype == dtype else torch.empty(plan.numel, dtype=dtype)
@@ -357,11 +420,12 @@ class PowerSGDCompressor(GradientCompressor):
         numel = grad.numel()
         m, c = matrix_shape(numel)
         dtype = factor_dtype(grad.dtype)
-        x = self.feedback.corrected(bucket, grad) if self.ef else grad
+        key = self._state_key(bucket)
+        x = self.feedback.corrected(key, grad) if self.ef else grad
         matrix = torch.zeros(m * c, dtype=dtype)
         matrix[:numel] = x
         matrix = matrix.view(m, c)
-        q = self.qs.get(bucket)
+        q = self.qs.get(key)
         if q is None or q.shape != (c, self.rank) or q.dtype != dtype:
             q = self.initial_q(c, dtype, bucket)
         p = matrix @ q
@@ -373,25 +437,28 @@ class PowerSGDCompressor(GradientCompressor):
         q = matrix.T @ p
         if self.ef and commit:
             own = (p @ q.T).view(-1)[:numel]
-            self.feedback.update(bucket, x - own.to(grad.dtype))
+            self.feedback.update(key, x - own.to(grad.dtype))
         q = q.contiguous()
         self._average(comm, q)
         q_finite = all_finite(q)
         if commit and q_finite:
-            self.qs[bucket] = q.clone()  # warm start of the next step
+            self.qs[key] = q.clone()  # warm start of the next step
         self.output_finite = self._certify(p_finite and q_finite, q, grad.dtype)
         grad.copy_((p @ q.T).view(-1)[:numel])
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state = {**super().state_dict(), "qs": {b: q.clone() for b, q in self.qs.items()}}
-        if isinstance(self.warmup_compressor, PowerSGDCompressor):  # residuals are shared
+        if isinstance(self.warmup_compressor, PowerSGD):  # residuals are shared
             state["warmup_qs"] = {b: q.clone() for b, q in self.warmup_compressor.qs.items()}
         return state
 
+    def _load_stores(self, state: dict[str, Any]) -> None:
+        super()._load_stores(state)
+        self.qs = {str(b): q.clone() for b, q in state["qs"].items()}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.qs = {int(b): q.clone() for b, q in state["qs"].items()}
-        if isinstance(self.warmup_compressor, PowerSGDCompressor):
-            warm = state.get("warmup_qs", {})
-            self.warmup_compressor.qs = {int(b): q.clone() for b, q in warm.items()}
+        if isinstance(self.warmup_compressor, PowerSGD):  # its residuals are this one's
+            warm = {"layouts": state["layouts"], "qs": state.get("warmup_qs", {})}
+            self.warmup_compressor.load_state_dict(warm)

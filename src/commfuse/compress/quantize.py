@@ -12,8 +12,8 @@ each element becomes ``max * {-1, 0, +1}`` (2 bits), off by less than ``max``.
 
 Codes ``sign * l + s`` (``2s + 1`` of them) are packed into the narrowest of 1/2/4/8 bits:
 TernGrad and QSGD with s = 1 use 2 bits, s <= 7 4 bits, s <= 127 8 bits. Both are unbiased,
-so error feedback is off by default. ``ef=1`` is accepted only when the quantiser is a
-contraction, ``s**2 > chunk_numel`` (e.g. ``qsgd:levels=16,chunk_numel=64,ef=1``): with a
+so error feedback is off by default. ``ef=True`` is accepted only when the quantiser is a
+contraction, ``s**2 > chunk_numel`` (e.g. ``QSGD(levels=16, chunk_numel=64, ef=True)``): with a
 larger variance the residual grows without bound (never for TernGrad, whose s is 1). The rounding draws come from a
 generator seeded by (seed, step, bucket, rank): independent across ranks, reproducible.
 """
@@ -95,7 +95,7 @@ class _StochasticQuantizer(MessageCompressor):
 
 
 @dataclasses.dataclass(kw_only=True)
-class QSGDCompressor(_StochasticQuantizer):
+class QSGD(_StochasticQuantizer):
     """QSGD: L2 norm per chunk, ``levels`` levels, stochastic rounding."""
 
     name: ClassVar[str] = "qsgd"
@@ -103,7 +103,7 @@ class QSGDCompressor(_StochasticQuantizer):
 
 
 @dataclasses.dataclass(kw_only=True)
-class TernGradCompressor(_StochasticQuantizer):
+class TernGrad(_StochasticQuantizer):
     """TernGrad: max norm per chunk, values in {-1, 0, +1}."""
 
     name: ClassVar[str] = "terngrad"

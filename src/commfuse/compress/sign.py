@@ -25,7 +25,7 @@ from commfuse.compress.wire import Layout, pack_bits, packed_bytes, unpack_bits
 
 
 @dataclasses.dataclass(kw_only=True)
-class SignCompressor(MessageCompressor):
+class Sign(MessageCompressor):
     """Scaled sign, bits packed 8 per byte, no error feedback."""
 
     name: ClassVar[str] = "sign"
@@ -49,7 +49,7 @@ class SignCompressor(MessageCompressor):
 
 
 @dataclasses.dataclass(kw_only=True)
-class EFSignCompressor(SignCompressor):
+class EFSign(Sign):
     """EF-signSGD: the scaled sign with error feedback."""
 
     name: ClassVar[str] = "ef-sign"

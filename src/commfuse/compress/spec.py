@@ -11,40 +11,40 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from commfuse.compress.acpsgd import ACPSGDCompressor
-from commfuse.compress.base import GradientCompressor
-from commfuse.compress.cast import BF16Compressor, FP16Compressor, NoCompression
-from commfuse.compress.dgc import DGCCompressor
-from commfuse.compress.int8 import Int8Compressor
-from commfuse.compress.powersgd import PowerSGDCompressor
-from commfuse.compress.quantize import QSGDCompressor, TernGradCompressor
-from commfuse.compress.sign import EFSignCompressor, SignCompressor
-from commfuse.compress.sparse import RandomBlockCompressor, RandomKCompressor, TopKCompressor
+from commfuse.compress.acpsgd import ACPSGD
+from commfuse.compress.base import Compressor
+from commfuse.compress.cast import BF16, FP16, NoCompression
+from commfuse.compress.dgc import DGC
+from commfuse.compress.int8 import Int8
+from commfuse.compress.powersgd import PowerSGD
+from commfuse.compress.quantize import QSGD, TernGrad
+from commfuse.compress.sign import EFSign, Sign
+from commfuse.compress.sparse import RandomBlock, RandomK, TopK
 
-COMPRESSORS: dict[str, type[GradientCompressor]] = {
+COMPRESSORS: dict[str, type[Compressor]] = {
     cls.name: cls
     for cls in (
         NoCompression,
-        FP16Compressor,
-        BF16Compressor,
-        Int8Compressor,
-        QSGDCompressor,
-        TernGradCompressor,
-        SignCompressor,
-        EFSignCompressor,
-        TopKCompressor,
-        RandomKCompressor,
-        RandomBlockCompressor,
-        DGCCompressor,
-        PowerSGDCompressor,
-        ACPSGDCompressor,
+        FP16,
+        BF16,
+        Int8,
+        QSGD,
+        TernGrad,
+        Sign,
+        EFSign,
+        TopK,
+        RandomK,
+        RandomBlock,
+        DGC,
+        PowerSGD,
+        ACPSGD,
     )
 }
 _NOT_IN_SPEC = ("algo", "gather_algo")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def spec_keys(cls: type[GradientCompressor]) -> dict[str, type]:
+def spec_keys(cls: type[Compressor]) -> dict[str, type]:
     """The settings a spec may give for ``cls``, with their types."""
     hints = typing.get_type_hints(cls)
     return {
@@ -55,6 +55,11 @@ def spec_keys(cls: type[GradientCompressor]) -> dict[str, type]:
 
 
 def _parse_value(name: str, key: str, kind: type, text: str) -> object:
+    if typing.get_origin(kind) is typing.Literal:
+        if text in typing.get_args(kind):
+            return text
+        choices = ", ".join(map(str, typing.get_args(kind)))
+        raise ValueError(f"{name}: {key} must be one of {choices}, got {text!r}")
     if kind is bool:
         if text.lower() in _TRUE:
             return True
@@ -81,9 +86,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name.strip().lower(), options
 
 
-def make_compressor(
-    spec: str, *, algo: str = "auto", gather_algo: str = "auto"
-) -> GradientCompressor:
+def make_compressor(spec: str, *, algo: str = "auto", gather_algo: str = "auto") -> Compressor:
     """A compressor from ``"name[:key=value,...]"``, e.g. ``"powersgd:rank=4,warmup=10"``.
 
     ``algo`` is the commfuse allreduce algorithm of allreduce-compatible compressors,

@@ -6,14 +6,13 @@ or merged by the cost model (``merge.py``, MG-WFBP); ``bench.py`` times it again
 """
 
 from commfuse.ddp.buckets import Bucket, assign_buckets
-from commfuse.ddp.config import BucketCompressor, DataParallelConfig
+from commfuse.ddp.config import DataParallelConfig
 from commfuse.ddp.merge import merge_by_cost
 from commfuse.ddp.reducer import NonFiniteGradientError, StepStats
 from commfuse.ddp.wrapper import DataParallel
 
 __all__ = [
     "Bucket",
-    "BucketCompressor",
     "DataParallel",
     "DataParallelConfig",
     "NonFiniteGradientError",

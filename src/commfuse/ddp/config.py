@@ -1,36 +1,11 @@
-"""The data-parallel engine's configuration and the compressor interface it drives."""
+"""The data-parallel engine's configuration."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import Literal
 
-import torch
-
-from commfuse.comm import Communicator
-
-
-@runtime_checkable
-class BucketCompressor(Protocol):
-    """What the engine needs from a gradient compressor (``commfuse.compress.GradientCompressor``
-    satisfies it): ``reduce_`` replaces a flat gradient bucket, in place and synchronously, by
-    the average over ranks; its state (error feedback, warm starts) is checkpointable. An
-    optional ``set_layout(bucket, shapes)`` is called with the shapes packed into each bucket,
-    and an optional ``nonfinite_reaches_every_rank = True`` skips the NaN/Inf agreement round
-    before each bucket (``reducer.py``)."""
-
-    name: ClassVar[str]
-    aggregation: ClassVar[Literal["all_reduce", "all_gather"]]
-
-    def reduce_(
-        self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int
-    ) -> None: ...
-
-    def payload_bytes(self, numel: int, dtype: torch.dtype, world_size: int) -> int: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+from commfuse.compress.base import Compressor
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -46,8 +21,9 @@ class DataParallelConfig:
     arrival times and the tuner's cost model (see ``merge.py``)."""
     algo: str = "auto"
     """The commfuse allreduce algorithm for uncompressed buckets (``auto``, ``native``, ``ring``...)."""
-    compressor: BucketCompressor | None = None
-    """Reduce every bucket with this compressor instead of a plain allreduce."""
+    compressor: Compressor | None = None
+    """Reduce every bucket with this compressor instead of a plain allreduce, e.g.
+    ``PowerSGD(rank=8, wire="bf16")``."""
     on_nonfinite: Literal["skip", "raise"] = "skip"
     """A NaN/Inf gradient on any rank: ``skip`` zeroes the gradients and skips the step, ``raise`` stops."""
     broadcast_buffers: bool = True
@@ -57,7 +33,7 @@ class DataParallelConfig:
     allreduce per step. Without it they get a zero gradient (see ``reducer.py``)."""
     skip_communication: bool = False
     """Compute-only mode: everything but the collectives (gradients stay local), for the compute floor."""
-    staleness: int = 0
+    staleness: Literal[0, 1] = 0
     """1: apply each step's averaged gradient one step later (Pipe-SGD, Li et al. NeurIPS 2018), so
     its communication runs during the next step's forward and backward instead of being waited
     for; the first step has nothing to apply (``DataParallel.step`` returns False). 0: apply it in
@@ -80,10 +56,10 @@ class DataParallelConfig:
                 "staleness=1 does not combine with find_unused_parameters or "
                 "merge_buckets_by_cost (both need the step's own reduction before the next step)"
             )
-        if self.compressor is not None and not isinstance(self.compressor, BucketCompressor):
+        if self.compressor is not None and not isinstance(self.compressor, Compressor):
             raise ValueError(
-                f"compressor must implement reduce_, payload_bytes, state_dict and load_state_dict "
-                f"(commfuse.compress.make_compressor builds one), got {type(self.compressor).__name__}"
+                "compressor must be a commfuse.compress.Compressor object, e.g. "
+                f"PowerSGD(rank=8) or TopK(ratio=0.01), got {self.compressor!r}"
             )
 
     @property

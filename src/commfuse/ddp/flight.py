@@ -9,14 +9,11 @@ of communication, at the price of every update using the gradient of the weights
 earlier. Each bucket then has two flat buffers: the flight holds snapshots of the buckets
 pointing at the buffer it launched, while the next backward fills the other one.
 
-Measured (charlm, 4 emulated hosts at 100 Mbit/s, PowerSGD rank 4, interleaved blocks on the
-2-core machine): the wait at the end of backward fell from 70 to 7 ms per step, the step from
-358 to 323-338 ms, not to the 259 ms compute floor: the 4 ranks share 2 cores, so the CPU that
-gloo and the compressor use now slows the overlapped compute instead of being waited for. And
-the delay costs learning there: with AdamW at lr 3e-3 the loss after 30 steps was 3.13 instead
-of 2.48 (uncompressed; 3.07 against 2.48 in a one-process replay of the same delayed updates),
-so it stays off by default; it suits runs with a smaller learning rate or past the first fast
-descent, where consecutive gradients differ less.
+Two limits to know. Where ranks share cores, the CPU that the collectives and a compressor use
+now slows the overlapped compute instead of being waited for, so the step falls short of the
+compute floor. And the delay costs learning early in training, while consecutive gradients
+differ most: it stays off by default, and suits runs with a smaller learning rate or past the
+first fast descent.
 
 A flight is also what a checkpoint must not lose: ``landed()`` waits for it and keeps its
 averaged buffers and its NaN/Inf verdicts, which ``DataParallel.engine_state_dict`` stores and

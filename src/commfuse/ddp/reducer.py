@@ -23,15 +23,17 @@ The algorithm (Zhang et al., "Poseidon", ATC 2017; Li et al., "PyTorch Distribut
    DDP's ``gradient_as_bucket_view``: no copy; a copy with ``staleness=1``) while later
    buckets are still on the wire; only the last bucket's check is exposed.
 
-Where the time went. Against torch DDP on 4 hosts x 1 rank at 1 Gbit/s (2.1M-parameter MLP,
-1 MB + 7.4 MB buckets), this engine took 1.24-1.31x torch's step. A minimal Python reducer
-(post-accumulate-grad hooks, a copy into the bucket, ``dist.all_reduce(async_op=True)``, a
-wait in the end-of-backward callback) matched torch to 1%, so neither the Python hooks nor the
-GIL were the cost; cProfile showed 24 ms per step in the exact NaN test of both buckets after
-the last wait, plus 5 ms of copy-back, all exposed. Both now overlap the wire or cost a sum,
-and the copy-back is gone: on charlm (3.2M parameters) the two bucket-sized copies cost 4.6
-ms of CPU per step and rank (one is left when ``zero_grad`` sets ``.grad`` to None, none when
-it zeroes it in place), which counts where ranks share cores.
+Cost. Against a minimal Python reducer (post-accumulate-grad hooks, a copy into the bucket, an
+async allreduce, a wait at the end of backward) the work this engine adds per step is two
+passes over the gradients at most: the copy into the bucket, which torch DDP also makes (none
+when ``.grad`` survives ``zero_grad`` and autograd accumulates straight into the slot), and the
+NaN/Inf check, one sum per bucket that overlaps the wire for every bucket but the last. Python
+hooks and the GIL cost next to nothing where the collectives release it (gloo does).
+
+Re-layouts. The buckets change after the timing step of ``merge_buckets_by_cost`` and on a
+resume with another layout. A compressor files its state under each bucket's parameters
+(``compress/layout.py``), so its residuals and factors move with them, element by element;
+``StepStats`` counts what moved and what could not follow (dropped).
 
 Unused parameters. A parameter that no rank used gets a zero gradient, which an optimizer with
 weight decay or momentum still acts on. With ``find_unused_parameters`` one more tiny allreduce
@@ -81,7 +83,8 @@ from commfuse.collectives import all_reduce, broadcast
 from commfuse.collectives.executor import CompletedHandle, drain, submit
 from commfuse.collectives.registry import resolve
 from commfuse.comm import Communicator, OpCounters
-from commfuse.compress.base import GradientCompressor, all_finite
+from commfuse.compress.base import Compressor, all_finite
+from commfuse.compress.layout import BucketLayout
 from commfuse.ddp.buckets import Bucket, assign_buckets, build_buckets
 from commfuse.ddp.checks import nonfinite_positions, nonfinite_slots
 from commfuse.ddp.config import DataParallelConfig
@@ -116,11 +119,11 @@ class StepStats:
     gradient_step: int
     """The step whose averaged gradient ``.grad`` now holds: this one, the previous one with
     ``staleness=1``, -1 when none (the first step with ``staleness=1``)."""
-
-
-def _propagates_nonfinite(compressor: Any) -> bool:
-    """The optional ``nonfinite_reaches_every_rank`` of a compressor (False if it has none)."""
-    return bool(getattr(compressor, "nonfinite_reaches_every_rank", False))
+    state_moved_numel: int = 0
+    """Elements of compressor state moved to their parameters' new buckets so far."""
+    state_dropped_numel: int = 0
+    """Elements of compressor state that could not follow their parameters so far (dropped,
+    never applied to other parameters)."""
 
 
 def _counters(comm: Communicator) -> OpCounters:
@@ -145,7 +148,7 @@ class Reducer:
         self.params = [param for _, param in named_params]
         self.comm = comm
         self.config = config
-        self.compressor = config.compressor
+        self.compressor: Compressor | None = config.compressor
         # Pre-divide like torch DDP, except where gradients stay local or the compressor averages.
         plain = self.compressor is None and not config.skip_communication
         self.scale = 1.0 / comm.world_size if plain else 1.0
@@ -186,12 +189,20 @@ class Reducer:
             )
         self.groups = [list(group) for group in groups]
         self.buckets: list[Bucket] = build_buckets(self.params, self.groups)
-        set_layout = getattr(self.compressor, "set_layout", None)
-        if set_layout is not None:
-            # PowerSGD compresses each weight matrix on its own: it needs the shapes (optional
-            # for compressors that see a bucket as a flat vector).
-            for bucket in self.buckets:
-                set_layout(bucket.index, [self.params[i].shape for i in bucket.params])
+        for bucket in self.buckets:  # between steps: every gradient of the next one to come
+            bucket.pending = len(bucket.params)
+        if self.compressor is not None:
+            # Each bucket's state is filed under its parameters, so it follows them into the new
+            # buckets; PowerSGD also compresses each weight matrix on its own from the shapes.
+            self.compressor.set_layouts(
+                [
+                    BucketLayout(
+                        names=tuple(self.names[i] for i in bucket.params),
+                        shapes=tuple(self.params[i].shape for i in bucket.params),
+                    )
+                    for bucket in self.buckets
+                ]
+            )
         self.where = {i: (b.index, slot) for b in self.buckets for slot, i in enumerate(b.params)}
         # staleness=1: the second buffer of each bucket, filled while the first is in flight.
         self._spares = [torch.zeros_like(b.flat) for b in self.buckets if self.config.staleness]
@@ -200,14 +211,14 @@ class Reducer:
     @property
     def _agrees_first(self) -> bool:
         """Whether each bucket's job starts with the NaN/Inf agreement allreduce."""
-        return self.compressor is not None and not _propagates_nonfinite(self.compressor)
+        return self.compressor is not None and not self.compressor.nonfinite_reaches_every_rank
 
     def _all_native(self) -> bool:
         """Whether every bucket runs gloo/NCCL's own allreduce. Then buckets go straight to the
         backend, not through the worker thread: the backend runs several collectives at once
-        (gloo: two threads), where the worker runs one after the other (8 ms more per step for
-        1 MB + 7.4 MB on 4 hosts at 1 Gbit/s). Mixing the two paths could reorder collectives
-        between ranks, so it is all buckets or none."""
+        (gloo: two threads), where the worker runs one after the other and exposes more of the
+        wire time when several buckets are in flight. Mixing the two paths could reorder
+        collectives between ranks, so it is all buckets or none."""
         if self.compressor is not None or self.config.skip_communication:
             return False
         if self.comm.world_size == 1:
@@ -351,7 +362,7 @@ class Reducer:
         """On the worker: agree on finiteness, compress (see the module docstring). Returns the
         (rank, parameter) pairs that were non-finite (rank -1: not known)."""
         assert self.compressor is not None
-        if _propagates_nonfinite(self.compressor):
+        if self.compressor.nonfinite_reaches_every_rank:
             return self._compress_then_check(bucket, flight)
         mine = nonfinite_slots(bucket)
         bad = self._agree_nonfinite(mine, bucket)
@@ -364,22 +375,22 @@ class Reducer:
 
     def _compress_then_check(self, bucket: Bucket, flight: Flight) -> list[tuple[int, int]]:
         """A compressor whose output turns non-finite on every rank when any input is: no
-        agreement round before it (a latency round and a wait for the slowest rank per bucket,
-        about 30 ms per step with fp16 at 1 Gbit/s); the output is checked instead, the same on
+        agreement round before it (a latency round and a wait for the slowest rank per
+        bucket); the output is checked instead, the same on
         every rank, and only then do the ranks name the culprit."""
         if flight.poisoned:  # an earlier bucket of this step was bad: no state may see this one
             return []
         # A compressor that certifies its output from what it received (PowerSGD) needs neither
         # pass over the bucket: its received factors carry any rank's NaN/Inf, and keep its
-        # state clean. Two passes over 3M elements were ~3 ms of CPU per rank and step (more
-        # than torch's PowerSGD hook spends). The culprits, needed only on a bad step, are then
-        # found in the parameters' own .grad (the bucket holds the output by then); not with
-        # staleness=1, where the next backward may already be writing .grad.
-        certified = bool(getattr(self.compressor, "certifies_output", False))
-        certified = certified and not self.config.staleness
+        # state clean. Two passes over the bucket would cost more CPU than torch's PowerSGD
+        # hook spends in all. The culprits, needed only on a bad step, are then found in the
+        # parameters' own .grad (the bucket holds the output by then); not with staleness=1,
+        # where the next backward may already be writing .grad.
+        assert self.compressor is not None
+        certified = self.compressor.certifies_output and not self.config.staleness
         mine = None if certified else nonfinite_slots(bucket)  # before the output overwrites it
         self._reduce_compressed(bucket, flight.step, finite=not mine)
-        verdict = getattr(self.compressor, "output_finite", None) if certified else None
+        verdict = self.compressor.output_finite if certified else None
         if verdict is None:
             verdict = all_finite(bucket.flat)
         if verdict:
@@ -411,12 +422,9 @@ class Reducer:
             # a compressor's per-bucket state (error feedback) must only ever see final buckets.
             all_reduce(self.comm, bucket.flat, "avg", algo=self.config.algo)
         else:
-            if isinstance(self.compressor, GradientCompressor):
-                self.compressor.reduce_(
-                    self.comm, bucket.flat, bucket=bucket.index, step=step, finite=finite
-                )
-            else:  # a user's compressor (BucketCompressor protocol) checks for itself
-                self.compressor.reduce_(self.comm, bucket.flat, bucket=bucket.index, step=step)
+            self.compressor.reduce_(
+                self.comm, bucket.flat, bucket=bucket.index, step=step, finite=finite
+            )
 
     # -- end of backward --------------------------------------------------------------------------
     def _end_of_backward(self) -> None:
@@ -463,6 +471,7 @@ class Reducer:
         if not self.merged:
             self._merge_by_cost()
         now = _counters(self.comm)
+        moves = None if self.compressor is None else self.compressor.state_moves
         extra = 0 if used_counts is None else 1
         self.last_stats = StepStats(
             step=self.step,
@@ -476,6 +485,8 @@ class Reducer:
             launched_after_grads=tuple(self._flight.launched_after),
             skipped=self.last_step_skipped,
             gradient_step=-1 if landing is None else landing.step,
+            state_moved_numel=0 if moves is None else moves.moved_numel,
+            state_dropped_numel=0 if moves is None else moves.dropped_numel,
         )
         self._baseline = now
 
@@ -545,7 +556,7 @@ class Reducer:
         ``.grad`` (torch DDP's ``gradient_as_bucket_view``): no copy now, and none at the next
         step's hook either when ``.grad`` survives (``zero_grad(set_to_none=False)``), since
         autograd then accumulates straight into the bucket: one or two bucket-sized copies
-        fewer per step (each about 2.3 ms of CPU on charlm's 3.2M parameters). With
+        fewer per step. With
         staleness=1 the buffers alternate between steps, so ``.grad`` gets a copy."""
         views = not self.config.staleness
         with torch.no_grad():
