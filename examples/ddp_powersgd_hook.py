@@ -20,7 +20,7 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
     ddp = DDP(model)
     # Rank-4 factors after 2 uncompressed warm-up steps; error feedback keeps what rank 4 drops.
-    state = CompressionState(PowerSGD(rank=4, warmup=2))
+    state = CompressionState(PowerSGD(rank=4, warmup=2), module=model)
     ddp.register_comm_hook(state, compressed_allreduce_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
 
