@@ -69,8 +69,10 @@ def test_config_errors_name_the_field() -> None:
         DataParallelConfig(on_nonfinite="ignore")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not an all_reduce algorithm"):
         DataParallelConfig(algo="tree")
-    with pytest.raises(ValueError, match="compressor must implement"):
+    with pytest.raises(ValueError, match="compressor must be a commfuse"):
         DataParallelConfig(compressor=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"an object, e.g. PowerSGD\(rank=8\).*'powersgd:rank=8'"):
+        DataParallelConfig(compressor="powersgd:rank=8")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         DataParallelConfig(25.0)  # type: ignore[call-arg]
 

@@ -58,7 +58,7 @@ class DataParallelConfig:
             )
         if self.compressor is not None and not isinstance(self.compressor, Compressor):
             raise ValueError(
-                "compressor must be a commfuse.compress.Compressor object, e.g. "
+                "compressor must be a commfuse.compress.Compressor, an object, e.g. "
                 f"PowerSGD(rank=8) or TopK(ratio=0.01), got {self.compressor!r}"
             )
 
