@@ -65,14 +65,14 @@ def test_chunks_zero_times_the_embedding_exchange_by_table(pool: PoolFn) -> None
 def test_bench_config_errors() -> None:
     with pytest.raises(ValueError, match="by table, a schedule of the embedding exchange only"):
         FusedBenchConfig(ops=("embedding_all_to_all", "gemm_all_reduce"), chunks=0)
-    with pytest.raises(ValueError, match="--chunks must be >= 1, or 0"):
+    with pytest.raises(ValueError, match="chunks must be >= 1, or 0"):
         FusedBenchConfig(ops=("embedding_all_to_all",), chunks=-1)
     with pytest.raises(ValueError, match="tp-transformer take"):
         StepBenchConfig(steps=("dlrm", "tp-transformer"), chunks=0)
     StepBenchConfig(steps=("dlrm",), chunks=0)
-    with pytest.raises(ValueError, match="unknown --op"):
+    with pytest.raises(ValueError, match="unknown op"):
         FusedBenchConfig(ops=("gemm_all_gather",))
-    with pytest.raises(ValueError, match="no --shape of 5 dimensions"):
+    with pytest.raises(ValueError, match="no shape of 5 dimensions"):
         FusedBenchConfig(ops=("embedding_all_to_all",), shapes=((1, 2, 3),))
 
 

@@ -162,5 +162,5 @@ def test_step_bench_records(pool: PoolFn) -> None:
     (record,) = pool(2).run(bench_steps_on_rank, config, timeout_s=120)[0]
     assert record["op"] == "dlrm_step" and record["wrong"] == 0 and record["chunks"] == 2
     assert record["fused_vs_unfused"] == pytest.approx(record["fused_us"] / record["unfused_us"])
-    with pytest.raises(ValueError, match="unknown --step"):
+    with pytest.raises(ValueError, match="unknown step"):
         StepBenchConfig(steps=("bert",))

@@ -272,7 +272,7 @@ def test_step_bench_records(pool: PoolFn) -> None:
     for r in records:
         assert r["wrong"] == 0 and r["chunks"] == 2 and r["world_size"] == 2
         assert r["fused_vs_unfused"] == pytest.approx(r["fused_us"] / r["unfused_us"])
-    with pytest.raises(ValueError, match="unknown --step"):
+    with pytest.raises(ValueError, match="unknown step"):
         StepBenchConfig(steps=("tp_transformer",))
 
 

@@ -226,7 +226,7 @@ def test_bad_input_is_refused_before_anything_is_built(capsys: pytest.CaptureFix
     ):
         assert _cli("net", "up", *argv) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "error:" in err
+        assert err.count("\n") == 1 and err.startswith("commfuse net up: "), err
     assert {lab["lab_id"] for lab in list_labs()} == labs_before
 
 

@@ -53,12 +53,12 @@ class CollectiveBenchConfig:
         unknown = [op for op in self.ops if op not in OPS]
         if unknown:
             raise ValueError(
-                f"unknown --op {', '.join(unknown)}: use one or more of {', '.join(OPS)}"
+                f"unknown op {', '.join(unknown)} in ops: use one or more of {', '.join(OPS)}"
             )
         if self.iters < 1 or self.warmup < 0:
-            raise ValueError("--iters must be >= 1 and --warmup >= 0")
+            raise ValueError("iters must be >= 1 and warmup >= 0")
         if any(size <= 0 for size in self.sizes_bytes):
-            raise ValueError("--sizes must all be positive")
+            raise ValueError("sizes_bytes must all be positive")
 
 
 def bench_collectives_on_rank(config: CollectiveBenchConfig) -> list[dict[str, Any]]:

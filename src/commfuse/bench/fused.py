@@ -79,20 +79,8 @@ OPS: dict[str, tuple[tuple[int, ...], ...]] = {
 ARITY = {op: len(shapes[0]) for op, shapes in OPS.items()}
 
 
-def parse_shapes(specs: list[str] | None) -> tuple[tuple[int, ...], ...] | None:
-    """``--shape`` values (``1024x2048x1024``, repeatable) as tuples of ints; None if none."""
-    if not specs:
-        return None
-    try:
-        return tuple(tuple(int(d) for d in s.lower().split("x")) for s in specs)
-    except ValueError:
-        raise ValueError(
-            f"--shape takes integers joined by x (1024x2048x1024), got {specs}"
-        ) from None
-
-
 def check_chunks(chunks: int | None, names: tuple[str, ...], *, by_table: tuple[str, ...]) -> None:
-    """ValueError unless ``--chunks`` is unset, >= 1, or 0 (by table: ``emb.BY_TABLE``) with only
+    """ValueError unless ``chunks`` is None, >= 1, or 0 (by table: ``emb.BY_TABLE``) with only
     operators or steps in ``by_table`` (the embedding exchange's schedule; no other has one)."""
     if chunks is None or chunks >= 1:
         return
@@ -101,10 +89,10 @@ def check_chunks(chunks: int | None, names: tuple[str, ...], *, by_table: tuple[
         if not others:
             return
         raise ValueError(
-            f"--chunks 0 means by table, a schedule of the embedding exchange only "
-            f"({', '.join(by_table)}); {', '.join(others)} take(s) --chunks >= 1"
+            f"chunks=0 means by table, a schedule of the embedding exchange only "
+            f"({', '.join(by_table)}); {', '.join(others)} take(s) chunks >= 1"
         )
-    raise ValueError(f"--chunks must be >= 1, or 0 for by table, got {chunks}")
+    raise ValueError(f"chunks must be >= 1, or 0 for by table, got {chunks}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,14 +121,14 @@ class FusedBenchConfig:
         unknown = [op for op in self.ops if op not in OPS]
         if unknown:
             raise ValueError(
-                f"unknown --op {', '.join(unknown)}: use one or more of {', '.join(OPS)}"
+                f"unknown op {', '.join(unknown)} in ops: use one or more of {', '.join(OPS)}"
             )
         if self.iters < 1 or self.warmup < 0:
-            raise ValueError("--iters must be >= 1 and --warmup >= 0")
+            raise ValueError("iters must be >= 1 and warmup >= 0")
         # --shape picks ops by arity: ops with no shape of theirs are skipped, unless none has any.
         if self.shapes and not any(self.shapes_of(op) for op in self.ops):
             missing = self.ops[0]
-            raise ValueError(f"no --shape of {ARITY[missing]} dimensions for {missing}")
+            raise ValueError(f"no shape of {ARITY[missing]} dimensions for {missing} in shapes")
         check_chunks(self.chunks, self.ops, by_table=("embedding_all_to_all",))
 
     def shapes_of(self, op: str) -> tuple[tuple[int, ...], ...]:

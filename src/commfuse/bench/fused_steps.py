@@ -213,9 +213,11 @@ class StepBenchConfig:
     def __post_init__(self) -> None:
         unknown = [s for s in self.steps if s not in STEPS]
         if unknown:
-            raise ValueError(f"unknown --step {', '.join(unknown)}: use one of {', '.join(STEPS)}")
+            raise ValueError(
+                f"unknown step {', '.join(unknown)} in steps: use one of {', '.join(STEPS)}"
+            )
         if self.iters < 1 or self.warmup < 0:
-            raise ValueError("--iters must be >= 1 and --warmup >= 0")
+            raise ValueError("iters must be >= 1 and warmup >= 0")
         check_chunks(self.chunks, self.steps, by_table=("dlrm",))
 
 

@@ -5,8 +5,9 @@ resolves them into a ``Topology`` (``topology_from_args``) and calls a function 
 with ``run_on_ranks``. Every command's function is wrapped by ``run_command``, the one place
 that turns an exception into an exit status and a one-line message:
 
-- 2: bad input (``ValueError``) or a job that could not start (``LaunchError``); nothing ran,
-  change the command;
+- 2: bad input (``ValueError``), a job that could not start (``LaunchError``) or a machine that
+  cannot run the command (``UsageError``: no privileges for the emulated network); nothing
+  ran, change the command or the machine;
 - 1: the job ran and failed (a rank raised, a deadline passed, the emulated network broke);
 - 130: interrupted (Ctrl-C).
 """
@@ -24,6 +25,12 @@ from commfuse.cluster.netlab import NetlabError, netlab_unavailable_reason
 from commfuse.cluster.topology import Topology
 
 T = TypeVar("T")
+
+
+class UsageError(Exception):
+    """The command cannot run here as given (e.g. no privileges to build the emulated network):
+    exit status 2, before anything ran."""
+
 
 #: The command's function: parsed arguments in, exit status out.
 Command = Callable[[argparse.Namespace], int]
@@ -121,6 +128,7 @@ def require_at_least(flag: str, value: int, minimum: int) -> None:
 
 def topology_from_args(args: argparse.Namespace, *, nproc: int | None = None) -> Topology:
     """Resolve --nproc / --hosts / --ranks-per-host / --link into a Topology (ValueError if bad)."""
+    check_topology_flags(args)
     ranks_per_host = args.ranks_per_host
     if nproc is not None:
         if nproc < 1:
@@ -143,6 +151,14 @@ def topology_from_args(args: argparse.Namespace, *, nproc: int | None = None) ->
         # give the ranks' cost models no rate that is not there).
         topology = dataclasses.replace(topology, link_mbit=None)
     return topology
+
+
+def check_topology_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for --hosts or --ranks-per-host below 1 (the Topology would
+    name its field instead)."""
+    require_at_least("--hosts", args.hosts, 1)
+    if args.ranks_per_host is not None:
+        require_at_least("--ranks-per-host", args.ranks_per_host, 1)
 
 
 def will_shape(args: argparse.Namespace) -> bool:
@@ -186,7 +202,7 @@ def run_command(args: argparse.Namespace) -> int:
     prog = getattr(args, "prog", "commfuse")
     try:
         return int(args.func(args))
-    except (ValueError, LaunchError) as err:
+    except (ValueError, LaunchError, UsageError) as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 2
     except (RankError, DeadlineExceeded, NetlabError) as err:

@@ -13,13 +13,13 @@ import threading
 
 from commfuse.cli.common import (
     Subparsers,
+    UsageError,
     add_timeout_argument,
     add_topology_arguments,
     emulate_arg,
     set_command,
     topology_from_args,
 )
-from commfuse.cluster.errors import LaunchError
 from commfuse.cluster.launcher import launch, script_command
 from commfuse.cluster.netlab import NetlabError
 
@@ -68,7 +68,7 @@ def run_launch(args: argparse.Namespace) -> int:
         result = launch(command, topology, emulate=emulate_arg(args), timeout_s=args.timeout)
     except NetlabError as err:
         # The network is built before any rank starts: the job could not start (exit 2).
-        raise LaunchError(str(err)) from err
+        raise UsageError(str(err)) from err
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)

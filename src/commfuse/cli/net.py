@@ -4,24 +4,28 @@
 torchrun) can use it; ``net down`` and ``net status`` find it again through its state file and
 its names. ``net check`` answers "does shaping work on this machine?" without leaving anything.
 Bad input and missing privileges exit with status 2 and one line saying what to change, before
-anything is built.
+anything is built; a failure while building exits 1 (``cli.common.run_command``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from commfuse.cli.common import Subparsers, add_topology_arguments, set_command
+from commfuse.cli.common import (
+    Subparsers,
+    UsageError,
+    add_topology_arguments,
+    check_topology_flags,
+    set_command,
+)
 from commfuse.cluster.netlab import (
     LAB_ID_LEN,
     LAB_PREFIX,
     Netlab,
-    NetlabError,
     down_all,
     list_labs,
     netlab_unavailable_reason,
@@ -34,12 +38,8 @@ from commfuse.units import format_rate
 TOLERANCE = 0.15
 
 
-def _fail(cmd: str, message: str, code: int = 2) -> int:
-    print(f"commfuse net {cmd}: error: {message}", file=sys.stderr)
-    return code
-
-
 def _topology(args: argparse.Namespace) -> Topology:
+    check_topology_flags(args)
     return Topology.from_spec(
         hosts=args.hosts, ranks_per_host=args.ranks_per_host or 1, link=args.link
     )
@@ -81,16 +81,18 @@ def _describe(lab: Netlab) -> None:
         )
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    """Build a lab that outlives this command, describe it and self-check its links."""
-    try:
-        topology = _topology(args)
-        lab = Netlab(topology, mtu=args.mtu, burst_kb=args.burst_kb)
-    except ValueError as exc:
-        return _fail("up", str(exc))
+def _require_netlab() -> None:
+    """UsageError (exit 2) where this machine cannot build namespaces (not root, no ``ip``)."""
     reason = netlab_unavailable_reason()
     if reason is not None:
-        return _fail("up", reason)
+        raise UsageError(reason)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Build a lab that outlives this command, describe it and self-check its links."""
+    topology = _topology(args)
+    lab = Netlab(topology, mtu=args.mtu, burst_kb=args.burst_kb)
+    _require_netlab()
     try:
         lab.up()
         _describe(lab)
@@ -98,11 +100,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             print("self-check:")
             _print_check(self_check(lab))
         lab.keep()
-    except BaseException as exc:
+    except BaseException:
         lab.down()
-        if not isinstance(exc, NetlabError):
-            raise
-        return _fail("up", str(exc), 1)
+        raise
     print(f"run a command on host 0: ip netns exec {lab.namespace(0)} COMMAND")
     print(f"remove with: commfuse net down {lab.lab_id}")
     return 0
@@ -111,19 +111,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_down(args: argparse.Namespace) -> int:
     """Remove one lab by id, or every lab and leftover (``--all``)."""
     if args.all == (args.lab_id is not None):
-        return _fail("down", "give a LAB_ID (see `commfuse net status`) or --all, not both")
+        raise ValueError("give a LAB_ID (see `commfuse net status`) or --all, not both")
     lab_id = args.lab_id
     if lab_id is not None and not (lab_id.startswith(LAB_PREFIX) and len(lab_id) == LAB_ID_LEN):
-        return _fail("down", f"bad lab id {lab_id!r}: ids look like cfuse3fa2")
-    reason = netlab_unavailable_reason()
-    if reason is not None:
-        return _fail("down", reason)
+        raise ValueError(f"bad lab id {lab_id!r}: ids look like cfuse3fa2")
+    _require_netlab()
     if lab_id is not None and all(lab["lab_id"] != lab_id for lab in list_labs()):
-        return _fail("down", f"no lab {lab_id} on this machine; `commfuse net status` lists them")
-    try:
-        removed = down_all(lab_id or LAB_PREFIX)
-    except NetlabError as exc:
-        return _fail("down", str(exc), 1)
+        raise ValueError(f"no lab {lab_id} on this machine; `commfuse net status` lists them")
+    removed = down_all(lab_id or LAB_PREFIX)
     for item in removed:
         print(f"removed {item}")
     if not removed:
@@ -175,22 +170,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Build a temporary lab, measure its links against the spec, tear it down."""
-    try:
-        topology = _topology(args)
-        if topology.num_hosts < 2:
-            raise ValueError(f"--hosts must be at least 2 for a check, got {topology.num_hosts}")
-        lab = Netlab(topology, mtu=args.mtu, burst_kb=args.burst_kb)
-    except ValueError as exc:
-        return _fail("check", str(exc))
-    reason = netlab_unavailable_reason()
-    if reason is not None:
-        return _fail("check", reason)
-    try:
-        with lab:
-            _describe(lab)
-            result = self_check(lab)
-    except NetlabError as exc:
-        return _fail("check", str(exc), 1)
+    topology = _topology(args)
+    if topology.num_hosts < 2:
+        raise ValueError(f"--hosts must be at least 2 for a check, got {topology.num_hosts}")
+    lab = Netlab(topology, mtu=args.mtu, burst_kb=args.burst_kb)
+    _require_netlab()
+    with lab:
+        _describe(lab)
+        result = self_check(lab)
     if args.json:
         _write_json(result, args.json)
         return 0 if result["ratio"] is None or abs(result["ratio"] - 1) <= TOLERANCE else 1

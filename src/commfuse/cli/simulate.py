@@ -103,6 +103,28 @@ def register(sub: Subparsers) -> None:
     set_command(parser, run_simulate)
 
 
+def parse_ranks(text: str) -> list[int]:
+    """``"1,2,4"`` or a doubling range ``"2:1024"``."""
+    ranks: list[int] = []
+    for part in text.split(","):
+        try:
+            if ":" in part:
+                lo, hi = (int(x) for x in part.split(":", 1))
+                r = lo
+                while 0 < r <= hi:
+                    ranks.append(r)
+                    r *= 2
+            else:
+                ranks.append(int(part))
+        except ValueError:
+            raise ValueError(
+                f"bad --scale {text!r}: use a comma list (1,2,4) or a range (2:1024)"
+            ) from None
+    if not ranks or min(ranks) < 1:
+        raise ValueError(f"bad --scale {text!r}: rank counts must be >= 1")
+    return ranks
+
+
 def _ints(text: str, flag: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",")]
@@ -191,7 +213,7 @@ def _run(args: argparse.Namespace) -> int:
     from commfuse.sim.step import chrome_trace, simulate_step
 
     cluster = _cluster(args)
-    ranks = scale.parse_ranks(args.scale) if args.scale else [cluster.world_size]
+    ranks = parse_ranks(args.scale) if args.scale else [cluster.world_size]
     print(
         f"cluster {cluster.name}: {cluster.ranks_per_host} ranks/host, "
         f"{cluster.inter_gbit_per_s:g} Gbit/s per host, {cluster.flops_per_s / 1e12:g} TFLOP/s "

@@ -46,7 +46,7 @@ def listen_socket(addr: str, port: int = 0) -> socket.socket:
     except OSError as err:
         where = f"{addr}:{port}" if port else addr
         raise ValueError(
-            f"cannot listen on {where} ({err.strerror}); choose another --master-port"
+            f"cannot listen on {where} ({err.strerror}); choose another port (MASTER_PORT)"
         ) from err
     return sock
 

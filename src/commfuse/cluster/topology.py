@@ -30,20 +30,20 @@ class Topology:
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1:
-            raise ValueError(f"--hosts must be at least 1, got {self.num_hosts}")
+            raise ValueError(f"num_hosts must be at least 1, got {self.num_hosts}")
         if self.ranks_per_host < 1:
-            raise ValueError(f"--ranks-per-host must be at least 1, got {self.ranks_per_host}")
+            raise ValueError(f"ranks_per_host must be at least 1, got {self.ranks_per_host}")
         if self.num_hosts > MAX_HOSTS:
             raise ValueError(
-                f"--hosts {self.num_hosts} is more than the {MAX_HOSTS} this emulation supports"
+                f"num_hosts {self.num_hosts} is more than the {MAX_HOSTS} this emulation supports"
             )
         if self.world_size > MAX_LOCAL_RANKS:
             raise ValueError(
                 f"{self.world_size} ranks is more than this machine can hold "
-                f"(at most {MAX_LOCAL_RANKS}); lower --hosts or --ranks-per-host"
+                f"(at most {MAX_LOCAL_RANKS}); lower num_hosts or ranks_per_host"
             )
         if self.link_mbit is not None and self.link_mbit <= 0:
-            raise ValueError("--link must be more than 0; use e.g. 1gbit or 100mbit")
+            raise ValueError(f"link_mbit must be more than 0, got {self.link_mbit}")
 
     @property
     def world_size(self) -> int:

@@ -218,14 +218,14 @@ class ClusterModel:
     def with_ranks(self, ranks: int) -> ClusterModel:
         """``ranks`` ranks: whole hosts of ``ranks_per_host``, or one partial host below that."""
         if ranks < 1:
-            raise ValueError(f"--ranks must be at least 1, got {ranks}")
+            raise ValueError(f"ranks must be at least 1, got {ranks}")
         if ranks < self.ranks_per_host:
             return dataclasses.replace(
                 self.with_hosts(1), ranks_per_host=ranks, num_datacenters=1, stragglers=()
             )
         if ranks % self.ranks_per_host:
             raise ValueError(
-                f"--ranks {ranks} is not a multiple of the cluster's {self.ranks_per_host} "
+                f"ranks {ranks} is not a multiple of the cluster's {self.ranks_per_host} "
                 "ranks per host"
             )
         return self.with_hosts(ranks // self.ranks_per_host)

@@ -13,28 +13,6 @@ from commfuse.sim.strategy import Strategy
 from commfuse.sim.workload import Workload
 
 
-def parse_ranks(text: str) -> list[int]:
-    """``"1,2,4"`` or a doubling range ``"2:1024"``."""
-    ranks: list[int] = []
-    for part in text.split(","):
-        try:
-            if ":" in part:
-                lo, hi = (int(x) for x in part.split(":", 1))
-                r = lo
-                while 0 < r <= hi:
-                    ranks.append(r)
-                    r *= 2
-            else:
-                ranks.append(int(part))
-        except ValueError:
-            raise ValueError(
-                f"bad --scale {text!r}: use a comma list (1,2,4) or a range (2:1024)"
-            ) from None
-    if not ranks or min(ranks) < 1:
-        raise ValueError(f"bad --scale {text!r}: rank counts must be >= 1")
-    return ranks
-
-
 def step_curve(
     cluster: ClusterModel,
     make_workload: Callable[[int], Workload],

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -184,25 +183,24 @@ def run_validation(
     cluster_path: str | None = None,
 ) -> int:
     """Calibrate and validate ``runs`` times; print and (``json_path``) write the records;
-    ``cluster_path`` receives the last calibrated cluster as JSON (``--cluster PATH`` reads it)."""
-    from commfuse.cluster import DeadlineExceeded, RankError, Topology
-    from commfuse.cluster.netlab import NetlabError
+    ``cluster_path`` receives the last calibrated cluster as JSON (``--cluster PATH`` reads it).
+
+    Raises:
+        RankError, DeadlineExceeded, NetlabError: a real run failed (the command exits 1).
+    """
+    from commfuse.cluster import Topology
 
     if runs < 1:
-        raise ValueError(f"--runs must be at least 1, got {runs}")
+        raise ValueError(f"runs must be at least 1, got {runs}")
     topology = Topology.from_spec(hosts=hosts, ranks_per_host=1, link=link)
     reps = reps or (3 if quick else 7)
     records: list[dict[str, Any]] = []
     calibration_records: list[dict[str, Any]] = []
     for index in range(runs):
         print(f"run {index + 1}/{runs}: {hosts} emulated hosts at {link}, {reps} repetitions")
-        try:
-            cluster, rate, validation, measured, fitted = _one_run(
-                topology, hosts, link, reps, quick, profile
-            )
-        except (RankError, DeadlineExceeded, NetlabError) as err:
-            print(f"commfuse simulate --validate: {err}", file=sys.stderr)
-            return 1
+        cluster, rate, validation, measured, fitted = _one_run(
+            topology, hosts, link, reps, quick, profile
+        )
         print(f"{'configuration':<40} {'predicted_ms':>12} {'measured_ms':>12} {'error':>8}")
         for cfg, seconds in zip(validation, measured, strict=True):
             predicted = predict(cluster, cfg, compression_gbps=rate)

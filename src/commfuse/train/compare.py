@@ -85,11 +85,11 @@ def run_compare(
     figures are read at ``base.steps``, like the baseline's. ``control`` also runs the baseline
     a second time in every round (its record is named ``control_name(label)``, last)."""
     if not strategies:
-        raise ValueError("compare needs at least one --strategy")
+        raise ValueError("strategies must name at least one strategy")
     if repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     if max_steps_factor < 1:
-        raise ValueError(f"--max-steps-factor must be at least 1, got {max_steps_factor}")
+        raise ValueError(f"max_steps_factor must be at least 1, got {max_steps_factor}")
     parsed = [parse_strategy(s) for s in strategies]  # every spec checked before any run
     labels = [p.label for p in parsed]
     canonical = [p.canonical for p in parsed]

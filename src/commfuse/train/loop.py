@@ -67,17 +67,17 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.steps < 1:
-            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+            raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.bucket_cap_mb <= 0:
-            raise ValueError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
+            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
         if self.compute_steps < 0 or self.checkpoint_every < 0:
             raise ValueError("compute_steps and checkpoint_every must be >= 0")
         if self.resume and not self.checkpoint_dir:
-            raise ValueError("--resume needs --checkpoint-dir")
+            raise ValueError("resume needs a checkpoint_dir")
         if self.extra_steps < 0:
             raise ValueError(f"extra_steps must be >= 0, got {self.extra_steps}")
         if self.init_from is not None and ckpt.latest_step(self.init_from) is None:
-            raise ValueError(f"--init-from {self.init_from}: no complete checkpoint there")
+            raise ValueError(f"init_from {self.init_from}: no complete checkpoint there")
         parse_strategy(self.strategy)  # ValueError before any rank starts
         make_workload(self.workload)
 
@@ -256,7 +256,7 @@ def _init_from(
     assert step is not None  # TrainConfig checked it
     if step >= config.steps:
         raise ValueError(
-            f"--init-from {config.init_from} is at step {step}: --steps (the total) must be "
+            f"init_from {config.init_from} is at step {step}: steps (the total) must be "
             f"larger, got {config.steps}"
         )
     state = ckpt.load_rank(config.init_from, step, rank)

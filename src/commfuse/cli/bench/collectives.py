@@ -16,6 +16,7 @@ from commfuse.cli.common import (
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
+    require_at_least,
     run_on_ranks,
     set_command,
     topology_from_args,
@@ -82,6 +83,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
     from commfuse.bench.table import control_note, render
 
     topology = topology_from_args(args)
+    require_at_least("--repeats", args.repeats, 1)
     config = CollectiveBenchConfig(
         ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),
         sizes_bytes=tuple(parse_sizes(args.sizes)),

@@ -22,6 +22,7 @@ from commfuse.cli.common import (
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
+    require_at_least,
     run_on_ranks,
     set_command,
     topology_from_args,
@@ -108,6 +109,7 @@ def run_bench_ddp(args: argparse.Namespace) -> int:
     from commfuse.bench.ddp import bench_ddp_on_rank
 
     topology = topology_from_args(args)
+    require_at_least("--repeats", args.repeats, 1)
     config = _config(args)
     print(
         f"commfuse bench ddp: {config.model}, {topology.describe()}, "

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
+    require_at_least,
     set_command,
     topology_from_args,
     will_emulate,
@@ -64,61 +67,55 @@ def register(bench_sub: Subparsers) -> None:
     set_command(parser, run_bench_fused)
 
 
+def parse_shapes(specs: list[str] | None) -> tuple[tuple[int, ...], ...] | None:
+    """``--shape`` values (``1024x2048x1024``, repeatable) as tuples of ints; None if none."""
+    if not specs:
+        return None
+    try:
+        return tuple(tuple(int(d) for d in s.lower().split("x")) for s in specs)
+    except ValueError:
+        raise ValueError(
+            f"--shape takes integers joined by x (1024x2048x1024), got {specs}"
+        ) from None
+
+
 def run_bench_fused(args: argparse.Namespace) -> int:
-    from commfuse.bench.fused import COLUMNS, FusedBenchConfig, bench_fused_on_rank, parse_shapes
+    """Operators (``--op``) or, with ``--step``, whole training steps of workloads; the same
+    cluster, shape, chunk, repetition and output flags for both."""
+    from commfuse.bench import fused, fused_steps
     from commfuse.cli.bench.report import run_and_report
 
+    topology = topology_from_args(args)
+    require_at_least("--repeats", args.repeats, 1)
+    shared: dict[str, Any] = {
+        "iters": args.repeats,
+        "warmup": args.warmup,
+        "chunks": args.chunks,
+        "shapes": parse_shapes(args.shape),
+        "emulated": will_emulate(topology, args),
+        "control": args.control,
+    }
+    config: Any
+    fn: Callable[[Any], list[dict[str, Any]]]
+    columns: Sequence[tuple[str, Any]]
     if args.step:
-        return run_bench_steps(args)
-    topology = topology_from_args(args)
-    config = FusedBenchConfig(
-        ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),
-        iters=args.repeats,
-        warmup=args.warmup,
-        chunks=args.chunks,
-        shapes=parse_shapes(args.shape),
-        emulated=will_emulate(topology, args),
-        control=args.control,
-    )
+        config = fused_steps.StepBenchConfig(steps=_names(args.step), **shared)
+        fn, columns = fused_steps.bench_steps_on_rank, fused_steps.COLUMNS
+        what, heading = "--step", "Fused training-step benchmark"
+        unit = "steps"
+    else:
+        config = fused.FusedBenchConfig(ops=_names(args.op), **shared)
+        fn, columns = fused.bench_fused_on_rank, fused.COLUMNS
+        what, heading = "", "Fused operators benchmark"
+        unit = "timed runs"
     print(
-        f"commfuse bench fused: {topology.describe()}, {config.iters} timed runs per variant (median)",
+        f"commfuse bench fused{' ' + what if what else ''}: {topology.describe()}, "
+        f"{config.iters} {unit} per variant (median)",
         file=sys.stderr,
     )
-    return run_and_report(
-        bench_fused_on_rank,
-        config,
-        topology,
-        args,
-        heading="Fused operators benchmark",
-        columns=COLUMNS,
-    )
+    return run_and_report(fn, config, topology, args, heading=heading, columns=columns)
 
 
-def run_bench_steps(args: argparse.Namespace) -> int:
-    """The ``--step`` form (same topology, shape and output flags): whole training steps."""
-    from commfuse.bench.fused import parse_shapes
-    from commfuse.bench.fused_steps import COLUMNS, StepBenchConfig, bench_steps_on_rank
-    from commfuse.cli.bench.report import run_and_report
-
-    topology = topology_from_args(args)
-    config = StepBenchConfig(
-        steps=tuple(s.strip() for s in args.step.split(",") if s.strip()),
-        iters=args.repeats,
-        warmup=args.warmup,
-        chunks=args.chunks,
-        shapes=parse_shapes(args.shape),
-        emulated=will_emulate(topology, args),
-        control=args.control,
-    )
-    print(
-        f"commfuse bench fused --step: {topology.describe()}, {config.iters} steps per variant (median)",
-        file=sys.stderr,
-    )
-    return run_and_report(
-        bench_steps_on_rank,
-        config,
-        topology,
-        args,
-        heading="Fused training-step benchmark",
-        columns=COLUMNS,
-    )
+def _names(text: str) -> tuple[str, ...]:
+    """A comma list (``a,b``) as a tuple of its non-empty names."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())

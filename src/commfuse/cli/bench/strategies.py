@@ -25,6 +25,7 @@ from commfuse.cli.common import (
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
+    require_at_least,
     run_on_ranks,
     set_command,
     topology_from_args,
@@ -99,6 +100,7 @@ def run_bench_strategies(args: argparse.Namespace) -> int:
     from commfuse.bench.strategies import StrategiesBenchConfig, bench_strategies_on_rank
 
     topology = topology_from_args(args)
+    require_at_least("--repeats", args.repeats, 1)
     config = StrategiesBenchConfig(
         strategies=tuple(args.strategy),
         workload=args.workload,
