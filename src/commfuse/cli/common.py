@@ -120,6 +120,16 @@ def add_output_arguments(
         )
 
 
+def add_control_argument(parser: argparse.ArgumentParser, *, what: str) -> None:
+    """--control: the A/A control of a balanced benchmark (``what``: which variant runs twice)."""
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help=f"A/A control: {what}; the ratio of the two is the noise floor, a ratio within it "
+        "is a tie",
+    )
+
+
 def require_at_least(flag: str, value: int, minimum: int) -> None:
     """ValueError naming the flag when ``value < minimum`` (checked before any rank starts)."""
     if value < minimum:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from commfuse.cli.common import (
     Subparsers,
+    add_control_argument,
     add_output_arguments,
     add_topology_arguments,
     emulate_arg,
@@ -67,12 +68,7 @@ def register(sub: Subparsers) -> None:
         help="rounds of all strategies in balanced orders (A B C D, D C B A, ...); medians over "
         "rounds of the step times, the busy share and the time to the baseline's loss",
     )
-    parser.add_argument(
-        "--control",
-        action="store_true",
-        help="A/A control: run the baseline twice per round (NAME', a job of its own); its "
-        "x_ddp is the noise floor, ratios within it are ties",
-    )
+    add_control_argument(parser, what="run the baseline twice per round (NAME', a job of its own)")
     parser.add_argument(
         "--max-steps-factor",
         type=float,

@@ -13,6 +13,7 @@ from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
+    add_control_argument,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
@@ -60,10 +61,8 @@ def register(bench_sub: Subparsers) -> None:
         default="float32",
         choices=["float32", "float64", "float16", "bfloat16", "int32", "int64"],
     )
-    coll.add_argument(
-        "--control",
-        action="store_true",
-        help="A/A control: also time the first algorithm as a second variant (its buffers of its own); the ratio of the two is the noise floor, ratios within it are ties",
+    add_control_argument(
+        coll, what="time the first algorithm twice (the second with buffers of its own)"
     )
     add_output_arguments(
         coll,

@@ -19,6 +19,7 @@ from typing import Any
 from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
+    add_control_argument,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
@@ -60,11 +61,7 @@ def register(bench_sub: Subparsers) -> None:
     parser.add_argument(
         "--repeats", type=int, default=7, help="timed blocks per engine; medians reported"
     )
-    parser.add_argument(
-        "--control",
-        action="store_true",
-        help="A/A control: time a second torch DDP (torch_ddp'); its ratio to the first is the noise floor, ratios within it are ties",
-    )
+    add_control_argument(parser, what="time torch DDP twice (torch_ddp')")
     add_output_arguments(parser, json="one record per engine")
     add_timeout_argument(parser, default_s=900.0)
     set_command(parser, run_bench_ddp)

@@ -14,6 +14,7 @@ from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
+    add_control_argument,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
@@ -57,10 +58,10 @@ def register(bench_sub: Subparsers) -> None:
         help="time whole training steps of these workloads (comma list: dlrm, tp-transformer, "
         "tp-transformer-sp) instead of --op",
     )
-    parser.add_argument(
-        "--control",
-        action="store_true",
-        help="A/A control: time the unfused reference twice per round (U and U'; with --step a second unfused model); U'/U is the noise floor, fused/unfused within it is a tie",
+    add_control_argument(
+        parser,
+        what="time the unfused reference twice per round (U and U'; with --step a second "
+        "unfused model)",
     )
     add_output_arguments(parser, json="one record per row", markdown="a dated report")
     add_timeout_argument(parser, default_s=900.0)

@@ -22,6 +22,7 @@ from typing import Any
 from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
+    add_control_argument,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
@@ -58,11 +59,7 @@ def register(bench_sub: Subparsers) -> None:
     parser.add_argument(
         "--no-compute", action="store_true", help="skip the bare model (the compute floor)"
     )
-    parser.add_argument(
-        "--control",
-        action="store_true",
-        help="A/A control: build and time the first strategy twice (NAME'); its ratio is the noise floor, ratios within it are ties",
-    )
+    add_control_argument(parser, what="build and time the first strategy twice (NAME')")
     add_output_arguments(parser, json="one record per strategy")
     add_timeout_argument(parser, default_s=1200.0)
     set_command(parser, run_bench_strategies)
