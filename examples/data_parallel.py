@@ -34,7 +34,7 @@ def main() -> None:
 
     # state_dict() also holds the compressor's error feedback and PowerSGD's factors.
     torch.save(model.state_dict(), f"/tmp/commfuse-example-rank{comm.rank}.pt")
-    checksum = sum(float(p.double().sum()) for p in net.parameters())
+    checksum = sum(float(p.detach().double().sum()) for p in net.parameters())
     print(f"rank {comm.rank} checksum {checksum:.10f}")
     model.close()
     dist.destroy_process_group()

@@ -36,7 +36,7 @@ def main() -> None:
             print(f"step {step} loss {loss.item():.4f}")
 
     # Every rank applied the same averaged gradients: the replicas are still identical.
-    checksum = sum(float(p.double().sum()) for p in model.parameters())
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     print(f"rank {dist.get_rank()} checksum {checksum:.10f}")
     dist.destroy_process_group()
 

@@ -35,7 +35,7 @@ def main() -> None:
             print(f"step {step} loss {loss.item():.4f}")
 
     optimizer.finish()  # average what moved since the last exchange: one model on every rank
-    checksum = sum(float(p.double().sum()) for p in net.parameters())
+    checksum = sum(float(p.detach().double().sum()) for p in net.parameters())
     print(f"rank {comm.rank} checksum {checksum:.10f}")
     dist.destroy_process_group()
 

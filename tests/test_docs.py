@@ -57,6 +57,13 @@ def test_benchmark_files_are_named_by_topic_setup_and_month() -> None:
     assert not bad, f"not {{topic}}_{{setup}}_{{yyyymm}}.{{md,json,png}}: {bad}"
 
 
+def test_benchmarks_hold_reports_and_device_scripts_only() -> None:
+    folders = sorted(p.name for p in BENCH.iterdir() if p.is_dir())
+    assert folders == ["device"], (
+        f"benchmarks/ holds reports and device/ only (benchmarks/README.md), found {folders}"
+    )
+
+
 def test_every_json_and_png_has_its_report() -> None:
     for data in [*BENCH.glob("*.json"), *BENCH.glob("*.png")]:
         report = data.with_suffix(".md")

@@ -52,7 +52,28 @@ def _broadcast_tensors(comm: Communicator, tensors: list[torch.Tensor]) -> None:
 
 
 class DataParallel(nn.Module):
-    """Wrap ``module`` for data-parallel training over ``comm`` (the world when None)."""
+    """Wrap ``module`` for data-parallel training over ``comm`` (the world when None).
+
+    Args:
+        module: the model; its parameters and buffers are broadcast from rank 0 at construction.
+        comm: the data-parallel group; None: a ``Communicator`` over the world.
+        config: buckets, algorithm, compressor, non-finite policy; None: ``DataParallelConfig()``.
+
+    Raises:
+        ValueError: ``module`` is not an ``nn.Module``, or the config is inconsistent (the message
+            names the field).
+        NonFiniteGradientError: from ``step``, with ``on_nonfinite="raise"``, when a gradient is
+            NaN or Inf on some rank (names the parameter).
+        CommTimeoutError: a bucket's exchange passed the communicator's deadline.
+
+    Example:
+        ```python
+        model = DataParallel(net, comm, config=DataParallelConfig(compressor=PowerSGD(rank=4)))
+        loss_fn(model(batch)).backward()  # buckets leave as their last gradient arrives
+        model.step(optimizer)  # waits for the buckets; skips the step on NaN/Inf anywhere
+        optimizer.zero_grad()
+        ```
+    """
 
     def __init__(
         self,

@@ -1,0 +1,167 @@
+"""The README: its results table quotes only numbers its reports hold; its commands answer --help.
+
+- Every number in the "measured" column of the results table appears in the JSON of the report
+  that row links (scaled to the unit it is quoted in), or is a ratio or a relative difference
+  of two such numbers of the same cell.
+- Every ``commfuse`` command the README shows in code answers ``--help``.
+- Every Python snippet of the README is part of a script in ``examples/`` (its lines, in order),
+  so the snippets are run by ``tests/test_examples.py``.
+- No line of it tells the history of its own making (the patterns of ``test_docs.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from commfuse.cli.report import render_result
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+README = ROOT / "README.md"
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?")
+
+
+def json_numbers(data: Any) -> Iterator[float]:
+    if isinstance(data, bool):
+        return
+    if isinstance(data, int | float):
+        yield float(data)
+    elif isinstance(data, dict):
+        for value in data.values():
+            yield from json_numbers(value)
+    elif isinstance(data, list):
+        for value in data:
+            yield from json_numbers(value)
+
+
+#: Units a report's numbers are quoted in: seconds as ms, microseconds as ms, bytes as MB,
+#: fractions as percent.
+SCALES = (1.0, 1e3, 1e-3, 1e-6, 100.0)
+
+
+def quoted_in(text: str, values: list[float]) -> bool:
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    target = abs(float(text))
+    tolerance = 0.5 * 10.0**-decimals + 1e-9
+    return any(abs(abs(v) * s - target) <= tolerance for v in values for s in SCALES)
+
+
+def derived(text: str, row: list[float]) -> bool:
+    """A ratio (``a / b``) or a relative difference in percent of two numbers of the cell."""
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    target = abs(float(text))
+    tolerance = 0.5 * 10.0**-decimals + 1e-9
+    for a in row:
+        for b in row:
+            if a == b or b == 0:
+                continue
+            for candidate in (a / b, abs(a / b - 1) * 100):
+                if abs(candidate - target) <= tolerance:
+                    return True
+    return False
+
+
+def results_rows() -> list[tuple[str, str, Path]]:
+    """(measured cell, command cell, report) of each row of the README's results table."""
+    lines = README.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("## Results"))
+    rows = []
+    for line in lines[start + 1 :]:
+        if line.startswith("## "):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 4 or set(cells[0]) <= {"-", " "}:
+            continue
+        links = LINK.findall(cells[-1])
+        if not links:
+            continue
+        rows.append((cells[1], cells[2], (ROOT / links[0]).resolve()))
+    return rows
+
+
+def test_readme_results_table_quotes_only_numbers_its_reports_hold() -> None:
+    rows = results_rows()
+    assert 5 <= len(rows) <= 16, f"the README's results table has {len(rows)} rows"
+    for measured, _command, report in rows:
+        assert report.parent == BENCH.resolve() and report.exists(), f"bad report link {report}"
+        data = json.loads(report.with_suffix(".json").read_text())
+        # What the JSON holds, and what `commfuse report` computes from it (medians, summaries).
+        values = [*json_numbers(data), *map(float, NUMBER.findall(render_result(data)))]
+        numbers = NUMBER.findall(measured.replace("**", ""))
+        assert numbers, f"no number in {measured!r}"
+        sourced = [float(n) for n in numbers if quoted_in(n, values)]
+        for n in numbers:
+            assert quoted_in(n, values) or derived(n, sourced), (
+                f"README results: {n} in {measured!r} is not in {report.name}'s JSON"
+            )
+
+
+def test_the_readme_tells_no_history() -> None:
+    from test_docs import HISTORY
+
+    for lineno, line in enumerate(README.read_text().splitlines(), 1):
+        for pattern in HISTORY:
+            assert not pattern.search(line), f"README.md:{lineno}: {line}"
+
+
+def readme_commands() -> set[tuple[str, ...]]:
+    """``commfuse SUB [SUBSUB]`` of every command the README shows."""
+    text = README.read_text()
+    code = "\n".join(re.findall(r"```.*?```", text, re.DOTALL) + re.findall(r"`[^`\n]+`", text))
+    found = set()
+    for match in re.finditer(r"\bcommfuse((?: [a-z][a-z-]*){1,2})", code):
+        words = tuple(match.group(1).split())
+        if words[0] in {"bench", "net"}:
+            found.add(words[:2])
+        else:
+            found.add(words[:1])
+    return found
+
+
+def test_every_readme_command_answers_help() -> None:
+    from commfuse.cli import main
+
+    commands = readme_commands()
+    assert ("compare",) in commands and ("launch",) in commands
+    for words in sorted(commands):
+        out = io.StringIO()
+        with (
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(io.StringIO()),
+            pytest.raises(SystemExit) as exit_info,
+        ):
+            main([*words, "--help"])
+        assert exit_info.value.code == 0, f"commfuse {' '.join(words)} --help failed"
+        assert "usage:" in out.getvalue()
+
+
+def test_every_python_snippet_is_part_of_a_tested_example() -> None:
+    examples = {
+        p.name: [line.strip() for line in p.read_text().splitlines()]
+        for p in (ROOT / "examples").glob("*.py")
+    }
+    snippets = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+    assert len(snippets) >= 5
+    for snippet in snippets:
+        lines = [line.strip() for line in snippet.splitlines() if line.strip()]
+        homes = [name for name, body in examples.items() if _in_order(lines, body)]
+        assert homes, f"this README snippet is in no examples/*.py:\n{snippet}"
+
+
+def _in_order(lines: list[str], body: list[str]) -> bool:
+    position = 0
+    for line in lines:
+        try:
+            position = body.index(line, position) + 1
+        except ValueError:
+            return False
+    return True
