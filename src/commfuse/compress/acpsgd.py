@@ -77,13 +77,18 @@ class ACPSGD(PowerSGD):
         self._move_factors(self.ps, "p", bucket, layout, sources)
 
     def _initial_factor(
-        self, factor: Literal["p", "q"], plan: Plan, dtype: torch.dtype, bucket: int
+        self,
+        factor: Literal["p", "q"],
+        plan: Plan,
+        dtype: torch.dtype,
+        bucket: int,
+        device: torch.device,
     ) -> torch.Tensor:
         """The fixed factor of a bucket's first P step (Q) or Q step (P), drawn alike on
-        every rank."""
+        every rank (on the CPU generator, so every device draws the same numbers)."""
         numel = plan.q_numel if factor == "q" else plan.p_numel
         gen = generator_for(self.seed, bucket, 0 if factor == "q" else 1)
-        return torch.randn(numel, generator=gen).to(dtype)
+        return torch.randn(numel, generator=gen, device="cpu").to(device=device, dtype=dtype)
 
     def payload_bytes(
         self,
@@ -140,7 +145,7 @@ class ACPSGD(PowerSGD):
         x = self.feedback.corrected(key, grad) if self.ef else grad
         flat = self._flat_plan(numel)
         dtype = factor_dtype(grad.dtype)
-        padded = torch.zeros(flat.numel, dtype=dtype)
+        padded = torch.zeros(flat.numel, dtype=dtype, device=grad.device)
         padded[:numel] = x
         residual = torch.empty_like(padded) if self.ef and commit else None
         committed = self._exchange(comm, padded, flat, residual, bucket, send_p, commit, grad.dtype)
@@ -172,9 +177,8 @@ class ACPSGD(PowerSGD):
         key = self._state_key(bucket)
         fixed_all = fixed_store.get(key)
         if fixed_all is None or fixed_all.shape != (fixed_numel,) or fixed_all.dtype != dtype:
-            gen = generator_for(self.seed, bucket, 0 if send_p else 1)
-            fixed_all = torch.randn(fixed_numel, generator=gen).to(dtype)
-        message = torch.empty(plan.plain_numel + sent_numel, dtype=dtype)
+            fixed_all = self._initial_factor("q" if send_p else "p", plan, dtype, bucket, xf.device)
+        message = torch.empty(plan.plain_numel + sent_numel, dtype=dtype, device=xf.device)
         plan.pack_plain(xf, message)
         sent_all = message[plan.plain_numel :]
         blocks = []  # per group: (group, matrices, fixed factors orthonormalised, sent's place)

@@ -64,7 +64,7 @@ class MessageCompressor(Compressor):
     ) -> list[torch.Tensor]:
         """Every rank's message fields (rank x numel each), with one allgather."""
         words = layout.pack(parts)
-        gathered = torch.empty(comm.world_size * words.numel(), dtype=torch.int32)
+        gathered = words.new_empty(comm.world_size * words.numel())
         C.all_gather(comm, gathered, words, algo=self.gather_algo)
         return layout.unpack(gathered)
 

@@ -208,11 +208,18 @@ class PowerSGD(Compressor):
         self._move_factors(self.qs, "q", bucket, layout, sources)
 
     def _initial_factor(
-        self, factor: Literal["p", "q"], plan: Plan, dtype: torch.dtype, bucket: int
+        self,
+        factor: Literal["p", "q"],
+        plan: Plan,
+        dtype: torch.dtype,
+        bucket: int,
+        device: torch.device,
     ) -> torch.Tensor:
-        """The factor a bucket starts from (a normal draw, the same on every rank)."""
+        """The factor a bucket starts from: a normal draw, the same on every rank (on the CPU
+        generator, so every device draws the same numbers)."""
         del factor  # PowerSGD starts from Q only
-        return torch.randn(plan.q_numel, generator=generator_for(self.seed, bucket)).to(dtype)
+        gen = generator_for(self.seed, bucket)
+        return torch.randn(plan.q_numel, generator=gen, device="cpu").to(device=device, dtype=dtype)
 
     def _move_factors(
         self,
@@ -251,7 +258,7 @@ class PowerSGD(Compressor):
         if not pieces:
             return
         like = pieces[0][1]
-        new = self._initial_factor(factor, plan, like.dtype, bucket).to(like.device)
+        new = self._initial_factor(factor, plan, like.dtype, bucket, like.device)
         for start, piece in pieces:
             new[start : start + piece.numel()] = piece
             self.state_moves.moved_numel += piece.numel()
@@ -326,10 +333,13 @@ class PowerSGD(Compressor):
         C.all_reduce(comm, on_wire, "sum", algo=self.algo)
         message.copy_(on_wire)
 
-    def initial_q(self, cols: int, dtype: torch.dtype, bucket: int) -> torch.Tensor:
+    def initial_q(
+        self, cols: int, dtype: torch.dtype, bucket: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
         """The first Q of a bucket: a normal draw, the same on every rank (``cols x rank``;
         with a layout, ``cols`` = every matrix's Q elements / rank)."""
-        return torch.randn(cols, self.rank, generator=generator_for(self.seed, bucket)).to(dtype)
+        gen = generator_for(self.seed, bucket)
+        return torch.randn(cols, self.rank, generator=gen, device="cpu").to(device, dtype)
 
     # -- reduce -----------------------------------------------------------------------------------
     def _reduce(
@@ -362,9 +372,9 @@ class PowerSGD(Compressor):
         xf = grad if grad.dtype == dtype else grad.to(dtype)
         q_all = self.qs.get(key)
         if q_all is None or q_all.shape != (plan.q_numel,) or q_all.dtype != dtype:
-            q_all = self._initial_factor("q", plan, dtype, bucket)
+            q_all = self._initial_factor("q", plan, dtype, bucket, grad.device)
         # Message 1: [plain elements | P of every matrix]; P = M Q written straight into it.
-        first = torch.empty(plan.plain_numel + plan.p_numel, dtype=dtype)
+        first = torch.empty(plan.plain_numel + plan.p_numel, dtype=dtype, device=grad.device)
         plan.pack_plain(xf, first)
         p_all = first[plan.plain_numel :]
         blocks = []  # per group: (matrices, P block, Q block)
@@ -383,7 +393,7 @@ class PowerSGD(Compressor):
         first_finite = all_finite(first)
         commit = commit and first_finite
         # Message 2: Q = M^T P per matrix, with P orthonormalised one batched QR per shape.
-        q_new = torch.empty(plan.q_numel, dtype=dtype)
+        q_new = torch.empty(plan.q_numel, dtype=dtype, device=grad.device)
         residual = None
         if self.ef and commit:  # only a finite step may touch the state
             residual = old if old is not None and old.dtype == dtype else torch.empty_like(xf)
@@ -404,7 +414,7 @@ class PowerSGD(Compressor):
             self.qs[key] = q_new  # warm start of the next step (a fresh tensor, not shared)
         self.output_finite = self._certify(first_finite and q_finite, q_new, grad.dtype)
         # Output: the averaged plain elements and P Q^T per matrix, in place.
-        out = grad if grad.dtype == dtype else torch.empty(plan.numel, dtype=dtype)
+        out = grad if grad.dtype == dtype else torch.empty_like(grad, dtype=dtype)
         plan.unpack_plain(first, out)
         for g, (_, ps) in zip(plan.groups, blocks, strict=True):
             qs = q_new[g.q_offset : g.q_offset + g.q_numel].view(len(ps), g.cols, g.rank)
@@ -422,12 +432,12 @@ class PowerSGD(Compressor):
         dtype = factor_dtype(grad.dtype)
         key = self._state_key(bucket)
         x = self.feedback.corrected(key, grad) if self.ef else grad
-        matrix = torch.zeros(m * c, dtype=dtype)
+        matrix = torch.zeros(m * c, dtype=dtype, device=grad.device)
         matrix[:numel] = x
         matrix = matrix.view(m, c)
         q = self.qs.get(key)
         if q is None or q.shape != (c, self.rank) or q.dtype != dtype:
-            q = self.initial_q(c, dtype, bucket)
+            q = self.initial_q(c, dtype, bucket, grad.device)
         p = matrix @ q
         self._average(comm, p)
         # Another rank's non-finite gradient reaches everyone through P: keep Q and e clean.

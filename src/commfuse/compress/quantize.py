@@ -71,7 +71,7 @@ class _StochasticQuantizer(MessageCompressor):
         self, x: torch.Tensor, *, step: int = 0, bucket: int = 0, rank: int = 0
     ) -> list[torch.Tensor]:
         numel, chunk, s = x.numel(), self.chunk_numel, self.levels
-        chunks = torch.zeros(self._num_chunks(numel) * chunk, dtype=torch.float32)
+        chunks = torch.zeros(self._num_chunks(numel) * chunk, dtype=torch.float32, device=x.device)
         chunks[:numel] = x.float()
         chunks = chunks.view(-1, chunk)
         if self.use_max_norm:
@@ -79,7 +79,8 @@ class _StochasticQuantizer(MessageCompressor):
         else:
             norms = torch.linalg.vector_norm(chunks, dim=1)
         safe = torch.where(norms > 0, norms, torch.ones_like(norms)).unsqueeze(1)
-        uniform = torch.rand(chunks.shape, generator=generator_for(self.seed, step, bucket, rank))
+        gen = generator_for(self.seed, step, bucket, rank)  # CPU: the same draws on any device
+        uniform = torch.rand(chunks.shape, generator=gen, device="cpu").to(x.device)
         # |x| / norm <= 1, so levels stay within 0..s (the clamp guards float rounding only).
         level = torch.floor(chunks.abs() / safe * s + uniform).clamp_(0, s)
         codes = (torch.sign(chunks) * level + s).reshape(-1)[:numel].to(torch.uint8)

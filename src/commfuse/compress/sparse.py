@@ -45,7 +45,7 @@ def scatter_sum(
     values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """A dense vector holding the sum of every row's (values, indices) pairs."""
-    out = torch.zeros(numel, dtype=dtype)
+    out = torch.zeros(numel, dtype=dtype, device=values.device)
     out.index_add_(0, indices.reshape(-1).long(), values.reshape(-1).to(dtype))
     return out
 
@@ -95,28 +95,30 @@ class RandomK(Compressor):
     def __post_init__(self) -> None:
         self._check_positive("ratio", self.ratio, at_most=1.0)
 
-    def indices(self, numel: int, *, step: int, bucket: int) -> torch.Tensor:
-        """The k indices every rank uses at (step, bucket), sorted (a friendlier gather)."""
+    def indices(
+        self, numel: int, *, step: int, bucket: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """The k indices every rank uses at (step, bucket), sorted (a friendlier gather), on
+        ``device`` (drawn on the CPU generator, so every device gets the same ones)."""
         k = num_kept(self.ratio, numel)
         # Stratified: one uniform index in each of k equal strata [i d/k, (i+1) d/k). Every
         # element is kept with probability ~k/d, as with a random permutation, but drawing
         # costs O(k) instead of a random permutation's O(d).
-        bounds = torch.div(torch.arange(k + 1) * numel, k, rounding_mode="floor")
-        uniform = torch.rand(
-            k, generator=generator_for(self.seed, step, bucket), dtype=torch.float64
-        )
+        bounds = torch.div(torch.arange(k + 1, device="cpu") * numel, k, rounding_mode="floor")
+        gen = generator_for(self.seed, step, bucket)
+        uniform = torch.rand(k, generator=gen, dtype=torch.float64, device="cpu")
         offsets = (uniform * (bounds[1:] - bounds[:-1])).long()
-        return bounds[:-1] + offsets
+        return (bounds[:-1] + offsets).to(device)
 
     def compress(self, x: torch.Tensor, *, step: int = 0, bucket: int = 0) -> torch.Tensor:
         """The message: the values at the shared indices."""
-        return x[self.indices(x.numel(), step=step, bucket=bucket)]
+        return x[self.indices(x.numel(), step=step, bucket=bucket, device=x.device)]
 
     def decompress(
         self, message: torch.Tensor, numel: int, *, step: int = 0, bucket: int = 0
     ) -> torch.Tensor:
-        out = torch.zeros(numel, dtype=message.dtype)
-        out[self.indices(numel, step=step, bucket=bucket)] = message
+        out = message.new_zeros(numel)
+        out[self.indices(numel, step=step, bucket=bucket, device=message.device)] = message
         return out
 
     def _reduce(
@@ -124,7 +126,7 @@ class RandomK(Compressor):
     ) -> None:
         key = self._state_key(bucket)
         x = self.feedback.corrected(key, grad) if self.ef else grad
-        index = self.indices(grad.numel(), step=step, bucket=bucket)
+        index = self.indices(grad.numel(), step=step, bucket=bucket, device=grad.device)
         message = x[index]
         if self.ef and commit:
             x[index] = 0  # x is the corrected copy: what stays behind is the residual
@@ -151,7 +153,10 @@ class RandomBlock(RandomK):
 
     name: ClassVar[str] = "randblock"
 
-    def indices(self, numel: int, *, step: int, bucket: int) -> torch.Tensor:
+    def indices(
+        self, numel: int, *, step: int, bucket: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
         k = num_kept(self.ratio, numel)
-        start = int(torch.randint(numel, (1,), generator=generator_for(self.seed, step, bucket)))
-        return (torch.arange(k) + start) % numel
+        gen = generator_for(self.seed, step, bucket)
+        start = int(torch.randint(numel, (1,), generator=gen, device="cpu"))
+        return (torch.arange(k, device=device) + start) % numel

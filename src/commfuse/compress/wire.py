@@ -22,7 +22,7 @@ WORD_BYTES = 4
 
 
 def element_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def divided_into(x: torch.Tensor, world_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -66,7 +66,8 @@ class Layout:
                     f"message field must be {numel} x {dtype}, got {part.numel()} x {part.dtype}"
                 )
             chunks.append(part.reshape(-1).contiguous().view(torch.uint8))
-        chunks.append(torch.zeros(self.wire_bytes - self.nbytes, dtype=torch.uint8))
+        device = parts[0].device if parts else None
+        chunks.append(torch.zeros(self.wire_bytes - self.nbytes, dtype=torch.uint8, device=device))
         return torch.cat(chunks).view(torch.int32)
 
     def unpack(self, words: torch.Tensor) -> list[torch.Tensor]:
@@ -76,7 +77,7 @@ class Layout:
         for dtype, numel in self.fields:
             size = element_bytes(dtype) * numel
             # A fresh buffer (offset 0, contiguous) so the bytes can be reinterpreted as dtype.
-            field = torch.empty((rows.shape[0], size), dtype=torch.uint8)
+            field = rows.new_empty((rows.shape[0], size))
             field.copy_(rows[:, offset : offset + size])
             out.append(field.view(dtype))
             offset += size
@@ -100,9 +101,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 ``codes`` (each < 2**bits) 8/bits per byte; the tail byte is zero-padded."""
     per_byte = 8 // bits
     numel = codes.numel()
-    padded = torch.zeros(packed_bytes(numel, bits) * per_byte, dtype=torch.uint8)
+    padded = codes.new_zeros(packed_bytes(numel, bits) * per_byte, dtype=torch.uint8)
     padded[:numel] = codes.reshape(-1)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
     # Codes occupy disjoint bit ranges, so the sum of the shifted codes is their bitwise or.
     return (padded.view(-1, per_byte) << shifts).sum(dim=1, dtype=torch.uint8)
 
@@ -110,7 +111,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Inverse of ``pack_bits`` over rows: ``ranks x bytes`` -> ``ranks x numel`` uint8 codes."""
     rows = packed if packed.dim() == 2 else packed.reshape(1, -1)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
     codes = (rows.unsqueeze(-1) >> shifts) & mask
     return codes.reshape(rows.shape[0], -1)[:, :numel]

@@ -407,7 +407,7 @@ class Reducer:
         """(rank, parameter) of every non-finite tensor of ``bucket`` on any rank."""
         # One flag per tensor holding rank + 1 where non-finite: after a max, each bad tensor
         # names a rank (the highest bad one) in 4 bytes per tensor at any world size.
-        flags = torch.zeros(len(bucket.params))
+        flags = torch.zeros(len(bucket.params), device=bucket.flat.device)
         for slot in slots:
             flags[slot] = float(self.comm.rank + 1)
         all_reduce(self.comm, flags, "max", algo="native")
@@ -447,7 +447,9 @@ class Reducer:
         used_counts = None
         used_handle: Any = None
         if self.config.find_unused_parameters and not self.config.skip_communication:
-            used_counts = torch.tensor(self.used_since_sync, dtype=torch.int32)
+            used_counts = torch.tensor(
+                self.used_since_sync, dtype=torch.int32, device=self.buckets[0].flat.device
+            )
             used_handle = (
                 self.comm.all_reduce(used_counts, "sum", async_op=True)
                 if self.direct
@@ -578,7 +580,11 @@ class Reducer:
 
         self.merged = True
         order = [i for group in self.groups for i in group]
-        ready = torch.tensor([self.arrival_s[i] for i in order], dtype=torch.float64)
+        ready = torch.tensor(
+            [self.arrival_s[i] for i in order],
+            dtype=torch.float64,
+            device=self.buckets[0].flat.device,
+        )
         broadcast(self.comm, ready, 0, algo="native")
         profile = tuner.profile_of(self.comm)
         world = self.comm.world_size
