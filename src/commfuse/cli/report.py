@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from commfuse.bench.table import ratio_cell
 from commfuse.cli.common import Subparsers, add_output_arguments, set_command
 
 Record = dict[str, Any]
@@ -34,7 +35,7 @@ STRATEGIES_COLUMNS: tuple[Column, ...] = (
     ("strategy", lambda r: r["strategy"]),
     ("step_ms", _ms("step_s")),
     ("min-max_ms", lambda r: f"{r['step_s_min'] * 1e3:.0f}-{r['step_s_max'] * 1e3:.0f}"),
-    ("x_first", lambda r: f"{r['ratio_to_first']:.3f}"),
+    ("x_first", lambda r: ratio_cell(r, "ratio_to_first")),
     ("spread", lambda r: f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"),
     ("/compute", lambda r: f"{r['step_over_compute']:.2f}"),
     ("fwd_ms", _ms("forward_s")),
@@ -50,7 +51,7 @@ DDP_COLUMNS: tuple[Column, ...] = (
     ("step_ms", _ms("step_s")),
     ("min-max_ms", lambda r: f"{r['step_s_min'] * 1e3:.0f}-{r['step_s_max'] * 1e3:.0f}"),
     ("exposed_ms", _ms("exposed_comm_s")),
-    ("x_torch", lambda r: f"{r['ratio_to_torch_ddp']:.3f}"),
+    ("x_torch", lambda r: ratio_cell(r, "ratio_to_torch_ddp")),
     ("spread", lambda r: f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"),
     ("buckets", lambda r: "-" if r["num_buckets"] is None else str(r["num_buckets"])),
 )
