@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from commfuse.cli import main
 from commfuse.train import TrainConfig, parse_strategy, train_rank
@@ -34,7 +36,10 @@ def test_commfuse_matches_torch_ddp_and_bytes_are_counted(pool: Any) -> None:
     ddp = p.run(run_rank, _config("ddp", 5, compute_steps=2), timeout_s=60)
     ours = p.run(run_rank, _config("commfuse", 5), timeout_s=60)
     fp16 = p.run(run_rank, _config("ddp-fp16", 5), timeout_s=60)
+    copies = p.run(run_rank, _config("ddp:bucket_view=0", 5), timeout_s=60)
     assert ddp[0]["digest"] == ddp[1]["digest"] == ours[0]["digest"] == ours[1]["digest"]
+    # gradient_as_bucket_view (the default) changes where gradients live, not their values.
+    assert copies[0]["digest"] == ddp[0]["digest"]
     assert fp16[0]["digest"] != ddp[0]["digest"]  # fp16 rounding changes the update
     # torch DDP: every bucket (all gradients) once per step; its fp16 hook: half of that.
     assert ddp[0]["history"]["bytes"] == [DIGITS_GRAD_BYTES] * 5
@@ -45,12 +50,22 @@ def test_commfuse_matches_torch_ddp_and_bytes_are_counted(pool: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "strategy", ["ddp", "topk:ratio=0.05", "ddp-fp16", "powersgd:rank=2,warmup=1,staleness=1"]
+    "strategy",
+    [
+        "ddp",
+        "topk:ratio=0.05",
+        "ddp-fp16",
+        "powersgd:rank=2,warmup=1",
+        "powersgd:rank=2,warmup=1,staleness=1",
+        "powersgd:rank=2,warmup=4,warmup_rank=4,wire=bf16",
+    ],
 )
 def test_resume_from_checkpoint_is_exact(pool: Any, tmp_path: Path, strategy: str) -> None:
     """Checkpoint at step 3 of 7, resume to 7: the same parameters, bit for bit, as 7 straight
-    (topk carries error-feedback residuals in its checkpointed state; staleness=1 a gradient
-    still in flight)."""
+    (topk carries error-feedback residuals in its checkpointed state; PowerSGD its Q and
+    residuals, with staleness=1 also a gradient still in flight, and in the last case a
+    rank-4 warm-up that is still running at the checkpoint). Every file is loaded weights-only,
+    so this also holds each strategy's state to tensors and plain data."""
     p = pool(2)
     full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
     full = p.run(
@@ -113,6 +128,30 @@ def test_init_from_continues_another_strategys_model(pool: Any, tmp_path: Path) 
         _config("ddp", 6, init_from=str(tmp_path / "nothing"))
 
 
+def test_resume_of_torchs_powersgd_hook_warns_that_it_is_not_exact(
+    pool: Any, tmp_path: Path
+) -> None:
+    """torch's hook state is saved as plain data (its numpy RNG as tensors) and restored, but
+    ``--resume`` of ddp-powersgd says that it does not continue bit for bit."""
+    from commfuse.train.loop import ResumeNotExactWarning
+
+    spec = "ddp-powersgd:rank=2,warmup=2,wire=fp16"
+    p = pool(2)
+    full = p.run(run_rank, _config(spec, 5, checkpoint_dir=str(tmp_path), checkpoint_every=3))
+    saved = ckpt.load_rank(tmp_path, 3, 0)["strategy"]["powersgd"]
+    assert saved["iter"] == 3 and saved["error_dict"] and saved["q_memory_dict"]
+    assert saved["rng"]["keys"].dtype == torch.int64
+    ckpt.mark_latest(tmp_path, 3)
+    with pytest.warns(ResumeNotExactWarning, match="ddp-powersgd is not exact: torch's"):
+        config = _config(spec, 5, checkpoint_dir=str(tmp_path), resume=True)
+    resumed = p.run(run_rank, config)
+    assert resumed[0]["start_step"] == 3 and resumed[0]["digest"] == resumed[1]["digest"]
+    assert len(resumed[0]["history"]["loss"]) == len(full[0]["history"]["loss"]) == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an exact strategy resumes without a word
+        _config("powersgd:rank=2", 5, checkpoint_dir=str(tmp_path), resume=True)
+
+
 def test_resume_refuses_a_different_run(pool: Any, tmp_path: Path) -> None:
     p = pool(2)
     p.run(run_rank, _config("ddp", 2, checkpoint_dir=str(tmp_path)), timeout_s=60)
@@ -132,8 +171,10 @@ def test_resume_refuses_a_different_run(pool: Any, tmp_path: Path) -> None:
         ("ddpp", "unknown strategy 'ddpp'; known: ddp, ddp-fp16, ddp-bf16, ddp-powersgd, commfuse"),
         (
             "ddp-powersgd:rnak=4",
-            "unknown option.*rnak.*known: error_feedback, min_compression_rate",
+            "unknown option.*rnak.*known: batch_same_shape, bucket_view, epsilon, error_feedback",
         ),
+        ("ddp-powersgd:wire=fp8", "wire must be one of fp32, fp16, bf16, got 'fp8'"),
+        ("ddp-powersgd:warmup=1", "warmup must be at least 2 with error feedback or warm start"),
         ("ddp-powersgd:rank=0", "rank must be at least 1"),
         ("ddp-powersgd:rank=four", "rank='four' is not a valid int"),
         ("commfuse:merge=maybe", "is not a boolean"),

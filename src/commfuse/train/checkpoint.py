@@ -10,12 +10,24 @@ size), which ``--resume`` checks so a checkpoint is never continued by a differe
 Files are written to a temporary name and renamed (atomic on POSIX), and ``latest`` is written
 by rank 0 only after every rank has saved (a barrier), so a crash mid-save never leaves a
 ``latest`` pointing at a partial checkpoint.
+
+Files load with ``torch.load(weights_only=True)``: a checkpoint copied from elsewhere cannot run
+code when it is opened (a full unpickler calls whatever a pickle names). So what is saved is
+tensors, dicts, lists, tuples, numbers, strings and None only; the RNG states of numpy (a
+tuple holding an array) and Python are turned into those by :func:`rng_state`, and a file that
+holds anything else is refused with a ValueError naming it.
+
+RNG streams saved: torch's CPU generator, Python's ``random``, numpy's global generator, and,
+when this process has used CUDA, the current CUDA device's generator (a rank drives one device).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +41,58 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
 
 
-def rng_state() -> dict[str, Any]:
+def numpy_rng_to_dict(state: tuple[Any, ...] | dict[str, Any]) -> dict[str, Any]:
+    """A numpy ``RandomState.get_state()`` as tensors and numbers (loadable weights-only)."""
+    if isinstance(state, dict):  # numpy's dict form (legacy=False)
+        raise ValueError("expected numpy's legacy MT19937 state tuple")
+    name, keys, pos, has_gauss, cached_gaussian = state
+    if name != "MT19937":
+        raise ValueError(f"numpy RNG state of {name!r} is not MT19937")
     return {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        # uint32 words stored as int64: every value fits, and int64 is a plain tensor dtype.
+        "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
     }
 
 
+def numpy_rng_from_dict(state: dict[str, Any]) -> tuple[Any, ...]:
+    """The inverse of :func:`numpy_rng_to_dict`: a tuple for ``RandomState.set_state``."""
+    keys = state["keys"].numpy().astype(np.uint32)
+    return ("MT19937", keys, state["pos"], state["has_gauss"], state["cached_gaussian"])
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (see the module docstring), loadable weights-only."""
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),  # (version, tuple of 625 ints, None): plain data
+        "numpy": numpy_rng_to_dict(np.random.get_state()),
+    }
+    # Only when CUDA is in use here: querying it otherwise would create a context on a
+    # device this rank never touches.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        device = torch.cuda.current_device()
+        state["cuda"] = {"device": device, "state": torch.cuda.get_rng_state(device)}
+    return state
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved (a CUDA state needs CUDA here; warns otherwise)."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state(numpy_rng_from_dict(state["numpy"]))
+    cuda = state.get("cuda")
+    if cuda is not None:
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state(cuda["state"], cuda["device"])
+        else:
+            warnings.warn(
+                "the checkpoint holds a CUDA RNG state but CUDA is not available here: "
+                "random draws on the GPU will not continue the saved stream",
+                stacklevel=2,
+            )
 
 
 def save_rank(root: str | Path, step: int, rank: int, payload: dict[str, Any]) -> Path:
@@ -76,8 +128,38 @@ def load_rank(root: str | Path, step: int, rank: int) -> dict[str, Any]:
     path = step_dir(root, step) / f"rank{rank}.pt"
     if not path.is_file():
         raise ValueError(f"checkpoint {path} is missing (was it written by fewer ranks?)")
-    # Our own files, written by this program: they hold RNG states and numpy objects.
-    payload: dict[str, Any] = torch.load(path, weights_only=False)
+    return load_file(path)
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Load one checkpoint file weights-only: tensors and plain data, never code.
+
+    Raises:
+        ValueError: the file holds something else (an object whose unpickling would call a
+            function it names), or is not a checkpoint at all.
+    """
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
+        raise ValueError(f"{path} is not a readable checkpoint (not a torch.save file)")
+    try:
+        payload = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        # torch's message is a page of advice on loading the file anyway; keep its reason.
+        reason = next(
+            (
+                line.strip().split(". Please")[0]
+                for line in str(err).splitlines()
+                if "WeightsUnpickler error:" in line
+            ),
+            type(err).__name__,
+        )
+        raise ValueError(
+            f"refusing to load {path}: it holds more than tensors and plain data, and a "
+            f"checkpoint must not run code when it is opened ({reason})"
+        ) from None
+    except (RuntimeError, EOFError) as err:
+        raise ValueError(f"{path} is not a readable checkpoint: {err}") from None
+    if not isinstance(payload, dict):
+        raise ValueError(f"{path} is not a commfuse checkpoint (got a {type(payload).__name__})")
     return payload
 
 

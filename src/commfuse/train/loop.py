@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -28,6 +29,10 @@ from commfuse.comm import Communicator
 from commfuse.train import checkpoint as ckpt
 from commfuse.train.strategy import StrategyContext, parse_strategy
 from commfuse.workloads import make_workload
+
+
+class ResumeNotExactWarning(UserWarning):
+    """``--resume`` of a strategy whose resume is not bit-exact (torch's PowerSGD hook)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,8 +83,15 @@ class TrainConfig:
             raise ValueError(f"extra_steps must be >= 0, got {self.extra_steps}")
         if self.init_from is not None and ckpt.latest_step(self.init_from) is None:
             raise ValueError(f"init_from {self.init_from}: no complete checkpoint there")
-        parse_strategy(self.strategy)  # ValueError before any rank starts
+        parsed = parse_strategy(self.strategy)  # ValueError before any rank starts
         make_workload(self.workload)
+        caveat = parsed.info.resume_caveat
+        if self.resume and caveat and ckpt.latest_step(self.checkpoint_dir or ".") is not None:
+            warnings.warn(
+                f"resuming {parsed.info.name} is not exact: {caveat}",
+                ResumeNotExactWarning,
+                stacklevel=3,
+            )
 
 
 def params_digest(module: torch.nn.Module) -> str:

@@ -138,6 +138,9 @@ class StrategyInfo:
     """One line for listings and error messages."""
     validate: Callable[[str], None] | None = None
     """For options_cls None: raises ValueError if the full spec is bad (called before ranks start)."""
+    resume_caveat: str | None = None
+    """Why ``--resume`` does not continue this strategy bit for bit (None: it does, and a test
+    holds it to that); ``commfuse train --resume`` warns with it."""
 
 
 _REGISTRY: dict[str, StrategyInfo] = {}
@@ -153,12 +156,18 @@ def register_strategy(
     *,
     help: str,
     validate: Callable[[str], None] | None = None,
+    resume_caveat: str | None = None,
 ) -> None:
     """Add a strategy to the registry (see the module docstring for an example)."""
     if name in _REGISTRY:
         raise ValueError(f"strategy {name!r} is already registered")
     _REGISTRY[name] = StrategyInfo(
-        name=name, options_cls=options_cls, builder=builder, help=help, validate=validate
+        name=name,
+        options_cls=options_cls,
+        builder=builder,
+        help=help,
+        validate=validate,
+        resume_caveat=resume_caveat,
     )
 
 

@@ -6,12 +6,38 @@
   ``bf16_compress_hook`` (each bucket cast to 16 bits, allreduced, cast back).
 * ``ddp-powersgd``: DDP with ``powerSGD_hook.powerSGD_hook`` (Vogels et al., "PowerSGD:
   Practical Low-Rank Gradient Compression", NeurIPS 2019): rank-r factors P, Q allreduced in
-  place of each matrix gradient, with error feedback and warm start.
+  place of each matrix gradient, with error feedback and warm start; ``wire=bf16`` / ``fp16``
+  wraps it in torch's ``bf16_compress_wrapper`` / ``fp16_compress_wrapper`` (the bucket is cast
+  to 16 bits before the hook, so the warm-up allreduces and the factors travel in 16 bits).
+  torch's DDP accepts its bf16 hooks only in a build with CUDA and NCCL 2.10+
+  (``bf16_hooks_supported``); elsewhere ``ddp-bf16`` and ``wire=bf16`` are refused with a
+  ValueError and ``wire=fp16`` is the 16-bit peer.
 
-These are the peer baselines commfuse must beat, so they run exactly as torch ships them.
-Resume: ``ddp``, ``ddp-fp16`` and ``ddp-bf16`` continue bit for bit; ``ddp-powersgd`` saves and
-restores its PowerSGDState, but is not bit-exact: a fresh DDP uses its initial bucket layout for
-one step and then rebuilds it, and PowerSGD's per-bucket Q and error memories follow the layout.
+These are the peer baselines commfuse must beat, so they run as torch ships them, configured at
+their strongest, with the knobs commfuse's engine uses for itself:
+
+* ``gradient_as_bucket_view=True`` (``bucket_view=0`` turns it off): gradients are views into
+  DDP's buckets, so no copy into and out of them, as commfuse's engine does;
+* the engine's bucket caps: ``--bucket-cap-mb`` for every bucket but the first launched, which
+  holds ``first_bucket_cap_mb`` (1 MiB). torch DDP does this only when no ``bucket_cap_mb`` is
+  given; an explicit cap makes its first bucket as large as the rest, so the caps are handed to
+  it as ``bucket_cap_mb_list``. Except under ``ddp-powersgd``: torch's hook fails on gloo
+  when DDP has several buckets (docs/torch-hooks-on-gloo.md), so there the first bucket is
+  as large as the rest by default, one bucket for a model under ``--bucket-cap-mb``;
+* PowerSGD: the same rank, warm-up steps and warm-up treatment as commfuse's ``powersgd`` spec
+  where torch allows it (``rank``, ``warmup`` = ``start_powerSGD_iter``, which torch requires
+  to be >= 2 with error feedback or warm start, ``min_compression_rate=1``: compress a matrix
+  whenever its factors are smaller, as commfuse does; 16-bit factors and warm-up with ``wire``).
+  torch's warm-up is plain allreduce (16-bit with ``wire``): commfuse's rank-R warm-up
+  (``warmup_rank``) has no counterpart in torch.
+
+Resume: ``ddp``, ``ddp-fp16`` and ``ddp-bf16`` continue bit for bit (the hooks have no state).
+``ddp-powersgd`` saves and restores torch's PowerSGDState, but the resume is not exact, and
+``--resume`` says so: torch keys the hook's error and Q memories by bucket index, and a fresh
+DDP runs its first step with its initial bucket layout (one bucket) before it rebuilds them in
+gradient order, so restored memories meet other buckets' gradients. That state is torch's, not
+commfuse's engine's, whose resume is exact (``commfuse_dp.py``).
+
 Bytes are the payload handed to allreduce: for bare DDP every bucket, i.e. every trainable
 parameter's gradient, once per synchronised step; for hooks, every tensor the hook hands to
 ``torch.distributed.all_reduce`` (counted by wrapping that function in the rank process, which
@@ -34,6 +60,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from commfuse.train.checkpoint import numpy_rng_from_dict, numpy_rng_to_dict
 from commfuse.train.strategy import Strategy, StrategyContext, register_strategy
 
 # PowerSGDState's pickling logs two NOTEs per rank per checkpoint about its process group,
@@ -90,12 +117,23 @@ class _AllReduceCounter:
                 cls._original = None
 
 
+#: ``wire`` of ``ddp-powersgd``: the dtype torch's compress wrappers cast the bucket to.
+WIRES = ("fp32", "fp16", "bf16")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DDPOptions:
     """Options of ``ddp``, ``ddp-fp16`` and ``ddp-bf16``."""
 
     static_graph: bool = False
     """torch DDP's static_graph (the graph and unused parameters do not change between steps)."""
+    bucket_view: bool = True
+    """torch DDP's gradient_as_bucket_view: gradients are views into the buckets (no copies)."""
+    first_bucket_cap_mb: float = 1.0
+    """Cap of the first bucket launched, MiB (commfuse's engine and torch's default: 1)."""
+
+    def __post_init__(self) -> None:
+        _check_first_bucket(self.first_bucket_cap_mb)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,21 +144,90 @@ class DDPPowerSGDOptions:
     """Rank r of the low-rank approximation (matrix_approximation_rank)."""
     warmup: int = 2
     """Steps of plain allreduce before compressing (start_powerSGD_iter; torch needs >= 2)."""
-    min_compression_rate: float = 2.0
-    """Compress a matrix only when it shrinks at least this much (min_compression_rate)."""
+    wire: str = "fp32"
+    """fp32, or bf16 / fp16: the hook wrapped in torch's bf16/fp16_compress_wrapper, so the
+    warm-up allreduces and the factors travel in 16 bits (half the bytes)."""
+    min_compression_rate: float = 1.0
+    """Compress a matrix when its factors are this many times smaller (min_compression_rate;
+    1 = whenever they are smaller, as commfuse's PowerSGD; torch's default is 2)."""
     error_feedback: bool = True
     """Add the last step's compression error back (use_error_feedback)."""
     warm_start: bool = True
     """Reuse last step's Q as the starting point (warm_start)."""
+    epsilon: float = 0.0
+    """Added to each column norm when orthogonalising (orthogonalization_epsilon)."""
+    batch_same_shape: bool = False
+    """Compress matrices of one shape in one batched product (batch_tensors_with_same_shape)."""
+    bucket_view: bool = True
+    """torch DDP's gradient_as_bucket_view (see ``ddp``)."""
+    first_bucket_cap_mb: float | None = None
+    """Cap of the first bucket launched, MiB; None: ``--bucket-cap-mb``, like the rest. Not
+    ``ddp``'s 1 MiB: torch's hook fails on gloo with several buckets (it issues collectives
+    from gloo's completion callbacks; docs/torch-hooks-on-gloo.md), so it gets one bucket
+    wherever the model fits in one."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"rank must be at least 1, got {self.rank}")
+        # torch's own constraint (PowerSGDState.__init__: start_powerSGD_iter > 1 when either
+        # is on), checked here so that a bad spec fails before any rank starts.
         if self.warmup < 2 and (self.error_feedback or self.warm_start):
             raise ValueError(
                 f"warmup must be at least 2 with error feedback or warm start (torch rebuilds "
                 f"DDP's buckets after the first step), got {self.warmup}"
             )
+        if self.wire not in WIRES:
+            raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {self.wire!r}")
+        if self.wire == "bf16":
+            _check_bf16_hooks("wire=bf16: ", "wire=fp16 wraps it in fp16 instead")
+        if self.min_compression_rate <= 0 or self.epsilon < 0:
+            raise ValueError("min_compression_rate must be > 0 and epsilon >= 0")
+        if self.first_bucket_cap_mb is not None:
+            _check_first_bucket(self.first_bucket_cap_mb)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DDPBF16Options(DDPOptions):
+    """Options of ``ddp-bf16`` (those of ``ddp``)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_bf16_hooks("", "use ddp-fp16")
+
+
+def bf16_hooks_supported() -> bool:
+    """Whether DDP accepts torch's bf16 hooks here: ``register_comm_hook`` refuses
+    ``bf16_compress_hook`` and ``bf16_compress_wrapper`` unless torch was built with CUDA (or
+    ROCm) and NCCL 2.10+, or has XPU and XCCL, whatever the process group's backend."""
+    cuda = torch.version.cuda is not None or torch.version.hip is not None
+    nccl = dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10)  # type: ignore[no-untyped-call]
+    xpu = dist.is_xccl_available() and torch.xpu.is_available()
+    return bool((cuda and nccl) or xpu)
+
+
+def _check_bf16_hooks(what: str, hint: str) -> None:
+    if not bf16_hooks_supported():
+        raise ValueError(
+            f"{what}torch's DDP accepts its bf16 hooks only in a build with CUDA and NCCL "
+            f"2.10+ (or XPU), and this torch {torch.__version__} has neither; {hint}"
+        )
+
+
+def _check_first_bucket(cap_mb: float) -> None:
+    if not cap_mb > 0:
+        raise ValueError(f"first_bucket_cap_mb must be > 0, got {cap_mb}")
+
+
+def bucket_caps(bucket_cap_mb: float, first_bucket_cap_mb: float | None) -> dict[str, Any]:
+    """torch DDP's keyword arguments for commfuse's caps: ``first_bucket_cap_mb`` for the first
+    bucket launched (None: the same as the rest), ``bucket_cap_mb`` for the rest."""
+    if first_bucket_cap_mb is not None and first_bucket_cap_mb < bucket_cap_mb:
+        # torch reads the list in gradient order after its rebuild: the last entry repeats.
+        return {
+            "bucket_cap_mb": bucket_cap_mb,
+            "bucket_cap_mb_list": [first_bucket_cap_mb, bucket_cap_mb],
+        }
+    return {"bucket_cap_mb": bucket_cap_mb}
 
 
 class TorchDDP(Strategy):
@@ -131,6 +238,8 @@ class TorchDDP(Strategy):
         ctx: StrategyContext,
         *,
         static_graph: bool = False,
+        bucket_view: bool = True,
+        first_bucket_cap_mb: float | None = 1.0,
         hook: Callable[..., Any] | None = None,
         hook_state: Any = None,
     ) -> None:
@@ -138,8 +247,9 @@ class TorchDDP(Strategy):
         self.ddp = DistributedDataParallel(
             ctx.module,
             process_group=ctx.comm.group,
-            bucket_cap_mb=ctx.bucket_cap_mb,
             static_graph=static_graph,
+            gradient_as_bucket_view=bucket_view,
+            **bucket_caps(ctx.bucket_cap_mb, first_bucket_cap_mb),
         )
         self.hook_state = hook_state
         self._counter: _AllReduceCounter | None = None
@@ -185,17 +295,14 @@ class TorchDDP(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         if isinstance(self.hook_state, powerSGD_hook.PowerSGDState):
-            # PowerSGDState pickles without its process group (its own __getstate__).
-            return {"powersgd": self.hook_state.__getstate__()}  # type: ignore[no-untyped-call]
+            return {"powersgd": powersgd_state_dict(self.hook_state)}
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if isinstance(self.hook_state, powerSGD_hook.PowerSGDState):
             if "powersgd" not in state:
                 raise ValueError("checkpoint has no PowerSGD hook state for ddp-powersgd")
-            group = self.hook_state.process_group
-            self.hook_state.__setstate__(state["powersgd"])  # type: ignore[no-untyped-call]
-            self.hook_state.process_group = group
+            load_powersgd_state_dict(self.hook_state, state["powersgd"])
         else:
             super().load_state_dict(state)
 
@@ -204,16 +311,41 @@ class TorchDDP(Strategy):
             self._counter.uninstall()
 
 
-def _ddp(opts: DDPOptions, ctx: StrategyContext) -> Strategy:
-    return TorchDDP(ctx, static_graph=opts.static_graph)
+def powersgd_state_dict(state: powerSGD_hook.PowerSGDState) -> dict[str, Any]:
+    """torch's PowerSGDState as plain data (weights-only loadable): every slot but the process
+    group (torch's own ``__getstate__`` leaves it out too), its numpy RNG as tensors."""
+    out: dict[str, Any] = {}
+    for slot in powerSGD_hook.PowerSGDState.__slots__:
+        if slot == "process_group":
+            continue
+        value = getattr(state, slot)
+        out[slot] = numpy_rng_to_dict(value.get_state()) if slot == "rng" else value
+    return out
 
 
-def _ddp_fp16(opts: DDPOptions, ctx: StrategyContext) -> Strategy:
-    return TorchDDP(ctx, static_graph=opts.static_graph, hook=default_hooks.fp16_compress_hook)
+def load_powersgd_state_dict(state: powerSGD_hook.PowerSGDState, saved: dict[str, Any]) -> None:
+    """Restore :func:`powersgd_state_dict` into ``state``, keeping its process group."""
+    slots = set(powerSGD_hook.PowerSGDState.__slots__) - {"process_group"}
+    if set(saved) != slots:
+        raise ValueError(
+            f"not a PowerSGDState of this torch: missing {sorted(slots - set(saved))}, "
+            f"unknown {sorted(set(saved) - slots)}"
+        )
+    for slot, value in saved.items():
+        if slot == "rng":
+            state.rng.set_state(numpy_rng_from_dict(value))
+        else:
+            setattr(state, slot, value)
 
 
-def _ddp_bf16(opts: DDPOptions, ctx: StrategyContext) -> Strategy:
-    return TorchDDP(ctx, static_graph=opts.static_graph, hook=default_hooks.bf16_compress_hook)
+def _ddp(opts: DDPOptions, ctx: StrategyContext, hook: Callable[..., Any] | None) -> Strategy:
+    return TorchDDP(
+        ctx,
+        static_graph=opts.static_graph,
+        bucket_view=opts.bucket_view,
+        first_bucket_cap_mb=opts.first_bucket_cap_mb,
+        hook=hook,
+    )
 
 
 def _ddp_powersgd(opts: DDPPowerSGDOptions, ctx: StrategyContext) -> Strategy:
@@ -224,17 +356,54 @@ def _ddp_powersgd(opts: DDPPowerSGDOptions, ctx: StrategyContext) -> Strategy:
         min_compression_rate=opts.min_compression_rate,
         use_error_feedback=opts.error_feedback,
         warm_start=opts.warm_start,
+        orthogonalization_epsilon=opts.epsilon,
+        batch_tensors_with_same_shape=opts.batch_same_shape,
         random_seed=ctx.seed,
     )
-    return TorchDDP(ctx, hook=powerSGD_hook.powerSGD_hook, hook_state=state)
+    hook: Callable[..., Any] = powerSGD_hook.powerSGD_hook
+    if opts.wire == "bf16":
+        hook = default_hooks.bf16_compress_wrapper(hook)
+    elif opts.wire == "fp16":
+        hook = default_hooks.fp16_compress_wrapper(hook)
+    return TorchDDP(
+        ctx,
+        bucket_view=opts.bucket_view,
+        first_bucket_cap_mb=opts.first_bucket_cap_mb,
+        hook=hook,
+        hook_state=state,
+    )
 
 
-register_strategy("ddp", DDPOptions, _ddp, help="torch DDP (the baseline)")
-register_strategy("ddp-fp16", DDPOptions, _ddp_fp16, help="torch DDP + its fp16_compress_hook")
-register_strategy("ddp-bf16", DDPOptions, _ddp_bf16, help="torch DDP + its bf16_compress_hook")
+#: Why ``--resume`` of ``ddp-powersgd`` is not bit-exact (the train command says it).
+POWERSGD_RESUME_CAVEAT = (
+    "torch's powerSGD_hook keeps its error and Q memories per bucket index, and a fresh DDP "
+    "runs one step with its initial bucket layout before rebuilding it, so the restored "
+    "memories meet other gradients: the run continues from the checkpoint, but not bit for "
+    "bit (commfuse's own powersgd resumes exactly)"
+)
+
+register_strategy(
+    "ddp",
+    DDPOptions,
+    lambda opts, ctx: _ddp(opts, ctx, None),
+    help="torch DDP (the baseline; gradient_as_bucket_view on, bucket_view=0 turns it off)",
+)
+register_strategy(
+    "ddp-fp16",
+    DDPOptions,
+    lambda opts, ctx: _ddp(opts, ctx, default_hooks.fp16_compress_hook),
+    help="torch DDP + its fp16_compress_hook",
+)
+register_strategy(
+    "ddp-bf16",
+    DDPBF16Options,
+    lambda opts, ctx: _ddp(opts, ctx, default_hooks.bf16_compress_hook),
+    help="torch DDP + its bf16_compress_hook",
+)
 register_strategy(
     "ddp-powersgd",
     DDPPowerSGDOptions,
     _ddp_powersgd,
-    help="torch DDP + its powerSGD_hook (rank=4, warmup=2)",
+    help="torch DDP + its powerSGD_hook (rank=4, warmup=2; wire=fp16/bf16: its 16-bit wrappers)",
+    resume_caveat=POWERSGD_RESUME_CAVEAT,
 )
