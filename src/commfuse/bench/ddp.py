@@ -2,7 +2,8 @@
 
 Run on every rank (``commfuse.cluster.run(bench_ddp_on_rank, ..., net=Topology(...))``; the command is
 ``commfuse bench ddp``). Every engine wraps its own copy of the same model with the same bucket
-caps (torch's defaults: 25 MiB, 1 MiB for the first bucket) and trains on the same batches:
+caps (torch's defaults: 25 MiB, 1 MiB for the first bucket; torch DDP with
+``gradient_as_bucket_view``, as commfuse's engine) and trains on the same batches:
 torch DDP, commfuse uncompressed with each allreduce ``algo`` asked for, and the bare model
 (no communication: the compute floor). They are timed in rounds, each round in the balanced
 order of ``bench/schedule.py`` (every engine in every position equally often), each block of
@@ -29,6 +30,7 @@ from commfuse.bench.schedule import Schedule, control_name, summarize
 from commfuse.comm import Communicator
 from commfuse.ddp.config import DataParallelConfig
 from commfuse.ddp.wrapper import DataParallel
+from commfuse.train.torch_ddp import bucket_caps
 
 MODELS = ("mlp", "transformer")
 
@@ -120,8 +122,11 @@ def bench_ddp_on_rank(config: DdpBenchConfig | None = None) -> list[dict[str, An
         nets[f"commfuse:{algo}"] = build_model(config)
     for net in nets.values():
         net.load_state_dict(nets[BASELINE].state_dict())
+    # torch DDP as commfuse's engine runs: gradients as views into the buckets, and the same
+    # caps (an explicit bucket_cap_mb alone would drop torch's 1 MiB first bucket).
+    caps = bucket_caps(config.bucket_cap_mb, DataParallelConfig().first_bucket_cap_mb)
     models: dict[str, nn.Module] = {
-        name: nn.parallel.DistributedDataParallel(nets[name], bucket_cap_mb=config.bucket_cap_mb)
+        name: nn.parallel.DistributedDataParallel(nets[name], gradient_as_bucket_view=True, **caps)
         for name in torch_names
     }
     models["compute"] = nets["compute"]
