@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from commfuse.compress import PowerSGD, make_compressor
+from commfuse.compress import Compressor, NoCompression, PowerSGD, make_compressor
 from commfuse.hooks import CompressionState, compressed_allreduce_hook
 
 #: Settings sized for a 577-parameter model in ~260-element buckets.
@@ -174,14 +174,18 @@ def conv_net() -> nn.Module:
     )  # fmt: skip
 
 
-def many_buckets(spec: str, steps: int) -> dict[str, Any]:
-    """Train the conv net under torch DDP in small buckets with commfuse's hook; per step, the
+def many_buckets(powersgd: bool, steps: int) -> dict[str, Any]:
+    """Train the conv net under torch DDP in small buckets with commfuse's hook (uncompressed, or
+    rank-2 PowerSGD after 2 warm-up steps); per step, the
     averaged gradients DDP left in ``.grad`` beside the float64 mean of every rank's own
     gradients (all-gathered from a copy of the model without DDP), and the hook's bytes."""
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     model, plain = conv_net(), conv_net()
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
-    state = CompressionState(make_compressor(spec, algo="native"))
+    compressor: Compressor = (
+        PowerSGD(rank=2, warmup=2, algo="native") if powersgd else NoCompression(algo="native")
+    )
+    state = CompressionState(compressor, module=model)
     ddp.register_comm_hook(state, compressed_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(rank)
@@ -209,9 +213,10 @@ def many_buckets(spec: str, steps: int) -> dict[str, Any]:
         opt.step()
     out["buckets"] = len(state.steps)
     out["layouts"] = {}
-    compressor = state.compressor
-    if isinstance(compressor, PowerSGDCompressor):
-        out["layouts"] = {b: [tuple(s) for s in p.shapes] for b, p in compressor.plans.items()}
+    if isinstance(compressor, PowerSGD):
+        out["layouts"] = {
+            b: [tuple(s) for s in lay.shapes] for b, lay in compressor.layouts.items()
+        }
     return out
 
 
@@ -233,12 +238,12 @@ def test_hook_runs_with_many_buckets_under_torch_ddp(pool: Any) -> None:
     the ranks' gradients and allreduces every gradient once; PowerSGD runs past its first
     compressed steps, keeps the replicas equal, and sends each bucket's factors, to the byte."""
     grad_bytes = 4 * sum(p.numel() for p in conv_net().parameters())
-    for result in pool(3).run(many_buckets, "none", 3, timeout_s=120):
+    for result in pool(3).run(many_buckets, False, 3, timeout_s=120):
         assert result["buckets"] == 3
         assert max(result["max_error"]) < 1e-6, result["max_error"]
         # Step 0 runs in DDP's initial single bucket; then in the 3 it rebuilt in gradient order.
         assert result["bytes"] == [grad_bytes] * 3 and result["calls"] == [1, 3, 3]
-    ranks = pool(3).run(many_buckets, "powersgd:rank=2,warmup=2", 5, timeout_s=120)
+    ranks = pool(3).run(many_buckets, True, 5, timeout_s=120)
     for result in ranks:
         # The two warm-up steps are the plain average; then PowerSGD's factors per bucket.
         assert max(result["max_error"][:2]) < 1e-6, result["max_error"]

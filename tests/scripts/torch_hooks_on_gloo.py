@@ -42,18 +42,19 @@ STEPS = 6
 START_POWERSGD_ITER = 2
 
 
-def _hook(name: str, group: Any) -> tuple[Any, Any]:
+def _hook(name: str, group: Any, module: Any) -> tuple[Any, Any]:
     """(state, hook) for ``DistributedDataParallel.register_comm_hook``."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if name in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"):
         return group, getattr(default_hooks, name)
     if name == "commfuse powersgd":
-        from commfuse.compress import make_compressor
+        from commfuse.compress import PowerSGD
         from commfuse.hooks import CompressionState, compressed_allreduce_hook
 
-        compressor = make_compressor(f"powersgd:rank=2,warmup={START_POWERSGD_ITER}")
-        return CompressionState(compressor, process_group=group), compressed_allreduce_hook
+        compressor = PowerSGD(rank=2, warmup=START_POWERSGD_ITER)
+        ours = CompressionState(compressor, module=module, process_group=group)
+        return ours, compressed_allreduce_hook
     state = powerSGD_hook.PowerSGDState(
         process_group=group,
         matrix_approximation_rank=2,
@@ -100,7 +101,7 @@ def worker(hook_name: str, bucket_cap_mb: float, threads: int, timeout_s: float)
         nn.Conv2d(32, 32, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 10 * 10, 10),
     )  # fmt: skip
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    state, hook = _hook(hook_name, dist.group.WORLD)
+    state, hook = _hook(hook_name, dist.group.WORLD, model)
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(dist.get_rank())

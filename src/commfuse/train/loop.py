@@ -32,7 +32,7 @@ from commfuse.workloads import make_workload
 
 
 class ResumeNotExactWarning(UserWarning):
-    """``--resume`` of a strategy whose resume is not bit-exact (torch's PowerSGD hook)."""
+    """Resuming a strategy whose resume is not bit-exact (torch's PowerSGD hook)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
