@@ -59,7 +59,15 @@ class CompressionState:
     a communicator, step counters.
 
     Raises:
-        ValueError: no process group is up, or ``module`` has no parameters."""
+        ValueError: no process group is up, or ``module`` has no parameters.
+
+    Example:
+        ```python
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        state = CompressionState(PowerSGD(rank=4), module=model)
+        ddp.register_comm_hook(state, compressed_allreduce_hook)
+        ```
+    """
 
     compressor: Compressor
     """The compressor every bucket goes through."""
@@ -126,7 +134,26 @@ class CompressionState:
 def compressed_allreduce_hook(
     state: CompressionState, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average ``bucket`` over the ranks through ``state.compressor`` on a background thread."""
+    """Average ``bucket`` over the ranks through ``state.compressor`` on a background thread.
+
+    Args:
+        state: the compressor, the private communicator and the per-bucket step counters.
+        bucket: DDP's bucket of gradients (its flat buffer, its index, its tensors' shapes).
+
+    Returns:
+        A future that completes with the bucket's buffer, averaged over the ranks, or with the
+        error of the exchange.
+
+    Raises:
+        CommTimeoutError: through the future, when the exchange passed the deadline.
+        PeerFailureError: through the future, when a peer died mid-exchange.
+
+    Example:
+        ```python
+        state = CompressionState(TopK(ratio=0.01), module=model)
+        ddp.register_comm_hook(state, compressed_allreduce_hook)
+        ```
+    """
     buffer = bucket.buffer()
     index = bucket.index()
     step = state.next_step(index)

@@ -113,6 +113,36 @@ def run(
     Give either ``world_size`` (ranks on one host, plain loopback) or ``net`` (a Topology, such
     as 4 hosts on 1 Gbit/s links, emulated when possible). ``fn`` must be importable (defined at
     module level). ``backend=None`` leaves process-group set-up to ``fn``.
+
+    Args:
+        fn: the function each rank calls; importable (defined at module level).
+        args: positional arguments for ``fn`` (picklable).
+        world_size: ranks on one host, on plain loopback; or give ``net``.
+        net: a ``Topology`` (hosts, ranks per host, link rate), emulated when possible.
+        emulate: force (True) or forbid (False) the emulated network; None: when useful and
+            allowed.
+        backend: the process group's backend; None leaves process-group set-up to ``fn``.
+        timeout_s: the whole job's deadline.
+        pg_timeout_s: the process group's own timeout.
+        kwargs: keyword arguments for ``fn`` (picklable).
+
+    Returns:
+        Every rank's return value, in rank order.
+
+    Raises:
+        RankError: a rank raised; carries its rank, exception and traceback (the other ranks are
+            stopped).
+        DeadlineExceeded: the job passed ``timeout_s``.
+        ValueError: neither ``world_size`` nor ``net``, or a ``world_size`` that disagrees with
+            ``net``'s.
+
+    Example:
+        ```python
+        def probe() -> int:
+            return torch.distributed.get_rank()
+
+        assert run(probe, world_size=2) == [0, 1]
+        ```
     """
     if net is None:
         if world_size is None or world_size < 1:

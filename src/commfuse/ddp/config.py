@@ -10,7 +10,19 @@ from commfuse.compress.base import Compressor
 
 @dataclasses.dataclass(kw_only=True)
 class DataParallelConfig:
-    """How ``DataParallel`` buckets, reduces and checks gradients."""
+    """How ``DataParallel`` buckets, reduces and checks gradients.
+
+    Raises:
+        ValueError: a bucket cap that is not positive, an unknown ``on_nonfinite`` or ``algo``,
+            a ``staleness`` other than 0 or 1 (or 1 with ``find_unused_parameters`` or
+            ``merge_buckets_by_cost``), or a ``compressor`` that is not a ``Compressor`` object
+            (the message names the field).
+
+    Example:
+        ```python
+        config = DataParallelConfig(bucket_cap_mb=25, compressor=PowerSGD(rank=8, wire="bf16"))
+        ```
+    """
 
     bucket_cap_mb: float = 25.0
     """Largest bucket, MiB (as torch DDP's ``bucket_cap_mb``); a bucket closes once it reaches it."""

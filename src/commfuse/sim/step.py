@@ -96,7 +96,28 @@ def _breakdown(timeline: Timeline) -> tuple[float, float, float, dict[str, float
 def simulate_step(
     cluster: ClusterModel, workload: Workload, strategy: Strategy | None = None
 ) -> StepResult:
-    """Predict the step time of ``workload`` on ``cluster`` with ``strategy`` (DDP by default)."""
+    """Predict the step time of ``workload`` on ``cluster`` with ``strategy`` (DDP by default).
+
+    Args:
+        cluster: the cluster model (``PRESETS["dgx-h100"]``, ``load_cluster(path)``, or one
+            calibrated by ``commfuse simulate --validate``).
+        workload: the per-layer model (``transformer(...)``, ``dlrm(...)``, ``from_module(...)``).
+        strategy: how its communication is carried out; None: torch DDP's defaults.
+
+    Returns:
+        The predicted step and its breakdown (compute, exposed and overlapped communication) for
+        the slowest rank; with local SGD, the mean step over one period.
+
+    Raises:
+        ValueError: a workload that does not fit the cluster's memory, or a strategy the cluster
+            cannot run (the message says what to change).
+
+    Example:
+        ```python
+        result = simulate_step(PRESETS["dgx-h100"].with_ranks(1024), transformer())
+        print(result.step_s, result.exposed_comm_s)
+        ```
+    """
     strategy = strategy or Strategy()
     cpu = cluster.comm_cpu_us_per_mbyte
     synced = simulate_shared_cpu(
