@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import argparse
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 import commfuse
 from commfuse.cli import build_parser, main
+from commfuse.cli.common import UsageError, run_command
+from commfuse.cluster.errors import DeadlineExceeded, LaunchError, RankError
+from commfuse.cluster.netlab import NetlabError
 
 
 def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -97,3 +101,39 @@ def test_library_layers_read_no_environment() -> None:
         for line in _environment_reads(path)
     }
     assert not found, f"environment read outside cli/ and cluster/: {sorted(found)}"
+
+
+def _raises(exc: BaseException) -> Callable[[argparse.Namespace], int]:
+    def command(args: argparse.Namespace) -> int:
+        raise exc
+
+    return command
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (ValueError("bad value"), 2),
+        (LaunchError("no such script"), 2),
+        (UsageError("needs root"), 2),
+        (RankError(1, "boom"), 1),
+        (DeadlineExceeded("rank 1 still running", ranks=[1]), 1),
+        (NetlabError("ip link add failed"), 1),
+        (KeyboardInterrupt(), 130),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else str(v),
+)
+def test_the_error_handler_maps_each_failure_to_one_line_and_a_status(
+    exc: BaseException, code: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = argparse.Namespace(func=_raises(exc), prog="commfuse bench ddp")
+    assert run_command(args) == code
+    lines = capsys.readouterr().err.splitlines()
+    prog = "commfuse" if code == 130 else "commfuse bench ddp"
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: "), lines
+
+
+def test_an_unexpected_error_keeps_its_traceback() -> None:
+    """Only the failures the handler knows become a status; a bug still raises."""
+    with pytest.raises(TypeError):
+        run_command(argparse.Namespace(func=_raises(TypeError("bug")), prog="commfuse"))

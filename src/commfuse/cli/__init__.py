@@ -3,7 +3,8 @@
 Every sub-command module has ``register(subparsers)``, which adds its parser and the function
 it runs (``common.set_command``); ``main`` parses, runs it under the one error handler
 (``common.run_command``) and returns the exit status. This package is the only place that parses
-command lines and reads the environment; the library below it takes typed objects.
+command lines; the library below it takes typed objects and explicit settings (besides this
+package, only a rank's start-up in ``cluster/`` reads the environment).
 """
 
 from __future__ import annotations
