@@ -137,3 +137,16 @@ def test_an_unexpected_error_keeps_its_traceback() -> None:
     """Only the failures the handler knows become a status; a bug still raises."""
     with pytest.raises(TypeError):
         run_command(argparse.Namespace(func=_raises(TypeError("bug")), prog="commfuse"))
+
+
+def test_only_the_cli_parses_command_lines() -> None:
+    root = Path(commfuse.__file__).parent
+    importers = sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if "cli" not in path.relative_to(root).parts[:1]
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names))
+        or (isinstance(node, ast.ImportFrom) and node.module == "argparse")
+    )
+    assert not importers, f"argparse outside commfuse/cli/: {importers}"
