@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from commfuse.cluster.errors import LaunchError
+from commfuse.cluster.failures import notice_poster
 from commfuse.cluster.placement import Placement, open_placement
 from commfuse.cluster.store import host_store
 from commfuse.cluster.supervisor import JobResult, kill_group, supervise
@@ -123,6 +124,7 @@ def launch(
                     timeout_s=timeout_s,
                     stdout=stdout,
                     stderr=stderr,
+                    on_failure=notice_poster(hosted.store),
                 )
             except BaseException:
                 # Ctrl-C before supervise() took over the signals: stop the ranks anyway.

@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 from typing import IO, Any, TypeVar
 
 from commfuse.cluster.errors import DeadlineExceeded, RankError
+from commfuse.cluster.failures import notice_poster
 from commfuse.cluster.placement import open_placement
 from commfuse.cluster.rank_runtime import (
     enter_rank,
@@ -194,7 +195,13 @@ def run(
                 reader = threading.Thread(target=_collect, args=(rank, res_r, results), daemon=True)
                 reader.start()
                 readers.append(reader)
-            job = supervise(procs, streams, host_of=net.host_of, timeout_s=timeout_s)
+            job = supervise(
+                procs,
+                streams,
+                host_of=net.host_of,
+                timeout_s=timeout_s,
+                on_failure=notice_poster(hosted.store),
+            )
         except BaseException:
             # A rank failed to start, or Ctrl-C came before supervise() took over the signals:
             # stop the ranks already started (they would wait for the others until pg_timeout_s).

@@ -1,9 +1,12 @@
 """Watch a job's rank processes: prefix their output, stop all when one fails, name the culprit.
 
 The policy is torchrun's (and MPI's): a job is as good as its worst rank. When any rank exits
-non-zero the others are stopped (they would otherwise wait for it inside a collective until
-the backend's timeout, 30 minutes by default), and the job reports the rank that failed *first*
-with the last line it wrote to stderr, which for a Python rank is the exception. A job deadline
+non-zero the job reports the rank that failed *first* with the last line it wrote to stderr,
+which for a Python rank is the exception, and the others are stopped (they would otherwise wait
+for it inside a collective until their deadline). Before stopping them the supervisor posts the
+failure (``on_failure``: the launcher writes the job's failure notice, ``failures.py``) and
+gives them ``FAILURE_GRACE_S`` to finish by themselves: a rank in a collective with the dead one
+then raises ``PeerFailureError`` naming it, which is what its log should say. A job deadline
 catches a rank that hangs without failing; Ctrl-C or SIGTERM stops everything.
 """
 
@@ -29,6 +32,10 @@ KNOWN_NOISE = ("The hostname of the client socket cannot be retrieved",)
 
 #: Seconds a rank gets to exit after SIGTERM before SIGKILL.
 TERMINATE_GRACE_S = 3.0
+#: Seconds the other ranks get to exit by themselves after one failed: a rank in a collective with
+#: the dead one raises PeerFailureError within about 2 s of the death (the native collectives'
+#: wait for the notice), which tests/test_peer_failure.py checks under this grace.
+FAILURE_GRACE_S = 5.0
 
 
 class RankProcess(Protocol):
@@ -53,14 +60,16 @@ class RankFailure:
     error: str
     """The rank's last line on stderr (the exception for a Python rank), or a description."""
 
-    def describe(self) -> str:
+    def how(self) -> str:
+        """``was killed by SIGKILL``, ``failed with exit code 1`` or ``did not finish``."""
         if self.exit_code is None:
-            how = "did not finish"
-        elif self.exit_code < 0:
-            how = f"was killed by {signal.Signals(-self.exit_code).name}"
-        else:
-            how = f"failed with exit code {self.exit_code}"
-        return f"rank {self.rank} (host {self.host}) {how}: {self.error}"
+            return "did not finish"
+        if self.exit_code < 0:
+            return f"was killed by {signal.Signals(-self.exit_code).name}"
+        return f"failed with exit code {self.exit_code}"
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (host {self.host}) {self.how()}: {self.error}"
 
 
 @dataclass
@@ -140,8 +149,13 @@ def supervise(
     timeout_s: float | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    on_failure: Callable[[RankFailure], None] | None = None,
+    failure_grace_s: float = FAILURE_GRACE_S,
 ) -> JobResult:
-    """Run until every rank exits, one fails, the deadline passes or we are interrupted."""
+    """Run until every rank exits, one fails, the deadline passes or we are interrupted.
+
+    After the first failure, ``on_failure(failure)`` runs, and the other ranks get
+    ``failure_grace_s`` to exit by themselves before they are stopped."""
     out = sys.stdout if stdout is None else stdout
     err = sys.stderr if stderr is None else stderr
     lock = threading.Lock()
@@ -186,6 +200,9 @@ def supervise(
                 result.failure = RankFailure(
                     rank=rank, host=host_of(rank), exit_code=code, error=_last_error(tails[rank])
                 )
+                if on_failure is not None:
+                    on_failure(result.failure)
+                _await_exits(exit_codes, exits, interrupted, time.monotonic() + failure_grace_s)
                 break
         if result.timed_out:
             running = [r for r, c in exit_codes.items() if c is None]
@@ -214,6 +231,24 @@ def _last_error(tail: collections.deque[str]) -> str:
         if text and not text.startswith(("File ", "^", "~")):
             return text
     return "no error message on stderr"
+
+
+def _await_exits(
+    exit_codes: dict[int, int | None],
+    exits: queue.Queue[tuple[int, int]],
+    interrupted: threading.Event,
+    until: float,
+) -> None:
+    """Record the ranks' exits until every rank has exited, ``until`` passes or Ctrl-C."""
+    while any(c is None for c in exit_codes.values()) and not interrupted.is_set():
+        left = until - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            rank, code = exits.get(timeout=min(left, 0.05))
+        except queue.Empty:
+            continue
+        exit_codes[rank] = code
 
 
 def _stop_all(

@@ -24,8 +24,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from commfuse.cluster.failures import root_store
 from commfuse.comm.errors import InconsistentInputError
-from commfuse.comm.handle import Handle, OpContext, translate_failure
+from commfuse.comm.handle import FailureBoard, Handle, OpContext, translate_failure
 from commfuse.comm.stats import CommStats
 from commfuse.comm.trace import Trace, TraceEvent, now_us
 
@@ -54,6 +55,16 @@ class CommConfig:
     validate: bool = False
     """Before each collective, check that all ranks pass the same shape and dtype (costs one
     tiny all-gather; turn on while developing, off for speed)."""
+
+
+def _failure_board(comm: Communicator) -> FailureBoard | None:
+    """The job's failure notice, read through the default process group's store (the one every
+    rank of the job shares, whatever started it); None when that store is not reachable."""
+    try:
+        store = root_store(dist.distributed_c10d._get_default_store())
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return FailureBoard(store, rank=comm.global_rank_of_self, world_rank_of=comm.global_rank)
 
 
 def nbytes_of(tensor: torch.Tensor) -> int:
@@ -88,6 +99,7 @@ class Communicator:
         )
         self.stats = CommStats()
         self.trace = Trace()
+        self._board = _failure_board(self)
         self.step: int | None = None
         """The training step, shown in error messages and trace events when set."""
 
@@ -111,7 +123,13 @@ class Communicator:
         self, kind: str, peer: int | None, nbytes: int
     ) -> tuple[OpContext, TraceEvent | None]:
         ctx = OpContext(
-            rank=self.rank, op=kind, peer=peer, nbytes=nbytes, step=self.step, group=self.name
+            rank=self.rank,
+            op=kind,
+            peer=peer,
+            nbytes=nbytes,
+            step=self.step,
+            group=self.name,
+            board=self._board,
         )
         event = None
         if self.config.trace:

@@ -6,6 +6,8 @@ exactly that, so every message here is built by ``describe_op``.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def describe_op(
     *,
@@ -40,13 +42,39 @@ class CommError(RuntimeError):
         self.peer = peer
         self.step = step
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # The fields are keyword-only, which pickle's default (args only) cannot rebuild; errors
+        # travel from rank processes to their launcher by pickle.
+        return (_rebuild, (type(self), str(self), dict(self.__dict__)))
+
+
+def _rebuild(cls: type[CommError], message: str, fields: dict[str, Any]) -> CommError:
+    return cls(message, **fields)
+
 
 class CommTimeoutError(CommError, TimeoutError):
     """A wait passed its deadline: a peer is slow, hung, or waiting on a different operation."""
 
 
 class PeerFailureError(CommError):
-    """The transport lost a peer mid-operation (its process most likely died)."""
+    """The transport lost a peer mid-operation (its process most likely died).
+
+    ``failed_rank`` is the (world) rank whose failure broke the job, when the job's failure
+    notice names it (``commfuse.cluster.failures``): the dead rank itself, not the neighbour
+    that gave up because of it. None when nobody could tell."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        op: str,
+        peer: int | None = None,
+        step: int | None = None,
+        failed_rank: int | None = None,
+    ) -> None:
+        super().__init__(message, rank=rank, op=op, peer=peer, step=step)
+        self.failed_rank = failed_rank
 
 
 class InconsistentInputError(ValueError):

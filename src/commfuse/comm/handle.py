@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 
+from commfuse.cluster.failures import FailureNotice, post_failure, read_failure
 from commfuse.comm.errors import CommError, CommTimeoutError, PeerFailureError, describe_op
 from commfuse.comm.trace import TraceEvent, now_us
 
@@ -31,6 +33,42 @@ _PEER_WORDS = (
 )
 
 
+#: Seconds a rank that lost an unnamed peer (inside a native collective, the backend does not
+#: say which) waits for the launcher's notice naming the rank that died.
+NOTICE_WAIT_S = 2.0
+
+
+class FailureBoard:
+    """The job's failure notice (``commfuse.cluster.failures``) as one communicator sees it:
+    the store every rank shares, and how to turn this group's ranks into the job's."""
+
+    __slots__ = ("rank", "store", "world_rank_of")
+
+    def __init__(self, store: Store, *, rank: int, world_rank_of: Callable[[int], int]) -> None:
+        self.store = store
+        self.rank = rank
+        """This process's world rank."""
+        self.world_rank_of = world_rank_of
+
+    def explain(self, ctx: OpContext, *, lost_peer: bool) -> FailureNotice | None:
+        """The failure that broke ``ctx``'s operation, if the job knows it. A lost peer that
+        nobody has reported yet is reported here (first report wins): a rank that sees its
+        neighbour vanish tells the ranks stuck behind it who is gone."""
+        notice = read_failure(self.store)
+        if notice is None and lost_peer:
+            if ctx.peer is not None:
+                lost = FailureNotice(
+                    self.world_rank_of(ctx.peer), f"lost by rank {self.rank} during {ctx.op}"
+                )
+                try:
+                    notice = post_failure(self.store, lost)
+                except (RuntimeError, ValueError):  # no store to tell: say what we saw
+                    notice = lost
+            else:
+                notice = read_failure(self.store, wait_s=NOTICE_WAIT_S)
+        return notice if notice is not None and notice.rank != self.rank else None
+
+
 class Waitable(Protocol):
     def wait(self, deadline_s: float | None = None) -> None: ...
 
@@ -40,10 +78,18 @@ class Waitable(Protocol):
 class OpContext:
     """What a failure message needs to know about an operation."""
 
-    __slots__ = ("group", "nbytes", "op", "peer", "rank", "step")
+    __slots__ = ("board", "group", "nbytes", "op", "peer", "rank", "step")
 
     def __init__(
-        self, *, rank: int, op: str, peer: int | None, nbytes: int, step: int | None, group: str
+        self,
+        *,
+        rank: int,
+        op: str,
+        peer: int | None,
+        nbytes: int,
+        step: int | None,
+        group: str,
+        board: FailureBoard | None = None,
     ) -> None:
         self.rank, self.op, self.peer, self.nbytes, self.step, self.group = (
             rank,
@@ -53,6 +99,7 @@ class OpContext:
             step,
             group,
         )
+        self.board = board
 
     def describe(self) -> str:
         return describe_op(
@@ -71,11 +118,29 @@ def translate_failure(err: BaseException, ctx: OpContext, deadline_s: float) -> 
     lowered = str(err).lower()
     cls: type[CommError] = CommError
     message = f"{ctx.describe()}: {text}"
-    if any(word in lowered for word in _PEER_WORDS):
+    lost_peer = any(word in lowered for word in _PEER_WORDS)
+    timed_out = not lost_peer and any(word in lowered for word in _TIMEOUT_WORDS)
+    notice = (
+        ctx.board.explain(ctx, lost_peer=lost_peer)
+        if ctx.board is not None and (lost_peer or timed_out)
+        else None
+    )
+    if notice is not None:
+        # Name the job's first failure, not the neighbour that gave up because of it.
+        return PeerFailureError(
+            f"{ctx.describe()}: rank {notice.rank} {notice.detail} (the job's first failure), "
+            f"so this operation cannot complete: {text}",
+            rank=ctx.rank,
+            op=ctx.op,
+            peer=ctx.peer,
+            step=ctx.step,
+            failed_rank=notice.rank,
+        )
+    if lost_peer:
         who = f"peer {ctx.peer}" if ctx.peer is not None else "a peer"
         cls = PeerFailureError
         message = f"{ctx.describe()}: lost {who} mid-operation (did its process die?): {text}"
-    elif any(word in lowered for word in _TIMEOUT_WORDS):
+    elif timed_out:
         cls = CommTimeoutError
         message = (
             f"{ctx.describe()}: not finished within the {deadline_s:g} s deadline "

@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
 from commfuse.cluster.errors import DeadlineExceeded, RankError
+from commfuse.cluster.failures import clear_failure
 from commfuse.cluster.placement import open_placement
 from commfuse.cluster.rank_runtime import enter_rank, pack_exception, unpack_exception
 from commfuse.cluster.store import HostedStore, host_store
@@ -213,6 +214,8 @@ class RankPool:
         self.start()
         if self._needs_reset:
             self._generation += 1
+            if self._store is not None and self._store.store is not None:
+                clear_failure(self._store.store)  # the failure that made us reset is over
             try:
                 self._send_all(("reset", self._generation))
                 self._gather("process-group reset", self.timeout_s)

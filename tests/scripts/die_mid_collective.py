@@ -1,0 +1,83 @@
+"""A torchrun-style job in which one rank SIGKILLs itself in the middle of a collective.
+
+    die_mid_collective.py ALGO VICTIM NUMEL
+
+ALGO is ``ring``, ``pipeline`` or ``native`` (an allreduce of NUMEL floats) or ``tree`` (a
+binomial-tree broadcast from VICTIM). The victim dies while the operation is in flight: inside
+our algorithms right after its first send has completed (its peers have started and some data
+has moved); in the native allreduce, once every other rank has entered the allreduce and its own
+part has started. Every other rank prints one line
+
+    RESULT {"rank": R, "type": "PeerFailureError" | "ok", "message": ..., "failed_rank": ...,
+            "t": CLOCK_MONOTONIC}
+
+and then lets the exception end the process, as a training script would; the victim prints
+``KILLED t`` just before it dies. CLOCK_MONOTONIC is shared by the processes of one machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commfuse import collectives as C
+from commfuse.comm import Communicator
+
+algo, victim, numel = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+comm = Communicator()
+store = dist.TCPStore(  # type: ignore[attr-defined]  # the job's store, for the native case's handshake
+    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+)
+
+
+def die() -> None:
+    print(f"KILLED {time.monotonic():.6f}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if rank == victim and algo != "native":
+    first_send = comm.isend
+
+    def isend_then_die(*args: Any, **kwargs: Any) -> Any:
+        handle = first_send(*args, **kwargs)
+        handle.wait()
+        die()
+        return handle
+
+    comm.isend = isend_then_die  # type: ignore[method-assign]  # the fault injected in the victim
+
+buf = torch.full((numel,), float(rank + 1))
+comm.barrier()
+try:
+    if rank == victim and algo == "native":
+        store.wait([f"started/{r}" for r in range(world) if r != victim])
+        handle = C.all_reduce(comm, buf, "sum", algo="native", async_op=True)
+        time.sleep(0.05)
+        assert handle is not None and not handle.is_completed(), "finished before the kill"
+        die()
+    store.set(f"started/{rank}", "1")
+    if algo == "tree":
+        C.broadcast(comm, buf, victim, algo="tree")
+        assert bool((buf == victim + 1).all()), "broadcast delivered wrong data"
+    else:
+        C.all_reduce(comm, buf, "sum", algo=algo)
+    print("RESULT " + json.dumps({"rank": rank, "type": "ok", "t": time.monotonic()}), flush=True)
+except Exception as exc:
+    record = {
+        "rank": rank,
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "failed_rank": getattr(exc, "failed_rank", None),
+        "t": time.monotonic(),
+    }
+    print("RESULT " + json.dumps(record), flush=True)
+    raise

@@ -1,0 +1,109 @@
+"""A rank SIGKILLed in the middle of a collective: the job fails fast and says who died.
+
+For our ring, pipeline and tree algorithms and gloo's native allreduce, in 3- and 4-rank jobs
+under ``commfuse launch``, one rank (``VICTIM``) kills itself while the operation is in flight
+(``scripts/die_mid_collective.py``: right after its first send, or once every other rank is
+inside the native allreduce). Then:
+
+* every other rank whose operation needed the victim raises ``PeerFailureError`` naming the
+  victim (``failed_rank`` and the message) and the operation, within ``BOUND_S`` of the kill,
+  with the default 60 s deadline: the ranks next to the victim see their sockets close, the
+  launcher posts the death to the job's store at once, and a rank stuck behind a neighbour that
+  gave up reads the root cause when that neighbour's exit closes its socket;
+* the ranks of a tree broadcast that had their data before the kill return it, correct;
+* ``commfuse launch`` exits 1 and names the victim and its signal.
+
+4 ranks put one rank of the ring out of reach of the victim (it waits on a live neighbour);
+3 ranks make every rank its neighbour.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "die_mid_collective.py")
+VICTIM = 1
+BOUND_S = 5.0
+"""Seconds from the kill to each survivor's error (the communicators' deadline is 60 s); the
+launcher stops the survivors this long after the death (``supervisor.FAILURE_GRACE_S``), so a
+survivor slower than that would not print its record at all."""
+NUMEL = {"ring": 1 << 18, "pipeline": 1 << 18, "tree": 1 << 18, "native": 1 << 24}
+"""Floats per rank: the native allreduce gets 64 MB so that it is still running 50 ms in."""
+OP = {
+    "ring": r"all_?reduce\.ring",
+    "pipeline": r"all_?reduce\.pipeline",
+    "tree": r"broadcast\.tree",
+    "native": r"all_?reduce\b",
+}
+TREE_DONE = {3: {0}, 4: {0, 3}}
+"""The ranks of a tree broadcast from rank 1 that hold the data when the root dies after its
+first send: the root sends to the child with the largest subtree first (relative rank 2, plus
+relative rank 3 below it when there are 4 ranks); relative rank r is rank (r + 1) mod P."""
+COMMFUSE = [sys.executable, "-m", "commfuse.cli"]
+
+
+Record = dict[str, Any]
+
+
+def run_job(
+    algo: str, world: int
+) -> tuple[subprocess.CompletedProcess[str], float, dict[int, Record]]:
+    """``commfuse launch`` of the script: the job, the victim's kill time, each survivor's record."""
+    env = {k: v for k, v in os.environ.items() if k != "COMMFUSE_DEADLINE_S"}
+    command = [*COMMFUSE, "launch", "--nproc", str(world), "--timeout", "120", SCRIPT]
+    proc = subprocess.run(
+        [*command, algo, str(VICTIM), str(NUMEL[algo])],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        check=False,
+    )
+    killed_at = None
+    results: dict[int, Record] = {}
+    for line in proc.stdout.splitlines():
+        text = re.sub(r"^\[rank \d+\] ", "", line)
+        if text.startswith("KILLED "):
+            killed_at = float(text.split()[1])
+        elif text.startswith("RESULT "):
+            record = json.loads(text.removeprefix("RESULT "))
+            results[record["rank"]] = record
+    assert killed_at is not None, (
+        f"the victim never reached its kill:\n{proc.stdout}\n{proc.stderr}"
+    )
+    return proc, killed_at, results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("algo", ["ring", "pipeline", "tree", "native"])
+def test_survivors_name_the_rank_killed_mid_collective(algo: str, world: int) -> None:
+    proc, killed_at, results = run_job(algo, world)
+    report = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 1, report
+    assert f"rank {VICTIM} (host 0) was killed by SIGKILL" in proc.stderr, report
+    survivors = set(range(world)) - {VICTIM}
+    assert set(results) == survivors, report
+    done = TREE_DONE[world] if algo == "tree" else set()
+    for rank in sorted(survivors):
+        record = results[rank]
+        if rank in done:
+            assert record["type"] == "ok", (rank, record)
+            continue
+        assert record["type"] == "PeerFailureError", (rank, record)
+        assert record["failed_rank"] == VICTIM, (rank, record)
+        message = record["message"]
+        assert re.match(rf"rank {rank}, {OP[algo]}", message), (rank, message)
+        assert re.search(
+            rf"rank {VICTIM} (\(host 0\) was killed by SIGKILL|lost by rank)", message
+        ), (rank, message)
+        assert record["t"] - killed_at <= BOUND_S, (rank, record["t"] - killed_at, message)
