@@ -12,10 +12,10 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
   them (the collective on a second thread, gloo releasing the GIL): what perfect overlap
   costs on this machine, where the two share the cores. ``max(C, M)`` assumes the collective
   costs no CPU; on the emulated cluster it does (the kernel copies every byte through the
-  veth pairs, the bridge and tbf, gloo adds and copies): a 2 MB gloo allreduce on 4 hosts at
-  1 Gbit/s kept the 2-core machine busy for 17 ms of its 26, so a 33 ms GEMM with that
-  allreduce beside it took 49-53 ms, not 33. ``fused/overlap`` near 1 means the pipeline
-  hides all the machine lets it hide.
+  veth pairs, the bridge and tbf, gloo adds and copies), so on a machine whose cores the ranks
+  fill, a GEMM with an allreduce beside it takes longer than the GEMM alone, and ``overlap``
+  lies above ``max(C, M)``. ``fused/overlap`` near 1 means the pipeline hides all the machine
+  lets it hide.
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
 prediction and the ratios fused/unfused, fused/ideal and fused/overlap (of the medians), plus

@@ -6,9 +6,9 @@ shards the output features (column-parallel: rank ``r`` gathers ``x [S, K]`` and
 ``[S, N / P]``); GEMM + ReduceScatter shards the input features (row-parallel: ``[S, K / P]``
 in, ``[S / P, N]`` out). Inputs are integer-valued, so the ring's sum order gives the same bits
 as gloo's and ``wrong`` must be 0. The unfused reference and ``M`` use commfuse's own choice of
-collective (``algo="auto"``): gloo's reduce-scatter costs as much as its allreduce (112 ms for
-8 MB on 4 hosts at 1 Gbit/s, where the ring takes 64 ms), and a baseline that slow would
-flatter the fused ring. The fused variant is the ring (``P`` pieces); the automatic
+collective (``algo="auto"``): gloo's reduce-scatter is an allreduce followed by a slice, so it
+costs as much as the allreduce, about twice the ring reduce-scatter, and a baseline that slow
+would flatter the fused ring. The fused variant is the ring (``P`` pieces); the automatic
 choice falls back to the unfused reference when the cost model says the ring cannot pay.
 """
 
