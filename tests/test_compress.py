@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 
+import wire_decode
 from commfuse.compress import (
     COMPRESSORS,
     DGC,
@@ -147,10 +148,16 @@ def test_layout_packs_mixed_fields_into_words() -> None:
 
 
 def round_trip(spec: str, x: torch.Tensor, step: int = 0, rank: int = 0) -> torch.Tensor:
+    """``x``'s message as it goes on the wire, decoded by the test's own decoder (and the
+    compressor's decoder must agree with it)."""
     c = make_compressor(spec)
     assert isinstance(c, MessageCompressor)
     parts = c.compress(x, step=step, bucket=0, rank=rank)
-    return c.decompress(parts, x.numel(), x.dtype, step)
+    message = c.layout(x.numel(), x.dtype, step).pack(parts).numpy().tobytes()
+    back = torch.from_numpy(wire_decode.decode(c, message, x.numel(), step, str(x.dtype)))
+    ours = c.decompress(parts, x.numel(), x.dtype, step)
+    assert torch.allclose(ours.double(), back, rtol=1e-6, atol=1e-7), spec
+    return back.to(x.dtype)
 
 
 def test_casts_round_trip_within_half_precision() -> None:

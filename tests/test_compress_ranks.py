@@ -10,6 +10,7 @@ from typing import Any, cast
 import pytest
 import torch
 
+import wire_decode
 from commfuse.comm import Communicator
 from commfuse.compress import (
     ACPSGD,
@@ -126,9 +127,13 @@ def reference(c: Compressor, grads: list[torch.Tensor], step: int) -> torch.Tens
     if isinstance(c, CastCompressor):
         return torch.stack([c.compress(g, world).float() for g in grads]).sum(0)
     if isinstance(c, MessageCompressor):
-        parts = [c.compress(g, step=step, bucket=0, rank=r) for r, g in enumerate(grads)]
-        stacked = [torch.stack(fields) for fields in zip(*parts, strict=True)]
-        return c.decompress_sum(stacked, numel, torch.float32, step) / world
+        # Each rank's message as it goes on the wire, decoded by the test's own decoder.
+        layout = c.layout(numel, torch.float32, step)
+        messages = [
+            layout.pack(c.compress(g, step=step, bucket=0, rank=r)).numpy().tobytes()
+            for r, g in enumerate(grads)
+        ]
+        return torch.from_numpy(wire_decode.average(c, messages, numel, step)).float()
     if isinstance(c, RandomK):
         index = c.indices(numel, step=step, bucket=0)
         out = torch.zeros(numel)
