@@ -58,6 +58,15 @@ def test_commfuse_matches_torch_ddp_and_bytes_are_counted(pool: Any) -> None:
         "powersgd:rank=2,warmup=1",
         "powersgd:rank=2,warmup=1,staleness=1",
         "powersgd:rank=2,warmup=4,warmup_rank=4,wire=bf16",
+        # Every other compressor that keeps state or draws random numbers.
+        "dgc:ratio=0.1,warmup=1",
+        "ef-sign",
+        "qsgd",
+        "terngrad",
+        "randomk:ratio=0.25",
+        "randblock:ratio=0.25",
+        "int8",
+        "acpsgd:rank=2,warmup=1",
     ],
 )
 def test_resume_from_checkpoint_is_exact(pool: Any, tmp_path: Path, strategy: str) -> None:

@@ -42,14 +42,19 @@ from commfuse.train.metrics import time_to_loss_s
 from commfuse.train.runner import run_training
 from commfuse.train.strategy import parse_strategy
 
-#: What ``commfuse compare`` with no arguments runs (about 3 minutes on 2 cores, as root).
+#: What ``commfuse compare`` with no arguments runs (about 4 minutes on 2 cores, as root).
 DEFAULT_STRATEGIES = (
     "ddp",
-    # torch's hook at its fastest: the fewest uncompressed fp32 warm-up steps it allows (2).
-    "ddp-powersgd:rank=4,warmup=2",
+    # torch's PowerSGD hook at its strongest: rank 8, the fewest warm-up steps torch allows
+    # (2), in its fp16_compress_wrapper (warm-up and factors in 16 bits: rank 4's bytes, rank
+    # 8's loss). Its bf16 wrapper would do the same, but torch refuses it in a CPU build.
+    "ddp-powersgd:rank=8,warmup=2,wire=fp16",
     "commfuse",
-    # The same 2 warm-up steps, as rank-32 PowerSGD (2.3 MB instead of 12.9); then rank 8 with
-    # its factors in bf16: rank 4's bytes, rank 8's loss.
+    # Like for like with the hook above: the same rank, warm-up steps, 16-bit warm-up and
+    # factors (the headline ratio to torch).
+    "powersgd:rank=8,warmup=2,warmup_fp16=1,wire=fp16",
+    # The warm-up as rank-32 PowerSGD (2.3 MB instead of 6.45 in fp16), which torch's hook
+    # cannot do, and bf16 factors.
     "powersgd:rank=8,warmup=2,warmup_rank=32,wire=bf16",
 )
 DEFAULT_WORKLOAD = "charlm"

@@ -32,11 +32,12 @@ their strongest, with the knobs commfuse's engine uses for itself:
   (``warmup_rank``) has no counterpart in torch.
 
 Resume: ``ddp``, ``ddp-fp16`` and ``ddp-bf16`` continue bit for bit (the hooks have no state).
-``ddp-powersgd`` saves and restores torch's PowerSGDState, but the resume is not exact, and
-``--resume`` says so: torch keys the hook's error and Q memories by bucket index, and a fresh
-DDP runs its first step with its initial bucket layout (one bucket) before it rebuilds them in
-gradient order, so restored memories meet other buckets' gradients. That state is torch's, not
-commfuse's engine's, whose resume is exact (``commfuse_dp.py``).
+``ddp-powersgd`` saves and restores torch's PowerSGDState, but its resume is not promised to be
+exact, and resuming it warns: torch keys the hook's error and Q memories by bucket index, and a
+fresh DDP runs its first step with its initial bucket layout (one bucket) before it rebuilds
+them in gradient order, so with several buckets restored memories can meet other buckets'
+gradients. That state is torch's, not commfuse's engine's, whose resume is exact
+(``commfuse_dp.py``).
 
 Bytes are the payload handed to allreduce: for bare DDP every bucket, i.e. every trainable
 parameter's gradient, once per synchronised step; for hooks, every tensor the hook hands to
@@ -377,9 +378,10 @@ def _ddp_powersgd(opts: DDPPowerSGDOptions, ctx: StrategyContext) -> Strategy:
 #: Why ``--resume`` of ``ddp-powersgd`` is not bit-exact (the train command says it).
 POWERSGD_RESUME_CAVEAT = (
     "torch's powerSGD_hook keeps its error and Q memories per bucket index, and a fresh DDP "
-    "runs one step with its initial bucket layout before rebuilding it, so the restored "
-    "memories meet other gradients: the run continues from the checkpoint, but not bit for "
-    "bit (commfuse's own powersgd resumes exactly)"
+    "runs its first step in its initial bucket layout before it rebuilds the buckets, so with "
+    "several buckets the restored memories can meet other parameters' gradients: the run "
+    "continues from the checkpoint, with no promise of bit for bit (commfuse's own powersgd "
+    "resumes exactly)"
 )
 
 register_strategy(
