@@ -23,9 +23,11 @@ from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
     add_control_argument,
+    add_device_arguments,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
+    require_host_training,
     require_at_least,
     run_on_ranks,
     set_command,
@@ -42,6 +44,7 @@ def register(bench_sub: Subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_topology_arguments(parser, default_hosts=4, default_link="100mbit")
+    add_device_arguments(parser)
     parser.add_argument("--workload", default="charlm", help="charlm or digits, with options")
     parser.add_argument(
         "--strategy",
@@ -97,6 +100,7 @@ def run_bench_strategies(args: argparse.Namespace) -> int:
     from commfuse.bench.strategies import StrategiesBenchConfig, bench_strategies_on_rank
 
     topology = topology_from_args(args)
+    require_host_training(args, topology, command="commfuse bench strategies")
     require_at_least("--repeats", args.repeats, 1)
     config = StrategiesBenchConfig(
         strategies=tuple(args.strategy),
