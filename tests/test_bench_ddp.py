@@ -7,7 +7,10 @@ from collections.abc import Callable
 
 from commfuse.bench.ddp import DdpBenchConfig, bench_ddp_on_rank
 from commfuse.bench.strategies import StrategiesBenchConfig, bench_strategies_on_rank
+from commfuse.compress import FP16
 from commfuse.testing import RankPool
+from commfuse.train import CommfuseDPConfig, TorchDDPConfig
+from commfuse.workloads import DigitsOptions
 
 PoolFn = Callable[[int], RankPool]
 
@@ -34,7 +37,13 @@ def test_ddp_bench_times_torch_ddp_twice(pool: PoolFn) -> None:
 
 def test_strategies_bench_times_the_first_strategy_twice(pool: PoolFn) -> None:
     config = StrategiesBenchConfig(
-        strategies=("ddp", "fp16"), workload="digits", steps=1, reps=2, warmup_steps=1, control=True
+        strategies=(TorchDDPConfig(), CommfuseDPConfig(compressor=FP16())),
+        labels=("ddp", "fp16"),
+        workload=DigitsOptions(),
+        steps=1,
+        reps=2,
+        warmup_steps=1,
+        control=True,
     )
     records = pool(2).run(bench_strategies_on_rank, config, timeout_s=180)[0]
     by_name = {r["strategy"]: r for r in records}

@@ -13,15 +13,14 @@ import pytest
 import torch
 
 import wire_decode
+from commfuse.cli.spec import compressor_from_spec, compressors
 from commfuse.compress import (
-    COMPRESSORS,
     DGC,
     BucketLayout,
     CastCompressor,
     MessageCompressor,
     PowerSGD,
     RandomK,
-    make_compressor,
 )
 from commfuse.compress.powersgd import matrix_shape
 from commfuse.compress.wire import Layout, pack_bits, unpack_bits
@@ -37,28 +36,28 @@ def sample(numel: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_every_name_builds_and_specs_set_fields() -> None:
-    for name in COMPRESSORS:
-        assert make_compressor(name).name == name
-    c = make_compressor("powersgd:rank=4,warmup=3", algo="ring")
+    for name in compressors():
+        assert compressor_from_spec(name).name == name
+    c = compressor_from_spec("powersgd:rank=4,warmup=3", algo="ring")
     assert isinstance(c, PowerSGD)
     assert (c.rank, c.warmup, c.algo, c.ef) == (4, 3, "ring", True)
-    t = make_compressor(" TopK : ratio=0.05 , ef=0 ")
+    t = compressor_from_spec(" TopK : ratio=0.05 , ef=0 ")
     assert (t.name, t.ef) == ("topk", False)
-    q = make_compressor("qsgd:levels=16,chunk_numel=128,seed=7")
+    q = compressor_from_spec("qsgd:levels=16,chunk_numel=128,seed=7")
     assert (q.levels, q.chunk_numel, q.seed) == (16, 128, 7)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
     ("spec", "needle"),
     [
-        ("gzip", "use one of none, fp16"),
-        ("topk:rate=0.1", "known keys: ef, ratio, seed"),
-        ("topk:ratio=lots", "ratio must be float"),
+        ("gzip", "unknown compressor 'gzip'; known: none, fp16"),
+        ("topk:rate=0.1", "known keys: algo, ef, gather_algo, ratio, seed"),
+        ("topk:ratio=lots", "ratio='lots' is not a valid float"),
         ("topk:ratio=0", "ratio must be > 0 and <= 1"),
         ("topk:ratio=1.5", "ratio must be > 0 and <= 1"),
         ("topk:ratio", "is not key=value"),
         ("topk:ratio=0.1,ratio=0.2", "given twice"),
-        ("topk:ef=maybe", "ef must be 0 or 1"),
+        ("topk:ef=maybe", "ef='maybe' is not a boolean (accepted: 1/0, true/false"),
         ("qsgd:levels=0", "levels must be in 1..127"),
         ("qsgd:levels=200", "levels must be in 1..127"),
         ("terngrad:levels=3", "exactly 1 level"),
@@ -69,19 +68,19 @@ def test_every_name_builds_and_specs_set_fields() -> None:
         ("dgc:momentum=1", "momentum must be in [0, 1)"),
         ("dgc:ef=0", "IS its error feedback"),
         ("none:ef=1", "needs a lossy compressor"),
-        ("topk:algo=ring", "unknown key 'algo'"),
+        ("topk:rank=4", "unknown key 'rank'"),
     ],
 )
 def test_bad_specs_name_the_problem(spec: str, needle: str) -> None:
     with pytest.raises(ValueError, match=re.escape(needle)):
-        make_compressor(spec)
+        compressor_from_spec(spec)
 
 
 # ---- declared ratios ----------------------------------------------------------------------------
 
 
 def ratio(spec: str, numel: int = MB, step: int | None = None) -> float:
-    c = make_compressor(spec)
+    c = compressor_from_spec(spec)
     return numel * 4 / c.payload_bytes(numel, torch.float32, 4, step=step)
 
 
@@ -100,13 +99,13 @@ def test_declared_ratios() -> None:
     assert ratio("powersgd:rank=4,warmup=5", step=4) == 1.0  # warm-up steps are uncompressed
     assert ratio("powersgd:rank=4,warmup=5", step=5) == MB / ((m + c) * 4)
     assert ratio("powersgd:rank=8", numel=100) == 1.0  # (10 + 10) * 8 >= 100: not worth it
-    dgc = make_compressor("dgc:ratio=0.001,warmup=10")
+    dgc = compressor_from_spec("dgc:ratio=0.001,warmup=10")
     assert dgc.payload_bytes(MB, torch.float32, 4, step=0) == math.ceil(0.25 * MB) * 8
     assert ratio("dgc:ratio=0.001,warmup=10", step=10) >= 400
 
 
 def test_dgc_warmup_decays_density_exponentially() -> None:
-    dgc = make_compressor("dgc:ratio=0.001,warmup=4")
+    dgc = compressor_from_spec("dgc:ratio=0.001,warmup=4")
     assert isinstance(dgc, DGC)
     densities = [dgc.density(s) for s in range(6)]
     assert densities[0] == 0.25 and densities[4:] == [0.001, 0.001]
@@ -150,7 +149,7 @@ def test_layout_packs_mixed_fields_into_words() -> None:
 def round_trip(spec: str, x: torch.Tensor, step: int = 0, rank: int = 0) -> torch.Tensor:
     """``x``'s message as it goes on the wire, decoded by the test's own decoder (and the
     compressor's decoder must agree with it)."""
-    c = make_compressor(spec)
+    c = compressor_from_spec(spec)
     assert isinstance(c, MessageCompressor)
     parts = c.compress(x, step=step, bucket=0, rank=rank)
     message = c.layout(x.numel(), x.dtype, step).pack(parts).numpy().tobytes()
@@ -164,12 +163,12 @@ def test_casts_round_trip_within_half_precision() -> None:
     x = sample(10_000) * 100
     x = x[x.abs() > 1e-3]  # fp16's normal range
     for spec, eps in (("fp16", 2**-11), ("bf16", 2**-8)):
-        c = make_compressor(spec)
+        c = compressor_from_spec(spec)
         assert isinstance(c, CastCompressor)
         back = c.decompress(c.compress(x), torch.float32)
         assert bool(((back - x).abs() <= eps * x.abs()).all()), spec
     ints = torch.arange(-1000, 1000, dtype=torch.float32)
-    fp16 = make_compressor("fp16")
+    fp16 = compressor_from_spec("fp16")
     assert isinstance(fp16, CastCompressor)
     assert torch.equal(fp16.decompress(fp16.compress(ints, 4), torch.float32) * 4, ints)
 
@@ -204,7 +203,7 @@ def test_topk_keeps_exactly_the_largest() -> None:
 
 @pytest.mark.parametrize("spec", ["randomk:ratio=0.1", "randblock:ratio=0.1"])
 def test_random_sparsifiers_share_indices_per_step_and_bucket(spec: str) -> None:
-    c = make_compressor(spec)
+    c = compressor_from_spec(spec)
     assert isinstance(c, RandomK)
     x = sample(1000, 3)
     same = c.indices(1000, step=4, bucket=2)
@@ -220,7 +219,7 @@ def test_random_sparsifiers_share_indices_per_step_and_bucket(spec: str) -> None
 @pytest.mark.parametrize(("spec", "levels"), [("qsgd:levels=4", 4), ("terngrad", 1)])
 def test_stochastic_quantizers_bounded_and_unbiased(spec: str, levels: int) -> None:
     x = sample(1000, 4)
-    c = make_compressor(spec)
+    c = compressor_from_spec(spec)
     chunks = torch.nn.functional.pad(x, (0, 24)).view(-1, 512)
     norm = chunks.abs().amax(1) if spec == "terngrad" else chunks.norm(dim=1)
     per_element = norm.repeat_interleave(512)[:1000]
@@ -257,7 +256,7 @@ def test_powersgd_layout_plans_matrices_like_torchs_hook() -> None:
         (0, 7),
         (768, 256),
     ]
-    c = make_compressor("powersgd:rank=4,warmup=2")
+    c = compressor_from_spec("powersgd:rank=4,warmup=2")
     assert isinstance(c, PowerSGD)
     c.set_layout(5, BucketLayout.of_shapes([torch.Size(s) for s in shapes], prefix="b5."))
     numel = sum(math.prod(s) for s in shapes)
@@ -276,7 +275,7 @@ def test_powersgd_layout_plans_matrices_like_torchs_hook() -> None:
     assert c.payload_bytes(numel, torch.bfloat16, 4, step=2, bucket=5) == expected * 4  # fp32
     m, cols = matrix_shape(numel)  # without ``bucket``: the flat layout's count
     assert c.payload_bytes(numel, torch.float32, 4) == (m + cols) * 4 * 4
-    only_plain = make_compressor("powersgd:rank=4")
+    only_plain = compressor_from_spec("powersgd:rank=4")
     assert isinstance(only_plain, PowerSGD)
     only_plain.set_layout(
         0, BucketLayout.of_shapes([torch.Size([100]), torch.Size([2, 2])], prefix="b0.")
@@ -286,7 +285,7 @@ def test_powersgd_layout_plans_matrices_like_torchs_hook() -> None:
 
 
 def test_powersgd_layout_rejects_bad_shapes_and_mismatched_buckets() -> None:
-    c = make_compressor("powersgd:rank=2")
+    c = compressor_from_spec("powersgd:rank=2")
     assert isinstance(c, PowerSGD)
     with pytest.raises(ValueError, match=re.escape("tensor 1 has a negative dimension in (-1, 3)")):
         c.set_layout(0, BucketLayout.of_shapes([torch.Size([3]), (-1, 3)], prefix="b0."))
@@ -298,6 +297,6 @@ def test_powersgd_layout_rejects_bad_shapes_and_mismatched_buckets() -> None:
     with pytest.raises(ValueError, match=re.escape("bucket 0 has 99 elements but its layout")):
         c.payload_bytes(99, torch.float32, 2, bucket=0)
     # Element-wise compressors accept a layout and ignore it.
-    topk = make_compressor("topk:ratio=0.1")
+    topk = compressor_from_spec("topk:ratio=0.1")
     topk.set_layout(0, BucketLayout.of_shapes([torch.Size([10, 10])], prefix="b0."))
     assert topk.payload_bytes(100, torch.float32, 2) == 10 * 8

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from commfuse.cli.spec import compressor_from_spec
 from commfuse.comm import Communicator
-from commfuse.compress import BucketLayout, PowerSGD, make_compressor
+from commfuse.compress import BucketLayout, PowerSGD
 
 #: A bucket as a model packs it: weights (one 3-D), biases, a 2 x 2 matrix sent as it is.
 SHAPES = [torch.Size(s) for s in ((8, 16), (16,), (4, 5, 3), (3,), (2, 2), (28, 10), (9,))]
@@ -38,7 +39,7 @@ def low_rank_errors(shapes: list[tuple[int, ...]]) -> dict[str, float]:
     comm.all_reduce(want, "avg")
     errors = {}
     for layout in (False, True):
-        c = make_compressor("powersgd:rank=4,warmup=0", algo="native")
+        c = compressor_from_spec("powersgd:rank=4,warmup=0", algo="native")
         if layout:
             c.set_layout(0, BucketLayout.of_shapes([torch.Size(s) for s in shapes], prefix="b0."))
         out = grad.clone()
@@ -49,7 +50,7 @@ def low_rank_errors(shapes: list[tuple[int, ...]]) -> dict[str, float]:
     half = grad.to(torch.bfloat16)
     fp32 = half.float()
     for dtype_grad in (fp32, half):
-        c = make_compressor("powersgd:rank=4,warmup=0", algo="native")
+        c = compressor_from_spec("powersgd:rank=4,warmup=0", algo="native")
         c.set_layout(0, BucketLayout.of_shapes([torch.Size(s) for s in shapes], prefix="b0."))
         comm.stats.reset()
         c.reduce_(comm, dtype_grad, bucket=0, step=0)
@@ -70,7 +71,7 @@ def test_per_tensor_layout_recovers_low_rank_weight_gradients(pool: Any) -> None
 
 def layout_changes(numel: int) -> list[str]:
     comm = Communicator()
-    c = make_compressor("powersgd:rank=2,warmup=0", algo="native")
+    c = compressor_from_spec("powersgd:rank=2,warmup=0", algo="native")
     assert isinstance(c, PowerSGD)
     c.set_layout(0, BucketLayout.of_shapes(SHAPES, prefix="b0."))
     key = c._state_key(0)
@@ -118,7 +119,7 @@ def alternating_recovery(shapes: list[tuple[int, ...]]) -> dict[str, Any]:
     )  # fmt: skip
     want = grad.clone()
     comm.all_reduce(want, "avg")
-    c = make_compressor("acpsgd:rank=4,warmup=0", algo="native")
+    c = compressor_from_spec("acpsgd:rank=4,warmup=0", algo="native")
     c.set_layout(0, BucketLayout.of_shapes([torch.Size(s) for s in shapes], prefix="b0."))
     outs, calls = [], []
     for step in range(2):
@@ -145,9 +146,9 @@ def high_rank_warmup(numel: int) -> dict[str, Any]:
     """``warmup_rank``: the warm-up steps go as PowerSGD of that rank (its bytes), and what
     they leave out is in the shared residual when the low-rank steps begin."""
     comm = Communicator()
-    c = make_compressor("powersgd:rank=1,warmup=2,warmup_rank=4", algo="native")
+    c = compressor_from_spec("powersgd:rank=1,warmup=2,warmup_rank=4", algo="native")
     c.set_layout(0, BucketLayout.of_shapes(SHAPES, prefix="b0."))
-    high = make_compressor("powersgd:rank=4,warmup=0", algo="native")
+    high = compressor_from_spec("powersgd:rank=4,warmup=0", algo="native")
     high.set_layout(0, BucketLayout.of_shapes(SHAPES, prefix="b0."))
     sent, claimed = [], []
     for step in range(3):
@@ -170,4 +171,4 @@ def test_powersgd_warmup_at_a_higher_rank(pool: Any) -> None:
         assert r["sent"][0] == r["sent"][1] == r["rank 4 bytes"] > r["sent"][2], r
         assert r["residual"] > 0, r
     with pytest.raises(ValueError, match="warmup_fp16 or warmup_rank"):
-        make_compressor("powersgd:warmup_fp16=1,warmup_rank=8")
+        compressor_from_spec("powersgd:warmup_fp16=1,warmup_rank=8")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import wire_decode
+from commfuse.cli.spec import compressor_from_spec
 from commfuse.comm import Communicator
 from commfuse.compress import (
     ACPSGD,
@@ -22,7 +23,6 @@ from commfuse.compress import (
     PowerSGD,
     RandomK,
     generator_for,
-    make_compressor,
 )
 from commfuse.compress.powersgd import matrix_shape, orthonormalize
 
@@ -68,7 +68,7 @@ def layout_shapes(numel: int) -> list[torch.Size]:
 
 
 def build(spec: str, numel: int = 0, bucket: int = 0) -> Compressor:
-    c = make_compressor(spec.removesuffix(LAYOUT), algo="native", gather_algo="native")
+    c = compressor_from_spec(spec.removesuffix(LAYOUT), algo="native", gather_algo="native")
     if spec.endswith(LAYOUT):
         c.set_layout(bucket, BucketLayout.of_shapes(layout_shapes(numel), prefix=f"b{bucket}."))
     return c
@@ -368,7 +368,7 @@ def test_non_finite_gradient_never_enters_the_state(pool: Any) -> None:
 
 def bad_buckets() -> list[str]:
     comm = Communicator()
-    c = make_compressor("topk")
+    c = compressor_from_spec("topk")
     messages = []
     for grad in (torch.zeros(3, 3), torch.zeros(4, dtype=torch.int32), torch.zeros(8)[::2]):
         try:

@@ -17,8 +17,9 @@ from torch import nn
 from torch._C._distributed_c10d import GradBucket  # = dist.GradBucket, visible to mypy
 from torch.nn.parallel import DistributedDataParallel
 
+from commfuse.cli.spec import compressor_from_spec
 from commfuse.comm import Communicator
-from commfuse.compress import BucketLayout, make_compressor
+from commfuse.compress import BucketLayout
 from commfuse.compress.lowrank import plan_for
 from commfuse.ddp import DataParallel, DataParallelConfig
 from commfuse.hooks import CompressionState, compressed_allreduce_hook
@@ -71,7 +72,7 @@ def engine_run(spec: str, swap: bool, steps: int = 4) -> list[torch.Tensor]:
     (``Reducer.set_layout``, what ``merge_buckets_by_cost`` and a resume call)."""
     net = Twins()
     config = DataParallelConfig(
-        compressor=make_compressor(spec, algo="native", gather_algo="native"),
+        compressor=compressor_from_spec(spec, algo="native", gather_algo="native"),
         bucket_cap_mb=TINY_MB,
         first_bucket_cap_mb=TINY_MB,
     )
@@ -114,7 +115,7 @@ def hook_run(spec: str, rebuild_swaps: bool, steps: int = 4) -> dict[str, Any]:
     0: registered a then b, its two equal-size buckets trade places; b then a, they stay."""
     net = Twins(swap_order=not rebuild_swaps)
     ddp = DistributedDataParallel(net, bucket_cap_mb_list=[TINY_MB])  # type: ignore[list-item]
-    comp = make_compressor(spec, algo="native", gather_algo="native")
+    comp = compressor_from_spec(spec, algo="native", gather_algo="native")
     state = CompressionState(comp, module=net)
     layouts: list[list[list[int]]] = []
 
@@ -195,7 +196,7 @@ def engine_merge(spec: str) -> dict[str, Any]:
     """One step on two buckets, then both parameters in one bucket and back: every residual,
     momentum and Q must be where its parameter went, unchanged."""
     net = Twins()
-    comp = make_compressor(spec, algo="native", gather_algo="native")
+    comp = compressor_from_spec(spec, algo="native", gather_algo="native")
     config = DataParallelConfig(compressor=comp, bucket_cap_mb=TINY_MB, first_bucket_cap_mb=TINY_MB)
     dp = DataParallel(net, config=config)
     x = _data(1)[0]
@@ -252,7 +253,7 @@ def checkpoint_into_another_layout(spec: str) -> bool:
     laid out as one: the merged bucket's state is the two old ones side by side."""
     comm = Communicator()
     shapes = [("b.weight", (8, 8)), ("a.weight", (8, 8))]
-    first = make_compressor(spec, algo="native", gather_algo="native")
+    first = compressor_from_spec(spec, algo="native", gather_algo="native")
     for bucket, named in enumerate(shapes):
         first.set_layout(bucket, BucketLayout.of([named]))
     gen = torch.Generator().manual_seed(comm.rank)
@@ -261,7 +262,7 @@ def checkpoint_into_another_layout(spec: str) -> bool:
             first.reduce_(comm, torch.randn(64, generator=gen), bucket=bucket, step=step)
     saved = io.BytesIO()
     torch.save(first.state_dict(), saved)
-    merged = make_compressor(spec, algo="native", gather_algo="native")
+    merged = compressor_from_spec(spec, algo="native", gather_algo="native")
     merged.set_layout(0, BucketLayout.of(shapes))
     merged.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
     want = first.feedback.residuals

@@ -21,10 +21,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from commfuse.cli.spec import compressor_from_spec
 from commfuse.collectives import all_reduce
 from commfuse.collectives.blocks import even_blocks
 from commfuse.comm import CommConfig, Communicator
-from commfuse.compress import Compressor, make_compressor
+from commfuse.compress import Compressor
 from commfuse.ddp import DataParallel, DataParallelConfig, NonFiniteGradientError
 from commfuse.testing import RankPool
 
@@ -257,15 +258,13 @@ def nonfinite(mode: Literal["skip", "raise"], compressor: str | None) -> dict[st
     """3 steps on 2 ranks, rank 1's step-1 input NaN. ``compressor``: None, "half-test" (a
     custom one: agreement round first) or a commfuse.compress spec (fp16 and PowerSGD skip the
     round: their output turns non-finite everywhere and is checked)."""
-    from commfuse.compress import make_compressor
-
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     comp: Any = None
     if compressor == "half-test":
         comp = HalfCompressor()
     elif compressor is not None:
-        comp = make_compressor(compressor)
+        comp = compressor_from_spec(compressor)
     dp = DataParallel(
         net, config=DataParallelConfig(on_nonfinite=mode, compressor=comp, bucket_cap_mb=TINY_MB)
     )
@@ -495,7 +494,7 @@ def with_compressor(spec: str, split: int | None) -> dict[str, Any]:
         net = nn.Sequential(
             nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
         )
-        comp = make_compressor(spec, algo="native", gather_algo="native")
+        comp = compressor_from_spec(spec, algo="native", gather_algo="native")
         config = DataParallelConfig(compressor=comp, bucket_cap_mb=0.004, first_bucket_cap_mb=0.001)
         dp = DataParallel(net, Communicator(), config=config)
         return net, dp, torch.optim.SGD(dp.parameters(), lr=0.05), comp

@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from commfuse.cli.spec import compressor_from_spec, strategy_from_spec
 from commfuse.comm import Communicator
-from commfuse.compress import make_compressor
+from commfuse.compress import PowerSGD
 from commfuse.ddp import DataParallel, DataParallelConfig
 from commfuse.testing import RankPool
-from commfuse.train.commfuse_dp import split_engine_options
+from commfuse.train import CommfuseDPConfig
 
 PoolFn = Callable[[int], RankPool]
 TINY_MB = 1e-6  # one parameter per bucket: native allreduce sums in the reference's order
@@ -101,7 +102,7 @@ def stale_resume(spec: str, split: int | None) -> dict[str, Any]:
 
     def build() -> tuple[nn.Module, DataParallel, torch.optim.Optimizer]:
         net = _net(5)
-        comp = make_compressor(spec, algo="native")
+        comp = compressor_from_spec(spec, algo="native")
         config = DataParallelConfig(staleness=1, compressor=comp, bucket_cap_mb=0.002)
         dp = DataParallel(net, Communicator(), config=config)
         return net, dp, torch.optim.AdamW(dp.parameters(), lr=0.01)
@@ -138,7 +139,7 @@ def stale_nonfinite(spec: str | None) -> dict[str, Any]:
     is skipped, names step 1 and the rank, and leaves the weights and the compressor finite."""
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     torch.manual_seed(0)
-    comp = make_compressor(spec, algo="native") if spec else None
+    comp = compressor_from_spec(spec, algo="native") if spec else None
     dp = DataParallel(net, config=DataParallelConfig(staleness=1, compressor=comp))
     opt = torch.optim.SGD(dp.parameters(), lr=0.1)
     out: dict[str, Any] = {"stepped": [], "messages": []}
@@ -180,13 +181,14 @@ def test_staleness_config_errors() -> None:
         DataParallelConfig(staleness=2)  # type: ignore[arg-type]  # a bad value on purpose
     with pytest.raises(ValueError, match="find_unused_parameters"):
         DataParallelConfig(staleness=1, find_unused_parameters=True)
-    assert split_engine_options("powersgd:rank=4,staleness=1,warmup=2") == (
-        "powersgd:rank=4,warmup=2",
-        {"staleness": 1},
-    )
-    assert split_engine_options("fp16") == ("fp16", {})
-    with pytest.raises(ValueError, match="staleness must be an integer"):
-        split_engine_options("fp16:staleness=yes")
+    config = strategy_from_spec("powersgd:rank=4,staleness=1,warmup=2")
+    assert isinstance(config, CommfuseDPConfig)
+    assert isinstance(config.compressor, PowerSGD)
+    assert (config.staleness, config.compressor.rank, config.compressor.warmup) == (1, 4, 2)
+    fp16 = strategy_from_spec("fp16")
+    assert isinstance(fp16, CommfuseDPConfig) and fp16.staleness == 0
+    with pytest.raises(ValueError, match="staleness='yes' is not a valid int"):
+        strategy_from_spec("fp16:staleness=yes")
 
 
 def fp16_warmup() -> dict[str, Any]:
@@ -196,7 +198,7 @@ def fp16_warmup() -> dict[str, Any]:
     world = comm.world_size
     grad = torch.arange(64, dtype=torch.float32) * world + comm.rank * 2.0
     want = torch.arange(64, dtype=torch.float32) * world + (world - 1.0)
-    comp = make_compressor("powersgd:rank=1,warmup=1,warmup_fp16=1", algo="native")
+    comp = compressor_from_spec("powersgd:rank=1,warmup=1,warmup_fp16=1", algo="native")
     comm.stats.reset()
     out = grad.clone()
     comp.reduce_(comm, out, bucket=0, step=0)

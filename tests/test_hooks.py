@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from commfuse.compress import Compressor, NoCompression, PowerSGD, make_compressor
+from commfuse.cli.spec import compressor_from_spec
+from commfuse.compress import Compressor, NoCompression, PowerSGD
 from commfuse.hooks import CompressionState, compressed_allreduce_hook
 
 #: Settings sized for a 577-parameter model in ~260-element buckets.
@@ -48,7 +49,7 @@ def train(spec: str | None, steps: int) -> dict[str, Any]:
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.001)
     state = None
     if spec is not None:
-        comp = make_compressor(spec, algo="native", gather_algo="native")
+        comp = compressor_from_spec(spec, algo="native", gather_algo="native")
         state = CompressionState(comp, module=model)
         ddp.register_comm_hook(state, compressed_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -99,7 +100,7 @@ def test_every_hook_trains_and_none_equals_torch_default(pool: Any) -> None:
 def hook_error_reaches_backward() -> str:
     """A compressor that fails on the worker thread fails backward (not a hang)."""
     ddp = DistributedDataParallel(nn.Linear(4, 1))
-    state = CompressionState(make_compressor("none", algo="no-such-algo"), module=ddp)
+    state = CompressionState(compressor_from_spec("none", algo="no-such-algo"), module=ddp)
     ddp.register_comm_hook(state, compressed_allreduce_hook)
     try:
         ddp(torch.randn(3, 4)).sum().backward()
@@ -120,11 +121,11 @@ def test_state_dict_of_the_hook_state_round_trips(pool: Any) -> None:
 
 def hook_state_round_trip() -> bool:
     model = nn.Linear(8, 1, bias=False)
-    state = CompressionState(make_compressor("topk:ratio=0.5"), module=model)
+    state = CompressionState(compressor_from_spec("topk:ratio=0.5"), module=model)
     grad = torch.arange(8, dtype=torch.float32)
     state.compressor.reduce_(state.comm, grad, bucket=0, step=state.next_step(0))
     saved = state.state_dict()
-    other = CompressionState(make_compressor("topk:ratio=0.5"), module=model)
+    other = CompressionState(compressor_from_spec("topk:ratio=0.5"), module=model)
     other.load_state_dict(saved)
     residual = other.compressor.state_dict()["feedback"]["residuals"]["#0"]  # no layout given
     return other.steps == {0: 1} and torch.equal(residual, torch.tensor([0, 1, 2, 3, 0, 0, 0, 0.0]))
@@ -135,7 +136,9 @@ def powersgd_hook_bytes(steps: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     ddp = DistributedDataParallel(model)  # 577 parameters: one bucket
-    state = CompressionState(make_compressor("powersgd:rank=2,warmup=1", algo="native"), module=ddp)
+    state = CompressionState(
+        compressor_from_spec("powersgd:rank=2,warmup=1", algo="native"), module=ddp
+    )
     ddp.register_comm_hook(state, compressed_allreduce_hook)
     x, y = regression_data(torch.distributed.get_rank())
     per_step = []

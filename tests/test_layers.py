@@ -23,7 +23,8 @@ layer  folders                                     what they are
 The simulator predicts clusters far larger than the machine, so its model reuses
 ``collectives``' cost formulas, registry and tuner and nothing that needs a process group: it
 may import only ``SIM_MAY``. Its measuring side (``sim/measure.py``, ``sim/validate.py``) runs
-real jobs to calibrate and check the model, so it sits with the runners (layer 6).
+real jobs to calibrate and check the model, and ``sim/training.py`` turns training strategies
+into the model's plans, so they sit with the runners (layer 6).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ LAYERS: dict[str, int] = {
 FILE_LAYERS: dict[str, int] = {
     "sim/measure.py": 6,
     "sim/validate.py": 6,
+    "sim/training.py": 6,
 }
 #: What the simulator's model may import besides itself.
 SIM_MAY = frozenset({"units", "collectives"})

@@ -8,17 +8,28 @@ written out by hand.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from commfuse.cli.spec import strategy_from_spec
 from commfuse.comm import Communicator
-from commfuse.localsgd import PeriodicSyncOptimizer, config_from_preset
+from commfuse.localsgd import (
+    PeriodicSyncConfig,
+    PeriodicSyncOptimizer,
+    diloco,
+    local_sgd,
+    post_local_sgd,
+    slowmo,
+    streaming_diloco,
+)
 from commfuse.localsgd.fragments import fragments_due, split_into_fragments
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
+Method = Callable[..., PeriodicSyncConfig]
 
 
 def tiny_model() -> nn.Module:
@@ -43,7 +54,7 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 
 def train(
-    name: str, options: dict[str, str], steps: int, *, inner: str = "sgd"
+    method: Method, options: dict[str, Any], steps: int, *, inner: str = "sgd"
 ) -> tuple[torch.Tensor, PeriodicSyncOptimizer]:
     comm = Communicator()
     model = tiny_model()
@@ -52,7 +63,7 @@ def train(
         if inner == "sgd"
         else torch.optim.AdamW(model.parameters(), lr=0.01)
     )
-    opt = PeriodicSyncOptimizer(opt_inner, model, comm, config_from_preset(name, options))
+    opt = PeriodicSyncOptimizer(opt_inner, model, comm, method(**options))
     for step in range(steps):
         loss_of(model, comm.rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         opt.step()
@@ -63,26 +74,26 @@ def train(
 
 # -- one rank: every strategy is its inner optimizer ---------------------------------------
 PLAIN = [
-    ("localsgd", {"H": "3"}),
-    ("postlocal", {"H": "3", "warmup": "2"}),
-    ("slowmo", {"H": "3", "beta": "0"}),
-    ("diloco", {"H": "3", "outer_lr": "1", "outer_momentum": "0"}),
+    (local_sgd, {"H": 3}),
+    (post_local_sgd, {"H": 3, "warmup_steps": 2}),
+    (slowmo, {"H": 3, "beta": 0}),
+    (diloco, {"H": 3, "outer_lr": 1, "outer_momentum": 0}),
     (
-        "streaming-diloco",
+        streaming_diloco,
         {
-            "H": "4",
-            "fragments": "2",
-            "outer_lr": "1",
-            "outer_momentum": "0",
-            "overlap": "0",
-            "mix": "1",
+            "H": 4,
+            "num_fragments": 2,
+            "outer_lr": 1,
+            "outer_momentum": 0,
+            "overlap_steps": 0,
+            "mix_global": 1,
         },
     ),
 ]
 
 
-def one_rank_equals_inner(name: str, options: dict[str, str]) -> float:
-    got, _ = train(name, options, 7, inner="adamw")
+def one_rank_equals_inner(method: Method, options: dict[str, Any]) -> float:
+    got, _ = train(method, options, 7, inner="adamw")
     model = tiny_model()
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
     for step in range(7):
@@ -92,15 +103,17 @@ def one_rank_equals_inner(name: str, options: dict[str, str]) -> float:
     return float((got - flat_params(model)).abs().max())
 
 
-@pytest.mark.parametrize(("name", "options"), PLAIN)
-def test_one_rank_equals_inner_optimizer(pool: PoolFn, name: str, options: dict[str, str]) -> None:
-    (err,) = pool(1).run(one_rank_equals_inner, name, options)
+@pytest.mark.parametrize(("method", "options"), PLAIN)
+def test_one_rank_equals_inner_optimizer(
+    pool: PoolFn, method: Method, options: dict[str, Any]
+) -> None:
+    (err,) = pool(1).run(one_rank_equals_inner, method, options)
     assert err < 1e-6
 
 
 # -- H = 1 local SGD with plain SGD is synchronous data parallel ---------------------------
 def h1_equals_ddp() -> tuple[float, int, int]:
-    got, opt = train("localsgd", {"H": "1", "algo": "native"}, 5)
+    got, opt = train(local_sgd, {"H": 1, "algo": "native"}, 5)
     comm = opt.world_comm
     calls = comm.stats["all_reduce"].calls
     model = tiny_model()
@@ -128,8 +141,8 @@ def test_h1_local_sgd_equals_synchronous_data_parallel(pool: PoolFn, world: int)
 def diloco_vs_replay(period: int, periods: int) -> tuple[float, int, int, list[float]]:
     steps = period * periods
     got, opt = train(
-        "diloco",
-        {"H": str(period), "outer_lr": "0.7", "outer_momentum": "0.9", "algo": "native"},
+        diloco,
+        {"H": period, "outer_lr": 0.7, "outer_momentum": 0.9, "algo": "native"},
         steps,
         inner="adamw",
     )
@@ -196,9 +209,9 @@ def test_fragments_cover_every_parameter_once_per_cycle() -> None:
 
 def streaming_bytes() -> tuple[list[int], int, list[int]]:
     _, opt = train(
-        "streaming-diloco",
+        streaming_diloco,
         # Without the final synchronisation: this test counts the periodic exchanges only.
-        {"H": "4", "fragments": "2", "overlap": "1", "algo": "native", "final_sync": "0"},
+        {"H": 4, "num_fragments": 2, "overlap_steps": 1, "algo": "native", "final_sync": False},
         8,
         inner="adamw",
     )
@@ -216,7 +229,7 @@ def test_streaming_sends_each_fragment_at_its_own_step(pool: PoolFn) -> None:
 
 # -- the final synchronisation: one model on every rank at the end ------------------------
 def final_models(
-    name: str, options: dict[str, str], steps: int
+    method: Method, options: dict[str, Any], steps: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
     """Every rank's parameters after ``finish()`` without and with the final synchronisation,
     and the number of exchanges of each run."""
@@ -227,8 +240,8 @@ def final_models(
         comm.all_gather(out, flat)
         return list(out.view(comm.world_size, -1))
 
-    drifted, opt_drifted = train(name, {**options, "final_sync": "0"}, steps, inner="adamw")
-    synced, opt_synced = train(name, options, steps, inner="adamw")
+    drifted, opt_drifted = train(method, {**options, "final_sync": False}, steps, inner="adamw")
+    synced, opt_synced = train(method, options, steps, inner="adamw")
     return everyone(drifted), everyone(synced), len(opt_drifted.syncs), len(opt_synced.syncs)
 
 
@@ -237,7 +250,7 @@ def test_final_sync_of_local_sgd_is_the_replicas_average(pool: PoolFn, world: in
     # H=8 stopped after 5 steps: no periodic exchange yet, then one of the whole model. With
     # outer lr 1 and no momentum the outer step is the plain average.
     drifted, synced, n_drifted, n_synced = pool(world).run(
-        final_models, "localsgd", {"H": "8", "algo": "native"}, 5
+        final_models, local_sgd, {"H": 8, "algo": "native"}, 5
     )[0]
     assert (n_drifted, n_synced) == (0, 1)
     assert not torch.equal(drifted[0], drifted[1])  # the replicas did drift apart
@@ -248,20 +261,20 @@ def test_final_sync_of_local_sgd_is_the_replicas_average(pool: PoolFn, world: in
 
 
 @pytest.mark.parametrize(
-    ("name", "options", "steps", "extra"),
+    ("method", "options", "steps", "extra"),
     [
         # Fragment 1 syncs at step 2 and 6 (applied at 7, mixed with the local values: out of
         # sync at the end), fragment 0 at 4 and 8 (in flight at the end: applied exactly, not
         # sent again): one more exchange.
-        ("streaming-diloco", {"H": "4", "fragments": "2", "overlap": "1"}, 8, 1),
+        (streaming_diloco, {"H": 4, "num_fragments": 2, "overlap_steps": 1}, 8, 1),
         # Stopped exactly at a period's end: already one model, nothing more is sent.
-        ("diloco", {"H": "3"}, 6, 0),
+        (diloco, {"H": 3}, 6, 0),
     ],
 )
 def test_final_sync_leaves_one_model(
-    pool: PoolFn, name: str, options: dict[str, str], steps: int, extra: int
+    pool: PoolFn, method: Method, options: dict[str, Any], steps: int, extra: int
 ) -> None:
-    drifted, synced, n_drifted, n_synced = pool(3).run(final_models, name, options, steps)[0]
+    drifted, synced, n_drifted, n_synced = pool(3).run(final_models, method, options, steps)[0]
     assert n_synced == n_drifted + extra
     assert all(torch.equal(replica, synced[0]) for replica in synced)
     if extra:
@@ -269,16 +282,16 @@ def test_final_sync_leaves_one_model(
 
 
 # -- checkpoint in the middle of a period --------------------------------------------------
-def resume_mid_period(name: str, options: dict[str, str]) -> float:
+def resume_mid_period(method: Method, options: dict[str, Any]) -> float:
     comm = Communicator()
-    straight, _ = train(name, options, 9, inner="adamw")
+    straight, _ = train(method, options, 9, inner="adamw")
 
     model = tiny_model()
     opt = PeriodicSyncOptimizer(
         torch.optim.AdamW(model.parameters(), lr=0.01),
         model,
         comm,
-        config_from_preset(name, options),
+        method(**options),
     )
     for step in range(5):
         loss_of(model, comm.rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
@@ -294,7 +307,7 @@ def resume_mid_period(name: str, options: dict[str, str]) -> float:
         torch.optim.AdamW(model2.parameters(), lr=0.01),
         model2,
         comm,
-        config_from_preset(name, options),
+        method(**options),
     )
     model2.load_state_dict(saved[0])
     opt2.load_state_dict(saved[1])
@@ -307,17 +320,17 @@ def resume_mid_period(name: str, options: dict[str, str]) -> float:
 
 
 @pytest.mark.parametrize(
-    ("name", "options"),
+    ("method", "options"),
     [
-        ("diloco", {"H": "3"}),
-        ("slowmo", {"H": "4"}),
-        ("streaming-diloco", {"H": "4", "fragments": "2", "overlap": "2"}),
+        (diloco, {"H": 3}),
+        (slowmo, {"H": 4}),
+        (streaming_diloco, {"H": 4, "num_fragments": 2, "overlap_steps": 2}),
     ],
 )
 def test_resume_mid_period_equals_uninterrupted(
-    pool: PoolFn, name: str, options: dict[str, str]
+    pool: PoolFn, method: Method, options: dict[str, Any]
 ) -> None:
-    assert pool(2).run(resume_mid_period, name, options) == [0.0, 0.0]
+    assert pool(2).run(resume_mid_period, method, options) == [0.0, 0.0]
 
 
 # -- hierarchical: every step inside a host, every H across ------------------------------
@@ -331,8 +344,7 @@ def test_hierarchical_periods(pool: PoolFn) -> None:
 def hierarchical_counts_2x2() -> tuple[int, int, float]:
     comm = Communicator()
     model = tiny_model()
-    cfg = config_from_preset("localsgd", {"H": "3", "hierarchical": "1", "algo": "native"})
-    cfg.ranks_per_host = 2
+    cfg = local_sgd(H=3, hierarchical=True, ranks_per_host=2, algo="native")
     opt = PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm, cfg)
     for step in range(6):
         loss_of(model, comm.rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
@@ -346,21 +358,21 @@ def hierarchical_counts_2x2() -> tuple[int, int, float]:
 
 
 def test_bad_options_are_named() -> None:
-    with pytest.raises(ValueError, match="no option 'K'"):
-        config_from_preset("diloco", {"K": "3"})
+    with pytest.raises(ValueError, match="unknown key 'K'"):
+        strategy_from_spec("diloco:K=3")
     with pytest.raises(ValueError, match="not a valid int"):
-        config_from_preset("localsgd", {"H": "many"})
-    with pytest.raises(ValueError, match="unknown local-SGD strategy"):
-        config_from_preset("fedavg")
+        strategy_from_spec("local-sgd:H=many")
+    with pytest.raises(ValueError, match="unknown strategy 'fedavg'"):
+        strategy_from_spec("fedavg")
     with pytest.raises(ValueError, match="num_fragments=9 > period_steps=4"):
-        config_from_preset("streaming-diloco", {"H": "4", "fragments": "9"})
+        streaming_diloco(H=4, num_fragments=9)
 
 
 def inner_lr_scaled() -> dict[str, float]:
     """One rank of post-local SGD (2 synchronous steps) with inner_lr_scale=0.5 against AdamW
     whose lr is halved from step 2 on; the optimizer's own lr is left as it was."""
     got, opt = train(
-        "postlocal", {"H": "3", "warmup": "2", "inner_lr_scale": "0.5"}, 7, inner="adamw"
+        post_local_sgd, {"H": 3, "warmup_steps": 2, "inner_lr_scale": 0.5}, 7, inner="adamw"
     )
     model = tiny_model()
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -381,4 +393,4 @@ def test_inner_lr_scale_applies_to_the_periodic_phase_only(pool: PoolFn) -> None
     assert r["err"] < 1e-6
     assert r["lr_after"] == 0.01
     with pytest.raises(ValueError, match="inner_lr_scale must be > 0"):
-        config_from_preset("diloco", {"inner_lr_scale": "0"})
+        diloco(inner_lr_scale=0)

@@ -20,12 +20,12 @@ from commfuse.collectives.pipeline import PIPELINE_BLOCK_ALPHA_S
 from commfuse.collectives.tuner import predict
 from commfuse.sim import (
     ClusterModel,
+    CommPlan,
     Demand,
     Layer,
     LayerComm,
+    ModelProfile,
     Straggler,
-    Strategy,
-    Workload,
     collective_time_s,
     demand,
     dlrm,
@@ -132,7 +132,7 @@ def test_all_reduce_never_beats_the_bandwidth_lower_bound() -> None:
         )
 
 
-def _random_workload(rng: random.Random, comms: bool) -> Workload:
+def _random_workload(rng: random.Random, comms: bool) -> ModelProfile:
     layers = []
     for i in range(rng.randint(1, 6)):
         extra: tuple[LayerComm, ...] = ()
@@ -154,7 +154,7 @@ def _random_workload(rng: random.Random, comms: bool) -> Workload:
                 comms=extra,
             )
         )
-    return Workload(name="random", layers=tuple(layers))
+    return ModelProfile(name="random", layers=tuple(layers))
 
 
 def test_adding_load_never_makes_a_step_faster() -> None:
@@ -167,7 +167,7 @@ def test_adding_load_never_makes_a_step_faster() -> None:
             memory_gbyte=100.0,
         )
         workload = _random_workload(rng, comms=True)
-        strategy = Strategy(
+        strategy = CommPlan(
             bucket_cap_mb=0,
             overlap=rng.random() < 0.8,
             # Fixed algorithms: "auto" is the tuner's choice from its isolated model, which may
@@ -211,15 +211,15 @@ def test_collectives_issued_match_the_strategy() -> None:
         Layer(name=f"l{i}", param_bytes=(i + 1) << 20, fwd_flops=1e8, bwd_flops=2e8)
         for i in range(6)
     )
-    workload = Workload(name="mlp", layers=layers)
+    workload = ModelProfile(name="mlp", layers=layers)
     cluster = ClusterModel(num_hosts=4)
-    per_layer = simulate_step(cluster, workload, Strategy(bucket_cap_mb=0))
+    per_layer = simulate_step(cluster, workload, CommPlan(bucket_cap_mb=0))
     assert per_layer.num_collectives == 6
     buckets = [t for t in per_layer.timeline.tasks if t.category == "dp"]
     assert sum(t.nbytes for t in buckets) == workload.param_bytes
     # 6 MB, 5 MB | 4 MB, 3 MB | 2 MB, 1 MB with a 9 MB cap (backward order, flushed when full)
-    assert simulate_step(cluster, workload, Strategy(bucket_cap_mb=9)).num_collectives == 3
-    half = simulate_step(cluster, workload, Strategy(bucket_cap_mb=0, compression_ratio=0.5))
+    assert simulate_step(cluster, workload, CommPlan(bucket_cap_mb=9)).num_collectives == 3
+    half = simulate_step(cluster, workload, CommPlan(bucket_cap_mb=0, compression_ratio=0.5))
     agree = [t for t in half.timeline.tasks if t.name.startswith("agree finite")]
     # Each compressed bucket: an fp32 flag per tensor (weight, bias), then half its bytes.
     assert [t.nbytes for t in agree] == [4 * 2] * 6
@@ -227,12 +227,12 @@ def test_collectives_issued_match_the_strategy() -> None:
         sum(t.nbytes for t in half.timeline.tasks if t.category == "dp" and t not in agree)
         == workload.param_bytes // 2
     )
-    no_agree = Strategy(bucket_cap_mb=0, compression_ratio=0.5, finite_agreement=False)
+    no_agree = CommPlan(bucket_cap_mb=0, compression_ratio=0.5, finite_agreement=False)
     assert simulate_step(cluster, workload, no_agree).num_collectives == 6
-    synced = simulate_step(cluster, workload, Strategy(local_sgd_period=8))
+    synced = simulate_step(cluster, workload, CommPlan(local_sgd_period=8))
     assert [t.category for t in synced.timeline.tasks if t.demand] == ["outer"]
     model = dlrm(world_size=4, num_tables=8, rows_per_table=1000, batch_per_rank=64)
-    fused = simulate_step(cluster, model, Strategy(fused_chunks=4, bucket_cap_mb=1000))
+    fused = simulate_step(cluster, model, CommPlan(fused_chunks=4, bucket_cap_mb=1000))
     a2a = [t for t in fused.timeline.tasks if t.category == "mp"]
     assert len(a2a) == 8 and sum(t.nbytes for t in a2a) == 2 * 64 * 8 * 128 * 4
 
@@ -240,8 +240,8 @@ def test_collectives_issued_match_the_strategy() -> None:
 def test_overlap_hides_communication_and_breakdown_adds_up() -> None:
     cluster = ClusterModel(num_hosts=16, ranks_per_host=1, flops_per_s=1e12, memory_gbyte=100)
     workload = transformer(num_layers=4, hidden=512, seq_len=256, batch_per_rank=2, vocab=1000)
-    on = simulate_step(cluster, workload, Strategy(bucket_cap_mb=1))
-    off = simulate_step(cluster, workload, Strategy(bucket_cap_mb=1, overlap=False))
+    on = simulate_step(cluster, workload, CommPlan(bucket_cap_mb=1))
+    off = simulate_step(cluster, workload, CommPlan(bucket_cap_mb=1, overlap=False))
     assert on.step_s < off.step_s
     assert off.overlapped_comm_s == pytest.approx(0.0, abs=1e-12)
     for r in (on, off):
@@ -260,7 +260,7 @@ def test_bad_input_is_refused_clearly() -> None:
     with pytest.raises(ValueError, match="unknown cluster keys"):
         ClusterModel.from_json('{"link_speed": 5}')
     with pytest.raises(ValueError, match="compression_ratio"):
-        Strategy(compression_ratio=0.0)
+        CommPlan(compression_ratio=0.0)
 
 
 def test_cluster_json_round_trip() -> None:

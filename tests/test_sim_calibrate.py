@@ -12,7 +12,7 @@ import math
 import pytest
 
 from commfuse.collectives import cost as C
-from commfuse.sim import ClusterModel, Strategy, build_step, collective_time_s, simulate_step
+from commfuse.sim import ClusterModel, CommPlan, build_step, collective_time_s, simulate_step
 from commfuse.sim.calibrate import (
     CALIBRATION_MLP,
     SGD_BYTES_PER_PARAM_BYTE,
@@ -28,7 +28,7 @@ from commfuse.sim.fit import (
     point_to_point,
     with_burst,
 )
-from commfuse.sim.workload import Layer, Workload
+from commfuse.sim.model import Layer, ModelProfile
 
 SIZES = [128 << 10, 512 << 10, 2 << 20, 8 << 20]
 LINK = C.LinkCost(alpha_s=400e-6, beta_s_per_byte=8e-9, gamma_s_per_byte=0.5e-9)
@@ -130,16 +130,16 @@ def test_burst_credit_is_the_closed_form_minus_the_bucket() -> None:
 def test_first_bucket_cap_splits_the_last_layers_off() -> None:
     mb = 1 << 20
     layers = tuple(Layer(name=f"l{i}", param_bytes=4 * mb, fwd_flops=1e6) for i in range(3))
-    workload = Workload(name="three", layers=layers)
+    workload = ModelProfile(name="three", layers=layers)
     cluster = ClusterModel(num_hosts=2)
 
-    def buckets(strategy: Strategy) -> list[int]:
+    def buckets(strategy: CommPlan) -> list[int]:
         return [t.nbytes for t in build_step(cluster, workload, strategy) if t.category == "dp"]
 
-    assert buckets(Strategy(bucket_cap_mb=25)) == [12 * mb]
-    assert buckets(Strategy(bucket_cap_mb=25, first_bucket_cap_mb=1)) == [4 * mb, 8 * mb]
+    assert buckets(CommPlan(bucket_cap_mb=25)) == [12 * mb]
+    assert buckets(CommPlan(bucket_cap_mb=25, first_bucket_cap_mb=1)) == [4 * mb, 8 * mb]
     with pytest.raises(ValueError, match="first_bucket_cap_mb must be >= 0"):
-        Strategy(first_bucket_cap_mb=-1)
+        CommPlan(first_bucket_cap_mb=-1)
 
 
 def test_fit_cluster_recovers_a_known_cluster_from_its_own_times() -> None:
@@ -184,7 +184,7 @@ def test_fit_cluster_recovers_a_known_cluster_from_its_own_times() -> None:
         elif kind == "cast":
             times.append(cfg["bytes"] / 1e9)
         elif kind == "step":  # the communicating step: a CPU cost of 800 us per MB to recover
-            strategy = Strategy(bucket_cap_mb=cfg["bucket_cap_mb"], first_bucket_cap_mb=1.0)
+            strategy = CommPlan(bucket_cap_mb=cfg["bucket_cap_mb"], first_bucket_cap_mb=1.0)
             slowed = dataclasses.replace(truth, comm_cpu_us_per_mbyte=800.0)
             times.append(simulate_step(slowed, workload, strategy).step_s)
         else:

@@ -16,7 +16,7 @@ import torch
 
 from commfuse.collectives import cost as C
 from commfuse.collectives.pipeline import block_ranges
-from commfuse.sim import PRESETS, ClusterModel, Demand, Strategy, simulate, simulate_step
+from commfuse.sim import PRESETS, ClusterModel, CommPlan, Demand, simulate, simulate_step
 from commfuse.sim.calibrate import COMM_STEP, fit_comm_cpu_of, mlp_workload
 from commfuse.sim.cpu_share import fit_comm_cpu, simulate_shared_cpu
 from commfuse.sim.fit import fit_link, native_model
@@ -65,7 +65,7 @@ def test_compute_longer_than_the_collective_pays_its_whole_cpu_cost() -> None:
 
 def _calibration_step(cluster: ClusterModel) -> float:
     workload = mlp_workload(COMM_STEP["model"], "calibration-mlp")
-    strategy = Strategy(bucket_cap_mb=COMM_STEP["bucket_cap_mb"], first_bucket_cap_mb=1.0)
+    strategy = CommPlan(bucket_cap_mb=COMM_STEP["bucket_cap_mb"], first_bucket_cap_mb=1.0)
     return simulate_step(cluster, workload, strategy).step_s
 
 

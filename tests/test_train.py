@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from commfuse.cli import main
-from commfuse.train import TrainConfig, parse_strategy, train_rank
+from commfuse.cli.spec import strategy_from_spec, workload_from_spec
+from commfuse.train import CommfuseDPConfig, TrainConfig, describe_strategy, train_rank
 from commfuse.train import checkpoint as ckpt
 from commfuse.train.metrics import summarize
 
@@ -26,7 +27,14 @@ def run_rank(config: TrainConfig) -> dict[str, Any]:
 
 
 def _config(strategy: str, steps: int, **kw: Any) -> TrainConfig:
-    return TrainConfig(workload=DIGITS, strategy=strategy, steps=steps, seed=1, **kw)
+    return TrainConfig(
+        workload=workload_from_spec(DIGITS),
+        strategy=strategy_from_spec(strategy),
+        label=strategy,
+        steps=steps,
+        seed=1,
+        **kw,
+    )
 
 
 def test_commfuse_matches_torch_ddp_and_bytes_are_counted(pool: Any) -> None:
@@ -126,7 +134,7 @@ def test_init_from_continues_another_strategys_model(pool: Any, tmp_path: Path) 
     # The optimizer state came along, so DDP continued is DDP straight through.
     assert [r["digest"] for r in ddp_rest] == [r["digest"] for r in straight]
     assert ddp_rest[0]["start_step"] == 3 and len(ddp_rest[0]["history"]["loss"]) == 3
-    local = p.run(run_rank, _config("localsgd:H=3", 6, init_from=str(tmp_path)), timeout_s=60)
+    local = p.run(run_rank, _config("local-sgd:H=3", 6, init_from=str(tmp_path)), timeout_s=60)
     # Its period counts from the start of this run: 3 local steps, then the average.
     assert local[0]["digest"] == local[1]["digest"]
     assert local[0]["digest"] != ddp_rest[0]["digest"]
@@ -180,13 +188,13 @@ def test_resume_refuses_a_different_run(pool: Any, tmp_path: Path) -> None:
         ("ddpp", "unknown strategy 'ddpp'; known: ddp, ddp-fp16, ddp-bf16, ddp-powersgd, commfuse"),
         (
             "ddp-powersgd:rnak=4",
-            "unknown option.*rnak.*known: batch_same_shape, bucket_view, epsilon, error_feedback",
+            "unknown key.*rnak.*known keys: batch_same_shape, bucket_view, epsilon, error_feedback",
         ),
-        ("ddp-powersgd:wire=fp8", "wire must be one of fp32, fp16, bf16, got 'fp8'"),
+        ("ddp-powersgd:wire=fp8", r"wire='fp8' is not one of the choices \(accepted: fp32, fp16"),
         ("ddp-powersgd:warmup=1", "warmup must be at least 2 with error feedback or warm start"),
         ("ddp-powersgd:rank=0", "rank must be at least 1"),
         ("ddp-powersgd:rank=four", "rank='four' is not a valid int"),
-        ("commfuse:merge=maybe", "is not a boolean"),
+        ("commfuse:merge_buckets_by_cost=maybe", "is not a boolean"),
         ("topk:ratioo=0.1", "unknown key 'ratioo'"),
         ("powersgd:algo=nope", "algo='nope' is not an all_reduce algorithm"),
         ("topk:gather_algo=doubling,algo=ringg", "algo='ringg' is not an all_reduce"),
@@ -195,18 +203,19 @@ def test_resume_refuses_a_different_run(pool: Any, tmp_path: Path) -> None:
 )
 def test_bad_strategy_specs(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        parse_strategy(spec)
+        strategy_from_spec(spec)
 
 
 def test_known_strategy_labels() -> None:
-    assert parse_strategy(" ddp-powersgd:rank=4").label == "ddp-powersgd:rank=4"
-    assert parse_strategy("ddp-powersgd:rank=4").canonical == "ddp-powersgd"
-    assert parse_strategy("ddp-powersgd:rank=8").canonical == "ddp-powersgd:rank=8"
-    assert parse_strategy("powersgd:rank=4").canonical == "powersgd:rank=4"
-    from commfuse.train.commfuse_dp import _build_compressor
-
-    compressor, engine = _build_compressor("topk:ratio=0.1,gather_algo=ring,staleness=1")
-    assert (compressor.gather_algo, compressor.algo, engine) == ("ring", "auto", {"staleness": 1})
+    assert strategy_from_spec(" ddp-powersgd:rank=4") == strategy_from_spec("ddp-powersgd:rank=4")
+    assert describe_strategy(strategy_from_spec("ddp-powersgd:rank=4")) == "ddp-powersgd"
+    assert describe_strategy(strategy_from_spec("ddp-powersgd:rank=8")) == "ddp-powersgd:rank=8"
+    assert describe_strategy(strategy_from_spec("powersgd:rank=4")) == "powersgd:rank=4"
+    config = strategy_from_spec("topk:ratio=0.1,gather_algo=ring,staleness=1")
+    assert isinstance(config, CommfuseDPConfig)
+    compressor = config.compressor
+    assert compressor is not None
+    assert (compressor.gather_algo, compressor.algo, config.staleness) == ("ring", "auto", 1)
 
 
 def test_train_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -282,11 +291,11 @@ def test_machine_busy_is_the_busy_share_of_the_cores_over_the_timed_steps() -> N
 @pytest.mark.parametrize(
     "strategy",
     [
-        "localsgd:H=2",
-        "postlocal:H=2,warmup=2",
+        "local-sgd:H=2",
+        "post-local-sgd:H=2,warmup_steps=2",
         "slowmo:H=2",
         "diloco:H=3",
-        "streaming-diloco:H=4,fragments=2,overlap=1",
+        "streaming-diloco:H=4,num_fragments=2,overlap_steps=1",
     ],
 )
 def test_local_sgd_family_trains_and_resumes_exactly(
@@ -310,7 +319,7 @@ def test_local_sgd_family_trains_and_resumes_exactly(
     # and left one model on both ranks.
     assert metrics["final_sync_bytes"] > 0
     assert full[0]["digest"] == full[1]["digest"]
-    if strategy == "localsgd:H=2":
+    if strategy == "local-sgd:H=2":
         # Exchanges after steps 2, 4, 6, then the final one: the whole model each time.
         assert metrics["final_sync_bytes"] == full[0]["history"]["bytes"][1]
         summary = summarize(full, strategy=strategy, workload=DIGITS, warmup=1)
@@ -394,9 +403,10 @@ def test_compare_rounds_are_balanced_and_the_control_runs_the_baseline_again() -
     from commfuse.train.compare import run_compare
 
     log: list[str] = []
-    base = TrainConfig(workload=DIGITS, steps=4, compute_steps=1)
+    base = TrainConfig(workload=workload_from_spec(DIGITS), steps=4, compute_steps=1)
+    specs = ["ddp", "fp16"]
     records = run_compare(
-        ["ddp", "fp16"],
+        [strategy_from_spec(spec) for spec in specs],
         base,
         Topology(num_hosts=1, ranks_per_host=2),
         repeats=2,
@@ -404,6 +414,7 @@ def test_compare_rounds_are_balanced_and_the_control_runs_the_baseline_again() -
         emulate=False,
         progress=False,
         log=log.append,
+        labels=specs,
     )
     assert [line.split()[1] for line in log] == ["ddp", "fp16", "ddp'", "ddp'", "fp16", "ddp"]
     assert [r["strategy"] for r in records] == ["ddp", "fp16", "ddp'"]

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from commfuse.workloads import corpus, make_workload, parse_workload
+from commfuse.cli.spec import workload_from_spec
+from commfuse.workloads import corpus, make_workload
 from commfuse.workloads.digits import HELDOUT_EVERY, load_split_tensors
 
 
@@ -33,7 +34,7 @@ def test_digits_split_fixed_and_disjoint() -> None:
 
 @pytest.mark.parametrize("spec", ["charlm:dim=32,layers=1,heads=2", "digits:hidden=16"])
 def test_batches_are_a_function_of_seed_step_rank(spec: str) -> None:
-    w = make_workload(spec)
+    w = make_workload(workload_from_spec(spec))
 
     def flat(b: object) -> torch.Tensor:
         return torch.cat([t.float().reshape(-1) for t in b]) if isinstance(b, tuple) else b  # type: ignore[return-value]
@@ -48,7 +49,7 @@ def test_batches_are_a_function_of_seed_step_rank(spec: str) -> None:
 
 
 def test_models_are_seeded() -> None:
-    w = make_workload("charlm")
+    w = make_workload(workload_from_spec("charlm"))
     a, b = w.build_model(5), w.build_model(5)
     n = sum(p.numel() for p in a.parameters())
     assert 3_000_000 < n < 3_400_000  # the 3.2M-parameter character Transformer
@@ -59,7 +60,7 @@ def test_models_are_seeded() -> None:
 @pytest.mark.parametrize(("spec", "steps"), [("charlm", 12), ("digits", 40)])
 def test_a_few_steps_reduce_the_loss(spec: str, steps: int) -> None:
     torch.set_num_threads(1)
-    w = make_workload(spec)
+    w = make_workload(workload_from_spec(spec))
     model = w.build_model(0)
     opt = w.make_optimizer(model)
     before = w.evaluate(model)
@@ -76,7 +77,7 @@ def test_a_few_steps_reduce_the_loss(spec: str, steps: int) -> None:
     ("spec", "message"),
     [
         ("imagenet", "unknown workload 'imagenet'; known: charlm, digits"),
-        ("charlm:depth=3", "unknown option.*depth.*known: batch, dim"),
+        ("charlm:depth=3", "unknown key.*depth.*known keys: batch, dim"),
         ("charlm:dim=65,heads=4", "heads=4 must divide dim=65"),
         ("digits:lr=fast", "lr='fast' is not a valid float"),
         ("digits:hidden", "is not key=value"),
@@ -84,4 +85,4 @@ def test_a_few_steps_reduce_the_loss(spec: str, steps: int) -> None:
 )
 def test_bad_workload_specs(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        parse_workload(spec)
+        workload_from_spec(spec)

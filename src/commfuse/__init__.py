@@ -14,7 +14,6 @@ _LAZY = {
     "DataParallel": "commfuse.ddp",
     "DataParallelConfig": "commfuse.ddp",
     "PeriodicSyncOptimizer": "commfuse.localsgd",
-    "make_compressor": "commfuse.compress",
 }
 _LAZY_MODULES = ("hooks", "collectives", "comm", "compress", "ddp", "fused", "localsgd", "sim")
 

@@ -34,12 +34,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commfuse.bench.clock import now
 from commfuse.bench.schedule import Schedule, control_name, summarize
 from commfuse.cluster import machine
 from commfuse.comm import Communicator
-from commfuse.train.strategy import StrategyContext, parse_strategy
-from commfuse.workloads import make_workload
+from commfuse.train.strategy import (
+    StrategyConfig,
+    StrategyContext,
+    build_strategy,
+    check_strategy,
+    describe_strategy,
+)
+from commfuse.workloads import (
+    CharLMOptions,
+    WorkloadOptions,
+    check_workload,
+    describe_workload,
+    make_workload,
+)
 
 #: The name of the bare-model row.
 COMPUTE = "compute"
@@ -49,9 +60,11 @@ COMPUTE = "compute"
 class StrategiesBenchConfig:
     """What to time (see the module docstring)."""
 
-    strategies: tuple[str, ...]
-    """Strategy specs as for ``commfuse train``; the first is the baseline of the ratios."""
-    workload: str = "charlm"
+    strategies: tuple[StrategyConfig, ...]
+    """Strategy configs as for ``commfuse train``; the first is the baseline of the ratios."""
+    labels: tuple[str, ...] = ()
+    """Their names in the records (default: ``describe_strategy``)."""
+    workload: WorkloadOptions = dataclasses.field(default_factory=CharLMOptions)
     steps: int = 6
     """Steps per timed block."""
     reps: int = 5
@@ -70,16 +83,22 @@ class StrategiesBenchConfig:
     def __post_init__(self) -> None:
         if not self.strategies:
             raise ValueError("give at least one strategy")
-        if len(set(self.strategies)) != len(self.strategies):
+        for strategy in self.strategies:
+            check_strategy(strategy)  # ValueError naming what a strategy may be
+        if len({describe_strategy(s) for s in self.strategies}) != len(self.strategies):
             raise ValueError("a strategy is given twice")
+        if self.labels and len(self.labels) != len(self.strategies):
+            raise ValueError(f"{len(self.labels)} labels for {len(self.strategies)} strategies")
         for key in ("steps", "reps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        for spec in self.strategies:
-            parse_strategy(spec)  # ValueError naming the known strategies or keys
-        make_workload(self.workload)
+        check_workload(self.workload)
+
+    def label(self, index: int) -> str:
+        """The name of strategy ``index`` in the records."""
+        return self.labels[index] if self.labels else describe_strategy(self.strategies[index])
 
 
 @dataclasses.dataclass
@@ -97,8 +116,6 @@ class _Runner:
     phases: list[tuple[float, float, float]] = dataclasses.field(default_factory=list)
     bytes_timed: int = 0
     pids: tuple[int, ...] | None = None
-    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
-    """The ranks' device (``comm.device``): the clock waits for it, the timings travel on it."""
     """This machine's ranks, whose CPU is the floor's (``machine.rank_pids``), on the one rank
     of each machine that reads them; None on the others."""
 
@@ -106,22 +123,22 @@ class _Runner:
         dist.barrier()
         sent = self.bytes_fn()
         busy_start = None if self.pids is None else machine.busy_cpu_s(self.pids)
-        start, cpu_start = now(self.device), time.process_time()
+        start, cpu_start = time.perf_counter(), time.process_time()
         phases = [self.step_fn(self.next_step + i) for i in range(num_steps)]
-        elapsed = now(self.device) - start
+        elapsed = time.perf_counter() - start
         busy = None if self.pids is None else machine.busy_since(busy_start, self.pids)
         # CPU seconds of every thread of this rank (compute, gloo's, commfuse's workers): where
         # ranks share cores, a strategy's CPU is other ranks' lost compute.
         cpu = time.process_time() - cpu_start
         sent = self.bytes_fn() - sent  # before the timing allreduce, which is not the strategy's
-        slowest = torch.tensor([elapsed / num_steps], dtype=torch.float64, device=self.device)
-        cpu_sum = torch.tensor([cpu / num_steps], dtype=torch.float64, device=self.device)
+        slowest = torch.tensor([elapsed / num_steps], dtype=torch.float64)
+        cpu_sum = torch.tensor([cpu / num_steps], dtype=torch.float64)
         # The busiest machine's floor (one rank per machine reads it); -1 where a rank does not
         # read or a machine cannot tell (no /proc), so the max says "unknown" only if none can.
         floor = -1.0
         if busy is not None:
             floor = busy / machine.cores() / num_steps
-        machine_floor = torch.tensor([floor], dtype=torch.float64, device=self.device)
+        machine_floor = torch.tensor([floor], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank's block
         dist.all_reduce(cpu_sum)  # every rank's CPU
         dist.all_reduce(machine_floor, op=dist.ReduceOp.MAX)
@@ -141,21 +158,22 @@ def _runners(config: StrategiesBenchConfig, comm: Communicator) -> list[_Runner]
     local = machine.rank_pids()
     pids = local if local[0] == os.getpid() else None  # one reader per machine
     runners = []
-    names = list(config.strategies)
+    # (label, config): the strategies, then the first one again for the A/A control.
+    entries = [(config.label(i), spec) for i, spec in enumerate(config.strategies)]
     if config.control:
-        names.append(control_name(config.strategies[0]))
-    for name in names:
-        spec = config.strategies[0] if name == control_name(config.strategies[0]) else name
+        entries.append((control_name(config.label(0)), config.strategies[0]))
+    for name, spec in entries:
         module = workload.build_model(config.seed)
         optimizer = workload.make_optimizer(module)
-        strategy = parse_strategy(spec).build(
+        strategy = build_strategy(
+            spec,
             StrategyContext(
                 module=module,
                 optimizer=optimizer,
                 comm=comm,
                 bucket_cap_mb=config.bucket_cap_mb,
                 seed=config.seed,
-            )
+            ),
         )
 
         def step(i: int, strategy: Any = strategy) -> tuple[float, float, float]:
@@ -171,9 +189,7 @@ def _runners(config: StrategiesBenchConfig, comm: Communicator) -> list[_Runner]
                 strategy.optimizer_step()
             return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-        runners.append(
-            _Runner(name, step, strategy.bytes_sent, strategy.close, pids=pids, device=comm.device)
-        )
+        runners.append(_Runner(name, step, strategy.bytes_sent, strategy.close, pids=pids))
     if config.include_compute:
         bare = workload.build_model(config.seed)
         bare_opt = workload.make_optimizer(bare)
@@ -189,9 +205,7 @@ def _runners(config: StrategiesBenchConfig, comm: Communicator) -> list[_Runner]
             bare_opt.step()
             return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-        runners.append(
-            _Runner(COMPUTE, bare_step, lambda: 0, lambda: None, pids=pids, device=comm.device)
-        )
+        runners.append(_Runner(COMPUTE, bare_step, lambda: 0, lambda: None, pids=pids))
     return runners
 
 
@@ -201,7 +215,7 @@ def bench_strategies_on_rank(config: StrategiesBenchConfig) -> list[dict[str, An
     comm = Communicator()
     runners = _runners(config, comm)
     by_name = {runner.name: runner for runner in runners}
-    baseline = config.strategies[0]
+    baseline = config.label(0)
     schedule = Schedule(
         tuple(r.name for r in runners if r.name != control_name(baseline) or not config.control),
         rounds=config.reps,
@@ -230,7 +244,7 @@ def bench_strategies_on_rank(config: StrategiesBenchConfig) -> list[dict[str, An
         ratio = summary.ratios[runner.name]
         record: dict[str, Any] = {
             "strategy": runner.name,
-            "workload": config.workload,
+            "workload": describe_workload(config.workload),
             "world_size": comm.world_size,
             "step_s": summary.medians[runner.name],
             "step_s_min": min(runner.blocks_s),

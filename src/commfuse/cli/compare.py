@@ -14,11 +14,9 @@ from pathlib import Path
 from commfuse.cli.common import (
     Subparsers,
     add_control_argument,
-    add_device_arguments,
     add_output_arguments,
     add_topology_arguments,
     emulate_arg,
-    require_host_training,
     set_command,
     topology_from_args,
 )
@@ -51,7 +49,6 @@ def register(sub: Subparsers) -> None:
     )
     add_run_arguments(parser, default_steps=C.DEFAULT_STEPS)
     add_topology_arguments(parser, default_hosts=C.DEFAULT_HOSTS, default_link=C.DEFAULT_LINK)
-    add_device_arguments(parser)
     parser.add_argument(
         "--strategy",
         action="append",
@@ -90,29 +87,33 @@ def register(sub: Subparsers) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    from commfuse.cli.spec import strategy_from_spec, workload_from_spec
     from commfuse.train.loop import TrainConfig
     from commfuse.workloads import make_workload
 
     strategies = args.strategy or list(C.DEFAULT_STRATEGIES)
     topology = topology_from_args(args, nproc=args.nproc)
-    require_host_training(args, topology, command="commfuse compare")
+    # Every spec is checked before any run starts.
+    layout = topology.ranks_per_host
+    configs = [strategy_from_spec(s, ranks_per_host=layout) for s in strategies]
+    options = workload_from_spec(args.workload)
     base = TrainConfig(
-        workload=args.workload,
-        strategy=strategies[0],
+        workload=options,
+        strategy=configs[0],
         steps=args.steps,
         seed=args.seed,
         bucket_cap_mb=args.bucket_cap_mb,
         compute_steps=args.compute_steps,
         init_from=args.init_from,
     )
-    workload = make_workload(args.workload).describe()
+    workload = make_workload(options).describe()
     print(
         f"commfuse compare: {workload}\n  on {topology.describe()}, {args.steps} steps, "
         f"seed {args.seed}, bucket cap {args.bucket_cap_mb:g} MiB, strategies one after another"
         f"{' (A/A control: the baseline twice)' if args.control else ''}"
     )
     records = C.run_compare(
-        strategies,
+        configs,
         base,
         topology,
         repeats=args.repeats,
@@ -121,6 +122,7 @@ def run_compare(args: argparse.Namespace) -> int:
         emulate=emulate_arg(args),
         progress=False if args.no_progress else None,
         timeout_s=args.timeout,
+        labels=[s.strip() for s in strategies],
     )
     print()
     print(C.render_table(records))

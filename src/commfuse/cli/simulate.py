@@ -3,12 +3,15 @@
 commfuse simulate --ranks 1024                                   # default workload and cluster
 commfuse simulate --workload dlrm --ranks 1024 --fused-chunks 1,8  # fused vs unfused All-to-All
 commfuse simulate --cluster two-dc --local-sgd-period 1,100 --ranks 256   # DP vs DiLoCo
+commfuse simulate --ranks 256 --strategy ddp --strategy powersgd:rank=4 --strategy diloco:H=50
 commfuse simulate --collective broadcast --size 16M --algo lp,tree --scale 2:1024 --plot b.png
 commfuse simulate --validate --runs 3 --json validation.json      # real runs on netlab
 commfuse simulate --validate --save-cluster c.json; commfuse simulate --cluster c.json ...
 
-Comma lists in --algo, --fused-chunks and --local-sgd-period give one series each; --scale
-gives a table (and --plot a PNG) over rank counts.
+Each --strategy (a `commfuse train` strategy spec) gives one series, priced from its typed
+config (its compressor's message per bucket, its period H); without one, comma lists in --algo,
+--fused-chunks and --local-sgd-period give one series each. --scale gives a table (and --plot
+a PNG) over rank counts.
 """
 
 from __future__ import annotations
@@ -61,6 +64,14 @@ def register(sub: Subparsers) -> None:
     )
     parser.add_argument("--collective", help="simulate this collective instead of a step")
     parser.add_argument("--size", default="16M", help="message size with --collective")
+    parser.add_argument(
+        "--strategy",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a training strategy, as for `commfuse train` (repeat for several series); "
+        "instead of --algo, --compression-ratio and --local-sgd-period",
+    )
     parser.add_argument("--algo", default="auto", help="algorithm(s), comma list")
     add_bucket_cap_argument(parser)
     parser.add_argument("--no-overlap", action="store_true", help="all_reduce after backward")
@@ -132,12 +143,14 @@ def _ints(text: str, flag: str) -> list[int]:
         raise ValueError(f"{flag} takes integers, comma separated, got {text!r}") from None
 
 
-def _strategies(args: argparse.Namespace) -> dict[str, Any]:
-    from commfuse.sim.strategy import Strategy
+def _plans(args: argparse.Namespace) -> dict[str, Any]:
+    from commfuse.sim.plan import CommPlan
 
     algos = args.algo.split(",")
     chunks = _ints(args.fused_chunks, "--fused-chunks")
     periods = _ints(args.local_sgd_period, "--local-sgd-period")
+    if args.strategy:
+        return _strategy_plans(args, chunks)
     out = {}
     for algo, k, h in itertools.product(algos, chunks, periods):
         label = (
@@ -152,7 +165,7 @@ def _strategies(args: argparse.Namespace) -> dict[str, Any]:
             )
             or "step"
         )
-        out[label] = Strategy(
+        out[label] = CommPlan(
             algorithm=algo,
             bucket_cap_mb=args.bucket_cap_mb,
             overlap=not args.no_overlap,
@@ -160,6 +173,34 @@ def _strategies(args: argparse.Namespace) -> dict[str, Any]:
             compression_gbyte_per_s=args.compression_gbps,
             fused_chunks=k,
             local_sgd_period=h,
+        )
+    return out
+
+
+def _strategy_plans(args: argparse.Namespace, chunks: list[int]) -> dict[str, Any]:
+    from commfuse.cli.spec import strategy_from_spec
+    from commfuse.sim.training import plan_for
+
+    what_if = [
+        flag
+        for flag, given in (
+            ("--algo", args.algo != "auto"),
+            ("--compression-ratio", args.compression_ratio != 1.0),
+            ("--local-sgd-period", args.local_sgd_period != "1"),
+        )
+        if given
+    ]
+    if what_if:
+        raise ValueError(f"--strategy sets what {', '.join(what_if)} would: give one or the other")
+    out = {}
+    for spec, k in itertools.product(args.strategy, chunks):
+        label = spec.strip() + (f",fused x{k}" if len(chunks) > 1 else "")
+        out[label] = plan_for(
+            strategy_from_spec(spec),
+            bucket_cap_mb=args.bucket_cap_mb,
+            compression_gbyte_per_s=args.compression_gbps,
+            fused_chunks=k,
+            overlap=not args.no_overlap,
         )
     return out
 
@@ -244,17 +285,17 @@ def _run(args: argparse.Namespace) -> int:
             except TypeError as err:
                 raise ValueError(f"bad --workload-arg for {args.workload}: {err}") from None
 
-        strategies = _strategies(args)
-        if len(ranks) == 1 and len(strategies) == 1:
+        plans = _plans(args)
+        if len(ranks) == 1 and len(plans) == 1:
             return _one(
                 cluster.with_ranks(ranks[0]),
                 make(ranks[0]),
-                next(iter(strategies.values())),
+                next(iter(plans.values())),
                 args,
                 chrome_trace,
                 simulate_step,
             )
-        records = scale.step_curve(cluster, make, strategies, ranks)
+        records = scale.step_curve(cluster, make, plans, ranks)
         title = f"{args.workload} step on {cluster.name}"
     scale.print_curve(records)
     if args.plot:
@@ -268,7 +309,7 @@ def _run(args: argparse.Namespace) -> int:
 def _one(
     cluster: Any,
     workload: Any,
-    strategy: Any,
+    plan: Any,
     args: argparse.Namespace,
     chrome_trace: Any,
     simulate_step: Any,
@@ -276,13 +317,13 @@ def _one(
     import time
 
     began = time.perf_counter()
-    result = simulate_step(cluster, workload, strategy)
+    result = simulate_step(cluster, workload, plan)
     took = time.perf_counter() - began
     r = result.as_dict()
     step = r["step_us"]
     print(
         f"workload {workload.name}: {workload.param_bytes / 1e9:.2f} GB of parameters per rank, "
-        f"{workload.flops / 1e12:.2f} TFLOP per step per rank; strategy {strategy.describe()}"
+        f"{workload.flops / 1e12:.2f} TFLOP per step per rank; plan {plan.describe()}"
     )
     print(
         f"predicted step on {cluster.world_size} ranks: {step / 1e3:.3f} ms "

@@ -15,12 +15,10 @@ from typing import Any
 from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
-    add_device_arguments,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
     emulate_arg,
-    require_host_training,
     set_command,
     topology_from_args,
 )
@@ -61,7 +59,6 @@ def register(sub: Subparsers) -> None:
     )
     add_run_arguments(parser, default_steps=100)
     add_topology_arguments(parser)
-    add_device_arguments(parser)
     parser.add_argument(
         "--strategy",
         default="ddp",
@@ -90,16 +87,14 @@ def register(sub: Subparsers) -> None:
 
 
 def list_strategies() -> str:
-    from commfuse.train.strategy import _REGISTRY, known_strategies
+    from commfuse.cli.spec import strategy_listing
 
-    lines = []
-    for name in known_strategies():
-        info = _REGISTRY.get(name)
-        lines.append(f"  {name:<16} {info.help if info else 'commfuse DataParallel + compressor'}")
+    lines = [f"  {name:<16} {help}" for name, help in strategy_listing()]
     return "strategies:\n" + "\n".join(lines)
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from commfuse.cli.spec import strategy_from_spec, workload_from_spec
     from commfuse.train.loop import TrainConfig
     from commfuse.train.runner import run_training
 
@@ -107,10 +102,10 @@ def run_train(args: argparse.Namespace) -> int:
         print(list_strategies())
         return 0
     topology = topology_from_args(args, nproc=args.nproc)
-    require_host_training(args, topology, command="commfuse train")
     config = TrainConfig(
-        workload=args.workload,
-        strategy=args.strategy,
+        workload=workload_from_spec(args.workload),
+        strategy=strategy_from_spec(args.strategy, ranks_per_host=topology.ranks_per_host),
+        label=args.strategy.strip(),
         steps=args.steps,
         seed=args.seed,
         bucket_cap_mb=args.bucket_cap_mb,
@@ -120,7 +115,7 @@ def run_train(args: argparse.Namespace) -> int:
         resume=args.resume,
         init_from=args.init_from,
     )
-    print(f"commfuse train: {config.workload} on {topology.describe()}, strategy {config.strategy}")
+    print(f"commfuse train: {args.workload} on {topology.describe()}, strategy {config.label}")
     record = run_training(
         config,
         topology,

@@ -7,7 +7,9 @@ keeps its step-to-step state (error-feedback residuals, momentum, PowerSGD facto
 ``state_dict``, filed under the parameters each bucket holds (``set_layout``, ``layout.py``), so the state
 follows them when buckets change. Build one as an object, e.g. ``PowerSGD(rank=8,
 wire="bf16")`` or ``TopK(ratio=0.01)``, and hand it to ``commfuse.ddp.DataParallelConfig`` or
-to ``commfuse.hooks`` (the same compressors as torch DDP communication hooks).
+to ``commfuse.hooks`` (the same compressors as torch DDP communication hooks). On the command
+line ``powersgd:rank=8,wire=bf16`` builds the same object (``commfuse.cli.spec``; the keys are
+the dataclass fields).
 
 ============= =========== ======================================================= ===============
 class         aggregation message per rank (d elements, fp32)                     error feedback
@@ -50,12 +52,10 @@ from commfuse.compress.powersgd import PowerSGD, Wire
 from commfuse.compress.quantize import QSGD, TernGrad
 from commfuse.compress.sign import EFSign, Sign
 from commfuse.compress.sparse import RandomBlock, RandomK, TopK
-from commfuse.compress.spec import COMPRESSORS, make_compressor, parse_spec
 
 __all__ = [
     "ACPSGD",
     "BF16",
-    "COMPRESSORS",
     "DGC",
     "FP16",
     "QSGD",
@@ -76,6 +76,4 @@ __all__ = [
     "TopK",
     "Wire",
     "generator_for",
-    "make_compressor",
-    "parse_spec",
 ]

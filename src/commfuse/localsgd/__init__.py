@@ -1,17 +1,26 @@
 """Communicating less often: local SGD, post-local SGD, SlowMo, DiLoCo and streaming DiLoCo.
 
-``PeriodicSyncOptimizer`` (``optimizer.py``) wraps any inner optimizer; ``config_from_preset``
-builds the config of a named strategy (``config.py``); the outer step is in ``outer.py`` and the
+``PeriodicSyncOptimizer`` (``optimizer.py``) wraps any inner optimizer and runs the config
+(``PeriodicSyncConfig``, ``config.py``) that one function per method builds: ``local_sgd`` and
+``post_local_sgd`` (``local_sgd.py``), ``slowmo`` (``slowmo.py``), ``diloco`` (``diloco.py``),
+``streaming_diloco`` (``streaming_diloco.py``). The outer step is in ``outer.py`` and the
 fragmenting of streaming DiLoCo in ``fragments.py``.
 """
 
-from commfuse.localsgd.config import PRESETS, PeriodicSyncConfig, config_from_preset
+from commfuse.localsgd.config import PeriodicSyncConfig
+from commfuse.localsgd.diloco import diloco
+from commfuse.localsgd.local_sgd import local_sgd, post_local_sgd
 from commfuse.localsgd.optimizer import PeriodicSyncOptimizer, SyncRecord
+from commfuse.localsgd.slowmo import slowmo
+from commfuse.localsgd.streaming_diloco import streaming_diloco
 
 __all__ = [
-    "PRESETS",
     "PeriodicSyncConfig",
     "PeriodicSyncOptimizer",
     "SyncRecord",
-    "config_from_preset",
+    "diloco",
+    "local_sgd",
+    "post_local_sgd",
+    "slowmo",
+    "streaming_diloco",
 ]

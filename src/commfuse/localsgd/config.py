@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
+
+from commfuse.compress.base import Compressor
 
 
 @dataclass(kw_only=True)
 class PeriodicSyncConfig:
     """One config covers local SGD, post-local SGD, SlowMo, DiLoCo and streaming DiLoCo: they
-    differ in the period, the warm-up, the outer optimizer and the fragmenting (see
-    ``PRESETS``)."""
+    differ in the period, the warm-up, the outer optimizer and the fragmenting. Each method has
+    a function that fills it in with the paper's settings: ``local_sgd``, ``post_local_sgd``
+    (``local_sgd.py``), ``slowmo``, ``diloco``, ``streaming_diloco`` (a file each)."""
 
     period_steps: int = 8
     """H: inner steps between two synchronisations of a fragment."""
@@ -49,10 +50,13 @@ class PeriodicSyncConfig:
     steps (needs the host layout: ranks_per_host)."""
     ranks_per_host: int = 1
     """Ranks per host, for ``hierarchical`` (the launcher's LOCAL_WORLD_SIZE)."""
-    compressor: str | None = None
-    """A ``commfuse.compress`` spec applied to the outer exchange ("fp16", "int8", ...)."""
+    compressor: Compressor | None = None
+    """A ``commfuse.compress`` compressor for the outer exchange (``FP16()``, ...),
+    with error feedback across exchanges when it has one; its messages ride its own ``algo``.
+    None: a plain allreduce of the pseudo-gradient."""
     algo: str = "auto"
-    """The commfuse allreduce algorithm of the outer exchange."""
+    """The commfuse allreduce algorithm of the outer exchange without a compressor, and of the
+    synchronous warm-up's (and hierarchical mode's) gradient averages."""
     final_sync: bool = True
     """At the end of training (``finish()``), replace every fragment whose replicas have moved
     since its last exchange by the replicas' average (an exchange in flight is applied without
@@ -87,90 +91,8 @@ class PeriodicSyncConfig:
             raise ValueError(f"mix_global must be in (0, 1], got {self.mix_global}")
         if self.ranks_per_host < 1:
             raise ValueError(f"ranks_per_host must be >= 1, got {self.ranks_per_host}")
-
-
-#: Strategy name -> (defaults, the keys a user may set, mapped to config fields).
-PRESETS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
-    # Stich, "Local SGD converges fast and communicates little" (ICLR 2019).
-    "localsgd": ({"period_steps": 8}, {"H": "period_steps"}),
-    # Lin et al., "Don't use large mini-batches, use local SGD" (ICLR 2020).
-    "postlocal": (
-        {"period_steps": 8, "warmup_steps": 100},
-        {"H": "period_steps", "warmup": "warmup_steps"},
-    ),
-    # Wang et al., "SlowMo: improving communication-efficient distributed SGD with slow
-    # momentum" (ICLR 2020).
-    "slowmo": (
-        {"period_steps": 8, "outer_momentum": 0.5, "outer_lr": 1.0},
-        {"H": "period_steps", "beta": "outer_momentum", "alpha": "outer_lr"},
-    ),
-    # Douillard et al., "DiLoCo: distributed low-communication training of language models"
-    # (2023).
-    "diloco": (
-        {"period_steps": 50, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True},
-        {"H": "period_steps", "outer_lr": "outer_lr", "outer_momentum": "outer_momentum"},
-    ),
-    # Douillard et al., "Streaming DiLoCo with overlapping communication" (2025).
-    "streaming-diloco": (
-        {
-            "period_steps": 50,
-            "outer_lr": 0.7,
-            "outer_momentum": 0.9,
-            "nesterov": True,
-            "num_fragments": 4,
-            "overlap_steps": 1,
-            "mix_global": 0.5,
-        },
-        {
-            "H": "period_steps",
-            "fragments": "num_fragments",
-            "overlap": "overlap_steps",
-            "mix": "mix_global",
-            "outer_lr": "outer_lr",
-            "outer_momentum": "outer_momentum",
-        },
-    ),
-}
-
-#: Keys every preset accepts.
-_COMMON_KEYS = {
-    "compress": "compressor",
-    "algo": "algo",
-    "hierarchical": "hierarchical",
-    "inner_lr_scale": "inner_lr_scale",
-    "final_sync": "final_sync",
-}
-
-
-def config_from_preset(name: str, options: dict[str, str] | None = None) -> PeriodicSyncConfig:
-    """The config of strategy ``name`` (a key of ``PRESETS``) with ``options`` (strings, as
-    parsed from ``--strategy diloco:H=50,outer_lr=0.7``) applied."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown local-SGD strategy {name!r}; known: {', '.join(PRESETS)}")
-    defaults, keys = PRESETS[name]
-    allowed = {**keys, **_COMMON_KEYS}
-    values: dict[str, Any] = dict(defaults)
-    types = {f.name: f.type for f in dataclasses.fields(PeriodicSyncConfig)}
-    for key, raw in (options or {}).items():
-        if key not in allowed:
+        if self.compressor is not None and not isinstance(self.compressor, Compressor):
             raise ValueError(
-                f"strategy {name!r} has no option {key!r}; known: {', '.join(sorted(allowed))}"
+                "compressor must be a commfuse.compress compressor object (e.g. "
+                f"FP16()), got {type(self.compressor).__name__}"
             )
-        field = allowed[key]
-        values[field] = _convert(key, raw, str(types[field]))
-    return PeriodicSyncConfig(**values)
-
-
-def _convert(key: str, raw: str, type_name: str) -> Any:
-    try:
-        if type_name == "int":
-            return int(raw)
-        if type_name == "float":
-            return float(raw)
-        if type_name == "bool":
-            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(raw)
-            return raw.lower() in ("1", "true", "yes")
-    except ValueError:
-        raise ValueError(f"option {key}={raw!r} is not a valid {type_name}") from None
-    return raw

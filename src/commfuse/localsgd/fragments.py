@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Piece:
     """Elements ``[start, stop)`` of parameter ``param`` (flattened)."""
 
@@ -50,7 +50,7 @@ def split_into_fragments(params: Sequence[torch.Tensor], num_fragments: int) -> 
         for f in range(num_fragments):
             lo, hi = max(bounds[f], offset), min(bounds[f + 1], offset + size)
             if lo < hi:
-                fragments[f].append(Piece(index, lo - offset, hi - offset))
+                fragments[f].append(Piece(param=index, start=lo - offset, stop=hi - offset))
         offset += size
     return fragments
 

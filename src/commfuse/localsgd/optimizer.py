@@ -8,7 +8,7 @@ fragment) the replicas exchange their pseudo-gradients and apply the outer step
 (``outer.py``)::
 
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    opt = PeriodicSyncOptimizer(inner, model, comm, config_from_preset("diloco", {"H": "50"}))
+    opt = PeriodicSyncOptimizer(inner, model, comm, diloco(H=50))
     for batch in data:
         loss_fn(model, batch).backward()
         opt.step()
@@ -55,7 +55,7 @@ from commfuse.localsgd.fragments import fragments_due, split_into_fragments
 from commfuse.localsgd.outer import outer_sgd_
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SyncRecord:
     """One synchronisation of one fragment."""
 
@@ -70,7 +70,7 @@ class SyncRecord:
     """``drift`` divided by the L2 norm of the anchor."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Pending:
     fragment: int
     sent_at_step: int
@@ -122,11 +122,8 @@ class PeriodicSyncOptimizer:
         self._pending: list[_Pending] = []
         self.exchanges_started = 0
         """Exchanges begun so far (the compressor's step index: the same on every rank)."""
-        self._compressor: Any = None
-        if config.compressor:
-            from commfuse.compress import make_compressor
-
-            self._compressor = make_compressor(config.compressor, algo=config.algo)
+        # The compressor's state (error feedback) is this optimizer's from here on.
+        self._compressor = config.compressor
 
     # -- the optimizer interface ------------------------------------------------------------
     @property
@@ -258,12 +255,12 @@ class PeriodicSyncOptimizer:
             handle = None
         self._pending.append(
             _Pending(
-                fragment,
-                self.step_count,
-                self.step_count + self.config.overlap_steps,
-                delta,
-                local,
-                handle,
+                fragment=fragment,
+                sent_at_step=self.step_count,
+                apply_at_step=self.step_count + self.config.overlap_steps,
+                delta_avg=delta,
+                local_delta=local,
+                handle=handle,
             )
         )
 
@@ -288,7 +285,15 @@ class PeriodicSyncOptimizer:
         # The drift is known once the average is.
         drift = float((pending.local_delta - avg).norm())
         scale = float(anchor.norm()) or 1.0
-        self.syncs.append(SyncRecord(pending.sent_at_step, f, avg.numel(), drift, drift / scale))
+        self.syncs.append(
+            SyncRecord(
+                step=pending.sent_at_step,
+                fragment=f,
+                numel=avg.numel(),
+                drift=drift,
+                relative_drift=drift / scale,
+            )
+        )
         cfg = self.config
         if average:
             anchor.sub_(avg)  # anchor - mean(anchor - params) = mean(params)
@@ -356,12 +361,12 @@ class PeriodicSyncOptimizer:
             self.momenta[f] = None if saved is None else saved.clone()
         self._pending = [
             _Pending(
-                p["fragment"],
-                int(p["sent_at_step"]),
-                p["apply_at_step"],
-                p["delta_avg"].clone(),
-                p["local"].clone(),
-                None,
+                fragment=p["fragment"],
+                sent_at_step=int(p["sent_at_step"]),
+                apply_at_step=p["apply_at_step"],
+                delta_avg=p["delta_avg"].clone(),
+                local_delta=p["local"].clone(),
+                handle=None,
             )
             for p in state["pending"]
         ]

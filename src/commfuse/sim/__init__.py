@@ -6,25 +6,25 @@ runs (``commfuse simulate --validate``). Nothing here needs a process group exce
 from commfuse.sim.builtins import WORKLOADS, dlrm, moe, tp_transformer, transformer
 from commfuse.sim.cluster import PRESETS, ClusterModel, Straggler, load_cluster
 from commfuse.sim.engine import Timeline, simulate
+from commfuse.sim.model import Layer, LayerComm, ModelProfile, from_module
 from commfuse.sim.network import Demand, Group, collective_time_s, demand
+from commfuse.sim.plan import CommPlan
 from commfuse.sim.program import build_step
 from commfuse.sim.step import StepResult, chrome_trace, simulate_step
-from commfuse.sim.strategy import Strategy
-from commfuse.sim.workload import Layer, LayerComm, Workload, from_module
 
 __all__ = [
     "PRESETS",
     "WORKLOADS",
     "ClusterModel",
+    "CommPlan",
     "Demand",
     "Group",
     "Layer",
     "LayerComm",
+    "ModelProfile",
     "StepResult",
     "Straggler",
-    "Strategy",
     "Timeline",
-    "Workload",
     "build_step",
     "chrome_trace",
     "collective_time_s",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from commfuse.sim.workload import Layer, LayerComm, Workload
+from commfuse.sim.model import Layer, LayerComm, ModelProfile
 
 
 def transformer(
@@ -33,7 +33,7 @@ def transformer(
     tp: int = 1,
     dtype_bytes: int = 2,
     name: str = "transformer",
-) -> Workload:
+) -> ModelProfile:
     """A decoder-only Transformer (about 1.3 B parameters by default), data-parallel, and
     tensor-parallel over ``tp`` ranks when ``tp`` > 1."""
     if min(num_layers, hidden, seq_len, batch_per_rank, vocab, tp) < 1:
@@ -74,7 +74,7 @@ def transformer(
         )
     head = 2.0 * tokens * h * vocab / tp
     layers.append(Layer(name="lm_head", param_bytes=0, fwd_flops=head, bwd_flops=2 * head))
-    return Workload(
+    return ModelProfile(
         name=name if tp == 1 else f"{name}-tp{tp}",
         layers=tuple(layers),
         tp_size=tp,
@@ -84,7 +84,7 @@ def transformer(
     )
 
 
-def tp_transformer(*, tp: int = 8, **kwargs: int) -> Workload:
+def tp_transformer(*, tp: int = 8, **kwargs: int) -> ModelProfile:
     """Tensor-parallel Transformer blocks (``transformer`` with ``tp`` ranks per group)."""
     return transformer(tp=tp, **kwargs)  # type: ignore[arg-type]
 
@@ -100,7 +100,7 @@ def dlrm(
     top_mlp: tuple[int, ...] = (1024, 1024, 512, 256, 1),
     num_dense: int = 13,
     world_size: int = 1,
-) -> Workload:
+) -> ModelProfile:
     """DLRM: ``num_tables`` tables of ``rows_per_table`` x ``dim`` fp32 rows spread over
     ``world_size`` ranks, ``pooling`` lookups per table per sample, MLPs data-parallel."""
     if min(num_tables, rows_per_table, dim, pooling, batch_per_rank, world_size) < 1:
@@ -130,7 +130,7 @@ def dlrm(
     for i, out in enumerate(top_mlp):
         layers.append(_linear(f"top{i}", width, out, b))
         width = out
-    return Workload(
+    return ModelProfile(
         name="dlrm",
         layers=tuple(layers),
         activation_bytes=float(b * (num_tables + 1) * dim * 4 * 4),
@@ -152,7 +152,7 @@ def moe(
     experts_per_rank: int = 1,
     top_k: int = 2,
     dtype_bytes: int = 2,
-) -> Workload:
+) -> ModelProfile:
     """Transformer blocks whose MLPs are experts spread over the data-parallel group."""
     if min(num_layers, hidden, seq_len, batch_per_rank, experts_per_rank, top_k) < 1:
         raise ValueError("moe sizes must be >= 1")
@@ -185,7 +185,7 @@ def moe(
                 ),
             )
         )
-    return Workload(
+    return ModelProfile(
         name="moe",
         layers=tuple(layers),
         activation_bytes=float(num_layers * 12 * tokens * h * dtype_bytes),
@@ -194,7 +194,7 @@ def moe(
     )
 
 
-WORKLOADS: dict[str, Callable[..., Workload]] = {
+WORKLOADS: dict[str, Callable[..., ModelProfile]] = {
     "transformer": transformer,
     "tp-transformer": tp_transformer,
     "dlrm": dlrm,

@@ -49,8 +49,8 @@ from commfuse.sim.fit import (
     point_to_point,
     with_burst,
 )
-from commfuse.sim.strategy import Strategy
-from commfuse.sim.workload import Workload, from_module
+from commfuse.sim.model import ModelProfile, from_module
+from commfuse.sim.plan import CommPlan
 
 KB, MB = 1 << 10, 1 << 20
 #: Sizes of the native-collective fits: x4 apart, from latency-bound to bandwidth-bound.
@@ -80,7 +80,7 @@ COMM_STEP: dict[str, Any] = {
 }
 
 
-def mlp_workload(spec: dict[str, int], name: str) -> Workload:
+def mlp_workload(spec: dict[str, int], name: str) -> ModelProfile:
     """The MLP of ``spec`` as the simulator sees it (FLOPs read on the meta device)."""
     from commfuse.sim.measure import mlp
 
@@ -202,9 +202,9 @@ def fit_cluster(
     return cluster, fits
 
 
-def comm_step_strategy(cfg: dict[str, Any]) -> Strategy:
+def comm_step_plan(cfg: dict[str, Any]) -> CommPlan:
     """The simulator's view of a torch DDP step config (DDP caps its first bucket at 1 MB)."""
-    return Strategy(
+    return CommPlan(
         algorithm=cfg.get("algo", "native"),
         bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0),
         first_bucket_cap_mb=1.0,
@@ -217,11 +217,11 @@ def fit_comm_cpu_of(cluster: ClusterModel, cfg: dict[str, Any], step_s: float) -
     from commfuse.sim.step import simulate_step
 
     workload = mlp_workload(cfg["model"], "calibration-mlp")
-    strategy = comm_step_strategy(cfg)
+    plan = comm_step_plan(cfg)
 
     def predict(coefficient: float) -> float:
         model = dataclasses.replace(cluster, comm_cpu_us_per_mbyte=coefficient)
-        return simulate_step(model, workload, strategy).step_s
+        return simulate_step(model, workload, plan).step_s
 
     return fit_comm_cpu(predict, step_s)
 

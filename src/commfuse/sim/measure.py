@@ -159,22 +159,24 @@ def _step(comm: Any, cfg: dict[str, Any], refill_s: float) -> Runner:
     if engine == "torch-ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_cap_mb"])
     elif engine == "dataparallel":
-        from commfuse.compress import make_compressor
+        from commfuse.compress import FP16
         from commfuse.ddp import DataParallel, DataParallelConfig
 
+        # The compressors a step configuration may name (validate.py's: fp16).
+        compressors = {"fp16": FP16}
         compressor = cfg.get("compressor")
         config = DataParallelConfig(
             bucket_cap_mb=cfg["bucket_cap_mb"],
             algo=cfg["algo"],
-            compressor=make_compressor(compressor, algo=cfg["algo"]) if compressor else None,
+            compressor=compressors[compressor](algo=cfg["algo"]) if compressor else None,
         )
         model = DataParallel(model, comm, config=config)
     inner = torch.optim.SGD(model.parameters(), lr=1e-3)
     if engine == "localsgd":
-        from commfuse.localsgd import PeriodicSyncOptimizer, config_from_preset
+        from commfuse.localsgd import PeriodicSyncOptimizer, local_sgd
 
         period = int(cfg["H"])
-        sync = config_from_preset("localsgd", {"H": str(period), "algo": cfg["algo"]})
+        sync = local_sgd(H=period, algo=cfg["algo"])
         opt: Any = PeriodicSyncOptimizer(inner, model, comm, sync)
     else:
         period, opt = 1, inner

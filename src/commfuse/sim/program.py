@@ -26,9 +26,9 @@ import dataclasses
 import numpy as np
 
 from commfuse.sim.cluster import ClusterModel
+from commfuse.sim.model import Layer, LayerComm, ModelProfile
 from commfuse.sim.network import Demand, Group, demand, profile_of
-from commfuse.sim.strategy import Strategy
-from commfuse.sim.workload import Layer, LayerComm, Workload
+from commfuse.sim.plan import CommPlan
 
 
 @dataclasses.dataclass
@@ -76,8 +76,8 @@ def groups(cluster: ClusterModel, tp: int) -> dict[str, Group]:
 
 
 class _Builder:
-    def __init__(self, cluster: ClusterModel, workload: Workload, strategy: Strategy) -> None:
-        self.cluster, self.workload, self.strategy = cluster, workload, strategy
+    def __init__(self, cluster: ClusterModel, workload: ModelProfile, plan: CommPlan) -> None:
+        self.cluster, self.workload, self.plan = cluster, workload, plan
         self.tasks: list[Task] = []
         self.last: dict[str, int] = {}
         self.profile = profile_of(cluster)
@@ -110,7 +110,7 @@ class _Builder:
         *,
         overhead_s: float = 0.0,
     ) -> int:
-        algo = self.strategy.algorithm_for(collective)
+        algo = self.plan.algorithm_for(collective)
         need = demand(collective, algo, nbytes, self.groups[group], self.cluster, self.profile)
         return self.add(
             Task(name, stream, stream, deps, demand=need, overhead_s=overhead_s, nbytes=nbytes)
@@ -121,7 +121,7 @@ class _Builder:
         comms = [c for c in layer.comms if c.phase == phase]
         if not comms:
             return self.compute(f"{phase} {layer.name}", flops, layer.mem_bytes, deps)
-        chunks = self.strategy.fused_chunks if all(c.fusable for c in comms) else 1
+        chunks = self.plan.fused_chunks if all(c.fusable for c in comms) else 1
         parts = len(comms) * chunks
         last = -1
         for comm in comms:
@@ -149,7 +149,7 @@ class _Builder:
 
 
 def build_step(
-    cluster: ClusterModel, workload: Workload, strategy: Strategy, *, sync: bool = True
+    cluster: ClusterModel, workload: ModelProfile, plan: CommPlan, *, sync: bool = True
 ) -> list[Task]:
     """The task graph of one step. ``sync`` (with local SGD): whether this step synchronises."""
     need = workload.memory_bytes()
@@ -159,8 +159,8 @@ def build_step(
             f"activations), more than the cluster's {cluster.memory_gbyte:g} GB; shard it "
             "(tensor parallelism), shrink the batch, or pick a cluster with more memory"
         )
-    b = _Builder(cluster, workload, strategy)
-    s = strategy
+    b = _Builder(cluster, workload, plan)
+    s = plan
     delay = np.zeros(cluster.world_size)
     for st in cluster.stragglers:
         delay[st.rank] = st.delay_us * 1e-6
@@ -192,12 +192,12 @@ def build_step(
     optimizer_bytes = workload.param_bytes * workload.state_bytes_per_param_byte
     done = b.compute("optimizer", 0.0, optimizer_bytes, [previous, *dp_tasks])
     if local_sgd and sync and workload.dp_param_bytes:
-        params = workload.dp_param_bytes
+        params = int(workload.dp_param_bytes * s.outer_fraction)
         prepare = b.compute("outer delta", 0.0, OUTER_PREPARE_BYTES_PER_PARAM_BYTE * params, [done])
-        size = int(params * s.compression_ratio)
+        collective, size = s.message(params, workload.param_dtype_bytes, b.groups["dp"].size)
         exchange = b.comm(
-            "outer all_reduce",
-            "all_reduce",
+            f"outer {collective}",
+            collective,
             size,
             "dp",
             "dp",
@@ -219,8 +219,8 @@ OUTER_APPLY_BYTES_PER_PARAM_BYTE = 12.0
 
 
 def _compress_s(b: _Builder, nbytes: int) -> float:
-    s = b.strategy
-    if s.compression_ratio >= 1 or s.compression_gbyte_per_s == 0:
+    s = b.plan
+    if not s.compresses or s.compression_gbyte_per_s == 0:
         return 0.0
     return nbytes / (s.compression_gbyte_per_s * 1e9)
 
@@ -231,11 +231,12 @@ TENSORS_PER_LAYER = 2
 
 def _bucket(b: _Builder, layers: list[Layer], after: int) -> int:
     nbytes = sum(x.param_bytes for x in layers)
-    size = int(nbytes * b.strategy.compression_ratio)
-    name = f"all_reduce bucket {layers[0].name}..{layers[-1].name}"
-    if b.strategy.compression_ratio < 1 and b.strategy.finite_agreement:
+    dp_size = b.groups["dp"].size
+    collective, size = b.plan.message(nbytes, b.workload.param_dtype_bytes, dp_size)
+    name = f"{collective} bucket {layers[0].name}..{layers[-1].name}"
+    if b.plan.compresses and b.plan.finite_agreement:
         # commfuse.ddp agrees on NaN/Inf before a compressor touches its error feedback: one
         # max-allreduce of an fp32 flag per tensor per bucket, latency-bound.
         table = 4 * TENSORS_PER_LAYER * len(layers)
         after = b.comm(f"agree finite {name}", "all_reduce", table, "dp", "dp", [after])
-    return b.comm(name, "all_reduce", size, "dp", "dp", [after], overhead_s=_compress_s(b, nbytes))
+    return b.comm(name, collective, size, "dp", "dp", [after], overhead_s=_compress_s(b, nbytes))

@@ -7,24 +7,24 @@ from pathlib import Path
 from typing import Any
 
 from commfuse.sim.cluster import ClusterModel
+from commfuse.sim.model import ModelProfile
 from commfuse.sim.network import collective_time_s
+from commfuse.sim.plan import CommPlan
 from commfuse.sim.step import simulate_step
-from commfuse.sim.strategy import Strategy
-from commfuse.sim.workload import Workload
 
 
 def step_curve(
     cluster: ClusterModel,
-    make_workload: Callable[[int], Workload],
-    strategies: dict[str, Strategy],
+    make_workload: Callable[[int], ModelProfile],
+    plans: dict[str, CommPlan],
     ranks: Sequence[int],
 ) -> list[dict[str, Any]]:
-    """One record per (ranks, strategy): the predicted step and its breakdown."""
+    """One record per (ranks, plan): the predicted step and its breakdown."""
     records = []
     for p in ranks:
         sized = cluster.with_ranks(p)
-        for label, strategy in strategies.items():
-            result = simulate_step(sized, make_workload(p), strategy)
+        for label, plan in plans.items():
+            result = simulate_step(sized, make_workload(p), plan)
             records.append({"ranks": p, "series": label, **result.as_dict()})
     return records
 

@@ -20,9 +20,9 @@ import numpy as np
 from commfuse.sim.cluster import ClusterModel
 from commfuse.sim.cpu_share import simulate_shared_cpu
 from commfuse.sim.engine import Timeline
+from commfuse.sim.model import ModelProfile
+from commfuse.sim.plan import CommPlan
 from commfuse.sim.program import build_step
-from commfuse.sim.strategy import Strategy
-from commfuse.sim.workload import Workload
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,41 +94,43 @@ def _breakdown(timeline: Timeline) -> tuple[float, float, float, dict[str, float
 
 
 def simulate_step(
-    cluster: ClusterModel, workload: Workload, strategy: Strategy | None = None
+    cluster: ClusterModel, workload: ModelProfile, plan: CommPlan | None = None
 ) -> StepResult:
-    """Predict the step time of ``workload`` on ``cluster`` with ``strategy`` (DDP by default).
+    """Predict the step time of ``workload`` on ``cluster`` with ``plan`` (torch DDP's by default).
 
     Args:
         cluster: the cluster model (``PRESETS["dgx-h100"]``, ``load_cluster(path)``, or one
             calibrated by ``commfuse simulate --validate``).
         workload: the per-layer model (``transformer(...)``, ``dlrm(...)``, ``from_module(...)``).
-        strategy: how its communication is carried out; None: torch DDP's defaults.
+        plan: how its communication is carried out (``commfuse.sim.training.plan_for`` makes
+            one from a training strategy config); None: torch DDP's defaults.
 
     Returns:
         The predicted step and its breakdown (compute, exposed and overlapped communication) for
         the slowest rank; with local SGD, the mean step over one period.
 
     Raises:
-        ValueError: a workload that does not fit the cluster's memory, or a strategy the cluster
+        ValueError: a workload that does not fit the cluster's memory, or a plan the cluster
             cannot run (the message says what to change).
 
     Example:
         ```python
-        result = simulate_step(PRESETS["dgx-h100"].with_ranks(1024), transformer())
+        plan = plan_for(CommfuseDPConfig(compressor=PowerSGD(rank=4)))
+        result = simulate_step(PRESETS["dgx-h100"].with_ranks(1024), transformer(), plan)
         print(result.step_s, result.exposed_comm_s)
         ```
     """
-    strategy = strategy or Strategy()
+    plan = plan or CommPlan()
     cpu = cluster.comm_cpu_us_per_mbyte
     synced = simulate_shared_cpu(
-        build_step(cluster, workload, strategy, sync=True), cluster.world_size, cpu
+        build_step(cluster, workload, plan, sync=True), cluster.world_size, cpu
     )
     compute, exposed, overlapped, in_flight, count = _breakdown(synced)
     step = synced.step_s
-    period = strategy.local_sgd_period
+    period = plan.local_sgd_period
     if period > 1:
         local = simulate_shared_cpu(
-            build_step(cluster, workload, strategy, sync=False), cluster.world_size, cpu
+            build_step(cluster, workload, plan, sync=False), cluster.world_size, cpu
         )
         lc, le, lo, _, _ = _breakdown(local)
         step = (local.step_s * (period - 1) + step) / period

@@ -90,17 +90,18 @@ def validation_configs(cluster: ClusterModel, *, quick: bool = False) -> list[di
 def predict(cluster: ClusterModel, cfg: dict[str, Any], *, compression_gbps: float) -> float:
     """The simulator's seconds for one validation configuration."""
     from commfuse.sim.network import collective_time_s
+    from commfuse.sim.plan import CommPlan
     from commfuse.sim.step import simulate_step
-    from commfuse.sim.strategy import Strategy
 
     if cfg["kind"] == "collective":
         return collective_time_s(cfg["collective"], cfg["algo"], cfg["bytes"], cluster)
-    from commfuse.compress import make_compressor
+    from commfuse.compress import FP16
 
     workload = mlp_workload(cfg["model"], "mlp")
-    compressor = make_compressor(cfg["compressor"]) if cfg.get("compressor") else None
+    # The compressors a step configuration may name (``configurations``: fp16).
+    compressor = {"fp16": FP16}[cfg["compressor"]]() if cfg.get("compressor") else None
     # torch DDP and DataParallel both cap their first bucket at 1 MB.
-    strategy = Strategy(
+    plan = CommPlan(
         algorithm=cfg["algo"],
         bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0),
         first_bucket_cap_mb=1.0,
@@ -110,7 +111,7 @@ def predict(cluster: ClusterModel, cfg: dict[str, Any], *, compression_gbps: flo
         # DataParallel agrees on NaN/Inf first only for compressors that can drop a NaN.
         finite_agreement=compressor is not None and not compressor.nonfinite_reaches_every_rank,
     )
-    return simulate_step(cluster, workload, strategy).step_s
+    return simulate_step(cluster, workload, plan).step_s
 
 
 def describe(cfg: dict[str, Any]) -> str:

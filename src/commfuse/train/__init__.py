@@ -2,22 +2,28 @@
 
 from commfuse.train.loop import TrainConfig, params_digest, train_rank
 from commfuse.train.strategy import (
-    ParsedStrategy,
+    CommfuseDPConfig,
     Strategy,
+    StrategyConfig,
     StrategyContext,
-    known_strategies,
-    parse_strategy,
-    register_strategy,
+    TorchDDPConfig,
+    TorchPowerSGDConfig,
+    build_strategy,
+    describe_strategy,
+    register_builder,
 )
 
 __all__ = [
-    "ParsedStrategy",
+    "CommfuseDPConfig",
     "Strategy",
+    "StrategyConfig",
     "StrategyContext",
+    "TorchDDPConfig",
+    "TorchPowerSGDConfig",
     "TrainConfig",
-    "known_strategies",
+    "build_strategy",
+    "describe_strategy",
     "params_digest",
-    "parse_strategy",
-    "register_strategy",
+    "register_builder",
     "train_rank",
 ]

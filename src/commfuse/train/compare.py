@@ -40,9 +40,9 @@ from commfuse.cluster import Topology
 from commfuse.train.loop import TrainConfig
 from commfuse.train.metrics import time_to_loss_s
 from commfuse.train.runner import run_training
-from commfuse.train.strategy import parse_strategy
+from commfuse.train.strategy import StrategyConfig, describe_strategy, is_baseline
 
-#: What ``commfuse compare`` with no arguments runs (about 4 minutes on 2 cores, as root).
+#: The specs ``commfuse compare`` runs with no arguments (about 4 minutes on 2 cores, as root).
 DEFAULT_STRATEGIES = (
     "ddp",
     # torch's PowerSGD hook at its strongest: rank 8, the fewest warm-up steps torch allows
@@ -70,7 +70,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run_compare(
-    strategies: Sequence[str],
+    strategies: Sequence[StrategyConfig],
     base: TrainConfig,
     topology: Topology,
     *,
@@ -81,8 +81,10 @@ def run_compare(
     progress: bool | None = None,
     timeout_s: float | None = 3600.0,
     log: Callable[[str], None] = print,
+    labels: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """Run every strategy on ``base``'s workload/seed/steps; return one record per strategy.
+    ``labels`` name them in the records (default: ``describe_strategy``).
 
     ``max_steps_factor`` > 1: every strategy but the baseline trains on up to that multiple of
     ``base.steps`` (``TrainConfig.extra_steps``), so that one that learns less per step (a
@@ -95,13 +97,13 @@ def run_compare(
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     if max_steps_factor < 1:
         raise ValueError(f"max_steps_factor must be at least 1, got {max_steps_factor}")
-    parsed = [parse_strategy(s) for s in strategies]  # every spec checked before any run
-    labels = [p.label for p in parsed]
-    canonical = [p.canonical for p in parsed]
+    if labels and len(labels) != len(strategies):
+        raise ValueError(f"{len(labels)} labels for {len(strategies)} strategies")
+    canonical = [describe_strategy(s) for s in strategies]
+    labels = list(labels) or canonical
     if len(set(canonical)) != len(canonical):
         raise ValueError(f"a strategy is given twice: {', '.join(canonical)}")
-    names = [p.info.name for p in parsed]
-    baseline = names.index("ddp") if "ddp" in names else 0
+    baseline = next((i for i, s in enumerate(strategies) if is_baseline(s)), 0)
     done_steps = _checkpoint_step(base.init_from) if base.init_from else 0
     extra = round((max_steps_factor - 1) * (base.steps - done_steps))
     # Jobs: every strategy, and with a control the baseline once more (a run of its own).
@@ -115,6 +117,7 @@ def run_compare(
             config = TrainConfig(
                 workload=base.workload,
                 strategy=strategies[i],
+                label=job_names[j],
                 steps=base.steps,
                 seed=base.seed,
                 bucket_cap_mb=base.bucket_cap_mb,

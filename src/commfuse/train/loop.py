@@ -27,8 +27,23 @@ import torch.distributed as dist
 from commfuse.cluster import machine
 from commfuse.comm import Communicator
 from commfuse.train import checkpoint as ckpt
-from commfuse.train.strategy import StrategyContext, parse_strategy
-from commfuse.workloads import make_workload
+from commfuse.train.strategy import (
+    StrategyConfig,
+    StrategyContext,
+    TorchDDPConfig,
+    build_strategy,
+    check_strategy,
+    describe_strategy,
+    resume_caveat,
+    strategy_name,
+)
+from commfuse.workloads import (
+    CharLMOptions,
+    WorkloadOptions,
+    check_workload,
+    describe_workload,
+    make_workload,
+)
 
 
 class ResumeNotExactWarning(UserWarning):
@@ -39,10 +54,14 @@ class ResumeNotExactWarning(UserWarning):
 class TrainConfig:
     """One training run (the same on every rank)."""
 
-    workload: str = "charlm"
-    """Workload spec, ``NAME[:key=value,...]``."""
-    strategy: str = "ddp"
-    """Strategy spec, ``NAME[:key=value,...]``."""
+    workload: WorkloadOptions = dataclasses.field(default_factory=CharLMOptions)
+    """The workload's options (``CharLMOptions(dim=64)``, ``DigitsOptions()``)."""
+    strategy: StrategyConfig = dataclasses.field(default_factory=TorchDDPConfig)
+    """The strategy's config (``TorchDDPConfig()``, ``CommfuseDPConfig(compressor=...)``,
+    ``diloco(H=50)``, ...: ``commfuse.train.strategy``)."""
+    label: str = ""
+    """The run's name in tables, plots and records ("": ``describe_strategy(strategy)``; the
+    command line passes the spec as typed)."""
     steps: int = 100
     """Total optimizer steps (a resumed run stops at the same total)."""
     seed: int = 0
@@ -83,15 +102,20 @@ class TrainConfig:
             raise ValueError(f"extra_steps must be >= 0, got {self.extra_steps}")
         if self.init_from is not None and ckpt.latest_step(self.init_from) is None:
             raise ValueError(f"init_from {self.init_from}: no complete checkpoint there")
-        parsed = parse_strategy(self.strategy)  # ValueError before any rank starts
-        make_workload(self.workload)
-        caveat = parsed.info.resume_caveat
+        check_strategy(self.strategy)  # ValueError before any rank starts
+        check_workload(self.workload)
+        caveat = resume_caveat(self.strategy)
         if self.resume and caveat and ckpt.latest_step(self.checkpoint_dir or ".") is not None:
             warnings.warn(
-                f"resuming {parsed.info.name} is not exact: {caveat}",
+                f"resuming {strategy_name(self.strategy)} is not exact: {caveat}",
                 ResumeNotExactWarning,
                 stacklevel=3,
             )
+
+    @property
+    def strategy_label(self) -> str:
+        """``label``, or the strategy's description when none was given."""
+        return self.label or describe_strategy(self.strategy)
 
 
 def params_digest(module: torch.nn.Module) -> str:
@@ -105,8 +129,8 @@ def params_digest(module: torch.nn.Module) -> str:
 
 def _identity(config: TrainConfig, world_size: int) -> dict[str, Any]:
     return {
-        "workload": config.workload,
-        "strategy": config.strategy,
+        "workload": describe_workload(config.workload),
+        "strategy": describe_strategy(config.strategy),
         "seed": config.seed,
         "world_size": world_size,
         "bucket_cap_mb": config.bucket_cap_mb,
@@ -127,7 +151,6 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
     local = machine.rank_pids()
     pids = local if local[0] == os.getpid() else None
     workload = make_workload(config.workload)
-    parsed = parse_strategy(config.strategy)
     module = workload.build_model(config.seed)
     optimizer = workload.make_optimizer(module)
     history: dict[str, list[float]] = {"loss": [], "step_time_s": [], "bytes": [], "skipped": []}
@@ -149,14 +172,15 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
     # Busy CPU seconds of this machine's ranks and softirqs during each step (-1: unknown, or a
     # step of a checkpoint written before this was recorded): metrics.py's ``machine_busy``.
     history.setdefault("busy_cpu_s", [-1.0] * len(history["loss"]))
-    strategy = parsed.build(
+    strategy = build_strategy(
+        config.strategy,
         StrategyContext(
             module=module,
             optimizer=optimizer,
             comm=comm,
             bucket_cap_mb=config.bucket_cap_mb,
             seed=config.seed,
-        )
+        ),
     )
     try:
         if resumed_state is not None:

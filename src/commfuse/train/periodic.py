@@ -1,36 +1,31 @@
-"""Strategies that communicate less often: ``localsgd``, ``postlocal``, ``slowmo``, ``diloco`` and
-``streaming-diloco`` (``commfuse.localsgd.PeriodicSyncOptimizer`` under the training loop).
+"""Strategies that communicate less often: a ``commfuse.localsgd.PeriodicSyncConfig``
+(``local_sgd(H=8)``, ``post_local_sgd``, ``slowmo``, ``diloco``, ``streaming_diloco``) run by
+``PeriodicSyncOptimizer`` under the training loop.
 
 The model is not wrapped: between synchronisations each rank trains its own replica, and the
-optimizer step performs whatever exchange is due (see ``commfuse/localsgd/optimizer.py``).
-Options are the presets' own (``diloco:H=50,outer_lr=0.7,outer_momentum=0.9``,
-``streaming-diloco:H=50,fragments=4``, ``localsgd:H=8,compress=int8``, ``hierarchical=1``).
+optimizer step performs whatever exchange is due (see ``commfuse/localsgd/optimizer.py``). On
+the command line the keys are the functions' arguments (``diloco:H=50,outer_lr=0.7``,
+``streaming-diloco:H=50,num_fragments=4``, ``local-sgd:H=8,compressor=int8``,
+``hierarchical=1``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
-from commfuse.localsgd import PRESETS, PeriodicSyncOptimizer, config_from_preset
-from commfuse.train.strategy import Strategy, StrategyContext, register_strategy
-from commfuse.workloads.options import parse_spec
+from commfuse.localsgd import PeriodicSyncConfig, PeriodicSyncOptimizer
+from commfuse.train.strategy import Strategy, StrategyContext, register_builder
 
 
 class PeriodicSync(Strategy):
     """One rank of a local-SGD-family run."""
 
-    def __init__(self, spec: str, ctx: StrategyContext) -> None:
+    def __init__(self, config: PeriodicSyncConfig, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        name, raw = parse_spec(spec, what="strategy")
-        config = config_from_preset(name, raw)
-        if config.hierarchical:
-            # The launcher's host layout: ranks of one host average gradients every step.
-            config.ranks_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.periodic = PeriodicSyncOptimizer(ctx.optimizer, ctx.module, ctx.comm, config)
         self._communicate = True
         self.final_sync_bytes = 0
@@ -88,24 +83,4 @@ class PeriodicSync(Strategy):
             self.final_sync_bytes += self.bytes_sent() - before
 
 
-def _validate(spec: str) -> None:
-    name, raw = parse_spec(spec, what="strategy")
-    config_from_preset(name, raw)
-
-
-_HELP = {
-    "localsgd": "local SGD (Stich 2019): average the replicas every H steps (H=8)",
-    "postlocal": "post-local SGD (Lin et al. 2020): synchronous for `warmup` steps, then local SGD",
-    "slowmo": "SlowMo (Wang et al. 2020): local SGD with a slow outer momentum beta",
-    "diloco": "DiLoCo (Douillard et al. 2023): inner AdamW for H steps, outer Nesterov SGD",
-    "streaming-diloco": "streaming DiLoCo: fragments synced at staggered steps, exchange overlapped",
-}
-
-for _name in PRESETS:
-    register_strategy(
-        _name,
-        None,
-        lambda spec, ctx: PeriodicSync(spec, ctx),
-        help=_HELP[_name],
-        validate=_validate,
-    )
+register_builder(PeriodicSyncConfig, PeriodicSync)

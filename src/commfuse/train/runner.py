@@ -18,7 +18,8 @@ from typing import Any
 from commfuse.cluster import Topology, run
 from commfuse.train.loop import TrainConfig, train_rank
 from commfuse.train.metrics import summarize
-from commfuse.train.strategy import parse_strategy
+from commfuse.train.strategy import describe_strategy, strategy_name
+from commfuse.workloads import describe_workload
 
 #: Steps excluded from the step-time median (one-off costs of the first steps).
 DEFAULT_WARMUP_STEPS = 2
@@ -76,20 +77,21 @@ def run_training(
     warmup: int = DEFAULT_WARMUP_STEPS,
 ) -> dict[str, Any]:
     """Run ``config`` on ``topology``; return the summary record (see ``metrics.py``)."""
-    parsed = parse_strategy(config.strategy)
+    label = config.strategy_label
     ctx = mp.get_context("spawn")  # the context commfuse.cluster.run starts ranks with
     q = ctx.Queue()
     show = sys.stderr.isatty() if progress is None else progress
     try:
-        with _Progress(q, config.steps, parsed.label, show):
+        with _Progress(q, config.steps, label, show):
             results = run(train_rank, config, q, net=topology, emulate=emulate, timeout_s=timeout_s)
     finally:
         q.close()
         q.cancel_join_thread()
-    record = summarize(results, strategy=parsed.label, workload=config.workload, warmup=warmup)
+    workload = describe_workload(config.workload)
+    record = summarize(results, strategy=label, workload=workload, warmup=warmup)
     record.update(
-        spec=config.strategy,
-        strategy_name=parsed.info.name,
+        spec=describe_strategy(config.strategy),
+        strategy_name=strategy_name(config.strategy),
         seed=config.seed,
         bucket_cap_mb=config.bucket_cap_mb,
         topology=topology.describe(),

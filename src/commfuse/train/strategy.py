@@ -1,9 +1,18 @@
 """Strategies: how the ranks of a data-parallel job turn local gradients into one update.
 
-A strategy is a name, typed ``key=value`` options and a builder. The builder wraps a workload's
-model and optimizer on one rank and returns a :class:`Strategy`, whose uniform step interface the
-training loop (``loop.py``) drives, whatever happens underneath (torch DDP with or without a
-communication hook, the commfuse engine with a compressor, local SGD, ...)::
+A strategy is chosen by a typed config (what a user passes, ``TrainConfig(strategy=...)``, and
+what the simulator prices, ``commfuse.sim.simulate_step``):
+
+* ``TorchDDPConfig``: torch's DistributedDataParallel, bare or with its fp16/bf16 hook;
+* ``TorchPowerSGDConfig``: torch DDP with torch's own PowerSGD hook;
+* ``CommfuseDPConfig``: commfuse's engine, ``commfuse.ddp.DataParallel``, uncompressed or with a
+  ``commfuse.compress`` compressor (``CommfuseDPConfig(compressor=PowerSGD(rank=4))``);
+* ``commfuse.localsgd.PeriodicSyncConfig``: local SGD, SlowMo, DiLoCo, ..., built by
+  ``local_sgd(H=8)``, ``diloco(H=50)``, ...
+
+On each rank ``build_strategy(config, ctx)`` wraps the workload's model and optimizer in a
+:class:`Strategy`, whose uniform step interface the training loop (``loop.py``) drives, whatever
+happens underneath::
 
     strategy.zero_grad()
     loss = workload.loss(strategy.model, batch)   # forward through the wrapper
@@ -11,43 +20,235 @@ communication hook, the commfuse engine with a compressor, local SGD, ...)::
     strategy.sync()                               # wait for what the update needs
     strategy.optimizer_step()                     # update (+ any post-step communication)
 
-Adding a strategy (e.g. local SGD) takes one file and one call::
+Adding a strategy takes a config dataclass, a :class:`Strategy` subclass and one call in its
+module, whose name goes into ``STRATEGY_MODULES``::
 
-    @dataclasses.dataclass(frozen=True, kw_only=True)
-    class LocalSGDOptions:
-        period: int = 8
-        \"\"\"Optimizer steps between parameter averages.\"\"\"
+    register_builder(LocalSGDConfig, lambda config, ctx: LocalSGD(config, ctx))
 
-    class LocalSGD(Strategy): ...   # implement the abstract methods
-
-    register_strategy("localsgd", LocalSGDOptions, lambda opts, ctx: LocalSGD(opts, ctx),
-                      help="local SGD: average parameters every `period` steps")
-
-and the module's name added to ``STRATEGY_MODULES`` so the registry imports it. ``--strategy
-localsgd:period=16`` then works in ``commfuse train`` and ``commfuse compare``.
+The command line's ``--strategy NAME:key=value,...`` builds these configs (``commfuse.cli.spec``).
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
+import copy
 import dataclasses
 import importlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeAlias
 
 import torch
 from torch import nn
 
 from commfuse.comm import Communicator
-from commfuse.workloads.options import build_options, format_options, parse_spec
+from commfuse.compress.base import Compressor
 
-#: Modules that register strategies when imported (an engineer adding one adds a line here).
+if TYPE_CHECKING:
+    from commfuse.localsgd import PeriodicSyncConfig
+
+#: Modules that register strategy builders when imported (a new strategy adds a line here).
 STRATEGY_MODULES: tuple[str, ...] = (
     "commfuse.train.torch_ddp",
     "commfuse.train.commfuse_dp",
     "commfuse.train.periodic",
 )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TorchDDPConfig:
+    """torch's ``DistributedDataParallel`` (Li et al., "PyTorch Distributed", VLDB 2020), the
+    baseline of every speed-up, optionally with one of torch's 16-bit communication hooks, at
+    its strongest: the knobs commfuse's engine uses for itself (``torch_ddp.py``)."""
+
+    hook: Literal["none", "fp16", "bf16"] = "none"
+    """torch's ``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook`` (each bucket cast
+    to 16 bits, allreduced, cast back), or none. torch's DDP accepts its bf16 hooks only in a
+    build with CUDA and NCCL 2.10+ (or XPU); elsewhere ``bf16`` is refused."""
+    static_graph: bool = False
+    """torch DDP's static_graph (the graph and unused parameters do not change between steps)."""
+    bucket_view: bool = True
+    """torch DDP's gradient_as_bucket_view: gradients are views into the buckets (no copies)."""
+    first_bucket_cap_mb: float = 1.0
+    """Cap of the first bucket launched, MiB (commfuse's engine and torch's default: 1)."""
+
+    #: Resuming continues bit for bit (the hooks have no state).
+    resume_caveat: ClassVar[str | None] = None
+
+    def __post_init__(self) -> None:
+        from commfuse.train.torch_ddp import check_bf16_hooks, check_first_bucket
+
+        if self.hook not in ("none", "fp16", "bf16"):
+            raise ValueError(f"hook must be none, fp16 or bf16, got {self.hook!r}")
+        check_first_bucket(self.first_bucket_cap_mb)
+        if self.hook == "bf16":
+            check_bf16_hooks("", "use ddp-fp16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TorchPowerSGDConfig:
+    """torch DDP with torch's ``powerSGD_hook`` (Vogels et al., NeurIPS 2019) at its strongest:
+    the same rank, warm-up and 16-bit wire as commfuse's ``powersgd`` where torch allows it (the
+    names of torch's ``PowerSGDState`` in brackets)."""
+
+    rank: int = 4
+    """Rank r of the low-rank approximation (matrix_approximation_rank)."""
+    warmup: int = 2
+    """Steps of plain allreduce before compressing (start_powerSGD_iter; torch needs >= 2)."""
+    wire: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """fp32, or bf16 / fp16: the hook wrapped in torch's bf16/fp16_compress_wrapper, so the
+    warm-up allreduces and the factors travel in 16 bits (half the bytes)."""
+    min_compression_rate: float = 1.0
+    """Compress a matrix when its factors are this many times smaller (min_compression_rate;
+    1 = whenever they are smaller, as commfuse's PowerSGD; torch's default is 2)."""
+    error_feedback: bool = True
+    """Add the last step's compression error back (use_error_feedback)."""
+    warm_start: bool = True
+    """Reuse last step's Q as the starting point (warm_start)."""
+    epsilon: float = 0.0
+    """Added to each column norm when orthogonalising (orthogonalization_epsilon)."""
+    batch_same_shape: bool = False
+    """Compress matrices of one shape in one batched product (batch_tensors_with_same_shape)."""
+    bucket_view: bool = True
+    """torch DDP's gradient_as_bucket_view (see ``TorchDDPConfig``)."""
+    first_bucket_cap_mb: float | None = None
+    """Cap of the first bucket launched, MiB; None: the run's ``bucket_cap_mb``, like the rest.
+    Not ``ddp``'s 1 MiB: torch's hook fails on gloo with several buckets (it issues collectives
+    from gloo's completion callbacks; docs/torch-hooks-on-gloo.md), so it gets one bucket
+    wherever the model fits in one."""
+
+    #: Why a resume does not continue bit for bit (``commfuse train --resume`` warns with it).
+    resume_caveat: ClassVar[str | None] = (
+        "torch's powerSGD_hook keeps its error and Q memories per bucket index, and a fresh DDP "
+        "runs its first step in its initial bucket layout before it rebuilds the buckets, so with "
+        "several buckets the restored memories can meet other parameters' gradients: the run "
+        "continues from the checkpoint, with no promise of bit for bit (commfuse's own powersgd "
+        "resumes exactly)"
+    )
+
+    def __post_init__(self) -> None:
+        from commfuse.train.torch_ddp import check_bf16_hooks, check_first_bucket
+
+        if self.rank < 1:
+            raise ValueError(f"rank must be at least 1, got {self.rank}")
+        # torch's own constraint (PowerSGDState.__init__: start_powerSGD_iter > 1 when either
+        # is on), checked here so that a bad config fails before any rank starts.
+        if self.warmup < 2 and (self.error_feedback or self.warm_start):
+            raise ValueError(
+                f"warmup must be at least 2 with error feedback or warm start (torch rebuilds "
+                f"DDP's buckets after the first step), got {self.warmup}"
+            )
+        if self.wire not in ("fp32", "fp16", "bf16"):
+            raise ValueError(f"wire must be one of fp32, fp16, bf16, got {self.wire!r}")
+        if self.wire == "bf16":
+            check_bf16_hooks("wire=bf16: ", "wire=fp16 wraps it in fp16 instead")
+        if self.min_compression_rate <= 0 or self.epsilon < 0:
+            raise ValueError("min_compression_rate must be > 0 and epsilon >= 0")
+        if self.first_bucket_cap_mb is not None:
+            check_first_bucket(self.first_bucket_cap_mb)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommfuseDPConfig:
+    """commfuse's data-parallel engine (``commfuse.ddp.DataParallel``): buckets laid out as
+    torch DDP's, launched during backward, each reduced with a commfuse collective or, with a
+    ``compressor``, by that compressor (whose messages ride its own ``algo``/``gather_algo``).
+    The fields are ``DataParallelConfig``'s; the bucket cap is the run's ``bucket_cap_mb``."""
+
+    compressor: Compressor | None = None
+    """Reduce every bucket with this compressor (each built strategy gets its own copy, with
+    fresh state); None: a plain allreduce."""
+    algo: str = "auto"
+    """Allreduce algorithm of uncompressed buckets (auto = the tuner's pick per size and
+    topology)."""
+    merge_buckets_by_cost: bool = False
+    """Re-bucket after the first step by MG-WFBP's cost model."""
+    first_bucket_cap_mb: float = 1.0
+    """Cap of the first bucket launched, MiB."""
+    staleness: int = 0
+    """1: apply each step's averaged gradient at the next step (Pipe-SGD)."""
+
+    def __post_init__(self) -> None:
+        from commfuse.collectives.registry import check_algorithm
+
+        check_algorithm("all_reduce", self.algo)
+        if self.compressor is not None:
+            if not isinstance(self.compressor, Compressor):
+                raise ValueError(
+                    "compressor must be a commfuse.compress compressor object (e.g. "
+                    f"PowerSGD(rank=4)), got {type(self.compressor).__name__}"
+                )
+            check_algorithm("all_reduce", self.compressor.algo, key="algo")
+            check_algorithm("all_gather", self.compressor.gather_algo, key="gather_algo")
+        if self.staleness not in (0, 1):
+            raise ValueError(f"staleness must be 0 or 1 steps, got {self.staleness}")
+
+
+#: Every strategy config.
+StrategyConfig: TypeAlias = (
+    "TorchDDPConfig | TorchPowerSGDConfig | CommfuseDPConfig | PeriodicSyncConfig"
+)
+
+
+def strategy_name(config: StrategyConfig) -> str:
+    """The family a config belongs to, as the command line names it (``ddp``, ``ddp-fp16``,
+    ``ddp-powersgd``, ``commfuse``, a compressor's name, or ``periodic-sync``)."""
+    if isinstance(config, TorchDDPConfig):
+        return "ddp" if config.hook == "none" else f"ddp-{config.hook}"
+    if isinstance(config, TorchPowerSGDConfig):
+        return "ddp-powersgd"
+    if isinstance(config, CommfuseDPConfig):
+        return "commfuse" if config.compressor is None else config.compressor.name
+    return "periodic-sync"
+
+
+def _changed(obj: object, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """``key=value`` for every init field of dataclass ``obj`` that differs from its default."""
+    out = []
+    for field in dataclasses.fields(obj):  # type: ignore[arg-type]
+        if not field.init or field.name in skip:
+            continue
+        value = getattr(obj, field.name)
+        if value == field.default:  # (MISSING equals nothing)
+            continue
+        if isinstance(value, bool):
+            text = str(int(value))
+        elif isinstance(value, Compressor):
+            text = describe_compressor(value)
+        else:
+            text = str(value)
+        out.append(f"{field.name}={text}")
+    return out
+
+
+def describe_compressor(compressor: Compressor) -> str:
+    """``name[:key=value,...]`` with the settings that differ from the defaults."""
+    extra = _changed(compressor)
+    return f"{compressor.name}:{','.join(extra)}" if extra else compressor.name
+
+
+def describe_strategy(config: StrategyConfig) -> str:
+    """The config as ``name[:key=value,...]`` with only its non-default settings: two configs
+    with the same settings describe alike (a run's identity; the label of a run without one)."""
+    name = strategy_name(config)
+    if isinstance(config, CommfuseDPConfig) and config.compressor is not None:
+        extra = _changed(config.compressor) + _changed(config, skip=("compressor",))
+    elif isinstance(config, TorchDDPConfig):
+        extra = _changed(config, skip=("hook",))
+    else:
+        extra = _changed(config)
+    return f"{name}:{','.join(extra)}" if extra else name
+
+
+def resume_caveat(config: StrategyConfig) -> str | None:
+    """Why resuming ``config`` from a checkpoint is not bit-exact (None: it is)."""
+    caveat: str | None = getattr(type(config), "resume_caveat", None)
+    return caveat
+
+
+def is_baseline(config: StrategyConfig) -> bool:
+    """Whether ``config`` is bare torch DDP, the baseline of comparisons."""
+    return isinstance(config, TorchDDPConfig) and config.hook == "none"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -122,128 +323,43 @@ class Strategy(abc.ABC):
 
 
 Builder = Callable[[Any, StrategyContext], Strategy]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StrategyInfo:
-    """A registered strategy."""
-
-    name: str
-    """What ``--strategy NAME`` matches."""
-    options_cls: type | None
-    """Keyword-only dataclass of its options; None = the raw spec goes to ``validate``."""
-    builder: Builder
-    """(options, ctx) -> Strategy; options is the dataclass, or the spec string if options_cls is None."""
-    help: str
-    """One line for listings and error messages."""
-    validate: Callable[[str], None] | None = None
-    """For options_cls None: raises ValueError if the full spec is bad (called before ranks start)."""
-    resume_caveat: str | None = None
-    """Why ``--resume`` does not continue this strategy bit for bit (None: it does, and a test
-    holds it to that); ``commfuse train --resume`` warns with it."""
-
-
-_REGISTRY: dict[str, StrategyInfo] = {}
-#: Families resolved by a fallback (e.g. every commfuse compressor name): (known-names fn, info fn).
-_FALLBACKS: list[tuple[Callable[[], list[str]], Callable[[str], StrategyInfo]]] = []
+_BUILDERS: dict[type, Builder] = {}
 _loaded = False
 
 
-def register_strategy(
-    name: str,
-    options_cls: type | None,
-    builder: Builder,
-    *,
-    help: str,
-    validate: Callable[[str], None] | None = None,
-    resume_caveat: str | None = None,
-) -> None:
-    """Add a strategy to the registry (see the module docstring for an example)."""
-    if name in _REGISTRY:
-        raise ValueError(f"strategy {name!r} is already registered")
-    _REGISTRY[name] = StrategyInfo(
-        name=name,
-        options_cls=options_cls,
-        builder=builder,
-        help=help,
-        validate=validate,
-        resume_caveat=resume_caveat,
-    )
+def register_builder(config_cls: type, builder: Builder) -> None:
+    """Make ``build_strategy`` build configs of ``config_cls`` with ``builder``."""
+    if config_cls in _BUILDERS:
+        raise ValueError(f"{config_cls.__name__} already has a builder")
+    _BUILDERS[config_cls] = builder
 
 
-def register_fallback(known: Callable[[], list[str]], info: Callable[[str], StrategyInfo]) -> None:
-    """A family of strategies named by another registry (e.g. one per compressor)."""
-    _FALLBACKS.append((known, info))
+def build_strategy(config: StrategyConfig, ctx: StrategyContext) -> Strategy:
+    """This rank's :class:`Strategy` for ``config``. A compressor in the config is copied, so
+    that every strategy built owns its state (two built from one config never share it).
 
-
-def _ensure_loaded() -> None:
+    Raises:
+        ValueError: ``config`` is not a strategy config.
+    """
     global _loaded
     if not _loaded:
         _loaded = True
         for module in STRATEGY_MODULES:
             importlib.import_module(module)
+    builder = _BUILDERS.get(type(config))
+    if builder is None:
+        known = ", ".join(cls.__name__ for cls in _BUILDERS)
+        raise ValueError(f"not a strategy config: {type(config).__name__} (use one of {known})")
+    return builder(copy.deepcopy(config), ctx)
 
 
-def known_strategies() -> list[str]:
-    """Every name ``--strategy`` accepts, registered ones first."""
-    _ensure_loaded()
+def check_strategy(config: object) -> None:
+    """ValueError unless ``config`` is a strategy config (checked before any rank starts)."""
+    from commfuse.localsgd import PeriodicSyncConfig
 
-    def module_order(name: str) -> int:
-        module = _REGISTRY[name].builder.__module__
-        return (
-            STRATEGY_MODULES.index(module) if module in STRATEGY_MODULES else len(STRATEGY_MODULES)
-        )
-
-    # In STRATEGY_MODULES' order, whichever module happened to be imported first.
-    names = sorted(_REGISTRY, key=module_order)
-    for known, _ in _FALLBACKS:
-        names += [n for n in known() if n not in names]
-    return names
-
-
-@dataclasses.dataclass(frozen=True)
-class ParsedStrategy:
-    """A validated ``--strategy`` spec."""
-
-    spec: str
-    info: StrategyInfo
-    options: Any
-
-    @property
-    def label(self) -> str:
-        """The spec as the user wrote it (whitespace stripped), for tables and legends."""
-        return self.spec
-
-    @property
-    def canonical(self) -> str:
-        """The name with only its non-default options (two specs of one run compare equal)."""
-        if self.info.options_cls is None:
-            return self.spec
-        extra = format_options(self.options)
-        return f"{self.info.name}:{extra}" if extra else self.info.name
-
-    def build(self, ctx: StrategyContext) -> Strategy:
-        return self.info.builder(self.options, ctx)
-
-
-def parse_strategy(spec: str) -> ParsedStrategy:
-    """Validate ``NAME[:key=value,...]``; ValueError naming the known strategies or options."""
-    _ensure_loaded()
-    name, raw = parse_spec(spec, what="strategy")
-    info = _REGISTRY.get(name)
-    if info is None:
-        for known, make_info in _FALLBACKS:
-            if name in known():
-                info = make_info(name)
-                break
-    if info is None:
+    kinds = (TorchDDPConfig, TorchPowerSGDConfig, CommfuseDPConfig, PeriodicSyncConfig)
+    if not isinstance(config, kinds):
         raise ValueError(
-            f"unknown strategy {name!r}; known: {', '.join(known_strategies())} "
-            "(options go after a colon, e.g. ddp-powersgd:rank=4)"
+            f"strategy must be one of {', '.join(k.__name__ for k in kinds)} (a typed config; "
+            f"the command line parses NAME:key=value specs), got {type(config).__name__}"
         )
-    if info.options_cls is None:
-        if info.validate is not None:
-            info.validate(spec.strip())
-        return ParsedStrategy(spec.strip(), info, spec.strip())
-    options: Any = build_options(info.options_cls, raw, where=f"strategy {name}")
-    return ParsedStrategy(spec.strip(), info, options)

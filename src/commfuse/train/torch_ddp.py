@@ -1,10 +1,10 @@
 """The baselines: PyTorch's own DistributedDataParallel, bare and with its built-in hooks.
 
-* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (bucketed ring allreduce overlapped
+* ``TorchDDPConfig()`` (``ddp``): ``torch.nn.parallel.DistributedDataParallel`` (bucketed ring allreduce overlapped
   with backward, Li et al., "PyTorch Distributed", VLDB 2020). The baseline of every speed-up.
-* ``ddp-fp16`` / ``ddp-bf16``: DDP with ``default_hooks.fp16_compress_hook`` /
+* ``TorchDDPConfig(hook="fp16" | "bf16")`` (``ddp-fp16`` / ``ddp-bf16``): DDP with ``default_hooks.fp16_compress_hook`` /
   ``bf16_compress_hook`` (each bucket cast to 16 bits, allreduced, cast back).
-* ``ddp-powersgd``: DDP with ``powerSGD_hook.powerSGD_hook`` (Vogels et al., "PowerSGD:
+* ``TorchPowerSGDConfig()`` (``ddp-powersgd``): DDP with ``powerSGD_hook.powerSGD_hook`` (Vogels et al., "PowerSGD:
   Practical Low-Rank Gradient Compression", NeurIPS 2019): rank-r factors P, Q allreduced in
   place of each matrix gradient, with error feedback and warm start; ``wire=bf16`` / ``fp16``
   wraps it in torch's ``bf16_compress_wrapper`` / ``fp16_compress_wrapper`` (the bucket is cast
@@ -48,7 +48,6 @@ is where torch's hooks call it).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import threading
@@ -62,7 +61,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from commfuse.train.checkpoint import numpy_rng_from_dict, numpy_rng_to_dict
-from commfuse.train.strategy import Strategy, StrategyContext, register_strategy
+from commfuse.train.strategy import (
+    Strategy,
+    StrategyContext,
+    TorchDDPConfig,
+    TorchPowerSGDConfig,
+    register_builder,
+)
 
 # PowerSGDState's pickling logs two NOTEs per rank per checkpoint about its process group,
 # which this module handles itself (it re-attaches the group after loading).
@@ -118,84 +123,6 @@ class _AllReduceCounter:
                 cls._original = None
 
 
-#: ``wire`` of ``ddp-powersgd``: the dtype torch's compress wrappers cast the bucket to.
-WIRES = ("fp32", "fp16", "bf16")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DDPOptions:
-    """Options of ``ddp``, ``ddp-fp16`` and ``ddp-bf16``."""
-
-    static_graph: bool = False
-    """torch DDP's static_graph (the graph and unused parameters do not change between steps)."""
-    bucket_view: bool = True
-    """torch DDP's gradient_as_bucket_view: gradients are views into the buckets (no copies)."""
-    first_bucket_cap_mb: float = 1.0
-    """Cap of the first bucket launched, MiB (commfuse's engine and torch's default: 1)."""
-
-    def __post_init__(self) -> None:
-        _check_first_bucket(self.first_bucket_cap_mb)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DDPPowerSGDOptions:
-    """Options of ``ddp-powersgd`` (names of torch's PowerSGDState in brackets)."""
-
-    rank: int = 4
-    """Rank r of the low-rank approximation (matrix_approximation_rank)."""
-    warmup: int = 2
-    """Steps of plain allreduce before compressing (start_powerSGD_iter; torch needs >= 2)."""
-    wire: str = "fp32"
-    """fp32, or bf16 / fp16: the hook wrapped in torch's bf16/fp16_compress_wrapper, so the
-    warm-up allreduces and the factors travel in 16 bits (half the bytes)."""
-    min_compression_rate: float = 1.0
-    """Compress a matrix when its factors are this many times smaller (min_compression_rate;
-    1 = whenever they are smaller, as commfuse's PowerSGD; torch's default is 2)."""
-    error_feedback: bool = True
-    """Add the last step's compression error back (use_error_feedback)."""
-    warm_start: bool = True
-    """Reuse last step's Q as the starting point (warm_start)."""
-    epsilon: float = 0.0
-    """Added to each column norm when orthogonalising (orthogonalization_epsilon)."""
-    batch_same_shape: bool = False
-    """Compress matrices of one shape in one batched product (batch_tensors_with_same_shape)."""
-    bucket_view: bool = True
-    """torch DDP's gradient_as_bucket_view (see ``ddp``)."""
-    first_bucket_cap_mb: float | None = None
-    """Cap of the first bucket launched, MiB; None: ``--bucket-cap-mb``, like the rest. Not
-    ``ddp``'s 1 MiB: torch's hook fails on gloo with several buckets (it issues collectives
-    from gloo's completion callbacks; docs/torch-hooks-on-gloo.md), so it gets one bucket
-    wherever the model fits in one."""
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"rank must be at least 1, got {self.rank}")
-        # torch's own constraint (PowerSGDState.__init__: start_powerSGD_iter > 1 when either
-        # is on), checked here so that a bad spec fails before any rank starts.
-        if self.warmup < 2 and (self.error_feedback or self.warm_start):
-            raise ValueError(
-                f"warmup must be at least 2 with error feedback or warm start (torch rebuilds "
-                f"DDP's buckets after the first step), got {self.warmup}"
-            )
-        if self.wire not in WIRES:
-            raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {self.wire!r}")
-        if self.wire == "bf16":
-            _check_bf16_hooks("wire=bf16: ", "wire=fp16 wraps it in fp16 instead")
-        if self.min_compression_rate <= 0 or self.epsilon < 0:
-            raise ValueError("min_compression_rate must be > 0 and epsilon >= 0")
-        if self.first_bucket_cap_mb is not None:
-            _check_first_bucket(self.first_bucket_cap_mb)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DDPBF16Options(DDPOptions):
-    """Options of ``ddp-bf16`` (those of ``ddp``)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_bf16_hooks("", "use ddp-fp16")
-
-
 def bf16_hooks_supported() -> bool:
     """Whether DDP accepts torch's bf16 hooks here: ``register_comm_hook`` refuses
     ``bf16_compress_hook`` and ``bf16_compress_wrapper`` unless torch was built with CUDA (or
@@ -206,7 +133,8 @@ def bf16_hooks_supported() -> bool:
     return bool((cuda and nccl) or xpu)
 
 
-def _check_bf16_hooks(what: str, hint: str) -> None:
+def check_bf16_hooks(what: str, hint: str) -> None:
+    """ValueError (``what``, the reason, then ``hint``) unless DDP accepts the bf16 hooks here."""
     if not bf16_hooks_supported():
         raise ValueError(
             f"{what}torch's DDP accepts its bf16 hooks only in a build with CUDA and NCCL "
@@ -214,7 +142,8 @@ def _check_bf16_hooks(what: str, hint: str) -> None:
         )
 
 
-def _check_first_bucket(cap_mb: float) -> None:
+def check_first_bucket(cap_mb: float) -> None:
+    """ValueError unless the first bucket's cap is positive."""
     if not cap_mb > 0:
         raise ValueError(f"first_bucket_cap_mb must be > 0, got {cap_mb}")
 
@@ -339,17 +268,20 @@ def load_powersgd_state_dict(state: powerSGD_hook.PowerSGDState, saved: dict[str
             setattr(state, slot, value)
 
 
-def _ddp(opts: DDPOptions, ctx: StrategyContext, hook: Callable[..., Any] | None) -> Strategy:
+_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
+def _ddp(config: TorchDDPConfig, ctx: StrategyContext) -> Strategy:
     return TorchDDP(
         ctx,
-        static_graph=opts.static_graph,
-        bucket_view=opts.bucket_view,
-        first_bucket_cap_mb=opts.first_bucket_cap_mb,
-        hook=hook,
+        static_graph=config.static_graph,
+        bucket_view=config.bucket_view,
+        first_bucket_cap_mb=config.first_bucket_cap_mb,
+        hook=None if config.hook == "none" else _HOOKS[config.hook],
     )
 
 
-def _ddp_powersgd(opts: DDPPowerSGDOptions, ctx: StrategyContext) -> Strategy:
+def _ddp_powersgd(opts: TorchPowerSGDConfig, ctx: StrategyContext) -> Strategy:
     state = powerSGD_hook.PowerSGDState(
         process_group=ctx.comm.group,
         matrix_approximation_rank=opts.rank,
@@ -375,37 +307,5 @@ def _ddp_powersgd(opts: DDPPowerSGDOptions, ctx: StrategyContext) -> Strategy:
     )
 
 
-#: Why ``--resume`` of ``ddp-powersgd`` is not bit-exact (the train command says it).
-POWERSGD_RESUME_CAVEAT = (
-    "torch's powerSGD_hook keeps its error and Q memories per bucket index, and a fresh DDP "
-    "runs its first step in its initial bucket layout before it rebuilds the buckets, so with "
-    "several buckets the restored memories can meet other parameters' gradients: the run "
-    "continues from the checkpoint, with no promise of bit for bit (commfuse's own powersgd "
-    "resumes exactly)"
-)
-
-register_strategy(
-    "ddp",
-    DDPOptions,
-    lambda opts, ctx: _ddp(opts, ctx, None),
-    help="torch DDP (the baseline; gradient_as_bucket_view on, bucket_view=0 turns it off)",
-)
-register_strategy(
-    "ddp-fp16",
-    DDPOptions,
-    lambda opts, ctx: _ddp(opts, ctx, default_hooks.fp16_compress_hook),
-    help="torch DDP + its fp16_compress_hook",
-)
-register_strategy(
-    "ddp-bf16",
-    DDPBF16Options,
-    lambda opts, ctx: _ddp(opts, ctx, default_hooks.bf16_compress_hook),
-    help="torch DDP + its bf16_compress_hook",
-)
-register_strategy(
-    "ddp-powersgd",
-    DDPPowerSGDOptions,
-    _ddp_powersgd,
-    help="torch DDP + its powerSGD_hook (rank=4, warmup=2; wire=fp16/bf16: its 16-bit wrappers)",
-    resume_caveat=POWERSGD_RESUME_CAVEAT,
-)
+register_builder(TorchDDPConfig, _ddp)
+register_builder(TorchPowerSGDConfig, _ddp_powersgd)

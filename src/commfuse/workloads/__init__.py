@@ -3,8 +3,11 @@
 ``charlm``: a character Transformer on the Python standard library's own source files;
 ``digits``: an MLP on scikit-learn's digits. Nothing is ever downloaded.
 
-To add a workload: subclass :class:`Workload` in its own file, give it an options dataclass
-(keyword-only, one docstring per field), and add one line to ``WORKLOADS`` below.
+A workload is chosen by its options, a typed dataclass (``CharLMOptions(dim=64, layers=1)``,
+``DigitsOptions()``); ``make_workload(options)`` builds it. To add a workload: subclass
+:class:`Workload` in its own file, give it an options dataclass (keyword-only, one docstring per
+field), and add one line to ``WORKLOADS`` below (its command-line name and options class) and
+one to ``_CLASSES``.
 
 The model-parallel workloads are not in ``WORKLOADS``: ``dlrm`` (sharded embedding tables),
 ``moe`` (sharded experts) and ``tp_transformer`` (Megatron tensor parallelism) need the
@@ -15,46 +18,66 @@ and their tests drive them.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 from commfuse.workloads.base import Workload, batch_generator
-from commfuse.workloads.options import build_options, format_options, parse_spec
+from commfuse.workloads.charlm import CharLM, CharLMOptions
+from commfuse.workloads.digits import Digits, DigitsOptions
 
-#: name -> ("module:WorkloadClass", "module:OptionsClass"); imported on use.
-WORKLOADS: dict[str, tuple[str, str]] = {
-    "charlm": ("commfuse.workloads.charlm:CharLM", "commfuse.workloads.charlm:CharLMOptions"),
-    "digits": ("commfuse.workloads.digits:Digits", "commfuse.workloads.digits:DigitsOptions"),
+#: The options of every workload ``commfuse train`` can run.
+WorkloadOptions: TypeAlias = CharLMOptions | DigitsOptions
+
+#: Command-line name -> options class (``--workload charlm:dim=64``).
+WORKLOADS: dict[str, type[WorkloadOptions]] = {"charlm": CharLMOptions, "digits": DigitsOptions}
+_CLASSES: dict[type, Callable[[Any], Workload]] = {
+    CharLMOptions: CharLM,
+    DigitsOptions: Digits,
 }
 
 
-def _load(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
+def check_workload(options: object) -> None:
+    """ValueError unless ``options`` are a workload's options (checked before any rank starts)."""
+    if type(options) not in _CLASSES:
+        known = ", ".join(cls.__name__ for cls in _CLASSES)
+        raise ValueError(
+            f"workload must be one of {known} (typed options; the command line parses "
+            f"NAME:key=value specs), got {type(options).__name__}"
+        )
 
 
-def parse_workload(spec: str) -> tuple[str, object]:
-    """Validate ``NAME[:key=value,...]`` and return (name, options); ValueError if bad."""
-    name, raw = parse_spec(spec, what="workload")
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}")
-    options = build_options(_load(WORKLOADS[name][1]), raw, where=f"workload {name}")
-    return name, options
+def make_workload(options: WorkloadOptions) -> Workload:
+    """The workload of ``options`` (e.g. ``CharLMOptions(dim=64, layers=1)``).
+
+    Raises:
+        ValueError: ``options`` are not a workload's options.
+    """
+    check_workload(options)
+    return _CLASSES[type(options)](options)
 
 
-def make_workload(spec: str) -> Workload:
-    """The workload for ``NAME[:key=value,...]`` (e.g. ``charlm:dim=64,layers=1``)."""
-    name, options = parse_workload(spec)
-    workload: Workload = _load(WORKLOADS[name][0])(options)
-    return workload
+def describe_workload(options: WorkloadOptions) -> str:
+    """``name[:key=value,...]`` with the options that differ from their defaults (``charlm``,
+    ``charlm:dim=64,layers=1``): a run's name in tables and its identity in checkpoints."""
+    check_workload(options)
+    name = next(n for n, cls in WORKLOADS.items() if cls is type(options))
+    changed = [
+        f"{f.name}={getattr(options, f.name)}"
+        for f in dataclasses.fields(options)
+        if getattr(options, f.name) != f.default
+    ]
+    return f"{name}:{','.join(changed)}" if changed else name
 
 
 __all__ = [
     "WORKLOADS",
+    "CharLMOptions",
+    "DigitsOptions",
     "Workload",
+    "WorkloadOptions",
     "batch_generator",
-    "format_options",
+    "check_workload",
+    "describe_workload",
     "make_workload",
-    "parse_spec",
-    "parse_workload",
 ]

@@ -6,8 +6,8 @@ model, data and optimizer. Batches are a pure function of ``(seed, step, rank)``
 from a checkpoint at step k sees exactly the batches the uninterrupted run saw from step k on,
 with no data-loader state to save.
 
-Workloads take options with the same ``name:key=value,...`` syntax as strategies
-(``charlm:dim=64,layers=1``), parsed by :func:`commfuse.workloads.parse_workload`.
+A workload is configured by a typed options dataclass (``CharLMOptions(dim=64, layers=1)``);
+on the command line, ``charlm:dim=64,layers=1`` builds the same (``commfuse.cli.spec``).
 """
 
 from __future__ import annotations

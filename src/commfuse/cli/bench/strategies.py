@@ -23,12 +23,10 @@ from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
     add_control_argument,
-    add_device_arguments,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
     require_at_least,
-    require_host_training,
     run_on_ranks,
     set_command,
     topology_from_args,
@@ -44,7 +42,6 @@ def register(bench_sub: Subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_topology_arguments(parser, default_hosts=4, default_link="100mbit")
-    add_device_arguments(parser)
     parser.add_argument("--workload", default="charlm", help="charlm or digits, with options")
     parser.add_argument(
         "--strategy",
@@ -98,13 +95,16 @@ def render(records: list[dict[str, Any]]) -> str:
 
 def run_bench_strategies(args: argparse.Namespace) -> int:
     from commfuse.bench.strategies import StrategiesBenchConfig, bench_strategies_on_rank
+    from commfuse.cli.spec import strategy_from_spec, workload_from_spec
 
     topology = topology_from_args(args)
-    require_host_training(args, topology, command="commfuse bench strategies")
     require_at_least("--repeats", args.repeats, 1)
     config = StrategiesBenchConfig(
-        strategies=tuple(args.strategy),
-        workload=args.workload,
+        strategies=tuple(
+            strategy_from_spec(s, ranks_per_host=topology.ranks_per_host) for s in args.strategy
+        ),
+        labels=tuple(s.strip() for s in args.strategy),
+        workload=workload_from_spec(args.workload),
         steps=args.steps,
         reps=args.repeats,
         warmup_steps=args.warmup_steps,
@@ -114,14 +114,14 @@ def run_bench_strategies(args: argparse.Namespace) -> int:
         control=args.control,
     )
     print(
-        f"commfuse bench strategies: {config.workload}, {topology.describe()}, "
+        f"commfuse bench strategies: {args.workload}, {topology.describe()}, "
         f"{config.reps} rounds (balanced orders) of {config.steps} steps after "
         f"{config.warmup_steps} untimed (medians; phases: rank 0)",
         file=sys.stderr,
     )
     results = run_on_ranks(bench_strategies_on_rank, config, topology=topology, args=args)
     records = results[0]
-    print(f"# {config.workload}, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MiB")
+    print(f"# {args.workload}, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MiB")
     print(render(records))
     from commfuse.bench.table import control_note
 

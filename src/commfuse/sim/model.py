@@ -1,5 +1,7 @@
-"""The workload model: per-layer parameters, FLOPs, memory traffic and the collectives a layer
-itself needs (tensor-parallel allreduces, embedding and expert All-to-Alls).
+"""A model as the simulator sees it, ``ModelProfile``: per-layer parameters, FLOPs, memory
+traffic and the collectives a layer itself needs (tensor-parallel allreduces, embedding and
+expert All-to-Alls). (The training side's ``commfuse.workloads.Workload`` is a model with its
+data and optimizer that really trains; a profile only describes one.)
 
 Everything is per rank and per step (one forward and backward of the rank's micro-batch).
 ``from_module`` reads a real ``nn.Module`` on the meta device: parameters and FLOPs come out of
@@ -11,12 +13,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import typing
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
-GROUPS = ("tp", "dp", "world")
-PHASES = ("fwd", "bwd")
+GroupName = Literal["tp", "dp", "world"]
+PhaseName = Literal["fwd", "bwd"]
+GROUPS: tuple[GroupName, ...] = typing.get_args(GroupName)
+PHASES: tuple[PhaseName, ...] = typing.get_args(PhaseName)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -27,9 +33,9 @@ class LayerComm:
     """all_reduce, all_to_all, all_gather, reduce_scatter, broadcast or reduce."""
     nbytes: int
     """The full buffer per rank, bytes (nccl-tests' S)."""
-    group: str = "tp"
+    group: GroupName = "tp"
     """tp (tensor-parallel group), dp (data-parallel / expert-parallel group) or world."""
-    phase: str = "fwd"
+    phase: PhaseName = "fwd"
     """fwd or bwd."""
     fusable: bool = True
     """Whether a fused operator can chunk the layer's compute with it (embedding + All-to-All,
@@ -70,7 +76,7 @@ class Layer:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Workload:
+class ModelProfile:
     """A model's layers in forward order, and how it is split over ranks."""
 
     name: str
@@ -106,7 +112,7 @@ class Workload:
         """What one rank must hold: model state and kept activations."""
         return self.param_bytes * self.state_bytes_per_param_byte + self.activation_bytes
 
-    def scaled(self, *, flops: float = 1.0, nbytes: float = 1.0) -> Workload:
+    def scaled(self, *, flops: float = 1.0, nbytes: float = 1.0) -> ModelProfile:
         """The same model with every layer's FLOPs (and memory traffic) times ``flops`` and every
         parameter and message size times ``nbytes`` (for what-if questions and tests)."""
         layers = tuple(
@@ -131,7 +137,7 @@ def from_module(
     *,
     name: str | None = None,
     input_dtype: torch.dtype = torch.float32,
-) -> Workload:
+) -> ModelProfile:
     """A data-parallel workload from a real module: one layer per leaf module that has
     parameters or FLOPs, in registration order (the order DDP buckets gradients in).
 
@@ -181,7 +187,7 @@ def from_module(
     # Each kept activation is about the size of the input per layer: a coarse but safe bound.
     activations = float(x.numel() * 4 * max(1, len(layers)))
     dtype_bytes = next((p.element_size() for p in model.parameters()), 4)
-    return Workload(
+    return ModelProfile(
         name=name or root,
         layers=tuple(layers),
         activation_bytes=activations,

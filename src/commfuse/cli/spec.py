@@ -1,0 +1,390 @@
+"""The command line's one parser: ``NAME:key=value,...`` specs turned into typed objects.
+
+A compressor, a workload and a training strategy are given on the command line as specs: a
+name, then optionally a colon and comma-separated ``key=value`` options::
+
+    powersgd:rank=4,warmup=10      charlm:dim=64,layers=1      diloco:H=50,outer_lr=0.7
+
+The name picks a target, a dataclass (``PowerSGD``, ``CharLMOptions``) or a function that
+builds one (``diloco``); the keys are the target's field or parameter names, and each value is
+read by that field's type hint, with one vocabulary for every spec:
+
+* ``bool``: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (any case);
+* ``int``, ``float``: Python's literals (``8``, ``0.7``, ``1e-3``);
+* an ``int`` field named ``*_bytes``: a size with an optional K, M or G (``4K``, ``16M``, as
+  nccl-tests writes them, ``commfuse.units.parse_size``);
+* a field named ``*_mbit`` or ``*_gbit``: a link rate (``100mbit``, ``1gbit``, as ``tc``
+  writes them), or a bare number in the field's unit;
+* ``Literal[...]``: one of its values;
+* ``X | None``: ``none``, or an X;
+* a compressor (``compressor=int8``): a compressor spec of its own (one option at most, since
+  commas separate the outer spec's options: ``compressor=powersgd:rank=4``).
+
+Every mistake is a ``ValueError`` raised before any rank starts, naming the spec, the key, the
+value and what is accepted (for an unknown key, the known keys; for an unknown name, the known
+names). Python code never comes here: it builds the same objects directly
+(``PowerSGD(rank=4)``, ``diloco(H=50)``, ``CharLMOptions(dim=64)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from commfuse.units import parse_rate_mbit, parse_size
+
+if TYPE_CHECKING:
+    from commfuse.compress import Compressor
+    from commfuse.train.strategy import StrategyConfig
+    from commfuse.workloads import WorkloadOptions
+
+T = TypeVar("T")
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+_BOOL_ACCEPTED = "1/0, true/false, yes/no, on/off"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Spec:
+    """A spec split into its parts (values still text)."""
+
+    text: str
+    """The spec as given, whitespace stripped (the label of a run in tables)."""
+    name: str
+    """What comes before the colon, lower-cased."""
+    options: dict[str, str]
+    """``key -> value`` in the order given."""
+
+
+def split_spec(text: str, *, what: str = "spec") -> Spec:
+    """``"powersgd:rank=4,warmup=10"`` -> name ``powersgd``, options ``{rank: 4, warmup: 10}``.
+
+    Raises:
+        ValueError: empty text, no name, an option that is not ``key=value``, a key twice.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"empty {what}; expected NAME or NAME:key=value,...")
+    stripped = text.strip()
+    name, _, rest = stripped.partition(":")
+    name = name.strip().lower()
+    if not name:
+        raise ValueError(f"{what} {stripped!r} has no name before ':'")
+    options: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not key or not value:
+            raise ValueError(f"{what} {stripped!r}: option {item!r} is not key=value")
+        if key in options:
+            raise ValueError(f"{what} {stripped!r}: option {key!r} given twice")
+        options[key] = value
+    return Spec(text=stripped, name=name, options=options)
+
+
+# -- values ----------------------------------------------------------------------------------
+
+
+def _is_compressor_type(kind: Any) -> bool:
+    from commfuse.compress import Compressor
+
+    return isinstance(kind, type) and issubclass(kind, Compressor)
+
+
+def parse_value(raw: str, kind: Any, *, key: str, where: str) -> Any:
+    """``raw`` read as a value of type ``kind`` for option ``key`` (see the module docstring).
+
+    Raises:
+        ValueError: ``{where}: {key}={raw!r} is not ... (accepted: ...)``.
+    """
+
+    def bad(what: str, accepted: str) -> ValueError:
+        return ValueError(f"{where}: {key}={raw!r} is not {what} (accepted: {accepted})")
+
+    origin = typing.get_origin(kind)
+    if origin is Literal:
+        choices = typing.get_args(kind)
+        for choice in choices:
+            if raw == str(choice) or (isinstance(choice, str) and raw.lower() == choice.lower()):
+                return choice
+        raise bad("one of the choices", ", ".join(str(c) for c in choices))
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(kind)
+        inner = [a for a in args if a is not type(None)]
+        if type(None) in args and raw.lower() == "none":
+            return None
+        if len(inner) != 1:
+            raise TypeError(f"{where}: option {key} has unsupported type {kind!r}")
+        return parse_value(raw, inner[0], key=key, where=where)
+    if kind is bool:
+        low = raw.lower()
+        if low in TRUE_WORDS:
+            return True
+        if low in FALSE_WORDS:
+            return False
+        raise bad("a boolean", _BOOL_ACCEPTED)
+    if key.endswith(("_mbit", "_gbit")) and kind in (int, float):
+        per_unit = 1000.0 if key.endswith("_gbit") else 1.0
+        try:
+            return kind(float(raw))
+        except ValueError:
+            pass
+        try:
+            return kind(parse_rate_mbit(raw) / per_unit)
+        except ValueError:
+            raise bad("a link rate", "a rate like 100mbit or 2.5gbit") from None
+    if key.endswith("_bytes") and kind is int:
+        try:
+            return parse_size(raw)
+        except ValueError:
+            raise bad("a size", "a byte count with an optional K, M or G, like 4K or 16M") from None
+    if kind is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise bad("a valid int", "a whole number, like 8") from None
+    if kind is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise bad("a valid float", "a number, like 0.5 or 1e-3") from None
+    if kind is str:
+        return raw
+    if _is_compressor_type(kind):
+        return compressor_from_spec(raw)
+    raise TypeError(f"{where}: option {key} has unsupported type {kind!r}")
+
+
+# -- targets ---------------------------------------------------------------------------------
+
+
+def keys_of(target: Callable[..., Any]) -> dict[str, Any]:
+    """The options ``target`` takes, with their types: a dataclass's init fields, or a
+    function's keyword parameters (read from their type hints)."""
+    if dataclasses.is_dataclass(target) and isinstance(target, type):
+        hints = typing.get_type_hints(target)
+        return {f.name: hints[f.name] for f in dataclasses.fields(target) if f.init}
+    hints = typing.get_type_hints(target)
+    params = inspect.signature(target).parameters.values()
+    return {
+        p.name: hints[p.name]
+        for p in params
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name in hints
+    }
+
+
+def build(
+    target: Callable[..., T],
+    options: Mapping[str, str],
+    *,
+    where: str,
+    fixed: Mapping[str, Any] | None = None,
+) -> T:
+    """``target(**fixed, **options)`` with every option read by its type (``parse_value``).
+    ``fixed`` are values the spec's name implies; they are not keys the spec may give.
+
+    Raises:
+        ValueError: an unknown key (naming the known ones), a bad value, or the target's own
+            check of the values (prefixed with ``where``).
+    """
+    fixed = dict(fixed or {})
+    keys = {k: v for k, v in keys_of(target).items() if k not in fixed}
+    unknown = [k for k in options if k not in keys]
+    if unknown:
+        known = ", ".join(sorted(keys)) or "(none)"
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}; known keys: {known}")
+    values = {k: parse_value(v, keys[k], key=k, where=where) for k, v in options.items()}
+    try:
+        return target(**fixed, **values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def _unknown(what: str, name: str, known: list[str], hint: str = "") -> ValueError:
+    return ValueError(f"unknown {what} {name!r}; known: {', '.join(known)}{hint}")
+
+
+# -- compressors -----------------------------------------------------------------------------
+
+
+def compressors() -> dict[str, type[Compressor]]:
+    """Every compressor by the name a spec gives it (its ``name``), in the table's order."""
+    from commfuse import compress
+
+    classes: tuple[type[Compressor], ...] = (
+        compress.NoCompression,
+        compress.FP16,
+        compress.BF16,
+        compress.Int8,
+        compress.QSGD,
+        compress.TernGrad,
+        compress.Sign,
+        compress.EFSign,
+        compress.TopK,
+        compress.RandomK,
+        compress.RandomBlock,
+        compress.DGC,
+        compress.PowerSGD,
+        compress.ACPSGD,
+    )
+    return {cls.name: cls for cls in classes}
+
+
+def compressor_from_spec(text: str, **defaults: Any) -> Compressor:
+    """The compressor of ``"name[:key=value,...]"``, e.g. ``"powersgd:rank=4,warmup=10"``; the
+    keys are its dataclass fields. ``defaults`` are typed values for fields the spec does not
+    give (``algo="native"``).
+
+    Raises:
+        ValueError: an unknown name (naming the known ones), key or value.
+    """
+    spec = split_spec(text, what="compressor")
+    table = compressors()
+    if spec.name not in table:
+        raise _unknown("compressor", spec.name, list(table))
+    fixed = {k: v for k, v in defaults.items() if k not in spec.options}
+    return build(table[spec.name], spec.options, where=f"compressor {spec.name}", fixed=fixed)
+
+
+# -- workloads -------------------------------------------------------------------------------
+
+
+def workload_from_spec(text: str) -> WorkloadOptions:
+    """The options of workload ``"name[:key=value,...]"`` (e.g. ``charlm:dim=64,layers=1``),
+    for ``commfuse.workloads.make_workload``.
+
+    Raises:
+        ValueError: an unknown name, key or value.
+    """
+    from commfuse.workloads import WORKLOADS
+
+    spec = split_spec(text, what="workload")
+    if spec.name not in WORKLOADS:
+        raise _unknown("workload", spec.name, sorted(WORKLOADS))
+    options = build(WORKLOADS[spec.name], spec.options, where=f"workload {spec.name}")
+    return typing.cast("WorkloadOptions", options)
+
+
+# -- strategies ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyName:
+    """A name ``--strategy`` accepts: what it builds, and its line in ``--list-strategies``."""
+
+    target: Callable[..., Any]
+    """The config class or function whose fields or parameters are the spec's keys."""
+    help: str
+    fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Settings the name implies (``ddp-fp16``: ``hook="fp16"``)."""
+
+
+#: Keys of a compressor strategy's spec that set the engine (``CommfuseDPConfig``), not the
+#: compressor.
+ENGINE_KEYS = ("staleness",)
+
+
+def strategy_names() -> dict[str, StrategyName]:
+    """Every name ``--strategy`` accepts but the compressors' (``compressor_from_spec``'s
+    names, which each run commfuse's engine with that compressor), in listing order."""
+    from commfuse import localsgd
+    from commfuse.train.strategy import CommfuseDPConfig, TorchDDPConfig, TorchPowerSGDConfig
+
+    return {
+        "ddp": StrategyName(TorchDDPConfig, "torch DDP (the baseline)", {"hook": "none"}),
+        "ddp-fp16": StrategyName(
+            TorchDDPConfig, "torch DDP + its fp16_compress_hook", {"hook": "fp16"}
+        ),
+        "ddp-bf16": StrategyName(
+            TorchDDPConfig, "torch DDP + its bf16_compress_hook", {"hook": "bf16"}
+        ),
+        "ddp-powersgd": StrategyName(
+            TorchPowerSGDConfig, "torch DDP + its powerSGD_hook (rank=4, warmup=2)"
+        ),
+        "commfuse": StrategyName(
+            CommfuseDPConfig,
+            "commfuse DataParallel, uncompressed (algo=auto)",
+            {"compressor": None},
+        ),
+        "local-sgd": StrategyName(
+            localsgd.local_sgd, "local SGD (Stich 2019): average the replicas every H steps (H=8)"
+        ),
+        "post-local-sgd": StrategyName(
+            localsgd.post_local_sgd,
+            "post-local SGD (Lin et al. 2020): synchronous for warmup_steps, then local SGD",
+        ),
+        "slowmo": StrategyName(
+            localsgd.slowmo, "SlowMo (Wang et al. 2020): local SGD with a slow outer momentum"
+        ),
+        "diloco": StrategyName(
+            localsgd.diloco,
+            "DiLoCo (Douillard et al. 2023): inner optimizer for H steps, outer Nesterov SGD",
+        ),
+        "streaming-diloco": StrategyName(
+            localsgd.streaming_diloco,
+            "streaming DiLoCo: fragments synced at staggered steps, exchange overlapped",
+        ),
+    }
+
+
+def strategy_listing() -> list[tuple[str, str]]:
+    """``(name, one line)`` for every name ``--strategy`` accepts, compressors last."""
+    out = [(name, entry.help) for name, entry in strategy_names().items()]
+    out += [
+        (name, f"commfuse DataParallel + the {name} compressor")
+        for name in compressors()
+        if name != "none"
+    ]
+    return out
+
+
+def strategy_from_spec(text: str, *, ranks_per_host: int = 1) -> StrategyConfig:
+    """The strategy config of ``"name[:key=value,...]"`` (``commfuse.train.strategy``):
+    ``ddp``, ``ddp-powersgd:rank=4``, ``commfuse:algo=ring``, a compressor's name with its keys
+    and the engine's ``staleness`` (``powersgd:rank=4,staleness=1``), or a local-SGD method
+    with its function's arguments (``diloco:H=50,outer_lr=0.7``; a ``compressor=`` there rides
+    the method's ``algo`` unless it names its own). ``ranks_per_host`` is the run's host layout
+    (``--ranks-per-host``), the default of a local-SGD method's own ``ranks_per_host`` (which
+    ``hierarchical=1`` averages gradients within).
+
+    Raises:
+        ValueError: an unknown name (naming the known ones), key or value.
+    """
+    from commfuse.train.strategy import CommfuseDPConfig
+
+    spec = split_spec(text, what="strategy")
+    where = f"strategy {spec.name}"
+    names = strategy_names()
+    table = compressors()
+    if spec.name in names:
+        entry = names[spec.name]
+        options, fixed = dict(spec.options), dict(entry.fixed)
+        if "compressor" in options and "algo" in keys_of(entry.target):
+            algo = parse_value(options.get("algo", "auto"), str, key="algo", where=where)
+            fixed["compressor"] = compressor_from_spec(options.pop("compressor"), algo=algo)
+        config = build(entry.target, options, where=where, fixed=fixed)
+        if getattr(config, "hierarchical", False) and "ranks_per_host" not in options:
+            config = dataclasses.replace(config, ranks_per_host=ranks_per_host)
+        return typing.cast("StrategyConfig", config)
+    if spec.name in table and spec.name != "none":
+        engine = {k: spec.options[k] for k in ENGINE_KEYS if k in spec.options}
+        own = {k: v for k, v in spec.options.items() if k not in engine}
+        try:
+            compressor = build(table[spec.name], own, where=where)
+        except ValueError as err:
+            if "unknown key" not in str(err):
+                raise
+            keys = sorted([*keys_of(table[spec.name]), *ENGINE_KEYS])
+            bad = next(k for k in own if k not in keys)
+            raise ValueError(
+                f"{where}: unknown key {bad!r}; known keys: {', '.join(keys)}"
+            ) from None
+        return build(CommfuseDPConfig, engine, where=where, fixed={"compressor": compressor})
+    known = [name for name, _ in strategy_listing()]
+    raise _unknown(
+        "strategy", spec.name, known, " (options go after a colon, e.g. ddp-powersgd:rank=4)"
+    )

@@ -1,0 +1,62 @@
+"""Streaming DiLoCo: DiLoCo whose fragments synchronise at staggered steps, in the background.
+
+Douillard et al., "Streaming DiLoCo with overlapping communication" (2025). Three changes to
+DiLoCo (``diloco.py``), each cutting what the slow links must carry at once:
+
+1. the parameters are cut into ``num_fragments`` fragments (``fragments.py``), and fragment f
+   synchronises at the steps where ``(step - f H / F)`` is a multiple of H: every fragment
+   still once per period, but each exchange is 1/F of the model, so the peak bandwidth falls F
+   times;
+2. each exchange runs in the background for ``overlap_steps`` inner steps (tau) and is applied
+   then, so the training does not wait for it;
+3. the result is merged with the local progress made meanwhile:
+   ``params = mix_global * anchor + (1 - mix_global) * params``.
+
+The paper's settings: F = 4 (or one fragment per few layers), tau = 1, mix 0.5.
+"""
+
+from __future__ import annotations
+
+from commfuse.compress.base import Compressor
+from commfuse.localsgd.config import PeriodicSyncConfig
+
+
+def streaming_diloco(
+    *,
+    H: int = 50,
+    num_fragments: int = 4,
+    overlap_steps: int = 1,
+    mix_global: float = 0.5,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    nesterov: bool = True,
+    compressor: Compressor | None = None,
+    algo: str = "auto",
+    hierarchical: bool = False,
+    ranks_per_host: int = 1,
+    inner_lr_scale: float = 1.0,
+    final_sync: bool = True,
+) -> PeriodicSyncConfig:
+    """Streaming DiLoCo with period ``H``, ``num_fragments`` fragments, exchanges overlapped
+    with ``overlap_steps`` inner steps and merged with weight ``mix_global``. The outer step is
+    ``diloco``'s; the other arguments are ``local_sgd``'s.
+
+    Example::
+
+        config = streaming_diloco(H=50, num_fragments=4)
+    """
+    return PeriodicSyncConfig(
+        period_steps=H,
+        num_fragments=num_fragments,
+        overlap_steps=overlap_steps,
+        mix_global=mix_global,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        nesterov=nesterov,
+        compressor=compressor,
+        algo=algo,
+        hierarchical=hierarchical,
+        ranks_per_host=ranks_per_host,
+        inner_lr_scale=inner_lr_scale,
+        final_sync=final_sync,
+    )

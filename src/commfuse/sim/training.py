@@ -1,0 +1,125 @@
+"""A training strategy as the simulator's communication plan: ``plan_for(strategy)``.
+
+The simulator prices the same strategy configs that ``commfuse train`` runs
+(``commfuse.train.strategy``), so a prediction and a measured run name the same thing::
+
+    plan = plan_for(CommfuseDPConfig(compressor=PowerSGD(rank=4)))
+    simulate_step(cluster, transformer(), plan)
+
+What each config becomes (bucket caps as the engines lay them out: ``bucket_cap_mb``, and the
+config's ``first_bucket_cap_mb``, 1 MiB by default, for the first bucket launched):
+
+* ``TorchDDPConfig``: a native allreduce per bucket, launched during backward; its fp16/bf16
+  hooks send 2 bytes an element and agree on no NaN/Inf flags (torch's hooks never do);
+* ``TorchPowerSGDConfig``: each bucket as PowerSGD's factors of rank ``rank`` in its ``wire``
+  dtype (the flat bucket's ``(m + c) r`` elements, ``commfuse.compress.PowerSGD``'s count),
+  its first bucket as large as the rest unless ``first_bucket_cap_mb`` says otherwise;
+* ``CommfuseDPConfig``: its ``algo`` per uncompressed bucket; with a compressor, each bucket as
+  that compressor's message (``payload_bytes`` after its warm-up, on its ``aggregation``: an
+  allreduce, or an allgather of every rank's message), with the engine's NaN/Inf agreement for
+  compressors that can drop a NaN;
+* ``PeriodicSyncConfig`` (``local_sgd``, ``diloco``, ...): no gradient communication; every
+  ``H`` steps one exchange of the parameters (through its compressor, when it has one). With
+  ``F`` fragments (streaming DiLoCo) 1/F of them every H/F steps: the same bytes per period.
+  Not modelled: the warm-up of post-local SGD, streaming's overlap of the exchange with the
+  next steps (predicted as waited for), and hierarchical mode (refused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from commfuse.compress import BF16, FP16, PowerSGD
+from commfuse.localsgd import PeriodicSyncConfig
+from commfuse.sim.plan import CommPlan
+from commfuse.train.strategy import (
+    CommfuseDPConfig,
+    StrategyConfig,
+    TorchDDPConfig,
+    TorchPowerSGDConfig,
+)
+
+#: The first bucket's cap of torch DDP and ``commfuse.ddp.DataParallel``, MiB.
+FIRST_BUCKET_CAP_MB = 1.0
+
+
+def plan_for(
+    strategy: StrategyConfig,
+    *,
+    bucket_cap_mb: float = 25.0,
+    compression_gbyte_per_s: float = 0.0,
+    fused_chunks: int = 1,
+    overlap: bool = True,
+) -> CommPlan:
+    """The simulator's plan of ``strategy`` (see the module docstring).
+
+    Args:
+        strategy: a training strategy config (``TorchDDPConfig()``, ``diloco(H=50)``, ...).
+        bucket_cap_mb: the run's gradient bucket cap (``commfuse train --bucket-cap-mb``).
+        compression_gbyte_per_s: the machine's rate of compressing plus decompressing, GB of
+            input per second (0: free), charged before each compressed message.
+        fused_chunks: chunks of the model's fused compute + collective operators (1: unfused).
+        overlap: launch buckets during backward (False: all after it).
+
+    Raises:
+        ValueError: a strategy the simulator does not model (hierarchical local SGD).
+    """
+    base = CommPlan(
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_cap_mb=FIRST_BUCKET_CAP_MB,
+        overlap=overlap,
+        fused_chunks=fused_chunks,
+        compression_gbyte_per_s=compression_gbyte_per_s,
+    )
+    if isinstance(strategy, TorchDDPConfig):
+        # torch's 16-bit hooks send what commfuse's cast compressors send: 2 bytes an element.
+        cast = {"none": None, "fp16": FP16(), "bf16": BF16()}[strategy.hook]
+        return dataclasses.replace(
+            base,
+            algorithm="native",
+            first_bucket_cap_mb=strategy.first_bucket_cap_mb,
+            compressor=cast,
+            finite_agreement=False,
+        )
+    if isinstance(strategy, TorchPowerSGDConfig):
+        factors = PowerSGD(rank=strategy.rank, warmup=0, wire=strategy.wire, algo="native")
+        first = strategy.first_bucket_cap_mb
+        return dataclasses.replace(
+            base,
+            algorithm="native",
+            first_bucket_cap_mb=bucket_cap_mb if first is None else first,
+            compressor=factors,
+            finite_agreement=False,
+        )
+    if isinstance(strategy, CommfuseDPConfig):
+        compressor = strategy.compressor
+        if compressor is None:
+            return dataclasses.replace(
+                base, algorithm=strategy.algo, first_bucket_cap_mb=strategy.first_bucket_cap_mb
+            )
+        algos = (("all_reduce", compressor.algo), ("all_gather", compressor.gather_algo))
+        return dataclasses.replace(
+            base,
+            algorithm=strategy.algo,
+            algorithms=tuple((c, a) for c, a in algos if a != "auto"),
+            first_bucket_cap_mb=strategy.first_bucket_cap_mb,
+            compressor=compressor,
+            finite_agreement=not compressor.nonfinite_reaches_every_rank,
+        )
+    if isinstance(strategy, PeriodicSyncConfig):
+        if strategy.hierarchical:
+            raise ValueError(
+                "the simulator does not model hierarchical local SGD (gradients averaged "
+                "inside each host every step); simulate it without hierarchical"
+            )
+        fragments = strategy.num_fragments
+        compressor = strategy.compressor
+        return dataclasses.replace(
+            base,
+            algorithm=strategy.algo if compressor is None else compressor.algo,
+            local_sgd_period=max(1, round(strategy.period_steps / fragments)),
+            outer_fraction=1.0 / fragments,
+            compressor=compressor,
+            finite_agreement=False,  # the outer exchange agrees on nothing first
+        )
+    raise ValueError(f"not a strategy config: {type(strategy).__name__}")
