@@ -42,8 +42,11 @@ OPS = COLLECTIVES
 _MODULUS = 11
 
 
-def pattern(numel: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    return ((torch.arange(numel, dtype=torch.int64) + rank) % _MODULUS).to(dtype)
+def pattern(
+    numel: int, rank: int, dtype: torch.dtype, device: torch.device | None = None
+) -> torch.Tensor:
+    ints = torch.arange(numel, dtype=torch.int64, device=device or torch.device("cpu"))
+    return ((ints + rank) % _MODULUS).to(dtype)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -79,17 +82,17 @@ def make_case(
     algo: str = "native",
 ) -> Case:
     """The case of ``op`` at ``size_bytes``, run by algorithm ``algo`` (a name, or auto)."""
-    rank, world = comm.rank, comm.world_size
-    esize = torch.tensor([], dtype=dtype).element_size()
+    rank, world, dev = comm.rank, comm.world_size, comm.device
+    esize = torch.empty(0, dtype=dtype, device=dev).element_size()
     numel = element_count(op, size_bytes, world, esize)
     total = (
-        sum(pattern(numel, r, torch.int64) for r in range(world))
+        sum(pattern(numel, r, torch.int64, dev) for r in range(world))
         if op in ("all_reduce", "reduce", "reduce_scatter")
         else None
     )
 
     if op in ("all_reduce", "broadcast", "reduce"):
-        source = pattern(numel, rank, dtype)
+        source = pattern(numel, rank, dtype, dev)
         buf = source.clone()
         root = 0
         if op == "all_reduce":
@@ -98,7 +101,7 @@ def make_case(
             def call() -> None:
                 C.all_reduce(comm, buf, "sum", algo=algo)
         elif op == "broadcast":
-            expected = pattern(numel, root, dtype)
+            expected = pattern(numel, root, dtype, dev)
 
             def call() -> None:
                 C.broadcast(comm, buf, root, algo=algo)
@@ -122,9 +125,9 @@ def make_case(
 
     block = numel // world
     if op == "all_gather":
-        mine = pattern(block, rank, dtype)
-        out = torch.empty(numel, dtype=dtype)
-        expected = torch.cat([pattern(block, r, dtype) for r in range(world)])
+        mine = pattern(block, rank, dtype, dev)
+        out = torch.empty(numel, dtype=dtype, device=dev)
+        expected = torch.cat([pattern(block, r, dtype, dev) for r in range(world)])
         return Case(
             name=op,
             size_bytes=numel * esize,
@@ -133,8 +136,8 @@ def make_case(
             count_wrong=lambda: int((out != expected).sum()),
         )
     if op == "reduce_scatter":
-        full = pattern(numel, rank, dtype)
-        piece = torch.empty(block, dtype=dtype)
+        full = pattern(numel, rank, dtype, dev)
+        piece = torch.empty(block, dtype=dtype, device=dev)
         expected = total[rank * block : (rank + 1) * block].to(dtype)  # type: ignore[index]
         return Case(
             name=op,
@@ -145,9 +148,9 @@ def make_case(
         )
     if op == "all_to_all":
         # Block j of rank r's input is pattern(block, 1000 r + j): every block is distinguishable.
-        send = torch.cat([pattern(block, 7 * rank + j, dtype) for j in range(world)])
-        recv = torch.empty(numel, dtype=dtype)
-        expected = torch.cat([pattern(block, 7 * i + rank, dtype) for i in range(world)])
+        send = torch.cat([pattern(block, 7 * rank + j, dtype, dev) for j in range(world)])
+        recv = torch.empty(numel, dtype=dtype, device=dev)
+        expected = torch.cat([pattern(block, 7 * i + rank, dtype, dev) for i in range(world)])
         return Case(
             name=op,
             size_bytes=numel * esize,

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from commfuse.bench.cases import OPS, bus_factor, make_case
+from commfuse.bench.clock import now
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.cluster.topology import Topology
 from commfuse.comm import Communicator
@@ -83,16 +83,16 @@ def bench_collectives_on_rank(config: CollectiveBenchConfig) -> list[dict[str, A
                     case.reset()
                     case.call()
             names = list(schedule.names)
-            times = torch.zeros(len(names), config.iters, dtype=torch.float64)
-            wrong = torch.zeros(len(names), dtype=torch.int64)
+            times = torch.zeros(len(names), config.iters, dtype=torch.float64, device=comm.device)
+            wrong = torch.zeros(len(names), dtype=torch.int64, device=comm.device)
             for i, order in enumerate(schedule.orders()):  # the same seeded orders on every rank
                 for name in order:
                     c, case = names.index(name), cases[name]
                     case.reset()
                     comm.barrier()
-                    start = time.perf_counter()
+                    start = now(comm.device)
                     case.call()
-                    times[c, i] = time.perf_counter() - start
+                    times[c, i] = now(comm.device) - start
                     wrong[c] += case.count_wrong()
             # A collective takes as long as its slowest rank: max over ranks, then the median.
             comm.all_reduce(times, "max")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from commfuse.bench.clock import default_group_device, now
 from commfuse.bench.schedule import Schedule, control_name, summarize
 from commfuse.comm import Communicator
 from commfuse.ddp.config import DataParallelConfig
@@ -89,19 +89,21 @@ def build_model(config: DdpBenchConfig) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(config.width, 10))
 
 
-def _batch(config: DdpBenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(config: DdpBenchConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Drawn on the CPU generator and moved: every device gets the same numbers.
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     shape = (config.batch_size, 32, config.width) if config.model == "transformer" else None
-    x = torch.randn(shape or (config.batch_size, config.width), generator=gen)
-    return x, torch.randint(0, 10, (config.batch_size,), generator=gen)
+    x = torch.randn(shape or (config.batch_size, config.width), generator=gen, device="cpu")
+    y = torch.randint(0, 10, (config.batch_size,), generator=gen, device="cpu")
+    return x.to(device), y.to(device)
 
 
-def _time_block(step: Callable[[], None], num_steps: int) -> float:
+def _time_block(step: Callable[[], None], num_steps: int, device: torch.device) -> float:
     dist.barrier()
-    start = time.perf_counter()
+    start = now(device)
     for _ in range(num_steps):
         step()
-    elapsed = torch.tensor([(time.perf_counter() - start) / num_steps], dtype=torch.float64)
+    elapsed = torch.tensor([(now(device) - start) / num_steps], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
 
@@ -115,11 +117,12 @@ def bench_ddp_on_rank(config: DdpBenchConfig | None = None) -> list[dict[str, An
     communication, and the median ratio to torch DDP's step."""
     config = config or DdpBenchConfig()
     torch.manual_seed(0)
+    device = default_group_device()
     twin = control_name(BASELINE)
     torch_names = [BASELINE, *([twin] if config.control else [])]
-    nets = {name: build_model(config) for name in [*torch_names, "compute"]}
+    nets = {name: build_model(config).to(device) for name in [*torch_names, "compute"]}
     for algo in config.algos:
-        nets[f"commfuse:{algo}"] = build_model(config)
+        nets[f"commfuse:{algo}"] = build_model(config).to(device)
     for net in nets.values():
         net.load_state_dict(nets[BASELINE].state_dict())
     # torch DDP as commfuse's engine runs: gradients as views into the buckets, and the same
@@ -136,7 +139,7 @@ def bench_ddp_on_rank(config: DdpBenchConfig | None = None) -> list[dict[str, An
         ours[algo] = DataParallel(nets[f"commfuse:{algo}"], Communicator(), config=dp_config)
         models[f"commfuse:{algo}"] = ours[algo]
     opts = {name: torch.optim.SGD(nets[name].parameters(), lr=1e-4) for name in models}
-    x, y = _batch(config)
+    x, y = _batch(config, device)
 
     def stepper(name: str) -> Callable[[], None]:
         def step() -> None:
@@ -149,7 +152,7 @@ def bench_ddp_on_rank(config: DdpBenchConfig | None = None) -> list[dict[str, An
         return step
 
     for name in models:  # warm-up (torch rebuilds its buckets after its first step)
-        _time_block(stepper(name), 2)
+        _time_block(stepper(name), 2, device)
     schedule = Schedule(
         tuple(name for name in models if name != twin),
         rounds=config.num_reps,
@@ -159,7 +162,7 @@ def bench_ddp_on_rank(config: DdpBenchConfig | None = None) -> list[dict[str, An
     times: dict[str, list[float]] = {name: [] for name in schedule.names}
     for order in schedule.orders():  # the same seeded orders on every rank
         for name in order:
-            times[name].append(_time_block(stepper(name), config.num_steps))
+            times[name].append(_time_block(stepper(name), config.num_steps, device))
     summary = summarize(times, baseline=BASELINE, control=schedule.control_variant)
     records = []
     for name in schedule.names:

@@ -32,13 +32,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from commfuse.bench.cases import Case
+from commfuse.bench.clock import now
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
 from commfuse.cluster.topology import Topology
@@ -155,9 +155,11 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     rows, in_features, out_features = shape
     gen = torch.Generator().manual_seed(comm.rank)
     shard = split_sizes(in_features, comm.world_size)[comm.rank]
-    x = torch.randint(-2, 3, (rows, shard), generator=gen).float()
-    w = torch.randint(-2, 3, (out_features, shard), generator=gen).float()
-    buf = torch.zeros(rows, out_features)
+    # Drawn on the CPU generator and moved: every device gets the same numbers.
+    x = torch.randint(-2, 3, (rows, shard), generator=gen, device="cpu").float().to(comm.device)
+    w = torch.randint(-2, 3, (out_features, shard), generator=gen, device="cpu").float()
+    w = w.to(comm.device)
+    buf = torch.zeros(rows, out_features, device=comm.device)
     return FusedForms(
         compute=lambda: torch.matmul(x, w.t()),
         comm=lambda: comm.all_reduce(buf),
@@ -170,24 +172,30 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
 
 def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     batch, num_tables, rows, dim, pooling = shape
-    world, rank = comm.world_size, comm.rank
+    world, rank, dev = comm.world_size, comm.rank, comm.device
     gen = torch.Generator().manual_seed(rank)
     local = [t for t in range(num_tables) if t % world == rank]
     per_rank = [sum(1 for t in range(num_tables) if t % world == r) for r in range(world)]
     splits = split_sizes(batch, world)
     lookup = emb.ShardedLookup(
-        tables=[torch.randint(-3, 4, (rows, dim), generator=gen).float() for _ in local],
+        tables=[
+            torch.randint(-3, 4, (rows, dim), generator=gen, device="cpu").float().to(dev)
+            for _ in local
+        ],
         # Power-law indices (DLRM's generator draws skewed ids too): popular rows are hit often.
-        indices=[(torch.rand(batch * pooling, generator=gen) ** 3 * rows).long() for _ in local],
-        offsets=[torch.arange(0, batch * pooling, pooling) for _ in local],
+        indices=[
+            (torch.rand(batch * pooling, generator=gen, device="cpu") ** 3 * rows).long().to(dev)
+            for _ in local
+        ],
+        offsets=[torch.arange(0, batch * pooling, pooling, device=dev) for _ in local],
         batch_splits=splits,
         tables_per_rank=per_rank,
         dim=dim,
         dtype=torch.float32,
         mode="sum",
     )
-    buf = torch.zeros(batch * len(local) * dim)
-    out = torch.empty(splits[rank] * num_tables * dim)
+    buf = torch.zeros(batch * len(local) * dim, device=dev)
+    out = torch.empty(splits[rank] * num_tables * dim, device=dev)
     in_splits = [b * len(local) * dim for b in splits]
     out_splits = [splits[rank] * t * dim for t in per_rank]
     return FusedForms(
@@ -224,9 +232,9 @@ def make_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedForms
 
 def _timed(comm: Communicator, fn: Callable[[], Any]) -> float:
     comm.barrier()
-    start = time.perf_counter()
+    start = now(comm.device)
     fn()
-    return (time.perf_counter() - start) * 1e6
+    return (now(comm.device) - start) * 1e6
 
 
 def run_together(compute: Callable[[], Any], collective: Callable[[], Any]) -> None:
@@ -262,7 +270,9 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 compute_us, comm_us = _timed(comm, forms.compute), _timed(comm, forms.comm)
                 _timed(comm, forms.unfused)
             overhead_us = measure_overhead_us(comm, repeats=5)
-            agreed = torch.tensor([compute_us, comm_us, overhead_us], dtype=torch.float64)
+            agreed = torch.tensor(
+                [compute_us, comm_us, overhead_us], dtype=torch.float64, device=comm.device
+            )
             comm.all_reduce(agreed, "max")
             chunks = (
                 config.chunks
@@ -299,12 +309,14 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 seed=config.seed_order,
             )
             names = list(schedule.names)
-            times = torch.zeros(len(names), config.iters, dtype=torch.float64)
+            times = torch.zeros(len(names), config.iters, dtype=torch.float64, device=comm.device)
             for i, order in enumerate(schedule.orders()):  # the same on every rank (seeded)
                 for name in order:
                     times[names.index(name), i] = _timed(comm, cases[schedule.code_of(name)].call)
             comm.all_reduce(times, "max")
-            wrong = torch.tensor([int((forms.fused(chunks) != forms.unfused()).sum())])
+            wrong = torch.tensor(
+                [int((forms.fused(chunks) != forms.unfused()).sum())], device=comm.device
+            )
             comm.all_reduce(wrong)
             summary = summarize(
                 {name: times[v].tolist() for v, name in enumerate(names)},

@@ -42,15 +42,18 @@ def gemm_all_to_all_case(comm: Communicator, shape: tuple[int, ...]) -> FusedFor
     counts = torch.stack(
         [
             torch.bincount(
-                torch.randint(0, sum(experts), (rows,), generator=gen), minlength=sum(experts)
+                # routing counts are host metadata (split sizes), drawn on the CPU
+                torch.randint(0, sum(experts), (rows,), generator=gen, device="cpu"),
+                minlength=sum(experts),
             )
             for _ in range(world)
         ]
     )
     rt = ga.Routing(comm, counts, experts)
     own = torch.Generator().manual_seed(comm.rank)
-    h = torch.randint(-2, 3, (rt.recv_start[-1], k_in), generator=own).float()
-    w = torch.randint(-2, 3, (per_rank, n_out, k_in), generator=own).float()
+    dev = comm.device
+    h = torch.randint(-2, 3, (rt.recv_start[-1], k_in), generator=own, device="cpu").float().to(dev)
+    w = torch.randint(-2, 3, (per_rank, n_out, k_in), generator=own, device="cpu").float().to(dev)
     y = ga.expert_gemm(rt, h, w)
     max_chunks = 4 * max(world - 1, 1)
     return FusedForms(
@@ -89,7 +92,9 @@ def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
 
     def step(chunks: int | None) -> torch.Tensor:
         m, opt = model(chunks)
-        return torch.tensor([round(workload.train_step(comm, m, opt, batch), 4)])
+        return torch.tensor(
+            [round(workload.train_step(comm, m, opt, batch), 4)], device=comm.device
+        )
 
     def choose() -> int:
         step(None)  # the layer measures and agrees its chunks on its first forward
@@ -106,16 +111,16 @@ def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     counts = torch.stack(
         [
             torch.bincount(
-                torch.randint(0, options.num_experts, (2 * tokens,), generator=gen),
+                torch.randint(0, options.num_experts, (2 * tokens,), generator=gen, device="cpu"),
                 minlength=options.num_experts,
             )
             for _ in range(world)
         ]
     )
     rt = ga.Routing(comm, counts, [per_rank] * world)
-    token_side = torch.zeros(rt.send_start[-1], d_model)
-    expert_side = torch.zeros(rt.recv_start[-1], d_model)
-    replicated = torch.zeros(sum(p.numel() for p in model(1)[0].replicated()))
+    token_side = torch.zeros(rt.send_start[-1], d_model, device=comm.device)
+    expert_side = torch.zeros(rt.recv_start[-1], d_model, device=comm.device)
+    replicated = torch.zeros(sum(p.numel() for p in model(1)[0].replicated()), device=comm.device)
 
     def communicate() -> Any:
         for _ in range(2):  # forward and backward

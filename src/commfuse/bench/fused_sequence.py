@@ -28,14 +28,20 @@ def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedF
     if len(shape) != 3:
         raise ValueError(f"{op} shape is (sequence, in_features, out_features), got {shape}")
     seq, k_in, n_out = shape
-    world, rank = comm.world_size, comm.rank
+    world, rank, dev = comm.world_size, comm.rank, comm.device
     splits = split_sizes(seq, world)
     gen = torch.Generator().manual_seed(rank)
     if op == "all_gather_gemm":
-        x = torch.randint(-2, 3, (splits[rank], k_in), generator=gen).float()
-        w = torch.randint(-2, 3, (split_sizes(n_out, world)[rank], k_in), generator=gen).float()
-        shard = torch.zeros(max(splits), k_in)
-        gathered = torch.zeros(world * max(splits), k_in)
+        x = torch.randint(-2, 3, (splits[rank], k_in), generator=gen, device="cpu").float().to(dev)
+        w = (
+            torch.randint(
+                -2, 3, (split_sizes(n_out, world)[rank], k_in), generator=gen, device="cpu"
+            )
+            .float()
+            .to(dev)
+        )
+        shard = torch.zeros(max(splits), k_in, device=dev)
+        gathered = torch.zeros(world * max(splits), k_in, device=dev)
 
         def measure() -> tuple[float, float]:
             return sp.measure_all_gather_gemm(comm, x, w, splits)
@@ -51,10 +57,14 @@ def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedF
             max_chunks=world,
             choose=lambda: _choose(comm, measure),
         )
-    a = torch.randint(-2, 3, (seq, split_sizes(k_in, world)[rank]), generator=gen).float()
-    v = torch.randint(-2, 3, (n_out, a.shape[1]), generator=gen).float()
-    out = torch.zeros(max(splits), n_out)
-    full = torch.zeros(world * max(splits), n_out)
+    a = (
+        torch.randint(-2, 3, (seq, split_sizes(k_in, world)[rank]), generator=gen, device="cpu")
+        .float()
+        .to(dev)
+    )
+    v = torch.randint(-2, 3, (n_out, a.shape[1]), generator=gen, device="cpu").float().to(dev)
+    out = torch.zeros(max(splits), n_out, device=dev)
+    full = torch.zeros(world * max(splits), n_out, device=dev)
     return FusedForms(
         compute=lambda: torch.matmul(a, v.t()),
         comm=lambda: reduce_scatter(comm, out, full, algo=baselines.SEQUENCE),

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from commfuse.bench.cases import Case
+from commfuse.bench.clock import now
 from commfuse.bench.fused import check_chunks
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
@@ -102,7 +102,7 @@ def dlrm_case(
     lookup = embedding.lookup(data.indices, data.offsets, data.batch_splits, table_list)
     emb.measure(comm, lookup)
     c_us, m_us = emb.measure(comm, lookup)
-    agreed = torch.tensor([c_us, m_us], dtype=torch.float64)
+    agreed = torch.tensor([c_us, m_us], dtype=torch.float64, device=comm.device)
     comm.all_reduce(agreed, "max")
     return StepForms(
         prepare=lambda step: dlrm.synthetic_batch(config, step, comm.rank, comm.world_size),
@@ -229,9 +229,9 @@ def _on_batch(step: Callable[[Any], Any] | None, batch: list[Any]) -> Callable[[
 
 def _timed(comm: Communicator, fn: Callable[[], Any]) -> float:
     comm.barrier()
-    start = time.perf_counter()
+    start = now(comm.device)
     fn()
-    return (time.perf_counter() - start) * 1e6
+    return (now(comm.device) - start) * 1e6
 
 
 def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
@@ -268,14 +268,14 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
                 twin = schedule.control_variant
                 cases[twin] = Case(name=twin, call=_on_batch(forms.control, batch))
             names = list(schedule.names)
-            times = torch.zeros(len(names), config.iters, dtype=torch.float64)
+            times = torch.zeros(len(names), config.iters, dtype=torch.float64, device=comm.device)
             for i, order in enumerate(schedule.orders()):  # the same on every rank (seeded)
                 batch[0] = forms.prepare(step)
                 for variant in order:
                     times[names.index(variant), i] = _timed(comm, cases[variant].call)
                 step += 1
             comm.all_reduce(times, "max")
-            wrong = torch.tensor([forms.differing()])
+            wrong = torch.tensor([forms.differing()], device=comm.device)
             comm.all_reduce(wrong)
             summary = summarize(
                 {variant: times[v].tolist() for v, variant in enumerate(names)},

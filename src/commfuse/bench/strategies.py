@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commfuse.bench.clock import now
 from commfuse.bench.schedule import Schedule, control_name, summarize
 from commfuse.cluster import machine
 from commfuse.comm import Communicator
@@ -116,6 +117,8 @@ class _Runner:
     phases: list[tuple[float, float, float]] = dataclasses.field(default_factory=list)
     bytes_timed: int = 0
     pids: tuple[int, ...] | None = None
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    """The ranks' device (``comm.device``): the clock waits for it, the timings travel on it."""
     """This machine's ranks, whose CPU is the floor's (``machine.rank_pids``), on the one rank
     of each machine that reads them; None on the others."""
 
@@ -123,22 +126,22 @@ class _Runner:
         dist.barrier()
         sent = self.bytes_fn()
         busy_start = None if self.pids is None else machine.busy_cpu_s(self.pids)
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start = now(self.device), time.process_time()
         phases = [self.step_fn(self.next_step + i) for i in range(num_steps)]
-        elapsed = time.perf_counter() - start
+        elapsed = now(self.device) - start
         busy = None if self.pids is None else machine.busy_since(busy_start, self.pids)
         # CPU seconds of every thread of this rank (compute, gloo's, commfuse's workers): where
         # ranks share cores, a strategy's CPU is other ranks' lost compute.
         cpu = time.process_time() - cpu_start
         sent = self.bytes_fn() - sent  # before the timing allreduce, which is not the strategy's
-        slowest = torch.tensor([elapsed / num_steps], dtype=torch.float64)
-        cpu_sum = torch.tensor([cpu / num_steps], dtype=torch.float64)
+        slowest = torch.tensor([elapsed / num_steps], dtype=torch.float64, device=self.device)
+        cpu_sum = torch.tensor([cpu / num_steps], dtype=torch.float64, device=self.device)
         # The busiest machine's floor (one rank per machine reads it); -1 where a rank does not
         # read or a machine cannot tell (no /proc), so the max says "unknown" only if none can.
         floor = -1.0
         if busy is not None:
             floor = busy / machine.cores() / num_steps
-        machine_floor = torch.tensor([floor], dtype=torch.float64)
+        machine_floor = torch.tensor([floor], dtype=torch.float64, device=self.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank's block
         dist.all_reduce(cpu_sum)  # every rank's CPU
         dist.all_reduce(machine_floor, op=dist.ReduceOp.MAX)
@@ -189,7 +192,9 @@ def _runners(config: StrategiesBenchConfig, comm: Communicator) -> list[_Runner]
                 strategy.optimizer_step()
             return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-        runners.append(_Runner(name, step, strategy.bytes_sent, strategy.close, pids=pids))
+        runners.append(
+            _Runner(name, step, strategy.bytes_sent, strategy.close, pids=pids, device=comm.device)
+        )
     if config.include_compute:
         bare = workload.build_model(config.seed)
         bare_opt = workload.make_optimizer(bare)
@@ -205,7 +210,9 @@ def _runners(config: StrategiesBenchConfig, comm: Communicator) -> list[_Runner]
             bare_opt.step()
             return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-        runners.append(_Runner(COMPUTE, bare_step, lambda: 0, lambda: None, pids=pids))
+        runners.append(
+            _Runner(COMPUTE, bare_step, lambda: 0, lambda: None, pids=pids, device=comm.device)
+        )
     return runners
 
 

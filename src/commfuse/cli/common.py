@@ -77,6 +77,77 @@ def add_topology_arguments(
         )
 
 
+DEVICES = ("cpu", "cuda")
+BACKENDS = ("gloo", "nccl")
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """--device / --backend: where every rank's tensors live and which process group moves them
+    (``--device cuda``: one rank per visible GPU, rank ``LOCAL_RANK`` on ``cuda:LOCAL_RANK``,
+    NCCL by default)."""
+    group = parser.add_argument_group("device")
+    group.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="the ranks' device (cuda: one rank per visible GPU; default cpu)",
+    )
+    group.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="the process group's backend (default: gloo on cpu, nccl on cuda)",
+    )
+
+
+def backend_from_args(args: argparse.Namespace, topology: Topology) -> str:
+    """The backend for ``args.device`` on ``topology``, checked before any rank starts.
+
+    UsageError when the machine cannot run it: ``--device cuda`` without CUDA (a CPU build of
+    torch, or no visible GPU) or with fewer GPUs than ranks per host (each rank owns one GPU,
+    ``cuda:LOCAL_RANK``); ValueError for a pair that cannot work (NCCL moves CUDA tensors only,
+    and commfuse's buffers follow ``Communicator.device``, the CPU under gloo).
+    """
+    import torch
+
+    device = getattr(args, "device", "cpu")
+    backend = getattr(args, "backend", None) or ("nccl" if device == "cuda" else "gloo")
+    if device == "cpu" and backend == "nccl":
+        raise ValueError("--backend nccl needs --device cuda (NCCL moves CUDA tensors only)")
+    if device == "cuda" and backend != "nccl":
+        raise ValueError(
+            f"--device cuda needs --backend nccl, got {backend} (under {backend} every buffer "
+            "commfuse allocates follows Communicator.device, the CPU)"
+        )
+    if device == "cuda":
+        if torch.version.cuda is None:
+            raise UsageError(
+                f"--device cuda: this torch ({torch.__version__}) is built without CUDA"
+            )
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible == 0:
+            raise UsageError("--device cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES?)")
+        if topology.ranks_per_host > visible:
+            raise UsageError(
+                f"--device cuda: {topology.ranks_per_host} ranks per host need "
+                f"{topology.ranks_per_host} GPUs (one each, cuda:LOCAL_RANK); "
+                f"{visible} visible"
+            )
+    return backend
+
+
+def require_host_training(args: argparse.Namespace, topology: Topology, *, command: str) -> None:
+    """``train`` and ``compare`` run the training loop, whose workloads build their models and
+    batches on the host: after the device checks (a CPU machine hears that it has no CUDA),
+    --device cuda is refused with a UsageError that says so, instead of NCCL failing later on
+    host tensors."""
+    if backend_from_args(args, topology) != "gloo":
+        raise UsageError(
+            f"{command} --device cuda: the training loop keeps its models and batches on the "
+            "CPU; bench collectives, bench fused and bench ddp run on CUDA"
+        )
+
+
 def add_timeout_argument(parser: argparse.ArgumentParser, *, default_s: float | None) -> None:
     """--timeout: the deadline of the whole job, after which every rank is stopped."""
     parser.add_argument(
@@ -195,11 +266,19 @@ def emulate_arg(args: argparse.Namespace) -> bool | None:
 def run_on_ranks(
     fn: Callable[..., T], *fn_args: Any, topology: Topology, args: argparse.Namespace
 ) -> list[T]:
-    """``fn(*fn_args)`` on every rank of ``topology`` (emulated unless --no-emulate), stopped
-    after ``args.timeout`` seconds; the results in rank order."""
+    """``fn(*fn_args)`` on every rank of ``topology`` (emulated unless --no-emulate) on the
+    backend of --device / --backend (``backend_from_args``), stopped after ``args.timeout``
+    seconds; the results in rank order."""
     from commfuse.cluster import run
 
-    return run(fn, *fn_args, net=topology, emulate=emulate_arg(args), timeout_s=args.timeout)
+    return run(
+        fn,
+        *fn_args,
+        net=topology,
+        emulate=emulate_arg(args),
+        timeout_s=args.timeout,
+        backend=backend_from_args(args, topology),
+    )
 
 
 def set_command(parser: argparse.ArgumentParser, func: Command) -> None:

@@ -14,9 +14,11 @@ from pathlib import Path
 from commfuse.cli.common import (
     Subparsers,
     add_control_argument,
+    add_device_arguments,
     add_output_arguments,
     add_topology_arguments,
     emulate_arg,
+    require_host_training,
     set_command,
     topology_from_args,
 )
@@ -49,6 +51,7 @@ def register(sub: Subparsers) -> None:
     )
     add_run_arguments(parser, default_steps=C.DEFAULT_STEPS)
     add_topology_arguments(parser, default_hosts=C.DEFAULT_HOSTS, default_link=C.DEFAULT_LINK)
+    add_device_arguments(parser)
     parser.add_argument(
         "--strategy",
         action="append",
@@ -93,6 +96,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
     strategies = args.strategy or list(C.DEFAULT_STRATEGIES)
     topology = topology_from_args(args, nproc=args.nproc)
+    require_host_training(args, topology, command="commfuse compare")
     # Every spec is checked before any run starts.
     layout = topology.ranks_per_host
     configs = [strategy_from_spec(s, ranks_per_host=layout) for s in strategies]

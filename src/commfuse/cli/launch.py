@@ -14,8 +14,10 @@ import threading
 from commfuse.cli.common import (
     Subparsers,
     UsageError,
+    add_device_arguments,
     add_timeout_argument,
     add_topology_arguments,
+    backend_from_args,
     emulate_arg,
     set_command,
     topology_from_args,
@@ -39,6 +41,7 @@ def register(sub: Subparsers) -> None:
         help="total ranks (default: hosts x ranks-per-host)",
     )
     add_topology_arguments(parser)
+    add_device_arguments(parser)
     add_timeout_argument(parser, default_s=None)
     parser.add_argument(
         "-m", "--module", action="store_true", help="run the target as a module (python -m)"
@@ -62,6 +65,9 @@ def run_launch(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt) if on_main else None
     try:
         topology = topology_from_args(args, nproc=args.nproc)
+        # The script picks cuda:LOCAL_RANK itself (as under torchrun); refuse a machine that
+        # has fewer GPUs than ranks per host before any rank starts.
+        backend_from_args(args, topology)
         command = script_command(
             args.script, args.script_args, module=args.module, no_python=args.no_python
         )

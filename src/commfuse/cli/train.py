@@ -15,10 +15,12 @@ from typing import Any
 from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
+    add_device_arguments,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
     emulate_arg,
+    require_host_training,
     set_command,
     topology_from_args,
 )
@@ -59,6 +61,7 @@ def register(sub: Subparsers) -> None:
     )
     add_run_arguments(parser, default_steps=100)
     add_topology_arguments(parser)
+    add_device_arguments(parser)
     parser.add_argument(
         "--strategy",
         default="ddp",
@@ -102,6 +105,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(list_strategies())
         return 0
     topology = topology_from_args(args, nproc=args.nproc)
+    require_host_training(args, topology, command="commfuse train")
     config = TrainConfig(
         workload=workload_from_spec(args.workload),
         strategy=strategy_from_spec(args.strategy, ranks_per_host=topology.ranks_per_host),

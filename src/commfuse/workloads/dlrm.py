@@ -207,7 +207,7 @@ class _UnfusedExchange(torch.autograd.Function):
         )
         in_splits = [splits[rank] * per_rank[j] * dim for j in range(world)]
         out_splits = [splits[i] * per_rank[rank] * dim for i in range(world)]
-        recv = torch.empty(sum(out_splits), dtype=grad.dtype)
+        recv = torch.empty(sum(out_splits), dtype=grad.dtype, device=grad.device)
         all_to_all(comm, recv, send, out_splits, in_splits, algo=baselines.ALL_TO_ALL)
         blocks = torch.split(recv, out_splits)
         grads = emb.TableGradients(list(tables), batch.indices, batch.offsets, module.mode)
@@ -259,7 +259,7 @@ class DLRM(nn.Module):
         if self.exchange == "fused":
             out: torch.Tensor = self.embedding(batch.indices, batch.offsets, batch.batch_splits)
             return out
-        anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
+        anchor = torch.empty(0, device=batch.dense.device, requires_grad=torch.is_grad_enabled())
         rank_major: torch.Tensor = _UnfusedExchange.apply(  # type: ignore[no-untyped-call]
             anchor, self.embedding, batch, *self.embedding.tables
         )

@@ -14,6 +14,7 @@ from typing import Any
 from commfuse.cli.common import (
     Subparsers,
     add_control_argument,
+    add_device_arguments,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
@@ -38,6 +39,7 @@ def register(bench_sub: Subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_topology_arguments(coll, default_hosts=4, default_link="1gbit")
+    add_device_arguments(coll)
     coll.add_argument(
         "--op", default=DEFAULT_OPS, help=f"comma list of collectives (default {DEFAULT_OPS})"
     )

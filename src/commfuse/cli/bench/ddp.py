@@ -20,6 +20,7 @@ from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
     add_control_argument,
+    add_device_arguments,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
@@ -40,6 +41,7 @@ def register(bench_sub: Subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_topology_arguments(parser, default_hosts=4, default_link="1gbit")
+    add_device_arguments(parser)
     parser.add_argument("--model", default="mlp", choices=MODELS, help="model (default mlp)")
     parser.add_argument(
         "--layers", type=int, default=None, help="layers (default 8 mlp, 4 transformer)"

@@ -15,6 +15,7 @@ from typing import Any
 from commfuse.cli.common import (
     Subparsers,
     add_control_argument,
+    add_device_arguments,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
@@ -35,6 +36,7 @@ def register(bench_sub: Subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_topology_arguments(parser, default_hosts=4, default_link="1gbit")
+    add_device_arguments(parser)
     parser.add_argument("--op", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
     parser.add_argument(
         "--shape",

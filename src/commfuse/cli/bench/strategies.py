@@ -23,10 +23,12 @@ from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
     add_control_argument,
+    add_device_arguments,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
     require_at_least,
+    require_host_training,
     run_on_ranks,
     set_command,
     topology_from_args,
@@ -42,6 +44,7 @@ def register(bench_sub: Subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_topology_arguments(parser, default_hosts=4, default_link="100mbit")
+    add_device_arguments(parser)
     parser.add_argument("--workload", default="charlm", help="charlm or digits, with options")
     parser.add_argument(
         "--strategy",
@@ -98,6 +101,7 @@ def run_bench_strategies(args: argparse.Namespace) -> int:
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec
 
     topology = topology_from_args(args)
+    require_host_training(args, topology, command="commfuse bench strategies")
     require_at_least("--repeats", args.repeats, 1)
     config = StrategiesBenchConfig(
         strategies=tuple(
