@@ -83,7 +83,30 @@ class _Pending:
 
 
 class PeriodicSyncOptimizer:
-    """See the module docstring."""
+    """See the module docstring.
+
+    Args:
+        optimizer: the inner optimizer (AdamW for DiLoCo), over ``module``'s parameters.
+        module: the replica; its parameters are the anchors' starting point.
+        comm: the group of replicas to average over.
+        config: the method, built by ``local_sgd``, ``post_local_sgd``, ``slowmo``, ``diloco``
+            or ``streaming_diloco``.
+
+    Raises:
+        ValueError: a module with no trainable parameters, or parameters that are not contiguous
+            (fragments are views of them).
+        CommTimeoutError: an exchange passed the communicator's deadline.
+
+    Example:
+        ```python
+        opt = PeriodicSyncOptimizer(torch.optim.AdamW(net.parameters()), net, comm, diloco(H=50))
+        for batch in data:
+            loss_fn(net(batch)).backward()
+            opt.step()  # an inner step; every H steps the outer step on the averaged delta
+            opt.zero_grad()
+        opt.finish()  # one model on every rank
+        ```
+    """
 
     def __init__(
         self,
