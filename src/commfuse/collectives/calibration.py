@@ -52,7 +52,7 @@ def _ping_pong(comm: Communicator, a: int, b: int, nbytes: int, reps: int) -> fl
     not the median: with 4 ranks on 2 cores, a tiny ping-pong can wait 2-5 ms for a core in
     most runs (a median alpha of 1.9 ms once, against 55-110 us in other calibrations), and
     alpha is meant to be the link's latency; the corrections price in the waiting."""
-    buf = torch.zeros(max(1, nbytes // 4))
+    buf = torch.zeros(max(1, nbytes // 4), device=comm.device)
     times = []
     for _ in range(reps):
         if comm.rank == a:
@@ -73,8 +73,8 @@ def _link_between(comm: Communicator, a: int, b: int, gamma: float) -> C.LinkCos
     return C.LinkCost(alpha_s=max(small, 1e-7), beta_s_per_byte=beta, gamma_s_per_byte=gamma)
 
 
-def _measure_gamma() -> float:
-    acc = torch.zeros(_LARGE_BYTES // 4)
+def _measure_gamma(device: torch.device) -> float:
+    acc = torch.zeros(_LARGE_BYTES // 4, device=device)
     other = torch.ones_like(acc)
     times = []
     for _ in range(5):
@@ -91,8 +91,8 @@ def _calibrate_links(comm: Communicator, ranks_per_host: int | None) -> Profile:
     if local < 1 or world % local:
         local = world
     hosts = world // local
-    gamma = _measure_gamma()
-    values = torch.zeros(6, dtype=torch.float64)
+    gamma = _measure_gamma(comm.device)
+    values = torch.zeros(6, dtype=torch.float64, device=comm.device)
     if world > 1:
         intra = _link_between(comm, 0, 1, gamma) if local > 1 else None
         inter = _link_between(comm, 0, local, gamma) if hosts > 1 else None
@@ -108,11 +108,12 @@ def _calibrate_links(comm: Communicator, ranks_per_host: int | None) -> Profile:
                     inter.beta_s_per_byte,
                     gamma,
                     0.0,
-                ]
+                ],
+                device=comm.device,
             )
         comm.broadcast(values, 0)
     else:
-        values[:] = torch.tensor([1e-7, 1e-12, 1e-7, 1e-12, gamma, 0.0])
+        values[:] = torch.tensor([1e-7, 1e-12, 1e-7, 1e-12, gamma, 0.0], device=comm.device)
     a_in, b_in, a_out, b_out, g, _ = values.tolist()
     return Profile(
         intra=C.LinkCost(alpha_s=a_in, beta_s_per_byte=b_in, gamma_s_per_byte=g),
@@ -133,13 +134,14 @@ def _call_of(
     world = comm.world_size
     elems = nbytes // 4
     if collective in ("all_reduce", "broadcast", "reduce"):
-        buf = torch.zeros(elems)
+        buf = torch.zeros(elems, device=comm.device)
         if collective == "all_reduce":
             return lambda: api.all_reduce(comm, buf, "sum", algo=algo, **opts)
         if collective == "broadcast":
             return lambda: api.broadcast(comm, buf, 0, algo=algo, **opts)
         return lambda: api.reduce(comm, buf, 0, "sum", algo=algo, **opts)
-    whole, piece = torch.zeros(elems), torch.zeros(elems // world)
+    whole = torch.zeros(elems, device=comm.device)
+    piece = torch.zeros(elems // world, device=comm.device)
     if collective == "all_gather":
         return lambda: api.all_gather(comm, whole, piece, algo=algo, **opts)
     if collective == "reduce_scatter":
@@ -187,7 +189,7 @@ def measure_algorithms(
         # Whole float32 elements and whole blocks of the world-sized buffers, smallest first.
         for nbytes in sorted({4 * world * max(1, size // (4 * world)) for size in sizes_bytes}):
             runs = reps * SMALL_REPS_FACTOR if nbytes <= SMALL_BYTES_MAX else reps
-            times = torch.zeros(len(names), runs, dtype=torch.float64)
+            times = torch.zeros(len(names), runs, dtype=torch.float64, device=comm.device)
             rows.append((collective, names, nbytes, times))
 
     def calls_of(collective: str, names: list[str], nbytes: int) -> list[Callable[[], object]]:

@@ -523,7 +523,7 @@ def _front_door_asks_options(comm: Communicator) -> bool:
 
     global _OPTIONS_ASKED
     _OPTIONS_ASKED = False
-    api.broadcast(comm, torch.zeros(1), 0, algo="auto")
+    api.broadcast(comm, torch.zeros(1, device=comm.device), 0, algo="auto")
     return _OPTIONS_ASKED
 
 
