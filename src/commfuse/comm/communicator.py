@@ -481,14 +481,14 @@ def check_consistent(comm: Communicator, tensor: torch.Tensor, kind: str) -> Non
     Gathers (dtype, ndim, shape...) from every rank with the native all-gather; the message
     lists what each disagreeing rank passed. Costs one small collective.
     """
-    meta = torch.full((2 + _META_DIMS,), -1, dtype=torch.int64)
+    meta = torch.full((2 + _META_DIMS,), -1, dtype=torch.int64, device=comm.device)
     meta[0] = _DTYPE_CODES.get(tensor.dtype, 99)
     meta[1] = tensor.dim()
     for i, size in enumerate(tensor.shape[:_META_DIMS]):
         meta[2 + i] = size
     if comm.world_size == 1:
         return
-    everyone = torch.empty(comm.world_size * meta.numel(), dtype=torch.int64)
+    everyone = torch.empty(comm.world_size * meta.numel(), dtype=torch.int64, device=comm.device)
     ctx = OpContext(
         rank=comm.rank,
         op=f"{kind} (input check)",
