@@ -104,7 +104,9 @@ def agree_chunks(
     Every rank must call it at the same point: it issues one all-reduce of three numbers."""
     if config.num_chunks is not None:
         return max(1, min(config.num_chunks, max(limit, 1)))
-    times = torch.tensor([compute_us, comm_us, overhead_us], dtype=torch.float64)
+    times = torch.tensor(
+        [compute_us, comm_us, overhead_us], dtype=torch.float64, device=comm.device
+    )
     comm.all_reduce(times, "max")
     c, m, o = times.tolist()
     return choose_chunks(
@@ -148,7 +150,7 @@ def measure_overhead_us(comm: Communicator, repeats: int = 3) -> float:
     latency and launch cost; the extra kernel launch per chunk is small beside it on gloo)."""
     if comm.world_size == 1:
         return 0.0
-    token = torch.zeros(1)
+    token = torch.zeros(1, device=comm.device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -107,6 +107,12 @@ class ShardedLookup:
     """How a bag pools its rows: ``"sum"`` or ``"mean"`` (``MODES``)."""
 
     @property
+    def device(self) -> torch.device:
+        """Where the tables (else the ids) live: the device of every buffer built for them."""
+        held = self.tables or self.indices
+        return held[0].device if held else torch.device("cpu")
+
+    @property
     def sample_starts(self) -> list[int]:
         """Where each rank's samples start in the global batch."""
         return list(itertools.accumulate(self.batch_splits, initial=0))[:-1]
@@ -174,7 +180,7 @@ class ShardedLookup:
             columns.append(F.embedding_bag(idx[lo:hi], table, off[start:stop] - lo, mode=self.mode))
         if not columns:
             # No table: the shape still says how many samples, and the dim their rows would have.
-            return torch.empty((stop - start, 0, self.dim), dtype=self.dtype)
+            return torch.empty((stop - start, 0, self.dim), dtype=self.dtype, device=self.device)
         return torch.stack(columns, dim=1).reshape(stop - start, len(self.tables), self.dim)
 
 
@@ -187,7 +193,7 @@ def _bag_range(off: torch.Tensor, num_idx: int, start: int, stop: int) -> tuple[
 def _empty_blocks(
     comm: Communicator, rows: int, tables_per_rank: list[int], dim: int, dtype: torch.dtype
 ) -> list[torch.Tensor]:
-    return [torch.empty((rows, t, dim), dtype=dtype) for t in tables_per_rank]
+    return [torch.empty((rows, t, dim), dtype=dtype, device=comm.device) for t in tables_per_rank]
 
 
 def _unfused_buffers(
@@ -199,7 +205,7 @@ def _unfused_buffers(
     rank, splits, dim = comm.rank, lookup.batch_splits, lookup.dim
     in_splits = [b * len(lookup.tables) * dim for b in splits]
     out_splits = [splits[rank] * t * dim for t in lookup.tables_per_rank]
-    recv = torch.empty(sum(out_splits), dtype=lookup.dtype)
+    recv = torch.empty(sum(out_splits), dtype=lookup.dtype, device=send.device)
     return recv, send.contiguous().view(-1), out_splits, in_splits
 
 
@@ -248,7 +254,7 @@ def _by_table(comm: Communicator, lookup: ShardedLookup) -> torch.Tensor:
     # One table-major landing buffer, [T, B_r, D] in rank-major table order: every message (one
     # source's table) lands in its own contiguous slice, so the output costs one transposing
     # copy at the end (a buffer per source cost a concatenation more: 8 MB at 64-dim x 32 tables).
-    landing = torch.empty((sum(per_rank), mine, dim), dtype=lookup.dtype)
+    landing = torch.empty((sum(per_rank), mine, dim), dtype=lookup.dtype, device=comm.device)
     handles: list[Handle] = []
     if mine:
         for step in range(1, world):
@@ -331,7 +337,8 @@ class TableGradients:
         self.mode, self.num_tables = mode, len(tables)
         dim = tables[0].shape[1] if tables else 0
         # float32: a popular row sums many bags, and bfloat16 sums would drift.
-        self.flat = torch.zeros((sum(rows), dim), dtype=torch.float32)
+        device = tables[0].device if tables else torch.device("cpu")
+        self.flat = torch.zeros((sum(rows), dim), dtype=torch.float32, device=device)
         self._views = [self.flat[a : a + n] for a, n in zip(self.row_starts, rows, strict=True)]
         self._offsets = offsets
         # Entries before a table's first offset belong to no bag; the arrays start after them.
@@ -347,7 +354,7 @@ class TableGradients:
         for t, (idx, off, first) in enumerate(zip(indices, offsets, self._firsts, strict=True)):
             bounds = torch.cat([off, off.new_tensor([idx.numel()])])
             bag_lengths = (bounds[1:] - bounds[:-1]).clamp_min(0)
-            bag = torch.repeat_interleave(torch.arange(off.numel()), bag_lengths)
+            bag = torch.repeat_interleave(torch.arange(off.numel(), device=off.device), bag_lengths)
             self._sources.append(bag * self.num_tables + t)
             self._bags.append(bag)
             self._targets.append(idx[first:].long() + self.row_starts[t])
@@ -415,7 +422,7 @@ def embedding_all_to_all_backward(
     incoming: list[tuple[Handle, int, torch.Tensor]] = []
     for step in range(1, world):
         src = (rank + step) % world  # the ranks whose samples I looked up, in the forward's order
-        buf = torch.empty((batch_splits[src], len(tables), dim), dtype=grad_out.dtype)
+        buf = grad_out.new_empty((batch_splits[src], len(tables), dim))
         for tag, (lo, hi) in enumerate(split_ranges(batch_splits[src], pieces)):
             handle = comm.irecv(buf[lo:hi], src, tag=tag, label=LABEL)
             incoming.append((handle, starts[src] + lo, buf[lo:hi]))
@@ -451,7 +458,7 @@ def _backward_by_table(
     starts, table_starts = lookup.sample_starts, lookup.table_starts
     mine, local = splits[rank], len(lookup.tables)
     sources = [(rank + step) % world for step in range(1, world)]  # the forward's order
-    landing = {src: torch.empty((local, splits[src], dim), dtype=grad_out.dtype) for src in sources}
+    landing = {src: grad_out.new_empty((local, splits[src], dim)) for src in sources}
     incoming: dict[tuple[int, int], Handle] = {}
     for src in sources:
         if splits[src]:
@@ -535,6 +542,7 @@ def choose_chunks_for(
         grad = torch.ones(
             (lookup.batch_splits[comm.rank], sum(lookup.tables_per_rank), lookup.dim),
             dtype=lookup.dtype,
+            device=comm.device,
         )
 
         def forward_and_backward(k: int) -> None:

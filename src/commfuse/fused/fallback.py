@@ -82,7 +82,7 @@ def choose_against_unfused(measured: Measured, *, max_chunks: int, min_gain: flo
 
 def agree(comm: Communicator, times: list[float]) -> list[float]:
     """Each time's maximum over ranks (one tiny all-reduce)."""
-    t = torch.tensor(times, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64, device=comm.device)
     comm.all_reduce(t, "max")
     return [float(v) for v in t.tolist()]
 

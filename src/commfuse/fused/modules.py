@@ -39,8 +39,9 @@ def full_linear_weight(
     slice."""
     gen = torch.Generator().manual_seed(seed)
     bound = 1.0 / math.sqrt(in_features)
-    weight = (torch.rand((out_features, in_features), generator=gen) * 2 - 1) * bound
-    bias = (torch.rand(out_features, generator=gen) * 2 - 1) * bound
+    # the CPU generator: the same weights on every device (the module moves them)
+    weight = (torch.rand((out_features, in_features), generator=gen, device="cpu") * 2 - 1) * bound
+    bias = (torch.rand(out_features, generator=gen, device="cpu") * 2 - 1) * bound
     return weight, bias
 
 
@@ -158,13 +159,16 @@ class ShardedEmbeddingBag(nn.Module):
         self.tables_per_rank = [self.owner.count(r) for r in range(world)]
         rank_major = [t for r in range(world) for t, o in enumerate(self.owner) if o == r]
         # Position of global table t in the operator's rank-major output.
-        self.order = torch.tensor([rank_major.index(t) for t in range(len(num_embeddings))])
+        self.order = torch.tensor(
+            [rank_major.index(t) for t in range(len(num_embeddings))], device=comm.device
+        )
         tables = []
         for t in self.local_tables:
             gen = torch.Generator().manual_seed(seed + t)
             bound = 1.0 / math.sqrt(num_embeddings[t])  # DLRM's uniform initialisation
-            w = (torch.rand((num_embeddings[t], embedding_dim), generator=gen) * 2 - 1) * bound
-            tables.append(nn.Parameter(w.to(dtype)))
+            w = torch.rand((num_embeddings[t], embedding_dim), generator=gen, device="cpu")
+            w = (w * 2 - 1) * bound  # DLRM's init, drawn on the CPU: the same on every device
+            tables.append(nn.Parameter(w.to(device=comm.device, dtype=dtype)))
         self.tables = nn.ParameterList(tables)
         self._chunks: dict[tuple[int, ...], int] = {}
 
@@ -236,6 +240,6 @@ class ShardedEmbeddingBag(nn.Module):
             self.mode,
             self.comm_id,
             chunks,
-            anchor_for_backward(),
+            anchor_for_backward(self.comm.device),
         )
         return out.index_select(1, self.order)

@@ -72,7 +72,7 @@ def route_tokens(
     if normalize:
         top_w = top_w / top_w.sum(-1, keepdim=True)
     expert = top_e.t().reshape(-1)  # choice-major: all first choices, then all second, ...
-    token = torch.arange(tokens).repeat(top_k)
+    token = torch.arange(tokens, device=logits.device).repeat(top_k)
     weight = top_w.t().reshape(-1)
     if capacity_factor is not None:
         capacity = math.ceil(capacity_factor * tokens * top_k / num_experts)
@@ -183,7 +183,8 @@ class ExpertParallelMoE(nn.Module):
         gen = torch.Generator().manual_seed(seed)
 
         def uniform(*shape: int, fan_in: int) -> torch.Tensor:
-            return (torch.rand(shape, generator=gen) * 2 - 1) / math.sqrt(fan_in)
+            # the CPU generator: the same weights on every device (the module moves them)
+            return (torch.rand(shape, generator=gen, device="cpu") * 2 - 1) / math.sqrt(fan_in)
 
         self.gate = nn.Parameter(uniform(num_experts, d_model, fan_in=d_model).to(dtype))
         w1 = uniform(num_experts, d_hidden, d_model, fan_in=d_model)
@@ -197,8 +198,9 @@ class ExpertParallelMoE(nn.Module):
         """Every rank's rows per expert, ``[P, E]``; ValueError if ranks disagree on the features."""
         comm, world = self.comm, self.comm.world_size
         code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
-        mine = torch.cat([counts, torch.tensor([x.shape[-1], code])]).to(torch.int64)
-        everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
+        features = torch.tensor([x.shape[-1], code], device=counts.device)
+        mine = torch.cat([counts, features]).to(device=comm.device, dtype=torch.int64)
+        everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=comm.device)
         comm.all_gather(everyone, mine)
         table = everyone.view(world, -1)
         if bool((table[:, -2:] != table[0, -2:]).any()):

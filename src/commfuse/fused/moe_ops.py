@@ -26,7 +26,10 @@ def routing(comm_id: int, counts: list[int], experts_per_rank: list[int]) -> ga.
             f"counts must hold world_size x num_experts = {comm.world_size} x {num_experts} "
             f"entries, got {len(counts)}"
         )
-    matrix = torch.tensor(counts, dtype=torch.int64).view(comm.world_size, num_experts)
+    # host metadata: Routing turns the counts into split sizes (Python ints)
+    matrix = torch.tensor(counts, dtype=torch.int64, device="cpu").view(
+        comm.world_size, num_experts
+    )
     return ga.Routing(comm, matrix, list(experts_per_rank))
 
 

@@ -75,9 +75,10 @@ gemm_all_reduce_op.register_autograd(_gemm_backward, setup_context=_gemm_setup)
 
 
 # -- Embedding + All-to-All ---------------------------------------------------------------------
-def anchor_for_backward() -> torch.Tensor:
-    """A zero-element leaf that requires grad while grad mode is on (see embedding_alltoall_op)."""
-    return torch.empty(0, requires_grad=torch.is_grad_enabled())
+def anchor_for_backward(device: torch.device) -> torch.Tensor:
+    """A zero-element leaf on ``device`` that requires grad while grad mode is on (see
+    embedding_alltoall_op)."""
+    return torch.empty(0, device=device, requires_grad=torch.is_grad_enabled())
 
 
 @torch.library.custom_op("commfuse::embedding_all_to_all", mutates_args=())
@@ -122,7 +123,7 @@ def _embedding_fake(*inputs: Any) -> torch.Tensor:
     lookup, comm_id, _, _ = _unpack(inputs)
     rank = communicator(comm_id).rank
     shape = (lookup.batch_splits[rank], sum(lookup.tables_per_rank), lookup.dim)
-    return torch.empty(shape, dtype=lookup.dtype)
+    return torch.empty(shape, dtype=lookup.dtype, device=lookup.device)
 
 
 def _embedding_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:

@@ -106,8 +106,8 @@ def all_gather_gemm(
         return all_gather_gemm_reference(comm, x, weight, splits=splits)
     rank, world = comm.rank, comm.world_size
     starts = _starts(splits)
-    gathered = torch.empty((sum(splits), x.shape[1]), dtype=x.dtype)
-    y = torch.empty((sum(splits), weight.shape[0]), dtype=x.dtype)
+    gathered = x.new_empty((sum(splits), x.shape[1]))
+    y = x.new_empty((sum(splits), weight.shape[0]))
     gathered[starts[rank] : starts[rank] + splits[rank]].copy_(x)
     right, left = (rank + 1) % world, (rank - 1) % world
     w_t = weight.t()
@@ -143,9 +143,9 @@ def all_gather_gemm_reference(
     _check_gemm(x, weight, "all_gather_gemm")
     splits = check_splits(comm, splits, x.shape[0], local=True)
     longest = max(splits)
-    padded = torch.zeros((longest, x.shape[1]), dtype=x.dtype)
+    padded = x.new_zeros((longest, x.shape[1]))
     padded[: x.shape[0]].copy_(x)
-    out = torch.empty((comm.world_size * longest, x.shape[1]), dtype=x.dtype)
+    out = x.new_empty((comm.world_size * longest, x.shape[1]))
     all_gather(comm, out, padded, algo=algo or baselines.SEQUENCE)
     gathered = torch.cat([out[j * longest : j * longest + n] for j, n in enumerate(splits)])
     return torch.matmul(gathered, weight.t()), gathered
@@ -175,12 +175,12 @@ def gemm_reduce_scatter(
     w_t = weight.t()
     sends: list[Handle] = []
     incoming: tuple[Handle, torch.Tensor] | None = None
-    partial = torch.empty(0)
+    partial = torch.empty(0, device=a.device)
     for s in range(world):
         j = (rank - 1 - s) % world
         if s < world - 1:
             nxt = (j - 1) % world  # the running sum my left neighbour sends me next
-            buf = torch.empty((splits[nxt], weight.shape[0]), dtype=a.dtype)
+            buf = a.new_empty((splits[nxt], weight.shape[0]))
             pending = incoming
             incoming = (comm.irecv(buf, left, tag=s, label=label), buf) if splits[nxt] else None
         else:
@@ -211,10 +211,10 @@ def gemm_reduce_scatter_reference(
     splits = check_splits(comm, splits, a.shape[0], local=False)
     full = torch.matmul(a, weight.t())
     longest, starts = max(splits), _starts(splits)
-    padded = torch.zeros((comm.world_size * longest, weight.shape[0]), dtype=a.dtype)
+    padded = a.new_zeros((comm.world_size * longest, weight.shape[0]))
     for j, n in enumerate(splits):
         padded[j * longest : j * longest + n].copy_(full[starts[j] : starts[j] + n])
-    out = torch.empty((longest, weight.shape[0]), dtype=a.dtype)
+    out = a.new_empty((longest, weight.shape[0]))
     reduce_scatter(comm, out, padded, algo=algo or baselines.SEQUENCE)
     return out[: splits[comm.rank]].clone()
 
@@ -255,8 +255,8 @@ def measure_all_gather_gemm(
     from commfuse.collectives import all_gather
 
     longest = max(splits)
-    padded = torch.zeros((longest, x.shape[1]), dtype=x.dtype)
-    out = torch.empty((comm.world_size * longest, x.shape[1]), dtype=x.dtype)
+    padded = x.new_zeros((longest, x.shape[1]))
+    out = x.new_empty((comm.world_size * longest, x.shape[1]))
     start = time.perf_counter()
     all_gather(comm, out, padded, algo=baselines.SEQUENCE)  # what the unfused reference calls
     comm_us = elapsed_us(start)
@@ -275,8 +275,8 @@ def measure_gemm_reduce_scatter(
     torch.matmul(a, weight.t())
     compute_us = elapsed_us(start)
     longest = max(splits)
-    out = torch.empty((longest, weight.shape[0]), dtype=a.dtype)
-    padded = torch.zeros((comm.world_size * longest, weight.shape[0]), dtype=a.dtype)
+    out = a.new_empty((longest, weight.shape[0]))
+    padded = a.new_zeros((comm.world_size * longest, weight.shape[0]))
     start = time.perf_counter()
     reduce_scatter(comm, out, padded, algo=baselines.SEQUENCE)  # what the unfused reference calls
     return compute_us, elapsed_us(start)
