@@ -101,7 +101,6 @@ def async_then_sync_keeps_order(algo: str) -> bool:
 def rounds_inside_a_queued_function() -> tuple[float, float]:
     """A compressor runs several collectives in one queued function (PowerSGD's two rounds);
     they run in order on the worker instead of waiting for themselves."""
-    from commfuse.collectives.executor import submit
 
     comm = Communicator()
 
@@ -114,7 +113,7 @@ def rounds_inside_a_queued_function() -> tuple[float, float]:
         inner.wait()
         return float(first[0] + second[0])
 
-    handle = submit(comm, "two rounds", two_rounds)
+    handle = comm.submit("two rounds", two_rounds)
     after = torch.ones(2) * comm.rank
     C.all_reduce(comm, after, "max", algo="native")  # queued behind the two rounds
     return float(handle.result()), float(after[0])

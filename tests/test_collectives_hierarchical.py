@@ -9,8 +9,8 @@ communicator creates its sub-groups again, and creating process groups costs tim
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -20,7 +20,7 @@ import torch
 from commfuse.collectives import all_reduce, broadcast
 from commfuse.collectives.blocks import even_blocks
 from commfuse.collectives.cost import LinkCost, ring_all_reduce
-from commfuse.collectives.hierarchical import _LEVELS, predicted_all_reduce_s
+from commfuse.collectives.hierarchical import HostGroups, predicted_all_reduce_s
 from commfuse.collectives.reduce_ops import reference_reduce
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
@@ -88,11 +88,12 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
                 bad.append(f"all_reduce L={local} n={numel} inter={inter} intra={intra}")
     traffic: dict[str, Counts] = {}
 
-    def count(key: str, fn: Any, *args: Any, **kwargs: Any) -> None:
-        """One call's counters under the hierarchical label."""
-        comm.stats.reset()
-        fn(comm, torch.full((NUMEL,), float(rank)), *args, algo="hierarchical", **kwargs)
-        c = comm.stats[label(fn.__name__, "hierarchical")]
+    def count(key: str, fn: Any, *args: Any, on: Communicator | None = None, **kwargs: Any) -> None:
+        """One call's counters under the hierarchical label (on ``comm`` unless given)."""
+        where = on or comm
+        where.stats.reset()
+        fn(where, torch.full((NUMEL,), float(rank)), *args, algo="hierarchical", **kwargs)
+        c = where.stats[label(fn.__name__, "hierarchical")]
         traffic[key] = (c.bytes_sent, c.messages_sent, c.bytes_recv, c.messages_recv)
 
     two_d: dict[str, Any] = {"num_chunks": CHUNKS, "num_segments": SEGMENTS}
@@ -112,14 +113,11 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
     for local in (1, world):
         count(f"all_reduce.flat{local}", all_reduce, ranks_per_host=local, **opts)
         count(f"broadcast.flat{local}", broadcast, world - 1, ranks_per_host=local, **opts)
-    # No option: LOCAL_WORLD_SIZE decides (the pool exports the world size: one host, flat).
+    # No option: CommConfig.ranks_per_host decides (the pool's start-up fills it from
+    # LOCAL_WORLD_SIZE, the world size here: one host, flat).
     count("all_reduce.env", all_reduce, **opts)
-    saved = os.environ["LOCAL_WORLD_SIZE"]
-    os.environ["LOCAL_WORLD_SIZE"] = str(layouts[0])
-    try:
-        count(f"all_reduce.env{layouts[0]}", all_reduce, **two_d)
-    finally:
-        os.environ["LOCAL_WORLD_SIZE"] = saved
+    configured = Communicator(config=dataclasses.replace(comm.config, ranks_per_host=layouts[0]))
+    count(f"all_reduce.env{layouts[0]}", all_reduce, on=configured, **two_d)
     # Async: the caller computes while the two levels run on the worker threads.
     everyone = [rank_input(r, NUMEL, torch.float32, "sum") for r in range(world)]
     t = everyone[rank].clone()
@@ -156,7 +154,7 @@ def hierarchical_checks(layouts: list[int]) -> dict[str, Any]:
         except ValueError as err:
             errors.append(str(err))
     # Dozens of calls above, yet one pair of sub-groups per layout was created.
-    cached = sorted(_LEVELS[comm]) == sorted(layouts)
+    cached = sorted(comm.owned(HostGroups).levels) == sorted(layouts)
     return {
         "failures": [f"rank {rank}: {b}" for b in bad],
         "traffic": traffic,

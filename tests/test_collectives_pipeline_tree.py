@@ -16,7 +16,7 @@ import torch
 
 from commfuse.collectives import all_reduce, broadcast, reduce
 from commfuse.collectives.cost import LinkCost, lp_best_block_bytes
-from commfuse.collectives.pipeline import link_cost_from_env
+from commfuse.collectives.pipeline import pipeline_link
 from commfuse.collectives.reduce_ops import reference_reduce
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
@@ -123,7 +123,7 @@ def count_traffic(numel: int, block_bytes: int | None) -> tuple[dict[str, Counts
             c.bytes_recv,
             c.messages_recv,
         )
-    return out, link_cost_from_env()
+    return out, pipeline_link(comm.config.link_mbit)
 
 
 def check_async() -> list[str]:

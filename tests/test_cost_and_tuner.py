@@ -434,23 +434,20 @@ def test_tune_cli_bad_input_is_one_line_exit_2() -> None:
         assert len(lines) == 1 and cast(str, needle) in lines[0], (args, proc.stderr)
 
 
-def test_uncalibrated_all_to_all_goes_pairwise_only_where_gloos_was_measured_slower(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_uncalibrated_all_to_all_goes_pairwise_only_where_gloos_was_measured_slower() -> None:
     """Without ``commfuse tune``: on shaped host links, from 2 MB gloo's all-at-once all_to_all
     was measured 1.14-1.29x slower than the pairwise exchange, so auto picks pairwise there;
     up to 1 MB (a tie), on loopback, and with two ranks it keeps gloo's."""
-    monkeypatch.setenv("COMMFUSE_LINK_MBIT", "1000")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    shaped = Profile.default(4)
+    shaped = Profile.default(4, link_mbit=1000.0, ranks_per_host=1)
     assert choose_for("all_to_all", 4 << 20, 4, shaped) == "pairwise"
     assert choose_for("all_to_all", 32 << 20, 4, shaped) == "pairwise"
     assert choose_for("all_to_all", 512 << 10, 4, shaped) == "native"
-    assert choose_for("all_to_all", 4 << 20, 2, Profile.default(2)) == "native"
+    two = Profile.default(2, link_mbit=1000.0, ranks_per_host=1)
+    assert choose_for("all_to_all", 4 << 20, 2, two) == "native"
     # The stand-in correction holds only for the layout it was put in for.
     assert choose_for("all_to_all", 4 << 20, 8, shaped) == "native"
-    monkeypatch.delenv("COMMFUSE_LINK_MBIT")
-    assert choose_for("all_to_all", 4 << 20, 4, Profile.default(4)) == "native"
+    unshaped = Profile.default(4, ranks_per_host=1)
+    assert choose_for("all_to_all", 4 << 20, 4, unshaped) == "native"
     # A calibrated profile is taken as measured: one that found no difference keeps gloo's.
     calibrated = dataclasses.replace(shaped, corrections={})
     assert choose_for("all_to_all", 4 << 20, 4, calibrated) == "native"

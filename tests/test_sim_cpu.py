@@ -118,14 +118,11 @@ def test_link_fit_is_capped_at_the_shaped_rate() -> None:
 
 @pytest.mark.parametrize("collective", ["broadcast", "all_reduce"])
 @pytest.mark.parametrize("nbytes", [4 * MB, 16 * MB])
-def test_pipeline_is_priced_at_the_block_the_code_cuts(
-    collective: str, nbytes: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_pipeline_is_priced_at_the_block_the_code_cuts(collective: str, nbytes: int) -> None:
     cluster = dataclasses.replace(PRESETS["netlab-1gbit"], inter_gbit_per_s=1.0)
-    monkeypatch.setenv("COMMFUSE_LINK_MBIT", "1000")
     p = cluster.world_size
     depth = 2 * (p - 1) if collective == "all_reduce" else p - 1
-    lo, hi = block_ranges(torch.empty(nbytes // 4), None, depth)[0]
+    lo, hi = block_ranges(torch.empty(nbytes // 4), None, depth, 1000.0)[0]
     assert pipeline_block_bytes(collective, nbytes, cluster) == (hi - lo) * 4
     # Wire-bound here (0.5 ms per block under 2-4 ms of wire per block): the busiest link's
     # bytes (n, or 2n for the allreduce's two streams on one link, less the token bucket's

@@ -19,7 +19,7 @@ optimizer step (the shape of torch's own ``allreduce_hook`` and ``powerSGD_hook`
    files the bucket's state (residuals, momentum, factors) under those parameters, and
    PowerSGD compresses each weight matrix on its own, as torch's ``powerSGD_hook`` does;
 2. queues ``compressor.reduce_`` on the communicator's worker thread
-   (``commfuse.collectives.executor.submit``), so backward keeps computing the next buckets
+   (``Communicator.submit``), so backward keeps computing the next buckets
    while this one is compressed and exchanged, which is the overlap DDP exists for;
 3. returns a Future that the worker completes with the averaged buffer (or the error).
 
@@ -47,7 +47,6 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # = dist.GradBucket, visible to mypy
 
-from commfuse.collectives.executor import submit
 from commfuse.comm import CommConfig, Communicator
 from commfuse.compress.base import Compressor
 from commfuse.compress.layout import BucketLayout
@@ -173,5 +172,5 @@ def compressed_allreduce_hook(
             raise
         future.set_result(buffer)
 
-    submit(state.comm, f"ddp-hook.{compressor.name}[bucket {index}]", work)
+    state.comm.submit(f"ddp-hook.{compressor.name}[bucket {index}]", work)
     return future

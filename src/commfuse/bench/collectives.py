@@ -64,7 +64,7 @@ class CollectiveBenchConfig:
 def bench_collectives_on_rank(config: CollectiveBenchConfig) -> list[dict[str, Any]]:
     """Runs on every rank (the process group is up); rank 0's return value is the report."""
     comm = Communicator()
-    topology = Topology.from_env()
+    topology = Topology.of_rank(comm.world_size)
     dtype = getattr(torch, config.dtype)
     records: list[dict[str, Any]] = []
     for op in config.ops:

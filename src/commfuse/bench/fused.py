@@ -261,7 +261,7 @@ def run_together(compute: Callable[[], Any], collective: Callable[[], Any]) -> N
 def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
     """Runs on every rank (process group up); rank 0's return value is the report."""
     comm = Communicator()
-    topology = Topology.from_env()
+    topology = Topology.of_rank(comm.world_size)
     records: list[dict[str, Any]] = []
     for op in config.ops:
         for shape in config.shapes_of(op):

@@ -237,7 +237,7 @@ def _timed(comm: Communicator, fn: Callable[[], Any]) -> float:
 def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
     """Runs on every rank (process group up); rank 0's return value is the report."""
     comm = Communicator()
-    topology = Topology.from_env()
+    topology = Topology.of_rank(comm.world_size)
     records: list[dict[str, Any]] = []
     for name in config.steps:
         build, defaults = STEPS[name]

@@ -7,10 +7,12 @@ is ever unpickled: ranks exchange only tensors through the process group.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import pickle
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 from commfuse.cluster.errors import RankError
@@ -18,9 +20,61 @@ from commfuse.cluster.errors import RankError
 PackedError = tuple[str, str, bytes | None]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommSettings:
+    """What the launcher's environment tells this rank's communicators: the ``CommConfig``
+    fields of the same names (None: not set, the field's default holds). Read once, when the
+    rank starts (``enter_rank``); ``commfuse.comm`` builds its default config from it."""
+
+    deadline_s: float | None = None
+    """``COMMFUSE_DEADLINE_S``."""
+    link_mbit: float | None = None
+    """``COMMFUSE_LINK_MBIT``: the emulated host links' rate."""
+    ranks_per_host: int | None = None
+    """``LOCAL_WORLD_SIZE`` (torchrun's): ranks on this rank's host."""
+    tuner_profile_path: str | None = None
+    """``COMMFUSE_TUNER_PROFILE``: a profile saved by ``commfuse tune``."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> CommSettings:
+        """Parse the variables; ValueError naming the variable whose value is not a number."""
+
+        def number(name: str, kind: type[float] | type[int]) -> Any:
+            raw = env.get(name, "").strip()
+            if not raw:
+                return None
+            try:
+                value = kind(raw)
+            except ValueError:
+                raise ValueError(
+                    f"{name}={raw!r} is not a{'n integer' if kind is int else ' number'}"
+                ) from None
+            if not value > 0:
+                raise ValueError(f"{name}={raw!r} must be > 0")
+            return value
+
+        return cls(
+            deadline_s=number("COMMFUSE_DEADLINE_S", float),
+            link_mbit=number("COMMFUSE_LINK_MBIT", float),
+            ranks_per_host=number("LOCAL_WORLD_SIZE", int),
+            tuner_profile_path=env.get("COMMFUSE_TUNER_PROFILE") or None,
+        )
+
+
+_comm_settings = CommSettings()
+
+
+def comm_settings() -> CommSettings:
+    """This rank's settings (all unset outside a rank that ``enter_rank`` started)."""
+    return _comm_settings
+
+
 def enter_rank(env: dict[str, str], netns: str | None) -> None:
-    """Adopt the rank's environment and, when emulated, its host's network namespace."""
+    """Adopt the rank's environment (reading the communicators' settings from it, once) and,
+    when emulated, its host's network namespace."""
+    global _comm_settings
     os.environ.update(env)
+    _comm_settings = CommSettings.from_env(os.environ)
     # torch reads OMP_NUM_THREADS when it is first imported, which in a spawned rank happens
     # while the target function is unpickled, before this runs; set the pool size explicitly,
     # as torchrun's workers get it. With 2 threads per rank on 2 cores, reductions inside our

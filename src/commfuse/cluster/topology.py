@@ -7,8 +7,8 @@ Ranks are placed host-major, as torchrun places them across nodes: rank r lives 
 from __future__ import annotations
 
 import dataclasses
-import os
 
+from commfuse.cluster.rank_runtime import comm_settings
 from commfuse.units import format_rate, parse_rate_mbit
 
 #: More ranks than this on one machine is refused: each rank is a full torch process.
@@ -79,14 +79,14 @@ class Topology:
         )
 
     @classmethod
-    def from_env(cls) -> Topology:
-        """The layout a rank sees under the torchrun contract (WORLD_SIZE, LOCAL_WORLD_SIZE)."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-        if local < 1 or world % local:
+    def of_rank(cls, world_size: int) -> Topology:
+        """The layout of the job this rank was started in (its ``CommSettings``: ranks per host
+        and link rate), for a world of ``world_size`` ranks."""
+        settings = comm_settings()
+        local = settings.ranks_per_host or world_size
+        if world_size % local:
             # Uneven hosts cannot be described by this type; treat the job as one host.
-            return cls(num_hosts=1, ranks_per_host=world)
-        link = os.environ.get("COMMFUSE_LINK_MBIT")
+            return cls(num_hosts=1, ranks_per_host=world_size)
         return cls(
-            num_hosts=world // local, ranks_per_host=local, link_mbit=float(link) if link else None
+            num_hosts=world_size // local, ranks_per_host=local, link_mbit=settings.link_mbit
         )

@@ -1,26 +1,34 @@
 """The front door: ``all_reduce(comm, tensor, op, algo=...)`` and friends.
 
-Each call validates its arguments (a clear ValueError, never a hang on bad input), flattens the
-tensor, takes the fast paths (world of one, empty tensor), picks the algorithm (``algo="auto"``
-asks the tuner; any registered name forces one), and runs it synchronously or, with
-``async_op=True``, on the communicator's worker thread, returning a handle with ``wait()``.
-Out-of-place forms write into ``out`` and leave the input untouched.
+Every call goes through one path (``_call``), in five steps:
+
+1. **validate**: dtype, contiguity, shapes, root, reduction op and the algorithm name, each a
+   ValueError that names the argument (never a hang on bad input); with
+   ``CommConfig.validate`` also that every rank passes the same shape and dtype;
+2. **fast paths**: a world of one or an empty tensor needs no communication;
+3. **pick**: ``algo="auto"`` asks the tuner for the algorithm and its options (the same on every
+   rank), any registered name or alias forces one;
+4. **count**: commfuse's own algorithms count the caller's buffer as handed to a collective
+   (``OpCounters.handed_bytes``; gloo's count it where they run);
+5. **run**: synchronously, or with ``async_op=True`` on the communicator's worker thread,
+   returning a ``Handle`` whose ``wait()`` has the communicator's deadline.
+
+The six functions differ only in what they validate, which buffer sizes the choice and what the
+algorithm is called with. Out-of-place forms write into ``out`` and leave the input untouched.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from commfuse.collectives.executor import CollectiveHandle, CompletedHandle, drain, submit
 from commfuse.collectives.reduce_ops import check_op, finish_
-from commfuse.collectives.registry import algorithms_for, label, resolve
-from commfuse.comm import Communicator, check_consistent
+from commfuse.collectives.registry import AlgorithmFn, algorithms_for, label, resolve
+from commfuse.comm import Communicator, Handle, check_consistent, nbytes_of
 
-Handle = CollectiveHandle | CompletedHandle
 SUPPORTED_DTYPES = (
     torch.float32,
     torch.float64,
@@ -30,51 +38,65 @@ SUPPORTED_DTYPES = (
     torch.int64,
 )
 
+#: Runs the picked algorithm ``fn`` (registered as ``name``) with its options.
+Body = Callable[[str, AlgorithmFn, dict[str, Any]], None]
+
+
+def _call(
+    comm: Communicator,
+    collective: str,
+    *,
+    algo: str,
+    async_op: bool,
+    opts: dict[str, Any],
+    consistent: torch.Tensor | None,
+    trivial: bool,
+    local: Callable[[], object] | None,
+    sized: torch.Tensor,
+    handed: torch.Tensor,
+    body: Body,
+) -> Handle | None:
+    """Steps 1 (the shared part) to 5 of the module docstring, for arguments the caller has
+    validated. ``consistent``: the tensor every rank must agree on (None: ranks may differ);
+    ``trivial``: no communication is needed, ``local`` (if any) then gives the result;
+    ``sized``: the buffer whose bytes the tuner sizes by; ``handed``: the buffer counted."""
+    table = algorithms_for(collective)
+    if algo != "auto" and resolve(collective, algo) not in table:
+        raise ValueError(
+            f"unknown {collective} algorithm {algo!r}: use auto or one of {', '.join(sorted(table))}"
+        )
+    if consistent is not None and comm.config.validate:
+        check_consistent(comm, consistent, collective)
+    if trivial:
+        if local is not None:
+            local()
+        return Handle.completed(op=collective) if async_op else None
+    name, opts = _pick(comm, collective, algo, nbytes_of(sized), opts)
+    if name != "native":
+        comm.stats[label(collective, name)].handed_bytes += nbytes_of(handed)
+    fn = table[name]
+
+    def run() -> None:
+        body(name, fn, opts)
+
+    if async_op:
+        return comm.submit(f"{collective}.{name}", run)
+    comm.drain()
+    run()
+    return None
+
 
 def _pick(
     comm: Communicator, collective: str, algo: str, nbytes: int, opts: dict[str, Any]
 ) -> tuple[str, dict[str, Any]]:
     """The algorithm to run and its options. ``auto`` asks the tuner for both (for pipelines,
     the modelled best block size); options the caller gave explicitly win."""
-    table = algorithms_for(collective)
     if algo == "auto":
         from commfuse.collectives.tuner import choose, choose_options
 
         name = choose(comm, collective, nbytes)
         return name, {**choose_options(comm, collective, name, nbytes), **opts}
-    name = resolve(collective, algo)
-    if name not in table:
-        raise ValueError(
-            f"unknown {collective} algorithm {algo!r}: use auto or one of {', '.join(sorted(table))}"
-        )
-    return name, opts
-
-
-def _count_handed(comm: Communicator, collective: str, name: str, tensor: torch.Tensor) -> None:
-    """Count the caller's buffer as handed to a collective (``OpCounters.handed_bytes``) once:
-    gloo's own collectives count it where they run, commfuse's algorithms here, under the kind
-    that holds their point-to-point traffic."""
-    if name != "native":
-        comm.stats[label(collective, name)].handed_bytes += tensor.numel() * tensor.element_size()
-
-
-def _check_tensor(tensor: torch.Tensor, what: str) -> None:
-    if tensor.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"{what} has dtype {tensor.dtype}; supported: {', '.join(str(d).removeprefix('torch.') for d in SUPPORTED_DTYPES)}"
-        )
-    if not tensor.is_contiguous():
-        raise ValueError(f"{what} must be contiguous; call .contiguous() first")
-
-
-def _run(
-    comm: Communicator, description: str, async_op: bool, fn: Any, *args: Any, **kwargs: Any
-) -> Handle | None:
-    if async_op:
-        return submit(comm, description, fn, *args, **kwargs)
-    drain(comm)
-    fn(*args, **kwargs)
-    return None
+    return resolve(collective, algo), opts
 
 
 def all_reduce(
@@ -87,12 +109,29 @@ def all_reduce(
     async_op: bool = False,
     **opts: Any,
 ) -> Handle | None:
-    """Reduce ``tensor`` over all ranks; the result lands in ``tensor`` (or ``out``)."""
+    """Reduce ``tensor`` over all ranks; the result lands in ``tensor`` (or ``out``).
+
+    Args:
+        comm: the group to reduce over.
+        tensor: this rank's contribution (contiguous, a supported dtype).
+        op: ``sum``, ``avg``, ``prod``, ``max`` or ``min``.
+        algo: ``auto`` (the tuner picks) or a registered algorithm or alias (``ring``, ``lp``).
+        out: where the result goes instead of ``tensor`` (same shape and dtype).
+        async_op: run on the communicator's worker thread and return a handle.
+        opts: algorithm options (``block_bytes``, ``ranks_per_host``, ...).
+
+    Returns:
+        A ``Handle`` when ``async_op``, else None.
+
+    Raises:
+        ValueError: a bad dtype, layout, op, ``out`` or algorithm name.
+
+    Example::
+
+        all_reduce(comm, grad, "avg", algo="ring")
+    """
     _check_tensor(tensor, "all_reduce tensor")
     check_op(op, tensor.dtype)
-    if comm.config.validate:
-        check_consistent(comm, tensor, "all_reduce")
-    target = tensor
     if out is not None:
         if out.shape != tensor.shape or out.dtype != tensor.dtype:
             raise ValueError(
@@ -100,19 +139,26 @@ def all_reduce(
             )
         _check_tensor(out, "all_reduce out")
         out.copy_(tensor)
-        target = out
-    if comm.world_size == 1 or target.numel() == 0:
-        return CompletedHandle() if async_op else None
-    name, opts = _pick(comm, "all_reduce", algo, target.numel() * target.element_size(), opts)
-    _count_handed(comm, "all_reduce", name, target)
-    fn = algorithms_for("all_reduce")[name]
+    target = tensor if out is None else out
 
-    def body() -> None:
-        fn(comm, target.view(-1), op, **opts)
+    def body(name: str, fn: AlgorithmFn, options: dict[str, Any]) -> None:
+        fn(comm, target.view(-1), op, **options)
         if name != "native":
             finish_(target, op, comm.world_size)
 
-    return _run(comm, f"all_reduce.{name}", async_op, body)
+    return _call(
+        comm,
+        "all_reduce",
+        algo=algo,
+        async_op=async_op,
+        opts=opts,
+        consistent=tensor,
+        trivial=comm.world_size == 1 or target.numel() == 0,
+        local=None,
+        sized=target,
+        handed=target,
+        body=body,
+    )
 
 
 def broadcast(
@@ -124,24 +170,28 @@ def broadcast(
     async_op: bool = False,
     **opts: Any,
 ) -> Handle | None:
-    """Copy root's ``tensor`` into every rank's ``tensor``."""
+    """Copy root's ``tensor`` into every rank's ``tensor`` (``root`` is a rank of ``comm``).
+
+    Arguments, returns and errors as ``all_reduce``'s; example:
+    ``broadcast(comm, params, 0, algo="pipeline", block_bytes=256 << 10)``."""
     _check_tensor(tensor, "broadcast tensor")
     _check_root(comm, root)
-    if comm.config.validate:
-        check_consistent(comm, tensor, "broadcast")
-    if comm.world_size == 1 or tensor.numel() == 0:
-        return CompletedHandle() if async_op else None
-    name, opts = _pick(comm, "broadcast", algo, tensor.numel() * tensor.element_size(), opts)
-    _count_handed(comm, "broadcast", name, tensor)
-    return _run(
+
+    def body(name: str, fn: AlgorithmFn, options: dict[str, Any]) -> None:
+        fn(comm, tensor.view(-1), root, **options)
+
+    return _call(
         comm,
-        f"broadcast.{name}",
-        async_op,
-        algorithms_for("broadcast")[name],
-        comm,
-        tensor.view(-1),
-        root,
-        **opts,
+        "broadcast",
+        algo=algo,
+        async_op=async_op,
+        opts=opts,
+        consistent=tensor,
+        trivial=comm.world_size == 1 or tensor.numel() == 0,
+        local=None,
+        sized=tensor,
+        handed=tensor,
+        body=body,
     )
 
 
@@ -155,24 +205,32 @@ def reduce(
     async_op: bool = False,
     **opts: Any,
 ) -> Handle | None:
-    """Reduce every rank's ``tensor`` into root's; the others are left unchanged."""
+    """Reduce every rank's ``tensor`` into root's; the others are left unchanged.
+
+    Arguments, returns and errors as ``all_reduce``'s; example:
+    ``reduce(comm, loss_sum, 0, "sum", algo="tree")``."""
     _check_tensor(tensor, "reduce tensor")
     check_op(op, tensor.dtype)
     _check_root(comm, root)
-    if comm.config.validate:
-        check_consistent(comm, tensor, "reduce")
-    if comm.world_size == 1 or tensor.numel() == 0:
-        return CompletedHandle() if async_op else None
-    name, opts = _pick(comm, "reduce", algo, tensor.numel() * tensor.element_size(), opts)
-    _count_handed(comm, "reduce", name, tensor)
-    fn = algorithms_for("reduce")[name]
 
-    def body() -> None:
-        fn(comm, tensor.view(-1), root, op, **opts)
+    def body(name: str, fn: AlgorithmFn, options: dict[str, Any]) -> None:
+        fn(comm, tensor.view(-1), root, op, **options)
         if name != "native" and comm.rank == root:
             finish_(tensor, op, comm.world_size)
 
-    return _run(comm, f"reduce.{name}", async_op, body)
+    return _call(
+        comm,
+        "reduce",
+        algo=algo,
+        async_op=async_op,
+        opts=opts,
+        consistent=tensor,
+        trivial=comm.world_size == 1 or tensor.numel() == 0,
+        local=None,
+        sized=tensor,
+        handed=tensor,
+        body=body,
+    )
 
 
 def all_gather(
@@ -184,26 +242,29 @@ def all_gather(
     async_op: bool = False,
     **opts: Any,
 ) -> Handle | None:
-    """``out`` (world_size x inp.numel() elements) receives every rank's ``inp`` in rank order."""
+    """``out`` (world_size x inp.numel() elements) receives every rank's ``inp`` in rank order.
+
+    Arguments, returns and errors as ``all_reduce``'s; example:
+    ``all_gather(comm, torch.empty(world * n), shard, algo="ring")``."""
     _check_tensor(inp, "all_gather input")
     _check_tensor(out, "all_gather output")
     _check_world_multiple("all_gather output", out, "input", inp, comm.world_size)
-    if comm.config.validate:
-        check_consistent(comm, inp, "all_gather")
-    if comm.world_size == 1 or inp.numel() == 0:
-        out.view(-1).copy_(inp.view(-1))
-        return CompletedHandle() if async_op else None
-    name, opts = _pick(comm, "all_gather", algo, out.numel() * out.element_size(), opts)
-    _count_handed(comm, "all_gather", name, inp)
-    return _run(
+
+    def body(name: str, fn: AlgorithmFn, options: dict[str, Any]) -> None:
+        fn(comm, out.view(-1), inp.view(-1), **options)
+
+    return _call(
         comm,
-        f"all_gather.{name}",
-        async_op,
-        algorithms_for("all_gather")[name],
-        comm,
-        out.view(-1),
-        inp.view(-1),
-        **opts,
+        "all_gather",
+        algo=algo,
+        async_op=async_op,
+        opts=opts,
+        consistent=inp,
+        trivial=comm.world_size == 1 or inp.numel() == 0,
+        local=lambda: out.view(-1).copy_(inp.view(-1)),
+        sized=out,
+        handed=inp,
+        body=body,
     )
 
 
@@ -217,26 +278,33 @@ def reduce_scatter(
     async_op: bool = False,
     **opts: Any,
 ) -> Handle | None:
-    """``out`` on rank r receives the reduction of block r of every rank's ``inp``."""
+    """``out`` on rank r receives the reduction of block r of every rank's ``inp``.
+
+    Arguments, returns and errors as ``all_reduce``'s; example:
+    ``reduce_scatter(comm, shard, grads, "avg", algo="halving")``."""
     _check_tensor(inp, "reduce_scatter input")
     _check_tensor(out, "reduce_scatter output")
     check_op(op, inp.dtype)
     _check_world_multiple("reduce_scatter input", inp, "output", out, comm.world_size)
-    if comm.config.validate:
-        check_consistent(comm, inp, "reduce_scatter")
-    if comm.world_size == 1 or out.numel() == 0:
-        out.view(-1).copy_(inp.view(-1))
-        return CompletedHandle() if async_op else None
-    name, opts = _pick(comm, "reduce_scatter", algo, inp.numel() * inp.element_size(), opts)
-    _count_handed(comm, "reduce_scatter", name, inp)
-    fn = algorithms_for("reduce_scatter")[name]
 
-    def body() -> None:
-        fn(comm, out.view(-1), inp.view(-1), op, **opts)
+    def body(name: str, fn: AlgorithmFn, options: dict[str, Any]) -> None:
+        fn(comm, out.view(-1), inp.view(-1), op, **options)
         if name != "native":
             finish_(out, op, comm.world_size)
 
-    return _run(comm, f"reduce_scatter.{name}", async_op, body)
+    return _call(
+        comm,
+        "reduce_scatter",
+        algo=algo,
+        async_op=async_op,
+        opts=opts,
+        consistent=inp,
+        trivial=comm.world_size == 1 or out.numel() == 0,
+        local=lambda: out.view(-1).copy_(inp.view(-1)),
+        sized=inp,
+        handed=inp,
+        body=body,
+    )
 
 
 def all_to_all(
@@ -251,7 +319,12 @@ def all_to_all(
     **opts: Any,
 ) -> Handle | None:
     """Block j of ``inp`` goes to rank j; block i of ``out`` comes from rank i. Splits count rows
-    of dim 0 (equal blocks when omitted)."""
+    of dim 0 (equal blocks when omitted); ranks may pass different splits, so with explicit
+    ones ``algo="auto"`` runs the backend's own exchange (per-rank sizes could make per-rank
+    tuner choices differ, and deadlock).
+
+    Arguments, returns and errors as ``all_reduce``'s; example:
+    ``all_to_all(comm, received, tokens, out_splits, in_splits)``."""
     _check_tensor(inp, "all_to_all input")
     _check_tensor(out, "all_to_all output")
     world = comm.world_size
@@ -288,43 +361,39 @@ def all_to_all(
         raise ValueError(
             f"all_to_all splits must have {world} entries summing to dim 0 of input ({rows_in}) and output ({rows_out})"
         )
-    if world == 1:
-        out.copy_(inp)
-        return CompletedHandle() if async_op else None
     if algo == "auto" and explicit_splits:
-        # Uneven splits give each rank a different size, so per-rank tuner choices could
-        # differ (and deadlock); the backend's own exchange is the one choice all ranks share.
         algo = "native"
-    name, opts = _pick(comm, "all_to_all", algo, inp.numel() * inp.element_size(), opts)
-    _count_handed(comm, "all_to_all", name, inp)
-    fn = algorithms_for("all_to_all")[name]
-    if name == "native":
-        return _run(
-            comm,
-            "all_to_all.native",
-            async_op,
-            fn,
-            comm,
-            out,
-            inp,
-            list(out_splits),
-            list(in_splits),
-            **opts,
-        )
-    elems_out = [s * row for s in out_splits]
-    elems_in = [s * row for s in in_splits]
-    return _run(
+    rows_to, rows_from = list(in_splits), list(out_splits)
+
+    def body(name: str, fn: AlgorithmFn, options: dict[str, Any]) -> None:
+        if name == "native":  # gloo's exchange takes the shaped tensors and row splits
+            fn(comm, out, inp, rows_from, rows_to, **options)
+        else:
+            elems_from, elems_to = [s * row for s in rows_from], [s * row for s in rows_to]
+            fn(comm, out.view(-1), inp.view(-1), elems_from, elems_to, **options)
+
+    return _call(
         comm,
-        f"all_to_all.{name}",
-        async_op,
-        fn,
-        comm,
-        out.view(-1),
-        inp.view(-1),
-        elems_out,
-        elems_in,
-        **opts,
+        "all_to_all",
+        algo=algo,
+        async_op=async_op,
+        opts=opts,
+        consistent=None,  # ranks may send different amounts
+        trivial=world == 1,
+        local=lambda: out.copy_(inp),
+        sized=inp,
+        handed=inp,
+        body=body,
     )
+
+
+def _check_tensor(tensor: torch.Tensor, what: str) -> None:
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"{what} has dtype {tensor.dtype}; supported: {', '.join(str(d).removeprefix('torch.') for d in SUPPORTED_DTYPES)}"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} must be contiguous; call .contiguous() first")
 
 
 def _check_world_multiple(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +34,6 @@ from commfuse.collectives.tuner import (
     Measurement,
     Profile,
     _flat,
-    _front_door_asks_options,
     _model_at_block,
     fit_correction,
     model_time,
@@ -87,7 +85,7 @@ def _measure_gamma(device: torch.device) -> float:
 def _calibrate_links(comm: Communicator, ranks_per_host: int | None) -> Profile:
     """Steps 1-3: alpha, beta, gamma; every rank returns rank 0's values."""
     world = comm.world_size
-    local = ranks_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    local = ranks_per_host or comm.config.ranks_per_host or world
     if local < 1 or world % local:
         local = world
     hosts = world // local
@@ -313,7 +311,7 @@ def calibrate(
     """Measure alpha/beta/gamma, then every algorithm at ``sizes_bytes`` (none: skip) and fit
     the corrections; every rank returns the same profile.
 
-    Where the front door runs auto's pipelines with the tuner's blocks, the pipelines first run
+    The front door runs auto's pipelines with the tuner's blocks, so the pipelines first run
     alone (blocks sized by the ping-pong's alpha, calibration sizes from
     ``BLOCK_FIT_MIN_BYTES`` to ``BLOCK_FIT_MAX_BYTES``) to fit their per-block latency, which
     sizes their blocks from then on. So the main pass times them with the very blocks
@@ -323,9 +321,10 @@ def calibrate(
     world = comm.world_size
     if world == 1 or not sizes_bytes:
         return profile
-    profile = dataclasses.replace(profile, tuned_blocks=_front_door_asks_options(comm))
+    # The front door runs auto's pipelines with choose_options' blocks: time them with those.
+    profile = dataclasses.replace(profile, tuned_blocks=True)
     fit_sizes = [s for s in sizes_bytes if BLOCK_FIT_MIN_BYTES <= s <= BLOCK_FIT_MAX_BYTES]
-    if fit_sizes and profile.tuned_blocks:
+    if fit_sizes:
         first = measure_algorithms(
             comm,
             profile,

@@ -59,9 +59,7 @@ import collections
 import contextlib
 import dataclasses
 import math
-import os
 import warnings
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,19 +72,13 @@ from commfuse.collectives.cost import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
-from commfuse.collectives.executor import CompletedHandle, submit
 from commfuse.collectives.registry import algorithms_for, label, register
 
 # The ring's in-place phases work on any block layout of a buffer; the 2D all-reduce runs them on
 # the shards of each chunk (the public ring functions would copy the whole input first).
 from commfuse.collectives.ring import _gather_phase, _reduce_phase, _segments_for
-from commfuse.comm import Communicator
-from commfuse.comm.handle import Waitable
+from commfuse.comm import Communicator, Handle
 
-_LEVELS: weakref.WeakKeyDictionary[Communicator, dict[int, tuple[Communicator, Communicator]]] = (
-    weakref.WeakKeyDictionary()
-)
-_FLAT: weakref.WeakKeyDictionary[Communicator, Communicator] = weakref.WeakKeyDictionary()
 _NAME = "hierarchical"
 #: ``intra_algo`` of the 2D all-reduce; any reduce/broadcast name selects the leader scheme.
 TWO_D = "ring"
@@ -126,7 +118,8 @@ def predicted_all_reduce_s(
 
 def ranks_per_host_of(comm: Communicator, ranks_per_host: int | None) -> int:
     """The host size to use: the option (ValueError if it does not divide the group), else
-    ``LOCAL_WORLD_SIZE`` (ignored with a warning if it does not divide the group), else 1."""
+    ``CommConfig.ranks_per_host`` (ignored with a warning if it does not divide the group),
+    else 1."""
     size = comm.world_size
     if ranks_per_host is not None:
         if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int):
@@ -137,20 +130,32 @@ def ranks_per_host_of(comm: Communicator, ranks_per_host: int | None) -> int:
                 "(ranks are host-major: every host holds the same number of ranks)"
             )
         return ranks_per_host
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    if local < 1 or size % local:
+    local = comm.config.ranks_per_host or 1
+    if size % local:
         warnings.warn(
-            f"LOCAL_WORLD_SIZE={local} does not divide the group size {size}; hierarchical "
-            "collectives run flat. Pass ranks_per_host= to set the layout.",
+            f"CommConfig.ranks_per_host={local} does not divide the group size {size} of "
+            f"{comm.name!r}; hierarchical collectives run flat. Pass ranks_per_host= to set "
+            "the layout.",
             stacklevel=3,
         )
         return 1
     return local
 
 
+class HostGroups:
+    """The sub-communicators a communicator's hierarchical collectives run on, created once
+    (``comm.owned(HostGroups)``): they live as long as the communicator they split."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.levels: dict[int, tuple[Communicator, Communicator]] = {}
+        """Per host size: (my host's group, the group of my local rank on every host)."""
+        self.flat: Communicator | None = None
+        """The same group under a second communicator, for the flat path's accounting."""
+
+
 def _levels(comm: Communicator, ranks_per_host: int) -> tuple[Communicator, Communicator]:
-    """(my host's group, the group of my local rank on every host), created once and cached."""
-    cached = _LEVELS.setdefault(comm, {})
+    """(my host's group, the group of my local rank on every host), created once."""
+    cached = comm.owned(HostGroups).levels
     if ranks_per_host not in cached:
         intra, inter = comm.split_by_host(ranks_per_host)
         # The sub-groups are ours alone: share the parent's trace so one timeline shows all.
@@ -162,12 +167,11 @@ def _levels(comm: Communicator, ranks_per_host: int) -> tuple[Communicator, Comm
 def _flat(comm: Communicator) -> Communicator:
     """A second communicator over the same group (no new group is created), so the flat path's
     traffic can be charged to the hierarchical label like the two-level path's."""
-    view = _FLAT.get(comm)
-    if view is None:
-        view = Communicator(comm.group, config=comm.config, name=comm.name)
-        view.trace = comm.trace
-        _FLAT[comm] = view
-    return view
+    groups = comm.owned(HostGroups)
+    if groups.flat is None:
+        groups.flat = Communicator(comm.group, config=comm.config, name=comm.name)
+        groups.flat.trace = comm.trace
+    return groups.flat
 
 
 @contextlib.contextmanager
@@ -219,7 +223,7 @@ def _two_d(
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
     inter_fn = algorithms_for("all_reduce")[inter_algo]
     segments_opt = opts.get("num_segments")
-    queued: collections.deque[tuple[Block, Waitable]] = collections.deque()
+    queued: collections.deque[tuple[Block, Handle]] = collections.deque()
 
     def shards(chunk: Block) -> list[Block]:
         start, stop = chunk
@@ -237,19 +241,19 @@ def _two_d(
         else:
             _gather_phase(intra, buf, blocks, segments, 0, tag)
 
-    def across(chunk: Block, last: bool) -> Waitable:
+    def across(chunk: Block, last: bool) -> Handle:
         # Every rank of the cross-host group has my local rank, hence my shard sizes.
         start, stop = shards(chunk)[mine]
         if stop == start:
-            return CompletedHandle()
+            return Handle.completed()
         if inter_algo == "native":  # gloo's ring on its own threads: no Python in the way
             handle = inter.all_reduce(buf[start:stop], op, async_op=True)
             assert handle is not None
             return handle
         if last and not queued:  # nothing to overlap with: skip the thread hop
             inter_fn(inter, buf[start:stop], op, **opts)
-            return CompletedHandle()
-        return submit(inter, f"{tag} (across hosts)", inter_fn, inter, buf[start:stop], op, **opts)
+            return Handle.completed()
+        return inter.submit(f"{tag} (across hosts)", inter_fn, inter, buf[start:stop], op, **opts)
 
     # Host phases run here in the order RS(0), RS(1), AG(0), RS(2), AG(1), ...; cross-host
     # all-reduces in chunk order, on their own thread: the same order on every rank.

@@ -34,7 +34,6 @@ alpha k times; large blocks leave the chain's far end idle while it fills.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -66,21 +65,23 @@ _TAG_AWAY_FROM_HEAD = 12
 PIPELINE_BLOCK_ALPHA_S = 0.5e-3
 
 
-def link_cost_from_env() -> LinkCost:
-    """The link the default block size is tuned for: ``COMMFUSE_LINK_MBIT`` when the launcher
-    exports it (the same on every rank, so every rank cuts the same blocks), else defaults;
-    with the per-block cost of ``PIPELINE_BLOCK_ALPHA_S``."""
-    mbit = os.environ.get("COMMFUSE_LINK_MBIT")
-    link = LinkCost.from_link_gbit(float(mbit) / 1000.0) if mbit else LinkCost()
+def pipeline_link(link_mbit: float | None) -> LinkCost:
+    """The link the default block size is tuned for: ``CommConfig.link_mbit`` when known (the
+    same on every rank, so every rank cuts the same blocks), else defaults; with the per-block
+    cost of ``PIPELINE_BLOCK_ALPHA_S``."""
+    link = LinkCost.from_link_gbit(link_mbit / 1000.0) if link_mbit else LinkCost()
     return dataclasses.replace(link, alpha_s=PIPELINE_BLOCK_ALPHA_S)
 
 
-def block_ranges(buf: torch.Tensor, block_bytes: int | None, depth: int) -> list[tuple[int, int]]:
+def block_ranges(
+    buf: torch.Tensor, block_bytes: int | None, depth: int, link_mbit: float | None
+) -> list[tuple[int, int]]:
     """``buf``'s element ranges of ``block_bytes`` each (rounded down to whole elements, at
-    least one); ``depth`` is the number of hops the chain needs to fill, for the default size."""
+    least one); ``depth`` is the number of hops the chain needs to fill and ``link_mbit`` the
+    link rate (``CommConfig.link_mbit``), for the default size."""
     nbytes = buf.numel() * buf.element_size()
     if block_bytes is None:
-        block_bytes = lp_best_block_bytes(nbytes, depth + 1, link_cost_from_env())
+        block_bytes = lp_best_block_bytes(nbytes, depth + 1, pipeline_link(link_mbit))
     elif isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
     return fixed_blocks(buf.numel(), max(1, block_bytes // buf.element_size()))
@@ -133,7 +134,7 @@ def pipeline_broadcast(
     size = comm.world_size
     pos = (comm.rank - root) % size
     pred, succ = (comm.rank - 1) % size, (comm.rank + 1) % size
-    views = _cut(buf, block_ranges(buf, block_bytes, size - 1))
+    views = _cut(buf, block_ranges(buf, block_bytes, size - 1, comm.config.link_mbit))
     sends: list[Handle] = []
     if pos == 0:
         # gloo sends a block only once the successor has posted its receive, so posting all of
@@ -163,7 +164,7 @@ def pipeline_reduce(
     size = comm.world_size
     pos = (comm.rank - root) % size
     toward_root, away = (comm.rank - 1) % size, (comm.rank + 1) % size
-    ranges = block_ranges(buf, block_bytes, size - 1)
+    ranges = block_ranges(buf, block_bytes, size - 1, comm.config.link_mbit)
     views = _cut(buf, ranges)
     sends: list[Handle] = []
     if pos == size - 1:
@@ -191,7 +192,7 @@ def pipeline_all_reduce(
     the blocks it has finished (see the module docstring)."""
     kind = label("all_reduce", "pipeline")
     size, pos = comm.world_size, comm.rank
-    ranges = block_ranges(buf, block_bytes, 2 * (size - 1))
+    ranges = block_ranges(buf, block_bytes, 2 * (size - 1), comm.config.link_mbit)
     views = _cut(buf, ranges)
     k = len(views)
     sends: list[Handle] = []

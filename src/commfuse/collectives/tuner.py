@@ -45,14 +45,10 @@ import bisect
 import dataclasses
 import json
 import math
-import os
 import statistics
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
-
-import torch
 
 from commfuse.collectives import cost as C
 from commfuse.collectives.registry import COLLECTIVES, Options, algorithms_for
@@ -203,9 +199,10 @@ class Profile:
     """Per collective and algorithm, measured / model at the calibration sizes; they hold for a
     group of num_hosts x ranks_per_host ranks only."""
     tuned_blocks: bool = False
-    """Whether ``algo="auto"`` runs pipelines with ``choose_options``' blocks: true when the
-    front door passed them on at calibration (see ``_front_door_asks_options``). When false the
-    pipelines were calibrated, and run, with their own default block, and no options are given."""
+    """Whether ``algo="auto"`` runs pipelines with ``choose_options``' blocks: calibration times
+    the pipelines with the blocks auto will run (the front door passes ``choose_options`` on),
+    and sets it. When false (a profile without it) the pipelines were calibrated, and run, with
+    their own default block, and no options are given."""
     pipeline_alpha_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Per collective, our pipeline's cost per block beyond the bytes (Python, thread wake-ups,
     the reduction's bookkeeping), fitted from its calibration runs. A ping-pong's alpha is a
@@ -261,14 +258,18 @@ class Profile:
         )
 
     @classmethod
-    def default(cls, world_size: int) -> Profile:
-        """From the launcher's environment: link rate and host layout (same on every rank)."""
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)) or world_size)
+    def default(
+        cls, world_size: int, *, link_mbit: float | None = None, ranks_per_host: int | None = None
+    ) -> Profile:
+        """The uncalibrated profile of a layout (``CommConfig.link_mbit`` and
+        ``ranks_per_host``, the same on every rank); ``ranks_per_host`` None, or one that does
+        not divide the world, means one host."""
+        local = ranks_per_host or world_size
         local = local if local >= 1 and world_size % local == 0 else world_size
-        link = os.environ.get("COMMFUSE_LINK_MBIT")
+        link = link_mbit
         # Loopback between processes moves about 1 GB/s with gloo (DESIGN.md).
         intra = C.LinkCost(alpha_s=60e-6, beta_s_per_byte=1.0 / 1.0e9)
-        inter = C.LinkCost.from_link_gbit(float(link) / 1000.0) if link else intra
+        inter = C.LinkCost.from_link_gbit(link / 1000.0) if link else intra
         hosts = world_size // local
         corrections: Corrections = {}
         if link and hosts > 1 and world_size > 2:  # two ranks: all at once is one peer anyway
@@ -294,24 +295,45 @@ UNCALIBRATED_NATIVE_ALL_TO_ALL = Correction(
 )
 
 
-_PROFILES: weakref.WeakKeyDictionary[Communicator, Profile] = weakref.WeakKeyDictionary()
+class TunerState:
+    """What ``algo="auto"`` keeps for one communicator (``comm.owned(TunerState)``): its profile,
+    loaded on first use, and the choices made with it."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.profile: Profile | None = None
+        self.choices: dict[tuple[str, int], str] = {}
+        """``(collective, nbytes) -> algorithm``: evaluating every model costs ~0.1-0.2 ms, a
+        lot beside a 4 KB message."""
 
 
 def set_profile(comm: Communicator, profile: Profile) -> None:
     """Use ``profile`` for this communicator's ``algo="auto"`` choices (all ranks, same one)."""
-    _PROFILES[comm] = profile
-    _CHOICES.pop(comm, None)
+    state = comm.owned(TunerState)
+    state.profile = profile
+    state.choices.clear()
 
 
 def profile_of(comm: Communicator) -> Profile:
-    profile = _PROFILES.get(comm)
-    if profile is None:
-        path = os.environ.get("COMMFUSE_TUNER_PROFILE")
-        profile = (
-            Profile.from_json(Path(path).read_text()) if path else Profile.default(comm.world_size)
-        )
-        _PROFILES[comm] = profile
-    return profile
+    """The communicator's profile: ``set_profile``'s, else the file
+    ``CommConfig.tuner_profile_path``, else the default of ``CommConfig.link_mbit`` and
+    ``ranks_per_host``."""
+    state = comm.owned(TunerState)
+    if state.profile is None:
+        config = comm.config
+        if config.tuner_profile_path is not None:
+            path = Path(config.tuner_profile_path)
+            try:
+                text = path.read_text()
+            except OSError as err:
+                raise ValueError(
+                    f"CommConfig.tuner_profile_path={str(path)!r} cannot be read: {err.strerror}"
+                ) from err
+            state.profile = Profile.from_json(text)
+        else:
+            state.profile = Profile.default(
+                comm.world_size, link_mbit=config.link_mbit, ranks_per_host=config.ranks_per_host
+            )
+    return state.profile
 
 
 # -- cost of each (collective, algorithm) ---------------------------------------------------------
@@ -488,43 +510,21 @@ def options_for(
     return {}
 
 
-_CHOICES: weakref.WeakKeyDictionary[Communicator, dict[tuple[str, int], str]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def choose(comm: Communicator, collective: str, nbytes: int) -> str:
     """The algorithm with the lowest predicted time (the same on every rank), remembered per
-    (collective, size): evaluating every model costs ~0.1-0.2 ms, a lot beside a 4 KB message."""
-    cache = _CHOICES.setdefault(comm, {})
+    (collective, size) in the communicator's ``TunerState``."""
+    profile = profile_of(comm)
+    cache = comm.owned(TunerState).choices
     key = (collective, nbytes)
     if key not in cache:
-        cache[key] = choose_for(collective, nbytes, comm.world_size, profile_of(comm))
+        cache[key] = choose_for(collective, nbytes, comm.world_size, profile)
     return cache[key]
 
 
 def choose_options(comm: Communicator, collective: str, algo: str, nbytes: int) -> Options:
     """The options ``algo="auto"`` runs ``algo`` with (the same on every rank); explicit options
     of the caller should override them."""
-    global _OPTIONS_ASKED
-    _OPTIONS_ASKED = True
     return options_for(collective, algo, nbytes, comm.world_size, profile_of(comm))
-
-
-_OPTIONS_ASKED = False
-
-
-def _front_door_asks_options(comm: Communicator) -> bool:
-    """Whether ``api.py``'s ``algo="auto"`` asks ``choose_options`` (one tiny auto broadcast on
-    every rank). Calibration must time pipelines with the blocks auto will really run: tuned
-    blocks that the front door drops would leave auto running the pipelines' default blocks,
-    which at 64 KB took 9 ms where the calibrated 32 KB blocks took 2 ms."""
-    from commfuse.collectives import api
-
-    global _OPTIONS_ASKED
-    _OPTIONS_ASKED = False
-    api.broadcast(comm, torch.zeros(1, device=comm.device), 0, algo="auto")
-    return _OPTIONS_ASKED
 
 
 # -- calibration --------------------------------------------------------------------------------------

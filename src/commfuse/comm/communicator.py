@@ -18,17 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from commfuse.cluster.failures import root_store
+from commfuse.cluster.rank_runtime import comm_settings
 from commfuse.comm.errors import InconsistentInputError
 from commfuse.comm.handle import FailureBoard, Handle, OpContext, translate_failure
 from commfuse.comm.stats import CommStats
 from commfuse.comm.trace import Trace, TraceEvent, now_us
+from commfuse.comm.worker import Worker, on_worker_thread
+
+S = TypeVar("S")
 
 # torch 2.13 renamed the tensor forms (the old names warn); older releases only have the old.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -46,15 +52,51 @@ ReduceOpName = str  # "sum" | "avg" | "prod" | "max" | "min"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CommConfig:
-    """How a Communicator behaves."""
+    """How a Communicator behaves, and what it knows of the cluster it runs on.
 
-    deadline_s: float = float(os.environ.get("COMMFUSE_DEADLINE_S", "60"))
+    A Communicator built without one gets ``default_config()``: in a rank started by commfuse
+    (``commfuse launch``/``run``, the test pool), the fields its launcher's environment sets,
+    read once at start-up (``commfuse.cluster.rank_runtime.CommSettings``); the library itself
+    never reads the environment.
+    """
+
+    deadline_s: float = 60.0
     """Seconds any wait may block before raising CommTimeoutError."""
     trace: bool = False
     """Record every operation for a Chrome trace (small cost per operation)."""
     validate: bool = False
     """Before each collective, check that all ranks pass the same shape and dtype (costs one
     tiny all-gather; turn on while developing, off for speed)."""
+    link_mbit: float | None = None
+    """Rate of the links between hosts in Mbit/s, the same on every rank; None when unknown
+    (unshaped). The tuner's default profile and the pipelines' default block size model it."""
+    ranks_per_host: int | None = None
+    """Ranks on each host (ranks are host-major); None when unknown: hierarchical algorithms
+    then run flat and the tuner's default profile assumes one host."""
+    tuner_profile_path: str | None = None
+    """A profile saved by ``commfuse tune``, for ``algo="auto"``; None: the default profile
+    built from ``link_mbit`` and ``ranks_per_host``."""
+
+    def __post_init__(self) -> None:
+        if not self.deadline_s > 0:
+            raise ValueError(f"CommConfig.deadline_s must be > 0 seconds, got {self.deadline_s!r}")
+        if self.link_mbit is not None and not self.link_mbit > 0:
+            raise ValueError(f"CommConfig.link_mbit must be > 0 or None, got {self.link_mbit!r}")
+        if self.ranks_per_host is not None and (
+            isinstance(self.ranks_per_host, bool)
+            or not isinstance(self.ranks_per_host, int)
+            or self.ranks_per_host < 1
+        ):
+            raise ValueError(
+                f"CommConfig.ranks_per_host must be an int >= 1 or None, got {self.ranks_per_host!r}"
+            )
+
+
+def default_config() -> CommConfig:
+    """The config of a Communicator built without one: ``CommConfig()`` with the fields the
+    rank's start-up read from its environment (``rank_runtime.CommSettings``)."""
+    settings = dataclasses.asdict(comm_settings())
+    return CommConfig(**{key: value for key, value in settings.items() if value is not None})
 
 
 def _failure_board(comm: Communicator) -> FailureBoard | None:
@@ -86,7 +128,7 @@ class Communicator:
                 "Communicator needs torch.distributed.init_process_group() first (commfuse launch does it)"
             )
         self.group: dist.ProcessGroup = group if group is not None else dist.group.WORLD  # type: ignore[assignment]
-        self.config = config or CommConfig()
+        self.config = config or default_config()
         self.name = name
         self.rank: int = dist.get_rank(self.group)
         self.world_size: int = dist.get_world_size(self.group)
@@ -102,6 +144,52 @@ class Communicator:
         self._board = _failure_board(self)
         self.step: int | None = None
         """The training step, shown in error messages and trace events when set."""
+        self._worker = Worker(name)
+        self._last_job: Handle | None = None
+        weakref.finalize(self, self._worker.shutdown)
+        self._owned: dict[Callable[[Communicator], Any], Any] = {}
+        self._owned_lock = threading.Lock()
+
+    # -- state other layers keep per communicator ---------------------------------------
+    def owned(self, kind: Callable[[Communicator], S]) -> S:
+        """The one ``kind(self)`` object this communicator owns, made on first use: where a
+        higher layer keeps its per-communicator state (the tuner's profile and choices, the
+        per-host sub-groups), so it lives and dies with the communicator it serves."""
+        with self._owned_lock:
+            state = self._owned.get(kind)
+            if state is None:
+                state = self._owned[kind] = kind(self)
+            return cast(S, state)
+
+    # -- the worker thread ----------------------------------------------------------------
+    def submit(self, op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Handle:
+        """Queue ``fn(*args, **kwargs)`` on this communicator's worker thread behind its earlier
+        jobs (see ``worker.py``); ``op`` names it in errors (``all_reduce.ring``). On a worker
+        thread already (a job issuing collectives) it runs at once."""
+        ctx = OpContext(
+            rank=self.rank,
+            op=op,
+            peer=None,
+            nbytes=0,
+            step=self.step,
+            group=self.name,
+            board=self._board,
+        )
+        handle = Handle(
+            self._worker.submit(fn, *args, **kwargs), ctx, deadline_s=self.config.deadline_s
+        )
+        if not on_worker_thread():
+            self._last_job = handle
+        return handle
+
+    def drain(self) -> None:
+        """Wait for the jobs queued with ``submit`` (re-raising a failure), so a synchronous
+        collective issued now runs after them, in the same order on every rank."""
+        if on_worker_thread():
+            return
+        last, self._last_job = self._last_job, None
+        if last is not None:
+            last.wait()
 
     # -- bookkeeping ----------------------------------------------------------------------
     def global_rank(self, group_rank: int) -> int:

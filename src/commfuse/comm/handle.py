@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
@@ -67,12 +69,6 @@ class FailureBoard:
             else:
                 notice = read_failure(self.store, wait_s=NOTICE_WAIT_S)
         return notice if notice is not None and notice.rank != self.rank else None
-
-
-class Waitable(Protocol):
-    def wait(self, deadline_s: float | None = None) -> None: ...
-
-    def is_completed(self) -> bool: ...
 
 
 class OpContext:
@@ -150,11 +146,22 @@ def translate_failure(err: BaseException, ctx: OpContext, deadline_s: float) -> 
 
 
 class Handle:
-    """One asynchronous operation. ``wait()`` is idempotent and enforces the deadline."""
+    """One asynchronous operation; ``wait()`` is idempotent and enforces the deadline.
+
+    The operation is one of three kinds, behind the same interface:
+
+    * a backend ``Work`` (a point-to-point message, a native collective): its failure is
+      translated into a ``CommError`` that names rank, operation, peer and step;
+    * a ``Future`` of a job on the communicator's worker thread (one of commfuse's own
+      collectives, queued with ``Communicator.submit``): its error is re-raised as it is,
+      ``result()`` returns what the job returned;
+    * nothing left to do (``Handle.completed()``: a world of one, an empty tensor, a result
+      restored from a checkpoint).
+    """
 
     def __init__(
         self,
-        work: dist.Work | None,
+        work: dist.Work | Future[Any] | None,
         ctx: OpContext,
         *,
         deadline_s: float,
@@ -166,6 +173,7 @@ class Handle:
         self._deadline_s = deadline_s
         self._event = event
         self._then = then
+        self._value: Any = None
         self._done = work is None
         if work is None:
             if event is not None:
@@ -173,25 +181,59 @@ class Handle:
             if then is not None:
                 then()
                 self._then = None
-        elif event is not None:
+        elif event is not None and not isinstance(work, Future):
             # Some p2p works have no future; those are stamped at wait() instead.
             with contextlib.suppress(RuntimeError):
                 work.get_future().add_done_callback(lambda _fut: _stamp(event))
+
+    @classmethod
+    def completed(cls, result: Any = None, *, op: str = "completed") -> Handle:
+        """The handle of an operation that is already done; ``result()`` returns ``result``."""
+        ctx = OpContext(rank=-1, op=op, peer=None, nbytes=0, step=None, group="")
+        handle = cls(None, ctx, deadline_s=0.0)
+        handle._value = result
+        return handle
 
     @property
     def context(self) -> OpContext:
         return self._ctx
 
+    @property
+    def description(self) -> str:
+        """The operation's kind, e.g. ``all_reduce.ring``."""
+        return self._ctx.op
+
     def is_completed(self) -> bool:
-        return self._done or (self._work is not None and self._work.is_completed())
+        if self._done or self._work is None:
+            return True
+        return self._work.done() if isinstance(self._work, Future) else self._work.is_completed()
 
     def wait(self, deadline_s: float | None = None) -> None:
-        if self._done:
-            return
-        assert self._work is not None
+        self.result(deadline_s)
+
+    def result(self, deadline_s: float | None = None) -> Any:
+        """Wait, then return what a worker job returned (or the result given to ``completed``;
+        None for a backend ``Work``)."""
+        work = self._work
+        if work is None:
+            return self._value
         limit = self._deadline_s if deadline_s is None else deadline_s
+        if isinstance(work, Future):
+            try:
+                return work.result(timeout=limit)
+            except FutureTimeout:
+                ctx = self._ctx
+                raise CommTimeoutError(
+                    f"rank {ctx.rank}, {ctx.op}: not finished within the {limit:g} s deadline "
+                    "(a peer is hung, slow, or issued collectives in a different order)",
+                    rank=ctx.rank,
+                    op=ctx.op,
+                    step=ctx.step,
+                ) from None
+        if self._done:
+            return None
         try:
-            self._work.wait(datetime.timedelta(seconds=limit))
+            work.wait(datetime.timedelta(seconds=limit))
         except Exception as err:
             raise translate_failure(err, self._ctx, limit) from err
         self._done = True
@@ -200,6 +242,7 @@ class Handle:
         if self._then is not None:
             then, self._then = self._then, None
             then()
+        return None
 
 
 def _stamp(event: TraceEvent) -> None:
@@ -207,6 +250,6 @@ def _stamp(event: TraceEvent) -> None:
         event.end_us = now_us()
 
 
-def wait_all(handles: Sequence[Waitable], deadline_s: float | None = None) -> None:
+def wait_all(handles: Sequence[Handle], deadline_s: float | None = None) -> None:
     for handle in handles:
         handle.wait(deadline_s)

@@ -247,7 +247,7 @@ class Compressor(abc.ABC):
         of what every rank's compressed message decodes to (error feedback applied).
 
         Synchronous; every rank calls it for the same buckets in the same order. Run it on the
-        communicator's worker thread (``commfuse.collectives.executor.submit``) to overlap.
+        communicator's worker thread (``Communicator.submit``) to overlap.
         ``finite``: whether every element of ``grad`` is finite, when the caller has already
         checked (DataParallel has: one pass over the bucket instead of two).
 

@@ -27,20 +27,8 @@ from typing import Any
 
 import torch
 
+from commfuse.comm import Handle
 from commfuse.ddp.buckets import Bucket
-
-
-@dataclasses.dataclass
-class Landed:
-    """The handle of a collective that already finished, with its result."""
-
-    value: Any = None
-
-    def result(self, deadline_s: float | None = None) -> Any:
-        return self.value
-
-    def wait(self, deadline_s: float | None = None) -> Any:
-        return self.value
 
 
 @dataclasses.dataclass
@@ -49,7 +37,7 @@ class Flight:
 
     step: int
     buckets: list[Bucket] = dataclasses.field(default_factory=list)
-    handles: list[Any] = dataclasses.field(default_factory=list)
+    handles: list[Handle] = dataclasses.field(default_factory=list)
     launched_after: list[int] = dataclasses.field(default_factory=list)
     """Per bucket, how many gradients had arrived when it was launched."""
     poisoned: bool = False
@@ -57,15 +45,15 @@ class Flight:
 
     def landed(self) -> Flight:
         """This flight with every handle waited for (results kept)."""
-        results = [h.result() if hasattr(h, "result") else h.wait() for h in self.handles]
-        return dataclasses.replace(self, handles=[Landed(r) for r in results])
+        results = [h.result() for h in self.handles]
+        return dataclasses.replace(self, handles=[Handle.completed(r) for r in results])
 
     def state_dict(self) -> dict[str, Any]:
         """A landed flight's averaged buffers and verdicts (``landed()`` first)."""
         return {
             "step": self.step,
             "grads": [bucket.flat.clone() for bucket in self.buckets],
-            "results": [handle.value for handle in self.handles],
+            "results": [handle.result() for handle in self.handles],
         }
 
     @classmethod
@@ -82,5 +70,5 @@ class Flight:
             buckets=[
                 dataclasses.replace(b, flat=g.clone()) for b, g in zip(buckets, grads, strict=True)
             ],
-            handles=[Landed(r) for r in state["results"]],
+            handles=[Handle.completed(r) for r in state["results"]],
         )

@@ -80,9 +80,8 @@ from typing import Any
 import torch
 
 from commfuse.collectives import all_reduce, broadcast
-from commfuse.collectives.executor import CompletedHandle, drain, submit
 from commfuse.collectives.registry import resolve
-from commfuse.comm import Communicator, OpCounters
+from commfuse.comm import Communicator, Handle, OpCounters
 from commfuse.compress.base import Compressor, all_finite
 from commfuse.compress.layout import BucketLayout
 from commfuse.ddp.buckets import Bucket, assign_buckets, build_buckets
@@ -276,7 +275,7 @@ class Reducer:
         self._queued = True
         self._t0 = time.perf_counter()
         if self.direct:
-            drain(self.comm)
+            self.comm.drain()
         self._end_of_backward()
 
     def _hook_for(self, index: int) -> Any:
@@ -293,7 +292,7 @@ class Reducer:
             self._queued = True
             self._t0 = time.perf_counter()
             if self.direct:
-                drain(self.comm)  # the caller's queued collectives go first, on every rank
+                self.comm.drain()  # the caller's queued collectives go first, on every rank
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._mark_unused_ready()
         if self.ready[index] and index in self._marked_unused:
@@ -348,10 +347,10 @@ class Reducer:
         flight.buckets.append(bucket)
         handle: Any
         if self.config.skip_communication:
-            handle = CompletedHandle()
+            handle = Handle.completed()
         elif self.compressor is not None:
             name = f"ddp.bucket{bucket.index}"
-            handle = submit(self.comm, name, self._compressed_job, bucket, flight)
+            handle = self.comm.submit(name, self._compressed_job, bucket, flight)
         elif self.direct:
             handle = self.comm.all_reduce(bucket.flat, "sum", async_op=True)
         else:
@@ -504,7 +503,7 @@ class Reducer:
             # Bucket by bucket, in launch order: check and copy back each one while the later
             # ones are still on the wire (torch DDP copies back only after the last one).
             for bucket, handle in zip(flight.buckets, flight.handles, strict=True):
-                result = handle.result() if hasattr(handle, "result") else handle.wait()
+                result = handle.result()
                 if isinstance(result, list):
                     bad += result  # compressed: the job agreed on finiteness before sending
                 else:

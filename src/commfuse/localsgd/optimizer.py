@@ -48,7 +48,6 @@ import torch
 from torch import nn
 
 from commfuse import collectives
-from commfuse.collectives.executor import submit
 from commfuse.comm import Communicator
 from commfuse.localsgd.config import PeriodicSyncConfig
 from commfuse.localsgd.fragments import fragments_due, split_into_fragments
@@ -272,7 +271,7 @@ class PeriodicSyncOptimizer:
                 collectives.all_reduce(comm, delta, "avg", algo=self.config.algo)
 
         if background and self.config.overlap_steps > 0:
-            handle = submit(comm, f"outer exchange of fragment {fragment}", exchange)
+            handle = comm.submit(f"outer exchange of fragment {fragment}", exchange)
         else:
             exchange()
             handle = None
