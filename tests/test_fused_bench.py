@@ -54,22 +54,29 @@ def test_run_together_runs_both_and_raises_the_collectives_error() -> None:
     assert ran[-1] == "again"  # the computation still ran to its end
 
 
-def test_chunks_zero_times_the_embedding_exchange_by_table(pool: PoolFn) -> None:
+def test_schedule_by_table_times_the_embedding_exchange_by_table(pool: PoolFn) -> None:
     config = FusedBenchConfig(
-        ops=("embedding_all_to_all",), iters=1, warmup=1, chunks=0, shapes=((40, 5, 30, 4, 3),)
+        ops=("embedding_all_to_all",),
+        iters=1,
+        warmup=1,
+        schedule="by_table",
+        shapes=((40, 5, 30, 4, 3),),
     )
     (record,) = pool(3).run(bench_fused_on_rank, config, timeout_s=120)[0]
-    assert record["chunks"] == 0 and record["wrong"] == 0 and record["predicted_us"] is None
+    assert record["chunks"] == "by_table" and record["wrong"] == 0
+    assert record["predicted_us"] is None
 
 
 def test_bench_config_errors() -> None:
-    with pytest.raises(ValueError, match="by table, a schedule of the embedding exchange only"):
-        FusedBenchConfig(ops=("embedding_all_to_all", "gemm_all_reduce"), chunks=0)
-    with pytest.raises(ValueError, match="chunks must be >= 1, or 0"):
-        FusedBenchConfig(ops=("embedding_all_to_all",), chunks=-1)
+    with pytest.raises(ValueError, match="is a schedule of the embedding exchange only"):
+        FusedBenchConfig(ops=("embedding_all_to_all", "gemm_all_reduce"), schedule="by_table")
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        FusedBenchConfig(ops=("embedding_all_to_all",), chunks=0)
+    with pytest.raises(ValueError, match="leave chunks None"):
+        FusedBenchConfig(ops=("embedding_all_to_all",), chunks=2, schedule="by_table")
     with pytest.raises(ValueError, match="tp-transformer take"):
-        StepBenchConfig(steps=("dlrm", "tp-transformer"), chunks=0)
-    StepBenchConfig(steps=("dlrm",), chunks=0)
+        StepBenchConfig(steps=("dlrm", "tp-transformer"), schedule="by_table")
+    StepBenchConfig(steps=("dlrm",), schedule="by_table")
     with pytest.raises(ValueError, match="unknown op"):
         FusedBenchConfig(ops=("gemm_all_gather",))
     with pytest.raises(ValueError, match="no shape of 5 dimensions"):

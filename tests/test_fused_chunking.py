@@ -49,7 +49,11 @@ def test_splits_cover_everything_once() -> None:
 def test_config_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="num_chunks"):
         ChunkConfig(num_chunks=-1)
-    assert ChunkConfig(num_chunks=0).num_chunks == 0  # the embedding exchange by table
+    with pytest.raises(ValueError, match="schedule='by_table'"):
+        ChunkConfig(num_chunks=0)
+    assert ChunkConfig(schedule="by_table").fixed() == "by_table"  # the embedding exchange
+    with pytest.raises(ValueError, match="leave num_chunks None"):
+        ChunkConfig(num_chunks=2, schedule="by_table")
     with pytest.raises(ValueError, match="min_gain"):
         ChunkConfig(min_gain=1.0)
     with pytest.raises(ValueError, match="overhead_us"):

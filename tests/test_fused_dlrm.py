@@ -14,6 +14,7 @@ import torch
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.fused import ChunkConfig
+from commfuse.fused.chunking import BY_TABLE, Schedule
 from commfuse.fused.embedding_all_to_all import LABEL
 from commfuse.testing import RankPool
 from commfuse.workloads.dlrm import (
@@ -29,10 +30,13 @@ PoolFn = Callable[[int], RankPool]
 
 
 def fused_equals_unfused(
-    num_tables: int, interaction: str, steps: int, chunks: int = 3
+    num_tables: int, interaction: str, steps: int, chunks: Schedule = 3
 ) -> list[str]:
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
+    chunk_config = (
+        ChunkConfig(schedule=BY_TABLE) if chunks == BY_TABLE else ChunkConfig(num_chunks=chunks)
+    )
     config = DLRMConfig(
         num_tables=num_tables,
         rows_per_table=50,
@@ -47,7 +51,7 @@ def fused_equals_unfused(
     failures: list[str] = []
     runs = {}
     for exchange in ("fused", "unfused"):
-        model = DLRM(config, comm, exchange=exchange, chunk_config=ChunkConfig(num_chunks=chunks))
+        model = DLRM(config, comm, exchange=exchange, chunk_config=chunk_config)
         opt = make_optimizer(model)
         losses, counters = [], []
         for step in range(steps):
@@ -110,10 +114,10 @@ def test_fused_step_equals_unfused(pool: PoolFn, world: int) -> None:
         failures += [
             f for r in pool(world).run(fused_equals_unfused, 2, "cat", 2, timeout_s=180) for f in r
         ]
-        # By table (embedding_alltoall.BY_TABLE): the same model, the same bytes.
+        # By table (ChunkConfig(schedule="by_table")): the same model, the same bytes.
         failures += [
             f
-            for r in pool(world).run(fused_equals_unfused, 5, "dot", 2, 0, timeout_s=180)
+            for r in pool(world).run(fused_equals_unfused, 5, "dot", 2, BY_TABLE, timeout_s=180)
             for f in r
         ]
     assert not failures, "\n".join(failures[:8])

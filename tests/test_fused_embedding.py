@@ -19,9 +19,8 @@ import torch.nn.functional as F
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.fused import ChunkConfig, ShardedEmbeddingBag
-from commfuse.fused.chunking import split_sizes
+from commfuse.fused.chunking import BY_TABLE, Schedule, split_sizes
 from commfuse.fused.embedding_all_to_all import (
-    BY_TABLE,
     LABEL,
     ShardedLookup,
     embedding_all_to_all,
@@ -63,14 +62,16 @@ def grid(num_tables: int) -> list[str]:
     mine = slice(sum(splits[:rank]), sum(splits[: rank + 1]))
     for dtype in (torch.float32, torch.bfloat16):
         for mode in ("sum", "mean"):
-            for chunks in (1, 2, 5, BY_TABLE):
+            chunk_configs = [ChunkConfig(num_chunks=k) for k in (1, 2, 5)]
+            for config in [*chunk_configs, ChunkConfig(schedule=BY_TABLE)]:
+                chunks = config.fixed()
                 module = ShardedEmbeddingBag(
                     rows,
                     3,
                     comm,
                     mode=mode,
                     dtype=dtype,
-                    chunk_config=ChunkConfig(num_chunks=chunks),
+                    chunk_config=config,
                 )
                 full = [
                     torch.randint(-3, 4, (n, 3), generator=torch.Generator().manual_seed(t)).to(
@@ -200,7 +201,7 @@ def test_embedding_function_and_errors(pool: PoolFn, world: int) -> None:
     assert not failures, "\n".join(failures[:8])
 
 
-def trial_choices() -> tuple[int, int, int]:
+def trial_choices() -> tuple[Schedule, Schedule, Schedule]:
     """fastest_by_trial on operators whose speed is known (a sleep), and the embedding choice."""
     comm = Communicator()
     fast = fastest_by_trial(
@@ -213,9 +214,10 @@ def trial_choices() -> tuple[int, int, int]:
     idx = [bags(t, 50, 64)[0] for t in module.local_tables]
     off = [bags(t, 50, 64)[1] for t in module.local_tables]
     chosen = module.chunks_for(idx, off, split_sizes(64, comm.world_size))
-    everyone = torch.tensor([chosen])
+    code = 0 if chosen == BY_TABLE else int(chosen)  # by table as 0, to compare over ranks
+    everyone = torch.tensor([code])
     comm.all_reduce(everyone, "max")
-    return fast, slower, chosen if int(everyone) == chosen else -1
+    return fast, slower, chosen if int(everyone) == code else -1
 
 
 def test_chunks_chosen_by_trial(pool: PoolFn) -> None:

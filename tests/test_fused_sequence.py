@@ -16,15 +16,11 @@ import torch
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.fused import ChunkConfig
-from commfuse.fused import sequence_parallel as sp
+from commfuse.fused import all_gather_gemm as agg
+from commfuse.fused import gemm_reduce_scatter as grs
 from commfuse.fused.chunking import split_sizes
-from commfuse.fused.ops import register_communicator
-from commfuse.fused.sequence_modules import (
-    ColumnParallelLinear,
-    SequenceParallelRowLinear,
-    all_gather_gemm_op,
-    gemm_reduce_scatter_op,
-)
+from commfuse.fused.linear import ColumnParallelLinear, RowParallelLinear
+from commfuse.fused.ops import all_gather_gemm_op, gemm_reduce_scatter_op, register_communicator
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
@@ -69,14 +65,14 @@ def grid() -> list[str]:
                 w = full_w[cols].clone().requires_grad_(True)
                 comm.stats.reset()
                 y, gathered = all_gather_gemm_op(x, w, splits, cid, chunks)
-                fwd = comm.stats[sp.LABEL_AG]
+                fwd = comm.stats[agg.LABEL]
                 if not torch.equal(y, full_x @ full_w[cols].t()) or not torch.equal(
                     gathered, full_x
                 ):
                     failures.append(f"{where}: all_gather_gemm forward differs")
                 comm.stats.reset()
                 (y * grad[:, cols]).sum().backward()
-                bwd = comm.stats[sp.LABEL_RS]
+                bwd = comm.stats[grs.LABEL]
                 want_gx = (grad.float() @ full_w.float()).to(dtype)[mine]  # summed over ranks
                 want_gw = grad[:, cols].t() @ full_x
                 if x.grad is None or not torch.equal(x.grad, want_gx):
@@ -98,7 +94,7 @@ def grid() -> list[str]:
                         )
                     if not uneven:  # equal shards: exactly the ring allgather's bytes
                         comm.stats.reset()
-                        sp.all_gather_gemm_reference(
+                        agg.all_gather_gemm_reference(
                             comm, x.detach(), w.detach(), splits=splits, algo="ring"
                         )
                         ring = comm.stats[label("all_gather", "ring")].bytes_sent
@@ -115,15 +111,15 @@ def grid() -> list[str]:
                 v = full_v[:, kin].clone().requires_grad_(True)
                 comm.stats.reset()
                 z = gemm_reduce_scatter_op(a, v, splits, cid, chunks)
-                fwd = comm.stats[sp.LABEL_RS]
+                fwd = comm.stats[grs.LABEL]
                 if not torch.equal(z, (full_a @ full_v.t())[mine]):
                     failures.append(f"{where}: gemm_reduce_scatter forward differs")
-                ref = sp.gemm_reduce_scatter_reference(comm, a.detach(), v.detach(), splits=splits)
+                ref = grs.gemm_reduce_scatter_reference(comm, a.detach(), v.detach(), splits=splits)
                 if not torch.equal(ref, z.detach()):
                     failures.append(f"{where}: fused differs from the unfused reference")
                 comm.stats.reset()
                 (z * grad[mine]).sum().backward()
-                bwd = comm.stats[sp.LABEL_AG]
+                bwd = comm.stats[agg.LABEL]
                 if a.grad is None or not torch.equal(a.grad, grad @ full_v[:, kin]):
                     failures.append(f"{where}: gemm_reduce_scatter grad_a differs")
                 if v.grad is None or not torch.equal(v.grad, grad.t() @ full_a[:, kin]):
@@ -140,7 +136,7 @@ def grid() -> list[str]:
                         )
                     if not uneven:
                         comm.stats.reset()
-                        sp.gemm_reduce_scatter_reference(
+                        grs.gemm_reduce_scatter_reference(
                             comm, a.detach(), v.detach(), splits=splits, algo="ring"
                         )
                         ring = comm.stats[label("reduce_scatter", "ring")].bytes_sent
@@ -157,8 +153,8 @@ def modules() -> list[str]:
     rank, world = comm.rank, comm.world_size
     failures: list[str] = []
     for config in (ChunkConfig(num_chunks=2), ChunkConfig()):
-        col = ColumnParallelLinear(6, 7, comm, chunk_config=config, seed=1)
-        row = SequenceParallelRowLinear(7, 6, comm, chunk_config=config, seed=2)
+        col = ColumnParallelLinear(6, 7, comm, sequence_parallel=True, chunk_config=config, seed=1)
+        row = RowParallelLinear(7, 6, comm, sequence_parallel=True, chunk_config=config, seed=2)
         ref1, ref2 = torch.nn.Linear(6, 7), torch.nn.Linear(7, 6)
         with torch.no_grad():
             for ref, mod, seed in ((ref1, col, 1), (ref2, row, 2)):
@@ -207,11 +203,11 @@ def errors() -> list[str]:
     failures: list[str] = []
     x, w = torch.ones(2, 3), torch.ones(4, 3)
     checks: dict[str, Callable[[], object]] = {
-        "splits needs": lambda: sp.all_gather_gemm(comm, x, w, splits=[2] * (world + 1)),
-        "has 2 rows but splits": lambda: sp.all_gather_gemm(comm, x, w, splits=[1] * world),
-        "need x [rows, K]": lambda: sp.gemm_reduce_scatter(comm, x, torch.ones(4, 2)),
-        "cast one of them": lambda: sp.all_gather_gemm(comm, x, w.double()),
-        "chunks must be >= 1": lambda: sp.gemm_reduce_scatter(comm, x, w, chunks=0),
+        "splits needs": lambda: agg.all_gather_gemm(comm, x, w, splits=[2] * (world + 1)),
+        "has 2 rows but splits": lambda: agg.all_gather_gemm(comm, x, w, splits=[1] * world),
+        "need x [rows, K]": lambda: grs.gemm_reduce_scatter(comm, x, torch.ones(4, 2)),
+        "cast one of them": lambda: agg.all_gather_gemm(comm, x, w.double()),
+        "chunks must be >= 1": lambda: grs.gemm_reduce_scatter(comm, x, w, chunks=0),
     }
     for needle, call in checks.items():
         try:
@@ -221,7 +217,7 @@ def errors() -> list[str]:
             if needle not in str(err):
                 failures.append(f"rank {rank}: unclear error {err}")
     # Ranks disagreeing on the hidden size: every rank raises, naming each rank's shape.
-    col = ColumnParallelLinear(3 + rank % 2, 4, comm)
+    col = ColumnParallelLinear(3 + rank % 2, 4, comm, sequence_parallel=True)
     try:
         col(torch.ones(2, 3 + rank % 2))
         if world > 1:

@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from commfuse.comm import Communicator
+from commfuse.fused import all_gather_gemm as agg
 from commfuse.fused import baselines
 from commfuse.fused import gemm_all_reduce as gar
-from commfuse.fused import sequence_parallel as sp
+from commfuse.fused import gemm_reduce_scatter as grs
 from commfuse.fused.chunking import shard_range
 from commfuse.fused.modules import full_linear_weight
 from commfuse.testing import RankPool
@@ -42,7 +43,7 @@ SEED = 3
 SHAPE: dict[str, Any] = dict(
     d_model=12, num_heads=6, d_ff=10, num_layers=2, seq_len=6, batch=2, num_classes=5
 )
-FUSED_LABELS = (gar.LABEL, sp.LABEL_AG, sp.LABEL_RS)
+FUSED_LABELS = (gar.LABEL, agg.LABEL, grs.LABEL)
 
 
 def dense_reference(

@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -48,12 +48,14 @@ from commfuse.fused import baselines
 from commfuse.fused import embedding_all_to_all as emb
 from commfuse.fused import gemm_all_reduce as gar
 from commfuse.fused.chunking import (
+    BY_TABLE,
     ChunkConfig,
     choose_chunks,
     measure_overhead_us,
     predict_us,
     split_sizes,
 )
+from commfuse.fused.chunking import Schedule as ChunkSchedule
 
 #: Operators this benchmark knows, and the shapes it times for each by default:
 #: - GEMM + AllReduce: (rows, in_features, out_features), in_features sharded across ranks;
@@ -79,20 +81,32 @@ OPS: dict[str, tuple[tuple[int, ...], ...]] = {
 ARITY = {op: len(shapes[0]) for op, shapes in OPS.items()}
 
 
-def check_chunks(chunks: int | None, names: tuple[str, ...], *, by_table: tuple[str, ...]) -> None:
-    """ValueError unless ``chunks`` is None, >= 1, or 0 (by table: ``emb.BY_TABLE``) with only
-    operators or steps in ``by_table`` (the embedding exchange's schedule; no other has one)."""
-    if chunks is None or chunks >= 1:
-        return
-    if chunks == emb.BY_TABLE:
-        others = [name for name in names if name not in by_table]
-        if not others:
-            return
+def check_schedule(
+    chunks: int | None,
+    schedule: str | None,
+    names: tuple[str, ...],
+    *,
+    by_table: tuple[str, ...],
+) -> ChunkSchedule | None:
+    """The fixed schedule of ``chunks`` and ``schedule`` (None: the operators choose);
+    ValueError unless ``chunks`` is None or >= 1, and ``schedule="by_table"`` (the embedding
+    exchange's schedule; no other has one) comes without ``chunks`` and with only operators or
+    steps in ``by_table``."""
+    if chunks is not None and chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    if schedule is None:
+        return chunks
+    if schedule != BY_TABLE:
+        raise ValueError(f"schedule must be {BY_TABLE!r} or None, got {schedule!r}")
+    if chunks is not None:
+        raise ValueError(f"schedule={BY_TABLE!r} has no chunks: leave chunks None")
+    others = [name for name in names if name not in by_table]
+    if others:
         raise ValueError(
-            f"chunks=0 means by table, a schedule of the embedding exchange only "
-            f"({', '.join(by_table)}); {', '.join(others)} take(s) chunks >= 1"
+            f"schedule={BY_TABLE!r} is a schedule of the embedding exchange only "
+            f"({', '.join(by_table)}); {', '.join(others)} take(s) chunks"
         )
-    raise ValueError(f"chunks must be >= 1, or 0 for by table, got {chunks}")
+    return BY_TABLE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,8 +120,10 @@ class FusedBenchConfig:
     warmup: int = 2
     """Untimed runs of each variant first (connections, allocator, the measurement of k)."""
     chunks: int | None = None
-    """Fixed number of chunks (0: by table, embedding_alltoall only); None lets the cost model
-    choose."""
+    """Fixed number of chunks (>= 1); None lets the cost model choose."""
+    schedule: Literal["by_table"] | None = None
+    """``"by_table"``: the embedding exchange's by-table schedule (embedding_all_to_all only)
+    instead of chunks."""
     shapes: tuple[tuple[int, ...], ...] | None = None
     """Shapes to time instead of the defaults; each op takes those of its arity (3 or 5)."""
     control: bool = False
@@ -129,7 +145,13 @@ class FusedBenchConfig:
         if self.shapes and not any(self.shapes_of(op) for op in self.ops):
             missing = self.ops[0]
             raise ValueError(f"no shape of {ARITY[missing]} dimensions for {missing} in shapes")
-        check_chunks(self.chunks, self.ops, by_table=("embedding_all_to_all",))
+        self.fixed()
+
+    def fixed(self) -> ChunkSchedule | None:
+        """The schedule every op runs with (None: each op's own choice)."""
+        return check_schedule(
+            self.chunks, self.schedule, self.ops, by_table=("embedding_all_to_all",)
+        )
 
     def shapes_of(self, op: str) -> tuple[tuple[int, ...], ...]:
         if self.shapes is None:
@@ -147,8 +169,17 @@ class FusedForms:
     unfused: Callable[[], torch.Tensor]
     fused: Callable[[int], torch.Tensor]
     max_chunks: int
-    choose: Callable[[], int] | None = None
+    choose: Callable[[], ChunkSchedule] | None = None
     """The operator's own chunk choice (measures and may fall back to 1), if it has one."""
+    by_table: Callable[[], torch.Tensor] | None = None
+    """The operator by table (the embedding exchange's schedule), if it has one."""
+
+    def fused_at(self, chunks: ChunkSchedule) -> Callable[[], torch.Tensor]:
+        """The fused form with ``chunks`` (a count, or by table where the operator has it)."""
+        if isinstance(chunks, int):
+            return functools.partial(self.fused, chunks)
+        assert self.by_table is not None  # check_schedule admits it for such operators only
+        return self.by_table
 
 
 def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
@@ -203,6 +234,7 @@ def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
         comm=lambda: all_to_all(comm, out, buf, out_splits, in_splits, algo=baselines.ALL_TO_ALL),
         unfused=lambda: emb.embedding_all_to_all_reference(comm, lookup),
         fused=lambda k: emb.embedding_all_to_all(comm, lookup, chunks=k),
+        by_table=lambda: emb.embedding_all_to_all(comm, lookup, chunks=BY_TABLE),
         max_chunks=4 * max(world - 1, 1),
         # The module's own choice (ShardedEmbeddingBag): the model, then a timed trial, here of
         # the forward alone (what this row times).
@@ -274,16 +306,17 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 [compute_us, comm_us, overhead_us], dtype=torch.float64, device=comm.device
             )
             comm.all_reduce(agreed, "max")
-            chunks = (
-                config.chunks
-                if config.chunks is not None
+            fixed = config.fixed()
+            chunks: ChunkSchedule = (
+                fixed
+                if fixed is not None
                 else (
                     forms.choose()
                     if forms.choose
                     else choose_chunks(*agreed.tolist(), max_chunks=forms.max_chunks)
                 )
             )
-            fused = functools.partial(forms.fused, chunks)
+            fused = forms.fused_at(chunks)
             for _ in range(config.warmup):
                 _timed(comm, fused)
             cases = {
@@ -314,9 +347,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 for name in order:
                     times[names.index(name), i] = _timed(comm, cases[schedule.code_of(name)].call)
             comm.all_reduce(times, "max")
-            wrong = torch.tensor(
-                [int((forms.fused(chunks) != forms.unfused()).sum())], device=comm.device
-            )
+            wrong = torch.tensor([int((fused() != forms.unfused()).sum())], device=comm.device)
             comm.all_reduce(wrong)
             summary = summarize(
                 {name: times[v].tolist() for v, name in enumerate(names)},
@@ -342,9 +373,11 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                     "fused_us": f,
                     "ideal_us": ideal,
                     "overlap_us": o,
-                    # The model counts pieces of rows; a by-table schedule (k = 0) it has none.
+                    # The model counts pieces of rows; a by-table schedule has none.
                     "predicted_us": (
-                        predict_us(c, m, chunks, float(agreed[2])) if chunks >= 1 else None
+                        predict_us(c, m, chunks, float(agreed[2]))
+                        if isinstance(chunks, int)
+                        else None
                     ),
                     "overhead_us": float(agreed[2]),
                     "fused_vs_unfused": f / u,

@@ -19,8 +19,9 @@ import torch
 from commfuse.bench.fused import FusedForms
 from commfuse.collectives import all_gather, reduce_scatter
 from commfuse.comm import Communicator
+from commfuse.fused import all_gather_gemm as agg
 from commfuse.fused import baselines
-from commfuse.fused import sequence_parallel as sp
+from commfuse.fused import gemm_reduce_scatter as grs
 from commfuse.fused.chunking import ChunkConfig, agree_chunks, measure_overhead_us, split_sizes
 
 
@@ -44,15 +45,15 @@ def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedF
         gathered = torch.zeros(world * max(splits), k_in, device=dev)
 
         def measure() -> tuple[float, float]:
-            return sp.measure_all_gather_gemm(comm, x, w, splits)
+            return agg.measure_all_gather_gemm(comm, x, w, splits)
 
         def fused(k: int) -> torch.Tensor:
-            return sp.all_gather_gemm(comm, x, w, splits=splits, chunks=k)[0]
+            return agg.all_gather_gemm(comm, x, w, splits=splits, chunks=k)[0]
 
         return FusedForms(
             compute=lambda: torch.matmul(gathered[:seq], w.t()),
             comm=lambda: all_gather(comm, gathered, shard, algo=baselines.SEQUENCE),
-            unfused=lambda: sp.all_gather_gemm_reference(comm, x, w, splits=splits)[0],
+            unfused=lambda: agg.all_gather_gemm_reference(comm, x, w, splits=splits)[0],
             fused=fused,
             max_chunks=world,
             choose=lambda: _choose(comm, measure),
@@ -68,10 +69,10 @@ def sequence_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedF
     return FusedForms(
         compute=lambda: torch.matmul(a, v.t()),
         comm=lambda: reduce_scatter(comm, out, full, algo=baselines.SEQUENCE),
-        unfused=lambda: sp.gemm_reduce_scatter_reference(comm, a, v, splits=splits),
-        fused=lambda k: sp.gemm_reduce_scatter(comm, a, v, splits=splits, chunks=k),
+        unfused=lambda: grs.gemm_reduce_scatter_reference(comm, a, v, splits=splits),
+        fused=lambda k: grs.gemm_reduce_scatter(comm, a, v, splits=splits, chunks=k),
         max_chunks=world,
-        choose=lambda: _choose(comm, lambda: sp.measure_gemm_reduce_scatter(comm, a, v, splits)),
+        choose=lambda: _choose(comm, lambda: grs.measure_gemm_reduce_scatter(comm, a, v, splits)),
     )
 
 

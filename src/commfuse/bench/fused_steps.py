@@ -23,19 +23,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from commfuse.bench.cases import Case
 from commfuse.bench.clock import now
-from commfuse.bench.fused import check_chunks
+from commfuse.bench.fused import check_schedule
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
 from commfuse.cluster.topology import Topology
 from commfuse.comm import Communicator
 from commfuse.fused import embedding_all_to_all as emb
-from commfuse.fused.chunking import ChunkConfig
+from commfuse.fused.chunking import BY_TABLE, ChunkConfig
+from commfuse.fused.chunking import Schedule as ChunkSchedule
 
 
 @dataclasses.dataclass
@@ -48,7 +49,7 @@ class StepForms:
     fused: Callable[[Any], Any]
     unfused: Callable[[Any], Any]
     control: Callable[[Any], Any] | None
-    chunks: Callable[[], int]
+    chunks: Callable[[], ChunkSchedule]
     """The number of chunks the fused model chose (valid after its first step)."""
     differing: Callable[[], int]
     """Parameter elements that differ between the fused (and the control) model and the
@@ -58,7 +59,11 @@ class StepForms:
 
 
 def dlrm_case(
-    comm: Communicator, shape: tuple[int, ...], chunks: int | None, *, control: bool = False
+    comm: Communicator,
+    shape: tuple[int, ...],
+    chunks: ChunkSchedule | None,
+    *,
+    control: bool = False,
 ) -> StepForms:
     from commfuse.workloads import dlrm
 
@@ -75,8 +80,11 @@ def dlrm_case(
         top_mlp=(128,),
     )
     variants = {ex: ex for ex in dlrm.EXCHANGES} | ({"control": "unfused"} if control else {})
+    chunk_config = (
+        ChunkConfig(schedule=BY_TABLE) if chunks == BY_TABLE else ChunkConfig(num_chunks=chunks)
+    )
     models = {
-        name: dlrm.DLRM(config, comm, exchange=ex, chunk_config=ChunkConfig(num_chunks=chunks))
+        name: dlrm.DLRM(config, comm, exchange=ex, chunk_config=chunk_config)
         for name, ex in variants.items()
     }
     opts = {ex: dlrm.make_optimizer(m) for ex, m in models.items()}
@@ -109,16 +117,24 @@ def dlrm_case(
         fused=step_fn("fused"),
         unfused=step_fn("unfused"),
         control=step_fn("control") if control else None,
-        chunks=lambda: max(models["fused"].embedding._chunks.values(), default=1),
+        chunks=lambda: _chosen(list(models["fused"].embedding._chunks.values())),
         differing=differing,
         extra={"compute_us": float(agreed[0]), "comm_us": float(agreed[1])},
     )
 
 
+def _chosen(chosen: list[ChunkSchedule]) -> ChunkSchedule:
+    """What a model's fused modules chose, for the record: by table if any did, else the
+    largest number of chunks (1: all unfused)."""
+    if BY_TABLE in chosen:
+        return BY_TABLE
+    return max((k for k in chosen if isinstance(k, int)), default=1)
+
+
 def tp_transformer_case(
     comm: Communicator,
     shape: tuple[int, ...],
-    chunks: int | None,
+    chunks: ChunkSchedule | None,
     *,
     sequence_parallel: bool = False,
     control: bool = False,
@@ -128,6 +144,7 @@ def tp_transformer_case(
     the ring), so ``differing`` counts elements apart by more than rtol 1e-4 (atol 1e-6)."""
     from commfuse.workloads import tp_transformer as tp
 
+    assert chunks is None or isinstance(chunks, int)  # StepBenchConfig: by table is dlrm's only
     if len(shape) != 6:
         raise ValueError(
             f"tp-transformer shape is seq x batch x d_model x heads x d_ff x layers, got {shape}"
@@ -199,8 +216,10 @@ class StepBenchConfig:
     warmup: int = 2
     """Untimed steps of each variant first (connections, allocator, the choice of chunks)."""
     chunks: int | None = None
-    """Fixed number of chunks (0: the embedding exchange by table, dlrm only); None lets each
-    fused module choose."""
+    """Fixed number of chunks (>= 1); None lets each fused module choose."""
+    schedule: Literal["by_table"] | None = None
+    """``"by_table"``: the embedding exchange's by-table schedule (dlrm only) instead of
+    chunks."""
     shapes: tuple[tuple[int, ...], ...] | None = None
     """Shapes instead of the defaults (5 dimensions for dlrm, 6 for tp-transformer)."""
     control: bool = False
@@ -218,7 +237,11 @@ class StepBenchConfig:
             )
         if self.iters < 1 or self.warmup < 0:
             raise ValueError("iters must be >= 1 and warmup >= 0")
-        check_chunks(self.chunks, self.steps, by_table=("dlrm",))
+        self.fixed()
+
+    def fixed(self) -> ChunkSchedule | None:
+        """The schedule every fused module runs with (None: each module's own choice)."""
+        return check_schedule(self.chunks, self.schedule, self.steps, by_table=("dlrm",))
 
 
 def _on_batch(step: Callable[[Any], Any] | None, batch: list[Any]) -> Callable[[], Any]:
@@ -242,7 +265,7 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
     for name in config.steps:
         build, defaults = STEPS[name]
         for shape in config.shapes or defaults:
-            forms = build(comm, tuple(shape), config.chunks, control=config.control)
+            forms = build(comm, tuple(shape), config.fixed(), control=config.control)
             step = 0
             for _ in range(config.warmup):
                 data = forms.prepare(step)

@@ -4,25 +4,24 @@ and Beckmann, SC24, arXiv 2305.06942).
 Each operator computes its result in chunks and starts the collective of chunk ``i`` while chunk
 ``i + 1`` is computed. One file per operator, each with its exact unfused reference and its
 backward; ``chunking.py`` holds the cost model that picks the number of chunks, ``ops.py`` the
-``torch.ops.commfuse.*`` registrations, ``modules.py`` the ``nn.Module``s. The functions live in their operator's module
-(``commfuse.fused.gemm_all_reduce.gemm_all_reduce``), which keeps those names for the modules.
+``torch.ops.commfuse.*`` registrations, ``linear.py`` Megatron's linear pair, ``modules.py``
+the embedding module and ``moe.py`` the expert-parallel one. The functions live in their
+operator's module (``commfuse.fused.gemm_all_reduce.gemm_all_reduce``), which keeps those names
+for the modules.
 """
 
 from commfuse.fused.chunking import ChunkConfig, choose_chunks, predict_us
-from commfuse.fused.modules import RowParallelLinear, ShardedEmbeddingBag
+from commfuse.fused.linear import ColumnParallelLinear, RowParallelLinear
+from commfuse.fused.modules import ShardedEmbeddingBag
 from commfuse.fused.moe import ExpertParallelMoE
 from commfuse.fused.ops import register_communicator
-from commfuse.fused.sequence_modules import ColumnParallelLinear, SequenceParallelRowLinear
-from commfuse.fused.tensor_parallel import TensorParallelColumnLinear
 
 __all__ = [
     "ChunkConfig",
     "ColumnParallelLinear",
     "ExpertParallelMoE",
     "RowParallelLinear",
-    "SequenceParallelRowLinear",
     "ShardedEmbeddingBag",
-    "TensorParallelColumnLinear",
     "choose_chunks",
     "predict_us",
     "register_communicator",

@@ -24,20 +24,31 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Final, Literal
 
 import torch
 
 from commfuse.comm import Communicator
 
+#: The embedding exchange's second schedule: one table at a time instead of sample chunks.
+BY_TABLE: Final = "by_table"
+Schedule = int | Literal["by_table"]
+"""How a fused operator is cut: into a number of chunks, or (the embedding exchange only) table
+by table (``BY_TABLE``)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChunkConfig:
-    """How a fused operator chooses its number of chunks."""
+    """How a fused operator chooses its number of chunks (or, for the embedding exchange, its
+    schedule)."""
 
     num_chunks: int | None = None
-    """Fixed number of chunks; None chooses it from measured compute and communication times.
-    0 asks the embedding exchange for its by-table schedule (``embedding_all_to_all.BY_TABLE``);
-    the other operators take 1 or more."""
+    """Fixed number of chunks (>= 1); None chooses it from measured compute and communication
+    times."""
+    schedule: Literal["by_table"] | None = None
+    """``"by_table"``: the embedding exchange looks up and sends one table at a time
+    (``embedding_all_to_all.py``), a schedule only it has; None: chunks, fixed by
+    ``num_chunks`` or chosen (the embedding exchange's choice may still pick by table)."""
     max_chunks: int = 16
     """Upper bound of the automatic choice."""
     overhead_us: float | None = None
@@ -45,11 +56,35 @@ class ChunkConfig:
     min_gain: float = 0.05
     """Chunk only when the model predicts at least this fraction less time than one chunk."""
 
-    def __post_init__(self) -> None:
-        if self.num_chunks is not None and self.num_chunks < 0:
+    def fixed(self) -> Schedule | None:
+        """The schedule the caller fixed (``schedule`` or ``num_chunks``); None: choose it."""
+        return self.schedule if self.schedule is not None else self.num_chunks
+
+    def require_chunks(self, operator: str) -> None:
+        """ValueError where ``operator`` has no by-table schedule."""
+        if self.schedule is not None:
             raise ValueError(
-                f"num_chunks must be >= 1, 0 (the embedding exchange by table) or None "
-                f"(automatic), got {self.num_chunks}"
+                f"ChunkConfig.schedule={self.schedule!r} is the embedding exchange's schedule; "
+                f"{operator} takes num_chunks only"
+            )
+
+    def __post_init__(self) -> None:
+        if self.num_chunks is not None and (
+            isinstance(self.num_chunks, bool)
+            or not isinstance(self.num_chunks, int)
+            or self.num_chunks < 1
+        ):
+            raise ValueError(
+                f"ChunkConfig.num_chunks must be >= 1 or None (automatic), got "
+                f"{self.num_chunks!r} (the embedding exchange by table is schedule='by_table')"
+            )
+        if self.schedule not in (None, BY_TABLE):
+            raise ValueError(
+                f"ChunkConfig.schedule must be None or {BY_TABLE!r}, got {self.schedule!r}"
+            )
+        if self.schedule is not None and self.num_chunks is not None:
+            raise ValueError(
+                f"ChunkConfig: schedule={self.schedule!r} has no chunks; leave num_chunks None"
             )
         if self.max_chunks < 1:
             raise ValueError(f"max_chunks must be >= 1, got {self.max_chunks}")

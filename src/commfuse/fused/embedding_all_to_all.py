@@ -15,7 +15,7 @@ Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, section 4
    different peer at each step, as in a pairwise exchange, so no link receives from two at once.
 3. The local block is computed last: it never travels, so it hides the last transfers.
 
-By table (``chunks=BY_TABLE``). Cutting the *samples* into pieces makes every piece look up
+By table (``chunks=BY_TABLE``, ``ChunkConfig(schedule="by_table")``). Cutting the *samples* into pieces makes every piece look up
 every table again: with tables larger than the caches the lookups of 12 pieces took 1.5x those
 of one pass (8 tables of 20000 x 64, 64 ids per bag, one thread: 33 vs 22 ms), which ate the
 overlap. The other cut is by *table*: look up one table for the whole global batch (one
@@ -54,7 +54,9 @@ import torch.nn.functional as F
 from commfuse.comm import Communicator, Handle
 from commfuse.fused import baselines
 from commfuse.fused.chunking import (
+    BY_TABLE,
     ChunkConfig,
+    Schedule,
     agree_chunks,
     elapsed_us,
     measure_overhead_us,
@@ -65,8 +67,6 @@ from commfuse.fused.fallback import fastest_by_trial
 #: Stats label of the fused operator's point-to-point traffic (exact bytes and messages).
 LABEL = "embedding_all_to_all"
 MODES = ("sum", "mean")
-#: ``chunks`` value of the by-table schedule (module docstring): one message per table and peer.
-BY_TABLE = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -209,20 +209,28 @@ def _unfused_buffers(
     return recv, send.contiguous().view(-1), out_splits, in_splits
 
 
+def check_schedule(chunks: Schedule) -> None:
+    """ValueError unless ``chunks`` is a count >= 1 or ``BY_TABLE``."""
+    if chunks != BY_TABLE and (
+        isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1
+    ):
+        raise ValueError(f"chunks must be >= 1, or {BY_TABLE!r}, got {chunks!r}")
+
+
 def embedding_all_to_all(
-    comm: Communicator, lookup: ShardedLookup, *, chunks: int = 2
+    comm: Communicator, lookup: ShardedLookup, *, chunks: Schedule = 2
 ) -> torch.Tensor:
     """The fused operator (module docstring). ``chunks=1`` is the unfused reference; ``chunks >= 2``
     pipelines destination by destination, each destination's rows cut into
-    ``ceil(chunks / (P - 1))`` pieces; ``chunks=BY_TABLE`` (0) pipelines table by table."""
-    if chunks < 0:
-        raise ValueError(f"chunks must be >= 1, or {BY_TABLE} (by table), got {chunks}")
+    ``ceil(chunks / (P - 1))`` pieces; ``chunks=BY_TABLE`` pipelines table by table."""
+    check_schedule(chunks)
     lookup.check(comm)
     rank, world = comm.rank, comm.world_size
     if chunks == 1 or world == 1:
         return embedding_all_to_all_reference(comm, lookup)
     if chunks == BY_TABLE:
         return _by_table(comm, lookup)
+    assert isinstance(chunks, int)
     batch_splits, dim = lookup.batch_splits, lookup.dim
     pieces = -(-chunks // (world - 1))
     starts = lookup.sample_starts
@@ -403,7 +411,7 @@ class TableGradients:
 
 
 def embedding_all_to_all_backward(
-    comm: Communicator, lookup: ShardedLookup, grad_out: torch.Tensor, *, chunks: int = 2
+    comm: Communicator, lookup: ShardedLookup, grad_out: torch.Tensor, *, chunks: Schedule = 2
 ) -> list[torch.Tensor]:
     """Gradients of the local tables (module docstring) for the gradient ``grad_out`` of the
     forward's output (``[B_r, T, D]``): the reverse All-to-All, overlapped with the
@@ -418,7 +426,7 @@ def embedding_all_to_all_backward(
         return grads.result(tables)
     starts, table_starts = lookup.sample_starts, lookup.table_starts
     mine = batch_splits[rank]
-    pieces = 1 if world == 1 else -(-chunks // (world - 1))
+    pieces = 1 if world == 1 or not isinstance(chunks, int) else -(-chunks // (world - 1))
     incoming: list[tuple[Handle, int, torch.Tensor]] = []
     for step in range(1, world):
         src = (rank + step) % world  # the ranks whose samples I looked up, in the forward's order
@@ -503,7 +511,7 @@ def choose_chunks_for(
     config: ChunkConfig,
     backward: bool = True,
     trial_runs: int = 5,
-) -> int:
+) -> Schedule:
     """The ``chunks`` of ``embedding_all_to_all`` for these inputs, the same on every rank
     (``backward``: for training, where the reverse exchange runs with the same ``chunks``).
 
@@ -520,7 +528,7 @@ def choose_chunks_for(
     few times."""
     world = comm.world_size
     limit = max(sum(lookup.batch_splits), 1)
-    if config.num_chunks == BY_TABLE and world > 1:
+    if config.schedule == BY_TABLE and world > 1:
         return BY_TABLE
     if config.num_chunks is not None or world == 1:
         return max(1, min(config.num_chunks or 1, limit))
@@ -537,7 +545,9 @@ def choose_chunks_for(
         if chunks == 1 or trial_runs < 1:
             return chunks
         cap = min(config.max_chunks, limit)
-        candidates = [p * (world - 1) for p in (1, 2, 3) if p * (world - 1) <= cap] or [chunks]
+        candidates: list[Schedule] = [
+            p * (world - 1) for p in (1, 2, 3) if p * (world - 1) <= cap
+        ] or [chunks]
         candidates.append(BY_TABLE)
         grad = torch.ones(
             (lookup.batch_splits[comm.rank], sum(lookup.tables_per_rank), lookup.dim),
@@ -545,7 +555,7 @@ def choose_chunks_for(
             device=comm.device,
         )
 
-        def forward_and_backward(k: int) -> None:
+        def forward_and_backward(k: Schedule) -> None:
             # Both directions, as a training step runs them: ``k`` cuts the backward too.
             embedding_all_to_all(comm, lookup, chunks=k)
             if backward:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from commfuse.comm import Communicator
-from commfuse.fused.chunking import ChunkConfig, elapsed_us, predict_us
+from commfuse.fused.chunking import ChunkConfig, Schedule, elapsed_us, predict_us
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -161,18 +161,22 @@ def choose_fused_chunks(
 
 def fastest_by_trial(
     comm: Communicator,
-    candidates: list[int],
-    run: Callable[[int], Any],
+    candidates: list[Schedule],
+    run: Callable[[Schedule], Any],
     *,
     runs: int,
     min_gain: float,
-) -> int:
+) -> Schedule:
     """The candidate ``k`` whose median time (slowest rank, ``runs`` interleaved rounds) is the
     lowest, kept only if it beats ``k = 1`` (the unfused operator, always timed) by ``min_gain``;
     else 1. For operators whose chunk count changes the schedule in steps the model does not
     see (the embedding exchange cuts ``k`` into pieces per destination). Every rank must call it
     alike."""
-    ks = [1, *sorted({k for k in candidates if k != 1})]  # 0: a schedule named by 0 (BY_TABLE)
+    # By table first, then the counts upward (ties keep the earlier).
+    ks: list[Schedule] = [
+        1,
+        *sorted({k for k in candidates if k != 1}, key=lambda k: k if isinstance(k, int) else 0),
+    ]
     if len(ks) == 1 or runs < 1 or comm.world_size == 1:
         return 1
     fns = [functools.partial(run, k) for k in ks]

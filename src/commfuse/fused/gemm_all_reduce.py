@@ -149,7 +149,7 @@ def _ring_then_gather(
 ) -> None:
     """The row path (module docstring): per group, the fused GEMM + ReduceScatter ring, then this
     rank's summed block posted to every rank; every gather is waited for at the end."""
-    from commfuse.fused.sequence_parallel import gemm_reduce_scatter
+    from commfuse.fused.gemm_reduce_scatter import gemm_reduce_scatter
 
     rank, world = comm.rank, comm.world_size
     gathers: list[Handle] = []

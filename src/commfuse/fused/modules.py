@@ -1,11 +1,12 @@
-"""``nn.Module``s that drop the fused operators into a model: ``RowParallelLinear`` and
-``ShardedEmbeddingBag``.
+"""``ShardedEmbeddingBag``, the module of the fused embedding exchange, and the sharded weights
+of the tensor-parallel linears (``linear.py``).
 
 Each module chooses its number of chunks once per input shape: the first call with a new shape
 runs the unfused operator once more, timing computation and communication apart, measures the
 per-chunk overhead, and picks ``k`` from the cost model (``fused.chunking``) on times agreed
 across ranks. That first call also checks that every rank passes compatible shapes. Pass
-``ChunkConfig(num_chunks=k)`` to fix ``k`` instead (no measurement, no check).
+``ChunkConfig(num_chunks=k)`` to fix ``k`` instead (no measurement, no check), or
+``ChunkConfig(schedule="by_table")`` for the exchange table by table.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from torch import nn
 
 from commfuse.comm import Communicator
 from commfuse.fused import embedding_all_to_all as emb
-from commfuse.fused import gemm_all_reduce as gar
 from commfuse.fused.chunking import (
     ChunkConfig,
+    Schedule,
     shard_range,
     split_sizes,
 )
 from commfuse.fused.ops import (
     anchor_for_backward,
     embedding_all_to_all_op,
-    gemm_all_reduce_op,
+    embedding_schedule_args,
     register_communicator,
 )
 
@@ -83,41 +84,6 @@ def sharded_linear(
     )
 
 
-class RowParallelLinear(nn.Module):
-    """``y = x @ W^T + b`` with ``W``'s input features sharded across ranks (Megatron's row-
-    parallel linear). Rank ``r`` receives its slice of ``x``'s last dimension (``in_shard``
-    features, the output of a column-parallel layer or ``x[..., in_range]``) and returns the full,
-    replicated ``y``. The AllReduce of partial products is fused with the GEMM."""
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        comm: Communicator,
-        *,
-        bias: bool = True,
-        dtype: torch.dtype = torch.float32,
-        chunk_config: ChunkConfig | None = None,
-        seed: int = 0,
-    ) -> None:
-        super().__init__()
-        self.comm = comm
-        self.comm_id = register_communicator(comm)
-        self.chunk_config = chunk_config or ChunkConfig()
-        self.in_range, self.weight, self.bias = sharded_linear(
-            in_features, out_features, comm, along="in", bias=bias, dtype=dtype, seed=seed
-        )
-        self._chunks: dict[tuple[int, torch.dtype], int] = {}
-
-    def chunks_for(self, x: torch.Tensor) -> int:
-        """The number of chunks for inputs shaped like ``x`` (measured on first use)."""
-        return gar.cached_chunks(self._chunks, self.comm, x, self.weight, self.chunk_config)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = gemm_all_reduce_op(x, self.weight, self.comm_id, self.chunks_for(x))
-        return y if self.bias is None else y + self.bias
-
-
 class ShardedEmbeddingBag(nn.Module):
     """``T`` pooled embedding tables sharded table-wise (table ``t`` on rank ``t % P``), whose
     lookups for the global batch are fused with the All-to-All that gives each rank every table
@@ -170,7 +136,7 @@ class ShardedEmbeddingBag(nn.Module):
             w = (w * 2 - 1) * bound  # DLRM's init, drawn on the CPU: the same on every device
             tables.append(nn.Parameter(w.to(device=comm.device, dtype=dtype)))
         self.tables = nn.ParameterList(tables)
-        self._chunks: dict[tuple[int, ...], int] = {}
+        self._chunks: dict[tuple[int, ...], Schedule] = {}
 
     def lookup(
         self,
@@ -195,11 +161,14 @@ class ShardedEmbeddingBag(nn.Module):
 
     def chunks_for(
         self, indices: list[torch.Tensor], offsets: list[torch.Tensor], batch_splits: list[int]
-    ) -> int:
+    ) -> Schedule:
+        """The exchange's schedule for this batch layout: the config's, or chosen on first
+        use (``embedding_all_to_all.choose_chunks_for``)."""
         key = tuple(batch_splits)
         if key not in self._chunks:
-            if self.chunk_config.num_chunks is not None:
-                self._chunks[key] = self.chunk_config.num_chunks
+            fixed = self.chunk_config.fixed()
+            if fixed is not None:
+                self._chunks[key] = fixed
             else:
                 spec = torch.empty(
                     (sum(batch_splits), len(self.owner), self.dim), dtype=self.dtype, device="meta"
@@ -239,7 +208,7 @@ class ShardedEmbeddingBag(nn.Module):
             self.dtype,
             self.mode,
             self.comm_id,
-            chunks,
+            *embedding_schedule_args(chunks),
             anchor_for_backward(self.comm.device),
         )
         return out.index_select(1, self.order)

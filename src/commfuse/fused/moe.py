@@ -177,6 +177,7 @@ class ExpertParallelMoE(nn.Module):
             activation,
         )
         self.chunk_config = chunk_config or ChunkConfig()
+        self.chunk_config.require_chunks(type(self).__name__)
         self.experts_per_rank = split_sizes(num_experts, world)
         first = sum(self.experts_per_rank[: comm.rank])
         self.expert_range = (first, first + self.experts_per_rank[comm.rank])

@@ -18,8 +18,11 @@ from typing import Any
 import torch
 
 from commfuse.comm import Communicator
+from commfuse.fused import all_gather_gemm as agg
 from commfuse.fused import embedding_all_to_all as emb
 from commfuse.fused import gemm_all_reduce as gar
+from commfuse.fused import gemm_reduce_scatter as grs
+from commfuse.fused.chunking import BY_TABLE, Schedule
 
 _COMMS: weakref.WeakValueDictionary[int, Communicator] = weakref.WeakValueDictionary()
 _IDS: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()
@@ -93,13 +96,15 @@ def embedding_all_to_all_op(
     mode: str,
     comm_id: int,
     chunks: int,
+    by_table: bool,
     anchor: torch.Tensor,
 ) -> torch.Tensor:
     """Pooled lookups of the local tables for the global batch, exchanged so that each rank gets
     every table for its own samples: ``[B_r, T, D]`` (tables rank-major).
 
     The first eight arguments are the fields of ``emb.ShardedLookup``, in its order, passed one
-    by one because an operator's arguments must be tensors and plain values.
+    by one because an operator's arguments must be tensors and plain values. ``by_table``
+    runs the by-table schedule (``chunks`` is then ignored).
 
     ``anchor`` is any tensor that requires grad when training (``anchor_for_backward()``): a rank
     that owns no table has no other input that does, and without it autograd would skip its
@@ -107,14 +112,21 @@ def embedding_all_to_all_op(
     lookup = emb.ShardedLookup(
         tables, indices, offsets, batch_splits, tables_per_rank, dim, dtype, mode
     )
-    return emb.embedding_all_to_all(communicator(comm_id), lookup, chunks=chunks)
+    schedule: Schedule = BY_TABLE if by_table else chunks
+    return emb.embedding_all_to_all(communicator(comm_id), lookup, chunks=schedule)
 
 
-def _unpack(inputs: tuple[Any, ...]) -> tuple[emb.ShardedLookup, int, int, torch.Tensor]:
+def embedding_schedule_args(chunks: Schedule) -> tuple[int, bool]:
+    """``(chunks, by_table)`` of ``embedding_all_to_all_op`` for a schedule."""
+    return (1, True) if chunks == BY_TABLE else (int(chunks), False)
+
+
+def _unpack(inputs: tuple[Any, ...]) -> tuple[emb.ShardedLookup, int, Schedule, torch.Tensor]:
     """``embedding_all_to_all_op``'s arguments, in its registered order, as (lookup, comm_id,
-    chunks, anchor): its first eight are the lookup's fields, in the lookup's order."""
-    *fields, comm_id, chunks, anchor = inputs
-    return emb.ShardedLookup(*fields), comm_id, chunks, anchor
+    schedule, anchor): its first eight are the lookup's fields, in the lookup's order."""
+    *fields, comm_id, chunks, by_table, anchor = inputs
+    schedule: Schedule = BY_TABLE if by_table else chunks
+    return emb.ShardedLookup(*fields), comm_id, schedule, anchor
 
 
 @embedding_all_to_all_op.register_fake
@@ -159,7 +171,82 @@ def _embedding_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     )
     none = [None] * n
     anchor_grad = grad.new_zeros(ctx.anchor_shape)
-    return grads, none, list(none), None, None, None, None, None, None, None, anchor_grad
+    return grads, none, list(none), None, None, None, None, None, None, None, None, anchor_grad
 
 
 embedding_all_to_all_op.register_autograd(_embedding_backward, setup_context=_embedding_setup)
+
+
+# -- AllGather + GEMM ----------------------------------------------------------------------------
+@torch.library.custom_op("commfuse::all_gather_gemm", mutates_args=())
+def all_gather_gemm_op(
+    x: torch.Tensor, weight: torch.Tensor, splits: list[int], comm_id: int, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(AG(x) @ weight^T, AG(x))``; the second output (the gathered input) has no gradient."""
+    y, gathered = agg.all_gather_gemm(
+        communicator(comm_id), x, weight, splits=list(splits), chunks=chunks
+    )
+    return y, gathered
+
+
+@all_gather_gemm_op.register_fake
+def _all_gather_gemm_fake(
+    x: torch.Tensor, weight: torch.Tensor, splits: list[int], comm_id: int, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = sum(splits)
+    return x.new_empty((rows, weight.shape[0])), x.new_empty((rows, x.shape[1]))
+
+
+def _ag_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    _, weight, splits, comm_id, chunks = inputs
+    ctx.save_for_backward(output[1], weight)
+    ctx.meta = (list(splits), comm_id, chunks)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _ag_backward(ctx: Any, grad_y: torch.Tensor, _grad_gathered: Any) -> tuple[Any, ...]:
+    gathered, weight = ctx.saved_tensors
+    splits, comm_id, chunks = ctx.meta
+    grad_x, grad_w = agg.all_gather_gemm_backward(
+        communicator(comm_id), grad_y, gathered, weight, splits, chunks
+    )
+    return grad_x, grad_w, None, None, None
+
+
+all_gather_gemm_op.register_autograd(_ag_backward, setup_context=_ag_setup)
+
+
+# -- GEMM + ReduceScatter ------------------------------------------------------------------------
+@torch.library.custom_op("commfuse::gemm_reduce_scatter", mutates_args=())
+def gemm_reduce_scatter_op(
+    a: torch.Tensor, weight: torch.Tensor, splits: list[int], comm_id: int, chunks: int
+) -> torch.Tensor:
+    """This rank's rows of ``sum_ranks(a @ weight^T)``."""
+    return grs.gemm_reduce_scatter(
+        communicator(comm_id), a, weight, splits=list(splits), chunks=chunks
+    )
+
+
+@gemm_reduce_scatter_op.register_fake
+def _gemm_reduce_scatter_fake(
+    a: torch.Tensor, weight: torch.Tensor, splits: list[int], comm_id: int, chunks: int
+) -> torch.Tensor:
+    return a.new_empty((splits[communicator(comm_id).rank], weight.shape[0]))
+
+
+def _rs_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    a, weight, splits, comm_id, chunks = inputs
+    ctx.save_for_backward(a, weight)
+    ctx.meta = (list(splits), comm_id, chunks)
+
+
+def _rs_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    a, weight = ctx.saved_tensors
+    splits, comm_id, chunks = ctx.meta
+    grad_a, grad_w = grs.gemm_reduce_scatter_backward(
+        communicator(comm_id), grad, a, weight, splits, chunks
+    )
+    return grad_a, grad_w, None, None, None
+
+
+gemm_reduce_scatter_op.register_autograd(_rs_backward, setup_context=_rs_setup)

@@ -16,14 +16,14 @@ row-parallel one, so each sublayer costs one collective in forward and one in ba
    row-parallel backward is local.
 
 ``fused=True`` runs every AllReduce as the fused GEMM + AllReduce (``RowParallelLinear`` forward,
-``TensorParallelColumnLinear`` backward; chunks chosen by the modules, or ``num_chunks``);
+``ColumnParallelLinear`` backward; chunks chosen by the modules, or ``num_chunks``);
 ``fused=False`` builds the same modules with ``ChunkConfig(num_chunks=1)``: the whole GEMM, then
 gloo's allreduce. Same maths, same bytes (the fused pipeline sends what a ring allreduce does).
 
 Sequence parallelism (``sequence_parallel=True``, Korthikanti et al., arXiv 2205.05198): the
 activations between sublayers are sharded along the sequence, so LayerNorm and the residuals run
 on ``S / P`` rows; each row-parallel output is a ReduceScatter (fused GEMM + ReduceScatter,
-``SequenceParallelRowLinear``) and each column-parallel input an AllGather (fused AllGather +
+``RowParallelLinear``) and each column-parallel input an AllGather (fused AllGather +
 GEMM, ``ColumnParallelLinear``; their backwards are the mirrored fused rings): the AllReduce's
 bytes in two halves. Replicated parameters (LayerNorms, row-parallel biases, the head) then see
 only their rows' gradients, which ``train_step`` sums with one allreduce.
@@ -53,9 +53,8 @@ from torch import nn
 
 from commfuse.comm import Communicator
 from commfuse.fused.chunking import ChunkConfig, shard_range, split_sizes
-from commfuse.fused.modules import RowParallelLinear, full_linear_weight
-from commfuse.fused.sequence_modules import ColumnParallelLinear, SequenceParallelRowLinear
-from commfuse.fused.tensor_parallel import TensorParallelColumnLinear
+from commfuse.fused.linear import ColumnParallelLinear, RowParallelLinear
+from commfuse.fused.modules import full_linear_weight
 from commfuse.workloads.base import batch_generator
 
 
@@ -122,13 +121,13 @@ class TPBlock(nn.Module):
         self.sequence_parallel = options.sequence_parallel
         self.head_dim = d // options.num_heads
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        kw: dict[str, Any] = dict(chunk_config=chunk_config)
-        column: Any = ColumnParallelLinear if self.sequence_parallel else TensorParallelColumnLinear
-        row: Any = SequenceParallelRowLinear if self.sequence_parallel else RowParallelLinear
-        self.qkv = column(d, 3 * d, comm, seed=seed, **kw)
-        self.proj = row(d, d, comm, seed=seed + 1, **kw)
-        self.fc1 = column(d, f, comm, seed=seed + 2, **kw)
-        self.fc2 = row(f, d, comm, seed=seed + 3, **kw)
+        kw: dict[str, Any] = dict(
+            chunk_config=chunk_config, sequence_parallel=self.sequence_parallel
+        )
+        self.qkv = ColumnParallelLinear(d, 3 * d, comm, seed=seed, **kw)
+        self.proj = RowParallelLinear(d, d, comm, seed=seed + 1, **kw)
+        self.fc1 = ColumnParallelLinear(d, f, comm, seed=seed + 2, **kw)
+        self.fc2 = RowParallelLinear(f, d, comm, seed=seed + 3, **kw)
 
     def _linear(self, layer: nn.Module, x: torch.Tensor, splits: list[int]) -> torch.Tensor:
         out: torch.Tensor = layer(x, splits) if self.sequence_parallel else layer(x)
@@ -187,10 +186,10 @@ class TPTransformer(nn.Module):
         sharded: set[int] = set()
         for block in self.blocks:
             assert isinstance(block, TPBlock)
-            for layer in (block.qkv, block.fc1):
-                sharded.update(id(p) for p in layer.parameters())
-            for layer in (block.proj, block.fc2):
-                sharded.add(id(layer.weight))
+            for column in (block.qkv, block.fc1):
+                sharded.update(id(p) for p in column.parameters())
+            for row in (block.proj, block.fc2):
+                sharded.add(id(row.weight))
         return [p for p in self.parameters() if id(p) not in sharded]
 
     def chosen_chunks(self) -> int:

@@ -47,10 +47,13 @@ def register(bench_sub: Subparsers) -> None:
         "seq x batch x d_model x heads x d_ff x layers for --step tp-transformer",
     )
     parser.add_argument(
-        "--chunks",
-        type=int,
-        help="fix the number of chunks (default: cost model); 0: table by table, for "
-        "embedding_all_to_all and --step dlrm",
+        "--chunks", type=int, help="fix the number of chunks, >= 1 (default: cost model)"
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=["by_table"],
+        help="by_table: the embedding exchange table by table instead of chunks "
+        "(embedding_all_to_all and --step dlrm only)",
     )
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per variant (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
@@ -94,6 +97,7 @@ def run_bench_fused(args: argparse.Namespace) -> int:
         "iters": args.repeats,
         "warmup": args.warmup,
         "chunks": args.chunks,
+        "schedule": args.schedule,
         "shapes": parse_shapes(args.shape),
         "emulated": will_emulate(topology, args),
         "control": args.control,

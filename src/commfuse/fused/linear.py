@@ -1,0 +1,302 @@
+"""Megatron's tensor-parallel linear pair, each collective fused with the GEMM beside it.
+
+Megatron-LM (Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models
+Using Model Parallelism", arXiv 1909.08053) splits a transformer's MLP and attention into a
+``ColumnParallelLinear`` (rank ``r`` keeps rows ``out_range`` of the ``[out, in]`` weight: output
+features sharded) followed by a ``RowParallelLinear`` (columns ``in_range``: input features
+sharded, partial products summed over ranks). Per block that is one collective in forward and
+one in backward, which SC24's decomposition (Punniyamurthy, Hamidouche and Beckmann, arXiv
+2305.06942) overlaps with the GEMM that produces or consumes it:
+
+=================  ==========================================  ==========================================
+layer              ``sequence_parallel=False``                 ``sequence_parallel=True`` (Korthikanti
+                                                               et al., arXiv 2205.05198)
+=================  ==========================================  ==========================================
+Column forward     local GEMM on the replicated ``x``          AllGather + GEMM of the sequence shards
+Column backward    GEMM + AllReduce of ``grad_x``              GEMM + ReduceScatter of ``grad_x``
+Row forward        GEMM + AllReduce, replicated output         GEMM + ReduceScatter, sequence shards
+Row backward       local GEMM                                  AllGather + GEMM of ``grad_z``
+=================  ==========================================  ==========================================
+
+The fused operators are ``gemm_all_reduce.py``, ``all_gather_gemm.py`` and
+``gemm_reduce_scatter.py``; the modules only choose how many chunks each one runs in, once per
+input shape: the first call with a new shape measures computation and communication apart (and
+checks that every rank passes compatible shapes) and picks ``k`` from the cost model
+(``fused.chunking``) on times agreed across ranks. ``ChunkConfig(num_chunks=k)`` fixes ``k``
+instead (no measurement, no check); with ``sequence_parallel=True`` the rings have exactly
+``P`` pieces, so any ``k >= 2`` runs the ring and ``k = 1`` the unfused reference.
+
+Sequence-parallel activations are sequence-first (``[S, ...]``, Megatron's ``[s, b, h]``): rank
+``r`` holds rows ``S_r`` of the sequence, every leading dimension after the first is flattened
+into rows, and ``forward(x, splits)`` takes ``S_r`` of every rank (None: equal shards).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from commfuse.comm import Communicator, check_consistent
+from commfuse.fused import all_gather_gemm as agg
+from commfuse.fused import gemm_all_reduce as gar
+from commfuse.fused import gemm_reduce_scatter as grs
+from commfuse.fused.chunking import ChunkConfig, agree_chunks, measure_overhead_us
+from commfuse.fused.modules import sharded_linear
+from commfuse.fused.ops import (
+    all_gather_gemm_op,
+    gemm_all_reduce_op,
+    gemm_reduce_scatter_op,
+    register_communicator,
+)
+from commfuse.fused.sequence_parallel import check_splits
+
+
+class _TensorParallel(nn.Module):
+    """What both layers share: the communicator and its operator handle, the sharded weight,
+    and the number of chunks per input shape."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Communicator,
+        *,
+        along: str,
+        sequence_parallel: bool,
+        bias: bool,
+        dtype: torch.dtype,
+        chunk_config: ChunkConfig | None,
+        seed: int,
+    ) -> None:
+        super().__init__()
+        self.comm = comm
+        self.comm_id = register_communicator(comm)
+        self.sequence_parallel = sequence_parallel
+        self.chunk_config = chunk_config or ChunkConfig()
+        self.chunk_config.require_chunks(type(self).__name__)
+        shard, self.weight, self.bias = sharded_linear(
+            in_features, out_features, comm, along=along, bias=bias, dtype=dtype, seed=seed
+        )
+        if along == "out":
+            self.out_range = shard
+        else:
+            self.in_range = shard
+        self._chunks: dict[tuple[Any, ...], int] = {}
+
+    def _check_splits(self, splits: list[int] | None) -> None:
+        if splits is not None and not self.sequence_parallel:
+            raise ValueError(
+                f"{type(self).__name__}: splits= is for sequence_parallel=True; without "
+                "sequence parallelism every rank holds the whole sequence"
+            )
+
+    def _ring_chunks(
+        self, key: tuple[Any, ...], meta: torch.Tensor, measure: Callable[[], tuple[float, float]]
+    ) -> int:
+        """Chunks of a sequence-parallel ring: ``P`` when the cost model gains at ``k = P``
+        pieces on times agreed across ranks, else 1 (the unfused reference)."""
+        if key not in self._chunks:
+            if self.chunk_config.num_chunks is not None:
+                self._chunks[key] = self.chunk_config.num_chunks
+            else:
+                check_consistent(self.comm, meta, type(self).__name__)
+                with torch.no_grad():
+                    compute_us, comm_us = measure()
+                overhead = self.chunk_config.overhead_us
+                if overhead is None:
+                    overhead = measure_overhead_us(self.comm)
+                world = self.comm.world_size
+                config = ChunkConfig(max_chunks=world, min_gain=self.chunk_config.min_gain)
+                k = agree_chunks(self.comm, compute_us, comm_us, overhead, config, limit=world)
+                self._chunks[key] = world if k > 1 else 1
+        return self._chunks[key]
+
+    def _all_reduce_chunks(self, x: torch.Tensor, weight: torch.Tensor) -> int:
+        """Chunks of the GEMM + AllReduce ``x @ weight^T`` (chosen on first use per shape)."""
+        return gar.cached_chunks(self._chunks, self.comm, x, weight, self.chunk_config)
+
+
+class _ColumnGemm(torch.autograd.Function):
+    """``y = x @ W_r^T`` for a replicated ``x``; backward ``grad_x = sum_r grad_y_r @ W_r`` as the
+    fused GEMM + AllReduce (on ``(grad_y_r, W_r^T)``); the weight gradient is local."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: ColumnParallelLinear
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.module = module
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        module: ColumnParallelLinear = ctx.module
+        rows = math.prod(x.shape[:-1])
+        g2 = grad.reshape(rows, weight.shape[0])
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # the same on every rank: all skip the collective or none
+            w_t = weight.t()  # [in, out_r]: grad_y_r @ (W_r^T)^T, no copy (matmul transposes)
+            grad_x = gar.gemm_all_reduce(
+                module.comm, g2, w_t, chunks=module.chunks_for(g2, w_t)
+            ).reshape(x.shape)
+        grad_w = torch.matmul(g2.t(), x.reshape(rows, x.shape[-1]))
+        return grad_x, grad_w, None
+
+
+class ColumnParallelLinear(_TensorParallel):
+    """``y = x @ W_r^T + b_r``: rank ``r`` keeps rows ``out_range`` of the full ``[out, in]``
+    weight and returns its output features ``[..., out_shard]``.
+
+    Args:
+        in_features, out_features: the full layer's sizes.
+        comm: the tensor-parallel group.
+        sequence_parallel: ``x`` is this rank's sequence shard ``[S_r, ..., in]`` and the layer
+            gathers the sequence (fused AllGather + GEMM; output ``[S, ..., out_shard]``);
+            else ``x`` is replicated and the forward is local.
+        bias, dtype: as ``nn.Linear``'s.
+        chunk_config: how the fused operators choose their chunks (module docstring).
+        seed: every rank draws the same full weight from it (``full_linear_weight``) and keeps
+            its shard, so the model is the single-process one at any world size.
+
+    Raises:
+        ValueError: bad sizes, an input of the wrong shape, ``splits`` that do not match.
+
+    Example::
+
+        col = ColumnParallelLinear(1024, 4096, comm, sequence_parallel=True)
+        h = col(x_shard, splits)  # [S, batch, 4096 / P]
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Communicator,
+        *,
+        sequence_parallel: bool = False,
+        bias: bool = True,
+        dtype: torch.dtype = torch.float32,
+        chunk_config: ChunkConfig | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            in_features,
+            out_features,
+            comm,
+            along="out",
+            sequence_parallel=sequence_parallel,
+            bias=bias,
+            dtype=dtype,
+            chunk_config=chunk_config,
+            seed=seed,
+        )
+
+    def chunks_for(self, grad: torch.Tensor, weight_t: torch.Tensor) -> int:
+        """Chunks of the backward GEMM + AllReduce for gradients shaped like ``grad``
+        (``sequence_parallel=False``; chosen on first use, as ``RowParallelLinear`` chooses its
+        forward's)."""
+        return self._all_reduce_chunks(grad, weight_t)
+
+    def forward(self, x: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:
+        self._check_splits(splits)
+        if not self.sequence_parallel:
+            if x.dim() < 1 or x.shape[-1] != self.weight.shape[1]:
+                raise ValueError(f"x must be [..., {self.weight.shape[1]}], got {tuple(x.shape)}")
+            y: torch.Tensor = _ColumnGemm.apply(x, self.weight, self)  # type: ignore[no-untyped-call]
+            return y if self.bias is None else y + self.bias
+        if x.dim() < 2 or x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(f"x must be [S_r, ..., {self.weight.shape[1]}], got {tuple(x.shape)}")
+        inner = math.prod(x.shape[1:-1])
+        seq = check_splits(self.comm, splits, x.shape[0], local=True)
+        rows = [s * inner for s in seq]
+        x2 = x.reshape(x.shape[0] * inner, x.shape[-1])
+        meta = torch.empty((sum(seq), inner, x.shape[-1]), dtype=x.dtype, device="meta")
+        chunks = self._ring_chunks(
+            (tuple(seq), inner, x.dtype),
+            meta,
+            lambda: agg.measure_all_gather_gemm(self.comm, x2, self.weight, rows),
+        )
+        y, _ = all_gather_gemm_op(x2, self.weight, rows, self.comm_id, chunks)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(sum(seq), *x.shape[1:-1], self.weight.shape[0])
+
+
+class RowParallelLinear(_TensorParallel):
+    """``y = sum_r x_r @ W[:, in_range_r]^T + b``: rank ``r`` keeps columns ``in_range`` of the
+    full weight and receives its slice of ``x``'s last dimension (the output of a
+    ``ColumnParallelLinear``, or ``x[..., in_range]``).
+
+    Args:
+        in_features, out_features, comm, bias, dtype, chunk_config, seed: as
+            ``ColumnParallelLinear``'s.
+        sequence_parallel: the sum is reduce-scattered along the sequence (fused GEMM +
+            ReduceScatter; ``forward(x, splits)`` with ``x`` ``[S, ..., in_shard]`` returns
+            ``[S_r, ..., out]``, ``S_r`` from ``splits`` or the sequence split as evenly as
+            possible, larger shards first); else it is all-reduced (fused GEMM + AllReduce)
+            and every rank gets the full, replicated ``y``.
+
+    Raises:
+        ValueError: bad sizes, an input of the wrong shape, ``splits`` that do not match.
+
+    Example::
+
+        row = RowParallelLinear(4096, 1024, comm)
+        y = row(h)  # [..., 1024] on every rank
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Communicator,
+        *,
+        sequence_parallel: bool = False,
+        bias: bool = True,
+        dtype: torch.dtype = torch.float32,
+        chunk_config: ChunkConfig | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            in_features,
+            out_features,
+            comm,
+            along="in",
+            sequence_parallel=sequence_parallel,
+            bias=bias,
+            dtype=dtype,
+            chunk_config=chunk_config,
+            seed=seed,
+        )
+
+    def chunks_for(self, x: torch.Tensor) -> int:
+        """The number of chunks of the forward GEMM + AllReduce for inputs shaped like ``x``
+        (``sequence_parallel=False``; measured on first use)."""
+        return self._all_reduce_chunks(x, self.weight)
+
+    def forward(self, x: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:
+        self._check_splits(splits)
+        if not self.sequence_parallel:
+            y: torch.Tensor = gemm_all_reduce_op(x, self.weight, self.comm_id, self.chunks_for(x))
+            return y if self.bias is None else y + self.bias
+        if x.dim() < 2 or x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(f"a must be [S, ..., {self.weight.shape[1]}], got {tuple(x.shape)}")
+        inner = math.prod(x.shape[1:-1])
+        seq = check_splits(self.comm, splits, x.shape[0], local=False)
+        rows = [s * inner for s in seq]
+        a2 = x.reshape(x.shape[0] * inner, x.shape[-1])
+        meta = torch.empty((sum(seq), inner, self.weight.shape[0]), dtype=x.dtype, device="meta")
+        chunks = self._ring_chunks(
+            (tuple(seq), inner, x.dtype),
+            meta,
+            lambda: grs.measure_gemm_reduce_scatter(self.comm, a2, self.weight, rows),
+        )
+        z: torch.Tensor = gemm_reduce_scatter_op(a2, self.weight, rows, self.comm_id, chunks)
+        if self.bias is not None:
+            z = z + self.bias
+        return z.reshape(seq[self.comm.rank], *x.shape[1:-1], self.weight.shape[0])
