@@ -45,35 +45,36 @@ Body = Callable[[str, AlgorithmFn, dict[str, Any]], None]
 def _call(
     comm: Communicator,
     collective: str,
+    body: Body,
+    tensor: torch.Tensor,
     *,
     algo: str,
     async_op: bool,
     opts: dict[str, Any],
-    consistent: torch.Tensor | None,
-    trivial: bool,
-    local: Callable[[], object] | None,
-    sized: torch.Tensor,
-    handed: torch.Tensor,
-    body: Body,
+    sized: torch.Tensor | None = None,
+    empty: bool | None = None,
+    local: Callable[[], object] | None = None,
+    same_on_every_rank: bool = True,
 ) -> Handle | None:
     """Steps 1 (the shared part) to 5 of the module docstring, for arguments the caller has
-    validated. ``consistent``: the tensor every rank must agree on (None: ranks may differ);
-    ``trivial``: no communication is needed, ``local`` (if any) then gives the result;
-    ``sized``: the buffer whose bytes the tuner sizes by; ``handed``: the buffer counted."""
+    validated. ``tensor`` is this rank's buffer: counted as handed, checked against the other
+    ranks' (unless ``same_on_every_rank`` is false) and, unless ``sized`` is given, what the
+    tuner sizes the message by. ``empty`` (default: ``tensor`` has no element) or a world of
+    one needs no communication; ``local`` then gives the result."""
     table = algorithms_for(collective)
     if algo != "auto" and resolve(collective, algo) not in table:
         raise ValueError(
             f"unknown {collective} algorithm {algo!r}: use auto or one of {', '.join(sorted(table))}"
         )
-    if consistent is not None and comm.config.validate:
-        check_consistent(comm, consistent, collective)
-    if trivial:
+    if same_on_every_rank and comm.config.validate:
+        check_consistent(comm, tensor, collective)
+    if comm.world_size == 1 or (tensor.numel() == 0 if empty is None else empty):
         if local is not None:
             local()
         return Handle.completed(op=collective) if async_op else None
-    name, opts = _pick(comm, collective, algo, nbytes_of(sized), opts)
+    name, opts = _pick(comm, collective, algo, nbytes_of(tensor if sized is None else sized), opts)
     if name != "native":
-        comm.stats[label(collective, name)].handed_bytes += nbytes_of(handed)
+        comm.stats[label(collective, name)].handed_bytes += nbytes_of(tensor)
     fn = table[name]
 
     def run() -> None:
@@ -146,19 +147,7 @@ def all_reduce(
         if name != "native":
             finish_(target, op, comm.world_size)
 
-    return _call(
-        comm,
-        "all_reduce",
-        algo=algo,
-        async_op=async_op,
-        opts=opts,
-        consistent=tensor,
-        trivial=comm.world_size == 1 or target.numel() == 0,
-        local=None,
-        sized=target,
-        handed=target,
-        body=body,
-    )
+    return _call(comm, "all_reduce", body, target, algo=algo, async_op=async_op, opts=opts)
 
 
 def broadcast(
@@ -180,19 +169,15 @@ def broadcast(
     def body(name: str, fn: AlgorithmFn, options: dict[str, Any]) -> None:
         fn(comm, tensor.view(-1), root, **options)
 
-    return _call(
-        comm,
-        "broadcast",
-        algo=algo,
-        async_op=async_op,
-        opts=opts,
-        consistent=tensor,
-        trivial=comm.world_size == 1 or tensor.numel() == 0,
-        local=None,
-        sized=tensor,
-        handed=tensor,
-        body=body,
-    )
+    return _call(comm, "broadcast", body, tensor, algo=algo, async_op=async_op, opts=opts)
+
+
+def _check_root(comm: Communicator, root: int) -> None:
+    """The root of ``broadcast`` and ``reduce`` must be a rank of ``comm``."""
+    if not 0 <= root < comm.world_size:
+        raise ValueError(
+            f"root={root} is not a rank of group {comm.name!r} (size {comm.world_size})"
+        )
 
 
 def reduce(
@@ -218,19 +203,7 @@ def reduce(
         if name != "native" and comm.rank == root:
             finish_(tensor, op, comm.world_size)
 
-    return _call(
-        comm,
-        "reduce",
-        algo=algo,
-        async_op=async_op,
-        opts=opts,
-        consistent=tensor,
-        trivial=comm.world_size == 1 or tensor.numel() == 0,
-        local=None,
-        sized=tensor,
-        handed=tensor,
-        body=body,
-    )
+    return _call(comm, "reduce", body, tensor, algo=algo, async_op=async_op, opts=opts)
 
 
 def all_gather(
@@ -256,15 +229,13 @@ def all_gather(
     return _call(
         comm,
         "all_gather",
+        body,
+        inp,
         algo=algo,
         async_op=async_op,
         opts=opts,
-        consistent=inp,
-        trivial=comm.world_size == 1 or inp.numel() == 0,
-        local=lambda: out.view(-1).copy_(inp.view(-1)),
         sized=out,
-        handed=inp,
-        body=body,
+        local=lambda: out.view(-1).copy_(inp.view(-1)),
     )
 
 
@@ -295,15 +266,13 @@ def reduce_scatter(
     return _call(
         comm,
         "reduce_scatter",
+        body,
+        inp,
         algo=algo,
         async_op=async_op,
         opts=opts,
-        consistent=inp,
-        trivial=comm.world_size == 1 or out.numel() == 0,
+        empty=out.numel() == 0,
         local=lambda: out.view(-1).copy_(inp.view(-1)),
-        sized=inp,
-        handed=inp,
-        body=body,
     )
 
 
@@ -375,15 +344,14 @@ def all_to_all(
     return _call(
         comm,
         "all_to_all",
+        body,
+        inp,
         algo=algo,
         async_op=async_op,
         opts=opts,
-        consistent=None,  # ranks may send different amounts
-        trivial=world == 1,
+        empty=False,  # a world of one is the only fast path: ranks may send nothing
         local=lambda: out.copy_(inp),
-        sized=inp,
-        handed=inp,
-        body=body,
+        same_on_every_rank=False,  # ranks may send different amounts
     )
 
 
@@ -404,11 +372,4 @@ def _check_world_multiple(
         raise ValueError(
             f"{whole_name} must hold world_size x {part_name} = {world} x {part.numel()} "
             f"{part.dtype} elements, got {whole.numel()} {whole.dtype}"
-        )
-
-
-def _check_root(comm: Communicator, root: int) -> None:
-    if not 0 <= root < comm.world_size:
-        raise ValueError(
-            f"root={root} is not a rank of group {comm.name!r} (size {comm.world_size})"
         )

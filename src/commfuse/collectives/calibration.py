@@ -47,9 +47,9 @@ _LARGE_BYTES = 4 << 20
 
 def _ping_pong(comm: Communicator, a: int, b: int, nbytes: int, reps: int) -> float:
     """Fastest one-way time between group ranks a and b (other ranks return 0). The fastest,
-    not the median: with 4 ranks on 2 cores, a tiny ping-pong can wait 2-5 ms for a core in
-    most runs (a median alpha of 1.9 ms once, against 55-110 us in other calibrations), and
-    alpha is meant to be the link's latency; the corrections price in the waiting."""
+    not the median: with more ranks than cores, a tiny ping-pong can wait milliseconds for a
+    core in most runs, and alpha is meant to be the link's latency; the corrections price in
+    the waiting."""
     buf = torch.zeros(max(1, nbytes // 4), device=comm.device)
     times = []
     for _ in range(reps):

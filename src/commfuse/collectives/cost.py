@@ -69,7 +69,7 @@ def lp_all_reduce(n: int, p: int, c: LinkCost, block_bytes: int | None = None) -
     """Pipelined reduce then broadcast, overlapped: about one reduce plus P - 1 more block steps.
 
     This holds for a chain of separate links. Where each rank has one link (one NIC per host,
-    as on the emulated cluster), see ``lp_all_reduce_one_link``."""
+    as on netlab's emulated hosts), see ``lp_all_reduce_one_link``."""
     if p <= 1:
         return 0.0
     b = block_bytes or lp_best_block_bytes(n, p, c)
@@ -80,8 +80,7 @@ def lp_all_reduce_one_link(n: int, p: int, c: LinkCost, block_bytes: int | None 
     """LP all-reduce when each rank's two outgoing streams share its one link: a middle rank
     sends partial block i toward the head and finished block j away from it in the same step,
     so its link carries 2n bytes, not n. With P = 2 each end sends one stream only.
-    ``(2(P - 1) + n/b)(alpha + 2 b beta) + n gamma`` (the tuner measured 1.6x the separate-link
-    model at 16 MB on 4 emulated hosts)."""
+    ``(2(P - 1) + n/b)(alpha + 2 b beta) + n gamma``."""
     if p <= 2:
         return lp_all_reduce(n, p, c, block_bytes)
     b = block_bytes or lp_best_block_bytes(n, p, c)
@@ -99,8 +98,7 @@ def gloo_broadcast(n: int, p: int, c: LinkCost) -> float:
     data posts its sends to all its children at once, so they share its link. The root's
     L = ceil(lg P) children all finish after L n beta; the first of them then feeds its L - 1
     children, and so on down the deepest chain (virtual ranks 0, 1, 3, 7, ...):
-    L alpha + L(L + 1)/2 n beta. For 4 ranks, 3 n beta, which is what gloo's broadcast of
-    2-16 MB takes on the emulated cluster (a sequential tree's 2 n beta was 16-21% short)."""
+    L alpha + L(L + 1)/2 n beta. For 4 ranks, 3 n beta, against a sequential tree's 2 n beta."""
     levels = _lg(p)
     return levels * c.alpha_s + levels * (levels + 1) / 2 * n * c.beta_s_per_byte
 

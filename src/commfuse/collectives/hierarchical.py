@@ -29,14 +29,14 @@ host link), ``rs + x + ag + (C - 1) max(x, rs + ag)``, where
 ``x = 2(H-1) alpha_e + 2((H-1)/H) m beta_e + ((H-1)/H)(m/L) gamma``. For large n it tends to
 ``2((H-1)/H) n beta_e``, against ``2((P-1)/P) n beta_e`` for the flat ring.
 
-**Tuning** (2 emulated hosts x 2 ranks, 1 Gbit/s links, 2-core machine, float32, A B A B
-medians against gloo's ring): 16 MB 147-159 ms against 207-213 ms (1.34-1.41x; the link alone
-takes 134 ms, the cross-host step alone 140-148 ms), 64 MB 1.45x, 1 MB 1.08x. 2 MB chunks beat
-4 or 6 (150-153 ms) and 12 or 16 (146-150 ms) at 16 MB, and 32 chunks beat 16 and 8 at 64 MB.
-1 MiB host messages (``HOST_SEGMENT_BYTES``) beat the ring's 128 KiB (152 ms): loopback has no
-shaper, and fewer messages leave more CPU to the cross-host traffic. Two chunks in flight across
-hosts, or halved first and last chunks, did not help. On 4 hosts x 2 ranks, 8 ranks' loopback
-copies saturate the 2 cores (host phases alone take 145 ms) and 2D runs 0.95x of gloo's ring.
+**Tuning.** More chunks hide more of the cross-host step but pay ``C`` times the host phases'
+latency; the default sizes chunks so that each cross-host ring step moves about
+``CHUNK_BYTES_PER_RANK`` per rank. Host messages are larger than the ring's segments
+(``HOST_SEGMENT_BYTES``): loopback has no shaper, and fewer messages leave more CPU to the
+cross-host traffic. Where the ranks of a host share few cores, the host phases' copies can cost
+more than the host links save; the tuner measures that (``commfuse tune``) and keeps gloo's ring
+there. The measurements behind these defaults are in
+``benchmarks/notes_from_docstrings_fused.md``.
 
 **Allreduce, leader** (a reduce/broadcast name as ``intra_algo``, e.g. ``"tree"``; Jia et al.,
 "Highly Scalable Deep Learning Training System with Mixed-Precision", arXiv 1807.11205): reduce
@@ -46,10 +46,10 @@ tiny buffers, but one rank per host drives the link and nothing overlaps.
 **Broadcast** from root r on host h with local rank l: among the ranks of local rank l from host
 h (``inter_algo``, default ``"pipeline"``), then inside every host (``intra_algo``, ``"tree"``).
 
-Layout: ``ranks_per_host`` (L) from the option, else ``LOCAL_WORLD_SIZE`` (the launcher's
-torchrun contract), else 1; ranks are host-major. With L = 1 or L = P there is one level: the
+Layout: ``ranks_per_host`` (L) from the option, else ``CommConfig.ranks_per_host`` (filled from
+the launcher's ``LOCAL_WORLD_SIZE`` at rank start-up), else 1; ranks are host-major. With L = 1 or L = P there is one level: the
 flat ``inter_algo`` runs on the whole group. Sub-groups are created once per (communicator, L)
-and cached (creating a process group is itself a collective); their traffic is charged to the
+and kept on the communicator (``HostGroups``: creating a process group is itself a collective); their traffic is charged to the
 caller's ``stats[label(collective, "hierarchical")]``.
 """
 

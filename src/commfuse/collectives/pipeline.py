@@ -58,10 +58,9 @@ _TAG_AWAY_FROM_HEAD = 12
 
 #: The cost of one block step beyond its bytes, for the default block size: a block costs a
 #: Python-level isend/irecv pair, gloo's handshake and a wake-up of the forwarding rank, far more
-#: than the wire's latency. ``commfuse tune`` fits it per collective (``pipeline_alpha_s``:
-#: 0.6-1.5 ms on 4 emulated hosts); untuned, 0.5 ms. Measured on 8 emulated hosts at 1 Gbit/s,
-#: 16 MB broadcast, median of 5: 128 KiB blocks 313 ms, 173 KiB (the wire's 100 us alpha)
-#: 202 ms, 256 KiB 197 ms, 512 KiB 172 ms, 1 MiB 191 ms.
+#: than the wire's latency. ``commfuse tune`` fits it per collective (``pipeline_alpha_s``);
+#: untuned, this value, which sized blocks near the best of a sweep of block sizes
+#: (``benchmarks/notes_from_docstrings_fused.md``).
 PIPELINE_BLOCK_ALPHA_S = 0.5e-3
 
 

@@ -17,19 +17,18 @@ all-reduce ``2(P-1) alpha + 2((P-1)/P) n beta + ((P-1)/P) n gamma``; reduce-scat
 all-gather are one phase each, ``(P-1) alpha + ((P-1)/P) n beta`` (+ ``gamma`` for the former).
 Every rank sends exactly the blocks it forwards: 2(P-1) blocks for all-reduce, P-1 otherwise.
 
-**Pipelining.** An unpipelined ring idles the link while it reduces (DESIGN.md measured a naive
-Python ring at 0.078 GB/s against gloo's 0.121 GB/s on a 0.125 GB/s link). Here each block is
+**Pipelining.** An unpipelined ring idles the link while it reduces (DESIGN.md compares a
+naive Python ring with gloo's). Here each block is
 cut into ``num_segments`` segments and the steps are chained per segment: as soon as segment j of
 step s is received and reduced it is sent on as segment j of step s + 1, while segments j + 1 ...
 of step s are still arriving. The receives of a step are posted before its sends and before any
 reduction of the previous step's later segments, so the link always has data queued.
 
-Tuning: by default segments are at most ``SEGMENT_BYTES`` (128 KiB). Measured on 4 emulated hosts
-with 1 Gbit/s links (4, 16 and 64 MB all-reduces; 16 MB on plain loopback too), 128 KiB segments
-ran within a few percent of gloo's own ring, 64 KiB a little slower (Python cost per message),
-while 256-512 KiB segments ran 1.5-3x slower and unsegmented 1-16 MB blocks 5-95% slower. The
-cause lies in gloo's TCP transport and was not pinned down: re-measure before changing this. ``num_segments=1`` is the textbook ring, fewest messages, best for small
-buffers; the default gives them one segment anyway.
+Tuning: by default segments are at most ``SEGMENT_BYTES`` (128 KiB). Smaller segments pay
+Python's cost per message; larger ones, and unsegmented blocks, ran markedly slower over gloo's
+TCP transport (``benchmarks/notes_from_docstrings_fused.md``): re-measure before changing it.
+``num_segments=1`` is the textbook ring, fewest messages, best for small buffers; the default
+gives them one segment anyway.
 """
 
 from __future__ import annotations

@@ -16,12 +16,11 @@ Calibration (``calibrate``) runs on every rank of the cluster it describes:
    median, and for the others native's median times their median ratio to native, run by run,
    with its standard error (``_paired_medians``).
 
-Why step 5: the pure alpha-beta-gamma models rank algorithms wrongly on real machines. On 4
-hosts x 1 rank at 1 Gbit/s they put Rabenseifner ahead of gloo's ring for large all-reduces,
-where it is 8% slower; they price gloo's 64 KB all-reduce at 1.1 ms, where it takes 5.6 ms (5x),
-while at 16 MB the same model is only 11% low. One affine map ``measured = a + k * model``
-cannot hold both (fitted on 1 MB and 16 MB it says 2.0 ms at 64 KB), so each (collective,
-algorithm) gets a piecewise ``Correction``: the ratio measured / model at each calibration
+Why step 5: the pure alpha-beta-gamma models (Hockney; Thakur, Rabenseifner and Gropp, IJHPCA
+2005) rank algorithms wrongly on real machines: they miss per-message software costs, CPU
+contention and the transport's quirks, by factors at small sizes and by a little at large ones
+(``benchmarks/notes_from_docstrings_fused.md``). One affine map ``measured = a + k * model``
+cannot hold both ends, so each (collective, algorithm) gets a piecewise ``Correction``: the ratio measured / model at each calibration
 size, interpolated linearly in log(size) between them and held constant beyond the ends (both
 time and model become affine in the size there, so the ratio settles). The model still gives
 the shape between calibration points and the choice of block size; the ratios pin it to what
@@ -33,7 +32,7 @@ Selection must agree on all ranks, or they would run different algorithms and de
 rank 0's alpha/beta/gamma are broadcast, the measured table is made identical by a max over
 ranks before anything is fitted, and ``choose`` reads nothing rank-local: only the profile
 (identical everywhere), the message size and the group size. Without a profile it uses
-defaults from the link rate the launcher exports (COMMFUSE_LINK_MBIT), identical on every rank.
+defaults from ``CommConfig.link_mbit`` and ``ranks_per_host``, identical on every rank.
 Predictions within ``NEAR_TIE`` of native's, after adding their standard error, go to native:
 a difference that small is within the noise of these measurements, and native is the safe
 default.
@@ -56,7 +55,7 @@ from commfuse.comm import Communicator
 
 #: Message sizes (bytes, nccl-tests' S) that calibration times every algorithm at: every 4x, and
 #: every 2x from 64 KB to 1 MB, where the pipeline, recursive doubling and gloo's ring hand over
-#: to each other at 1 Gbit/s (interpolating over 64-256 KB once put a 13% loss at 128 KB).
+#: to each other (interpolating over a wider gap there misplaced the hand-over).
 CALIBRATION_SIZES: tuple[int, ...] = (
     4 << 10,
     16 << 10,
@@ -69,9 +68,9 @@ CALIBRATION_SIZES: tuple[int, ...] = (
     16 << 20,
 )
 #: Up to this size calibration times ``SMALL_REPS_FACTOR`` times as many runs: small messages cost
-#: little, and their times are bimodal (a 4-6 ms scheduler delay in a third of the runs when 4
-#: ranks share 2 cores), so a median of 5 is a coin toss between the modes; at 1 MB several
-#: all-reduces are within 5% of each other.
+#: little, and their times can be bimodal (a scheduler delay in some of the runs when ranks
+#: share cores), so a median of 5 can fall in either mode; near 1 MB several all-reduces are
+#: close to each other.
 SMALL_BYTES_MAX = 1 << 20
 SMALL_REPS_FACTOR = 3
 #: An algorithm must be predicted more than this much faster than native to be chosen.
@@ -206,9 +205,8 @@ class Profile:
     pipeline_alpha_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Per collective, our pipeline's cost per block beyond the bytes (Python, thread wake-ups,
     the reduction's bookkeeping), fitted from its calibration runs. A ping-pong's alpha is a
-    fraction of it (on 4 hosts x 1 rank at 1 Gbit/s: 0.09 ms against 1-2 ms for the all-reduce
-    pipeline), and blocks sized by that alpha were 1.7x slower there (64 KB blocks at 4 MB:
-    133 ms against 78 ms with 256 KB). It sets the pipelines' block size and model."""
+    fraction of it, and blocks sized by that alpha come out too small and slow. It sets the
+    pipelines' block size and model."""
 
     @property
     def world_size(self) -> int:
@@ -302,8 +300,8 @@ class TunerState:
     def __init__(self, comm: Communicator) -> None:
         self.profile: Profile | None = None
         self.choices: dict[tuple[str, int], str] = {}
-        """``(collective, nbytes) -> algorithm``: evaluating every model costs ~0.1-0.2 ms, a
-        lot beside a 4 KB message."""
+        """``(collective, nbytes) -> algorithm``: evaluating every model costs a fraction of a
+        millisecond, a lot beside a small message."""
 
 
 def set_profile(comm: Communicator, profile: Profile) -> None:

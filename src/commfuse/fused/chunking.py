@@ -12,8 +12,7 @@ With compute time ``C`` and communication time ``M`` for the whole operator, and
 2. ``dT/dk = 0`` gives ``k* = sqrt(min(C, M) / o)``; the integer neighbours are compared.
 3. ``k = 1`` is the unfused operator (``T = C + M``). Chunking is chosen only when the model
    predicts it saves at least ``min_gain`` of the unfused time, so the operator falls back to one
-   chunk when one side is negligible or the per-chunk overhead eats the gain (the issue's "never
-   more than 3% slower than unfused").
+   chunk when one side is negligible or the per-chunk overhead eats the gain.
 
 Every rank must cut the same number of chunks (each chunk is a collective), so the measured times
 are agreed with one tiny all-reduce (max over ranks) before ``k`` is chosen (``agree_chunks``).

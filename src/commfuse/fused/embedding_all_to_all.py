@@ -15,16 +15,16 @@ Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, section 4
    different peer at each step, as in a pairwise exchange, so no link receives from two at once.
 3. The local block is computed last: it never travels, so it hides the last transfers.
 
-By table (``chunks=BY_TABLE``, ``ChunkConfig(schedule="by_table")``). Cutting the *samples* into pieces makes every piece look up
-every table again: with tables larger than the caches the lookups of 12 pieces took 1.5x those
-of one pass (8 tables of 20000 x 64, 64 ids per bag, one thread: 33 vs 22 ms), which ate the
-overlap. The other cut is by *table*: look up one table for the whole global batch (one
+By table (``chunks=BY_TABLE``, ``ChunkConfig(schedule="by_table")``). Cutting the *samples*
+into pieces makes every piece look up every table again: with tables larger than the caches the
+lookups of many pieces cost far more than one pass, which eats the overlap. The other cut is by
+*table*: look up one table for the whole global batch (one
 ``EmbeddingBag`` call, its rows hot in cache), send each destination its contiguous slice of
 that column at once, and go on to the next table while they travel; the receiver puts table
 ``t`` of rank ``j`` in place as it lands. ``T_r`` messages per destination instead of
-``pieces``; the same bytes; the same sums, so the same output bit for bit. Measured on 4 hosts
-at 1 Gbit/s (4096 samples, 32 tables of 20000 x 64, forward): 0.82 of unfused at 64 ids per
-bag, where the sample cut measured 1.00; 0.85 at 16 (0.91); at 4 ids per bag both ~0.93.
+``pieces``; the same bytes; the same sums, so the same output bit for bit. It pays most with
+many ids per bag (the lookups dominate); with few, both cuts overlap alike
+(``benchmarks/notes_from_docstrings_fused.md``).
 
 Layout. Rank ``r`` passes, for each of its tables ``t``, EmbeddingBag inputs for the global batch:
 ``indices[t]`` (1-D int64) and ``offsets[t]`` (``B`` starts, no trailing end). ``batch_splits``

@@ -4,10 +4,9 @@
 ``k = 1`` and ``k > 1``. That is only true when the fused pipeline and the unfused operator move
 their bytes the same way. They do not here: the unfused reference calls gloo's own collective
 (its ring all-reduce, its ``all_to_all_single``), while the fused pipelines post point-to-point
-messages (``direct_all_reduce.py`` says why). Measured on the emulated cluster (4 hosts at
-1 Gbit/s, a shared 2-core machine) the point-to-point form of an all-reduce can be slower than
-gloo's, so a model fed gloo's ``M`` chunked GEMM + AllReduce where the fused operator then ran
-up to 1.24x slower than unfused.
+messages (``direct_all_reduce.py`` says why). Where the ranks share few cores the point-to-point
+form of an all-reduce can be slower than gloo's, so a model fed gloo's ``M`` chunks where the
+fused operator then runs slower than unfused (``benchmarks/notes_from_docstrings_fused.md``).
 
 The choice made here, in three steps:
 
@@ -22,8 +21,8 @@ The choice made here, in three steps:
    ``trial_runs`` times each, interleaved, and keep ``k`` only if the fused median (slowest rank)
    is at most ``1 - min_gain`` of the unfused median. On a loaded machine the model's inputs are
    noisy and the overlap itself can fail (two ranks' matmuls competing for one core), so the
-   measured comparison is the last word: the fallback guards the issue's "never more than 3%
-   slower than unfused".
+   measured comparison is the last word: fusion must never make an operator measurably slower
+   than unfused.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, section 4
 AllReduce being a ReduceScatter followed by an AllGather:
 
 * **Rows (a GEMM; at least P rows).** The rows are cut into ``g`` groups. Each group runs the
-  fused GEMM + ReduceScatter ring of ``sequence_parallel.py``: the group's rows are P blocks,
+  fused GEMM + ReduceScatter ring of ``gemm_reduce_scatter.py``: the group's rows are P blocks,
   and at ring step ``s`` this rank computes its partial of block ``r - 1 - s`` while the running
   sum of that block arrives from ``r - 1``, adds it and sends it on; after P steps it holds the
   full sum of its own block. It then posts that block to every other rank and the receives of
@@ -20,10 +20,10 @@ AllReduce being a ReduceScatter followed by an AllGather:
   reduced by ``DirectAllReduce`` (a direct reduce-scatter, then a direct all-gather) while the
   next block is computed.
 
-Why the ring for rows: measured on the emulated cluster (4 hosts at 1 Gbit/s, 2 shared cores,
-1024 x 8192 x 512, C = 24 ms, M = 25 ms): the ring + gather path took 0.91-0.93 of the unfused
-time where the direct reduce-scatter path, whose all-gather of piece ``i`` can only be posted
-after the next piece's GEMM, took 1.05-1.10 (no overlap at all).
+Why the ring for rows: in the direct reduce-scatter path the all-gather of piece ``i`` can only
+be posted after the next piece's GEMM, which leaves nothing to overlap it with; the ring's
+reduce-scatter steps overlap the GEMM of the block at hand (the comparison is in
+``benchmarks/notes_from_docstrings_fused.md``).
 
 Bytes: each rank sends ``2 (P - 1) / P`` of the output, what a ring all-reduce of the unfused
 output sends (``sent_bytes``). Sums: every block is summed once, by one rank, and sent to all,

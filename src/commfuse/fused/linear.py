@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -54,10 +54,15 @@ from commfuse.fused.ops import (
 )
 from commfuse.fused.sequence_parallel import check_splits
 
+#: ``(compute_us, comm_us)`` of one unfused run of a sequence-parallel ring's operator.
+Measure = Callable[[Communicator, torch.Tensor, torch.Tensor, list[int]], tuple[float, float]]
+
 
 class _TensorParallel(nn.Module):
-    """What both layers share: the communicator and its operator handle, the sharded weight,
-    and the number of chunks per input shape."""
+    """What both layers share: the communicator and its operator handle, the sharded weight
+    (``_along``: the features it is sharded on), and the number of chunks per input shape."""
+
+    _along: ClassVar[str]
 
     def __init__(
         self,
@@ -65,14 +70,14 @@ class _TensorParallel(nn.Module):
         out_features: int,
         comm: Communicator,
         *,
-        along: str,
-        sequence_parallel: bool,
-        bias: bool,
-        dtype: torch.dtype,
-        chunk_config: ChunkConfig | None,
-        seed: int,
+        sequence_parallel: bool = False,
+        bias: bool = True,
+        dtype: torch.dtype = torch.float32,
+        chunk_config: ChunkConfig | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
+        along = self._along
         self.comm = comm
         self.comm_id = register_communicator(comm)
         self.sequence_parallel = sequence_parallel
@@ -94,18 +99,46 @@ class _TensorParallel(nn.Module):
                 "sequence parallelism every rank holds the whole sequence"
             )
 
+    def _sequence_input(
+        self, x: torch.Tensor, splits: list[int] | None, *, local: bool
+    ) -> tuple[list[int], int, list[int], torch.Tensor]:
+        """``(splits, inner, rows, x2)`` of a sequence-first input: the sequence rows per rank,
+        the elements of the dimensions between the sequence and the features, the rows per
+        rank once those are flattened into rows, and ``x`` as ``[rows, features]``. ``local``:
+        ``x`` is this rank's shard (else the whole sequence)."""
+        if x.dim() < 2 or x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(
+                f"x must be [{'S_r' if local else 'S'}, ..., {self.weight.shape[1]}], "
+                f"got {tuple(x.shape)}"
+            )
+        inner = math.prod(x.shape[1:-1])
+        seq = check_splits(self.comm, splits, x.shape[0], local=local)
+        rows = [s * inner for s in seq]
+        return seq, inner, rows, x.reshape(x.shape[0] * inner, x.shape[-1])
+
     def _ring_chunks(
-        self, key: tuple[Any, ...], meta: torch.Tensor, measure: Callable[[], tuple[float, float]]
+        self,
+        seq: list[int],
+        inner: int,
+        dtype: torch.dtype,
+        width: int,
+        measure: Measure,
+        x2: torch.Tensor,
+        rows: list[int],
     ) -> int:
-        """Chunks of a sequence-parallel ring: ``P`` when the cost model gains at ``k = P``
-        pieces on times agreed across ranks, else 1 (the unfused reference)."""
+        """Chunks of a sequence-parallel ring for a sequence of ``seq`` rows per rank (``width``
+        features on the side every rank agrees on): ``P`` when the cost model gains at
+        ``k = P`` pieces on the times ``measure(comm, x2, weight, rows)`` gives, agreed across
+        ranks, else 1 (the unfused reference)."""
+        key = (tuple(seq), inner, dtype)
         if key not in self._chunks:
             if self.chunk_config.num_chunks is not None:
                 self._chunks[key] = self.chunk_config.num_chunks
             else:
+                meta = torch.empty((sum(seq), inner, width), dtype=dtype, device="meta")
                 check_consistent(self.comm, meta, type(self).__name__)
                 with torch.no_grad():
-                    compute_us, comm_us = measure()
+                    compute_us, comm_us = measure(self.comm, x2, self.weight, rows)
                 overhead = self.chunk_config.overhead_us
                 if overhead is None:
                     overhead = measure_overhead_us(self.comm)
@@ -172,29 +205,7 @@ class ColumnParallelLinear(_TensorParallel):
         h = col(x_shard, splits)  # [S, batch, 4096 / P]
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        comm: Communicator,
-        *,
-        sequence_parallel: bool = False,
-        bias: bool = True,
-        dtype: torch.dtype = torch.float32,
-        chunk_config: ChunkConfig | None = None,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(
-            in_features,
-            out_features,
-            comm,
-            along="out",
-            sequence_parallel=sequence_parallel,
-            bias=bias,
-            dtype=dtype,
-            chunk_config=chunk_config,
-            seed=seed,
-        )
+    _along = "out"
 
     def chunks_for(self, grad: torch.Tensor, weight_t: torch.Tensor) -> int:
         """Chunks of the backward GEMM + AllReduce for gradients shaped like ``grad``
@@ -209,18 +220,9 @@ class ColumnParallelLinear(_TensorParallel):
                 raise ValueError(f"x must be [..., {self.weight.shape[1]}], got {tuple(x.shape)}")
             y: torch.Tensor = _ColumnGemm.apply(x, self.weight, self)  # type: ignore[no-untyped-call]
             return y if self.bias is None else y + self.bias
-        if x.dim() < 2 or x.shape[-1] != self.weight.shape[1]:
-            raise ValueError(f"x must be [S_r, ..., {self.weight.shape[1]}], got {tuple(x.shape)}")
-        inner = math.prod(x.shape[1:-1])
-        seq = check_splits(self.comm, splits, x.shape[0], local=True)
-        rows = [s * inner for s in seq]
-        x2 = x.reshape(x.shape[0] * inner, x.shape[-1])
-        meta = torch.empty((sum(seq), inner, x.shape[-1]), dtype=x.dtype, device="meta")
-        chunks = self._ring_chunks(
-            (tuple(seq), inner, x.dtype),
-            meta,
-            lambda: agg.measure_all_gather_gemm(self.comm, x2, self.weight, rows),
-        )
+        seq, inner, rows, x2 = self._sequence_input(x, splits, local=True)
+        measure = agg.measure_all_gather_gemm
+        chunks = self._ring_chunks(seq, inner, x.dtype, x.shape[-1], measure, x2, rows)
         y, _ = all_gather_gemm_op(x2, self.weight, rows, self.comm_id, chunks)
         if self.bias is not None:
             y = y + self.bias
@@ -250,29 +252,7 @@ class RowParallelLinear(_TensorParallel):
         y = row(h)  # [..., 1024] on every rank
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        comm: Communicator,
-        *,
-        sequence_parallel: bool = False,
-        bias: bool = True,
-        dtype: torch.dtype = torch.float32,
-        chunk_config: ChunkConfig | None = None,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(
-            in_features,
-            out_features,
-            comm,
-            along="in",
-            sequence_parallel=sequence_parallel,
-            bias=bias,
-            dtype=dtype,
-            chunk_config=chunk_config,
-            seed=seed,
-        )
+    _along = "in"
 
     def chunks_for(self, x: torch.Tensor) -> int:
         """The number of chunks of the forward GEMM + AllReduce for inputs shaped like ``x``
@@ -284,18 +264,9 @@ class RowParallelLinear(_TensorParallel):
         if not self.sequence_parallel:
             y: torch.Tensor = gemm_all_reduce_op(x, self.weight, self.comm_id, self.chunks_for(x))
             return y if self.bias is None else y + self.bias
-        if x.dim() < 2 or x.shape[-1] != self.weight.shape[1]:
-            raise ValueError(f"a must be [S, ..., {self.weight.shape[1]}], got {tuple(x.shape)}")
-        inner = math.prod(x.shape[1:-1])
-        seq = check_splits(self.comm, splits, x.shape[0], local=False)
-        rows = [s * inner for s in seq]
-        a2 = x.reshape(x.shape[0] * inner, x.shape[-1])
-        meta = torch.empty((sum(seq), inner, self.weight.shape[0]), dtype=x.dtype, device="meta")
-        chunks = self._ring_chunks(
-            (tuple(seq), inner, x.dtype),
-            meta,
-            lambda: grs.measure_gemm_reduce_scatter(self.comm, a2, self.weight, rows),
-        )
+        seq, inner, rows, a2 = self._sequence_input(x, splits, local=False)
+        measure = grs.measure_gemm_reduce_scatter
+        chunks = self._ring_chunks(seq, inner, x.dtype, self.weight.shape[0], measure, a2, rows)
         z: torch.Tensor = gemm_reduce_scatter_op(a2, self.weight, rows, self.comm_id, chunks)
         if self.bias is not None:
             z = z + self.bias
