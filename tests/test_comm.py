@@ -94,7 +94,7 @@ def native_collectives(numel: int, dtype: torch.dtype) -> dict[str, bool]:
     stats = comm.stats
     out["counted"] = (
         stats["all_reduce"].calls == (4 if dtype.is_floating_point else 3)
-        and stats["all_gather"].payload_bytes == numel * mine.element_size()
+        and stats["all_gather"].native_bytes == numel * mine.element_size()
     )
     return out
 

@@ -56,7 +56,7 @@ def low_rank_errors(shapes: list[tuple[int, ...]]) -> dict[str, float]:
         c.reduce_(comm, dtype_grad, bucket=0, step=0)
     errors["bf16"] = float(((half.float() - fp32).abs() / fp32.abs().clamp_min(1e-3)).max())
     claimed = c.payload_bytes(grad.numel(), torch.bfloat16, comm.world_size, step=0, bucket=0)
-    errors["bf16 bytes off"] = float(comm.stats.total().payload_bytes - claimed)
+    errors["bf16 bytes off"] = float(comm.stats.total().native_bytes - claimed)
     return errors
 
 
@@ -155,7 +155,7 @@ def high_rank_warmup(numel: int) -> dict[str, Any]:
         comm.stats.reset()
         c.reduce_(comm, torch.randn(numel, generator=torch.Generator().manual_seed(step)),
                   bucket=0, step=step)  # fmt: skip
-        sent.append(comm.stats.total().payload_bytes)
+        sent.append(comm.stats.total().native_bytes)
         claimed.append(c.payload_bytes(numel, torch.float32, 2, step=step, bucket=0))
     return {
         "sent": sent,

@@ -182,7 +182,7 @@ def averages_and_bytes(specs: list[str], numel: int) -> list[str]:
             else:
                 claimed, calls = c.payload_bytes(numel, torch.float32, world, step=step), 1
             claimed *= world > 1
-            sent = comm.stats.total().payload_bytes
+            sent = comm.stats.total().native_bytes
             kind = "all_gather" if c.aggregation == "all_gather" else "all_reduce"
             if sent != claimed or comm.stats[kind].calls != calls * (world > 1):
                 failures.append(

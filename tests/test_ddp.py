@@ -202,10 +202,10 @@ def test_collectives_and_bytes_match_layout(pool: PoolFn, algo: str) -> None:
         assert stats.num_buckets == 3 and stats.num_collectives == 3
         if algo == "native":
             assert r["calls"]["all_reduce"] == 3
-            assert stats.payload_bytes == 4 * sum(sizes) and stats.bytes_sent == 0
+            assert stats.native_bytes == 4 * sum(sizes) and stats.bytes_sent == 0
         else:
             assert "all_reduce" not in r["calls"]
-            assert stats.bytes_sent == r["expected_ring"] and stats.payload_bytes == 0
+            assert stats.bytes_sent == r["expected_ring"] and stats.native_bytes == 0
         # Overlap: the first bucket left while 4 of the 6 gradients were still to come.
         assert stats.launched_after_grads[0] == 2 < r["n_params"]
         assert list(stats.launched_after_grads) == sorted(stats.launched_after_grads)
@@ -519,7 +519,7 @@ def with_compressor(spec: str, split: int | None) -> dict[str, Any]:
         assert stats is not None and stats.bytes_sent == 0  # native collectives only
         world = dist.get_world_size()
         buckets = dp.reducer.buckets
-        out["payload"].append(stats.payload_bytes)
+        out["payload"].append(stats.native_bytes)
         out["claimed"].append(
             sum(
                 comp.payload_bytes(b.flat.numel(), b.flat.dtype, world, step=step, bucket=b.index)

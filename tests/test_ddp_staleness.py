@@ -202,7 +202,7 @@ def fp16_warmup() -> dict[str, Any]:
     comm.stats.reset()
     out = grad.clone()
     comp.reduce_(comm, out, bucket=0, step=0)
-    sent = comm.stats.total().payload_bytes
+    sent = comm.stats.total().native_bytes
     return {
         "exact": bool(torch.equal(out, want)),
         "sent": sent,

@@ -32,7 +32,7 @@ def train(num_chunks: int, steps: int) -> tuple[list[float], list[torch.Tensor],
         losses.append(workload.train_step(comm, model, optimizer, batch))
     sent = {
         "fused": comm.stats[ga.LABEL].bytes_sent,
-        "all_to_all": comm.stats["all_to_all"].payload_bytes,
+        "all_to_all": comm.stats["all_to_all"].native_bytes,
     }
     return losses, [p.detach().clone() for p in model.parameters()], sent
 

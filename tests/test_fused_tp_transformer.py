@@ -117,9 +117,9 @@ def ring_equivalent_bytes(
     counts = torch.tensor(
         [
             sum(snapshot.get(label, {}).get("bytes_sent", 0) for label in FUSED_LABELS),
-            snapshot.get("all_reduce", {}).get("payload_bytes", 0),
-            snapshot.get("all_gather", {}).get("payload_bytes", 0),
-            snapshot.get("reduce_scatter", {}).get("payload_bytes", 0),
+            snapshot.get("all_reduce", {}).get("native_bytes", 0),
+            snapshot.get("all_gather", {}).get("native_bytes", 0),
+            snapshot.get("reduce_scatter", {}).get("native_bytes", 0),
         ],
         dtype=torch.int64,
     )

@@ -143,11 +143,11 @@ def powersgd_hook_bytes(steps: int) -> dict[str, Any]:
     x, y = regression_data(torch.distributed.get_rank())
     per_step = []
     for _ in range(steps):
-        before = state.comm.stats.snapshot().get("all_reduce", {"payload_bytes": 0, "calls": 0})
+        before = state.comm.stats.snapshot().get("all_reduce", {"native_bytes": 0, "calls": 0})
         nn.functional.mse_loss(ddp(x), y).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         after = state.comm.stats.snapshot()["all_reduce"]
         per_step.append(
-            (after["payload_bytes"] - before["payload_bytes"], after["calls"] - before["calls"])
+            (after["native_bytes"] - before["native_bytes"], after["calls"] - before["calls"])
         )
     compressor = state.compressor
     assert isinstance(compressor, PowerSGD)

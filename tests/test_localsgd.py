@@ -168,7 +168,7 @@ def diloco_vs_replay(period: int, periods: int) -> tuple[float, int, int, list[f
     return (
         float((got - anchor).abs().max()),
         sent.calls,
-        sent.payload_bytes,
+        sent.native_bytes,
         [s.drift for s in opt.syncs],
     )
 
@@ -216,7 +216,7 @@ def streaming_bytes() -> tuple[list[int], int, list[int]]:
         inner="adamw",
     )
     sizes = [sum(piece.numel for piece in f) for f in opt.fragments]
-    return sizes, opt.world_comm.stats["all_reduce"].payload_bytes, [s.step for s in opt.syncs]
+    return sizes, opt.world_comm.stats["all_reduce"].native_bytes, [s.step for s in opt.syncs]
 
 
 def test_streaming_sends_each_fragment_at_its_own_step(pool: PoolFn) -> None:

@@ -322,7 +322,7 @@ class Communicator:
         ctx, event = self._begin(kind, None, nbytes)
         counters = self.stats[kind]
         counters.calls += 1
-        counters.payload_bytes += nbytes
+        counters.native_bytes += nbytes
         if kind != "barrier":
             counters.handed_bytes += nbytes
         if self.world_size == 1:

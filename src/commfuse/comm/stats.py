@@ -4,7 +4,7 @@ Point-to-point traffic is counted exactly (every isend is one message of ``nbyte
 wire), which is what lets a test assert that a ring all-reduce sent 2(P-1)/P of the buffer and
 not three times that. A native collective's wire traffic depends on the backend's internal
 algorithm, which we do not observe, so for those we count calls and the payload handed to the
-backend, and say so (``payload_bytes``, never ``bytes_sent``). ``handed_bytes`` counts every
+backend, and say so (``native_bytes``, never ``bytes_sent``). ``handed_bytes`` counts every
 collective call's input, whichever algorithm runs it: the figure to compare with a system whose
 wire traffic is not observed (torch DDP and its hooks).
 """
@@ -29,11 +29,12 @@ class OpCounters:
     """Bytes sent point-to-point (exact)."""
     bytes_recv: int = 0
     """Bytes received point-to-point (exact)."""
-    payload_bytes: int = 0
-    """Bytes handed to a native collective (its wire traffic depends on the backend)."""
+    native_bytes: int = 0
+    """Bytes handed to the backend's native collectives (their wire traffic depends on the
+    backend's algorithm)."""
     handed_bytes: int = 0
     """Bytes of the buffers handed to collectives, gloo's or commfuse's own algorithms alike
-    (each rank's input, as ``payload_bytes``): what a caller asked to communicate, independent
+    (each rank's input, as ``native_bytes``): what a caller asked to communicate, independent
     of the algorithm that moved it. A ring all-reduce of n bytes counts n here and its exact
     2 (P - 1) / P n in ``bytes_sent``; torch DDP's hooks can only be counted this way."""
 

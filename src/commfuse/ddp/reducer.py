@@ -107,7 +107,7 @@ class StepStats:
     """Collectives the engine launched (buckets, plus flag or used-parameter allreduces)."""
     bytes_sent: int
     """Point-to-point bytes this rank sent (exact; commfuse's own algorithms and compressors)."""
-    payload_bytes: int
+    native_bytes: int
     """Bytes handed to native collectives (their wire traffic depends on the backend)."""
     exposed_comm_s: float
     """Seconds spent at the end of backward waiting for communication (not hidden by compute)."""
@@ -481,7 +481,7 @@ class Reducer:
             if self.config.skip_communication
             else len(self.buckets) * (2 if self._agrees_first else 1) + extra,
             bytes_sent=now.bytes_sent - self._baseline.bytes_sent,
-            payload_bytes=now.payload_bytes - self._baseline.payload_bytes,
+            native_bytes=now.native_bytes - self._baseline.native_bytes,
             exposed_comm_s=exposed_s,
             launched_after_grads=tuple(self._flight.launched_after),
             skipped=self.last_step_skipped,
