@@ -65,16 +65,24 @@ _comm_settings = CommSettings()
 
 
 def comm_settings() -> CommSettings:
-    """This rank's settings (all unset outside a rank that ``enter_rank`` started)."""
+    """This rank's settings (all unset until ``load_comm_settings`` ran in this process)."""
+    return _comm_settings
+
+
+def load_comm_settings(env: Mapping[str, str] | None = None) -> CommSettings:
+    """Read this rank's ``CommSettings`` from ``env`` (default: the process environment), once,
+    at start-up. Ranks started by ``commfuse run`` and the test pool do it in ``enter_rank``; a
+    script started by ``commfuse launch`` or torchrun calls it before building communicators."""
+    global _comm_settings
+    _comm_settings = CommSettings.from_env(os.environ if env is None else env)
     return _comm_settings
 
 
 def enter_rank(env: dict[str, str], netns: str | None) -> None:
     """Adopt the rank's environment (reading the communicators' settings from it, once) and,
     when emulated, its host's network namespace."""
-    global _comm_settings
     os.environ.update(env)
-    _comm_settings = CommSettings.from_env(os.environ)
+    load_comm_settings()
     # torch reads OMP_NUM_THREADS when it is first imported, which in a spawned rank happens
     # while the target function is unpickled, before this runs; set the pool size explicitly,
     # as torchrun's workers get it. With 2 threads per rank on 2 cores, reductions inside our
