@@ -36,7 +36,7 @@ latency; the default sizes chunks so that each cross-host ring step moves about
 cross-host traffic. Where the ranks of a host share few cores, the host phases' copies can cost
 more than the host links save; the tuner measures that (``commfuse tune``) and keeps gloo's ring
 there. The measurements behind these defaults are in
-``benchmarks/notes_from_docstrings_fused.md``.
+``benchmarks/notes/notes_from_docstrings_fused.md``.
 
 **Allreduce, leader** (a reduce/broadcast name as ``intra_algo``, e.g. ``"tree"``; Jia et al.,
 "Highly Scalable Deep Learning Training System with Mixed-Precision", arXiv 1807.11205): reduce
