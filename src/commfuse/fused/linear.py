@@ -186,12 +186,14 @@ class ColumnParallelLinear(_TensorParallel):
     weight and returns its output features ``[..., out_shard]``.
 
     Args:
-        in_features, out_features: the full layer's sizes.
+        in_features: the full layer's input features.
+        out_features: the full layer's output features.
         comm: the tensor-parallel group.
         sequence_parallel: ``x`` is this rank's sequence shard ``[S_r, ..., in]`` and the layer
             gathers the sequence (fused AllGather + GEMM; output ``[S, ..., out_shard]``);
             else ``x`` is replicated and the forward is local.
-        bias, dtype: as ``nn.Linear``'s.
+        bias: add a bias, as ``nn.Linear`` does.
+        dtype: of the weight and bias.
         chunk_config: how the fused operators choose their chunks (module docstring).
         seed: every rank draws the same full weight from it (``full_linear_weight``) and keeps
             its shard, so the model is the single-process one at any world size.
@@ -235,8 +237,13 @@ class RowParallelLinear(_TensorParallel):
     ``ColumnParallelLinear``, or ``x[..., in_range]``).
 
     Args:
-        in_features, out_features, comm, bias, dtype, chunk_config, seed: as
-            ``ColumnParallelLinear``'s.
+        in_features: the full layer's input features.
+        out_features: the full layer's output features.
+        comm: the tensor-parallel group.
+        bias: add a bias, as ``nn.Linear`` does (replicated on every rank).
+        dtype: of the weight and bias.
+        chunk_config: how the fused operators choose their chunks (module docstring).
+        seed: every rank draws the same full weight from it, as ``ColumnParallelLinear``.
         sequence_parallel: the sum is reduce-scattered along the sequence (fused GEMM +
             ReduceScatter; ``forward(x, splits)`` with ``x`` ``[S, ..., in_shard]`` returns
             ``[S_r, ..., out]``, ``S_r`` from ``splits`` or the sequence split as evenly as
