@@ -60,7 +60,7 @@ _TAG_AWAY_FROM_HEAD = 12
 #: Python-level isend/irecv pair, gloo's handshake and a wake-up of the forwarding rank, far more
 #: than the wire's latency. ``commfuse tune`` fits it per collective (``pipeline_alpha_s``);
 #: untuned, this value, which sized blocks near the best of a sweep of block sizes
-#: (``benchmarks/notes/notes_from_docstrings_fused.md``).
+#: (``benchmarks/broadcast-pipeline_netlab-2to8x1gbit-2core_202611.md``).
 PIPELINE_BLOCK_ALPHA_S = 0.5e-3
 
 

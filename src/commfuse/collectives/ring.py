@@ -26,7 +26,7 @@ reduction of the previous step's later segments, so the link always has data que
 
 Tuning: by default segments are at most ``SEGMENT_BYTES`` (128 KiB). Smaller segments pay
 Python's cost per message; larger ones, and unsegmented blocks, ran markedly slower over gloo's
-TCP transport (``benchmarks/notes/notes_from_docstrings_fused.md``): re-measure before changing it.
+TCP transport: re-measure before changing it.
 ``num_segments=1`` is the textbook ring, fewest messages, best for small buffers; the default
 gives them one segment anyway.
 """

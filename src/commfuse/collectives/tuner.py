@@ -19,7 +19,7 @@ Calibration (``calibrate``) runs on every rank of the cluster it describes:
 Why step 5: the pure alpha-beta-gamma models (Hockney; Thakur, Rabenseifner and Gropp, IJHPCA
 2005) rank algorithms wrongly on real machines: they miss per-message software costs, CPU
 contention and the transport's quirks, by factors at small sizes and by a little at large ones
-(``benchmarks/notes/notes_from_docstrings_fused.md``). One affine map ``measured = a + k * model``
+(``benchmarks/tune_netlab-4x1gbit-2core_202611.md``). One affine map ``measured = a + k * model``
 cannot hold both ends, so each (collective, algorithm) gets a piecewise ``Correction``: the ratio measured / model at each calibration
 size, interpolated linearly in log(size) between them and held constant beyond the ends (both
 time and model become affine in the size there, so the ratio settles). The model still gives

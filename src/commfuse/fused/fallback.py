@@ -6,7 +6,7 @@ their bytes the same way. They do not here: the unfused reference calls gloo's o
 (its ring all-reduce, its ``all_to_all_single``), while the fused pipelines post point-to-point
 messages (``direct_all_reduce.py`` says why). Where the ranks share few cores the point-to-point
 form of an all-reduce can be slower than gloo's, so a model fed gloo's ``M`` chunks where the
-fused operator then runs slower than unfused (``benchmarks/notes/notes_from_docstrings_fused.md``).
+fused operator then runs slower than unfused.
 
 The choice made here, in three steps:
 

@@ -22,8 +22,7 @@ AllReduce being a ReduceScatter followed by an AllGather:
 
 Why the ring for rows: in the direct reduce-scatter path the all-gather of piece ``i`` can only
 be posted after the next piece's GEMM, which leaves nothing to overlap it with; the ring's
-reduce-scatter steps overlap the GEMM of the block at hand (the comparison is in
-``benchmarks/notes/notes_from_docstrings_fused.md``).
+reduce-scatter steps overlap the GEMM of the block at hand.
 
 Bytes: each rank sends ``2 (P - 1) / P`` of the output, what a ring all-reduce of the unfused
 output sends (``sent_bytes``). Sums: every block is summed once, by one rank, and sent to all,
