@@ -198,11 +198,11 @@ def many_buckets(powersgd: bool, steps: int) -> dict[str, Any]:
         plain.load_state_dict(model.state_dict())
         plain.zero_grad()
         nn.functional.cross_entropy(plain(x), y).backward()  # type: ignore[no-untyped-call]
-        before = state.comm.stats.snapshot().get("all_reduce", {"payload_bytes": 0, "calls": 0})
+        before = state.comm.stats.snapshot().get("all_reduce", {"native_bytes": 0, "calls": 0})
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()  # type: ignore[no-untyped-call]
         after = state.comm.stats.snapshot()["all_reduce"]
-        out["bytes"].append(after["payload_bytes"] - before["payload_bytes"])
+        out["bytes"].append(after["native_bytes"] - before["native_bytes"])
         out["calls"].append(after["calls"] - before["calls"])
         errors = []
         for mine, own in zip(model.parameters(), plain.parameters(), strict=True):
