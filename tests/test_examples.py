@@ -57,21 +57,9 @@ def test_the_examples_are_the_ones_the_docs_show() -> None:
         assert f'--8<-- "examples/{name}"' in shown, f"no page of docs/ includes examples/{name}"
 
 
-def megatron_linears() -> bool:
-    """Whether the fused linears take Megatron's ``sequence_parallel=`` flag (fused_linear.py
-    uses the plain column-parallel form)."""
-    import inspect
-
-    from commfuse.fused import ColumnParallelLinear
-
-    return "sequence_parallel" in inspect.signature(ColumnParallelLinear).parameters
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_runs_on_two_ranks(script: Path) -> None:
-    if script.name == "fused_linear.py" and not megatron_linears():
-        pytest.skip("ColumnParallelLinear(..., sequence_parallel=) is not in this tree yet")
     proc = launch(script)
     assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout}\n{proc.stderr}"
     if script.name in REPLICATED:

@@ -161,8 +161,31 @@ def broadcast(
 ) -> Handle | None:
     """Copy root's ``tensor`` into every rank's ``tensor`` (``root`` is a rank of ``comm``).
 
-    Arguments, returns and errors as ``all_reduce``'s; example:
-    ``broadcast(comm, params, 0, algo="pipeline", block_bytes=256 << 10)``."""
+    Args:
+        comm: the group to broadcast over.
+        tensor: root's data to send; on the other ranks, the buffer that receives it (the same
+            shape and dtype everywhere).
+        root: the sending rank, a rank of ``comm``.
+        algo: ``"auto"`` (the tuner picks for this size and topology) or a registered
+            algorithm or alias (see ``commfuse.collectives.ALGORITHMS``).
+        async_op: run on the communicator's worker thread and return a handle at once.
+        opts: algorithm options (``block_bytes`` for pipelines, ``ranks_per_host`` for
+            hierarchical ones); an algorithm ignores the ones it does not know.
+
+    Returns:
+        A ``Handle`` whose ``wait()`` raises ``CommTimeoutError`` past the communicator's
+        deadline when ``async_op``, else None (the result is in place when the call returns).
+
+    Raises:
+        ValueError: a bad dtype or layout, a root outside the group, or an unknown algorithm.
+        InconsistentInputError: with ``CommConfig(validate=True)``, ranks passed different shapes
+            or dtypes.
+
+    Example:
+        ```python
+        broadcast(comm, params, root=0, algo="pipeline")  # linear pipeline: time independent of P
+        ```
+    """
     _check_tensor(tensor, "broadcast tensor")
     _check_root(comm, root)
 
@@ -192,8 +215,31 @@ def reduce(
 ) -> Handle | None:
     """Reduce every rank's ``tensor`` into root's; the others are left unchanged.
 
-    Arguments, returns and errors as ``all_reduce``'s; example:
-    ``reduce(comm, loss_sum, 0, "sum", algo="tree")``."""
+    Args:
+        comm: the group to reduce over.
+        tensor: this rank's contribution; on root, also where the result lands.
+        root: the rank that receives the result, a rank of ``comm``.
+        op: ``sum``, ``avg``, ``prod``, ``max`` or ``min``.
+        algo: ``"auto"`` (the tuner picks for this size and topology) or a registered
+            algorithm or alias (see ``commfuse.collectives.ALGORITHMS``).
+        async_op: run on the communicator's worker thread and return a handle at once.
+        opts: algorithm options (``block_bytes`` for pipelines, ``ranks_per_host`` for
+            hierarchical ones); an algorithm ignores the ones it does not know.
+
+    Returns:
+        A ``Handle`` whose ``wait()`` raises ``CommTimeoutError`` past the communicator's
+        deadline when ``async_op``, else None (the result is in place when the call returns).
+
+    Raises:
+        ValueError: a bad dtype, layout or op, a root outside the group, or an unknown algorithm.
+        InconsistentInputError: with ``CommConfig(validate=True)``, ranks passed different shapes
+            or dtypes.
+
+    Example:
+        ```python
+        reduce(comm, loss_sum, root=0, op="sum", algo="tree")
+        ```
+    """
     _check_tensor(tensor, "reduce tensor")
     check_op(op, tensor.dtype)
     _check_root(comm, root)
@@ -217,8 +263,33 @@ def all_gather(
 ) -> Handle | None:
     """``out`` (world_size x inp.numel() elements) receives every rank's ``inp`` in rank order.
 
-    Arguments, returns and errors as ``all_reduce``'s; example:
-    ``all_gather(comm, torch.empty(world * n), shard, algo="ring")``."""
+    Args:
+        comm: the group to gather over.
+        out: receives every rank's ``inp`` in rank order: ``world_size`` times ``inp``'s elements,
+            of ``inp``'s dtype.
+        inp: this rank's block.
+        algo: ``"auto"`` (the tuner picks for this size and topology) or a registered
+            algorithm or alias (see ``commfuse.collectives.ALGORITHMS``).
+        async_op: run on the communicator's worker thread and return a handle at once.
+        opts: algorithm options (``block_bytes`` for pipelines, ``ranks_per_host`` for
+            hierarchical ones); an algorithm ignores the ones it does not know.
+
+    Returns:
+        A ``Handle`` whose ``wait()`` raises ``CommTimeoutError`` past the communicator's
+        deadline when ``async_op``, else None (the result is in place when the call returns).
+
+    Raises:
+        ValueError: a bad dtype or layout, an ``out`` that is not ``world_size`` blocks of
+            ``inp``'s size and dtype, or an unknown algorithm.
+        InconsistentInputError: with ``CommConfig(validate=True)``, ranks passed different shapes
+            or dtypes.
+
+    Example:
+        ```python
+        gathered = torch.empty(comm.world_size * shard.numel())
+        all_gather(comm, gathered, shard, algo="ring")
+        ```
+    """
     _check_tensor(inp, "all_gather input")
     _check_tensor(out, "all_gather output")
     _check_world_multiple("all_gather output", out, "input", inp, comm.world_size)
@@ -251,8 +322,33 @@ def reduce_scatter(
 ) -> Handle | None:
     """``out`` on rank r receives the reduction of block r of every rank's ``inp``.
 
-    Arguments, returns and errors as ``all_reduce``'s; example:
-    ``reduce_scatter(comm, shard, grads, "avg", algo="halving")``."""
+    Args:
+        comm: the group to reduce over.
+        out: receives the reduction of block ``comm.rank`` of every rank's ``inp``.
+        inp: ``world_size`` blocks of ``out``'s size and dtype, block r for rank r.
+        op: ``sum``, ``avg``, ``prod``, ``max`` or ``min``.
+        algo: ``"auto"`` (the tuner picks for this size and topology) or a registered
+            algorithm or alias (see ``commfuse.collectives.ALGORITHMS``).
+        async_op: run on the communicator's worker thread and return a handle at once.
+        opts: algorithm options (``block_bytes`` for pipelines, ``ranks_per_host`` for
+            hierarchical ones); an algorithm ignores the ones it does not know.
+
+    Returns:
+        A ``Handle`` whose ``wait()`` raises ``CommTimeoutError`` past the communicator's
+        deadline when ``async_op``, else None (the result is in place when the call returns).
+
+    Raises:
+        ValueError: a bad dtype, layout or op, an ``inp`` that is not ``world_size`` blocks of
+            ``out``, or an unknown algorithm.
+        InconsistentInputError: with ``CommConfig(validate=True)``, ranks passed different shapes
+            or dtypes.
+
+    Example:
+        ```python
+        shard = torch.empty(grads.numel() // comm.world_size)
+        reduce_scatter(comm, shard, grads, "avg", algo="rabenseifner")
+        ```
+    """
     _check_tensor(inp, "reduce_scatter input")
     _check_tensor(out, "reduce_scatter output")
     check_op(op, inp.dtype)
@@ -292,8 +388,34 @@ def all_to_all(
     ones ``algo="auto"`` runs the backend's own exchange (per-rank sizes could make per-rank
     tuner choices differ, and deadlock).
 
-    Arguments, returns and errors as ``all_reduce``'s; example:
-    ``all_to_all(comm, received, tokens, out_splits, in_splits)``."""
+    Args:
+        comm: the group to exchange over.
+        out: receives block i from rank i (rows of dim 0, ``out_splits`` of them).
+        inp: block j goes to rank j (rows of dim 0, ``in_splits`` of them); every dim but the
+            first matches ``out``'s.
+        out_splits: rows received from each rank; None: equal blocks.
+        in_splits: rows sent to each rank; None: equal blocks.
+        algo: ``"auto"`` (the tuner picks for this size and topology) or a registered
+            algorithm or alias (see ``commfuse.collectives.ALGORITHMS``).
+        async_op: run on the communicator's worker thread and return a handle at once.
+        opts: algorithm options (``block_bytes`` for pipelines, ``ranks_per_host`` for
+            hierarchical ones); an algorithm ignores the ones it does not know.
+
+    Returns:
+        A ``Handle`` whose ``wait()`` raises ``CommTimeoutError`` past the communicator's
+        deadline when ``async_op``, else None (the result is in place when the call returns).
+
+    Raises:
+        ValueError: a bad dtype or layout, rows that differ between ``inp`` and ``out``, splits
+            that do not sum to dim 0 or a dim 0 that does not divide by the world size without
+            them, or an unknown algorithm.
+
+    Example:
+        ```python
+        received = torch.empty_like(tokens)
+        all_to_all(comm, received, tokens, algo="pairwise")
+        ```
+    """
     _check_tensor(inp, "all_to_all input")
     _check_tensor(out, "all_to_all output")
     world = comm.world_size

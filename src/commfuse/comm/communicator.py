@@ -58,6 +58,15 @@ class CommConfig:
     (``commfuse launch``/``run``, the test pool), the fields its launcher's environment sets,
     read once at start-up (``commfuse.cluster.rank_runtime.CommSettings``); the library itself
     never reads the environment.
+
+    Raises:
+        ValueError: a deadline that is not positive, a link rate that is not positive, or
+            ``ranks_per_host`` that is not an integer of at least 1 (the message names the field).
+
+    Example:
+        ```python
+        comm = Communicator(config=CommConfig(deadline_s=30, validate=True))
+        ```
     """
 
     deadline_s: float = 60.0
@@ -114,7 +123,28 @@ def nbytes_of(tensor: torch.Tensor) -> int:
 
 
 class Communicator:
-    """A process group with accounting, tracing and deadlines. See the module docstring."""
+    """A process group with accounting, tracing and deadlines. See the module docstring.
+
+    Args:
+        group: the process group to wrap; None: the default (world) group.
+        config: deadlines, tracing, validation and what the tuner knows of the cluster; None:
+            ``default_config()``, what the rank's launcher set.
+        name: shown in error messages and traces (``"world"``, ``"host"``, ...).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised yet (``commfuse launch`` and
+            ``commfuse.cluster.run`` initialise it; a torchrun script calls
+            ``init_process_group()`` first).
+
+    Example:
+        ```python
+        dist.init_process_group("gloo")
+        comm = Communicator(config=CommConfig(deadline_s=30, trace=True))
+        comm.all_reduce(grad, "avg")
+        print(comm.stats.total().bytes_sent)
+        comm.trace.export_chrome(f"trace-rank{comm.rank}.json")  # open in ui.perfetto.dev
+        ```
+    """
 
     def __init__(
         self,

@@ -91,7 +91,29 @@ class ShardedEmbeddingBag(nn.Module):
 
     ``forward(indices, offsets, batch_splits)`` takes, for each *local* table (``local_tables``
     lists their global ids), the EmbeddingBag inputs of the global batch, and returns
-    ``[B_r, T, D]`` with tables in global order."""
+    ``[B_r, T, D]`` with tables in global order.
+
+    Args:
+        num_embeddings: the rows of each table, in global table order.
+        embedding_dim: the width D of every table.
+        comm: the model-parallel group the tables are sharded over.
+        mode: the pooling of a bag, as ``nn.EmbeddingBag``'s (``"sum"``, ``"mean"``).
+        dtype: the tables' dtype.
+        chunk_config: how the fused lookup + All-to-All chooses its chunks or its by-table
+            schedule; None: measured and chosen on first use.
+        seed: every rank draws the same full tables from it and keeps its own, so the model is
+            the single-process one at any world size.
+
+    Raises:
+        ValueError: no table, a table or ``embedding_dim`` under 1, or an unknown ``mode``;
+            in ``forward``, inputs or ``batch_splits`` that do not match the tables.
+
+    Example:
+        ```python
+        emb = ShardedEmbeddingBag([20000] * 32, 64, comm)  # table t on rank t % P
+        pooled = emb(indices, offsets, batch_splits)  # [B_r, 32, 64]: every table, own samples
+        ```
+    """
 
     def __init__(
         self,

@@ -136,7 +136,33 @@ class ExpertParallelMoE(nn.Module):
 
     Both fused operators use one number of chunks, chosen on the first forward of each dtype from
     that step's routing (``choose_moe_chunks``: measured, agreed, confirmed against the unfused
-    operator, else 1) and kept; ``ChunkConfig(num_chunks=k)`` fixes it (``k = 1``: unfused)."""
+    operator, else 1) and kept; ``ChunkConfig(num_chunks=k)`` fixes it (``k = 1``: unfused).
+
+    Args:
+        d_model: the token width D.
+        d_hidden: each expert's hidden width.
+        num_experts: experts in all, at least one per rank (contiguous blocks of near-equal size
+            per rank).
+        comm: the expert-parallel group.
+        top_k: experts per token.
+        capacity_factor: tokens an expert takes, as a multiple of the even share; None: no cap.
+        normalize: renormalise the top-k gate weights to sum to 1.
+        activation: the experts' activation, ``"gelu"`` or ``"relu"``.
+        dtype: the parameters' dtype.
+        chunk_config: how the fused dispatch and combine choose their chunks; None: measured.
+        seed: every rank draws the same full layer from it and keeps its experts.
+
+    Raises:
+        ValueError: sizes under 1, fewer experts than ranks, ``top_k`` outside
+            ``[1, num_experts]``, a capacity factor that is not positive, or an unknown
+            activation or dtype.
+
+    Example:
+        ```python
+        moe = ExpertParallelMoE(512, 2048, num_experts=8, comm=comm, top_k=2)
+        y = moe(x)  # [..., 512]; every rank calls it together
+        ```
+    """
 
     def __init__(
         self,
