@@ -82,7 +82,7 @@ def listeners(pids: list[int]) -> list[Listener]:
     """Every TCP socket in LISTEN state held open by one of ``pids``."""
     tables: dict[str, dict[str, tuple[str, str]]] = {}  # netns -> inode -> (local, state)
     owners: dict[str, set[int]] = {}
-    for pid in [os.getpid(), *pids]:
+    for pid in [os.getpid(), *pids]:  # our own: the root namespace's table, not our sockets
         with contextlib.suppress(OSError):
             netns = os.readlink(f"/proc/{pid}/ns/net")
             if netns not in tables:
@@ -92,6 +92,8 @@ def listeners(pids: list[int]) -> list[Listener]:
                         fields = line.split()
                         table[fields[9]] = (fields[1], fields[3])
                 tables[netns] = table
+        if pid not in pids:
+            continue
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
