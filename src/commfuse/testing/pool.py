@@ -208,9 +208,18 @@ class RankPool:
 
     # -- calls ----------------------------------------------------------------------------
     def run(
-        self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None, **kwargs: Any
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        timeout_s: float | None = None,
+        failure_grace_s: float = FAILURE_GRACE_S,
+        **kwargs: Any,
     ) -> list[T]:
-        """``fn(*args, **kwargs)`` on every rank; results in rank order."""
+        """``fn(*args, **kwargs)`` on every rank; results in rank order.
+
+        After the first rank fails, the others get ``failure_grace_s`` to reply before the pool
+        is rebuilt; a test of how survivors fail gives them as long as the deadline it asserts
+        (a survivor waiting on a live neighbour that already gave up raises only then)."""
         self.start()
         if self._needs_reset:
             self._generation += 1
@@ -228,13 +237,21 @@ class RankPool:
             getattr(fn, "__qualname__", repr(fn)),
             self.timeout_s if timeout_s is None else timeout_s,
             health=True,
+            failure_grace_s=failure_grace_s,
         )
 
     def _send_all(self, message: tuple[Any, ...]) -> None:
         for conn in self._conns:
             conn.send(message)
 
-    def _gather(self, what: str, timeout_s: float, *, health: bool = False) -> list[Any]:
+    def _gather(
+        self,
+        what: str,
+        timeout_s: float,
+        *,
+        health: bool = False,
+        failure_grace_s: float = FAILURE_GRACE_S,
+    ) -> list[Any]:
         """Every rank's reply to the last message; ``health``: a call, followed by health reports."""
         replies: dict[int, tuple[Any, ...]] = {}
         died = False
@@ -246,7 +263,7 @@ class RankPool:
             pending = [conn for rank, conn in enumerate(self._conns) if rank not in replies]
             left = deadline - time.monotonic()
             if first_error is not None:
-                left = min(left, first_error_at + FAILURE_GRACE_S - time.monotonic())
+                left = min(left, first_error_at + failure_grace_s - time.monotonic())
             ready = wait(pending, timeout=max(0.0, left)) if left > 0 else []
             if not ready:
                 break
