@@ -1,8 +1,10 @@
 """The fused operators as PyTorch operators: ``torch.ops.commfuse.<name>``, with autograd.
 
 ``torch.library.custom_op`` makes each operator visible to the dispatcher (``torch.ops``),
-``register_fake`` gives it a shape function (so ``torch.compile`` and meta tensors can trace it
-without communicating), and ``register_autograd`` attaches the overlapped backward.
+``register_fake`` gives it a shape function (meta tensors can run it without communicating),
+and ``register_autograd`` attaches the overlapped backward. ``torch.compile`` is not supported
+yet: ``torch.library.opcheck``'s AOT-dispatch check fails on a group of two or more ranks (it
+deep-copies the backward's context, which holds the process group).
 
 An operator's arguments must be tensors and plain values, so the communicator is passed as an
 integer handle: ``register_communicator(comm)`` returns it, and the modules do this for you.
