@@ -3,6 +3,7 @@ each rank put on the wire, error feedback, checkpoint and resume, and non-finite
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from typing import Any, cast
@@ -387,3 +388,44 @@ def test_bad_buckets_raise_value_error(pool: Any) -> None:
     assert "must be floating point" in messages[1]
     assert "flat, contiguous 1-D bucket" in messages[2]
     assert messages[3] == "0"
+
+
+def equal_whatever_the_state(specs: list[str], numel: int) -> list[str]:
+    """Two compressors of one configuration stay equal (and print alike) after one of them has
+    built state over a few steps; another configuration never compares equal."""
+    comm = Communicator()
+    failures = []
+    pairs = [(f"{s}", build(s, numel), build(s, numel)) for s in specs]
+    pairs.append(("PowerSGD(rank=4)", PowerSGD(rank=4), PowerSGD(rank=4)))
+    for spec, used, fresh in pairs:
+        if used != fresh:
+            failures.append(f"{spec}: two fresh ones differ")
+        for step in range(5):  # past every warm-up: residuals, momentum, factors, layouts
+            used.reduce_(comm, integer_grad(comm.rank, step, numel), bucket=0, step=step)
+        try:
+            same = used == fresh
+        except RuntimeError as err:  # a tensor compared as a truth value
+            failures.append(f"{spec}: comparing compares its state: {err}")
+            continue
+        if not same or repr(used) != repr(fresh):
+            failures.append(f"{spec}: unequal once one of them has state: {used!r}")
+        if dataclasses.replace(fresh, seed=fresh.seed + 1) == fresh:
+            failures.append(f"{spec}: another seed compares equal")
+        if type(used).__hash__ is not None:
+            failures.append(f"{spec}: hashable, so a hash could read its state")
+    return failures
+
+
+def test_compressors_compare_by_configuration_not_state(pool: Any) -> None:
+    for failures in pool(2).run(equal_whatever_the_state, EVERY, 1001, timeout_s=120):
+        assert failures == []
+
+
+def test_payload_of_an_empty_bucket_is_nothing_and_bad_sizes_raise() -> None:
+    for spec in EVERY:
+        c = build(spec, 1001)
+        assert c.payload_bytes(0, torch.float32, 4, step=0, bucket=0) == 0, spec
+        with pytest.raises(ValueError, match="numel >= 0 and world_size >= 1"):
+            c.payload_bytes(-1, torch.float32, 4)
+        with pytest.raises(ValueError, match="numel >= 0 and world_size >= 1"):
+            c.payload_bytes(8, torch.float32, 0)

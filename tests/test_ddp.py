@@ -232,14 +232,8 @@ class HalfCompressor(Compressor):
         all_reduce(comm, half, "sum", algo="native")
         grad.copy_(half.float() / comm.world_size)
 
-    def payload_bytes(
-        self,
-        numel: int,
-        dtype: torch.dtype,
-        world_size: int,
-        *,
-        step: int | None = None,
-        bucket: int | None = None,
+    def _payload_bytes(
+        self, numel: int, dtype: torch.dtype, *, step: int | None, bucket: int | None
     ) -> int:
         return 2 * numel
 

@@ -44,8 +44,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from commfuse.comm import Communicator
-from commfuse.compress.base import all_finite, generator_for
-from commfuse.compress.layout import BucketLayout
+from commfuse.compress.base import all_finite
 from commfuse.compress.lowrank import Plan, plan_for
 from commfuse.compress.powersgd import (
     PowerSGD,
@@ -60,49 +59,30 @@ class ACPSGD(PowerSGD):
     """Alternating PowerSGD: one factor, one allreduce per bucket and step."""
 
     name: ClassVar[str] = "acpsgd"
-    ps: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    ps: dict[str, torch.Tensor] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
     """The last averaged P of each bucket, keyed like the residuals (``layout.py``)."""
 
     def sends_p(self, step: int | None) -> bool:
         """Whether a compressed ``step`` sends P (Q held fixed); else it sends Q."""
         return step is None or (step - self.warmup) % 2 == 0
 
-    def _state_stores(self) -> list[dict[str, torch.Tensor]]:
-        return [*super()._state_stores(), self.ps]
+    def _factor_stores(self) -> dict[Literal["p", "q"], dict[str, torch.Tensor]]:
+        """Both factors: a P step holds Q fixed, a Q step P, each the last one averaged."""
+        return {"q": self.qs, "p": self.ps}
 
-    def _move_state(
-        self, bucket: int, layout: BucketLayout, sources: dict[str, BucketLayout]
-    ) -> None:
-        super()._move_state(bucket, layout, sources)  # residuals and Q's
-        self._move_factors(self.ps, "p", bucket, layout, sources)
+    def _factor_seed(self, factor: Literal["p", "q"], bucket: int) -> tuple[int, ...]:
+        """The fixed factor of a bucket's first P step (Q) or Q step (P)."""
+        return (self.seed, bucket, 0 if factor == "q" else 1)
 
-    def _initial_factor(
-        self,
-        factor: Literal["p", "q"],
-        plan: Plan,
-        dtype: torch.dtype,
-        bucket: int,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """The fixed factor of a bucket's first P step (Q) or Q step (P), drawn alike on
-        every rank (on the CPU generator, so every device draws the same numbers)."""
-        numel = plan.q_numel if factor == "q" else plan.p_numel
-        gen = generator_for(self.seed, bucket, 0 if factor == "q" else 1)
-        return torch.randn(numel, generator=gen, device="cpu").to(device=device, dtype=dtype)
-
-    def payload_bytes(
-        self,
-        numel: int,
-        dtype: torch.dtype,
-        world_size: int,
-        *,
-        step: int | None = None,
-        bucket: int | None = None,
+    def _payload_bytes(
+        self, numel: int, dtype: torch.dtype, *, step: int | None, bucket: int | None
     ) -> int:
         """Plain elements + this step's factor (P's on even compressed steps, Q's on odd; the
         larger of the two for ``step=None``), in the factor dtype."""
         if not self.compresses(numel, step, bucket=bucket):
-            return super().payload_bytes(numel, dtype, world_size, step=step, bucket=bucket)
+            return super()._payload_bytes(numel, dtype, step=step, bucket=bucket)
         plan = self._plan(bucket, numel) or self._flat_plan(numel)
         factor = plan.p_numel if self.sends_p(step) else plan.q_numel
         if step is None:

@@ -78,7 +78,13 @@ def all_finite(tensor: torch.Tensor) -> bool:
 @dataclasses.dataclass(kw_only=True)
 class Compressor(abc.ABC):
     """Base of all compressors (see the module docstring). Subclasses are keyword-only
-    dataclasses whose init fields are their settings: ``TopK(ratio=0.01)``."""
+    dataclasses whose init fields are their settings: ``TopK(ratio=0.01)``.
+
+    Equality means the same configuration: two compressors are equal when their settings are,
+    whatever state either has built (residuals, momentum, factors, layouts are
+    ``compare=False``, and stay out of ``repr``), so a spec round trip or a resumed job's
+    config compares equal to the one it came from. Like any mutable dataclass a compressor is
+    not hashable."""
 
     name: ClassVar[str]
     """A short name for messages and reports (``"topk"``, ``"powersgd"``, ...)."""
@@ -281,7 +287,6 @@ class Compressor(abc.ABC):
     ) -> None:
         """``reduce_`` on a valid, non-empty bucket; update state only when ``commit``."""
 
-    @abc.abstractmethod
     def payload_bytes(
         self,
         numel: int,
@@ -295,7 +300,26 @@ class Compressor(abc.ABC):
         ``step``; None = after any warm-up). For an allreduce it is the tensor handed to the
         collective, for an allgather this rank's block, summed over the collectives issued.
         ``bucket`` is the index given to ``set_layout``: a compressor whose message depends on
-        the bucket's layout (PowerSGD) counts with it; the others ignore it."""
+        the bucket's layout (PowerSGD) counts with it; the others ignore it. No commfuse
+        message depends on ``world_size`` (it is there for the caller's accounting to read
+        alike for every compressor). An empty bucket sends nothing, as ``reduce_`` does.
+
+        Raises:
+            ValueError: ``numel`` is negative or ``world_size`` is below 1."""
+        if numel < 0 or world_size < 1:
+            raise ValueError(
+                f"{self.name}: payload_bytes needs numel >= 0 and world_size >= 1, "
+                f"got numel={numel}, world_size={world_size}"
+            )
+        if numel == 0:
+            return 0
+        return self._payload_bytes(numel, dtype, step=step, bucket=bucket)
+
+    @abc.abstractmethod
+    def _payload_bytes(
+        self, numel: int, dtype: torch.dtype, *, step: int | None, bucket: int | None
+    ) -> int:
+        """``payload_bytes`` of a non-empty bucket."""
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -42,14 +42,8 @@ class NoCompression(Compressor):
     ) -> None:
         C.all_reduce(comm, grad, "avg", algo=self.algo)
 
-    def payload_bytes(
-        self,
-        numel: int,
-        dtype: torch.dtype,
-        world_size: int,
-        *,
-        step: int | None = None,
-        bucket: int | None = None,
+    def _payload_bytes(
+        self, numel: int, dtype: torch.dtype, *, step: int | None, bucket: int | None
     ) -> int:
         return numel * element_bytes(dtype)
 
@@ -96,14 +90,8 @@ class CastCompressor(Compressor):
             # only where the 16-bit message's would, which would send the check the exact way).
             self.output_finite = all_finite(grad)
 
-    def payload_bytes(
-        self,
-        numel: int,
-        dtype: torch.dtype,
-        world_size: int,
-        *,
-        step: int | None = None,
-        bucket: int | None = None,
+    def _payload_bytes(
+        self, numel: int, dtype: torch.dtype, *, step: int | None, bucket: int | None
     ) -> int:
         return numel * element_bytes(self.wire_dtype)
 

@@ -45,7 +45,7 @@ class DGC(TopK):
     warmup: int = 0
     """Steps over which the density decays from 25% to ``ratio``."""
     velocities: dict[str, torch.Tensor] = dataclasses.field(
-        default_factory=dict, init=False, repr=False
+        default_factory=dict, init=False, repr=False, compare=False
     )
     """The momentum ``u`` per bucket, keyed like the residuals (``layout.py``)."""
 

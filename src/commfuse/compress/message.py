@@ -81,13 +81,7 @@ class MessageCompressor(Compressor):
         total = self.decompress_sum(gathered, numel, grad.dtype, step)
         grad.copy_(total.div_(comm.world_size))
 
-    def payload_bytes(
-        self,
-        numel: int,
-        dtype: torch.dtype,
-        world_size: int,
-        *,
-        step: int | None = None,
-        bucket: int | None = None,
+    def _payload_bytes(
+        self, numel: int, dtype: torch.dtype, *, step: int | None, bucket: int | None
     ) -> int:
-        return self.layout(numel, dtype, step).wire_bytes if numel else 0
+        return self.layout(numel, dtype, step).wire_bytes

@@ -122,7 +122,9 @@ class PowerSGD(Compressor):
     half the bytes (the maths stays in fp32; a message is divided by the world size, rounded,
     summed, and widened back, the same on every rank). The rounding is not error-fed back."""
     ef: bool = True
-    qs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    qs: dict[str, torch.Tensor] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
     """The last averaged Q of each bucket, keyed like the residuals (``layout.py``)."""
     plans: dict[str, Plan] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -198,14 +200,24 @@ class PowerSGD(Compressor):
         return plan
 
     # -- state that follows the layout ------------------------------------------------------------
+    def _factor_stores(self) -> dict[Literal["p", "q"], dict[str, torch.Tensor]]:
+        """The factors kept from step to step, by factor: PowerSGD warm-starts Q only."""
+        return {"q": self.qs}
+
+    def _factor_seed(self, factor: Literal["p", "q"], bucket: int) -> tuple[int, ...]:
+        """What seeds the draw of ``factor``'s starting value in bucket ``bucket``."""
+        del factor  # PowerSGD starts from Q only
+        return (self.seed, bucket)
+
     def _state_stores(self) -> list[dict[str, torch.Tensor]]:
-        return [*super()._state_stores(), self.qs]
+        return [*super()._state_stores(), *self._factor_stores().values()]
 
     def _move_state(
         self, bucket: int, layout: BucketLayout, sources: dict[str, BucketLayout]
     ) -> None:
         super()._move_state(bucket, layout, sources)
-        self._move_factors(self.qs, "q", bucket, layout, sources)
+        for factor, store in self._factor_stores().items():
+            self._move_factors(store, factor, bucket, layout, sources)
 
     def _initial_factor(
         self,
@@ -217,9 +229,9 @@ class PowerSGD(Compressor):
     ) -> torch.Tensor:
         """The factor a bucket starts from: a normal draw, the same on every rank (on the CPU
         generator, so every device draws the same numbers)."""
-        del factor  # PowerSGD starts from Q only
-        gen = generator_for(self.seed, bucket)
-        return torch.randn(plan.q_numel, generator=gen, device="cpu").to(device=device, dtype=dtype)
+        numel = plan.q_numel if factor == "q" else plan.p_numel
+        gen = generator_for(*self._factor_seed(factor, bucket))
+        return torch.randn(numel, generator=gen, device="cpu").to(device=device, dtype=dtype)
 
     def _move_factors(
         self,
@@ -275,21 +287,15 @@ class PowerSGD(Compressor):
         m, c = matrix_shape(numel)
         return (m + c) * self.rank < numel
 
-    def payload_bytes(
-        self,
-        numel: int,
-        dtype: torch.dtype,
-        world_size: int,
-        *,
-        step: int | None = None,
-        bucket: int | None = None,
+    def _payload_bytes(
+        self, numel: int, dtype: torch.dtype, *, step: int | None, bucket: int | None
     ) -> int:
         """As the base's; with ``bucket``, that bucket's layout (if one was set) decides: plain
         elements + P's + Q's per tensor. Without, the flat layout's ``(m + c) r``."""
         if not self.compresses(numel, step, bucket=bucket):
             warm = self._warmup_compressor_at(step)
             if warm is not None:
-                return warm.payload_bytes(numel, dtype, world_size, bucket=bucket)
+                return warm._payload_bytes(numel, dtype, step=None, bucket=bucket)
             return numel * element_bytes(dtype)
         plan = self._plan(bucket, numel)
         if plan is not None:

@@ -135,14 +135,8 @@ class RandomK(Compressor):
         grad.zero_()
         grad[index] = message
 
-    def payload_bytes(
-        self,
-        numel: int,
-        dtype: torch.dtype,
-        world_size: int,
-        *,
-        step: int | None = None,
-        bucket: int | None = None,
+    def _payload_bytes(
+        self, numel: int, dtype: torch.dtype, *, step: int | None, bucket: int | None
     ) -> int:
         return num_kept(self.ratio, numel) * element_bytes(dtype)
 
