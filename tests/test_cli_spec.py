@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 
@@ -20,8 +20,17 @@ from commfuse.cli.spec import (
     workload_from_spec,
 )
 from commfuse.compress import Int8, PowerSGD, TopK
-from commfuse.localsgd import diloco, local_sgd, post_local_sgd, slowmo, streaming_diloco
+from commfuse.localsgd import (
+    GENERAL,
+    PeriodicSyncConfig,
+    diloco,
+    local_sgd,
+    post_local_sgd,
+    slowmo,
+    streaming_diloco,
+)
 from commfuse.train import CommfuseDPConfig, TorchDDPConfig, TorchPowerSGDConfig
+from commfuse.train.strategy import StrategyConfig, describe_compressor, describe_strategy
 from commfuse.train.torch_ddp import bf16_hooks_supported
 from commfuse.workloads import CharLMOptions, DigitsOptions
 
@@ -167,3 +176,51 @@ def test_hierarchical_local_sgd_takes_the_runs_host_layout() -> None:
         hierarchical=True, ranks_per_host=4
     )
     assert strategy_from_spec("local-sgd", ranks_per_host=2) == local_sgd()
+
+
+#: One config of every kind the command line names, with settings off their defaults.
+ROUND_TRIP: list[StrategyConfig] = [
+    TorchDDPConfig(static_graph=True, first_bucket_cap_mb=2.0),
+    TorchDDPConfig(hook="fp16", bucket_view=False),
+    TorchPowerSGDConfig(rank=8, wire="fp16", error_feedback=False),
+    CommfuseDPConfig(algo="ring", merge_buckets_by_cost=True),
+    CommfuseDPConfig(compressor=PowerSGD(rank=8, wire="bf16"), staleness=1, first_bucket_cap_mb=2),
+    local_sgd(H=4, inner_lr_scale=0.5, final_sync=False),
+    local_sgd(hierarchical=True, ranks_per_host=2),
+    post_local_sgd(H=4, warmup_steps=3),
+    slowmo(beta=0.7, alpha=0.5),
+    diloco(H=100, algo="ring", compressor=Int8(algo="ring")),
+    diloco(compressor=TopK(ratio=0.1)),
+    diloco(compressor=Int8(algo="native")),
+    streaming_diloco(H=8, num_fragments=2, mix_global=0.9),
+    # No method's function builds a warm-up with an outer momentum: the general form does.
+    PeriodicSyncConfig(warmup_steps=5, outer_momentum=0.5),
+]
+
+
+@pytest.mark.parametrize("config", ROUND_TRIP, ids=describe_strategy)
+def test_a_description_is_the_spec_that_builds_the_config(config: StrategyConfig) -> None:
+    text = describe_strategy(config)
+    assert strategy_from_spec(text) == config, text
+
+
+@pytest.mark.parametrize("name", [name for name, _ in strategy_listing()])
+def test_every_name_describes_its_defaults_as_the_bare_name(name: str) -> None:
+    if name == "ddp-bf16" and not bf16_hooks_supported():
+        pytest.skip("torch refuses its bf16 hooks in this build")
+    config = strategy_from_spec(name)
+    if name != GENERAL:  # whose defaults are local SGD's, described as such
+        assert describe_strategy(config) == name
+    assert strategy_from_spec(describe_strategy(config)) == config
+
+
+@pytest.mark.parametrize("name", [name for name in compressors() if name != "none"])
+def test_every_compressor_round_trips_with_its_settings(name: str) -> None:
+    cls = compressors()[name]
+    variants: list[dict[str, Any]] = [{}, {"algo": "ring", "gather_algo": "ring", "seed": 3}]
+    for settings in variants:
+        compressor = cls(**settings)
+        text = describe_compressor(compressor)
+        assert compressor_from_spec(text) == compressor, text
+        engine = CommfuseDPConfig(compressor=compressor, staleness=1)
+        assert strategy_from_spec(describe_strategy(engine)) == engine

@@ -35,6 +35,8 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from typing_extensions import Unpack
+
 from commfuse.units import parse_rate_mbit, parse_size
 
 if TYPE_CHECKING:
@@ -164,17 +166,23 @@ def parse_value(raw: str, kind: Any, *, key: str, where: str) -> Any:
 
 def keys_of(target: Callable[..., Any]) -> dict[str, Any]:
     """The options ``target`` takes, with their types: a dataclass's init fields, or a
-    function's keyword parameters (read from their type hints)."""
+    function's keyword parameters (read from their type hints), the keys of a
+    ``**kwargs: Unpack[TypedDict]`` included."""
     if dataclasses.is_dataclass(target) and isinstance(target, type):
         hints = typing.get_type_hints(target)
         return {f.name: hints[f.name] for f in dataclasses.fields(target) if f.init}
     hints = typing.get_type_hints(target)
-    params = inspect.signature(target).parameters.values()
-    return {
-        p.name: hints[p.name]
-        for p in params
-        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name in hints
-    }
+    keys: dict[str, Any] = {}
+    for p in inspect.signature(target).parameters.values():
+        if p.name not in hints:
+            continue
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
+            keys[p.name] = hints[p.name]
+        elif p.kind is p.VAR_KEYWORD and typing.get_origin(hints[p.name]) is Unpack:
+            # ``**shared: Unpack[SyncOptions]``: the TypedDict's keys (PEP 692).
+            (options,) = typing.get_args(hints[p.name])
+            keys.update(typing.get_type_hints(options))
+    return keys
 
 
 def build(
@@ -284,14 +292,14 @@ class StrategyName:
 
 
 #: Keys of a compressor strategy's spec that set the engine (``CommfuseDPConfig``), not the
-#: compressor.
-ENGINE_KEYS = ("staleness",)
+#: compressor (``algo`` is the compressor's: its messages ride it).
+ENGINE_KEYS = ("merge_buckets_by_cost", "first_bucket_cap_mb", "staleness")
 
 
 def strategy_names() -> dict[str, StrategyName]:
     """Every name ``--strategy`` accepts but the compressors' (``compressor_from_spec``'s
     names, which each run commfuse's engine with that compressor), in listing order."""
-    from commfuse import localsgd
+    from commfuse.localsgd import GENERAL, METHODS, PeriodicSyncConfig
     from commfuse.train.strategy import CommfuseDPConfig, TorchDDPConfig, TorchPowerSGDConfig
 
     return {
@@ -311,22 +319,28 @@ def strategy_names() -> dict[str, StrategyName]:
             {"compressor": None},
         ),
         "local-sgd": StrategyName(
-            localsgd.local_sgd, "local SGD (Stich 2019): average the replicas every H steps (H=8)"
+            METHODS["local-sgd"].build,
+            "local SGD (Stich 2019): average the replicas every H steps (H=8)",
         ),
         "post-local-sgd": StrategyName(
-            localsgd.post_local_sgd,
+            METHODS["post-local-sgd"].build,
             "post-local SGD (Lin et al. 2020): synchronous for warmup_steps, then local SGD",
         ),
         "slowmo": StrategyName(
-            localsgd.slowmo, "SlowMo (Wang et al. 2020): local SGD with a slow outer momentum"
+            METHODS["slowmo"].build,
+            "SlowMo (Wang et al. 2020): local SGD with a slow outer momentum",
         ),
         "diloco": StrategyName(
-            localsgd.diloco,
+            METHODS["diloco"].build,
             "DiLoCo (Douillard et al. 2023): inner optimizer for H steps, outer Nesterov SGD",
         ),
         "streaming-diloco": StrategyName(
-            localsgd.streaming_diloco,
+            METHODS["streaming-diloco"].build,
             "streaming DiLoCo: fragments synced at staggered steps, exchange overlapped",
+        ),
+        GENERAL: StrategyName(
+            PeriodicSyncConfig,
+            "the methods above in general: PeriodicSyncConfig's fields as the keys",
         ),
     }
 

@@ -4,7 +4,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing_extensions import TypedDict
+
 from commfuse.compress.base import Compressor
+
+
+class SyncOptions(TypedDict, total=False):
+    """The settings every method's function takes besides its own (``local_sgd(H=8,
+    compressor=FP16())``, ``diloco(H=50, hierarchical=True, ranks_per_host=2)``): the
+    ``PeriodicSyncConfig`` fields of the same names, with the same defaults, passed through."""
+
+    compressor: Compressor | None
+    """Compresses each exchange, with its error feedback across exchanges (its messages ride
+    its own ``algo``); None (the default) sends the fp32 pseudo-gradient."""
+    algo: str
+    """commfuse allreduce algorithm of the uncompressed exchange and of the synchronous
+    gradient averages (default ``auto``)."""
+    hierarchical: bool
+    """Average gradients inside each host every step and the replicas across hosts every H
+    steps (needs ``ranks_per_host``; default False)."""
+    ranks_per_host: int
+    """Ranks per host, for ``hierarchical`` (default 1)."""
+    inner_lr_scale: float
+    """Multiplies the inner learning rate between synchronisations (default 1.0)."""
+    final_sync: bool
+    """Average every replica at ``finish()``, so all ranks end with one model (default True)."""
 
 
 @dataclass(kw_only=True)

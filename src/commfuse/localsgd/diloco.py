@@ -14,8 +14,9 @@ from a model trained synchronously for a while, as the paper does (``commfuse tr
 
 from __future__ import annotations
 
-from commfuse.compress.base import Compressor
-from commfuse.localsgd.config import PeriodicSyncConfig
+from typing_extensions import Unpack
+
+from commfuse.localsgd.config import PeriodicSyncConfig, SyncOptions
 
 
 def diloco(
@@ -24,15 +25,10 @@ def diloco(
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
     nesterov: bool = True,
-    compressor: Compressor | None = None,
-    algo: str = "auto",
-    hierarchical: bool = False,
-    ranks_per_host: int = 1,
-    inner_lr_scale: float = 1.0,
-    final_sync: bool = True,
+    **shared: Unpack[SyncOptions],
 ) -> PeriodicSyncConfig:
     """DiLoCo with period ``H`` and the outer Nesterov SGD of ``outer_lr`` and
-    ``outer_momentum``. The other arguments are ``local_sgd``'s.
+    ``outer_momentum``; ``shared`` as for ``local_sgd``.
 
     Example::
 
@@ -44,10 +40,5 @@ def diloco(
         outer_lr=outer_lr,
         outer_momentum=outer_momentum,
         nesterov=nesterov,
-        compressor=compressor,
-        algo=algo,
-        hierarchical=hierarchical,
-        ranks_per_host=ranks_per_host,
-        inner_lr_scale=inner_lr_scale,
-        final_sync=final_sync,
+        **shared,
     )

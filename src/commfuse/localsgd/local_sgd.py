@@ -14,31 +14,18 @@ synchronisation, grows with it); start around 8 and raise it while the loss keep
 
 from __future__ import annotations
 
-from commfuse.compress.base import Compressor
-from commfuse.localsgd.config import PeriodicSyncConfig
+from typing_extensions import Unpack
+
+from commfuse.localsgd.config import PeriodicSyncConfig, SyncOptions
 
 
-def local_sgd(
-    *,
-    H: int = 8,
-    compressor: Compressor | None = None,
-    algo: str = "auto",
-    hierarchical: bool = False,
-    ranks_per_host: int = 1,
-    inner_lr_scale: float = 1.0,
-    final_sync: bool = True,
-) -> PeriodicSyncConfig:
+def local_sgd(*, H: int = 8, **shared: Unpack[SyncOptions]) -> PeriodicSyncConfig:
     """Local SGD: the plain average of the replicas every ``H`` inner steps.
 
     Args:
         H: inner steps between two averages.
-        compressor: compresses each exchange (with its error feedback); None sends fp32.
-        algo: commfuse allreduce algorithm of the uncompressed exchange.
-        hierarchical: average gradients inside each host every step, replicas across hosts
-            every H steps (needs ``ranks_per_host``).
-        ranks_per_host: ranks per host, for ``hierarchical``.
-        inner_lr_scale: multiplies the inner learning rate between synchronisations.
-        final_sync: average every replica at ``finish()``, so all ranks end with one model.
+        **shared: the settings every method takes (``SyncOptions``: ``compressor``, ``algo``,
+            ``hierarchical``, ``ranks_per_host``, ``inner_lr_scale``, ``final_sync``).
 
     Returns:
         The config for ``PeriodicSyncOptimizer``.
@@ -48,42 +35,17 @@ def local_sgd(
         opt = PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm,
                                     local_sgd(H=8))
     """
-    return PeriodicSyncConfig(
-        period_steps=H,
-        compressor=compressor,
-        algo=algo,
-        hierarchical=hierarchical,
-        ranks_per_host=ranks_per_host,
-        inner_lr_scale=inner_lr_scale,
-        final_sync=final_sync,
-    )
+    return PeriodicSyncConfig(period_steps=H, **shared)
 
 
 def post_local_sgd(
-    *,
-    H: int = 8,
-    warmup_steps: int = 100,
-    compressor: Compressor | None = None,
-    algo: str = "auto",
-    hierarchical: bool = False,
-    ranks_per_host: int = 1,
-    inner_lr_scale: float = 1.0,
-    final_sync: bool = True,
+    *, H: int = 8, warmup_steps: int = 100, **shared: Unpack[SyncOptions]
 ) -> PeriodicSyncConfig:
     """Post-local SGD: ``warmup_steps`` of synchronous data parallel, then local SGD with
-    period ``H``. The other arguments are ``local_sgd``'s.
+    period ``H``; ``shared`` as for ``local_sgd``.
 
     Example::
 
         config = post_local_sgd(H=8, warmup_steps=100)
     """
-    return PeriodicSyncConfig(
-        period_steps=H,
-        warmup_steps=warmup_steps,
-        compressor=compressor,
-        algo=algo,
-        hierarchical=hierarchical,
-        ranks_per_host=ranks_per_host,
-        inner_lr_scale=inner_lr_scale,
-        final_sync=final_sync,
-    )
+    return PeriodicSyncConfig(period_steps=H, warmup_steps=warmup_steps, **shared)

@@ -12,38 +12,20 @@ slow momentum" (ICLR 2020). Every H inner steps:
 
 from __future__ import annotations
 
-from commfuse.compress.base import Compressor
-from commfuse.localsgd.config import PeriodicSyncConfig
+from typing_extensions import Unpack
+
+from commfuse.localsgd.config import PeriodicSyncConfig, SyncOptions
 
 
 def slowmo(
-    *,
-    H: int = 8,
-    beta: float = 0.5,
-    alpha: float = 1.0,
-    compressor: Compressor | None = None,
-    algo: str = "auto",
-    hierarchical: bool = False,
-    ranks_per_host: int = 1,
-    inner_lr_scale: float = 1.0,
-    final_sync: bool = True,
+    *, H: int = 8, beta: float = 0.5, alpha: float = 1.0, **shared: Unpack[SyncOptions]
 ) -> PeriodicSyncConfig:
     """SlowMo with period ``H``, slow momentum ``beta`` and slow learning rate ``alpha`` (the
-    paper's names; ``outer_momentum`` and ``outer_lr`` of the config). The other arguments are
-    ``local_sgd``'s.
+    paper's names; ``outer_momentum`` and ``outer_lr`` of the config); ``shared`` as for
+    ``local_sgd``.
 
     Example::
 
         config = slowmo(H=8, beta=0.5)
     """
-    return PeriodicSyncConfig(
-        period_steps=H,
-        outer_momentum=beta,
-        outer_lr=alpha,
-        compressor=compressor,
-        algo=algo,
-        hierarchical=hierarchical,
-        ranks_per_host=ranks_per_host,
-        inner_lr_scale=inner_lr_scale,
-        final_sync=final_sync,
-    )
+    return PeriodicSyncConfig(period_steps=H, outer_momentum=beta, outer_lr=alpha, **shared)

@@ -17,8 +17,12 @@ The paper's settings: F = 4 (or one fragment per few layers), tau = 1, mix 0.5.
 
 from __future__ import annotations
 
-from commfuse.compress.base import Compressor
-from commfuse.localsgd.config import PeriodicSyncConfig
+import dataclasses
+
+from typing_extensions import Unpack
+
+from commfuse.localsgd.config import PeriodicSyncConfig, SyncOptions
+from commfuse.localsgd.diloco import diloco
 
 
 def streaming_diloco(
@@ -30,33 +34,21 @@ def streaming_diloco(
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
     nesterov: bool = True,
-    compressor: Compressor | None = None,
-    algo: str = "auto",
-    hierarchical: bool = False,
-    ranks_per_host: int = 1,
-    inner_lr_scale: float = 1.0,
-    final_sync: bool = True,
+    **shared: Unpack[SyncOptions],
 ) -> PeriodicSyncConfig:
     """Streaming DiLoCo with period ``H``, ``num_fragments`` fragments, exchanges overlapped
     with ``overlap_steps`` inner steps and merged with weight ``mix_global``. The outer step is
-    ``diloco``'s; the other arguments are ``local_sgd``'s.
+    ``diloco``'s; ``shared`` as for ``local_sgd``.
 
     Example::
 
         config = streaming_diloco(H=50, num_fragments=4)
     """
-    return PeriodicSyncConfig(
-        period_steps=H,
+    outer = diloco(H=H, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov)
+    return dataclasses.replace(
+        outer,
         num_fragments=num_fragments,
         overlap_steps=overlap_steps,
         mix_global=mix_global,
-        outer_lr=outer_lr,
-        outer_momentum=outer_momentum,
-        nesterov=nesterov,
-        compressor=compressor,
-        algo=algo,
-        hierarchical=hierarchical,
-        ranks_per_host=ranks_per_host,
-        inner_lr_scale=inner_lr_scale,
-        final_sync=final_sync,
+        **shared,
     )

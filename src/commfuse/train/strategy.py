@@ -191,53 +191,88 @@ StrategyConfig: TypeAlias = (
 
 
 def strategy_name(config: StrategyConfig) -> str:
-    """The family a config belongs to, as the command line names it (``ddp``, ``ddp-fp16``,
-    ``ddp-powersgd``, ``commfuse``, a compressor's name, or ``periodic-sync``)."""
+    """The name the command line gives the config's family: ``ddp``, ``ddp-fp16``,
+    ``ddp-powersgd``, ``commfuse``, a compressor's name (commfuse's engine with it), or a
+    local-SGD method (``local-sgd``, ``diloco``, ...: ``commfuse.localsgd.method_of``)."""
+    return _name_and_settings(config)[0]
+
+
+def describe_strategy(config: StrategyConfig) -> str:
+    """The spec the command line would build ``config`` from, ``name[:key=value,...]`` with
+    only the settings that differ from the name's defaults, so that
+    ``commfuse.cli.spec.strategy_from_spec(describe_strategy(config)) == config`` and two configs
+    with the same settings describe alike (a run's identity; the label of a run without one).
+
+    A local-SGD config is described by the method that rebuilds it with the fewest settings
+    (``diloco:H=100``); its compressor as ``compressor=NAME[:key=value]``, without the
+    ``algo`` it shares with the method (the command line has room for one compressor setting
+    there: more are described all the same, but the spec cannot carry them).
+
+    Raises:
+        ValueError: ``config`` is not a strategy config.
+    """
+    return _spec(*_name_and_settings(config))
+
+
+def describe_compressor(compressor: Compressor) -> str:
+    """``name[:key=value,...]`` with the settings that differ from the defaults (the spec the
+    command line builds the same compressor from)."""
+    return _spec(compressor.name, _changed(compressor))
+
+
+def _name_and_settings(config: StrategyConfig) -> tuple[str, dict[str, Any]]:
+    """The command line's name for ``config`` and the settings its spec gives."""
+    from commfuse.localsgd import PeriodicSyncConfig, method_of
+
     if isinstance(config, TorchDDPConfig):
-        return "ddp" if config.hook == "none" else f"ddp-{config.hook}"
+        name = "ddp" if config.hook == "none" else f"ddp-{config.hook}"
+        return name, _changed(config, skip=("hook",))
     if isinstance(config, TorchPowerSGDConfig):
-        return "ddp-powersgd"
+        return "ddp-powersgd", _changed(config)
     if isinstance(config, CommfuseDPConfig):
-        return "commfuse" if config.compressor is None else config.compressor.name
-    return "periodic-sync"
+        if config.compressor is None:
+            return "commfuse", _changed(config, skip=("compressor",))
+        engine = _changed(config, skip=("compressor", "algo"))
+        return config.compressor.name, {**_changed(config.compressor), **engine}
+    if isinstance(config, PeriodicSyncConfig):
+        name, settings = method_of(config)
+        compressor = settings.pop("compressor", None)
+        if compressor is not None:
+            # The spec's compressor takes the method's algo unless it names its own.
+            shared = ("algo",) if compressor.algo == config.algo else ()
+            settings["compressor"] = _spec(compressor.name, _changed(compressor, skip=shared))
+        if config.hierarchical:
+            # The spec's default is the run's host layout: say the config's own.
+            settings["ranks_per_host"] = config.ranks_per_host
+        return name, settings
+    raise ValueError(f"not a strategy config: {type(config).__name__}")
 
 
-def _changed(obj: object, *, skip: tuple[str, ...] = ()) -> list[str]:
-    """``key=value`` for every init field of dataclass ``obj`` that differs from its default."""
-    out = []
+def _changed(obj: object, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every init field of dataclass ``obj`` whose value differs from its default."""
+    out = {}
     for field in dataclasses.fields(obj):  # type: ignore[arg-type]
         if not field.init or field.name in skip:
             continue
         value = getattr(obj, field.name)
-        if value == field.default:  # (MISSING equals nothing)
-            continue
-        if isinstance(value, bool):
-            text = str(int(value))
-        elif isinstance(value, Compressor):
-            text = describe_compressor(value)
-        else:
-            text = str(value)
-        out.append(f"{field.name}={text}")
+        if value != field.default:  # (MISSING equals nothing)
+            out[field.name] = value
     return out
 
 
-def describe_compressor(compressor: Compressor) -> str:
-    """``name[:key=value,...]`` with the settings that differ from the defaults."""
-    extra = _changed(compressor)
-    return f"{compressor.name}:{','.join(extra)}" if extra else compressor.name
+def _spec(name: str, settings: dict[str, Any]) -> str:
+    """``name[:key=value,...]``."""
+    extra = ",".join(f"{key}={_text(value)}" for key, value in settings.items())
+    return f"{name}:{extra}" if extra else name
 
 
-def describe_strategy(config: StrategyConfig) -> str:
-    """The config as ``name[:key=value,...]`` with only its non-default settings: two configs
-    with the same settings describe alike (a run's identity; the label of a run without one)."""
-    name = strategy_name(config)
-    if isinstance(config, CommfuseDPConfig) and config.compressor is not None:
-        extra = _changed(config.compressor) + _changed(config, skip=("compressor",))
-    elif isinstance(config, TorchDDPConfig):
-        extra = _changed(config, skip=("hook",))
-    else:
-        extra = _changed(config)
-    return f"{name}:{','.join(extra)}" if extra else name
+def _text(value: object) -> str:
+    """A setting as the spec vocabulary writes it (booleans 1/0, a compressor as its spec)."""
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, Compressor):
+        return describe_compressor(value)
+    return str(value)
 
 
 def resume_caveat(config: StrategyConfig) -> str | None:
