@@ -19,8 +19,8 @@ import torch
 
 from commfuse.collectives import all_reduce, broadcast
 from commfuse.collectives.blocks import even_blocks
-from commfuse.collectives.cost import LinkCost, ring_all_reduce
-from commfuse.collectives.hierarchical import HostGroups, predicted_all_reduce_s
+from commfuse.collectives.cost import LinkCost, hierarchical_all_reduce, ring_all_reduce
+from commfuse.collectives.hierarchical import HostGroups
 from commfuse.collectives.reduce_ops import reference_reduce
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
@@ -272,12 +272,12 @@ def test_cost_model() -> None:
     intra = LinkCost(alpha_s=0.0, beta_s_per_byte=0.0, gamma_s_per_byte=0.0)
     inter = LinkCost(alpha_s=0.0, beta_s_per_byte=8e-9, gamma_s_per_byte=0.0)
     n = 16 << 20
-    assert predicted_all_reduce_s(n, 1, 4, intra, inter) == math.inf
-    assert predicted_all_reduce_s(n, 4, 1, intra, inter) == math.inf
+    assert hierarchical_all_reduce(n, 1, 4, intra, inter) == math.inf
+    assert hierarchical_all_reduce(n, 4, 1, intra, inter) == math.inf
     # Free host links: the cross-host bytes alone, 2((H-1)/H) n per host link, against
     # 2((P-1)/P) n for the flat ring (1.5x less on 2 hosts x 2 ranks).
     for hosts, local in [(2, 2), (4, 2), (2, 4)]:
-        two_level = predicted_all_reduce_s(n, hosts, local, intra, inter)
+        two_level = hierarchical_all_reduce(n, hosts, local, intra, inter)
         assert two_level == pytest.approx(2 * (hosts - 1) / hosts * n * 8e-9, rel=1e-6)
         flat = ring_all_reduce(n, hosts * local, inter)
         assert flat / two_level == pytest.approx(
@@ -285,6 +285,6 @@ def test_cost_model() -> None:
         )
     # Slow host links show up once the cross-host step is no longer the bottleneck.
     slow = LinkCost(alpha_s=0.0, beta_s_per_byte=1e-7, gamma_s_per_byte=0.0)
-    assert predicted_all_reduce_s(n, 2, 2, slow, inter) > predicted_all_reduce_s(
+    assert hierarchical_all_reduce(n, 2, 2, slow, inter) > hierarchical_all_reduce(
         n, 2, 2, intra, inter
     )

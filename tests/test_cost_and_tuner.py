@@ -23,6 +23,7 @@ from commfuse.collectives.calibration import (
 )
 from commfuse.collectives.registry import COLLECTIVES, algorithms_for
 from commfuse.collectives.tuner import (
+    COSTS,
     NEAR_TIE,
     Correction,
     Measurement,
@@ -160,6 +161,18 @@ def test_predict_scales_the_model_only_for_the_group_size_it_was_measured_on() -
     assert predict("all_reduce", "native", MB, 4, profile) == model_time(
         "all_reduce", "native", MB, 4, profile
     )
+
+
+def test_auto_chooses_among_every_registered_algorithm() -> None:
+    """The tuner ranks the algorithms it has a model for, without importing their code (the
+    simulator runs without torch): that set must be the registry's, or a new algorithm would
+    never be picked and a retired one still would."""
+    registered = {(c, name) for c in COLLECTIVES for name in algorithms_for(c)}
+    assert set(COSTS) == registered
+    profile = Profile(intra=GIG, inter=GIG, num_hosts=2, ranks_per_host=2)
+    for c in COLLECTIVES:
+        ranked = [name for _, name in rank_algorithms(c, MB, 4, profile)]
+        assert sorted(ranked) == sorted(algorithms_for(c)), c
 
 
 def test_fit_corrections_reproduce_the_measurements_at_calibration_sizes() -> None:

@@ -8,7 +8,7 @@ lazy import is still a dependency, only a later one), and so does
 =====  ==========================================  ==============================================
 layer  folders                                     what they are
 =====  ==========================================  ==============================================
-0      ``units``, ``cluster``, the package root    parsing of sizes and rates; where ranks run
+0      ``units``, ``lazy``, ``cluster``, the root  sizes and rates; lazy names; where ranks run
 1      ``comm``                                    the transport every algorithm uses
 2      ``collectives``                             algorithms over ``comm``, costs, the tuner
 3      ``fused``, ``compress``                     compute+collective operators; compressors
@@ -39,6 +39,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "commfuse"
 LAYERS: dict[str, int] = {
     "__init__": 0,
     "units": 0,
+    "lazy": 0,
     "cluster": 0,
     "comm": 1,
     "collectives": 2,
@@ -61,7 +62,7 @@ FILE_LAYERS: dict[str, int] = {
     "sim/training.py": 6,
 }
 #: What the simulator's model may import besides itself.
-SIM_MAY = frozenset({"units", "collectives"})
+SIM_MAY = frozenset({"units", "lazy", "collectives"})
 
 
 @dataclasses.dataclass(frozen=True)

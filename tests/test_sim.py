@@ -16,7 +16,7 @@ import torch
 
 from commfuse.cli import main
 from commfuse.collectives import cost as C
-from commfuse.collectives.pipeline import PIPELINE_BLOCK_ALPHA_S
+from commfuse.collectives.cost import PIPELINE_BLOCK_ALPHA_S
 from commfuse.collectives.tuner import predict
 from commfuse.sim import (
     ClusterModel,

@@ -36,6 +36,21 @@ class LinkCost:
         )
 
 
+#: The cost of one block step of the linear pipeline beyond its bytes, for the default block
+#: size: a block costs a Python-level isend/irecv pair, gloo's handshake and a wake-up of the
+#: forwarding rank, far more than the wire's latency. ``commfuse tune`` fits it per collective
+#: (``Profile.pipeline_alpha_s``); untuned, this value, which sized blocks near the best of a
+#: sweep of block sizes (``benchmarks/broadcast-pipeline_netlab-2to8x1gbit-2core_202611.md``).
+PIPELINE_BLOCK_ALPHA_S = 0.5e-3
+
+#: Default chunk bytes per rank of the hierarchical all-reduce's group: a chunk's ring steps move
+#: blocks of this size across hosts, so every chunk pays its steps' latency on the same amount of
+#: data (``collectives/hierarchical.py``, Tuning).
+HIERARCHICAL_CHUNK_BYTES_PER_RANK = 512 << 10
+#: Upper bound of the hierarchical all-reduce's default chunk count.
+HIERARCHICAL_MAX_CHUNKS = 64
+
+
 def _lg(p: int) -> int:
     return math.ceil(math.log2(p)) if p > 1 else 0
 
@@ -168,6 +183,34 @@ def pairwise_all_to_all(n: int, p: int, c: LinkCost) -> float:
     if p <= 1:
         return 0.0
     return (p - 1) * (c.alpha_s + n / p * c.beta_s_per_byte)
+
+
+def hierarchical_num_chunks(n_bytes: int, world_size: int) -> int:
+    """The hierarchical all-reduce's default chunk count: chunks of at most ``world_size x
+    HIERARCHICAL_CHUNK_BYTES_PER_RANK`` bytes, between 1 and ``HIERARCHICAL_MAX_CHUNKS``."""
+    per_chunk = world_size * HIERARCHICAL_CHUNK_BYTES_PER_RANK
+    return max(1, min(HIERARCHICAL_MAX_CHUNKS, math.ceil(n_bytes / per_chunk)))
+
+
+def hierarchical_all_reduce(
+    n: int, num_hosts: int, ranks_per_host: int, intra: LinkCost, inter: LinkCost
+) -> float:
+    """The pipelined 2D all-reduce over ``num_hosts`` hosts of ``ranks_per_host`` ranks
+    (``collectives/hierarchical.py``), in ``C = hierarchical_num_chunks`` chunks of m = n / C
+    bytes, the L = ``ranks_per_host`` cross-host rings sharing each host link (beta_e x L):
+    ``rs + x + ag + (C - 1) max(x, rs + ag)`` with ``rs``, ``ag`` the host rings' reduce-scatter
+    and all-gather of m and ``x`` the cross-host ring all-reduce of m / L; inf when there is only
+    one level."""
+    hosts, local = num_hosts, ranks_per_host
+    if local <= 1 or hosts <= 1:
+        return math.inf
+    chunks = hierarchical_num_chunks(n, hosts * local)
+    m = math.ceil(n / chunks)
+    shared = dataclasses.replace(inter, beta_s_per_byte=inter.beta_s_per_byte * local)
+    rs = ring_reduce_scatter(m, local, intra)
+    ag = ring_all_gather(m, local, intra)
+    across = ring_all_reduce(math.ceil(m / local), hosts, shared)
+    return rs + across + ag + (chunks - 1) * max(across, rs + ag)
 
 
 def all_reduce_lower_bound(n: int, p: int, bandwidth_bytes_per_s: float) -> float:

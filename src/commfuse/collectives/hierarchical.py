@@ -16,22 +16,22 @@ Horovod's hierarchical all-reduce over NCCL:
 3. Allgather inside each host (in-place ring): every rank ends with all L reduced shards.
 
 **Pipelining.** The buffer is cut into C chunks (``num_chunks``; default ``P x
-CHUNK_BYTES_PER_RANK`` bytes each, at most ``MAX_CHUNKS``). Chunk i's host phases run on the
-calling thread while chunk i - 1 crosses hosts on the cross-host communicator's worker thread
-(gloo waits release the GIL; ``inter_algo="native"`` uses gloo's async all-reduce instead), so the
+HIERARCHICAL_CHUNK_BYTES_PER_RANK`` bytes each, at most ``HIERARCHICAL_MAX_CHUNKS``, both in
+``cost.py``). Chunk i's host phases run on the calling thread while chunk i - 1 crosses hosts on
+the cross-host communicator's worker thread (gloo waits release the GIL; ``inter_algo="native"`` uses gloo's async all-reduce instead), so the
 slow links stay busy and only the first reduce-scatter and the last all-gather are exposed. Host
 phases run in the order RS(0), RS(1), AG(0), RS(2), AG(1), ..., cross-host all-reduces in chunk
 order, the same on every rank, so no two ranks wait on each other in different orders.
 
-**Cost** (``predicted_all_reduce_s``): with m = n / C and beta_e multiplied by L (L flows share a
-host link), ``rs + x + ag + (C - 1) max(x, rs + ag)``, where
+**Cost** (``cost.hierarchical_all_reduce``): with m = n / C and beta_e multiplied by L (L flows
+share a host link), ``rs + x + ag + (C - 1) max(x, rs + ag)``, where
 ``rs = (L-1) alpha_i + ((L-1)/L) m (beta_i + gamma)``, ``ag = (L-1) alpha_i + ((L-1)/L) m beta_i``,
 ``x = 2(H-1) alpha_e + 2((H-1)/H) m beta_e + ((H-1)/H)(m/L) gamma``. For large n it tends to
 ``2((H-1)/H) n beta_e``, against ``2((P-1)/P) n beta_e`` for the flat ring.
 
 **Tuning.** More chunks hide more of the cross-host step but pay ``C`` times the host phases'
 latency; the default sizes chunks so that each cross-host ring step moves about
-``CHUNK_BYTES_PER_RANK`` per rank. Host messages are larger than the ring's segments
+``HIERARCHICAL_CHUNK_BYTES_PER_RANK`` per rank. Host messages are larger than the ring's segments
 (``HOST_SEGMENT_BYTES``): loopback has no shaper, and fewer messages leave more CPU to the
 cross-host traffic. Where the ranks of a host share few cores, the host phases' copies can cost
 more than the host links save; the tuner measures that (``commfuse tune``) and keeps gloo's ring
@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import math
 import warnings
 from collections.abc import Iterator
@@ -65,12 +64,7 @@ from typing import Any
 import torch
 
 from commfuse.collectives.blocks import even_blocks
-from commfuse.collectives.cost import (
-    LinkCost,
-    ring_all_gather,
-    ring_all_reduce,
-    ring_reduce_scatter,
-)
+from commfuse.collectives.cost import hierarchical_num_chunks
 from commfuse.collectives.registry import algorithms_for, label, register
 
 # The ring's in-place phases work on any block layout of a buffer; the 2D all-reduce runs them on
@@ -82,37 +76,10 @@ _NAME = "hierarchical"
 #: ``intra_algo`` of the 2D all-reduce; any reduce/broadcast name selects the leader scheme.
 TWO_D = "ring"
 
-#: Default chunk bytes per rank of the group: a chunk's ring steps move blocks of this size
-#: across hosts, so every chunk pays its steps' latency on the same amount of data (see Tuning).
-CHUNK_BYTES_PER_RANK = 512 << 10
-#: Upper bound of the default chunk count.
-MAX_CHUNKS = 64
 #: Host messages of the 2D all-reduce when ``num_segments`` is not given (see Tuning).
 HOST_SEGMENT_BYTES = 1 << 20
 #: Cross-host all-reduces in flight while the host phases run (see Tuning).
 _LAG = 1
-
-
-def default_num_chunks(n_bytes: int, world_size: int) -> int:
-    """Chunks of at most ``world_size x CHUNK_BYTES_PER_RANK``, between 1 and ``MAX_CHUNKS``."""
-    return max(1, min(MAX_CHUNKS, math.ceil(n_bytes / (world_size * CHUNK_BYTES_PER_RANK))))
-
-
-def predicted_all_reduce_s(
-    n_bytes: int, num_hosts: int, ranks_per_host: int, intra: LinkCost, inter: LinkCost
-) -> float:
-    """Predicted seconds of the pipelined 2D all-reduce (see the module docstring); inf when
-    there is only one level."""
-    hosts, local = num_hosts, ranks_per_host
-    if local <= 1 or hosts <= 1:
-        return float("inf")
-    chunks = default_num_chunks(n_bytes, hosts * local)
-    m = math.ceil(n_bytes / chunks)
-    shared = dataclasses.replace(inter, beta_s_per_byte=inter.beta_s_per_byte * local)
-    rs = ring_reduce_scatter(m, local, intra)
-    ag = ring_all_gather(m, local, intra)
-    across = ring_all_reduce(math.ceil(m / local), hosts, shared)
-    return rs + across + ag + (chunks - 1) * max(across, rs + ag)
 
 
 def ranks_per_host_of(comm: Communicator, ranks_per_host: int | None) -> int:
@@ -217,7 +184,9 @@ def _two_d(
     """Reduce-scatter in the host, all-reduce across hosts, all-gather in the host; pipelined."""
     tag, mine, size = label("all_reduce", _NAME), intra.rank, buf.element_size()
     if num_chunks is None:
-        num_chunks = default_num_chunks(buf.numel() * size, intra.world_size * inter.world_size)
+        num_chunks = hierarchical_num_chunks(
+            buf.numel() * size, intra.world_size * inter.world_size
+        )
     elif isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
     inter_fn = algorithms_for("all_reduce")[inter_algo]

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from commfuse.collectives.blocks import fixed_blocks
-from commfuse.collectives.cost import LinkCost, lp_best_block_bytes
+from commfuse.collectives.cost import PIPELINE_BLOCK_ALPHA_S, LinkCost, lp_best_block_bytes
 from commfuse.collectives.reduce_ops import combine_
 from commfuse.collectives.registry import label, register
 from commfuse.comm import Communicator, Handle, wait_all
@@ -54,14 +54,6 @@ LOOKAHEAD = 2
 # the two streams apart even on a two-rank chain, where both use the same pair of ranks.
 _TAG_TOWARD_HEAD = 11
 _TAG_AWAY_FROM_HEAD = 12
-
-
-#: The cost of one block step beyond its bytes, for the default block size: a block costs a
-#: Python-level isend/irecv pair, gloo's handshake and a wake-up of the forwarding rank, far more
-#: than the wire's latency. ``commfuse tune`` fits it per collective (``pipeline_alpha_s``);
-#: untuned, this value, which sized blocks near the best of a sweep of block sizes
-#: (``benchmarks/broadcast-pipeline_netlab-2to8x1gbit-2core_202611.md``).
-PIPELINE_BLOCK_ALPHA_S = 0.5e-3
 
 
 def pipeline_link(link_mbit: float | None) -> LinkCost:

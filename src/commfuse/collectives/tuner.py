@@ -47,11 +47,15 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from commfuse.collectives import cost as C
-from commfuse.collectives.registry import COLLECTIVES, Options, algorithms_for
-from commfuse.comm import Communicator
+from commfuse.collectives.registry import COLLECTIVES, Options
+
+if TYPE_CHECKING:
+    # Annotations only: the cost models, the profile and ``choose_for`` are arithmetic, which
+    # the simulator uses without torch.
+    from commfuse.comm import Communicator
 
 #: Message sizes (bytes, nccl-tests' S) that calibration times every algorithm at: every 4x, and
 #: every 2x from 64 KB to 1 MB, where the pipeline, recursive doubling and gloo's ring hand over
@@ -398,10 +402,7 @@ def _hier_all_reduce(n: int, p: int, prof: Profile) -> float:
         # same thing twice and keeping the faster is a bet on noise (at 512 KB on 4 hosts x 1
         # rank it beat its own ring by 19% in calibration, then lost 13% to native).
         return math.inf
-    # The two-level scheme's cost lives beside it (pipelined 2D reduce-scatter/all-reduce/all-gather).
-    from commfuse.collectives.hierarchical import predicted_all_reduce_s
-
-    return predicted_all_reduce_s(n, hosts, local, prof.intra, prof.inter)
+    return C.hierarchical_all_reduce(n, hosts, local, prof.intra, prof.inter)
 
 
 def _hier_broadcast(n: int, p: int, prof: Profile) -> float:
@@ -469,7 +470,11 @@ def rank_algorithms(
 ) -> list[tuple[float, str]]:
     """(predicted seconds, name) of every registered algorithm, fastest first; equal times keep
     native first, then name order, so the ranking is deterministic."""
-    names = sorted(algorithms_for(collective), key=lambda name: (name != "native", name))
+    # Every registered algorithm has a model in ``COSTS`` (a test holds the two sets equal), so
+    # the names come from the models: choosing needs no algorithm's code, nor torch.
+    names = sorted(
+        (name for op, name in COSTS if op == collective), key=lambda name: (name != "native", name)
+    )
     return sorted(
         ((predict(collective, name, nbytes, world_size, profile), name) for name in names),
         key=lambda pair: pair[0],

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 
 from commfuse.collectives import cost as C
-from commfuse.collectives.pipeline import PIPELINE_BLOCK_ALPHA_S
 from commfuse.collectives.tuner import Profile, best_block_bytes
 
 _FP32_BYTES = 4
@@ -41,7 +40,7 @@ def block_bytes(collective: str, nbytes: int, p: int, link: C.LinkCost, profile:
     if collective in profile.pipeline_alpha_s:
         return best_block_bytes(collective, nbytes, p, profile)
     depth = 2 * (p - 1) if collective == "all_reduce" else p - 1
-    code_link = C.LinkCost(alpha_s=PIPELINE_BLOCK_ALPHA_S, beta_s_per_byte=link.beta_s_per_byte)
+    code_link = C.LinkCost(alpha_s=C.PIPELINE_BLOCK_ALPHA_S, beta_s_per_byte=link.beta_s_per_byte)
     best = C.lp_best_block_bytes(nbytes, depth + 1, code_link)
     return max(1, best // _FP32_BYTES) * _FP32_BYTES
 

@@ -15,9 +15,12 @@ import copy
 import dataclasses
 import typing
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    # Only ``from_module`` runs torch, and imports it when called: the rest of the simulator is
+    # arithmetic, and ``import commfuse.sim`` stays free of torch.
+    import torch
 
 GroupName = Literal["tp", "dp", "world"]
 PhaseName = Literal["fwd", "bwd"]
@@ -136,18 +139,21 @@ def from_module(
     input_shape: Sequence[int],
     *,
     name: str | None = None,
-    input_dtype: torch.dtype = torch.float32,
+    input_dtype: torch.dtype | None = None,
 ) -> ModelProfile:
     """A data-parallel workload from a real module: one layer per leaf module that has
     parameters or FLOPs, in registration order (the order DDP buckets gradients in).
 
     The module is moved to the meta device (parameters keep their shapes, no memory), run
     forward and backward on a meta input of ``input_shape``, and PyTorch's FLOP counter is read
-    per module, separately for the two passes. Integer inputs (token ids) use
-    ``input_dtype=torch.long``: they are drawn as zeros.
+    per module, separately for the two passes. The input is ``input_dtype`` (None: float32);
+    integer inputs (token ids, ``input_dtype=torch.long``) are drawn as zeros.
     """
+    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    if input_dtype is None:
+        input_dtype = torch.float32
     # Build big models under ``with torch.device("meta"):``; a real one is copied, not moved.
     on_meta = all(p.is_meta for p in module.parameters())
     model = module if on_meta else copy.deepcopy(module).to("meta")

@@ -25,11 +25,12 @@ them live in ``ddp/``, ``fused/`` and ``localsgd/``):
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal, Protocol
-
-import torch
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 from commfuse.collectives.registry import COLLECTIVES
+
+if TYPE_CHECKING:
+    import torch
 
 
 class MessageModel(Protocol):
@@ -107,6 +108,10 @@ class CommPlan:
         ``world_size`` ranks: an allreduce of the message, or an allgather of every rank's."""
         if self.compressor is None:
             return "all_reduce", int(nbytes * self.compression_ratio)
+        # A compressor (commfuse.compress) has imported torch already, so naming its dtype
+        # costs nothing here; plans without one stay torch-free.
+        import torch
+
         numel = nbytes // dtype_bytes
         dtype = {2: torch.float16, 8: torch.float64}.get(dtype_bytes, torch.float32)
         size = self.compressor.payload_bytes(numel, dtype, world_size)
