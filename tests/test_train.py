@@ -101,7 +101,9 @@ def test_resume_from_checkpoint_is_exact(pool: Any, tmp_path: Path, strategy: st
     assert [r["digest"] for r in resumed] == [r["digest"] for r in full]
     assert resumed[0]["history"]["loss"] == full[0]["history"]["loss"]
     if strategy.startswith("topk"):
-        state = ckpt.load_rank(full_dir, 3, 1)["strategy"]["engine"]["compressor"]
+        state = ckpt.load_rank(full_dir, 3, 1, device=torch.device("cpu"))["strategy"]["engine"][
+            "compressor"
+        ]
         assert state, "error-feedback state must be in the checkpoint"
 
 
@@ -155,7 +157,7 @@ def test_resume_of_torchs_powersgd_hook_warns_that_it_is_not_exact(
     spec = "ddp-powersgd:rank=2,warmup=2,wire=fp16"
     p = pool(2)
     full = p.run(run_rank, _config(spec, 5, checkpoint_dir=str(tmp_path), checkpoint_every=3))
-    saved = ckpt.load_rank(tmp_path, 3, 0)["strategy"]["powersgd"]
+    saved = ckpt.load_rank(tmp_path, 3, 0, device=torch.device("cpu"))["strategy"]["powersgd"]
     assert saved["iter"] == 3 and saved["error_dict"] and saved["q_memory_dict"]
     assert saved["rng"]["keys"].dtype == torch.int64
     ckpt.mark_latest(tmp_path, 3)
@@ -224,10 +226,27 @@ def test_train_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main([*argv, "--strategy", "ddp-powersgd:rank=2", "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["steps"] == 6 and record["world_size"] == 2 and record["ranks_agree"]
+    assert (record["device"], record["backend"]) == ("cpu", "gloo")
     assert 0 < record["bytes_per_step"] < DIGITS_GRAD_BYTES  # PowerSGD after its 2-step warm-up
     assert record["eval_accuracy"] > 0.2 and record["final_loss"] < 2.3
     assert main([*argv, "--strategy", "nope"]) == 2
     assert "unknown strategy 'nope'" in capsys.readouterr().err
+
+
+def test_train_cli_on_an_explicit_device_checkpoints_and_resumes_there(tmp_path: Path) -> None:
+    """--device cpu --backend gloo, spelled out, takes the path --device cuda --backend nccl
+    takes (the backend decides Communicator.device, the loop builds the workload there and
+    loads its checkpoints onto it): a run to step 3, resumed to 6, ends as 6 straight."""
+    argv = ["train", "--workload", DIGITS, "--nproc", "2", "--no-progress", "--strategy", "ddp"]
+    argv += ["--device", "cpu", "--backend", "gloo", "--no-emulate", "--seed", "1"]
+    straight, resumed, ckpts = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "ckpt"
+    assert main([*argv, "--steps", "6", "--json", str(straight)]) == 0
+    assert main([*argv, "--steps", "3", "--checkpoint-dir", str(ckpts)]) == 0
+    more = ["--steps", "6", "--checkpoint-dir", str(ckpts), "--resume", "--json", str(resumed)]
+    assert main([*argv, *more]) == 0
+    a, b = json.loads(straight.read_text()), json.loads(resumed.read_text())
+    assert b["start_step"] == 3 and b["device"] == a["device"] == "cpu"
+    assert b["digest"] == a["digest"] and b["loss_curve"] == a["loss_curve"]
 
 
 def test_compare_cli_writes_json_and_plot(

@@ -34,7 +34,7 @@ def test_digits_split_fixed_and_disjoint() -> None:
 
 @pytest.mark.parametrize("spec", ["charlm:dim=32,layers=1,heads=2", "digits:hidden=16"])
 def test_batches_are_a_function_of_seed_step_rank(spec: str) -> None:
-    w = make_workload(workload_from_spec(spec))
+    w = make_workload(workload_from_spec(spec), device=torch.device("cpu"))
 
     def flat(b: object) -> torch.Tensor:
         return torch.cat([t.float().reshape(-1) for t in b]) if isinstance(b, tuple) else b  # type: ignore[return-value]
@@ -49,7 +49,7 @@ def test_batches_are_a_function_of_seed_step_rank(spec: str) -> None:
 
 
 def test_models_are_seeded() -> None:
-    w = make_workload(workload_from_spec("charlm"))
+    w = make_workload(workload_from_spec("charlm"), device=torch.device("cpu"))
     a, b = w.build_model(5), w.build_model(5)
     n = sum(p.numel() for p in a.parameters())
     assert 3_000_000 < n < 3_400_000  # the issue's 3.2M-parameter character Transformer
@@ -57,10 +57,35 @@ def test_models_are_seeded() -> None:
     assert not torch.equal(next(a.parameters()), next(w.build_model(6).parameters()))
 
 
+@pytest.mark.parametrize("spec", ["charlm:dim=32,layers=1,heads=2,seq=16", "digits:hidden=16"])
+def test_the_model_its_optimizer_state_and_batches_live_on_the_given_device(spec: str) -> None:
+    """A workload built for a device puts everything it makes there. torch's ``meta`` device
+    stands in for a GPU on a CPU-only machine: a parameter or a batch left on the CPU (a
+    missing ``.to(device)``) shows up as a CPU tensor, or as torch refusing to mix the two."""
+    meta = torch.device("meta")
+    w = make_workload(workload_from_spec(spec), device=meta)
+    model = w.build_model(0)
+    optimizer = w.make_optimizer(model)
+    batch = w.batch(3, 1, 2, seed=0)
+    tensors = batch if isinstance(batch, tuple) else (batch,)
+    assert {p.device for p in model.parameters()} == {meta}
+    assert {t.device for t in tensors} == {meta}
+    loss = w.loss(model, batch)
+    assert loss.device == meta
+    loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+    optimizer.step()
+    # AdamW's moments sit beside their parameters; its step counters on the host, by torch's
+    # rule for an optimizer that is neither fused nor capturable.
+    state = [(k, t) for s in optimizer.state.values() for k, t in s.items()]
+    assert state and all(
+        t.device == (torch.device("cpu") if k == "step" else meta) for k, t in state
+    )
+
+
 @pytest.mark.parametrize(("spec", "steps"), [("charlm", 12), ("digits", 40)])
 def test_a_few_steps_reduce_the_loss(spec: str, steps: int) -> None:
     torch.set_num_threads(1)
-    w = make_workload(workload_from_spec(spec))
+    w = make_workload(workload_from_spec(spec), device=torch.device("cpu"))
     model = w.build_model(0)
     opt = w.make_optimizer(model)
     before = w.evaluate(model)

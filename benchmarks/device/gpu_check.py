@@ -69,7 +69,7 @@ def _grads(model: nn.Module) -> torch.Tensor:
 
 
 def _time_ms(step: Callable[[], None], device: torch.device, repeats: int) -> float:
-    from commfuse.bench.clock import now
+    from commfuse.comm.clock import now
 
     step()  # warm-up (the first step builds buckets and compressor state)
     times = []

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from commfuse.bench.cases import OPS, bus_factor, make_case
-from commfuse.bench.clock import now
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.cluster.topology import Topology
 from commfuse.comm import Communicator
+from commfuse.comm.clock import now
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

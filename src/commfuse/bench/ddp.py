@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from commfuse.bench.clock import default_group_device, now
 from commfuse.bench.schedule import Schedule, control_name, summarize
 from commfuse.comm import Communicator
+from commfuse.comm.clock import now
 from commfuse.ddp.config import DataParallelConfig
 from commfuse.ddp.wrapper import DataParallel
 from commfuse.train.torch_ddp import bucket_caps
@@ -117,7 +117,7 @@ def bench_ddp_on_rank(config: DdpBenchConfig | None = None) -> list[dict[str, An
     communication, and the median ratio to torch DDP's step."""
     config = config or DdpBenchConfig()
     torch.manual_seed(0)
-    device = default_group_device()
+    device = Communicator().device  # the rank's: cuda:LOCAL_RANK under NCCL, else the CPU
     twin = control_name(BASELINE)
     torch_names = [BASELINE, *([twin] if config.control else [])]
     nets = {name: build_model(config).to(device) for name in [*torch_names, "compute"]}

@@ -38,12 +38,12 @@ from typing import Any, Literal
 import torch
 
 from commfuse.bench.cases import Case
-from commfuse.bench.clock import now
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
 from commfuse.cluster.topology import Topology
 from commfuse.collectives import all_to_all
 from commfuse.comm import Communicator
+from commfuse.comm.clock import now
 from commfuse.fused import baselines
 from commfuse.fused import embedding_all_to_all as emb
 from commfuse.fused import gemm_all_reduce as gar

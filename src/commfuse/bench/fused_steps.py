@@ -28,12 +28,12 @@ from typing import Any, Literal
 import torch
 
 from commfuse.bench.cases import Case
-from commfuse.bench.clock import now
 from commfuse.bench.fused import check_schedule
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
 from commfuse.cluster.topology import Topology
 from commfuse.comm import Communicator
+from commfuse.comm.clock import now
 from commfuse.fused import embedding_all_to_all as emb
 from commfuse.fused.chunking import BY_TABLE, ChunkConfig
 from commfuse.fused.chunking import Schedule as ChunkSchedule

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commfuse.bench.clock import now
 from commfuse.bench.schedule import Schedule, control_name, summarize
 from commfuse.cluster import machine
 from commfuse.comm import Communicator
+from commfuse.comm.clock import now
 from commfuse.train.strategy import (
     StrategyConfig,
     StrategyContext,
@@ -110,6 +110,8 @@ class _Runner:
     step_fn: Callable[[int], tuple[float, float, float]]
     bytes_fn: Callable[[], int]
     close: Callable[[], None]
+    device: torch.device
+    """The ranks' device (``comm.device``): the clock waits for it, the timings travel on it."""
     next_step: int = 0
     blocks_s: list[float] = dataclasses.field(default_factory=list)
     cpu_s: list[float] = dataclasses.field(default_factory=list)
@@ -117,8 +119,6 @@ class _Runner:
     phases: list[tuple[float, float, float]] = dataclasses.field(default_factory=list)
     bytes_timed: int = 0
     pids: tuple[int, ...] | None = None
-    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
-    """The ranks' device (``comm.device``): the clock waits for it, the timings travel on it."""
     """This machine's ranks, whose CPU is the floor's (``machine.rank_pids``), on the one rank
     of each machine that reads them; None on the others."""
 
@@ -156,7 +156,8 @@ class _Runner:
 
 
 def _runners(config: StrategiesBenchConfig, comm: Communicator) -> list[_Runner]:
-    workload = make_workload(config.workload)
+    device = comm.device  # every model, batch and timing lives on the rank's device
+    workload = make_workload(config.workload, device=device)
     rank, world = comm.rank, comm.world_size
     local = machine.rank_pids()
     pids = local if local[0] == os.getpid() else None  # one reader per machine
@@ -181,38 +182,34 @@ def _runners(config: StrategiesBenchConfig, comm: Communicator) -> list[_Runner]
 
         def step(i: int, strategy: Any = strategy) -> tuple[float, float, float]:
             batch = workload.batch(i, rank, world, seed=config.seed)
-            t0 = time.perf_counter()
+            t0 = now(device)
             with comm.at_step(i):
                 strategy.zero_grad()
                 loss = workload.loss(strategy.model, batch)
-                t1 = time.perf_counter()
+                t1 = now(device)
                 strategy.backward(loss)
                 strategy.sync()
-                t2 = time.perf_counter()
+                t2 = now(device)
                 strategy.optimizer_step()
-            return t1 - t0, t2 - t1, time.perf_counter() - t2
+            return t1 - t0, t2 - t1, now(device) - t2
 
-        runners.append(
-            _Runner(name, step, strategy.bytes_sent, strategy.close, pids=pids, device=comm.device)
-        )
+        runners.append(_Runner(name, step, strategy.bytes_sent, strategy.close, device, pids=pids))
     if config.include_compute:
         bare = workload.build_model(config.seed)
         bare_opt = workload.make_optimizer(bare)
 
         def bare_step(i: int) -> tuple[float, float, float]:
             batch = workload.batch(i, rank, world, seed=config.seed)
-            t0 = time.perf_counter()
+            t0 = now(device)
             bare_opt.zero_grad(set_to_none=True)
             loss = workload.loss(bare, batch)
-            t1 = time.perf_counter()
+            t1 = now(device)
             loss.backward()  # type: ignore[no-untyped-call]
-            t2 = time.perf_counter()
+            t2 = now(device)
             bare_opt.step()
-            return t1 - t0, t2 - t1, time.perf_counter() - t2
+            return t1 - t0, t2 - t1, now(device) - t2
 
-        runners.append(
-            _Runner(COMPUTE, bare_step, lambda: 0, lambda: None, pids=pids, device=comm.device)
-        )
+        runners.append(_Runner(COMPUTE, bare_step, lambda: 0, lambda: None, device, pids=pids))
     return runners
 
 

@@ -136,18 +136,6 @@ def backend_from_args(args: argparse.Namespace, topology: Topology) -> str:
     return backend
 
 
-def require_host_training(args: argparse.Namespace, topology: Topology, *, command: str) -> None:
-    """``train`` and ``compare`` run the training loop, whose workloads build their models and
-    batches on the host: after the device checks (a CPU machine hears that it has no CUDA),
-    --device cuda is refused with a UsageError that says so, instead of NCCL failing later on
-    host tensors."""
-    if backend_from_args(args, topology) != "gloo":
-        raise UsageError(
-            f"{command} --device cuda: the training loop keeps its models and batches on the "
-            "CPU; bench collectives, bench fused and bench ddp run on CUDA"
-        )
-
-
 def add_timeout_argument(parser: argparse.ArgumentParser, *, default_s: float | None) -> None:
     """--timeout: the deadline of the whole job, after which every rank is stopped."""
     parser.add_argument(

@@ -17,8 +17,8 @@ from commfuse.cli.common import (
     add_device_arguments,
     add_output_arguments,
     add_topology_arguments,
+    backend_from_args,
     emulate_arg,
-    require_host_training,
     set_command,
     topology_from_args,
 )
@@ -90,13 +90,15 @@ def register(sub: Subparsers) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    import torch
+
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec
     from commfuse.train.loop import TrainConfig
     from commfuse.workloads import make_workload
 
     strategies = args.strategy or list(C.DEFAULT_STRATEGIES)
     topology = topology_from_args(args, nproc=args.nproc)
-    require_host_training(args, topology, command="commfuse compare")
+    backend = backend_from_args(args, topology)  # the device checks, before any rank starts
     # Every spec is checked before any run starts.
     layout = topology.ranks_per_host
     configs = [strategy_from_spec(s, ranks_per_host=layout) for s in strategies]
@@ -110,7 +112,7 @@ def run_compare(args: argparse.Namespace) -> int:
         compute_steps=args.compute_steps,
         init_from=args.init_from,
     )
-    workload = make_workload(options).describe()
+    workload = make_workload(options, device=torch.device(args.device)).describe()
     print(
         f"commfuse compare: {workload}\n  on {topology.describe()}, {args.steps} steps, "
         f"seed {args.seed}, bucket cap {args.bucket_cap_mb:g} MiB, strategies one after another"
@@ -127,6 +129,7 @@ def run_compare(args: argparse.Namespace) -> int:
         progress=False if args.no_progress else None,
         timeout_s=args.timeout,
         labels=[s.strip() for s in strategies],
+        backend=backend,
     )
     print()
     print(C.render_table(records))

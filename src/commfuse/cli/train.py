@@ -19,8 +19,8 @@ from commfuse.cli.common import (
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
+    backend_from_args,
     emulate_arg,
-    require_host_training,
     set_command,
     topology_from_args,
 )
@@ -105,7 +105,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(list_strategies())
         return 0
     topology = topology_from_args(args, nproc=args.nproc)
-    require_host_training(args, topology, command="commfuse train")
+    backend = backend_from_args(args, topology)  # the device checks, before any rank starts
     config = TrainConfig(
         workload=workload_from_spec(args.workload),
         strategy=strategy_from_spec(args.strategy, ranks_per_host=topology.ranks_per_host),
@@ -126,6 +126,7 @@ def run_train(args: argparse.Namespace) -> int:
         emulate=emulate_arg(args),
         progress=False if args.no_progress else None,
         timeout_s=args.timeout,
+        backend=backend,
     )
     print(describe_record(record))
     if args.json:

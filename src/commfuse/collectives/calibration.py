@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -40,6 +39,7 @@ from commfuse.collectives.tuner import (
     options_for,
 )
 from commfuse.comm import Communicator
+from commfuse.comm.clock import now
 
 _SMALL_BYTES = 8
 _LARGE_BYTES = 4 << 20
@@ -54,10 +54,10 @@ def _ping_pong(comm: Communicator, a: int, b: int, nbytes: int, reps: int) -> fl
     times = []
     for _ in range(reps):
         if comm.rank == a:
-            start = time.perf_counter()
+            start = now(comm.device)
             comm.send(buf, b, label="tune")
             comm.recv(buf, b, label="tune")
-            times.append((time.perf_counter() - start) / 2)
+            times.append((now(comm.device) - start) / 2)
         elif comm.rank == b:
             comm.recv(buf, a, label="tune")
             comm.send(buf, a, label="tune")
@@ -76,9 +76,9 @@ def _measure_gamma(device: torch.device) -> float:
     other = torch.ones_like(acc)
     times = []
     for _ in range(5):
-        start = time.perf_counter()
+        start = now(device)
         acc.add_(other)
-        times.append(time.perf_counter() - start)
+        times.append(now(device) - start)
     return statistics.median(times) / _LARGE_BYTES
 
 
@@ -215,9 +215,9 @@ def measure_algorithms(
                 continue
             for i, call in enumerate(calls_of(collective, names, nbytes)):  # A B A B ...
                 comm.barrier()
-                start = time.perf_counter()
+                start = now(comm.device)
                 call()
-                times[i, rep] = time.perf_counter() - start
+                times[i, rep] = now(comm.device) - start
     table: list[Measurement] = []
     for collective, names, nbytes, times in rows:
         # A collective takes as long as its slowest rank; max is exact, so every rank holds

@@ -22,13 +22,11 @@ gathered ``x``).
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from commfuse.comm import Communicator, Handle
+from commfuse.comm.clock import elapsed_us, now
 from commfuse.fused import baselines
-from commfuse.fused.chunking import elapsed_us
 from commfuse.fused.sequence_parallel import check_gemm, check_splits, starts_of
 
 #: Stats label of the ring's point-to-point traffic (exact bytes and messages).
@@ -123,9 +121,9 @@ def measure_all_gather_gemm(
     longest = max(splits)
     padded = x.new_zeros((longest, x.shape[1]))
     out = x.new_empty((comm.world_size * longest, x.shape[1]))
-    start = time.perf_counter()
+    start = now(comm.device)
     all_gather(comm, out, padded, algo=baselines.SEQUENCE)  # what the unfused reference calls
-    comm_us = elapsed_us(start)
-    start = time.perf_counter()
+    comm_us = elapsed_us(start, comm.device)
+    start = now(comm.device)
     torch.matmul(out[: sum(splits)], weight.t())
-    return elapsed_us(start), comm_us
+    return elapsed_us(start, comm.device), comm_us

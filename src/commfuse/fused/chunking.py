@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Final, Literal
 
 import torch
 
 from commfuse.comm import Communicator
+from commfuse.comm.clock import elapsed_us, now
 
 #: The embedding exchange's second schedule: one table at a time instead of sample chunks.
 BY_TABLE: Final = "by_table"
@@ -174,11 +174,6 @@ def split_ranges(total: int, parts: int) -> list[tuple[int, int]]:
     return ranges or [(0, 0)]
 
 
-def elapsed_us(start_s: float) -> float:
-    """Microseconds since ``start_s`` (a ``time.perf_counter()`` reading)."""
-    return (time.perf_counter() - start_s) * 1e6
-
-
 def measure_overhead_us(comm: Communicator, repeats: int = 3) -> float:
     """The per-chunk overhead o: the median time of a one-element all-reduce (one collective's
     latency and launch cost; the extra kernel launch per chunk is small beside it on gloo)."""
@@ -187,7 +182,7 @@ def measure_overhead_us(comm: Communicator, repeats: int = 3) -> float:
     token = torch.zeros(1, device=comm.device)
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now(comm.device)
         comm.all_reduce(token)
-        times.append(elapsed_us(start))
+        times.append(elapsed_us(start, comm.device))
     return sorted(times)[len(times) // 2]

@@ -46,19 +46,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 
 import torch
 import torch.nn.functional as F
 
 from commfuse.comm import Communicator, Handle
+from commfuse.comm.clock import elapsed_us, now
 from commfuse.fused import baselines
 from commfuse.fused.chunking import (
     BY_TABLE,
     ChunkConfig,
     Schedule,
     agree_chunks,
-    elapsed_us,
     measure_overhead_us,
     split_ranges,
 )
@@ -495,13 +494,13 @@ def measure(comm: Communicator, lookup: ShardedLookup) -> tuple[float, float]:
     from commfuse.collectives import all_to_all
 
     batch = sum(lookup.batch_splits)
-    start = time.perf_counter()
+    start = now(comm.device)
     send = lookup.rows(0, batch)
-    compute_us = elapsed_us(start)
+    compute_us = elapsed_us(start, comm.device)
     recv, flat, out_splits, in_splits = _unfused_buffers(comm, lookup, send)
-    start = time.perf_counter()
+    start = now(comm.device)
     all_to_all(comm, recv, flat, out_splits, in_splits, algo=baselines.ALL_TO_ALL)
-    return compute_us, elapsed_us(start)
+    return compute_us, elapsed_us(start, comm.device)
 
 
 def choose_chunks_for(

@@ -30,14 +30,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from commfuse.comm import Communicator
-from commfuse.fused.chunking import ChunkConfig, Schedule, elapsed_us, predict_us
+from commfuse.comm.clock import elapsed_us, now
+from commfuse.fused.chunking import ChunkConfig, Schedule, predict_us
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,9 +89,9 @@ def agree(comm: Communicator, times: list[float]) -> list[float]:
 def timed_us(comm: Communicator, fn: Callable[[], Any]) -> float:
     """Wall time of ``fn`` on this rank, started together (barrier) on every rank."""
     comm.barrier()
-    start = time.perf_counter()
+    start = now(comm.device)
     fn()
-    return elapsed_us(start)
+    return elapsed_us(start, comm.device)
 
 
 def confirm_by_trial(

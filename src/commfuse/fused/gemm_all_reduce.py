@@ -46,14 +46,13 @@ layer, has one).
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
 from commfuse.comm import Communicator, Handle, check_consistent
+from commfuse.comm.clock import elapsed_us, now
 from commfuse.fused.chunking import (
     ChunkConfig,
-    elapsed_us,
     measure_overhead_us,
     split_ranges,
     split_sizes,
@@ -199,12 +198,12 @@ def gemm_all_reduce_backward(
 
 def measure(comm: Communicator, x: torch.Tensor, weight: torch.Tensor) -> tuple[float, float]:
     """(compute_us, comm_us) of one unfused run: the GEMM alone, then the AllReduce alone."""
-    start = time.perf_counter()
+    start = now(comm.device)
     out = torch.matmul(x, weight.t())
-    compute_us = elapsed_us(start)
-    start = time.perf_counter()
+    compute_us = elapsed_us(start, comm.device)
+    start = now(comm.device)
     comm.all_reduce(out, "sum")
-    return compute_us, elapsed_us(start)
+    return compute_us, elapsed_us(start, comm.device)
 
 
 def measure_fused_comm_us(comm: Communicator, out: torch.Tensor) -> float:
@@ -215,14 +214,14 @@ def measure_fused_comm_us(comm: Communicator, out: torch.Tensor) -> float:
     from commfuse.collectives import all_reduce
 
     buf = out.reshape(math.prod(out.shape[:-1]), out.shape[-1]).contiguous().clone()
-    start = time.perf_counter()
+    start = now(comm.device)
     if buf.shape[0] >= comm.world_size:
         all_reduce(comm, buf, "sum", algo="ring")
     else:
         reducer = DirectAllReduce(comm, LABEL)
         reducer.start(buf.view(-1))
         reducer.finish()
-    return elapsed_us(start)
+    return elapsed_us(start, comm.device)
 
 
 def cached_chunks(

@@ -39,14 +39,14 @@ float32 and are rounded once, so bfloat16 results do not depend on the number of
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
 from commfuse.comm import Communicator, Handle
+from commfuse.comm.clock import elapsed_us, now
 from commfuse.fused import baselines
-from commfuse.fused.chunking import elapsed_us, split_ranges
+from commfuse.fused.chunking import split_ranges
 
 #: Stats label of the fused operators' point-to-point traffic (exact bytes and messages).
 LABEL = "gemm_all_to_all"
@@ -398,14 +398,14 @@ def measure(
 ) -> tuple[float, float, float]:
     """(compute_us, unfused_comm_us, fused_comm_us) of the combine side: the expert GEMMs alone,
     gloo's All-to-All of their output, and the fused path's point-to-point exchange of it."""
-    start = time.perf_counter()
+    start = now(comm.device)
     y = expert_gemm(rt, h, weight)
-    compute_us = elapsed_us(start)
-    start = time.perf_counter()
+    compute_us = elapsed_us(start, comm.device)
+    start = now(comm.device)
     native_exchange(comm, rt, y, to_experts=False)
-    unfused_us = elapsed_us(start)
-    start = time.perf_counter()
+    unfused_us = elapsed_us(start, comm.device)
+    start = now(comm.device)
     compute_then_exchange(
         comm, rt, y.shape[1], y.dtype, 1, lambda d, lo, hi: rt.recv_block(y, d), y.device
     )
-    return compute_us, unfused_us, elapsed_us(start)
+    return compute_us, unfused_us, elapsed_us(start, comm.device)

@@ -22,13 +22,11 @@ fused), and ``grad_W = AG(grad_z)^T @ a``, local.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from commfuse.comm import Communicator, Handle
+from commfuse.comm.clock import elapsed_us, now
 from commfuse.fused import baselines
-from commfuse.fused.chunking import elapsed_us
 from commfuse.fused.sequence_parallel import check_gemm, check_splits, starts_of
 
 #: Stats label of the ring's point-to-point traffic (exact bytes and messages).
@@ -126,12 +124,12 @@ def measure_gemm_reduce_scatter(
     """(compute_us, comm_us) of one unfused run: the whole GEMM, then the ReduceScatter alone."""
     from commfuse.collectives import reduce_scatter
 
-    start = time.perf_counter()
+    start = now(comm.device)
     torch.matmul(a, weight.t())
-    compute_us = elapsed_us(start)
+    compute_us = elapsed_us(start, comm.device)
     longest = max(splits)
     out = a.new_empty((longest, weight.shape[0]))
     padded = a.new_zeros((comm.world_size * longest, weight.shape[0]))
-    start = time.perf_counter()
+    start = now(comm.device)
     reduce_scatter(comm, out, padded, algo=baselines.SEQUENCE)  # what the unfused reference calls
-    return compute_us, elapsed_us(start)
+    return compute_us, elapsed_us(start, comm.device)

@@ -17,6 +17,13 @@ tensors, dicts, lists, tuples, numbers, strings and None only; the RNG states of
 tuple holding an array) and Python are turned into those by :func:`rng_state`, and a file that
 holds anything else is refused with a ValueError naming it.
 
+A file loads onto the rank's device (``load_rank(..., device=comm.device)``): the model's and
+the strategy's tensors (error-feedback residuals, local-SGD anchors, PowerSGD's memories) are
+moved there, so a run saved on one device resumes on another. The optimizer's state is left to
+``Optimizer.load_state_dict``, which puts each tensor beside its parameter by torch's own rule
+(Adam's ``step`` counter stays on the host unless the optimizer is fused or capturable). The
+RNG states stay host memory, where torch and numpy keep them.
+
 RNG streams saved: torch's CPU generator, Python's ``random``, numpy's global generator, and,
 when this process has used CUDA, the current CUDA device's generator (a rank drives one device).
 """
@@ -59,7 +66,7 @@ def numpy_rng_to_dict(state: tuple[Any, ...] | dict[str, Any]) -> dict[str, Any]
 
 def numpy_rng_from_dict(state: dict[str, Any]) -> tuple[Any, ...]:
     """The inverse of :func:`numpy_rng_to_dict`: a tuple for ``RandomState.set_state``."""
-    keys = state["keys"].numpy().astype(np.uint32)
+    keys = state["keys"].cpu().numpy().astype(np.uint32)
     return ("MT19937", keys, state["pos"], state["has_gauss"], state["cached_gaussian"])
 
 
@@ -124,11 +131,36 @@ def latest_step(root: str | Path) -> int | None:
     return int(text)
 
 
-def load_rank(root: str | Path, step: int, rank: int) -> dict[str, Any]:
+#: The parts of a checkpoint ``load_rank`` moves onto the rank's device (the module docstring:
+#: the optimizer places its own state; RNG states, history and identity are host data).
+ON_DEVICE = ("model", "strategy")
+
+
+def load_rank(root: str | Path, step: int, rank: int, *, device: torch.device) -> dict[str, Any]:
+    """Rank ``rank``'s file for ``step``, its ``ON_DEVICE`` parts moved onto ``device``.
+
+    Raises:
+        ValueError: the file is missing or not a loadable checkpoint (``load_file``).
+    """
     path = step_dir(root, step) / f"rank{rank}.pt"
     if not path.is_file():
         raise ValueError(f"checkpoint {path} is missing (was it written by fewer ranks?)")
-    return load_file(path)
+    payload = load_file(path)
+    for key in ON_DEVICE:
+        if key in payload:
+            payload[key] = to_device(payload[key], device)
+    return payload
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it (through dicts, lists and tuples) moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: to_device(item, device) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_device(item, device) for item in value)
+    return value
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
@@ -141,7 +173,8 @@ def load_file(path: str | Path) -> dict[str, Any]:
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
         raise ValueError(f"{path} is not a readable checkpoint (not a torch.save file)")
     try:
-        payload = torch.load(path, weights_only=True)
+        # Onto the host first: ``load_rank`` moves what belongs on the device.
+        payload = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         # torch's message is a page of advice on loading the file anyway; keep its reason.
         reason = next(

@@ -82,9 +82,11 @@ def run_compare(
     timeout_s: float | None = 3600.0,
     log: Callable[[str], None] = print,
     labels: Sequence[str] = (),
+    backend: str = "gloo",
 ) -> list[dict[str, Any]]:
     """Run every strategy on ``base``'s workload/seed/steps; return one record per strategy.
-    ``labels`` name them in the records (default: ``describe_strategy``).
+    ``labels`` name them in the records (default: ``describe_strategy``); ``backend`` is every
+    job's process group's (``run_training``: nccl puts each rank on its GPU).
 
     ``max_steps_factor`` > 1: every strategy but the baseline trains on up to that multiple of
     ``base.steps`` (``TrainConfig.extra_steps``), so that one that learns less per step (a
@@ -129,7 +131,12 @@ def run_compare(
             log(f"[{j + 1}/{len(jobs)}] {job_names[j]}{suffix}")
             runs[j].append(
                 run_training(
-                    config, topology, emulate=emulate, progress=progress, timeout_s=timeout_s
+                    config,
+                    topology,
+                    emulate=emulate,
+                    progress=progress,
+                    timeout_s=timeout_s,
+                    backend=backend,
                 )
             )
     records = []

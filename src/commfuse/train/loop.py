@@ -5,6 +5,12 @@ position is the step count and a resumed run replays nothing and skips nothing. 
 timed on each rank from batch creation to the end of the update; the launcher reports rank 0's
 times (the ranks are kept in lock-step by the gradient collectives).
 
+Everything a rank trains lives on its communicator's device (``comm.device``: ``cuda:LOCAL_RANK``
+under NCCL, the CPU under gloo): the workload builds its model and batches there, so the
+optimizer's state and the strategy's buffers (buckets, local-SGD anchors) follow the parameters,
+and checkpoints load onto it. Step times are read on ``commfuse.comm.clock``, which waits for
+the device's queued work first.
+
 After the last step, rank 0 evaluates on the held-out split, and then every rank times
 ``compute_steps`` extra steps inside ``strategy.no_sync()``: forward, backward and the plain
 optimizer step with no gradient communication (and no compression) at all. Their median is the
@@ -17,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import time
 import warnings
 from typing import Any
 
@@ -26,6 +31,7 @@ import torch.distributed as dist
 
 from commfuse.cluster import machine
 from commfuse.comm import Communicator
+from commfuse.comm.clock import now
 from commfuse.train import checkpoint as ckpt
 from commfuse.train.strategy import (
     StrategyConfig,
@@ -150,7 +156,8 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
     # record -1): reading every rank's /proc costs about a millisecond.
     local = machine.rank_pids()
     pids = local if local[0] == os.getpid() else None
-    workload = make_workload(config.workload)
+    device = comm.device
+    workload = make_workload(config.workload, device=device)
     module = workload.build_model(config.seed)
     optimizer = workload.make_optimizer(module)
     history: dict[str, list[float]] = {"loss": [], "step_time_s": [], "bytes": [], "skipped": []}
@@ -159,7 +166,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
     if config.resume and config.checkpoint_dir:
         latest = ckpt.latest_step(config.checkpoint_dir)
         if latest is not None:
-            resumed_state = ckpt.load_rank(config.checkpoint_dir, latest, rank)
+            resumed_state = ckpt.load_rank(config.checkpoint_dir, latest, rank, device=device)
             ckpt.check_identity(
                 resumed_state["identity"], _identity(config, world), config.checkpoint_dir
             )
@@ -168,7 +175,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             history = resumed_state["history"]
             start = resumed_state["step"]
     if resumed_state is None and config.init_from:
-        start = _init_from(config, module, optimizer, rank)
+        start = _init_from(config, module, optimizer, rank, device)
     # Busy CPU seconds of this machine's ranks and softirqs during each step (-1: unknown, or a
     # step of a checkpoint written before this was recorded): metrics.py's ``machine_busy``.
     history.setdefault("busy_cpu_s", [-1.0] * len(history["loss"]))
@@ -199,7 +206,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
                 run_metrics = strategy.metrics()
                 snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
             busy_before = _busy_now(pids)
-            t0 = time.perf_counter()
+            t0 = now(device)
             with comm.at_step(step):
                 batch = workload.batch(step, rank, world, seed=config.seed)
                 strategy.zero_grad()
@@ -207,7 +214,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
                 strategy.backward(loss)
                 strategy.sync()
                 applied = strategy.optimizer_step()
-            elapsed = time.perf_counter() - t0
+            elapsed = now(device) - t0
             history["busy_cpu_s"].append(_busy_since(busy_before, pids))
             sent_now = strategy.bytes_sent()
             sent, sent_before = sent_now - sent_before, sent_now
@@ -231,6 +238,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             module.load_state_dict(snapshot)
         result: dict[str, Any] = {
             "rank": rank,
+            "device": str(device),
             "start_step": start,
             "history": history,
             # History entries past ``steps`` (extra_steps: read only for time to a loss).
@@ -259,11 +267,12 @@ def _finish_into_last_step(
     not over until it is done, and an exchange still in flight at the last step, or a final
     synchronisation, is real traffic of that step. Returns the bytes sent so far."""
     busy_before = _busy_now(pids)
-    start = time.perf_counter()
+    device = strategy.comm.device
+    start = now(device)
     strategy.finish()
     sent_now: int = strategy.bytes_sent()
     if history["step_time_s"]:
-        history["step_time_s"][-1] += time.perf_counter() - start
+        history["step_time_s"][-1] += now(device) - start
         history["bytes"][-1] += float(sent_now - sent_before)
         busy = _busy_since(busy_before, pids)
         if busy >= 0 and history["busy_cpu_s"][-1] >= 0:
@@ -284,9 +293,14 @@ def _busy_since(before: float | None, pids: tuple[int, ...] | None) -> float:
 
 
 def _init_from(
-    config: TrainConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int
+    config: TrainConfig,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    device: torch.device,
 ) -> int:
-    """Load ``config.init_from``'s latest model and optimizer state; return its step."""
+    """Load ``config.init_from``'s latest model and optimizer state onto ``device``; return its
+    step."""
     assert config.init_from is not None
     step = ckpt.latest_step(config.init_from)
     assert step is not None  # TrainConfig checked it
@@ -295,7 +309,7 @@ def _init_from(
             f"init_from {config.init_from} is at step {step}: steps (the total) must be "
             f"larger, got {config.steps}"
         )
-    state = ckpt.load_rank(config.init_from, step, rank)
+    state = ckpt.load_rank(config.init_from, step, rank, device=device)
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     return step
@@ -332,13 +346,14 @@ def _time_compute_only(
     config: TrainConfig, strategy: Any, workload: Any, rank: int, world: int
 ) -> list[float]:
     times = []
+    device = workload.device
     for i in range(config.compute_steps):
         batch = workload.batch(config.steps + config.extra_steps + i, rank, world, seed=config.seed)
-        t0 = time.perf_counter()
+        t0 = now(device)
         with strategy.no_sync():
             strategy.zero_grad()
             loss = workload.loss(strategy.model, batch)
             loss.backward()
             strategy.optimizer.step()
-        times.append(time.perf_counter() - t0)
+        times.append(now(device) - t0)
     return times

@@ -75,15 +75,28 @@ def run_training(
     progress: bool | None = None,
     timeout_s: float | None = 3600.0,
     warmup: int = DEFAULT_WARMUP_STEPS,
+    backend: str = "gloo",
 ) -> dict[str, Any]:
-    """Run ``config`` on ``topology``; return the summary record (see ``metrics.py``)."""
+    """Run ``config`` on ``topology``; return the summary record (see ``metrics.py``).
+
+    ``backend``: the process group's, which decides every rank's device (``nccl``:
+    ``cuda:LOCAL_RANK``, one GPU per rank; ``gloo``: the CPU; the training loop follows
+    ``Communicator.device``)."""
     label = config.strategy_label
     ctx = mp.get_context("spawn")  # the context commfuse.cluster.run starts ranks with
     q = ctx.Queue()
     show = sys.stderr.isatty() if progress is None else progress
     try:
         with _Progress(q, config.steps, label, show):
-            results = run(train_rank, config, q, net=topology, emulate=emulate, timeout_s=timeout_s)
+            results = run(
+                train_rank,
+                config,
+                q,
+                net=topology,
+                emulate=emulate,
+                timeout_s=timeout_s,
+                backend=backend,
+            )
     finally:
         q.close()
         q.cancel_join_thread()
@@ -97,5 +110,7 @@ def run_training(
         topology=topology.describe(),
         link_mbit=topology.link_mbit,
         start_step=results[0]["start_step"],
+        backend=backend,
+        device=results[0]["device"],
     )
     return record

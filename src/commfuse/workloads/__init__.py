@@ -4,7 +4,7 @@
 ``digits``: an MLP on scikit-learn's digits. Nothing is ever downloaded.
 
 A workload is chosen by its options, a typed dataclass (``CharLMOptions(dim=64, layers=1)``,
-``DigitsOptions()``); ``make_workload(options)`` builds it. To add a workload: subclass
+``DigitsOptions()``); ``make_workload(options, device=...)`` builds it on that device. To add a workload: subclass
 :class:`Workload` in its own file, give it an options dataclass (keyword-only, one docstring per
 field), and add one line to ``WORKLOADS`` below (its command-line name and options class) and
 one to ``_CLASSES``.
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import TypeAlias
+
+import torch
 
 from commfuse.workloads.base import Workload, batch_generator
 from commfuse.workloads.charlm import CharLM, CharLMOptions
@@ -31,7 +33,7 @@ WorkloadOptions: TypeAlias = CharLMOptions | DigitsOptions
 
 #: Command-line name -> options class (``--workload charlm:dim=64``).
 WORKLOADS: dict[str, type[WorkloadOptions]] = {"charlm": CharLMOptions, "digits": DigitsOptions}
-_CLASSES: dict[type, Callable[[Any], Workload]] = {
+_CLASSES: dict[type, Callable[..., Workload]] = {
     CharLMOptions: CharLM,
     DigitsOptions: Digits,
 }
@@ -47,14 +49,15 @@ def check_workload(options: object) -> None:
         )
 
 
-def make_workload(options: WorkloadOptions) -> Workload:
-    """The workload of ``options`` (e.g. ``CharLMOptions(dim=64, layers=1)``).
+def make_workload(options: WorkloadOptions, *, device: torch.device) -> Workload:
+    """The workload of ``options`` (e.g. ``CharLMOptions(dim=64, layers=1)``) on ``device``
+    (the rank's ``Communicator.device``): its model, optimizer state and batches live there.
 
     Raises:
         ValueError: ``options`` are not a workload's options.
     """
     check_workload(options)
-    return _CLASSES[type(options)](options)
+    return _CLASSES[type(options)](options, device=device)
 
 
 def describe_workload(options: WorkloadOptions) -> str:

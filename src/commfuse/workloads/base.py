@@ -8,6 +8,11 @@ with no data-loader state to save.
 
 A workload is configured by a typed options dataclass (``CharLMOptions(dim=64, layers=1)``);
 on the command line, ``charlm:dim=64,layers=1`` builds the same (``commfuse.cli.spec``).
+
+A workload lives on one device, given when it is built (the rank's ``Communicator.device``:
+``cuda:LOCAL_RANK`` under NCCL, the CPU under gloo): its model's parameters, and so the
+optimizer's state, and every batch it hands out are there. Initial weights and batches are
+drawn from seeded CPU generators and then moved, so every device trains on the same numbers.
 """
 
 from __future__ import annotations
@@ -25,9 +30,14 @@ class Workload(abc.ABC):
     name: str = ""
     """Registry name (``--workload NAME``)."""
 
+    def __init__(self, *, device: torch.device) -> None:
+        self.device = device
+        """Where the model, its optimizer's state and every batch live."""
+
     @abc.abstractmethod
     def build_model(self, seed: int) -> nn.Module:
-        """The model with parameters drawn from ``seed`` (identical on every rank)."""
+        """The model with parameters drawn from ``seed`` (identical on every rank and device),
+        on ``self.device``."""
 
     @abc.abstractmethod
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
@@ -35,7 +45,8 @@ class Workload(abc.ABC):
 
     @abc.abstractmethod
     def batch(self, step: int, rank: int, world_size: int, *, seed: int) -> Any:
-        """Rank ``rank``'s batch at ``step``: a pure function of (seed, step, rank, world_size)."""
+        """Rank ``rank``'s batch at ``step`` on ``self.device``: a pure function of (seed, step,
+        rank, world_size)."""
 
     @abc.abstractmethod
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:

@@ -102,24 +102,29 @@ class CharLM(Workload):
 
     name = "charlm"
 
-    def __init__(self, options: CharLMOptions | None = None) -> None:
+    def __init__(self, options: CharLMOptions | None = None, *, device: torch.device) -> None:
+        super().__init__(device=device)
         self.options = options or CharLMOptions()
 
     def build_model(self, seed: int) -> nn.Module:
         o = self.options
-        torch.manual_seed(seed)
-        return CharTransformer(
+        torch.manual_seed(seed)  # initialised on the CPU, then moved: the same on every device
+        model = CharTransformer(
             vocab=corpus.VOCAB_SIZE, dim=o.dim, layers=o.layers, heads=o.heads, seq=o.seq
         )
+        return model.to(self.device)
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=self.options.lr, weight_decay=self.options.weight_decay)
 
     def _windows(self, data: torch.Tensor, gen: torch.Generator, count: int) -> torch.Tensor:
+        """``count`` random windows of the host corpus, cut on the CPU (the seeded generator
+        and the corpus live there) and moved to the workload's device."""
         seq = self.options.seq
         starts = torch.randint(0, data.numel() - seq - 1, (count,), generator=gen)
-        return torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
+        windows = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
+        return windows.to(self.device, non_blocking=True)
 
     def batch(self, step: int, rank: int, world_size: int, *, seed: int) -> torch.Tensor:
         if not 0 <= rank < world_size:

@@ -61,15 +61,17 @@ class Digits(Workload):
 
     name = "digits"
 
-    def __init__(self, options: DigitsOptions | None = None) -> None:
+    def __init__(self, options: DigitsOptions | None = None, *, device: torch.device) -> None:
+        super().__init__(device=device)
         self.options = options or DigitsOptions()
 
     def build_model(self, seed: int) -> nn.Module:
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # initialised on the CPU, then moved: the same on every device
         h = self.options.hidden
-        return nn.Sequential(
+        model = nn.Sequential(
             nn.Linear(64, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 10)
         )
+        return model.to(self.device)
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -81,17 +83,19 @@ class Digits(Workload):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         x, y = load_split_tensors()["train"]
+        # Drawn and gathered on the CPU (the seeded generator and the images live there), then
+        # moved to the workload's device.
         idx = torch.randint(
             0, len(y), (self.options.batch,), generator=batch_generator(seed, step, rank)
         )
-        return x[idx], y[idx]
+        return x[idx].to(self.device, non_blocking=True), y[idx].to(self.device, non_blocking=True)
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(model(x), y)
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        x, y = load_split_tensors()["heldout"]
+        x, y = (t.to(self.device, non_blocking=True) for t in load_split_tensors()["heldout"])
         was_training = model.training
         model.eval()
         with torch.no_grad():

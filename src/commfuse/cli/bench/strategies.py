@@ -27,8 +27,8 @@ from commfuse.cli.common import (
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
+    backend_from_args,
     require_at_least,
-    require_host_training,
     run_on_ranks,
     set_command,
     topology_from_args,
@@ -101,7 +101,7 @@ def run_bench_strategies(args: argparse.Namespace) -> int:
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec
 
     topology = topology_from_args(args)
-    require_host_training(args, topology, command="commfuse bench strategies")
+    backend_from_args(args, topology)  # the device checks, before any rank starts
     require_at_least("--repeats", args.repeats, 1)
     config = StrategiesBenchConfig(
         strategies=tuple(
