@@ -336,49 +336,100 @@ def _netlab_names(lab_id: str) -> list[str]:
 def test_ctrl_c_stops_every_rank_and_leaves_nothing(layout: list[str]) -> None:
     emulated = "--hosts" in layout
     marker = new_marker()
-    # Its own process group, as a terminal's foreground job: Ctrl-C signals the whole group.
-    proc = start_launch(
-        *layout, MISBEHAVE, marker, "--default", "sleep", "--child", new_session=True
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    stderr_text: list[str] = []
-
-    def read_stdout() -> None:
-        for line in proc.stdout or []:
-            lines.put(line)
-
-    readers = [
-        threading.Thread(target=read_stdout, daemon=True),
-        threading.Thread(target=lambda: stderr_text.extend(proc.stderr or []), daemon=True),
-    ]
-    for reader in readers:
-        reader.start()
-    pids: list[int] = []
-    labs: set[str] = set()
-    try:
-        deadline = time.monotonic() + 30
-        while len(pids) < 4:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            if match := re.search(r"READY rank=\d+ pid=(\d+) child=(\d+) lab=(\S+)", line):
-                pids += [int(match.group(1)), int(match.group(2))]
-                labs.add(match.group(3))
-        assert_exactly_running(marker, [proc.pid, *pids])
-        os.killpg(proc.pid, signal.SIGINT)
-        returncode = proc.wait(timeout=15)
-    finally:
-        stop_launcher(proc)
-    for reader in readers:
-        reader.join(timeout=5)
-    assert returncode == 130, "".join(stderr_text)
-    assert "interrupted" in summary_line("".join(stderr_text))
+    with SleepingJob(layout, marker) as job:
+        # The launcher leads its own process group, as a terminal's foreground job: Ctrl-C
+        # signals the whole group.
+        os.killpg(job.proc.pid, signal.SIGINT)
+        returncode = job.proc.wait(timeout=15)
+    assert returncode == 130, job.stderr
+    assert "interrupted" in summary_line(job.stderr)
     assert_nothing_left(marker)
     if emulated:
         # Both hosts' ranks ran in one emulated cluster, which is gone with them.
-        (lab_id,) = labs
+        (lab_id,) = job.labs
         assert lab_id.startswith("cfuse")
         assert _netlab_names(lab_id) == []
     else:
-        assert labs == {"-"}
+        assert job.labs == {"-"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(["--nproc", "2"], id="local"),
+        pytest.param(
+            ["--hosts", "2", "--ranks-per-host", "1", "--link", "1gbit"],
+            id="netlab",
+            marks=pytest.mark.netlab,
+        ),
+    ],
+)
+def test_launcher_killed_takes_its_ranks_and_network_with_it(layout: list[str]) -> None:
+    # SIGKILL leaves the launcher no chance to clean up; its ranks lead their own sessions, so
+    # only the job's watchdog can stop them (and their children) and remove the namespaces.
+    marker = new_marker()
+    with SleepingJob(layout, marker) as job:
+        job.proc.kill()
+        assert job.proc.wait(timeout=15) == -signal.SIGKILL
+        assert_nothing_left(marker, within_s=15)
+    if "--hosts" in layout:
+        (lab_id,) = job.labs
+        deadline = time.monotonic() + 15
+        while _netlab_names(lab_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _netlab_names(lab_id) == []
+
+
+class SleepingJob:
+    """``commfuse launch`` of two ranks that each start a child and sleep, in a session of its
+    own; entered once every rank has said READY and /proc shows exactly the job's processes."""
+
+    def __init__(self, layout: list[str], marker: str) -> None:
+        self.layout, self.marker = layout, marker
+        self.labs: set[str] = set()
+        self.pids: list[int] = []
+        self._stderr: list[str] = []
+
+    @property
+    def stderr(self) -> str:
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return "".join(self._stderr)
+
+    def __enter__(self) -> SleepingJob:
+        self.proc = start_launch(
+            *self.layout, MISBEHAVE, self.marker, "--default", "sleep", "--child", new_session=True
+        )
+        lines: queue.Queue[str] = queue.Queue()
+
+        def read_stdout() -> None:
+            for line in self.proc.stdout or []:
+                lines.put(line)
+
+        self._readers = [
+            threading.Thread(target=read_stdout, daemon=True),
+            threading.Thread(
+                target=lambda: self._stderr.extend(self.proc.stderr or []), daemon=True
+            ),
+        ]
+        for reader in self._readers:
+            reader.start()
+        try:
+            deadline = time.monotonic() + 30
+            while len(self.pids) < 4:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+                if match := re.search(r"READY rank=\d+ pid=(\d+) child=(\d+) lab=(\S+)", line):
+                    self.pids += [int(match.group(1)), int(match.group(2))]
+                    self.labs.add(match.group(3))
+            assert_exactly_running(self.marker, [self.proc.pid, *self.pids])
+        except BaseException:
+            stop_launcher(self.proc)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop_launcher(self.proc)
 
 
 # ---- bad input: one line saying what to change, exit code 2, nothing started -------------------

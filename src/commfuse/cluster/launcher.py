@@ -25,6 +25,7 @@ from commfuse.cluster.placement import Placement, open_placement
 from commfuse.cluster.store import host_store
 from commfuse.cluster.supervisor import JobResult, kill_group, supervise
 from commfuse.cluster.topology import Topology
+from commfuse.cluster.watchdog import Watchdog
 
 
 @dataclass
@@ -64,8 +65,10 @@ def start_ranks(
     master_port: int,
     run_id: str,
     extra_env: dict[str, str] | None = None,
+    watchdog: Watchdog | None = None,
 ) -> list[_PopenRank]:
-    """Popen one process per rank, each in its own session (so we can stop its whole tree)."""
+    """Popen one process per rank, each in its own session (so we can stop its whole tree),
+    each guarded by ``watchdog`` (should this process die without stopping them)."""
     ranks: list[_PopenRank] = []
     topology = placement.topology
     try:
@@ -85,6 +88,8 @@ def start_ranks(
                 start_new_session=True,
             )
             ranks.append(_PopenRank(proc))
+            if watchdog is not None:
+                watchdog.guard(proc.pid)
     except BaseException:
         for started in ranks:
             started.proc.kill()
@@ -103,9 +108,14 @@ def launch(
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
 ) -> JobResult:
-    """Run ``command`` as every rank of ``topology``; returns when all exit or one fails."""
+    """Run ``command`` as every rank of ``topology``; returns when all exit or one fails.
+
+    A watchdog (``watchdog.py``) stops the ranks and removes the emulated cluster should this
+    process be killed without the chance to do it itself."""
     run_id = uuid.uuid4().hex[:12]
-    with open_placement(topology, emulate=emulate) as placement:
+    with Watchdog() as watchdog, open_placement(topology, emulate=emulate) as placement:
+        if placement.lab_id is not None:
+            watchdog.guard_lab(placement.lab_id)
         hosted = host_store(placement.master_addr, netns=placement.master_netns)
         try:
             ranks = start_ranks(
@@ -115,6 +125,7 @@ def launch(
                 master_port=hosted.port,
                 run_id=run_id,
                 extra_env=extra_env,
+                watchdog=watchdog,
             )
             try:
                 return supervise(

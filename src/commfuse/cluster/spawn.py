@@ -32,6 +32,7 @@ from commfuse.cluster.rank_runtime import (
 from commfuse.cluster.store import host_store
 from commfuse.cluster.supervisor import kill_group, supervise
 from commfuse.cluster.topology import Topology
+from commfuse.cluster.watchdog import Watchdog
 
 T = TypeVar("T")
 
@@ -155,7 +156,11 @@ def run(
         )
     ctx = mp.get_context("spawn")
     run_id = uuid.uuid4().hex[:12]
-    with open_placement(net, emulate=emulate) as placement:
+    # The watchdog stops the ranks (and removes the emulated cluster) should this process be
+    # killed without the chance to do it itself.
+    with Watchdog() as watchdog, open_placement(net, emulate=emulate) as placement:
+        if placement.lab_id is not None:
+            watchdog.guard_lab(placement.lab_id)
         hosted = host_store(placement.master_addr, netns=placement.master_netns)
         procs: list[_MpRank] = []
         streams: list[tuple[IO[bytes] | None, IO[bytes] | None]] = []
@@ -186,6 +191,8 @@ def run(
                     name=f"commfuse-rank{rank}",
                 )
                 proc.start()
+                assert proc.pid is not None
+                watchdog.guard(proc.pid)
                 for conn in (out_w, err_w, res_w):
                     conn.close()
                 procs.append(_MpRank(proc))
