@@ -5,6 +5,10 @@ handle type of asynchronous work."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,3 +99,53 @@ def test_a_missing_tuner_profile_names_the_field(pool: PoolFn, tmp_path: Path) -
     missing = str(tmp_path / "absent.json")
     for message in pool(2).run(unreadable_profile, missing):
         assert message.startswith(f"CommConfig.tuner_profile_path={missing!r} cannot be read")
+
+
+REPORT_CONFIG = Path(__file__).parent / "scripts" / "report_config.py"
+LAUNCHERS = {
+    "commfuse launch": [sys.executable, "-m", "commfuse.cli", "launch", "--nproc", "2"],
+    "torchrun": [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ],
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_a_script_started_by_a_launcher_honours_the_environment(launcher: str) -> None:
+    """A user's script (``init_process_group``, then ``Communicator()``) under ``commfuse
+    launch`` or torchrun: its communicator's config carries the deadline, the tuner profile and
+    the ranks per host of its environment, read once by the rank's start-up. The link rate is
+    the launcher's to set: torchrun passes the caller's through, ``commfuse launch`` sets its
+    own (none on plain loopback)."""
+    env = {
+        **os.environ,
+        "COMMFUSE_DEADLINE_S": "7.5",
+        "COMMFUSE_TUNER_PROFILE": "/nonexistent/profile.json",
+        "COMMFUSE_LINK_MBIT": "100",
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [*LAUNCHERS[launcher], str(REPORT_CONFIG)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    configs = [
+        json.loads(line.split("CONFIG ", 1)[1])
+        for line in proc.stdout.splitlines()
+        if "CONFIG " in line
+    ]
+    assert sorted(c["rank"] for c in configs) == [0, 1], proc.stdout
+    for config in configs:
+        assert config["deadline_s"] == 7.5
+        assert config["tuner_profile_path"] == "/nonexistent/profile.json"
+        assert config["ranks_per_host"] == 2
+        assert config["link_mbit"] == (100.0 if launcher == "torchrun" else None)

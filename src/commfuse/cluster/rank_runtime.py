@@ -61,18 +61,31 @@ class CommSettings:
         )
 
 
-_comm_settings = CommSettings()
+_comm_settings: CommSettings | None = None
 
 
 def comm_settings() -> CommSettings:
-    """This rank's settings (all unset until ``load_comm_settings`` ran in this process)."""
+    """This rank's settings, read from its environment once per process: by ``enter_rank`` in
+    a rank that ``commfuse run`` or the test pool started, else the first time a communicator
+    asks for them (a script that ``commfuse launch`` or torchrun started builds its first
+    ``Communicator`` after ``init_process_group``, when the launcher's variables are set), so
+    every way of starting a rank honours ``COMMFUSE_DEADLINE_S`` and the rest.
+
+    Raises:
+        ValueError: a variable that is set is not a valid number (the message names it).
+    """
+    if _comm_settings is None:
+        return load_comm_settings()
     return _comm_settings
 
 
 def load_comm_settings(env: Mapping[str, str] | None = None) -> CommSettings:
-    """Read this rank's ``CommSettings`` from ``env`` (default: the process environment), once,
-    at start-up. Ranks started by ``commfuse run`` and the test pool do it in ``enter_rank``; a
-    script started by ``commfuse launch`` or torchrun calls it before building communicators."""
+    """Read this rank's ``CommSettings`` from ``env`` (default: the process environment), and
+    keep them for every communicator built afterwards (``comm_settings``).
+
+    Raises:
+        ValueError: a variable that is set is not a valid number (the message names it).
+    """
     global _comm_settings
     _comm_settings = CommSettings.from_env(os.environ if env is None else env)
     return _comm_settings

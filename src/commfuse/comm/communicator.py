@@ -54,10 +54,12 @@ ReduceOpName = str  # "sum" | "avg" | "prod" | "max" | "min"
 class CommConfig:
     """How a Communicator behaves, and what it knows of the cluster it runs on.
 
-    A Communicator built without one gets ``default_config()``: in a rank started by commfuse
-    (``commfuse launch``/``run``, the test pool), the fields its launcher's environment sets,
-    read once at start-up (``commfuse.cluster.rank_runtime.CommSettings``); the library itself
-    never reads the environment.
+    A Communicator built without one gets ``default_config()``: in a rank started by
+    ``commfuse launch``/``run``, torchrun or the test pool, the fields its launcher's
+    environment sets (``COMMFUSE_DEADLINE_S``, ``COMMFUSE_LINK_MBIT``, ``LOCAL_WORLD_SIZE``,
+    ``COMMFUSE_TUNER_PROFILE``), read once per process by the rank's start-up
+    (``commfuse.cluster.rank_runtime.comm_settings``); nothing else in the library reads the
+    environment.
 
     Raises:
         ValueError: a deadline that is not positive, a link rate that is not positive, or
