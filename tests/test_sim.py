@@ -83,26 +83,38 @@ def test_idle_network_matches_closed_forms(hosts: int, nbytes: int) -> None:
 
 def test_engine_runs_one_collective_in_its_closed_form_time() -> None:
     need = demand("all_reduce", "ring", 1 << 20, Group(size=8, ranks_per_host=1), FLAT)
-    timeline = simulate([Task("ar", "dp", "dp", [], demand=need)], world_size=8)
+    timeline = simulate(
+        [Task(name="ar", stream="dp", category="dp", deps=[], demand=need)], world_size=8
+    )
     assert _close(timeline.step_s, C.ring_all_reduce(1 << 20, 8, FLAT.inter_cost()))
 
 
 def test_concurrent_flows_divide_the_link() -> None:
     """Two equal flows on one link take twice the bandwidth time; on different links, once."""
-    one = Demand(1e-3, {"nic": 10e-3})
-    other = Demand(1e-3, {"intra": 10e-3})
+    one = Demand(latency_s=1e-3, busy_s={"nic": 10e-3})
+    other = Demand(latency_s=1e-3, busy_s={"intra": 10e-3})
     shared = simulate(
-        [Task("a", "dp", "dp", [], demand=one), Task("b", "mp", "mp", [], demand=one)], world_size=2
+        [
+            Task(name="a", stream="dp", category="dp", deps=[], demand=one),
+            Task(name="b", stream="mp", category="mp", deps=[], demand=one),
+        ],
+        world_size=2,
     )
     assert _close(shared.step_s, 1e-3 + 20e-3)
     apart = simulate(
-        [Task("a", "dp", "dp", [], demand=one), Task("b", "mp", "mp", [], demand=other)],
+        [
+            Task(name="a", stream="dp", category="dp", deps=[], demand=one),
+            Task(name="b", stream="mp", category="mp", deps=[], demand=other),
+        ],
         world_size=2,
     )
     assert _close(apart.step_s, 11e-3)
     # Same stream: one after the other.
     serial = simulate(
-        [Task("a", "dp", "dp", [], demand=one), Task("b", "dp", "dp", [0], demand=one)],
+        [
+            Task(name="a", stream="dp", category="dp", deps=[], demand=one),
+            Task(name="b", stream="dp", category="dp", deps=[0], demand=one),
+        ],
         world_size=2,
     )
     assert _close(serial.step_s, 22e-3)

@@ -30,9 +30,28 @@ def _overlapped(compute_s: float, comm_s: float, nbytes: int, world: int = 2) ->
     """A collective of ``nbytes`` lasting ``comm_s`` and a compute task of ``compute_s`` that
     both start at 0, then a compute task after both (never overlapped)."""
     return [
-        Task("bucket", "dp", "dp", [], demand=Demand(0.0, {"nic": comm_s}), nbytes=nbytes),
-        Task("backward", "compute", "compute", [], compute_s=np.full(world, compute_s)),
-        Task("optimizer", "compute", "compute", [0, 1], compute_s=np.full(world, 0.01)),
+        Task(
+            name="bucket",
+            stream="dp",
+            category="dp",
+            deps=[],
+            demand=Demand(latency_s=0.0, busy_s={"nic": comm_s}),
+            nbytes=nbytes,
+        ),
+        Task(
+            name="backward",
+            stream="compute",
+            category="compute",
+            deps=[],
+            compute_s=np.full(world, compute_s),
+        ),
+        Task(
+            name="optimizer",
+            stream="compute",
+            category="compute",
+            deps=[0, 1],
+            compute_s=np.full(world, 0.01),
+        ),
     ]
 
 
@@ -40,27 +59,27 @@ def test_overlapped_compute_is_slowed_by_the_coefficient() -> None:
     compute, comm, nbytes, coefficient = 0.02, 0.05, 4 * 10**6, 2000.0
     tasks = _overlapped(compute, comm, nbytes)
     free = simulate(tasks, 2)
-    assert math.isclose(float(np.max(free.ends[1])), compute)
+    assert math.isclose(float(np.max(free.ends_s[1])), compute)
     timeline = simulate_shared_cpu(tasks, 2, coefficient)
     # The collective's CPU cost c S spreads over its (longer) duration D + e; compute runs under
     # it all the way and is longer by e = c S (compute + e) / (D + e), and so is the collective:
     # e^2 + (D - c S) e - c S compute = 0.
     cpu = coefficient * 1e-6 * nbytes / 1e6
     e = (-(comm - cpu) + math.sqrt((comm - cpu) ** 2 + 4 * cpu * compute)) / 2
-    assert math.isclose(float(np.max(timeline.ends[1])), compute + e, rel_tol=1e-6)
-    assert math.isclose(float(timeline.ends[0]), comm + e, rel_tol=1e-6)
+    assert math.isclose(float(np.max(timeline.ends_s[1])), compute + e, rel_tol=1e-6)
+    assert math.isclose(float(timeline.ends_s[0]), comm + e, rel_tol=1e-6)
     # The optimizer after both runs at full speed.
-    assert math.isclose(float(np.max(timeline.ends[2])), comm + e + 0.01, rel_tol=1e-6)
+    assert math.isclose(float(np.max(timeline.ends_s[2])), comm + e + 0.01, rel_tol=1e-6)
     # Zero: exactly the free-overlap engine.
     same = simulate_shared_cpu(tasks, 2, 0.0)
-    assert [float(np.max(e)) for e in same.ends] == [float(np.max(e)) for e in free.ends]
+    assert [float(np.max(e)) for e in same.ends_s] == [float(np.max(e)) for e in free.ends_s]
 
 
 def test_compute_longer_than_the_collective_pays_its_whole_cpu_cost() -> None:
     compute, comm, nbytes, coefficient = 0.08, 0.05, 10**6, 3000.0
     timeline = simulate_shared_cpu(_overlapped(compute, comm, nbytes), 2, coefficient)
     whole = coefficient * 1e-6 * nbytes / 1e6
-    assert math.isclose(float(np.max(timeline.ends[1])), compute + whole, rel_tol=1e-6)
+    assert math.isclose(float(np.max(timeline.ends_s[1])), compute + whole, rel_tol=1e-6)
 
 
 def _calibration_step(cluster: ClusterModel) -> float:

@@ -59,11 +59,11 @@ def simulate_shared_cpu(
         stolen = {j: np.zeros(world_size) for j in comms}
         change = 0.0
         for i in compute:
-            lo = np.asarray(timeline.starts[i], dtype=np.float64)
-            hi = np.asarray(timeline.ends[i], dtype=np.float64)
+            lo = np.asarray(timeline.starts_s[i], dtype=np.float64)
+            hi = np.asarray(timeline.ends_s[i], dtype=np.float64)
             new = np.zeros(world_size)
             for j in comms:
-                t0, t1 = float(timeline.starts[j]), float(timeline.ends[j])
+                t0, t1 = float(timeline.starts_s[j]), float(timeline.ends_s[j])
                 if t1 > t0:
                     overlap = np.clip(np.minimum(hi, t1) - np.maximum(lo, t0), 0.0, None)
                     cpu = per_byte_s * tasks[j].nbytes * overlap / (t1 - t0)

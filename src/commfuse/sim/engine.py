@@ -31,18 +31,23 @@ from commfuse.sim.program import Task
 Time = float | np.ndarray
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Timeline:
     """Start and end of every task: per-rank arrays for compute, one time for a collective."""
 
     tasks: Sequence[Task]
-    starts: list[Time]
-    ends: list[Time]
+    """The task graph that ran, in its order (``starts_s[i]`` and ``ends_s[i]`` are task i's)."""
+    starts_s: list[Time]
+    """When each task started, seconds from the step's start (per rank for compute)."""
+    ends_s: list[Time]
+    """When each task ended, seconds from the step's start (per rank for compute)."""
     world_size: int
+    """Ranks simulated (the length of every per-rank array)."""
 
     @property
     def step_s(self) -> float:
-        return max(float(np.max(e)) for e in self.ends)
+        """When the last task ended on the last rank, seconds."""
+        return max(float(np.max(e)) for e in self.ends_s)
 
 
 def simulate(tasks: Sequence[Task], world_size: int) -> Timeline:
@@ -115,7 +120,12 @@ def simulate(tasks: Sequence[Task], world_size: int) -> Timeline:
         resolve(ready)
     if any(e is None for e in ends):
         raise ValueError("task graph has a cycle or a dependency on a task that never runs")
-    return Timeline(tasks, starts, ends, world_size)  # type: ignore[arg-type]
+    return Timeline(
+        tasks=tasks,
+        starts_s=starts,  # type: ignore[arg-type]  # every entry was set: no None left
+        ends_s=ends,  # type: ignore[arg-type]
+        world_size=world_size,
+    )
 
 
 def _rates(active: dict[int, float], usage: dict[int, dict[str, float]]) -> dict[int, float]:

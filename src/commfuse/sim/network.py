@@ -67,12 +67,15 @@ class Group:
         return self.size // self.ranks_per_host
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Demand:
     """Latency (not shared) and busy seconds per resource (shared) of one collective."""
 
     latency_s: float
+    """Start-ups and local reductions, seconds: a flow sharing the link does not stretch them."""
     busy_s: dict[str, float]
+    """Seconds each resource (``RESOURCES``) is busy moving the bytes at its full rate; shared
+    resources stretch them."""
 
     @property
     def idle_s(self) -> float:
@@ -165,7 +168,7 @@ def demand(
     profile = profile or profile_of(cluster)
     p = group.size
     if p <= 1 or nbytes == 0:
-        return Demand(0.0, {})
+        return Demand(latency_s=0.0, busy_s={})
     name = resolve(collective, algo)
     if name == "auto":
         name = choose_for(collective, nbytes, p, profile)
@@ -207,18 +210,21 @@ def demand(
         credit = burst * inter.beta_s_per_byte
         busy = dict(result.busy_s)
         busy["nic"] = max(busy["nic"] - credit, 0.0)
-        result = Demand(result.latency_s, busy)
+        result = Demand(latency_s=result.latency_s, busy_s=busy)
     if own is not None and own.latency_overlaps_transfer:
         # Smooth maximum of latency and transfer (CollectiveLink): the latency part shrinks to
         # what is left above the transfer, so contention still stretches the transfer.
         transfer = max(result.busy_s.values(), default=0.0)
         overlapped = math.hypot(result.latency_s, transfer) - transfer
-        result = Demand(overlapped, result.busy_s)
+        result = Demand(latency_s=overlapped, busy_s=result.busy_s)
     if profile.correction(collective, name, p) is not None:
         # Measured on this very group: scale both parts so the idle time is the tuner's
         # corrected prediction, whatever our model of the shape says.
         ratio = predict(collective, name, nbytes, p, profile) / result.idle_s
-        result = Demand(result.latency_s * ratio, {k: v * ratio for k, v in result.busy_s.items()})
+        result = Demand(
+            latency_s=result.latency_s * ratio,
+            busy_s={k: v * ratio for k, v in result.busy_s.items()},
+        )
     return result
 
 
@@ -250,7 +256,7 @@ def _flat(
         # Phases run one after another: their busy times add, so report them as one resource
         # chain whose slowest element is the sum (the engine shares each by its own load).
         total = sum(busy.values())
-        return Demand(latency, {k: total for k in busy})
+        return Demand(latency_s=latency, busy_s={k: total for k in busy})
     latency, _ = _split(fn, n, p, link_alpha)
     # How many of one group's streams cross each resource at once (module docstring, 1-3).
     if shape == "chain":
@@ -270,7 +276,7 @@ def _flat(
             busy["nic"] *= group.groups_per_host
         if dcs > 1:
             busy["wan"] = per_dc * (p - per_dc) / p * n * wan.beta_s_per_byte * group.num_groups
-        return Demand(latency, busy)
+        return Demand(latency_s=latency, busy_s=busy)
     for resource, link, spans in (
         ("intra", intra, local > 1),
         ("nic", inter, hosts > 1),
@@ -278,7 +284,7 @@ def _flat(
     ):
         if spans:
             busy[resource] = _split(fn, n, p, _with_beta(link, at_once[resource]))[1]
-    return Demand(latency, busy)
+    return Demand(latency_s=latency, busy_s=busy)
 
 
 def _pipeline(
@@ -315,7 +321,7 @@ def _pipeline(
         burst_by_resource={"nic": cluster.inter_burst_kbyte * 1024},
         slowest=slowest,
     )
-    return Demand(latency, busy)
+    return Demand(latency_s=latency, busy_s=busy)
 
 
 def pipeline_block_bytes(collective: str, nbytes: int, cluster: ClusterModel) -> int:
@@ -343,13 +349,12 @@ def _hierarchical(
         across = _split(C.ring_all_reduce, math.ceil(n / local), hosts, shared)
         ag = _split(C.ring_all_gather, n, local, intra)
         latency = rs[0] + across[0] + ag[0]
-        return Demand(
-            latency, {"intra": rs[1] + ag[1] + across[1], "nic": rs[1] + ag[1] + across[1]}
-        )
+        total = rs[1] + ag[1] + across[1]
+        return Demand(latency_s=latency, busy_s={"intra": total, "nic": total})
     lp = _split(C.lp_broadcast, n, hosts, inter)
     tree = _split(C.mst_broadcast, n, local, intra)
     total = lp[1] + tree[1]
-    return Demand(lp[0] + tree[0], {"intra": total, "nic": total})
+    return Demand(latency_s=lp[0] + tree[0], busy_s={"intra": total, "nic": total})
 
 
 def collective_time_s(

@@ -22,6 +22,7 @@ ranks is ready, since it cannot complete before every rank has joined.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import numpy as np
 
@@ -30,24 +31,36 @@ from commfuse.sim.model import Layer, LayerComm, ModelProfile
 from commfuse.sim.network import Demand, Group, demand, profile_of
 from commfuse.sim.plan import CommPlan
 
+#: The stream a task runs on, in order with the stream's other tasks: each rank's compute, its
+#: model-parallel collectives (tensor-parallel, All-to-All) and its data-parallel ones.
+Stream = Literal["compute", "mp", "dp"]
+#: What a task counts as in the step's breakdown (``delay``: a straggler's late start; ``outer``:
+#: local SGD's exchange of the parameters).
+Category = Literal["compute", "delay", "mp", "dp", "outer"]
 
-@dataclasses.dataclass
+
+@dataclasses.dataclass(kw_only=True)
 class Task:
-    """One piece of work on one stream of every rank."""
+    """One piece of work on one stream of every rank: a compute task (``compute_s``) or a
+    collective (``demand``). The step's builder appends each task's predecessor on its stream to
+    ``deps`` as it adds it."""
 
     name: str
-    stream: str
-    """compute, mp or dp."""
-    category: str
-    """compute, delay, mp, dp or outer (for the breakdown)."""
+    """Its label in the breakdown and the Chrome trace."""
+    stream: Stream
+    """Where it runs (``Stream``)."""
+    category: Category
+    """What it counts as (``Category``)."""
     deps: list[int]
+    """Indices of the tasks it waits for."""
     compute_s: np.ndarray | None = None
-    """Per-rank duration of a compute task."""
+    """Per-rank duration of a compute task, seconds."""
     demand: Demand | None = None
     """A collective's network demand."""
     overhead_s: float = 0.0
     """Extra time before a collective's bytes move (compression), seconds."""
     nbytes: int = 0
+    """A collective's message, bytes (what ``ClusterModel.comm_cpu_us_per_mbyte`` charges)."""
 
 
 def groups(cluster: ClusterModel, tp: int) -> dict[str, Group]:
@@ -97,7 +110,15 @@ class _Builder:
     def compute(self, name: str, flops: float, mem_bytes: float, deps: list[int]) -> int:
         c = self.cluster
         seconds = max(flops / c.flops_per_s, mem_bytes / (c.mem_gbyte_per_s * 1e9))
-        return self.add(Task(name, "compute", "compute", deps, compute_s=seconds * self.slowdown))
+        return self.add(
+            Task(
+                name=name,
+                stream="compute",
+                category="compute",
+                deps=deps,
+                compute_s=seconds * self.slowdown,
+            )
+        )
 
     def comm(
         self,
@@ -105,15 +126,24 @@ class _Builder:
         collective: str,
         nbytes: int,
         group: str,
-        stream: str,
+        stream: Literal["mp", "dp"],
         deps: list[int],
         *,
         overhead_s: float = 0.0,
+        category: Category | None = None,
     ) -> int:
         algo = self.plan.algorithm_for(collective)
         need = demand(collective, algo, nbytes, self.groups[group], self.cluster, self.profile)
         return self.add(
-            Task(name, stream, stream, deps, demand=need, overhead_s=overhead_s, nbytes=nbytes)
+            Task(
+                name=name,
+                stream=stream,
+                category=stream if category is None else category,
+                deps=deps,
+                demand=need,
+                overhead_s=overhead_s,
+                nbytes=nbytes,
+            )
         )
 
     def layer(self, layer: Layer, phase: str, flops: float, deps: list[int]) -> int:
@@ -144,7 +174,7 @@ class _Builder:
             # computed (SC24): the P - 1 messages are split among the chunks, not repeated.
             need = self.tasks[index].demand
             assert need is not None
-            self.tasks[index].demand = Demand(need.latency_s / chunks, need.busy_s)
+            self.tasks[index].demand = Demand(latency_s=need.latency_s / chunks, busy_s=need.busy_s)
         return index
 
 
@@ -164,7 +194,9 @@ def build_step(
     delay = np.zeros(cluster.world_size)
     for st in cluster.stragglers:
         delay[st.rank] = st.delay_us * 1e-6
-    start = b.add(Task("start delay", "compute", "delay", [], compute_s=delay))
+    start = b.add(
+        Task(name="start delay", stream="compute", category="delay", deps=[], compute_s=delay)
+    )
     previous = start
     for layer in workload.layers:
         previous = b.layer(layer, "fwd", layer.fwd_flops, [previous])
@@ -203,8 +235,8 @@ def build_step(
             "dp",
             [prepare],
             overhead_s=_compress_s(b, params),
+            category="outer",
         )
-        b.tasks[-1].category = "outer"
         b.compute("outer step", 0.0, OUTER_APPLY_BYTES_PER_PARAM_BYTE * params, [exchange])
     return b.tasks
 

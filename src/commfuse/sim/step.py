@@ -67,7 +67,7 @@ def _breakdown(timeline: Timeline) -> tuple[float, float, float, dict[str, float
     world = timeline.world_size
     busy = np.zeros(world)
     comm: dict[str, list[tuple[float, float]]] = {}
-    for task, start, end in zip(timeline.tasks, timeline.starts, timeline.ends, strict=True):
+    for task, start, end in zip(timeline.tasks, timeline.starts_s, timeline.ends_s, strict=True):
         if task.compute_s is not None:
             busy += task.compute_s
         else:
@@ -168,7 +168,9 @@ def chrome_trace(timeline: Timeline, path: str | Path, *, ranks: list[int] | Non
                     "args": {"name": stream},
                 }
             )
-        for task, start, end in zip(timeline.tasks, timeline.starts, timeline.ends, strict=True):
+        for task, start, end in zip(
+            timeline.tasks, timeline.starts_s, timeline.ends_s, strict=True
+        ):
             lo = float(start[rank]) if isinstance(start, np.ndarray) else float(start)
             hi = float(end[rank]) if isinstance(end, np.ndarray) else float(end)
             if hi <= lo and task.category == "delay":
