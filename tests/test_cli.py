@@ -55,12 +55,19 @@ def _flags(path: tuple[str, ...]) -> dict[str, argparse.Action]:
 def test_one_spelling_per_flag() -> None:
     """Repetitions are --repeats, the bucket cap --bucket-cap-mb, outputs take a PATH."""
     retired = {"--reps", "--iters", "--bucket-mb", "--bucket-cap"}
+    # One name for an op, its sizes, a fused operator's chunks and a file a command writes.
+    retired |= {"--collective", "--size", "--fused-chunks", "--out", "--nproc-per-node"}
     for path in COMMANDS:
         flags = _flags(path)
         assert not retired & flags.keys(), (path, retired & flags.keys())
         for flag in ("--json", "--markdown", "--plot"):
             if flag in flags:
                 assert flags[flag].metavar == "PATH", (path, flag)
+
+
+@pytest.mark.parametrize("path", [p for p in COMMANDS if p[:1] == ("bench",) and len(p) == 2])
+def test_every_bench_command_writes_json_markdown_and_a_plot(path: tuple[str, ...]) -> None:
+    assert {"--json", "--markdown", "--plot", "--control", "--repeats"} <= _flags(path).keys()
 
 
 #: Library layers that take every setting as an argument: the environment is read by the

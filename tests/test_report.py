@@ -91,3 +91,41 @@ def test_update_needs_a_report_beside_the_json(tmp_path: Path) -> None:
     (tmp_path / "alone.json").write_text(RESULTS[0].read_text())
     with pytest.raises(ValueError, match=r"no report alone\.md"):
         update_report(tmp_path / "alone.json")
+
+
+CONTROLLED = [p for p in RESULTS if '"control_ratio": ' in p.read_text()]
+
+
+@pytest.mark.parametrize("path", CONTROLLED, ids=[p.stem for p in CONTROLLED])
+def test_a_run_with_an_ab_control_prints_its_line_under_the_table(path: Path) -> None:
+    ratios = {
+        r["control_ratio"]
+        for r in json.loads(path.read_text())
+        if r.get("control_ratio") is not None
+    }
+    for markdown in (False, True):
+        text = report([path], markdown=markdown)
+        line = next(line for line in text.splitlines() if line.startswith("A/A control"))
+        assert f"{min(ratios):.3f}" in line and "(tie)" in line, line
+
+
+def test_a_simulated_collective_has_a_row_per_size_and_rank_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = tmp_path / "c.json"
+    argv = ["simulate", "--op", "all_reduce", "--sizes", "64K,16M", "--algo", "ring,doubling"]
+    assert main([*argv, "--scale", "8,16", "--json", str(records)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    data = json.loads(records.read_text())
+    assert {(r["bytes"], r["ranks"]) for r in data} == {
+        (s, p) for s in (64 << 10, 16 << 20) for p in (8, 16)
+    }
+    table = render_result(data).splitlines()
+    assert table[0].split()[:4] == ["size", "ranks", "ring_ms", "doubling_ms"]
+    assert [row.split()[:2] for row in table[1:]] == [
+        ["64K", "8"],
+        ["64K", "16"],
+        ["16M", "8"],
+        ["16M", "16"],
+    ]
+    assert table == printed[-len(table) :]  # the command prints what report renders

@@ -308,11 +308,11 @@ def test_cli_step_trace_and_scale(tmp_path: Path, capsys: pytest.CaptureFixture[
         main(
             [
                 "simulate",
-                "--collective",
+                "--op",
                 "broadcast",
                 "--algo",
                 "lp,tree",
-                "--size",
+                "--sizes",
                 "64M",
                 "--scale",
                 "2:64",

@@ -189,6 +189,46 @@ def add_control_argument(parser: argparse.ArgumentParser, *, what: str) -> None:
     )
 
 
+def add_job_command(
+    sub: Subparsers,
+    name: str,
+    run: Command,
+    *,
+    help: str,
+    doc: str | None,
+    arguments: Callable[[argparse.ArgumentParser], None],
+    default_link: str = "1gbit",
+    device: bool = True,
+    control: str | None = None,
+    json: str | None,
+    markdown: str | None = None,
+    plot: str | None = None,
+    timeout_s: float,
+) -> argparse.ArgumentParser:
+    """Add a command that runs one job on an emulated cluster (``bench ...``, ``tune``), with
+    the flags every such command has, in one order: the cluster (4 hosts at ``default_link``),
+    --device / --backend (unless ``device=False``), the command's own (``arguments(parser)``),
+    --control (``control``: which variant runs twice), the outputs (``json``, ``markdown``,
+    ``plot``: what each file holds, as ``add_output_arguments``) and --timeout (``timeout_s``).
+    ``doc`` is the command's description (its module docstring); ``run`` what it runs."""
+    parser = sub.add_parser(
+        name,
+        help=help,
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_topology_arguments(parser, default_hosts=4, default_link=default_link)
+    if device:
+        add_device_arguments(parser)
+    arguments(parser)
+    if control is not None:
+        add_control_argument(parser, what=control)
+    add_output_arguments(parser, json=json, markdown=markdown, plot=plot)
+    add_timeout_argument(parser, default_s=timeout_s)
+    set_command(parser, run)
+    return parser
+
+
 def require_at_least(flag: str, value: int, minimum: int) -> None:
     """ValueError naming the flag when ``value < minimum`` (checked before any rank starts)."""
     if value < minimum:

@@ -35,7 +35,6 @@ def register(sub: Subparsers) -> None:
     )
     parser.add_argument(
         "--nproc",
-        "--nproc-per-node",
         type=int,
         default=None,
         help="total ranks (default: hosts x ranks-per-host)",

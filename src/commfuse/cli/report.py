@@ -22,6 +22,7 @@ from typing import Any
 
 from commfuse.bench.table import ratio_cell
 from commfuse.cli.common import Subparsers, add_output_arguments, set_command
+from commfuse.units import format_size
 
 Record = dict[str, Any]
 Column = tuple[str, Callable[[Record], str]]
@@ -158,18 +159,24 @@ def _table(records: Sequence[Record], columns: Sequence[Column], markdown: bool)
 
 
 def _scale_table(records: Sequence[Record], markdown: bool) -> str:
-    """Ranks down, one column per series (ms), then each series relative to its first row."""
+    """One row per rank count (and message size, for a collective), one column per series
+    (ms), then each series relative to its first row (of the same size)."""
     series = list(dict.fromkeys(r["series"] for r in records))
     ranks = list(dict.fromkeys(r["ranks"] for r in records))
-    time_us = {(r["ranks"], r["series"]): r["step_us"] for r in records}
+    sizes = list(dict.fromkeys(r.get("bytes") for r in records))
+    time_us = {(r.get("bytes"), r["ranks"], r["series"]): r["step_us"] for r in records}
     rows: list[Record] = []
-    for p in ranks:
-        row: Record = {"ranks": p}
-        for s in series:
-            row[f"{s} ms"] = time_us[(p, s)] / 1e3
-            row[f"x {s}"] = time_us[(p, s)] / max(time_us[(ranks[0], s)], 1e-12)
-        rows.append(row)
+    for size in sizes:
+        for p in ranks:
+            row: Record = {"bytes": size, "ranks": p}
+            for s in series:
+                first = time_us[(size, ranks[0], s)]
+                row[f"{s} ms"] = time_us[(size, p, s)] / 1e3
+                row[f"x {s}"] = time_us[(size, p, s)] / max(first, 1e-12)
+            rows.append(row)
     columns: list[Column] = [("ranks", lambda r: str(r["ranks"]))]
+    if sizes != [None]:
+        columns.insert(0, ("size", lambda r: format_size(r["bytes"])))
     columns += [(f"{s}_ms", _cell(f"{s} ms", ".3f")) for s in series]
     columns += [(f"x_{s}", _cell(f"x {s}", ".2f")) for s in series]
     return _table(rows, columns, markdown)
@@ -247,8 +254,33 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
     return _table(rows, PROFILE_COLUMNS, markdown)
 
 
+#: What each benchmark's A/A control times twice, as its command's note names it.
+_CONTROL_LABELS = {
+    "bench collectives": "algorithm",
+    "bench ddp": "engine",
+    "bench strategies": "strategy",
+    "compare": "strategy",
+}
+
+
+def control_line(data: Any) -> str | None:
+    """The A/A control line the command that wrote ``data`` printed under its table (the
+    noise floor, A'/A, and what a tie means); None when the run had no control.
+
+    Raises:
+        ValueError: when ``data`` is not a commfuse result.
+    """
+    from commfuse.bench.table import control_note
+
+    kind = kind_of(data)
+    if not isinstance(data, list):
+        return None
+    return control_note(data, _CONTROL_LABELS.get(kind, "variant"))
+
+
 def report(paths: Sequence[str | Path], *, markdown: bool = False) -> str:
-    """Each file's table under a heading naming the file and the command that wrote it.
+    """Each file's table under a heading naming the file and the command that wrote it, with
+    the A/A control's line under it where the run had one.
 
     Raises:
         ValueError: a file that is not JSON, or not a commfuse result (the message names it).
@@ -265,6 +297,9 @@ def report(paths: Sequence[str | Path], *, markdown: bool = False) -> str:
             table = render_result(data, markdown=markdown)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from err
+        note = control_line(data)
+        if note:
+            table += ("\n\n" if markdown else "\n") + note
         heading = f"{Path(path).name} (commfuse {kind_of(data)})"
         parts.append(f"## {heading}\n\n{table}" if markdown else f"# {heading}\n{table}")
     return "\n\n".join(parts)

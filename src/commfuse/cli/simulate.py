@@ -1,17 +1,19 @@
 """``commfuse simulate``: predict step time (or one collective) on a cluster of any size.
 
 commfuse simulate --ranks 1024                                   # default workload and cluster
-commfuse simulate --workload dlrm --ranks 1024 --fused-chunks 1,8  # fused vs unfused All-to-All
+commfuse simulate --workload dlrm --ranks 1024 --chunks 1,8     # fused vs unfused All-to-All
 commfuse simulate --cluster two-dc --local-sgd-period 1,100 --ranks 256   # DP vs DiLoCo
 commfuse simulate --ranks 256 --strategy ddp --strategy powersgd:rank=4 --strategy diloco:H=50
-commfuse simulate --collective broadcast --size 16M --algo lp,tree --scale 2:1024 --plot b.png
+commfuse simulate --op broadcast --sizes 16M --algo lp,tree --scale 2:1024 --plot b.png
+commfuse simulate --op all_reduce --sizes 64K:64M --algo ring,rabenseifner --ranks 1024
 commfuse simulate --validate --runs 3 --json validation.json      # real runs on netlab
 commfuse simulate --validate --save-cluster c.json; commfuse simulate --cluster c.json ...
 
 Each --strategy (a `commfuse train` strategy spec) gives one series, priced from its typed
 config (its compressor's message per bucket, its period H); without one, comma lists in --algo,
---fused-chunks and --local-sgd-period give one series each. --scale gives a table (and --plot
-a PNG) over rank counts.
+--chunks and --local-sgd-period give one series each. --scale gives a table (and --plot a PNG)
+over rank counts. --op prices one collective instead of a step: one series per --algo, one row
+per size of --sizes (the vocabulary of `bench collectives --sizes`) and rank count.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from commfuse.cli.common import (
     add_output_arguments,
     set_command,
 )
-from commfuse.units import parse_size
+from commfuse.units import format_size, parse_sizes
 
 
 def register(sub: Subparsers) -> None:
@@ -62,8 +64,15 @@ def register(sub: Subparsers) -> None:
         metavar="KEY=INT",
         help="a size of the built-in workload, e.g. num_layers=48",
     )
-    parser.add_argument("--collective", help="simulate this collective instead of a step")
-    parser.add_argument("--size", default="16M", help="message size with --collective")
+    parser.add_argument(
+        "--op", help="price this collective instead of a step (all_reduce, broadcast, ...)"
+    )
+    parser.add_argument(
+        "--sizes",
+        default="16M",
+        help="with --op: message sizes, comma list (4K,1M) or doubling range (4K:64M) "
+        "(default 16M)",
+    )
     parser.add_argument(
         "--strategy",
         action="append",
@@ -82,7 +91,9 @@ def register(sub: Subparsers) -> None:
         default=0.0,
         help="compression + decompression rate, GB/s of input (0: free)",
     )
-    parser.add_argument("--fused-chunks", default="1", help="fused operator chunks, comma list")
+    parser.add_argument(
+        "--chunks", default="1", help="fused operators' chunks, comma list (1: unfused)"
+    )
     parser.add_argument("--local-sgd-period", default="1", help="steps per sync, comma list")
     parser.add_argument(
         "--straggler", action="append", default=[], metavar="RANK:SLOWDOWN[:DELAY_US]"
@@ -147,7 +158,7 @@ def _plans(args: argparse.Namespace) -> dict[str, Any]:
     from commfuse.sim.plan import CommPlan
 
     algos = args.algo.split(",")
-    chunks = _ints(args.fused_chunks, "--fused-chunks")
+    chunks = _ints(args.chunks, "--chunks")
     periods = _ints(args.local_sgd_period, "--local-sgd-period")
     if args.strategy:
         return _strategy_plans(args, chunks)
@@ -265,12 +276,16 @@ def _run(args: argparse.Namespace) -> int:
             else ""
         )
     )
-    if args.collective:
-        nbytes = parse_size(args.size)
-        records = scale.collective_curve(
-            cluster, args.collective, args.algo.split(","), nbytes, ranks
-        )
-        title = f"{args.collective} {args.size} on {cluster.name}"
+    if args.op:
+        sizes_bytes = parse_sizes(args.sizes)
+        records = [
+            {"bytes": nbytes, **record}
+            for nbytes in sizes_bytes
+            for record in scale.collective_curve(
+                cluster, args.op, args.algo.split(","), nbytes, ranks
+            )
+        ]
+        title = f"{args.op} {args.sizes} on {cluster.name}"
     else:
         sizes: dict[str, int] = {}
         for item in args.workload_arg:
@@ -297,9 +312,17 @@ def _run(args: argparse.Namespace) -> int:
             )
         records = scale.step_curve(cluster, make, plans, ranks)
         title = f"{args.workload} step on {cluster.name}"
-    scale.print_curve(records)
+    from commfuse.cli.report import render_result
+
+    print(render_result(records))
     if args.plot:
-        scale.plot_curve(records, args.plot, title=title)
+        if len({r.get("bytes") for r in records}) > 1:  # a line per algorithm and size
+            records_to_plot = [
+                {**r, "series": f"{r['series']} {format_size(r['bytes'])}"} for r in records
+            ]
+        else:
+            records_to_plot = records
+        scale.plot_curve(records_to_plot, args.plot, title=title)
         print(f"plot written to {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")

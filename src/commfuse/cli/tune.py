@@ -1,7 +1,7 @@
 """``commfuse tune``: measure alpha, beta, gamma and every algorithm on a cluster, save the
 profile, show how well the models predict and what ``algo="auto"`` picks.
 
-commfuse tune --hosts 4 --ranks-per-host 2 --link 1gbit --out profile.json
+commfuse tune --hosts 4 --ranks-per-host 2 --link 1gbit --save-profile profile.json
 COMMFUSE_TUNER_PROFILE=profile.json commfuse launch ...   # algo="auto" then uses it
 
 The calibration table has one row per collective, calibration size and algorithm, fastest
@@ -20,12 +20,9 @@ from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
-    add_output_arguments,
-    add_timeout_argument,
-    add_topology_arguments,
+    add_job_command,
     require_at_least,
     run_on_ranks,
-    set_command,
     topology_from_args,
 )
 from commfuse.units import format_size, parse_sizes
@@ -34,18 +31,29 @@ DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 
 
 def register(sub: Subparsers) -> None:
+    add_job_command(
+        sub,
+        "tune",
+        run_tune,
+        help="calibrate alpha/beta/gamma and every algorithm, write a profile, print the algorithm algo='auto' picks per size",
+        doc=__doc__,
+        arguments=_arguments,
+        device=False,
+        json="the calibration table",
+        timeout_s=600.0,
+    )
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
     from commfuse.collectives.tuner import CALIBRATION_SIZES
 
     calibration = ",".join(format_size(s) for s in CALIBRATION_SIZES)
-    parser = sub.add_parser(
-        "tune",
-        help="calibrate alpha/beta/gamma and every algorithm, write a profile, print the algorithm algo='auto' picks per size",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_topology_arguments(parser, default_hosts=4, default_link="1gbit")
     parser.add_argument(
-        "--out", default="commfuse-profile.json", help="where to write the profile JSON"
+        "--save-profile",
+        metavar="PATH",
+        default="commfuse-profile.json",
+        help="where to write the profile JSON (then `commfuse simulate --profile PATH`, "
+        "COMMFUSE_TUNER_PROFILE=PATH for algo='auto'; default commfuse-profile.json)",
     )
     parser.add_argument(
         "--sizes",
@@ -64,9 +72,6 @@ def register(sub: Subparsers) -> None:
         default=5,
         help="timed runs per algorithm and size (3x that up to 512K); the median is used",
     )
-    add_output_arguments(parser, json="the calibration table")
-    add_timeout_argument(parser, default_s=600.0)
-    set_command(parser, run_tune)
 
 
 def _calibrate_on_rank(sizes: list[int], reps: int) -> str:
@@ -116,7 +121,7 @@ def run_tune(args: argparse.Namespace) -> int:
     profile_json = run_on_ranks(
         _calibrate_on_rank, calibrate_sizes, args.repeats, topology=topology, args=args
     )[0]
-    Path(args.out).write_text(profile_json + "\n")
+    Path(args.save_profile).write_text(profile_json + "\n")
     profile = Profile.from_json(profile_json)
     for name, link in (("intra-host", profile.intra), ("inter-host", profile.inter)):
         print(
@@ -131,7 +136,7 @@ def run_tune(args: argparse.Namespace) -> int:
             "pipelines: timed with their default block (algo='auto' does not pass "
             "choose_options' block_bytes on)"
         )
-    print(f"profile written to {args.out}")
+    print(f"profile written to {args.save_profile}")
     records = describe(profile)
     if records:
         print()

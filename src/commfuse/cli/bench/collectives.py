@@ -6,21 +6,13 @@ commfuse bench collectives --hosts 4 --link 1gbit --op all_reduce --sizes 16M --
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
-    add_control_argument,
-    add_device_arguments,
-    add_output_arguments,
-    add_timeout_argument,
-    add_topology_arguments,
+    add_job_command,
     require_at_least,
-    run_on_ranks,
-    set_command,
     topology_from_args,
     will_emulate,
 )
@@ -32,14 +24,22 @@ DEFAULT_OPS = "all_reduce,broadcast,all_gather"
 
 
 def register(bench_sub: Subparsers) -> None:
-    coll = bench_sub.add_parser(
+    add_job_command(
+        bench_sub,
         "collectives",
+        run_bench_collectives,
         help="time collectives over a size sweep: time, algbw, busbw, percent of link, wrong elements",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
+        arguments=_arguments,
+        control="time the first algorithm twice (the second with buffers of its own)",
+        json="one record per row",
+        markdown="a dated report (table, machine, versions)",
+        plot="busbw vs size, one line per algorithm (PNG/SVG/PDF)",
+        timeout_s=600.0,
     )
-    add_topology_arguments(coll, default_hosts=4, default_link="1gbit")
-    add_device_arguments(coll)
+
+
+def _arguments(coll: argparse.ArgumentParser) -> None:
     coll.add_argument(
         "--op", default=DEFAULT_OPS, help=f"comma list of collectives (default {DEFAULT_OPS})"
     )
@@ -63,17 +63,6 @@ def register(bench_sub: Subparsers) -> None:
         default="float32",
         choices=["float32", "float64", "float16", "bfloat16", "int32", "int64"],
     )
-    add_control_argument(
-        coll, what="time the first algorithm twice (the second with buffers of its own)"
-    )
-    add_output_arguments(
-        coll,
-        json="one record per row",
-        markdown="a dated report (table, machine, versions)",
-        plot="busbw vs size, one line per algorithm (PNG/SVG/PDF)",
-    )
-    add_timeout_argument(coll, default_s=600.0)
-    set_command(coll, run_bench_collectives)
 
 
 def run_bench_collectives(args: argparse.Namespace) -> int:
@@ -81,7 +70,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
         CollectiveBenchConfig,
         bench_collectives_on_rank,
     )
-    from commfuse.bench.table import control_note, render
+    from commfuse.cli.bench.report import run_and_report
 
     topology = topology_from_args(args)
     require_at_least("--repeats", args.repeats, 1)
@@ -100,23 +89,19 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
         f"commfuse bench collectives: {topology.describe()}, {config.iters} timed runs per row (median)",
         file=sys.stderr,
     )
-    results = run_on_ranks(bench_collectives_on_rank, config, topology=topology, args=args)
-    records = results[0]
-    emulated = bool(records and records[0]["emulated"])
-    print(f"# {topology.describe()}{'' if emulated else ' (NOT emulated: plain loopback)'}")
-    print(render(records))
-    note = control_note(records, "algorithm")
-    if note:
-        print(note)
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
-    if args.plot:
-        from commfuse.bench.plot import plot_busbw
+    from commfuse.bench.plot import plot_busbw
 
-        plot_busbw(records, args.plot, title=topology.describe())
-    if args.markdown:
-        Path(args.markdown).write_text(markdown_report(records, " ".join(sys.argv), emulated))
-    return 0 if all(r["wrong"] == 0 for r in records) else 1
+    def plot(records: list[dict[str, Any]], path: str) -> None:
+        plot_busbw(records, path, title=topology.describe())
+
+    return run_and_report(
+        bench_collectives_on_rank,
+        config,
+        topology,
+        args,
+        heading="Collectives benchmark",
+        plot=plot,
+    )
 
 
 def check_algo_names(ops: tuple[str, ...], algos: tuple[str, ...]) -> None:
@@ -128,26 +113,3 @@ def check_algo_names(ops: tuple[str, ...], algos: tuple[str, ...]) -> None:
             continue
         if not any(expand_algos(op, (algo,)) for op in ops):
             expand_algos(ops[0], (algo,), strict=True)  # raises, naming the known ones
-
-
-def markdown_report(records: list[dict[str, Any]], command: str, emulated: bool) -> str:
-    """A dated Markdown report of the collectives table, with the command and the machine."""
-    from commfuse.bench.table import control_note, render
-    from commfuse.cli.bench.report import machine_summary
-
-    machine = machine_summary()
-    lines = [
-        f"# Collectives benchmark, {machine['date']}",
-        "",
-        f"Command: `{command}`",
-        "",
-        f"Network: {'emulated (netlab: namespaces, veth, tbf)' if emulated else 'plain loopback (not emulated)'}",
-        "",
-        render(records, markdown=True),
-        "",
-        control_note(records, "algorithm") or "No A/A control in this run.",
-        "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if k != "date"),
-        "",
-    ]
-    return "\n".join(lines)

@@ -11,37 +11,38 @@ communication, the compute floor), timed in rounds of balanced orders; medians o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
-    add_control_argument,
-    add_device_arguments,
-    add_output_arguments,
-    add_timeout_argument,
-    add_topology_arguments,
+    add_job_command,
     require_at_least,
     run_on_ranks,
-    set_command,
     topology_from_args,
 )
 
 
 def register(bench_sub: Subparsers) -> None:
+    add_job_command(
+        bench_sub,
+        "ddp",
+        run_bench_ddp,
+        help="step time of commfuse DataParallel vs torch DDP and the compute floor (interleaved)",
+        doc=__doc__,
+        arguments=_arguments,
+        control="time torch DDP twice (torch_ddp')",
+        json="one record per engine",
+        markdown="a dated report (table, machine, versions)",
+        plot="each engine's median step, fastest to slowest round (PNG/SVG/PDF)",
+        timeout_s=900.0,
+    )
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
     from commfuse.bench.ddp import MODELS
 
-    parser = bench_sub.add_parser(
-        "ddp",
-        help="step time of commfuse DataParallel vs torch DDP and the compute floor (interleaved)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_topology_arguments(parser, default_hosts=4, default_link="1gbit")
-    add_device_arguments(parser)
     parser.add_argument("--model", default="mlp", choices=MODELS, help="model (default mlp)")
     parser.add_argument(
         "--layers", type=int, default=None, help="layers (default 8 mlp, 4 transformer)"
@@ -63,10 +64,6 @@ def register(bench_sub: Subparsers) -> None:
     parser.add_argument(
         "--repeats", type=int, default=7, help="timed blocks per engine; medians reported"
     )
-    add_control_argument(parser, what="time torch DDP twice (torch_ddp')")
-    add_output_arguments(parser, json="one record per engine")
-    add_timeout_argument(parser, default_s=900.0)
-    set_command(parser, run_bench_ddp)
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -86,26 +83,9 @@ def _config(args: argparse.Namespace) -> Any:
     )
 
 
-def render(records: list[dict[str, Any]]) -> str:
-    """A plain table: one row per engine."""
-    from commfuse.bench.table import ratio_cell
-
-    header = f"{'engine':<18}{'step ms':>9}{'min-max ms':>15}{'exposed ms':>12}{'x torch':>15}{'spread':>13}{'buckets':>9}"
-    rows = [header]
-    for r in records:
-        span = "{:.0f}-{:.0f}".format(r["step_s_min"] * 1e3, r["step_s_max"] * 1e3)
-        spread = "{:.2f}-{:.2f}".format(r["ratio_min"], r["ratio_max"])
-        buckets = "-" if r["num_buckets"] is None else str(r["num_buckets"])
-        rows.append(
-            f"{r['engine']:<18}{r['step_s'] * 1e3:>9.1f}{span:>15}"
-            f"{r['exposed_comm_s'] * 1e3:>12.1f}{ratio_cell(r, 'ratio_to_torch_ddp'):>15}"
-            f"{spread:>13}{buckets:>9}"
-        )
-    return "\n".join(rows)
-
-
 def run_bench_ddp(args: argparse.Namespace) -> int:
     from commfuse.bench.ddp import bench_ddp_on_rank
+    from commfuse.cli.bench.report import plot_steps, report_records
 
     topology = topology_from_args(args)
     require_at_least("--repeats", args.repeats, 1)
@@ -115,18 +95,12 @@ def run_bench_ddp(args: argparse.Namespace) -> int:
         f"{config.num_reps} rounds (balanced orders) of {config.num_steps} steps (median)",
         file=sys.stderr,
     )
-    results = run_on_ranks(bench_ddp_on_rank, config, topology=topology, args=args)
-    records = results[0]
+    records = run_on_ranks(bench_ddp_on_rank, config, topology=topology, args=args)[0]
     params = records[0]["params"]
-    print(
-        f"# {config.model}, {params / 1e6:.2f}M parameters, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MiB"
+    title = (
+        f"{config.model}, {params / 1e6:.2f}M parameters, {topology.describe()}, "
+        f"bucket cap {config.bucket_cap_mb:g} MiB"
     )
-    print(render(records))
-    from commfuse.bench.table import control_note
-
-    note = control_note(records, "engine")
-    if note:
-        print(note)
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
-    return 0
+    return report_records(
+        records, args, title=title, heading="DataParallel vs torch DDP", plot=plot_steps("engine")
+    )

@@ -9,34 +9,38 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
-    add_control_argument,
-    add_device_arguments,
-    add_output_arguments,
-    add_timeout_argument,
-    add_topology_arguments,
+    add_job_command,
     require_at_least,
-    set_command,
     topology_from_args,
     will_emulate,
 )
 
 
 def register(bench_sub: Subparsers) -> None:
+    add_job_command(
+        bench_sub,
+        "fused",
+        run_bench_fused,
+        help="fused operators vs unfused: compute C, comm M, unfused, fused, ideal max(C, M), ratios",
+        doc=__doc__,
+        arguments=_arguments,
+        control="time the unfused reference twice per round (U and U'; with --step a second "
+        "unfused model)",
+        json="one record per row",
+        markdown="a dated report",
+        plot="unfused, fused and ideal max(C, M) per row (PNG/SVG/PDF)",
+        timeout_s=900.0,
+    )
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
     from commfuse.bench.fused import OPS
 
-    parser = bench_sub.add_parser(
-        "fused",
-        help="fused operators vs unfused: compute C, comm M, unfused, fused, ideal max(C, M), ratios",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_topology_arguments(parser, default_hosts=4, default_link="1gbit")
-    add_device_arguments(parser)
     parser.add_argument("--op", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
     parser.add_argument(
         "--shape",
@@ -63,14 +67,6 @@ def register(bench_sub: Subparsers) -> None:
         help="time whole training steps of these workloads (comma list: dlrm, tp-transformer, "
         "tp-transformer-sp) instead of --op",
     )
-    add_control_argument(
-        parser,
-        what="time the unfused reference twice per round (U and U'; with --step a second "
-        "unfused model)",
-    )
-    add_output_arguments(parser, json="one record per row", markdown="a dated report")
-    add_timeout_argument(parser, default_s=900.0)
-    set_command(parser, run_bench_fused)
 
 
 def parse_shapes(specs: list[str] | None) -> tuple[tuple[int, ...], ...] | None:
@@ -104,15 +100,14 @@ def run_bench_fused(args: argparse.Namespace) -> int:
     }
     config: Any
     fn: Callable[[Any], list[dict[str, Any]]]
-    columns: Sequence[tuple[str, Any]]
     if args.step:
         config = fused_steps.StepBenchConfig(steps=_names(args.step), **shared)
-        fn, columns = fused_steps.bench_steps_on_rank, fused_steps.COLUMNS
+        fn = fused_steps.bench_steps_on_rank
         what, heading = "--step", "Fused training-step benchmark"
         unit = "steps"
     else:
         config = fused.FusedBenchConfig(ops=_names(args.op), **shared)
-        fn, columns = fused.bench_fused_on_rank, fused.COLUMNS
+        fn = fused.bench_fused_on_rank
         what, heading = "", "Fused operators benchmark"
         unit = "timed runs"
     print(
@@ -120,7 +115,24 @@ def run_bench_fused(args: argparse.Namespace) -> int:
         f"{config.iters} {unit} per variant (median)",
         file=sys.stderr,
     )
-    return run_and_report(fn, config, topology, args, heading=heading, columns=columns)
+    return run_and_report(fn, config, topology, args, heading=heading, plot=_plot)
+
+
+def _plot(records: list[dict[str, Any]], path: str) -> None:
+    """Unfused, fused and (operators only) the ideal max(C, M) of every row, in ms."""
+    from commfuse.bench.plot import plot_bars
+
+    bars = [("unfused", "unfused_us"), ("fused", "fused_us")]
+    if all("ideal_us" in r for r in records):
+        bars.append(("ideal max(C, M)", "ideal_us"))
+    plot_bars(
+        records,
+        path,
+        label=lambda r: f"{r['op']} {'x'.join(map(str, r['shape']))}",
+        bars=bars,
+        scale=1e-3,
+        unit="time (ms)",
+    )
 
 
 def _names(text: str) -> tuple[str, ...]:

@@ -1,7 +1,9 @@
-"""Run a benchmark on every rank and report it: the table, ``--json`` and ``--markdown``.
+"""Report a benchmark's records: the table, the A/A control's line, ``--json``, ``--markdown``
+and ``--plot``, the same way for every ``commfuse bench`` sub-command.
 
-Shared by the ``commfuse bench`` sub-commands whose ranks each return the same list of records
-(rank 0's is reported) with a ``wrong`` count and an ``emulated`` flag.
+Every ``bench`` command's ranks each return the same list of records (rank 0's is reported);
+the table and the control line are those ``commfuse report`` prints from the ``--json`` file
+(``commfuse.cli.report``), so a table in a report and the command's output never differ.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from commfuse.cli.common import run_on_ranks
 from commfuse.cluster.topology import Topology
+
+#: Writes a plot of the records to a path (``args.plot``).
+Plot = Callable[[list[dict[str, Any]], str], None]
 
 
 def machine_summary() -> dict[str, Any]:
@@ -34,26 +39,29 @@ def machine_summary() -> dict[str, Any]:
     }
 
 
-def run_and_report(
-    fn: Callable[[Any], list[dict[str, Any]]],
-    config: Any,
-    topology: Topology,
+def network_title(records: list[dict[str, Any]], topology: Topology) -> str:
+    """``topology``'s description, saying so where the job ran on plain loopback."""
+    emulated = bool(records and records[0].get("emulated"))
+    return f"{topology.describe()}{'' if emulated else ' (NOT emulated: plain loopback)'}"
+
+
+def report_records(
+    records: list[dict[str, Any]],
     args: argparse.Namespace,
     *,
+    title: str,
     heading: str,
-    columns: Sequence[tuple[str, Any]],
+    plot: Plot | None = None,
 ) -> int:
-    """``fn(config)`` on the ranks of ``topology``; print the records as a table, write
-    ``args.json`` and a dated ``args.markdown`` report titled ``heading``. Exit code: 1 when a
-    record has wrong elements, else 0 (a failed job raises, see ``common.run_command``)."""
-    from commfuse.bench.table import control_note, render
+    """Print ``title``, the records' table and their A/A control line; write ``args.json``,
+    a dated ``args.markdown`` report titled ``heading`` (command, table, control, machine) and
+    ``args.plot`` with ``plot``. Exit code: 1 when a record has wrong elements, else 0 (a
+    failed job raises, see ``common.run_command``)."""
+    from commfuse.cli.report import control_line, render_result
 
-    records = run_on_ranks(fn, config, topology=topology, args=args)[0]
-    emulated = bool(records and records[0]["emulated"])
-    title = f"# {topology.describe()}{'' if emulated else ' (NOT emulated: plain loopback)'}"
-    print(title)
-    print(render(records, columns))
-    note = control_note(records)
+    note = control_line(records)
+    print(f"# {title}")
+    print(render_result(records))
     if note:
         print(note)
     if args.json:
@@ -65,9 +73,9 @@ def run_and_report(
             "",
             f"Command: `{' '.join(sys.argv)}`",
             "",
-            title.lstrip("# "),
+            title,
             "",
-            render(records, columns, markdown=True),
+            render_result(records, markdown=True),
             "",
             note or "No A/A control in this run.",
             "",
@@ -75,4 +83,43 @@ def run_and_report(
             "",
         ]
         Path(args.markdown).write_text("\n".join(lines))
-    return 0 if all(r["wrong"] == 0 for r in records) else 1
+    if args.plot and plot is not None:
+        plot(records, args.plot)
+    return 0 if all(r.get("wrong", 0) == 0 for r in records) else 1
+
+
+def run_and_report(
+    fn: Callable[[Any], list[dict[str, Any]]],
+    config: Any,
+    topology: Topology,
+    args: argparse.Namespace,
+    *,
+    heading: str,
+    title: Callable[[list[dict[str, Any]]], str] | None = None,
+    plot: Plot | None = None,
+) -> int:
+    """``fn(config)`` on the ranks of ``topology``, then ``report_records`` of rank 0's
+    records; ``title`` makes the line above the table from them (default: the network)."""
+    records = run_on_ranks(fn, config, topology=topology, args=args)[0]
+    line = title(records) if title is not None else network_title(records, topology)
+    return report_records(records, args, title=line, heading=heading, plot=plot)
+
+
+def plot_steps(label: str) -> Plot:
+    """The plot of ``bench ddp`` and ``bench strategies``: each row's median step (ms), its
+    fastest and slowest round as a whisker, rows named by ``record[label]``."""
+
+    def plot(records: list[dict[str, Any]], path: str) -> None:
+        from commfuse.bench.plot import plot_bars
+
+        plot_bars(
+            records,
+            path,
+            label=lambda r: str(r[label]),
+            bars=[("median step", "step_s")],
+            scale=1e3,
+            unit="step time (ms)",
+            spread=("step_s_min", "step_s_max"),
+        )
+
+    return plot

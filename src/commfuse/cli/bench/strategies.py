@@ -14,37 +14,37 @@ percent apart.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
-from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
-    add_control_argument,
-    add_device_arguments,
-    add_output_arguments,
-    add_timeout_argument,
-    add_topology_arguments,
+    add_job_command,
     backend_from_args,
     require_at_least,
     run_on_ranks,
-    set_command,
     topology_from_args,
 )
 
 
 def register(bench_sub: Subparsers) -> None:
-
-    parser = bench_sub.add_parser(
+    add_job_command(
+        bench_sub,
         "strategies",
+        run_bench_strategies,
         help="step times of training strategies, interleaved in one job, against the first",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
+        arguments=_arguments,
+        default_link="100mbit",
+        control="build and time the first strategy twice (NAME')",
+        json="one record per strategy",
+        markdown="a dated report (table, machine, versions)",
+        plot="each strategy's median step, fastest to slowest round (PNG/SVG/PDF)",
+        timeout_s=1200.0,
     )
-    add_topology_arguments(parser, default_hosts=4, default_link="100mbit")
-    add_device_arguments(parser)
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="charlm", help="charlm or digits, with options")
     parser.add_argument(
         "--strategy",
@@ -62,42 +62,11 @@ def register(bench_sub: Subparsers) -> None:
     parser.add_argument(
         "--no-compute", action="store_true", help="skip the bare model (the compute floor)"
     )
-    add_control_argument(parser, what="build and time the first strategy twice (NAME')")
-    add_output_arguments(parser, json="one record per strategy")
-    add_timeout_argument(parser, default_s=1200.0)
-    set_command(parser, run_bench_strategies)
-
-
-def render(records: list[dict[str, Any]]) -> str:
-    """A plain table, one row per strategy."""
-    from commfuse.bench.table import ratio_cell
-
-    width = max(len("strategy"), *(len(r["strategy"]) for r in records)) + 2
-    header = (
-        f"{'strategy':<{width}}{'step ms':>9}{'min-max':>11}{'x first':>15}{'spread':>12}"
-        f"{'/compute':>10}{'fwd ms':>8}{'bwd+sync':>10}{'opt ms':>8}{'cpu ms':>8}{'floor ms':>10}"
-        f"{'MB/step':>9}"
-    )
-    rows = [header]
-    for r in records:
-        span = "{:.0f}-{:.0f}".format(r["step_s_min"] * 1e3, r["step_s_max"] * 1e3)
-        spread = "{:.2f}-{:.2f}".format(r["ratio_min"], r["ratio_max"])
-        over = r.get("step_over_compute")
-        floor = r.get("cpu_floor_s")
-        rows.append(
-            f"{r['strategy']:<{width}}{r['step_s'] * 1e3:>9.1f}{span:>11}"
-            f"{ratio_cell(r, 'ratio_to_first'):>15}{spread:>12}"
-            f"{'-' if over is None else format(over, '.2f'):>10}"
-            f"{r['forward_s'] * 1e3:>8.1f}{r['backward_sync_s'] * 1e3:>10.1f}"
-            f"{r['optimizer_s'] * 1e3:>8.1f}{r['cpu_s_per_step'] * 1e3:>8.1f}"
-            f"{'-' if floor is None else format(floor * 1e3, '.1f'):>10}"
-            f"{r['bytes_per_step'] / 1e6:>9.3f}"
-        )
-    return "\n".join(rows)
 
 
 def run_bench_strategies(args: argparse.Namespace) -> int:
     from commfuse.bench.strategies import StrategiesBenchConfig, bench_strategies_on_rank
+    from commfuse.cli.bench.report import plot_steps, report_records
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec
 
     topology = topology_from_args(args)
@@ -123,15 +92,8 @@ def run_bench_strategies(args: argparse.Namespace) -> int:
         f"{config.warmup_steps} untimed (medians; phases: rank 0)",
         file=sys.stderr,
     )
-    results = run_on_ranks(bench_strategies_on_rank, config, topology=topology, args=args)
-    records = results[0]
-    print(f"# {args.workload}, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MiB")
-    print(render(records))
-    from commfuse.bench.table import control_note
-
-    note = control_note(records, "strategy")
-    if note:
-        print(note)
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
-    return 0
+    records = run_on_ranks(bench_strategies_on_rank, config, topology=topology, args=args)[0]
+    title = f"{args.workload}, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MiB"
+    return report_records(
+        records, args, title=title, heading="Strategies benchmark", plot=plot_steps("strategy")
+    )
