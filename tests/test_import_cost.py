@@ -98,8 +98,8 @@ def test_help_and_argument_errors_import_nothing_heavy(argv: list[str], rc: int)
     "argv",
     [
         ["simulate", "--ranks", "1024"],
-        ["simulate", "--workload", "dlrm", "--ranks", "256", "--fused-chunks", "1,8"],
-        ["simulate", "--collective", "broadcast", "--algo", "lp,tree", "--scale", "2:64"],
+        ["simulate", "--workload", "dlrm", "--ranks", "256", "--chunks", "1,8"],
+        ["simulate", "--op", "broadcast", "--algo", "lp,tree", "--scale", "2:64"],
     ],
     ids=" ".join,
 )

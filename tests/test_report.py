@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,3 +130,27 @@ def test_a_simulated_collective_has_a_row_per_size_and_rank_count(
         ["16M", "16"],
     ]
     assert table == printed[-len(table) :]  # the command prints what report renders
+
+
+def _plot_of(kind: str) -> Any:
+    """The function the bench command of ``kind`` draws its --plot with."""
+    from commfuse.cli.bench import fused
+    from commfuse.cli.bench.report import plot_steps
+
+    return {
+        "bench fused": fused._plot,
+        "bench fused --step": fused._plot,
+        "bench ddp": plot_steps("engine"),
+        "bench strategies": plot_steps("strategy"),
+    }.get(kind)
+
+
+PLOTTED = [p for p in RESULTS if _plot_of(kind_of(json.loads(p.read_text()))) is not None]
+
+
+@pytest.mark.parametrize("path", PLOTTED, ids=[p.stem for p in PLOTTED])
+def test_the_bench_commands_plot_their_records(path: Path, tmp_path: Path) -> None:
+    data = json.loads(path.read_text())
+    png = tmp_path / "plot.png"
+    _plot_of(kind_of(data))(data, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000

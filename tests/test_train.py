@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from commfuse.cli import main
+from commfuse.cli.report import render_result
 from commfuse.cli.spec import strategy_from_spec, workload_from_spec
 from commfuse.train import CommfuseDPConfig, TrainConfig, describe_strategy, train_rank
 from commfuse.train import checkpoint as ckpt
@@ -361,6 +362,8 @@ def test_bench_strategies_interleaves_and_counts_each_strategys_bytes(
     js = tmp_path / "s.json"
     argv = ["bench", "strategies", "--workload", DIGITS, "--hosts", "2", "--no-emulate"]
     argv += ["--steps", "2", "--repeats", "2", "--warmup-steps", "2", "--json", str(js)]
+    md, png = tmp_path / "s.md", tmp_path / "s.png"
+    argv += ["--markdown", str(md), "--plot", str(png)]
     for spec in ("ddp", "ddp-fp16", "ddp-powersgd:rank=2,warmup=2", "powersgd:rank=2,warmup=2"):
         argv += ["--strategy", spec]
     assert main(argv) == 0
@@ -380,7 +383,11 @@ def test_bench_strategies_interleaves_and_counts_each_strategys_bytes(
     )
     # Blocks this short can fall between two 10 ms clock ticks: a floor, but maybe of 0.
     assert all(r["cpu_floor_s"] is not None and r["cpu_floor_s"] >= 0 for r in records.values())
-    assert "x first" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "x_first" in printed
+    # The Markdown report's table is `commfuse report`'s, as the printed one; the plot is drawn.
+    assert render_result(list(records.values()), markdown=True) in md.read_text()
+    assert png.stat().st_size > 1000
     assert main(["bench", "strategies", "--strategy", "ddp", "--strategy", "ddp"]) == 2
     assert "given twice" in capsys.readouterr().err
 
