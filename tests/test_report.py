@@ -138,8 +138,8 @@ def _plot_of(kind: str) -> Any:
     from commfuse.cli.bench.report import plot_steps
 
     return {
-        "bench fused": fused._plot,
-        "bench fused --step": fused._plot,
+        "bench fused": fused.plot_rows,
+        "bench fused --step": fused.plot_rows,
         "bench ddp": plot_steps("engine"),
         "bench strategies": plot_steps("strategy"),
     }.get(kind)

@@ -201,7 +201,7 @@ def add_job_command(
     device: bool = True,
     control: str | None = None,
     json: str | None,
-    markdown: str | None = None,
+    markdown: str | None = "a dated report (table, machine, versions)",
     plot: str | None = None,
     timeout_s: float,
 ) -> argparse.ArgumentParser:
@@ -209,7 +209,8 @@ def add_job_command(
     the flags every such command has, in one order: the cluster (4 hosts at ``default_link``),
     --device / --backend (unless ``device=False``), the command's own (``arguments(parser)``),
     --control (``control``: which variant runs twice), the outputs (``json``, ``markdown``,
-    ``plot``: what each file holds, as ``add_output_arguments``) and --timeout (``timeout_s``).
+    ``plot``: what each file holds, as ``add_output_arguments``; None: no such flag) and
+    --timeout (``timeout_s``).
     ``doc`` is the command's description (its module docstring); ``run`` what it runs."""
     parser = sub.add_parser(
         name,

@@ -40,6 +40,7 @@ def register(sub: Subparsers) -> None:
         arguments=_arguments,
         device=False,
         json="the calibration table",
+        markdown=None,
         timeout_s=600.0,
     )
 

@@ -110,26 +110,25 @@ def all_reduce(
     async_op: bool = False,
     **opts: Any,
 ) -> Handle | None:
-    """Reduce ``tensor`` over all ranks; the result lands in ``tensor`` (or ``out``).
+    """Reduce ``tensor`` over all ranks; the result lands in ``tensor`` (or ``out``). The
+    arguments every collective takes, its result and its errors: ``commfuse.collectives``.
 
     Args:
-        comm: the group to reduce over.
-        tensor: this rank's contribution (contiguous, a supported dtype).
-        op: ``sum``, ``avg``, ``prod``, ``max`` or ``min``.
-        algo: ``auto`` (the tuner picks) or a registered algorithm or alias (``ring``, ``lp``).
-        out: where the result goes instead of ``tensor`` (same shape and dtype).
-        async_op: run on the communicator's worker thread and return a handle.
-        opts: algorithm options (``block_bytes``, ``ranks_per_host``, ...).
+        tensor: this rank's contribution.
+        op: the reduction.
+        out: where the result goes instead of ``tensor`` (same shape and dtype); ``tensor`` is
+            then left untouched.
 
     Returns:
-        A ``Handle`` when ``async_op``, else None.
+        A ``Handle`` with ``async_op``, else None (see ``commfuse.collectives``).
 
     Raises:
-        ValueError: a bad dtype, layout, op, ``out`` or algorithm name.
+        ValueError: an ``out`` of another shape or dtype, besides the common errors.
 
-    Example::
-
+    Example:
+        ```python
         all_reduce(comm, grad, "avg", algo="ring")
+        ```
     """
     _check_tensor(tensor, "all_reduce tensor")
     check_op(op, tensor.dtype)
@@ -159,27 +158,18 @@ def broadcast(
     async_op: bool = False,
     **opts: Any,
 ) -> Handle | None:
-    """Copy root's ``tensor`` into every rank's ``tensor`` (``root`` is a rank of ``comm``).
+    """Copy root's ``tensor`` into every rank's ``tensor``.
 
     Args:
-        comm: the group to broadcast over.
         tensor: root's data to send; on the other ranks, the buffer that receives it (the same
             shape and dtype everywhere).
-        root: the sending rank, a rank of ``comm``.
-        algo: ``"auto"`` (the tuner picks for this size and topology) or a registered
-            algorithm or alias (see ``commfuse.collectives.ALGORITHMS``).
-        async_op: run on the communicator's worker thread and return a handle at once.
-        opts: algorithm options (``block_bytes`` for pipelines, ``ranks_per_host`` for
-            hierarchical ones); an algorithm ignores the ones it does not know.
+        root: the sending rank.
 
     Returns:
-        A ``Handle`` whose ``wait()`` raises ``CommTimeoutError`` past the communicator's
-        deadline when ``async_op``, else None (the result is in place when the call returns).
+        A ``Handle`` with ``async_op``, else None (see ``commfuse.collectives``).
 
     Raises:
-        ValueError: a bad dtype or layout, a root outside the group, or an unknown algorithm.
-        InconsistentInputError: with ``CommConfig(validate=True)``, ranks passed different shapes
-            or dtypes.
+        ValueError: a root outside the group, besides the common errors.
 
     Example:
         ```python
@@ -216,24 +206,16 @@ def reduce(
     """Reduce every rank's ``tensor`` into root's; the others are left unchanged.
 
     Args:
-        comm: the group to reduce over.
         tensor: this rank's contribution; on root, also where the result lands.
-        root: the rank that receives the result, a rank of ``comm``.
-        op: ``sum``, ``avg``, ``prod``, ``max`` or ``min``.
-        algo: ``"auto"`` (the tuner picks for this size and topology) or a registered
-            algorithm or alias (see ``commfuse.collectives.ALGORITHMS``).
-        async_op: run on the communicator's worker thread and return a handle at once.
-        opts: algorithm options (``block_bytes`` for pipelines, ``ranks_per_host`` for
-            hierarchical ones); an algorithm ignores the ones it does not know.
+        root: the rank that receives the result.
+        op: the reduction.
 
     Returns:
-        A ``Handle`` whose ``wait()`` raises ``CommTimeoutError`` past the communicator's
-        deadline when ``async_op``, else None (the result is in place when the call returns).
+        A ``Handle`` with ``async_op``, else None (see ``commfuse.collectives``).
 
     Raises:
-        ValueError: a bad dtype, layout or op, a root outside the group, or an unknown algorithm.
-        InconsistentInputError: with ``CommConfig(validate=True)``, ranks passed different shapes
-            or dtypes.
+        ValueError: a root outside the group, or an op this dtype cannot reduce with, besides
+            the common errors.
 
     Example:
         ```python
@@ -261,28 +243,18 @@ def all_gather(
     async_op: bool = False,
     **opts: Any,
 ) -> Handle | None:
-    """``out`` (world_size x inp.numel() elements) receives every rank's ``inp`` in rank order.
+    """``out`` receives every rank's ``inp`` in rank order.
 
     Args:
-        comm: the group to gather over.
-        out: receives every rank's ``inp`` in rank order: ``world_size`` times ``inp``'s elements,
-            of ``inp``'s dtype.
+        out: ``world_size`` times ``inp``'s elements, of ``inp``'s dtype.
         inp: this rank's block.
-        algo: ``"auto"`` (the tuner picks for this size and topology) or a registered
-            algorithm or alias (see ``commfuse.collectives.ALGORITHMS``).
-        async_op: run on the communicator's worker thread and return a handle at once.
-        opts: algorithm options (``block_bytes`` for pipelines, ``ranks_per_host`` for
-            hierarchical ones); an algorithm ignores the ones it does not know.
 
     Returns:
-        A ``Handle`` whose ``wait()`` raises ``CommTimeoutError`` past the communicator's
-        deadline when ``async_op``, else None (the result is in place when the call returns).
+        A ``Handle`` with ``async_op``, else None (see ``commfuse.collectives``).
 
     Raises:
-        ValueError: a bad dtype or layout, an ``out`` that is not ``world_size`` blocks of
-            ``inp``'s size and dtype, or an unknown algorithm.
-        InconsistentInputError: with ``CommConfig(validate=True)``, ranks passed different shapes
-            or dtypes.
+        ValueError: an ``out`` that is not ``world_size`` blocks of ``inp``'s size and dtype,
+            besides the common errors.
 
     Example:
         ```python
@@ -323,25 +295,16 @@ def reduce_scatter(
     """``out`` on rank r receives the reduction of block r of every rank's ``inp``.
 
     Args:
-        comm: the group to reduce over.
         out: receives the reduction of block ``comm.rank`` of every rank's ``inp``.
         inp: ``world_size`` blocks of ``out``'s size and dtype, block r for rank r.
-        op: ``sum``, ``avg``, ``prod``, ``max`` or ``min``.
-        algo: ``"auto"`` (the tuner picks for this size and topology) or a registered
-            algorithm or alias (see ``commfuse.collectives.ALGORITHMS``).
-        async_op: run on the communicator's worker thread and return a handle at once.
-        opts: algorithm options (``block_bytes`` for pipelines, ``ranks_per_host`` for
-            hierarchical ones); an algorithm ignores the ones it does not know.
+        op: the reduction.
 
     Returns:
-        A ``Handle`` whose ``wait()`` raises ``CommTimeoutError`` past the communicator's
-        deadline when ``async_op``, else None (the result is in place when the call returns).
+        A ``Handle`` with ``async_op``, else None (see ``commfuse.collectives``).
 
     Raises:
-        ValueError: a bad dtype, layout or op, an ``inp`` that is not ``world_size`` blocks of
-            ``out``, or an unknown algorithm.
-        InconsistentInputError: with ``CommConfig(validate=True)``, ranks passed different shapes
-            or dtypes.
+        ValueError: an ``inp`` that is not ``world_size`` blocks of ``out``, besides the common
+            errors.
 
     Example:
         ```python
@@ -389,26 +352,19 @@ def all_to_all(
     tuner choices differ, and deadlock).
 
     Args:
-        comm: the group to exchange over.
         out: receives block i from rank i (rows of dim 0, ``out_splits`` of them).
         inp: block j goes to rank j (rows of dim 0, ``in_splits`` of them); every dim but the
             first matches ``out``'s.
         out_splits: rows received from each rank; None: equal blocks.
         in_splits: rows sent to each rank; None: equal blocks.
-        algo: ``"auto"`` (the tuner picks for this size and topology) or a registered
-            algorithm or alias (see ``commfuse.collectives.ALGORITHMS``).
-        async_op: run on the communicator's worker thread and return a handle at once.
-        opts: algorithm options (``block_bytes`` for pipelines, ``ranks_per_host`` for
-            hierarchical ones); an algorithm ignores the ones it does not know.
 
     Returns:
-        A ``Handle`` whose ``wait()`` raises ``CommTimeoutError`` past the communicator's
-        deadline when ``async_op``, else None (the result is in place when the call returns).
+        A ``Handle`` with ``async_op``, else None (see ``commfuse.collectives``).
 
     Raises:
-        ValueError: a bad dtype or layout, rows that differ between ``inp`` and ``out``, splits
-            that do not sum to dim 0 or a dim 0 that does not divide by the world size without
-            them, or an unknown algorithm.
+        ValueError: rows that differ between ``inp`` and ``out``, splits that do not sum to
+            dim 0, or a dim 0 that does not divide by the world size without them, besides the
+            common errors.
 
     Example:
         ```python

@@ -33,7 +33,6 @@ def register(bench_sub: Subparsers) -> None:
         arguments=_arguments,
         control="time the first algorithm twice (the second with buffers of its own)",
         json="one record per row",
-        markdown="a dated report (table, machine, versions)",
         plot="busbw vs size, one line per algorithm (PNG/SVG/PDF)",
         timeout_s=600.0,
     )

@@ -19,7 +19,6 @@ from commfuse.cli.common import (
     add_bucket_cap_argument,
     add_job_command,
     require_at_least,
-    run_on_ranks,
     topology_from_args,
 )
 
@@ -34,7 +33,6 @@ def register(bench_sub: Subparsers) -> None:
         arguments=_arguments,
         control="time torch DDP twice (torch_ddp')",
         json="one record per engine",
-        markdown="a dated report (table, machine, versions)",
         plot="each engine's median step, fastest to slowest round (PNG/SVG/PDF)",
         timeout_s=900.0,
     )
@@ -85,7 +83,7 @@ def _config(args: argparse.Namespace) -> Any:
 
 def run_bench_ddp(args: argparse.Namespace) -> int:
     from commfuse.bench.ddp import bench_ddp_on_rank
-    from commfuse.cli.bench.report import plot_steps, report_records
+    from commfuse.cli.bench.report import plot_steps, run_and_report
 
     topology = topology_from_args(args)
     require_at_least("--repeats", args.repeats, 1)
@@ -95,12 +93,20 @@ def run_bench_ddp(args: argparse.Namespace) -> int:
         f"{config.num_reps} rounds (balanced orders) of {config.num_steps} steps (median)",
         file=sys.stderr,
     )
-    records = run_on_ranks(bench_ddp_on_rank, config, topology=topology, args=args)[0]
-    params = records[0]["params"]
-    title = (
-        f"{config.model}, {params / 1e6:.2f}M parameters, {topology.describe()}, "
-        f"bucket cap {config.bucket_cap_mb:g} MiB"
-    )
-    return report_records(
-        records, args, title=title, heading="DataParallel vs torch DDP", plot=plot_steps("engine")
+
+    def title(records: list[dict[str, Any]]) -> str:
+        params = records[0]["params"]
+        return (
+            f"{config.model}, {params / 1e6:.2f}M parameters, {topology.describe()}, "
+            f"bucket cap {config.bucket_cap_mb:g} MiB"
+        )
+
+    return run_and_report(
+        bench_ddp_on_rank,
+        config,
+        topology,
+        args,
+        heading="DataParallel vs torch DDP",
+        title=title,
+        plot=plot_steps("engine"),
     )

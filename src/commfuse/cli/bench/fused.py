@@ -32,7 +32,6 @@ def register(bench_sub: Subparsers) -> None:
         control="time the unfused reference twice per round (U and U'; with --step a second "
         "unfused model)",
         json="one record per row",
-        markdown="a dated report",
         plot="unfused, fused and ideal max(C, M) per row (PNG/SVG/PDF)",
         timeout_s=900.0,
     )
@@ -115,10 +114,10 @@ def run_bench_fused(args: argparse.Namespace) -> int:
         f"{config.iters} {unit} per variant (median)",
         file=sys.stderr,
     )
-    return run_and_report(fn, config, topology, args, heading=heading, plot=_plot)
+    return run_and_report(fn, config, topology, args, heading=heading, plot=plot_rows)
 
 
-def _plot(records: list[dict[str, Any]], path: str) -> None:
+def plot_rows(records: list[dict[str, Any]], path: str) -> None:
     """Unfused, fused and (operators only) the ideal max(C, M) of every row, in ms."""
     from commfuse.bench.plot import plot_bars
 

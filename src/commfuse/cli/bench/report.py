@@ -71,7 +71,7 @@ def report_records(
         lines = [
             f"# {heading}, {machine['date']}",
             "",
-            f"Command: `{' '.join(sys.argv)}`",
+            f"Command: `commfuse {' '.join(sys.argv[1:])}`",
             "",
             title,
             "",

@@ -22,7 +22,6 @@ from commfuse.cli.common import (
     add_job_command,
     backend_from_args,
     require_at_least,
-    run_on_ranks,
     topology_from_args,
 )
 
@@ -38,7 +37,6 @@ def register(bench_sub: Subparsers) -> None:
         default_link="100mbit",
         control="build and time the first strategy twice (NAME')",
         json="one record per strategy",
-        markdown="a dated report (table, machine, versions)",
         plot="each strategy's median step, fastest to slowest round (PNG/SVG/PDF)",
         timeout_s=1200.0,
     )
@@ -66,7 +64,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench_strategies(args: argparse.Namespace) -> int:
     from commfuse.bench.strategies import StrategiesBenchConfig, bench_strategies_on_rank
-    from commfuse.cli.bench.report import plot_steps, report_records
+    from commfuse.cli.bench.report import plot_steps, run_and_report
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec
 
     topology = topology_from_args(args)
@@ -92,8 +90,13 @@ def run_bench_strategies(args: argparse.Namespace) -> int:
         f"{config.warmup_steps} untimed (medians; phases: rank 0)",
         file=sys.stderr,
     )
-    records = run_on_ranks(bench_strategies_on_rank, config, topology=topology, args=args)[0]
     title = f"{args.workload}, {topology.describe()}, bucket cap {config.bucket_cap_mb:g} MiB"
-    return report_records(
-        records, args, title=title, heading="Strategies benchmark", plot=plot_steps("strategy")
+    return run_and_report(
+        bench_strategies_on_rank,
+        config,
+        topology,
+        args,
+        heading="Strategies benchmark",
+        title=lambda records: title,
+        plot=plot_steps("strategy"),
     )
