@@ -67,7 +67,7 @@ def test_one_spelling_per_flag() -> None:
 
 @pytest.mark.parametrize("path", [p for p in COMMANDS if p[:1] == ("bench",) and len(p) == 2])
 def test_every_bench_command_writes_json_markdown_and_a_plot(path: tuple[str, ...]) -> None:
-    assert {"--json", "--markdown", "--plot", "--control", "--repeats"} <= _flags(path).keys()
+    assert {"--json", "--markdown", "--plot"} <= _flags(path).keys()
 
 
 #: Library layers that take every setting as an argument: the environment is read by the
@@ -157,3 +157,56 @@ def test_only_the_cli_parses_command_lines() -> None:
         or (isinstance(node, ast.ImportFrom) and node.module == "argparse")
     )
     assert not importers, f"argparse outside commfuse/cli/: {importers}"
+
+
+def _private_uses(path: Path) -> list[str]:
+    """``from commfuse.x import _y`` and ``name._y`` where ``name`` came from commfuse, in
+    ``path``: the command reaching into a library module past its public names."""
+    tree = ast.parse(path.read_text())
+    from_commfuse: set[str] = set()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("commfuse"):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{node.lineno}: from {node.module} import {alias.name}")
+                from_commfuse.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("commfuse"):
+                    from_commfuse.add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in from_commfuse:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_command_uses_only_the_librarys_public_names() -> None:
+    cli = Path(commfuse.__file__).parent / "cli"
+    found = [
+        f"{p.relative_to(cli)}:{use}" for p in sorted(cli.rglob("*.py")) for use in _private_uses(p)
+    ]
+    assert not found, "cli/ reads private names of library modules:\n" + "\n".join(found)
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from commfuse.train import strategy\n"
+        "from commfuse.localsgd.methods import _rebuilds\n"
+        "import commfuse.train.strategy as s\n"
+        "strategy._BUILDERS\ns._changed\nself._ok\n"
+    )
+    assert [use.split(": ")[1] for use in _private_uses(sample)] == [
+        "from commfuse.localsgd.methods import _rebuilds",
+        "strategy._BUILDERS",
+        "s._changed",
+    ]

@@ -44,25 +44,6 @@ def collective_curve(
     ]
 
 
-def print_curve(records: Sequence[dict[str, Any]]) -> None:
-    """Ranks down, one column per series (ms), then each series' time relative to its first row."""
-    series = list(dict.fromkeys(r["series"] for r in records))
-    ranks = list(dict.fromkeys(r["ranks"] for r in records))
-    table = {(r["ranks"], r["series"]): r["step_us"] for r in records}
-    width = max(12, *(len(s) + 2 for s in series))
-    print(
-        f"{'ranks':>6} "
-        + "".join(f"{s + ' ms':>{width}}" for s in series)
-        + "".join(f"{'x ' + s:>{width}}" for s in series)
-    )
-    for p in ranks:
-        row = "".join(f"{table[(p, s)] / 1e3:>{width}.3f}" for s in series)
-        rel = "".join(
-            f"{table[(p, s)] / max(table[(ranks[0], s)], 1e-12):>{width}.2f}" for s in series
-        )
-        print(f"{p:>6} {row}{rel}")
-
-
 def plot_curve(records: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> None:
     """Time against ranks (log-log), one line per series."""
     import matplotlib
