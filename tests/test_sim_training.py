@@ -92,8 +92,8 @@ def test_simulate_takes_training_strategy_specs(capsys: pytest.CaptureFixture[st
         "netlab-1gbit",
         "--ranks",
         "16",
-        "--workload-arg",
-        "num_layers=2",
+        "--workload",
+        "transformer:num_layers=2",
     ]
     specs = ["ddp", "powersgd:rank=4", "diloco:H=50"]
     assert main([*argv, *(a for s in specs for a in ("--strategy", s))]) == 0

@@ -31,6 +31,7 @@ from commfuse.cli.common import (
     add_output_arguments,
     set_command,
 )
+from commfuse.cli.spec import parse_value, split_spec
 from commfuse.units import format_size, parse_sizes
 
 
@@ -54,15 +55,10 @@ def register(sub: Subparsers) -> None:
     parser.add_argument(
         "--workload",
         default="transformer",
-        choices=sorted(WORKLOADS),
-        help="built-in workload (default transformer, 1.3B parameters)",
-    )
-    parser.add_argument(
-        "--workload-arg",
-        action="append",
-        default=[],
-        metavar="KEY=INT",
-        help="a size of the built-in workload, e.g. num_layers=48",
+        metavar="NAME[:key=value,...]",
+        help=f"built-in workload ({', '.join(sorted(WORKLOADS))}) with its sizes as "
+        "for `commfuse train`, e.g. transformer:num_layers=48 (default transformer, 1.3B "
+        "parameters)",
     )
     parser.add_argument(
         "--op", help="price this collective instead of a step (all_reduce, broadcast, ...)"
@@ -287,18 +283,24 @@ def _run(args: argparse.Namespace) -> int:
         ]
         title = f"{args.op} {args.sizes} on {cluster.name}"
     else:
-        sizes: dict[str, int] = {}
-        for item in args.workload_arg:
-            key, _, value = item.partition("=")
-            sizes[key] = _ints(value, f"--workload-arg {key}")[0]
-        factory: Any = WORKLOADS[args.workload]
+        workload = split_spec(args.workload, what="workload")
+        if workload.name not in WORKLOADS:
+            known = ", ".join(sorted(WORKLOADS))
+            raise ValueError(f"unknown workload {workload.name!r}; known: {known}")
+        where = f"workload {workload.name}"
+        # Every built-in workload's settings are sizes: whole numbers.
+        sizes = {
+            key: parse_value(value, int, key=key, where=where)
+            for key, value in workload.options.items()
+        }
+        factory: Any = WORKLOADS[workload.name]
 
         def make(p: int) -> Any:
-            extra = {"world_size": p} if args.workload == "dlrm" else {}
+            extra = {"world_size": p} if workload.name == "dlrm" else {}
             try:
                 return factory(**sizes, **extra)
             except TypeError as err:
-                raise ValueError(f"bad --workload-arg for {args.workload}: {err}") from None
+                raise ValueError(f"{where}: {err}") from None
 
         plans = _plans(args)
         if len(ranks) == 1 and len(plans) == 1:
@@ -311,7 +313,7 @@ def _run(args: argparse.Namespace) -> int:
                 simulate_step,
             )
         records = scale.step_curve(cluster, make, plans, ranks)
-        title = f"{args.workload} step on {cluster.name}"
+        title = f"{workload.text} step on {cluster.name}"
     from commfuse.cli.report import render_result
 
     print(render_result(records))
