@@ -189,6 +189,21 @@ def add_control_argument(parser: argparse.ArgumentParser, *, what: str) -> None:
     )
 
 
+def add_command(
+    sub: Subparsers, name: str, run: Command, *, help: str, doc: str | None
+) -> argparse.ArgumentParser:
+    """Add sub-command ``name`` that runs ``run``: ``help`` is its line in its parent's help,
+    ``doc`` (its module docstring, examples first) its description, laid out as written."""
+    parser = sub.add_parser(
+        name,
+        help=help,
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    set_command(parser, run)
+    return parser
+
+
 def add_job_command(
     sub: Subparsers,
     name: str,
@@ -212,12 +227,7 @@ def add_job_command(
     ``plot``: what each file holds, as ``add_output_arguments``; None: no such flag) and
     --timeout (``timeout_s``).
     ``doc`` is the command's description (its module docstring); ``run`` what it runs."""
-    parser = sub.add_parser(
-        name,
-        help=help,
-        description=doc,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(sub, name, run, help=help, doc=doc)
     add_topology_arguments(parser, default_hosts=4, default_link=default_link)
     if device:
         add_device_arguments(parser)
@@ -226,7 +236,6 @@ def add_job_command(
         add_control_argument(parser, what=control)
     add_output_arguments(parser, json=json, markdown=markdown, plot=plot)
     add_timeout_argument(parser, default_s=timeout_s)
-    set_command(parser, run)
     return parser
 
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 from commfuse.cli.common import (
     Subparsers,
+    add_command,
     add_control_argument,
     add_device_arguments,
     add_output_arguments,
     add_topology_arguments,
     backend_from_args,
     emulate_arg,
-    set_command,
     topology_from_args,
 )
 from commfuse.cli.train import add_run_arguments
@@ -43,11 +43,12 @@ x_ddp         torch DDP's mean step time / this one's; x_ddp_loss = DDP's t_to_b
 
 
 def register(sub: Subparsers) -> None:
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "compare",
+        run_compare,
         help="train several strategies on the same workload; table of step time, bytes, loss",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
     )
     add_run_arguments(parser, default_steps=C.DEFAULT_STEPS)
     add_topology_arguments(parser, default_hosts=C.DEFAULT_HOSTS, default_link=C.DEFAULT_LINK)
@@ -86,7 +87,6 @@ def register(sub: Subparsers) -> None:
         plot="loss vs wall time",
         plot_default="compare.png",
     )
-    set_command(parser, run_compare)
 
 
 def run_compare(args: argparse.Namespace) -> int:

@@ -14,12 +14,12 @@ import threading
 from commfuse.cli.common import (
     Subparsers,
     UsageError,
+    add_command,
     add_device_arguments,
     add_timeout_argument,
     add_topology_arguments,
     backend_from_args,
     emulate_arg,
-    set_command,
     topology_from_args,
 )
 from commfuse.cluster.launcher import launch, script_command
@@ -27,11 +27,12 @@ from commfuse.cluster.netlab import NetlabError
 
 
 def register(sub: Subparsers) -> None:
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "launch",
+        run_launch,
         help="run a torchrun-style script on N local ranks (optionally on an emulated cluster)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
     )
     parser.add_argument(
         "--nproc",
@@ -50,7 +51,6 @@ def register(sub: Subparsers) -> None:
     )
     parser.add_argument("script", help="the script (or module, or program) every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    set_command(parser, run_launch)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

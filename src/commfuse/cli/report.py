@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from commfuse.bench.table import ratio_cell
-from commfuse.cli.common import Subparsers, add_output_arguments, set_command
+from commfuse.cli.common import Subparsers, add_command, add_output_arguments
 from commfuse.units import format_size
 
 Record = dict[str, Any]
@@ -335,11 +335,12 @@ def update_report(path: str | Path) -> bool:
 
 
 def register(sub: Subparsers) -> None:
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "report",
+        run_report,
         help="print result JSON files as the tables their commands printed (--markdown: as Markdown)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
     )
     parser.add_argument("results", nargs="+", metavar="RESULTS.json", help="--json output files")
     add_output_arguments(parser, json=None, markdown="the same tables")
@@ -348,7 +349,6 @@ def register(sub: Subparsers) -> None:
         action="store_true",
         help="rewrite the table of the report X.md beside each X.json instead of printing",
     )
-    set_command(parser, run_report)
 
 
 def run_report(args: argparse.Namespace) -> int:

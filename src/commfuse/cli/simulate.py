@@ -28,8 +28,8 @@ from typing import Any
 from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
+    add_command,
     add_output_arguments,
-    set_command,
 )
 from commfuse.cli.spec import parse_value, split_spec
 from commfuse.units import format_size, parse_sizes
@@ -39,11 +39,12 @@ def register(sub: Subparsers) -> None:
     from commfuse.sim.builtins import WORKLOADS
     from commfuse.sim.cluster import PRESETS
 
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "simulate",
+        run_simulate,
         help="predict step time and its breakdown on a cluster of hundreds to thousands of ranks",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
     )
     parser.add_argument(
         "--cluster",
@@ -118,7 +119,6 @@ def register(sub: Subparsers) -> None:
         metavar="PATH",
         help="with --validate: write the calibrated cluster JSON (then --cluster PATH)",
     )
-    set_command(parser, run_simulate)
 
 
 def parse_ranks(text: str) -> list[int]:

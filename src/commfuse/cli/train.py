@@ -15,13 +15,13 @@ from typing import Any
 from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
+    add_command,
     add_device_arguments,
     add_output_arguments,
     add_timeout_argument,
     add_topology_arguments,
     backend_from_args,
     emulate_arg,
-    set_command,
     topology_from_args,
 )
 
@@ -53,11 +53,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, default_steps: int) ->
 
 
 def register(sub: Subparsers) -> None:
-    parser = sub.add_parser(
+    parser = add_command(
+        sub,
         "train",
+        run_train,
         help="train a workload (charlm, digits) on N ranks with one strategy",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
     )
     add_run_arguments(parser, default_steps=100)
     add_topology_arguments(parser)
@@ -86,7 +87,6 @@ def register(sub: Subparsers) -> None:
         help="extra steps timed with communication skipped (the compute-only floor)",
     )
     add_output_arguments(parser, json="the run's metrics")
-    set_command(parser, run_train)
 
 
 def list_strategies() -> str:
