@@ -85,6 +85,8 @@ def test_the_simulator_and_the_cost_models_import_no_torch(module: str) -> None:
         (["report", "--help"], 0),
         (["tune", "--help"], 0),
         (["net", "--help"], 0),
+        (["launch", "--help"], 0),
+        (["launch", "--nproc", "x", "script.py"], 2),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else str(v),
 )

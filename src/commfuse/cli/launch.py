@@ -22,7 +22,6 @@ from commfuse.cli.common import (
     emulate_arg,
     topology_from_args,
 )
-from commfuse.cluster.launcher import launch, script_command
 from commfuse.cluster.netlab import NetlabError
 
 
@@ -58,6 +57,9 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def run_launch(args: argparse.Namespace) -> int:
+    # The launcher imports torch: only a job that runs pays for it, not --help.
+    from commfuse.cluster.launcher import launch, script_command
+
     # SIGTERM while the job is being set up (network, store) unwinds like Ctrl-C, so whatever was
     # built is removed; once the ranks run, the supervisor handles both signals itself.
     on_main = threading.current_thread() is threading.main_thread()
