@@ -36,6 +36,7 @@ def test_kinds_are_told_apart_by_their_keys() -> None:
     )
     assert kind_of({"intra": {}, "inter": {}}) == "tune"
     assert kind_of([{"ranks": 2, "series": "tree", "step_us": 1.0}]) == "simulate --scale"
+    assert kind_of([{"command": "--help", "tree": "new", "wall_s": 0.1}]) == "bench cli"
 
 
 def test_a_missing_value_prints_as_a_dash() -> None:

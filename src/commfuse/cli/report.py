@@ -67,6 +67,18 @@ TRAIN_COLUMNS: tuple[Column, ...] = (
     ("held_loss", lambda r: f"{r['eval_loss']:.3f}"),
 )
 
+CLI_COLUMNS: tuple[Column, ...] = (
+    ("command", lambda r: f"`{r['command']}`"),
+    ("tree", lambda r: r["tree"]),
+    ("wall_ms", _ms("wall_s", ".0f")),
+    ("min-max_ms", lambda r: f"{r['wall_s_min'] * 1e3:.0f}-{r['wall_s_max'] * 1e3:.0f}"),
+    ("x_first", lambda r: ratio_cell(r, "ratio_to_first")),
+    ("spread", lambda r: f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"),
+    ("torch", lambda r: "yes" if r["imports_torch"] else "no"),
+    ("torch_import_ms", lambda r: f"{r['torch_import_us'] / 1e3:.0f}"),
+    ("imports", lambda r: str(r["num_imports"])),
+)
+
 PROFILE_COLUMNS: tuple[Column, ...] = (
     ("link", lambda r: r["link"]),
     ("alpha_us", lambda r: f"{r['alpha_s'] * 1e6:.1f}"),
@@ -132,6 +144,8 @@ def kind_of(data: Any) -> str:
             return "bench strategies"
         if {"engine", "step_s"} <= keys:
             return "bench ddp"
+        if {"command", "tree", "wall_s"} <= keys:
+            return "bench cli"
         if {"ranks", "series", "step_us"} <= keys:
             return "simulate --scale"
         if {"config", "predicted_us", "measured_us", "error"} <= keys:
@@ -244,6 +258,8 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
         return _table(data, STRATEGIES_COLUMNS, markdown)
     if kind == "bench ddp":
         return _table(data, DDP_COLUMNS, markdown)
+    if kind == "bench cli":
+        return _table(data, CLI_COLUMNS, markdown)
     if kind == "simulate --scale":
         return _scale_table(data, markdown)
     if kind == "simulate --validate":

@@ -1,0 +1,190 @@
+"""Wall time of ``commfuse`` commands end to end, each run in a fresh interpreter, across source
+trees (``commfuse bench cli``).
+
+What a user waits for is the whole command: the interpreter's start, every import, the work and
+the exit. So each sample is one ``python -m commfuse.cli ARGS`` (or ``python -c "import X"``
+for a command written ``import X``) in a new process, timed from before the spawn to after the
+exit, with ``PYTHONPATH`` set to the tree's ``src``: two checkouts of commfuse (a commit and
+its parent) compare like for like, on the same interpreter and packages.
+
+1. Per command, the trees are timed in balanced rounds (``bench/schedule.py``: each round an
+   order and the next its reverse, Williams's carry-over balance); the first tree is the
+   baseline of the ratios, each the median over rounds of the same round's ratio.
+2. With ``control`` the baseline tree is timed twice (A/A): the ratio of the two copies is the
+   noise floor of this machine at this moment, and a ratio as close to 1 is marked a tie.
+3. Once per command and tree, ``python -X importtime`` lists what the command imported: the
+   records keep whether torch was among them and the slowest imports by cumulative time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from commfuse.bench.schedule import Schedule, run_rounds, summarize
+
+#: Imports listed per record (``importtime_top``), slowest first by cumulative time.
+IMPORTTIME_TOP = 5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CliLatencyConfig:
+    """What ``bench_cli_latency`` times."""
+
+    commands: tuple[str, ...]
+    """Each a ``commfuse`` argument string (``"simulate --ranks 1024"``, ``"--help"``), or
+    ``"import X"`` for ``python -c "import X"``."""
+    trees: tuple[tuple[str, str], ...]
+    """``(name, path to a src folder)`` per source tree; the first is the baseline."""
+    rounds: int = 10
+    """Timed rounds per command (balanced orders)."""
+    control: bool = False
+    """Time the baseline tree twice (A/A)."""
+    python: str = sys.executable
+    """The interpreter every sample runs on."""
+    timeout_s: float = 120.0
+    """Limit of one sample, seconds."""
+    environment: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """The variables every sample starts with (the command passes its own environment);
+    ``PYTHONPATH`` is the tree's ``src``, whatever this says."""
+
+    def __post_init__(self) -> None:
+        if not self.commands:
+            raise ValueError("commands: give at least one command")
+        if not self.trees:
+            raise ValueError("trees: give at least one (name, src) tree")
+        names = [name for name, _ in self.trees]
+        if len(set(names)) != len(names):
+            raise ValueError(f"trees: a name is given twice: {', '.join(names)}")
+        for name, src in self.trees:
+            if not os.path.isdir(os.path.join(src, "commfuse")):
+                raise ValueError(f"trees: {name}={src} holds no commfuse package")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+
+
+def argv_of(command: str, python: str, *, importtime: bool = False) -> list[str]:
+    """The process that runs ``command`` (see ``CliLatencyConfig.commands``)."""
+    flags = ["-X", "importtime"] if importtime else []
+    if command.startswith("import "):
+        return [python, *flags, "-c", command]
+    return [python, *flags, "-m", "commfuse.cli", *command.split()]
+
+
+def _run(command: str, src: str, config: CliLatencyConfig, *, importtime: bool = False) -> Any:
+    env = {**config.environment, "PYTHONPATH": src}
+    proc = subprocess.run(
+        argv_of(command, config.python, importtime=importtime),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=config.timeout_s,
+        check=False,
+    )
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"{command!r} on {src} exited with {proc.returncode}: {tail[0]}")
+    return proc
+
+
+def time_once(command: str, src: str, config: CliLatencyConfig) -> float:
+    """Seconds from spawning ``command`` on the tree ``src`` to its exit."""
+    began = time.perf_counter()
+    _run(command, src, config)
+    return time.perf_counter() - began
+
+
+def import_profile(command: str, src: str, config: CliLatencyConfig) -> dict[str, Any]:
+    """What ``command`` imports (``python -X importtime``): whether torch is among them, the
+    microseconds its import took, and the ``IMPORTTIME_TOP`` slowest imports by cumulative
+    microseconds (a module's own time plus its imports')."""
+    proc = _run(command, src, config, importtime=True)
+    rows: list[tuple[int, str]] = []
+    for line in proc.stderr.splitlines():
+        if not line.startswith("import time:") or "|" not in line:
+            continue
+        _, cumulative, name = (
+            part.strip() for part in line.removeprefix("import time:").split("|")
+        )
+        if cumulative.isdigit():
+            rows.append((int(cumulative), name))
+    torch_us = next((us for us, name in rows if name == "torch"), None)
+    rows.sort(reverse=True)
+    return {
+        "imports_torch": torch_us is not None,
+        "torch_import_us": torch_us or 0,
+        "num_imports": len(rows),
+        "importtime_top": [{"module": n, "cumulative_us": us} for us, n in rows[:IMPORTTIME_TOP]],
+    }
+
+
+def _timer(
+    command: str, schedule: Schedule, tree_src: dict[str, str], config: CliLatencyConfig
+) -> Callable[[str], float]:
+    """``run_rounds``' function: one timed sample of ``command`` on the tree a name runs."""
+    return lambda name: time_once(command, tree_src[schedule.code_of(name)], config)
+
+
+def bench_cli_latency(config: CliLatencyConfig) -> list[dict[str, Any]]:
+    """One record per command and tree (and the control's copy): median wall seconds, their
+    range, the paired ratio to the baseline tree, the control, and the import profile."""
+    tree_src = dict(config.trees)
+    baseline = config.trees[0][0]
+    records: list[dict[str, Any]] = []
+    for command in config.commands:
+        schedule = Schedule(
+            tuple(tree_src), rounds=config.rounds, baseline=baseline, control=config.control
+        )
+        samples = run_rounds(schedule, _timer(command, schedule, tree_src, config))
+        summary = summarize(samples, baseline=baseline, control=schedule.control_variant)
+        for name in schedule.names:
+            src = tree_src[schedule.code_of(name)]
+            low, high = summary.ratio_ranges[name]
+            ratio = summary.ratios[name]
+            records.append(
+                {
+                    "command": command,
+                    "tree": name,
+                    "src": src,
+                    "wall_s": summary.medians[name],
+                    "wall_s_min": min(samples[name]),
+                    "wall_s_max": max(samples[name]),
+                    "ratio_to_first": ratio,
+                    "ratio_min": low,
+                    "ratio_max": high,
+                    "tie": name != baseline and bool(summary.is_tie(ratio)),
+                    "rounds": config.rounds,
+                    **summary.as_dict(),
+                    **import_profile(command, src, config),
+                }
+            )
+    return records
+
+
+def render(records: Sequence[dict[str, Any]]) -> str:
+    """A plain table, one row per command and tree."""
+    from commfuse.bench.table import ratio_cell
+
+    width = max(len("command"), *(len(r["command"]) for r in records)) + 2
+    tree = max(len("tree"), *(len(r["tree"]) for r in records)) + 2
+    rows = [
+        f"{'command':<{width}}{'tree':<{tree}}{'wall ms':>9}{'min-max':>13}{'x first':>15}"
+        f"{'spread':>12}  torch  slowest import"
+    ]
+    for r in records:
+        span = "{:.0f}-{:.0f}".format(r["wall_s_min"] * 1e3, r["wall_s_max"] * 1e3)
+        spread = "{:.2f}-{:.2f}".format(r["ratio_min"], r["ratio_max"])
+        top = r["importtime_top"][0] if r["importtime_top"] else None
+        slowest = "-" if top is None else f"{top['module']} {top['cumulative_us'] / 1e3:.0f} ms"
+        rows.append(
+            f"{r['command']:<{width}}{r['tree']:<{tree}}{r['wall_s'] * 1e3:>9.0f}{span:>13}"
+            f"{ratio_cell(r, 'ratio_to_first'):>15}{spread:>12}"
+            f"  {'yes' if r['imports_torch'] else 'no':<5}  {slowest}"
+        )
+    return "\n".join(rows)
