@@ -35,7 +35,7 @@ def test_records_per_command_and_tree_with_the_control() -> None:
         assert any(m["module"].startswith("commfuse") for m in r["importtime_top"]), r
     assert all(r["ratio_to_first"] == 1.0 for r in records if r["tree"] == "a")
     assert kind_of(records) == "bench cli"
-    assert "`import commfuse.cli`" in render_result(records, markdown=True)
+    assert "import commfuse.cli" in render_result(records, markdown=True)
 
 
 def test_commands_run_as_the_user_runs_them() -> None:

@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from commfuse.bench.schedule import Schedule, run_rounds, summarize
@@ -165,26 +165,3 @@ def bench_cli_latency(config: CliLatencyConfig) -> list[dict[str, Any]]:
                 }
             )
     return records
-
-
-def render(records: Sequence[dict[str, Any]]) -> str:
-    """A plain table, one row per command and tree."""
-    from commfuse.bench.table import ratio_cell
-
-    width = max(len("command"), *(len(r["command"]) for r in records)) + 2
-    tree = max(len("tree"), *(len(r["tree"]) for r in records)) + 2
-    rows = [
-        f"{'command':<{width}}{'tree':<{tree}}{'wall ms':>9}{'min-max':>13}{'x first':>15}"
-        f"{'spread':>12}  torch  slowest import"
-    ]
-    for r in records:
-        span = "{:.0f}-{:.0f}".format(r["wall_s_min"] * 1e3, r["wall_s_max"] * 1e3)
-        spread = "{:.2f}-{:.2f}".format(r["ratio_min"], r["ratio_max"])
-        top = r["importtime_top"][0] if r["importtime_top"] else None
-        slowest = "-" if top is None else f"{top['module']} {top['cumulative_us'] / 1e3:.0f} ms"
-        rows.append(
-            f"{r['command']:<{width}}{r['tree']:<{tree}}{r['wall_s'] * 1e3:>9.0f}{span:>13}"
-            f"{ratio_cell(r, 'ratio_to_first'):>15}{spread:>12}"
-            f"  {'yes' if r['imports_torch'] else 'no':<5}  {slowest}"
-        )
-    return "\n".join(rows)

@@ -68,7 +68,7 @@ TRAIN_COLUMNS: tuple[Column, ...] = (
 )
 
 CLI_COLUMNS: tuple[Column, ...] = (
-    ("command", lambda r: f"`{r['command']}`"),
+    ("command", lambda r: r["command"]),
     ("tree", lambda r: r["tree"]),
     ("wall_ms", _ms("wall_s", ".0f")),
     ("min-max_ms", lambda r: f"{r['wall_s_min'] * 1e3:.0f}-{r['wall_s_max'] * 1e3:.0f}"),

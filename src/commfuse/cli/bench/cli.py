@@ -14,10 +14,10 @@ tree, the median over rounds of the same round's ratio; --control times the firs
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
@@ -62,7 +62,12 @@ def register(bench_sub: Subparsers) -> None:
     )
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds (default 10)")
     add_control_argument(parser, what="time the first tree twice (NAME')")
-    add_output_arguments(parser, json="one record per command and tree")
+    add_output_arguments(
+        parser,
+        json="one record per command and tree",
+        markdown="a dated report (table, machine, versions)",
+        plot="each command's median wall time per tree, fastest to slowest round (PNG/SVG/PDF)",
+    )
     set_command(parser, run_bench_cli)
 
 
@@ -80,9 +85,23 @@ def _trees(texts: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(trees)
 
 
+def _plot(records: list[dict[str, Any]], path: str) -> None:
+    from commfuse.bench.plot import plot_bars
+
+    plot_bars(
+        records,
+        path,
+        label=lambda r: f"{r['command']} [{r['tree']}]",
+        bars=[("median wall time", "wall_s")],
+        scale=1e3,
+        unit="wall time of the whole command (ms)",
+        spread=("wall_s_min", "wall_s_max"),
+    )
+
+
 def run_bench_cli(args: argparse.Namespace) -> int:
-    from commfuse.bench.cli_latency import CliLatencyConfig, bench_cli_latency, render
-    from commfuse.bench.table import control_note
+    from commfuse.bench.cli_latency import CliLatencyConfig, bench_cli_latency
+    from commfuse.cli.bench.report import report_records
 
     require_at_least("--repeats", args.repeats, 1)
     config = CliLatencyConfig(
@@ -94,14 +113,15 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     )
     print(
         f"commfuse bench cli: {len(config.commands)} command(s) x {len(config.trees)} tree(s), "
-        f"{config.rounds} rounds (balanced orders), fresh interpreters ({config.python})",
+        f"{config.rounds} rounds (balanced orders), fresh interpreters",
         file=sys.stderr,
     )
     records = bench_cli_latency(config)
-    print(render(records))
-    note = control_note(records, "tree")
-    if note:
-        print(note)
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
-    return 0
+    trees = ", ".join(f"{name}={src}" for name, src in config.trees)
+    return report_records(
+        records,
+        args,
+        title=f"whole commands in fresh interpreters on {config.python}; trees {trees}",
+        heading="Wall time of commfuse commands",
+        plot=_plot,
+    )
