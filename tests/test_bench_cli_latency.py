@@ -29,6 +29,8 @@ def test_records_per_command_and_tree_with_the_control() -> None:
     for r in records:
         assert 0 < r["wall_s_min"] <= r["wall_s"] <= r["wall_s_max"], r
         assert r["ratio_min"] <= r["ratio_to_first"] <= r["ratio_max"], r
+        # The child's own CPU time: some, and never more than two cores' worth of its wall time.
+        assert 0 < r["cpu_s"] <= 2 * r["wall_s_max"], r
         assert r["control_ratio"] is not None and r["rounds"] == 2
         # Neither command needs torch, and the profile saw the command's own imports.
         assert r["imports_torch"] is False and r["torch_import_us"] == 0, r

@@ -12,7 +12,9 @@ its parent) compare like for like, on the same interpreter and packages.
    baseline of the ratios, each the median over rounds of the same round's ratio.
 2. With ``control`` the baseline tree is timed twice (A/A): the ratio of the two copies is the
    noise floor of this machine at this moment, and a ratio as close to 1 is marked a tie.
-3. Once per command and tree, ``python -X importtime`` lists what the command imported: the
+3. Each sample also records the CPU time (user + system) the process used: on a shared machine
+   the wall time includes waits for a core, the CPU time only the work.
+4. Once per command and tree, ``python -X importtime`` lists what the command imported: the
    records keep whether torch was among them and the slowest imports by cumulative time.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -93,11 +96,16 @@ def _run(command: str, src: str, config: CliLatencyConfig, *, importtime: bool =
     return proc
 
 
-def time_once(command: str, src: str, config: CliLatencyConfig) -> float:
-    """Seconds from spawning ``command`` on the tree ``src`` to its exit."""
+def time_once(command: str, src: str, config: CliLatencyConfig) -> tuple[float, float]:
+    """(wall, CPU) seconds of ``command`` on the tree ``src``: from spawning it to its exit, and
+    the user plus system time the process used. On a shared machine the wall time also holds
+    the waits for a core; the CPU time is the work alone."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     began = time.perf_counter()
     _run(command, src, config)
-    return time.perf_counter() - began
+    wall = time.perf_counter() - began
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # samples run one at a time
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def import_profile(command: str, src: str, config: CliLatencyConfig) -> dict[str, Any]:
@@ -125,15 +133,27 @@ def import_profile(command: str, src: str, config: CliLatencyConfig) -> dict[str
 
 
 def _timer(
-    command: str, schedule: Schedule, tree_src: dict[str, str], config: CliLatencyConfig
+    command: str,
+    schedule: Schedule,
+    tree_src: dict[str, str],
+    config: CliLatencyConfig,
+    cpu: dict[str, list[float]],
 ) -> Callable[[str], float]:
-    """``run_rounds``' function: one timed sample of ``command`` on the tree a name runs."""
-    return lambda name: time_once(command, tree_src[schedule.code_of(name)], config)
+    """``run_rounds``' function: one sample of ``command`` on the tree a name runs; its wall
+    time is the sample, its CPU time goes to ``cpu[name]`` (in round order too)."""
+
+    def sample(name: str) -> float:
+        wall, used = time_once(command, tree_src[schedule.code_of(name)], config)
+        cpu.setdefault(name, []).append(used)
+        return wall
+
+    return sample
 
 
 def bench_cli_latency(config: CliLatencyConfig) -> list[dict[str, Any]]:
     """One record per command and tree (and the control's copy): median wall seconds, their
-    range, the paired ratio to the baseline tree, the control, and the import profile."""
+    range, the paired ratio to the baseline tree, the control, the median CPU seconds and their
+    paired ratio, and the import profile."""
     tree_src = dict(config.trees)
     baseline = config.trees[0][0]
     records: list[dict[str, Any]] = []
@@ -141,8 +161,10 @@ def bench_cli_latency(config: CliLatencyConfig) -> list[dict[str, Any]]:
         schedule = Schedule(
             tuple(tree_src), rounds=config.rounds, baseline=baseline, control=config.control
         )
-        samples = run_rounds(schedule, _timer(command, schedule, tree_src, config))
+        cpu: dict[str, list[float]] = {}
+        samples = run_rounds(schedule, _timer(command, schedule, tree_src, config, cpu))
         summary = summarize(samples, baseline=baseline, control=schedule.control_variant)
+        cpu_summary = summarize(cpu, baseline=baseline, control=schedule.control_variant)
         for name in schedule.names:
             src = tree_src[schedule.code_of(name)]
             low, high = summary.ratio_ranges[name]
@@ -158,6 +180,8 @@ def bench_cli_latency(config: CliLatencyConfig) -> list[dict[str, Any]]:
                     "ratio_to_first": ratio,
                     "ratio_min": low,
                     "ratio_max": high,
+                    "cpu_s": cpu_summary.medians[name],
+                    "cpu_ratio_to_first": cpu_summary.ratios[name],
                     "tie": name != baseline and bool(summary.is_tie(ratio)),
                     "rounds": config.rounds,
                     **summary.as_dict(),

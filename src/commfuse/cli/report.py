@@ -74,6 +74,8 @@ CLI_COLUMNS: tuple[Column, ...] = (
     ("min-max_ms", lambda r: f"{r['wall_s_min'] * 1e3:.0f}-{r['wall_s_max'] * 1e3:.0f}"),
     ("x_first", lambda r: ratio_cell(r, "ratio_to_first")),
     ("spread", lambda r: f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"),
+    ("cpu_ms", _ms("cpu_s", ".0f")),
+    ("cpu_x_first", lambda r: f"{r['cpu_ratio_to_first']:.3f}"),
     ("torch", lambda r: "yes" if r["imports_torch"] else "no"),
     ("torch_import_ms", lambda r: f"{r['torch_import_us'] / 1e3:.0f}"),
     ("imports", lambda r: str(r["num_imports"])),
