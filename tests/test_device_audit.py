@@ -38,6 +38,11 @@ FACTORIES = frozenset(
         "linspace",
         "as_tensor",
         "from_numpy",
+        "empty_strided",
+        "logspace",
+        "scalar_tensor",
+        "triu_indices",
+        "tril_indices",
     }
 )
 
@@ -59,16 +64,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("workloads/corpus.py", "<module>"): "dataset decoded on the host",
     # The digits dataset is loaded from its bundled files into host tensors.
     ("workloads/digits.py", "load_split_tensors"): "dataset loaded on the host",
-    # Workloads draw their batches and initial weights from seeded CPU generators, so every
-    # rank and every device sees the same numbers; the training loop moves them.
-    ("workloads/charlm.py", "CharLM._windows"): "seeded CPU draw",
-    ("workloads/digits.py", "Digits.batch"): "seeded CPU draw",
-    ("workloads/dlrm.py", "power_law_ids"): "seeded CPU draw",
-    ("workloads/dlrm.py", "synthetic_batch"): "seeded CPU draw",
-    ("workloads/dlrm.py", "_mlp"): "seeded CPU draw",
-    ("workloads/moe.py", "MoEModel.__init__"): "seeded CPU draw",
-    ("workloads/moe.py", "MoEWorkload.batch"): "seeded CPU draw",
-    ("workloads/tp_transformer.py", "TPTransformerWorkload.full_batch"): "seeded CPU draw",
 }
 
 

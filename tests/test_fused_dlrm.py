@@ -56,7 +56,11 @@ def fused_equals_unfused(
         losses, counters = [], []
         for step in range(steps):
             comm.stats.reset()
-            losses.append(train_step(model, opt, synthetic_batch(config, step, rank, world)))
+            losses.append(
+                train_step(
+                    model, opt, synthetic_batch(config, step, rank, world, device=comm.device)
+                )
+            )
             counters.append(comm.stats.snapshot())
         runs[exchange] = (model, losses, counters)
     fused, unfused = runs["fused"], runs["unfused"]
@@ -97,7 +101,9 @@ def loss_falls() -> list[str]:
     model = DLRM(config, comm, chunk_config=ChunkConfig(num_chunks=2))
     opt = make_optimizer(model)
     losses = [
-        train_step(model, opt, synthetic_batch(config, s, comm.rank, comm.world_size))
+        train_step(
+            model, opt, synthetic_batch(config, s, comm.rank, comm.world_size, device=comm.device)
+        )
         for s in range(30)
     ]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
@@ -130,15 +136,15 @@ def test_loss_falls(pool: PoolFn) -> None:
 
 def test_synthetic_data_is_deterministic_and_skewed() -> None:
     config = DLRMConfig(num_tables=4, rows_per_table=1000, pooling=4, batch_per_rank=256)
-    a = synthetic_batch(config, 3, 1, 2, seed=7)
-    b = synthetic_batch(config, 3, 1, 2, seed=7)
-    c = synthetic_batch(config, 4, 1, 2, seed=7)
+    a = synthetic_batch(config, 3, 1, 2, seed=7, device=torch.device("cpu"))
+    b = synthetic_batch(config, 3, 1, 2, seed=7, device=torch.device("cpu"))
+    c = synthetic_batch(config, 4, 1, 2, seed=7, device=torch.device("cpu"))
     assert torch.equal(a.dense, b.dense) and all(
         torch.equal(x, y) for x, y in zip(a.indices, b.indices, strict=True)
     )
     assert not torch.equal(a.dense, c.dense)
     # Rank 1 owns tables 1 and 3; the ids of rank 0's samples are the ones rank 0 would draw.
-    other = synthetic_batch(config, 3, 0, 2, seed=7)
+    other = synthetic_batch(config, 3, 0, 2, seed=7, device=torch.device("cpu"))
     assert len(a.indices) == 2 and len(other.indices) == 2
     ids = power_law_ids(200_000, 1000, 1.2, torch.Generator().manual_seed(0))
     counts = torch.bincount(ids, minlength=1000).double()

@@ -28,7 +28,7 @@ def train(num_chunks: int, steps: int) -> tuple[list[float], list[torch.Tensor],
     losses = []
     comm.stats.reset()
     for step in range(steps):
-        batch = workload.batch(step, comm.rank, seed=5)
+        batch = workload.batch(step, comm.rank, seed=5, device=comm.device)
         losses.append(workload.train_step(comm, model, optimizer, batch))
     sent = {
         "fused": comm.stats[ga.LABEL].bytes_sent,
@@ -68,9 +68,9 @@ def test_moe_step_fused_matches_unfused(pool: PoolFn, world: int) -> None:
 
 def test_moe_batches_deterministic() -> None:
     workload = MoEWorkload(OPTIONS)
-    x1, y1 = workload.batch(3, 1, seed=2)
-    x2, y2 = workload.batch(3, 1, seed=2)
-    x3, _ = workload.batch(3, 2, seed=2)
+    x1, y1 = workload.batch(3, 1, seed=2, device=torch.device("cpu"))
+    x2, y2 = workload.batch(3, 1, seed=2, device=torch.device("cpu"))
+    x3, _ = workload.batch(3, 2, seed=2, device=torch.device("cpu"))
     assert torch.equal(x1, x2) and torch.equal(y1, y2) and not torch.equal(x1, x3)
     assert x1.shape == (10, 8) and int(y1.max()) < 3
 

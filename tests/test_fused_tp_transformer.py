@@ -40,6 +40,7 @@ from commfuse.workloads.tp_transformer import (
 PoolFn = Callable[[int], RankPool]
 SEED = 3
 #: 6 heads and 6 tokens divide by 1, 2 and 3 ranks; d_ff = 10 gives uneven MLP shards at P = 3.
+CPU = torch.device("cpu")
 SHAPE: dict[str, Any] = dict(
     d_model=12, num_heads=6, d_ff=10, num_layers=2, seq_len=6, batch=2, num_classes=5
 )
@@ -144,7 +145,7 @@ def _check_block(sequence_parallel: bool, num_chunks: int) -> list[str]:
     rank, world = comm.rank, comm.world_size
     options = TPTransformerOptions(**SHAPE, sequence_parallel=sequence_parallel)
     workload = TPTransformerWorkload(options)
-    x_full, y_full = workload.full_batch(0, seed=SEED)
+    x_full, y_full = workload.full_batch(0, seed=SEED, device=comm.device)
     want_logits, want_grads = dense_reference(options, x_full, y_full)
     rows = slice(*shard_range(options.seq_len, world, rank)) if sequence_parallel else slice(None)
     where = f"rank {rank}/{world} sp={sequence_parallel} chunks={num_chunks}"
@@ -153,7 +154,7 @@ def _check_block(sequence_parallel: bool, num_chunks: int) -> list[str]:
     fused: bool | TPTransformer  # the loop's flag, then (below) the fused model
     for fused in (False, True):
         model = workload.build_model(comm, SEED, fused=fused, num_chunks=num_chunks)
-        x, y = workload.batch(0, rank, world, seed=SEED)
+        x, y = workload.batch(0, rank, world, seed=SEED, device=comm.device)
         comm.stats.reset()
         logits = model(x)
         loss = F.cross_entropy(
@@ -215,7 +216,9 @@ def _check_block(sequence_parallel: bool, num_chunks: int) -> list[str]:
     for model in (unfused, fused):
         opt = workload.make_optimizer(model)
         for step in range(1, 3):
-            workload.train_step(comm, model, opt, workload.batch(step, rank, world, seed=SEED))
+            workload.train_step(
+                comm, model, opt, workload.batch(step, rank, world, seed=SEED, device=comm.device)
+            )
     for (name, p), q in zip(fused.named_parameters(), unfused.parameters(), strict=True):
         if not torch.allclose(p, q, rtol=1e-5, atol=1e-6):
             failures.append(f"{where}: parameter {name} differs after two steps")
@@ -232,7 +235,7 @@ def automatic_chunks_and_loss_falls() -> list[str]:
     opts = [workload.make_optimizer(m) for m in models]
     losses: list[list[float]] = [[], []]
     for step in range(25):
-        batch = workload.batch(step % 4, comm.rank, comm.world_size, seed=SEED)
+        batch = workload.batch(step % 4, comm.rank, comm.world_size, seed=SEED, device=comm.device)
         for i, (model, opt) in enumerate(zip(models, opts, strict=True)):
             losses[i].append(workload.train_step(comm, model, opt, batch))
     failures = []
@@ -279,11 +282,11 @@ def test_step_bench_records(pool: PoolFn) -> None:
 
 def test_batches_deterministic_and_sharded() -> None:
     sp_workload = TPTransformerWorkload(TPTransformerOptions(**SHAPE, sequence_parallel=True))
-    x, y = sp_workload.full_batch(2, seed=1)
+    x, y = sp_workload.full_batch(2, seed=1, device=CPU)
     assert x.shape == (6, 2, 12) and y.shape == (6, 2) and int(y.max()) < 5
-    assert torch.equal(x, sp_workload.full_batch(2, seed=1)[0])
-    assert not torch.equal(x, sp_workload.full_batch(3, seed=1)[0])
-    parts = [sp_workload.batch(2, r, 4, seed=1)[0] for r in range(4)]
+    assert torch.equal(x, sp_workload.full_batch(2, seed=1, device=CPU)[0])
+    assert not torch.equal(x, sp_workload.full_batch(3, seed=1, device=CPU)[0])
+    parts = [sp_workload.batch(2, r, 4, seed=1, device=CPU)[0] for r in range(4)]
     assert [p.shape[0] for p in parts] == [2, 2, 1, 1] and torch.equal(torch.cat(parts), x)
 
 

@@ -56,6 +56,11 @@ def test_dry_mode_runs_every_check_on_the_cpu(tmp_path: Path) -> None:
         "ExpertParallelMoE",
     )
     assert {f"module {m}" for m in modules} <= names
+    # The training loop as a user runs it, on the same device and backend.
+    runs = {c["name"]: c for c in report["checks"]}
+    resumed = runs["train charlm powersgd resume"]
+    assert (resumed["device"], resumed["resumed_at"], resumed["steps"]) == ("cpu", 3, 6)
+    assert set(runs["bench strategies"]["step_ms"]) >= {"ddp", "commfuse", "local-sgd:H=2"}
     compressed = [c for c in report["checks"] if "ms_per_mb" in c]
     assert all(c["ms_per_mb"] > 0 for c in compressed)
     assert all(c.get("device", "cpu") == "cpu" for c in compressed)

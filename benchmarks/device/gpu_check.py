@@ -4,8 +4,12 @@ At world size 1 on NCCL with CUDA tensors: every collective of the front door by
 algorithm (the result checked against the expected pattern), each compressor's round trip
 through the DataParallel engine (gradient error against the uncompressed step, finiteness) and
 its cost per MB of gradient, torch's own PowerSGD DDP hook on the same model as the reference
-arithmetic, and the fused modules' forward and backward. Every check records ``ok`` and, when it
-fails, the error, so one broken piece does not hide the others.
+arithmetic, and the fused modules' forward and backward. Then the training loop as a user runs
+it, through the command line on the same device and backend: ``commfuse train`` (PowerSGD on a
+small character Transformer, checkpointed after 3 steps, then resumed from that checkpoint to
+6) and ``commfuse bench strategies`` (torch DDP, commfuse's engine, PowerSGD and local SGD on
+the digits MLP in one job). Every check records ``ok`` and,
+when it fails, the error, so one broken piece does not hide the others.
 
 ``--device cpu --backend gloo`` runs the same code on the CPU (a dry run, so the script is
 exercised where no GPU is).
@@ -15,8 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -217,6 +225,79 @@ def check_on_rank(device_kind: str, size_bytes: int, width: int, repeats: int) -
     }
 
 
+#: Seconds for the whole check (gpu_check.sh stops it at 480), and the part of them kept for
+#: the training checks, which get whatever the rank's own checks leave.
+BUDGET_S = 470.0
+TRAINING_RESERVE_S = 150.0
+
+
+def _commfuse(argv: list[str], deadline: float) -> subprocess.CompletedProcess[str]:
+    """``commfuse ARGV`` as a user runs it (the command line of this checkout's package),
+    stopped at ``deadline`` (``time.monotonic()``), so the whole script keeps its budget."""
+    left = deadline - time.monotonic()
+    if left < 5:
+        raise TimeoutError(f"no time left for commfuse {argv[0]} in the script's budget")
+    done = subprocess.run(
+        [sys.executable, "-m", "commfuse.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=left,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        check=False,
+    )
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"commfuse {argv[0]} exited {done.returncode}: {' | '.join(tail)}")
+    return done
+
+
+def _training(device: str, backend: str, steps: int, deadline: float) -> list[dict[str, Any]]:
+    """The training loop at world size 1 on ``device``/``backend`` (module docstring), done by
+    ``deadline`` (``time.monotonic()``)."""
+    flags = ["--device", device, "--backend", backend, "--no-emulate", "--timeout", "100"]
+    one = [*flags, "--nproc", "1", "--no-progress"]
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-train-"))
+
+    def record(path: Path) -> dict[str, Any]:
+        loaded: dict[str, Any] = json.loads(path.read_text())
+        return loaded
+
+    def train_and_resume() -> dict[str, Any]:
+        workload, half = "charlm:dim=64,layers=2,seq=32", str(steps // 2)
+        spec = ["--workload", workload, "--strategy", "powersgd:rank=4,warmup=2"]
+        ckpt, first, resumed = str(work / "ckpt"), work / "first.json", work / "resumed.json"
+        _commfuse(["train", *one, *spec, "--steps", half, "--checkpoint-dir", ckpt,
+                   "--json", str(first)], deadline)  # fmt: skip
+        _commfuse(["train", *one, *spec, "--steps", str(steps), "--checkpoint-dir", ckpt,
+                   "--resume", "--json", str(resumed)], deadline)  # fmt: skip
+        a, b = record(first), record(resumed)
+        for r in (a, b):
+            if r["device"].split(":")[0] != device:
+                raise AssertionError(f"the ranks trained on {r['device']}, not {device}")
+        if b["start_step"] != int(half) or b["loss_curve"][: int(half)] != a["loss_curve"]:
+            raise AssertionError(
+                f"the resumed run did not continue the first (at {b['start_step']})"
+            )
+        return {"workload": workload, "device": b["device"], "resumed_at": b["start_step"],
+                "steps": b["steps"], "step_ms": b["step_time_s"] * 1e3,
+                "final_loss": b["final_loss"]}  # fmt: skip
+
+    def strategies() -> dict[str, Any]:
+        out = work / "strategies.json"
+        argv = ["bench", "strategies", *flags, "--hosts", "1", "--workload", "digits",
+                "--steps", "2", "--repeats", "2", "--warmup-steps", "2", "--json", str(out)]  # fmt: skip
+        for spec in ("ddp", "commfuse", "powersgd:rank=4,warmup=2", "local-sgd:H=2"):
+            argv += ["--strategy", spec]
+        _commfuse(argv, deadline)
+        rows = json.loads(out.read_text())
+        return {"step_ms": {r["strategy"]: r["step_s"] * 1e3 for r in rows}}
+
+    return [
+        _check("train charlm powersgd resume", train_and_resume),
+        _check("bench strategies", strategies),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="directory for gpu_check.json")
@@ -225,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mb", type=float, default=16.0, help="collective message size")
     parser.add_argument("--width", type=int, default=1024, help="model width (gradient size)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--train-steps", type=int, default=6, help="steps of each training run")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
@@ -238,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from commfuse.cluster import run
 
+    started = time.monotonic()
     report = run(
         check_on_rank,
         args.device,
@@ -246,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats,
         world_size=1,
         backend=args.backend,
-        timeout_s=420,
+        timeout_s=BUDGET_S - TRAINING_RESERVE_S,
     )[0]
+    report["checks"] += _training(
+        args.device, args.backend, args.train_steps, deadline=started + BUDGET_S
+    )
     report["torch"] = torch.__version__
     failed = [c["name"] for c in report["checks"] if not c["ok"]]
     report["failed"] = failed

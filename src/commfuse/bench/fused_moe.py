@@ -81,7 +81,7 @@ def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
         lr=1e-30,  # SGD needs lr > 0; this leaves every parameter as it was
     )
     workload = MoEWorkload(options)
-    batch = workload.batch(0, comm.rank, seed=0)
+    batch = workload.batch(0, comm.rank, seed=0, device=comm.device)
     models: dict[int | None, tuple[MoEModel, torch.optim.Optimizer]] = {}
 
     def model(chunks: int | None) -> tuple[MoEModel, torch.optim.Optimizer]:

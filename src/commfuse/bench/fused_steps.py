@@ -104,7 +104,7 @@ def dlrm_case(
         )
 
     # The exchange alone, for context: lookups (C) and gloo's All-to-All (M) of one forward.
-    data = dlrm.synthetic_batch(config, 0, comm.rank, comm.world_size)
+    data = dlrm.synthetic_batch(config, 0, comm.rank, comm.world_size, device=comm.device)
     embedding = models["unfused"].embedding
     table_list = [p.detach() for p in embedding.tables]
     lookup = embedding.lookup(data.indices, data.offsets, data.batch_splits, table_list)
@@ -113,7 +113,9 @@ def dlrm_case(
     agreed = torch.tensor([c_us, m_us], dtype=torch.float64, device=comm.device)
     comm.all_reduce(agreed, "max")
     return StepForms(
-        prepare=lambda step: dlrm.synthetic_batch(config, step, comm.rank, comm.world_size),
+        prepare=lambda step: dlrm.synthetic_batch(
+            config, step, comm.rank, comm.world_size, device=comm.device
+        ),
         fused=step_fn("fused"),
         unfused=step_fn("unfused"),
         control=step_fn("control") if control else None,
@@ -182,7 +184,9 @@ def tp_transformer_case(
         )
 
     return StepForms(
-        prepare=lambda step: workload.batch(step, comm.rank, comm.world_size, seed=0),
+        prepare=lambda step: workload.batch(
+            step, comm.rank, comm.world_size, seed=0, device=comm.device
+        ),
         fused=step_fn("fused"),
         unfused=step_fn("unfused"),
         control=step_fn("control") if control else None,

@@ -122,7 +122,7 @@ class CharLM(Workload):
         """``count`` random windows of the host corpus, cut on the CPU (the seeded generator
         and the corpus live there) and moved to the workload's device."""
         seq = self.options.seq
-        starts = torch.randint(0, data.numel() - seq - 1, (count,), generator=gen)
+        starts = torch.randint(0, data.numel() - seq - 1, (count,), generator=gen, device="cpu")
         windows = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
         return windows.to(self.device, non_blocking=True)
 

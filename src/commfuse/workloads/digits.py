@@ -85,9 +85,8 @@ class Digits(Workload):
         x, y = load_split_tensors()["train"]
         # Drawn and gathered on the CPU (the seeded generator and the images live there), then
         # moved to the workload's device.
-        idx = torch.randint(
-            0, len(y), (self.options.batch,), generator=batch_generator(seed, step, rank)
-        )
+        gen = batch_generator(seed, step, rank)
+        idx = torch.randint(0, len(y), (self.options.batch,), generator=gen, device="cpu")
         return x[idx].to(self.device, non_blocking=True), y[idx].to(self.device, non_blocking=True)
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

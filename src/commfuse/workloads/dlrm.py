@@ -108,7 +108,7 @@ class DLRMConfig:
 def power_law_ids(count: int, rows: int, alpha: float, gen: torch.Generator) -> torch.Tensor:
     """``count`` ids in ``[0, rows)`` with ``p(i) ~ (i + 1)^-alpha``: the inverse CDF of the
     continuous power law on ``[1, rows + 1)``, floored (id 0 is the hottest)."""
-    u = torch.rand(count, generator=gen, dtype=torch.float64)
+    u = torch.rand(count, generator=gen, dtype=torch.float64, device="cpu")
     if alpha == 0:
         x = 1 + u * rows
     elif abs(alpha - 1.0) < 1e-9:
@@ -144,22 +144,42 @@ def _sample_ids(config: DLRMConfig, seed: int, step: int, sample_rank: int, tabl
 
 
 def synthetic_batch(
-    config: DLRMConfig, step: int, rank: int, world_size: int, *, seed: int = 0
+    config: DLRMConfig,
+    step: int,
+    rank: int,
+    world_size: int,
+    *,
+    seed: int = 0,
+    device: torch.device,
 ) -> DLRMBatch:
-    """Rank ``rank``'s batch at ``step`` (module docstring): a pure function of its arguments."""
+    """Rank ``rank``'s batch at ``step`` (module docstring) on ``device``: a pure function of
+    its arguments. Drawn from seeded CPU generators, then moved, so every device sees the same
+    ids and features."""
     gen = batch_generator(seed, step, 2 * rank)
     b = config.batch_per_rank
-    dense = torch.randn((b, config.dense_features), generator=gen)
+    dense = torch.randn((b, config.dense_features), generator=gen, device="cpu")
     # A fixed "true" model makes labels learnable: dense projection + hot ids of table 0.
-    w = torch.linspace(-1.0, 1.0, config.dense_features)
+    w = torch.linspace(-1.0, 1.0, config.dense_features, device="cpu")
     hot = (_sample_ids(config, seed, step, rank, 0).view(b, config.pooling) < 3).float().sum(1)
     labels = ((dense @ w + hot - 0.5 * config.pooling * 0.3) > 0).float()
     local = [t for t in range(config.num_tables) if t % world_size == rank]
     indices = [
-        torch.cat([_sample_ids(config, seed, step, j, t) for j in range(world_size)]) for t in local
+        torch.cat([_sample_ids(config, seed, step, j, t) for j in range(world_size)]).to(
+            device, non_blocking=True
+        )
+        for t in local
     ]
-    offsets = [torch.arange(0, b * world_size * config.pooling, config.pooling) for _ in local]
-    return DLRMBatch(dense, labels, indices, offsets, [b] * world_size)
+    offsets = [
+        torch.arange(0, b * world_size * config.pooling, config.pooling, device=device)
+        for _ in local
+    ]
+    return DLRMBatch(
+        dense.to(device, non_blocking=True),
+        labels.to(device, non_blocking=True),
+        indices,
+        offsets,
+        [b] * world_size,
+    )
 
 
 def _mlp(widths: list[int], gen: torch.Generator, *, last_relu: bool) -> nn.Sequential:
@@ -167,10 +187,11 @@ def _mlp(widths: list[int], gen: torch.Generator, *, last_relu: bool) -> nn.Sequ
     for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
         lin = nn.Linear(fan_in, fan_out)
         with torch.no_grad():  # DLRM's init: normal weights, std sqrt(2 / (fan_in + fan_out))
-            lin.weight.copy_(
-                torch.randn((fan_out, fan_in), generator=gen) * math.sqrt(2.0 / (fan_in + fan_out))
+            weight = torch.randn((fan_out, fan_in), generator=gen, device="cpu")
+            lin.weight.copy_(weight * math.sqrt(2.0 / (fan_in + fan_out)))
+            lin.bias.copy_(
+                torch.randn(fan_out, generator=gen, device="cpu") * math.sqrt(1.0 / fan_out)
             )
-            lin.bias.copy_(torch.randn(fan_out, generator=gen) * math.sqrt(1.0 / fan_out))
         layers.append(lin)
         if i < len(widths) - 2 or last_relu:
             layers.append(nn.ReLU())
@@ -248,7 +269,12 @@ class DLRM(nn.Module):
             seed=seed + 1,
         )
         n = config.num_tables + 1
-        self._pairs = torch.triu_indices(n, n, offset=1)
+        self._pairs: torch.Tensor
+        pairs = torch.triu_indices(n, n, offset=1, device=comm.device)
+        self.register_buffer("_pairs", pairs, persistent=False)
+        # The MLPs were initialised on the CPU (the seeded generator); the tables already sit
+        # on comm.device. The whole model then lives there.
+        self.to(comm.device)
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """The data-parallel parameters (both MLPs), whose gradients are summed over ranks."""

@@ -83,11 +83,12 @@ class MoEModel(nn.Module):
         gen = torch.Generator().manual_seed(seed + 1)
         bound = 1.0 / math.sqrt(options.d_model)
         self.head = nn.Linear(options.d_model, options.num_classes)
-        with torch.no_grad():  # the same head on every rank
+        with torch.no_grad():  # the same head on every rank (and device)
             self.head.weight.copy_(
-                (torch.rand(self.head.weight.shape, generator=gen) * 2 - 1) * bound
+                (torch.rand(self.head.weight.shape, generator=gen, device="cpu") * 2 - 1) * bound
             )
             self.head.bias.zero_()
+        self.to(comm.device)  # the norm and the head join the experts on the rank's device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.head(x + self.moe(self.norm(x)))
@@ -121,15 +122,21 @@ class MoEWorkload:
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=self.options.lr)
 
-    def batch(self, step: int, rank: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rank ``rank``'s (tokens, labels) at ``step``."""
+    def batch(
+        self, step: int, rank: int, *, seed: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s (tokens, labels) at ``step`` on ``device`` (drawn from seeded CPU
+        generators, then moved: the same tokens on every device)."""
         o = self.options
         gen = batch_generator(seed, step, rank)
-        x = torch.randn((o.tokens_per_rank, o.d_model), generator=gen)
+        x = torch.randn((o.tokens_per_rank, o.d_model), generator=gen, device="cpu")
         teacher = torch.randn(
-            (o.num_classes, o.d_model), generator=torch.Generator().manual_seed(seed + 7)
+            (o.num_classes, o.d_model),
+            generator=torch.Generator().manual_seed(seed + 7),
+            device="cpu",
         )
-        return x, (x @ teacher.t()).argmax(-1)
+        y = (x @ teacher.t()).argmax(-1)
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch

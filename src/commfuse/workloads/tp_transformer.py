@@ -169,6 +169,7 @@ class TPTransformer(nn.Module):
         with torch.no_grad():  # the same head on every rank
             self.head.weight.copy_(weight)
             self.head.bias.copy_(bias)
+        self.to(comm.device)  # the norms and the head join the sharded linears' device
 
     def seq_splits(self) -> list[int]:
         """Sequence rows per rank with sequence parallelism (larger shards first)."""
@@ -217,24 +218,30 @@ class TPTransformerWorkload:
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=self.options.lr)
 
-    def full_batch(self, step: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole batch at ``step``: tokens ``[S, B, d_model]`` and labels ``[S, B]``."""
+    def full_batch(
+        self, step: int, *, seed: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole batch at ``step`` on ``device``: tokens ``[S, B, d_model]`` and labels
+        ``[S, B]`` (drawn from seeded CPU generators, then moved: the same on every device)."""
         o = self.options
         gen = batch_generator(seed, step, 0)
-        x = torch.randn((o.seq_len, o.batch, o.d_model), generator=gen)
+        x = torch.randn((o.seq_len, o.batch, o.d_model), generator=gen, device="cpu")
         teacher = torch.randn(
-            (o.num_classes, o.d_model), generator=torch.Generator().manual_seed(seed + 11)
+            (o.num_classes, o.d_model),
+            generator=torch.Generator().manual_seed(seed + 11),
+            device="cpu",
         )
         context = x.clone()
         context[1:] += x[:-1]  # the token and its predecessor
-        return x, (context @ teacher.t()).argmax(-1)
+        y = (context @ teacher.t()).argmax(-1)
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
     def batch(
-        self, step: int, rank: int, world_size: int, *, seed: int
+        self, step: int, rank: int, world_size: int, *, seed: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank ``rank``'s part of the batch: all of it, or its sequence rows with sequence
         parallelism."""
-        x, y = self.full_batch(step, seed=seed)
+        x, y = self.full_batch(step, seed=seed, device=device)
         if not self.options.sequence_parallel:
             return x, y
         start, stop = shard_range(self.options.seq_len, world_size, rank)
