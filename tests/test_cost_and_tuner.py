@@ -419,7 +419,7 @@ def test_tune_cli_writes_a_corrected_profile_and_reports_errors(tmp_path: Path) 
     out, table = tmp_path / "profile.json", tmp_path / "table.json"
     proc = _tune(
         *("--hosts", "2", "--link", "200mbit", "--calibrate-sizes", "4K,64K", "--repeats", "1"),
-        *("--sizes", "4K,1M", "--out", str(out), "--json", str(table)),
+        *("--sizes", "4K,1M", "--save-profile", str(out), "--json", str(table)),
     )
     assert proc.returncode == 0, proc.stderr
     profile = Profile.from_json(out.read_text())
