@@ -12,7 +12,13 @@ from typing import cast
 import pytest
 
 from commfuse.bench.cases import OPS, bus_factor, element_count, make_case
-from commfuse.bench.collectives import CollectiveBenchConfig, bench_collectives_on_rank
+from commfuse.bench.collectives import (
+    CollectiveBenchConfig,
+    auto_summary,
+    bench_collectives_on_rank,
+    mark_regret,
+)
+from commfuse.bench.table import algo_cell
 from commfuse.comm import Communicator
 from commfuse.testing import RankPool
 
@@ -169,3 +175,68 @@ def test_control_times_the_first_algorithm_twice(pool: PoolFn) -> None:
     )
     assert records[0]["tie"] is None and isinstance(records[1]["tie"], bool)
     assert control["tie"] is True and all(r["wrong"] == 0 for r in records)
+
+
+def _row(variant: str, algo: str, time_us: float, chosen: str | None = None) -> dict[str, object]:
+    return {
+        "variant": variant,
+        "algo": algo,
+        "chosen": chosen or algo,
+        "time_us": time_us,
+        "op": "all_reduce",
+        "hosts": 4,
+        "ranks_per_host": 1,
+    }
+
+
+def test_auto_regret_is_against_the_fastest_algorithm_timed_beside_it() -> None:
+    """The control's copy never counts as the best (it runs native's code: a fast run of it
+    would charge auto for noise); the best algorithm's median is the yardstick."""
+    row = [
+        _row("native", "native", 10.0),
+        _row("auto", "auto", 12.0, chosen="doubling"),
+        _row("doubling", "doubling", 11.0),
+        _row("pipeline", "pipeline", 8.0),
+        _row("native'", "native", 5.0),
+    ]
+    mark_regret(row, control="native'")
+    auto = row[1]
+    assert auto["best_algo"] == "pipeline" and auto["best_us"] == 8.0
+    assert auto["regret"] == pytest.approx(12.0 / 8.0 - 1)
+    assert all("regret" not in r for r in row if r is not auto)
+    # Without its pick timed on its own, auto's own run is a candidate: here the best.
+    alone = [_row("native", "native", 10.0), _row("auto", "auto", 4.0, chosen="pipeline")]
+    mark_regret(alone)
+    assert alone[1]["best_algo"] == "pipeline" and alone[1]["regret"] == 0.0
+    summary = auto_summary([*row, *alone])
+    assert summary == [
+        {
+            "op": "all_reduce",
+            "hosts": 4,
+            "ranks_per_host": 1,
+            "sizes": 2,
+            "picks": {"doubling": 1, "pipeline": 1},
+            "best_picked": 1,
+            "median_regret": pytest.approx(0.25),
+            "max_regret": pytest.approx(0.5),
+        }
+    ]
+
+
+def test_auto_rows_carry_their_pick_and_regret(pool: PoolFn) -> None:
+    config = CollectiveBenchConfig(
+        ops=("all_reduce",),
+        sizes_bytes=(4000,),
+        iters=2,
+        warmup=1,
+        algos=("native", "auto", "ring"),
+        control=True,
+    )
+    records = pool(2).run(bench_collectives_on_rank, config)[0]
+    auto = next(r for r in records if r["variant"] == "auto")
+    timed = {r["variant"]: r["time_us"] for r in records if r["variant"] in ("native", "ring")}
+    if auto["chosen"] not in timed:  # what auto ran was not timed on its own: auto's run counts
+        timed[auto["chosen"]] = auto["time_us"]
+    assert auto["best_algo"] == min(timed, key=lambda name: timed[name])
+    assert auto["regret"] == pytest.approx(auto["time_us"] / min(timed.values()) - 1)
+    assert algo_cell(auto) == f"auto:{auto['chosen']}" and algo_cell(records[0]) == "native"

@@ -124,7 +124,55 @@ def bench_collectives_on_rank(config: CollectiveBenchConfig) -> list[dict[str, A
                     else None
                 )
                 records.append(record)
+            mark_regret(records[-len(names) :], control=schedule.control_variant)
     return records
+
+
+def mark_regret(row: list[dict[str, Any]], *, control: str | None = None) -> None:
+    """Give the ``auto`` record of one (op, size) the fastest algorithm timed beside it
+    (``best_algo``, its median ``best_us``) and ``regret``: auto's median over that one's, less 1
+    (0 where auto ran the best; within the A/A control's noise it is no loss). Only algorithms
+    count, not the control's copy, so ``--algo native,auto,all`` measures auto against every
+    algorithm at every size; with ``--algo native,auto`` the best is native or auto's own pick."""
+    auto = next((r for r in row if r["variant"] == "auto"), None)
+    if auto is None:
+        return
+    timed = [r for r in row if r["variant"] not in ("auto", control)]
+    # auto ran one of the algorithms; if that one was not timed on its own, auto's run counts.
+    timed = timed if any(r["algo"] == auto["chosen"] for r in timed) else [*timed, auto]
+    best = min(timed, key=lambda r: r["time_us"])
+    auto["best_algo"] = best["chosen"]
+    auto["best_us"] = best["time_us"]
+    auto["regret"] = auto["time_us"] / best["time_us"] - 1.0
+
+
+def auto_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per op and layout: how often ``auto`` picked each algorithm over the sizes timed, and
+    its regret against the best algorithm measured at each size (median and worst)."""
+    groups: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("variant", r["algo"]) == "auto" and "regret" in r:
+            key = (r["op"], r.get("hosts", 1), r.get("ranks_per_host", 1))
+            groups.setdefault(key, []).append(r)
+    out = []
+    for (op, hosts, local), rows in groups.items():
+        picks: dict[str, int] = {}
+        for r in rows:
+            picks[r["chosen"]] = picks.get(r["chosen"], 0) + 1
+        regrets = [r["regret"] for r in rows]
+        out.append(
+            {
+                "op": op,
+                "hosts": hosts,
+                "ranks_per_host": local,
+                "sizes": len(rows),
+                "picks": dict(sorted(picks.items(), key=lambda kv: (-kv[1], kv[0]))),
+                "best_picked": sum(r["chosen"] == r["best_algo"] for r in rows),
+                "median_regret": statistics.median(regrets),
+                "max_regret": max(regrets),
+            }
+        )
+    return out
 
 
 def expand_algos(op: str, algos: tuple[str, ...], *, strict: bool = False) -> list[str]:

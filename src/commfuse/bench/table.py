@@ -10,7 +10,7 @@ from commfuse.units import format_size
 COLLECTIVE_COLUMNS = (
     ("size", lambda r: format_size(r["bytes"])),
     ("op", lambda r: r["op"]),
-    ("algo", lambda r: r.get("variant", r["algo"])),
+    ("algo", lambda r: algo_cell(r)),
     ("time_us", lambda r: f"{r['time_us']:.1f}"),
     ("pred_us", lambda r: "-" if r.get("predicted_us") is None else f"{r['predicted_us']:.1f}"),
     ("algbw_GB/s", lambda r: f"{r['algbw_GBps']:.4f}"),
@@ -19,6 +19,13 @@ COLLECTIVE_COLUMNS = (
     ("x_first", lambda r: ratio_cell(r, "speedup_vs_first", ".2f")),
     ("wrong", lambda r: str(r["wrong"])),
 )
+
+
+def algo_cell(record: dict[str, Any]) -> str:
+    """The variant's name; ``auto`` rows add what the tuner ran (``auto:ring``)."""
+    name = str(record.get("variant", record["algo"]))
+    chosen = record.get("chosen")
+    return f"{name}:{chosen}" if name == "auto" and chosen and chosen != "auto" else name
 
 
 def ratio_cell(record: dict[str, Any], key: str, spec: str = ".3f") -> str:

@@ -249,6 +249,8 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
         layouts = {(r.get("hosts"), r.get("ranks_per_host")) for r in data}
         if len(layouts) > 1:  # several runs in one file (a scaling sweep): say which is which
             columns.insert(0, ("hosts", lambda r: f"{r['hosts']}x{r['ranks_per_host']}"))
+        if len({r.get("run") for r in data}) > 1:  # runs of one layout, tagged by the report
+            columns.insert(0, ("run", lambda r: str(r.get("run", "-"))))
         return _table(data, columns, markdown)
     if kind == "bench fused":
         return _table(data, _fused_columns(), markdown)

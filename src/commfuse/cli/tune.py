@@ -110,9 +110,30 @@ def print_calibration(records: list[dict[str, Any]]) -> None:
         )
 
 
+def print_picks(summary: list[dict[str, Any]]) -> None:
+    """What ``algo="auto"`` picks over the calibration sizes and what it costs against the
+    fastest algorithm measured at each (regret: the pick's time over the fastest's, less 1)."""
+    print(
+        f"{'collective':>15}  {'auto picks (sizes)':<36} {'fastest':>7} {'regret median':>13} {'max':>6}"
+    )
+    for row in summary:
+        picks = ", ".join(f"{name} {count}" for name, count in row["picks"].items())
+        print(
+            f"{row['collective']:>15}  {picks:<36} {row['best_picked']:>3}/{row['sizes']:<3} "
+            f"{row['median_regret'] * 100:>12.1f}% {row['max_regret'] * 100:>5.1f}%"
+        )
+
+
 def run_tune(args: argparse.Namespace) -> int:
     from commfuse.collectives.registry import COLLECTIVES
-    from commfuse.collectives.tuner import Profile, choose_for, describe, options_for, predict
+    from commfuse.collectives.tuner import (
+        Profile,
+        choose_for,
+        describe,
+        options_for,
+        pick_summary,
+        predict,
+    )
 
     topology = topology_from_args(args)
     sizes = parse_sizes(args.sizes)
@@ -142,6 +163,8 @@ def run_tune(args: argparse.Namespace) -> int:
     if records:
         print()
         print_calibration(records)
+        print()
+        print_picks(pick_summary(records))
         print()
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")

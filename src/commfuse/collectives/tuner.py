@@ -36,6 +36,20 @@ defaults from ``CommConfig.link_mbit`` and ``ranks_per_host``, identical on ever
 Predictions within ``NEAR_TIE`` of native's, after adding their standard error, go to native:
 a difference that small is within the noise of these measurements, and native is the safe
 default.
+
+Without a calibration (``Profile.default``) the tuner follows what MPI libraries ship: fixed
+decision rules per collective, group size and message size, measured on a reference system
+(MPICH's ``MPIR_Allreduce_intra_auto`` and friends, Thakur, Rabenseifner and Gropp 2005; Open
+MPI's ``coll_tuned_decision_fixed.c``), which a site replaces with its own measurements (MPICH's
+tuning JSON files, Open MPI's dynamic rules file, ``coll_tuned_use_dynamic_rules``; here
+``commfuse tune``'s profile). Its rules are the models of ``COSTS`` with the software cost of
+each kind of message priced in (``Profile.native_alpha_s``, ``software_alpha_s`` and
+``pipeline_alpha_s``, measured on the emulated cluster): a commfuse algorithm is a loop of
+Python point-to-point calls, each several times the wire's latency, while gloo's collectives
+loop in C++. And an algorithm replaces native only where it is predicted
+``UNCALIBRATED_MIN_GAIN`` faster: an uncalibrated model is right about bandwidth terms (the
+pipeline's broadcast moves n bytes per link where gloo's tree moves up to lg P n; gloo's
+reduce-scatter is a whole all-reduce) and unsure about latency, so only such wins are taken.
 """
 
 from __future__ import annotations
@@ -211,6 +225,20 @@ class Profile:
     the reduction's bookkeeping), fitted from its calibration runs. A ping-pong's alpha is a
     fraction of it, and blocks sized by that alpha come out too small and slow. It sets the
     pipelines' block size and model."""
+    native_alpha_s: float = 0.0
+    """Software cost of one step of the backend's own collectives (gloo's C++ loop, its
+    threads' wake-ups), seconds, added to the link's alpha in native's models. 0 in a
+    calibrated profile: its corrections hold what the models leave out."""
+    software_alpha_s: float = 0.0
+    """Software cost of one message of commfuse's point-to-point algorithms (ring, doubling,
+    Rabenseifner, halving, tree, pairwise, hierarchical; the pipelines where
+    ``pipeline_alpha_s`` has no entry), seconds, added to the link's alpha in their models: a
+    Python isend/irecv and wait, gloo's pair handshake, a wake-up of the receiving rank, far
+    more than native's per step. 0 in a calibrated profile (see ``native_alpha_s``)."""
+    min_gain: float = NEAR_TIE
+    """How much faster than native an algorithm must be predicted (after its standard error)
+    to be chosen: 0.02 means 2%. A calibrated profile measured the algorithms and keeps
+    ``NEAR_TIE``; the uncalibrated one asks for ``UNCALIBRATED_MIN_GAIN``."""
 
     @property
     def world_size(self) -> int:
@@ -257,6 +285,9 @@ class Profile:
             corrections=corrections,
             tuned_blocks=bool(data.get("tuned_blocks", False)),
             pipeline_alpha_s={k: float(v) for k, v in data.get("pipeline_alpha_s", {}).items()},
+            native_alpha_s=float(data.get("native_alpha_s", 0.0)),
+            software_alpha_s=float(data.get("software_alpha_s", 0.0)),
+            min_gain=float(data.get("min_gain", NEAR_TIE)),
         )
 
     @classmethod
@@ -282,18 +313,54 @@ class Profile:
             num_hosts=hosts,
             ranks_per_host=local,
             corrections=corrections,
+            native_alpha_s=UNCALIBRATED_NATIVE_ALPHA_S,
+            software_alpha_s=UNCALIBRATED_SOFTWARE_ALPHA_S,
+            pipeline_alpha_s=dict.fromkeys(
+                ("broadcast", "reduce", "all_reduce"), UNCALIBRATED_PIPELINE_ALPHA_S
+            ),
+            min_gain=UNCALIBRATED_MIN_GAIN,
         )
 
+
+# -- the uncalibrated model's software costs, measured on the emulated cluster ------------------
+# Balanced rounds with an A/A control, every algorithm at 4 KB-64 MB on 2, 4 and 8 hosts and
+# 2 x 2 at 1 Gbit/s, 2 shared cores
+# (benchmarks/auto-vs-native_netlab-2to8x1gbit-2x2x1gbit-2core_202612.md).
+# A latency-bound run (4-16 KB) costs its steps times a per-step cost, and that cost depends on
+# who runs the step, not on the wire, whose alpha is a tenth of it.
+
+#: gloo's own collectives: 0.37 ms per step with 2 ranks, 1.0-1.3 ms with 4 and 1.7-2.3 ms with
+#: 8 ranks on the two cores (every rank works in every step of its ring, so they queue for the
+#: cores); a middle figure.
+UNCALIBRATED_NATIVE_ALPHA_S = 0.8e-3
+#: commfuse's point-to-point algorithms: 1.6-3.9 ms per message (doubling, Rabenseifner, ring
+#: at 2, 4 and 8 hosts): a Python isend/irecv/wait per message, gloo's pair handshake, the
+#: wake-up of the rank that waits. With it the model keeps them off latency-bound sizes except
+#: where they send far fewer messages (recursive doubling's lg P against the ring's 2(P - 1) on
+#: 8 hosts); priced at the wire's alpha, like native, Rabenseifner looks best at 64-256 KB on 4
+#: hosts and runs at 0.5-0.7x gloo there.
+UNCALIBRATED_SOFTWARE_ALPHA_S = 3.0e-3
+#: The pipeline's cost per block step, fitted to its broadcasts of 1-4 MB (0.74-0.81 ms; its
+#: receives are posted ahead, so it pays less per message than the others), rounded up: the
+#: model's hand-over to native falls at 1 MB, where the pipeline measured 0.64-1.02x gloo.
+UNCALIBRATED_PIPELINE_ALPHA_S = 1.0e-3
+#: Without a calibration an algorithm must be predicted this much faster than native. A
+#: latency-bound time here swings by 1.3-2.5x between identical runs (the A/A control), and the
+#: model's software costs are medians of such runs; the wins left are bandwidth wins (the
+#: pipeline's broadcast, reduce-scatter by halving, the pairwise all-to-all), 1.3-2.8x.
+UNCALIBRATED_MIN_GAIN = 0.25
 
 #: gloo's all_to_all posts every message at once; on shaped host links those P - 1 flows share
 #: each link, and from 2 MB up they reached 64-71% of it where commfuse's pairwise exchange (one
 #: peer per step) held 80-83%: measured on the emulated cluster (4 hosts at 1 Gbit/s, 2026-11-30)
-#: 1.14x slower at 2 MB, 1.19x at 4 MB, 1.29x at 16 MB, a tie up to 1 MB. The alpha-beta model
-#: prices the two alike, so without a calibration ``auto`` kept gloo's everywhere. Until
-#: ``commfuse tune`` measures the cluster at hand, this ratio (gloo's time over the model's)
-#: stands in for the calibration on shaped multi-host layouts of 3 or more ranks.
+#: 1.14x slower at 2 MB, 1.19x at 4 MB, 1.29x at 16 MB, a tie up to 1 MB; in balanced rounds
+#: (2026-12-01) a tie at 4 MB, 1.25x at 16 MB, 1.42x at 64 MB. The alpha-beta model prices the
+#: two alike, so without a calibration ``auto`` kept gloo's everywhere. Until ``commfuse tune``
+#: measures the cluster at hand, this ratio (gloo's time over the model's) stands in for the
+#: calibration on shaped multi-host layouts of 3 or more ranks.
 UNCALIBRATED_NATIVE_ALL_TO_ALL = Correction(
-    sizes_bytes=(1 << 20, 2 << 20, 4 << 20, 16 << 20), ratios=(1.0, 1.14, 1.19, 1.29)
+    sizes_bytes=(1 << 20, 2 << 20, 4 << 20, 16 << 20, 64 << 20),
+    ratios=(1.0, 1.14, 1.19, 1.29, 1.42),
 )
 
 
@@ -358,11 +425,34 @@ _LP_MODELS: dict[str, Callable[[int, int, C.LinkCost, int | None], float]] = {
 _MIN_BLOCK_BYTES = 4096
 
 
+def _native(profile: Profile) -> C.LinkCost:
+    """The link as the backend's own collectives see it: plus their software cost per step."""
+    link = _flat(profile)
+    return dataclasses.replace(link, alpha_s=link.alpha_s + profile.native_alpha_s)
+
+
+def _soft(link: C.LinkCost, profile: Profile) -> C.LinkCost:
+    """``link`` as commfuse's point-to-point algorithms see it: plus their cost per message."""
+    return dataclasses.replace(link, alpha_s=link.alpha_s + profile.software_alpha_s)
+
+
 def _pipeline_link(profile: Profile, collective: str) -> C.LinkCost:
     """The link as our pipeline sees it: the fitted per-block latency where there is one."""
-    link = _flat(profile)
+    link = _soft(_flat(profile), profile)
     alpha = profile.pipeline_alpha_s.get(collective)
     return link if alpha is None else dataclasses.replace(link, alpha_s=alpha)
+
+
+def pipeline_block_bytes(collective: str, nbytes: int, world_size: int, profile: Profile) -> int:
+    """The block a pipeline runs with under ``algo="auto"``: ``best_block_bytes`` where the
+    profile hands blocks out (``tuned_blocks``), else the pipeline's own default (its chain's
+    depth, ``PIPELINE_BLOCK_ALPHA_S`` per block, the link's rate), so the model prices the run
+    that happens."""
+    if profile.tuned_blocks:
+        return best_block_bytes(collective, nbytes, world_size, profile)
+    depth = 2 * (world_size - 1) if collective == "all_reduce" else world_size - 1
+    link = dataclasses.replace(_flat(profile), alpha_s=C.PIPELINE_BLOCK_ALPHA_S)
+    return C.lp_best_block_bytes(nbytes, depth + 1, link)
 
 
 def best_block_bytes(collective: str, nbytes: int, world_size: int, profile: Profile) -> int:
@@ -390,7 +480,7 @@ def best_block_bytes(collective: str, nbytes: int, world_size: int, profile: Pro
 def _lp(collective: str) -> CostFn:
     def cost(n: int, p: int, pr: Profile) -> float:
         link = _pipeline_link(pr, collective)
-        return _LP_MODELS[collective](n, p, link, best_block_bytes(collective, n, p, pr))
+        return _LP_MODELS[collective](n, p, link, pipeline_block_bytes(collective, n, p, pr))
 
     return cost
 
@@ -402,41 +492,52 @@ def _hier_all_reduce(n: int, p: int, prof: Profile) -> float:
         # same thing twice and keeping the faster is a bet on noise (at 512 KB on 4 hosts x 1
         # rank it beat its own ring by 19% in calibration, then lost 13% to native).
         return math.inf
-    return C.hierarchical_all_reduce(n, hosts, local, prof.intra, prof.inter)
+    return C.hierarchical_all_reduce(
+        n, hosts, local, _soft(prof.intra, prof), _soft(prof.inter, prof)
+    )
 
 
 def _hier_broadcast(n: int, p: int, prof: Profile) -> float:
     local, hosts = prof.ranks_per_host, prof.num_hosts
     if local <= 1 or hosts <= 1:
         return math.inf  # one level: a wrapper of the flat pipeline (see _hier_allreduce)
-    return C.lp_broadcast(n, hosts, prof.inter) + C.mst_broadcast(n, local, prof.intra)
+    return C.lp_broadcast(n, hosts, _soft(prof.inter, prof)) + C.mst_broadcast(
+        n, local, _soft(prof.intra, prof)
+    )
 
 
 COSTS: dict[tuple[str, str], CostFn] = {
-    ("all_reduce", "native"): lambda n, p, pr: C.ring_all_reduce(n, p, _flat(pr)),
-    ("all_reduce", "ring"): lambda n, p, pr: C.ring_all_reduce(n, p, _flat(pr)),
+    ("all_reduce", "native"): lambda n, p, pr: C.ring_all_reduce(n, p, _native(pr)),
+    ("all_reduce", "ring"): lambda n, p, pr: C.ring_all_reduce(n, p, _soft(_flat(pr), pr)),
     ("all_reduce", "pipeline"): _lp("all_reduce"),
-    ("all_reduce", "doubling"): lambda n, p, pr: C.recursive_doubling_all_reduce(n, p, _flat(pr)),
-    ("all_reduce", "rabenseifner"): lambda n, p, pr: C.rabenseifner_all_reduce(n, p, _flat(pr)),
+    ("all_reduce", "doubling"): lambda n, p, pr: C.recursive_doubling_all_reduce(
+        n, p, _soft(_flat(pr), pr)
+    ),
+    ("all_reduce", "rabenseifner"): lambda n, p, pr: C.rabenseifner_all_reduce(
+        n, p, _soft(_flat(pr), pr)
+    ),
     ("all_reduce", "hierarchical"): _hier_all_reduce,
-    ("broadcast", "native"): lambda n, p, pr: C.gloo_broadcast(n, p, _flat(pr)),
-    ("broadcast", "tree"): lambda n, p, pr: C.mst_broadcast(n, p, _flat(pr)),
+    ("broadcast", "native"): lambda n, p, pr: C.gloo_broadcast(n, p, _native(pr)),
+    ("broadcast", "tree"): lambda n, p, pr: C.mst_broadcast(n, p, _soft(_flat(pr), pr)),
     ("broadcast", "pipeline"): _lp("broadcast"),
     ("broadcast", "hierarchical"): _hier_broadcast,
-    ("reduce", "native"): lambda n, p, pr: C.mst_reduce(n, p, _flat(pr)),
-    ("reduce", "tree"): lambda n, p, pr: C.mst_reduce(n, p, _flat(pr)),
+    ("reduce", "native"): lambda n, p, pr: C.mst_reduce(n, p, _native(pr)),
+    ("reduce", "tree"): lambda n, p, pr: C.mst_reduce(n, p, _soft(_flat(pr), pr)),
     ("reduce", "pipeline"): _lp("reduce"),
-    ("all_gather", "native"): lambda n, p, pr: C.ring_all_gather(n, p, _flat(pr)),
-    ("all_gather", "ring"): lambda n, p, pr: C.ring_all_gather(n, p, _flat(pr)),
-    ("all_gather", "doubling"): lambda n, p, pr: C.recursive_doubling_all_gather(n, p, _flat(pr)),
-    # gloo's reduce-scatter is an all-reduce followed by a slice (DESIGN.md).
-    ("reduce_scatter", "native"): lambda n, p, pr: C.ring_all_reduce(n, p, _flat(pr)),
-    ("reduce_scatter", "ring"): lambda n, p, pr: C.ring_reduce_scatter(n, p, _flat(pr)),
-    ("reduce_scatter", "halving"): lambda n, p, pr: (
-        C.ring_reduce_scatter(n, p, _flat(pr)) - (p - 1 - C._lg(p)) * _flat(pr).alpha_s
+    ("all_gather", "native"): lambda n, p, pr: C.ring_all_gather(n, p, _native(pr)),
+    ("all_gather", "ring"): lambda n, p, pr: C.ring_all_gather(n, p, _soft(_flat(pr), pr)),
+    ("all_gather", "doubling"): lambda n, p, pr: C.recursive_doubling_all_gather(
+        n, p, _soft(_flat(pr), pr)
     ),
-    ("all_to_all", "native"): lambda n, p, pr: C.pairwise_all_to_all(n, p, _flat(pr)),
-    ("all_to_all", "pairwise"): lambda n, p, pr: C.pairwise_all_to_all(n, p, _flat(pr)),
+    # gloo's reduce-scatter is an all-reduce followed by a slice (DESIGN.md).
+    ("reduce_scatter", "native"): lambda n, p, pr: C.ring_all_reduce(n, p, _native(pr)),
+    ("reduce_scatter", "ring"): lambda n, p, pr: C.ring_reduce_scatter(n, p, _soft(_flat(pr), pr)),
+    ("reduce_scatter", "halving"): lambda n, p, pr: (
+        C.ring_reduce_scatter(n, p, _soft(_flat(pr), pr))
+        - (p - 1 - C._lg(p)) * _soft(_flat(pr), pr).alpha_s
+    ),
+    ("all_to_all", "native"): lambda n, p, pr: C.pairwise_all_to_all(n, p, _native(pr)),
+    ("all_to_all", "pairwise"): lambda n, p, pr: C.pairwise_all_to_all(n, p, _soft(_flat(pr), pr)),
 }
 
 
@@ -500,7 +601,7 @@ def choose_for(collective: str, nbytes: int, world_size: int, profile: Profile) 
         return "native"
     best_s, best = cautious[0]
     native_s = next((t for t, name in cautious if name == "native"), math.inf)
-    return "native" if native_s <= best_s * (1.0 + NEAR_TIE) else best
+    return "native" if native_s <= best_s * (1.0 + profile.min_gain) else best
 
 
 def options_for(
@@ -562,5 +663,38 @@ def describe(profile: Profile) -> list[dict[str, Any]]:
                     }
                 )
         rows.sort(key=lambda r: (r["bytes"], r["measured_s"]))
+        best = {}
+        for row in rows:  # fastest first within each size
+            best.setdefault(row["bytes"], row["measured_s"])
+        for row in rows:
+            # Measured over the best measured at its size, less 1: the chosen row's is auto's.
+            row["regret"] = row["measured_s"] / best[row["bytes"]] - 1.0
         records.extend(rows)
     return records
+
+
+def pick_summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per collective, from ``describe``'s records: how often ``choose`` picks each algorithm
+    over the calibration sizes, how often that is the fastest measured, and its regret (the
+    pick's measured time over the fastest's, less 1), median and worst."""
+    picked: dict[str, list[dict[str, Any]]] = {}
+    for row in records:
+        if row["chosen"]:
+            picked.setdefault(row["collective"], []).append(row)
+    out = []
+    for collective, rows in picked.items():
+        counts: dict[str, int] = {}
+        for row in rows:
+            counts[row["algo"]] = counts.get(row["algo"], 0) + 1
+        regrets = [row["regret"] for row in rows]
+        out.append(
+            {
+                "collective": collective,
+                "sizes": len(rows),
+                "picks": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
+                "best_picked": sum(r == 0.0 for r in regrets),
+                "median_regret": statistics.median(regrets),
+                "max_regret": max(regrets),
+            }
+        )
+    return out
