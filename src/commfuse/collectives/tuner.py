@@ -640,7 +640,7 @@ def describe(profile: Profile) -> list[dict[str, Any]]:
     world = profile.world_size
     records: list[dict[str, Any]] = []
     for collective, algos in profile.corrections.items():
-        rows = []
+        rows: list[dict[str, Any]] = []
         for algo, fix in algos.items():
             loo = fix.leave_one_out_errors()
             for i, (size, measured) in enumerate(
@@ -663,7 +663,7 @@ def describe(profile: Profile) -> list[dict[str, Any]]:
                     }
                 )
         rows.sort(key=lambda r: (r["bytes"], r["measured_s"]))
-        best = {}
+        best: dict[Any, Any] = {}
         for row in rows:  # fastest first within each size
             best.setdefault(row["bytes"], row["measured_s"])
         for row in rows:
