@@ -19,6 +19,7 @@ NO_CUDA = not torch.cuda.is_available()
         ["bench", "ddp", "--device", "cuda", "--hosts", "1", "--no-emulate"],
         ["train", "--device", "cuda", "--backend", "nccl", "--steps", "1"],
         ["compare", "--device", "cuda", "--hosts", "1", "--no-emulate", "--steps", "1"],
+        ["bench", "strategies", "--device", "cuda", "--hosts", "1", "--strategy", "ddp"],
         ["launch", "--device", "cuda", "--nproc", "1", "--no-python", "true"],
     ],
 )
