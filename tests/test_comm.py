@@ -321,3 +321,41 @@ def test_split_of_a_sub_communicator(pool: PoolFn) -> None:
     assert [r[0] for r in results] == [2.0, 1.0, 2.0, 3.0, 4.0]
     assert [r[1] for r in results] == [3.0, 3.0, 3.0, 2.0, 2.0]
     assert [r[2] for r in results] == ["quarter0", "quarter1", "quarter0", "quarter0", "quarter1"]
+
+
+def keys_resolve() -> dict[str, Any]:
+    """Every rank's view of the communicator registry (``Communicator.key``/``resolve``)."""
+    import gc
+
+    first, second = Communicator(), Communicator()
+    sub = first.split([[0, 1]], name="both")  # a new process group: a key of its own
+    out: dict[str, Any] = {
+        "keys": [first.key, second.key],
+        "resolves": Communicator.resolve(first.key) is first
+        and Communicator.resolve(second.key) is second,
+        "sub": sub.key,
+    }
+    gone = second.key
+    del second
+    gc.collect()
+    for key in (gone, "no-such-group:0"):
+        try:
+            Communicator.resolve(key)
+            out[key] = "resolved"
+        except ValueError as err:
+            out[key] = str(err)
+    third = Communicator()
+    out["third"] = third.key
+    return out
+
+
+def test_communicators_resolve_by_a_key_the_same_on_every_rank(pool: PoolFn) -> None:
+    replies = pool(2).run(keys_resolve)
+    assert replies[0] == replies[1]  # the same keys (and messages) on every rank
+    reply = replies[0]
+    first, second = reply["keys"]
+    assert first != second and reply["resolves"]
+    assert len({first, second, reply["sub"]}) == 3
+    assert reply["third"] not in (first, second)  # a collected communicator's key is not reused
+    for key in (second, "no-such-group:0"):
+        assert f"no live Communicator has key {key!r}" in reply[key]

@@ -17,7 +17,6 @@ from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.fused import gemm_all_to_all as ga
 from commfuse.fused.chunking import split_sizes
-from commfuse.fused.ops import register_communicator
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
@@ -78,7 +77,6 @@ def expected(counts: torch.Tensor, world: int, rank: int) -> dict[str, torch.Ten
 def op_grid() -> list[str]:
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
-    comm_id = register_communicator(comm)
     experts, counts = setup(world)
     rt = ga.Routing(comm, counts, experts)
     flat = counts.reshape(-1).tolist()
@@ -101,8 +99,8 @@ def op_grid() -> list[str]:
             w1 = w1_full[lo:hi].to(dtype).requires_grad_(True)
             w2 = w2_full[lo:hi].to(dtype).requires_grad_(True)
             comm.stats.reset()
-            h, _ = torch.ops.commfuse.all_to_all_gemm(x, w1, flat, experts, comm_id, chunks)
-            y = torch.ops.commfuse.gemm_all_to_all(h, w2, flat, experts, comm_id, chunks)
+            h, _ = torch.ops.commfuse.all_to_all_gemm(x, w1, flat, experts, comm.key, chunks)
+            y = torch.ops.commfuse.gemm_all_to_all(h, w2, flat, experts, comm.key, chunks)
             forward = comm.stats[ga.LABEL]
             sent, received = forward.bytes_sent, forward.bytes_recv
             comm.stats.reset()

@@ -9,6 +9,7 @@ the modules match a single-process linear; bad input raises a clear ValueError."
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from commfuse.fused import all_gather_gemm as agg
 from commfuse.fused import gemm_reduce_scatter as grs
 from commfuse.fused.chunking import split_sizes
 from commfuse.fused.linear import ColumnParallelLinear, RowParallelLinear
-from commfuse.fused.ops import all_gather_gemm_op, gemm_reduce_scatter_op, register_communicator
+from commfuse.fused.ops import all_gather_gemm_op, gemm_reduce_scatter_op
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
@@ -45,7 +46,6 @@ def shard(total: int, world: int, rank: int) -> slice:
 def grid() -> list[str]:
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
-    cid = register_communicator(comm)
     failures: list[str] = []
     k_in, n_out = 6, 5
     for dtype in (torch.float32, torch.bfloat16):
@@ -64,7 +64,7 @@ def grid() -> list[str]:
                 x = full_x[mine].clone().requires_grad_(True)
                 w = full_w[cols].clone().requires_grad_(True)
                 comm.stats.reset()
-                y, gathered = all_gather_gemm_op(x, w, splits, cid, chunks)
+                y, gathered = all_gather_gemm_op(x, w, splits, comm.key, chunks, "auto")
                 fwd = comm.stats[agg.LABEL]
                 if not torch.equal(y, full_x @ full_w[cols].t()) or not torch.equal(
                     gathered, full_x
@@ -110,7 +110,7 @@ def grid() -> list[str]:
                 a = full_a[:, kin].clone().requires_grad_(True)
                 v = full_v[:, kin].clone().requires_grad_(True)
                 comm.stats.reset()
-                z = gemm_reduce_scatter_op(a, v, splits, cid, chunks)
+                z = gemm_reduce_scatter_op(a, v, splits, comm.key, chunks, "auto")
                 fwd = comm.stats[grs.LABEL]
                 if not torch.equal(z, (full_a @ full_v.t())[mine]):
                     failures.append(f"{where}: gemm_reduce_scatter forward differs")
@@ -256,3 +256,70 @@ def test_bench_records(pool: PoolFn) -> None:
     for r in records:
         assert r["wrong"] == 0 and r["world_size"] == 2 and r["chunks"] in (1, 2)
         assert r["ideal_us"] == max(r["compute_us"], r["comm_us"])
+
+
+def opchecks() -> dict[str, str]:
+    """``torch.library.opcheck`` (schema, fake kernel, autograd registration, AOT dispatch) of
+    the tensor-parallel operators on every rank of a real group, ring and unfused."""
+    comm = Communicator()
+    world = comm.world_size
+    results = {}
+    x = ints((3, 4), 1, torch.float32).requires_grad_(True)
+    w = ints((5, 4), 2, torch.float32).requires_grad_(True)
+    a = ints((3 * world, 4), 3, torch.float32).requires_grad_(True)
+    cases: dict[str, tuple[Any, tuple[Any, ...]]] = {
+        "gemm_all_reduce": (torch.ops.commfuse.gemm_all_reduce.default, (x, w, comm.key, 2))
+    }
+    for chunks in (1, 2):
+        cases[f"all_gather_gemm chunks={chunks}"] = (
+            torch.ops.commfuse.all_gather_gemm.default,
+            (x, w, [3] * world, comm.key, chunks, "auto"),
+        )
+        cases[f"gemm_reduce_scatter chunks={chunks}"] = (
+            torch.ops.commfuse.gemm_reduce_scatter.default,
+            (a, w, [3] * world, comm.key, chunks, "auto"),
+        )
+    for name, (op, args) in cases.items():
+        try:
+            torch.library.opcheck(op, args)
+            results[name] = "ok"
+        except Exception as err:  # reported by name, with opcheck's reason
+            results[name] = str(err).splitlines()[0]
+    return results
+
+
+def test_tensor_parallel_operators_pass_opcheck(pool: PoolFn) -> None:
+    """A backward that ran its ring as Python would trace the process group into the graph,
+    which AOT dispatch cannot copy: each ring's backward is the other ring's operator."""
+    for results in pool(2).run(opchecks, timeout_s=120):
+        assert set(results.values()) == {"ok"}, results
+
+
+def reference_algo_errors() -> list[str]:
+    comm = Communicator()
+    messages = []
+    native = ChunkConfig(reference_algo="native")
+    for build in (
+        lambda: RowParallelLinear(4, 4, comm, chunk_config=native),
+        lambda: ColumnParallelLinear(4, 4, comm, chunk_config=native),
+    ):
+        try:
+            build()
+        except ValueError as err:
+            messages.append(str(err))
+    for algo in ("native", "ring"):
+        config = ChunkConfig(num_chunks=1, reference_algo=algo)
+        layer = RowParallelLinear(4, 2, comm, sequence_parallel=True, chunk_config=config)
+        comm.stats.reset()
+        layer(torch.ones(2 * comm.world_size, 4 // comm.world_size))
+        messages.append(" ".join(sorted(comm.stats.snapshot())))
+    return messages
+
+
+def test_reference_algo_is_for_the_sequence_parallel_references(pool: PoolFn) -> None:
+    messages = pool(2).run(reference_algo_errors)[0]
+    assert len(messages) == 4, messages
+    for message in messages[:2]:
+        assert "reference_algo='native' is for the sequence-parallel linears" in message
+    # The unfused reference's ReduceScatter runs the algorithm the config names.
+    assert messages[2:] == ["reduce_scatter", label("reduce_scatter", "ring")], messages

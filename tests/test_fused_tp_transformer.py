@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from commfuse.comm import Communicator
 from commfuse.fused import all_gather_gemm as agg
-from commfuse.fused import baselines
 from commfuse.fused import gemm_all_reduce as gar
 from commfuse.fused import gemm_reduce_scatter as grs
 from commfuse.fused.chunking import shard_range
@@ -131,16 +130,6 @@ def ring_equivalent_bytes(
 
 
 def check_block(sequence_parallel: bool, num_chunks: int) -> list[str]:
-    # gloo's own AllGather/ReduceScatter in the unfused references: their bytes are counted
-    # under the collectives' names, whichever algorithm auto would pick at these sizes.
-    baselines.SEQUENCE = "native"
-    try:
-        return _check_block(sequence_parallel, num_chunks)
-    finally:
-        baselines.SEQUENCE = "auto"
-
-
-def _check_block(sequence_parallel: bool, num_chunks: int) -> list[str]:
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
     options = TPTransformerOptions(**SHAPE, sequence_parallel=sequence_parallel)
@@ -153,7 +142,11 @@ def _check_block(sequence_parallel: bool, num_chunks: int) -> list[str]:
     runs = {}
     fused: bool | TPTransformer  # the loop's flag, then (below) the fused model
     for fused in (False, True):
-        model = workload.build_model(comm, SEED, fused=fused, num_chunks=num_chunks)
+        # gloo's own AllGather/ReduceScatter in the unfused references: their bytes are counted
+        # under the collectives' names, whichever algorithm auto would pick at these sizes.
+        model = workload.build_model(
+            comm, SEED, fused=fused, num_chunks=num_chunks, reference_algo="native"
+        )
         x, y = workload.batch(0, rank, world, seed=SEED, device=comm.device)
         comm.stats.reset()
         logits = model(x)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from commfuse.cluster.failures import root_store
 from commfuse.cluster.rank_runtime import comm_settings
+from commfuse.comm import registry
 from commfuse.comm.errors import InconsistentInputError
 from commfuse.comm.handle import FailureBoard, Handle, OpContext, translate_failure
 from commfuse.comm.stats import CommStats
@@ -181,6 +182,24 @@ class Communicator:
         weakref.finalize(self, self._worker.shutdown)
         self._owned: dict[Callable[[Communicator], Any], Any] = {}
         self._owned_lock = threading.Lock()
+        self.key: str = registry.register(self, self.group.group_name)
+        """This communicator's name for ``torch.ops.commfuse.*`` operators, which take plain
+        values: ``Communicator.resolve(key)`` returns it (``registry.py``; the same on every rank
+        that builds its communicators in the same order)."""
+
+    @staticmethod
+    def resolve(key: str) -> Communicator:
+        """The live communicator whose ``key`` is ``key``, as an operator finds its own.
+
+        Raises:
+            ValueError: no live communicator has that key in this process.
+
+        Example:
+            ```python
+            assert Communicator.resolve(comm.key) is comm
+            ```
+        """
+        return registry.resolve(key)
 
     # -- state other layers keep per communicator ---------------------------------------
     def owned(self, kind: Callable[[Communicator], S]) -> S:

@@ -14,7 +14,6 @@ from commfuse.fused.chunking import ChunkConfig, choose_chunks, predict_us
 from commfuse.fused.linear import ColumnParallelLinear, RowParallelLinear
 from commfuse.fused.modules import ShardedEmbeddingBag
 from commfuse.fused.moe import ExpertParallelMoE
-from commfuse.fused.ops import register_communicator
 
 __all__ = [
     "ChunkConfig",
@@ -24,5 +23,4 @@ __all__ = [
     "ShardedEmbeddingBag",
     "choose_chunks",
     "predict_us",
-    "register_communicator",
 ]

@@ -17,7 +17,7 @@ pieces).
 
 Backward: ``grad_x = RS(grad_y @ W)``, itself a fused GEMM + ReduceScatter
 (``gemm_reduce_scatter.py``), and ``grad_W = grad_y^T @ AG(x)``, local (the forward keeps the
-gathered ``x``).
+gathered ``x``); ``ops.py`` registers it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from commfuse.comm import Communicator, Handle
 from commfuse.comm.clock import elapsed_us, now
 from commfuse.fused import baselines
-from commfuse.fused.sequence_parallel import check_gemm, check_splits, starts_of
+from commfuse.fused.sequence_parallel import check_ring, starts_of
 
 #: Stats label of the ring's point-to-point traffic (exact bytes and messages).
 LABEL = "all_gather_gemm"
@@ -40,15 +40,14 @@ def all_gather_gemm(
     *,
     splits: list[int] | None = None,
     chunks: int = 2,
+    reference_algo: str = baselines.SEQUENCE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(AG(x) @ weight^T, AG(x))`` for this rank's shard ``x`` [S_r, K] and weight [N_r, K]
-    (module docstring): the ring when ``chunks >= 2``, else the unfused reference."""
-    check_gemm(x, weight, "all_gather_gemm")
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
-    splits = check_splits(comm, splits, x.shape[0], local=True)
+    (module docstring): the ring when ``chunks >= 2``, else the unfused reference, whose
+    AllGather runs ``reference_algo``."""
+    splits = check_ring(comm, x, weight, splits, chunks, what=LABEL, local=True)
     if chunks == 1 or comm.world_size == 1:
-        return all_gather_gemm_reference(comm, x, weight, splits=splits)
+        return all_gather_gemm_reference(comm, x, weight, splits=splits, algo=reference_algo)
     rank, world = comm.rank, comm.world_size
     starts = starts_of(splits)
     gathered = x.new_empty((sum(splits), x.shape[1]))
@@ -79,41 +78,28 @@ def all_gather_gemm_reference(
     weight: torch.Tensor,
     *,
     splits: list[int] | None = None,
-    algo: str | None = None,
+    algo: str = baselines.SEQUENCE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unfused: one AllGather (shards padded to the longest; ``algo`` of
     ``commfuse.collectives.all_gather``, "ring" counts exact bytes), then the whole GEMM."""
     from commfuse.collectives import all_gather
 
-    check_gemm(x, weight, "all_gather_gemm")
-    splits = check_splits(comm, splits, x.shape[0], local=True)
+    splits = check_ring(comm, x, weight, splits, 1, what=LABEL, local=True)
     longest = max(splits)
     padded = x.new_zeros((longest, x.shape[1]))
     padded[: x.shape[0]].copy_(x)
     out = x.new_empty((comm.world_size * longest, x.shape[1]))
-    all_gather(comm, out, padded, algo=algo or baselines.SEQUENCE)
+    all_gather(comm, out, padded, algo=algo)
     gathered = torch.cat([out[j * longest : j * longest + n] for j, n in enumerate(splits)])
     return torch.matmul(gathered, weight.t()), gathered
 
 
-def all_gather_gemm_backward(
+def measure_all_gather_gemm(
     comm: Communicator,
-    grad_y: torch.Tensor,
-    gathered: torch.Tensor,
+    x: torch.Tensor,
     weight: torch.Tensor,
     splits: list[int],
-    chunks: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_x, grad_weight): ``RS(grad_y @ W)`` on the fused ring, ``grad_y^T @ AG(x)`` local."""
-    from commfuse.fused.gemm_reduce_scatter import gemm_reduce_scatter
-
-    grad_y = grad_y.contiguous()
-    grad_x = gemm_reduce_scatter(comm, grad_y, weight.t(), splits=splits, chunks=chunks)
-    return grad_x, torch.matmul(grad_y.t(), gathered)
-
-
-def measure_all_gather_gemm(
-    comm: Communicator, x: torch.Tensor, weight: torch.Tensor, splits: list[int]
+    algo: str = baselines.SEQUENCE,
 ) -> tuple[float, float]:
     """(compute_us, comm_us) of one unfused run: the AllGather alone, then the whole GEMM."""
     from commfuse.collectives import all_gather
@@ -122,7 +108,7 @@ def measure_all_gather_gemm(
     padded = x.new_zeros((longest, x.shape[1]))
     out = x.new_empty((comm.world_size * longest, x.shape[1]))
     start = now(comm.device)
-    all_gather(comm, out, padded, algo=baselines.SEQUENCE)  # what the unfused reference calls
+    all_gather(comm, out, padded, algo=algo)  # what the unfused reference calls
     comm_us = elapsed_us(start, comm.device)
     start = now(comm.device)
     torch.matmul(out[: sum(splits)], weight.t())

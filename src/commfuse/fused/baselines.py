@@ -1,4 +1,4 @@
-"""The collectives the unfused references call: the best unfused code commfuse has.
+"""The collectives the unfused references call by default: the best unfused code commfuse has.
 
 A fused operator is only as good as the baseline it is measured against, and gloo's own
 collectives are not always the best unfused choice:
@@ -13,12 +13,18 @@ collectives are not always the best unfused choice:
   ones; the all-to-all references name ``"pairwise"`` so that every layout and size times the
   same exchange.
 
-These are read at call time, so a test can pin ``"native"`` to count bytes under gloo's names.
+(Its all-reduce is already a ring, so GEMM + AllReduce's reference calls it as it is.)
+
+A caller who wants another sequence-parallel reference (``"native"`` counts its bytes under the
+backend's collective names) says so: the linears take ``ChunkConfig(reference_algo=...)``, the
+operators a ``reference_algo`` argument.
 """
 
 from __future__ import annotations
 
+from typing import Final
+
 #: AllGather and ReduceScatter of the sequence-parallel references.
-SEQUENCE = "auto"
+SEQUENCE: Final = "auto"
 #: All-to-All of the embedding, DLRM and MoE references.
-ALL_TO_ALL = "pairwise"
+ALL_TO_ALL: Final = "pairwise"

@@ -54,17 +54,32 @@ class ChunkConfig:
     """Per-chunk overhead o in microseconds; None measures it (one tiny collective)."""
     min_gain: float = 0.05
     """Chunk only when the model predicts at least this fraction less time than one chunk."""
+    reference_algo: str | None = None
+    """The ``commfuse.collectives`` algorithm of the AllGather / ReduceScatter that the
+    sequence-parallel linears' unfused reference runs (one chunk, or chosen when chunking does
+    not pay), e.g. ``"native"`` to count its bytes under the backend's collective names; None:
+    ``baselines.SEQUENCE``. Only those references take one (``require_chunks``)."""
 
     def fixed(self) -> Schedule | None:
         """The schedule the caller fixed (``schedule`` or ``num_chunks``); None: choose it."""
         return self.schedule if self.schedule is not None else self.num_chunks
 
-    def require_chunks(self, operator: str) -> None:
-        """ValueError where ``operator`` has no by-table schedule."""
-        if self.schedule is not None:
+    def require_chunks(
+        self, operator: str, *, by_table: bool = False, reference_algo: bool = False
+    ) -> None:
+        """ValueError for what ``operator`` does not have: a by-table schedule (unless
+        ``by_table``), an unfused reference whose algorithm can be chosen (unless
+        ``reference_algo``)."""
+        if self.schedule is not None and not by_table:
             raise ValueError(
                 f"ChunkConfig.schedule={self.schedule!r} is the embedding exchange's schedule; "
                 f"{operator} takes num_chunks only"
+            )
+        if self.reference_algo is not None and not reference_algo:
+            raise ValueError(
+                f"ChunkConfig.reference_algo={self.reference_algo!r} is for the sequence-parallel "
+                f"linears' references; {operator}'s reference runs a fixed collective "
+                "(fused/baselines.py)"
             )
 
     def __post_init__(self) -> None:

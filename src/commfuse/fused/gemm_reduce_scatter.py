@@ -17,7 +17,7 @@ they are not bitwise those of gloo's reduce-scatter except on integer-valued inp
 ``chunks >= 2`` the ring (``P`` pieces).
 
 Backward: ``(grad_a, AG(grad_z)) = AllGather + GEMM of grad_z with W`` (``all_gather_gemm.py``,
-fused), and ``grad_W = AG(grad_z)^T @ a``, local.
+fused), and ``grad_W = AG(grad_z)^T @ a``, local; ``ops.py`` registers it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from commfuse.comm import Communicator, Handle
 from commfuse.comm.clock import elapsed_us, now
 from commfuse.fused import baselines
-from commfuse.fused.sequence_parallel import check_gemm, check_splits, starts_of
+from commfuse.fused.sequence_parallel import check_ring, starts_of
 
 #: Stats label of the ring's point-to-point traffic (exact bytes and messages).
 LABEL = "gemm_reduce_scatter"
@@ -41,16 +41,16 @@ def gemm_reduce_scatter(
     splits: list[int] | None = None,
     chunks: int = 2,
     label: str = LABEL,
+    reference_algo: str = baselines.SEQUENCE,
 ) -> torch.Tensor:
     """``RS(a @ weight^T)``: this rank's rows [S_r, N] of the sum over ranks, for the whole
-    sequence ``a`` [S, K_r] and weight [N, K_r] (module docstring). ``label`` names the ring's
-    messages in ``comm.stats`` (GEMM + AllReduce runs this ring under its own)."""
-    check_gemm(a, weight, "gemm_reduce_scatter")
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
-    splits = check_splits(comm, splits, a.shape[0], local=False)
+    sequence ``a`` [S, K_r] and weight [N, K_r] (module docstring): the ring when
+    ``chunks >= 2``, else the unfused reference, whose ReduceScatter runs ``reference_algo``.
+    ``label`` names the ring's messages in ``comm.stats`` (GEMM + AllReduce runs this ring
+    under its own)."""
+    splits = check_ring(comm, a, weight, splits, chunks, what=LABEL, local=False)
     if chunks == 1 or comm.world_size == 1:
-        return gemm_reduce_scatter_reference(comm, a, weight, splits=splits)
+        return gemm_reduce_scatter_reference(comm, a, weight, splits=splits, algo=reference_algo)
     rank, world = comm.rank, comm.world_size
     starts = starts_of(splits)
     right, left = (rank + 1) % world, (rank - 1) % world
@@ -84,42 +84,29 @@ def gemm_reduce_scatter_reference(
     weight: torch.Tensor,
     *,
     splits: list[int] | None = None,
-    algo: str | None = None,
+    algo: str = baselines.SEQUENCE,
 ) -> torch.Tensor:
-    """Unfused: the whole GEMM, then one ReduceScatter (blocks padded to the longest)."""
+    """Unfused: the whole GEMM, then one ReduceScatter (blocks padded to the longest; ``algo``
+    of ``commfuse.collectives.reduce_scatter``)."""
     from commfuse.collectives import reduce_scatter
 
-    check_gemm(a, weight, "gemm_reduce_scatter")
-    splits = check_splits(comm, splits, a.shape[0], local=False)
+    splits = check_ring(comm, a, weight, splits, 1, what=LABEL, local=False)
     full = torch.matmul(a, weight.t())
     longest, starts = max(splits), starts_of(splits)
     padded = a.new_zeros((comm.world_size * longest, weight.shape[0]))
     for j, n in enumerate(splits):
         padded[j * longest : j * longest + n].copy_(full[starts[j] : starts[j] + n])
     out = a.new_empty((longest, weight.shape[0]))
-    reduce_scatter(comm, out, padded, algo=algo or baselines.SEQUENCE)
+    reduce_scatter(comm, out, padded, algo=algo)
     return out[: splits[comm.rank]].clone()
 
 
-def gemm_reduce_scatter_backward(
+def measure_gemm_reduce_scatter(
     comm: Communicator,
-    grad_z: torch.Tensor,
     a: torch.Tensor,
     weight: torch.Tensor,
     splits: list[int],
-    chunks: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_a, grad_weight): ``AG(grad_z) @ W`` on the fused ring, then ``AG(grad_z)^T @ a``."""
-    from commfuse.fused.all_gather_gemm import all_gather_gemm
-
-    grad_a, gathered = all_gather_gemm(
-        comm, grad_z.contiguous(), weight.t().contiguous(), splits=splits, chunks=chunks
-    )
-    return grad_a, torch.matmul(gathered.t(), a)
-
-
-def measure_gemm_reduce_scatter(
-    comm: Communicator, a: torch.Tensor, weight: torch.Tensor, splits: list[int]
+    algo: str = baselines.SEQUENCE,
 ) -> tuple[float, float]:
     """(compute_us, comm_us) of one unfused run: the whole GEMM, then the ReduceScatter alone."""
     from commfuse.collectives import reduce_scatter
@@ -131,5 +118,5 @@ def measure_gemm_reduce_scatter(
     out = a.new_empty((longest, weight.shape[0]))
     padded = a.new_zeros((comm.world_size * longest, weight.shape[0]))
     start = now(comm.device)
-    reduce_scatter(comm, out, padded, algo=baselines.SEQUENCE)  # what the unfused reference calls
+    reduce_scatter(comm, out, padded, algo=algo)  # what the unfused reference calls
     return compute_us, elapsed_us(start, comm.device)

@@ -42,6 +42,7 @@ from torch import nn
 
 from commfuse.comm import Communicator, check_consistent
 from commfuse.fused import all_gather_gemm as agg
+from commfuse.fused import baselines
 from commfuse.fused import gemm_all_reduce as gar
 from commfuse.fused import gemm_reduce_scatter as grs
 from commfuse.fused.chunking import ChunkConfig, agree_chunks, measure_overhead_us
@@ -50,16 +51,16 @@ from commfuse.fused.ops import (
     all_gather_gemm_op,
     gemm_all_reduce_op,
     gemm_reduce_scatter_op,
-    register_communicator,
 )
 from commfuse.fused.sequence_parallel import check_splits
 
-#: ``(compute_us, comm_us)`` of one unfused run of a sequence-parallel ring's operator.
-Measure = Callable[[Communicator, torch.Tensor, torch.Tensor, list[int]], tuple[float, float]]
+#: ``(compute_us, comm_us)`` of one unfused run of a sequence-parallel ring's operator, its
+#: collective run with the given algorithm.
+Measure = Callable[[Communicator, torch.Tensor, torch.Tensor, list[int], str], tuple[float, float]]
 
 
 class _TensorParallel(nn.Module):
-    """What both layers share: the communicator and its operator handle, the sharded weight
+    """What both layers share: the communicator (its operators take ``comm.key``), the sharded weight
     (``_along``: the features it is sharded on), and the number of chunks per input shape."""
 
     _along: ClassVar[str]
@@ -79,10 +80,9 @@ class _TensorParallel(nn.Module):
         super().__init__()
         along = self._along
         self.comm = comm
-        self.comm_id = register_communicator(comm)
         self.sequence_parallel = sequence_parallel
         self.chunk_config = chunk_config or ChunkConfig()
-        self.chunk_config.require_chunks(type(self).__name__)
+        self.chunk_config.require_chunks(type(self).__name__, reference_algo=sequence_parallel)
         shard, self.weight, self.bias = sharded_linear(
             in_features, out_features, comm, along=along, bias=bias, dtype=dtype, seed=seed
         )
@@ -91,6 +91,13 @@ class _TensorParallel(nn.Module):
         else:
             self.in_range = shard
         self._chunks: dict[tuple[Any, ...], int] = {}
+        self.reference_algo = self.chunk_config.reference_algo or baselines.SEQUENCE
+        """The algorithm of the AllGather / ReduceScatter that the sequence-parallel unfused
+        reference runs (``ChunkConfig.reference_algo``)."""
+
+    def chosen_chunks(self) -> list[int]:
+        """The number of chunks chosen so far, one per input shape seen (1: unfused)."""
+        return list(self._chunks.values())
 
     def _check_splits(self, splits: list[int] | None) -> None:
         if splits is not None and not self.sequence_parallel:
@@ -128,7 +135,7 @@ class _TensorParallel(nn.Module):
     ) -> int:
         """Chunks of a sequence-parallel ring for a sequence of ``seq`` rows per rank (``width``
         features on the side every rank agrees on): ``P`` when the cost model gains at
-        ``k = P`` pieces on the times ``measure(comm, x2, weight, rows)`` gives, agreed across
+        ``k = P`` pieces on the times ``measure(comm, x2, weight, rows, reference_algo)`` gives, agreed across
         ranks, else 1 (the unfused reference)."""
         key = (tuple(seq), inner, dtype)
         if key not in self._chunks:
@@ -138,7 +145,9 @@ class _TensorParallel(nn.Module):
                 meta = torch.empty((sum(seq), inner, width), dtype=dtype, device="meta")
                 check_consistent(self.comm, meta, type(self).__name__)
                 with torch.no_grad():
-                    compute_us, comm_us = measure(self.comm, x2, self.weight, rows)
+                    compute_us, comm_us = measure(
+                        self.comm, x2, self.weight, rows, self.reference_algo
+                    )
                 overhead = self.chunk_config.overhead_us
                 if overhead is None:
                     overhead = measure_overhead_us(self.comm)
@@ -225,7 +234,7 @@ class ColumnParallelLinear(_TensorParallel):
         seq, inner, rows, x2 = self._sequence_input(x, splits, local=True)
         measure = agg.measure_all_gather_gemm
         chunks = self._ring_chunks(seq, inner, x.dtype, x.shape[-1], measure, x2, rows)
-        y, _ = all_gather_gemm_op(x2, self.weight, rows, self.comm_id, chunks)
+        y, _ = all_gather_gemm_op(x2, self.weight, rows, self.comm.key, chunks, self.reference_algo)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(sum(seq), *x.shape[1:-1], self.weight.shape[0])
@@ -269,12 +278,14 @@ class RowParallelLinear(_TensorParallel):
     def forward(self, x: torch.Tensor, splits: list[int] | None = None) -> torch.Tensor:
         self._check_splits(splits)
         if not self.sequence_parallel:
-            y: torch.Tensor = gemm_all_reduce_op(x, self.weight, self.comm_id, self.chunks_for(x))
+            y: torch.Tensor = gemm_all_reduce_op(x, self.weight, self.comm.key, self.chunks_for(x))
             return y if self.bias is None else y + self.bias
         seq, inner, rows, a2 = self._sequence_input(x, splits, local=False)
         measure = grs.measure_gemm_reduce_scatter
         chunks = self._ring_chunks(seq, inner, x.dtype, self.weight.shape[0], measure, a2, rows)
-        z: torch.Tensor = gemm_reduce_scatter_op(a2, self.weight, rows, self.comm_id, chunks)
+        z: torch.Tensor = gemm_reduce_scatter_op(
+            a2, self.weight, rows, self.comm.key, chunks, self.reference_algo
+        )
         if self.bias is not None:
             z = z + self.bias
         return z.reshape(seq[self.comm.rank], *x.shape[1:-1], self.weight.shape[0])

@@ -28,7 +28,6 @@ from commfuse.fused.ops import (
     anchor_for_backward,
     embedding_all_to_all_op,
     embedding_schedule_args,
-    register_communicator,
 )
 
 
@@ -134,14 +133,14 @@ class ShardedEmbeddingBag(nn.Module):
         if mode not in emb.MODES:
             raise ValueError(f"mode must be one of {emb.MODES}, got {mode!r}")
         world = comm.world_size
-        self.comm, self.comm_id, self.mode, self.dim, self.dtype = (
+        self.comm, self.mode, self.dim, self.dtype = (
             comm,
-            register_communicator(comm),
             mode,
             embedding_dim,
             dtype,
         )
         self.chunk_config = chunk_config or ChunkConfig()
+        self.chunk_config.require_chunks(type(self).__name__, by_table=True)
         self.owner = [t % world for t in range(len(num_embeddings))]
         self.local_tables = [t for t, o in enumerate(self.owner) if o == comm.rank]
         self.tables_per_rank = [self.owner.count(r) for r in range(world)]
@@ -229,7 +228,7 @@ class ShardedEmbeddingBag(nn.Module):
             self.dim,
             self.dtype,
             self.mode,
-            self.comm_id,
+            self.comm.key,
             *embedding_schedule_args(chunks),
             anchor_for_backward(self.comm.device),
         )

@@ -42,7 +42,6 @@ from commfuse.fused import gemm_all_to_all as ga
 from commfuse.fused.chunking import ChunkConfig, measure_overhead_us, split_sizes
 from commfuse.fused.fallback import choose_fused_chunks
 from commfuse.fused.moe_ops import all_to_all_gemm_op, gemm_all_to_all_op
-from commfuse.fused.ops import register_communicator
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -195,7 +194,7 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype}")
-        self.comm, self.comm_id = comm, register_communicator(comm)
+        self.comm = comm
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.capacity_factor, self.normalize, self.activation = (
             capacity_factor,
@@ -258,9 +257,9 @@ class ExpertParallelMoE(nn.Module):
         flat, epr = counts.reshape(-1).tolist(), list(self.experts_per_rank)
         rows = x2[r.token]  # token side: routed rows sorted by expert
         chunks = self.chunks_for(counts, rows)
-        h, _ = all_to_all_gemm_op(rows, self.w1, flat, epr, self.comm_id, chunks)
+        h, _ = all_to_all_gemm_op(rows, self.w1, flat, epr, self.comm.key, chunks)
         h = ACTIVATIONS[self.activation](h)
-        y = gemm_all_to_all_op(h, self.w2, flat, epr, self.comm_id, chunks)
+        y = gemm_all_to_all_op(h, self.w2, flat, epr, self.comm.key, chunks)
         out = torch.zeros_like(x2).index_add(0, r.token, y * r.weight[:, None].to(y.dtype))
         return out.reshape(x.shape)
 

@@ -1,9 +1,9 @@
 """The MoE operators as PyTorch operators: ``torch.ops.commfuse.gemm_all_to_all`` (combine side)
 and ``torch.ops.commfuse.all_to_all_gemm`` (dispatch side), with autograd.
 
-Same conventions as ``ops.py``: the communicator travels as ``register_communicator(comm)``'s
-integer handle, ``register_fake`` gives the shapes without communicating, ``register_autograd``
-the overlapped backward (``gemm_all_to_all.py`` says which collective each backward is). The
+Same conventions as ``ops.py``: the communicator travels as its name ``comm.key``,
+``register_fake`` gives the shapes without communicating, ``register_autograd`` the overlapped
+backward (``gemm_all_to_all.py`` says which collective each backward is). The
 routing travels as ``counts`` (the ``[P, E]`` matrix, flattened row-major) and
 ``experts_per_rank``.
 """
@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
+from commfuse.comm import Communicator
 from commfuse.fused import gemm_all_to_all as ga
-from commfuse.fused.ops import communicator
 
 
-def routing(comm_id: int, counts: list[int], experts_per_rank: list[int]) -> ga.Routing:
-    comm = communicator(comm_id)
+def routing(comm_key: str, counts: list[int], experts_per_rank: list[int]) -> ga.Routing:
+    comm = Communicator.resolve(comm_key)
     num_experts = sum(experts_per_rank)
     if len(counts) != comm.world_size * num_experts:
         raise ValueError(
@@ -40,13 +40,13 @@ def gemm_all_to_all_op(
     weight: torch.Tensor,
     counts: list[int],
     experts_per_rank: list[int],
-    comm_id: int,
+    comm_key: str,
     chunks: int,
 ) -> torch.Tensor:
     """Expert GEMM of the expert-side rows ``h``, each destination's rows sent as soon as they
     are computed: the token-side result ``[S_r, N]``."""
-    rt = routing(comm_id, counts, experts_per_rank)
-    return ga.gemm_all_to_all(communicator(comm_id), rt, h, weight, chunks=chunks)
+    rt = routing(comm_key, counts, experts_per_rank)
+    return ga.gemm_all_to_all(Communicator.resolve(comm_key), rt, h, weight, chunks=chunks)
 
 
 @gemm_all_to_all_op.register_fake
@@ -55,25 +55,25 @@ def _gemm_all_to_all_fake(
     weight: torch.Tensor,
     counts: list[int],
     experts_per_rank: list[int],
-    comm_id: int,
+    comm_key: str,
     chunks: int,
 ) -> torch.Tensor:
-    rt = routing(comm_id, counts, experts_per_rank)
+    rt = routing(comm_key, counts, experts_per_rank)
     return h.new_empty((rt.send_start[-1], weight.shape[1]))
 
 
 def _combine_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    h, weight, counts, experts_per_rank, comm_id, chunks = inputs
+    h, weight, counts, experts_per_rank, comm_key, chunks = inputs
     ctx.save_for_backward(h, weight)
-    ctx.meta = (list(counts), list(experts_per_rank), comm_id, chunks)
+    ctx.meta = (list(counts), list(experts_per_rank), comm_key, chunks)
 
 
 def _combine_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     h, weight = ctx.saved_tensors
-    counts, experts_per_rank, comm_id, chunks = ctx.meta
-    rt = routing(comm_id, counts, experts_per_rank)
+    counts, experts_per_rank, comm_key, chunks = ctx.meta
+    rt = routing(comm_key, counts, experts_per_rank)
     grad_h, grad_w = ga.gemm_all_to_all_backward(
-        communicator(comm_id), rt, grad.contiguous(), h, weight, chunks=chunks
+        Communicator.resolve(comm_key), rt, grad.contiguous(), h, weight, chunks=chunks
     )
     return grad_h, grad_w, None, None, None, None
 
@@ -88,13 +88,13 @@ def all_to_all_gemm_op(
     weight: torch.Tensor,
     counts: list[int],
     experts_per_rank: list[int],
-    comm_id: int,
+    comm_key: str,
     chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-side rows ``x`` sent to their experts, each source's rows multiplied as soon as they
     arrive: (expert-side output ``[R_r, N]``, received rows ``[R_r, K]``, not differentiable)."""
-    rt = routing(comm_id, counts, experts_per_rank)
-    return ga.all_to_all_gemm(communicator(comm_id), rt, x, weight, chunks=chunks)
+    rt = routing(comm_key, counts, experts_per_rank)
+    return ga.all_to_all_gemm(Communicator.resolve(comm_key), rt, x, weight, chunks=chunks)
 
 
 @all_to_all_gemm_op.register_fake
@@ -103,29 +103,29 @@ def _all_to_all_gemm_fake(
     weight: torch.Tensor,
     counts: list[int],
     experts_per_rank: list[int],
-    comm_id: int,
+    comm_key: str,
     chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    rt = routing(comm_id, counts, experts_per_rank)
+    rt = routing(comm_key, counts, experts_per_rank)
     rows = rt.recv_start[-1]
     return x.new_empty((rows, weight.shape[1])), x.new_empty((rows, x.shape[1]))
 
 
 def _dispatch_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    _x, weight, counts, experts_per_rank, comm_id, chunks = inputs
+    _x, weight, counts, experts_per_rank, comm_key, chunks = inputs
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(output[1], weight)
-    ctx.meta = (list(counts), list(experts_per_rank), comm_id, chunks)
+    ctx.meta = (list(counts), list(experts_per_rank), comm_key, chunks)
 
 
 def _dispatch_backward(
     ctx: Any, grad: torch.Tensor, grad_recv: torch.Tensor | None
 ) -> tuple[Any, ...]:
     recv, weight = ctx.saved_tensors
-    counts, experts_per_rank, comm_id, chunks = ctx.meta
-    rt = routing(comm_id, counts, experts_per_rank)
+    counts, experts_per_rank, comm_key, chunks = ctx.meta
+    rt = routing(comm_key, counts, experts_per_rank)
     grad_x, grad_w = ga.all_to_all_gemm_backward(
-        communicator(comm_id), rt, grad.contiguous(), recv, weight, chunks=chunks
+        Communicator.resolve(comm_key), rt, grad.contiguous(), recv, weight, chunks=chunks
     )
     return grad_x, grad_w, None, None, None, None
 

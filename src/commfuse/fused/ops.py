@@ -2,19 +2,17 @@
 
 ``torch.library.custom_op`` makes each operator visible to the dispatcher (``torch.ops``),
 ``register_fake`` gives it a shape function (meta tensors can run it without communicating),
-and ``register_autograd`` attaches the overlapped backward. ``torch.compile`` is not supported
-yet: ``torch.library.opcheck``'s AOT-dispatch check fails on a group of two or more ranks (it
-deep-copies the backward's context, which holds the process group).
+and ``register_autograd`` attaches the overlapped backward.
 
-An operator's arguments must be tensors and plain values, so the communicator is passed as an
-integer handle: ``register_communicator(comm)`` returns it, and the modules do this for you.
+An operator's arguments must be tensors and plain values, so the communicator travels as its
+name, ``comm.key``, which the operator resolves (``Communicator.resolve``), as torch's
+functional collectives pass a process group's ``group_name``; the backward's context keeps the
+name too, never the communicator. The modules pass it for you.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import weakref
 from typing import Any
 
 import torch
@@ -26,41 +24,19 @@ from commfuse.fused import gemm_all_reduce as gar
 from commfuse.fused import gemm_reduce_scatter as grs
 from commfuse.fused.chunking import BY_TABLE, Schedule
 
-_COMMS: weakref.WeakValueDictionary[int, Communicator] = weakref.WeakValueDictionary()
-_IDS: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()
-_NEXT = itertools.count(1)
-
-
-def register_communicator(comm: Communicator) -> int:
-    """The integer handle of ``comm`` for ``torch.ops.commfuse.*`` (the same one on each call)."""
-    if comm not in _IDS:
-        handle = next(_NEXT)
-        _IDS[comm] = handle
-        _COMMS[handle] = comm
-    return _IDS[comm]
-
-
-def communicator(handle: int) -> Communicator:
-    comm = _COMMS.get(handle)
-    if comm is None:
-        raise ValueError(
-            f"no communicator with handle {handle}: pass register_communicator(comm), and keep comm alive"
-        )
-    return comm
-
 
 # -- GEMM + AllReduce -------------------------------------------------------------------------
 @torch.library.custom_op("commfuse::gemm_all_reduce", mutates_args=())
 def gemm_all_reduce_op(
-    x: torch.Tensor, weight: torch.Tensor, comm_id: int, chunks: int
+    x: torch.Tensor, weight: torch.Tensor, comm_key: str, chunks: int
 ) -> torch.Tensor:
     """``all_reduce_sum(x @ weight^T)`` in ``chunks`` overlapped pieces (row-parallel linear)."""
-    return gar.gemm_all_reduce(communicator(comm_id), x, weight, chunks=chunks)
+    return gar.gemm_all_reduce(Communicator.resolve(comm_key), x, weight, chunks=chunks)
 
 
 @gemm_all_reduce_op.register_fake
 def _gemm_all_reduce_fake(
-    x: torch.Tensor, weight: torch.Tensor, comm_id: int, chunks: int
+    x: torch.Tensor, weight: torch.Tensor, comm_key: str, chunks: int
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -96,7 +72,7 @@ def embedding_all_to_all_op(
     dim: int,
     dtype: torch.dtype,
     mode: str,
-    comm_id: int,
+    comm_key: str,
     chunks: int,
     by_table: bool,
     anchor: torch.Tensor,
@@ -115,7 +91,7 @@ def embedding_all_to_all_op(
         tables, indices, offsets, batch_splits, tables_per_rank, dim, dtype, mode
     )
     schedule: Schedule = BY_TABLE if by_table else chunks
-    return emb.embedding_all_to_all(communicator(comm_id), lookup, chunks=schedule)
+    return emb.embedding_all_to_all(Communicator.resolve(comm_key), lookup, chunks=schedule)
 
 
 def embedding_schedule_args(chunks: Schedule) -> tuple[int, bool]:
@@ -123,25 +99,25 @@ def embedding_schedule_args(chunks: Schedule) -> tuple[int, bool]:
     return (1, True) if chunks == BY_TABLE else (int(chunks), False)
 
 
-def _unpack(inputs: tuple[Any, ...]) -> tuple[emb.ShardedLookup, int, Schedule, torch.Tensor]:
-    """``embedding_all_to_all_op``'s arguments, in its registered order, as (lookup, comm_id,
+def _unpack(inputs: tuple[Any, ...]) -> tuple[emb.ShardedLookup, str, Schedule, torch.Tensor]:
+    """``embedding_all_to_all_op``'s arguments, in its registered order, as (lookup, comm_key,
     schedule, anchor): its first eight are the lookup's fields, in the lookup's order."""
-    *fields, comm_id, chunks, by_table, anchor = inputs
+    *fields, comm_key, chunks, by_table, anchor = inputs
     schedule: Schedule = BY_TABLE if by_table else chunks
-    return emb.ShardedLookup(*fields), comm_id, schedule, anchor
+    return emb.ShardedLookup(*fields), comm_key, schedule, anchor
 
 
 @embedding_all_to_all_op.register_fake
 def _embedding_fake(*inputs: Any) -> torch.Tensor:
     # torch calls the fake with the operator's arguments as registered; ``_unpack`` names them.
-    lookup, comm_id, _, _ = _unpack(inputs)
-    rank = communicator(comm_id).rank
+    lookup, comm_key, _, _ = _unpack(inputs)
+    rank = Communicator.resolve(comm_key).rank
     shape = (lookup.batch_splits[rank], sum(lookup.tables_per_rank), lookup.dim)
     return torch.empty(shape, dtype=lookup.dtype, device=lookup.device)
 
 
 def _embedding_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    lookup, comm_id, chunks, anchor = _unpack(inputs)
+    lookup, comm_key, chunks, anchor = _unpack(inputs)
     # The tensors go through save_for_backward (version checks, saved-tensor hooks); the rest
     # of the lookup is kept without them and the tensors are put back in the backward.
     ctx.save_for_backward(*lookup.tables, *lookup.indices, *lookup.offsets)
@@ -155,7 +131,7 @@ def _embedding_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) ->
         batch_splits=list(lookup.batch_splits),
         tables_per_rank=list(lookup.tables_per_rank),
     )
-    ctx.meta = (comm_id, chunks)
+    ctx.meta = (comm_key, chunks)
 
 
 def _embedding_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -167,9 +143,9 @@ def _embedding_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         indices=list(saved[n : 2 * n]),
         offsets=list(saved[2 * n :]),
     )
-    comm_id, chunks = ctx.meta
+    comm_key, chunks = ctx.meta
     grads = emb.embedding_all_to_all_backward(
-        communicator(comm_id), lookup, grad.contiguous(), chunks=chunks
+        Communicator.resolve(comm_key), lookup, grad.contiguous(), chunks=chunks
     )
     none = [None] * n
     anchor_grad = grad.new_zeros(ctx.anchor_shape)
@@ -179,76 +155,88 @@ def _embedding_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
 embedding_all_to_all_op.register_autograd(_embedding_backward, setup_context=_embedding_setup)
 
 
-# -- AllGather + GEMM ----------------------------------------------------------------------------
+# -- AllGather + GEMM and GEMM + ReduceScatter --------------------------------------------------
+# Each ring's backward is the other ring, called as its operator (not as the Python function),
+# so a traced backward holds operators and the communicator's name, never a process group.
 @torch.library.custom_op("commfuse::all_gather_gemm", mutates_args=())
 def all_gather_gemm_op(
-    x: torch.Tensor, weight: torch.Tensor, splits: list[int], comm_id: int, chunks: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    splits: list[int],
+    comm_key: str,
+    chunks: int,
+    reference_algo: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(AG(x) @ weight^T, AG(x))``; the second output (the gathered input) has no gradient."""
+    """``(AG(x) @ weight^T, AG(x))``; the second output (the gathered input) has no gradient.
+    ``reference_algo``: the AllGather of the unfused reference (``chunks=1``)."""
+    comm = Communicator.resolve(comm_key)
     y, gathered = agg.all_gather_gemm(
-        communicator(comm_id), x, weight, splits=list(splits), chunks=chunks
+        comm, x, weight, splits=list(splits), chunks=chunks, reference_algo=reference_algo
     )
     return y, gathered
 
 
 @all_gather_gemm_op.register_fake
 def _all_gather_gemm_fake(
-    x: torch.Tensor, weight: torch.Tensor, splits: list[int], comm_id: int, chunks: int
+    x: torch.Tensor, weight: torch.Tensor, splits: list[int], *_: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows = sum(splits)
     return x.new_empty((rows, weight.shape[0])), x.new_empty((rows, x.shape[1]))
 
 
 def _ag_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    _, weight, splits, comm_id, chunks = inputs
+    _, weight, splits, comm_key, chunks, reference_algo = inputs
     ctx.save_for_backward(output[1], weight)
-    ctx.meta = (list(splits), comm_id, chunks)
+    ctx.meta = (list(splits), comm_key, chunks, reference_algo)
     ctx.mark_non_differentiable(output[1])
 
 
 def _ag_backward(ctx: Any, grad_y: torch.Tensor, _grad_gathered: Any) -> tuple[Any, ...]:
+    """``grad_x = RS(grad_y @ W)`` (the GEMM + ReduceScatter ring), ``grad_W = grad_y^T AG(x)``."""
     gathered, weight = ctx.saved_tensors
-    splits, comm_id, chunks = ctx.meta
-    grad_x, grad_w = agg.all_gather_gemm_backward(
-        communicator(comm_id), grad_y, gathered, weight, splits, chunks
-    )
-    return grad_x, grad_w, None, None, None
+    grad_y = grad_y.contiguous()
+    grad_x = gemm_reduce_scatter_op(grad_y, weight.t().contiguous(), *ctx.meta)
+    return grad_x, torch.matmul(grad_y.t(), gathered), None, None, None, None
 
 
 all_gather_gemm_op.register_autograd(_ag_backward, setup_context=_ag_setup)
 
 
-# -- GEMM + ReduceScatter ------------------------------------------------------------------------
 @torch.library.custom_op("commfuse::gemm_reduce_scatter", mutates_args=())
 def gemm_reduce_scatter_op(
-    a: torch.Tensor, weight: torch.Tensor, splits: list[int], comm_id: int, chunks: int
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    splits: list[int],
+    comm_key: str,
+    chunks: int,
+    reference_algo: str,
 ) -> torch.Tensor:
-    """This rank's rows of ``sum_ranks(a @ weight^T)``."""
+    """This rank's rows of ``sum_ranks(a @ weight^T)``. ``reference_algo``: the ReduceScatter of
+    the unfused reference (``chunks=1``)."""
+    comm = Communicator.resolve(comm_key)
     return grs.gemm_reduce_scatter(
-        communicator(comm_id), a, weight, splits=list(splits), chunks=chunks
+        comm, a, weight, splits=list(splits), chunks=chunks, reference_algo=reference_algo
     )
 
 
 @gemm_reduce_scatter_op.register_fake
 def _gemm_reduce_scatter_fake(
-    a: torch.Tensor, weight: torch.Tensor, splits: list[int], comm_id: int, chunks: int
+    a: torch.Tensor, weight: torch.Tensor, splits: list[int], comm_key: str, *_: Any
 ) -> torch.Tensor:
-    return a.new_empty((splits[communicator(comm_id).rank], weight.shape[0]))
+    return a.new_empty((splits[Communicator.resolve(comm_key).rank], weight.shape[0]))
 
 
 def _rs_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    a, weight, splits, comm_id, chunks = inputs
+    a, weight, splits, comm_key, chunks, reference_algo = inputs
     ctx.save_for_backward(a, weight)
-    ctx.meta = (list(splits), comm_id, chunks)
+    ctx.meta = (list(splits), comm_key, chunks, reference_algo)
 
 
 def _rs_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    """``grad_a = AG(grad_z) @ W`` (the AllGather + GEMM ring), ``grad_W = AG(grad_z)^T a``."""
     a, weight = ctx.saved_tensors
-    splits, comm_id, chunks = ctx.meta
-    grad_a, grad_w = grs.gemm_reduce_scatter_backward(
-        communicator(comm_id), grad, a, weight, splits, chunks
-    )
-    return grad_a, grad_w, None, None, None
+    grad_a, gathered = all_gather_gemm_op(grad.contiguous(), weight.t().contiguous(), *ctx.meta)
+    return grad_a, torch.matmul(gathered.t(), a), None, None, None, None
 
 
 gemm_reduce_scatter_op.register_autograd(_rs_backward, setup_context=_rs_setup)

@@ -54,6 +54,24 @@ def check_gemm(x: torch.Tensor, weight: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: x is {x.dtype} but weight is {weight.dtype}; cast one of them")
 
 
+def check_ring(
+    comm: Communicator,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    splits: list[int] | None,
+    chunks: int,
+    *,
+    what: str,
+    local: bool,
+) -> list[int]:
+    """The checks both rings make of their inputs (``check_gemm``, ``chunks >= 1``,
+    ``check_splits``); returns the rows per rank."""
+    check_gemm(x, weight, what)
+    if chunks < 1:
+        raise ValueError(f"{what}: chunks must be >= 1, got {chunks}")
+    return check_splits(comm, splits, x.shape[0], local=local)
+
+
 def starts_of(splits: list[int]) -> list[int]:
     out, total = [], 0
     for s in splits:

@@ -195,7 +195,13 @@ class TPTransformer(nn.Module):
 
     def chosen_chunks(self) -> int:
         """The largest number of chunks any fused module chose so far (1: all unfused)."""
-        chosen = [k for m in self.modules() for k in getattr(m, "_chunks", {}).values()]
+        chosen = [
+            k
+            for block in self.blocks
+            if isinstance(block, TPBlock)
+            for layer in (block.qkv, block.proj, block.fc1, block.fc2)
+            for k in layer.chosen_chunks()
+        ]
         return max(chosen, default=1)
 
 
@@ -208,11 +214,21 @@ class TPTransformerWorkload:
         self.options = options or TPTransformerOptions()
 
     def build_model(
-        self, comm: Communicator, seed: int, *, fused: bool = True, num_chunks: int | None = None
+        self,
+        comm: Communicator,
+        seed: int,
+        *,
+        fused: bool = True,
+        num_chunks: int | None = None,
+        reference_algo: str | None = None,
     ) -> TPTransformer:
         """The model (the same full parameters on any world size); ``fused=False`` means one
-        chunk everywhere, the unfused operators."""
-        config = ChunkConfig(num_chunks=num_chunks if fused else 1)
+        chunk everywhere, the unfused operators. ``reference_algo``: the collective algorithm
+        of the sequence-parallel unfused references (``ChunkConfig.reference_algo``)."""
+        config = ChunkConfig(
+            num_chunks=num_chunks if fused else 1,
+            reference_algo=reference_algo if self.options.sequence_parallel else None,
+        )
         return TPTransformer(self.options, comm, chunk_config=config, seed=seed)
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
