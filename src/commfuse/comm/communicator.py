@@ -184,8 +184,8 @@ class Communicator:
         self._owned_lock = threading.Lock()
         self.key: str = registry.register(self, self.group.group_name)
         """This communicator's name for ``torch.ops.commfuse.*`` operators, which take plain
-        values: ``Communicator.resolve(key)`` returns it (``registry.py``; the same on every rank
-        that builds its communicators in the same order)."""
+        values: ``Communicator.resolve(key)`` returns it (``registry.py``; the same on ranks that
+        build the same communicators in the same order)."""
 
     @staticmethod
     def resolve(key: str) -> Communicator:

@@ -9,9 +9,9 @@ one level up: every ``Communicator`` registers itself here when it is made, unde
 ``Communicator.key``, and the operators take the key (``Communicator.resolve(key)``).
 
 The key is ``"<process group name>:<n>"``, ``n`` counting the communicators built over that
-group in this process. Ranks build their communicators in the same order (as they must build
-their process groups), so a communicator has the same key on every rank, and a traced graph
-holds the same string everywhere.
+group in this process: ranks that build the same communicators over a group in the same order
+(as they must create their process groups) give each the same key, so a traced graph holds the
+same string on every rank.
 
 The registry holds communicators weakly: it never keeps one alive. A key whose communicator has
 been collected no longer resolves, and a new communicator never reuses it (the count only
