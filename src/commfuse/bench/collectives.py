@@ -131,7 +131,8 @@ def bench_collectives_on_rank(config: CollectiveBenchConfig) -> list[dict[str, A
 def mark_regret(row: list[dict[str, Any]], *, control: str | None = None) -> None:
     """Give the ``auto`` record of one (op, size) the fastest algorithm timed beside it
     (``best_algo``, its median ``best_us``) and ``regret``: auto's median over that one's, less 1
-    (0 where auto ran the best; within the A/A control's noise it is no loss). Only algorithms
+    (0 where auto ran the best, below 0 where its run beat that same algorithm's own run;
+    within the A/A control's noise it is no loss). Only algorithms
     count, not the control's copy, so ``--algo native,auto,all`` measures auto against every
     algorithm at every size; with ``--algo native,auto`` the best is native or auto's own pick."""
     auto = next((r for r in row if r["variant"] == "auto"), None)
