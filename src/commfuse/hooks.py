@@ -14,9 +14,9 @@ is ready during backward, in bucket order on every rank, and waits on the future
 optimizer step (the shape of torch's own ``allreduce_hook`` and ``powerSGD_hook``). This hook:
 
 1. takes the bucket's flat buffer (``bucket.buffer()``) and its index (``bucket.index()``),
-   counts that bucket's steps, and hands the compressor the bucket's layout: the names of its
-   parameters (from ``module``) and their shapes (``Compressor.set_layout``). The compressor
-   files the bucket's state (residuals, momentum, factors) under those parameters, and
+   hands the compressor the bucket's layout: the names of its parameters (from ``module``)
+   and their shapes (``Compressor.set_layout``), and counts the step under those parameters.
+   The compressor files the bucket's state (residuals, momentum, factors) under them too, and
    PowerSGD compresses each weight matrix on its own, as torch's ``powerSGD_hook`` does;
 2. queues ``compressor.reduce_`` on the communicator's worker thread
    (``Communicator.submit``), so backward keeps computing the next buckets
@@ -26,8 +26,10 @@ optimizer step (the shape of torch's own ``allreduce_hook`` and ``powerSGD_hook`
 DDP rebuilds its buckets after the first iteration, in the order the gradients arrived, so a
 bucket index may then hold other parameters (two buckets of equal size can trade places). The
 compressor's state follows the parameters into the new buckets, element by element, instead
-of staying with the index (``compress/layout.py``); torch's own hooks key their state by
-bucket index and restart a bucket whose size changed.
+of staying with the index (``compress/layout.py``), and so do the step counts (hence the
+warm-up): a bucket is at the step its parameters have been through, whichever index it has
+now. torch's own hooks key their state by bucket index and restart a bucket whose size
+changed.
 
 The state owns a PRIVATE process group over the same ranks (created when the state is, so
 every rank must construct it at the same point, as with any process group): the hook's
@@ -78,8 +80,10 @@ class CompressionState:
     """The ranks to average over (DDP's group; None = the world)."""
     config: CommConfig | None = None
     """The communicator's deadlines and tracing (default: ``CommConfig()``)."""
-    steps: dict[int, int] = dataclasses.field(default_factory=dict)
-    """Calls so far per bucket index (the ``step`` handed to the compressor)."""
+    steps: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Steps each parameter has been reduced in, by name: a bucket's ``step`` (handed to the
+    compressor) is its parameters' count, so it follows them when DDP rebuilds its buckets or a
+    resumed job lays them out anew."""
     comm: Communicator = dataclasses.field(init=False)
     names: dict[int, str] = dataclasses.field(init=False, repr=False)
     """``id(parameter) -> name`` for every parameter of ``module``."""
@@ -105,9 +109,12 @@ class CompressionState:
         private = dist.new_group(ranks=ranks)
         self.comm = Communicator(private, config=self.config, name="ddp-hook")
 
-    def next_step(self, bucket: int) -> int:
-        step = self.steps.get(bucket, 0)
-        self.steps[bucket] = step + 1
+    def next_step(self, layout: BucketLayout) -> int:
+        """The step of the bucket holding ``layout``'s parameters, counted for them: the most
+        steps any of them has been through (a rebuilt bucket is as far as its parameters)."""
+        step = max((self.steps.get(name, 0) for name in layout.names), default=0)
+        for name in layout.names:
+            self.steps[name] = step + 1
         return step
 
     def layout_of(self, bucket: GradBucket) -> BucketLayout:
@@ -122,12 +129,24 @@ class CompressionState:
         return BucketLayout(names=names, shapes=tuple(g.shape for g in bucket.gradients()))
 
     def state_dict(self) -> dict[str, Any]:
-        """The compressor's state and the step counters (for a checkpoint)."""
+        """The compressor's state and the step counters, both by parameter (for a checkpoint;
+        a resumed job may bucket the parameters differently)."""
         return {"compressor": self.compressor.state_dict(), "steps": dict(self.steps)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``.
+
+        Raises:
+            ValueError: the step counters name parameters that ``module`` does not have."""
+        steps = {str(name): int(count) for name, count in state["steps"].items()}
+        unknown = sorted(set(steps) - set(self.names.values()))
+        if unknown:
+            raise ValueError(
+                f"CompressionState.load_state_dict: steps of parameters {unknown[:3]} that the "
+                "module does not have; load the checkpoint of this model"
+            )
         self.compressor.load_state_dict(state["compressor"])
-        self.steps = {int(b): int(s) for b, s in state["steps"].items()}
+        self.steps = steps
 
 
 def compressed_allreduce_hook(
@@ -136,7 +155,7 @@ def compressed_allreduce_hook(
     """Average ``bucket`` over the ranks through ``state.compressor`` on a background thread.
 
     Args:
-        state: the compressor, the private communicator and the per-bucket step counters.
+        state: the compressor, the private communicator and the per-parameter step counters.
         bucket: DDP's bucket of gradients (its flat buffer, its index, its tensors' shapes).
 
     Returns:
@@ -155,12 +174,13 @@ def compressed_allreduce_hook(
     """
     buffer = bucket.buffer()
     index = bucket.index()
-    step = state.next_step(index)
+    # The bucket's parameters (views into ``buffer``, in order): their step, the compressor's
+    # state for them, and PowerSGD's matrices. Here, on DDP's thread, before the job is queued,
+    # so the worker never sees a layout change halfway through a bucket.
+    layout = state.layout_of(bucket)
+    step = state.next_step(layout)
     compressor = state.compressor
-    # The bucket's parameters (views into ``buffer``, in order): the compressor's state for
-    # them, and PowerSGD's matrices. Here, on DDP's thread, before the job is queued, so the
-    # worker never sees a layout change halfway through a bucket.
-    compressor.set_layout(index, state.layout_of(bucket))
+    compressor.set_layout(index, layout)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
     def work() -> None:
