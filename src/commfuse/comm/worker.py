@@ -19,14 +19,21 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-_ON_WORKER = threading.local()
+
+class _ThreadFlag(threading.local):
+    """Per thread: whether it is running a worker's job (False on every new thread)."""
+
+    active = False
+
+
+_ON_WORKER = _ThreadFlag()
 """Set on a worker thread, so collectives issued from inside a queued job (a compressor's
 several rounds, a hook) run directly instead of waiting on themselves."""
 
 
 def on_worker_thread() -> bool:
     """True inside a job queued with ``Communicator.submit`` (on any communicator's worker)."""
-    return bool(getattr(_ON_WORKER, "active", False))
+    return _ON_WORKER.active
 
 
 def _in_worker(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
