@@ -62,20 +62,31 @@ def _gemm_all_to_all_fake(
     return h.new_empty((rt.send_start[-1], weight.shape[1]))
 
 
-def _combine_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    h, weight, counts, experts_per_rank, comm_key, chunks = inputs
-    ctx.save_for_backward(h, weight)
+def _keep_routing(ctx: Any, inputs: tuple[Any, ...]) -> None:
+    """The routing and the communicator's key, for the backward (both operators' arguments
+    after the two tensors are ``counts, experts_per_rank, comm_key, chunks``)."""
+    counts, experts_per_rank, comm_key, chunks = inputs[2:]
     ctx.meta = (list(counts), list(experts_per_rank), comm_key, chunks)
 
 
-def _combine_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-    h, weight = ctx.saved_tensors
+def _routed_backward(ctx: Any, grad: torch.Tensor, backward: Any) -> tuple[Any, ...]:
+    """``backward(comm, routing, grad, saved, weight, chunks=)`` on the saved rows and weight;
+    no gradient for the routing, the key or the chunks."""
+    saved, weight = ctx.saved_tensors
     counts, experts_per_rank, comm_key, chunks = ctx.meta
     rt = routing(comm_key, counts, experts_per_rank)
-    grad_h, grad_w = ga.gemm_all_to_all_backward(
-        Communicator.resolve(comm_key), rt, grad.contiguous(), h, weight, chunks=chunks
-    )
-    return grad_h, grad_w, None, None, None, None
+    comm = Communicator.resolve(comm_key)
+    grad_in, grad_w = backward(comm, rt, grad.contiguous(), saved, weight, chunks=chunks)
+    return grad_in, grad_w, None, None, None, None
+
+
+def _combine_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[0], inputs[1])  # h, weight
+    _keep_routing(ctx, inputs)
+
+
+def _combine_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    return _routed_backward(ctx, grad, ga.gemm_all_to_all_backward)
 
 
 gemm_all_to_all_op.register_autograd(_combine_backward, setup_context=_combine_setup)
@@ -112,22 +123,15 @@ def _all_to_all_gemm_fake(
 
 
 def _dispatch_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    _x, weight, counts, experts_per_rank, comm_key, chunks = inputs
     ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(output[1], weight)
-    ctx.meta = (list(counts), list(experts_per_rank), comm_key, chunks)
+    ctx.save_for_backward(output[1], inputs[1])  # the received rows, weight
+    _keep_routing(ctx, inputs)
 
 
 def _dispatch_backward(
     ctx: Any, grad: torch.Tensor, grad_recv: torch.Tensor | None
 ) -> tuple[Any, ...]:
-    recv, weight = ctx.saved_tensors
-    counts, experts_per_rank, comm_key, chunks = ctx.meta
-    rt = routing(comm_key, counts, experts_per_rank)
-    grad_x, grad_w = ga.all_to_all_gemm_backward(
-        Communicator.resolve(comm_key), rt, grad.contiguous(), recv, weight, chunks=chunks
-    )
-    return grad_x, grad_w, None, None, None, None
+    return _routed_backward(ctx, grad, ga.all_to_all_gemm_backward)
 
 
 all_to_all_gemm_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
