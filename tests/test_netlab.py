@@ -50,6 +50,22 @@ def _my_netns() -> str:
     return os.readlink("/proc/thread-self/ns/net")
 
 
+def test_host_addresses_sort_as_text_in_host_order() -> None:
+    # torchrun's c10d rendezvous ranks its agents by sorting their node descriptors, whose first
+    # field is the --local-addr string: with addresses in host order as text, host k keeps node
+    # rank k at any size (with 10.77.0.<k+1>, host 9's 10.77.0.10 sorted before 10.77.0.2).
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+    from commfuse.cluster.topology import MAX_HOSTS
+
+    lab = Netlab(Topology(num_hosts=MAX_HOSTS))  # built lazily: nothing is created here
+    addresses = [lab.address(k) for k in range(MAX_HOSTS)]
+    assert len(set(addresses)) == MAX_HOSTS
+    assert all(0 < int(a.rsplit(".", 1)[1]) < 255 for a in addresses)
+    nodes = [_NodeDesc(addr, 1000 + k, 0) for k, addr in enumerate(addresses)]
+    assert [addresses.index(node.addr) for node in sorted(nodes)] == list(range(MAX_HOSTS))
+
+
 @pytest.mark.netlab
 def test_up_builds_expected_names_addresses_and_shaping() -> None:
     with Netlab(Topology(num_hosts=3, link_mbit=200)) as lab:
@@ -68,8 +84,8 @@ def test_up_builds_expected_names_addresses_and_shaping() -> None:
             dev = json.loads(_out("ip", "-n", ns, "-j", "addr", "show", inner))[0]
             assert dev["mtu"] == 9000 and "UP" in dev["flags"]
             v4 = [a for a in dev["addr_info"] if a["family"] == "inet"]
-            assert [(a["local"], a["prefixlen"]) for a in v4] == [(f"10.77.0.{k + 1}", 24)]
-            assert lab.address(k) == f"10.77.0.{k + 1}"
+            assert [(a["local"], a["prefixlen"]) for a in v4] == [(f"10.77.0.{100 + k}", 24)]
+            assert lab.address(k) == f"10.77.0.{100 + k}"
             assert "UP" in json.loads(_out("ip", "-n", ns, "-j", "link", "show", "lo"))[0]["flags"]
             for argv in (["tc", "-n", ns], ["tc"]):
                 qdisc = _out(*argv, "qdisc", "show", "dev", inner if len(argv) > 1 else outer)

@@ -2,7 +2,7 @@
 
 It runs unchanged under ``torchrun`` and ``commfuse launch``. Each rank works out which emulated
 host it is on from the address of its gloo interface (GLOO_SOCKET_IFNAME; host k of a netlab has
-10.77.0.<k+1>), checks that GROUP_RANK and LOCAL_RANK agree with RANK, and gathers every rank's
+10.77.0.<100+k>), checks that GROUP_RANK and LOCAL_RANK agree with RANK, and gathers every rank's
 (group rank, host) to check that each host's ranks form one group. It prints one line:
 
     ALLREDUCE_OK rank=R world=W group_rank=G local_rank=L host=H sum=S master=ADDR:PORT
@@ -38,7 +38,7 @@ def emulated_host() -> int:
     addr = interface_addr(ifname)
     if not addr.startswith("10.77.0."):
         return -1
-    return int(addr.rsplit(".", 1)[1]) - 1
+    return int(addr.rsplit(".", 1)[1]) - 100  # netlab.FIRST_HOST_OCTET
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """An emulated cluster on one machine: one network namespace per host, per-host shaped links.
 
 Each host k is a namespace ``<lab>-h<k>`` holding one end of a veth pair (``<lab>h<k>a``, address
-10.77.0.<k+1>/24); the other end (``<lab>h<k>b``) is a port of the lab's bridge ``<lab>br`` in the
+10.77.0.<100+k>/24); the other end (``<lab>h<k>b``) is a port of the lab's bridge ``<lab>br`` in the
 root namespace. Ranks of one host talk over its loopback; ranks of different hosts cross the
 bridge. A ``tbf`` qdisc on both ends of each veth caps the host's link in each direction: the
 namespace end shapes what the host sends, the bridge end what it receives. The root namespace has
@@ -37,6 +37,11 @@ LAB_PREFIX = "cfuse"
 LAB_ID_LEN = len(LAB_PREFIX) + 4
 STATE_DIR = "/run/commfuse/netlab"
 SUBNET = "10.77.0"
+#: Host k's address ends in FIRST_HOST_OCTET + k: a three-digit last octet for every host (up to
+#: topology.MAX_HOSTS), so the addresses sort as text in host order. torchrun's c10d rendezvous
+#: ranks its agents by sorting their ``--local-addr`` as strings; with 10.77.0.<k+1>, 10.77.0.10
+#: sorted before 10.77.0.2 and from 10 hosts on scrambled which host ran which ranks.
+FIRST_HOST_OCTET = 100
 #: tbf queue bound, as time at the link rate. TCP Small Queues keep a single flow's backlog far
 #: below this, so it only matters when many flows (all ranks of a host) share one link; 50 ms
 #: holds them without drops while still bounding the queueing delay.
@@ -234,7 +239,7 @@ class Netlab:
         return f"{self._lab_id}-h{self._check_host(host)}"
 
     def address(self, host: int) -> str:
-        return f"{SUBNET}.{self._check_host(host) + 1}"
+        return f"{SUBNET}.{FIRST_HOST_OCTET + self._check_host(host)}"
 
     def ifname(self, host: int) -> str:
         """The host's interface inside its namespace (for GLOO_SOCKET_IFNAME)."""

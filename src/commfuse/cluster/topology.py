@@ -13,7 +13,8 @@ from commfuse.units import format_rate, parse_rate_mbit
 
 #: More ranks than this on one machine is refused: each rank is a full torch process.
 MAX_LOCAL_RANKS = 64
-#: The bridge and addressing scheme hold at most this many emulated hosts.
+#: The bridge and addressing scheme hold at most this many emulated hosts (netlab's addresses
+#: 10.77.0.100 up to 10.77.0.163 keep three-digit last octets, see netlab.FIRST_HOST_OCTET).
 MAX_HOSTS = 64
 
 
