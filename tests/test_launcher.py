@@ -321,18 +321,19 @@ def _netlab_names(lab_id: str) -> list[str]:
     ]
 
 
+#: Two ranks on one host, and one rank on each of two emulated hosts.
+TWO_RANK_LAYOUTS = [
+    pytest.param(["--nproc", "2"], id="local"),
+    pytest.param(
+        ["--hosts", "2", "--ranks-per-host", "1", "--link", "1gbit"],
+        id="netlab",
+        marks=pytest.mark.netlab,
+    ),
+]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "layout",
-    [
-        pytest.param(["--nproc", "2"], id="local"),
-        pytest.param(
-            ["--hosts", "2", "--ranks-per-host", "1", "--link", "1gbit"],
-            id="netlab",
-            marks=pytest.mark.netlab,
-        ),
-    ],
-)
+@pytest.mark.parametrize("layout", TWO_RANK_LAYOUTS)
 def test_ctrl_c_stops_every_rank_and_leaves_nothing(layout: list[str]) -> None:
     emulated = "--hosts" in layout
     marker = new_marker()
@@ -354,17 +355,7 @@ def test_ctrl_c_stops_every_rank_and_leaves_nothing(layout: list[str]) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "layout",
-    [
-        pytest.param(["--nproc", "2"], id="local"),
-        pytest.param(
-            ["--hosts", "2", "--ranks-per-host", "1", "--link", "1gbit"],
-            id="netlab",
-            marks=pytest.mark.netlab,
-        ),
-    ],
-)
+@pytest.mark.parametrize("layout", TWO_RANK_LAYOUTS)
 def test_launcher_killed_takes_its_ranks_and_network_with_it(layout: list[str]) -> None:
     # SIGKILL leaves the launcher no chance to clean up; its ranks lead their own sessions, so
     # only the job's watchdog can stop them (and their children) and remove the namespaces.

@@ -11,12 +11,13 @@ So the launcher starts one small process per job, the watchdog, in a session of 
 keeps the write end of a pipe to it. It tells the watchdog, one line each:
 
 - ``group PID``: a rank started, leading process group PID;
-- ``done PID``: the launcher reaped that rank (its group id may be reused from now on);
 - ``lab ID``: the job runs on emulated cluster ID;
-- ``exit``: the launcher is shutting down cleanly; nothing to do.
+- ``exit``: the launcher is shutting down cleanly; nothing to do. It says so once it has reaped
+  its ranks and removed the lab; a launcher killed within that second could, in principle, have
+  a reaped rank's group id signalled after the kernel reused it.
 
 The kernel closes the pipe when the launcher dies, however it dies. The watchdog then reads end
-of file without ``exit``: it sends SIGKILL to every group not yet ``done``, removes the
+of file without ``exit``: it sends SIGKILL to every group it was told of, removes the
 emulated cluster by name, says so on stderr and exits. The same pipe idea is how torchrun's
 agents and MPI's daemons notice a dead parent.
 
@@ -39,7 +40,7 @@ KILL_SETTLE_S = 2.0
 
 
 class Watchdog:
-    """The launcher's side: start the watchdog, tell it about ranks and the lab, release it."""
+    """The launcher's side: start the watchdog, tell it about ranks and the lab, stop it."""
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[str] | None = None
@@ -72,10 +73,6 @@ class Watchdog:
     def guard(self, pid: int) -> None:
         """Kill process group ``pid`` should the launcher die."""
         self._say(f"group {pid}")
-
-    def release(self, pid: int) -> None:
-        """Group ``pid``'s leader was reaped: never signal that id again."""
-        self._say(f"done {pid}")
 
     def guard_lab(self, lab_id: str) -> None:
         """Remove emulated cluster ``lab_id`` should the launcher die."""
@@ -114,8 +111,6 @@ def watch(lines: IO[str], launcher_pid: int) -> None:
             return
         if word == "group":
             groups.append(int(value))
-        elif word == "done" and int(value) in groups:
-            groups.remove(int(value))
         elif word == "lab":
             labs.append(value)
     killed = []
