@@ -21,6 +21,7 @@ import torch
 from commfuse.bench.cases import OPS, bus_factor, make_case
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.cluster.topology import Topology
+from commfuse.collectives.tuner import pick_stats
 from commfuse.comm import Communicator
 from commfuse.comm.clock import now
 
@@ -155,25 +156,19 @@ def auto_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r.get("variant", r["algo"]) == "auto" and "regret" in r:
             key = (r["op"], r.get("hosts", 1), r.get("ranks_per_host", 1))
             groups.setdefault(key, []).append(r)
-    out = []
-    for (op, hosts, local), rows in groups.items():
-        picks: dict[str, int] = {}
-        for r in rows:
-            picks[r["chosen"]] = picks.get(r["chosen"], 0) + 1
-        regrets = [r["regret"] for r in rows]
-        out.append(
-            {
-                "op": op,
-                "hosts": hosts,
-                "ranks_per_host": local,
-                "sizes": len(rows),
-                "picks": dict(sorted(picks.items(), key=lambda kv: (-kv[1], kv[0]))),
-                "best_picked": sum(r["chosen"] == r["best_algo"] for r in rows),
-                "median_regret": statistics.median(regrets),
-                "max_regret": max(regrets),
-            }
-        )
-    return out
+    return [
+        {
+            "op": op,
+            "hosts": hosts,
+            "ranks_per_host": local,
+            **pick_stats(
+                [r["chosen"] for r in rows],
+                [r["regret"] for r in rows],
+                best_picked=sum(r["chosen"] == r["best_algo"] for r in rows),
+            ),
+        }
+        for (op, hosts, local), rows in groups.items()
+    ]
 
 
 def expand_algos(op: str, algos: tuple[str, ...], *, strict: bool = False) -> list[str]:

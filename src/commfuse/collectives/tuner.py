@@ -55,6 +55,7 @@ reduce-scatter is a whole all-reduce) and unsure about latency, so only such win
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import json
 import math
@@ -681,20 +682,30 @@ def pick_summary(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in records:
         if row["chosen"]:
             picked.setdefault(row["collective"], []).append(row)
-    out = []
-    for collective, rows in picked.items():
-        counts: dict[str, int] = {}
-        for row in rows:
-            counts[row["algo"]] = counts.get(row["algo"], 0) + 1
-        regrets = [row["regret"] for row in rows]
-        out.append(
-            {
-                "collective": collective,
-                "sizes": len(rows),
-                "picks": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
-                "best_picked": sum(r == 0.0 for r in regrets),
-                "median_regret": statistics.median(regrets),
-                "max_regret": max(regrets),
-            }
-        )
-    return out
+    return [
+        {
+            "collective": collective,
+            **pick_stats(
+                [row["algo"] for row in rows],
+                [row["regret"] for row in rows],
+                best_picked=sum(row["regret"] == 0.0 for row in rows),
+            ),
+        }
+        for collective, rows in picked.items()
+    ]
+
+
+def pick_stats(
+    picks: Sequence[str], regrets: Sequence[float], *, best_picked: int
+) -> dict[str, Any]:
+    """One summary of a choice made at several sizes: how many sizes, how often each algorithm
+    was picked (most often first), how often the pick was the fastest measured, and the regret
+    (pick's time over the fastest's, less 1), median and worst."""
+    counts = collections.Counter(picks)
+    return {
+        "sizes": len(picks),
+        "picks": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "best_picked": best_picked,
+        "median_regret": statistics.median(regrets),
+        "max_regret": max(regrets),
+    }
