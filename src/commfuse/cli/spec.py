@@ -342,7 +342,34 @@ def strategy_names() -> dict[str, StrategyName]:
             PeriodicSyncConfig,
             "the methods above in general: PeriodicSyncConfig's fields as the keys",
         ),
+        **sync_method_names(),
     }
+
+
+def sync_method_names() -> dict[str, StrategyName]:
+    """The local-SGD methods that decide when or what to synchronise (``SyncMethod``
+    configs, their fields as the keys)."""
+    from commfuse.localsgd import (
+        ADPSGDConfig,
+        DreamDDPConfig,
+        LocalSGDClipConfig,
+        PALSGDConfig,
+        SelSyncConfig,
+        SyncMethod,
+    )
+
+    entries: dict[type[SyncMethod], str] = {
+        SelSyncConfig: "SelSync (Tyagi and Swany 2023): average on the steps whose gradient "
+        "norm changed by >= threshold",
+        ADPSGDConfig: "ADPSGD (Jiang and Agrawal 2020): num_syncs averages over total_steps, "
+        "periods from the drift",
+        PALSGDConfig: "PALSGD (Naganuma et al. 2025): DiLoCo + random pulls toward the last "
+        "synchronised model",
+        DreamDDPConfig: "DreamDDP (Tang et al. 2025): every layer once per H steps, a planned "
+        "group per step, from backward",
+        LocalSGDClipConfig: "local SGD with clipped local steps (Liu et al., NeurIPS 2022)",
+    }
+    return {cls.name: StrategyName(cls, text) for cls, text in entries.items()}
 
 
 def strategy_listing() -> list[tuple[str, str]]:

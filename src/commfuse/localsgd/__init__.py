@@ -6,22 +6,44 @@
 ``streaming_diloco`` (``streaming_diloco.py``), each with its own arguments and the
 settings they all take (``SyncOptions``). The outer step is in ``outer.py`` and the
 fragmenting of streaming DiLoCo in ``fragments.py``.
+
+The methods that decide when or what to synchronise (``sync_method.py``) have a typed config
+each, built into their own optimizer: ``SelSyncConfig`` (``selsync.py``), ``ADPSGDConfig``
+(``adpsgd.py``), ``PALSGDConfig`` (``palsgd.py``), ``DreamDDPConfig`` (``dreamddp.py``, its
+layer plan in ``layer_schedule.py``) and ``LocalSGDClipConfig`` (``localsgd_clip.py``).
 """
 
+from commfuse.localsgd.adpsgd import ADPSGDConfig, ADPSGDOptimizer
 from commfuse.localsgd.config import PeriodicSyncConfig, SyncOptions
 from commfuse.localsgd.diloco import diloco
+from commfuse.localsgd.dreamddp import DreamDDPConfig, DreamDDPOptimizer
 from commfuse.localsgd.local_sgd import local_sgd, post_local_sgd
+from commfuse.localsgd.localsgd_clip import LocalSGDClipConfig, LocalSGDClipOptimizer
 from commfuse.localsgd.methods import GENERAL, METHODS, Method, method_of
 from commfuse.localsgd.optimizer import PeriodicSyncOptimizer, SyncRecord
+from commfuse.localsgd.palsgd import PALSGDConfig, PALSGDOptimizer
+from commfuse.localsgd.selsync import SelSyncConfig, SelSyncOptimizer
 from commfuse.localsgd.slowmo import slowmo
 from commfuse.localsgd.streaming_diloco import streaming_diloco
+from commfuse.localsgd.sync_method import SyncMethod
 
 __all__ = [
     "GENERAL",
     "METHODS",
+    "ADPSGDConfig",
+    "ADPSGDOptimizer",
+    "DreamDDPConfig",
+    "DreamDDPOptimizer",
+    "LocalSGDClipConfig",
+    "LocalSGDClipOptimizer",
     "Method",
+    "PALSGDConfig",
+    "PALSGDOptimizer",
     "PeriodicSyncConfig",
     "PeriodicSyncOptimizer",
+    "SelSyncConfig",
+    "SelSyncOptimizer",
+    "SyncMethod",
     "SyncOptions",
     "SyncRecord",
     "diloco",

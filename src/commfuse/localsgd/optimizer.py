@@ -144,6 +144,9 @@ class PeriodicSyncOptimizer:
         self._pending: list[_Pending] = []
         self.exchanges_started = 0
         """Exchanges begun so far (the compressor's step index: the same on every rank)."""
+        self.control_bytes = 0
+        """Bytes this rank sent to decide what to exchange, not exchanges (0 on a fixed period;
+        SelSync's flags, ADPSGD's periods, DreamDDP's profile: ``commfuse.localsgd.SyncMethod``)."""
         # The compressor's state (error feedback) is this optimizer's from here on.
         self._compressor = config.compressor
 

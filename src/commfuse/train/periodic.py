@@ -7,6 +7,11 @@ optimizer step performs whatever exchange is due (see ``commfuse/localsgd/optimi
 the command line the keys are the functions' arguments (``diloco:H=50,outer_lr=0.7``,
 ``streaming-diloco:H=50,num_fragments=4``, ``local-sgd:H=8,compressor=int8``,
 ``hierarchical=1``).
+
+The methods that decide when or what to synchronise (``commfuse.localsgd.SyncMethod``:
+``selsync``, ``adpsgd``, ``palsgd``, ``dreamddp``, ``localsgd-clip``) run here too, each with
+its own optimizer (``SyncMethod.make_optimizer``); DreamDDP's hooks launch exchanges during the
+backward pass, so its strategy marks the pass's start and pauses them in ``no_sync``.
 """
 
 from __future__ import annotations
@@ -15,18 +20,33 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
-from commfuse.localsgd import PeriodicSyncConfig, PeriodicSyncOptimizer
+from commfuse.localsgd import (
+    ADPSGDConfig,
+    DreamDDPConfig,
+    DreamDDPOptimizer,
+    LocalSGDClipConfig,
+    PALSGDConfig,
+    PeriodicSyncConfig,
+    PeriodicSyncOptimizer,
+    SelSyncConfig,
+    SyncMethod,
+)
 from commfuse.train.strategy import Strategy, StrategyContext, register_builder
 
 
 class PeriodicSync(Strategy):
     """One rank of a local-SGD-family run."""
 
-    def __init__(self, config: PeriodicSyncConfig, ctx: StrategyContext) -> None:
+    def __init__(self, config: PeriodicSyncConfig | SyncMethod, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        self.periodic = PeriodicSyncOptimizer(ctx.optimizer, ctx.module, ctx.comm, config)
+        self.periodic = (
+            config.make_optimizer(ctx.optimizer, ctx.module, ctx.comm)
+            if isinstance(config, SyncMethod)
+            else PeriodicSyncOptimizer(ctx.optimizer, ctx.module, ctx.comm, config)
+        )
         self._communicate = True
         self.final_sync_bytes = 0
         """Bytes this rank sent in the end-of-training synchronisation (``finish()``)."""
@@ -34,6 +54,11 @@ class PeriodicSync(Strategy):
     @property
     def model(self) -> nn.Module:
         return self.module
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if isinstance(self.periodic, DreamDDPOptimizer):
+            self.periodic.begin_backward()
+        loss.backward()  # type: ignore[no-untyped-call]
 
     def optimizer_step(self) -> bool:
         if self._communicate:
@@ -52,16 +77,26 @@ class PeriodicSync(Strategy):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         self._communicate = False
+        if isinstance(self.periodic, DreamDDPOptimizer):
+            self.periodic.communicate = False
         try:
             yield
         finally:
             self._communicate = True
+            if isinstance(self.periodic, DreamDDPOptimizer):
+                self.periodic.communicate = True
 
     def metrics(self) -> dict[str, Any]:
-        """Drift between replicas before each synchronisation (L2, and relative to the model)."""
+        """Drift between replicas before each synchronisation (L2, and relative to the model),
+        and the bytes per synchronisation: this rank's bytes but the decisions' (SelSync's
+        flags, ADPSGD's periods: ``control_bytes``), over the exchanges (DreamDDP's count one
+        per layer, so a whole-model synchronisation is ``bytes_per_sync`` times the layers)."""
         syncs = self.periodic.syncs
+        control = self.periodic.control_bytes
         return {
             "syncs": len(syncs),
+            "control_bytes": control,
+            "bytes_per_sync": (self.bytes_sent() - control) / len(syncs) if syncs else 0.0,
             "drift": [s.drift for s in syncs],
             "relative_drift": [s.relative_drift for s in syncs],
             "final_sync_bytes": self.final_sync_bytes,
@@ -75,6 +110,10 @@ class PeriodicSync(Strategy):
             raise ValueError("checkpoint has no local-SGD state (anchors, outer momentum)")
         self.periodic.load_state_dict(state["periodic"])
 
+    def close(self) -> None:
+        if isinstance(self.periodic, DreamDDPOptimizer):
+            self.periodic.close()
+
     def finish(self) -> None:
         self.periodic.land_in_flight()
         if self.periodic.config.final_sync:
@@ -84,3 +123,9 @@ class PeriodicSync(Strategy):
 
 
 register_builder(PeriodicSyncConfig, PeriodicSync)
+# The methods that decide when or what to synchronise (one line each).
+register_builder(SelSyncConfig, PeriodicSync)
+register_builder(ADPSGDConfig, PeriodicSync)
+register_builder(PALSGDConfig, PeriodicSync)
+register_builder(DreamDDPConfig, PeriodicSync)
+register_builder(LocalSGDClipConfig, PeriodicSync)

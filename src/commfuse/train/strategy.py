@@ -9,6 +9,9 @@ what the simulator prices, ``commfuse.sim.simulate_step``):
   ``commfuse.compress`` compressor (``CommfuseDPConfig(compressor=PowerSGD(rank=4))``);
 * ``commfuse.localsgd.PeriodicSyncConfig``: local SGD, SlowMo, DiLoCo, ..., built by
   ``local_sgd(H=8)``, ``diloco(H=50)``, ...
+* a ``commfuse.localsgd.SyncMethod``: a local-SGD method that decides when or what to
+  synchronise (``SelSyncConfig``, ``ADPSGDConfig``, ``PALSGDConfig``, ``DreamDDPConfig``,
+  ``LocalSGDClipConfig``).
 
 On each rank ``build_strategy(config, ctx)`` wraps the workload's model and optimizer in a
 :class:`Strategy`, whose uniform step interface the training loop (``loop.py``) drives, whatever
@@ -46,6 +49,7 @@ from commfuse.compress.base import Compressor
 
 if TYPE_CHECKING:
     from commfuse.localsgd import PeriodicSyncConfig
+    from commfuse.localsgd.sync_method import SyncMethod
 
 #: Modules that register strategy builders when imported (a new strategy adds a line here).
 STRATEGY_MODULES: tuple[str, ...] = (
@@ -187,6 +191,7 @@ class CommfuseDPConfig:
 #: Every strategy config.
 StrategyConfig: TypeAlias = (
     "TorchDDPConfig | TorchPowerSGDConfig | CommfuseDPConfig | PeriodicSyncConfig"
+    " | SyncMethod"  # the local-SGD methods that decide when to synchronise
 )
 
 
@@ -222,8 +227,15 @@ def describe_compressor(compressor: Compressor) -> str:
 
 def _name_and_settings(config: StrategyConfig) -> tuple[str, dict[str, Any]]:
     """The command line's name for ``config`` and the settings its spec gives."""
-    from commfuse.localsgd import PeriodicSyncConfig, method_of
+    from commfuse.localsgd import PeriodicSyncConfig, SyncMethod, method_of
 
+    if isinstance(config, SyncMethod):
+        settings = _changed(config)
+        compressor = settings.get("compressor")
+        if isinstance(compressor, Compressor):
+            shared = ("algo",) if compressor.algo == getattr(config, "algo", None) else ()
+            settings["compressor"] = _spec(compressor.name, _changed(compressor, skip=shared))
+        return config.name, settings
     if isinstance(config, TorchDDPConfig):
         name = "ddp" if config.hook == "none" else f"ddp-{config.hook}"
         return name, _changed(config, skip=("hook",))
@@ -390,9 +402,15 @@ def build_strategy(config: StrategyConfig, ctx: StrategyContext) -> Strategy:
 
 def check_strategy(config: object) -> None:
     """ValueError unless ``config`` is a strategy config (checked before any rank starts)."""
-    from commfuse.localsgd import PeriodicSyncConfig
+    from commfuse.localsgd import PeriodicSyncConfig, SyncMethod
 
-    kinds = (TorchDDPConfig, TorchPowerSGDConfig, CommfuseDPConfig, PeriodicSyncConfig)
+    kinds = (
+        TorchDDPConfig,
+        TorchPowerSGDConfig,
+        CommfuseDPConfig,
+        PeriodicSyncConfig,
+        SyncMethod,  # the local-SGD methods that decide when to synchronise
+    )
     if not isinstance(config, kinds):
         raise ValueError(
             f"strategy must be one of {', '.join(k.__name__ for k in kinds)} (a typed config; "

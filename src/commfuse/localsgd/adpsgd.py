@@ -1,0 +1,205 @@
+"""ADPSGD: an adaptive averaging period, short early and long late, under a budget of K syncs.
+
+Jiang and Agrawal, "Adaptive Periodic Averaging: A Practical Approach to Reducing Communication
+in Distributed Learning" (arXiv 2007.06134, 2020). Periodic averaging converges as well as the
+variance of the replicas' parameters allows, and that variance grows fastest early in training
+(large gradients, high learning rate). For a fixed number of synchronisations it is better to
+average often early and rarely late than to use one period throughout (CPSGD). The paper's
+principle is to keep the variance at each averaging about equal: the period is inversely
+proportional to the rate at which the replicas drift apart. Here, with a budget of ``num_syncs``
+(K) synchronisations over ``total_steps`` (T):
+
+1. the first two periods are probes of ``first_period_steps`` (default ``T / (2K)``);
+2. at each synchronisation every rank measures its drift ``d`` (the distance between its
+   replica and the average, recorded in ``syncs``) and the drift rate ``r = d^2 / p`` over the
+   period p just ended; from the first rate ``r_1`` (at step ``t_1``) and the current one
+   ``r_k`` (at ``t_k``) it fits a power law ``r(t) ~ t^-a``,
+   ``a = log(r_1 / r_k) / log(t_k / t_1)``, clipped to [0, 2];
+3. a period inversely proportional to the rate that spends the ``K - k`` syncs left over the
+   ``T - t_k`` steps left, if the rate keeps falling that way, is
+   ``p = t_k F / (K - k)`` with ``F = ((T / t_k)^(1 - a) - 1) / (1 - a)`` (``log(T / t_k)`` at
+   a = 1): a = 0 (no decay) spreads the syncs left evenly, a > 0 starts short and lengthens;
+4. the ranks' proposals differ (each measures its own drift): one integer allreduce (min) makes
+   the most drifting replica's proposal everyone's next period;
+5. after K synchronisations none follows (``finish()`` averages once more at the end).
+
+The paper's measured variance falls with the learning rate and the gradients, so a > 0 and the
+periods lengthen; with a constant learning rate and a drift that does not slow down, a = 0 and
+ADPSGD is local SGD with ``H = T / K``. Tune K as local SGD's H (K = T / H sends the same
+bytes) and keep ``total_steps`` the run's length.
+
+Bytes per rank: the model (``4 N`` in fp32, or the compressor's message) per synchronisation,
+plus 8 for the agreement on the next period.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from commfuse.comm import Communicator
+from commfuse.compress.base import Compressor
+from commfuse.localsgd.config import PeriodicSyncConfig
+from commfuse.localsgd.optimizer import PeriodicSyncOptimizer
+from commfuse.localsgd.sync_method import AGREE_BYTES, SyncMethod, agree
+
+#: The decay exponent ``a`` is clipped to [0, MAX_DECAY].
+MAX_DECAY = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ADPSGDConfig(SyncMethod):
+    """ADPSGD (Jiang and Agrawal 2020): ``num_syncs`` averages over ``total_steps``, their
+    periods set from the measured drift between replicas."""
+
+    name = "adpsgd"
+
+    total_steps: int
+    """T: the run's length in steps (the budget is spread over it)."""
+    num_syncs: int = 10
+    """K: synchronisations allowed over ``total_steps`` (the same bytes as local SGD with
+    H = T / K)."""
+    first_period_steps: int = 0
+    """Length of the two probe periods that measure the first drift rates (0: T / (2K))."""
+    inner_lr_scale: float = 1.0
+    """Multiplies the inner learning rate (as ``PeriodicSyncConfig.inner_lr_scale``)."""
+    compressor: Compressor | None = None
+    """Compresses each exchange (as ``PeriodicSyncConfig.compressor``); None: fp32."""
+    algo: str = "auto"
+    """commfuse allreduce algorithm of the uncompressed exchange."""
+    final_sync: bool = True
+    """Average the replicas at ``finish()`` when they moved since the last synchronisation."""
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
+        if not 1 <= self.num_syncs <= self.total_steps:
+            raise ValueError(
+                f"num_syncs must be in [1, total_steps={self.total_steps}], got {self.num_syncs}"
+            )
+        if self.first_period_steps < 0:
+            raise ValueError(f"first_period_steps must be >= 0, got {self.first_period_steps}")
+        self.periodic()  # the shared settings' own checks
+
+    @property
+    def probe_steps(self) -> int:
+        """The probe periods' length."""
+        return self.first_period_steps or max(1, self.total_steps // (2 * self.num_syncs))
+
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config: plain averaging of the whole model."""
+        return PeriodicSyncConfig(
+            period_steps=1,
+            inner_lr_scale=self.inner_lr_scale,
+            compressor=self.compressor,
+            algo=self.algo,
+            final_sync=self.final_sync,
+        )
+
+    def make_optimizer(
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator
+    ) -> ADPSGDOptimizer:
+        return ADPSGDOptimizer(optimizer, module, comm, self)
+
+
+def next_period(
+    *, t_k: int, rate_k: float, t_1: int, rate_1: float, syncs_left: int, total_steps: int
+) -> int:
+    """Step 3 of the module docstring: the period after the sync at step ``t_k`` (>= 1)."""
+    steps_left = total_steps - t_k
+    if steps_left <= 0 or syncs_left <= 0:
+        return max(1, steps_left)
+    decay = 0.0
+    if t_k > t_1 and rate_k > 0 and rate_1 > 0:
+        decay = min(MAX_DECAY, max(0.0, math.log(rate_1 / rate_k) / math.log(t_k / t_1)))
+    ratio = total_steps / t_k
+    spread = math.log(ratio) if abs(1 - decay) < 1e-9 else (ratio ** (1 - decay) - 1) / (1 - decay)
+    return min(steps_left, max(1, round(t_k * spread / syncs_left)))
+
+
+class ADPSGDOptimizer(PeriodicSyncOptimizer):
+    """ADPSGD's optimizer (the module docstring); ``sync_steps`` lists the steps that averaged
+    (the same on every rank), ``control_bytes`` what agreeing on the periods cost.
+
+    Args:
+        optimizer: the inner optimizer over ``module``'s parameters.
+        module: the replica.
+        comm: the group of replicas.
+        method: the settings.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        module: nn.Module,
+        comm: Communicator,
+        method: ADPSGDConfig,
+    ) -> None:
+        super().__init__(optimizer, module, comm, method.periodic())
+        self.method = method
+        self.next_sync_at = method.probe_steps
+        """The step after which the next synchronisation happens (0: none left)."""
+        self.sync_steps: list[int] = []
+        self.first_rate: tuple[int, float] | None = None
+        """(t_1, r_1): this rank's first measured drift rate."""
+
+    def step(self) -> None:
+        """The inner step, then the synchronisation when one is due and the next period."""
+        self._inner_step(self.config.inner_lr_scale)
+        self.step_count += 1
+        if self.step_count != self.next_sync_at:
+            return
+        last = self.sync_steps[-1] if self.sync_steps else 0
+        self._start_exchange(0, background=False)
+        self._apply_arrived()
+        self.sync_steps.append(self.step_count)
+        self.next_sync_at = self._plan(self.syncs[-1].drift, self.step_count - last)
+
+    def _plan(self, drift: float, period: int) -> int:
+        """Steps 2-5 of the module docstring: the step of the next synchronisation (0: none)."""
+        done, method = len(self.sync_steps), self.method
+        if done >= method.num_syncs or self.step_count >= method.total_steps:
+            return 0  # the same on every rank: no agreement needed
+        rate = drift * drift / period
+        if self.first_rate is None:
+            self.first_rate = (self.step_count, rate)
+        if done < 2:
+            proposal = method.probe_steps
+        else:
+            t_1, rate_1 = self.first_rate
+            proposal = next_period(
+                t_k=self.step_count,
+                rate_k=rate,
+                t_1=t_1,
+                rate_1=rate_1,
+                syncs_left=method.num_syncs - done,
+                total_steps=method.total_steps,
+            )
+        agreed = agree(self.outer_comm, proposal, "min", like=self.params[0])
+        if self.outer_comm.world_size > 1:
+            self.control_bytes += AGREE_BYTES
+        return self.step_count + agreed
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shared state, and the schedule so far."""
+        state = super().state_dict()
+        state["adpsgd"] = {
+            "next_sync_at": self.next_sync_at,
+            "sync_steps": list(self.sync_steps),
+            "first_rate": None if self.first_rate is None else list(self.first_rate),
+            "control_bytes": self.control_bytes,
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        own = state["adpsgd"]
+        self.next_sync_at = int(own["next_sync_at"])
+        self.sync_steps = [int(s) for s in own["sync_steps"]]
+        first = own["first_rate"]
+        self.first_rate = None if first is None else (int(first[0]), float(first[1]))
+        self.control_bytes = int(own["control_bytes"])

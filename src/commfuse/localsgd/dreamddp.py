@@ -1,0 +1,319 @@
+"""DreamDDP: local SGD whose synchronisation is spread over the period, a few layers per step,
+each exchange overlapped with the backward pass.
+
+Tang et al., "DreamDDP: Accelerating Data Parallel Distributed LLM Training with Layer-wise
+Scheduled Partial Synchronization" (arXiv 2502.11058, 2025). Local SGD sends the whole model
+at once every H steps, after the optimizer step, where nothing can hide it: the synchronising
+step is long, the others compute-only. DreamDDP averages every layer once per period too, but
+at different iterations, and sends a layer's parameters during the backward pass:
+
+1. once the backward pass has produced a layer's gradients it no longer reads that layer's
+   parameters, so a hook on the layer (torch's post-accumulate-grad hook) launches the
+   allreduce of its parameters, in the background, while the backward pass continues with the
+   layers before it;
+2. before the optimizer step the exchanges of this iteration are waited for and each averaged
+   layer takes the replicas' average; the inner step then applies this replica's gradient to
+   it, so an averaged layer is ``mean(params) - lr g`` (SGD);
+3. which layers an iteration averages is a plan (``layer_schedule.py``): every layer in exactly
+   one of the H iterations of the period, chosen from the first iteration's profile (each
+   layer's backward time and the time of its exchange, the slowest rank's) so that the
+   exchanges hide behind the backward pass as well as they can: the worst iteration's exposed
+   communication is the least.
+
+The first ``profile_steps`` iterations average every layer (a full synchronisation) and time
+it; the period starts after them. H = 1 averages every layer at every step (each replica then
+applies its own gradient to the average). Tune H as local SGD's: the bytes per step are the
+model's divided by H, now spread evenly over the steps instead of in one burst.
+
+Bytes per rank: every layer once per H steps, ``4 N / H`` per step on average (the profile
+steps: ``4 N`` each), plus ``24 L`` once for agreeing on the L layers' profiled times and
+backward order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from commfuse import collectives
+from commfuse.comm import Communicator, Handle
+from commfuse.comm.clock import now
+from commfuse.localsgd.config import PeriodicSyncConfig
+from commfuse.localsgd.layer_schedule import plan_layers
+from commfuse.localsgd.optimizer import PeriodicSyncOptimizer, SyncRecord
+from commfuse.localsgd.sync_method import SyncMethod
+
+
+@dataclass(frozen=True, kw_only=True)
+class DreamDDPConfig(SyncMethod):
+    """DreamDDP (Tang et al. 2025): every layer averaged once per H steps, a planned group of
+    layers per step, launched from the backward pass."""
+
+    name = "dreamddp"
+
+    H: int = 8
+    """Steps per period: every layer is averaged once in each H steps."""
+    profile_steps: int = 1
+    """First steps that average every layer and time them (the plan's profile)."""
+    max_plan_nodes: int = 200_000
+    """Search budget of the plan (exact below it; the best plan found at it)."""
+    inner_lr_scale: float = 1.0
+    """Multiplies the inner learning rate (as ``PeriodicSyncConfig.inner_lr_scale``)."""
+    algo: str = "auto"
+    """commfuse allreduce algorithm of the layers' exchanges."""
+    final_sync: bool = True
+    """Average the replicas at ``finish()`` (the layers' phases differ at any stop)."""
+
+    def __post_init__(self) -> None:
+        if self.H < 1:
+            raise ValueError(f"H must be >= 1, got {self.H}")
+        if self.profile_steps < 1:
+            raise ValueError(f"profile_steps must be >= 1, got {self.profile_steps}")
+        if self.max_plan_nodes < 1:
+            raise ValueError(f"max_plan_nodes must be >= 1, got {self.max_plan_nodes}")
+        self.periodic()
+
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config (its final synchronisation and checkpoint)."""
+        return PeriodicSyncConfig(
+            period_steps=self.H,
+            inner_lr_scale=self.inner_lr_scale,
+            algo=self.algo,
+            final_sync=self.final_sync,
+        )
+
+    def make_optimizer(
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator
+    ) -> DreamDDPOptimizer:
+        return DreamDDPOptimizer(optimizer, module, comm, self)
+
+
+def layers_of(module: nn.Module, params: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The layers: each submodule's own trainable parameters (indices into ``params``), in
+    registration order; a parameter shared by two modules belongs to the first."""
+    index = {id(p): i for i, p in enumerate(params)}
+    seen: set[int] = set()
+    layers = []
+    for sub in module.modules():
+        own = [index[id(p)] for p in sub.parameters(recurse=False) if id(p) in index]
+        own = [i for i in own if i not in seen]
+        seen.update(own)
+        if own:
+            layers.append(own)
+    return layers
+
+
+@dataclass(kw_only=True)
+class _Launched:
+    layer: int
+    sent: torch.Tensor
+    """The layer's parameters as sent (for the drift)."""
+    average: torch.Tensor
+    handle: Handle | None
+
+
+class DreamDDPOptimizer(PeriodicSyncOptimizer):
+    """DreamDDP's optimizer (the module docstring). Installs a post-accumulate-grad hook on
+    every parameter; ``plan[l]`` is the iteration of the period that averages layer l
+    (None until the profile is done); ``syncs`` has one record per layer exchange (its
+    ``fragment`` is the layer).
+
+    Args:
+        optimizer: the inner optimizer over ``module``'s parameters.
+        module: the replica.
+        comm: the group of replicas.
+        method: the settings.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        module: nn.Module,
+        comm: Communicator,
+        method: DreamDDPConfig,
+    ) -> None:
+        super().__init__(optimizer, module, comm, method.periodic())
+        self.method = method
+        self.layers = layers_of(module, self.params)
+        self.layer_of = {
+            id(self.params[i]): layer for layer, members in enumerate(self.layers) for i in members
+        }
+        self.plan: list[int] | None = None
+        """Per layer, the iteration of the period that averages it (None before the profile)."""
+        self.backward_order: list[int] = []
+        """Layers in the order the profiled backward pass finished them."""
+        self.communicate = True
+        """False: hooks launch nothing and ``step()`` is the inner step (compute-only timing)."""
+        self._remaining = [len(members) for members in self.layers]
+        self._launched: list[_Launched] = []
+        self._backward_started: float | None = None
+        self._ready_at: dict[int, float] = {}
+        self._comm_s: dict[int, float] = {}
+        self._paused_s = 0.0
+        self.profile: dict[str, list[float]] = {}
+        """The agreed profile: per layer in backward order, ``backward_s`` and ``comm_s``."""
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._grad_ready)  # type: ignore[no-untyped-call]
+            for p in self.params
+        ]
+
+    # -- which layers this iteration averages ------------------------------------------------
+    @property
+    def profiling(self) -> bool:
+        """Whether the coming step is a profile step (every layer, timed)."""
+        return self.step_count < self.method.profile_steps
+
+    def due(self, layer: int) -> bool:
+        """Whether the coming step (``step_count + 1``) averages ``layer``."""
+        if self.profiling or self.plan is None:
+            return True
+        iteration = (self.step_count - self.method.profile_steps) % self.method.H
+        return self.plan[layer] == iteration
+
+    def begin_backward(self) -> None:
+        """Mark the start of the backward pass (the first layer's backward time in the profile;
+        without it that layer's is counted from its own end, 0)."""
+        self._backward_started = now(self.params[0].device)
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        layer = self.layer_of[id(param)]
+        self._remaining[layer] -= 1
+        if self._remaining[layer] > 0:
+            return
+        # Counted afresh for the next backward pass, whether or not a step follows this one.
+        self._remaining[layer] = len(self.layers[layer])
+        launched = any(item.layer == layer for item in self._launched)
+        if self.communicate and not launched and self.due(layer):
+            self._launch(layer)
+
+    def _launch(self, layer: int) -> None:
+        params = [self.params[i] for i in self.layers[layer]]
+        sent = torch.cat([p.detach().reshape(-1) for p in params])
+        average = sent.clone()
+        if not self.profiling:
+            handle = collectives.all_reduce(
+                self.outer_comm, average, "avg", algo=self.config.algo, async_op=True
+            )
+            self._launched.append(_Launched(layer=layer, sent=sent, average=average, handle=handle))
+            return
+        # Profile: the exchange runs alone, timed, and the backward pass waits for it (the
+        # time it waits is taken out of the next layer's backward time).
+        device = sent.device
+        ready = now(device)
+        self._ready_at[layer] = ready - self._paused_s
+        collectives.all_reduce(self.outer_comm, average, "avg", algo=self.config.algo)
+        spent = now(device) - ready
+        self._comm_s[layer] = spent
+        self._paused_s += spent
+        self._launched.append(_Launched(layer=layer, sent=sent, average=average, handle=None))
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Land this iteration's exchanges (launching any due layer whose hook did not fire),
+        take the inner step, and after the profile plan the period."""
+        if not self.communicate:
+            self.inner.step()
+            return
+        done = {launched.layer for launched in self._launched}
+        for layer in range(len(self.layers)):
+            if layer not in done and self.due(layer):
+                self._launch(layer)  # no gradient this step: sent from here, in layer order
+        profiling = self.profiling
+        for launched in self._launched:
+            if launched.handle is not None:
+                launched.handle.wait()
+            self._write_layer(launched.layer, launched.average)
+            drift = float((launched.sent - launched.average).norm())
+            scale = float(launched.sent.norm()) or 1.0
+            self.syncs.append(
+                SyncRecord(
+                    step=self.step_count + 1,
+                    fragment=launched.layer,
+                    numel=launched.average.numel(),
+                    drift=drift,
+                    relative_drift=drift / scale,
+                )
+            )
+        if profiling:
+            self._record_profile()
+        self._launched = []
+        self._inner_step(self.config.inner_lr_scale)
+        self.step_count += 1
+        if profiling and not self.profiling:
+            self._make_plan()
+
+    def _write_layer(self, layer: int, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for i in self.layers[layer]:
+                p = self.params[i]
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def _record_profile(self) -> None:
+        order = sorted(self._ready_at, key=lambda layer: self._ready_at[layer])
+        if len(order) == len(self.layers):
+            self.backward_order = order
+        self._paused_s = 0.0
+
+    def _make_plan(self) -> None:
+        """Agree on the profiled times (the slowest rank's: a max, exact on every rank), then
+        plan every layer's iteration from them, identically on every rank."""
+        layers = len(self.layers)
+        order = self.backward_order or list(reversed(range(layers)))
+        ready = [self._ready_at.get(layer, 0.0) for layer in order]
+        start = (
+            ready[0] if self._backward_started is None else min(ready[0], self._backward_started)
+        )
+        backward = [max(0.0, r - prev) for r, prev in zip(ready, [start, *ready[:-1]], strict=True)]
+        times = torch.tensor(
+            [*backward, *[self._comm_s.get(layer, 0.0) for layer in order]],
+            dtype=torch.float64,
+            device=self.params[0].device,
+        )
+        # The backward order itself must be the same everywhere: rank 0's.
+        order_t = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
+        if self.outer_comm.world_size > 1:
+            collectives.all_reduce(self.outer_comm, times, "max", algo="native")
+            collectives.broadcast(self.outer_comm, order_t, 0, algo="native")
+            self.control_bytes += times.numel() * 8 + order_t.numel() * 8
+        self.backward_order = [int(x) for x in order_t.tolist()]
+        values = times.tolist()
+        plan_in_order = plan_layers(
+            values[:layers], values[layers:], self.method.H, max_nodes=self.method.max_plan_nodes
+        )
+        plan = [0] * layers
+        for position, layer in enumerate(self.backward_order):
+            plan[layer] = plan_in_order[position]
+        self.plan = plan
+        self.profile = {"backward_s": values[:layers], "comm_s": values[layers:]}
+
+    # -- the rest of the optimizer interface ---------------------------------------------------
+    def close(self) -> None:
+        """Remove the hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shared state, and the plan (the profile's times differ from run to run, so a
+        resumed run must keep the plan it had)."""
+        state = super().state_dict()
+        state["dreamddp"] = {
+            "plan": None if self.plan is None else list(self.plan),
+            "backward_order": list(self.backward_order),
+            "control_bytes": self.control_bytes,
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        own = state["dreamddp"]
+        self.plan = None if own["plan"] is None else [int(x) for x in own["plan"]]
+        self.backward_order = [int(x) for x in own["backward_order"]]
+        self.control_bytes = int(own["control_bytes"])

@@ -1,0 +1,141 @@
+"""DreamDDP's schedule: which iteration of the period averages which layer.
+
+Every layer is averaged once per period of H iterations, its exchange launched as soon as the
+backward pass has finished with it. Layers are numbered in the order the backward pass
+finishes them (the last layer of the forward first), with profiled times:
+``backward_s[l]``, the backward compute between layer l-1's end and layer l's, and ``comm_s[l]``,
+the time of layer l's exchange. One link carries the exchanges one after another, so in an
+iteration that averages the layers S (in backward order):
+
+1. layer l is ready at ``ready_l = backward_s[0] + ... + backward_s[l]``;
+2. its exchange starts when it is ready and the link is free: ``finish = max(finish, ready_l) +
+   comm_s[l]``;
+3. the iteration waits ``exposed(S) = max(0, finish - ready_{L-1})`` past its backward pass.
+
+``plan_layers`` assigns every layer to one iteration so that the worst iteration's exposed
+time is the least, then their sum (the order of the key), exactly for small cases
+(branch and bound over the assignments, the iterations being interchangeable), and with the
+best assignment found within ``max_nodes`` nodes of the search otherwise (never worse than the
+greedy start: each layer, in backward order, to the iteration whose link frees first).
+``brute_force_plan`` tries every assignment, for the tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+#: A plan's key: (the worst iteration's exposed time, the sum over iterations).
+Key = tuple[float, float]
+
+
+def _check(backward_s: Sequence[float], comm_s: Sequence[float], num_iterations: int) -> None:
+    if len(backward_s) != len(comm_s) or not backward_s:
+        raise ValueError(
+            f"backward_s and comm_s must give one time per layer (at least one), got "
+            f"{len(backward_s)} and {len(comm_s)}"
+        )
+    if num_iterations < 1:
+        raise ValueError(f"num_iterations (H) must be >= 1, got {num_iterations}")
+    if min(*backward_s, *comm_s) < 0:
+        raise ValueError("profiled times must be >= 0")
+
+
+def exposed_s(layers: Sequence[int], backward_s: Sequence[float], comm_s: Sequence[float]) -> float:
+    """Seconds an iteration that averages ``layers`` waits past its backward pass (steps 1-3
+    of the module docstring)."""
+    ready = list(itertools.accumulate(backward_s))
+    finish = 0.0
+    for layer in sorted(layers):
+        finish = max(finish, ready[layer]) + comm_s[layer]
+    return max(0.0, finish - ready[-1])
+
+
+def plan_key(
+    plan: Sequence[int], backward_s: Sequence[float], comm_s: Sequence[float], num_iterations: int
+) -> Key:
+    """The key of ``plan`` (``plan[l]`` = the iteration that averages layer l)."""
+    costs = [
+        exposed_s([layer for layer, h in enumerate(plan) if h == it], backward_s, comm_s)
+        for it in range(num_iterations)
+    ]
+    return max(costs), sum(costs)
+
+
+def brute_force_plan(
+    backward_s: Sequence[float], comm_s: Sequence[float], num_iterations: int
+) -> tuple[list[int], Key]:
+    """The best plan by trying all ``H^L`` of them (small cases only)."""
+    _check(backward_s, comm_s, num_iterations)
+    best: tuple[list[int], Key] | None = None
+    for plan in itertools.product(range(num_iterations), repeat=len(backward_s)):
+        key = plan_key(plan, backward_s, comm_s, num_iterations)
+        if best is None or key < best[1]:
+            best = (list(plan), key)
+    assert best is not None
+    return best
+
+
+def plan_layers(
+    backward_s: Sequence[float],
+    comm_s: Sequence[float],
+    num_iterations: int,
+    *,
+    max_nodes: int = 200_000,
+) -> list[int]:
+    """The iteration (0..H-1) that averages each layer (see the module docstring).
+
+    Args:
+        backward_s: per layer, in backward order, the backward compute before it is ready.
+        comm_s: per layer, the time of its exchange.
+        num_iterations: H, the period.
+        max_nodes: the search stops after this many nodes with the best plan found so far.
+
+    Returns:
+        ``plan[l]``, the iteration of layer l; the same for the same inputs on every rank.
+
+    Raises:
+        ValueError: the lists differ in length or are empty, a time is negative, or H < 1.
+    """
+    _check(backward_s, comm_s, num_iterations)
+    ready = list(itertools.accumulate(backward_s))
+    end = ready[-1]
+    count = len(backward_s)
+    # The greedy start: each layer to the iteration whose link frees first.
+    finish = [0.0] * num_iterations
+    plan = [0] * count
+    for layer in range(count):
+        it = min(range(num_iterations), key=lambda h: (max(finish[h], ready[layer]), h))
+        plan[layer] = it
+        finish[it] = max(finish[it], ready[layer]) + comm_s[layer]
+    best_plan = list(plan)
+    best_key = plan_key(plan, backward_s, comm_s, num_iterations)
+    nodes = 0
+
+    def key_of(frees: list[float]) -> Key:
+        costs = [max(0.0, f - end) for f in frees]
+        return max(costs), sum(costs)
+
+    def search(layer: int, frees: list[float], current: list[int]) -> None:
+        nonlocal best_plan, best_key, nodes
+        nodes += 1
+        # Exposed times only grow as layers are added: the partial key bounds the complete one.
+        if nodes > max_nodes or key_of(frees) >= best_key:
+            return
+        if layer == count:
+            best_plan, best_key = list(current), key_of(frees)
+            return
+        tried: set[float] = set()
+        for it in range(num_iterations):
+            if frees[it] in tried:  # interchangeable with an iteration already tried
+                continue
+            tried.add(frees[it])
+            saved = frees[it]
+            frees[it] = max(saved, ready[layer]) + comm_s[layer]
+            current.append(it)
+            search(layer + 1, frees, current)
+            current.pop()
+            frees[it] = saved
+
+    search(0, [0.0] * num_iterations, [])
+    return best_plan

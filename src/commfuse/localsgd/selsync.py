@@ -1,0 +1,148 @@
+"""SelSync: synchronise only the steps whose gradient changed significantly.
+
+Tyagi and Swany, "Accelerating Distributed ML Training via Selective Synchronization" (IEEE
+Cluster 2023, arXiv 2307.07950). Every rank trains its own replica; at each step:
+
+1. each rank smooths the L2 norm of its gradient, ``s_t = beta s_{t-1} + (1 - beta) |g_t|``
+   (the first step: ``s_1 = |g_1|``), and computes its relative change
+   ``delta_t = |s_t - s_{t-1}| / s_{t-1}`` (infinite on the first step);
+2. each rank sets a flag, ``delta_t >= threshold``, and one allreduce (max) of the flags (one
+   integer) decides, identically on every rank, whether this step synchronises: it does when
+   any rank saw a significant change;
+3. every rank takes its inner step; on a synchronising step the replicas are then replaced by
+   their average (parameter aggregation, as the paper prefers to gradient aggregation: it also
+   reconciles the drift of the local steps before it), else the step stays local.
+
+``threshold = 0`` synchronises every step: local SGD with H = 1. A larger threshold syncs
+less; the paper tunes it per model (large changes of the gradient come early in training and
+after learning-rate changes, where synchronising matters most). Tune ``threshold`` by the
+fraction of steps that synchronise (``len(optimizer.syncs) / steps``) and ``smoothing``
+toward 1 for noisy gradients (small batches per replica).
+
+Bytes per rank: 8 per step for the flag, plus the model (``4 N`` in fp32, or the compressor's
+message) on each synchronising step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from commfuse.comm import Communicator
+from commfuse.compress.base import Compressor
+from commfuse.localsgd.config import PeriodicSyncConfig
+from commfuse.localsgd.optimizer import PeriodicSyncOptimizer
+from commfuse.localsgd.sync_method import AGREE_BYTES, SyncMethod, agree
+
+
+@dataclass(frozen=True, kw_only=True)
+class SelSyncConfig(SyncMethod):
+    """SelSync (Tyagi and Swany 2023): average the replicas on the steps where some rank's
+    smoothed gradient norm changed by at least ``threshold`` (relative)."""
+
+    name = "selsync"
+
+    threshold: float = 0.05
+    """delta: the relative change of the smoothed gradient norm that makes a step synchronise
+    (0: every step)."""
+    smoothing: float = 0.9
+    """beta of the exponential moving average of the gradient norm (0: no smoothing)."""
+    inner_lr_scale: float = 1.0
+    """Multiplies the inner learning rate (as ``PeriodicSyncConfig.inner_lr_scale``)."""
+    compressor: Compressor | None = None
+    """Compresses each exchange (as ``PeriodicSyncConfig.compressor``); None: fp32."""
+    algo: str = "auto"
+    """commfuse allreduce algorithm of the uncompressed exchange."""
+    final_sync: bool = True
+    """Average the replicas at ``finish()`` when they moved since the last synchronisation."""
+
+    def __post_init__(self) -> None:
+        if not self.threshold >= 0:
+            raise ValueError(f"threshold must be >= 0, got {self.threshold}")
+        if not 0 <= self.smoothing < 1:
+            raise ValueError(f"smoothing must be in [0, 1), got {self.smoothing}")
+        self.periodic()  # the shared settings' own checks
+
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config: plain averaging of the whole model."""
+        return PeriodicSyncConfig(
+            period_steps=1,
+            inner_lr_scale=self.inner_lr_scale,
+            compressor=self.compressor,
+            algo=self.algo,
+            final_sync=self.final_sync,
+        )
+
+    def make_optimizer(
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator
+    ) -> SelSyncOptimizer:
+        return SelSyncOptimizer(optimizer, module, comm, self)
+
+
+class SelSyncOptimizer(PeriodicSyncOptimizer):
+    """SelSync's optimizer (see the module docstring); ``syncs`` lists the steps that
+    synchronised, ``control_bytes`` what the flags cost.
+
+    Args:
+        optimizer: the inner optimizer over ``module``'s parameters.
+        module: the replica.
+        comm: the group of replicas.
+        method: the settings.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        module: nn.Module,
+        comm: Communicator,
+        method: SelSyncConfig,
+    ) -> None:
+        super().__init__(optimizer, module, comm, method.periodic())
+        self.method = method
+        self.smoothed_norm: float | None = None
+        """This rank's smoothed gradient norm (differs between ranks)."""
+
+    def significant_change(self) -> bool:
+        """Update the smoothed gradient norm and say whether it changed by >= threshold."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = (
+            float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+            if grads
+            else 0.0
+        )
+        previous = self.smoothed_norm
+        beta = self.method.smoothing
+        self.smoothed_norm = norm if previous is None else beta * previous + (1 - beta) * norm
+        if previous is None or previous == 0.0:
+            return True
+        change = abs(self.smoothed_norm - previous) / previous
+        return bool(change >= self.method.threshold)
+
+    def step(self) -> None:
+        """Decide (one flag allreduce), take the inner step, average when decided."""
+        sync = agree(self.outer_comm, int(self.significant_change()), "max", like=self.params[0])
+        if self.outer_comm.world_size > 1:
+            self.control_bytes += AGREE_BYTES
+        self._inner_step(self.config.inner_lr_scale)
+        self.step_count += 1
+        if sync:
+            self._start_exchange(0, background=False)
+            self._apply_arrived()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shared state, and the smoothed gradient norm and the flags' bytes."""
+        state = super().state_dict()
+        state["selsync"] = {
+            "smoothed_norm": self.smoothed_norm,
+            "control_bytes": self.control_bytes,
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        own = state["selsync"]
+        self.smoothed_norm = own["smoothed_norm"]
+        self.control_bytes = int(own["control_bytes"])
