@@ -148,6 +148,9 @@ class DreamDDPOptimizer(PeriodicSyncOptimizer):
         """Layers in the order the profiled backward pass finished them."""
         self.communicate = True
         """False: hooks launch nothing and ``step()`` is the inner step (compute-only timing)."""
+        self.hook_launches = 0
+        """Exchanges launched from the backward pass's hooks (the others: from ``step()``, for
+        a due layer that got no gradient, and the profile steps')."""
         self._remaining = [len(members) for members in self.layers]
         self._launched: list[_Launched] = []
         self._backward_started: float | None = None
@@ -189,6 +192,7 @@ class DreamDDPOptimizer(PeriodicSyncOptimizer):
         self._remaining[layer] = len(self.layers[layer])
         launched = any(item.layer == layer for item in self._launched)
         if self.communicate and not launched and self.due(layer):
+            self.hook_launches += 0 if self.profiling else 1
             self._launch(layer)
 
     def _launch(self, layer: int) -> None:

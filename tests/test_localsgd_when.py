@@ -1,0 +1,397 @@
+"""SelSync, ADPSGD, PALSGD, DreamDDP and local SGD with clipping on real ranks.
+
+Each is checked against a known method in its degenerate setting (SelSync at threshold 0 is
+local SGD with H = 1, PALSGD at p = 0 is DiLoCo, bit for bit; DreamDDP at H = 1 and clipping at
+I = 1 against a single-process replay of every replica), for decisions that are the same on
+every rank (a divergence would leave ranks in different collectives: the pool's deadline fails
+the test), for the bytes each rank sends against the method's formula, and for a resume in the
+middle of a period that continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from commfuse.cli.spec import strategy_from_spec
+from commfuse.comm import Communicator
+from commfuse.localsgd import (
+    ADPSGDConfig,
+    DreamDDPConfig,
+    LocalSGDClipConfig,
+    PALSGDConfig,
+    PeriodicSyncConfig,
+    PeriodicSyncOptimizer,
+    SelSyncConfig,
+    SyncMethod,
+    diloco,
+    local_sgd,
+)
+from commfuse.localsgd.adpsgd import next_period
+from commfuse.localsgd.layer_schedule import brute_force_plan, plan_key, plan_layers
+from commfuse.testing import RankPool
+from commfuse.train.strategy import describe_strategy
+
+PoolFn = Callable[[int], RankPool]
+#: Deadline of every multi-rank call here: a rank stuck in a collective its peers never enter
+#: fails the test within it.
+DEADLINE_S = 60.0
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+NUMEL = sum(p.numel() for p in tiny_model().parameters())
+
+
+def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(6, 4, generator=g)
+    y = x[:, :2] * 0.5 - x[:, 2:] ** 2
+    loss: torch.Tensor = ((model(x) - y) ** 2).mean()
+    return loss
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def inner_for(model: nn.Module, inner: str) -> torch.optim.Optimizer:
+    if inner == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1)
+    return torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def build(
+    config: PeriodicSyncConfig | SyncMethod, model: nn.Module, comm: Communicator, inner: str
+) -> PeriodicSyncOptimizer:
+    opt = inner_for(model, inner)
+    if isinstance(config, SyncMethod):
+        return config.make_optimizer(opt, model, comm)
+    return PeriodicSyncOptimizer(opt, model, comm, config)
+
+
+def run_steps(
+    opt: PeriodicSyncOptimizer, model: nn.Module, rank: int, steps: range, *, lr_decay: bool = False
+) -> None:
+    for step in steps:
+        if lr_decay:
+            for group in opt.param_groups:
+                group["lr"] = 0.2 / (1 + step)
+        loss_of(model, rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+        opt.step()
+        opt.zero_grad()
+
+
+def train(
+    config: PeriodicSyncConfig | SyncMethod, steps: int, *, inner: str = "sgd", finish: bool = True
+) -> tuple[torch.Tensor, PeriodicSyncOptimizer, int]:
+    """This rank's final parameters, its optimizer and the bytes it sent."""
+    comm = Communicator()
+    model = tiny_model()
+    opt = build(config, model, comm, inner)
+    before = comm.stats.total().handed_bytes  # the constructor's broadcast from rank 0
+    run_steps(opt, model, comm.rank, range(steps))
+    if finish:
+        opt.finish()
+    return flat(model), opt, comm.stats.total().handed_bytes - before
+
+
+def everyone(comm: Communicator, values: list[int]) -> list[list[int]]:
+    """Every rank's ``values`` (the same length on every rank)."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    out = torch.zeros(comm.world_size * len(values), dtype=torch.int64)
+    comm.all_gather(out, mine)
+    return [row.tolist() for row in out.view(comm.world_size, -1)]
+
+
+# -- SelSync ----------------------------------------------------------------------------------
+def selsync_vs_local_sgd() -> tuple[bool, int, int, int]:
+    sel, opt, sel_bytes = train(SelSyncConfig(threshold=0, algo="native", final_sync=False), 5)
+    ref, _, ref_bytes = train(local_sgd(H=1, algo="native", final_sync=False), 5)
+    return torch.equal(sel, ref), sel_bytes, ref_bytes, len(opt.syncs)
+
+
+def test_selsync_threshold_zero_is_local_sgd_every_step(pool: PoolFn) -> None:
+    for equal, sel_bytes, ref_bytes, syncs in pool(2).run(
+        selsync_vs_local_sgd, timeout_s=DEADLINE_S
+    ):
+        assert equal  # bit for bit
+        assert syncs == 5
+        assert ref_bytes == 5 * 4 * NUMEL
+        assert sel_bytes == ref_bytes + 5 * 8  # one int64 flag per step on top
+
+
+def selsync_decisions(threshold: float) -> tuple[list[list[int]], int, int, int]:
+    comm = Communicator()
+    _, opt, sent = train(SelSyncConfig(threshold=threshold, algo="native"), 12)
+    steps = [s.step for s in opt.syncs]
+    # A fixed length for the gather: pad with -1.
+    return everyone(comm, steps + [-1] * (13 - len(steps))), len(steps), sent, opt.control_bytes
+
+
+def test_selsync_decides_alike_on_every_rank_and_sends_what_it_decides(pool: PoolFn) -> None:
+    # Each rank sees its own batches, so its flags differ; the max of the flags is everyone's.
+    for gathered, syncs, sent, control in pool(3).run(
+        selsync_decisions, 0.02, timeout_s=DEADLINE_S
+    ):
+        assert all(row == gathered[0] for row in gathered)
+        assert 1 < syncs < 13  # some steps stayed local (the final sync counts as one)
+        assert control == 12 * 8
+        assert sent == syncs * 4 * NUMEL + control
+
+
+# -- ADPSGD -----------------------------------------------------------------------------------
+def test_adpsgd_period_rule() -> None:
+    # No decay: the syncs left are spread evenly over the steps left.
+    assert next_period(t_k=20, rate_k=1.0, t_1=10, rate_1=1.0, syncs_left=4, total_steps=100) == 20
+    # The drift rate fell 4x from step 10 to 20 (a = 2): short periods now, long ones later.
+    early = next_period(t_k=20, rate_k=0.25, t_1=10, rate_1=1.0, syncs_left=4, total_steps=100)
+    assert early < 20
+    # A power-law fall (a = 1): the planned periods lengthen and stay within the run.
+    t, rate_1, left, periods = 20, 1.0, 4, []
+    while left and t < 100:
+        p = next_period(t_k=t, rate_k=(10 / t) ** 1.0, t_1=10, rate_1=rate_1, syncs_left=left,
+                        total_steps=100)  # fmt: skip
+        periods.append(p)
+        t, left = t + p, left - 1
+    assert periods == sorted(periods) and periods[0] < periods[-1]  # often early, rarely late
+    assert len(periods) == 4 and 80 <= t <= 100
+
+
+def adpsgd_run() -> tuple[list[list[int]], int, int, int]:
+    comm = Communicator()
+    config = ADPSGDConfig(total_steps=24, num_syncs=4, algo="native", final_sync=False)
+    model = tiny_model()
+    opt = build(config, model, comm, "sgd")
+    assert hasattr(opt, "sync_steps")
+    before = comm.stats.total().handed_bytes
+    run_steps(opt, model, comm.rank, range(24), lr_decay=True)
+    sent = comm.stats.total().handed_bytes - before
+    steps = list(opt.sync_steps)
+    return everyone(comm, steps + [-1] * (4 - len(steps))), len(steps), sent, opt.control_bytes
+
+
+def test_adpsgd_agrees_on_every_period_and_keeps_the_budget(pool: PoolFn) -> None:
+    for gathered, syncs, sent, control in pool(3).run(adpsgd_run, timeout_s=DEADLINE_S):
+        assert all(row == gathered[0] for row in gathered)
+        assert gathered[0][:2] == [3, 6]  # two probe periods of T / (2K) = 3 steps
+        assert syncs <= 4
+        # One agreement (int64) after each sync but the last of the budget.
+        assert control == 8 * (syncs - 1 if syncs == 4 else syncs)
+        assert sent == syncs * 4 * NUMEL + control
+
+
+# -- PALSGD -----------------------------------------------------------------------------------
+def palsgd_vs_diloco() -> tuple[bool, int, int, list[list[int]], list[int], int, int]:
+    comm = Communicator()
+    zero, _, zero_bytes = train(PALSGDConfig(H=3, p=0.0, algo="native"), 7, inner="adamw")
+    ref, _, ref_bytes = train(diloco(H=3, algo="native"), 7, inner="adamw")
+    pulling = PALSGDConfig(H=3, p=0.4, seed=5, algo="native")
+    pulled, opt, pulled_bytes = train(pulling, 7, inner="adamw")
+    assert hasattr(opt, "pulls")
+    pulls = list(opt.pulls)
+    coins = random.Random(5)
+    expected = [step for step in range(1, 8) if coins.random() < 0.4]
+    return (
+        torch.equal(zero, ref),
+        zero_bytes,
+        ref_bytes,
+        everyone(comm, pulls + [-1] * (7 - len(pulls))),
+        expected,
+        pulled_bytes,
+        int(not torch.equal(pulled, ref)),
+    )
+
+
+def test_palsgd_p_zero_is_diloco_and_its_coins_are_shared(pool: PoolFn) -> None:
+    for equal, zero_bytes, ref_bytes, pulls, expected, pulled_bytes, moved in pool(2).run(
+        palsgd_vs_diloco, timeout_s=DEADLINE_S
+    ):
+        assert equal  # bit for bit
+        assert zero_bytes == ref_bytes == pulled_bytes  # pulls send nothing
+        assert 0 < len(expected) < 7
+        assert all(row[: len(expected)] == expected for row in pulls)  # the shared coins
+        assert moved  # the pulls changed the result
+
+
+# -- local SGD with clipping ----------------------------------------------------------------
+def clip_vs_replay() -> tuple[float, float, int]:
+    comm = Communicator()
+    got, _, sent = train(LocalSGDClipConfig(H=1, max_norm=0.05, algo="native"), 4)
+    replicas = [tiny_model() for _ in range(comm.world_size)]
+    largest = 0.0
+    for step in range(4):
+        for rank, model in enumerate(replicas):
+            loss_of(model, rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+            largest = max(largest, float(nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+            with torch.no_grad():
+                for p in model.parameters():
+                    assert p.grad is not None
+                    p.sub_(0.1 * p.grad)
+                    p.grad = None
+        mean = torch.stack([flat(m) for m in replicas]).mean(0)
+        for model in replicas:
+            nn.utils.vector_to_parameters(mean.clone(), model.parameters())
+    return float((got - flat(replicas[0])).abs().max()), largest, sent
+
+
+def test_clipping_with_period_one_is_the_average_of_clipped_steps(pool: PoolFn) -> None:
+    for err, largest, sent in pool(2).run(clip_vs_replay, timeout_s=DEADLINE_S):
+        assert largest > 0.05  # the clipping did act
+        assert err < 1e-6
+        assert sent == 4 * 4 * NUMEL  # the model every step, nothing else
+
+
+# -- DreamDDP -----------------------------------------------------------------------------------
+def test_layer_plan_matches_brute_force() -> None:
+    rng = random.Random(0)
+    for _ in range(40):
+        layers, period = rng.randint(1, 6), rng.randint(1, 3)
+        backward = [rng.choice([0.0, 0.5, 1.0, 2.0, 3.0]) for _ in range(layers)]
+        comm = [rng.choice([0.0, 0.5, 1.0, 2.5, 4.0]) for _ in range(layers)]
+        _, best = brute_force_plan(backward, comm, period)
+        plan = plan_layers(backward, comm, period)
+        assert len(plan) == layers and all(0 <= h < period for h in plan)
+        assert plan_key(plan, backward, comm, period) == best
+    # The first layer's long exchange apart from the second's: only the last layer's shows.
+    plan = plan_layers([1.0, 1.0, 1.0], [2.0, 1.0, 0.5], 3)
+    assert plan[0] != plan[1] and plan_key(plan, [1.0] * 3, [2.0, 1.0, 0.5], 3) == (0.5, 0.5)
+    assert plan_layers([1.0, 2.0], [5.0, 5.0], 1) == [0, 0]
+    with pytest.raises(ValueError, match="one time per layer"):
+        plan_layers([1.0], [1.0, 2.0], 2)
+
+
+def dreamddp_periods(period: int, steps: int) -> tuple[list[list[int]], list[int], int, int, int]:
+    """Per step after the profile, the layers averaged; the plan; bytes and control bytes."""
+    comm = Communicator()
+    _, opt, sent = train(DreamDDPConfig(H=period, algo="native", final_sync=False), steps)
+    assert hasattr(opt, "plan") and hasattr(opt, "layers")
+    by_step: list[list[int]] = [[] for _ in range(steps)]
+    for record in opt.syncs:
+        by_step[record.step - 1].append(record.fragment)
+    plans = everyone(comm, list(opt.plan))
+    assert all(row == plans[0] for row in plans)  # one plan on every rank
+    # Every exchange after the profile was launched from the backward pass.
+    assert hasattr(opt, "hook_launches") and opt.hook_launches == len(opt.syncs) - len(opt.layers)
+    return by_step, list(opt.plan), sent, opt.control_bytes, len(opt.layers)
+
+
+def test_dreamddp_averages_every_layer_once_per_period(pool: PoolFn) -> None:
+    period, periods = 3, 2
+    for by_step, plan, sent, control, layers in pool(2).run(
+        dreamddp_periods, period, 1 + period * periods, timeout_s=DEADLINE_S
+    ):
+        assert layers == 3 and len(plan) == 3
+        assert sorted(by_step[0]) == [0, 1, 2]  # the profile step: every layer
+        for start in range(1, len(by_step), period):
+            window = [layer for step in by_step[start : start + period] for layer in step]
+            assert sorted(window) == [0, 1, 2]  # each layer exactly once per period
+            for offset, step in enumerate(by_step[start : start + period]):
+                assert sorted(step) == [layer for layer in range(3) if plan[layer] == offset]
+        assert control == 3 * 24  # the profile's times (2 float64) and order (int64) per layer
+        assert sent == (1 + periods) * 4 * NUMEL + control
+
+
+def dreamddp_vs_replay() -> float:
+    """H = 1: every layer averaged at every step, before this replica's own update."""
+    comm = Communicator()
+    got, _, _ = train(DreamDDPConfig(H=1, algo="native"), 4)
+    replicas = [tiny_model() for _ in range(comm.world_size)]
+    for step in range(4):
+        for rank, model in enumerate(replicas):
+            loss_of(model, rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+        mean = torch.stack([flat(m) for m in replicas]).mean(0)
+        for model in replicas:
+            with torch.no_grad():
+                nn.utils.vector_to_parameters(mean.clone(), model.parameters())
+                for p in model.parameters():
+                    assert p.grad is not None
+                    p.sub_(0.1 * p.grad)
+                    p.grad = None
+    final = torch.stack([flat(m) for m in replicas]).mean(0)
+    return float((got - final).abs().max())
+
+
+def test_dreamddp_period_one_averages_every_step(pool: PoolFn) -> None:
+    for err in pool(2).run(dreamddp_vs_replay, timeout_s=DEADLINE_S):
+        assert err < 1e-6
+
+
+# -- every method: a resume in the middle of a period continues bit for bit -----------------
+METHODS: list[tuple[SyncMethod, str]] = [
+    (SelSyncConfig(threshold=0.05), "sgd"),
+    (ADPSGDConfig(total_steps=12, num_syncs=3), "sgd"),
+    (PALSGDConfig(H=3, p=0.3), "adamw"),
+    (DreamDDPConfig(H=3), "adamw"),
+    (LocalSGDClipConfig(H=4, max_norm=0.05), "sgd"),
+]
+
+
+def resume_mid_period(config: SyncMethod, inner: str) -> bool:
+    comm = Communicator()
+    model = tiny_model()
+    opt = build(config, model, comm, inner)
+    run_steps(opt, model, comm.rank, range(5))
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    run_steps(opt, model, comm.rank, range(5, 9))
+    opt.finish()
+    straight = flat(model)
+
+    # As ``commfuse train --resume``: the model loaded first, then the optimizer built (its
+    # broadcast from rank 0 must not erase this replica) and its state loaded.
+    model2 = tiny_model()
+    model2.load_state_dict(saved[0])
+    opt2 = build(config, model2, comm, inner)
+    opt2.load_state_dict(saved[1])
+    run_steps(opt2, model2, comm.rank, range(5, 9))
+    opt2.finish()
+    for o in (opt, opt2):
+        close = getattr(o, "close", None)
+        if close is not None:
+            close()
+    return torch.equal(straight, flat(model2))
+
+
+@pytest.mark.parametrize(("config", "inner"), METHODS, ids=lambda x: getattr(x, "name", x))
+def test_resume_mid_period_is_bit_exact(pool: PoolFn, config: SyncMethod, inner: str) -> None:
+    assert pool(2).run(resume_mid_period, config, inner, timeout_s=DEADLINE_S) == [True, True]
+
+
+# -- the command line --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "selsync:threshold=0.1,compressor=fp16",
+        "adpsgd:total_steps=200,num_syncs=8",
+        "palsgd:H=50,p=0.1",
+        "dreamddp:H=4",
+        "localsgd-clip:H=4,max_norm=0.5",
+    ],
+)
+def test_specs_round_trip(spec: str) -> None:
+    config = strategy_from_spec(spec)
+    assert isinstance(config, SyncMethod)
+    assert strategy_from_spec(describe_strategy(config)) == config
+
+
+def test_bad_settings_are_named() -> None:
+    with pytest.raises(ValueError, match="threshold must be >= 0"):
+        SelSyncConfig(threshold=-1)
+    with pytest.raises(ValueError, match="num_syncs must be in"):
+        ADPSGDConfig(total_steps=5, num_syncs=6)
+    with pytest.raises(ValueError, match="p must be in"):
+        strategy_from_spec("palsgd:p=2")
+    with pytest.raises(ValueError, match="unknown key 'I'"):
+        strategy_from_spec("localsgd-clip:I=3")
+    for h in itertools.islice(itertools.count(-1), 2):
+        with pytest.raises(ValueError, match="H must be >= 1"):
+            DreamDDPConfig(H=h)
