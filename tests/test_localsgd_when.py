@@ -13,13 +13,16 @@ from __future__ import annotations
 import copy
 import itertools
 import random
+import shutil
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from commfuse.cli.spec import strategy_from_spec
+from commfuse.cli.spec import strategy_from_spec, workload_from_spec
 from commfuse.comm import Communicator
 from commfuse.localsgd import (
     ADPSGDConfig,
@@ -36,6 +39,9 @@ from commfuse.localsgd import (
 from commfuse.localsgd.adpsgd import next_period
 from commfuse.localsgd.layer_schedule import brute_force_plan, plan_key, plan_layers
 from commfuse.testing import RankPool
+from commfuse.train import TrainConfig, train_rank
+from commfuse.train import checkpoint as ckpt
+from commfuse.train.metrics import summarize
 from commfuse.train.strategy import describe_strategy
 
 PoolFn = Callable[[int], RankPool]
@@ -395,3 +401,53 @@ def test_bad_settings_are_named() -> None:
     for h in itertools.islice(itertools.count(-1), 2):
         with pytest.raises(ValueError, match="H must be >= 1"):
             DreamDDPConfig(H=h)
+
+
+# -- through the training loop: checkpoint files, the strategy's hooks and compute-only steps --
+def run_rank(config: TrainConfig) -> dict[str, Any]:
+    return train_rank(config)
+
+
+def _config(strategy: str, steps: int, **kw: Any) -> TrainConfig:
+    return TrainConfig(
+        workload=workload_from_spec("digits:hidden=32,batch=16"),
+        strategy=strategy_from_spec(strategy),
+        label=strategy,
+        steps=steps,
+        seed=1,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    "strategy", ["dreamddp:H=3", "selsync:threshold=0.05", "adpsgd:total_steps=7,num_syncs=3"]
+)
+def test_train_resume_from_checkpoint_is_exact(pool: PoolFn, tmp_path: Path, strategy: str) -> None:
+    """``commfuse train``'s checkpoint at step 3 of 7 (mid-period), resumed: the same model, bit
+    for bit, through the strategy (DreamDDP's hooks, its compute-only steps); its metrics and
+    the run's record give the bytes per synchronisation."""
+    p = pool(2)
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    full = p.run(
+        run_rank,
+        _config(strategy, 7, checkpoint_dir=str(full_dir), checkpoint_every=3, compute_steps=2),
+        timeout_s=DEADLINE_S,
+    )
+    shutil.copytree(ckpt.step_dir(full_dir, 3), ckpt.step_dir(resumed_dir, 3))
+    ckpt.mark_latest(resumed_dir, 3)
+    resumed = p.run(
+        run_rank,
+        _config(strategy, 7, checkpoint_dir=str(resumed_dir), resume=True),
+        timeout_s=DEADLINE_S,
+    )
+    assert resumed[0]["start_step"] == 3
+    assert [r["digest"] for r in resumed] == [r["digest"] for r in full]
+    assert full[0]["digest"] == full[1]["digest"]  # one model at the end (final sync)
+    assert len(full[0]["compute_step_time_s"]) == 2
+    metrics = full[0]["strategy_metrics"]
+    # Whole-model exchanges in fp32 (DreamDDP's layers add up to models), the decisions apart.
+    digits_numel = (64 * 32 + 32) + (32 * 32 + 32) + (32 * 10 + 10)
+    assert metrics["syncs"] > 0 and metrics["bytes_per_sync"] == 4 * digits_numel
+    record = summarize(full, strategy=strategy, workload="digits", warmup=1)
+    assert record["bytes_total"] == sum(full[0]["history"]["bytes"])
+    assert record["bytes_per_sync"] == metrics["bytes_per_sync"]

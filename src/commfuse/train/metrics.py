@@ -89,7 +89,8 @@ def summarize(
     busy_floor_s, busy_share = _machine_busy(hist, first.get("cores"), timed)
     compute = first.get("compute_step_time_s") or []
     evaluation = first.get("eval") or {}
-    final_sync = float((first.get("strategy_metrics") or {}).get("final_sync_bytes", 0))
+    strategy_metrics = first.get("strategy_metrics") or {}
+    final_sync = float(strategy_metrics.get("final_sync_bytes", 0))
     return {
         "strategy": strategy,
         "workload": workload,
@@ -107,6 +108,11 @@ def summarize(
         # last step but is not part of the periodic schedule whose burst this measures.
         "peak_bytes_per_step": max([*hist["bytes"][:-1], hist["bytes"][-1] - final_sync]),
         "final_sync_bytes": final_sync,
+        # A method that synchronises now and then (the local-SGD family): its exchanges' mean
+        # (papers quote bytes per synchronisation or per step; this is the first, the line
+        # above the second). None for a strategy that exchanges every step.
+        "bytes_per_sync": strategy_metrics.get("bytes_per_sync"),
+        "syncs": strategy_metrics.get("syncs"),
         # A steady-state step (after warm-up; a compressor's uncompressed warm-up excluded).
         "median_bytes_per_step": statistics.median(hist["bytes"][timed]),
         "bytes_total": sum(hist["bytes"]),

@@ -48,6 +48,8 @@ class PeriodicSync(Strategy):
             else PeriodicSyncOptimizer(ctx.optimizer, ctx.module, ctx.comm, config)
         )
         self._communicate = True
+        # The optimizer's broadcast of rank 0's model is set-up, not a synchronisation.
+        self._built_bytes = self.bytes_sent()
         self.final_sync_bytes = 0
         """Bytes this rank sent in the end-of-training synchronisation (``finish()``)."""
 
@@ -88,15 +90,22 @@ class PeriodicSync(Strategy):
 
     def metrics(self) -> dict[str, Any]:
         """Drift between replicas before each synchronisation (L2, and relative to the model),
-        and the bytes per synchronisation: this rank's bytes but the decisions' (SelSync's
-        flags, ADPSGD's periods: ``control_bytes``), over the exchanges (DreamDDP's count one
-        per layer, so a whole-model synchronisation is ``bytes_per_sync`` times the layers)."""
+        and the bytes per synchronisation of the whole model: this rank's bytes but the
+        decisions' (SelSync's flags, ADPSGD's periods, DreamDDP's profile: ``control_bytes``)
+        over the models' worth of elements exchanged (streaming DiLoCo's fragments and
+        DreamDDP's layers add up to one model per period). A synchronous warm-up's or
+        hierarchical mode's gradient averages are among the bytes too."""
         syncs = self.periodic.syncs
         control = self.periodic.control_bytes
+        model_numel = sum(p.numel() for p in self.periodic.params)
+        models = sum(s.numel for s in syncs) / model_numel
         return {
             "syncs": len(syncs),
+            "model_syncs": models,
             "control_bytes": control,
-            "bytes_per_sync": (self.bytes_sent() - control) / len(syncs) if syncs else 0.0,
+            "bytes_per_sync": (
+                (self.bytes_sent() - self._built_bytes - control) / models if syncs else 0.0
+            ),
             "drift": [s.drift for s in syncs],
             "relative_drift": [s.relative_drift for s in syncs],
             "final_sync_bytes": self.final_sync_bytes,
