@@ -7,7 +7,7 @@ variance of the replicas' parameters allows, and that variance grows fastest ear
 average often early and rarely late than to use one period throughout (CPSGD). The paper's
 principle is to keep the variance at each averaging about equal: the period is inversely
 proportional to the rate at which the replicas drift apart. Here, with a budget of ``num_syncs``
-(K) synchronisations over ``total_steps`` (T):
+(K) synchronisations over ``total_steps`` (T, by default the training run's length):
 
 1. the first two periods are probes of ``first_period_steps`` (default ``T / (2K)``);
 2. at each synchronisation every rank measures its drift ``d`` (the distance between its
@@ -34,6 +34,7 @@ plus 8 for the agreement on the next period.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -58,8 +59,9 @@ class ADPSGDConfig(SyncMethod):
 
     name = "adpsgd"
 
-    total_steps: int
-    """T: the run's length in steps (the budget is spread over it)."""
+    total_steps: int = 0
+    """T: the run's length in steps (the budget is spread over it); 0: the training run's own
+    (``commfuse train``'s ``--steps``, less an ``--init-from`` model's)."""
     num_syncs: int = 10
     """K: synchronisations allowed over ``total_steps`` (the same bytes as local SGD with
     H = T / K)."""
@@ -75,9 +77,9 @@ class ADPSGDConfig(SyncMethod):
     """Average the replicas at ``finish()`` when they moved since the last synchronisation."""
 
     def __post_init__(self) -> None:
-        if self.total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
-        if not 1 <= self.num_syncs <= self.total_steps:
+        if self.total_steps < 0:
+            raise ValueError(f"total_steps must be >= 0 (0: the run's), got {self.total_steps}")
+        if self.num_syncs < 1 or (self.total_steps and self.num_syncs > self.total_steps):
             raise ValueError(
                 f"num_syncs must be in [1, total_steps={self.total_steps}], got {self.num_syncs}"
             )
@@ -89,6 +91,12 @@ class ADPSGDConfig(SyncMethod):
     def probe_steps(self) -> int:
         """The probe periods' length."""
         return self.first_period_steps or max(1, self.total_steps // (2 * self.num_syncs))
+
+    def for_run(self, run_steps: int) -> ADPSGDConfig:
+        """With ``total_steps`` 0, the run's length."""
+        if self.total_steps or run_steps < 1:
+            return self
+        return dataclasses.replace(self, total_steps=run_steps)
 
     def periodic(self) -> PeriodicSyncConfig:
         """The shared machinery's config: plain averaging of the whole model."""
@@ -103,6 +111,13 @@ class ADPSGDConfig(SyncMethod):
     def make_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator
     ) -> ADPSGDOptimizer:
+        """ADPSGD's optimizer.
+
+        Raises:
+            ValueError: ``total_steps`` is 0 (a training run fills it in: ``for_run``).
+        """
+        if not self.total_steps:
+            raise ValueError("ADPSGD needs total_steps, the run's length in steps, to plan K syncs")
         return ADPSGDOptimizer(optimizer, module, comm, self)
 
 

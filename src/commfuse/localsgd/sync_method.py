@@ -38,6 +38,11 @@ class SyncMethod(abc.ABC):
     #: The method's name on the command line (``--strategy selsync:threshold=0.1``).
     name: ClassVar[str]
 
+    def for_run(self, run_steps: int) -> SyncMethod:
+        """This config with the settings it leaves to the run filled in from the run's length
+        in steps (ADPSGD's ``total_steps``); the config itself by default."""
+        return self
+
     @abc.abstractmethod
     def make_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator

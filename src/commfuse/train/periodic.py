@@ -43,7 +43,7 @@ class PeriodicSync(Strategy):
     def __init__(self, config: PeriodicSyncConfig | SyncMethod, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self.periodic = (
-            config.make_optimizer(ctx.optimizer, ctx.module, ctx.comm)
+            config.for_run(ctx.run_steps).make_optimizer(ctx.optimizer, ctx.module, ctx.comm)
             if isinstance(config, SyncMethod)
             else PeriodicSyncOptimizer(ctx.optimizer, ctx.module, ctx.comm, config)
         )

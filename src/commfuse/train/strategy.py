@@ -312,6 +312,9 @@ class StrategyContext:
     """Gradient bucket size cap in MB (``--bucket-cap-mb``), for strategies that bucket."""
     seed: int
     """The run's seed (for strategies with randomness of their own)."""
+    run_steps: int = 0
+    """Optimizer steps the strategy takes over the whole run (from its fresh start, a resume
+    included; 0: unknown), for a method whose plan spans the run (ADPSGD's budget)."""
 
 
 class Strategy(abc.ABC):
