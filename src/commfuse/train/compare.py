@@ -14,9 +14,9 @@ them, else the first strategy. Columns:
   communication skipped (``loop.py``), and ``step/compute``: how close the strategy gets to that
   floor (1.00 = communication fully hidden or removed);
 * ``MB/step``: bytes one rank handed to collectives per step, on average (``metrics.py``),
-  ``x less``: the baseline's bytes over this strategy's, ``peak_MB``: the most in one step,
-  ``MB/sync``: a local-SGD method's bytes per synchronisation (``metrics.py``; "-" for a
-  strategy that exchanges every step);
+  ``x less``: the baseline's bytes over this strategy's, ``peak_MB``: the most in one step (a
+  local-SGD method's bytes per synchronisation of the whole model are in the JSON record,
+  ``bytes_per_sync``: ``metrics.py``);
 * ``final_loss`` (smoothed training loss at the last step, over the ranks' own batches), and the
   final model's loss and accuracy on the held-out split, ``held_loss`` and ``acc`` (for local
   SGD and DiLoCo, the model after the final synchronisation: the training loss there is the
@@ -256,7 +256,6 @@ COMPARE_COLUMNS = (
     ("MB/step", lambda r: _fmt(r["bytes_per_step"], ".3f", 1e-6)),
     ("x less", lambda r: _fmt(r["bytes_reduction_vs_baseline"], ".1f")),
     ("peak_MB", lambda r: _fmt(r["peak_bytes_per_step"], ".2f", 1e-6)),
-    ("MB/sync", lambda r: _fmt(r.get("bytes_per_sync"), ".3f", 1e-6)),
     ("final_loss", lambda r: _fmt(r["final_loss"], ".3f")),
     ("held_loss", lambda r: _fmt(r["eval_loss"], ".3f")),
     ("acc", lambda r: _fmt(r["eval_accuracy"], ".1f", 100.0)),
