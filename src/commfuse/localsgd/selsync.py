@@ -5,7 +5,8 @@ Cluster 2023, arXiv 2307.07950). Every rank trains its own replica; at each step
 
 1. each rank smooths the L2 norm of its gradient, ``s_t = beta s_{t-1} + (1 - beta) |g_t|``
    (the first step: ``s_1 = |g_1|``), and computes its relative change
-   ``delta_t = |s_t - s_{t-1}| / s_{t-1}`` (infinite on the first step);
+   ``delta_t = |s_t - s_{t-1}| / s_{t-1}`` (0 on the first step, where the replicas are
+   still equal);
 2. each rank sets a flag, ``delta_t >= threshold``, and one allreduce (max) of the flags (one
    integer) decides, identically on every rank, whether this step synchronises: it does when
    any rank saw a significant change;
@@ -116,9 +117,9 @@ class SelSyncOptimizer(PeriodicSyncOptimizer):
         previous = self.smoothed_norm
         beta = self.method.smoothing
         self.smoothed_norm = norm if previous is None else beta * previous + (1 - beta) * norm
-        if previous is None or previous == 0.0:
-            return True
-        change = abs(self.smoothed_norm - previous) / previous
+        # No earlier norm to compare with (the first step: the replicas start equal, nothing to
+        # reconcile): no change, which only threshold 0 synchronises.
+        change = 0.0 if not previous else abs(self.smoothed_norm - previous) / previous
         return bool(change >= self.method.threshold)
 
     def step(self) -> None:
