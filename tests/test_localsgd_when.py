@@ -451,3 +451,14 @@ def test_train_resume_from_checkpoint_is_exact(pool: PoolFn, tmp_path: Path, str
     record = summarize(full, strategy=strategy, workload="digits", warmup=1)
     assert record["bytes_total"] == sum(full[0]["history"]["bytes"])
     assert record["bytes_per_sync"] == metrics["bytes_per_sync"]
+
+
+def test_simulator_prices_the_fixed_period_ones_and_names_the_others() -> None:
+    from commfuse.sim.training import plan_for
+
+    assert plan_for(PALSGDConfig(H=30, p=0.1)) == plan_for(diloco(H=30))
+    assert plan_for(LocalSGDClipConfig(H=6)) == plan_for(local_sgd(H=6))
+    dream = plan_for(DreamDDPConfig(H=4))
+    assert dream.local_sgd_period == 1 and dream.outer_fraction == 0.25  # 1/H of it every step
+    with pytest.raises(ValueError, match="does not model selsync"):
+        plan_for(SelSyncConfig())

@@ -30,7 +30,13 @@ from __future__ import annotations
 import dataclasses
 
 from commfuse.compress import BF16, FP16, PowerSGD
-from commfuse.localsgd import PeriodicSyncConfig
+from commfuse.localsgd import (
+    DreamDDPConfig,
+    LocalSGDClipConfig,
+    PALSGDConfig,
+    PeriodicSyncConfig,
+    SyncMethod,
+)
 from commfuse.sim.plan import CommPlan
 from commfuse.train.strategy import (
     CommfuseDPConfig,
@@ -106,6 +112,9 @@ def plan_for(
             compressor=compressor,
             finite_agreement=not compressor.nonfinite_reaches_every_rank,
         )
+    if isinstance(strategy, SyncMethod):
+        # The methods that decide when to synchronise, priced by their fixed-period twin.
+        strategy = _fixed_period_twin(strategy)
     if isinstance(strategy, PeriodicSyncConfig):
         if strategy.hierarchical:
             raise ValueError(
@@ -123,3 +132,22 @@ def plan_for(
             finite_agreement=False,  # the outer exchange agrees on nothing first
         )
     raise ValueError(f"not a strategy config: {type(strategy).__name__}")
+
+
+def _fixed_period_twin(method: SyncMethod) -> PeriodicSyncConfig:
+    """The fixed-period config that sends what ``method`` sends per step: PALSGD and local SGD
+    with clipping are DiLoCo and local SGD; DreamDDP sends 1/H of the model every step, as
+    streaming DiLoCo with one fragment per step (its overlap with the backward pass is not
+    modelled). SelSync and ADPSGD decide from the run, which the simulator cannot see.
+
+    Raises:
+        ValueError: SelSync or ADPSGD.
+    """
+    if isinstance(method, PALSGDConfig | LocalSGDClipConfig):
+        return method.periodic()
+    if isinstance(method, DreamDDPConfig):
+        return dataclasses.replace(method.periodic(), num_fragments=method.H)
+    raise ValueError(
+        f"the simulator does not model {method.name}: when it synchronises depends on the run; "
+        "simulate local-sgd with the period it averaged (steps / syncs of a real run)"
+    )
