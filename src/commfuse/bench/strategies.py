@@ -177,6 +177,7 @@ def _runners(config: StrategiesBenchConfig, comm: Communicator) -> list[_Runner]
                 comm=comm,
                 bucket_cap_mb=config.bucket_cap_mb,
                 seed=config.seed,
+                run_steps=config.warmup_steps + config.reps * config.steps,
             ),
         )
 
