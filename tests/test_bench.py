@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
@@ -19,6 +20,7 @@ from commfuse.bench.collectives import (
     mark_regret,
 )
 from commfuse.bench.table import algo_cell
+from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.testing import RankPool
 
@@ -240,3 +242,32 @@ def test_auto_rows_carry_their_pick_and_regret(pool: PoolFn) -> None:
     assert auto["best_algo"] == min(timed, key=lambda name: timed[name])
     assert auto["regret"] == pytest.approx(auto["time_us"] / min(timed.values()) - 1)
     assert algo_cell(auto) == f"auto:{auto['chosen']}" and algo_cell(records[0]) == "native"
+
+
+def _ring_sweep_with_counts(config: CollectiveBenchConfig) -> tuple[list[dict[str, Any]], int]:
+    comm = Communicator()
+    records = bench_collectives_on_rank(config, comm)
+    return records, comm.stats[label("all_reduce", "ring")].messages_sent
+
+
+def test_a_sample_repeats_the_call_to_fill_its_minimum_time(pool: PoolFn) -> None:
+    # A 64-byte all-reduce takes well under a millisecond, so a 30 ms sample needs many calls;
+    # the ring's exact message count shows how many ran: 2 (P - 1) per call at P = 2.
+    config = CollectiveBenchConfig(
+        ops=("all_reduce",),
+        sizes_bytes=(64,),
+        iters=3,
+        warmup=2,
+        algos=("native", "ring"),
+        min_sample_ms=30.0,
+    )
+    (records, ring_messages), (records1, ring_messages1) = pool(2).run(
+        _ring_sweep_with_counts, config
+    )
+    calls = records[0]["calls_per_sample"]
+    assert calls > 1 and all(r["calls_per_sample"] == calls for r in records + records1)
+    assert ring_messages == ring_messages1 == 2 * (config.warmup + config.iters * calls)
+    assert all(r["wrong"] == 0 for r in records)
+    one = dataclasses.replace(config, min_sample_ms=0.0)
+    (records, ring_messages), _ = pool(2).run(_ring_sweep_with_counts, one)
+    assert records[0]["calls_per_sample"] == 1 and ring_messages == 2 * (2 + 3)
