@@ -239,6 +239,8 @@ def compressors() -> dict[str, type[Compressor]]:
         compress.PowerSGD,
         compress.ACPSGD,
     )
+    # The outer-gradient compressors of the local-SGD family.
+    classes += (compress.SparseLoCo, compress.DeMo, compress.Int4)
     return {cls.name: cls for cls in classes}
 
 
