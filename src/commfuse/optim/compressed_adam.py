@@ -8,7 +8,15 @@ its moments. The update is torch's single-tensor AdamW, step for step:
 2. ``p = p - lr / (1 - beta1^t) m / (sqrt(v) / sqrt(1 - beta2^k) + eps)``,
 
 with ``t`` the step and ``k`` the number of variance updates so far (``t`` for Adam; frozen
-with the variance). Every exchange is over one flat buffer of all the parameters (one
+with the variance).
+
+Coordinates whose variance is exactly zero (no gradient in any variance update: an embedding
+row never looked up, a weight of an always-zero input) keep a zero momentum wherever it is
+averaged in 1 bit or taken from one rank's gradient with the variance frozen
+(``mask_unseen_``): a sign carries no zero, so 1 bit would give them ``+-scale``, and divided
+by ``eps`` that is a step of ``lr scale / eps``. DeepSpeed asks the user for this mask
+(``exp_avg_mask``); here it is the variance's own zeros, the same on every rank. Where plain
+Adam runs, a zero variance has a zero momentum anyway. Every exchange is over one flat buffer of all the parameters (one
 collective per step, whatever the number of tensors): a full-precision average of the
 gradients (``average_gradients``), or of the momentum or the accumulated update, 1-bit or fp32
 (``exchange_``).
@@ -160,6 +168,11 @@ class CompressedAdam(torch.optim.Optimizer):
             p.mul_(1 - group["lr"] * group["weight_decay"])
             p.addcdiv_(m, self.denominator(v, group), value=-self.step_size(group))
 
+    @staticmethod
+    def mask_unseen_(m: torch.Tensor, v: torch.Tensor) -> None:
+        """Zero ``m`` where the variance ``v`` is zero (the module docstring)."""
+        m.masked_fill_(v == 0, 0.0)
+
     def adam_step_(self, grads: list[torch.Tensor]) -> None:
         """One step of plain AdamW on ``grads`` (already averaged): both moments updated."""
         self.variance_updates += 1
@@ -189,6 +202,7 @@ class CompressedAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 m, v = self.moments(p)
+                self.mask_unseen_(m, v)
                 self.apply_update_(p, m, v, group)
 
     # -- checkpoint -------------------------------------------------------------------------

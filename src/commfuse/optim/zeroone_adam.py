@@ -112,6 +112,14 @@ class ZeroOneAdam(CompressedAdam):
         if self.is_sync_step(t):
             self._synchronise()
 
+    @torch.no_grad()
+    def finish(self) -> None:
+        """End of training: synchronise the local steps taken since the last synchronisation
+        (if any), so that every rank ends with the same model. Calling it again changes
+        nothing."""
+        if self.accumulated is not None and any(self.lr_sums):
+            self._synchronise()
+
     def _local_step(self, grads: list[torch.Tensor]) -> None:
         params = self.params()
         if self.anchors is None or self.accumulated is None:
@@ -125,11 +133,13 @@ class ZeroOneAdam(CompressedAdam):
             for p in group["params"]:
                 m, v = self.moments(p)
                 self.update_momentum_(m, grads[index], group["betas"][0])
+                self.mask_unseen_(m, v)
                 self.accumulated[index].add_(m, alpha=size)
                 self.anchors[index].mul_(decay)
                 self.apply_update_(p, m, v, group)
                 index += 1
 
+    @torch.no_grad()
     def _synchronise(self) -> None:
         assert self.anchors is not None and self.accumulated is not None
         self.exchange_(self.accumulated, key="update")
@@ -138,6 +148,7 @@ class ZeroOneAdam(CompressedAdam):
             for p in group["params"]:
                 m, v = self.moments(p)
                 u = self.accumulated[index]
+                self.mask_unseen_(u, v)
                 anchor = self.anchors[index]
                 anchor.addcdiv_(u, self.denominator(v, group), value=-1.0)
                 p.copy_(anchor)
