@@ -65,7 +65,7 @@ def dct_reference(row: torch.Tensor) -> torch.Tensor:
             v * math.cos(math.pi * (2 * i + 1) * k / (2 * size)) for i, v in enumerate(values)
         )
         out.append(total * math.sqrt((1.0 if k == 0 else 2.0) / size))
-    return torch.tensor(out, dtype=torch.float64)
+    return torch.tensor(out, dtype=torch.float64, device=row.device)
 
 
 @dataclasses.dataclass(kw_only=True)

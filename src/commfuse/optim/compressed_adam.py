@@ -46,7 +46,8 @@ class CompressedAdam(torch.optim.Optimizer):
         eps: added to the denominator.
         weight_decay: decoupled weight decay (AdamW's).
         exchange: ``onebit`` or ``none``.
-        all_to_all_algo, all_gather_algo: the 1-bit allreduce's algorithms.
+        all_to_all_algo: the 1-bit allreduce's all-to-all algorithm.
+        all_gather_algo: the 1-bit allreduce's all-gather algorithm.
         algo: the full-precision allreduce's algorithm.
 
     Raises:

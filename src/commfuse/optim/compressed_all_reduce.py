@@ -188,14 +188,14 @@ def two_phase_reference(
     worker and server residuals (as ``CompressedAllReduce`` shapes them)."""
     world, numel = len(inputs), inputs[0].numel()
     chunk = chunk_numel(numel, world)
-    dtype = inputs[0].dtype
+    dtype, device = inputs[0].dtype, inputs[0].device
 
     def count(j: int) -> int:
         return max(0, min(chunk, numel - j * chunk))
 
     def one_bit(values: list[float], real: int) -> tuple[float, list[float]]:
         scale = sum(abs(v) for v in values[:real]) / max(real, 1)
-        scale = float(torch.tensor(scale, dtype=dtype).float().to(dtype))  # as sent
+        scale = float(torch.tensor(scale, dtype=dtype, device=device).float().to(dtype))  # as sent
         return scale, [
             (scale if v >= 0 else -scale) if i < real else 0.0 for i, v in enumerate(values)
         ]
@@ -214,9 +214,9 @@ def two_phase_reference(
             decoded += one_bit(buffer[j * chunk : (j + 1) * chunk], count(j))[1]
         phase1.append(decoded)
         new_worker.append(
-            torch.tensor([b - d for b, d in zip(buffer, decoded, strict=True)], dtype=dtype).view(
-                world, chunk
-            )
+            torch.tensor(
+                [b - d for b, d in zip(buffer, decoded, strict=True)], dtype=dtype, device=device
+            ).view(world, chunk)
         )
     out: list[float] = []
     new_server = []
@@ -231,8 +231,8 @@ def two_phase_reference(
         _, decoded = one_bit(average, count(j))
         out += decoded
         new_server.append(
-            torch.tensor([a - d for a, d in zip(average, decoded, strict=True)], dtype=dtype).view(
-                1, chunk
-            )
+            torch.tensor(
+                [a - d for a, d in zip(average, decoded, strict=True)], dtype=dtype, device=device
+            ).view(1, chunk)
         )
-    return torch.tensor(out[:numel], dtype=dtype), new_worker, new_server
+    return torch.tensor(out[:numel], dtype=dtype, device=device), new_worker, new_server

@@ -42,7 +42,10 @@ class OneBitAdam(CompressedAdam):
         params: the parameters, as for ``torch.optim.AdamW``.
         comm: the data-parallel group.
         config: ``OneBitAdamConfig`` (freeze step, exchange, algorithms).
-        lr, betas, eps, weight_decay: AdamW's.
+        lr: learning rate.
+        betas: ``(beta1, beta2)``.
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay.
 
     Example::
 

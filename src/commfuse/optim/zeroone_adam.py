@@ -46,7 +46,10 @@ class ZeroOneAdam(CompressedAdam):
         params: the parameters, as for ``torch.optim.AdamW``.
         comm: the data-parallel group.
         config: ``ZeroOneAdamConfig`` (the two policies, exchange, algorithms).
-        lr, betas, eps, weight_decay: AdamW's.
+        lr: learning rate.
+        betas: ``(beta1, beta2)``.
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay.
 
     Example::
 
