@@ -30,7 +30,10 @@ class OneBitAdamConfig:
 
     freeze_step: int = 100
     """Steps of plain Adam (full-precision gradient averages) before the variance freezes and
-    the momentum is compressed. The paper uses about 15-25% of training."""
+    the momentum is compressed, counted from the first step of the model's training (a run
+    that continues an AdamW's moments continues its step count). The paper uses about 15-25%
+    of training; 0 suits only a run that starts with an Adam's moments (a zero variance
+    freezes its coordinates)."""
     exchange: Exchange = "onebit"
     """The compressed phase's exchange of the momentum: ``onebit`` or ``none`` (fp32)."""
     all_to_all_algo: str = "auto"
@@ -58,8 +61,8 @@ class ZeroOneAdamConfig:
     synchronisation at ever sparser steps."""
 
     var_freeze_step: int = 100
-    """Step after which the variance is never updated again and local steps begin (DeepSpeed's
-    default is 100000 for BERT-scale runs)."""
+    """Step after which the variance is never updated again and local steps begin, counted as
+    ``freeze_step`` (DeepSpeed's default is 100000 for BERT-scale runs)."""
     var_update_scaler: int = 16
     """Variance updates at each interval before the interval doubles (1, 1, ..., 2, 2, ...)."""
     local_step_scaler: int = 16
