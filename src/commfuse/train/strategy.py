@@ -9,6 +9,8 @@ what the simulator prices, ``commfuse.sim.simulate_step``):
   ``commfuse.compress`` compressor (``CommfuseDPConfig(compressor=PowerSGD(rank=4))``);
 * ``commfuse.localsgd.PeriodicSyncConfig``: local SGD, SlowMo, DiLoCo, ..., built by
   ``local_sgd(H=8)``, ``diloco(H=50)``, ...
+* ``commfuse.optim.OneBitAdamConfig`` / ``ZeroOneAdamConfig``: 1-bit Adam and 0/1 Adam, an
+  optimizer that does the communication itself.
 
 On each rank ``build_strategy(config, ctx)`` wraps the workload's model and optimizer in a
 :class:`Strategy`, whose uniform step interface the training loop (``loop.py``) drives, whatever
@@ -46,6 +48,7 @@ from commfuse.compress.base import Compressor
 
 if TYPE_CHECKING:
     from commfuse.localsgd import PeriodicSyncConfig
+    from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 
 #: Modules that register strategy builders when imported (a new strategy adds a line here).
 STRATEGY_MODULES: tuple[str, ...] = (
@@ -53,6 +56,8 @@ STRATEGY_MODULES: tuple[str, ...] = (
     "commfuse.train.commfuse_dp",
     "commfuse.train.periodic",
 )
+# Optimizers that communicate themselves (1-bit Adam, 0/1 Adam).
+STRATEGY_MODULES += ("commfuse.train.onebit",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,6 +192,7 @@ class CommfuseDPConfig:
 #: Every strategy config.
 StrategyConfig: TypeAlias = (
     "TorchDDPConfig | TorchPowerSGDConfig | CommfuseDPConfig | PeriodicSyncConfig"
+    " | OneBitAdamConfig | ZeroOneAdamConfig"
 )
 
 
@@ -223,7 +229,12 @@ def describe_compressor(compressor: Compressor) -> str:
 def _name_and_settings(config: StrategyConfig) -> tuple[str, dict[str, Any]]:
     """The command line's name for ``config`` and the settings its spec gives."""
     from commfuse.localsgd import PeriodicSyncConfig, method_of
+    from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 
+    if isinstance(config, OneBitAdamConfig):
+        return "onebit-adam", _changed(config)
+    if isinstance(config, ZeroOneAdamConfig):
+        return "zeroone-adam", _changed(config)
     if isinstance(config, TorchDDPConfig):
         name = "ddp" if config.hook == "none" else f"ddp-{config.hook}"
         return name, _changed(config, skip=("hook",))
@@ -391,8 +402,15 @@ def build_strategy(config: StrategyConfig, ctx: StrategyContext) -> Strategy:
 def check_strategy(config: object) -> None:
     """ValueError unless ``config`` is a strategy config (checked before any rank starts)."""
     from commfuse.localsgd import PeriodicSyncConfig
+    from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 
-    kinds = (TorchDDPConfig, TorchPowerSGDConfig, CommfuseDPConfig, PeriodicSyncConfig)
+    kinds: tuple[type, ...] = (
+        TorchDDPConfig,
+        TorchPowerSGDConfig,
+        CommfuseDPConfig,
+        PeriodicSyncConfig,
+    )
+    kinds += (OneBitAdamConfig, ZeroOneAdamConfig)
     if not isinstance(config, kinds):
         raise ValueError(
             f"strategy must be one of {', '.join(k.__name__ for k in kinds)} (a typed config; "
