@@ -19,7 +19,7 @@ from commfuse.cli.spec import (
     strategy_listing,
     workload_from_spec,
 )
-from commfuse.compress import Int8, PowerSGD, TopK
+from commfuse.compress import DeMo, Int4, Int8, PowerSGD, SparseLoCo, TopK
 from commfuse.localsgd import (
     GENERAL,
     PeriodicSyncConfig,
@@ -29,6 +29,7 @@ from commfuse.localsgd import (
     slowmo,
     streaming_diloco,
 )
+from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 from commfuse.train import CommfuseDPConfig, TorchDDPConfig, TorchPowerSGDConfig
 from commfuse.train.strategy import StrategyConfig, describe_compressor, describe_strategy
 from commfuse.train.torch_ddp import bf16_hooks_supported
@@ -147,6 +148,11 @@ def test_strategy_specs_build_the_typed_configs() -> None:
     nested = strategy_from_spec("diloco:H=50,compressor=int8,algo=native")
     expected = diloco(H=50, algo="native", compressor=Int8(algo="native"))
     assert repr(nested) == repr(expected)
+    assert strategy_from_spec("diloco:H=50,compressor=sparseloco") == diloco(
+        H=50, compressor=SparseLoCo()
+    )
+    assert strategy_from_spec("onebit-adam:freeze_step=20") == OneBitAdamConfig(freeze_step=20)
+    assert strategy_from_spec("zeroone-adam:exchange=none") == ZeroOneAdamConfig(exchange="none")
 
 
 def test_every_listed_strategy_builds() -> None:
@@ -195,6 +201,14 @@ ROUND_TRIP: list[StrategyConfig] = [
     streaming_diloco(H=8, num_fragments=2, mix_global=0.9),
     # No method's function builds a warm-up with an outer momentum: the general form does.
     PeriodicSyncConfig(warmup_steps=5, outer_momentum=0.5),
+]
+# The outer-gradient compressors and the optimizers that communicate.
+ROUND_TRIP += [
+    diloco(compressor=SparseLoCo(decay=1.0)),
+    diloco(outer_momentum=0.0, compressor=DeMo()),
+    streaming_diloco(compressor=Int4(chunk_numel=128)),
+    OneBitAdamConfig(freeze_step=20, exchange="none"),
+    ZeroOneAdamConfig(var_freeze_step=30, local_step_clipper=8),
 ]
 
 

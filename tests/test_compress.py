@@ -22,7 +22,9 @@ from commfuse.compress import (
     PowerSGD,
     RandomK,
 )
+from commfuse.compress.demo import dct_matrix, dct_reference
 from commfuse.compress.powersgd import matrix_shape
+from commfuse.compress.sparseloco import SparseLoCo, sparseloco_reference
 from commfuse.compress.wire import Layout, pack_bits, unpack_bits
 
 MB = 1 << 20
@@ -69,6 +71,12 @@ def test_every_name_builds_and_specs_set_fields() -> None:
         ("dgc:ef=0", "IS its error feedback"),
         ("none:ef=1", "needs a lossy compressor"),
         ("topk:rank=4", "unknown key 'rank'"),
+        ("sparseloco:chunk_numel=70000", "chunk_numel must be in 1..65536"),
+        ("sparseloco:num_kept_per_chunk=0", "num_kept_per_chunk must be >= 1"),
+        ("sparseloco:decay=0", "decay must be in (0, 1]"),
+        ("demo:chunk_numel=300", "chunk_numel must be in 1..256"),
+        ("demo:ef=0", "IS its error feedback"),
+        ("int4:chunk_numel=0", "chunk_numel must be >= 1"),
     ],
 )
 def test_bad_specs_name_the_problem(spec: str, needle: str) -> None:
@@ -102,6 +110,10 @@ def test_declared_ratios() -> None:
     dgc = compressor_from_spec("dgc:ratio=0.001,warmup=10")
     assert dgc.payload_bytes(MB, torch.float32, 4, step=0) == math.ceil(0.25 * MB) * 8
     assert ratio("dgc:ratio=0.001,warmup=10", step=10) >= 400
+    # SparseLoCo: per 4096-chunk 8 B of (lo, hi) + 64 x 16-bit indices + 64 x 2-bit codes.
+    assert ratio("sparseloco") == MB * 4 / ((MB // 4096) * (8 + 64 * 2 + 64 // 4))
+    assert ratio("demo") == MB * 4 / ((MB // 64) * 4 * 5)  # 4 x (fp32 + uint8) per 64
+    assert ratio("int4") == MB * 4 / ((MB // 512) * 4 + MB // 2)
 
 
 def test_dgc_warmup_decays_density_exponentially() -> None:
@@ -300,3 +312,36 @@ def test_powersgd_layout_rejects_bad_shapes_and_mismatched_buckets() -> None:
     topk = compressor_from_spec("topk:ratio=0.1")
     topk.set_layout(0, BucketLayout.of_shapes([torch.Size([10, 10])], prefix="b0."))
     assert topk.payload_bytes(100, torch.float32, 2) == 10 * 8
+
+
+@pytest.mark.parametrize("numel", [1, 7, 100, 1001])
+def test_sparseloco_batched_selection_equals_the_chunk_by_chunk_reference(numel: int) -> None:
+    c = SparseLoCo(chunk_numel=64, num_kept_per_chunk=5)
+    x = sample(numel, numel)
+    back = c.decompress(c.compress(x), numel, torch.float32)
+    want, kept = sparseloco_reference(c, x)
+    assert torch.equal(back != 0, kept)
+    assert torch.allclose(back.double(), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("size", [1, 2, 8, 63])
+def test_dct_matrix_is_the_defining_sum_and_orthonormal(size: int) -> None:
+    d = dct_matrix(size, "cpu", torch.float64)
+    rows = sample(3 * size, size).double().view(3, size)
+    for row in rows:
+        assert torch.allclose(d @ row, dct_reference(row), rtol=1e-12, atol=1e-12)
+    assert torch.allclose(d @ d.T, torch.eye(size, dtype=torch.float64), atol=1e-12)
+
+
+def test_outer_compressors_keep_everything_when_nothing_is_dropped() -> None:
+    """All kept (k = chunk): DeMo's round trip is the identity up to rounding; SparseLoCo's
+    two levels are exact on values of two magnitudes; int4 on multiples of the scale."""
+    x = sample(300, 3)
+    demo = compressor_from_spec("demo:num_kept_per_chunk=64")
+    assert isinstance(demo, MessageCompressor)
+    assert torch.allclose(demo.decompress(demo.compress(x), 300, torch.float32), x, atol=1e-5)
+    two = torch.where(x > 0, 2.0, -0.5)
+    assert torch.equal(round_trip("sparseloco:chunk_numel=100,num_kept_per_chunk=100", two), two)
+    steps = torch.randint(-7, 8, (1000,), generator=torch.Generator().manual_seed(0)).float()
+    steps[::512] = 7.0  # each chunk's max is 7 steps: the scale is exactly 1
+    assert torch.equal(round_trip("int4", steps * 0.25), steps * 0.25)

@@ -48,6 +48,9 @@ EVERY = [
     "acpsgd:rank=2,warmup=3+layout",
     "powersgd:rank=2,warmup=0,wire=bf16+layout",
     "acpsgd:rank=2,warmup=0,wire=fp16",
+    "sparseloco:chunk_numel=100,num_kept_per_chunk=8",
+    "demo:chunk_numel=32,num_kept_per_chunk=3",
+    "int4:chunk_numel=64",
 ]
 #: A spec ending in LAYOUT is built with ``set_layout`` of ``layout_shapes(numel)``.
 LAYOUT = "+layout"
@@ -211,6 +214,9 @@ EF_SPECS = [
     "powersgd:rank=2,warmup=0+layout",
     "acpsgd:rank=2,warmup=0",
     "acpsgd:rank=2,warmup=0+layout",
+    "sparseloco:decay=1,num_kept_per_chunk=100",
+    "demo:decay=1,num_kept_per_chunk=16",
+    "int4",
 ]
 
 

@@ -1,6 +1,6 @@
 """The all-gather compressors on real process groups, checked against what went on the wire.
 
-For int8, QSGD, TernGrad, sign, EF-sign, top-k and DGC, over several steps on 2 and 3 ranks:
+For int8, int4, QSGD, TernGrad, sign, EF-sign, top-k, DGC, SparseLoCo and DeMo, over several steps on 2 and 3 ranks:
 
 1. every rank records the words the all-gather delivered (the real collective runs; the record
    is a copy of its output), and the test's own decoder (``wire_decode.py``, float64, no code
@@ -28,7 +28,19 @@ import torch
 
 import wire_decode
 from commfuse.comm import Communicator
-from commfuse.compress import DGC, QSGD, EFSign, Int8, MessageCompressor, Sign, TernGrad, TopK
+from commfuse.compress import (
+    DGC,
+    QSGD,
+    DeMo,
+    EFSign,
+    Int4,
+    Int8,
+    MessageCompressor,
+    Sign,
+    SparseLoCo,
+    TernGrad,
+    TopK,
+)
 
 NUMEL = 1001
 STEPS = 5
@@ -45,6 +57,9 @@ def compressors() -> list[MessageCompressor]:
         EFSign(**common),
         TopK(ratio=0.05, **common),
         DGC(ratio=0.01, warmup=3, momentum=0.9, **common),
+        Int4(chunk_numel=100, **common),
+        SparseLoCo(chunk_numel=128, num_kept_per_chunk=9, decay=0.9, **common),
+        DeMo(chunk_numel=32, num_kept_per_chunk=3, decay=0.8, **common),
     ]
 
 
@@ -67,7 +82,8 @@ class Tracker:
         if isinstance(self.c, DGC):
             self.momentum = self.c.momentum * self.momentum + g
             return self.residual + self.momentum
-        return self.residual + g if self.c.ef else g
+        decay = float(getattr(self.c, "decay", 1.0))
+        return decay * self.residual + g if self.c.ef else g
 
     def sent(
         self,
@@ -113,6 +129,51 @@ def encoder_problems(
             problems.append(f"scale {scale}, mean|x| = {np.abs(x).mean()}")
         if ((decoded > 0) != (x >= 0)).any():
             problems.append("a sign differs from x's")
+    elif c.name == "int4":
+        size = c.chunk_numel  # type: ignore[attr-defined]
+        magnitudes = np.zeros(-(-NUMEL // size) * size)
+        magnitudes[:NUMEL] = np.abs(x)
+        scales = magnitudes.reshape(-1, size).max(1) / 7
+        if not np.allclose(fields[0], scales, rtol=tol):
+            problems.append(f"scales {fields[0][:3]}..., max|x| / 7 {scales[:3]}...")
+        if (np.abs(decoded - x) > np.repeat(scales, size)[:NUMEL] / 2 * (1 + tol)).any():
+            problems.append("an element is off by more than half a step")
+    elif c.name in ("sparseloco", "demo"):
+        num_rows, chunk, k = wire_decode.rows_chunk_k(c, NUMEL)
+        flat = np.zeros(num_rows * chunk)
+        flat[:NUMEL] = x
+        matrix = flat.reshape(num_rows, chunk)
+        index = fields[1].astype(np.int64).reshape(num_rows, k)
+        for row in range(num_rows):
+            values = matrix[row]
+            if c.name == "demo":
+                eye = np.eye(chunk)
+                values = np.array([wire_decode.inverse_dct(eye[i]) for i in range(chunk)]) @ values
+            kept = np.zeros(chunk, dtype=bool)
+            kept[index[row]] = True
+            if kept.sum() != k:
+                problems.append(f"row {row}: {kept.sum()} distinct indices, k = {k}")
+            elif not kept.all() and np.abs(values[kept]).min() < np.abs(values[~kept]).max() * (
+                1 - tol
+            ):
+                problems.append(f"row {row}: a kept entry is smaller than one left behind")
+            chosen = values[index[row]]
+            if c.name == "demo":
+                if not np.allclose(fields[0].reshape(num_rows, k)[row], chosen, rtol=tol, atol=tol):
+                    problems.append(f"row {row}: a kept coefficient is not the DCT's")
+                continue
+            lo, hi = fields[0][2 * row], fields[0][2 * row + 1]
+            magnitude = np.abs(chosen)
+            if not np.isclose(lo, magnitude.min(), rtol=tol) or not np.isclose(
+                hi, magnitude.max(), rtol=tol
+            ):
+                problems.append(f"row {row}: (lo, hi) = ({lo}, {hi}) are not the kept extremes")
+            got = decoded[row * chunk + index[row][index[row] + row * chunk < NUMEL]]
+            want = chosen[index[row] + row * chunk < NUMEL]
+            if (np.sign(got) != np.where(want >= 0, 1, -1)).any() or (
+                np.abs(got - want) > (hi - lo) / 2 * (1 + tol) + tol
+            ).any():
+                problems.append(f"row {row}: a value off its sign or by more than (hi - lo) / 2")
     else:  # top-k, DGC
         values, indices = fields
         kept = np.zeros(NUMEL, dtype=bool)

@@ -82,6 +82,24 @@ def test_every_report_names_its_command_machine_date_and_data() -> None:
         assert re.search(r"Date: \d{4}-\d{2}-\d{2}", text), f"{report.name}: no date"
 
 
+def test_every_strategy_a_page_tells_to_run_parses() -> None:
+    # A report's command or a page's example that no longer parses cannot be rerun.
+    from commfuse.cli.spec import strategy_from_spec
+
+    pages = [*reports(), *sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+    specs = {
+        (page.name, spec)
+        for page in pages
+        for spec in re.findall(r"--strategy ([^\s`\"']+)", page.read_text())
+    }
+    assert len(specs) > 10
+    for name, spec in sorted(specs):
+        try:
+            strategy_from_spec(spec)
+        except ValueError as err:
+            raise AssertionError(f"{name}: --strategy {spec} does not parse: {err}") from None
+
+
 def linked_targets(page: Path) -> set[Path]:
     found = set()
     for target in LINK.findall(page.read_text()):

@@ -14,6 +14,7 @@ layer  folders                                     what they are
 3      ``fused``, ``compress``                     compute+collective operators; compressors
 3      ``sim``                                     the simulator: cost models only (see SIM_MAY)
 4      ``ddp``, ``localsgd``, ``hooks``            training engines over layers 2-3
+4      ``optim``                                   optimizers that communicate (1-bit Adam)
 5      ``workloads``                               models and data sets
 6      ``train``, ``bench``                        training loops, benchmark runners and reports
 7      ``cli``                                     the ``commfuse`` command
@@ -49,6 +50,7 @@ LAYERS: dict[str, int] = {
     "ddp": 4,
     "localsgd": 4,
     "hooks": 4,
+    "optim": 4,
     "workloads": 5,
     "train": 6,
     "bench": 6,

@@ -7,6 +7,7 @@ written out by hand.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from commfuse.cli.spec import strategy_from_spec
 from commfuse.comm import Communicator
+from commfuse.compress import DeMo, Int4, SparseLoCo
 from commfuse.localsgd import (
     PeriodicSyncConfig,
     PeriodicSyncOptimizer,
@@ -63,7 +65,7 @@ def train(
         if inner == "sgd"
         else torch.optim.AdamW(model.parameters(), lr=0.01)
     )
-    opt = PeriodicSyncOptimizer(opt_inner, model, comm, method(**options))
+    opt = PeriodicSyncOptimizer(opt_inner, model, comm, method(**copy.deepcopy(options)))
     for step in range(steps):
         loss_of(model, comm.rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         opt.step()
@@ -291,7 +293,7 @@ def resume_mid_period(method: Method, options: dict[str, Any]) -> float:
         torch.optim.AdamW(model.parameters(), lr=0.01),
         model,
         comm,
-        method(**options),
+        method(**copy.deepcopy(options)),  # a compressor's state is its own
     )
     for step in range(5):
         loss_of(model, comm.rank, step).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
@@ -307,7 +309,7 @@ def resume_mid_period(method: Method, options: dict[str, Any]) -> float:
         torch.optim.AdamW(model2.parameters(), lr=0.01),
         model2,
         comm,
-        method(**options),
+        method(**copy.deepcopy(options)),  # a compressor's state is its own
     )
     model2.load_state_dict(saved[0])
     opt2.load_state_dict(saved[1])
@@ -325,6 +327,13 @@ def resume_mid_period(method: Method, options: dict[str, Any]) -> float:
         (diloco, {"H": 3}),
         (slowmo, {"H": 4}),
         (streaming_diloco, {"H": 4, "num_fragments": 2, "overlap_steps": 2}),
+        # The outer-gradient compressors: their residuals (momentum) are in the checkpoint.
+        (diloco, {"H": 2, "compressor": SparseLoCo(chunk_numel=16, num_kept_per_chunk=3)}),
+        (diloco, {"H": 2, "compressor": DeMo(chunk_numel=8, num_kept_per_chunk=2)}),
+        (
+            streaming_diloco,
+            {"H": 2, "num_fragments": 2, "overlap_steps": 1, "compressor": Int4(chunk_numel=8)},
+        ),
     ],
 )
 def test_resume_mid_period_equals_uninterrupted(

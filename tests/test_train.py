@@ -316,6 +316,10 @@ def test_machine_busy_is_the_busy_share_of_the_cores_over_the_timed_steps() -> N
         "slowmo:H=2",
         "diloco:H=3",
         "streaming-diloco:H=4,num_fragments=2,overlap_steps=1",
+        # The outer-gradient compressors, their residuals checkpointed.
+        "diloco:H=2,compressor=sparseloco",
+        "local-sgd:H=2,compressor=demo",
+        "streaming-diloco:H=4,num_fragments=2,overlap_steps=1,compressor=int4",
     ],
 )
 def test_local_sgd_family_trains_and_resumes_exactly(
@@ -450,3 +454,45 @@ def test_compare_rounds_are_balanced_and_the_control_runs_the_baseline_again() -
     assert ddp["control_ratio"] == twin["control_ratio"]
     assert twin["tie"] is True and ddp["tie"] is None
     assert len(twin["mean_step_time_s_rounds"]) == 2
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "onebit-adam:freeze_step=2",
+        "zeroone-adam:var_freeze_step=2,var_update_scaler=2,local_step_scaler=1",
+    ],
+)
+def test_compressed_adam_trains_counts_its_bytes_and_resumes_exactly(
+    pool: Any, tmp_path: Path, strategy: str
+) -> None:
+    """1-bit Adam and 0/1 Adam through the training loop: the warm-up's steps hand the whole
+    gradient to the allreduce, the compressed ones the 1-bit allreduce's messages (0/1 Adam:
+    nothing on a skipped round, and a synchronisation of the last local steps at the end), one
+    model on both ranks, and a checkpoint in the compressed phase (0/1 Adam: inside a local
+    interval) resumes bit for bit."""
+    from commfuse.optim import handed_bytes_per_rank
+
+    p = pool(2)
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    full = p.run(
+        run_rank,
+        _config(strategy, 7, checkpoint_dir=str(full_dir), checkpoint_every=4),
+        timeout_s=60,
+    )
+    assert full[0]["digest"] == full[1]["digest"]
+    numel = DIGITS_GRAD_BYTES // 4
+    one = handed_bytes_per_rank(numel, 2)
+    sent = full[0]["history"]["bytes"]
+    if strategy.startswith("onebit"):
+        assert sent == [DIGITS_GRAD_BYTES] * 2 + [one] * 5
+    else:  # variance at steps 1, 2; syncs at 3, 5 (intervals 1, 2), then the final one
+        assert sent == [DIGITS_GRAD_BYTES] * 2 + [one, 0, one, 0, one]
+    assert full[0]["strategy_metrics"]["variance_updates"] == 2
+    shutil.copytree(ckpt.step_dir(full_dir, 4), ckpt.step_dir(resumed_dir, 4))
+    ckpt.mark_latest(resumed_dir, 4)
+    resumed = p.run(
+        run_rank, _config(strategy, 7, checkpoint_dir=str(resumed_dir), resume=True), timeout_s=60
+    )
+    assert [r["digest"] for r in resumed] == [r["digest"] for r in full]
+    assert resumed[0]["history"]["loss"] == full[0]["history"]["loss"]

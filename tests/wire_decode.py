@@ -17,6 +17,15 @@ ef-sign    bits first.
 topk, dgc  k values (the gradient's dtype); k int32 indices.    x[index_j] += value_j
            k = min(numel, max(1, ceil(density * numel))); top-k's density is its ratio; DGC's
            decays from 0.25 to its ratio over ``warmup`` steps: 0.25 (ratio / 0.25)**(t / warmup).
+int4       fp32 scale per chunk of c; ``numel`` 4-bit codes     x_i = scale_c * (code_i - 8)
+           q + 8, two per byte, low nibble first.
+sparseloco per row of c elements (c = min(chunk_numel, numel), rows = ceil(numel / c), the last
+           zero-padded), k = min(num_kept_per_chunk, c): fp32 (lo, hi) per row; rows x k
+           uint16 indices inside the row; rows x k 2-bit codes packed 4 per byte (bit 0: sign,
+           1 = positive; bit 1: magnitude, 1 = hi).     x[row c + index] = +-(hi or lo)
+demo       rows and k as sparseloco's: rows x k fp32 DCT coefficients; rows x k uint8 indices;
+           each row is the inverse orthonormal DCT-II of its kept coefficients (the padded tail
+           of the last row is dropped).
 ========== ===================================================================================
 """
 
@@ -60,7 +69,32 @@ def field_sizes(compressor: Any, numel: int, step: int, value_dtype: str) -> lis
     if name in ("topk", "dgc"):
         k = sparse_k(compressor, numel, step)
         return [(NUMPY_DTYPES[value_dtype], k), (np.int32, k)]
+    if name == "int4":
+        chunks = -(-numel // min(compressor.chunk_numel, numel))
+        return [(np.float32, chunks), (np.uint8, -(-numel // 2))]
+    if name in ("sparseloco", "demo"):
+        rows, _, k = rows_chunk_k(compressor, numel)
+        if name == "demo":
+            return [(np.float32, rows * k), (np.uint8, rows * k)]
+        return [(np.float32, 2 * rows), (np.uint16, rows * k), (np.uint8, -(-rows * k // 4))]
     raise ValueError(f"no independent decoder for {name!r}")
+
+
+def rows_chunk_k(compressor: Any, numel: int) -> tuple[int, int, int]:
+    chunk = min(compressor.chunk_numel, numel)
+    return -(-numel // chunk), chunk, min(compressor.num_kept_per_chunk, chunk)
+
+
+def inverse_dct(coefficients: F64) -> F64:
+    """The inverse orthonormal DCT-II of a row, by its defining sum (DCT-III)."""
+    size = len(coefficients)
+    k = np.arange(size)
+    out = np.zeros(size)
+    for i in range(size):
+        basis = np.cos(np.pi * (2 * i + 1) * k / (2 * size)) * np.sqrt(2.0 / size)
+        basis[0] /= np.sqrt(2.0)
+        out[i] = float(np.dot(basis, coefficients))
+    return out
 
 
 def wire_bytes(compressor: Any, numel: int, step: int, value_dtype: str = "torch.float32") -> int:
@@ -114,6 +148,29 @@ def decode(
         scale, packed = fields
         bits = unpack_codes(packed, 1, numel)
         return np.where(bits == 1, 1.0, -1.0) * float(scale[0])
+    if name == "int4":
+        scales, packed = fields
+        chunk = min(compressor.chunk_numel, numel)
+        per_element = np.repeat(scales.astype(np.float64), chunk)[:numel]
+        return np.asarray(per_element * (unpack_codes(packed, 4, numel) - 8), dtype=np.float64)
+    if name in ("sparseloco", "demo"):
+        rows, chunk, k = rows_chunk_k(compressor, numel)
+        padded = np.zeros(rows * chunk)
+        if name == "sparseloco":
+            bounds, indices, packed = fields
+            codes = unpack_codes(packed, 2, rows * k)
+            for j in range(rows * k):
+                row = j // k
+                level = bounds[2 * row + 1] if codes[j] & 2 else bounds[2 * row]
+                padded[row * chunk + int(indices[j])] += level if codes[j] & 1 else -level
+            return padded[:numel]
+        values, indices = fields
+        for row in range(rows):
+            coefficients = np.zeros(chunk)
+            for j in range(row * k, (row + 1) * k):
+                coefficients[int(indices[j])] += float(values[j])
+            padded[row * chunk : (row + 1) * chunk] = inverse_dct(coefficients)
+        return padded[:numel]
     values, indices = fields
     dense = np.zeros(numel, dtype=np.float64)
     np.add.at(dense, indices.astype(np.int64), values.astype(np.float64))

@@ -389,7 +389,8 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                         if schedule.control_variant
                         else None
                     ),
-                    "tie": summary.is_tie(f / u),
+                    "tie": summary.is_tie(f / u, variant="fused"),
+                    "ratio_ci": list(summary.ratio_intervals["fused"]),
                     "c_over_m": c / m if m else float("inf"),
                     "wrong": int(wrong),
                     "iters": config.iters,

@@ -239,6 +239,8 @@ def compressors() -> dict[str, type[Compressor]]:
         compress.PowerSGD,
         compress.ACPSGD,
     )
+    # The outer-gradient compressors of the local-SGD family.
+    classes += (compress.SparseLoCo, compress.DeMo, compress.Int4)
     return {cls.name: cls for cls in classes}
 
 
@@ -343,6 +345,23 @@ def strategy_names() -> dict[str, StrategyName]:
             "the methods above in general: PeriodicSyncConfig's fields as the keys",
         ),
         **sync_method_names(),
+        **_compressed_adam_names(),
+    }
+
+
+def _compressed_adam_names() -> dict[str, StrategyName]:
+    """The optimizers that communicate themselves (``commfuse.optim``)."""
+    from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
+
+    return {
+        "onebit-adam": StrategyName(
+            OneBitAdamConfig,
+            "1-bit Adam (Tang et al. 2021): Adam warm-up, then frozen variance, 1-bit momentum",
+        ),
+        "zeroone-adam": StrategyName(
+            ZeroOneAdamConfig,
+            "0/1 Adam (Lu et al. 2022): adaptive variance freezing, 1-bit syncs, local steps",
+        ),
     }
 
 

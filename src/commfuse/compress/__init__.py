@@ -30,6 +30,9 @@ PowerSGD      all_reduce  per tensor: 1-D ones x 4 + (rows + cols) r' x 4 bytes 
                           x 2 instead of x 4 with wire="bf16" or wire="fp16"
 ACPSGD        all_reduce  per tensor: 1-D ones x 4 + rows r' x 4 bytes (even      on
                           steps, P) or cols r' x 4 (odd steps, Q): one round trip
+SparseLoCo    all_gather  per chunk of c (4096): 8 + k x (2 + 1/4) bytes, k = 64    decayed (0.95)
+DeMo          all_gather  per chunk of c (64): k x (4 + 1) bytes of DCT, k = 4      momentum (0.9)
+Int4          all_gather  4 per chunk of 512 + d / 2 bytes                          on
 ============= =========== ======================================================= ===============
 
 Messages of allgather compressors are padded to whole 4-byte words. (*) only when
@@ -37,14 +40,18 @@ Messages of allgather compressors are padded to whole 4-byte words. (*) only whe
 PowerSGD needs the shapes of the tensors in a bucket (the layout, which the engine and the
 hooks give) to compress each weight matrix on its own (r' = min(r, rows, cols); tensors whose
 factors would not be smaller travel as they are); other compressors use the layout only to
-file their state.
+file their state. SparseLoCo, DeMo and Int4 are made for the outer exchange of the local-SGD
+family (``commfuse.localsgd``, ``diloco(H=50, compressor=SparseLoCo())``), rare and large; they
+cut the bucket into chunks (``chunked.py``), the last one possibly shorter.
 """
 
 from commfuse.compress.acpsgd import ACPSGD
 from commfuse.compress.base import Compressor, generator_for
 from commfuse.compress.cast import BF16, FP16, CastCompressor, NoCompression
+from commfuse.compress.demo import DeMo
 from commfuse.compress.dgc import DGC
 from commfuse.compress.feedback import ErrorFeedback
+from commfuse.compress.int4 import Int4
 from commfuse.compress.int8 import Int8
 from commfuse.compress.layout import BucketLayout, StateMoves
 from commfuse.compress.message import MessageCompressor
@@ -52,6 +59,7 @@ from commfuse.compress.powersgd import PowerSGD, Wire
 from commfuse.compress.quantize import QSGD, TernGrad
 from commfuse.compress.sign import EFSign, Sign
 from commfuse.compress.sparse import RandomBlock, RandomK, TopK
+from commfuse.compress.sparseloco import SparseLoCo
 
 __all__ = [
     "ACPSGD",
@@ -62,8 +70,10 @@ __all__ = [
     "BucketLayout",
     "CastCompressor",
     "Compressor",
+    "DeMo",
     "EFSign",
     "ErrorFeedback",
+    "Int4",
     "Int8",
     "MessageCompressor",
     "NoCompression",
@@ -71,6 +81,7 @@ __all__ = [
     "RandomBlock",
     "RandomK",
     "Sign",
+    "SparseLoCo",
     "StateMoves",
     "TernGrad",
     "TopK",

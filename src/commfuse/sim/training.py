@@ -37,6 +37,7 @@ from commfuse.localsgd import (
     PeriodicSyncConfig,
     SyncMethod,
 )
+from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 from commfuse.sim.plan import CommPlan
 from commfuse.train.strategy import (
     CommfuseDPConfig,
@@ -68,7 +69,8 @@ def plan_for(
         overlap: launch buckets during backward (False: all after it).
 
     Raises:
-        ValueError: a strategy the simulator does not model (hierarchical local SGD).
+        ValueError: a strategy the simulator does not model (hierarchical local SGD, the
+            optimizers that communicate themselves).
     """
     base = CommPlan(
         bucket_cap_mb=bucket_cap_mb,
@@ -130,6 +132,11 @@ def plan_for(
             outer_fraction=1.0 / fragments,
             compressor=compressor,
             finite_agreement=False,  # the outer exchange agrees on nothing first
+        )
+    if isinstance(strategy, OneBitAdamConfig | ZeroOneAdamConfig):
+        raise ValueError(
+            "the simulator does not model 1-bit Adam or 0/1 Adam (it has no plan for their "
+            "two-phase 1-bit allreduce); measure them with commfuse train or compare"
         )
     raise ValueError(f"not a strategy config: {type(strategy).__name__}")
 

@@ -12,6 +12,8 @@ what the simulator prices, ``commfuse.sim.simulate_step``):
 * a ``commfuse.localsgd.SyncMethod``: a local-SGD method that decides when or what to
   synchronise (``SelSyncConfig``, ``ADPSGDConfig``, ``PALSGDConfig``, ``DreamDDPConfig``,
   ``LocalSGDClipConfig``).
+* ``commfuse.optim.OneBitAdamConfig`` / ``ZeroOneAdamConfig``: 1-bit Adam and 0/1 Adam, an
+  optimizer that does the communication itself.
 
 On each rank ``build_strategy(config, ctx)`` wraps the workload's model and optimizer in a
 :class:`Strategy`, whose uniform step interface the training loop (``loop.py``) drives, whatever
@@ -50,6 +52,7 @@ from commfuse.compress.base import Compressor
 if TYPE_CHECKING:
     from commfuse.localsgd import PeriodicSyncConfig
     from commfuse.localsgd.sync_method import SyncMethod
+    from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 
 #: Modules that register strategy builders when imported (a new strategy adds a line here).
 STRATEGY_MODULES: tuple[str, ...] = (
@@ -57,6 +60,8 @@ STRATEGY_MODULES: tuple[str, ...] = (
     "commfuse.train.commfuse_dp",
     "commfuse.train.periodic",
 )
+# Optimizers that communicate themselves (1-bit Adam, 0/1 Adam).
+STRATEGY_MODULES += ("commfuse.train.onebit",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,6 +197,7 @@ class CommfuseDPConfig:
 StrategyConfig: TypeAlias = (
     "TorchDDPConfig | TorchPowerSGDConfig | CommfuseDPConfig | PeriodicSyncConfig"
     " | SyncMethod"  # the local-SGD methods that decide when to synchronise
+    " | OneBitAdamConfig | ZeroOneAdamConfig"
 )
 
 
@@ -228,6 +234,7 @@ def describe_compressor(compressor: Compressor) -> str:
 def _name_and_settings(config: StrategyConfig) -> tuple[str, dict[str, Any]]:
     """The command line's name for ``config`` and the settings its spec gives."""
     from commfuse.localsgd import PeriodicSyncConfig, SyncMethod, method_of
+    from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 
     if isinstance(config, SyncMethod):
         settings = _changed(config)
@@ -236,6 +243,10 @@ def _name_and_settings(config: StrategyConfig) -> tuple[str, dict[str, Any]]:
             shared = ("algo",) if compressor.algo == getattr(config, "algo", None) else ()
             settings["compressor"] = _spec(compressor.name, _changed(compressor, skip=shared))
         return config.name, settings
+    if isinstance(config, OneBitAdamConfig):
+        return "onebit-adam", _changed(config)
+    if isinstance(config, ZeroOneAdamConfig):
+        return "zeroone-adam", _changed(config)
     if isinstance(config, TorchDDPConfig):
         name = "ddp" if config.hook == "none" else f"ddp-{config.hook}"
         return name, _changed(config, skip=("hook",))
@@ -406,13 +417,16 @@ def build_strategy(config: StrategyConfig, ctx: StrategyContext) -> Strategy:
 def check_strategy(config: object) -> None:
     """ValueError unless ``config`` is a strategy config (checked before any rank starts)."""
     from commfuse.localsgd import PeriodicSyncConfig, SyncMethod
+    from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 
-    kinds = (
+    kinds: tuple[type, ...] = (
         TorchDDPConfig,
         TorchPowerSGDConfig,
         CommfuseDPConfig,
         PeriodicSyncConfig,
         SyncMethod,  # the local-SGD methods that decide when to synchronise
+        OneBitAdamConfig,
+        ZeroOneAdamConfig,
     )
     if not isinstance(config, kinds):
         raise ValueError(

@@ -1,0 +1,66 @@
+"""Shared parts of the outer-gradient compressors: fixed-size chunks and decayed error feedback.
+
+The compressors made for the rare, large exchanges of the local-SGD family (SparseLoCo, DeMo,
+int4) cut the flat bucket into rows of ``chunk`` elements (the last one zero-padded), so that a
+per-chunk choice (the top k of each row, one scale per row) costs one batched operation and the
+message's layout depends only on the bucket's size.
+
+Their error feedback may decay: ``x = g + decay e`` then ``e = x - D(C(x))``. With
+``decay = 1`` it is the plain error feedback of ``feedback.py`` (what was sent plus the residual
+is exactly the sum of every input); below 1 the residual is also a momentum (SparseLoCo's and
+DeMo's choice: old mass that was never sent fades instead of arriving late).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from commfuse.comm import Communicator
+from commfuse.compress.message import MessageCompressor
+
+
+def chunk_shape(numel: int, chunk_numel: int) -> tuple[int, int]:
+    """``(rows, chunk)``: a bucket of ``numel`` elements as rows of ``chunk`` elements, where
+    ``chunk = min(chunk_numel, numel)`` (a small bucket is one row, not a padded one)."""
+    chunk = max(1, min(chunk_numel, numel))
+    return -(-numel // chunk), chunk
+
+
+def as_rows(x: torch.Tensor, rows: int, chunk: int) -> torch.Tensor:
+    """``x`` (flat) zero-padded to ``rows * chunk`` elements, as a ``rows x chunk`` float32
+    matrix on ``x``'s device."""
+    padded = x.new_zeros(rows * chunk, dtype=torch.float32)
+    padded[: x.numel()] = x.reshape(-1)
+    return padded.view(rows, chunk)
+
+
+@dataclasses.dataclass(kw_only=True)
+class DecayedFeedbackCompressor(MessageCompressor):
+    """A message compressor whose error feedback decays by ``decay`` per exchange."""
+
+    decay: float = 1.0
+    """Multiplies the residual before this exchange's input is added (1 = plain error
+    feedback)."""
+
+    def _check_decay(self) -> None:
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"{self.name}: decay must be in (0, 1], got {self.decay}")
+
+    def _reduce(
+        self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int, commit: bool
+    ) -> None:
+        key = self._state_key(bucket)
+        numel = grad.numel()
+        residual = self.feedback.residuals.get(key) if self.ef else None
+        if residual is None or residual.shape != grad.shape or residual.dtype != grad.dtype:
+            x = grad.clone()
+        else:
+            x = torch.add(grad, residual, alpha=self.decay)
+        parts = self.compress(x, step=step, bucket=bucket, rank=comm.rank)
+        if self.ef and commit:
+            self.feedback.update(key, x - self.decompress(parts, numel, grad.dtype, step))
+        gathered = self._exchange(comm, self.layout(numel, grad.dtype, step), parts)
+        total = self.decompress_sum(gathered, numel, grad.dtype, step)
+        grad.copy_(total.div_(comm.world_size))
