@@ -51,6 +51,7 @@ LAYERS: dict[str, int] = {
     "hooks": 4,
     "workloads": 5,
     "train": 6,
+    "ft": 6,
     "bench": 6,
     "cli": 7,
     "testing": 8,

@@ -1,0 +1,381 @@
+"""``run_fault_tolerant``: a data-parallel run that keeps training when replica groups die.
+
+The launcher side of fault-tolerant training on torchft (PyTorch's per-step fault tolerance):
+
+1. build the cluster (``open_placement``: one emulated host per replica group, or loopback);
+2. host one TCPStore per replica group on its host's address (the store outlives a replica
+   that is killed, so its restart finds it), and the lighthouse on host 0's (``lighthouse.py``);
+3. start every replica group (``replica.py``) and, once all of them have joined the lighthouse,
+   tell them to go, so the first quorum holds all of them;
+4. watch them: a replica killed by a ``KillFault`` is started again ``restart_after_s`` after
+   its death and recovers its state from a peer; any other death fails the job;
+5. when every replica group has committed the last step (or is gone for good), put the
+   per-step reports of all of them together (``accounting.py``).
+
+A watchdog kills the replicas and removes the emulated cluster should the launcher be killed;
+the lighthouse lives in the launcher and dies with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from commfuse.cluster import DeadlineExceeded, RankError, Topology
+from commfuse.cluster.placement import Placement, open_placement
+from commfuse.cluster.rank_runtime import enter_rank
+from commfuse.cluster.store import HostedStore, host_store
+from commfuse.cluster.supervisor import kill_group
+from commfuse.cluster.watchdog import Watchdog
+from commfuse.ft.accounting import summarize_ft
+from commfuse.ft.config import FaultToleranceConfig, KillFault
+from commfuse.ft.lighthouse import start_lighthouse
+from commfuse.ft.replica import ReplicaJob, run_replica, send
+from commfuse.train.loop import TrainConfig
+
+#: Environment variables of torchft that would override the timeouts derived here.
+TORCHFT_OVERRIDES = (
+    "TORCHFT_TIMEOUT_SEC",
+    "TORCHFT_QUORUM_TIMEOUT_SEC",
+    "TORCHFT_CONNECT_TIMEOUT_SEC",
+    "TORCHFT_LIGHTHOUSE",
+    "TORCHFT_MANAGER_PORT",
+)
+#: Seconds a replica may take from its start to joining the lighthouse.
+START_TIMEOUT_S = 120.0
+
+
+def _replica_process(
+    job: ReplicaJob, env: dict[str, str], netns: str | None, conn: Connection, log: str
+) -> None:
+    os.setsid()  # own session: the launcher and the watchdog stop it with what it started
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    code = 1
+    try:
+        enter_rank(env, netns)
+        send(conn, ("done", run_replica(job, conn)))
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+        with contextlib.suppress(OSError):
+            send(conn, ("error", traceback.format_exc()))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # No interpreter teardown: gloo's and torchft's native threads may still be joinable.
+        os._exit(code)
+
+
+@dataclass
+class _Life:
+    """One start of one replica group."""
+
+    replica: int
+    life: int
+    proc: mp.process.BaseProcess
+    conn: Connection
+    log: str
+    ready: bool = False
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    killed_at: float | None = None
+    launched: bool = True
+    """False while a spare waits for its start."""
+
+
+@dataclass
+class _Job:
+    """The launcher's view of the run."""
+
+    lives: list[_Life] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    kills: list[dict[str, Any]] = field(default_factory=list)
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    inbox: queue.Queue[tuple[_Life, tuple[Any, ...] | None]] = field(default_factory=queue.Queue)
+
+
+def _read(life: _Life, inbox: queue.Queue[tuple[_Life, tuple[Any, ...] | None]]) -> None:
+    """Forward ``life``'s messages to the launcher's inbox; None when its pipe closes."""
+    try:
+        while True:
+            inbox.put((life, pickle.loads(life.conn.recv_bytes())))
+    except (EOFError, OSError):
+        inbox.put((life, None))
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def run_fault_tolerant(
+    config: TrainConfig,
+    ft: FaultToleranceConfig,
+    topology: Topology,
+    *,
+    emulate: bool | None = None,
+    timeout_s: float = 600.0,
+    log_dir: str | None = None,
+) -> dict[str, Any]:
+    """Train ``config`` with one torchft replica group per host of ``topology``, injecting
+    ``ft.faults``; return the run's record (``accounting.summarize_ft``).
+
+    Args:
+        config: the run; its strategy must be ``TorchDDPConfig()`` (torch DDP, the gradients
+            averaged across replica groups through torchft).
+        ft: the timeout and the faults to inject.
+        topology: one replica group per host; one rank per host.
+        emulate: force (True) or forbid (False) the emulated network; None: when possible.
+        timeout_s: the whole job's deadline.
+        log_dir: where each replica's output goes (``replica{R}.life{L}.log``); None: a
+            temporary folder, removed afterwards.
+
+    Returns:
+        The record: steps committed and discarded, events, per-step digests' agreement...
+
+    Raises:
+        ValueError: a topology with several ranks per host, or faults on missing hosts.
+        RankError: a replica failed other than by an injected fault.
+        DeadlineExceeded: the job passed ``timeout_s``.
+
+    Example:
+        ```python
+        record = run_fault_tolerant(
+            TrainConfig(steps=30),
+            FaultToleranceConfig(faults=(KillFault(host=1, at_step=10),)),
+            Topology(num_hosts=3, link_mbit=100),
+        )
+        assert record["replicas_agree"]
+        ```
+    """
+    if topology.ranks_per_host != 1:
+        raise ValueError(
+            "fault-tolerant training runs one rank per replica group (per host); got "
+            f"{topology.ranks_per_host} ranks per host"
+        )
+    ft.check_hosts(topology.num_hosts)
+    with contextlib.ExitStack() as stack:
+        if log_dir is None:
+            log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="commfuse-ft-"))
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        return _run(config, ft, topology, emulate=emulate, timeout_s=timeout_s, log_dir=log_dir)
+
+
+def _run(
+    config: TrainConfig,
+    ft: FaultToleranceConfig,
+    topology: Topology,
+    *,
+    emulate: bool | None,
+    timeout_s: float,
+    log_dir: str,
+) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    run_id = uuid.uuid4().hex[:12]
+    num = topology.num_hosts
+    started = time.monotonic()
+    deadline = started + timeout_s
+    job = _Job()
+    with Watchdog() as watchdog, open_placement(topology, emulate=emulate) as placement:
+        if placement.lab_id is not None:
+            watchdog.guard_lab(placement.lab_id)
+        stores: list[HostedStore] = []
+        lighthouse = None
+        try:
+            for host in range(num):
+                netns = placement.netns_of(host)
+                stores.append(host_store(placement.addr_of_host(host), netns=netns))
+            lighthouse = start_lighthouse(
+                placement.addr_of_host(0),
+                netns=placement.netns_of(0),
+                timeouts=ft.timeouts,
+                min_replicas=ft.min_replicas,
+            )
+
+            def start(replica: int, life: int) -> _Life:
+                store = stores[replica]
+                replica_job = ReplicaJob(
+                    train=config,
+                    ft=ft,
+                    replica=replica,
+                    num_replicas=num,
+                    life=life,
+                    addr=store.addr,
+                    store_port=store.port,
+                    lighthouse=lighthouse.url,  # type: ignore[union-attr]
+                )
+                env = _replica_env(placement, replica, store, run_id)
+                ours, theirs = ctx.Pipe(duplex=True)
+                log = str(Path(log_dir) / f"replica{replica}.life{life}.log")
+                proc = ctx.Process(
+                    target=_replica_process,
+                    args=(replica_job, env, placement.netns_of(replica), theirs, log),
+                    name=f"commfuse-replica{replica}",
+                )
+                proc.start()
+                theirs.close()
+                assert proc.pid is not None
+                watchdog.guard(proc.pid)
+                entry = _Life(
+                    replica=replica, life=life, proc=proc, conn=ours, log=log, launched=life == 0
+                )
+                job.lives.append(entry)
+                threading.Thread(target=_read, args=(entry, job.inbox), daemon=True).start()
+                return entry
+
+            for replica in range(num):
+                start(replica, 0)
+            # The replacement of every replica to be killed and restarted boots with the job
+            # (imports, model, DDP) and waits: a restart then takes the fault's delay, not
+            # this machine's time to start a torch process.
+            spares = {
+                f.host: start(f.host, 1)
+                for f in ft.faults
+                if isinstance(f, KillFault) and f.restart_after_s is not None
+            }
+            _supervise(job, ft, num, spares, started=started, deadline=deadline)
+        finally:
+            for entry in job.lives:
+                if entry.proc.is_alive():
+                    kill_group(entry.proc.pid, signal.SIGKILL)
+                entry.proc.join(timeout=10)
+                entry.conn.close()
+            if lighthouse is not None:
+                lighthouse.shutdown()
+            for store in stores:
+                store.close()
+    return summarize_ft(
+        records=job.records,
+        kills=job.kills,
+        restarts=job.restarts,
+        results=[e.result for e in job.lives if e.result is not None],
+        num_replicas=num,
+        steps=config.steps,
+        batch_samples=int(getattr(config.workload, "batch", 1)),
+        wall_s=time.monotonic() - started,
+        topology=topology.describe(),
+        timeouts=ft.timeouts,
+    )
+
+
+def _replica_env(
+    placement: Placement, replica: int, store: HostedStore, run_id: str
+) -> dict[str, str]:
+    env = placement.env_of(replica, master_addr=store.addr, master_port=store.port, run_id=run_id)
+    # The replica group is its own world of one rank; the replicas meet through torchft.
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", RUST_LOG="warn")
+    for name in TORCHFT_OVERRIDES:
+        env.pop(name, None)
+    return env
+
+
+def _supervise(
+    job: _Job,
+    ft: FaultToleranceConfig,
+    num: int,
+    spares: dict[int, _Life],
+    *,
+    started: float,
+    deadline: float,
+) -> None:
+    """Go when all replicas joined; restart the killed; return when all are done.
+
+    A killed replica's next life (a spare, started with the job and built) is told to start
+    ``restart_after_s`` after the kill. Once every other replica group has finished, a restarted
+    life that has not is stopped (it has nobody left to rejoin) and counted as gone.
+    """
+    kills = {f.host: f for f in ft.faults if isinstance(f, KillFault)}
+    pending: dict[int, tuple[float, _Life]] = {}  # replica -> (restart time, its spare)
+    done: set[int] = set()
+    gone: set[int] = set()
+    went = False
+    all_done_at: float | None = None
+    while len(done | gone) < num:
+        now = time.monotonic()
+        if now > deadline:
+            raise DeadlineExceeded(
+                f"fault-tolerant run: not finished within {deadline - started:.0f} s",
+                ranks=sorted(set(range(num)) - done - gone),
+            )
+        if not went and now > started + START_TIMEOUT_S:
+            raise DeadlineExceeded(
+                f"replicas did not join within {START_TIMEOUT_S:.0f} s",
+                ranks=[e.replica for e in job.lives if not e.ready],
+            )
+        for replica, (at, spare) in list(pending.items()):
+            if now >= at:
+                del pending[replica]
+                job.restarts.append({"replica": replica, "t": now})
+                spare.launched = True
+                spare.conn.send_bytes(b"start")
+        lonely = [r for r in range(num) if r not in done | gone]
+        if done and all(r in pending or _current(job, r).life > 0 for r in lonely):
+            all_done_at = now if all_done_at is None else all_done_at
+            if now - all_done_at > ft.timeout_s / 2:
+                for replica in lonely:
+                    pending.pop(replica, None)
+                    kill_group(_current(job, replica).proc.pid, signal.SIGKILL)
+                    gone.add(replica)
+                continue
+        try:
+            life, message = job.inbox.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        if message is None:  # the pipe closed: the process is gone
+            life.proc.join(timeout=10)
+            code = life.proc.exitcode
+            if life.result is not None:
+                done.add(life.replica)
+            elif life.replica in gone or (life.killed_at is not None and code == -signal.SIGKILL):
+                pass  # an injected kill (its spare waits) or a life stopped above
+            else:
+                why = life.error or f"exited with code {code}\n{_tail(life.log)}"
+                raise RankError(life.replica, f"replica {life.replica} (life {life.life}): {why}")
+            continue
+        kind, body = message[0], message[1] if len(message) > 1 else None
+        if kind == "ready":
+            life.ready = True
+            if went:
+                life.conn.send_bytes(b"go")
+            elif sum(e.ready for e in job.lives) == num:
+                went = True
+                for entry in job.lives:
+                    if entry.ready:
+                        entry.conn.send_bytes(b"go")
+        elif kind == "step":
+            job.records.append({"replica": life.replica, "life": life.life, **body})
+        elif kind == "kill":
+            life.killed_at = body["t"]
+            job.kills.append({"replica": life.replica, **body})
+            fault = kills.get(life.replica)
+            spare = spares.pop(life.replica, None)
+            if fault is not None and fault.restart_after_s is not None and spare is not None:
+                pending[life.replica] = (body["t"] + fault.restart_after_s, spare)
+            else:
+                gone.add(life.replica)
+        elif kind == "done":
+            life.result = body
+        elif kind == "error":
+            life.error = body
+
+
+def _current(job: _Job, replica: int) -> _Life:
+    """The latest life of ``replica`` that was launched (not a spare still waiting)."""
+    return [e for e in job.lives if e.replica == replica and e.launched][-1]
