@@ -83,6 +83,7 @@ def summarize_ft(
                 "host": kill["replica"],
                 "step": kill["step"],
                 "phase": kill["phase"],
+                "t": kill["t"],
                 "detect_s": _first_after(survivors, kill["t"], committed=False),
                 "recover_s": _first_after(survivors, kill["t"], committed=True),
                 "rejoin_s": min(r["t"] for r in rejoined) - kill["t"] if rejoined else None,

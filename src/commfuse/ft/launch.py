@@ -5,8 +5,9 @@ The launcher side of fault-tolerant training on torchft (PyTorch's per-step faul
 1. build the cluster (``open_placement``: one emulated host per replica group, or loopback);
 2. host one TCPStore per replica group on its host's address (the store outlives a replica
    that is killed, so its restart finds it), and the lighthouse on host 0's (``lighthouse.py``);
-3. start every replica group (``replica.py``) and, once all of them have joined the lighthouse,
-   tell them to go, so the first quorum holds all of them;
+3. start every replica group (``replica.py``), and a spare for each replica to be killed and
+   restarted (it boots, builds its model and waits); once all replicas have joined the
+   lighthouse and every spare is built, tell them to go, so the first quorum holds all of them;
 4. watch them: a replica killed by a ``KillFault`` is started again ``restart_after_s`` after
    its death and recovers its state from a peer; any other death fails the job;
 5. when every replica group has committed the last step (or is gone for good), put the
@@ -95,6 +96,8 @@ class _Life:
     result: dict[str, Any] | None = None
     error: str | None = None
     killed_at: float | None = None
+    built: bool = False
+    """Reported ready, or (a spare) built and waiting for its start."""
     launched: bool = True
     """False while a spare waits for its start."""
 
@@ -350,11 +353,14 @@ def _supervise(
                 raise RankError(life.replica, f"replica {life.replica} (life {life.life}): {why}")
             continue
         kind, body = message[0], message[1] if len(message) > 1 else None
-        if kind == "ready":
-            life.ready = True
-            if went:
+        if kind in ("ready", "built"):
+            life.ready |= kind == "ready"
+            life.built = True
+            if went and kind == "ready":
                 life.conn.send_bytes(b"go")
-            elif sum(e.ready for e in job.lives) == num:
+            elif not went and all(e.built for e in job.lives):
+                # Every replica joined the lighthouse and every spare is built: the first
+                # quorum holds everyone, and no fault comes before its replacement is ready.
                 went = True
                 for entry in job.lives:
                     if entry.ready:

@@ -155,6 +155,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     if job.life > 0:
         _lay_out_buckets(ddp, hook_state, workload, job)
         # A spare: everything is built; the launcher says when the restart happens.
+        send(conn, ("built", {"replica": job.replica, "life": job.life}))
         if conn.recv_bytes() != b"start":
             raise RuntimeError("the launcher did not say start")
     transport = ChecksummedHTTPTransport(job.addr, timeout=op_timeout)

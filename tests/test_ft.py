@@ -1,0 +1,222 @@
+"""Fault-tolerant data parallelism on torchft (``commfuse.ft``), on the emulated cluster.
+
+The end-to-end runs use the real torchft lighthouse and Managers, real processes, one emulated
+host per replica group, and a real SIGKILL:
+
+* a replica killed while its gradient allreduce is in flight: the survivors commit nothing
+  for that step, commit again within 3 s (the default ``timeout_s`` of 2 s), and hold
+  bit-identical parameters at every later step; the killed replica restarts, receives its
+  state from a peer (checksummed), and its parameter digest equals the others' at every step
+  it commits; each committed step moved exactly one gradient's bytes per replica. Four
+  replicas put one survivor out of the victim's reach in gloo's ring (it waits on a live
+  neighbour that gave up), which only the quorum-wide alarm frees before gloo's timeout;
+* a run without faults equals the same run on torch DDP without torchft, bit for bit.
+
+The rest is cheap: the timeouts' derivation, the state transport's checksums, where the
+lighthouse and the transport listen, and that ``import commfuse.ft`` does not import torchft.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import statistics
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import commfuse
+from commfuse.cluster import Topology
+from commfuse.ft import FaultToleranceConfig, KillFault, Timeouts, run_fault_tolerant
+from commfuse.train.loop import TrainConfig
+from commfuse.workloads import CharLMOptions
+
+WORKLOAD = CharLMOptions(dim=32, layers=2, heads=2, seq=16, batch=4)
+#: Buckets of 10 KB: the model's gradient travels in several allreduces.
+BUCKET_CAP_MB = 0.01
+RECOVER_BOUND_S = 3.0
+
+
+def _param_bytes() -> int:
+    from commfuse.workloads import make_workload
+
+    model = make_workload(WORKLOAD, device=torch.device("cpu")).build_model(0)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_kill_in_allreduce_survivors_continue_and_the_restarted_replica_catches_up() -> None:
+    kill = KillFault(host=2, at_step=5, phase="allreduce", restart_after_s=0.5)
+    record = run_fault_tolerant(
+        TrainConfig(workload=WORKLOAD, steps=12, evaluate=False, bucket_cap_mb=BUCKET_CAP_MB),
+        FaultToleranceConfig(faults=(kill,), min_replicas=2),
+        Topology(num_hosts=4, link_mbit=1000),
+        timeout_s=200,
+    )
+    records: list[dict[str, Any]] = record["records"]
+    (event,) = record["events"]
+    assert (event["host"], event["step"], event["phase"]) == (2, 5, "allreduce")
+    kill_t = event["t"]
+    survivors = [r for r in records if r["replica"] != 2]
+    # The step in flight at the kill committed nowhere: every survivor's first attempt failed.
+    first_tries: dict[int, dict[str, Any]] = {}
+    for r in sorted(survivors, key=lambda r: r["t"]):
+        if r["step"] == 5:
+            first_tries.setdefault(r["replica"], r)
+    assert all(not r["committed"] for r in first_tries.values()), first_tries
+    assert len(first_tries) == 3
+    # ... and every survivor committed it again, within the bound.
+    assert event["recover_s"] is not None and event["recover_s"] <= RECOVER_BOUND_S, event
+    for replica in (0, 1, 3):
+        again = [r for r in survivors if r["replica"] == replica and r["committed"]]
+        assert min(r["t"] for r in again if r["step"] == 5) - kill_t <= RECOVER_BOUND_S + 0.5
+    # The killed replica came back, recovered from a peer, and agrees at every step it commits.
+    rejoined = [r for r in records if r["replica"] == 2 and r["life"] == 1]
+    assert rejoined and rejoined[0]["healed"], rejoined[:1]
+    assert record["recovered_bytes"] > _param_bytes()
+    by_step: dict[int, set[str]] = {}
+    for r in records:
+        if r["committed"]:
+            by_step.setdefault(r["step"], set()).add(r["digest"])
+    assert all(len(d) == 1 for d in by_step.values()), by_step
+    assert sorted(by_step) == list(range(12))
+    assert {r["step"] for r in rejoined if r["committed"]} >= set(range(event["rejoin_step"], 12))
+    assert record["step_digests_agree"] and record["replicas_agree"]
+    assert record["committed_steps"] == 12
+    assert record["discarded_steps"] == 3  # the three survivors' failed step 5
+    # What was communicated: each committed attempt allreduced the whole gradient once.
+    assert {r["bytes"] for r in records if r["committed"]} == {_param_bytes()}
+    # Data: the killed replica's batches of the steps it missed are the only ones lost.
+    missed = event["rejoin_step"] - 5
+    assert record["batches_lost"] == missed
+    assert record["samples_lost"] == missed * WORKLOAD.batch
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_fault_free_run_equals_torch_ddp_bit_for_bit() -> None:
+    from commfuse.train.runner import run_training
+
+    config = TrainConfig(workload=WORKLOAD, steps=6, evaluate=False, bucket_cap_mb=BUCKET_CAP_MB)
+    topology = Topology(num_hosts=2, link_mbit=1000)
+    ft = run_fault_tolerant(config, FaultToleranceConfig(), topology, timeout_s=200)
+    plain = run_training(config, topology, progress=False, timeout_s=200)
+    assert ft["digest"] == plain["digest"]
+    assert ft["discarded_steps"] == 0 and ft["events"] == [] and ft["batches_lost"] == 0
+    records = sorted(ft["records"], key=lambda r: r["replica"])
+    losses = [statistics.fmean(r["loss"] for r in records if r["step"] == s) for s in range(6)]
+    # torch DDP's record smooths its loss curve; its per-step mean is the curve's first point.
+    assert losses[0] == plain["loss_curve"][0]
+
+
+def test_timeouts_derive_from_one_setting() -> None:
+    t = Timeouts.derive(2.0)
+    assert t.heartbeat_timeout_s == t.join_timeout_s == 2.0
+    assert t.heartbeat_interval_s == 0.1
+    assert t.op_timeout_s == 10.0 and t.quorum_timeout_s > t.op_timeout_s
+    assert FaultToleranceConfig().timeouts == t
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        FaultToleranceConfig(timeout_s=0)
+    with pytest.raises(ValueError, match="min_replicas 5 is more than the 4"):
+        FaultToleranceConfig(min_replicas=5).check_hosts(4)
+    with pytest.raises(ValueError, match="fault on host 4"):
+        FaultToleranceConfig(faults=(KillFault(host=4, at_step=1),)).check_hosts(4)
+    with pytest.raises(ValueError, match="phase must be"):
+        KillFault(host=0, at_step=1, phase="later")  # type: ignore[arg-type]
+
+
+def test_state_transport_checks_every_tensor() -> None:
+    from commfuse.ft.transport import ChecksumError, pack_state, unpack_state
+
+    state = {"model": {"w": torch.arange(6.0)}, "opt": [{"step": torch.tensor(3)}], "n": 7}
+    back = unpack_state(pack_state(state))
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["n"] == 7
+    blob = bytearray(pack_state(state))
+    # Corrupt one float of "w" in the blob (its bytes are stored raw): the digest catches it.
+    raw = torch.arange(6.0).numpy().tobytes()
+    at = bytes(blob).find(raw)
+    assert at >= 0
+    blob[at + 4] ^= 0xFF
+    with pytest.raises(ChecksumError, match="differ"):
+        unpack_state(bytes(blob))
+    # Nothing but tensors and plain containers is loaded.
+    buffer = io.BytesIO()
+    torch.save({"state": timedelta(seconds=1), "sha256": {}}, buffer)
+    with pytest.raises(Exception, match="weights_only|Unsupported global"):
+        unpack_state(buffer.getvalue())
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) listening on ``port`` here."""
+    found = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hexport = local.rsplit(":", 1)
+            if state == "0A" and int(hexport, 16) == port:
+                found.append(addr)
+    return found
+
+
+def test_lighthouse_and_state_server_listen_on_their_address_only() -> None:
+    from commfuse.ft.lighthouse import start_lighthouse
+    from commfuse.ft.transport import ChecksummedHTTPTransport
+
+    lighthouse = start_lighthouse(
+        "127.0.0.1", netns=None, timeouts=Timeouts.derive(2.0), min_replicas=1
+    )
+    transport = ChecksummedHTTPTransport("127.0.0.1", timeout=timedelta(seconds=5))
+    try:
+        assert lighthouse.url.startswith("http://127.0.0.1:")
+        assert _listening(int(lighthouse.url.rsplit(":", 1)[1])) == ["0100007F"]
+        assert transport.metadata().startswith("http://127.0.0.1:")
+        port = int(transport.metadata().split(":")[2].split("/")[0])
+        assert _listening(port) == ["0100007F"]
+    finally:
+        transport.shutdown()
+        lighthouse.shutdown()
+
+
+def test_import_and_help_leave_torchft_unimported() -> None:
+    src = str(Path(commfuse.__file__).resolve().parents[1])
+    code = (
+        "import sys, contextlib, io\n"
+        "import commfuse, commfuse.ft\n"
+        "from commfuse.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        "        main(['train', '--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torchft', 'torch'}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": src},
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_missing_torchft_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from commfuse.ft.require import require_torchft
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name)
+    )
+    with pytest.raises(ImportError, match=r"pip install 'commfuse\[ft\]'"):
+        require_torchft()
