@@ -136,7 +136,11 @@ def test_timeouts_derive_from_one_setting() -> None:
 def test_state_transport_checks_every_tensor() -> None:
     from commfuse.ft.transport import ChecksumError, pack_state, unpack_state
 
-    state = {"model": {"w": torch.arange(6.0)}, "opt": [{"step": torch.tensor(3)}], "n": 7}
+    state: dict[str, Any] = {
+        "model": {"w": torch.arange(6.0)},
+        "opt": [{"step": torch.tensor(3)}],
+        "n": 7,
+    }
     back = unpack_state(pack_state(state))
     assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["n"] == 7
     blob = bytearray(pack_state(state))
@@ -150,7 +154,7 @@ def test_state_transport_checks_every_tensor() -> None:
     # Nothing but tensors and plain containers is loaded.
     buffer = io.BytesIO()
     torch.save({"state": timedelta(seconds=1), "sha256": {}}, buffer)
-    with pytest.raises(Exception, match="weights_only|Unsupported global"):
+    with pytest.raises(Exception, match=r"weights_only|Unsupported global"):
         unpack_state(buffer.getvalue())
 
 

@@ -72,6 +72,7 @@ def describe_ft_record(r: dict[str, Any]) -> str:
         + ("" if r["step_digests_agree"] else "  (WARNING: replicas' parameters differ)")
     ]
     for e in r["events"]:
+
         def s(x: float | None) -> str:
             return "-" if x is None else f"{x:.2f} s"
 

@@ -74,9 +74,7 @@ def summarize_ft(
     events = []
     for kill in kills:
         survivors = [r for r in records if r["replica"] != kill["replica"]]
-        rejoined = [
-            r for r in committed if r["replica"] == kill["replica"] and r["t"] > kill["t"]
-        ]
+        rejoined = [r for r in committed if r["replica"] == kill["replica"] and r["t"] > kill["t"]]
         events.append(
             {
                 "kind": "kill",

@@ -75,7 +75,7 @@ def ft_allreduce_hook(state: FTHookState, bucket: GradBucket) -> torch.futures.F
     elif participants > 1:
         buffer.div_(participants)
     opts = AllreduceOptions()
-    opts.reduceOp = ReduceOp.SUM
+    opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
     try:
         work = state.process_group.allreduce([buffer], opts)
         state.bytes_sent += buffer.numel() * buffer.element_size()

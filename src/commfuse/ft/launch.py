@@ -222,7 +222,7 @@ def _run(
                     life=life,
                     addr=store.addr,
                     store_port=store.port,
-                    lighthouse=lighthouse.url,  # type: ignore[union-attr]
+                    lighthouse=lighthouse.url,
                 )
                 env = _replica_env(placement, replica, store, run_id)
                 ours, theirs = ctx.Pipe(duplex=True)
@@ -352,7 +352,7 @@ def _supervise(
                 why = life.error or f"exited with code {code}\n{_tail(life.log)}"
                 raise RankError(life.replica, f"replica {life.replica} (life {life.life}): {why}")
             continue
-        kind, body = message[0], message[1] if len(message) > 1 else None
+        kind, body = message[0], message[1]
         if kind in ("ready", "built"):
             life.ready |= kind == "ready"
             life.built = True
@@ -371,9 +371,9 @@ def _supervise(
             life.killed_at = body["t"]
             job.kills.append({"replica": life.replica, **body})
             fault = kills.get(life.replica)
-            spare = spares.pop(life.replica, None)
-            if fault is not None and fault.restart_after_s is not None and spare is not None:
-                pending[life.replica] = (body["t"] + fault.restart_after_s, spare)
+            replacement = spares.pop(life.replica) if life.replica in spares else None
+            if fault is not None and fault.restart_after_s is not None and replacement:
+                pending[life.replica] = (body["t"] + fault.restart_after_s, replacement)
             else:
                 gone.add(life.replica)
         elif kind == "done":

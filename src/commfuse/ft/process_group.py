@@ -13,6 +13,7 @@ its destructor would wait for the abandoned collective's threads until gloo's ti
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from datetime import timedelta
 from typing import Any
@@ -78,10 +79,9 @@ class AlarmedProcessGroupGloo(ProcessGroupGloo):  # type: ignore[misc]
     def raise_alarm(self) -> None:
         """Tell every replica of this quorum to abandon the collective in flight."""
         if self._alarm is not None:
-            try:
+            # A store gone with its host: the peers see the failure themselves.
+            with contextlib.suppress(RuntimeError, OSError):
                 self._alarm.set(ALARM_KEY, b"1")
-            except (RuntimeError, OSError):
-                pass  # the store is gone with its host: the peers see the failure themselves
 
     def alarmed(self) -> bool:
         """Whether a replica of this quorum raised the alarm."""

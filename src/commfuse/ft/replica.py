@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore
 from torch.nn.parallel import DistributedDataParallel
 
 from commfuse.ft.config import FaultToleranceConfig, KillFault
@@ -113,7 +114,6 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     from torchft import Manager
 
     from commfuse.ft.process_group import AlarmedProcessGroupGloo
-
     from commfuse.ft.transport import ChecksummedHTTPTransport
 
     strategy = job.train.strategy
@@ -123,7 +123,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     op_timeout = timedelta(seconds=timeouts.op_timeout_s)
     # torch DDP needs a process group: this replica group's own (one rank); the replicas meet
     # in the Manager's process group, inside the hook.
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
     device = torch.device("cpu")
     workload = make_workload(job.train.workload, device=device)
     module = workload.build_model(job.train.seed)

@@ -91,7 +91,7 @@ def unpack_state(blob: bytes) -> Any:
     return state
 
 
-class ChecksummedHTTPTransport(CheckpointTransport[Any]):
+class ChecksummedHTTPTransport(CheckpointTransport[Any]):  # type: ignore[misc]
     """torchft's checkpoint transport on one address, with checksummed, weights-only state
     (see the module docstring).
 
@@ -116,7 +116,7 @@ class ChecksummedHTTPTransport(CheckpointTransport[Any]):
         class Handler(http.server.BaseHTTPRequestHandler):
             timeout = self._timeout_s
 
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:
                 parts = self.path.strip("/").split("/")
                 if len(parts) != 2 or parts[0] != "checkpoint" or not parts[1].isdigit():
                     self.send_error(400, f"expected /checkpoint/STEP, got {self.path}")
@@ -135,7 +135,7 @@ class ChecksummedHTTPTransport(CheckpointTransport[Any]):
                 finally:
                     transport._release()
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: Any) -> None:
                 pass  # one line per request on stderr otherwise
 
         self._server = http.server.ThreadingHTTPServer((addr, 0), Handler)
