@@ -15,7 +15,7 @@ layer  folders                                     what they are
 3      ``sim``                                     the simulator: cost models only (see SIM_MAY)
 4      ``ddp``, ``localsgd``, ``hooks``            training engines over layers 2-3
 5      ``workloads``                               models and data sets
-6      ``train``, ``bench``                        training loops, benchmark runners and reports
+6      ``train``, ``bench``, ``ft``                training loops, runners and reports; torchft
 7      ``cli``                                     the ``commfuse`` command
 8      ``testing``                                 test helpers: nothing in the package imports it
 =====  ==========================================  ==============================================
