@@ -24,14 +24,13 @@ def run_train_ft(args: argparse.Namespace) -> int:
     from commfuse.cli.spec import fault_from_spec, strategy_from_spec, workload_from_spec
     from commfuse.ft.config import FaultToleranceConfig
     from commfuse.train.loop import TrainConfig
-    from commfuse.train.strategy import TorchDDPConfig
+    from commfuse.ft.replica import ft_strategy
 
     topology = topology_from_args(args, nproc=args.nproc)
     if topology.ranks_per_host != 1:
         raise ValueError("--fault-tolerant runs one rank per host (one replica group each)")
     strategy = strategy_from_spec(args.strategy, ranks_per_host=1)
-    if strategy != TorchDDPConfig():
-        raise ValueError(f"--fault-tolerant trains with --strategy ddp, got {args.strategy!r}")
+    ft_strategy(strategy)  # ValueError: not ddp, nor a compressor's name
     for flag in ("checkpoint_dir", "resume", "init_from"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')} does not combine with --fault-tolerant")
@@ -44,7 +43,7 @@ def run_train_ft(args: argparse.Namespace) -> int:
     config = TrainConfig(
         workload=workload_from_spec(args.workload),
         strategy=strategy,
-        label="ddp (fault-tolerant)",
+        label=f"{args.strategy.strip()} (fault-tolerant)",
         steps=args.steps,
         seed=args.seed,
         bucket_cap_mb=args.bucket_cap_mb,
@@ -52,7 +51,7 @@ def run_train_ft(args: argparse.Namespace) -> int:
     )
     from commfuse.ft.launch import run_fault_tolerant
 
-    print(f"commfuse train: {args.workload} on {topology.describe()}, ddp on torchft")
+    print(f"commfuse train: {args.workload} on {topology.describe()}, {config.label} on torchft")
     record = run_fault_tolerant(
         config, ft, topology, emulate=emulate_arg(args), timeout_s=args.timeout or 3600.0
     )

@@ -18,6 +18,12 @@ marks the step as failed. For each bucket:
    now rather than at their timeout. The bucket then holds garbage that no optimizer sees;
 5. return a completed future with the bucket.
 
+With a commfuse compressor, step 3 is the compressor's exchange (``compressor.reduce_`` over
+``QuorumComm``: its messages, averaged, on the same group and alarm), and the bucket's
+parameters name its state (``set_layout``) and its step, as in ``commfuse.hooks``. A failed
+step may have changed that state on some replicas and not others: the replica loop restores
+it from the step's start (``replica.py``).
+
 (No ``from __future__ import annotations`` here: DDP checks the hook's annotations at
 registration and rejects string annotations.)
 """
@@ -29,7 +35,10 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, GradBucket, ReduceOp
 
+from commfuse.compress.base import Compressor
+from commfuse.compress.layout import BucketLayout
 from commfuse.ft.process_group import AlarmedProcessGroupGloo
+from commfuse.ft.quorum_comm import QuorumComm
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -42,6 +51,14 @@ class FTHookState:
     """torchft's ``Manager`` of this replica group (set before the first synchronised step)."""
     on_issue: Callable[[int], None] | None = None
     """Called with the bucket index once its allreduce is in flight (fault injection)."""
+    compressor: Compressor | None = None
+    """Exchange compressed messages instead of the bucket (its ``algo`` must be native)."""
+    comm: QuorumComm | None = None
+    """The compressor's communicator over the quorum (with a compressor)."""
+    names: dict[int, str] = dataclasses.field(default_factory=dict)
+    """``id(parameter) -> name``: what a bucket's compressor state is filed under."""
+    steps: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Steps each parameter was reduced in (the compressor's ``step`` of a bucket)."""
     local: bool = False
     """Leave every bucket as it is (no communication): a restarted replica's first backward,
     which only lets DDP lay out its buckets as its peers did (``replica.py``)."""
@@ -72,17 +89,37 @@ def ft_allreduce_hook(state: FTHookState, bucket: GradBucket) -> torch.futures.F
     participants = manager.num_participants()
     if not manager.is_participating():
         buffer.zero_()
-    elif participants > 1:
-        buffer.div_(participants)
-    opts = AllreduceOptions()
-    opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
+    elif participants > 1 and state.compressor is None:
+        buffer.div_(participants)  # a compressor returns the average itself
     try:
-        work = state.process_group.allreduce([buffer], opts)
-        state.bytes_sent += buffer.numel() * buffer.element_size()
-        if state.on_issue is not None:
-            state.on_issue(bucket.index())
-        state.process_group.wait(work)
+        if state.compressor is not None:
+            _compressed(state, bucket)
+        else:
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
+            work = state.process_group.allreduce([buffer], opts)
+            state.bytes_sent += buffer.numel() * buffer.element_size()
+            if state.on_issue is not None:
+                state.on_issue(bucket.index())
+            state.process_group.wait(work)
     except Exception as error:
         manager.report_error(error)
         state.process_group.raise_alarm()
     return _done(buffer)
+
+
+def _compressed(state: FTHookState, bucket: GradBucket) -> None:
+    """The bucket through ``state.compressor`` over the quorum, in place."""
+    assert state.compressor is not None and state.comm is not None
+    names = tuple(state.names[id(p)] for p in bucket.parameters())
+    layout = BucketLayout(names=names, shapes=tuple(g.shape for g in bucket.gradients()))
+    step = max((state.steps.get(name, 0) for name in names), default=0)
+    for name in names:
+        state.steps[name] = step + 1
+    state.compressor.set_layout(bucket.index(), layout)
+    before = state.comm.bytes_sent
+    if state.on_issue is not None:
+        # A compressor's exchange is synchronous: the fault comes as it begins.
+        state.on_issue(bucket.index())
+    state.compressor.reduce_(state.comm, bucket.buffer(), bucket=bucket.index(), step=step)  # type: ignore[arg-type]
+    state.bytes_sent += state.comm.bytes_sent - before

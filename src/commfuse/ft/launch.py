@@ -45,8 +45,9 @@ from commfuse.cluster.watchdog import Watchdog
 from commfuse.ft.accounting import summarize_ft
 from commfuse.ft.config import FaultToleranceConfig, KillFault
 from commfuse.ft.lighthouse import start_lighthouse
-from commfuse.ft.replica import ReplicaJob, run_replica, send
+from commfuse.ft.replica import ReplicaJob, ft_strategy, run_replica, send
 from commfuse.train.loop import TrainConfig
+from commfuse.train.strategy import describe_strategy
 
 #: Environment variables of torchft that would override the timeouts derived here.
 TORCHFT_OVERRIDES = (
@@ -141,8 +142,9 @@ def run_fault_tolerant(
     ``ft.faults``; return the run's record (``accounting.summarize_ft``).
 
     Args:
-        config: the run; its strategy must be ``TorchDDPConfig()`` (torch DDP, the gradients
-            averaged across replica groups through torchft).
+        config: the run; its strategy ``TorchDDPConfig()`` (torch DDP, the gradients averaged
+            across replica groups through torchft) or ``CommfuseDPConfig(compressor=...)``
+            (the same, each bucket through that compressor: ``replica.ft_strategy``).
         ft: the timeout and the faults to inject.
         topology: one replica group per host; one rank per host.
         emulate: force (True) or forbid (False) the emulated network; None: when possible.
@@ -154,7 +156,8 @@ def run_fault_tolerant(
         The record: steps committed and discarded, events, per-step digests' agreement...
 
     Raises:
-        ValueError: a topology with several ranks per host, or faults on missing hosts.
+        ValueError: a topology with several ranks per host, faults on missing hosts, or a
+            strategy other than those above.
         RankError: a replica failed other than by an injected fault.
         DeadlineExceeded: the job passed ``timeout_s``.
 
@@ -174,6 +177,7 @@ def run_fault_tolerant(
             f"{topology.ranks_per_host} ranks per host"
         )
     ft.check_hosts(topology.num_hosts)
+    ft_strategy(config.strategy)  # ValueError before anything starts
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="commfuse-ft-"))
@@ -264,7 +268,7 @@ def _run(
                 lighthouse.shutdown()
             for store in stores:
                 store.close()
-    return summarize_ft(
+    record = summarize_ft(
         records=job.records,
         kills=job.kills,
         restarts=job.restarts,
@@ -276,6 +280,8 @@ def _run(
         topology=topology.describe(),
         timeouts=ft.timeouts,
     )
+    record["strategy"] = describe_strategy(config.strategy)
+    return record
 
 
 def _replica_env(

@@ -22,6 +22,7 @@ commit, the SHA-256 of the parameters, which the launcher compares across replic
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import pickle
@@ -40,7 +41,8 @@ from commfuse.ft.config import FaultToleranceConfig, KillFault
 from commfuse.ft.hook import FTHookState, ft_allreduce_hook
 from commfuse.ft.require import require_torchft
 from commfuse.train.loop import TrainConfig, params_digest
-from commfuse.train.strategy import TorchDDPConfig
+from commfuse.compress.base import Compressor
+from commfuse.train.strategy import CommfuseDPConfig, StrategyConfig, TorchDDPConfig
 from commfuse.train.torch_ddp import bucket_caps
 from commfuse.workloads import make_workload
 
@@ -50,7 +52,7 @@ class ReplicaJob:
     """What the launcher tells one life of one replica group."""
 
     train: TrainConfig
-    """The run (workload, steps, seed; the strategy must be ``TorchDDPConfig``)."""
+    """The run (workload, steps, seed; the strategy as ``ft_strategy`` accepts it)."""
     ft: FaultToleranceConfig
     """Timeouts and faults."""
     replica: int
@@ -76,6 +78,30 @@ def _kill_now(conn: Connection, fault: KillFault, step: int) -> None:
     """Report the kill time to the launcher, then SIGKILL this replica group's process."""
     send(conn, ("kill", {"step": step, "t": time.monotonic(), "phase": fault.phase}))
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def ft_strategy(strategy: StrategyConfig) -> tuple[TorchDDPConfig, Compressor | None]:
+    """torch DDP's settings and the compressor (if any) of a fault-tolerant run's strategy:
+    ``TorchDDPConfig()`` (``ddp``), or ``CommfuseDPConfig(compressor=...)`` with no other
+    setting (``powersgd:rank=4``, ...), whose compressor then runs inside the hook over the
+    quorum with gloo's own collectives (``algo=native``).
+
+    Raises:
+        ValueError: any other strategy.
+    """
+    if isinstance(strategy, TorchDDPConfig) and strategy.hook == "none":
+        return strategy, None
+    if (
+        isinstance(strategy, CommfuseDPConfig)
+        and strategy.compressor is not None
+        and dataclasses.replace(strategy, compressor=None) == CommfuseDPConfig()
+    ):
+        native = dataclasses.replace(strategy.compressor, algo="native", gather_algo="native")
+        return TorchDDPConfig(), native
+    raise ValueError(
+        "fault-tolerant training runs ddp, or ddp with a commfuse compressor (e.g. "
+        f"powersgd:rank=4, with no engine settings); got {type(strategy).__name__}"
+    )
 
 
 def _lay_out_buckets(
@@ -108,17 +134,16 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         ``{"replica", "life", "digest", "step", "recovered_bytes", "served_bytes"}``.
 
     Raises:
-        ValueError: the strategy is not ``TorchDDPConfig`` without a hook.
+        ValueError: a strategy that ``ft_strategy`` refuses.
     """
     require_torchft()
     from torchft import Manager
 
     from commfuse.ft.process_group import AlarmedProcessGroupGloo
+    from commfuse.ft.quorum_comm import QuorumComm
     from commfuse.ft.transport import ChecksummedHTTPTransport
 
-    strategy = job.train.strategy
-    if not isinstance(strategy, TorchDDPConfig) or strategy.hook != "none":
-        raise ValueError("fault-tolerant training runs the ddp strategy (torch DDP + torchft)")
+    strategy, compressor = ft_strategy(job.train.strategy)
     timeouts = job.ft.timeouts
     op_timeout = timedelta(seconds=timeouts.op_timeout_s)
     # torch DDP needs a process group: this replica group's own (one rank); the replicas meet
@@ -140,7 +165,18 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             "model": module.state_dict(),
             "optimizer": optimizer.state_dict(),
             "torch_rng": torch.get_rng_state(),
+            "compression": compression_state(),
         }
+
+    def compression_state() -> dict[str, Any]:
+        if hook_state.compressor is None:
+            return {}
+        return {"compressor": hook_state.compressor.state_dict(), "steps": dict(hook_state.steps)}
+
+    def load_compression_state(state: dict[str, Any]) -> None:
+        if hook_state.compressor is not None:
+            hook_state.compressor.load_state_dict(state["compressor"])
+            hook_state.steps = {str(k): int(v) for k, v in state["steps"].items()}
 
     recovered: list[bool] = []
 
@@ -149,8 +185,15 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
+        load_compression_state(state["compression"])
 
-    hook_state = FTHookState(process_group=AlarmedProcessGroupGloo(timeout=op_timeout))
+    process_group = AlarmedProcessGroupGloo(timeout=op_timeout)
+    hook_state = FTHookState(
+        process_group=process_group,
+        compressor=compressor,
+        comm=QuorumComm(process_group) if compressor is not None else None,
+        names={id(p): name for name, p in module.named_parameters()},
+    )
     ddp.register_comm_hook(hook_state, ft_allreduce_hook)
     if job.life > 0:
         _lay_out_buckets(ddp, hook_state, workload, job)
@@ -160,7 +203,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             raise RuntimeError("the launcher did not say start")
     transport = ChecksummedHTTPTransport(job.addr, timeout=op_timeout)
     manager = Manager(
-        pg=hook_state.process_group,
+        pg=process_group,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=job.ft.min_replicas,
@@ -199,6 +242,11 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             healed = bool(recovered)
             recovered.clear()
             step_now = manager.current_step()
+            if hook_state.comm is not None:
+                hook_state.comm.at_quorum(manager.participating_rank() or 0, process_group.size())
+            # A failed step must leave the compressor's state as it found it (error feedback,
+            # factors): some replicas may have updated theirs before the failure, others not.
+            saved = copy.deepcopy(compression_state())
             if kill is not None and kill.phase == "compute" and kill.at_step == step_now:
                 _kill_now(conn, kill, step_now)
             batch = workload.batch(step_now, job.replica, job.num_replicas, seed=job.train.seed)
@@ -211,6 +259,8 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             committed = manager.should_commit()
             if committed:
                 optimizer.step()
+            else:
+                load_compression_state(saved)
             error = manager.errored()
             send(
                 conn,
