@@ -10,6 +10,8 @@ host per replica group, and a real SIGKILL:
   it commits; each committed step moved exactly one gradient's bytes per replica. Four
   replicas put one survivor out of the victim's reach in gloo's ring (it waits on a live
   neighbour that gave up), which only the quorum-wide alarm frees before gloo's timeout;
+* the same with PowerSGD and error feedback: the replicas agree at every step, the joiner
+  receives the residuals too, and every committed step sent exactly PowerSGD's message;
 * a run without faults equals the same run on torch DDP without torchft, bit for bit.
 
 The rest is cheap: the timeouts' derivation, the state transport's checksums, where the
@@ -97,6 +99,55 @@ def test_kill_in_allreduce_survivors_continue_and_the_restarted_replica_catches_
     missed = event["rejoin_step"] - 5
     assert record["batches_lost"] == missed
     assert record["samples_lost"] == missed * WORKLOAD.batch
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_compressed_replicas_agree_through_a_kill_and_the_joiner_gets_the_error_feedback() -> None:
+    from commfuse.compress import PowerSGD
+    from commfuse.train.strategy import CommfuseDPConfig
+
+    compressor = PowerSGD(rank=2, ef=True, warmup=2)
+    kill = KillFault(host=1, at_step=4, restart_after_s=0.5)
+    record = run_fault_tolerant(
+        TrainConfig(
+            workload=WORKLOAD,
+            strategy=CommfuseDPConfig(compressor=compressor),
+            steps=10,
+            evaluate=False,
+        ),
+        FaultToleranceConfig(faults=(kill,), min_replicas=2),
+        Topology(num_hosts=3, link_mbit=1000),
+        timeout_s=200,
+    )
+    records: list[dict[str, Any]] = record["records"]
+    # Every replica applies the same bits: QuorumComm sums the factors in rank order.
+    assert record["step_digests_agree"] and record["replicas_agree"], record["per_replica"]
+    assert record["committed_steps"] == 10 and record["discarded_steps"] == 2
+    rejoined = [r for r in records if r["replica"] == 1 and r["life"] == 1]
+    assert rejoined and rejoined[0]["healed"] and rejoined[0]["committed"]
+    # The joiner received the model, AdamW's two moments and PowerSGD's error-feedback
+    # residual of every parameter (fp32 each), checksummed tensor by tensor.
+    assert record["recovered_bytes"] > 4 * _param_bytes()
+    # What was communicated, per committed step: the whole gradient during the warm-up, then
+    # PowerSGD's message of every parameter (compressor.payload_bytes, parameter by parameter).
+    compressed = _powersgd_payload(compressor)
+    for r in (r for r in records if r["committed"]):
+        assert r["bytes"] == (_param_bytes() if r["step"] < 2 else compressed), r
+
+
+def _powersgd_payload(compressor: Any) -> int:
+    from commfuse.compress.layout import BucketLayout
+    from commfuse.workloads import make_workload
+
+    model = make_workload(WORKLOAD, device=torch.device("cpu")).build_model(0)
+    total = 0
+    for i, (name, p) in enumerate(model.named_parameters()):
+        compressor.set_layout(i, BucketLayout(names=(name,), shapes=(p.shape,)))
+        total += compressor.payload_bytes(p.numel(), p.dtype, 3, bucket=i)
+    assert 0 < total < _param_bytes() // 4
+    return int(total)
 
 
 @pytest.mark.netlab

@@ -98,8 +98,8 @@ def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
         "--fault-tolerant",
         action="store_true",
         help="one torchft replica group per host: a replica that dies costs the step in "
-        "flight, the others go on, and it rejoins with its state from a peer (strategy ddp, "
-        "one rank per host)",
+        "flight, the others go on, and it rejoins with its state from a peer (strategy ddp or "
+        "a compressor's name, one rank per host)",
     )
     group.add_argument(
         "--ft-timeout",

@@ -23,8 +23,8 @@ def run_train_ft(args: argparse.Namespace) -> int:
     """
     from commfuse.cli.spec import fault_from_spec, strategy_from_spec, workload_from_spec
     from commfuse.ft.config import FaultToleranceConfig
-    from commfuse.train.loop import TrainConfig
     from commfuse.ft.replica import ft_strategy
+    from commfuse.train.loop import TrainConfig
 
     topology = topology_from_args(args, nproc=args.nproc)
     if topology.ranks_per_host != 1:

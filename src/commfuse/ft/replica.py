@@ -37,11 +37,11 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
 from torch.nn.parallel import DistributedDataParallel
 
+from commfuse.compress.base import Compressor
 from commfuse.ft.config import FaultToleranceConfig, KillFault
 from commfuse.ft.hook import FTHookState, ft_allreduce_hook
 from commfuse.ft.require import require_torchft
 from commfuse.train.loop import TrainConfig, params_digest
-from commfuse.compress.base import Compressor
 from commfuse.train.strategy import CommfuseDPConfig, StrategyConfig, TorchDDPConfig
 from commfuse.train.torch_ddp import bucket_caps
 from commfuse.workloads import make_workload
