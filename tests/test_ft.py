@@ -180,6 +180,8 @@ def test_timeouts_derive_from_one_setting() -> None:
         FaultToleranceConfig(min_replicas=5).check_hosts(4)
     with pytest.raises(ValueError, match="fault on host 4"):
         FaultToleranceConfig(faults=(KillFault(host=4, at_step=1),)).check_hosts(4)
+    with pytest.raises(ValueError, match="at most one kill per host"):
+        FaultToleranceConfig(faults=(KillFault(host=1, at_step=1), KillFault(host=1, at_step=5)))
     with pytest.raises(ValueError, match="phase must be"):
         KillFault(host=0, at_step=1, phase="later")  # type: ignore[arg-type]
 

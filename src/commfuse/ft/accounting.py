@@ -100,7 +100,11 @@ def summarize_ft(
                 "recovered": sum(r["healed"] for r in mine),
             }
         )
-    first = sorted((r for r in committed if r["replica"] == 0), key=lambda r: r["step"])
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for r in sorted(committed, key=lambda r: r["replica"]):
+        by_step[r["step"]].append(r["loss"])
+    # The mean over the replica groups that committed each step (as torch DDP's record).
+    losses = [statistics.fmean(by_step[step]) for step in sorted(by_step)]
     step_times = [r["t"] - r["t0"] for r in committed]
     return {
         "mode": "ddp",
@@ -119,8 +123,8 @@ def summarize_ft(
         "restarts": len(restarts),
         "per_replica": per_replica,
         "recovered_bytes": sum(res["recovered_bytes"] for res in results),
-        "losses": [r["loss"] for r in first],
-        "final_loss": first[-1]["loss"] if first else None,
+        "losses": losses,
+        "final_loss": losses[-1] if losses else None,
         "step_time_s": statistics.median(step_times) if step_times else None,
         "wall_s": wall_s,
         "timeouts": dataclasses.asdict(timeouts),

@@ -119,6 +119,9 @@ class FaultToleranceConfig:
         for fault in self.faults:
             if not isinstance(fault, KillFault):
                 raise ValueError(f"faults must be KillFault objects, got {type(fault).__name__}")
+        hosts = [f.host for f in self.faults]
+        if len(set(hosts)) != len(hosts):
+            raise ValueError(f"at most one kill per host, got hosts {sorted(hosts)}")
 
     @property
     def timeouts(self) -> Timeouts:
