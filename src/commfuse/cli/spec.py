@@ -411,15 +411,16 @@ def strategy_from_spec(text: str, *, ranks_per_host: int = 1) -> StrategyConfig:
 def fault_from_spec(text: str) -> Fault:
     """The fault of ``--chaos "name:key=value,..."``: ``kill:host=2,at_step=15,
     restart_after_s=5`` (``commfuse.ft.KillFault``: SIGKILL that host's replica group at
-    that step, restart it after that many seconds, ``none`` for never).
+    that step, restart it after that many seconds, ``none`` for never), or
+    ``cut:host=1,at_s=20,for_s=5`` (``commfuse.ft.CutFault``: its link down for that long).
 
     Raises:
         ValueError: an unknown name (naming the known ones), key or value.
     """
-    from commfuse.ft.config import KillFault
+    from commfuse.ft.config import CutFault, KillFault
 
-    table: dict[str, type[Fault]] = {"kill": KillFault}
+    table: dict[str, type[KillFault] | type[CutFault]] = {"kill": KillFault, "cut": CutFault}
     spec = split_spec(text, what="fault")
     if spec.name not in table:
         raise _unknown("fault", spec.name, list(table))
-    return build(table[spec.name], spec.options, where=f"fault {spec.name}")
+    return typing.cast("Fault", build(table[spec.name], spec.options, where=f"fault {spec.name}"))

@@ -75,8 +75,9 @@ def describe_ft_record(r: dict[str, Any]) -> str:
         def s(x: float | None) -> str:
             return "-" if x is None else f"{x:.2f} s"
 
+        how = e["phase"] if e["kind"] == "kill" else f"for {e['for_s']:g} s"
         lines.append(
-            f"  {e['kind']} host {e['host']} at step {e['step']} ({e['phase']}): detected "
+            f"  {e['kind']} host {e['host']} at step {e['step']} ({how}): detected "
             f"{s(e['detect_s'])}, survivors committed again {s(e['recover_s'])}, rejoined "
             f"{s(e['rejoin_s'])} later"
         )

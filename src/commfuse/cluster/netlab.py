@@ -249,6 +249,11 @@ class Netlab:
         """The root-side (bridge port) end of host's veth."""
         return f"{self._lab_id}h{self._check_host(host)}b"
 
+    def set_link(self, host: int, *, up: bool) -> None:
+        """Take host's link down (every frame to and from it is lost, its sockets stay open,
+        as when a cable is pulled) or bring it back up."""
+        run_cmd(f"ip link set {self.peer(host)} {'up' if up else 'down'}")
+
     def _tbf(self, netns: str, dev: str) -> None:
         assert self._topology.link_mbit is not None
         kbit = max(1, round(self._topology.link_mbit * 1000))

@@ -14,9 +14,10 @@ those (and the launcher's record of kills and restarts) the run's record states:
 * ``step_digests_agree``: at every step, every replica group that committed it holds
   parameters with the same digest (the restarted replica's too, from its recovery on);
   ``replicas_agree``: the final digests are equal;
-* ``events``: one per fault: the host, the step, seconds from the kill to the survivors'
-  failed step (``detect_s``), to their next committed step (``recover_s``), and to the
-  restarted replica's first committed step (``rejoin_s``).
+* ``events``: one per fault (a kill, a cut link): the host, the step, seconds from the fault
+  to the survivors' first failed step (``detect_s``), to their first commit of a step begun
+  after the fault (``recover_s``), and to the faulty replica's first committed step after its restart or
+  after its link is back (``rejoin_s``).
 """
 
 from __future__ import annotations
@@ -29,15 +30,23 @@ from typing import Any
 from commfuse.ft.config import Timeouts
 
 
-def _first_after(records: list[dict[str, Any]], t: float, *, committed: bool) -> float | None:
-    times = [r["t"] for r in records if r["t"] > t and r["committed"] == committed]
+def _failed_after(records: list[dict[str, Any]], t: float) -> float | None:
+    """Seconds from ``t`` to the end of the first failed attempt after it."""
+    times = [r["t"] for r in records if r["t"] > t and not r["committed"]]
+    return min(times) - t if times else None
+
+
+def _committed_after(records: list[dict[str, Any]], t: float) -> float | None:
+    """Seconds from ``t`` to the first commit of a step begun after it (a step that was past
+    its exchange at ``t`` is no sign of recovery)."""
+    times = [r["t"] for r in records if r["t0"] > t and r["committed"]]
     return min(times) - t if times else None
 
 
 def summarize_ft(
     *,
     records: list[dict[str, Any]],
-    kills: list[dict[str, Any]],
+    faults: list[dict[str, Any]],
     restarts: list[dict[str, Any]],
     results: list[dict[str, Any]],
     num_replicas: int,
@@ -51,7 +60,8 @@ def summarize_ft(
 
     Args:
         records: every attempt of every replica life (``replica.py``'s "step" reports).
-        kills: the kills, as reported by the replica just before (replica, step, t).
+        faults: the faults injected: kind, replica, monotonic time t, and a kill's step and
+            phase (reported by the replica just before) or a cut's duration ``for_s``.
         restarts: the restarts (replica, t).
         results: the final report of each replica life that finished.
         num_replicas: replica groups at the start.
@@ -72,19 +82,25 @@ def summarize_ft(
     committed_steps = max((res["step"] for res in results), default=0)
     batches_lost = num_replicas * committed_steps - len(trained)
     events = []
-    for kill in kills:
-        survivors = [r for r in records if r["replica"] != kill["replica"]]
-        rejoined = [r for r in committed if r["replica"] == kill["replica"] and r["t"] > kill["t"]]
+    for fault in faults:
+        host, t = fault["replica"], fault["t"]
+        survivors = [r for r in records if r["replica"] != host]
+        # A killed replica rejoins from its restart on; a cut one once its link is back.
+        back = t + fault.get("for_s", 0.0)
+        rejoined = [r for r in committed if r["replica"] == host and r["t"] > back]
+        after = [r["step"] for r in survivors if r["t"] > t]
         events.append(
             {
-                "kind": "kill",
-                "host": kill["replica"],
-                "step": kill["step"],
-                "phase": kill["phase"],
-                "t": kill["t"],
-                "detect_s": _first_after(survivors, kill["t"], committed=False),
-                "recover_s": _first_after(survivors, kill["t"], committed=True),
-                "rejoin_s": min(r["t"] for r in rejoined) - kill["t"] if rejoined else None,
+                "kind": fault["kind"],
+                "host": host,
+                # A cut's: the survivors' step in flight when the link went down.
+                "step": fault["step"] if "step" in fault else min(after, default=None),
+                "phase": fault.get("phase"),
+                "for_s": fault.get("for_s"),
+                "t": t,
+                "detect_s": _failed_after(survivors, t),
+                "recover_s": _committed_after(survivors, t),
+                "rejoin_s": min(r["t"] for r in rejoined) - t if rejoined else None,
                 "rejoin_step": min(r["step"] for r in rejoined) if rejoined else None,
             }
         )

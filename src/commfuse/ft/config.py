@@ -27,7 +27,7 @@ This module imports neither torch nor torchft: the command line builds these obj
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, TypeAlias
 
 #: Collectives, commit votes and state transfers may take this many ``timeout_s``.
 OP_TIMEOUT_FACTOR = 5.0
@@ -96,8 +96,28 @@ class KillFault:
             raise ValueError(f"restart_after_s must be >= 0, got {self.restart_after_s}")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CutFault:
+    """Take one host's link down for a while (``ip link set down`` on its veth, then up): its
+    frames are lost and its sockets stay open, so its peers notice only by their timeouts."""
+
+    host: int
+    """The emulated host whose link goes down."""
+    at_s: float
+    """Seconds after the replicas start training."""
+    for_s: float = 5.0
+    """Seconds the link stays down."""
+
+    def __post_init__(self) -> None:
+        if self.host < 0 or self.at_s < 0 or not self.for_s > 0:
+            raise ValueError(
+                f"host and at_s must be >= 0 and for_s > 0, got {self.host}, {self.at_s}, "
+                f"{self.for_s}"
+            )
+
+
 #: Every fault that a run can inject.
-Fault = KillFault
+Fault: TypeAlias = "KillFault | CutFault"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,16 +130,18 @@ class FaultToleranceConfig:
     """Fewest replica groups that may commit a step (the lighthouse forms no smaller
     quorum)."""
     faults: tuple[Fault, ...] = ()
-    """Faults to inject (``KillFault``), in any order."""
+    """Faults to inject (``KillFault``, ``CutFault``), in any order."""
 
     def __post_init__(self) -> None:
         Timeouts.derive(self.timeout_s)  # ValueError on a bad timeout
         if self.min_replicas < 1:
             raise ValueError(f"min_replicas must be at least 1, got {self.min_replicas}")
         for fault in self.faults:
-            if not isinstance(fault, KillFault):
-                raise ValueError(f"faults must be KillFault objects, got {type(fault).__name__}")
-        hosts = [f.host for f in self.faults]
+            if not isinstance(fault, (KillFault, CutFault)):
+                raise ValueError(
+                    f"faults must be KillFault or CutFault objects, got {type(fault).__name__}"
+                )
+        hosts = [f.host for f in self.faults if isinstance(f, KillFault)]
         if len(set(hosts)) != len(hosts):
             raise ValueError(f"at most one kill per host, got hosts {sorted(hosts)}")
 

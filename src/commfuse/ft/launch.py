@@ -37,13 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from commfuse.cluster import DeadlineExceeded, RankError, Topology
+from commfuse.cluster.netlab import Netlab
 from commfuse.cluster.placement import Placement, open_placement
 from commfuse.cluster.rank_runtime import enter_rank
 from commfuse.cluster.store import HostedStore, host_store
 from commfuse.cluster.supervisor import kill_group
 from commfuse.cluster.watchdog import Watchdog
 from commfuse.ft.accounting import summarize_ft
-from commfuse.ft.config import FaultToleranceConfig, KillFault
+from commfuse.ft.config import CutFault, FaultToleranceConfig, KillFault
 from commfuse.ft.lighthouse import start_lighthouse
 from commfuse.ft.replica import ReplicaJob, ft_strategy, run_replica, send
 from commfuse.train.loop import TrainConfig
@@ -109,7 +110,8 @@ class _Job:
 
     lives: list[_Life] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
-    kills: list[dict[str, Any]] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    """Every fault injected: kind, replica, monotonic time, and the kind's details."""
     restarts: list[dict[str, Any]] = field(default_factory=list)
     inbox: queue.Queue[tuple[_Life, tuple[Any, ...] | None]] = field(default_factory=queue.Queue)
 
@@ -257,7 +259,10 @@ def _run(
                 for f in ft.faults
                 if isinstance(f, KillFault) and f.restart_after_s is not None
             }
-            _supervise(job, ft, num, spares, started=started, deadline=deadline)
+            cuts = [f for f in ft.faults if isinstance(f, CutFault)]
+            if cuts and placement.lab is None:
+                raise ValueError("a cut fault needs the emulated network (netlab: root)")
+            _supervise(job, ft, num, spares, lab=placement.lab, started=started, deadline=deadline)
         finally:
             for entry in job.lives:
                 if entry.proc.is_alive():
@@ -270,7 +275,7 @@ def _run(
                 store.close()
     record = summarize_ft(
         records=job.records,
-        kills=job.kills,
+        faults=job.faults,
         restarts=job.restarts,
         results=[e.result for e in job.lives if e.result is not None],
         num_replicas=num,
@@ -301,87 +306,153 @@ def _supervise(
     num: int,
     spares: dict[int, _Life],
     *,
+    lab: Netlab | None,
     started: float,
     deadline: float,
 ) -> None:
-    """Go when all replicas joined; restart the killed; return when all are done.
+    """Go when all replicas joined; inject the faults; restart the killed; return when all
+    are done (``_Supervisor``)."""
+    supervisor = _Supervisor(job=job, ft=ft, num=num, spares=spares, lab=lab)
+    try:
+        while len(supervisor.done | supervisor.gone) < num:
+            now = time.monotonic()
+            if now > deadline:
+                raise DeadlineExceeded(
+                    f"fault-tolerant run: not finished within {deadline - started:.0f} s",
+                    ranks=sorted(set(range(num)) - supervisor.done - supervisor.gone),
+                )
+            if not supervisor.went and now > started + START_TIMEOUT_S:
+                raise DeadlineExceeded(
+                    f"replicas did not join within {START_TIMEOUT_S:.0f} s",
+                    ranks=[e.replica for e in job.lives if not e.ready],
+                )
+            supervisor.turn(now)
+    finally:
+        supervisor.links_up()
+
+
+@dataclass
+class _Supervisor:
+    """The launcher's loop, one ``turn`` at a time.
 
     A killed replica's next life (a spare, started with the job and built) is told to start
-    ``restart_after_s`` after the kill. Once every other replica group has finished, a restarted
-    life that has not is stopped (it has nobody left to rejoin) and counted as gone.
+    ``restart_after_s`` after the kill. A cut takes a host's link down ``at_s`` after the go,
+    for ``for_s``. Once every other replica group has finished, a restarted life that has not
+    is stopped (it has nobody left to rejoin) and counted as gone.
     """
-    kills = {f.host: f for f in ft.faults if isinstance(f, KillFault)}
-    pending: dict[int, tuple[float, _Life]] = {}  # replica -> (restart time, its spare)
-    done: set[int] = set()
-    gone: set[int] = set()
-    went = False
+
+    job: _Job
+    ft: FaultToleranceConfig
+    num: int
+    spares: dict[int, _Life]
+    lab: Netlab | None
+    pending: dict[int, tuple[float, _Life]] = field(default_factory=dict)
+    """replica -> (when it restarts, its spare)."""
+    done: set[int] = field(default_factory=set)
+    gone: set[int] = field(default_factory=set)
+    went: bool = False
     all_done_at: float | None = None
-    while len(done | gone) < num:
-        now = time.monotonic()
-        if now > deadline:
-            raise DeadlineExceeded(
-                f"fault-tolerant run: not finished within {deadline - started:.0f} s",
-                ranks=sorted(set(range(num)) - done - gone),
-            )
-        if not went and now > started + START_TIMEOUT_S:
-            raise DeadlineExceeded(
-                f"replicas did not join within {START_TIMEOUT_S:.0f} s",
-                ranks=[e.replica for e in job.lives if not e.ready],
-            )
-        for replica, (at, spare) in list(pending.items()):
+    cuts: list[tuple[float, CutFault]] = field(default_factory=list)
+    """(when the link goes down, the fault), from the go on."""
+    down: dict[int, float] = field(default_factory=dict)
+    """host -> when its link comes back up."""
+
+    def turn(self, now: float) -> None:
+        """Cuts and restarts that are due, the end of lonely replicas, then one message."""
+        self._links(now)
+        for replica, (at, spare) in list(self.pending.items()):
             if now >= at:
-                del pending[replica]
-                job.restarts.append({"replica": replica, "t": now})
+                del self.pending[replica]
+                self.job.restarts.append({"replica": replica, "t": now})
                 spare.launched = True
                 spare.conn.send_bytes(b"start")
-        lonely = [r for r in range(num) if r not in done | gone]
-        if done and all(r in pending or _current(job, r).life > 0 for r in lonely):
-            all_done_at = now if all_done_at is None else all_done_at
-            if now - all_done_at > ft.timeout_s / 2:
-                for replica in lonely:
-                    pending.pop(replica, None)
-                    kill_group(_current(job, replica).proc.pid, signal.SIGKILL)
-                    gone.add(replica)
-                continue
+        if self._lonely(now):
+            return
         try:
-            life, message = job.inbox.get(timeout=0.05)
+            life, message = self.job.inbox.get(timeout=0.05)
         except queue.Empty:
-            continue
-        if message is None:  # the pipe closed: the process is gone
-            life.proc.join(timeout=10)
-            code = life.proc.exitcode
-            if life.result is not None:
-                done.add(life.replica)
-            elif life.replica in gone or (life.killed_at is not None and code == -signal.SIGKILL):
-                pass  # an injected kill (its spare waits) or a life stopped above
-            else:
-                why = life.error or f"exited with code {code}\n{_tail(life.log)}"
-                raise RankError(life.replica, f"replica {life.replica} (life {life.life}): {why}")
-            continue
-        kind, body = message[0], message[1]
+            return
+        if message is None:
+            self._exited(life)
+        else:
+            self._message(life, message[0], message[1], now)
+
+    def _links(self, now: float) -> None:
+        for at, cut in [c for c in self.cuts if c[0] <= now]:
+            self.cuts.remove((at, cut))
+            assert self.lab is not None
+            self.lab.set_link(cut.host, up=False)
+            self.down[cut.host] = now + cut.for_s
+            fault = {"kind": "cut", "replica": cut.host, "t": now, "for_s": cut.for_s}
+            self.job.faults.append(fault)
+        for host, until in list(self.down.items()):
+            if now >= until:
+                del self.down[host]
+                assert self.lab is not None
+                self.lab.set_link(host, up=True)
+
+    def links_up(self) -> None:
+        """Bring back every link still down (the job ended, or failed, inside a cut)."""
+        for host in list(self.down):
+            assert self.lab is not None
+            self.lab.set_link(host, up=True)
+            del self.down[host]
+
+    def _lonely(self, now: float) -> bool:
+        lonely = [r for r in range(self.num) if r not in self.done | self.gone]
+        if not (
+            self.done and all(r in self.pending or _current(self.job, r).life > 0 for r in lonely)
+        ):
+            return False
+        self.all_done_at = now if self.all_done_at is None else self.all_done_at
+        if now - self.all_done_at <= self.ft.timeout_s / 2:
+            return False
+        for replica in lonely:
+            self.pending.pop(replica, None)
+            kill_group(_current(self.job, replica).proc.pid, signal.SIGKILL)
+            self.gone.add(replica)
+        return True
+
+    def _exited(self, life: _Life) -> None:
+        """``life``'s pipe closed: its process is gone."""
+        life.proc.join(timeout=10)
+        code = life.proc.exitcode
+        if life.result is not None:
+            self.done.add(life.replica)
+        elif life.replica in self.gone or (life.killed_at is not None and code == -signal.SIGKILL):
+            pass  # an injected kill (its spare waits) or a life stopped above
+        else:
+            why = life.error or f"exited with code {code}\n{_tail(life.log)}"
+            raise RankError(life.replica, f"replica {life.replica} (life {life.life}): {why}")
+
+    def _message(self, life: _Life, kind: str, body: Any, now: float) -> None:
         if kind in ("ready", "built"):
             life.ready |= kind == "ready"
             life.built = True
-            if went and kind == "ready":
+            if self.went and kind == "ready":
                 life.conn.send_bytes(b"go")
-            elif not went and all(e.built for e in job.lives):
+            elif not self.went and all(e.built for e in self.job.lives):
                 # Every replica joined the lighthouse and every spare is built: the first
                 # quorum holds everyone, and no fault comes before its replacement is ready.
-                went = True
-                for entry in job.lives:
+                self.went = True
+                for entry in self.job.lives:
                     if entry.ready:
                         entry.conn.send_bytes(b"go")
+                self.cuts = [(now + f.at_s, f) for f in self.ft.faults if isinstance(f, CutFault)]
         elif kind == "step":
-            job.records.append({"replica": life.replica, "life": life.life, **body})
+            self.job.records.append({"replica": life.replica, "life": life.life, **body})
         elif kind == "kill":
             life.killed_at = body["t"]
-            job.kills.append({"replica": life.replica, **body})
-            fault = kills.get(life.replica)
-            replacement = spares.pop(life.replica) if life.replica in spares else None
-            if fault is not None and fault.restart_after_s is not None and replacement:
-                pending[life.replica] = (body["t"] + fault.restart_after_s, replacement)
+            self.job.faults.append({"kind": "kill", "replica": life.replica, **body})
+            kill = next(
+                (f for f in self.ft.faults if isinstance(f, KillFault) and f.host == life.replica),
+                None,
+            )
+            spare = self.spares.pop(life.replica) if life.replica in self.spares else None
+            if kill is not None and kill.restart_after_s is not None and spare is not None:
+                self.pending[life.replica] = (body["t"] + kill.restart_after_s, spare)
             else:
-                gone.add(life.replica)
+                self.gone.add(life.replica)
         elif kind == "done":
             life.result = body
         elif kind == "error":

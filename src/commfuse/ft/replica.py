@@ -222,7 +222,8 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         checkpoint_transport=transport,
         init_sync=False,  # every replica builds the same model from the seed
     )
-    kills = [f for f in job.ft.faults if f.host == job.replica] if job.life == 0 else []
+    kills = [f for f in job.ft.faults if isinstance(f, KillFault) and f.host == job.replica]
+    kills = kills if job.life == 0 else []
     kill = kills[0] if kills else None
     step_now = -1
 
