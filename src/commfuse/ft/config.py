@@ -33,6 +33,8 @@ from typing import Literal, TypeAlias
 OP_TIMEOUT_FACTOR = 5.0
 #: Heartbeats per ``timeout_s``.
 HEARTBEATS_PER_TIMEOUT = 20
+#: Quorum requests a Manager repeats after a timeout before its replica gives up.
+QUORUM_RETRIES = 3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +53,9 @@ class Timeouts:
     """A collective (gloo), a commit vote, a state transfer: the Manager's ``timeout``."""
     quorum_timeout_s: float
     """How long a Manager waits for the lighthouse to form a quorum."""
+    quorum_retries: int
+    """How many times a Manager asks again for a quorum that timed out (a replica cut off
+    from the lighthouse keeps asking until its link is back)."""
 
     @classmethod
     def derive(cls, timeout_s: float) -> Timeouts:
@@ -70,6 +75,7 @@ class Timeouts:
             op_timeout_s=op,
             # A quorum waits for a dead peer's heartbeat to expire, then for the join timeout.
             quorum_timeout_s=op + 2 * timeout_s,
+            quorum_retries=QUORUM_RETRIES,
         )
 
 

@@ -337,8 +337,8 @@ class _Supervisor:
 
     A killed replica's next life (a spare, started with the job and built) is told to start
     ``restart_after_s`` after the kill. A cut takes a host's link down ``at_s`` after the go,
-    for ``for_s``. Once every other replica group has finished, a restarted life that has not
-    is stopped (it has nobody left to rejoin) and counted as gone.
+    for ``for_s``. A replica group still training ``timeout_s`` after the first one finished
+    (restarted or cut off, it missed the end) is stopped and counted as gone.
     """
 
     job: _Job
@@ -400,12 +400,13 @@ class _Supervisor:
 
     def _lonely(self, now: float) -> bool:
         lonely = [r for r in range(self.num) if r not in self.done | self.gone]
-        if not (
-            self.done and all(r in self.pending or _current(self.job, r).life > 0 for r in lonely)
-        ):
+        if not self.done or not lonely:
             return False
+        # Replicas in step finish within moments of each other; one still training
+        # ``timeout_s`` after the first finished was out of the quorum (restarting, cut off)
+        # and has nobody left to rejoin.
         self.all_done_at = now if self.all_done_at is None else self.all_done_at
-        if now - self.all_done_at <= self.ft.timeout_s / 2:
+        if now - self.all_done_at <= self.ft.timeout_s:
             return False
         for replica in lonely:
             self.pending.pop(replica, None)

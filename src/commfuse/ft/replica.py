@@ -122,6 +122,20 @@ def _lay_out_buckets(
         hook_state.local = False
 
 
+def _start_quorum(manager: Any) -> None:
+    """``manager.start_quorum()``, asked again for as long as it times out: a replica cut off
+    from the lighthouse (its link down) waits for its link, then rejoins by live recovery.
+    The launcher stops it should the others finish first."""
+    while True:
+        try:
+            manager.start_quorum()
+            return
+        except TimeoutError:
+            # torchft 0.2.0 keeps the failed request and raises its error again at the next
+            # start_quorum; forget it, and ask anew.
+            manager._quorum_future = None
+
+
 def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     """Train this replica group until ``job.train.steps`` steps are committed (see the module
     docstring); returns its final record. The launcher set the environment and network.
@@ -219,6 +233,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         replica_id=f"replica_{job.replica:03d}",
         hostname=job.addr,
         heartbeat_interval=timedelta(seconds=timeouts.heartbeat_interval_s),
+        quorum_retries=timeouts.quorum_retries,
         checkpoint_transport=transport,
         init_sync=False,  # every replica builds the same model from the seed
     )
@@ -238,7 +253,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     try:
         while manager.current_step() < job.train.steps:
             t0 = time.monotonic()
-            manager.start_quorum()
+            _start_quorum(manager)
             t_quorum = time.monotonic()
             healed = bool(recovered)
             recovered.clear()
