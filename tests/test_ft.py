@@ -12,8 +12,9 @@ host per replica group, and a real SIGKILL:
   neighbour that gave up), which only the quorum-wide alarm frees before gloo's timeout;
 * the same with PowerSGD and error feedback: the replicas agree at every step, the joiner
   receives the residuals too, and every committed step sent exactly PowerSGD's message;
-* a host's link cut for 2 s (shorter than the timeouts): nothing fails and nothing is lost,
-  the step in flight completes once the link is back (the record says so);
+* a host's link cut for 2 s (shorter than the timeouts) while another host is slowed to
+  50 Mbit/s: nothing fails and nothing is lost, the step in flight completes once the link
+  is back (the record says so);
 * a run without faults equals the same run on torch DDP without torchft, bit for bit.
 
 The rest is cheap: the timeouts' derivation, the state transport's checksums, where the
@@ -36,7 +37,14 @@ import torch
 
 import commfuse
 from commfuse.cluster import Topology
-from commfuse.ft import CutFault, FaultToleranceConfig, KillFault, Timeouts, run_fault_tolerant
+from commfuse.ft import (
+    CutFault,
+    FaultToleranceConfig,
+    KillFault,
+    SlowFault,
+    Timeouts,
+    run_fault_tolerant,
+)
 from commfuse.train.loop import TrainConfig
 from commfuse.workloads import CharLMOptions
 
@@ -157,13 +165,15 @@ def _powersgd_payload(compressor: Any) -> int:
 @pytest.mark.timeout(240)
 def test_a_cut_link_shorter_than_the_timeouts_costs_time_not_steps() -> None:
     cut = CutFault(host=1, at_s=0.5, for_s=2.0)
+    slow = SlowFault(host=2, link_mbit=50)  # a straggler from the start, on top
     record = run_fault_tolerant(
         TrainConfig(workload=WORKLOAD, steps=40, evaluate=False),
-        FaultToleranceConfig(faults=(cut,), min_replicas=2),
+        FaultToleranceConfig(faults=(cut, slow), min_replicas=2),
         Topology(num_hosts=3, link_mbit=1000),
         timeout_s=200,
     )
-    (event,) = record["events"]
+    slowed, event = sorted(record["events"], key=lambda e: e["t"])
+    assert (slowed["kind"], slowed["host"]) == ("slow", 2)
     assert event["kind"] == "cut" and event["host"] == 1 and event["step"] is not None
     # The link was down 2 s, less than the 2 s heartbeat allows plus gloo's 10 s: TCP delivers
     # what was held up once it is back, so nothing failed, nothing was lost, and every replica
@@ -191,6 +201,26 @@ def test_fault_free_run_equals_torch_ddp_bit_for_bit() -> None:
     losses = [statistics.fmean(r["loss"] for r in records if r["step"] == s) for s in range(6)]
     # torch DDP's record smooths its loss curve; its per-step mean is the curve's first point.
     assert losses[0] == plain["loss_curve"][0]
+
+
+@pytest.mark.netlab
+@pytest.mark.timeout(120)
+def test_netlab_cuts_and_slows_one_host_link() -> None:
+    from commfuse.cluster.netlab import Netlab, run_cmd
+
+    with Netlab(Topology(num_hosts=2, link_mbit=1000)) as lab:
+        lab.set_rate(1, 10)
+        inside = run_cmd(f"tc -n {lab.namespace(1)} qdisc show dev {lab.ifname(1)}").stdout
+        outside = run_cmd(f"tc qdisc show dev {lab.peer(1)}").stdout
+        other = run_cmd(f"tc qdisc show dev {lab.peer(0)}").stdout
+        assert "rate 10Mbit" in inside and "rate 10Mbit" in outside, (inside, outside)
+        assert "rate 1Gbit" in other
+        lab.set_link(1, up=False)
+        assert "state DOWN" in run_cmd(f"ip link show {lab.peer(1)}").stdout
+        lab.set_link(1, up=True)
+        assert "state DOWN" not in run_cmd(f"ip link show {lab.peer(1)}").stdout
+        # The shaping outlives the cut.
+        assert "rate 10Mbit" in run_cmd(f"tc qdisc show dev {lab.peer(1)}").stdout
 
 
 def test_timeouts_derive_from_one_setting() -> None:

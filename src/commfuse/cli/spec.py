@@ -412,14 +412,19 @@ def fault_from_spec(text: str) -> Fault:
     """The fault of ``--chaos "name:key=value,..."``: ``kill:host=2,at_step=15,
     restart_after_s=5`` (``commfuse.ft.KillFault``: SIGKILL that host's replica group at
     that step, restart it after that many seconds, ``none`` for never), or
-    ``cut:host=1,at_s=20,for_s=5`` (``commfuse.ft.CutFault``: its link down for that long).
+    ``cut:host=1,at_s=20,for_s=5`` (``commfuse.ft.CutFault``: its link down for that long),
+    or ``slow:host=3,link_mbit=10mbit`` (``commfuse.ft.SlowFault``: its link at that rate).
 
     Raises:
         ValueError: an unknown name (naming the known ones), key or value.
     """
-    from commfuse.ft.config import CutFault, KillFault
+    from commfuse.ft.config import CutFault, KillFault, SlowFault
 
-    table: dict[str, type[KillFault] | type[CutFault]] = {"kill": KillFault, "cut": CutFault}
+    table: dict[str, type[KillFault] | type[CutFault] | type[SlowFault]] = {
+        "kill": KillFault,
+        "cut": CutFault,
+        "slow": SlowFault,
+    }
     spec = split_spec(text, what="fault")
     if spec.name not in table:
         raise _unknown("fault", spec.name, list(table))

@@ -120,7 +120,7 @@ def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="SPEC",
         help="a fault to inject, repeatable: kill:host=H,at_step=S[,restart_after_s=5]"
-        "[,phase=allreduce|compute] or cut:host=H,at_s=T[,for_s=5]",
+        "[,phase=allreduce|compute], cut:host=H,at_s=T[,for_s=5], slow:host=H,link_mbit=10mbit",
     )
 
 

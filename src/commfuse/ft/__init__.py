@@ -13,12 +13,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from commfuse.ft.config import CutFault, FaultToleranceConfig, KillFault, Timeouts
+from commfuse.ft.config import CutFault, FaultToleranceConfig, KillFault, SlowFault, Timeouts
 from commfuse.lazy import attach
 
 if TYPE_CHECKING:
     from commfuse.ft.launch import run_fault_tolerant
 
-__all__ = ["CutFault", "FaultToleranceConfig", "KillFault", "Timeouts", "run_fault_tolerant"]
+__all__ = [
+    "CutFault",
+    "FaultToleranceConfig",
+    "KillFault",
+    "SlowFault",
+    "Timeouts",
+    "run_fault_tolerant",
+]
 
 __getattr__, __dir__ = attach(__name__, {"run_fault_tolerant": "commfuse.ft.launch"})

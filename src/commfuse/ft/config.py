@@ -122,8 +122,28 @@ class CutFault:
             )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlowFault:
+    """Slow one host's link down to a rate (its ``tbf`` on both ends of its veth): a straggler
+    that every synchronous step waits for."""
+
+    host: int
+    """The emulated host whose link is slowed."""
+    link_mbit: float
+    """Its new rate, Mbit/s in each direction (``10mbit`` on the command line)."""
+    at_s: float = 0.0
+    """Seconds after the replicas start training."""
+
+    def __post_init__(self) -> None:
+        if self.host < 0 or self.at_s < 0 or not self.link_mbit > 0:
+            raise ValueError(
+                f"host and at_s must be >= 0 and link_mbit > 0, got {self.host}, {self.at_s}, "
+                f"{self.link_mbit}"
+            )
+
+
 #: Every fault that a run can inject.
-Fault: TypeAlias = "KillFault | CutFault"
+Fault: TypeAlias = "KillFault | CutFault | SlowFault"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,16 +156,17 @@ class FaultToleranceConfig:
     """Fewest replica groups that may commit a step (the lighthouse forms no smaller
     quorum)."""
     faults: tuple[Fault, ...] = ()
-    """Faults to inject (``KillFault``, ``CutFault``), in any order."""
+    """Faults to inject (``KillFault``, ``CutFault``, ``SlowFault``), in any order."""
 
     def __post_init__(self) -> None:
         Timeouts.derive(self.timeout_s)  # ValueError on a bad timeout
         if self.min_replicas < 1:
             raise ValueError(f"min_replicas must be at least 1, got {self.min_replicas}")
         for fault in self.faults:
-            if not isinstance(fault, (KillFault, CutFault)):
+            if not isinstance(fault, (KillFault, CutFault, SlowFault)):
                 raise ValueError(
-                    f"faults must be KillFault or CutFault objects, got {type(fault).__name__}"
+                    "faults must be KillFault, CutFault or SlowFault objects, got "
+                    f"{type(fault).__name__}"
                 )
         hosts = [f.host for f in self.faults if isinstance(f, KillFault)]
         if len(set(hosts)) != len(hosts):

@@ -44,7 +44,7 @@ from commfuse.cluster.store import HostedStore, host_store
 from commfuse.cluster.supervisor import kill_group
 from commfuse.cluster.watchdog import Watchdog
 from commfuse.ft.accounting import summarize_ft
-from commfuse.ft.config import CutFault, FaultToleranceConfig, KillFault
+from commfuse.ft.config import CutFault, FaultToleranceConfig, KillFault, SlowFault
 from commfuse.ft.lighthouse import start_lighthouse
 from commfuse.ft.replica import ReplicaJob, ft_strategy, run_replica, send
 from commfuse.train.loop import TrainConfig
@@ -259,9 +259,9 @@ def _run(
                 for f in ft.faults
                 if isinstance(f, KillFault) and f.restart_after_s is not None
             }
-            cuts = [f for f in ft.faults if isinstance(f, CutFault)]
-            if cuts and placement.lab is None:
-                raise ValueError("a cut fault needs the emulated network (netlab: root)")
+            links = [f for f in ft.faults if isinstance(f, (CutFault, SlowFault))]
+            if links and placement.lab is None:
+                raise ValueError("cut and slow faults need the emulated network (netlab: root)")
             _supervise(job, ft, num, spares, lab=placement.lab, started=started, deadline=deadline)
         finally:
             for entry in job.lives:
@@ -352,8 +352,8 @@ class _Supervisor:
     gone: set[int] = field(default_factory=set)
     went: bool = False
     all_done_at: float | None = None
-    cuts: list[tuple[float, CutFault]] = field(default_factory=list)
-    """(when the link goes down, the fault), from the go on."""
+    cuts: list[tuple[float, CutFault | SlowFault]] = field(default_factory=list)
+    """(when a link goes down or slows, the fault), from the go on."""
     down: dict[int, float] = field(default_factory=dict)
     """host -> when its link comes back up."""
 
@@ -381,6 +381,11 @@ class _Supervisor:
         for at, cut in [c for c in self.cuts if c[0] <= now]:
             self.cuts.remove((at, cut))
             assert self.lab is not None
+            if isinstance(cut, SlowFault):
+                self.lab.set_rate(cut.host, cut.link_mbit)
+                slow = {"kind": "slow", "replica": cut.host, "t": now, "link_mbit": cut.link_mbit}
+                self.job.faults.append(slow)
+                continue
             self.lab.set_link(cut.host, up=False)
             self.down[cut.host] = now + cut.for_s
             fault = {"kind": "cut", "replica": cut.host, "t": now, "for_s": cut.for_s}
@@ -439,7 +444,11 @@ class _Supervisor:
                 for entry in self.job.lives:
                     if entry.ready:
                         entry.conn.send_bytes(b"go")
-                self.cuts = [(now + f.at_s, f) for f in self.ft.faults if isinstance(f, CutFault)]
+                self.cuts = [
+                    (now + f.at_s, f)
+                    for f in self.ft.faults
+                    if isinstance(f, (CutFault, SlowFault))
+                ]
         elif kind == "step":
             self.job.records.append({"replica": life.replica, "life": life.life, **body})
         elif kind == "kill":
