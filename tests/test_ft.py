@@ -40,6 +40,7 @@ from commfuse.cluster import Topology
 from commfuse.ft import (
     CutFault,
     FaultToleranceConfig,
+    KillEveryFault,
     KillFault,
     SlowFault,
     Timeouts,
@@ -239,6 +240,32 @@ def test_timeouts_derive_from_one_setting() -> None:
         FaultToleranceConfig(faults=(KillFault(host=1, at_step=1), KillFault(host=1, at_step=5)))
     with pytest.raises(ValueError, match="phase must be"):
         KillFault(host=0, at_step=1, phase="later")  # type: ignore[arg-type]
+
+
+def test_chaos_specs_parse_into_faults_and_periodic_kills_follow_the_seed() -> None:
+    from itertools import islice
+
+    from commfuse.cli.spec import fault_from_spec
+
+    assert fault_from_spec("kill:host=2,at_step=15,restart_after_s=5") == KillFault(
+        host=2, at_step=15, restart_after_s=5.0
+    )
+    assert fault_from_spec("kill:host=0,at_step=3,restart_after_s=none,phase=compute") == (
+        KillFault(host=0, at_step=3, restart_after_s=None, phase="compute")
+    )
+    assert fault_from_spec("cut:host=1,at_s=20,for_s=5") == CutFault(host=1, at_s=20, for_s=5)
+    assert fault_from_spec("slow:host=3,link_mbit=10mbit") == SlowFault(host=3, link_mbit=10)
+    every = fault_from_spec("kill-every:every_s=30,seed=7")
+    assert every == KillEveryFault(every_s=30, seed=7)
+    assert isinstance(every, KillEveryFault)
+    first = list(islice(every.hosts(4), 8))
+    assert first == list(islice(KillEveryFault(every_s=1, seed=7).hosts(4), 8))
+    assert first != list(islice(KillEveryFault(every_s=1, seed=8).hosts(4), 8))
+    assert set(first) <= set(range(4))
+    with pytest.raises(ValueError, match="unknown fault 'flood'; known: kill, cut, slow"):
+        fault_from_spec("flood:host=1")
+    with pytest.raises(ValueError, match="unknown key 'link'"):
+        fault_from_spec("slow:host=3,link=10mbit")
 
 
 def test_state_transport_checks_every_tensor() -> None:

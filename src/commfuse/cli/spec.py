@@ -413,17 +413,20 @@ def fault_from_spec(text: str) -> Fault:
     restart_after_s=5`` (``commfuse.ft.KillFault``: SIGKILL that host's replica group at
     that step, restart it after that many seconds, ``none`` for never), or
     ``cut:host=1,at_s=20,for_s=5`` (``commfuse.ft.CutFault``: its link down for that long),
-    or ``slow:host=3,link_mbit=10mbit`` (``commfuse.ft.SlowFault``: its link at that rate).
+    ``slow:host=3,link_mbit=10mbit`` (``commfuse.ft.SlowFault``: its link at that rate), or
+    ``kill-every:every_s=30,seed=0`` (``commfuse.ft.KillEveryFault``: a seeded host killed
+    every that many seconds and restarted).
 
     Raises:
         ValueError: an unknown name (naming the known ones), key or value.
     """
-    from commfuse.ft.config import CutFault, KillFault, SlowFault
+    from commfuse.ft.config import CutFault, KillEveryFault, KillFault, SlowFault
 
-    table: dict[str, type[KillFault] | type[CutFault] | type[SlowFault]] = {
+    table: dict[str, type[KillFault | CutFault | SlowFault | KillEveryFault]] = {
         "kill": KillFault,
         "cut": CutFault,
         "slow": SlowFault,
+        "kill-every": KillEveryFault,
     }
     spec = split_spec(text, what="fault")
     if spec.name not in table:

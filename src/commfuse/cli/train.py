@@ -120,7 +120,8 @@ def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="SPEC",
         help="a fault to inject, repeatable: kill:host=H,at_step=S[,restart_after_s=5]"
-        "[,phase=allreduce|compute], cut:host=H,at_s=T[,for_s=5], slow:host=H,link_mbit=10mbit",
+        "[,phase=allreduce|compute], cut:host=H,at_s=T[,for_s=5], slow:host=H,link_mbit=10mbit, "
+        "kill-every:every_s=30[,restart_after_s=5,seed=0]",
     )
 
 

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from commfuse.ft.config import CutFault, FaultToleranceConfig, KillFault, SlowFault, Timeouts
+from commfuse.ft.config import (
+    CutFault,
+    FaultToleranceConfig,
+    KillEveryFault,
+    KillFault,
+    SlowFault,
+    Timeouts,
+)
 from commfuse.lazy import attach
 
 if TYPE_CHECKING:
@@ -22,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CutFault",
     "FaultToleranceConfig",
+    "KillEveryFault",
     "KillFault",
     "SlowFault",
     "Timeouts",

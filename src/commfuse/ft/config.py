@@ -27,6 +27,8 @@ This module imports neither torch nor torchft: the command line builds these obj
 from __future__ import annotations
 
 import dataclasses
+import random
+from collections.abc import Iterator
 from typing import Literal, TypeAlias
 
 #: Collectives, commit votes and state transfers may take this many ``timeout_s``.
@@ -142,8 +144,36 @@ class SlowFault:
             )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KillEveryFault:
+    """SIGKILL a replica group every ``every_s`` seconds, the host drawn from a seeded
+    generator (the same schedule for the same seed), and restart it ``restart_after_s`` after
+    the kill or once its new process is built, whichever is later. A kill that would leave
+    fewer than ``min_replicas`` replica groups alive is skipped."""
+
+    every_s: float
+    """Seconds between kills, from the start of training."""
+    restart_after_s: float = 5.0
+    """Seconds from a kill to the restart (at the earliest)."""
+    seed: int = 0
+    """Seed of the hosts' draw."""
+
+    def __post_init__(self) -> None:
+        if not self.every_s > 0 or self.restart_after_s < 0:
+            raise ValueError(
+                f"every_s must be > 0 and restart_after_s >= 0, got {self.every_s}, "
+                f"{self.restart_after_s}"
+            )
+
+    def hosts(self, num_hosts: int) -> Iterator[int]:
+        """The hosts to kill, in order (endless; deterministic in ``seed``)."""
+        draw = random.Random(self.seed)
+        while True:
+            yield draw.randrange(num_hosts)
+
+
 #: Every fault that a run can inject.
-Fault: TypeAlias = "KillFault | CutFault | SlowFault"
+Fault: TypeAlias = "KillFault | CutFault | SlowFault | KillEveryFault"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -156,17 +186,17 @@ class FaultToleranceConfig:
     """Fewest replica groups that may commit a step (the lighthouse forms no smaller
     quorum)."""
     faults: tuple[Fault, ...] = ()
-    """Faults to inject (``KillFault``, ``CutFault``, ``SlowFault``), in any order."""
+    """Faults to inject (``KillFault``, ``CutFault``, ``SlowFault``, ``KillEveryFault``)."""
 
     def __post_init__(self) -> None:
         Timeouts.derive(self.timeout_s)  # ValueError on a bad timeout
         if self.min_replicas < 1:
             raise ValueError(f"min_replicas must be at least 1, got {self.min_replicas}")
         for fault in self.faults:
-            if not isinstance(fault, (KillFault, CutFault, SlowFault)):
+            if not isinstance(fault, (KillFault, CutFault, SlowFault, KillEveryFault)):
                 raise ValueError(
-                    "faults must be KillFault, CutFault or SlowFault objects, got "
-                    f"{type(fault).__name__}"
+                    "faults must be KillFault, CutFault, SlowFault or KillEveryFault objects, "
+                    f"got {type(fault).__name__}"
                 )
         hosts = [f.host for f in self.faults if isinstance(f, KillFault)]
         if len(set(hosts)) != len(hosts):
@@ -189,5 +219,5 @@ class FaultToleranceConfig:
                 f"min_replicas {self.min_replicas} is more than the {num_hosts} replica groups"
             )
         for fault in self.faults:
-            if fault.host >= num_hosts:
+            if not isinstance(fault, KillEveryFault) and fault.host >= num_hosts:
                 raise ValueError(f"fault on host {fault.host}: the run has {num_hosts} hosts")

@@ -8,8 +8,10 @@ The launcher side of fault-tolerant training on torchft (PyTorch's per-step faul
 3. start every replica group (``replica.py``), and a spare for each replica to be killed and
    restarted (it boots, builds its model and waits); once all replicas have joined the
    lighthouse and every spare is built, tell them to go, so the first quorum holds all of them;
-4. watch them: a replica killed by a ``KillFault`` is started again ``restart_after_s`` after
-   its death and recovers its state from a peer; any other death fails the job;
+4. watch them and inject the faults: a replica killed by a ``KillFault`` is started again
+   ``restart_after_s`` after its death and recovers its state from a peer; a ``CutFault``
+   takes a host's link down for a while, a ``SlowFault`` reshapes it (``netlab``); any other
+   death fails the job;
 5. when every replica group has committed the last step (or is gone for good), put the
    per-step reports of all of them together (``accounting.py``).
 
@@ -31,6 +33,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -44,7 +47,13 @@ from commfuse.cluster.store import HostedStore, host_store
 from commfuse.cluster.supervisor import kill_group
 from commfuse.cluster.watchdog import Watchdog
 from commfuse.ft.accounting import summarize_ft
-from commfuse.ft.config import CutFault, FaultToleranceConfig, KillFault, SlowFault
+from commfuse.ft.config import (
+    CutFault,
+    FaultToleranceConfig,
+    KillEveryFault,
+    KillFault,
+    SlowFault,
+)
 from commfuse.ft.lighthouse import start_lighthouse
 from commfuse.ft.replica import ReplicaJob, ft_strategy, run_replica, send
 from commfuse.train.loop import TrainConfig
@@ -262,7 +271,16 @@ def _run(
             links = [f for f in ft.faults if isinstance(f, (CutFault, SlowFault))]
             if links and placement.lab is None:
                 raise ValueError("cut and slow faults need the emulated network (netlab: root)")
-            _supervise(job, ft, num, spares, lab=placement.lab, started=started, deadline=deadline)
+            _supervise(
+                job,
+                ft,
+                num,
+                spares,
+                start=start,
+                lab=placement.lab,
+                started=started,
+                deadline=deadline,
+            )
         finally:
             for entry in job.lives:
                 if entry.proc.is_alive():
@@ -306,13 +324,14 @@ def _supervise(
     num: int,
     spares: dict[int, _Life],
     *,
+    start: Callable[[int, int], _Life],
     lab: Netlab | None,
     started: float,
     deadline: float,
 ) -> None:
     """Go when all replicas joined; inject the faults; restart the killed; return when all
     are done (``_Supervisor``)."""
-    supervisor = _Supervisor(job=job, ft=ft, num=num, spares=spares, lab=lab)
+    supervisor = _Supervisor(job=job, ft=ft, num=num, spares=spares, start=start, lab=lab)
     try:
         while len(supervisor.done | supervisor.gone) < num:
             now = time.monotonic()
@@ -345,6 +364,8 @@ class _Supervisor:
     ft: FaultToleranceConfig
     num: int
     spares: dict[int, _Life]
+    start: Callable[[int, int], _Life]
+    """Starts life L of replica R (``start(R, L)``), a spare when L > 0."""
     lab: Netlab | None
     pending: dict[int, tuple[float, _Life]] = field(default_factory=dict)
     """replica -> (when it restarts, its spare)."""
@@ -356,10 +377,13 @@ class _Supervisor:
     """(when a link goes down or slows, the fault), from the go on."""
     down: dict[int, float] = field(default_factory=dict)
     """host -> when its link comes back up."""
+    periodic: list[tuple[float, KillEveryFault, Iterator[int]]] = field(default_factory=list)
+    """(when the next kill comes, the fault, its hosts), from the go on."""
 
     def turn(self, now: float) -> None:
         """Cuts and restarts that are due, the end of lonely replicas, then one message."""
         self._links(now)
+        self._periodic_kills(now)
         for replica, (at, spare) in list(self.pending.items()):
             if now >= at:
                 del self.pending[replica]
@@ -395,6 +419,27 @@ class _Supervisor:
                 del self.down[host]
                 assert self.lab is not None
                 self.lab.set_link(host, up=True)
+
+    def _periodic_kills(self, now: float) -> None:
+        for i, (at, fault, hosts) in enumerate(self.periodic):
+            if now < at:
+                continue
+            self.periodic[i] = (at + fault.every_s, fault, hosts)
+            host = next(hosts)
+            alive = [
+                r
+                for r in range(self.num)
+                if r not in self.done | self.gone | set(self.pending)
+                and _current(self.job, r).ready
+            ]
+            if host not in alive or len(alive) - 1 < self.ft.min_replicas:
+                continue  # already down, or too few would be left
+            life = _current(self.job, host)
+            life.killed_at = now
+            kill_group(life.proc.pid, signal.SIGKILL)
+            self.job.faults.append({"kind": "kill", "replica": host, "t": now, "phase": "timed"})
+            spare = self.start(host, max(e.life for e in self.job.lives if e.replica == host) + 1)
+            self.pending[host] = (now + fault.restart_after_s, spare)
 
     def links_up(self) -> None:
         """Bring back every link still down (the job ended, or failed, inside a cut)."""
@@ -448,6 +493,11 @@ class _Supervisor:
                     (now + f.at_s, f)
                     for f in self.ft.faults
                     if isinstance(f, (CutFault, SlowFault))
+                ]
+                self.periodic = [
+                    (now + f.every_s, f, f.hosts(self.num))
+                    for f in self.ft.faults
+                    if isinstance(f, KillEveryFault)
                 ]
         elif kind == "step":
             self.job.records.append({"replica": life.replica, "life": life.life, **body})
