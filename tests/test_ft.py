@@ -15,7 +15,10 @@ host per replica group, and a real SIGKILL:
 * a host's link cut for 2 s (shorter than the timeouts) while another host is slowed to
   50 Mbit/s: nothing fails and nothing is lost, the step in flight completes once the link
   is back (the record says so);
-* a run without faults equals the same run on torch DDP without torchft, bit for bit.
+* a run without faults equals the same run on torch DDP without torchft, bit for bit;
+* the launcher SIGKILLed mid-run takes its replicas, its lighthouse (in its process) and the
+  emulated network with it (a replica also stops by itself at its next report to the dead
+  launcher; the watchdog kills one blocked in a collective, and removes the network).
 
 The rest is cheap: the timeouts' derivation, the state transport's checksums, where the
 lighthouse and the transport listen, and that ``import commfuse.ft`` does not import torchft.
@@ -23,11 +26,14 @@ lighthouse and the transport listen, and that ``import commfuse.ft`` does not im
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -222,6 +228,95 @@ def test_netlab_cuts_and_slows_one_host_link() -> None:
         assert "state DOWN" not in run_cmd(f"ip link show {lab.peer(1)}").stdout
         # The shaping outlives the cut.
         assert "rate 10Mbit" in run_cmd(f"tc qdisc show dev {lab.peer(1)}").stdout
+
+
+def _children(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc's parent links)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+LAUNCHER = """
+from commfuse.cluster import Topology
+from commfuse.ft import FaultToleranceConfig, run_fault_tolerant
+from commfuse.train.loop import TrainConfig
+from commfuse.workloads import CharLMOptions
+if __name__ == "__main__":
+    config = TrainConfig(workload=CharLMOptions(dim=32, layers=1, heads=2, seq=16, batch=4),
+                         steps=10**7, evaluate=False)
+    run_fault_tolerant(config, FaultToleranceConfig(), Topology(num_hosts=2, link_mbit=1000),
+                       log_dir={log!r})
+"""
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_launcher_killed_takes_its_replicas_lighthouse_and_network_with_it(
+    tmp_path: Path,
+) -> None:
+    from commfuse.cluster.netlab import list_labs
+
+    before = {lab["lab_id"] for lab in list_labs()}
+    script = tmp_path / "launch_ft.py"
+    script.write_text(LAUNCHER.format(log=str(tmp_path)))
+    src = str(Path(commfuse.__file__).resolve().parents[1])
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": src},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        # Training: both replicas are in their hosts' namespaces, holding their Managers.
+        deadline = time.monotonic() + 120
+        replicas: list[int] = []
+        while time.monotonic() < deadline and len(replicas) < 2:
+            time.sleep(0.5)
+            own = os.readlink("/proc/self/ns/net")
+            replicas = []
+            for pid in _children(proc.pid):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/ns/net") != own:
+                        replicas.append(pid)
+        assert len(replicas) >= 2, "the replicas did not start"
+        time.sleep(3.0)  # past the first quorum: the lighthouse is serving
+        labs = {lab["lab_id"] for lab in list_labs()} - before
+        everything = _children(proc.pid)
+        proc.kill()
+        assert proc.wait(timeout=15) == -signal.SIGKILL
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(p) for p in everything):
+            time.sleep(0.2)
+        assert not [p for p in everything if _alive(p)]
+        while time.monotonic() < deadline and labs & {lab["lab_id"] for lab in list_labs()}:
+            time.sleep(0.2)
+        assert not labs & {lab["lab_id"] for lab in list_labs()}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_timeouts_derive_from_one_setting() -> None:
