@@ -12,9 +12,9 @@ host per replica group, and a real SIGKILL:
   neighbour that gave up), which only the quorum-wide alarm frees before gloo's timeout;
 * the same with PowerSGD and error feedback: the replicas agree at every step, the joiner
   receives the residuals too, and every committed step sent exactly PowerSGD's message;
-* a host's link cut for 2 s (shorter than the timeouts) while another host is slowed to
-  50 Mbit/s: nothing fails and nothing is lost, the step in flight completes once the link
-  is back (the record says so);
+* a host's link cut for 1 s (shorter than the timeouts) while another host is slowed to
+  50 Mbit/s: the job finishes, the survivors lose nothing, the replicas agree, and the
+  record's data loss is exactly the steps the cut host missed;
 * a run without faults equals the same run on torch DDP without torchft, bit for bit;
 * the launcher SIGKILLed mid-run takes its replicas, its lighthouse (in its process) and the
   emulated network with it (a replica also stops by itself at its next report to the dead
@@ -74,8 +74,8 @@ def _param_bytes() -> int:
 def test_kill_in_allreduce_survivors_continue_and_the_restarted_replica_catches_up() -> None:
     # The restart comes after the survivors went on without the victim (2 s), and the run is
     # long enough for it to rejoin.
-    kill = KillFault(host=2, at_step=5, phase="allreduce", restart_after_s=2.5)
-    steps = 400
+    kill = KillFault(host=2, at_step=5, phase="allreduce", restart_after_s=3.5)
+    steps = 250
     record = run_fault_tolerant(
         TrainConfig(workload=WORKLOAD, steps=steps, evaluate=False, bucket_cap_mb=BUCKET_CAP_MB),
         FaultToleranceConfig(faults=(kill,), min_replicas=2),
@@ -178,11 +178,13 @@ def _powersgd_payload(compressor: Any) -> int:
 @pytest.mark.netlab
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_cut_link_shorter_than_the_timeouts_costs_time_not_steps() -> None:
-    cut = CutFault(host=1, at_s=0.5, for_s=2.0)
+def test_a_cut_link_and_a_slow_host_cost_the_survivors_nothing() -> None:
+    # Early in a run long enough (at least a second of steps) for the cut to land inside it.
+    cut = CutFault(host=1, at_s=0.2, for_s=1.0)
     slow = SlowFault(host=2, link_mbit=50)  # a straggler from the start, on top
+    steps = 150
     record = run_fault_tolerant(
-        TrainConfig(workload=WORKLOAD, steps=40, evaluate=False),
+        TrainConfig(workload=WORKLOAD, steps=steps, evaluate=False),
         FaultToleranceConfig(faults=(cut, slow), min_replicas=2),
         Topology(num_hosts=3, link_mbit=1000),
         timeout_s=200,
@@ -190,13 +192,18 @@ def test_a_cut_link_shorter_than_the_timeouts_costs_time_not_steps() -> None:
     slowed, event = sorted(record["events"], key=lambda e: e["t"])
     assert (slowed["kind"], slowed["host"]) == ("slow", 2)
     assert event["kind"] == "cut" and event["host"] == 1 and event["step"] is not None
-    # The link was down 2 s, less than the 2 s heartbeat allows plus gloo's 10 s: TCP delivers
-    # what was held up once it is back, so nothing failed, nothing was lost, and every replica
-    # committed the step in flight after the link came back.
-    assert record["discarded_steps"] == 0 and record["batches_lost"] == 0
-    assert event["detect_s"] is None
-    assert event["recover_s"] is not None and event["recover_s"] >= cut.for_s
-    assert record["committed_steps"] == 40 and record["step_digests_agree"]
+    # Down 1 s, less than the lighthouse's 2 s and gloo's 10 s: TCP delivers what was held up
+    # once the link is back, and the step in flight completes. But the cut host's quorum
+    # request may come back later than the lighthouse waits for stragglers (TCP backs off):
+    # then the others go on without it for a step or two, and it rejoins by recovery. Either
+    # way the survivors lose nothing, and the record's loss is exactly the cut host's.
+    per = {p["replica"]: p for p in record["per_replica"]}
+    assert per[0]["committed"] == per[2]["committed"] == steps
+    lost = steps - per[1]["committed"]
+    assert record["batches_lost"] == lost and record["samples_lost"] == lost * WORKLOAD.batch
+    assert lost == 0 or per[1]["recovered"] >= 1
+    assert event["recover_s"] is not None
+    assert record["committed_steps"] == steps and record["step_digests_agree"]
     assert record["replicas_agree"]
 
 
@@ -310,7 +317,7 @@ def test_launcher_killed_takes_its_replicas_lighthouse_and_network_with_it(
                     if os.readlink(f"/proc/{pid}/ns/net") != own:
                         replicas.append(pid)
         assert len(replicas) >= 2, "the replicas did not start"
-        time.sleep(3.0)  # past the first quorum: the lighthouse is serving
+        time.sleep(1.0)  # past the first quorum: the lighthouse is serving
         labs = {lab["lab_id"] for lab in list_labs()} - before
         everything = _children(proc.pid)
         proc.kill()
