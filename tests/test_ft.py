@@ -256,11 +256,11 @@ def _children(pid: int) -> list[int]:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
             parents.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
+    found, frontier = [], [pid]
+    while frontier:
+        for child in parents.get(frontier.pop(), []):
             found.append(child)
-            todo.append(child)
+            frontier.append(child)
     return found
 
 
