@@ -16,7 +16,7 @@ layer  folders                                     what they are
 4      ``ddp``, ``localsgd``, ``hooks``            training engines over layers 2-3
 4      ``optim``                                   optimizers that communicate (1-bit Adam)
 5      ``workloads``                               models and data sets
-6      ``train``, ``bench``                        training loops, benchmark runners and reports
+6      ``train``, ``bench``, ``ft``                training loops, runners and reports; torchft
 7      ``cli``                                     the ``commfuse`` command
 8      ``testing``                                 test helpers: nothing in the package imports it
 =====  ==========================================  ==============================================
@@ -53,6 +53,7 @@ LAYERS: dict[str, int] = {
     "optim": 4,
     "workloads": 5,
     "train": 6,
+    "ft": 6,
     "bench": 6,
     "cli": 7,
     "testing": 8,

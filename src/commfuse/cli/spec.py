@@ -1,6 +1,6 @@
 """The command line's one parser: ``NAME:key=value,...`` specs turned into typed objects.
 
-A compressor, a workload and a training strategy are given on the command line as specs: a
+A compressor, a workload, a training strategy and a fault to inject are given on the command line as specs: a
 name, then optionally a colon and comma-separated ``key=value`` options::
 
     powersgd:rank=4,warmup=10      charlm:dim=64,layers=1      diloco:H=50,outer_lr=0.7
@@ -41,6 +41,7 @@ from commfuse.units import parse_rate_mbit, parse_size
 
 if TYPE_CHECKING:
     from commfuse.compress import Compressor
+    from commfuse.ft.config import Fault
     from commfuse.train.strategy import StrategyConfig
     from commfuse.workloads import WorkloadOptions
 
@@ -448,3 +449,32 @@ def strategy_from_spec(text: str, *, ranks_per_host: int = 1) -> StrategyConfig:
     raise _unknown(
         "strategy", spec.name, known, " (options go after a colon, e.g. ddp-powersgd:rank=4)"
     )
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+
+def fault_from_spec(text: str) -> Fault:
+    """The fault of ``--chaos "name:key=value,..."``: ``kill:host=2,at_step=15,
+    restart_after_s=5`` (``commfuse.ft.KillFault``: SIGKILL that host's replica group at
+    that step, restart it after that many seconds, ``none`` for never), or
+    ``cut:host=1,at_s=20,for_s=5`` (``commfuse.ft.CutFault``: its link down for that long),
+    ``slow:host=3,link_mbit=10mbit`` (``commfuse.ft.SlowFault``: its link at that rate), or
+    ``kill-every:every_s=30,seed=0`` (``commfuse.ft.KillEveryFault``: a seeded host killed
+    every that many seconds and restarted).
+
+    Raises:
+        ValueError: an unknown name (naming the known ones), key or value.
+    """
+    from commfuse.ft.config import CutFault, KillEveryFault, KillFault, SlowFault
+
+    table: dict[str, type[KillFault | CutFault | SlowFault | KillEveryFault]] = {
+        "kill": KillFault,
+        "cut": CutFault,
+        "slow": SlowFault,
+        "kill-every": KillEveryFault,
+    }
+    spec = split_spec(text, what="fault")
+    if spec.name not in table:
+        raise _unknown("fault", spec.name, list(table))
+    return typing.cast("Fault", build(table[spec.name], spec.options, where=f"fault {spec.name}"))

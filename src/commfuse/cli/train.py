@@ -3,6 +3,7 @@
 commfuse train --workload charlm --hosts 4 --link 100mbit --strategy powersgd:rank=4 --steps 100
 commfuse train --workload digits --nproc 2 --strategy ddp --steps 50 --json metrics.json
 commfuse train ... --checkpoint-dir ckpt --checkpoint-every 20     # then add --resume to continue
+commfuse train --hosts 4 --fault-tolerant --chaos kill:host=2,at_step=15,restart_after_s=5
 """
 
 from __future__ import annotations
@@ -87,6 +88,41 @@ def register(sub: Subparsers) -> None:
         help="extra steps timed with communication skipped (the compute-only floor)",
     )
     add_output_arguments(parser, json="the run's metrics")
+    add_fault_tolerance_arguments(parser)
+
+
+def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--fault-tolerant`` and its settings (``train_ft.py`` runs it)."""
+    group = parser.add_argument_group("fault tolerance (torchft; pip install 'commfuse[ft]')")
+    group.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="one torchft replica group per host: a replica that dies costs the step in "
+        "flight, the others go on, and it rejoins with its state from a peer (strategy ddp or "
+        "a compressor's name, one rank per host)",
+    )
+    group.add_argument(
+        "--ft-timeout",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="a peer silent this long is dead; every other timeout derives from it (default 2)",
+    )
+    group.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="fewest replica groups that may commit a step (default 1)",
+    )
+    group.add_argument(
+        "--chaos",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a fault to inject, repeatable: kill:host=H,at_step=S[,restart_after_s=5]"
+        "[,phase=allreduce|compute], cut:host=H,at_s=T[,for_s=5], slow:host=H,link_mbit=10mbit, "
+        "kill-every:every_s=30[,restart_after_s=5,seed=0]",
+    )
 
 
 def list_strategies() -> str:
@@ -104,6 +140,12 @@ def run_train(args: argparse.Namespace) -> int:
     if args.list_strategies:
         print(list_strategies())
         return 0
+    if args.fault_tolerant:
+        from commfuse.cli.train_ft import run_train_ft
+
+        return run_train_ft(args)
+    if args.chaos:
+        raise ValueError("--chaos injects faults into a --fault-tolerant run; add --fault-tolerant")
     topology = topology_from_args(args, nproc=args.nproc)
     backend = backend_from_args(args, topology)  # the device checks, before any rank starts
     config = TrainConfig(

@@ -249,12 +249,28 @@ class Netlab:
         """The root-side (bridge port) end of host's veth."""
         return f"{self._lab_id}h{self._check_host(host)}b"
 
-    def _tbf(self, netns: str, dev: str) -> None:
-        assert self._topology.link_mbit is not None
-        kbit = max(1, round(self._topology.link_mbit * 1000))
+    def set_link(self, host: int, *, up: bool) -> None:
+        """Take host's link down (every frame to and from it is lost, its sockets stay open,
+        as when a cable is pulled) or bring it back up."""
+        run_cmd(f"ip link set {self.peer(host)} {'up' if up else 'down'}")
+
+    def set_rate(self, host: int, link_mbit: float) -> None:
+        """Shape host's link to ``link_mbit`` in each direction from now on (its own rate; the
+        other hosts keep theirs)."""
+        if not link_mbit > 0:
+            raise ValueError(f"link_mbit must be more than 0, got {link_mbit}")
+        self._tbf(f"-n {self.namespace(host)}", self.ifname(host), link_mbit, verb="replace")
+        self._tbf("", self.peer(host), link_mbit, verb="replace")
+
+    def _tbf(
+        self, netns: str, dev: str, link_mbit: float | None = None, *, verb: str = "add"
+    ) -> None:
+        rate = self._topology.link_mbit if link_mbit is None else link_mbit
+        assert rate is not None
+        kbit = max(1, round(rate * 1000))
         burst, lat = f"{self._burst_kb}kb", f"{TBF_LATENCY_MS}ms"
         run_cmd(
-            f"tc {netns} qdisc add dev {dev} root tbf rate {kbit}kbit burst {burst} latency {lat}"
+            f"tc {netns} qdisc {verb} dev {dev} root tbf rate {kbit}kbit burst {burst} latency {lat}"
         )
 
     def _write_state(self, **extra: Any) -> None:

@@ -1,0 +1,148 @@
+"""What a fault-tolerant run did, from every replica's per-step reports.
+
+Each replica group reports every attempt at a step: the step, whether it committed, the
+quorum's size, its loss and times, and after a commit the SHA-256 of its parameters. From
+those (and the launcher's record of kills and restarts) the run's record states:
+
+* ``committed_steps``: steps applied (the committed step of the replicas that finished);
+* ``discarded_steps``: attempts that did not commit, summed over replica groups (a step in
+  flight when a peer died, retried by the survivors on the same batch);
+* ``batches_lost`` / ``samples_lost``: the data of the run is ``num_replicas`` batches per
+  step (one per replica group, chosen by step and replica); a batch is trained when its
+  replica group committed that step, and lost otherwise (its replica group was dead or
+  recovering): the global batch shrinks while a replica group is missing;
+* ``step_digests_agree``: at every step, every replica group that committed it holds
+  parameters with the same digest (the restarted replica's too, from its recovery on);
+  ``replicas_agree``: the final digests are equal;
+* ``events``: one per fault (a kill, a cut link): the host, the step, seconds from the fault
+  to the survivors' first failed step (``detect_s``), to their first commit of a step begun
+  after the fault (``recover_s``), and to the faulty replica's first committed step after its restart or
+  after its link is back (``rejoin_s``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from commfuse.ft.config import Timeouts
+
+
+def _failed_after(records: list[dict[str, Any]], t: float) -> float | None:
+    """Seconds from ``t`` to the end of the first failed attempt after it."""
+    times = [r["t"] for r in records if r["t"] > t and not r["committed"]]
+    return min(times) - t if times else None
+
+
+def _committed_after(records: list[dict[str, Any]], t: float) -> float | None:
+    """Seconds from ``t`` to the first commit of a step begun after it (a step that was past
+    its exchange at ``t`` is no sign of recovery)."""
+    times = [r["t"] for r in records if r["t0"] > t and r["committed"]]
+    return min(times) - t if times else None
+
+
+def summarize_ft(
+    *,
+    records: list[dict[str, Any]],
+    faults: list[dict[str, Any]],
+    restarts: list[dict[str, Any]],
+    results: list[dict[str, Any]],
+    num_replicas: int,
+    steps: int,
+    batch_samples: int,
+    wall_s: float,
+    topology: str,
+    timeouts: Timeouts,
+) -> dict[str, Any]:
+    """The run's record (see the module docstring) from the replicas' reports.
+
+    Args:
+        records: every attempt of every replica life (``replica.py``'s "step" reports).
+        faults: the faults injected: kind, replica, monotonic time t, and a kill's step and
+            phase (reported by the replica just before) or a cut's duration ``for_s``.
+        restarts: the restarts (replica, t).
+        results: the final report of each replica life that finished.
+        num_replicas: replica groups at the start.
+        steps: the steps the run was to commit.
+        batch_samples: samples in one replica group's batch.
+        wall_s: the launcher's wall time.
+        topology: the cluster, in words.
+        timeouts: the run's derived timeouts.
+
+    Returns:
+        The record, JSON-serialisable.
+    """
+    committed = [r for r in records if r["committed"]]
+    digests: dict[int, set[str]] = defaultdict(set)
+    for r in committed:
+        digests[r["step"]].add(r["digest"])
+    trained = {(r["step"], r["replica"]) for r in committed}
+    committed_steps = max((res["step"] for res in results), default=0)
+    batches_lost = num_replicas * committed_steps - len(trained)
+    events = []
+    for fault in faults:
+        host, t = fault["replica"], fault["t"]
+        survivors = [r for r in records if r["replica"] != host]
+        # A killed replica rejoins from its restart on; a cut one once its link is back.
+        back = t + fault.get("for_s", 0.0)
+        rejoined = [r for r in committed if r["replica"] == host and r["t"] > back]
+        after = [r["step"] for r in survivors if r["t"] > t]
+        events.append(
+            {
+                "kind": fault["kind"],
+                "host": host,
+                # A cut's: the survivors' step in flight when the link went down.
+                "step": fault["step"] if "step" in fault else min(after, default=None),
+                "phase": fault.get("phase"),
+                "for_s": fault.get("for_s"),
+                "t": t,
+                "detect_s": _failed_after(survivors, t),
+                "recover_s": _committed_after(survivors, t),
+                "rejoin_s": min(r["t"] for r in rejoined) - t if rejoined else None,
+                "rejoin_step": min(r["step"] for r in rejoined) if rejoined else None,
+            }
+        )
+    per_replica = []
+    for replica in range(num_replicas):
+        mine = [r for r in records if r["replica"] == replica]
+        per_replica.append(
+            {
+                "replica": replica,
+                "lives": len({r["life"] for r in mine}),
+                "committed": sum(r["committed"] for r in mine),
+                "discarded": sum(not r["committed"] for r in mine),
+                "recovered": sum(r["healed"] for r in mine),
+            }
+        )
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for r in sorted(committed, key=lambda r: r["replica"]):
+        by_step[r["step"]].append(r["loss"])
+    # The mean over the replica groups that committed each step (as torch DDP's record).
+    losses = [statistics.fmean(by_step[step]) for step in sorted(by_step)]
+    step_times = [r["t"] - r["t0"] for r in committed]
+    return {
+        "mode": "ddp",
+        "topology": topology,
+        "num_replicas": num_replicas,
+        "steps": steps,
+        "committed_steps": committed_steps,
+        "discarded_steps": sum(not r["committed"] for r in records),
+        "batches_lost": batches_lost,
+        "samples_lost": batches_lost * batch_samples,
+        "step_digests_agree": all(len(d) == 1 for d in digests.values()),
+        "steps_compared": sum(len(d) > 0 for d in digests.values()),
+        "replicas_agree": len({res["digest"] for res in results if res["step"] == steps}) == 1,
+        "digest": next((res["digest"] for res in results if res["step"] == steps), None),
+        "events": events,
+        "restarts": len(restarts),
+        "per_replica": per_replica,
+        "recovered_bytes": sum(res["recovered_bytes"] for res in results),
+        "losses": losses,
+        "final_loss": losses[-1] if losses else None,
+        "step_time_s": statistics.median(step_times) if step_times else None,
+        "wall_s": wall_s,
+        "timeouts": dataclasses.asdict(timeouts),
+        "records": records,
+    }

@@ -1,0 +1,223 @@
+"""What a fault-tolerant run is configured with: one timeout, replica groups and faults.
+
+One setting, ``timeout_s``, decides how fast a dead peer is noticed, and every other wait is
+derived from it (``Timeouts``), so that no layer waits on a dead peer far longer than the
+others (torchft's defaults are 60 s for the Manager and gloo and 5 s for the lighthouse's
+heartbeat, set in three places):
+
+1. the lighthouse declares a replica dead when it has not heard its heartbeat for
+   ``timeout_s``, and waits as long for the stragglers of a new quorum;
+2. each replica's Manager heartbeats twenty times per ``timeout_s``;
+3. a collective, a commit vote and the transfer of a joiner's state may take
+   ``OP_TIMEOUT_FACTOR * timeout_s``: longer than a heartbeat, since a large message on a slow
+   link is not a failure, but bounded, so a peer cut off without closing its sockets (a link
+   that is down) is noticed by gloo too;
+4. the launcher's own deadlines (a replica's start-up, the whole job) are commfuse's and are
+   the job's ``timeout_s`` in ``run_fault_tolerant``.
+
+A replica killed outright closes its sockets, so its peers' collectives fail at once and the
+quorum without it forms ``timeout_s`` later (its heartbeat expires). Tune ``timeout_s`` down to
+recover sooner, up when replicas may stall (a long garbage collection, a loaded machine)
+without being dead: a stalled replica that misses ``timeout_s`` is dropped from the quorum and
+rejoins by live recovery.
+
+This module imports neither torch nor torchft: the command line builds these objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Iterator
+from typing import Literal, TypeAlias
+
+#: Collectives, commit votes and state transfers may take this many ``timeout_s``.
+OP_TIMEOUT_FACTOR = 5.0
+#: Heartbeats per ``timeout_s``.
+HEARTBEATS_PER_TIMEOUT = 20
+#: Quorum requests a Manager repeats after a timeout before its replica gives up.
+QUORUM_RETRIES = 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Timeouts:
+    """Every wait of a fault-tolerant run, derived from one ``timeout_s`` (``derive``)."""
+
+    heartbeat_timeout_s: float
+    """The lighthouse drops a replica it has not heard from for this long."""
+    join_timeout_s: float
+    """The lighthouse waits this long for heartbeating stragglers before forming a quorum."""
+    quorum_tick_s: float
+    """How often the lighthouse re-checks a quorum it is waiting for."""
+    heartbeat_interval_s: float
+    """Each replica's Manager heartbeats this often."""
+    op_timeout_s: float
+    """A collective (gloo), a commit vote, a state transfer: the Manager's ``timeout``."""
+    quorum_timeout_s: float
+    """How long a Manager waits for the lighthouse to form a quorum."""
+    quorum_retries: int
+    """How many times a Manager asks again for a quorum that timed out (a replica cut off
+    from the lighthouse keeps asking until its link is back)."""
+
+    @classmethod
+    def derive(cls, timeout_s: float) -> Timeouts:
+        """Every timeout from the one setting (see the module docstring).
+
+        Raises:
+            ValueError: ``timeout_s`` is not positive.
+        """
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        op = OP_TIMEOUT_FACTOR * timeout_s
+        return cls(
+            heartbeat_timeout_s=timeout_s,
+            join_timeout_s=timeout_s,
+            quorum_tick_s=min(0.1, timeout_s / 20),
+            heartbeat_interval_s=timeout_s / HEARTBEATS_PER_TIMEOUT,
+            op_timeout_s=op,
+            # A quorum waits for a dead peer's heartbeat to expire, then for the join timeout.
+            quorum_timeout_s=op + 2 * timeout_s,
+            quorum_retries=QUORUM_RETRIES,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KillFault:
+    """SIGKILL one replica group's ranks at a step, and start them again after a delay."""
+
+    host: int
+    """The emulated host (= replica group) whose ranks are killed."""
+    at_step: int
+    """The committed step during which they are killed (0-based)."""
+    phase: Literal["allreduce", "compute"] = "allreduce"
+    """allreduce: right after the step's first gradient allreduce was handed to gloo (it is in
+    flight); compute: before the forward pass."""
+    restart_after_s: float | None = 5.0
+    """Seconds from the kill to the restart; None: never restarted."""
+
+    def __post_init__(self) -> None:
+        if self.host < 0 or self.at_step < 0:
+            raise ValueError(f"host and at_step must be >= 0, got {self.host}, {self.at_step}")
+        if self.phase not in ("allreduce", "compute"):
+            raise ValueError(f"phase must be allreduce or compute, got {self.phase!r}")
+        if self.restart_after_s is not None and self.restart_after_s < 0:
+            raise ValueError(f"restart_after_s must be >= 0, got {self.restart_after_s}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CutFault:
+    """Take one host's link down for a while (``ip link set down`` on its veth, then up): its
+    frames are lost and its sockets stay open, so its peers notice only by their timeouts."""
+
+    host: int
+    """The emulated host whose link goes down."""
+    at_s: float
+    """Seconds after the replicas start training."""
+    for_s: float = 5.0
+    """Seconds the link stays down."""
+
+    def __post_init__(self) -> None:
+        if self.host < 0 or self.at_s < 0 or not self.for_s > 0:
+            raise ValueError(
+                f"host and at_s must be >= 0 and for_s > 0, got {self.host}, {self.at_s}, "
+                f"{self.for_s}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlowFault:
+    """Slow one host's link down to a rate (its ``tbf`` on both ends of its veth): a straggler
+    that every synchronous step waits for."""
+
+    host: int
+    """The emulated host whose link is slowed."""
+    link_mbit: float
+    """Its new rate, Mbit/s in each direction (``10mbit`` on the command line)."""
+    at_s: float = 0.0
+    """Seconds after the replicas start training."""
+
+    def __post_init__(self) -> None:
+        if self.host < 0 or self.at_s < 0 or not self.link_mbit > 0:
+            raise ValueError(
+                f"host and at_s must be >= 0 and link_mbit > 0, got {self.host}, {self.at_s}, "
+                f"{self.link_mbit}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KillEveryFault:
+    """SIGKILL a replica group every ``every_s`` seconds, the host drawn from a seeded
+    generator (the same schedule for the same seed), and restart it ``restart_after_s`` after
+    the kill or once its new process is built, whichever is later. A kill that would leave
+    fewer than ``min_replicas`` replica groups alive is skipped."""
+
+    every_s: float
+    """Seconds between kills, from the start of training."""
+    restart_after_s: float = 5.0
+    """Seconds from a kill to the restart (at the earliest)."""
+    seed: int = 0
+    """Seed of the hosts' draw."""
+
+    def __post_init__(self) -> None:
+        if not self.every_s > 0 or self.restart_after_s < 0:
+            raise ValueError(
+                f"every_s must be > 0 and restart_after_s >= 0, got {self.every_s}, "
+                f"{self.restart_after_s}"
+            )
+
+    def hosts(self, num_hosts: int) -> Iterator[int]:
+        """The hosts to kill, in order (endless; deterministic in ``seed``)."""
+        draw = random.Random(self.seed)
+        while True:
+            yield draw.randrange(num_hosts)
+
+
+#: Every fault that a run can inject.
+Fault: TypeAlias = "KillFault | CutFault | SlowFault | KillEveryFault"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FaultToleranceConfig:
+    """Fault-tolerant data parallelism on torchft: one replica group per emulated host."""
+
+    timeout_s: float = 2.0
+    """A peer silent this long is dead; every other timeout derives from it (``Timeouts``)."""
+    min_replicas: int = 1
+    """Fewest replica groups that may commit a step (the lighthouse forms no smaller
+    quorum)."""
+    faults: tuple[Fault, ...] = ()
+    """Faults to inject (``KillFault``, ``CutFault``, ``SlowFault``, ``KillEveryFault``)."""
+
+    def __post_init__(self) -> None:
+        Timeouts.derive(self.timeout_s)  # ValueError on a bad timeout
+        if self.min_replicas < 1:
+            raise ValueError(f"min_replicas must be at least 1, got {self.min_replicas}")
+        for fault in self.faults:
+            if not isinstance(fault, (KillFault, CutFault, SlowFault, KillEveryFault)):
+                raise ValueError(
+                    "faults must be KillFault, CutFault, SlowFault or KillEveryFault objects, "
+                    f"got {type(fault).__name__}"
+                )
+        hosts = [f.host for f in self.faults if isinstance(f, KillFault)]
+        if len(set(hosts)) != len(hosts):
+            raise ValueError(f"at most one kill per host, got hosts {sorted(hosts)}")
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """Every wait, derived from ``timeout_s``."""
+        return Timeouts.derive(self.timeout_s)
+
+    def check_hosts(self, num_hosts: int) -> None:
+        """ValueError unless every fault names a host of ``num_hosts`` and a quorum of
+        ``min_replicas`` can exist.
+
+        Raises:
+            ValueError: a fault's host is out of range, or ``min_replicas`` > ``num_hosts``.
+        """
+        if self.min_replicas > num_hosts:
+            raise ValueError(
+                f"min_replicas {self.min_replicas} is more than the {num_hosts} replica groups"
+            )
+        for fault in self.faults:
+            if not isinstance(fault, KillEveryFault) and fault.host >= num_hosts:
+                raise ValueError(f"fault on host {fault.host}: the run has {num_hosts} hosts")

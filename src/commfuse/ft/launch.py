@@ -1,0 +1,524 @@
+"""``run_fault_tolerant``: a data-parallel run that keeps training when replica groups die.
+
+The launcher side of fault-tolerant training on torchft (PyTorch's per-step fault tolerance):
+
+1. build the cluster (``open_placement``: one emulated host per replica group, or loopback);
+2. host one TCPStore per replica group on its host's address (the store outlives a replica
+   that is killed, so its restart finds it), and the lighthouse on host 0's (``lighthouse.py``);
+3. start every replica group (``replica.py``), and a spare for each replica to be killed and
+   restarted (it boots, builds its model and waits); once all replicas have joined the
+   lighthouse and every spare is built, tell them to go, so the first quorum holds all of them;
+4. watch them and inject the faults: a replica killed by a ``KillFault`` is started again
+   ``restart_after_s`` after its death and recovers its state from a peer; a ``CutFault``
+   takes a host's link down for a while, a ``SlowFault`` reshapes it (``netlab``); any other
+   death fails the job;
+5. when every replica group has committed the last step (or is gone for good), put the
+   per-step reports of all of them together (``accounting.py``).
+
+A watchdog kills the replicas and removes the emulated cluster should the launcher be killed;
+the lighthouse lives in the launcher and dies with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from commfuse.cluster import DeadlineExceeded, RankError, Topology
+from commfuse.cluster.netlab import Netlab
+from commfuse.cluster.placement import Placement, open_placement
+from commfuse.cluster.rank_runtime import enter_rank
+from commfuse.cluster.store import HostedStore, host_store
+from commfuse.cluster.supervisor import kill_group
+from commfuse.cluster.watchdog import Watchdog
+from commfuse.ft.accounting import summarize_ft
+from commfuse.ft.config import (
+    CutFault,
+    FaultToleranceConfig,
+    KillEveryFault,
+    KillFault,
+    SlowFault,
+)
+from commfuse.ft.lighthouse import start_lighthouse
+from commfuse.ft.replica import ReplicaJob, ft_strategy, run_replica, send
+from commfuse.train.loop import TrainConfig
+from commfuse.train.strategy import describe_strategy
+
+#: Environment variables of torchft that would override the timeouts derived here.
+TORCHFT_OVERRIDES = (
+    "TORCHFT_TIMEOUT_SEC",
+    "TORCHFT_QUORUM_TIMEOUT_SEC",
+    "TORCHFT_CONNECT_TIMEOUT_SEC",
+    "TORCHFT_LIGHTHOUSE",
+    "TORCHFT_MANAGER_PORT",
+)
+#: Seconds a replica may take from its start to joining the lighthouse.
+START_TIMEOUT_S = 120.0
+
+
+def _replica_process(
+    job: ReplicaJob, env: dict[str, str], netns: str | None, conn: Connection, log: str
+) -> None:
+    os.setsid()  # own session: the launcher and the watchdog stop it with what it started
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    code = 1
+    try:
+        enter_rank(env, netns)
+        send(conn, ("done", run_replica(job, conn)))
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+        with contextlib.suppress(OSError):
+            send(conn, ("error", traceback.format_exc()))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # No interpreter teardown: gloo's and torchft's native threads may still be joinable.
+        os._exit(code)
+
+
+@dataclass
+class _Life:
+    """One start of one replica group."""
+
+    replica: int
+    life: int
+    proc: mp.process.BaseProcess
+    conn: Connection
+    log: str
+    ready: bool = False
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    killed_at: float | None = None
+    built: bool = False
+    """Reported ready, or (a spare) built and waiting for its start."""
+    launched: bool = True
+    """False while a spare waits for its start."""
+
+
+@dataclass
+class _Job:
+    """The launcher's view of the run."""
+
+    lives: list[_Life] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    """Every fault injected: kind, replica, monotonic time, and the kind's details."""
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    inbox: queue.Queue[tuple[_Life, tuple[Any, ...] | None]] = field(default_factory=queue.Queue)
+
+
+def _read(life: _Life, inbox: queue.Queue[tuple[_Life, tuple[Any, ...] | None]]) -> None:
+    """Forward ``life``'s messages to the launcher's inbox; None when its pipe closes."""
+    try:
+        while True:
+            inbox.put((life, pickle.loads(life.conn.recv_bytes())))
+    except (EOFError, OSError):
+        inbox.put((life, None))
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def run_fault_tolerant(
+    config: TrainConfig,
+    ft: FaultToleranceConfig,
+    topology: Topology,
+    *,
+    emulate: bool | None = None,
+    timeout_s: float = 600.0,
+    log_dir: str | None = None,
+) -> dict[str, Any]:
+    """Train ``config`` with one torchft replica group per host of ``topology``, injecting
+    ``ft.faults``; return the run's record (``accounting.summarize_ft``).
+
+    Args:
+        config: the run; its strategy ``TorchDDPConfig()`` (torch DDP, the gradients averaged
+            across replica groups through torchft) or ``CommfuseDPConfig(compressor=...)``
+            (the same, each bucket through that compressor: ``replica.ft_strategy``).
+        ft: the timeout and the faults to inject.
+        topology: one replica group per host; one rank per host.
+        emulate: force (True) or forbid (False) the emulated network; None: when possible.
+        timeout_s: the whole job's deadline.
+        log_dir: where each replica's output goes (``replica{R}.life{L}.log``); None: a
+            temporary folder, removed afterwards.
+
+    Returns:
+        The record: steps committed and discarded, events, per-step digests' agreement...
+
+    Raises:
+        ValueError: a topology with several ranks per host, faults on missing hosts, or a
+            strategy other than those above.
+        RankError: a replica failed other than by an injected fault.
+        DeadlineExceeded: the job passed ``timeout_s``.
+
+    Example:
+        ```python
+        record = run_fault_tolerant(
+            TrainConfig(steps=30),
+            FaultToleranceConfig(faults=(KillFault(host=1, at_step=10),)),
+            Topology(num_hosts=3, link_mbit=100),
+        )
+        assert record["replicas_agree"]
+        ```
+    """
+    if topology.ranks_per_host != 1:
+        raise ValueError(
+            "fault-tolerant training runs one rank per replica group (per host); got "
+            f"{topology.ranks_per_host} ranks per host"
+        )
+    ft.check_hosts(topology.num_hosts)
+    ft_strategy(config.strategy)  # ValueError before anything starts
+    with contextlib.ExitStack() as stack:
+        if log_dir is None:
+            log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="commfuse-ft-"))
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        return _run(config, ft, topology, emulate=emulate, timeout_s=timeout_s, log_dir=log_dir)
+
+
+def _run(
+    config: TrainConfig,
+    ft: FaultToleranceConfig,
+    topology: Topology,
+    *,
+    emulate: bool | None,
+    timeout_s: float,
+    log_dir: str,
+) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    run_id = uuid.uuid4().hex[:12]
+    num = topology.num_hosts
+    started = time.monotonic()
+    deadline = started + timeout_s
+    job = _Job()
+    with Watchdog() as watchdog, open_placement(topology, emulate=emulate) as placement:
+        if placement.lab_id is not None:
+            watchdog.guard_lab(placement.lab_id)
+        stores: list[HostedStore] = []
+        lighthouse = None
+        try:
+            for host in range(num):
+                netns = placement.netns_of(host)
+                stores.append(host_store(placement.addr_of_host(host), netns=netns))
+            lighthouse = start_lighthouse(
+                placement.addr_of_host(0),
+                netns=placement.netns_of(0),
+                timeouts=ft.timeouts,
+                min_replicas=ft.min_replicas,
+            )
+
+            def start(replica: int, life: int) -> _Life:
+                store = stores[replica]
+                replica_job = ReplicaJob(
+                    train=config,
+                    ft=ft,
+                    replica=replica,
+                    num_replicas=num,
+                    life=life,
+                    addr=store.addr,
+                    store_port=store.port,
+                    lighthouse=lighthouse.url,
+                )
+                env = _replica_env(placement, replica, store, run_id)
+                ours, theirs = ctx.Pipe(duplex=True)
+                log = str(Path(log_dir) / f"replica{replica}.life{life}.log")
+                proc = ctx.Process(
+                    target=_replica_process,
+                    args=(replica_job, env, placement.netns_of(replica), theirs, log),
+                    name=f"commfuse-replica{replica}",
+                )
+                proc.start()
+                theirs.close()
+                assert proc.pid is not None
+                watchdog.guard(proc.pid)
+                entry = _Life(
+                    replica=replica, life=life, proc=proc, conn=ours, log=log, launched=life == 0
+                )
+                job.lives.append(entry)
+                threading.Thread(target=_read, args=(entry, job.inbox), daemon=True).start()
+                return entry
+
+            for replica in range(num):
+                start(replica, 0)
+            # The replacement of every replica to be killed and restarted boots with the job
+            # (imports, model, DDP) and waits: a restart then takes the fault's delay, not
+            # this machine's time to start a torch process.
+            spares = {
+                f.host: start(f.host, 1)
+                for f in ft.faults
+                if isinstance(f, KillFault) and f.restart_after_s is not None
+            }
+            links = [f for f in ft.faults if isinstance(f, (CutFault, SlowFault))]
+            if links and placement.lab is None:
+                raise ValueError("cut and slow faults need the emulated network (netlab: root)")
+            _supervise(
+                job,
+                ft,
+                num,
+                spares,
+                start=start,
+                lab=placement.lab,
+                started=started,
+                deadline=deadline,
+            )
+        finally:
+            for entry in job.lives:
+                if entry.proc.is_alive():
+                    kill_group(entry.proc.pid, signal.SIGKILL)
+                entry.proc.join(timeout=10)
+                entry.conn.close()
+            if lighthouse is not None:
+                lighthouse.shutdown()
+            for store in stores:
+                store.close()
+    record = summarize_ft(
+        records=job.records,
+        faults=job.faults,
+        restarts=job.restarts,
+        results=[e.result for e in job.lives if e.result is not None],
+        num_replicas=num,
+        steps=config.steps,
+        batch_samples=int(getattr(config.workload, "batch", 1)),
+        wall_s=time.monotonic() - started,
+        topology=topology.describe(),
+        timeouts=ft.timeouts,
+    )
+    record["strategy"] = describe_strategy(config.strategy)
+    return record
+
+
+def _replica_env(
+    placement: Placement, replica: int, store: HostedStore, run_id: str
+) -> dict[str, str]:
+    env = placement.env_of(replica, master_addr=store.addr, master_port=store.port, run_id=run_id)
+    # The replica group is its own world of one rank; the replicas meet through torchft.
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", RUST_LOG="warn")
+    for name in TORCHFT_OVERRIDES:
+        env.pop(name, None)
+    return env
+
+
+def _supervise(
+    job: _Job,
+    ft: FaultToleranceConfig,
+    num: int,
+    spares: dict[int, _Life],
+    *,
+    start: Callable[[int, int], _Life],
+    lab: Netlab | None,
+    started: float,
+    deadline: float,
+) -> None:
+    """Go when all replicas joined; inject the faults; restart the killed; return when all
+    are done (``_Supervisor``)."""
+    supervisor = _Supervisor(job=job, ft=ft, num=num, spares=spares, start=start, lab=lab)
+    try:
+        while len(supervisor.done | supervisor.gone) < num:
+            now = time.monotonic()
+            if now > deadline:
+                raise DeadlineExceeded(
+                    f"fault-tolerant run: not finished within {deadline - started:.0f} s",
+                    ranks=sorted(set(range(num)) - supervisor.done - supervisor.gone),
+                )
+            if not supervisor.went and now > started + START_TIMEOUT_S:
+                raise DeadlineExceeded(
+                    f"replicas did not join within {START_TIMEOUT_S:.0f} s",
+                    ranks=[e.replica for e in job.lives if not e.ready],
+                )
+            supervisor.turn(now)
+    finally:
+        supervisor.links_up()
+
+
+@dataclass
+class _Supervisor:
+    """The launcher's loop, one ``turn`` at a time.
+
+    A killed replica's next life (a spare, started with the job and built) is told to start
+    ``restart_after_s`` after the kill. A cut takes a host's link down ``at_s`` after the go,
+    for ``for_s``. A replica group still training ``timeout_s`` after the first one finished
+    (restarted or cut off, it missed the end) is stopped and counted as gone.
+    """
+
+    job: _Job
+    ft: FaultToleranceConfig
+    num: int
+    spares: dict[int, _Life]
+    start: Callable[[int, int], _Life]
+    """Starts life L of replica R (``start(R, L)``), a spare when L > 0."""
+    lab: Netlab | None
+    pending: dict[int, tuple[float, _Life]] = field(default_factory=dict)
+    """replica -> (when it restarts, its spare)."""
+    done: set[int] = field(default_factory=set)
+    gone: set[int] = field(default_factory=set)
+    went: bool = False
+    all_done_at: float | None = None
+    cuts: list[tuple[float, CutFault | SlowFault]] = field(default_factory=list)
+    """(when a link goes down or slows, the fault), from the go on."""
+    down: dict[int, float] = field(default_factory=dict)
+    """host -> when its link comes back up."""
+    periodic: list[tuple[float, KillEveryFault, Iterator[int]]] = field(default_factory=list)
+    """(when the next kill comes, the fault, its hosts), from the go on."""
+
+    def turn(self, now: float) -> None:
+        """Cuts and restarts that are due, the end of lonely replicas, then one message."""
+        self._links(now)
+        self._periodic_kills(now)
+        for replica, (at, spare) in list(self.pending.items()):
+            if now >= at:
+                del self.pending[replica]
+                self.job.restarts.append({"replica": replica, "t": now})
+                spare.launched = True
+                spare.conn.send_bytes(b"start")
+        if self._lonely(now):
+            return
+        try:
+            life, message = self.job.inbox.get(timeout=0.05)
+        except queue.Empty:
+            return
+        if message is None:
+            self._exited(life)
+        else:
+            self._message(life, message[0], message[1], now)
+
+    def _links(self, now: float) -> None:
+        for at, cut in [c for c in self.cuts if c[0] <= now]:
+            self.cuts.remove((at, cut))
+            assert self.lab is not None
+            if isinstance(cut, SlowFault):
+                self.lab.set_rate(cut.host, cut.link_mbit)
+                slow = {"kind": "slow", "replica": cut.host, "t": now, "link_mbit": cut.link_mbit}
+                self.job.faults.append(slow)
+                continue
+            self.lab.set_link(cut.host, up=False)
+            self.down[cut.host] = now + cut.for_s
+            fault = {"kind": "cut", "replica": cut.host, "t": now, "for_s": cut.for_s}
+            self.job.faults.append(fault)
+        for host, until in list(self.down.items()):
+            if now >= until:
+                del self.down[host]
+                assert self.lab is not None
+                self.lab.set_link(host, up=True)
+
+    def _periodic_kills(self, now: float) -> None:
+        for i, (at, fault, hosts) in enumerate(self.periodic):
+            if now < at:
+                continue
+            self.periodic[i] = (at + fault.every_s, fault, hosts)
+            host = next(hosts)
+            alive = [
+                r
+                for r in range(self.num)
+                if r not in self.done | self.gone | set(self.pending)
+                and _current(self.job, r).ready
+            ]
+            if host not in alive or len(alive) - 1 < self.ft.min_replicas:
+                continue  # already down, or too few would be left
+            life = _current(self.job, host)
+            life.killed_at = now
+            kill_group(life.proc.pid, signal.SIGKILL)
+            self.job.faults.append({"kind": "kill", "replica": host, "t": now, "phase": "timed"})
+            spare = self.start(host, max(e.life for e in self.job.lives if e.replica == host) + 1)
+            self.pending[host] = (now + fault.restart_after_s, spare)
+
+    def links_up(self) -> None:
+        """Bring back every link still down (the job ended, or failed, inside a cut)."""
+        for host in list(self.down):
+            assert self.lab is not None
+            self.lab.set_link(host, up=True)
+            del self.down[host]
+
+    def _lonely(self, now: float) -> bool:
+        lonely = [r for r in range(self.num) if r not in self.done | self.gone]
+        if not self.done or not lonely:
+            return False
+        # Replicas in step finish within moments of each other; one still training
+        # ``timeout_s`` after the first finished was out of the quorum (restarting, cut off)
+        # and has nobody left to rejoin.
+        self.all_done_at = now if self.all_done_at is None else self.all_done_at
+        if now - self.all_done_at <= self.ft.timeout_s:
+            return False
+        for replica in lonely:
+            self.pending.pop(replica, None)
+            kill_group(_current(self.job, replica).proc.pid, signal.SIGKILL)
+            self.gone.add(replica)
+        return True
+
+    def _exited(self, life: _Life) -> None:
+        """``life``'s pipe closed: its process is gone."""
+        life.proc.join(timeout=10)
+        code = life.proc.exitcode
+        if life.result is not None:
+            self.done.add(life.replica)
+        elif life.replica in self.gone or (life.killed_at is not None and code == -signal.SIGKILL):
+            pass  # an injected kill (its spare waits) or a life stopped above
+        else:
+            why = life.error or f"exited with code {code}\n{_tail(life.log)}"
+            raise RankError(life.replica, f"replica {life.replica} (life {life.life}): {why}")
+
+    def _message(self, life: _Life, kind: str, body: Any, now: float) -> None:
+        if kind in ("ready", "built"):
+            life.ready |= kind == "ready"
+            life.built = True
+            if self.went and kind == "ready":
+                life.conn.send_bytes(b"go")
+            elif not self.went and all(e.built for e in self.job.lives):
+                # Every replica joined the lighthouse and every spare is built: the first
+                # quorum holds everyone, and no fault comes before its replacement is ready.
+                self.went = True
+                for entry in self.job.lives:
+                    if entry.ready:
+                        entry.conn.send_bytes(b"go")
+                self.cuts = [
+                    (now + f.at_s, f)
+                    for f in self.ft.faults
+                    if isinstance(f, (CutFault, SlowFault))
+                ]
+                self.periodic = [
+                    (now + f.every_s, f, f.hosts(self.num))
+                    for f in self.ft.faults
+                    if isinstance(f, KillEveryFault)
+                ]
+        elif kind == "step":
+            self.job.records.append({"replica": life.replica, "life": life.life, **body})
+        elif kind == "kill":
+            life.killed_at = body["t"]
+            self.job.faults.append({"kind": "kill", "replica": life.replica, **body})
+            kill = next(
+                (f for f in self.ft.faults if isinstance(f, KillFault) and f.host == life.replica),
+                None,
+            )
+            spare = self.spares.pop(life.replica) if life.replica in self.spares else None
+            if kill is not None and kill.restart_after_s is not None and spare is not None:
+                self.pending[life.replica] = (body["t"] + kill.restart_after_s, spare)
+            else:
+                self.gone.add(life.replica)
+        elif kind == "done":
+            life.result = body
+        elif kind == "error":
+            life.error = body
+
+
+def _current(job: _Job, replica: int) -> _Life:
+    """The latest life of ``replica`` that was launched (not a spare still waiting)."""
+    return [e for e in job.lives if e.replica == replica and e.launched][-1]

@@ -1,0 +1,66 @@
+"""The lighthouse (torchft's quorum server), run by the launcher inside the emulated cluster.
+
+It runs in the launcher's process, on a socket bound to the first emulated host's own address
+(loopback when the network is not emulated), never on every interface. Being a part of the
+launcher, it stops with the job, and with the launcher if that is killed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from commfuse.ft.config import Timeouts
+from commfuse.ft.require import require_torchft
+
+
+@dataclass
+class Lighthouse:
+    """A running lighthouse and the URL its replicas reach it at."""
+
+    server: Any
+    """torchft's ``LighthouseServer``."""
+    url: str
+    """``http://ADDR:PORT``."""
+
+    def shutdown(self) -> None:
+        """Stop serving."""
+        self.server.shutdown()
+
+
+def start_lighthouse(
+    addr: str, *, netns: str | None, timeouts: Timeouts, min_replicas: int
+) -> Lighthouse:
+    """Start a lighthouse on ``addr`` (inside network namespace ``netns`` when given).
+
+    Args:
+        addr: the address to listen on (an emulated host's, or loopback).
+        netns: the namespace that address lives in; None: this process's.
+        timeouts: heartbeat, join and tick intervals (``Timeouts.derive``).
+        min_replicas: the fewest replica groups a quorum may have.
+
+    Returns:
+        The running lighthouse.
+    """
+    require_torchft()
+    from torchft.coordination import LighthouseServer
+
+    def make() -> Any:
+        return LighthouseServer(
+            bind=f"{addr}:0",
+            min_replicas=min_replicas,
+            join_timeout_ms=round(timeouts.join_timeout_s * 1000),
+            quorum_tick_ms=max(1, round(timeouts.quorum_tick_s * 1000)),
+            heartbeat_timeout_ms=round(timeouts.heartbeat_timeout_s * 1000),
+        )
+
+    if netns is None:
+        server = make()
+    else:
+        from commfuse.cluster.netns import call_in_netns
+
+        # The socket is bound inside the namespace and stays there; the server's threads
+        # only accept on it.
+        server = call_in_netns(netns, make)
+    port = int(server.address().rsplit(":", 1)[1])
+    return Lighthouse(server=server, url=f"http://{addr}:{port}")

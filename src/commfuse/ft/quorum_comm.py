@@ -1,0 +1,83 @@
+"""A communicator over the quorum, for commfuse's compressors under torchft.
+
+A compressor (``commfuse.compress``) exchanges its messages through a ``Communicator``:
+``all_reduce`` when the messages can be summed as they are (fp16, int8 with a shared scale,
+PowerSGD's factors), ``all_gather`` when they cannot (top-k's values and indices). Under
+torchft the replica groups meet in the process group that the Manager reconfigures at each
+quorum, which torch.distributed does not know of; ``QuorumComm`` offers those two operations
+(and what a compressor reads: rank, world size, the config) on that group, both built on
+gloo's all-gather (an all-reduce sums the gathered messages in rank order, the same on every
+replica), every wait watching the quorum's alarm (``process_group.py``), and every byte
+counted. Its rank and size are the quorum's, read afresh at every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch._C._distributed_c10d import AllgatherOptions
+
+from commfuse.comm import CommConfig
+from commfuse.ft.process_group import AlarmedProcessGroupGloo
+
+
+class QuorumComm:
+    """The compressors' view of the quorum (see the module docstring).
+
+    Args:
+        process_group: the cross-replica group the Manager drives.
+    """
+
+    name = "torchft-quorum"
+
+    def __init__(self, process_group: AlarmedProcessGroupGloo) -> None:
+        self.process_group = process_group
+        self.config = CommConfig()
+        self.rank = 0
+        """This replica group's rank in the quorum."""
+        self.world_size = 1
+        """Replica groups in the quorum."""
+        self.bytes_sent = 0
+        """Bytes handed to collectives so far."""
+
+    def at_quorum(self, rank: int, world_size: int) -> None:
+        """The quorum of the step about to run."""
+        self.rank, self.world_size = rank, world_size
+
+    @contextlib.contextmanager
+    def at_step(self, step: int) -> Iterator[None]:
+        """Steps are the Manager's to count; nothing to mark."""
+        yield
+
+    def drain(self) -> None:
+        """Every operation here is synchronous: nothing in flight."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        """Sum (or average, ``op="avg"``) ``tensor`` over the quorum, in place: an all-gather,
+        then the sum of the replicas' messages in rank order, so that every replica holds the
+        same bits (gloo's allreduce sums small messages in a different order on each rank, and
+        replicas whose parameters differ in the last bit would drift apart).
+
+        Raises:
+            ValueError: an op other than sum or avg.
+        """
+        if op not in ("sum", "avg"):
+            raise ValueError(f"QuorumComm.all_reduce supports sum and avg, got {op!r}")
+        if self.world_size == 1:
+            return
+        flat = tensor.reshape(-1)
+        gathered = flat.new_empty(self.world_size * flat.numel())
+        self.all_gather(gathered, flat)
+        # In rank order on every replica: the same bits everywhere.
+        torch.sum(gathered.view(self.world_size, -1), dim=0, out=flat)
+        if op == "avg":
+            tensor.div_(self.world_size)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Every replica's ``input`` into ``output``, in quorum rank order."""
+        parts = list(output.chunk(self.world_size))
+        self.bytes_sent += input.numel() * input.element_size()
+        work = self.process_group.allgather([parts], [input], AllgatherOptions())
+        self.process_group.wait(work)

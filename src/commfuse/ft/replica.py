@@ -1,0 +1,311 @@
+"""One replica group's training loop under torchft (here a replica group is one rank).
+
+Every step, in the order torchft's Manager expects:
+
+1. ``manager.start_quorum()``: ask the lighthouse who is alive. When the quorum changed, the
+   Manager reconfigures the cross-replica process group; when this replica is behind (it was
+   restarted or dropped), it first receives the state of a replica at the newest step
+   (``transport.py``) and continues from there;
+2. the step's batch is chosen by the committed step (``manager.current_step()``), the replica
+   group's index and the number of replica groups, so a step that fails is retried on the same
+   data, and a joiner continues where the others are;
+3. forward and backward through torch DDP, whose hook averages the gradients across the
+   quorum (``hook.py``);
+4. ``manager.should_commit()``: every replica group votes; the step is applied (the optimizer
+   steps, the committed step advances) only if no collective of this replica failed. A failed
+   step changes nothing: the survivors retry it with the new quorum.
+
+Each attempt is reported to the launcher as it happens (a killed replica's history survives
+it): the step, whether it committed, the quorum's size, the loss, monotonic times and, after a
+commit, the SHA-256 of the parameters, which the launcher compares across replicas.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import pickle
+import signal
+import time
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore
+from torch.nn.parallel import DistributedDataParallel
+
+from commfuse.compress.base import Compressor
+from commfuse.ft.config import FaultToleranceConfig, KillFault
+from commfuse.ft.hook import FTHookState, ft_allreduce_hook
+from commfuse.ft.require import require_torchft
+from commfuse.train.loop import TrainConfig, params_digest
+from commfuse.train.strategy import CommfuseDPConfig, StrategyConfig, TorchDDPConfig
+from commfuse.train.torch_ddp import bucket_caps
+from commfuse.workloads import make_workload
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicaJob:
+    """What the launcher tells one life of one replica group."""
+
+    train: TrainConfig
+    """The run (workload, steps, seed; the strategy as ``ft_strategy`` accepts it)."""
+    ft: FaultToleranceConfig
+    """Timeouts and faults."""
+    replica: int
+    """This replica group's index (its emulated host)."""
+    num_replicas: int
+    """Replica groups the run starts with (the data is split among them)."""
+    life: int
+    """0 for the first start, 1 after the first restart, ..."""
+    addr: str
+    """This replica's host address (it listens and is reached there)."""
+    store_port: int
+    """Port of this replica group's TCPStore on ``addr``."""
+    lighthouse: str
+    """The lighthouse's URL."""
+
+
+def send(conn: Connection, message: tuple[Any, ...]) -> None:
+    """One message to the launcher (plain data, pickled here: no shared-memory tensors)."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _kill_now(conn: Connection, fault: KillFault, step: int) -> None:
+    """Report the kill time to the launcher, then SIGKILL this replica group's process."""
+    send(conn, ("kill", {"step": step, "t": time.monotonic(), "phase": fault.phase}))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def ft_strategy(strategy: StrategyConfig) -> tuple[TorchDDPConfig, Compressor | None]:
+    """torch DDP's settings and the compressor (if any) of a fault-tolerant run's strategy:
+    ``TorchDDPConfig()`` (``ddp``), or ``CommfuseDPConfig(compressor=...)`` with no other
+    setting (``powersgd:rank=4``, ...), whose compressor then runs inside the hook over the
+    quorum with gloo's own collectives (``algo=native``).
+
+    Raises:
+        ValueError: any other strategy.
+    """
+    if isinstance(strategy, TorchDDPConfig) and strategy.hook == "none":
+        return strategy, None
+    if (
+        isinstance(strategy, CommfuseDPConfig)
+        and strategy.compressor is not None
+        and dataclasses.replace(strategy, compressor=None) == CommfuseDPConfig()
+    ):
+        native = dataclasses.replace(strategy.compressor, algo="native", gather_algo="native")
+        return TorchDDPConfig(), native
+    raise ValueError(
+        "fault-tolerant training runs ddp, or ddp with a commfuse compressor (e.g. "
+        f"powersgd:rank=4, with no engine settings); got {type(strategy).__name__}"
+    )
+
+
+def _lay_out_buckets(
+    ddp: DistributedDataParallel, hook_state: FTHookState, workload: Any, job: ReplicaJob
+) -> None:
+    """One backward without communication or update, so that DDP rebuilds its buckets in
+    gradient order, as its peers' did after their first step: the hook's allreduces pair
+    bucket i with bucket i, which must hold the same parameters on every replica."""
+    hook_state.local = True
+    try:
+        batch = workload.batch(0, job.replica, job.num_replicas, seed=job.train.seed)
+        workload.loss(ddp, batch).backward()
+        ddp.zero_grad(set_to_none=True)
+        # The rebuild happens in the next forward; make it now, outside any step.
+        workload.loss(ddp, batch).backward()
+        ddp.zero_grad(set_to_none=True)
+    finally:
+        hook_state.local = False
+
+
+def _start_quorum(manager: Any) -> None:
+    """``manager.start_quorum()``, asked again for as long as it times out: a replica cut off
+    from the lighthouse (its link down) waits for its link, then rejoins by live recovery.
+    The launcher stops it should the others finish first."""
+    while True:
+        try:
+            manager.start_quorum()
+            return
+        except TimeoutError:
+            # torchft 0.2.0 keeps the failed request and raises its error again at the next
+            # start_quorum; forget it, and ask anew.
+            manager._quorum_future = None
+
+
+def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
+    """Train this replica group until ``job.train.steps`` steps are committed (see the module
+    docstring); returns its final record. The launcher set the environment and network.
+
+    Args:
+        job: the replica group, its life and the run.
+        conn: the launcher's end: "ready" and the per-step records go up, "go" comes down.
+
+    Returns:
+        ``{"replica", "life", "digest", "step", "recovered_bytes", "served_bytes"}``.
+
+    Raises:
+        ValueError: a strategy that ``ft_strategy`` refuses.
+    """
+    require_torchft()
+    from torchft import Manager
+
+    from commfuse.ft.process_group import AlarmedProcessGroupGloo
+    from commfuse.ft.quorum_comm import QuorumComm
+    from commfuse.ft.transport import ChecksummedHTTPTransport
+
+    strategy, compressor = ft_strategy(job.train.strategy)
+    timeouts = job.ft.timeouts
+    op_timeout = timedelta(seconds=timeouts.op_timeout_s)
+    # torch DDP needs a process group: this replica group's own (one rank); the replicas meet
+    # in the Manager's process group, inside the hook.
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    device = torch.device("cpu")
+    workload = make_workload(job.train.workload, device=device)
+    module = workload.build_model(job.train.seed)
+    optimizer = workload.make_optimizer(module)
+    ddp = DistributedDataParallel(
+        module,
+        static_graph=strategy.static_graph,
+        gradient_as_bucket_view=strategy.bucket_view,
+        **bucket_caps(job.train.bucket_cap_mb, strategy.first_bucket_cap_mb),
+    )
+
+    def state_dict() -> dict[str, Any]:
+        return {
+            "model": module.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "compression": compression_state(),
+        }
+
+    def compression_state() -> dict[str, Any]:
+        if hook_state.compressor is None:
+            return {}
+        return {"compressor": hook_state.compressor.state_dict(), "steps": dict(hook_state.steps)}
+
+    def load_compression_state(state: dict[str, Any]) -> None:
+        if hook_state.compressor is not None:
+            hook_state.compressor.load_state_dict(state["compressor"])
+            hook_state.steps = {str(k): int(v) for k, v in state["steps"].items()}
+
+    recovered: list[bool] = []
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        recovered.append(True)
+        module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        load_compression_state(state["compression"])
+
+    process_group = AlarmedProcessGroupGloo(timeout=op_timeout)
+    hook_state = FTHookState(
+        process_group=process_group,
+        compressor=compressor,
+        comm=QuorumComm(process_group) if compressor is not None else None,
+        names={id(p): name for name, p in module.named_parameters()},
+    )
+    ddp.register_comm_hook(hook_state, ft_allreduce_hook)
+    if job.life > 0:
+        _lay_out_buckets(ddp, hook_state, workload, job)
+        # A spare: everything is built; the launcher says when the restart happens.
+        send(conn, ("built", {"replica": job.replica, "life": job.life}))
+        if conn.recv_bytes() != b"start":
+            raise RuntimeError("the launcher did not say start")
+    transport = ChecksummedHTTPTransport(job.addr, timeout=op_timeout)
+    manager = Manager(
+        pg=process_group,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=job.ft.min_replicas,
+        use_async_quorum=False,  # a joiner takes part in the very step it recovered in
+        timeout=op_timeout,
+        quorum_timeout=timedelta(seconds=timeouts.quorum_timeout_s),
+        connect_timeout=op_timeout,
+        rank=0,
+        world_size=1,
+        store_addr=job.addr,
+        store_port=job.store_port,
+        lighthouse_addr=job.lighthouse,
+        replica_id=f"replica_{job.replica:03d}",
+        hostname=job.addr,
+        heartbeat_interval=timedelta(seconds=timeouts.heartbeat_interval_s),
+        quorum_retries=timeouts.quorum_retries,
+        checkpoint_transport=transport,
+        init_sync=False,  # every replica builds the same model from the seed
+    )
+    kills = [f for f in job.ft.faults if isinstance(f, KillFault) and f.host == job.replica]
+    kills = kills if job.life == 0 else []
+    kill = kills[0] if kills else None
+    step_now = -1
+
+    def on_issue(bucket: int) -> None:
+        if kill is not None and kill.phase == "allreduce" and kill.at_step == step_now:
+            _kill_now(conn, kill, step_now)
+
+    hook_state.manager, hook_state.on_issue = manager, on_issue
+    send(conn, ("ready", {"replica": job.replica, "life": job.life}))
+    if conn.recv_bytes() != b"go":
+        raise RuntimeError("the launcher did not say go")
+    try:
+        while manager.current_step() < job.train.steps:
+            t0 = time.monotonic()
+            _start_quorum(manager)
+            t_quorum = time.monotonic()
+            healed = bool(recovered)
+            recovered.clear()
+            step_now = manager.current_step()
+            if hook_state.comm is not None:
+                hook_state.comm.at_quorum(manager.participating_rank() or 0, process_group.size())
+            # A failed step must leave the compressor's state as it found it (error feedback,
+            # factors): some replicas may have updated theirs before the failure, others not.
+            saved = copy.deepcopy(compression_state())
+            if kill is not None and kill.phase == "compute" and kill.at_step == step_now:
+                _kill_now(conn, kill, step_now)
+            batch = workload.batch(step_now, job.replica, job.num_replicas, seed=job.train.seed)
+            optimizer.zero_grad(set_to_none=True)
+            loss = workload.loss(ddp, batch)
+            sent_before = hook_state.bytes_sent
+            loss.backward()  # type: ignore[no-untyped-call]
+            participants = manager.num_participants()
+            t_backward = time.monotonic()
+            committed = manager.should_commit()
+            if committed:
+                optimizer.step()
+            else:
+                load_compression_state(saved)
+            error = manager.errored()
+            send(
+                conn,
+                (
+                    "step",
+                    {
+                        "step": step_now,
+                        "committed": bool(committed),
+                        "participants": participants,
+                        "loss": float(loss.detach()),
+                        "t0": t0,
+                        "t_quorum": t_quorum,
+                        "t_backward": t_backward,
+                        "t": time.monotonic(),
+                        "digest": params_digest(module) if committed else None,
+                        "healed": healed,
+                        "bytes": hook_state.bytes_sent - sent_before,
+                        "error": None if error is None else str(error.original_exception),
+                    },
+                ),
+            )
+        return {
+            "replica": job.replica,
+            "life": job.life,
+            "digest": params_digest(module),
+            "step": manager.current_step(),
+            "recovered_bytes": transport.bytes_received,
+            "served_bytes": transport.bytes_sent,
+        }
+    finally:
+        manager.shutdown(wait=False)
+        transport.shutdown(wait=False)

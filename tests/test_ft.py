@@ -1,0 +1,471 @@
+"""Fault-tolerant data parallelism on torchft (``commfuse.ft``), on the emulated cluster.
+
+The end-to-end runs use the real torchft lighthouse and Managers, real processes, one emulated
+host per replica group, and a real SIGKILL:
+
+* a replica killed while its gradient allreduce is in flight: the survivors commit nothing
+  for that step, commit again within 3 s (the default ``timeout_s`` of 2 s), and hold
+  bit-identical parameters at every later step; the killed replica restarts, receives its
+  state from a peer (checksummed), and its parameter digest equals the others' at every step
+  it commits; each committed step moved exactly one gradient's bytes per replica. Four
+  replicas put one survivor out of the victim's reach in gloo's ring (it waits on a live
+  neighbour that gave up), which only the quorum-wide alarm frees before gloo's timeout;
+* the same with PowerSGD and error feedback: the replicas agree at every step, the joiner
+  receives the residuals too, and every committed step sent exactly PowerSGD's message;
+* a host's link cut for 1 s (shorter than the timeouts) while another host is slowed to
+  50 Mbit/s: the job finishes, the survivors lose nothing, the replicas agree, and the
+  record's data loss is exactly the steps the cut host missed;
+* a run without faults equals the same run on torch DDP without torchft, bit for bit;
+* the launcher SIGKILLed mid-run takes its replicas, its lighthouse (in its process) and the
+  emulated network with it (a replica also stops by itself at its next report to the dead
+  launcher; the watchdog kills one blocked in a collective, and removes the network).
+
+The rest is cheap: the timeouts' derivation, the state transport's checksums, where the
+lighthouse and the transport listen, and that ``import commfuse.ft`` does not import torchft.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import commfuse
+from commfuse.cluster import Topology
+from commfuse.ft import (
+    CutFault,
+    FaultToleranceConfig,
+    KillEveryFault,
+    KillFault,
+    SlowFault,
+    Timeouts,
+    run_fault_tolerant,
+)
+from commfuse.train.loop import TrainConfig
+from commfuse.workloads import CharLMOptions
+
+WORKLOAD = CharLMOptions(dim=32, layers=2, heads=2, seq=16, batch=4)
+#: Buckets of 10 KB: the model's gradient travels in several allreduces.
+BUCKET_CAP_MB = 0.01
+RECOVER_BOUND_S = 3.0
+
+
+def _param_bytes() -> int:
+    from commfuse.workloads import make_workload
+
+    model = make_workload(WORKLOAD, device=torch.device("cpu")).build_model(0)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_kill_in_allreduce_survivors_continue_and_the_restarted_replica_catches_up() -> None:
+    # The restart comes after the survivors went on without the victim (2 s), and the run is
+    # long enough for it to rejoin.
+    kill = KillFault(host=2, at_step=5, phase="allreduce", restart_after_s=3.5)
+    steps = 250
+    record = run_fault_tolerant(
+        TrainConfig(workload=WORKLOAD, steps=steps, evaluate=False, bucket_cap_mb=BUCKET_CAP_MB),
+        FaultToleranceConfig(faults=(kill,), min_replicas=2),
+        Topology(num_hosts=4, link_mbit=1000),
+        timeout_s=200,
+    )
+    records: list[dict[str, Any]] = record["records"]
+    (event,) = record["events"]
+    assert (event["host"], event["step"], event["phase"]) == (2, 5, "allreduce")
+    kill_t = event["t"]
+    survivors = [r for r in records if r["replica"] != 2]
+    # The step in flight at the kill committed nowhere: every survivor's first attempt failed.
+    first_tries: dict[int, dict[str, Any]] = {}
+    for r in sorted(survivors, key=lambda r: r["t"]):
+        if r["step"] == 5:
+            first_tries.setdefault(r["replica"], r)
+    assert all(not r["committed"] for r in first_tries.values()), first_tries
+    assert len(first_tries) == 3
+    # ... and every survivor committed it again, within the bound.
+    assert event["recover_s"] is not None and event["recover_s"] <= RECOVER_BOUND_S, event
+    for replica in (0, 1, 3):
+        (again,) = [
+            r for r in survivors if r["replica"] == replica and r["committed"] and r["step"] == 5
+        ]
+        assert again["t"] - kill_t <= RECOVER_BOUND_S + 0.5
+        assert again["participants"] == 3  # without the victim
+    # The killed replica came back, recovered from a peer, and agrees at every step it commits.
+    rejoined = [r for r in records if r["replica"] == 2 and r["life"] == 1]
+    assert rejoined and rejoined[0]["healed"], rejoined[:1]
+    assert record["recovered_bytes"] > _param_bytes()
+    by_step: dict[int, set[str]] = {}
+    for r in records:
+        if r["committed"]:
+            by_step.setdefault(r["step"], set()).add(r["digest"])
+    assert all(len(d) == 1 for d in by_step.values()), by_step
+    assert sorted(by_step) == list(range(steps))
+    assert event["rejoin_step"] > 5
+    rejoined_steps = {r["step"] for r in rejoined if r["committed"]}
+    assert rejoined_steps == set(range(event["rejoin_step"], steps))
+    assert record["step_digests_agree"] and record["replicas_agree"]
+    assert record["committed_steps"] == steps
+    assert record["discarded_steps"] == 3  # the three survivors' failed step 5
+    # What was communicated: each committed attempt allreduced the whole gradient once.
+    assert {r["bytes"] for r in records if r["committed"]} == {_param_bytes()}
+    # Data: the killed replica's batches of the steps it missed are the only ones lost.
+    missed = event["rejoin_step"] - 5
+    assert record["batches_lost"] == missed
+    assert record["samples_lost"] == missed * WORKLOAD.batch
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_compressed_replicas_agree_through_a_kill_and_the_joiner_gets_the_error_feedback() -> None:
+    from commfuse.compress import PowerSGD
+    from commfuse.train.strategy import CommfuseDPConfig
+
+    compressor = PowerSGD(rank=2, ef=True, warmup=2)
+    kill = KillFault(host=1, at_step=4, restart_after_s=0.5)
+    record = run_fault_tolerant(
+        TrainConfig(
+            workload=WORKLOAD,
+            strategy=CommfuseDPConfig(compressor=compressor),
+            steps=10,
+            evaluate=False,
+        ),
+        FaultToleranceConfig(faults=(kill,), min_replicas=2),
+        Topology(num_hosts=3, link_mbit=1000),
+        timeout_s=200,
+    )
+    records: list[dict[str, Any]] = record["records"]
+    # Every replica applies the same bits: QuorumComm sums the factors in rank order.
+    assert record["step_digests_agree"] and record["replicas_agree"], record["per_replica"]
+    assert record["committed_steps"] == 10 and record["discarded_steps"] == 2
+    rejoined = [r for r in records if r["replica"] == 1 and r["life"] == 1]
+    assert rejoined and rejoined[0]["healed"] and rejoined[0]["committed"]
+    # The joiner received the model, AdamW's two moments and PowerSGD's error-feedback
+    # residual of every parameter (fp32 each), checksummed tensor by tensor.
+    assert record["recovered_bytes"] > 4 * _param_bytes()
+    # What was communicated, per committed step: the whole gradient during the warm-up, then
+    # PowerSGD's message of every parameter (compressor.payload_bytes, parameter by parameter).
+    compressed = _powersgd_payload(compressor)
+    for r in (r for r in records if r["committed"]):
+        assert r["bytes"] == (_param_bytes() if r["step"] < 2 else compressed), r
+
+
+def _powersgd_payload(compressor: Any) -> int:
+    from commfuse.compress.layout import BucketLayout
+    from commfuse.workloads import make_workload
+
+    model = make_workload(WORKLOAD, device=torch.device("cpu")).build_model(0)
+    total = 0
+    for i, (name, p) in enumerate(model.named_parameters()):
+        compressor.set_layout(i, BucketLayout(names=(name,), shapes=(p.shape,)))
+        total += compressor.payload_bytes(p.numel(), p.dtype, 3, bucket=i)
+    assert 0 < total < _param_bytes() // 4
+    return int(total)
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_cut_link_and_a_slow_host_cost_the_survivors_nothing() -> None:
+    # Early in a run long enough (at least a second of steps) for the cut to land inside it.
+    cut = CutFault(host=1, at_s=0.2, for_s=1.0)
+    slow = SlowFault(host=2, link_mbit=50)  # a straggler from the start, on top
+    steps = 150
+    record = run_fault_tolerant(
+        TrainConfig(workload=WORKLOAD, steps=steps, evaluate=False),
+        FaultToleranceConfig(faults=(cut, slow), min_replicas=2),
+        Topology(num_hosts=3, link_mbit=1000),
+        timeout_s=200,
+    )
+    slowed, event = sorted(record["events"], key=lambda e: e["t"])
+    assert (slowed["kind"], slowed["host"]) == ("slow", 2)
+    assert event["kind"] == "cut" and event["host"] == 1 and event["step"] is not None
+    # Down 1 s, less than the lighthouse's 2 s and gloo's 10 s: TCP delivers what was held up
+    # once the link is back, and the step in flight completes. But the cut host's quorum
+    # request may come back later than the lighthouse waits for stragglers (TCP backs off):
+    # then the others go on without it for a step or two, and it rejoins by recovery. Either
+    # way the survivors lose nothing, and the record's loss is exactly the cut host's.
+    per = {p["replica"]: p for p in record["per_replica"]}
+    assert per[0]["committed"] == per[2]["committed"] == steps
+    lost = steps - per[1]["committed"]
+    assert record["batches_lost"] == lost and record["samples_lost"] == lost * WORKLOAD.batch
+    assert lost == 0 or per[1]["recovered"] >= 1
+    assert event["recover_s"] is not None
+    assert record["committed_steps"] == steps and record["step_digests_agree"]
+    assert record["replicas_agree"]
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_fault_free_run_equals_torch_ddp_bit_for_bit() -> None:
+    from commfuse.train.runner import run_training
+
+    config = TrainConfig(workload=WORKLOAD, steps=6, evaluate=False, bucket_cap_mb=BUCKET_CAP_MB)
+    topology = Topology(num_hosts=2, link_mbit=1000)
+    ft = run_fault_tolerant(config, FaultToleranceConfig(), topology, timeout_s=200)
+    plain = run_training(config, topology, progress=False, timeout_s=200)
+    assert ft["digest"] == plain["digest"]
+    assert ft["discarded_steps"] == 0 and ft["events"] == [] and ft["batches_lost"] == 0
+    records = sorted(ft["records"], key=lambda r: r["replica"])
+    losses = [statistics.fmean(r["loss"] for r in records if r["step"] == s) for s in range(6)]
+    # torch DDP's record smooths its loss curve; its per-step mean is the curve's first point.
+    assert losses[0] == plain["loss_curve"][0]
+
+
+@pytest.mark.netlab
+@pytest.mark.timeout(120)
+def test_netlab_cuts_and_slows_one_host_link() -> None:
+    from commfuse.cluster.netlab import Netlab, run_cmd
+
+    with Netlab(Topology(num_hosts=2, link_mbit=1000)) as lab:
+        lab.set_rate(1, 10)
+        inside = run_cmd(f"tc -n {lab.namespace(1)} qdisc show dev {lab.ifname(1)}").stdout
+        outside = run_cmd(f"tc qdisc show dev {lab.peer(1)}").stdout
+        other = run_cmd(f"tc qdisc show dev {lab.peer(0)}").stdout
+        assert "rate 10Mbit" in inside and "rate 10Mbit" in outside, (inside, outside)
+        assert "rate 1Gbit" in other
+        lab.set_link(1, up=False)
+        assert "state DOWN" in run_cmd(f"ip link show {lab.peer(1)}").stdout
+        lab.set_link(1, up=True)
+        assert "state DOWN" not in run_cmd(f"ip link show {lab.peer(1)}").stdout
+        # The shaping outlives the cut.
+        assert "rate 10Mbit" in run_cmd(f"tc qdisc show dev {lab.peer(1)}").stdout
+
+
+def _children(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc's parent links)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            parents.setdefault(ppid, []).append(int(entry))
+    found, frontier = [], [pid]
+    while frontier:
+        for child in parents.get(frontier.pop(), []):
+            found.append(child)
+            frontier.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+LAUNCHER = """
+from commfuse.cluster import Topology
+from commfuse.ft import FaultToleranceConfig, run_fault_tolerant
+from commfuse.train.loop import TrainConfig
+from commfuse.workloads import CharLMOptions
+if __name__ == "__main__":
+    config = TrainConfig(workload=CharLMOptions(dim=32, layers=1, heads=2, seq=16, batch=4),
+                         steps=10**7, evaluate=False)
+    run_fault_tolerant(config, FaultToleranceConfig(), Topology(num_hosts=2, link_mbit=1000),
+                       log_dir={log!r})
+"""
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_launcher_killed_takes_its_replicas_lighthouse_and_network_with_it(
+    tmp_path: Path,
+) -> None:
+    from commfuse.cluster.netlab import list_labs
+
+    before = {lab["lab_id"] for lab in list_labs()}
+    script = tmp_path / "launch_ft.py"
+    script.write_text(LAUNCHER.format(log=str(tmp_path)))
+    src = str(Path(commfuse.__file__).resolve().parents[1])
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": src},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        # Training: both replicas are in their hosts' namespaces, holding their Managers.
+        deadline = time.monotonic() + 120
+        replicas: list[int] = []
+        while time.monotonic() < deadline and len(replicas) < 2:
+            time.sleep(0.5)
+            own = os.readlink("/proc/self/ns/net")
+            replicas = []
+            for pid in _children(proc.pid):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/ns/net") != own:
+                        replicas.append(pid)
+        assert len(replicas) >= 2, "the replicas did not start"
+        time.sleep(1.0)  # past the first quorum: the lighthouse is serving
+        labs = {lab["lab_id"] for lab in list_labs()} - before
+        everything = _children(proc.pid)
+        proc.kill()
+        assert proc.wait(timeout=15) == -signal.SIGKILL
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(p) for p in everything):
+            time.sleep(0.2)
+        assert not [p for p in everything if _alive(p)]
+        while time.monotonic() < deadline and labs & {lab["lab_id"] for lab in list_labs()}:
+            time.sleep(0.2)
+        assert not labs & {lab["lab_id"] for lab in list_labs()}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_timeouts_derive_from_one_setting() -> None:
+    t = Timeouts.derive(2.0)
+    assert t.heartbeat_timeout_s == t.join_timeout_s == 2.0
+    assert t.heartbeat_interval_s == 0.1
+    assert t.op_timeout_s == 10.0 and t.quorum_timeout_s > t.op_timeout_s
+    assert FaultToleranceConfig().timeouts == t
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        FaultToleranceConfig(timeout_s=0)
+    with pytest.raises(ValueError, match="min_replicas 5 is more than the 4"):
+        FaultToleranceConfig(min_replicas=5).check_hosts(4)
+    with pytest.raises(ValueError, match="fault on host 4"):
+        FaultToleranceConfig(faults=(KillFault(host=4, at_step=1),)).check_hosts(4)
+    with pytest.raises(ValueError, match="at most one kill per host"):
+        FaultToleranceConfig(faults=(KillFault(host=1, at_step=1), KillFault(host=1, at_step=5)))
+    with pytest.raises(ValueError, match="phase must be"):
+        KillFault(host=0, at_step=1, phase="later")  # type: ignore[arg-type]
+
+
+def test_chaos_specs_parse_into_faults_and_periodic_kills_follow_the_seed() -> None:
+    from itertools import islice
+
+    from commfuse.cli.spec import fault_from_spec
+
+    assert fault_from_spec("kill:host=2,at_step=15,restart_after_s=5") == KillFault(
+        host=2, at_step=15, restart_after_s=5.0
+    )
+    assert fault_from_spec("kill:host=0,at_step=3,restart_after_s=none,phase=compute") == (
+        KillFault(host=0, at_step=3, restart_after_s=None, phase="compute")
+    )
+    assert fault_from_spec("cut:host=1,at_s=20,for_s=5") == CutFault(host=1, at_s=20, for_s=5)
+    assert fault_from_spec("slow:host=3,link_mbit=10mbit") == SlowFault(host=3, link_mbit=10)
+    every = fault_from_spec("kill-every:every_s=30,seed=7")
+    assert every == KillEveryFault(every_s=30, seed=7)
+    assert isinstance(every, KillEveryFault)
+    first = list(islice(every.hosts(4), 8))
+    assert first == list(islice(KillEveryFault(every_s=1, seed=7).hosts(4), 8))
+    assert first != list(islice(KillEveryFault(every_s=1, seed=8).hosts(4), 8))
+    assert set(first) <= set(range(4))
+    with pytest.raises(ValueError, match="unknown fault 'flood'; known: kill, cut, slow"):
+        fault_from_spec("flood:host=1")
+    with pytest.raises(ValueError, match="unknown key 'link'"):
+        fault_from_spec("slow:host=3,link=10mbit")
+
+
+def test_state_transport_checks_every_tensor() -> None:
+    from commfuse.ft.transport import ChecksumError, pack_state, unpack_state
+
+    state: dict[str, Any] = {
+        "model": {"w": torch.arange(6.0)},
+        "opt": [{"step": torch.tensor(3)}],
+        "n": 7,
+    }
+    back = unpack_state(pack_state(state))
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["n"] == 7
+    blob = bytearray(pack_state(state))
+    # Corrupt one float of "w" in the blob (its bytes are stored raw): the digest catches it.
+    raw = torch.arange(6.0).numpy().tobytes()
+    at = bytes(blob).find(raw)
+    assert at >= 0
+    blob[at + 4] ^= 0xFF
+    with pytest.raises(ChecksumError, match="differ"):
+        unpack_state(bytes(blob))
+    # Nothing but tensors and plain containers is loaded.
+    buffer = io.BytesIO()
+    torch.save({"state": timedelta(seconds=1), "sha256": {}}, buffer)
+    with pytest.raises(Exception, match=r"weights_only|Unsupported global"):
+        unpack_state(buffer.getvalue())
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) listening on ``port`` here."""
+    found = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hexport = local.rsplit(":", 1)
+            if state == "0A" and int(hexport, 16) == port:
+                found.append(addr)
+    return found
+
+
+def test_lighthouse_and_state_server_listen_on_their_address_only() -> None:
+    from commfuse.ft.lighthouse import start_lighthouse
+    from commfuse.ft.transport import ChecksummedHTTPTransport
+
+    lighthouse = start_lighthouse(
+        "127.0.0.1", netns=None, timeouts=Timeouts.derive(2.0), min_replicas=1
+    )
+    transport = ChecksummedHTTPTransport("127.0.0.1", timeout=timedelta(seconds=5))
+    try:
+        assert lighthouse.url.startswith("http://127.0.0.1:")
+        assert _listening(int(lighthouse.url.rsplit(":", 1)[1])) == ["0100007F"]
+        assert transport.metadata().startswith("http://127.0.0.1:")
+        port = int(transport.metadata().split(":")[2].split("/")[0])
+        assert _listening(port) == ["0100007F"]
+    finally:
+        transport.shutdown()
+        lighthouse.shutdown()
+
+
+def test_import_and_help_leave_torchft_unimported() -> None:
+    src = str(Path(commfuse.__file__).resolve().parents[1])
+    code = (
+        "import sys, contextlib, io\n"
+        "import commfuse, commfuse.ft\n"
+        "from commfuse.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        "        main(['train', '--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torchft', 'torch'}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": src},
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_missing_torchft_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from commfuse.ft.require import require_torchft
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name)
+    )
+    with pytest.raises(ImportError, match=r"pip install 'commfuse\[ft\]'"):
+        require_torchft()
