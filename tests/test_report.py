@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from commfuse.cli import main
-from commfuse.cli.report import kind_of, render_result, report, update_report
+from commfuse.cli.report import control_line, kind_of, render_result, report, update_report
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 RESULTS = sorted(BENCH.glob("*.json"))
@@ -101,6 +101,23 @@ def test_update_rewrites_only_the_table(tmp_path: Path) -> None:
     assert update_report(tmp_path / source.name) is True
     assert (tmp_path / source.with_suffix(".md").name).read_text() == text
     assert update_report(tmp_path / source.name) is False
+
+
+def test_update_keeps_what_follows_the_table_and_writes_the_control_line(tmp_path: Path) -> None:
+    source = next(p for p in RESULTS if '"control_ratio": 0.' in p.read_text())
+    data = json.loads(source.read_text())
+    table = render_result(data, markdown=True)
+    note = control_line(data)
+    assert note is not None
+    by_hand = "A/A control by hand: a paragraph that reads the control.\n\nMore words.\n"
+    stale = f"# t\n\n## Results\n\n| old |\n|-----|\n|   1 |\n\n{by_hand}\n## Reading it\n"
+    (tmp_path / source.name).write_text(source.read_text())
+    report_md = tmp_path / source.with_suffix(".md").name
+    report_md.write_text(stale)
+    assert update_report(tmp_path / source.name) is True
+    expected = f"# t\n\n## Results\n\n{table}\n\n{note}\n\n{by_hand}\n## Reading it\n"
+    assert report_md.read_text() == expected
+    assert update_report(tmp_path / source.name) is False  # its own output is up to date
 
 
 def test_update_needs_a_report_beside_the_json(tmp_path: Path) -> None:

@@ -338,13 +338,19 @@ def report(paths: Sequence[str | Path], *, markdown: bool = False) -> str:
     return "\n\n".join(parts)
 
 
-#: The table of a report ``X.md`` beside ``X.json``: after ``## Results``, up to the plot or
-#: the next section (``benchmarks/README.md`` describes the layout).
-_RESULTS_BLOCK = re.compile(r"(## Results\n\n)(.*?)(\n\n(?:!\[|## ))", re.DOTALL)
+#: The table of a report ``X.md`` beside ``X.json``: the Markdown table right after
+#: ``## Results`` and the A/A control's line under it as ``control_line`` writes it, if any (``benchmarks/README.md``
+#: describes the layout); what follows them (a plot, a paragraph, the next section) stays.
+_RESULTS_BLOCK = re.compile(
+    r"(## Results\n\n)((?:\|[^\n]*(?:\n|$))+"
+    # the lines render_result and control_line print under a table, nothing written by hand
+    r"(?:\n(?:held-out configurations: |A/A control \(the baseline )[^\n]*(?:\n|$))*)"
+)
 
 
 def update_report(path: str | Path) -> bool:
-    """Rewrite the table in the report beside the result JSON ``path`` from that JSON.
+    """Rewrite the table in the report beside the result JSON ``path`` from that JSON, with
+    the A/A control's line under it where the run had one; the rest of the report stays.
 
     Returns:
         Whether the report changed.
@@ -360,8 +366,12 @@ def update_report(path: str | Path) -> bool:
     match = _RESULTS_BLOCK.search(text)
     if match is None:
         raise ValueError(f"{report_path}: no '## Results' table to update")
-    table = render_result(json.loads(Path(path).read_text()), markdown=True)
-    updated = text[: match.start(2)] + table + text[match.end(2) :]
+    data = json.loads(Path(path).read_text())
+    block = render_result(data, markdown=True) + "\n"
+    note = control_line(data)
+    if note:
+        block += "\n" + note + "\n"
+    updated = text[: match.start(2)] + block + text[match.end(2) :]
     if updated != text:
         report_path.write_text(updated)
     return updated != text
