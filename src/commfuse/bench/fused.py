@@ -173,6 +173,9 @@ class FusedForms:
     """The operator's own chunk choice (measures and may fall back to 1), if it has one."""
     by_table: Callable[[], torch.Tensor] | None = None
     """The operator by table (the embedding exchange's schedule), if it has one."""
+    alternatives: dict[str, Callable[[], torch.Tensor]] = dataclasses.field(default_factory=dict)
+    """Other fused schedules, timed in the same rounds as the chosen one and reported beside
+    it (``alternatives`` of the record), by name."""
 
     def fused_at(self, chunks: ChunkSchedule) -> Callable[[], torch.Tensor]:
         """The fused form with ``chunks`` (a count, or by table where the operator has it)."""
@@ -191,6 +194,22 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     w = torch.randint(-2, 3, (out_features, shard), generator=gen, device="cpu").float()
     w = w.to(comm.device)
     buf = torch.zeros(rows, out_features, device=comm.device)
+    alternatives: dict[str, Callable[[], torch.Tensor]] = {}
+    if rows >= comm.world_size:  # the row path's schedules (a GEMV has one)
+        world, local = comm.world_size, comm.config.ranks_per_host or 1
+        alternatives[f"ring k={world}"] = functools.partial(
+            gar.gemm_all_reduce, comm, x, w, chunks=world, schedule="ring"
+        )
+        for level in sorted({1, local}):
+            alternatives[f"blocks k={gar.BLOCK_CHUNKS} L={level}"] = functools.partial(
+                gar.gemm_all_reduce,
+                comm,
+                x,
+                w,
+                chunks=gar.BLOCK_CHUNKS,
+                schedule="blocks",
+                ranks_per_host=level,
+            )
     return FusedForms(
         compute=lambda: torch.matmul(x, w.t()),
         comm=lambda: comm.all_reduce(buf),
@@ -198,6 +217,7 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
         fused=lambda k: gar.gemm_all_reduce(comm, x, w, chunks=k),
         max_chunks=16,
         choose=lambda: gar.choose_chunks_for(comm, x, w, ChunkConfig(max_chunks=16)),
+        alternatives=alternatives,
     )
 
 
@@ -319,6 +339,8 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             fused = forms.fused_at(chunks)
             for _ in range(config.warmup):
                 _timed(comm, fused)
+                for alternative in forms.alternatives.values():
+                    _timed(comm, alternative)
             cases = {
                 c.name: c
                 for c in (
@@ -330,6 +352,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                         name="overlap",
                         call=functools.partial(run_together, forms.compute, forms.comm),
                     ),
+                    *(Case(name=f"fused[{n}]", call=fn) for n, fn in forms.alternatives.items()),
                 )
             }
             # Balanced orders, not a fixed one: with a fixed order, identical code timed as U and
@@ -355,7 +378,20 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 control=schedule.control_variant,
                 paired=False,  # the ratios below are of the medians
             )
-            c, m, u, f, o = (summary.medians[name] for name in cases)
+            c, m, u, f, o = (
+                summary.medians[name] for name in ("compute", "comm", "unfused", "fused", "overlap")
+            )
+            alternatives = {}
+            for name, fn in forms.alternatives.items():
+                us = summary.medians[f"fused[{name}]"]
+                same = torch.tensor([int((fn() != forms.unfused()).sum())], device=comm.device)
+                comm.all_reduce(same)
+                alternatives[name] = {
+                    "us": us,
+                    "vs_unfused": us / u,
+                    "vs_overlap": us / o,
+                    "wrong": int(same),
+                }
             ideal = max(c, m)
             records.append(
                 {
@@ -392,6 +428,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                     "tie": summary.is_tie(f / u),
                     "c_over_m": c / m if m else float("inf"),
                     "wrong": int(wrong),
+                    "alternatives": alternatives,
                     "iters": config.iters,
                 }
             )
