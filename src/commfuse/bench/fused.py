@@ -200,6 +200,12 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
         alternatives[f"ring k={world}"] = functools.partial(
             gar.gemm_all_reduce, comm, x, w, chunks=world, schedule="ring"
         )
+        if 1 < local < world:
+            # The unfused GEMM with commfuse's two-level all-reduce: what the two levels alone
+            # save, without overlap.
+            alternatives["unfused hierarchical"] = functools.partial(
+                _gemm_then_hierarchical, comm, x, w, local
+            )
         for level in sorted({1, local}):
             alternatives[f"blocks k={gar.BLOCK_CHUNKS} L={level}"] = functools.partial(
                 gar.gemm_all_reduce,
@@ -219,6 +225,16 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
         choose=lambda: gar.choose_chunks_for(comm, x, w, ChunkConfig(max_chunks=16)),
         alternatives=alternatives,
     )
+
+
+def _gemm_then_hierarchical(
+    comm: Communicator, x: torch.Tensor, w: torch.Tensor, ranks_per_host: int
+) -> torch.Tensor:
+    from commfuse.collectives import all_reduce
+
+    out = torch.matmul(x, w.t())
+    all_reduce(comm, out, "sum", algo="hierarchical", ranks_per_host=ranks_per_host)
+    return out
 
 
 def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
