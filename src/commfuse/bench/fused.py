@@ -15,7 +15,11 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
   veth pairs, the bridge and tbf, gloo adds and copies), so on a machine whose cores the ranks
   fill, a GEMM with an allreduce beside it takes longer than the GEMM alone, and ``overlap``
   lies above ``max(C, M)``. ``fused/overlap`` near 1 means the pipeline hides all the machine
-  lets it hide.
+  lets it hide;
+* ``fused[NAME]``: an operator's other schedules (GEMM + AllReduce's ring and row blocks, one
+  and two levels, and on two-level layouts the unfused GEMM with commfuse's hierarchical
+  all-reduce), timed in the same rounds; each is a row of its own, ``op[NAME]``, beside the
+  chosen one.
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
 prediction and the ratios fused/unfused, fused/ideal and fused/overlap (of the medians), plus
@@ -174,8 +178,9 @@ class FusedForms:
     by_table: Callable[[], torch.Tensor] | None = None
     """The operator by table (the embedding exchange's schedule), if it has one."""
     alternatives: dict[str, Callable[[], torch.Tensor]] = dataclasses.field(default_factory=dict)
-    """Other fused schedules, timed in the same rounds as the chosen one and reported beside
-    it (``alternatives`` of the record), by name."""
+    """Other schedules, by name, timed in the same rounds as the chosen one; each gets a row
+    of its own (op ``"op[name]"``) sharing the chosen row's C, M, unfused, overlap and
+    control."""
 
     def fused_at(self, chunks: ChunkSchedule) -> Callable[[], torch.Tensor]:
         """The fused form with ``chunks`` (a count, or by table where the operator has it)."""
@@ -397,57 +402,61 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             c, m, u, f, o = (
                 summary.medians[name] for name in ("compute", "comm", "unfused", "fused", "overlap")
             )
-            alternatives = {}
-            for name, fn in forms.alternatives.items():
-                us = summary.medians[f"fused[{name}]"]
-                same = torch.tensor([int((fn() != forms.unfused()).sum())], device=comm.device)
-                comm.all_reduce(same)
-                alternatives[name] = {
-                    "us": us,
-                    "vs_unfused": us / u,
-                    "vs_overlap": us / o,
-                    "wrong": int(same),
-                }
             ideal = max(c, m)
-            records.append(
-                {
-                    "op": op,
-                    "shape": list(shape),
-                    "world_size": comm.world_size,
-                    "hosts": topology.num_hosts,
-                    "ranks_per_host": topology.ranks_per_host,
-                    "link_mbit": topology.link_mbit,
-                    "emulated": config.emulated,
-                    "chunks": chunks,
-                    "compute_us": c,
-                    "comm_us": m,
-                    "unfused_us": u,
-                    "fused_us": f,
-                    "ideal_us": ideal,
-                    "overlap_us": o,
-                    # The model counts pieces of rows; a by-table schedule has none.
-                    "predicted_us": (
-                        predict_us(c, m, chunks, float(agreed[2]))
-                        if isinstance(chunks, int)
-                        else None
-                    ),
-                    "overhead_us": float(agreed[2]),
-                    "fused_vs_unfused": f / u,
-                    "fused_vs_ideal": f / ideal,
-                    "fused_vs_overlap": f / o,
-                    **summary.as_dict(),
-                    "unfused_control_us": (
-                        summary.medians[schedule.control_variant]
-                        if schedule.control_variant
-                        else None
-                    ),
-                    "tie": summary.is_tie(f / u),
-                    "c_over_m": c / m if m else float("inf"),
-                    "wrong": int(wrong),
-                    "alternatives": alternatives,
-                    "iters": config.iters,
-                }
-            )
+            record: dict[str, Any] = {
+                "op": op,
+                "shape": list(shape),
+                "world_size": comm.world_size,
+                "hosts": topology.num_hosts,
+                "ranks_per_host": topology.ranks_per_host,
+                "link_mbit": topology.link_mbit,
+                "emulated": config.emulated,
+                "chunks": chunks,
+                "compute_us": c,
+                "comm_us": m,
+                "unfused_us": u,
+                "fused_us": f,
+                "ideal_us": ideal,
+                "overlap_us": o,
+                # The model counts pieces of rows; a by-table schedule has none.
+                "predicted_us": (
+                    predict_us(c, m, chunks, float(agreed[2])) if isinstance(chunks, int) else None
+                ),
+                "overhead_us": float(agreed[2]),
+                "fused_vs_unfused": f / u,
+                "fused_vs_ideal": f / ideal,
+                "fused_vs_overlap": f / o,
+                **summary.as_dict(),
+                "unfused_control_us": (
+                    summary.medians[schedule.control_variant] if schedule.control_variant else None
+                ),
+                "tie": summary.is_tie(f / u),
+                "c_over_m": c / m if m else float("inf"),
+                "wrong": int(wrong),
+                "iters": config.iters,
+            }
+            records.append(record)
+            for name, fn in forms.alternatives.items():
+                # One row per other schedule: its own fused time and wrong count, the rest
+                # (C, M, unfused, overlap, control) of the same rounds.
+                a = summary.medians[f"fused[{name}]"]
+                bad = torch.tensor([int((fn() != forms.unfused()).sum())], device=comm.device)
+                comm.all_reduce(bad)
+                records.append(
+                    {
+                        **record,
+                        "op": f"{op}[{name}]",
+                        "schedule_of": op,
+                        "chunks": "-",  # in the name
+                        "fused_us": a,
+                        "predicted_us": None,
+                        "fused_vs_unfused": a / u,
+                        "fused_vs_ideal": a / ideal,
+                        "fused_vs_overlap": a / o,
+                        "tie": summary.is_tie(a / u),
+                        "wrong": int(bad),
+                    }
+                )
     return records
 
 
