@@ -41,6 +41,24 @@ def test_bench_records(pool: PoolFn) -> None:
         assert r["overlap_us"] > 0
 
 
+def test_gemm_all_reduce_schedules_get_rows_of_their_own(pool: PoolFn) -> None:
+    """Where the operator chooses, its other row schedules are timed in the same rounds, each a
+    row sharing the chosen row's C, M, unfused and overlap, with its own result checked."""
+    config = FusedBenchConfig(ops=("gemm_all_reduce",), iters=2, warmup=1, shapes=((32, 16, 8),))
+    records = pool(2).run(bench_fused_on_rank, config, timeout_s=120)[0]
+    assert [r["op"] for r in records] == [
+        "gemm_all_reduce",
+        "gemm_all_reduce[ring k=2]",
+        "gemm_all_reduce[blocks k=2 L=1]",
+    ]
+    chosen = records[0]
+    for r in records[1:]:
+        assert r["schedule_of"] == "gemm_all_reduce" and r["wrong"] == 0
+        for key in ("compute_us", "comm_us", "unfused_us", "overlap_us"):
+            assert r[key] == chosen[key]
+        assert r["fused_vs_overlap"] == pytest.approx(r["fused_us"] / r["overlap_us"])
+
+
 def test_run_together_runs_both_and_raises_the_collectives_error() -> None:
     ran: list[str] = []
     run_together(lambda: ran.append("compute"), lambda: ran.append("collective"))

@@ -19,7 +19,7 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
 * ``fused[NAME]``: an operator's other schedules (GEMM + AllReduce's ring and row blocks, one
   and two levels, and on two-level layouts the unfused GEMM with commfuse's hierarchical
   all-reduce), timed in the same rounds; each is a row of its own, ``op[NAME]``, beside the
-  chosen one.
+  chosen one (only where the operator chooses: ``--chunks`` times the one it fixes).
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
 prediction and the ratios fused/unfused, fused/ideal and fused/overlap (of the medians), plus
@@ -211,7 +211,7 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
             alternatives["unfused hierarchical"] = functools.partial(
                 _gemm_then_hierarchical, comm, x, w, local
             )
-        for level in sorted({1, local}):
+        for level in sorted({1, local if 1 < local < world else 1}):
             alternatives[f"blocks k={gar.BLOCK_CHUNKS} L={level}"] = functools.partial(
                 gar.gemm_all_reduce,
                 comm,
@@ -358,6 +358,8 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 )
             )
             fused = forms.fused_at(chunks)
+            if fixed is not None:  # the caller chose the schedule: time that one alone
+                forms.alternatives.clear()
             for _ in range(config.warmup):
                 _timed(comm, fused)
                 for alternative in forms.alternatives.values():
