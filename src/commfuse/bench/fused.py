@@ -19,7 +19,10 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
 * ``fused[NAME]``: an operator's other schedules (GEMM + AllReduce's ring and row blocks, one
   and two levels, and on two-level layouts the unfused GEMM with commfuse's hierarchical
   all-reduce), timed in the same rounds; each is a row of its own, ``op[NAME]``, beside the
-  chosen one (only where the operator chooses: ``--chunks`` times the one it fixes).
+  chosen one (only where the operator chooses: ``--chunks`` times the one it fixes);
+* ``stage:NAME`` (the MoE step): parts of the step timed alone, from which the
+  **dependency-aware bound** (``fused/dep``) is computed where the step's dependencies allow
+  less overlap than ``overlap`` assumes (``bench/fused_moe.py``).
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
 prediction and the ratios fused/unfused, fused/ideal and fused/overlap (of the medians), plus
@@ -177,6 +180,12 @@ class FusedForms:
     """The operator's own chunk choice (measures and may fall back to 1), if it has one."""
     by_table: Callable[[], torch.Tensor] | None = None
     """The operator by table (the embedding exchange's schedule), if it has one."""
+    stages: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
+    """Parts of the operator timed alone in the same rounds (``stage:NAME``), by name: the
+    inputs of ``bound``."""
+    bound: Callable[[dict[str, float]], float] | None = None
+    """The dependency-aware bound from the medians of ``compute``, ``comm`` and the stages
+    (by name), where the operator's dependencies let less overlap than perfect overlap does."""
     alternatives: dict[str, Callable[[], torch.Tensor]] = dataclasses.field(default_factory=dict)
     """Other schedules, by name, timed in the same rounds as the chosen one; each gets a row
     of its own (op ``"op[name]"``) sharing the chosen row's C, M, unfused, overlap and
@@ -382,6 +391,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                         call=functools.partial(run_together, forms.compute, forms.comm),
                     ),
                     *(Case(name=f"fused[{n}]", call=fn) for n, fn in forms.alternatives.items()),
+                    *(Case(name=f"stage:{n}", call=fn) for n, fn in forms.stages.items()),
                 )
             }
             # Balanced orders, not a fixed one: with a fixed order, identical code timed as U and
@@ -411,6 +421,10 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 summary.medians[name] for name in ("compute", "comm", "unfused", "fused", "overlap")
             )
             ideal = max(c, m)
+            bound = None
+            if forms.bound is not None:
+                parts = {n: summary.medians[f"stage:{n}"] for n in forms.stages}
+                bound = forms.bound({"compute": c, "comm": m, **parts})
             record: dict[str, Any] = {
                 "op": op,
                 "shape": list(shape),
@@ -434,6 +448,8 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 "fused_vs_unfused": f / u,
                 "fused_vs_ideal": f / ideal,
                 "fused_vs_overlap": f / o,
+                "dependency_bound_us": bound,
+                "fused_vs_dependency_bound": f / bound if bound else None,
                 **summary.as_dict(),
                 "unfused_control_us": (
                     summary.medians[schedule.control_variant] if schedule.control_variant else None
@@ -461,6 +477,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                         "fused_vs_unfused": a / u,
                         "fused_vs_ideal": a / ideal,
                         "fused_vs_overlap": a / o,
+                        "fused_vs_dependency_bound": a / bound if bound else None,
                         "tie": summary.is_tie(a / u),
                         "wrong": int(bad),
                     }
@@ -485,5 +502,13 @@ COLUMNS = (
     ("U'/U", lambda r: "-" if r.get("control_ratio") is None else f"{r['control_ratio']:.3f}"),
     ("fused/ideal", lambda r: f"{r['fused_vs_ideal']:.3f}"),
     ("fused/overlap", lambda r: f"{r['fused_vs_overlap']:.3f}"),
+    (
+        "fused/dep",
+        lambda r: (
+            "-"
+            if r.get("fused_vs_dependency_bound") is None
+            else f"{r['fused_vs_dependency_bound']:.3f}"
+        ),
+    ),
     ("wrong", lambda r: str(r["wrong"])),
 )
