@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,8 @@ from commfuse.bench.collectives import (
     mark_regret,
 )
 from commfuse.bench.table import algo_cell
+from commfuse.cli import main
+from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.testing import RankPool
 
@@ -138,23 +141,32 @@ def test_cli_on_an_emulated_cluster_writes_json(tmp_path: Path) -> None:
     assert "| size" in report.read_text() and "torch" in report.read_text()
 
 
-def test_cli_bad_input_is_one_line_exit_2() -> None:
-    for args, needle in (
-        [["--link", "0mbit"], "more than 0"],
-        [["--sizes", "12Q"], "bad size"],
-        [["--op", "gossip"], "unknown op"],
-        [["--hosts", "0"], "at least 1"],
-    ):
-        proc = subprocess.run(
-            [sys.executable, "-m", "commfuse.cli", "bench", "collectives", *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert proc.returncode == 2, (args, proc.stderr)
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        # cast: mypy types each [args, needle] case list as Sequence[str]
-        assert len(lines) == 1 and cast(str, needle) in lines[0], (args, proc.stderr)
+BAD_INPUT = (
+    (["--link", "0mbit"], "more than 0"),
+    (["--sizes", "12Q"], "bad size"),
+    (["--op", "gossip"], "unknown op"),
+    (["--hosts", "0"], "at least 1"),
+)
+
+
+def test_cli_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    # One case through a real interpreter (nothing else may reach stderr), the rest in-process:
+    # each interpreter costs seconds of imports on a loaded 2-core machine.
+    for i, (args, needle) in enumerate(BAD_INPUT):
+        if i == 0:
+            proc = subprocess.run(
+                [sys.executable, "-m", "commfuse.cli", "bench", "collectives", *args],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            code, stderr = proc.returncode, proc.stderr
+        else:
+            code = main(["bench", "collectives", *args])
+            stderr = capsys.readouterr().err
+        assert code == 2, (args, stderr)
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and needle in lines[0], (args, stderr)
 
 
 def test_control_times_the_first_algorithm_twice(pool: PoolFn) -> None:
@@ -240,3 +252,32 @@ def test_auto_rows_carry_their_pick_and_regret(pool: PoolFn) -> None:
     assert auto["best_algo"] == min(timed, key=lambda name: timed[name])
     assert auto["regret"] == pytest.approx(auto["time_us"] / min(timed.values()) - 1)
     assert algo_cell(auto) == f"auto:{auto['chosen']}" and algo_cell(records[0]) == "native"
+
+
+def _ring_sweep_with_counts(config: CollectiveBenchConfig) -> tuple[list[dict[str, Any]], int]:
+    comm = Communicator()
+    records = bench_collectives_on_rank(config, comm)
+    return records, comm.stats[label("all_reduce", "ring")].messages_sent
+
+
+def test_a_sample_repeats_the_call_to_fill_its_minimum_time(pool: PoolFn) -> None:
+    # A 64-byte all-reduce takes well under a millisecond, so a 30 ms sample needs many calls;
+    # the ring's exact message count shows how many ran: 2 (P - 1) per call at P = 2.
+    config = CollectiveBenchConfig(
+        ops=("all_reduce",),
+        sizes_bytes=(64,),
+        iters=3,
+        warmup=2,
+        algos=("native", "ring"),
+        min_sample_ms=30.0,
+    )
+    (records, ring_messages), (records1, ring_messages1) = pool(2).run(
+        _ring_sweep_with_counts, config
+    )
+    calls = records[0]["calls_per_sample"]
+    assert calls > 1 and all(r["calls_per_sample"] == calls for r in records + records1)
+    assert ring_messages == ring_messages1 == 2 * (config.warmup + config.iters * calls)
+    assert all(r["wrong"] == 0 for r in records)
+    one = dataclasses.replace(config, min_sample_ms=0.0)
+    (records, ring_messages), _ = pool(2).run(_ring_sweep_with_counts, one)
+    assert records[0]["calls_per_sample"] == 1 and ring_messages == 2 * (2 + 3)

@@ -13,6 +13,7 @@ from commfuse.bench.schedule import (
     balanced_orders,
     control_line,
     control_name,
+    median_interval,
     run_rounds,
     summarize,
     tie_mark,
@@ -145,3 +146,38 @@ def test_unpaired_ratios_are_ratios_of_medians() -> None:
     summary = summarize(samples, baseline="a", control="a'", paired=False)
     assert summary.ratios["b"] == 1.0 and summary.control_ratio == 1.0
     assert summarize(samples, baseline="a").ratios["b"] == 0.5  # per round: 3, 0.5, 0.5
+
+
+def _binomial_below(n: int, k: int) -> float:
+    """P(Binomial(n, 1/2) < k)."""
+    return sum(math.comb(n, i) for i in range(k)) / 2.0**n
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7, 10, 16, 25, 40])
+def test_median_interval_is_the_sign_tests_order_statistics(n: int) -> None:
+    values = [float(v) for v in range(n, 0, -1)]  # sorted: 1, 2, ..., n
+    low, high = median_interval(values)
+    # the largest k whose tail is at most 2.5% (k = 1, the whole range, when none is)
+    qualifying = [k for k in range(1, (n + 1) // 2 + 1) if _binomial_below(n, k) <= 0.025]
+    k = max(qualifying, default=1)
+    assert (low, high) == (float(k), float(n + 1 - k))
+    assert (n <= 8) == ((low, high) == (1.0, float(n)))  # the whole range up to 8 rounds
+    if n >= 6:
+        assert 1.0 - 2.0 * _binomial_below(n, k) >= 0.95
+    with pytest.raises(ValueError, match="no values"):
+        median_interval([])
+
+
+def test_a_ratio_whose_rounds_straddle_one_is_a_tie_whatever_the_control() -> None:
+    # b's median ratio is 0.5, far outside the control's 2% floor, but its rounds go both ways:
+    # the median's interval holds 1, so this job cannot call b faster.
+    base = [1.0] * 10
+    b = [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0]
+    c = [0.5] * 9 + [2.0]  # faster in 9 rounds of 10: the interval excludes 1
+    summary = summarize({"a": base, "b": b, "c": c, "a'": [1.02] * 10}, baseline="a", control="a'")
+    assert summary.ratio_intervals["b"] == (0.5, 2.0)
+    assert summary.ratio_intervals["c"] == (0.5, 0.5)
+    assert summary.is_tie(0.5, variant="b") and summary.is_tie(2.0, variant="b")
+    assert not summary.is_tie(0.5)  # the control's floor alone would call it
+    assert not summary.is_tie(0.5, variant="c") and not summary.is_tie(2.0, variant="c")
+    assert summary.is_tie(1.01, variant="c")  # inside the control's floor is a tie regardless

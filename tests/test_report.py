@@ -45,6 +45,20 @@ def test_a_missing_value_prints_as_a_dash() -> None:
     assert "12.5" in row and " - " in row
 
 
+def test_rows_judged_by_their_interval_print_the_speedups_interval() -> None:
+    base = {"op": "all_reduce", "algo": "native", "bytes": 4096, "time_us": 10.0, "wrong": 0}
+    records = [
+        {**base, "variant": "native", "speedup_vs_first": 1.0, "tie": None, "ratio_ci": [1, 1]},
+        # time ratios 0.5-0.8 of the baseline: 1.25x to 2x as fast
+        {**base, "variant": "ring", "speedup_vs_first": 1.6, "tie": False, "ratio_ci": [0.5, 0.8]},
+    ]
+    lines = render_result(records).splitlines()
+    header, baseline_row, ring_row = lines[0], lines[-2], lines[-1]
+    assert "x_first_95%" in header and "1.25-2.00" in ring_row and " - " in baseline_row
+    without = [{k: v for k, v in r.items() if k != "ratio_ci"} for r in records]
+    assert "x_first_95%" not in render_result(without).splitlines()[0]
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [("not json", "not a JSON file"), ('{"a": 1}', "not a commfuse result"), ("[]", "not a")],

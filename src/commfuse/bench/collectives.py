@@ -2,7 +2,11 @@
 
 Each (op, size) is timed ``iters`` rounds after ``warmup`` untimed runs; in each round every
 algorithm runs once, in the balanced orders of ``bench/schedule.py`` (every algorithm in every
-position equally often). Every timed run starts after a barrier; its time is the slowest rank's
+position equally often). Every timed sample starts after a barrier and runs the collective
+``calls`` times back to back (each after resetting its buffer), as nccl-tests times a loop of
+iterations: ``calls`` is the same for every algorithm of a row and every rank, enough that the
+fastest algorithm's sample lasts ``min_sample_ms`` by its last warm-up run, so a small message's
+time is not one call's scheduling jitter. A sample's time per call is the slowest rank's
 (a collective is done when its last rank is done), and the row reports the median over rounds,
 with algbw, busbw and, on an emulated cluster, busbw as a percent of the host link rate, the
 physical limit there. With ``control`` the first algorithm also runs as a second variant on
@@ -13,6 +17,7 @@ within it is a tie.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from typing import Any
 
@@ -45,6 +50,11 @@ class CollectiveBenchConfig:
     tuner pick. Rows of one (op, size) run in balanced rounds so noise hits them alike."""
     control: bool = False
     """Time the first algorithm twice (A/A): the noise floor of the ratios."""
+    min_sample_ms: float = 0.0
+    """Repeat the call within a sample until the fastest algorithm's sample lasts this long
+    (judged by the last warm-up run; 0: one call per sample)."""
+    max_calls_per_sample: int = 1000
+    """The most calls one sample may repeat."""
     seed_order: int | None = 0
     """Seed of the rounds' balanced orders."""
     emulated: bool = False
@@ -58,13 +68,18 @@ class CollectiveBenchConfig:
             )
         if self.iters < 1 or self.warmup < 0:
             raise ValueError("iters must be >= 1 and warmup >= 0")
+        if self.min_sample_ms < 0 or self.max_calls_per_sample < 1:
+            raise ValueError("min_sample_ms must be >= 0 and max_calls_per_sample >= 1")
         if any(size <= 0 for size in self.sizes_bytes):
             raise ValueError("sizes_bytes must all be positive")
 
 
-def bench_collectives_on_rank(config: CollectiveBenchConfig) -> list[dict[str, Any]]:
-    """Runs on every rank (the process group is up); rank 0's return value is the report."""
-    comm = Communicator()
+def bench_collectives_on_rank(
+    config: CollectiveBenchConfig, comm: Communicator | None = None
+) -> list[dict[str, Any]]:
+    """Runs on every rank (the process group is up) over ``comm`` (default: a new one over the
+    world); rank 0's return value is the report."""
+    comm = Communicator() if comm is None else comm
     topology = Topology.of_rank(comm.world_size)
     dtype = getattr(torch, config.dtype)
     records: list[dict[str, Any]] = []
@@ -79,22 +94,29 @@ def bench_collectives_on_rank(config: CollectiveBenchConfig) -> list[dict[str, A
                 name: make_case(comm, op, size, dtype, schedule.code_of(name))
                 for name in schedule.names
             }
-            for case in cases.values():
+            names = list(schedule.names)
+            last_warmup = torch.zeros(len(names), dtype=torch.float64, device=comm.device)
+            for c, name in enumerate(names):
+                case = cases[name]
                 for _ in range(config.warmup):
                     case.reset()
+                    comm.barrier()
+                    start = now(comm.device)
                     case.call()
-            names = list(schedule.names)
+                    last_warmup[c] = now(comm.device) - start
+            calls = calls_per_sample(comm, config, last_warmup)
             times = torch.zeros(len(names), config.iters, dtype=torch.float64, device=comm.device)
             wrong = torch.zeros(len(names), dtype=torch.int64, device=comm.device)
             for i, order in enumerate(schedule.orders()):  # the same seeded orders on every rank
                 for name in order:
                     c, case = names.index(name), cases[name]
-                    case.reset()
                     comm.barrier()
                     start = now(comm.device)
-                    case.call()
-                    times[c, i] = now(comm.device) - start
-                    wrong[c] += case.count_wrong()
+                    for _ in range(calls):
+                        case.reset()
+                        case.call()
+                    times[c, i] = (now(comm.device) - start) / calls
+                    wrong[c] += case.count_wrong()  # the last call's result
             # A collective takes as long as its slowest rank: max over ranks, then the median.
             comm.all_reduce(times, "max")
             comm.all_reduce(wrong, "sum")
@@ -118,15 +140,32 @@ def bench_collectives_on_rank(config: CollectiveBenchConfig) -> list[dict[str, A
                     baseline,
                 )
                 record["variant"] = name
+                record["calls_per_sample"] = calls
                 record.update(summary.as_dict())
                 record["tie"] = (
-                    summary.is_tie(record["speedup_vs_first"])
+                    summary.is_tie(record["speedup_vs_first"], variant=name)
                     if name != schedule.baseline
                     else None
                 )
+                # the interval of this variant's per-round time over the baseline's
+                record["ratio_ci"] = list(summary.ratio_intervals[name])
                 records.append(record)
             mark_regret(records[-len(names) :], control=schedule.control_variant)
     return records
+
+
+def calls_per_sample(comm: Communicator, config: CollectiveBenchConfig, last: torch.Tensor) -> int:
+    """How many calls one sample repeats, the same on every rank: enough for the fastest
+    variant's last warm-up time (the slowest rank's) to fill ``min_sample_ms``, at least 1 and
+    at most ``max_calls_per_sample``."""
+    if config.min_sample_ms <= 0 or config.warmup == 0:
+        return 1
+    comm.all_reduce(last, "max")  # every rank then computes the same count
+    fastest_s = float(last.min())
+    if fastest_s <= 0:
+        return config.max_calls_per_sample
+    wanted = math.ceil(config.min_sample_ms / 1e3 / fastest_s)
+    return max(1, min(config.max_calls_per_sample, wanted))
 
 
 def mark_regret(row: list[dict[str, Any]], *, control: str | None = None) -> None:

@@ -454,7 +454,8 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 "unfused_control_us": (
                     summary.medians[schedule.control_variant] if schedule.control_variant else None
                 ),
-                "tie": summary.is_tie(f / u),
+                "tie": summary.is_tie(f / u, variant="fused"),
+                "ratio_ci": list(summary.ratio_intervals["fused"]),
                 "c_over_m": c / m if m else float("inf"),
                 "wrong": int(wrong),
                 "iters": config.iters,
@@ -478,7 +479,8 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                         "fused_vs_ideal": a / ideal,
                         "fused_vs_overlap": a / o,
                         "fused_vs_dependency_bound": a / bound if bound else None,
-                        "tie": summary.is_tie(a / u),
+                        "tie": summary.is_tie(a / u, variant=f"fused[{name}]"),
+                        "ratio_ci": list(summary.ratio_intervals[f"fused[{name}]"]),
                         "wrong": int(bad),
                     }
                 )

@@ -326,7 +326,8 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
                     "fused_us": f,
                     "fused_vs_unfused": f / u,
                     **summary.as_dict(),
-                    "tie": summary.is_tie(f / u),
+                    "tie": summary.is_tie(f / u, variant="fused"),
+                    "ratio_ci": list(summary.ratio_intervals["fused"]),
                     "wrong": int(wrong),
                     "iters": config.iters,
                 }

@@ -26,8 +26,19 @@ those effects over every variant alike:
    drift of the machine between rounds hits both sides of every ratio alike.
 5. **The A/A control.** With ``control=True`` the baseline is timed twice, as two variants A and
    A' (``control_name``) that run the same code; the control's ratio A'/A measures the noise
-   floor of this job on this machine. A ratio within that floor of 1 (``|r - 1| <= |A'/A - 1|``)
+   floor of this job on this machine. A ratio within that floor of 1 (``|ln r| <= |ln A'/A|``)
    is a tie: the benchmark cannot tell the two apart.
+6. **The ratio's confidence interval.** One control median can land close to 1 by luck while
+   its rounds spread widely, so a ratio is also judged by its own rounds: the distribution-free
+   interval of the median of its per-round ratios (the sign test's interval: order statistics
+   ``k`` and ``n + 1 - k`` of the ``n`` sorted ratios, ``k`` the largest with
+   ``P(Binomial(n, 1/2) < k) <= 2.5%``, so at least 95% coverage for any distribution; W. J.
+   Conover, "Practical Nonparametric Statistics", 3rd ed., section 3.2). Up to eight rounds the
+   interval is the whole range (below six even that covers less than 95%), so a variant can
+   differ only by winning or losing every round; from nine rounds one outlier on each side is
+   forgiven, from twelve two. A variant differs from the
+   baseline only where its interval excludes 1 *and* its ratio lies outside the control's
+   floor; otherwise it is a tie.
 
 Usage::
 
@@ -52,6 +63,7 @@ __all__ = [
     "balanced_orders",
     "control_line",
     "control_name",
+    "median_interval",
     "run_rounds",
     "summarize",
     "tie_mark",
@@ -210,6 +222,9 @@ class Summary:
     the medians (``summarize(paired=False)``); 1 for the baseline itself."""
     ratio_ranges: dict[str, tuple[float, float]]
     """The smallest and largest of those per-round ratios."""
+    ratio_intervals: dict[str, tuple[float, float]]
+    """The distribution-free interval (at least 95%) of the median per-round ratio
+    (``median_interval``); the whole range up to eight rounds."""
     control: str | None
     """The control's name (the baseline's copy), or None."""
 
@@ -224,13 +239,19 @@ class Summary:
         ratio = self.control_ratio
         return None if ratio is None else abs(ratio - 1.0)
 
-    def is_tie(self, ratio: float) -> bool | None:
-        """Whether ``ratio`` lies as close to 1 as the control's, ``|ln ratio| <= |ln A'/A|``:
-        symmetric, so a ratio of times and its inverse (a speed-up) get the same answer. None
-        without a control."""
+    def is_tie(self, ratio: float, *, variant: str | None = None) -> bool | None:
+        """Whether ``ratio`` lies as close to 1 as the control's, ``|ln ratio| <= |ln A'/A|``,
+        or, given the ``variant`` whose ratio to the baseline it is (or the inverse of it),
+        whether that variant's interval (``ratio_intervals``) holds 1: either way this job
+        cannot tell the two apart. Symmetric, so a ratio of times and its inverse (a speed-up)
+        get the same answer. None without a control."""
         control = self.control_ratio
         if control is None:
             return None
+        if variant is not None and variant != self.baseline:
+            low, high = self.ratio_intervals[variant]
+            if low <= 1.0 <= high:
+                return True
         if ratio <= 0 or control <= 0 or math.isinf(ratio):
             return False
         # The slack absorbs rounding: the control's own ratio, inverted, is a tie.
@@ -262,6 +283,7 @@ def summarize(
     medians: dict[str, float] = {}
     ratios: dict[str, float] = {}
     ranges: dict[str, tuple[float, float]] = {}
+    intervals: dict[str, tuple[float, float]] = {}
     for name, values in samples.items():
         if len(values) != len(base) or not values:
             raise ValueError(
@@ -275,9 +297,34 @@ def summarize(
         else:
             ratios[name] = medians[name] / base_median if base_median else float("inf")
         ranges[name] = (min(per_round), max(per_round))
+        intervals[name] = median_interval(per_round)
     return Summary(
-        baseline=baseline, medians=medians, ratios=ratios, ratio_ranges=ranges, control=control
+        baseline=baseline,
+        medians=medians,
+        ratios=ratios,
+        ratio_ranges=ranges,
+        ratio_intervals=intervals,
+        control=control,
     )
+
+
+def median_interval(values: Sequence[float], coverage: float = 0.95) -> tuple[float, float]:
+    """The distribution-free confidence interval of the median of ``values`` (at least
+    ``coverage``): order statistics ``k`` and ``n + 1 - k`` (1-based) of the sorted values, ``k``
+    the largest with ``P(Binomial(n, 1/2) < k) <= (1 - coverage) / 2``; the whole range where
+    no ``k`` qualifies (fewer than six values at 95%); up to eight values ``k`` is 1."""
+    if not values:
+        raise ValueError("the median of no values has no interval")
+    ordered = sorted(values)
+    n = len(ordered)
+    tail, k, below = (1.0 - coverage) / 2.0, 1, 0.0
+    # below = P(Binomial(n, 1/2) <= k - 1), grown one term at a time.
+    while k < (n + 1) // 2:
+        below += math.comb(n, k - 1) / 2.0**n
+        if below + math.comb(n, k) / 2.0**n > tail:
+            break
+        k += 1
+    return ordered[k - 1], ordered[n - k]
 
 
 def tie_mark(summary: Summary, ratio: float | None) -> str:
@@ -295,5 +342,6 @@ def control_line(summary: Summary, unit: str = "time") -> str | None:
     return (
         f"A/A control: {summary.control} / {summary.baseline} {unit} = "
         f"{summary.control_ratio:.3f} (rounds {low:.3f}-{high:.3f}): noise floor "
-        f"{100 * floor:.1f}%; ratios within it of 1 are ties"
+        f"{100 * floor:.1f}%; ratios within it of 1, or whose 95% interval over rounds holds 1, "
+        "are ties"
     )

@@ -258,7 +258,8 @@ def bench_strategies_on_rank(config: StrategiesBenchConfig) -> list[dict[str, An
             "ratio_max": summary.ratio_ranges[runner.name][1],
             # the A/A control (None without one) and whether this ratio lies within it
             **summary.as_dict(),
-            "tie": summary.is_tie(ratio) if runner.name != baseline else None,
+            "tie": summary.is_tie(ratio, variant=runner.name) if runner.name != baseline else None,
+            "ratio_ci": list(summary.ratio_intervals[runner.name]),
             "forward_s": forward,
             "backward_sync_s": backward,
             "optimizer_s": optimizer,

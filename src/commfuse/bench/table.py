@@ -45,9 +45,12 @@ def control_note(records: Sequence[dict[str, Any]], label: str = "variant") -> s
         return None
     low, high = min(seen), max(seen)
     spread = f"{low:.3f}" if len(seen) == 1 or low == high else f"{low:.3f} to {high:.3f}"
+    # Records that carry their interval were judged by it as well (bench/schedule.py, step 6).
+    by_interval = any(r.get("ratio_ci") is not None for r in records)
+    rule = " or whose 95% interval over rounds holds 1" if by_interval else ""
     return (
         f"A/A control (the baseline {label} timed twice, A'/A): {spread}; a ratio as close to 1 "
-        "as its row's control is marked (tie): this job cannot tell the two apart"
+        f"as its row's control{rule} is marked (tie): this job cannot tell the two apart"
     )
 
 

@@ -229,6 +229,16 @@ def _validation_table(records: Sequence[Record], markdown: bool) -> str:
     return _table(rows, VALIDATION_COLUMNS, markdown) + "\n\n" + summary
 
 
+def speedup_interval_cell(record: dict[str, Any]) -> str:
+    """The 95% interval of ``x_first`` (the inverse of the record's time-ratio interval,
+    ``ratio_ci``), ``low-high``; "-" for the baseline and records without one."""
+    interval = record.get("ratio_ci")
+    if interval is None or record.get("tie") is None:
+        return "-"
+    low, high = (1.0 / v if v > 0 else float("inf") for v in reversed(interval))
+    return f"{low:.2f}-{high:.2f}"
+
+
 def render_result(data: Any, *, markdown: bool = False) -> str:
     """The table the command that wrote ``data`` printed (Markdown with ``markdown=True``).
 
@@ -251,6 +261,9 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
             columns.insert(0, ("hosts", lambda r: f"{r['hosts']}x{r['ranks_per_host']}"))
         if len({r.get("run") for r in data}) > 1:  # runs of one layout, tagged by the report
             columns.insert(0, ("run", lambda r: str(r.get("run", "-"))))
+        if any(r.get("ratio_ci") is not None for r in data):  # rows judged by their interval too
+            at = next(i for i, (name, _) in enumerate(columns) if name == "x_first") + 1
+            columns.insert(at, ("x_first_95%", speedup_interval_cell))
         return _table(data, columns, markdown)
     if kind == "bench fused":
         return _table(data, _fused_columns(), markdown)

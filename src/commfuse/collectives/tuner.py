@@ -374,6 +374,9 @@ class TunerState:
         self.choices: dict[tuple[str, int], str] = {}
         """``(collective, nbytes) -> algorithm``: evaluating every model costs a fraction of a
         millisecond, a lot beside a small message."""
+        self.options: dict[tuple[str, str, int], Options] = {}
+        """``(collective, algorithm, nbytes) -> options`` auto runs it with (read-only: callers
+        merge them into a new dict), so a repeated small message pays two lookups."""
 
 
 def set_profile(comm: Communicator, profile: Profile) -> None:
@@ -381,6 +384,7 @@ def set_profile(comm: Communicator, profile: Profile) -> None:
     state = comm.owned(TunerState)
     state.profile = profile
     state.choices.clear()
+    state.options.clear()
 
 
 def profile_of(comm: Communicator) -> Profile:
@@ -628,8 +632,12 @@ def choose(comm: Communicator, collective: str, nbytes: int) -> str:
 
 def choose_options(comm: Communicator, collective: str, algo: str, nbytes: int) -> Options:
     """The options ``algo="auto"`` runs ``algo`` with (the same on every rank); explicit options
-    of the caller should override them."""
-    return options_for(collective, algo, nbytes, comm.world_size, profile_of(comm))
+    of the caller should override them (merge, never mutate: the dict is remembered)."""
+    cache = comm.owned(TunerState).options
+    key = (collective, algo, nbytes)
+    if key not in cache:
+        cache[key] = options_for(collective, algo, nbytes, comm.world_size, profile_of(comm))
+    return cache[key]
 
 
 # -- calibration --------------------------------------------------------------------------------------

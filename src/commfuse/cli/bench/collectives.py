@@ -21,6 +21,8 @@ from commfuse.units import parse_sizes
 #: The embedded default: a short sweep on an emulated 4-host, 1 Gbit/s cluster.
 DEFAULT_SIZES = "64K,1M,16M"
 DEFAULT_OPS = "all_reduce,broadcast,all_gather"
+#: A sample of one small-message call is mostly scheduling jitter; a loop of calls is not.
+DEFAULT_MIN_SAMPLE_MS = 20.0
 
 
 def register(bench_sub: Subparsers) -> None:
@@ -58,6 +60,13 @@ def _arguments(coll: argparse.ArgumentParser) -> None:
     )
     coll.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
     coll.add_argument(
+        "--min-sample-ms",
+        type=float,
+        default=DEFAULT_MIN_SAMPLE_MS,
+        help="repeat the call back to back within each timed sample until the fastest algorithm's "
+        f"sample lasts this long (0: one call per sample) (default {DEFAULT_MIN_SAMPLE_MS:g})",
+    )
+    coll.add_argument(
         "--dtype",
         default="float32",
         choices=["float32", "float64", "float16", "bfloat16", "int32", "int64"],
@@ -73,6 +82,8 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
 
     topology = topology_from_args(args)
     require_at_least("--repeats", args.repeats, 1)
+    if args.min_sample_ms < 0:
+        raise ValueError(f"--min-sample-ms must be at least 0, got {args.min_sample_ms:g}")
     config = CollectiveBenchConfig(
         ops=tuple(op.strip() for op in args.op.split(",") if op.strip()),
         sizes_bytes=tuple(parse_sizes(args.sizes)),
@@ -82,6 +93,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
         algos=tuple(a.strip() for a in args.algo.split(",") if a.strip()),
         emulated=will_emulate(topology, args),
         control=args.control,
+        min_sample_ms=args.min_sample_ms,
     )
     check_algo_names(config.ops, config.algos)  # fail here, before any rank starts
     print(
