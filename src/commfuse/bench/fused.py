@@ -285,12 +285,6 @@ def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
         unfused=lambda: emb.embedding_all_to_all_reference(comm, lookup),
         fused=lambda k: emb.embedding_all_to_all(comm, lookup, chunks=k),
         by_table=lambda: emb.embedding_all_to_all(comm, lookup, chunks=BY_TABLE),
-        alternatives={
-            "by_table": functools.partial(emb.embedding_all_to_all, comm, lookup, chunks=BY_TABLE),
-            "by_table whole first table": functools.partial(
-                emb._by_table, comm, lookup, split_first=False
-            ),
-        },
         max_chunks=4 * max(world - 1, 1),
         # The module's own choice (ShardedEmbeddingBag): the model, then a timed trial, here of
         # the forward alone (what this row times).

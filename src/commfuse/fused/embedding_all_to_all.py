@@ -251,13 +251,9 @@ def embedding_all_to_all(
     return torch.cat(blocks, dim=1)
 
 
-def _by_table(
-    comm: Communicator, lookup: ShardedLookup, *, split_first: bool = True
-) -> torch.Tensor:
+def _by_table(comm: Communicator, lookup: ShardedLookup) -> torch.Tensor:
     """The by-table schedule (module docstring): table by table, each one's column of the global
-    batch computed once and its slices sent to every peer while the next table is looked up.
-    ``split_first``: the first table's lookup is cut in two, the first peer's samples, then the
-    rest, so the exchange starts after ``1 / P`` of one table's lookup instead of all of it."""
+    batch computed once and its slices sent to every peer while the next table is looked up."""
     rank, world = comm.rank, comm.world_size
     splits, per_rank, dim = lookup.batch_splits, lookup.tables_per_rank, lookup.dim
     starts, table_starts = lookup.sample_starts, lookup.table_starts
@@ -273,19 +269,14 @@ def _by_table(
             for t in range(per_rank[src]):
                 target = landing[table_starts[src] + t]
                 handles.append(comm.irecv(target, src, tag=t, label=LABEL))
-    for t in range(len(lookup.tables)):
-        first = (rank + 1) % world  # the first peer this rank sends to
-        sent = -1
-        if split_first and t == 0 and splits[first]:
-            lo = starts[first]
-            part = _column(lookup, t, lo, lo + splits[first])  # [B_first, D], sent at once
-            handles.append(comm.isend(part, first, tag=t, label=LABEL))
-            sent = first
-        skip = (starts[sent], splits[sent]) if sent >= 0 else (0, 0)
-        column = _column(lookup, t, 0, sum(splits), skip=skip)
+    for t, (table, idx, off) in enumerate(
+        zip(lookup.tables, lookup.indices, lookup.offsets, strict=True)
+    ):
+        lo, hi = _bag_range(off, idx.numel(), 0, off.numel())  # as ``rows`` cuts them
+        column = F.embedding_bag(idx[lo:hi], table, off - lo, mode=lookup.mode)  # [B, D]
         for step in range(1, world):
             dst = (rank + step) % world
-            if splits[dst] and dst != sent:
+            if splits[dst]:
                 part = column[starts[dst] : starts[dst] + splits[dst]]  # contiguous rows
                 handles.append(comm.isend(part, dst, tag=t, label=LABEL))
         landing[table_starts[rank] + t] = column[starts[rank] : starts[rank] + mine]
@@ -293,33 +284,6 @@ def _by_table(
         handle.wait()
     # [T, B_r, D] -> [B_r, T, D], as the reference returns.
     return landing.permute(1, 0, 2).contiguous()
-
-
-def _column(
-    lookup: ShardedLookup,
-    t: int,
-    start: int,
-    stop: int,
-    *,
-    skip: tuple[int, int] = (0, 0),
-) -> torch.Tensor:
-    """Local table ``t``'s pooled lookups of samples ``[start, stop)``: ``[stop - start, D]``.
-    Samples ``[skip[0], skip[0] + skip[1])`` (sent already) are left uncomputed (their rows
-    hold garbage), the rest computed in at most two calls."""
-    table, idx, off = lookup.tables[t], lookup.indices[t], lookup.offsets[t]
-    pieces = [(start, skip[0]), (skip[0] + skip[1], stop)] if skip[1] else [(start, stop)]
-    pieces = [(a, b) for a, b in pieces if b > a]
-    if pieces == [(start, stop)]:
-        a, b = start, stop
-        lo, hi = _bag_range(off, idx.numel(), a, b)  # as ``rows`` cuts them
-        return F.embedding_bag(idx[lo:hi], table, off[a:b] - lo, mode=lookup.mode)
-    out = table.new_empty((stop - start, table.shape[1]))
-    for a, b in pieces:
-        lo, hi = _bag_range(off, idx.numel(), a, b)
-        out[a - start : b - start] = F.embedding_bag(
-            idx[lo:hi], table, off[a:b] - lo, mode=lookup.mode
-        )
-    return out
 
 
 def embedding_all_to_all_reference(
