@@ -443,6 +443,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 "fused_vs_ideal": f / ideal,
                 "fused_vs_overlap": f / o,
                 "dependency_bound_us": bound,
+                "stages_us": {n: summary.medians[f"stage:{n}"] for n in forms.stages},
                 "fused_vs_dependency_bound": f / bound if bound else None,
                 **summary.as_dict(),
                 "unfused_control_us": (
