@@ -133,10 +133,10 @@ def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
 
     # The expert GEMMs alone, forward, on the expert side's rows of this routing.
     own = torch.Generator().manual_seed(comm.rank)
-    rows_in = torch.randn(rt.recv_start[-1], d_model, generator=own).to(comm.device)
-    hidden = torch.randn(rt.recv_start[-1], d_hidden, generator=own).to(comm.device)
-    w1 = torch.randn(per_rank, d_hidden, d_model, generator=own).to(comm.device)
-    w2 = torch.randn(per_rank, d_model, d_hidden, generator=own).to(comm.device)
+    rows_in = torch.randn(rt.recv_start[-1], d_model, generator=own, device="cpu").to(comm.device)
+    hidden = torch.randn(rt.recv_start[-1], d_hidden, generator=own, device="cpu").to(comm.device)
+    w1 = torch.randn(per_rank, d_hidden, d_model, generator=own, device="cpu").to(comm.device)
+    w2 = torch.randn(per_rank, d_model, d_hidden, generator=own, device="cpu").to(comm.device)
     return FusedForms(
         compute=lambda: local_workload.train_step(local, local_model, local_opt, batch),
         comm=communicate,
