@@ -220,7 +220,7 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
             alternatives["unfused hierarchical"] = functools.partial(
                 _gemm_then_hierarchical, comm, x, w, local
             )
-        for level in sorted({1, local if 1 < local < world else 1}):
+        for level in [1, local] if 1 < local < world else [1]:
             alternatives[f"blocks k={gar.BLOCK_CHUNKS} L={level}"] = functools.partial(
                 gar.gemm_all_reduce,
                 comm,
