@@ -39,6 +39,42 @@ def test_bench_records(pool: PoolFn) -> None:
         assert r["fused_vs_unfused"] == pytest.approx(r["fused_us"] / r["unfused_us"])
         assert r["fused_vs_overlap"] == pytest.approx(r["fused_us"] / r["overlap_us"])
         assert r["overlap_us"] > 0
+        bound = r["dependency_bound_us"]
+        if r["op"] == "moe_step":  # the one operator whose dependencies give a bound of its own
+            assert bound > 0
+            assert r["fused_vs_dependency_bound"] == pytest.approx(r["fused_us"] / bound)
+        else:
+            assert bound is None and r["fused_vs_dependency_bound"] is None
+
+
+def test_gemm_all_reduce_schedules_get_rows_of_their_own(pool: PoolFn) -> None:
+    """Where the operator chooses, its other row schedules are timed in the same rounds, each a
+    row sharing the chosen row's C, M, unfused and overlap, with its own result checked."""
+    config = FusedBenchConfig(ops=("gemm_all_reduce",), iters=2, warmup=1, shapes=((32, 16, 8),))
+    records = pool(2).run(bench_fused_on_rank, config, timeout_s=120)[0]
+    assert [r["op"] for r in records] == [
+        "gemm_all_reduce",
+        "gemm_all_reduce[ring k=2]",
+        "gemm_all_reduce[blocks k=2 L=1]",
+    ]
+    chosen = records[0]
+    for r in records[1:]:
+        assert r["schedule_of"] == "gemm_all_reduce" and r["wrong"] == 0
+        for key in ("compute_us", "comm_us", "unfused_us", "overlap_us"):
+            assert r[key] == chosen[key]
+        assert r["fused_vs_overlap"] == pytest.approx(r["fused_us"] / r["overlap_us"])
+
+
+def test_moe_step_bound_hides_each_exchange_only_behind_its_gemms() -> None:
+    from commfuse.bench.fused_moe import moe_step_bound_us
+
+    parts = {"compute": 100.0, "comm": 40.0, "dispatch": 10.0, "combine": 12.0}
+    # GEMMs longer than the exchanges: all four hide (forward once, backward once).
+    assert moe_step_bound_us({**parts, "gemm1": 30.0, "gemm2": 30.0}) == 140.0 - 44.0
+    # Short GEMMs: each exchange hides only as long as its GEMMs run (backward twice).
+    assert moe_step_bound_us({**parts, "gemm1": 2.0, "gemm2": 3.0}) == 140.0 - (2 + 3 + 6 + 4)
+    # No GEMMs: nothing hides, the bound is C + M.
+    assert moe_step_bound_us({**parts, "gemm1": 0.0, "gemm2": 0.0}) == 140.0
 
 
 def test_run_together_runs_both_and_raises_the_collectives_error() -> None:

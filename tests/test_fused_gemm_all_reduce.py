@@ -15,14 +15,16 @@ from commfuse.collectives import all_reduce
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.fused import ChunkConfig, RowParallelLinear
-from commfuse.fused.chunking import split_sizes
+from commfuse.fused.chunking import split_ranges, split_sizes
 from commfuse.fused.gemm_all_reduce import (
+    CROSS_LABEL,
     LABEL,
     check_shapes,
     gemm_all_reduce,
     gemm_all_reduce_reference,
     sent_bytes,
 )
+from commfuse.fused.two_level_all_reduce import sent_bytes as two_level_sent_bytes
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
@@ -88,6 +90,47 @@ def forward_grid() -> list[str]:
     got = gemm_all_reduce(comm, x[:, cols].reshape(2, 3, -1), w[:, cols].contiguous(), chunks=4)
     if not torch.equal(got, (x @ w.t()).reshape(2, 3, 3)):
         failures.append(f"rank {comm.rank}: 3-D input wrong")
+    return failures
+
+
+def blocks_grid() -> list[str]:
+    """The row-block schedule on every host layout of the group (one rank per host, two levels,
+    one host): bitwise against the dense product, bytes per rank against the formula, and in
+    two levels the cross-host bytes against ``2 ((H - 1) / H) n / L``."""
+    comm = Communicator()
+    world, failures = comm.world_size, []
+    for local in [d for d in range(1, world + 1) if world % d == 0]:
+        hosts = world // local
+        for dtype in (torch.float32, torch.bfloat16):
+            for rows, in_f, out_f in ((world, 7, 3), (33, 6, 8)):
+                x, w = full_inputs(rows, in_f, out_f, dtype)
+                want = (x.float() @ w.float().t()).to(dtype)
+                cols = my_columns(comm, in_f)
+                xs, ws = x[:, cols].contiguous(), w[:, cols].contiguous()
+                for chunks in (2, 5):
+                    where = f"rank {comm.rank} L={local} {dtype} rows={rows} chunks={chunks}"
+                    comm.stats.reset()
+                    got = gemm_all_reduce(
+                        comm, xs, ws, chunks=chunks, schedule="blocks", ranks_per_host=local
+                    )
+                    if not torch.equal(got, want):
+                        failures.append(f"{where}: wrong result")
+                    size = got.element_size()
+                    formula = sent_bytes(
+                        rows, out_f, chunks, world, comm.rank, size,
+                        schedule="blocks", ranks_per_host=local,
+                    )  # fmt: skip
+                    if comm.stats[LABEL].bytes_sent != formula:
+                        failures.append(
+                            f"{where}: sent {comm.stats[LABEL].bytes_sent}, formula {formula}"
+                        )
+                    numels = [(b - a) * out_f for a, b in split_ranges(rows, chunks)]
+                    across = two_level_sent_bytes(numels, hosts, local, comm.rank, size)[1]
+                    if 1 < local < world and comm.stats[CROSS_LABEL].bytes_sent != across:
+                        failures.append(
+                            f"{where}: across hosts {comm.stats[CROSS_LABEL].bytes_sent}, "
+                            f"formula {across}"
+                        )
     return failures
 
 
@@ -167,6 +210,12 @@ def test_gemm_all_reduce_forward(pool: PoolFn, world: int) -> None:
     assert not failures, "\n".join(failures[:8])
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_gemm_all_reduce_blocks(pool: PoolFn, world: int) -> None:
+    failures = [f for r in pool(world).run(blocks_grid, timeout_s=180) for f in r]
+    assert not failures, "\n".join(failures[:8])
+
+
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_row_parallel_linear_backward(pool: PoolFn, world: int) -> None:
     failures = [f for r in pool(world).run(backward_grid, 3, timeout_s=120) for f in r]
@@ -206,6 +255,20 @@ def test_mismatched_shapes_raise(pool: PoolFn) -> None:
             and "(3, 4)" in message
             and "(4, 4)" in message
         )
+
+
+@pytest.mark.parametrize(("hosts", "local"), [(2, 2), (2, 4), (4, 2), (3, 1), (1, 4)])
+def test_two_level_bytes_formula(hosts: int, local: int) -> None:
+    """With even splits each rank sends 2 ((L - 1) / L) n inside its host and
+    2 ((H - 1) / H) n / L across: each host link carries 2 ((H - 1) / H) n, not a flat ring's
+    2 ((P - 1) / P) n (2 x 2: n against 1.5 n)."""
+    world, n = hosts * local, 96 * hosts * local
+    for rank in range(world):
+        intra, inter = two_level_sent_bytes([n], hosts, local, rank, 4)
+        assert intra == 2 * (local - 1) * n // local * 4
+        assert inter == 2 * (hosts - 1) * n // (hosts * local) * 4
+        assert local * inter <= 2 * (world - 1) * n // world * 4
+        assert (local * inter < 2 * (world - 1) * n // world * 4) == (local > 1)
 
 
 def test_bad_local_shapes() -> None:

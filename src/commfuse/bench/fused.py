@@ -15,7 +15,14 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
   veth pairs, the bridge and tbf, gloo adds and copies), so on a machine whose cores the ranks
   fill, a GEMM with an allreduce beside it takes longer than the GEMM alone, and ``overlap``
   lies above ``max(C, M)``. ``fused/overlap`` near 1 means the pipeline hides all the machine
-  lets it hide.
+  lets it hide;
+* ``fused[NAME]``: an operator's other schedules (GEMM + AllReduce's ring and row blocks, one
+  and two levels, and on two-level layouts the unfused GEMM with commfuse's hierarchical
+  all-reduce), timed in the same rounds; each is a row of its own, ``op[NAME]``, beside the
+  chosen one (only where the operator chooses: ``--chunks`` times the one it fixes);
+* ``stage:NAME`` (the MoE step): parts of the step timed alone, from which the
+  **dependency-aware bound** (``fused/dep``) is computed where the step's dependencies allow
+  less overlap than ``overlap`` assumes (``bench/fused_moe.py``).
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
 prediction and the ratios fused/unfused, fused/ideal and fused/overlap (of the medians), plus
@@ -173,6 +180,16 @@ class FusedForms:
     """The operator's own chunk choice (measures and may fall back to 1), if it has one."""
     by_table: Callable[[], torch.Tensor] | None = None
     """The operator by table (the embedding exchange's schedule), if it has one."""
+    stages: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
+    """Parts of the operator timed alone in the same rounds (``stage:NAME``), by name: the
+    inputs of ``bound``."""
+    bound: Callable[[dict[str, float]], float] | None = None
+    """The dependency-aware bound from the medians of ``compute``, ``comm`` and the stages
+    (by name), where the operator's dependencies let less overlap than perfect overlap does."""
+    alternatives: dict[str, Callable[[], torch.Tensor]] = dataclasses.field(default_factory=dict)
+    """Other schedules, by name, timed in the same rounds as the chosen one; each gets a row
+    of its own (op ``"op[name]"``) sharing the chosen row's C, M, unfused, overlap and
+    control."""
 
     def fused_at(self, chunks: ChunkSchedule) -> Callable[[], torch.Tensor]:
         """The fused form with ``chunks`` (a count, or by table where the operator has it)."""
@@ -191,6 +208,28 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     w = torch.randint(-2, 3, (out_features, shard), generator=gen, device="cpu").float()
     w = w.to(comm.device)
     buf = torch.zeros(rows, out_features, device=comm.device)
+    alternatives: dict[str, Callable[[], torch.Tensor]] = {}
+    if rows >= comm.world_size:  # the row path's schedules (a GEMV has one)
+        world, local = comm.world_size, comm.config.ranks_per_host or 1
+        alternatives[f"ring k={world}"] = functools.partial(
+            gar.gemm_all_reduce, comm, x, w, chunks=world, schedule="ring"
+        )
+        if 1 < local < world:
+            # The unfused GEMM with commfuse's two-level all-reduce: what the two levels alone
+            # save, without overlap.
+            alternatives["unfused hierarchical"] = functools.partial(
+                _gemm_then_hierarchical, comm, x, w, local
+            )
+        for level in [1, local] if 1 < local < world else [1]:
+            alternatives[f"blocks k={gar.BLOCK_CHUNKS} L={level}"] = functools.partial(
+                gar.gemm_all_reduce,
+                comm,
+                x,
+                w,
+                chunks=gar.BLOCK_CHUNKS,
+                schedule="blocks",
+                ranks_per_host=level,
+            )
     return FusedForms(
         compute=lambda: torch.matmul(x, w.t()),
         comm=lambda: comm.all_reduce(buf),
@@ -198,7 +237,18 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
         fused=lambda k: gar.gemm_all_reduce(comm, x, w, chunks=k),
         max_chunks=16,
         choose=lambda: gar.choose_chunks_for(comm, x, w, ChunkConfig(max_chunks=16)),
+        alternatives=alternatives,
     )
+
+
+def _gemm_then_hierarchical(
+    comm: Communicator, x: torch.Tensor, w: torch.Tensor, ranks_per_host: int
+) -> torch.Tensor:
+    from commfuse.collectives import all_reduce
+
+    out = torch.matmul(x, w.t())
+    all_reduce(comm, out, "sum", algo="hierarchical", ranks_per_host=ranks_per_host)
+    return out
 
 
 def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
@@ -317,8 +367,12 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 )
             )
             fused = forms.fused_at(chunks)
+            if fixed is not None:  # the caller chose the schedule: time that one alone
+                forms.alternatives.clear()
             for _ in range(config.warmup):
                 _timed(comm, fused)
+                for alternative in forms.alternatives.values():
+                    _timed(comm, alternative)
             cases = {
                 c.name: c
                 for c in (
@@ -330,6 +384,8 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                         name="overlap",
                         call=functools.partial(run_together, forms.compute, forms.comm),
                     ),
+                    *(Case(name=f"fused[{n}]", call=fn) for n, fn in forms.alternatives.items()),
+                    *(Case(name=f"stage:{n}", call=fn) for n, fn in forms.stages.items()),
                 )
             }
             # Balanced orders, not a fixed one: with a fixed order, identical code timed as U and
@@ -355,47 +411,74 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 control=schedule.control_variant,
                 paired=False,  # the ratios below are of the medians
             )
-            c, m, u, f, o = (summary.medians[name] for name in cases)
-            ideal = max(c, m)
-            records.append(
-                {
-                    "op": op,
-                    "shape": list(shape),
-                    "world_size": comm.world_size,
-                    "hosts": topology.num_hosts,
-                    "ranks_per_host": topology.ranks_per_host,
-                    "link_mbit": topology.link_mbit,
-                    "emulated": config.emulated,
-                    "chunks": chunks,
-                    "compute_us": c,
-                    "comm_us": m,
-                    "unfused_us": u,
-                    "fused_us": f,
-                    "ideal_us": ideal,
-                    "overlap_us": o,
-                    # The model counts pieces of rows; a by-table schedule has none.
-                    "predicted_us": (
-                        predict_us(c, m, chunks, float(agreed[2]))
-                        if isinstance(chunks, int)
-                        else None
-                    ),
-                    "overhead_us": float(agreed[2]),
-                    "fused_vs_unfused": f / u,
-                    "fused_vs_ideal": f / ideal,
-                    "fused_vs_overlap": f / o,
-                    **summary.as_dict(),
-                    "unfused_control_us": (
-                        summary.medians[schedule.control_variant]
-                        if schedule.control_variant
-                        else None
-                    ),
-                    "tie": summary.is_tie(f / u, variant="fused"),
-                    "ratio_ci": list(summary.ratio_intervals["fused"]),
-                    "c_over_m": c / m if m else float("inf"),
-                    "wrong": int(wrong),
-                    "iters": config.iters,
-                }
+            c, m, u, f, o = (
+                summary.medians[name] for name in ("compute", "comm", "unfused", "fused", "overlap")
             )
+            ideal = max(c, m)
+            bound = None
+            if forms.bound is not None:
+                parts = {n: summary.medians[f"stage:{n}"] for n in forms.stages}
+                bound = forms.bound({"compute": c, "comm": m, **parts})
+            record: dict[str, Any] = {
+                "op": op,
+                "shape": list(shape),
+                "world_size": comm.world_size,
+                "hosts": topology.num_hosts,
+                "ranks_per_host": topology.ranks_per_host,
+                "link_mbit": topology.link_mbit,
+                "emulated": config.emulated,
+                "chunks": chunks,
+                "compute_us": c,
+                "comm_us": m,
+                "unfused_us": u,
+                "fused_us": f,
+                "ideal_us": ideal,
+                "overlap_us": o,
+                # The model counts pieces of rows; a by-table schedule has none.
+                "predicted_us": (
+                    predict_us(c, m, chunks, float(agreed[2])) if isinstance(chunks, int) else None
+                ),
+                "overhead_us": float(agreed[2]),
+                "fused_vs_unfused": f / u,
+                "fused_vs_ideal": f / ideal,
+                "fused_vs_overlap": f / o,
+                "dependency_bound_us": bound,
+                "stages_us": {n: summary.medians[f"stage:{n}"] for n in forms.stages},
+                "fused_vs_dependency_bound": f / bound if bound else None,
+                **summary.as_dict(),
+                "unfused_control_us": (
+                    summary.medians[schedule.control_variant] if schedule.control_variant else None
+                ),
+                "tie": summary.is_tie(f / u, variant="fused"),
+                "ratio_ci": list(summary.ratio_intervals["fused"]),
+                "c_over_m": c / m if m else float("inf"),
+                "wrong": int(wrong),
+                "iters": config.iters,
+            }
+            records.append(record)
+            for name, fn in forms.alternatives.items():
+                # One row per other schedule: its own fused time and wrong count, the rest
+                # (C, M, unfused, overlap, control) of the same rounds.
+                a = summary.medians[f"fused[{name}]"]
+                bad = torch.tensor([int((fn() != forms.unfused()).sum())], device=comm.device)
+                comm.all_reduce(bad)
+                records.append(
+                    {
+                        **record,
+                        "op": f"{op}[{name}]",
+                        "schedule_of": op,
+                        "chunks": "-",  # in the name
+                        "fused_us": a,
+                        "predicted_us": None,
+                        "fused_vs_unfused": a / u,
+                        "fused_vs_ideal": a / ideal,
+                        "fused_vs_overlap": a / o,
+                        "fused_vs_dependency_bound": a / bound if bound else None,
+                        "tie": summary.is_tie(a / u, variant=f"fused[{name}]"),
+                        "ratio_ci": list(summary.ratio_intervals[f"fused[{name}]"]),
+                        "wrong": int(bad),
+                    }
+                )
     return records
 
 
@@ -416,5 +499,13 @@ COLUMNS = (
     ("U'/U", lambda r: "-" if r.get("control_ratio") is None else f"{r['control_ratio']:.3f}"),
     ("fused/ideal", lambda r: f"{r['fused_vs_ideal']:.3f}"),
     ("fused/overlap", lambda r: f"{r['fused_vs_overlap']:.3f}"),
+    (
+        "fused/dep",
+        lambda r: (
+            "-"
+            if r.get("fused_vs_dependency_bound") is None
+            else f"{r['fused_vs_dependency_bound']:.3f}"
+        ),
+    ),
     ("wrong", lambda r: str(r["wrong"])),
 )

@@ -119,8 +119,10 @@ class HostGroups:
         """The same group under a second communicator, for the flat path's accounting."""
 
 
-def _levels(comm: Communicator, ranks_per_host: int) -> tuple[Communicator, Communicator]:
-    """(my host's group, the group of my local rank on every host), created once."""
+def host_levels(comm: Communicator, ranks_per_host: int) -> tuple[Communicator, Communicator]:
+    """(my host's group, the group of my local rank on every host), created once per
+    (communicator, ``ranks_per_host``) and kept on ``comm``; a collective call the first time
+    (every rank of ``comm`` must make it)."""
     cached = comm.owned(HostGroups).levels
     if ranks_per_host not in cached:
         intra, inter = comm.split_by_host(ranks_per_host)
@@ -265,7 +267,7 @@ def hierarchical_all_reduce(
         with _charged(comm, kind, flat):
             inter_fn(flat, buf, op, **opts)
         return
-    intra, inter = _levels(comm, local)
+    intra, inter = host_levels(comm, local)
     with _charged(comm, kind, intra, inter):
         if intra_algo == TWO_D:
             _two_d(intra, inter, buf, op, inter_algo, num_chunks, opts)
@@ -297,7 +299,7 @@ def hierarchical_broadcast(
         with _charged(comm, kind, flat):
             inter_fn(flat, buf, root, **opts)
         return
-    intra, inter = _levels(comm, local)
+    intra, inter = host_levels(comm, local)
     root_host, root_local = divmod(root, local)
     with _charged(comm, kind, intra, inter):
         if intra.rank == root_local:

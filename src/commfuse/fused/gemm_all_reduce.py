@@ -16,25 +16,42 @@ AllReduce being a ReduceScatter followed by an AllGather:
   theirs (a direct all-gather, all messages posted at once), which travel while the next
   group's ring computes. ``chunks = k`` gives ``g = ceil(k / P)`` groups (``k`` up to ``P``: one
   ring of P pieces).
+* **Row blocks in two levels (``schedule="blocks"``, the default where the ranks fill several
+  hosts of several ranks).** The rows are cut into ``k`` blocks; each block's GEMM writes its
+  rows of the output in place, then every earlier block's all-reduce moves one phase on and the
+  new block's starts (``two_level_all_reduce.py``: reduce-scatter inside the host, reduce-
+  scatter and all-gather across hosts, all-gather inside the host, every phase's messages
+  posted at once). Block ``i``'s phases travel while blocks ``i + 1 .. i + 3`` compute. Each
+  host link carries ``2 ((H - 1) / H) n`` bytes, against ``2 ((P - 1) / P) n`` for a flat
+  ring: on 2 hosts x 2 ranks two thirds of it. With one rank per host (or one host) it is the
+  flat direct all-reduce of each block.
 * **Columns (a GEMV: fewer rows than P).** The output features are cut into ``k`` blocks, each
   reduced by ``DirectAllReduce`` (a direct reduce-scatter, then a direct all-gather) while the
   next block is computed.
 
-Why the ring for rows: in the direct reduce-scatter path the all-gather of piece ``i`` can only
-be posted after the next piece's GEMM, which leaves nothing to overlap it with; the ring's
-reduce-scatter steps overlap the GEMM of the block at hand.
+Why the ring on one level: its reduce-scatter steps overlap the GEMM of the block at hand, and
+a flat layout gains no bytes from the blocks' direct phases, which wait for every rank at each
+phase (see How to tune).
 
-Bytes: each rank sends ``2 (P - 1) / P`` of the output, what a ring all-reduce of the unfused
-output sends (``sent_bytes``). Sums: every block is summed once, by one rank, and sent to all,
-so every rank holds the same result. The ring adds in ring order, in the tensors' own dtype (as
+Bytes: in one level each rank sends ``2 (P - 1) / P`` of the output, what a ring all-reduce of
+the unfused output sends (``sent_bytes``); in two levels ``2 ((L - 1) / L)`` of it inside the
+host and ``2 ((H - 1) / H) / L`` across hosts. Sums: every block is summed once, by one rank,
+and sent to all, so every rank holds the same result. The ring adds in ring order, in the tensors' own dtype (as
 gloo's ring all-reduce does: bfloat16 partial sums are rounded at each hop), so results equal
 the unfused operator's bit for bit only where sums are exact (integer-valued inputs); the
-column path accumulates in at least float32.
+blocks and the column path accumulate in at least float32 (rounded once per level).
 
 Choosing ``k`` (``choose_chunks_for``): the fused pipeline's transport and the unfused path's
 (gloo's ring) are timed apart, and a chunked choice is confirmed by a timed trial against the
 unfused operator; otherwise ``k = 1`` runs the unfused operator with gloo's own all-reduce, so
-fusion never makes the layer measurably slower (``fallback.py``).
+fusion never makes the layer measurably slower (``fallback.py``). In two levels the trial of
+``BLOCK_CHUNKS`` blocks alone decides (the blocks cross the hosts with fewer bytes than the
+model's one ``M``).
+
+How to tune: every block adds dependent phases, each of which waits for the slowest rank and
+for its messages to be read; where the ranks share few cores those waits cost more than a
+smaller exposed piece saves, so few blocks (2) or one ring of P pieces do best; with a core
+per rank more blocks pay (``chunking.py``'s model, ``o`` per block).
 
 Backward (gradient semantics). The output is replicated on every rank, and every rank back-
 propagates the same ``grad_out``, so the backward of the forward AllReduce (a sum over ranks) is
@@ -46,6 +63,7 @@ layer, has one).
 from __future__ import annotations
 
 import math
+from typing import Final, Literal
 
 import torch
 
@@ -59,7 +77,18 @@ from commfuse.fused.chunking import (
 )
 from commfuse.fused.direct_all_reduce import DirectAllReduce
 from commfuse.fused.direct_all_reduce import sent_bytes as direct_sent_bytes
-from commfuse.fused.fallback import choose_fused_chunks
+from commfuse.fused.fallback import choose_fused_chunks, confirm_by_trial
+from commfuse.fused.two_level_all_reduce import TwoLevelAllReduce
+from commfuse.fused.two_level_all_reduce import sent_bytes as two_level_sent_bytes
+
+RowSchedule = Literal["ring", "blocks"]
+"""How the row path reduces (module docstring): ``"ring"``, a fused GEMM + ReduceScatter ring
+per row group; ``"blocks"``, direct phases per row block, in two levels where the ranks fill
+several hosts."""
+#: Row blocks of the ``"blocks"`` schedule that the automatic choice tries (``choose_chunks_for``).
+BLOCK_CHUNKS: Final = 2
+#: The row schedules, in the order a benchmark times them.
+ROW_SCHEDULES: Final[tuple[RowSchedule, ...]] = ("ring", "blocks")
 
 #: Stats label of the fused pipeline's point-to-point traffic (exact bytes and messages); the
 #: unfused reference's native all-reduce counts its payload under "all_reduce".
@@ -99,13 +128,42 @@ def gemm_all_reduce_reference(
 
 
 def gemm_all_reduce(
-    comm: Communicator, x: torch.Tensor, weight: torch.Tensor, *, chunks: int
+    comm: Communicator,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    chunks: int,
+    schedule: RowSchedule | None = None,
+    ranks_per_host: int | None = None,
 ) -> torch.Tensor:
     """``all_reduce_sum(x @ weight^T)`` computed and reduced in ``chunks`` pieces (see the module
-    docstring). ``chunks=1`` is the unfused reference; every rank must pass the same ``chunks``."""
+    docstring). ``chunks=1`` is the unfused reference; every rank must pass the same ``chunks``,
+    ``schedule`` and ``ranks_per_host``.
+
+    Args:
+        comm: the tensor-parallel group.
+        x: ``[..., K_r]``, this rank's input-feature shard.
+        weight: ``[N, K_r]``, the matching columns of the weight.
+        chunks: pieces (row groups of the ring, row blocks, or output-feature blocks of a GEMV).
+        schedule: the row path's schedule (``RowSchedule``); None: ``default_schedule``. A
+            GEMV has one schedule.
+        ranks_per_host: the host layout (ranks are host-major); None:
+            ``CommConfig.ranks_per_host``, else one rank per host.
+
+    Returns:
+        ``[..., N]``, the sum over ranks, the same on every rank.
+
+    Raises:
+        ValueError: shapes that do not multiply, ``chunks < 1``, an unknown ``schedule``, a
+            ``ranks_per_host`` that does not divide the group.
+    """
     check_shapes(x, weight)
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
+    if schedule is None:
+        schedule = default_schedule(comm, ranks_per_host)
+    if schedule not in ROW_SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(ROW_SCHEDULES)}, got {schedule!r}")
     lead = x.shape[:-1]
     rows, cols = math.prod(lead), weight.shape[0]
     x2 = x.reshape(rows, x.shape[-1])  # explicit rows: an empty shard has K = 0
@@ -113,7 +171,10 @@ def gemm_all_reduce(
         return gemm_all_reduce_reference(comm, x, weight)
     if rows >= comm.world_size:
         out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-        _ring_then_gather(comm, x2, weight, out, row_groups(rows, chunks, comm.world_size))
+        if schedule == "ring":
+            _ring_then_gather(comm, x2, weight, out, row_groups(rows, chunks, comm.world_size))
+        else:
+            _blocks(comm, x2, weight, out, split_ranges(rows, chunks), ranks_per_host)
         return out.reshape(*lead, cols)
     # Few rows (a GEMV): cut the output features instead; each block is its own buffer.
     reducer = DirectAllReduce(comm, LABEL)
@@ -127,6 +188,54 @@ def gemm_all_reduce(
     reducer.finish()
     return torch.cat(pieces, dim=1).reshape(*lead, cols)
 
+
+def default_schedule(comm: Communicator, ranks_per_host: int | None = None) -> RowSchedule:
+    """``"blocks"`` where the ranks fill several hosts of several ranks each (the two-level
+    reduction crosses each host link with fewer bytes than any flat one), else ``"ring"``."""
+    from commfuse.collectives.hierarchical import ranks_per_host_of
+
+    local = ranks_per_host_of(comm, ranks_per_host)
+    return "blocks" if 1 < local < comm.world_size else "ring"
+
+
+def _blocks(
+    comm: Communicator,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    blocks: list[tuple[int, int]],
+    ranks_per_host: int | None,
+) -> None:
+    """The ``"blocks"`` schedule (module docstring): each row block's GEMM writes its rows of
+    ``out`` in place, then every earlier block moves one phase on and the new one starts."""
+    from commfuse.collectives.hierarchical import host_levels, ranks_per_host_of
+
+    local = ranks_per_host_of(comm, ranks_per_host)
+    subs: tuple[Communicator, ...] = ()
+    if local == 1:  # one level: no sub-groups, the traffic on comm itself
+        reducer = TwoLevelAllReduce(None, comm, LABEL)
+    elif local == comm.world_size:
+        reducer = TwoLevelAllReduce(comm, None, LABEL)
+    else:
+        subs = host_levels(comm, local)
+        for sub in subs:
+            sub.stats.reset()
+        reducer = TwoLevelAllReduce(subs[0], subs[1], LABEL)
+    w_t = weight.t()
+    for start, stop in blocks:
+        torch.matmul(x2[start:stop], w_t, out=out[start:stop])
+        reducer.advance()
+        reducer.start(out[start:stop])
+    reducer.finish()
+    for sub in subs:  # the sub-groups' messages are this operator's
+        comm.stats[LABEL].add(sub.stats[LABEL])
+    if subs:
+        comm.stats[CROSS_LABEL].add(subs[1].stats[LABEL])
+
+
+#: Stats label of the ``"blocks"`` schedule's cross-host messages where it runs in two levels
+#: (they are counted under ``LABEL`` too).
+CROSS_LABEL = f"{LABEL}.across_hosts"
 
 #: Tag of the all-gather messages (the ring's own tags are its steps, 0 .. P - 1).
 _GATHER_TAG = 1 << 16
@@ -170,13 +279,28 @@ def _ring_then_gather(
         handle.wait()
 
 
-def sent_bytes(rows: int, cols: int, chunks: int, world: int, rank: int, element_size: int) -> int:
+def sent_bytes(
+    rows: int,
+    cols: int,
+    chunks: int,
+    world: int,
+    rank: int,
+    element_size: int,
+    *,
+    schedule: RowSchedule = "ring",
+    ranks_per_host: int = 1,
+) -> int:
     """Bytes this rank sends in ``gemm_all_reduce(..., chunks)`` (``chunks > 1``, ``world > 1``)
-    for a ``[rows, cols]`` output: the ring sends every block of each group but its own, the
-    gather its own block ``P - 1`` times; the column path is ``direct_all_reduce.sent_bytes``."""
+    for a ``[rows, cols]`` output. Ring: every block of each group but its own, then its own
+    block ``P - 1`` times (the gather); blocks: ``sum(two_level_all_reduce.sent_bytes)`` over
+    the row blocks; a GEMV's columns: ``direct_all_reduce.sent_bytes``."""
     if rows < world:
         numels = [n * rows for n in split_sizes(cols, chunks) if n]
         return direct_sent_bytes(numels, world, rank, element_size)
+    if schedule == "blocks":
+        numels = [(stop - start) * cols for start, stop in split_ranges(rows, chunks)]
+        hosts = world // ranks_per_host
+        return sum(two_level_sent_bytes(numels, hosts, ranks_per_host, rank, element_size))
     total = 0
     for start, stop in row_groups(rows, chunks, world):
         splits = split_sizes(stop - start, world)
@@ -262,6 +386,20 @@ def choose_chunks_for(
     limit = max(rows, weight.shape[0])
     if config.num_chunks is not None or comm.world_size == 1:
         return max(1, min(config.num_chunks or 1, limit))
+    if rows >= comm.world_size and default_schedule(comm) == "blocks":
+        # Two levels: the blocks move fewer bytes across hosts than the unfused all-reduce, so
+        # the model's one M does not describe them; the timed trial alone decides.
+        with torch.no_grad():
+            for _ in range(2):  # opens the sub-groups' connections
+                gemm_all_reduce(comm, x, weight, chunks=BLOCK_CHUNKS)
+            return confirm_by_trial(
+                comm,
+                BLOCK_CHUNKS,
+                lambda k: gemm_all_reduce(comm, x, weight, chunks=k),
+                lambda: gemm_all_reduce_reference(comm, x, weight),
+                runs=trial_runs,
+                min_gain=config.min_gain,
+            )
     if rows >= comm.world_size:
         # The row path's pieces are the ring's P steps; more groups only added per-group
         # overhead where measured (1024 x 8192 x 512 on 4 hosts: 0.91 of unfused with one ring,
