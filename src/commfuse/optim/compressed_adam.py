@@ -32,7 +32,7 @@ import torch
 from commfuse import collectives
 from commfuse.comm import Communicator
 from commfuse.optim.compressed_all_reduce import CompressedAllReduce
-from commfuse.optim.config import Exchange
+from commfuse.optim.config import ExchangeSettings
 
 
 class CompressedAdam(torch.optim.Optimizer):
@@ -41,14 +41,12 @@ class CompressedAdam(torch.optim.Optimizer):
     Args:
         params: the parameters (or parameter groups) to optimise, as for ``torch.optim.AdamW``.
         comm: the data-parallel group.
+        settings: the variant's config: its ``exchange`` (``onebit`` or ``none``) and the
+            algorithms of the 1-bit allreduce's two phases and of the full-precision allreduce.
         lr: learning rate.
         betas: ``(beta1, beta2)``, the decays of the momentum and of the variance.
         eps: added to the denominator.
         weight_decay: decoupled weight decay (AdamW's).
-        exchange: ``onebit`` or ``none``.
-        all_to_all_algo: the 1-bit allreduce's all-to-all algorithm.
-        all_gather_algo: the 1-bit allreduce's all-gather algorithm.
-        algo: the full-precision allreduce's algorithm.
 
     Raises:
         ValueError: a negative learning rate, eps or weight decay, betas outside [0, 1).
@@ -58,15 +56,12 @@ class CompressedAdam(torch.optim.Optimizer):
         self,
         params: Iterable[Any],
         comm: Communicator,
+        settings: ExchangeSettings,
         *,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        exchange: Exchange = "onebit",
-        all_to_all_algo: str = "auto",
-        all_gather_algo: str = "auto",
-        algo: str = "auto",
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(
@@ -77,10 +72,10 @@ class CompressedAdam(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.comm = comm
-        self.exchange = exchange
-        self.algo = algo
+        self.exchange = settings.exchange
+        self.algo = settings.algo
         self.onebit = CompressedAllReduce(
-            all_to_all_algo=all_to_all_algo, all_gather_algo=all_gather_algo
+            all_to_all_algo=settings.all_to_all_algo, all_gather_algo=settings.all_gather_algo
         )
         self.step_count = 0
         """Steps taken (t)."""

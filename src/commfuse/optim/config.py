@@ -8,11 +8,24 @@ does the communication (``commfuse.train.onebit``).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Protocol
 
 Exchange = Literal["onebit", "none"]
 """How the momentum (or the accumulated update) is averaged: the two-phase 1-bit allreduce with
 error feedback, or an uncompressed fp32 allreduce (the exact reference)."""
+
+
+class ExchangeSettings(Protocol):
+    """The settings of the exchanges both configs carry (what ``CompressedAdam`` reads)."""
+
+    @property
+    def exchange(self) -> Exchange: ...
+    @property
+    def all_to_all_algo(self) -> str: ...
+    @property
+    def all_gather_algo(self) -> str: ...
+    @property
+    def algo(self) -> str: ...
 
 
 def _check_algos(all_to_all_algo: str, all_gather_algo: str, algo: str) -> None:

@@ -68,16 +68,7 @@ class OneBitAdam(CompressedAdam):
         weight_decay: float = 0.0,
     ) -> None:
         super().__init__(
-            params,
-            comm,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            exchange=config.exchange,
-            all_to_all_algo=config.all_to_all_algo,
-            all_gather_algo=config.all_gather_algo,
-            algo=config.algo,
+            params, comm, config, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
         )
         self.config = config
 
