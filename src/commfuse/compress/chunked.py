@@ -17,7 +17,6 @@ import dataclasses
 
 import torch
 
-from commfuse.comm import Communicator
 from commfuse.compress.message import MessageCompressor
 
 
@@ -48,19 +47,6 @@ class DecayedFeedbackCompressor(MessageCompressor):
         if not 0 < self.decay <= 1:
             raise ValueError(f"{self.name}: decay must be in (0, 1], got {self.decay}")
 
-    def _reduce(
-        self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int, commit: bool
-    ) -> None:
-        key = self._state_key(bucket)
-        numel = grad.numel()
-        residual = self.feedback.residuals.get(key) if self.ef else None
-        if residual is None or residual.shape != grad.shape or residual.dtype != grad.dtype:
-            x = grad.clone()
-        else:
-            x = torch.add(grad, residual, alpha=self.decay)
-        parts = self.compress(x, step=step, bucket=bucket, rank=comm.rank)
-        if self.ef and commit:
-            self.feedback.update(key, x - self.decompress(parts, numel, grad.dtype, step))
-        gathered = self._exchange(comm, self.layout(numel, grad.dtype, step), parts)
-        total = self.decompress_sum(gathered, numel, grad.dtype, step)
-        grad.copy_(total.div_(comm.world_size))
+    def _corrected(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """``grad + decay e_key`` (a new tensor)."""
+        return self.feedback.corrected(key, grad, decay=self.decay)

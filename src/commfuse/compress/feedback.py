@@ -32,12 +32,13 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
 
-    def corrected(self, key: str, grad: torch.Tensor) -> torch.Tensor:
-        """``grad + e_key`` as a new tensor (``grad`` itself is left alone)."""
+    def corrected(self, key: str, grad: torch.Tensor, *, decay: float = 1.0) -> torch.Tensor:
+        """``grad + decay e_key`` as a new tensor (``grad`` itself is left alone); ``decay``
+        below 1 lets old residual mass fade (``chunked.DecayedFeedbackCompressor``)."""
         residual = self.residuals.get(key)
         if residual is None or residual.shape != grad.shape or residual.dtype != grad.dtype:
             return grad.clone()
-        return grad + residual
+        return torch.add(grad, residual, alpha=decay)
 
     def add_to_(self, key: str, grad: torch.Tensor) -> torch.Tensor | None:
         """``grad += e_key`` IN PLACE (for a compressor that overwrites ``grad`` anyway);

@@ -68,12 +68,16 @@ class MessageCompressor(Compressor):
         C.all_gather(comm, gathered, words, algo=self.gather_algo)
         return layout.unpack(gathered)
 
+    def _corrected(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """This exchange's input: ``grad`` plus the residual of ``key`` (a new tensor)."""
+        return self.feedback.corrected(key, grad)
+
     def _reduce(
         self, comm: Communicator, grad: torch.Tensor, *, bucket: int, step: int, commit: bool
     ) -> None:
         key = self._state_key(bucket)
         numel = grad.numel()
-        x = self.feedback.corrected(key, grad) if self.ef else grad
+        x = self._corrected(key, grad) if self.ef else grad
         parts = self.compress(x, step=step, bucket=bucket, rank=comm.rank)
         if self.ef and commit:
             self.feedback.update(key, x - self.decompress(parts, numel, grad.dtype, step))
