@@ -3,6 +3,7 @@
 commfuse compare                                   # the default: charlm, 4 hosts at 100 Mbit/s
 commfuse compare --strategy ddp --strategy fp16 --strategy topk:ratio=0.01 --steps 50
 commfuse compare --workload digits --nproc 2 --strategy ddp --strategy sign --json out.json
+commfuse compare --fault-tolerant --strategy ddp --repeats 3 --control   # torchft's overhead
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from commfuse.cli.common import (
     emulate_arg,
     topology_from_args,
 )
-from commfuse.cli.train import add_run_arguments
+from commfuse.cli.train import add_fault_tolerance_arguments, add_run_arguments
 from commfuse.train import compare as C
 
 LEGEND = """\
@@ -80,6 +81,7 @@ def register(sub: Subparsers) -> None:
         help="strategies other than the baseline may train up to this multiple of --steps to "
         "reach the baseline's final loss (t_to_base_s); all else is read at --steps",
     )
+    add_fault_tolerance_arguments(parser)
     add_output_arguments(
         parser,
         json="one record per strategy",
@@ -96,6 +98,12 @@ def run_compare(args: argparse.Namespace) -> int:
     from commfuse.train.loop import TrainConfig
     from commfuse.workloads import make_workload
 
+    if args.fault_tolerant:
+        from commfuse.cli.compare_ft import run_compare_ft
+
+        return run_compare_ft(args)
+    if args.chaos:
+        raise ValueError("--chaos injects faults into a --fault-tolerant run; add --fault-tolerant")
     strategies = args.strategy or list(C.DEFAULT_STRATEGIES)
     topology = topology_from_args(args, nproc=args.nproc)
     backend = backend_from_args(args, topology)  # the device checks, before any rank starts

@@ -140,6 +140,8 @@ def kind_of(data: Any) -> str:
         if {"op", "shape", "fused_us"} <= keys:
             steps = all(str(r["op"]).endswith("_step") and "ideal_us" not in r for r in data)
             return "bench fused --step" if steps else "bench fused"
+        if {"strategy", "mode", "goodput_ratio"} <= keys:
+            return "compare --fault-tolerant"
         if {"strategy", "step_time_s"} <= keys:
             return "compare"
         if {"strategy", "step_s", "ratio_to_first"} <= keys:
@@ -271,6 +273,10 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
         return _table(data, _fused_step_columns(), markdown)
     if kind == "compare":
         return _table(data, _compare_columns(), markdown)
+    if kind == "compare --fault-tolerant":
+        from commfuse.ft.compare import COLUMNS as FT_COLUMNS
+
+        return _table(data, FT_COLUMNS, markdown)
     if kind == "bench strategies":
         return _table(data, STRATEGIES_COLUMNS, markdown)
     if kind == "bench ddp":
@@ -293,6 +299,7 @@ _CONTROL_LABELS = {
     "bench ddp": "engine",
     "bench strategies": "strategy",
     "compare": "strategy",
+    "compare --fault-tolerant": "run",
 }
 
 

@@ -115,6 +115,14 @@ def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
         help="fewest replica groups that may commit a step (default 1)",
     )
     group.add_argument(
+        "--global-batch",
+        choices=("fixed", "shrink"),
+        default="shrink",
+        help="while a replica group is missing: fixed = the survivors train its samples too "
+        "(more per step; the global batch and the data of every step stay the same), shrink = "
+        "its samples are lost (the global batch shrinks with the quorum; default)",
+    )
+    group.add_argument(
         "--chaos",
         action="append",
         default=[],

@@ -38,6 +38,7 @@ def run_train_ft(args: argparse.Namespace) -> int:
         timeout_s=args.ft_timeout,
         min_replicas=args.min_replicas,
         faults=tuple(fault_from_spec(spec) for spec in args.chaos),
+        global_batch=args.global_batch,
     )
     ft.check_hosts(topology.num_hosts)
     config = TrainConfig(
@@ -47,7 +48,6 @@ def run_train_ft(args: argparse.Namespace) -> int:
         steps=args.steps,
         seed=args.seed,
         bucket_cap_mb=args.bucket_cap_mb,
-        evaluate=False,
     )
     from commfuse.ft.launch import run_fault_tolerant
 
@@ -64,10 +64,13 @@ def run_train_ft(args: argparse.Namespace) -> int:
 
 def describe_ft_record(r: dict[str, Any]) -> str:
     """The record in a few lines: steps, losses, agreement and one line per fault."""
+    held = "" if r.get("eval_loss") is None else f", held-out loss {r['eval_loss']:.3f}"
+    good = r.get("goodput_steps_per_s")
+    rate = "" if good is None else f", goodput {good:.2f} committed steps/s"
     lines = [
         f"{r['committed_steps']}/{r['steps']} steps committed, {r['discarded_steps']} "
-        f"discarded, {r['batches_lost']} batches ({r['samples_lost']} samples) lost, "
-        f"final loss {r['final_loss']:.3f}, {r['wall_s']:.1f} s"
+        f"discarded, {r['samples_lost']} samples lost (global batch {r['global_batch']}), "
+        f"final loss {r['final_loss']:.3f}{held}, {r['wall_s']:.1f} s{rate}"
         + ("" if r["step_digests_agree"] else "  (WARNING: replicas' parameters differ)")
     ]
     for e in r["events"]:

@@ -7,17 +7,20 @@ those (and the launcher's record of kills and restarts) the run's record states:
 * ``committed_steps``: steps applied (the committed step of the replicas that finished);
 * ``discarded_steps``: attempts that did not commit, summed over replica groups (a step in
   flight when a peer died, retried by the survivors on the same batch);
-* ``batches_lost`` / ``samples_lost``: the data of the run is ``num_replicas`` batches per
-  step (one per replica group, chosen by step and replica); a batch is trained when its
-  replica group committed that step, and lost otherwise (its replica group was dead or
-  recovering): the global batch shrinks while a replica group is missing;
+* ``samples_trained`` / ``samples_lost`` / ``samples_duplicated``: the data of the run is one
+  global batch of ``num_replicas x batch`` samples per step; each committed attempt names the
+  samples it trained (``data.py``, ``goodput.py``). With ``global_batch="shrink"`` a replica
+  group's slot is lost when it did not commit the step (it was dead or recovering), counted
+  also as ``batches_lost``; with ``fixed`` the survivors train it;
+* ``goodput_steps_per_s``: committed steps per second of training (``goodput.py``);
+* ``eval_loss`` / ``eval_accuracy``: the final model's held-out loss (when the run evaluates);
 * ``step_digests_agree``: at every step, every replica group that committed it holds
   parameters with the same digest (the restarted replica's too, from its recovery on);
   ``replicas_agree``: the final digests are equal;
 * ``events``: one per fault (a kill, a cut link): the host, the step, seconds from the fault
-  to the survivors' first failed step (``detect_s``), to their first commit of a step begun
-  after the fault (``recover_s``), and to the faulty replica's first committed step after its restart or
-  after its link is back (``rejoin_s``).
+  to the survivors' first failed step or first smaller quorum (``detect_s``), to their first
+  commit of a step begun after the fault (``recover_s``), and to the faulty replica's first
+  committed step after its restart or after its link is back (``rejoin_s``).
 """
 
 from __future__ import annotations
@@ -27,12 +30,19 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from commfuse.ft.config import Timeouts
+from commfuse.ft.config import GlobalBatch, Timeouts
+from commfuse.ft.goodput import goodput, sample_accounting
 
 
 def _failed_after(records: list[dict[str, Any]], t: float) -> float | None:
-    """Seconds from ``t`` to the end of the first failed attempt after it."""
+    """Seconds from ``t`` to the end of the first failed attempt after it, or to the first
+    quorum after it smaller than the last one before it (a replica killed between two
+    collectives fails no step: the next quorum leaves it out), whichever came first."""
     times = [r["t"] for r in records if r["t"] > t and not r["committed"]]
+    before = [r for r in records if r["t0"] <= t]
+    if before:
+        size = max(before, key=lambda r: r["t0"])["participants"]
+        times += [r["t_quorum"] for r in records if r["t_quorum"] > t and r["participants"] < size]
     return min(times) - t if times else None
 
 
@@ -55,6 +65,8 @@ def summarize_ft(
     wall_s: float,
     topology: str,
     timeouts: Timeouts,
+    global_batch: GlobalBatch = "shrink",
+    warmup: int = 2,
 ) -> dict[str, Any]:
     """The run's record (see the module docstring) from the replicas' reports.
 
@@ -70,6 +82,8 @@ def summarize_ft(
         wall_s: the launcher's wall time.
         topology: the cluster, in words.
         timeouts: the run's derived timeouts.
+        global_batch: who trained a missing replica group's samples (``data.py``).
+        warmup: steps left out of the goodput (``goodput.py``).
 
     Returns:
         The record, JSON-serialisable.
@@ -81,6 +95,10 @@ def summarize_ft(
     trained = {(r["step"], r["replica"]) for r in committed}
     committed_steps = max((res["step"] for res in results), default=0)
     batches_lost = num_replicas * committed_steps - len(trained)
+    samples = sample_accounting(
+        records, committed_steps=committed_steps, num_replicas=num_replicas, batch=batch_samples
+    )
+    final = next((res for res in results if res["step"] == steps), {})
     events = []
     for fault in faults:
         host, t = fault["replica"], fault["t"]
@@ -129,8 +147,10 @@ def summarize_ft(
         "steps": steps,
         "committed_steps": committed_steps,
         "discarded_steps": sum(not r["committed"] for r in records),
-        "batches_lost": batches_lost,
-        "samples_lost": batches_lost * batch_samples,
+        "global_batch": global_batch,
+        # A batch is one replica group's slot of a step (``shrink``: its own samples).
+        "batches_lost": batches_lost if global_batch == "shrink" else None,
+        **samples,
         "step_digests_agree": all(len(d) == 1 for d in digests.values()),
         "steps_compared": sum(len(d) > 0 for d in digests.values()),
         "replicas_agree": len({res["digest"] for res in results if res["step"] == steps}) == 1,
@@ -142,6 +162,9 @@ def summarize_ft(
         "losses": losses,
         "final_loss": losses[-1] if losses else None,
         "step_time_s": statistics.median(step_times) if step_times else None,
+        **goodput(records, steps=committed_steps, warmup=warmup),
+        "eval_loss": final.get("eval_loss"),
+        "eval_accuracy": final.get("eval_accuracy"),
         "wall_s": wall_s,
         "timeouts": dataclasses.asdict(timeouts),
         "records": records,

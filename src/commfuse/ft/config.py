@@ -37,6 +37,10 @@ OP_TIMEOUT_FACTOR = 5.0
 HEARTBEATS_PER_TIMEOUT = 20
 #: Quorum requests a Manager repeats after a timeout before its replica gives up.
 QUORUM_RETRIES = 3
+#: Who trains a missing replica group's samples (``data.py``): ``fixed`` keeps the global
+#: batch by giving the survivors more samples per step, ``shrink`` lets it shrink.
+GlobalBatch: TypeAlias = Literal["fixed", "shrink"]
+GLOBAL_BATCH_CHOICES: tuple[GlobalBatch, ...] = ("fixed", "shrink")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,9 +191,17 @@ class FaultToleranceConfig:
     quorum)."""
     faults: tuple[Fault, ...] = ()
     """Faults to inject (``KillFault``, ``CutFault``, ``SlowFault``, ``KillEveryFault``)."""
+    global_batch: GlobalBatch = "shrink"
+    """While a replica group is missing: ``fixed``, the survivors train its samples too (more
+    per step, the global batch unchanged); ``shrink``, its samples are lost (``data.py``)."""
 
     def __post_init__(self) -> None:
         Timeouts.derive(self.timeout_s)  # ValueError on a bad timeout
+        if self.global_batch not in GLOBAL_BATCH_CHOICES:
+            raise ValueError(
+                f"global_batch must be one of {', '.join(GLOBAL_BATCH_CHOICES)}, "
+                f"got {self.global_batch!r}"
+            )
         if self.min_replicas < 1:
             raise ValueError(f"min_replicas must be at least 1, got {self.min_replicas}")
         for fault in self.faults:

@@ -302,6 +302,7 @@ def _run(
         wall_s=time.monotonic() - started,
         topology=topology.describe(),
         timeouts=ft.timeouts,
+        global_batch=ft.global_batch,
     )
     record["strategy"] = describe_strategy(config.strategy)
     return record

@@ -7,8 +7,9 @@ Every step, in the order torchft's Manager expects:
    restarted or dropped), it first receives the state of a replica at the newest step
    (``transport.py``) and continues from there;
 2. the step's batch is chosen by the committed step (``manager.current_step()``), the replica
-   group's index and the number of replica groups, so a step that fails is retried on the same
-   data, and a joiner continues where the others are;
+   group's index and the number of replica groups (with ``global_batch="fixed"``, by its rank
+   in the quorum and the quorum's size: ``data.py``), so a step that fails is retried on the
+   same data, and a joiner continues where the others are;
 3. forward and backward through torch DDP, whose hook averages the gradients across the
    quorum (``hook.py``);
 4. ``manager.should_commit()``: every replica group votes; the step is applied (the optimizer
@@ -39,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commfuse.compress.base import Compressor
 from commfuse.ft.config import FaultToleranceConfig, KillFault
+from commfuse.ft.data import global_batch_slice, loss_scale, sample_range
 from commfuse.ft.hook import FTHookState, ft_allreduce_hook
 from commfuse.ft.require import require_torchft
 from commfuse.train.loop import TrainConfig, params_digest
@@ -134,6 +136,34 @@ def _start_quorum(manager: Any) -> None:
             # torchft 0.2.0 keeps the failed request and raises its error again at the next
             # start_quorum; forget it, and ask anew.
             manager._quorum_future = None
+
+
+def _step_batch(
+    workload: Any, manager: Any, job: ReplicaJob, step: int
+) -> tuple[list[int] | None, Any, float]:
+    """This replica's samples ``[start, stop)`` of the step's global batch (None when it is
+    not participating: the hook sends zeros for it), the batch, and its loss's scale
+    (``data.py``)."""
+    size = int(getattr(job.train.workload, "batch", 1))
+    participant = manager.participating_rank()
+    if job.ft.global_batch == "shrink" or participant is None:
+        batch = workload.batch(step, job.replica, job.num_replicas, seed=job.train.seed)
+        own = [job.replica * size, (job.replica + 1) * size]
+        return (own if participant is not None else None), batch, 1.0
+    participants = manager.num_participants()
+    start, stop = sample_range(
+        "fixed",
+        replica=job.replica,
+        participant=participant,
+        participants=participants,
+        num_replicas=job.num_replicas,
+        batch=size,
+    )
+    batch = global_batch_slice(
+        workload, step, start, stop, num_replicas=job.num_replicas, batch=size, seed=job.train.seed
+    )
+    scale = loss_scale(start, stop, participants=participants, total=job.num_replicas * size)
+    return [start, stop], batch, scale
 
 
 def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
@@ -265,11 +295,11 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             saved = copy.deepcopy(compression_state())
             if kill is not None and kill.phase == "compute" and kill.at_step == step_now:
                 _kill_now(conn, kill, step_now)
-            batch = workload.batch(step_now, job.replica, job.num_replicas, seed=job.train.seed)
+            samples, batch, scale = _step_batch(workload, manager, job, step_now)
             optimizer.zero_grad(set_to_none=True)
             loss = workload.loss(ddp, batch)
             sent_before = hook_state.bytes_sent
-            loss.backward()  # type: ignore[no-untyped-call]
+            (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
             participants = manager.num_participants()
             t_backward = time.monotonic()
             committed = manager.should_commit()
@@ -293,14 +323,18 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "t": time.monotonic(),
                         "digest": params_digest(module) if committed else None,
                         "healed": healed,
+                        "samples": samples,
                         "bytes": hook_state.bytes_sent - sent_before,
                         "error": None if error is None else str(error.original_exception),
                     },
                 ),
             )
+        held_out = workload.evaluate(module) if job.train.evaluate else {}
         return {
             "replica": job.replica,
             "life": job.life,
+            "eval_loss": held_out.get("loss"),
+            "eval_accuracy": held_out.get("accuracy"),
             "digest": params_digest(module),
             "step": manager.current_step(),
             "recovered_bytes": transport.bytes_received,

@@ -1,0 +1,82 @@
+"""``commfuse compare --fault-tolerant``: each strategy with and without torchft, or with and
+without faults (``commfuse.ft.compare``).
+
+commfuse compare --fault-tolerant --strategy ddp --repeats 3 --control
+commfuse compare --fault-tolerant --strategy powersgd:rank=8 --chaos kill-every:every_s=30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from commfuse.cli.common import emulate_arg, topology_from_args
+
+
+def run_compare_ft(args: argparse.Namespace) -> int:
+    """Build the pairs from the flags, run them in balanced rounds, print and write them.
+
+    Raises:
+        ValueError: a bad flag (several ranks per host, a strategy that fault-tolerant
+            training refuses, a bad fault spec).
+    """
+    from commfuse.bench.table import control_note
+    from commfuse.cli.spec import fault_from_spec, strategy_from_spec, workload_from_spec
+    from commfuse.ft.compare import LEGEND, render_table, run_compare_ft
+    from commfuse.ft.config import FaultToleranceConfig
+    from commfuse.train.compare import DEFAULT_STRATEGIES
+    from commfuse.train.loop import TrainConfig
+
+    topology = topology_from_args(args, nproc=args.nproc)
+    if topology.ranks_per_host != 1:
+        raise ValueError("--fault-tolerant runs one rank per host (one replica group each)")
+    specs = args.strategy or [DEFAULT_STRATEGIES[0]]
+    strategies = [strategy_from_spec(s, ranks_per_host=1) for s in specs]
+    for flag in ("init_from", "max_steps_factor"):
+        if getattr(args, flag) not in (None, 1.0):
+            raise ValueError(f"--{flag.replace('_', '-')} does not combine with --fault-tolerant")
+    ft = FaultToleranceConfig(
+        timeout_s=args.ft_timeout,
+        min_replicas=args.min_replicas,
+        faults=tuple(fault_from_spec(spec) for spec in args.chaos),
+        global_batch=args.global_batch,
+    )
+    base = TrainConfig(
+        workload=workload_from_spec(args.workload),
+        steps=args.steps,
+        seed=args.seed,
+        bucket_cap_mb=args.bucket_cap_mb,
+    )
+    pairs = "with faults against without" if ft.faults else "under torchft against without"
+    print(
+        f"commfuse compare --fault-tolerant: {args.workload} on {topology.describe()}, "
+        f"{args.steps} steps, each strategy {pairs}, {args.repeats} balanced round(s)"
+        f"{' (A/A control: the first reference twice)' if args.control else ''}"
+    )
+    records = run_compare_ft(
+        strategies,
+        base,
+        topology,
+        ft,
+        repeats=args.repeats,
+        control=args.control,
+        emulate=emulate_arg(args),
+        timeout_s=args.timeout or 3600.0,
+        labels=[s.strip() for s in specs],
+    )
+    print()
+    print(render_table(records))
+    print()
+    print(LEGEND)
+    note = control_note(records, "run")
+    if note:
+        print(note)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+        print(f"records written to {args.json}")
+    if args.markdown:
+        title = f"{args.workload} on {topology.describe()}, fault-tolerant"
+        Path(args.markdown).write_text(f"# {title}\n\n{render_table(records, markdown=True)}\n")
+        print(f"markdown table written to {args.markdown}")
+    return 0
