@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from commfuse.ft.data import global_batch_slice, loss_scale, sample_range
-from commfuse.ft.goodput import sample_accounting
+from commfuse.ft.goodput import sample_accounting, unreported_commits
 from commfuse.workloads import CharLMOptions, make_workload
 
 WORKLOAD = CharLMOptions(dim=32, layers=2, heads=2, seq=16, batch=4)
@@ -58,6 +58,7 @@ def test_kill_every_from_the_command_line_loses_no_sample_with_a_fixed_global_ba
     total = steps * 3 * WORKLOAD.batch
     assert record["samples_trained"] == total
     assert record["samples_duplicated"] == 0 and record["samples_lost"] == 0
+    assert record["commits_inferred"] <= len(kills)  # killed between commit and report
     assert record["goodput_steps_per_s"] > 0 and record["eval_loss"] is not None
 
 
@@ -110,3 +111,20 @@ def test_sample_accounting_counts_lost_and_duplicated_samples() -> None:
     ]  # fmt: skip
     counts = sample_accounting(records, committed_steps=2, num_replicas=2, batch=4)
     assert counts == {"samples_trained": 14, "samples_duplicated": 2, "samples_lost": 2}
+
+
+def test_a_commit_that_a_killed_replica_could_not_report_is_inferred() -> None:
+    def attempt(replica: int, step: int, samples: list[int], t: float) -> dict[str, object]:
+        return {"replica": replica, "step": step, "committed": True, "samples": samples,
+                "participants": 2, "t": t}  # fmt: skip
+
+    # Replica 1 reported step 0, voted to commit step 1 and was killed before its report.
+    records = [attempt(0, 0, [0, 4], 1.0), attempt(1, 0, [4, 8], 1.0), attempt(0, 1, [0, 4], 2.0)]
+    kills = [{"kind": "kill", "replica": 1, "t": 2.1}]
+    inferred = unreported_commits(records, kills, policy="fixed", num_replicas=2, batch=4)
+    assert [(r["replica"], r["step"], r["samples"]) for r in inferred] == [(1, 1, [4, 8])]
+    counts = sample_accounting(records + inferred, committed_steps=2, num_replicas=2, batch=4)
+    assert counts["samples_lost"] == 0 and counts["samples_duplicated"] == 0
+    # Killed before the vote (the step committed with one participant): nothing to infer.
+    alone = [*records[:2], {**records[2], "participants": 1, "samples": [0, 8]}]
+    assert unreported_commits(alone, kills, policy="fixed", num_replicas=2, batch=4) == []

@@ -31,7 +31,7 @@ from collections import defaultdict
 from typing import Any
 
 from commfuse.ft.config import GlobalBatch, Timeouts
-from commfuse.ft.goodput import goodput, sample_accounting
+from commfuse.ft.goodput import goodput, sample_accounting, unreported_commits
 
 
 def _failed_after(records: list[dict[str, Any]], t: float) -> float | None:
@@ -92,12 +92,18 @@ def summarize_ft(
     digests: dict[int, set[str]] = defaultdict(set)
     for r in committed:
         digests[r["step"]].add(r["digest"])
-    trained = {(r["step"], r["replica"]) for r in committed}
     committed_steps = max((res["step"] for res in results), default=0)
-    batches_lost = num_replicas * committed_steps - len(trained)
-    samples = sample_accounting(
-        records, committed_steps=committed_steps, num_replicas=num_replicas, batch=batch_samples
+    kills = [f for f in faults if f["kind"] == "kill"]
+    inferred = unreported_commits(
+        records, kills, policy=global_batch, num_replicas=num_replicas, batch=batch_samples
     )
+    samples = sample_accounting(
+        records + inferred,
+        committed_steps=committed_steps,
+        num_replicas=num_replicas,
+        batch=batch_samples,
+    )
+    samples["commits_inferred"] = len(inferred)
     final = next((res for res in results if res["step"] == steps), {})
     events = []
     for fault in faults:
@@ -149,7 +155,9 @@ def summarize_ft(
         "discarded_steps": sum(not r["committed"] for r in records),
         "global_batch": global_batch,
         # A batch is one replica group's slot of a step (``shrink``: its own samples).
-        "batches_lost": batches_lost if global_batch == "shrink" else None,
+        "batches_lost": samples["samples_lost"] // batch_samples
+        if global_batch == "shrink"
+        else None,
         **samples,
         "step_digests_agree": all(len(d) == 1 for d in digests.values()),
         "steps_compared": sum(len(d) > 0 for d in digests.values()),

@@ -12,13 +12,19 @@ batch it trained (``data.py``). Over the committed steps, the accounting counts 
 trained (``samples_trained``), those trained more than once in one step
 (``samples_duplicated``, 0 unless the data split is wrong), and those no replica group trained
 (``samples_lost``): ``samples_trained + samples_lost = committed_steps x num_replicas x batch``
-holds by construction, and ``samples_duplicated = 0`` is what makes it exact.
+holds by construction, and ``samples_duplicated = 0`` is what makes it exact. A replica
+killed between its commit and its report trained its share without saying so; the commits
+inferred for it (``unreported_commits``) count as trained, and the record says how many
+there were.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Any
+
+from commfuse.ft.config import GlobalBatch
+from commfuse.ft.data import sample_range
 
 
 def goodput(records: list[dict[str, Any]], *, steps: int, warmup: int) -> dict[str, Any]:
@@ -47,11 +53,60 @@ def goodput(records: list[dict[str, Any]], *, steps: int, warmup: int) -> dict[s
     }
 
 
+def unreported_commits(
+    records: list[dict[str, Any]], kills: list[dict[str, Any]], *, policy: GlobalBatch,
+    num_replicas: int, batch: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The commits that a killed replica made but could not report.
+
+    A replica killed after the commit vote of step s and before its report of it trained its
+    samples of s (the vote succeeds only when every participant's gradient reached the sum),
+    yet no record says so. It shows as a step that the survivors committed with ``k``
+    participants and fewer than ``k`` reports, and a killed replica whose last report was of
+    the step before (or a failed try of s). Its share is then the one nobody reported:
+    ``fixed``, the shares of ``k`` participants minus those reported; ``shrink``, its own
+    slot. Returns one record per such commit, marked ``inferred``."""
+    committed: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        if r["committed"]:
+            committed[r["step"]].append(r)
+    inferred = []
+    for kill in kills:
+        mine = [r for r in records if r["replica"] == kill["replica"] and r["t"] <= kill["t"]]
+        if not mine:
+            continue
+        last = max(mine, key=lambda r: r["t"])
+        step = last["step"] + 1 if last["committed"] else last["step"]
+        reports = committed.get(step, [])
+        if not reports or any(r["replica"] == kill["replica"] for r in reports):
+            continue
+        k = max(r["participants"] for r in reports)
+        if len(reports) >= k:
+            continue  # it was not in the quorum that committed
+        if policy == "shrink":
+            samples = [kill["replica"] * batch, (kill["replica"] + 1) * batch]
+        else:
+            shares = {
+                sample_range("fixed", replica=0, participant=p, participants=k,
+                             num_replicas=num_replicas, batch=batch)
+                for p in range(k)
+            }  # fmt: skip
+            missing = sorted(shares - {tuple(r["samples"]) for r in reports if r["samples"]})
+            if len(missing) != 1:
+                continue  # several at once: not inferred (counted lost)
+            samples = list(missing[0])
+        entry = {"replica": kill["replica"], "step": step, "committed": True, "samples": samples}
+        inferred.append(entry | {"inferred": True})
+        committed[step].append(entry | {"participants": k})
+    return inferred
+
+
 def sample_accounting(
     records: list[dict[str, Any]], *, committed_steps: int, num_replicas: int, batch: int
 ) -> dict[str, int]:
     """``samples_trained``, ``samples_duplicated`` and ``samples_lost`` over the first
-    ``committed_steps`` steps (see the module docstring)."""
+    ``committed_steps`` steps (see the module docstring); ``records`` include the
+    ``unreported_commits``."""
     counts: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for r in records:
         if r["committed"] and r["step"] < committed_steps and r.get("samples") is not None:
