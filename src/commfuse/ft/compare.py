@@ -174,8 +174,23 @@ def _plain(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ft_time(r: dict[str, Any]) -> dict[str, Any]:
+    """The time per committed step, and where a committed step's time goes (medians over
+    the committed attempts after the warm-up): the quorum RPC (``quorum_s``), forward and
+    backward with the hook's exchange (``backward_s``), and the commit vote with the
+    optimizer step and the report (``commit_s``)."""
     good = r.get("goodput_steps_per_s")
-    return {"s_per_step": None if not good else 1.0 / good, "digest": r.get("digest")}
+    steady = [a for a in r["records"] if a["committed"] and a["step"] >= WARMUP_STEPS]
+
+    def phase(start: str, end: str) -> float | None:
+        return statistics.median(a[end] - a[start] for a in steady) if steady else None
+
+    return {
+        "s_per_step": None if not good else 1.0 / good,
+        "digest": r.get("digest"),
+        "quorum_s": phase("t0", "t_quorum"),
+        "backward_s": phase("t_quorum", "t_backward"),
+        "commit_s": phase("t_backward", "t"),
+    }
 
 
 def _one_line(r: dict[str, Any]) -> str:
@@ -234,6 +249,8 @@ def _records(
             "rejoin_s": _spread([e["rejoin_s"] for e in events]),
             "rounds": rounds,
         }
+        for key in ("quorum_s", "backward_s", "commit_s"):
+            record[key] = _median([r.get(key) for r in rounds])
         for key in ("committed_steps", "discarded_steps", "samples_lost", "samples_duplicated"):
             values = [r[key] for r in rounds if r.get(key) is not None]
             record[key] = sum(values) if values else None
