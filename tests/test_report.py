@@ -31,6 +31,8 @@ def test_kinds_are_told_apart_by_their_keys() -> None:
     collective = {"op": "all_reduce", "algo": "ring", "time_us": 1.0}
     assert kind_of([collective]) == "bench collectives"
     assert kind_of([{"strategy": "ddp", "step_time_s": 1.0}]) == "compare"
+    ft = {"strategy": "ddp (ft)", "mode": "ft", "goodput_ratio": 1.0, "step_time_s": 1.0}
+    assert kind_of([ft]) == "compare --fault-tolerant"
     assert kind_of([{"strategy": "ddp", "step_s": 1.0, "ratio_to_first": 1.0}]) == (
         "bench strategies"
     )
