@@ -45,9 +45,11 @@ def test_kill_every_from_the_command_line_loses_no_sample_with_a_fixed_global_ba
     record = json.loads(out.read_text())
     kills = [e for e in record["events"] if e["kind"] == "kill"]
     assert kills, record["events"]
+    assert any(e["in_quorum"] for e in kills), kills
     for event in kills:
-        assert event["detect_s"] is not None and event["recover_s"] is not None, event
-        assert event["detect_s"] <= event["recover_s"]
+        if event["in_quorum"]:  # else killed while it was still joining: nobody waited
+            assert event["detect_s"] is not None and event["recover_s"] is not None, event
+            assert event["detect_s"] <= event["recover_s"], event
     assert record["restarts"] >= 1
     assert record["committed_steps"] == steps
     assert record["step_digests_agree"] and record["replicas_agree"]

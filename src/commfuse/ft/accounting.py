@@ -20,7 +20,9 @@ those (and the launcher's record of kills and restarts) the run's record states:
 * ``events``: one per fault (a kill, a cut link): the host, the step, seconds from the fault
   to the survivors' first failed step or first smaller quorum (``detect_s``), to their first
   commit of a step begun after the fault (``recover_s``), and to the faulty replica's first
-  committed step after its restart or after its link is back (``rejoin_s``).
+  committed step after its restart or after its link is back (``rejoin_s``); a replica
+  killed before its new life joined a quorum held nobody up (``in_quorum`` false: no
+  detection or recovery to time).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ def _failed_after(records: list[dict[str, Any]], t: float) -> float | None:
     quorum after it smaller than the last one before it (a replica killed between two
     collectives fails no step: the next quorum leaves it out), whichever came first."""
     times = [r["t"] for r in records if r["t"] > t and not r["committed"]]
-    before = [r for r in records if r["t0"] <= t]
+    before = [r for r in records if r["t_quorum"] <= t]  # quorums formed before the fault
     if before:
-        size = max(before, key=lambda r: r["t0"])["participants"]
+        size = max(before, key=lambda r: r["t_quorum"])["participants"]
         times += [r["t_quorum"] for r in records if r["t_quorum"] > t and r["participants"] < size]
     return min(times) - t if times else None
 
@@ -113,6 +115,11 @@ def summarize_ft(
         back = t + fault.get("for_s", 0.0)
         rejoined = [r for r in committed if r["replica"] == host and r["t"] > back]
         after = [r["step"] for r in survivors if r["t"] > t]
+        # A replica killed before its new life joined a quorum held nobody up.
+        joined = fault["kind"] != "kill" or any(
+            r["replica"] == host and r.get("life") == fault.get("life", r.get("life"))
+            for r in records
+        )
         events.append(
             {
                 "kind": fault["kind"],
@@ -122,8 +129,9 @@ def summarize_ft(
                 "phase": fault.get("phase"),
                 "for_s": fault.get("for_s"),
                 "t": t,
-                "detect_s": _failed_after(survivors, t),
-                "recover_s": _committed_after(survivors, t),
+                "in_quorum": joined,
+                "detect_s": _failed_after(survivors, t) if joined else None,
+                "recover_s": _committed_after(survivors, t) if joined else None,
                 "rejoin_s": min(r["t"] for r in rejoined) - t if rejoined else None,
                 "rejoin_step": min(r["step"] for r in rejoined) if rejoined else None,
             }

@@ -72,7 +72,13 @@ def unreported_commits(
             committed[r["step"]].append(r)
     inferred = []
     for kill in kills:
-        mine = [r for r in records if r["replica"] == kill["replica"] and r["t"] <= kill["t"]]
+        mine = [
+            r
+            for r in records
+            if r["replica"] == kill["replica"]
+            and r.get("life") == kill.get("life", r.get("life"))
+            and r["t"] <= kill["t"]
+        ]
         if not mine:
             continue
         last = max(mine, key=lambda r: r["t"])

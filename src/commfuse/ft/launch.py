@@ -438,7 +438,8 @@ class _Supervisor:
             life = _current(self.job, host)
             life.killed_at = now
             kill_group(life.proc.pid, signal.SIGKILL)
-            self.job.faults.append({"kind": "kill", "replica": host, "t": now, "phase": "timed"})
+            kill = {"kind": "kill", "replica": host, "life": life.life, "t": now, "phase": "timed"}
+            self.job.faults.append(kill)
             spare = self.start(host, max(e.life for e in self.job.lives if e.replica == host) + 1)
             self.pending[host] = (now + fault.restart_after_s, spare)
 
@@ -504,7 +505,9 @@ class _Supervisor:
             self.job.records.append({"replica": life.replica, "life": life.life, **body})
         elif kind == "kill":
             life.killed_at = body["t"]
-            self.job.faults.append({"kind": "kill", "replica": life.replica, **body})
+            self.job.faults.append(
+                {"kind": "kill", "replica": life.replica, "life": life.life, **body}
+            )
             kill = next(
                 (f for f in self.ft.faults if isinstance(f, KillFault) and f.host == life.replica),
                 None,
