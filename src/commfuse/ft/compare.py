@@ -21,9 +21,11 @@ whose ratio lies within the control's, is a tie.
 
 Records (one per job, the reference first): ``s_per_step`` (median over rounds, and each
 round's), ``time_ratio`` (this job's time over its reference's; 1 for a reference) and
-``goodput_ratio`` (its inverse, per round, then the median), the fault-tolerant run's events
-with their detection and recovery times (median and max over all rounds), steps committed
-and discarded, samples lost, whether the replicas agreed, and the held-out loss.
+``goodput_ratio`` (its inverse, per round, then the median), the faults that landed during
+training (``events``; ``events_idle`` those that hit a replica after the last commit or
+before it rejoined) with their detection and recovery times (median and max over all
+rounds), steps committed and discarded, samples lost, whether the replicas agreed, and the
+held-out loss.
 """
 
 from __future__ import annotations
@@ -220,7 +222,14 @@ def _records(
         rounds = runs[j]
         held = [r.get("eval_loss") for r in rounds]
         held_ref = [r.get("eval_loss") for r in runs[ref]]
-        events = [e for r in rounds for e in r.get("events") or []]
+        # Faults during training: a kill after the last commit (the replica was evaluating or
+        # shutting down) or of a replica still joining cost nobody a step.
+        events = [
+            e
+            for r in rounds
+            for e in r.get("events") or []
+            if e.get("step") is not None and e.get("in_quorum", True)
+        ]
         record: dict[str, Any] = {
             "strategy": job.name,
             "mode": job.mode,
@@ -244,6 +253,7 @@ def _records(
                 default=None,
             ),
             "events": len(events),
+            "events_idle": sum(len(r.get("events") or []) for r in rounds) - len(events),
             "detect_s": _spread([e["detect_s"] for e in events]),
             "recover_s": _spread([e["recover_s"] for e in events]),
             "rejoin_s": _spread([e["rejoin_s"] for e in events]),
