@@ -20,8 +20,9 @@ those (and the launcher's record of kills and restarts) the run's record states:
   steps of the attempts that did not commit, summed over replica groups (their batches are
   trained again in the retried period, not lost), ``batches_lost`` the batches of inner steps
   whose period a replica group did not commit, ``step_digests_agree`` compares the outer
-  model (the anchors) at every committed period, and ``committed_periods`` /
-  ``discarded_periods`` count periods;
+  model (the anchors) at every committed period, ``committed_periods`` /
+  ``discarded_periods`` count periods, and a kill's event has the inner step (``step``), its
+  period (``period``) and the period the replica rejoined at (``rejoin_step``);
 * ``events``: one per fault (a kill, a cut link): the host, the step, seconds from the fault
   to the survivors' first failed step (``detect_s``), to their first commit of a step begun
   after the fault (``recover_s``), and to the faulty replica's first committed step after its restart or
@@ -107,6 +108,8 @@ def summarize_ft(
                 "host": host,
                 # A cut's: the survivors' step in flight when the link went down.
                 "step": fault["step"] if "step" in fault else min(after, default=None),
+                # Per-period mode: the period of the kill's inner step.
+                "period": fault.get("period"),
                 "phase": fault.get("phase"),
                 "for_s": fault.get("for_s"),
                 "t": t,

@@ -201,6 +201,11 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         load_state_dict(state)
         recovered.append(part_digests(state_dict()))  # what this replica holds now
 
+    if job.life > 0:
+        # A spare: everything is built; the launcher says when the restart happens.
+        send(conn, ("built", {"replica": job.replica, "life": job.life}))
+        if conn.recv_bytes() != b"start":
+            raise RuntimeError("the launcher did not say start")
     transport = ChecksummedHTTPTransport(job.addr, timeout=op_timeout)
     manager = make_manager(job, process_group, transport, serve, recover)
     kills = [f for f in job.ft.faults if isinstance(f, KillFault) and f.host == job.replica]
