@@ -291,6 +291,10 @@ def test_diloco_replicas_killed_in_the_exchange_and_between_inner_steps_rejoin_i
         assert event["recover_s"] is not None and event["recover_s"] <= RECOVER_BOUND_S, event
         again = [r for r in survivors if r["step"] == period and r["committed"]]
         assert {r["replica"] for r in again} == set(range(4)) - {host}
+        # The retry started from exactly the state the failed attempt started from (the
+        # model and the inner optimizer rolled back): the same losses, step by step.
+        for r in again:
+            assert r["losses"] == first[r["replica"]]["losses"] and len(r["losses"]) == H
         # The victim came back, healed from a peer, and committed every period from then on.
         life = [r for r in records if r["replica"] == host and r["life"] == 1]
         assert life and life[0]["healed"] and life[0]["committed"], life[:1]

@@ -259,8 +259,8 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         periodic.zero_grad()
                         loss = workload.loss(module, batch)
                         loss.backward()  # type: ignore[no-untyped-call]
-                        periodic.step()  # the outer exchange after the period's last step
                         losses.append(float(loss.detach()))
+                        periodic.step()  # the outer exchange after the period's last step
                     if end == job.train.steps:
                         periodic.finish()
                 except Exception as failure:  # an exchange failed: a peer died or timed out
