@@ -2,6 +2,7 @@
 
 commfuse train --hosts 4 --link 100mbit --fault-tolerant --steps 100
 commfuse train --hosts 4 --fault-tolerant --chaos kill:host=2,at_step=15,restart_after_s=5 --json r.json
+commfuse train --hosts 4 --fault-tolerant --strategy diloco:H=20,compressor=sparseloco --steps 400
 """
 
 from __future__ import annotations
@@ -18,19 +19,19 @@ def run_train_ft(args: argparse.Namespace) -> int:
     """Build the run from the flags, train it fault-tolerantly, print and write its record.
 
     Raises:
-        ValueError: a bad flag (several ranks per host, a strategy other than ddp, a bad
-            fault spec).
+        ValueError: a bad flag (several ranks per host, a strategy that runs in neither
+            per-step nor per-period mode, a bad fault spec).
     """
     from commfuse.cli.spec import fault_from_spec, strategy_from_spec, workload_from_spec
     from commfuse.ft.config import FaultToleranceConfig
-    from commfuse.ft.replica import ft_strategy
+    from commfuse.ft.periods import ft_mode
     from commfuse.train.loop import TrainConfig
 
     topology = topology_from_args(args, nproc=args.nproc)
     if topology.ranks_per_host != 1:
         raise ValueError("--fault-tolerant runs one rank per host (one replica group each)")
     strategy = strategy_from_spec(args.strategy, ranks_per_host=1)
-    ft_strategy(strategy)  # ValueError: not ddp, nor a compressor's name
+    ft_mode(strategy)  # ValueError: neither mode runs it (the message lists what runs)
     for flag in ("checkpoint_dir", "resume", "init_from"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')} does not combine with --fault-tolerant")
@@ -64,8 +65,13 @@ def run_train_ft(args: argparse.Namespace) -> int:
 
 def describe_ft_record(r: dict[str, Any]) -> str:
     """The record in a few lines: steps, losses, agreement and one line per fault."""
+    periods = (
+        f" in {r['committed_periods']} periods ({r['discarded_periods']} attempts discarded)"
+        if r.get("mode") == "periodic"
+        else ""
+    )
     lines = [
-        f"{r['committed_steps']}/{r['steps']} steps committed, {r['discarded_steps']} "
+        f"{r['committed_steps']}/{r['steps']} steps committed{periods}, {r['discarded_steps']} "
         f"discarded, {r['batches_lost']} batches ({r['samples_lost']} samples) lost, "
         f"final loss {r['final_loss']:.3f}, {r['wall_s']:.1f} s"
         + ("" if r["step_digests_agree"] else "  (WARNING: replicas' parameters differ)")

@@ -14,6 +14,15 @@ those (and the launcher's record of kills and restarts) the run's record states:
 * ``step_digests_agree``: at every step, every replica group that committed it holds
   parameters with the same digest (the restarted replica's too, from its recovery on);
   ``replicas_agree``: the final digests are equal;
+* per-period mode (local SGD, DiLoCo: ``periodic.py``) reports one attempt per period
+  instead, its ``step`` the period's index, with the inner steps it covers: there
+  ``committed_steps`` counts inner steps (of committed periods), ``discarded_steps`` the inner
+  steps of the attempts that did not commit, summed over replica groups (their batches are
+  trained again in the retried period, not lost), ``batches_lost`` the batches of inner steps
+  whose period a replica group did not commit, ``step_digests_agree`` compares the outer
+  model (the anchors) at every committed period, ``committed_periods`` /
+  ``discarded_periods`` count periods, and a kill's event has the inner step (``step``), its
+  period (``period``) and the period the replica rejoined at (``rejoin_step``);
 * ``events``: one per fault (a kill, a cut link): the host, the step, seconds from the fault
   to the survivors' first failed step (``detect_s``), to their first commit of a step begun
   after the fault (``recover_s``), and to the faulty replica's first committed step after its restart or
@@ -25,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections import defaultdict
-from typing import Any
+from typing import Any, Literal
 
 from commfuse.ft.config import Timeouts
 
@@ -55,6 +64,7 @@ def summarize_ft(
     wall_s: float,
     topology: str,
     timeouts: Timeouts,
+    mode: Literal["ddp", "periodic"] = "ddp",
 ) -> dict[str, Any]:
     """The run's record (see the module docstring) from the replicas' reports.
 
@@ -70,6 +80,8 @@ def summarize_ft(
         wall_s: the launcher's wall time.
         topology: the cluster, in words.
         timeouts: the run's derived timeouts.
+        mode: per step (``ddp``: a record per step) or per period (``periodic``: a record
+            per period, with ``first_step``, ``inner_steps`` and ``losses``).
 
     Returns:
         The record, JSON-serialisable.
@@ -78,9 +90,10 @@ def summarize_ft(
     digests: dict[int, set[str]] = defaultdict(set)
     for r in committed:
         digests[r["step"]].add(r["digest"])
-    trained = {(r["step"], r["replica"]) for r in committed}
+    # Batches trained: per (step, replica group) committed, the inner steps it covers.
+    trained = {(r["step"], r["replica"]): r.get("inner_steps", 1) for r in committed}
     committed_steps = max((res["step"] for res in results), default=0)
-    batches_lost = num_replicas * committed_steps - len(trained)
+    batches_lost = num_replicas * committed_steps - sum(trained.values())
     events = []
     for fault in faults:
         host, t = fault["replica"], fault["t"]
@@ -95,6 +108,8 @@ def summarize_ft(
                 "host": host,
                 # A cut's: the survivors' step in flight when the link went down.
                 "step": fault["step"] if "step" in fault else min(after, default=None),
+                # Per-period mode: the period of the kill's inner step.
+                "period": fault.get("period"),
                 "phase": fault.get("phase"),
                 "for_s": fault.get("for_s"),
                 "t": t,
@@ -111,24 +126,32 @@ def summarize_ft(
             {
                 "replica": replica,
                 "lives": len({r["life"] for r in mine}),
-                "committed": sum(r["committed"] for r in mine),
-                "discarded": sum(not r["committed"] for r in mine),
+                "committed": sum(r.get("inner_steps", 1) for r in mine if r["committed"]),
+                "discarded": sum(r.get("inner_steps", 1) for r in mine if not r["committed"]),
                 "recovered": sum(r["healed"] for r in mine),
             }
         )
     by_step: dict[int, list[float]] = defaultdict(list)
     for r in sorted(committed, key=lambda r: r["replica"]):
-        by_step[r["step"]].append(r["loss"])
+        for i, loss in enumerate(r.get("losses", [r["loss"]])):
+            by_step[r.get("first_step", r["step"]) + i].append(loss)
     # The mean over the replica groups that committed each step (as torch DDP's record).
     losses = [statistics.fmean(by_step[step]) for step in sorted(by_step)]
     step_times = [r["t"] - r["t0"] for r in committed]
+    periods = {}
+    if mode == "periodic":
+        periods = {
+            "committed_periods": max((res["periods"] for res in results), default=0),
+            "discarded_periods": sum(not r["committed"] for r in records),
+        }
     return {
-        "mode": "ddp",
+        "mode": mode,
         "topology": topology,
         "num_replicas": num_replicas,
         "steps": steps,
         "committed_steps": committed_steps,
-        "discarded_steps": sum(not r["committed"] for r in records),
+        "discarded_steps": sum(r.get("inner_steps", 1) for r in records if not r["committed"]),
+        **periods,
         "batches_lost": batches_lost,
         "samples_lost": batches_lost * batch_samples,
         "step_digests_agree": all(len(d) == 1 for d in digests.values()),
