@@ -82,8 +82,9 @@ def describe_ft_record(r: dict[str, Any]) -> str:
             return "-" if x is None else f"{x:.2f} s"
 
         how = e["phase"] if e["kind"] == "kill" else f"for {e['for_s']:g} s"
+        period = "" if e.get("period") is None else f" of period {e['period']}"
         lines.append(
-            f"  {e['kind']} host {e['host']} at step {e['step']} ({how}): detected "
+            f"  {e['kind']} host {e['host']} at step {e['step']}{period} ({how}): detected "
             f"{s(e['detect_s'])}, survivors committed again {s(e['recover_s'])}, rejoined "
             f"{s(e['rejoin_s'])} later"
         )

@@ -126,14 +126,14 @@ def part_digests(state: dict[str, Any]) -> dict[str, str]:
 
 
 def _time_inner_step(workload: Any, module: torch.nn.Module, job: ReplicaJob) -> float:
-    """Seconds of one forward and backward here (no update; the gradients are dropped): the
-    first estimate of a period's time, before any period was measured."""
+    """Seconds of one forward and backward here, on a copy of ``module`` (a forward may
+    change buffers, such as batch norm's statistics): the first estimate of a period's time,
+    before any period was measured."""
+    probe = copy.deepcopy(module)
     batch = workload.batch(0, job.replica, job.num_replicas, seed=job.train.seed)
     start = time.monotonic()
-    workload.loss(module, batch).backward()
-    elapsed = time.monotonic() - start
-    module.zero_grad(set_to_none=True)
-    return elapsed
+    workload.loss(probe, batch).backward()
+    return time.monotonic() - start
 
 
 def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
