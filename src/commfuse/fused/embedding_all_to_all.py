@@ -471,16 +471,20 @@ def _backward_by_table(
         if splits[src]:
             for t in range(local):
                 incoming[t, src] = comm.irecv(landing[src][t], src, tag=t, label=LABEL)
+    # One transposing copy, [B_r, T, D] -> [T, B_r, D], makes every table's column one
+    # contiguous block: each message is then a view, where a copy per column read the whole
+    # gradient in strides of D once per table and allocated a buffer per message.
+    columns = grad_out.transpose(0, 1).contiguous()
     outgoing: list[Handle] = []
     if mine:
         for t in range(max(per_rank)):
             for step in range(1, world):
                 dst = (rank - step) % world
                 if t < per_rank[dst]:
-                    column = grad_out[:, table_starts[dst] + t].contiguous()  # [B_r, D]
+                    column = columns[table_starts[dst] + t]  # [B_r, D], contiguous
                     outgoing.append(comm.isend(column, dst, tag=t, label=LABEL))
     for t in range(local):
-        grads.add_table(t, starts[rank], grad_out[:, table_starts[rank] + t])
+        grads.add_table(t, starts[rank], columns[table_starts[rank] + t])
         for src in sources:
             if splits[src]:
                 incoming[t, src].wait()
