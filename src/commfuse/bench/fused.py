@@ -17,8 +17,8 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
   lies above ``max(C, M)``. ``fused/overlap`` near 1 means the pipeline hides all the machine
   lets it hide;
 * ``fused[NAME]``: an operator's other schedules (GEMM + AllReduce's ring and row blocks, one
-  and two levels, and on two-level layouts the unfused GEMM with commfuse's hierarchical
-  all-reduce), timed in the same rounds; each is a row of its own, ``op[NAME]``, beside the
+  and two levels, and where the reference all-reduces in two levels the unfused GEMM with
+  gloo's flat ring, ``unfused flat``), timed in the same rounds; each is a row of its own, ``op[NAME]``, beside the
   chosen one (only where the operator chooses: ``--chunks`` times the one it fixes);
 * ``stage:NAME`` (the MoE step): parts of the step timed alone, from which the
   **dependency-aware bound** is computed where the step's dependencies allow less overlap
@@ -215,18 +215,18 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     w = torch.randint(-2, 3, (out_features, shard), generator=gen, device="cpu").float()
     w = w.to(comm.device)
     buf = torch.zeros(rows, out_features, device=comm.device)
+    world, local = comm.world_size, comm.config.ranks_per_host or 1
+    # M is the reference's own all-reduce (baselines.all_reduce_algo: in two levels on
+    # two-level layouts), so that C, M, overlap and unfused describe the same baseline.
+    reference_algo = baselines.all_reduce_algo(buf.numel() * buf.element_size(), world, local)
     alternatives: dict[str, Callable[[], torch.Tensor]] = {}
     if rows >= comm.world_size:  # the row path's schedules (a GEMV has one)
-        world, local = comm.world_size, comm.config.ranks_per_host or 1
         alternatives[f"ring k={world}"] = functools.partial(
             gar.gemm_all_reduce, comm, x, w, chunks=world, schedule="ring"
         )
-        if 1 < local < world:
-            # The unfused GEMM with commfuse's two-level all-reduce: what the two levels alone
-            # save, without overlap.
-            alternatives["unfused hierarchical"] = functools.partial(
-                _gemm_then_hierarchical, comm, x, w, local
-            )
+        if reference_algo == "hierarchical":
+            # The unfused GEMM with gloo's flat ring all-reduce: the reference one level down.
+            alternatives["unfused flat"] = functools.partial(_gemm_then_flat, comm, x, w)
         for level in [1, local] if 1 < local < world else [1]:
             alternatives[f"blocks k={gar.BLOCK_CHUNKS} L={level}"] = functools.partial(
                 gar.gemm_all_reduce,
@@ -239,7 +239,7 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
             )
     return FusedForms(
         compute=lambda: torch.matmul(x, w.t()),
-        comm=lambda: comm.all_reduce(buf),
+        comm=lambda: gar.reference_all_reduce(comm, buf),
         unfused=lambda: gar.gemm_all_reduce_reference(comm, x, w),
         fused=lambda k: gar.gemm_all_reduce(comm, x, w, chunks=k),
         max_chunks=16,
@@ -248,13 +248,9 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     )
 
 
-def _gemm_then_hierarchical(
-    comm: Communicator, x: torch.Tensor, w: torch.Tensor, ranks_per_host: int
-) -> torch.Tensor:
-    from commfuse.collectives import all_reduce
-
+def _gemm_then_flat(comm: Communicator, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = torch.matmul(x, w.t())
-    all_reduce(comm, out, "sum", algo="hierarchical", ranks_per_host=ranks_per_host)
+    comm.all_reduce(out, "sum")
     return out
 
 
