@@ -145,8 +145,9 @@ def dlrm_case(
 def _dlrm_stages(comm: Communicator, lookup: emb.ShardedLookup) -> dict[str, Callable[[], Any]]:
     """The parts of the DLRM step the exchange can overlap, each alone: the forward's lookups
     of the global batch, one All-to-All of the exchange's size (the unfused reference's; the
-    reverse exchange moves the same bytes), and the accumulation of the table gradients from
-    every rank's block of samples (the unfused backward's order)."""
+    reverse exchange moves the same bytes), and the table gradients' accumulation (its zeroed
+    buffer and expanded offsets, then every rank's block of samples in the unfused backward's
+    order)."""
     from commfuse.collectives import all_to_all
     from commfuse.fused import baselines
 
@@ -157,10 +158,10 @@ def _dlrm_stages(comm: Communicator, lookup: emb.ShardedLookup) -> dict[str, Cal
     out_splits = [splits[rank] * t * dim for t in lookup.tables_per_rank]
     recv = send.new_empty(sum(out_splits))
     grad = send.new_ones((batch, local, dim))
-    grads = emb.TableGradients(lookup.tables, lookup.indices, lookup.offsets, lookup.mode)
     order = [rank] + [(rank + s) % world for s in range(1, world)]
 
     def accumulate() -> None:
+        grads = emb.TableGradients(lookup.tables, lookup.indices, lookup.offsets, lookup.mode)
         for src in order:
             start = lookup.sample_starts[src]
             grads.add(start, grad[start : start + splits[src]])
