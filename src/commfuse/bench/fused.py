@@ -18,8 +18,8 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
   lets it hide;
 * ``fused[NAME]``: an operator's other schedules (GEMM + AllReduce's ring and row blocks, one
   and two levels, and where the reference all-reduces in two levels the unfused GEMM with
-  gloo's flat ring, ``unfused flat``), timed in the same rounds; each is a row of its own, ``op[NAME]``, beside the
-  chosen one (only where the operator chooses: ``--chunks`` times the one it fixes);
+  gloo's flat ring, ``unfused flat``), timed in the same rounds; each is a row of its own,
+  ``op[NAME]``, beside the chosen one (only where the operator chooses: ``--chunks`` times the one it fixes);
 * ``stage:NAME`` (the MoE step): parts of the step timed alone, from which the
   **dependency-aware bound** is computed where the step's dependencies allow less overlap
   than ``overlap`` assumes (``bench/fused_moe.py``). ``fused/dep`` divides by the machine's
@@ -316,10 +316,10 @@ def make_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedForms
 
 
 def _timed(comm: Communicator, fn: Callable[[], Any]) -> float:
-    return _timed_with_cpu(comm, fn)[0]
+    return timed_with_cpu(comm, fn)[0]
 
 
-def _timed_with_cpu(comm: Communicator, fn: Callable[[], Any]) -> tuple[float, float]:
+def timed_with_cpu(comm: Communicator, fn: Callable[[], Any]) -> tuple[float, float]:
     """(wall us, this process's CPU us) of one call, after a barrier."""
     comm.barrier()
     cpu, start = cpu_seconds(), now(comm.device)
@@ -412,7 +412,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             for i, order in enumerate(schedule.orders()):  # the same on every rank (seeded)
                 for name in order:
                     v = names.index(name)
-                    times[v, i], cpu[v, i] = _timed_with_cpu(
+                    times[v, i], cpu[v, i] = timed_with_cpu(
                         comm, cases[schedule.code_of(name)].call
                     )
             comm.all_reduce(times, "max")

@@ -36,13 +36,12 @@ from typing import Any, Literal
 import torch
 
 from commfuse.bench.cases import Case
-from commfuse.bench.cpu_floor import cpu_floor_us, cpu_seconds
-from commfuse.bench.fused import check_schedule
+from commfuse.bench.cpu_floor import cpu_floor_us
+from commfuse.bench.fused import check_schedule, timed_with_cpu
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
 from commfuse.cluster.topology import Topology
 from commfuse.comm import Communicator
-from commfuse.comm.clock import now
 from commfuse.fused import embedding_all_to_all as emb
 from commfuse.fused.chunking import BY_TABLE, ChunkConfig
 from commfuse.fused.chunking import Schedule as ChunkSchedule
@@ -316,14 +315,6 @@ def _on_batch(step: Callable[[Any], Any] | None, batch: list[Any]) -> Callable[[
     return lambda: step(batch[0])
 
 
-def _timed(comm: Communicator, fn: Callable[[], Any]) -> tuple[float, float]:
-    """(wall us, this process's CPU us) of one call, after a barrier."""
-    comm.barrier()
-    cpu, start = cpu_seconds(), now(comm.device)
-    fn()
-    return (now(comm.device) - start) * 1e6, (cpu_seconds() - cpu) * 1e6
-
-
 def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
     """Runs on every rank (process group up); rank 0's return value is the report."""
     comm = Communicator()
@@ -367,7 +358,7 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
                 batch[0] = forms.prepare(step)
                 for variant in order:
                     v = names.index(variant)
-                    times[v, i], cpu[v, i] = _timed(comm, cases[variant].call)
+                    times[v, i], cpu[v, i] = timed_with_cpu(comm, cases[variant].call)
                 step += 1
             comm.all_reduce(times, "max")
             # The unfused step's CPU (this rank's median), summed over the ranks of each
