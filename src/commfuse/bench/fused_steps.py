@@ -144,9 +144,9 @@ def dlrm_case(
 def _dlrm_stages(comm: Communicator, lookup: emb.ShardedLookup) -> dict[str, Callable[[], Any]]:
     """The parts of the DLRM step the exchange can overlap, each alone: the forward's lookups
     of the global batch, one All-to-All of the exchange's size (the unfused reference's; the
-    reverse exchange moves the same bytes), and the table gradients' accumulation (its zeroed
-    buffer and expanded offsets, then every rank's block of samples in the unfused backward's
-    order)."""
+    reverse exchange moves the same bytes), and the table gradients' accumulation as the
+    unfused backward does it (its zeroed buffer and expanded offsets, then table by table every
+    rank's block of samples)."""
     from commfuse.collectives import all_to_all
     from commfuse.fused import baselines
 
@@ -159,11 +159,12 @@ def _dlrm_stages(comm: Communicator, lookup: emb.ShardedLookup) -> dict[str, Cal
     grad = send.new_ones((batch, local, dim))
     order = [rank] + [(rank + s) % world for s in range(1, world)]
 
-    def accumulate() -> None:
+    def accumulate() -> None:  # as the unfused backward does (workloads/dlrm.py)
         grads = emb.TableGradients(lookup.tables, lookup.indices, lookup.offsets, lookup.mode)
-        for src in order:
-            start = lookup.sample_starts[src]
-            grads.add(start, grad[start : start + splits[src]])
+        for t in range(local):
+            for src in order:
+                start = lookup.sample_starts[src]
+                grads.add_table(t, start, grad[start : start + splits[src], t])
 
     return {
         "lookup": lambda: lookup.rows(0, batch),
