@@ -200,7 +200,8 @@ def _mlp(widths: list[int], gen: torch.Generator, *, last_relu: bool) -> nn.Sequ
 
 
 class _UnfusedExchange(torch.autograd.Function):
-    """Lookups then one native All-to-All; backward: native All-to-All, then accumulation."""
+    """Lookups then one All-to-All; backward: the All-to-All, then the accumulation table by
+    table."""
 
     @staticmethod
     def forward(
