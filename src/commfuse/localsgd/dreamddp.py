@@ -40,12 +40,12 @@ import torch
 from torch import nn
 
 from commfuse import collectives
-from commfuse.comm import Communicator, Handle
+from commfuse.comm import Handle
 from commfuse.comm.clock import now
 from commfuse.localsgd.config import PeriodicSyncConfig
 from commfuse.localsgd.layer_schedule import plan_layers
-from commfuse.localsgd.optimizer import PeriodicSyncOptimizer, SyncRecord
-from commfuse.localsgd.sync_method import SyncMethod
+from commfuse.localsgd.optimizer import SyncRecord
+from commfuse.localsgd.sync_method import SyncMethod, SyncMethodOptimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,11 +86,6 @@ class DreamDDPConfig(SyncMethod):
             final_sync=self.final_sync,
         )
 
-    def make_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator
-    ) -> DreamDDPOptimizer:
-        return DreamDDPOptimizer(optimizer, module, comm, self)
-
 
 def layers_of(module: nn.Module, params: Sequence[torch.Tensor]) -> list[list[int]]:
     """The layers: each submodule's own trainable parameters (indices into ``params``), in
@@ -116,29 +111,14 @@ class _Launched:
     handle: Handle | None
 
 
-class DreamDDPOptimizer(PeriodicSyncOptimizer):
+class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
     """DreamDDP's optimizer (the module docstring). Installs a post-accumulate-grad hook on
     every parameter; ``plan[l]`` is the iteration of the period that averages layer l
     (None until the profile is done); ``syncs`` has one record per layer exchange (its
-    ``fragment`` is the layer).
+    ``fragment`` is the layer)."""
 
-    Args:
-        optimizer: the inner optimizer over ``module``'s parameters.
-        module: the replica.
-        comm: the group of replicas.
-        method: the settings.
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        module: nn.Module,
-        comm: Communicator,
-        method: DreamDDPConfig,
-    ) -> None:
-        super().__init__(optimizer, module, comm, method.periodic())
-        self.method = method
-        self.layers = layers_of(module, self.params)
+    def _start(self) -> None:
+        self.layers = layers_of(self.module, self.params)
         self.layer_of = {
             id(self.params[i]): layer for layer, members in enumerate(self.layers) for i in members
         }
@@ -321,3 +301,6 @@ class DreamDDPOptimizer(PeriodicSyncOptimizer):
         self.plan = None if own["plan"] is None else [int(x) for x in own["plan"]]
         self.backward_order = [int(x) for x in own["backward_order"]]
         self.control_bytes = int(own["control_bytes"])
+
+
+DreamDDPConfig.optimizer_class = DreamDDPOptimizer

@@ -24,13 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from commfuse.comm import Communicator
 from commfuse.compress.base import Compressor
 from commfuse.localsgd.config import PeriodicSyncConfig
-from commfuse.localsgd.optimizer import PeriodicSyncOptimizer
-from commfuse.localsgd.sync_method import SyncMethod
+from commfuse.localsgd.sync_method import SyncMethod, SyncMethodOptimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,32 +64,14 @@ class LocalSGDClipConfig(SyncMethod):
             final_sync=self.final_sync,
         )
 
-    def make_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator
-    ) -> LocalSGDClipOptimizer:
-        return LocalSGDClipOptimizer(optimizer, module, comm, self)
 
-
-class LocalSGDClipOptimizer(PeriodicSyncOptimizer):
-    """Local SGD whose every inner step is on the clipped gradient (the module docstring).
-
-    Args:
-        optimizer: the inner optimizer over ``module``'s parameters (SGD in the paper).
-        module: the replica.
-        comm: the group of replicas.
-        method: the settings.
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        module: nn.Module,
-        comm: Communicator,
-        method: LocalSGDClipConfig,
-    ) -> None:
-        super().__init__(optimizer, module, comm, method.periodic())
-        self.method = method
+class LocalSGDClipOptimizer(SyncMethodOptimizer[LocalSGDClipConfig]):
+    """Local SGD whose every inner step is on the clipped gradient (the module docstring); the
+    paper's inner optimizer is SGD."""
 
     def _inner_step(self, lr_scale: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.params, self.method.max_norm)
         super()._inner_step(lr_scale)
+
+
+LocalSGDClipConfig.optimizer_class = LocalSGDClipOptimizer

@@ -30,13 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from commfuse.comm import Communicator
 from commfuse.compress.base import Compressor
 from commfuse.localsgd.config import PeriodicSyncConfig
-from commfuse.localsgd.optimizer import PeriodicSyncOptimizer
-from commfuse.localsgd.sync_method import AGREE_BYTES, SyncMethod, agree
+from commfuse.localsgd.sync_method import AGREE_BYTES, SyncMethod, SyncMethodOptimizer, agree
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,32 +74,12 @@ class SelSyncConfig(SyncMethod):
             final_sync=self.final_sync,
         )
 
-    def make_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator
-    ) -> SelSyncOptimizer:
-        return SelSyncOptimizer(optimizer, module, comm, self)
 
-
-class SelSyncOptimizer(PeriodicSyncOptimizer):
+class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
     """SelSync's optimizer (see the module docstring); ``syncs`` lists the steps that
-    synchronised, ``control_bytes`` what the flags cost.
+    synchronised, ``control_bytes`` what the flags cost."""
 
-    Args:
-        optimizer: the inner optimizer over ``module``'s parameters.
-        module: the replica.
-        comm: the group of replicas.
-        method: the settings.
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        module: nn.Module,
-        comm: Communicator,
-        method: SelSyncConfig,
-    ) -> None:
-        super().__init__(optimizer, module, comm, method.periodic())
-        self.method = method
+    def _start(self) -> None:
         self.smoothed_norm: float | None = None
         """This rank's smoothed gradient norm (differs between ranks)."""
 
@@ -147,3 +124,6 @@ class SelSyncOptimizer(PeriodicSyncOptimizer):
         own = state["selsync"]
         self.smoothed_norm = own["smoothed_norm"]
         self.control_bytes = int(own["control_bytes"])
+
+
+SelSyncConfig.optimizer_class = SelSyncOptimizer
