@@ -43,7 +43,7 @@ from commfuse import collectives
 from commfuse.comm import Handle
 from commfuse.comm.clock import now
 from commfuse.localsgd.config import PeriodicSyncConfig
-from commfuse.localsgd.layer_schedule import plan_layers
+from commfuse.localsgd.layer_schedule import exposed_s, plan_layers
 from commfuse.localsgd.optimizer import SyncRecord
 from commfuse.localsgd.sync_method import SyncMethod, SyncMethodOptimizer
 
@@ -276,6 +276,25 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             plan[layer] = plan_in_order[position]
         self.plan = plan
         self.profile = {"backward_s": values[:layers], "comm_s": values[layers:]}
+
+    def planned_iterations(self) -> list[dict[str, float]]:
+        """Per iteration of the period, what the plan expects from the profile it was made
+        from: ``comm_s``, its layers' exchange times added up, and ``exposed_s``, the part of
+        them the backward pass does not hide (``layer_schedule.py``); empty before the plan and
+        after a resume (the profile is not checkpointed, the plan is)."""
+        if self.plan is None or not self.profile:
+            return []
+        backward, comm = self.profile["backward_s"], self.profile["comm_s"]
+        out = []
+        for it in range(self.method.H):
+            positions = [i for i, layer in enumerate(self.backward_order) if self.plan[layer] == it]
+            out.append(
+                {
+                    "comm_s": sum(comm[i] for i in positions),
+                    "exposed_s": exposed_s(positions, backward, comm),
+                }
+            )
+        return out
 
     # -- the rest of the optimizer interface ---------------------------------------------------
     def close(self) -> None:

@@ -137,6 +137,9 @@ def summarize(
         # above the second). None for a strategy that exchanges every step.
         "bytes_per_sync": strategy_metrics.get("bytes_per_sync"),
         "syncs": strategy_metrics.get("syncs"),
+        # DreamDDP: per iteration of the period, the exchange time and the part of it its plan
+        # expects the backward pass not to hide (from the profile).
+        "planned_iterations": strategy_metrics.get("planned_iterations"),
         # A steady-state step (after warm-up; a compressor's uncompressed warm-up excluded).
         "median_bytes_per_step": statistics.median(hist["bytes"][timed]),
         "bytes_total": sum(hist["bytes"]),

@@ -114,6 +114,13 @@ class PeriodicSync(Strategy):
             "drift": [s.drift for s in syncs],
             "relative_drift": [s.relative_drift for s in syncs],
             "final_sync_bytes": self.final_sync_bytes,
+            # DreamDDP: what its plan expects of each iteration of the period (the model's bound
+            # beside the measured steps).
+            "planned_iterations": (
+                self.periodic.planned_iterations()
+                if isinstance(self.periodic, DreamDDPOptimizer)
+                else None
+            ),
         }
 
     def state_dict(self) -> dict[str, Any]:
