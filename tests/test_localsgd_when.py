@@ -296,7 +296,7 @@ def dreamddp_periods(period: int, steps: int) -> tuple[list[list[int]], list[int
     # Every exchange after the profile was launched from the backward pass.
     assert hasattr(opt, "hook_launches") and opt.hook_launches == len(opt.syncs) - len(opt.layers)
     # What the plan expects of each iteration adds up to the profile's exchanges.
-    assert isinstance(opt, DreamDDPOptimizer)
+    assert isinstance(opt, DreamDDPOptimizer) and opt.plan is not None
     planned = opt.planned_iterations()
     assert len(planned) == period and all(
         0 <= it["exposed_s"] <= it["comm_s"] + 1e-12 for it in planned
