@@ -39,16 +39,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from commfuse.compress.base import Compressor
-from commfuse.localsgd.config import PeriodicSyncConfig
-from commfuse.localsgd.sync_method import AGREE_BYTES, SyncMethod, SyncMethodOptimizer, agree
+from commfuse.localsgd.sync_method import AGREE_BYTES, ExchangeSettings, SyncMethodOptimizer, agree
 
 #: The decay exponent ``a`` is clipped to [0, MAX_DECAY].
 MAX_DECAY = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
-class ADPSGDConfig(SyncMethod):
+class ADPSGDConfig(ExchangeSettings):
     """ADPSGD (Jiang and Agrawal 2020): ``num_syncs`` averages over ``total_steps``, their
     periods set from the measured drift between replicas."""
 
@@ -62,14 +60,6 @@ class ADPSGDConfig(SyncMethod):
     H = T / K)."""
     first_period_steps: int = 0
     """Length of the two probe periods that measure the first drift rates (0: T / (2K))."""
-    inner_lr_scale: float = 1.0
-    """Multiplies the inner learning rate (as ``PeriodicSyncConfig.inner_lr_scale``)."""
-    compressor: Compressor | None = None
-    """Compresses each exchange (as ``PeriodicSyncConfig.compressor``); None: fp32."""
-    algo: str = "auto"
-    """commfuse allreduce algorithm of the uncompressed exchange."""
-    final_sync: bool = True
-    """Average the replicas at ``finish()`` when they moved since the last synchronisation."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 0:
@@ -92,16 +82,6 @@ class ADPSGDConfig(SyncMethod):
         if self.total_steps or run_steps < 1:
             return self
         return dataclasses.replace(self, total_steps=run_steps)
-
-    def periodic(self) -> PeriodicSyncConfig:
-        """The shared machinery's config: plain averaging of the whole model."""
-        return PeriodicSyncConfig(
-            period_steps=1,
-            inner_lr_scale=self.inner_lr_scale,
-            compressor=self.compressor,
-            algo=self.algo,
-            final_sync=self.final_sync,
-        )
 
     def check_ready(self) -> None:
         """The plan needs the run's length.

@@ -28,14 +28,13 @@ from typing import Any
 
 import torch
 
-from commfuse.compress.base import Compressor
 from commfuse.localsgd.config import PeriodicSyncConfig
 from commfuse.localsgd.diloco import diloco
-from commfuse.localsgd.sync_method import SyncMethod, SyncMethodOptimizer
+from commfuse.localsgd.sync_method import ExchangeSettings, SyncMethodOptimizer
 
 
 @dataclass(frozen=True, kw_only=True)
-class PALSGDConfig(SyncMethod):
+class PALSGDConfig(ExchangeSettings):
     """PALSGD (Naganuma et al. 2025): DiLoCo plus pulls toward the last synchronised model at
     random steps (probability ``p``)."""
 
@@ -55,14 +54,6 @@ class PALSGDConfig(SyncMethod):
     """Outer Nesterov momentum (DiLoCo's)."""
     nesterov: bool = True
     """Nesterov momentum for the outer SGD."""
-    inner_lr_scale: float = 1.0
-    """Multiplies the inner learning rate (as ``PeriodicSyncConfig.inner_lr_scale``)."""
-    compressor: Compressor | None = None
-    """Compresses each exchange (as ``PeriodicSyncConfig.compressor``); None: fp32."""
-    algo: str = "auto"
-    """commfuse allreduce algorithm of the uncompressed exchange."""
-    final_sync: bool = True
-    """Average the replicas at ``finish()`` when they moved since the last synchronisation."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.p <= 1:

@@ -31,13 +31,11 @@ from typing import Any
 
 import torch
 
-from commfuse.compress.base import Compressor
-from commfuse.localsgd.config import PeriodicSyncConfig
-from commfuse.localsgd.sync_method import AGREE_BYTES, SyncMethod, SyncMethodOptimizer, agree
+from commfuse.localsgd.sync_method import AGREE_BYTES, ExchangeSettings, SyncMethodOptimizer, agree
 
 
 @dataclass(frozen=True, kw_only=True)
-class SelSyncConfig(SyncMethod):
+class SelSyncConfig(ExchangeSettings):
     """SelSync (Tyagi and Swany 2023): average the replicas on the steps where some rank's
     smoothed gradient norm changed by at least ``threshold`` (relative)."""
 
@@ -48,14 +46,6 @@ class SelSyncConfig(SyncMethod):
     (0: every step)."""
     smoothing: float = 0.9
     """beta of the exponential moving average of the gradient norm (0: no smoothing)."""
-    inner_lr_scale: float = 1.0
-    """Multiplies the inner learning rate (as ``PeriodicSyncConfig.inner_lr_scale``)."""
-    compressor: Compressor | None = None
-    """Compresses each exchange (as ``PeriodicSyncConfig.compressor``); None: fp32."""
-    algo: str = "auto"
-    """commfuse allreduce algorithm of the uncompressed exchange."""
-    final_sync: bool = True
-    """Average the replicas at ``finish()`` when they moved since the last synchronisation."""
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
@@ -63,16 +53,6 @@ class SelSyncConfig(SyncMethod):
         if not 0 <= self.smoothing < 1:
             raise ValueError(f"smoothing must be in [0, 1), got {self.smoothing}")
         self.periodic()  # the shared settings' own checks
-
-    def periodic(self) -> PeriodicSyncConfig:
-        """The shared machinery's config: plain averaging of the whole model."""
-        return PeriodicSyncConfig(
-            period_steps=1,
-            inner_lr_scale=self.inner_lr_scale,
-            compressor=self.compressor,
-            algo=self.algo,
-            final_sync=self.final_sync,
-        )
 
 
 class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):

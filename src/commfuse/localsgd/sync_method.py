@@ -25,6 +25,7 @@ from torch import nn
 
 from commfuse import collectives
 from commfuse.comm import Communicator
+from commfuse.compress.base import Compressor
 from commfuse.localsgd.config import PeriodicSyncConfig
 from commfuse.localsgd.optimizer import PeriodicSyncOptimizer
 
@@ -63,6 +64,33 @@ class SyncMethod(abc.ABC):
         """
         self.check_ready()
         return self.optimizer_class(optimizer, module, comm, self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExchangeSettings(SyncMethod):
+    """A method whose exchanges are the shared machinery's whole-model averages (SelSync,
+    ADPSGD, PALSGD, local SGD with clipping), with their settings; the command line lists a
+    method's own settings first."""
+
+    inner_lr_scale: float = 1.0
+    """Multiplies the inner learning rate (as ``PeriodicSyncConfig.inner_lr_scale``)."""
+    compressor: Compressor | None = None
+    """Compresses each exchange (as ``PeriodicSyncConfig.compressor``); None: fp32."""
+    algo: str = "auto"
+    """commfuse allreduce algorithm of the uncompressed exchange."""
+    final_sync: bool = True
+    """Average the replicas at ``finish()`` when they moved since the last synchronisation."""
+
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config: plain averaging of the whole model, whenever the
+        method's ``step()`` asks for it."""
+        return PeriodicSyncConfig(
+            period_steps=1,
+            inner_lr_scale=self.inner_lr_scale,
+            compressor=self.compressor,
+            algo=self.algo,
+            final_sync=self.final_sync,
+        )
 
 
 M = TypeVar("M", bound=SyncMethod)
