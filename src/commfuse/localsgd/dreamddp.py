@@ -18,7 +18,8 @@ at different iterations, and sends a layer's parameters during the backward pass
    one of the H iterations of the period, chosen from the first iteration's profile (each
    layer's backward time and the time of its exchange, the slowest rank's) so that the
    exchanges hide behind the backward pass as well as they can: the worst iteration's exposed
-   communication is the least.
+   communication is the least, then the heaviest iteration's communication (the bytes spread
+   over the period).
 
 The first ``profile_steps`` iterations average every layer (a full synchronisation) and time
 it; the period starts after them. H = 1 averages every layer at every step (each replica then
