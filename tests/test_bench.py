@@ -254,6 +254,24 @@ def test_auto_rows_carry_their_pick_and_regret(pool: PoolFn) -> None:
     assert algo_cell(auto) == f"auto:{auto['chosen']}" and algo_cell(records[0]) == "native"
 
 
+def test_auto_rows_settle_their_trial_before_timing(pool: PoolFn) -> None:
+    config = CollectiveBenchConfig(
+        ops=("all_reduce",),
+        sizes_bytes=(4000,),
+        iters=2,
+        warmup=1,
+        algos=("native", "auto"),
+        tuner_trial_calls=1,
+    )
+    records = pool(2).run(bench_collectives_on_rank, config)[0]
+    native, auto = records
+    assert "trial" not in native
+    trial = auto["trial"]
+    assert trial["candidates"][0] == "native" and trial["chosen"] == auto["chosen"]
+    assert trial["calls"] == 2 * len(trial["candidates"]) and all(m > 0 for m in trial["median_us"])
+    assert auto["wrong"] == 0
+
+
 def _ring_sweep_with_counts(config: CollectiveBenchConfig) -> tuple[list[dict[str, Any]], int]:
     comm = Communicator()
     records = bench_collectives_on_rank(config, comm)

@@ -16,6 +16,15 @@ host per replica group, and a real SIGKILL:
   50 Mbit/s: the job finishes, the survivors lose nothing, the replicas agree, and the
   record's data loss is exactly the steps the cut host missed;
 * a run without faults equals the same run on torch DDP without torchft, bit for bit;
+* per-period mode (DiLoCo with SparseLoCo's compressed outer exchange, four replicas): one
+  replica SIGKILLed while its outer exchange is in flight, another between two inner steps;
+  the survivors discard exactly that period, retry it with the new quorum and go on, every
+  replica holds the same outer model and outer momenta at every committed period, the joiner
+  holds exactly what its donor served (model, anchors, inner and outer optimizer, error
+  feedback, counters, random state; none of them fresh), every committed period sent exactly
+  SparseLoCo's message, and the record's data loss is exactly the periods the victims missed;
+* a fault-free per-period run (DiLoCo, ending in a partial period with its final
+  synchronisation) equals the same run without torchft, loss by loss and bit by bit;
 * the launcher SIGKILLed mid-run takes its replicas, its lighthouse (in its process) and the
   emulated network with it (a replica also stops by itself at its next report to the dead
   launcher; the watchdog kills one blocked in a collective, and removes the network).
@@ -223,6 +232,170 @@ def test_fault_free_run_equals_torch_ddp_bit_for_bit() -> None:
     losses = [statistics.fmean(r["loss"] for r in records if r["step"] == s) for s in range(6)]
     # torch DDP's record smooths its loss curve; its per-step mean is the curve's first point.
     assert losses[0] == plain["loss_curve"][0]
+
+
+#: DiLoCo's period in the per-period tests.
+H = 4
+
+
+def _sparseloco() -> Any:
+    from commfuse.compress import SparseLoCo
+
+    # Chunks small enough that the model is several of them.
+    return SparseLoCo(chunk_numel=1024, num_kept_per_chunk=32)
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_diloco_replicas_killed_in_the_exchange_and_between_inner_steps_rejoin_in_step() -> None:
+    from commfuse.ft.periodic import state_digest
+    from commfuse.localsgd import diloco
+
+    compressor = _sparseloco()
+    in_exchange = KillFault(host=2, at_step=9, phase="allreduce", restart_after_s=0.5)
+    in_inner = KillFault(host=1, at_step=30, phase="compute", restart_after_s=0.5)
+    steps = 64
+    record = run_fault_tolerant(
+        TrainConfig(
+            workload=WORKLOAD,
+            strategy=diloco(H=H, compressor=compressor),
+            steps=steps,
+            evaluate=False,
+        ),
+        FaultToleranceConfig(faults=(in_exchange, in_inner), min_replicas=2),
+        Topology(num_hosts=4, link_mbit=1000),
+        timeout_s=200,
+    )
+    records: list[dict[str, Any]] = record["records"]
+    assert record["mode"] == "periodic" and record["committed_periods"] == steps // H
+    events = sorted(record["events"], key=lambda e: e["t"])
+    # The exchange of the kill's period is the first after inner step 9: period 2's, at its
+    # end; the other kill comes before inner step 30, the third of period 7.
+    assert [(e["host"], e["phase"], e["period"]) for e in events] == [
+        (2, "allreduce", 2),
+        (1, "compute", 7),
+    ]
+    assert events[0]["step"] == 3 * H - 1 and events[1]["step"] == 30
+    lost = 0
+    for event in events:
+        host, period = event["host"], event["period"]
+        survivors = [r for r in records if r["replica"] != host and r["t"] > event["t"]]
+        # The period in flight committed nowhere: every survivor's attempt at it failed ...
+        first: dict[int, dict[str, Any]] = {}
+        for r in sorted(survivors, key=lambda r: r["t"]):
+            if r["step"] == period:
+                first.setdefault(r["replica"], r)
+        assert len(first) == 3 and not any(r["committed"] for r in first.values()), first
+        # ... and was retried: committed by all of them, within the bound.
+        assert event["recover_s"] is not None and event["recover_s"] <= RECOVER_BOUND_S, event
+        again = [r for r in survivors if r["step"] == period and r["committed"]]
+        assert {r["replica"] for r in again} == set(range(4)) - {host}
+        # The retry started from exactly the state the failed attempt started from (the
+        # model and the inner optimizer rolled back): the same losses, step by step.
+        for r in again:
+            assert r["losses"] == first[r["replica"]]["losses"] and len(r["losses"]) == H
+        # The victim came back, healed from a peer, and committed every period from then on.
+        life = [r for r in records if r["replica"] == host and r["life"] == 1]
+        assert life and life[0]["healed"] and life[0]["committed"], life[:1]
+        rejoined = event["rejoin_step"]
+        assert {r["step"] for r in life if r["committed"]} == set(range(rejoined, steps // H))
+        lost += H * (rejoined - period)
+        # What the joiner holds is exactly what its donor served, part by part ...
+        (donor,) = [r for r in records if r["served_parts"] and r["step"] == life[0]["step"]]
+        assert life[0]["healed_parts"] == donor["served_parts"]
+        served = donor["served_parts"]
+        # ... none of it fresh: the outer momenta of the last committed period (the same on
+        # every replica), and the donor's own error-feedback residuals.
+        before = {
+            r["outer_digest"] for r in records if r["committed"] and r["step"] == rejoined - 1
+        }
+        assert before == {served["outer_momenta"]}
+        assert served["compressor"] != state_digest(_sparseloco().state_dict())
+    # Every replica holds the same outer model at every committed period, and one model at
+    # the end.
+    by_period: dict[int, set[tuple[str, str]]] = {}
+    for r in records:
+        if r["committed"]:
+            by_period.setdefault(r["step"], set()).add((r["digest"], r["outer_digest"]))
+    assert sorted(by_period) == list(range(steps // H))
+    assert all(len(d) == 1 for d in by_period.values()), by_period
+    assert record["step_digests_agree"] and record["replicas_agree"]
+    # Each kill discarded one period on each of the three survivors; their batches are
+    # retried, not lost; only the periods a victim missed are lost.
+    assert record["discarded_periods"] == 6 and record["discarded_steps"] == 6 * H
+    assert record["committed_steps"] == steps
+    assert record["batches_lost"] == lost and record["samples_lost"] == lost * WORKLOAD.batch
+    # What was communicated: each committed period sent SparseLoCo's message of the whole
+    # model (one fragment), nothing else.
+    numel = _param_bytes() // 4
+    payload = compressor.payload_bytes(numel, torch.float32, 4)
+    assert 0 < payload < _param_bytes() // 20
+    assert {r["bytes"] for r in records if r["committed"]} == {payload}
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_fault_free_diloco_equals_the_run_without_torchft_bit_for_bit() -> None:
+    from commfuse.cluster import run
+    from commfuse.localsgd import diloco
+    from commfuse.train.loop import train_rank
+
+    # 3 periods and a partial one, closed by the final synchronisation.
+    steps = 3 * H + 2
+    config = TrainConfig(workload=WORKLOAD, strategy=diloco(H=H), steps=steps, evaluate=False)
+    topology = Topology(num_hosts=2, link_mbit=1000)
+    ft = run_fault_tolerant(config, FaultToleranceConfig(), topology, timeout_s=200)
+    plain = run(train_rank, config, None, net=topology, timeout_s=200)
+    assert ft["discarded_steps"] == 0 and ft["batches_lost"] == 0 and ft["events"] == []
+    assert ft["committed_periods"] == 4 and ft["committed_steps"] == steps
+    for rank in (0, 1):
+        mine = sorted((r for r in ft["records"] if r["replica"] == rank), key=lambda r: r["step"])
+        losses = [loss for r in mine for loss in r["losses"]]
+        assert losses == plain[rank]["history"]["loss"]  # every step, bit for bit
+        assert plain[rank]["digest"] == ft["digest"]
+        # One exchange of the fp32 model per period, the final synchronisation's included.
+        assert [r["bytes"] for r in mine] == [_param_bytes()] * 4
+
+
+def test_per_period_mode_takes_the_local_sgd_family_and_ends_periods_at_synchronisations() -> None:
+    from commfuse.compress import PowerSGD
+    from commfuse.ft.periods import ft_mode, ft_periodic_config, sync_points
+    from commfuse.localsgd import SelSyncConfig, diloco, local_sgd, post_local_sgd, streaming_diloco
+    from commfuse.train.strategy import CommfuseDPConfig, TorchDDPConfig, TorchPowerSGDConfig
+
+    assert ft_mode(diloco(H=50, compressor=_sparseloco())) == "periodic"
+    assert ft_mode(local_sgd(H=8)) == "periodic"
+    assert ft_mode(TorchDDPConfig()) == "ddp"
+    assert ft_mode(CommfuseDPConfig(compressor=PowerSGD(rank=2))) == "ddp"
+    for refused in (TorchPowerSGDConfig(), SelSyncConfig()):
+        with pytest.raises(ValueError, match="per period: local-sgd, post-local-sgd"):
+            ft_mode(refused)
+    with pytest.raises(ValueError, match="hierarchical=1 needs several ranks per host"):
+        ft_mode(local_sgd(H=8, hierarchical=True, ranks_per_host=2))
+    adapted = ft_periodic_config(diloco(H=8, compressor=_sparseloco()))
+    assert adapted.algo == "native" and adapted.compressor is not None
+    assert (adapted.compressor.algo, adapted.compressor.gather_algo) == ("native", "native")
+    # Every H steps, the last step, every step of a warm-up, F times per H when streaming.
+    assert sync_points(diloco(H=4), 10) == [4, 8, 10]
+    assert sync_points(diloco(H=4), 8) == [4, 8]
+    assert sync_points(post_local_sgd(H=3, warmup_steps=2), 9) == [1, 2, 5, 8, 9]
+    assert sync_points(streaming_diloco(H=8, num_fragments=4), 17) == [
+        2,
+        4,
+        6,
+        8,
+        10,
+        12,
+        14,
+        16,
+        17,
+    ]
+    # A joiner's quorum request covers the others' period on top of the quorum's own wait.
+    t = Timeouts.derive(2.0)
+    assert t.period_quorum_timeout_s(0.0) == t.quorum_timeout_s
+    assert t.period_quorum_timeout_s(3.0) == t.quorum_timeout_s + 6.0
 
 
 @pytest.mark.netlab

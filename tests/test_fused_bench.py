@@ -40,8 +40,11 @@ def test_bench_records(pool: PoolFn) -> None:
         assert r["fused_vs_overlap"] == pytest.approx(r["fused_us"] / r["overlap_us"])
         assert r["overlap_us"] > 0
         bound = r["dependency_bound_us"]
+        # The CPU floor: every variant's CPU (all ranks), compute's and comm's over the cores.
+        cpu = r["cpu_us"]
+        assert set(cpu) >= {"compute", "comm", "unfused", "fused"} and r["cpu_floor_us"] > 0
         if r["op"] == "moe_step":  # the one operator whose dependencies give a bound of its own
-            assert bound > 0
+            assert bound == max(r["dependencies_only_us"], r["cpu_floor_us"]) > 0
             assert r["fused_vs_dependency_bound"] == pytest.approx(r["fused_us"] / bound)
         else:
             assert bound is None and r["fused_vs_dependency_bound"] is None

@@ -172,5 +172,19 @@ def test_step_bench_records(pool: PoolFn) -> None:
     (record,) = pool(2).run(bench_steps_on_rank, config, timeout_s=120)[0]
     assert record["op"] == "dlrm_step" and record["wrong"] == 0 and record["chunks"] == 2
     assert record["fused_vs_unfused"] == pytest.approx(record["fused_us"] / record["unfused_us"])
+    # The bound: the larger of the dependencies' (from the stages timed alone) and the CPU floor.
+    assert set(record["stages_us"]) == {"lookup", "exchange", "accumulate"}
+    assert record["cpu_floor_us"] > 0 and record["cpu_us"]["unfused"] > 0
+    bound = record["dependency_bound_us"]
+    assert bound == max(record["dependencies_only_us"], record["cpu_floor_us"])
+    assert record["fused_vs_dependency_bound"] == pytest.approx(record["fused_us"] / bound)
     with pytest.raises(ValueError, match="unknown step"):
         StepBenchConfig(steps=("bert",))
+
+
+def test_dlrm_step_bound_hides_each_exchange_only_behind_its_computation() -> None:
+    from commfuse.bench.fused_steps import dlrm_step_bound_us
+
+    parts = {"unfused": 100.0, "exchange": 20.0}
+    assert dlrm_step_bound_us({**parts, "lookup": 5.0, "accumulate": 30.0}) == 100.0 - 5 - 20
+    assert dlrm_step_bound_us({**parts, "lookup": 0.0, "accumulate": 0.0}) == 100.0

@@ -274,3 +274,46 @@ def test_two_level_bytes_formula(hosts: int, local: int) -> None:
 def test_bad_local_shapes() -> None:
     with pytest.raises(ValueError, match="in_features shard"):
         check_shapes(torch.ones(2, 3), torch.ones(4, 5))
+
+
+def test_reference_all_reduce_rule() -> None:
+    """baselines.all_reduce_algo: two levels for large outputs on layouts of several hosts of
+    several ranks, the backend's own otherwise."""
+    from commfuse.fused.baselines import HIERARCHICAL_MIN_BYTES, all_reduce_algo
+
+    big = HIERARCHICAL_MIN_BYTES
+    assert all_reduce_algo(big, 4, 2) == "hierarchical"
+    assert all_reduce_algo(big - 1, 4, 2) == "native"
+    assert [all_reduce_algo(big, 4, local) for local in (1, 4)] == ["native", "native"]
+    assert all_reduce_algo(big, 6, 4) == "native"  # 4 does not divide 6: no layout
+
+
+def reference_levels() -> list[str]:
+    """The reference on 2 x 2: exact, and its bytes go through the hierarchical all-reduce
+    exactly when the rule says so."""
+    from commfuse.fused.baselines import HIERARCHICAL_MIN_BYTES
+
+    comm = Communicator()
+    failures = []
+    kind = label("all_reduce", "hierarchical")
+    for rows, local in ((HIERARCHICAL_MIN_BYTES // (4 * 64), 2), (16, 2), (4096, 1)):
+        x, w = full_inputs(rows, 8, 64, torch.float32)
+        cols = my_columns(comm, 8)
+        comm.stats.reset()
+        got = gemm_all_reduce_reference(
+            comm, x[:, cols].contiguous(), w[:, cols].contiguous(), ranks_per_host=local
+        )
+        two_level = got.numel() * 4 >= HIERARCHICAL_MIN_BYTES and local == 2
+        if not torch.equal(got, x @ w.t()):
+            failures.append(f"rank {comm.rank} rows={rows} L={local}: wrong result")
+        if (comm.stats[kind].bytes_sent > 0) != two_level:
+            failures.append(
+                f"rank {comm.rank} rows={rows} L={local}: hierarchical bytes "
+                f"{comm.stats[kind].bytes_sent}, expected {'some' if two_level else 'none'}"
+            )
+    return failures
+
+
+def test_reference_all_reduces_in_two_levels_on_two_level_layouts(pool: PoolFn) -> None:
+    for failures in pool(4).run(reference_levels, timeout_s=120):
+        assert failures == []

@@ -27,6 +27,7 @@ from commfuse.comm import Communicator
 from commfuse.localsgd import (
     ADPSGDConfig,
     DreamDDPConfig,
+    DreamDDPOptimizer,
     LocalSGDClipConfig,
     PALSGDConfig,
     PeriodicSyncConfig,
@@ -270,8 +271,14 @@ def test_layer_plan_matches_brute_force() -> None:
         assert plan_key(plan, backward, comm, period) == best
     # The first layer's long exchange apart from the second's: only the last layer's shows.
     plan = plan_layers([1.0, 1.0, 1.0], [2.0, 1.0, 0.5], 3)
-    assert plan[0] != plan[1] and plan_key(plan, [1.0] * 3, [2.0, 1.0, 0.5], 3) == (0.5, 0.5)
+    assert plan[0] != plan[1] and plan_key(plan, [1.0] * 3, [2.0, 1.0, 0.5], 3) == (0.5, 2.0, 0.5)
     assert plan_layers([1.0, 2.0], [5.0, 5.0], 1) == [0, 0]
+    # Exchanges the backward pass hides wherever they go: one per iteration, not stacked in the
+    # first (every plan exposes nothing, the heaviest iteration's load decides), exactly and
+    # when the search stops at its first node.
+    for nodes in (200_000, 1):
+        plan = plan_layers([1.0] * 6, [0.5] * 5 + [0.0], 5, max_nodes=nodes)
+        assert sorted(plan[:5]) == [0, 1, 2, 3, 4], plan
     with pytest.raises(ValueError, match="one time per layer"):
         plan_layers([1.0], [1.0, 2.0], 2)
 
@@ -288,6 +295,13 @@ def dreamddp_periods(period: int, steps: int) -> tuple[list[list[int]], list[int
     assert all(row == plans[0] for row in plans)  # one plan on every rank
     # Every exchange after the profile was launched from the backward pass.
     assert hasattr(opt, "hook_launches") and opt.hook_launches == len(opt.syncs) - len(opt.layers)
+    # What the plan expects of each iteration adds up to the profile's exchanges.
+    assert isinstance(opt, DreamDDPOptimizer) and opt.plan is not None
+    planned = opt.planned_iterations()
+    assert len(planned) == period and all(
+        0 <= it["exposed_s"] <= it["comm_s"] + 1e-12 for it in planned
+    )
+    assert sum(it["comm_s"] for it in planned) == pytest.approx(sum(opt.profile["comm_s"]))
     return by_step, list(opt.plan), sent, opt.control_bytes, len(opt.layers)
 
 

@@ -188,3 +188,49 @@ def test_the_bench_commands_plot_their_records(path: Path, tmp_path: Path) -> No
     png = tmp_path / "plot.png"
     _plot_of(kind_of(data))(data, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def _compare_result() -> Path:
+    return next(p for p in RESULTS if kind_of(json.loads(p.read_text())) == "compare")
+
+
+def test_runs_of_several_seeds_merge_into_one_result_with_a_seed_column(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = json.loads(_compare_result().read_text())
+    paths = []
+    for seed in (0, 1):
+        paths.append(tmp_path / f"seed{seed}.json")
+        paths[-1].write_text(json.dumps([{**r, "seed": seed} for r in records]))
+    merged = tmp_path / "seeds.json"
+    assert main(["report", *map(str, paths), "--json", str(merged)]) == 0
+    data = json.loads(merged.read_text())
+    assert [r["seed"] for r in data] == [0] * len(records) + [1] * len(records)
+    lines = render_result(data).splitlines()
+    assert lines[0].split()[0] == "seed" and len(lines) == 1 + 2 * len(records)
+    assert render_result(records).splitlines()[0].split()[0] == "strategy"  # one seed: none
+    other = next(p for p in RESULTS if kind_of(json.loads(p.read_text())) != "compare")
+    assert main(["report", str(paths[0]), str(other), "--json", str(merged)]) == 2
+    assert "different commands" in capsys.readouterr().err
+
+
+def test_plot_bytes_draws_compare_results_and_refuses_others(tmp_path: Path) -> None:
+    png = tmp_path / "bytes.png"
+    assert main(["report", str(_compare_result()), "--plot-bytes", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    other = next(p for p in RESULTS if kind_of(json.loads(p.read_text())) == "bench collectives")
+    assert main(["report", str(other), "--plot-bytes", str(png)]) == 2
+
+
+def test_the_frontier_keeps_the_points_no_other_beats_on_both_axes() -> None:
+    from commfuse.train.compare import pareto_frontier
+
+    points = {
+        "ddp": (12.9, 1.89),
+        "cheap": (0.01, 1.93),
+        "dominated": (0.5, 1.95),  # more bytes and a higher loss than "mid"
+        "mid": (0.1, 1.90),
+        "tie": (0.1, 1.91),  # mid's bytes, a higher loss
+        "best": (3.4, 1.88),
+    }
+    assert pareto_frontier(points) == ["cheap", "mid", "best"]

@@ -105,3 +105,46 @@ def test_simulate_takes_training_strategy_specs(capsys: pytest.CaptureFixture[st
     assert "give one or the other" in capsys.readouterr().err
     assert main([*argv, "--strategy", "powersgd:rnak=4"]) == 2
     assert "unknown key 'rnak'" in capsys.readouterr().err
+
+
+def test_the_compressed_adams_send_their_one_bit_allreduce() -> None:
+    from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
+    from commfuse.optim.compressed_all_reduce import wire_bytes_per_rank
+    from commfuse.sim.training import OneBitMessage
+
+    world, numel = CLUSTER.world_size, MODEL.dp_param_bytes // 4
+    # 1-bit Adam: the whole momentum in one exchange after backward, whatever the bucket cap,
+    # priced as an allreduce whose ring traffic is the two-phase collective's own.
+    (task,) = dp_tasks(OneBitAdamConfig())
+    assert task.name.startswith("all_reduce bucket")
+    assert 2 * (world - 1) * task.nbytes == world * wire_bytes_per_rank(numel, world)
+    assert task.nbytes < MODEL.dp_param_bytes / 16  # about 1 bit of 32 an element
+    # 0/1 Adam: the same message for the accumulated update, every local_step_clipper steps.
+    plan = plan_for(ZeroOneAdamConfig(local_step_clipper=8))
+    assert plan.local_sgd_period == 8
+    tasks = build_step(CLUSTER, MODEL, plan)
+    assert not [t for t in tasks if t.category == "dp"]
+    outer = [t.nbytes for t in tasks if t.category == "outer"]
+    assert outer == [OneBitMessage().payload_bytes(numel, torch.float32, world)]
+
+
+def test_adpsgd_is_priced_at_its_mean_period() -> None:
+    from commfuse.localsgd import ADPSGDConfig
+
+    plan = plan_for(ADPSGDConfig(total_steps=1000, num_syncs=10))
+    assert plan == plan_for(local_sgd(H=100))
+    with pytest.raises(ValueError, match="give total_steps"):
+        plan_for(ADPSGDConfig(num_syncs=10))
+
+
+def test_simulate_takes_the_compressed_adams_and_adpsgd(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--cluster", "netlab-1gbit", "--ranks", "16", "--workload"]
+    argv.append("transformer:num_layers=2")
+    specs = ["ddp", "onebit-adam", "zeroone-adam", "adpsgd:total_steps=1000,num_syncs=10"]
+    assert main([*argv, *(a for s in specs for a in ("--strategy", s))]) == 0
+    out = capsys.readouterr().out
+    assert all(s in out for s in specs)
+    assert main([*argv, "--strategy", "onebit-adam"]) == 0
+    assert "bucket=one buffer no-overlap, compressor=onebit" in capsys.readouterr().out
+    assert main([*argv, "--strategy", "selsync"]) == 2
+    assert "does not model selsync" in capsys.readouterr().err

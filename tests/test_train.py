@@ -308,6 +308,24 @@ def test_machine_busy_is_the_busy_share_of_the_cores_over_the_timed_steps() -> N
     assert record["cpu_floor_s"] is None and record["machine_busy"] is None
 
 
+def test_the_worst_phase_is_the_slowest_position_of_the_period_by_its_median() -> None:
+    from commfuse.train.metrics import worst_phase_step_s
+
+    # Period 3 from step 1 on: position 0 (steps 3, 6, 9) holds the syncs; position 1 one
+    # noisy step of three, which its median ignores (its mean, 0.73, and the max would not).
+    times = [0.1, 0.1, 0.5, 0.1, 0.1, 0.5, 2.0, 0.1, 0.5]
+    assert worst_phase_step_s(times, 3, offset=1) == pytest.approx(0.5)
+    assert worst_phase_step_s(times, 1) == pytest.approx(0.1)  # one position: the median
+    assert worst_phase_step_s(times, None) is None and worst_phase_step_s([], 2) is None
+    history = {"loss": [1.0] * 10, "step_time_s": [5.0, *times], "bytes": [0.0] * 10}
+    history["skipped"] = [0.0] * 10
+    ranks = [{"history": history, "digest": "d", "strategy_metrics": {"period_steps": 3}}]
+    record = summarize(ranks, strategy="local-sgd:H=3", workload=DIGITS, warmup=1)
+    assert record["period_steps"] == 3 and record["worst_phase_step_s"] == pytest.approx(0.5)
+    ranks[0]["strategy_metrics"] = {"period_steps": None}  # SelSync, ADPSGD: no clock
+    assert summarize(ranks, strategy="x", workload=DIGITS, warmup=1)["worst_phase_step_s"] is None
+
+
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -339,6 +357,7 @@ def test_local_sgd_family_trains_and_resumes_exactly(
     assert 0 < sent < 7 * DIGITS_GRAD_BYTES  # communicates less often than every step
     metrics = full[0]["strategy_metrics"]
     assert metrics["syncs"] >= 1 and all(d > 0 for d in metrics["drift"])
+    assert metrics["period_steps"] == int(strategy.split("H=")[1].split(",")[0])
     # 7 steps end mid-period for every one of them: the final synchronisation sent something
     # and left one model on both ranks.
     assert metrics["final_sync_bytes"] > 0

@@ -23,12 +23,14 @@ from typing import Any
 
 import torch
 
-from commfuse.bench.cases import OPS, bus_factor, make_case
+from commfuse.bench.cases import OPS, Case, bus_factor, make_case
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.cluster.topology import Topology
+from commfuse.collectives.trial import exploring, outcomes
 from commfuse.collectives.tuner import pick_stats
 from commfuse.comm import Communicator
 from commfuse.comm.clock import now
+from commfuse.comm.communicator import default_config
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,6 +59,9 @@ class CollectiveBenchConfig:
     """The most calls one sample may repeat."""
     seed_order: int | None = 0
     """Seed of the rounds' balanced orders."""
+    tuner_trial_calls: int = 0
+    """``CommConfig.tuner_trial_calls`` of the communicator the sweep makes: with K > 0, ``auto``
+    settles each size by a timed trial (K calls per candidate) before its row is timed."""
     emulated: bool = False
     """Whether the ranks run on an emulated network (netlab); recorded in every row."""
 
@@ -68,6 +73,8 @@ class CollectiveBenchConfig:
             )
         if self.iters < 1 or self.warmup < 0:
             raise ValueError("iters must be >= 1 and warmup >= 0")
+        if self.tuner_trial_calls < 0:
+            raise ValueError("tuner_trial_calls must be >= 0")
         if self.min_sample_ms < 0 or self.max_calls_per_sample < 1:
             raise ValueError("min_sample_ms must be >= 0 and max_calls_per_sample >= 1")
         if any(size <= 0 for size in self.sizes_bytes):
@@ -79,7 +86,9 @@ def bench_collectives_on_rank(
 ) -> list[dict[str, Any]]:
     """Runs on every rank (the process group is up) over ``comm`` (default: a new one over the
     world); rank 0's return value is the report."""
-    comm = Communicator() if comm is None else comm
+    if comm is None:
+        settings = dataclasses.replace(default_config(), tuner_trial_calls=config.tuner_trial_calls)
+        comm = Communicator(config=settings)
     topology = Topology.of_rank(comm.world_size)
     dtype = getattr(torch, config.dtype)
     records: list[dict[str, Any]] = []
@@ -104,6 +113,8 @@ def bench_collectives_on_rank(
                     start = now(comm.device)
                     case.call()
                     last_warmup[c] = now(comm.device) - start
+                if schedule.code_of(name) == "auto":
+                    settle_trial(comm, op, case)
             calls = calls_per_sample(comm, config, last_warmup)
             times = torch.zeros(len(names), config.iters, dtype=torch.float64, device=comm.device)
             wrong = torch.zeros(len(names), dtype=torch.int64, device=comm.device)
@@ -141,6 +152,8 @@ def bench_collectives_on_rank(
                 )
                 record["variant"] = name
                 record["calls_per_sample"] = calls
+                if schedule.code_of(name) == "auto":
+                    record["trial"] = trial_record(comm, op, cases[name].size_bytes)
                 record.update(summary.as_dict())
                 record["tie"] = (
                     summary.is_tie(record["speedup_vs_first"], variant=name)
@@ -152,6 +165,29 @@ def bench_collectives_on_rank(
                 records.append(record)
             mark_regret(records[-len(names) :], control=schedule.control_variant)
     return records
+
+
+def settle_trial(comm: Communicator, op: str, case: Case) -> None:
+    """Run ``case``, an ``auto`` one, until its timed trial has decided (nothing to do when
+    trials are off): the row then times the decision, and the trial's own calls, which ran
+    every candidate, are reported apart (``trial_record``)."""
+    while exploring(comm, op, case.size_bytes):
+        case.reset()
+        case.call()
+
+
+def trial_record(comm: Communicator, op: str, size_bytes: int) -> dict[str, Any] | None:
+    """What ``auto``'s trial of this row measured: candidates, their medians (slowest rank's)
+    and the choice; None without a trial."""
+    for outcome in outcomes(comm):
+        if (outcome.collective, outcome.nbytes) == (op, size_bytes):
+            return {
+                "candidates": list(outcome.candidates),
+                "median_us": [m * 1e6 for m in outcome.median_s],
+                "chosen": outcome.chosen,
+                "calls": len(outcome.candidates) * (1 + comm.config.tuner_trial_calls),
+            }
+    return None
 
 
 def calls_per_sample(comm: Communicator, config: CollectiveBenchConfig, last: torch.Tensor) -> int:

@@ -17,12 +17,17 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
   lies above ``max(C, M)``. ``fused/overlap`` near 1 means the pipeline hides all the machine
   lets it hide;
 * ``fused[NAME]``: an operator's other schedules (GEMM + AllReduce's ring and row blocks, one
-  and two levels, and on two-level layouts the unfused GEMM with commfuse's hierarchical
-  all-reduce), timed in the same rounds; each is a row of its own, ``op[NAME]``, beside the
-  chosen one (only where the operator chooses: ``--chunks`` times the one it fixes);
+  and two levels, and where the reference all-reduces in two levels the unfused GEMM with
+  gloo's flat ring, ``unfused flat``), timed in the same rounds; each is a row of its own,
+  ``op[NAME]``, beside the chosen one (only where the operator chooses: ``--chunks`` times the one it fixes);
 * ``stage:NAME`` (the MoE step): parts of the step timed alone, from which the
-  **dependency-aware bound** (``fused/dep``) is computed where the step's dependencies allow
-  less overlap than ``overlap`` assumes (``bench/fused_moe.py``).
+  **dependency-aware bound** is computed where the step's dependencies allow less overlap
+  than ``overlap`` assumes (``bench/fused_moe.py``). ``fused/dep`` divides by the machine's
+  bound: the larger of that and the **CPU floor** (``bench/cpu_floor.py``: the CPU time of
+  ``compute`` and ``comm``, summed over the ranks that share a machine's cores, divided by
+  those cores), since on a machine whose cores the ranks share, communication's CPU work cannot
+  hide behind computation's. Every row records the floor and each variant's CPU time (all
+  ranks together, ``cpu_us``).
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
 prediction and the ratios fused/unfused, fused/ideal and fused/overlap (of the medians), plus
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
 import threading
 from collections.abc import Callable
 from typing import Any, Literal
@@ -45,6 +51,7 @@ from typing import Any, Literal
 import torch
 
 from commfuse.bench.cases import Case
+from commfuse.bench.cpu_floor import cpu_floor_us, cpu_seconds
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
 from commfuse.cluster.topology import Topology
@@ -208,18 +215,18 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     w = torch.randint(-2, 3, (out_features, shard), generator=gen, device="cpu").float()
     w = w.to(comm.device)
     buf = torch.zeros(rows, out_features, device=comm.device)
+    world, local = comm.world_size, comm.config.ranks_per_host or 1
+    # M is the reference's own all-reduce (baselines.all_reduce_algo: in two levels on
+    # two-level layouts), so that C, M, overlap and unfused describe the same baseline.
+    reference_algo = baselines.all_reduce_algo(buf.numel() * buf.element_size(), world, local)
     alternatives: dict[str, Callable[[], torch.Tensor]] = {}
     if rows >= comm.world_size:  # the row path's schedules (a GEMV has one)
-        world, local = comm.world_size, comm.config.ranks_per_host or 1
         alternatives[f"ring k={world}"] = functools.partial(
             gar.gemm_all_reduce, comm, x, w, chunks=world, schedule="ring"
         )
-        if 1 < local < world:
-            # The unfused GEMM with commfuse's two-level all-reduce: what the two levels alone
-            # save, without overlap.
-            alternatives["unfused hierarchical"] = functools.partial(
-                _gemm_then_hierarchical, comm, x, w, local
-            )
+        if reference_algo == "hierarchical":
+            # The unfused GEMM with gloo's flat ring all-reduce: the reference one level down.
+            alternatives["unfused flat"] = functools.partial(_gemm_then_flat, comm, x, w)
         for level in [1, local] if 1 < local < world else [1]:
             alternatives[f"blocks k={gar.BLOCK_CHUNKS} L={level}"] = functools.partial(
                 gar.gemm_all_reduce,
@@ -232,7 +239,7 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
             )
     return FusedForms(
         compute=lambda: torch.matmul(x, w.t()),
-        comm=lambda: comm.all_reduce(buf),
+        comm=lambda: gar.reference_all_reduce(comm, buf),
         unfused=lambda: gar.gemm_all_reduce_reference(comm, x, w),
         fused=lambda k: gar.gemm_all_reduce(comm, x, w, chunks=k),
         max_chunks=16,
@@ -241,13 +248,9 @@ def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     )
 
 
-def _gemm_then_hierarchical(
-    comm: Communicator, x: torch.Tensor, w: torch.Tensor, ranks_per_host: int
-) -> torch.Tensor:
-    from commfuse.collectives import all_reduce
-
+def _gemm_then_flat(comm: Communicator, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = torch.matmul(x, w.t())
-    all_reduce(comm, out, "sum", algo="hierarchical", ranks_per_host=ranks_per_host)
+    comm.all_reduce(out, "sum")
     return out
 
 
@@ -313,10 +316,16 @@ def make_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedForms
 
 
 def _timed(comm: Communicator, fn: Callable[[], Any]) -> float:
+    return timed_with_cpu(comm, fn)[0]
+
+
+def timed_with_cpu(comm: Communicator, fn: Callable[[], Any]) -> tuple[float, float]:
+    """(wall us, this process's CPU us) of one call, after a barrier."""
     comm.barrier()
-    start = now(comm.device)
+    cpu, start = cpu_seconds(), now(comm.device)
     fn()
-    return (now(comm.device) - start) * 1e6
+    wall = (now(comm.device) - start) * 1e6
+    return wall, (cpu_seconds() - cpu) * 1e6
 
 
 def run_together(compute: Callable[[], Any], collective: Callable[[], Any]) -> None:
@@ -399,10 +408,21 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             )
             names = list(schedule.names)
             times = torch.zeros(len(names), config.iters, dtype=torch.float64, device=comm.device)
+            cpu = torch.zeros_like(times)
             for i, order in enumerate(schedule.orders()):  # the same on every rank (seeded)
                 for name in order:
-                    times[names.index(name), i] = _timed(comm, cases[schedule.code_of(name)].call)
+                    v = names.index(name)
+                    times[v, i], cpu[v, i] = timed_with_cpu(
+                        comm, cases[schedule.code_of(name)].call
+                    )
             comm.all_reduce(times, "max")
+            # The CPU floor: this rank's CPU for the computation and the communication alone
+            # (medians over rounds), summed over the ranks of each machine, over its cores.
+            floor = cpu_floor_us(
+                comm,
+                sum(statistics.median(cpu[names.index(n)].tolist()) for n in ("compute", "comm")),
+            )
+            comm.all_reduce(cpu)  # every variant's CPU, all ranks together, per round
             wrong = torch.tensor([int((fused() != forms.unfused()).sum())], device=comm.device)
             comm.all_reduce(wrong)
             summary = summarize(
@@ -415,10 +435,12 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 summary.medians[name] for name in ("compute", "comm", "unfused", "fused", "overlap")
             )
             ideal = max(c, m)
-            bound = None
+            bound = dependencies = None
             if forms.bound is not None:
                 parts = {n: summary.medians[f"stage:{n}"] for n in forms.stages}
-                bound = forms.bound({"compute": c, "comm": m, **parts})
+                dependencies = forms.bound({"compute": c, "comm": m, **parts})
+                # The machine's bound: no schedule beats its dependencies or its cores.
+                bound = max(dependencies, floor)
             record: dict[str, Any] = {
                 "op": op,
                 "shape": list(shape),
@@ -443,6 +465,11 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 "fused_vs_ideal": f / ideal,
                 "fused_vs_overlap": f / o,
                 "dependency_bound_us": bound,
+                "dependencies_only_us": dependencies,
+                "cpu_floor_us": floor,
+                "cpu_us": {
+                    name: statistics.median(cpu[v].tolist()) for v, name in enumerate(names)
+                },
                 "stages_us": {n: summary.medians[f"stage:{n}"] for n in forms.stages},
                 "fused_vs_dependency_bound": f / bound if bound else None,
                 **summary.as_dict(),

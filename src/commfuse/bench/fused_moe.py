@@ -13,9 +13,12 @@ one-rank group holding ``experts_per_rank`` experts (the same expert FLOPs: ever
 local), ``comm`` the step's four All-to-Alls (dispatch and combine, forward and backward) and
 its allreduce of replicated gradients alone. Its dispatch and combine exchanges and its two
 expert GEMMs are also timed alone (``stage:NAME``), for the dependency-aware bound
-``moe_step_bound_us`` (``fused/dep``): perfect overlap assumes any communication can hide
-behind any computation, where the step lets each exchange hide only behind the GEMMs next to it. The learning rate is 1e-30, so every timed step sees the
-(numerically) the same parameters; the records' ``wrong`` compares losses rounded to 4 decimals.
+``moe_step_bound_us``: perfect overlap assumes any communication can hide behind any
+computation, where the step lets each exchange hide only behind the GEMMs next to it.
+``fused/dep`` divides by the larger of that and the CPU floor (``bench/cpu_floor.py``), since
+with ranks sharing cores the exchanges' CPU work competes with the GEMMs. The learning rate is
+1e-30, so every timed step sees (numerically) the same parameters; the records' ``wrong``
+compares losses rounded to 4 decimals.
 """
 
 from __future__ import annotations

@@ -10,6 +10,13 @@ Both models must end with identical parameters (``wrong`` counts the elements th
 summed over ranks). With ``control`` a third model, unfused again, joins the rounds (U'): U'/U
 is the noise floor, a fused/unfused ratio within it is a tie, and U' must match U too.
 
+Where a step names the parts its exchanges can overlap (``stages``, timed alone in the same
+rounds as ``stage:NAME``), ``fused/dep`` divides the fused step by the machine's bound: the
+larger of the **dependency-aware bound** (the unfused step less what its dependencies let each
+exchange hide; ``dlrm_step_bound_us``) and the **CPU floor** (``bench/cpu_floor.py``: the
+unfused step's CPU time, summed over the ranks that share a machine's cores, over those cores).
+Every record keeps both, and each variant's CPU time (all ranks together, ``cpu_us``).
+
 Steps: ``dlrm`` (``workloads/dlrm.py``; shape = global batch x tables x rows x dim x pooling);
 ``tp-transformer`` and ``tp-transformer-sp`` (``workloads/tp_transformer.py``, Megatron tensor
 parallelism without and with sequence parallelism; shape = seq x batch x d_model x heads x d_ff
@@ -22,18 +29,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 
 from commfuse.bench.cases import Case
-from commfuse.bench.fused import check_schedule
+from commfuse.bench.cpu_floor import cpu_floor_us
+from commfuse.bench.fused import check_schedule, timed_with_cpu
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
 from commfuse.cluster.topology import Topology
 from commfuse.comm import Communicator
-from commfuse.comm.clock import now
 from commfuse.fused import embedding_all_to_all as emb
 from commfuse.fused.chunking import BY_TABLE, ChunkConfig
 from commfuse.fused.chunking import Schedule as ChunkSchedule
@@ -56,6 +64,11 @@ class StepForms:
     unfused one."""
     extra: dict[str, float]
     """Context for the record (e.g. the exchange's compute and communication alone)."""
+    stages: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
+    """Parts of the step timed alone in the same rounds (``stage:NAME``): the inputs of
+    ``bound``."""
+    bound: Callable[[dict[str, float]], float] | None = None
+    """The dependency-aware bound from the medians of ``unfused`` and the stages (by name)."""
 
 
 def dlrm_case(
@@ -112,6 +125,7 @@ def dlrm_case(
     c_us, m_us = emb.measure(comm, lookup)
     agreed = torch.tensor([c_us, m_us], dtype=torch.float64, device=comm.device)
     comm.all_reduce(agreed, "max")
+    stages = _dlrm_stages(comm, lookup)
     return StepForms(
         prepare=lambda step: dlrm.synthetic_batch(
             config, step, comm.rank, comm.world_size, device=comm.device
@@ -122,7 +136,55 @@ def dlrm_case(
         chunks=lambda: _chosen(list(models["fused"].embedding._chunks.values())),
         differing=differing,
         extra={"compute_us": float(agreed[0]), "comm_us": float(agreed[1])},
+        stages=stages,
+        bound=dlrm_step_bound_us,
     )
+
+
+def _dlrm_stages(comm: Communicator, lookup: emb.ShardedLookup) -> dict[str, Callable[[], Any]]:
+    """The parts of the DLRM step the exchange can overlap, each alone: the forward's lookups
+    of the global batch, one All-to-All of the exchange's size (the unfused reference's; the
+    reverse exchange moves the same bytes), and the table gradients' accumulation as the
+    unfused backward does it (its zeroed buffer and expanded offsets, then table by table every
+    rank's block of samples)."""
+    from commfuse.collectives import all_to_all
+    from commfuse.fused import baselines
+
+    batch, rank, world = sum(lookup.batch_splits), comm.rank, comm.world_size
+    splits, dim, local = lookup.batch_splits, lookup.dim, len(lookup.tables)
+    send = lookup.rows(0, batch).contiguous().view(-1)
+    in_splits = [b * local * dim for b in splits]
+    out_splits = [splits[rank] * t * dim for t in lookup.tables_per_rank]
+    recv = send.new_empty(sum(out_splits))
+    grad = send.new_ones((batch, local, dim))
+    order = [rank] + [(rank + s) % world for s in range(1, world)]
+
+    def accumulate() -> None:  # as the unfused backward does (workloads/dlrm.py)
+        grads = emb.TableGradients(lookup.tables, lookup.indices, lookup.offsets, lookup.mode)
+        for t in range(local):
+            for src in order:
+                start = lookup.sample_starts[src]
+                grads.add_table(t, start, grad[start : start + splits[src], t])
+
+    return {
+        "lookup": lambda: lookup.rows(0, batch),
+        "exchange": lambda: all_to_all(
+            comm, recv, send, out_splits, in_splits, algo=baselines.ALL_TO_ALL
+        ),
+        "accumulate": accumulate,
+    }
+
+
+def dlrm_step_bound_us(medians: dict[str, float]) -> float:
+    """The DLRM step's dependency-aware bound: the unfused step less what its dependencies let
+    the exchanges hide, each only behind the computation it can overlap and only with
+    infinitely fine pieces (so a bound, not a prediction): the forward exchange behind the
+    lookups that produce it, the reverse exchange behind the accumulation of the table
+    gradients it delivers. The MLPs, the feature interaction, the loss and the optimizer
+    depend on one exchange or the other end to end. ``medians`` holds ``unfused``,
+    ``lookup``, ``exchange`` and ``accumulate``, in any one unit."""
+    x = medians["exchange"]
+    return medians["unfused"] - min(x, medians["lookup"]) - min(x, medians["accumulate"])
 
 
 def _chosen(chosen: list[ChunkSchedule]) -> ChunkSchedule:
@@ -254,13 +316,6 @@ def _on_batch(step: Callable[[Any], Any] | None, batch: list[Any]) -> Callable[[
     return lambda: step(batch[0])
 
 
-def _timed(comm: Communicator, fn: Callable[[], Any]) -> float:
-    comm.barrier()
-    start = now(comm.device)
-    fn()
-    return (now(comm.device) - start) * 1e6
-
-
 def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
     """Runs on every rank (process group up); rank 0's return value is the report."""
     comm = Communicator()
@@ -282,6 +337,9 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
             cases = {
                 "fused": Case(name="fused", call=_on_batch(forms.fused, batch)),
                 "unfused": Case(name="unfused", call=_on_batch(forms.unfused, batch)),
+                **{
+                    f"stage:{n}": Case(name=f"stage:{n}", call=fn) for n, fn in forms.stages.items()
+                },
             }
             schedule = Schedule(
                 tuple(cases),
@@ -296,12 +354,18 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
                 cases[twin] = Case(name=twin, call=_on_batch(forms.control, batch))
             names = list(schedule.names)
             times = torch.zeros(len(names), config.iters, dtype=torch.float64, device=comm.device)
+            cpu = torch.zeros_like(times)
             for i, order in enumerate(schedule.orders()):  # the same on every rank (seeded)
                 batch[0] = forms.prepare(step)
                 for variant in order:
-                    times[names.index(variant), i] = _timed(comm, cases[variant].call)
+                    v = names.index(variant)
+                    times[v, i], cpu[v, i] = timed_with_cpu(comm, cases[variant].call)
                 step += 1
             comm.all_reduce(times, "max")
+            # The unfused step's CPU (this rank's median), summed over the ranks of each
+            # machine, over its cores: the work any schedule of the step has to get done.
+            floor = cpu_floor_us(comm, statistics.median(cpu[names.index("unfused")].tolist()))
+            comm.all_reduce(cpu)  # every variant's CPU, all ranks together, per round
             wrong = torch.tensor([forms.differing()], device=comm.device)
             comm.all_reduce(wrong)
             summary = summarize(
@@ -311,6 +375,11 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
                 paired=False,
             )
             f, u = summary.medians["fused"], summary.medians["unfused"]
+            stages = {n: summary.medians[f"stage:{n}"] for n in forms.stages}
+            bound = dependencies = None
+            if forms.bound is not None:
+                dependencies = forms.bound({"unfused": u, **stages})
+                bound = max(dependencies, floor)  # neither its dependencies nor its cores
             records.append(
                 {
                     "op": f"{name}_step",
@@ -325,6 +394,12 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
                     "unfused_us": u,
                     "fused_us": f,
                     "fused_vs_unfused": f / u,
+                    "dependency_bound_us": bound,
+                    "dependencies_only_us": dependencies,
+                    "cpu_floor_us": floor,
+                    "cpu_us": {n: statistics.median(cpu[v].tolist()) for v, n in enumerate(names)},
+                    "stages_us": stages,
+                    "fused_vs_dependency_bound": f / bound if bound else None,
                     **summary.as_dict(),
                     "tie": summary.is_tie(f / u, variant="fused"),
                     "ratio_ci": list(summary.ratio_intervals["fused"]),
@@ -346,5 +421,19 @@ COLUMNS = (
     ("fused_us", lambda r: f"{r['fused_us']:.0f}"),
     ("fused/unfused", lambda r: ratio_cell(r, "fused_vs_unfused")),
     ("U'/U", lambda r: "-" if r.get("control_ratio") is None else f"{r['control_ratio']:.3f}"),
+    (
+        "dep_us",
+        lambda r: (
+            "-" if r.get("dependency_bound_us") is None else f"{r['dependency_bound_us']:.0f}"
+        ),
+    ),
+    (
+        "fused/dep",
+        lambda r: (
+            "-"
+            if r.get("fused_vs_dependency_bound") is None
+            else f"{r['fused_vs_dependency_bound']:.3f}"
+        ),
+    ),
     ("wrong", lambda r: str(r["wrong"])),
 )

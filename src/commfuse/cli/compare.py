@@ -30,6 +30,8 @@ LEGEND = """\
 step_ms       median time of one training step after warm-up (rank 0)
 compute_ms    the same step with every gradient collective skipped: the floor
 step/compute  step time over that floor (1.00 = communication fully hidden or removed)
+worst/compute the slowest position of the strategy's period (median over periods) over that floor:
+              local SGD's synchronising step; - = no period (SelSync, ADPSGD decide when)
 busy          share of the machine's cores the ranks kept busy during the steps (their processes
               with gloo's threads, and the kernel's packet work; not other programs): near 100%
               the step is CPU-bound, and fewer bytes cannot shorten it

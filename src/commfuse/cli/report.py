@@ -3,6 +3,8 @@
     commfuse report benchmarks/fused_netlab-4x1gbit-2core_202611.json
     commfuse report a.json b.json --markdown tables.md
     commfuse report benchmarks/*.json --update   # rewrite each report's table from its JSON
+    commfuse report seed0.json seed1.json --json seeds.json          # one file of both runs
+    commfuse report seeds.json --plot-bytes seeds.png  # held-out loss against bytes (compare)
 
 Every command that writes ``--json`` writes a list of records (or one record, for ``train``
 and ``tune``); the record's keys say which command made it, and this command prints the same
@@ -272,7 +274,10 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
     if kind == "bench fused --step":
         return _table(data, _fused_step_columns(), markdown)
     if kind == "compare":
-        return _table(data, _compare_columns(), markdown)
+        columns = list(_compare_columns())
+        if len({r.get("seed") for r in data}) > 1:  # runs of several seeds in one file
+            columns.insert(0, ("seed", lambda r: str(r.get("seed", "-"))))
+        return _table(data, columns, markdown)
     if kind == "compare --fault-tolerant":
         from commfuse.ft.compare import COLUMNS as FT_COLUMNS
 
@@ -318,6 +323,53 @@ def control_line(data: Any) -> str | None:
     return control_note(data, _CONTROL_LABELS.get(kind, "variant"))
 
 
+def _load(path: str | Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not a JSON file ({err})") from err
+    except OSError as err:
+        raise ValueError(f"{path}: {err.strerror or err}") from err
+
+
+def merged_records(paths: Sequence[str | Path]) -> list[Record]:
+    """The records of every file, in order, as one list: runs of one command that could not
+    share a job (several seeds of ``compare``, each its own run) made one result.
+
+    Raises:
+        ValueError: a file that is not a list of records, or files of different commands.
+    """
+    records: list[Record] = []
+    kinds: set[str] = set()
+    for path in paths:
+        data = _load(path)
+        try:
+            kinds.add(kind_of(data))
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from err
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: one record (train, tune); only lists of records merge")
+        records += data
+    if len(kinds) > 1:
+        raise ValueError(f"files of different commands do not merge: {', '.join(sorted(kinds))}")
+    return records
+
+
+def plot_bytes(paths: Sequence[str | Path], out: str | Path) -> None:
+    """Plot held-out loss against bytes per step of the ``compare`` records in ``paths`` (one
+    plot; a strategy in several files, runs of several seeds, at its medians).
+
+    Raises:
+        ValueError: a file that is not a ``compare`` result.
+    """
+    from commfuse.train.compare import plot_loss_vs_bytes
+
+    records = merged_records(paths)
+    if kind_of(records) != "compare":
+        raise ValueError(f"--plot-bytes plots compare results, not {kind_of(records)}")
+    plot_loss_vs_bytes(records, out)
+
+
 def report(paths: Sequence[str | Path], *, markdown: bool = False) -> str:
     """Each file's table under a heading naming the file and the command that wrote it, with
     the A/A control's line under it where the run had one.
@@ -327,12 +379,7 @@ def report(paths: Sequence[str | Path], *, markdown: bool = False) -> str:
     """
     parts: list[str] = []
     for path in paths:
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not a JSON file ({err})") from err
-        except OSError as err:
-            raise ValueError(f"{path}: {err.strerror or err}") from err
+        data = _load(path)
         try:
             table = render_result(data, markdown=markdown)
         except ValueError as err:
@@ -393,7 +440,17 @@ def register(sub: Subparsers) -> None:
         doc=__doc__,
     )
     parser.add_argument("results", nargs="+", metavar="RESULTS.json", help="--json output files")
-    add_output_arguments(parser, json=None, markdown="the same tables")
+    add_output_arguments(
+        parser,
+        json="the records of every file in one list (runs of several seeds, one result)",
+        markdown="the same tables",
+    )
+    parser.add_argument(
+        "--plot-bytes",
+        metavar="PATH",
+        help="plot held-out loss against MB per step (log scale) of compare results, one "
+        "marker per strategy (several seeds: at their medians), the frontier joined",
+    )
     parser.add_argument(
         "--update",
         action="store_true",
@@ -403,12 +460,21 @@ def register(sub: Subparsers) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     """Print every file's table; ``--markdown PATH`` writes the same tables as Markdown;
-    ``--update`` rewrites the reports' tables instead."""
+    ``--update`` rewrites the reports' tables instead, ``--json PATH`` writes the files' records
+    as one, ``--plot-bytes PATH`` plots them (compare results)."""
     if args.update:
         for path in args.results:
             print(
                 f"{Path(path).with_suffix('.md')}: {'updated' if update_report(path) else 'unchanged'}"
             )
+        return 0
+    if args.json:
+        Path(args.json).write_text(json.dumps(merged_records(args.results), indent=1) + "\n")
+        print(f"records of {len(args.results)} file(s) written to {args.json}")
+        return 0
+    if args.plot_bytes:
+        plot_bytes(args.results, args.plot_bytes)
+        print(f"plot (held-out loss against MB per step) written to {args.plot_bytes}")
         return 0
     print(report(args.results))
     if args.markdown:

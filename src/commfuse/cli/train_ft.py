@@ -2,6 +2,7 @@
 
 commfuse train --hosts 4 --link 100mbit --fault-tolerant --steps 100
 commfuse train --hosts 4 --fault-tolerant --chaos kill:host=2,at_step=15,restart_after_s=5 --json r.json
+commfuse train --hosts 4 --fault-tolerant --strategy diloco:H=20,compressor=sparseloco --steps 400
 """
 
 from __future__ import annotations
@@ -18,19 +19,19 @@ def run_train_ft(args: argparse.Namespace) -> int:
     """Build the run from the flags, train it fault-tolerantly, print and write its record.
 
     Raises:
-        ValueError: a bad flag (several ranks per host, a strategy other than ddp, a bad
-            fault spec).
+        ValueError: a bad flag (several ranks per host, a strategy that runs in neither
+            per-step nor per-period mode, a bad fault spec).
     """
     from commfuse.cli.spec import fault_from_spec, strategy_from_spec, workload_from_spec
     from commfuse.ft.config import FaultToleranceConfig
-    from commfuse.ft.replica import ft_strategy
+    from commfuse.ft.periods import ft_mode
     from commfuse.train.loop import TrainConfig
 
     topology = topology_from_args(args, nproc=args.nproc)
     if topology.ranks_per_host != 1:
         raise ValueError("--fault-tolerant runs one rank per host (one replica group each)")
     strategy = strategy_from_spec(args.strategy, ranks_per_host=1)
-    ft_strategy(strategy)  # ValueError: not ddp, nor a compressor's name
+    ft_mode(strategy)  # ValueError: neither mode runs it (the message lists what runs)
     for flag in ("checkpoint_dir", "resume", "init_from"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')} does not combine with --fault-tolerant")
@@ -64,12 +65,18 @@ def run_train_ft(args: argparse.Namespace) -> int:
 
 def describe_ft_record(r: dict[str, Any]) -> str:
     """The record in a few lines: steps, losses, agreement and one line per fault."""
+    periods = (
+        f" in {r['committed_periods']} periods ({r['discarded_periods']} attempts discarded)"
+        if r.get("mode") == "periodic"
+        else ""
+    )
     held = "" if r.get("eval_loss") is None else f", held-out loss {r['eval_loss']:.3f}"
     good = r.get("goodput_steps_per_s")
     rate = "" if good is None else f", goodput {good:.2f} committed steps/s"
+    batch = r.get("global_batch", "shrink")
     lines = [
-        f"{r['committed_steps']}/{r['steps']} steps committed, {r['discarded_steps']} "
-        f"discarded, {r['samples_lost']} samples lost (global batch {r['global_batch']}), "
+        f"{r['committed_steps']}/{r['steps']} steps committed{periods}, {r['discarded_steps']} "
+        f"discarded, {r['samples_lost']} samples lost (global batch {batch}), "
         f"final loss {r['final_loss']:.3f}{held}, {r['wall_s']:.1f} s{rate}"
         + ("" if r["step_digests_agree"] else "  (WARNING: replicas' parameters differ)")
     ]
@@ -79,8 +86,9 @@ def describe_ft_record(r: dict[str, Any]) -> str:
             return "-" if x is None else f"{x:.2f} s"
 
         how = e["phase"] if e["kind"] == "kill" else f"for {e['for_s']:g} s"
+        period = "" if e.get("period") is None else f" of period {e['period']}"
         lines.append(
-            f"  {e['kind']} host {e['host']} at step {e['step']} ({how}): detected "
+            f"  {e['kind']} host {e['host']} at step {e['step']}{period} ({how}): detected "
             f"{s(e['detect_s'])}, survivors committed again {s(e['recover_s'])}, rejoined "
             f"{s(e['rejoin_s'])} later"
         )

@@ -7,7 +7,8 @@ Every call goes through one path (``_call``), in five steps:
    ``CommConfig.validate`` also that every rank passes the same shape and dtype;
 2. **fast paths**: a world of one or an empty tensor needs no communication;
 3. **pick**: ``algo="auto"`` asks the tuner for the algorithm and its options (the same on every
-   rank), any registered name or alias forces one;
+   rank; during a timed trial at first use, ``trial.py``, the candidate whose turn it is, and
+   the call is timed), any registered name or alias forces one;
 4. **count**: commfuse's own algorithms count the caller's buffer as handed to a collective
    (``OpCounters.handed_bytes``; gloo's count it where they run);
 5. **run**: synchronously, or with ``async_op=True`` on the communicator's worker thread,
@@ -27,7 +28,10 @@ import torch
 
 from commfuse.collectives.reduce_ops import check_op, finish_
 from commfuse.collectives.registry import AlgorithmFn, algorithms_for, label, resolve
+from commfuse.collectives.trial import next_call as trial_call
+from commfuse.collectives.tuner import choose, choose_options
 from commfuse.comm import Communicator, Handle, check_consistent, nbytes_of
+from commfuse.comm.clock import now
 
 SUPPORTED_DTYPES = (
     torch.float32,
@@ -72,13 +76,25 @@ def _call(
         if local is not None:
             local()
         return Handle.completed(op=collective) if async_op else None
-    name, opts = _pick(comm, collective, algo, nbytes_of(tensor if sized is None else sized), opts)
+    nbytes = nbytes_of(tensor if sized is None else sized)
+    trial = trial_call(comm, collective, nbytes, tensor) if algo == "auto" else None
+    if trial is None:
+        name, opts = _pick(comm, collective, algo, nbytes, opts)
+        record = None
+    else:
+        name, record = trial
+        opts = {**choose_options(comm, collective, name, nbytes), **opts}
     if name != "native":
         comm.stats[label(collective, name)].handed_bytes += nbytes_of(tensor)
     fn = table[name]
 
     def run() -> None:
+        if record is None:
+            body(name, fn, opts)
+            return
+        start = now(tensor.device)
         body(name, fn, opts)
+        record(now(tensor.device) - start)
 
     if async_op:
         return comm.submit(f"{collective}.{name}", run)
@@ -93,8 +109,6 @@ def _pick(
     """The algorithm to run and its options. ``auto`` asks the tuner for both (for pipelines,
     the modelled best block size); options the caller gave explicitly win."""
     if algo == "auto":
-        from commfuse.collectives.tuner import choose, choose_options
-
         name = choose(comm, collective, nbytes)
         return name, {**choose_options(comm, collective, name, nbytes), **opts}
     return resolve(collective, algo), opts

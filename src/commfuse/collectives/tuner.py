@@ -630,6 +630,12 @@ def choose(comm: Communicator, collective: str, nbytes: int) -> str:
     return cache[key]
 
 
+def remember_choice(comm: Communicator, collective: str, nbytes: int, algo: str) -> None:
+    """Make ``algo`` the communicator's choice for this message from now on (a timed trial's
+    decision, ``trial.py``; the same on every rank)."""
+    comm.owned(TunerState).choices[(collective, nbytes)] = algo
+
+
 def choose_options(comm: Communicator, collective: str, algo: str, nbytes: int) -> Options:
     """The options ``algo="auto"`` runs ``algo`` with (the same on every rank); explicit options
     of the caller should override them (merge, never mutate: the dict is remembered)."""

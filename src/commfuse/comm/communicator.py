@@ -88,12 +88,24 @@ class CommConfig:
     tuner_profile_path: str | None = None
     """A profile saved by ``commfuse tune``, for ``algo="auto"``; None: the default profile
     built from ``link_mbit`` and ``ranks_per_host``."""
+    tuner_trial_calls: int = 0
+    """Timed calls per candidate when ``algo="auto"`` first meets a (collective, size): the
+    first calls then try native and the model's two fastest other algorithms on the caller's
+    own messages and keep the fastest (``collectives/trial.py``); 0: the model alone decides."""
 
     def __post_init__(self) -> None:
         if not self.deadline_s > 0:
             raise ValueError(f"CommConfig.deadline_s must be > 0 seconds, got {self.deadline_s!r}")
         if self.link_mbit is not None and not self.link_mbit > 0:
             raise ValueError(f"CommConfig.link_mbit must be > 0 or None, got {self.link_mbit!r}")
+        if (
+            isinstance(self.tuner_trial_calls, bool)
+            or not isinstance(self.tuner_trial_calls, int)
+            or self.tuner_trial_calls < 0
+        ):
+            raise ValueError(
+                f"CommConfig.tuner_trial_calls must be an int >= 0, got {self.tuner_trial_calls!r}"
+            )
         if self.ranks_per_host is not None and (
             isinstance(self.ranks_per_host, bool)
             or not isinstance(self.ranks_per_host, int)

@@ -5,6 +5,9 @@ one torchft replica group per emulated host: the lighthouse (quorum) runs in the
 the first host's address, each replica group runs torch DDP whose gradient hook averages across
 the quorum through torchft's Manager, a replica that dies costs the step in flight, and a
 restarted one receives its state from a healthy peer (checksummed) and continues in step.
+With a local-SGD method as the strategy (``diloco(H=50)``, ``local_sgd(H=8)``, streaming
+DiLoCo, any outer compressor) the unit of commit is a period of inner steps instead
+(``periodic.py``): a failure costs the period in flight.
 Needs the optional dependency (``pip install 'commfuse[ft]'``); importing this package does
 not import torchft.
 """

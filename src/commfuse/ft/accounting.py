@@ -17,6 +17,15 @@ those (and the launcher's record of kills and restarts) the run's record states:
 * ``step_digests_agree``: at every step, every replica group that committed it holds
   parameters with the same digest (the restarted replica's too, from its recovery on);
   ``replicas_agree``: the final digests are equal;
+* per-period mode (local SGD, DiLoCo: ``periodic.py``) reports one attempt per period
+  instead, its ``step`` the period's index, with the inner steps it covers: there
+  ``committed_steps`` counts inner steps (of committed periods), ``discarded_steps`` the inner
+  steps of the attempts that did not commit, summed over replica groups (their batches are
+  trained again in the retried period, not lost), ``batches_lost`` the batches of inner steps
+  whose period a replica group did not commit, ``step_digests_agree`` compares the outer
+  model (the anchors) at every committed period, ``committed_periods`` /
+  ``discarded_periods`` count periods, and a kill's event has the inner step (``step``), its
+  period (``period``) and the period the replica rejoined at (``rejoin_step``);
 * ``events``: one per fault (a kill, a cut link): the host, the step, seconds from the fault
   to the survivors' first failed step or first smaller quorum (``detect_s``), to their first
   commit of a step begun after the fault (``recover_s``), and to the faulty replica's first
@@ -30,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections import defaultdict
-from typing import Any
+from typing import Any, Literal
 
 from commfuse.ft.config import GlobalBatch, Timeouts
 from commfuse.ft.goodput import goodput, sample_accounting, unreported_commits
@@ -69,6 +78,7 @@ def summarize_ft(
     timeouts: Timeouts,
     global_batch: GlobalBatch = "shrink",
     warmup: int = 2,
+    mode: Literal["ddp", "periodic"] = "ddp",
 ) -> dict[str, Any]:
     """The run's record (see the module docstring) from the replicas' reports.
 
@@ -86,6 +96,8 @@ def summarize_ft(
         timeouts: the run's derived timeouts.
         global_batch: who trained a missing replica group's samples (``data.py``).
         warmup: steps left out of the goodput (``goodput.py``).
+        mode: per step (``ddp``: a record per step) or per period (``periodic``: a record
+            per period, with ``first_step``, ``inner_steps`` and ``losses``).
 
     Returns:
         The record, JSON-serialisable.
@@ -107,6 +119,12 @@ def summarize_ft(
     )
     samples["commits_inferred"] = len(inferred)
     final = next((res for res in results if res["step"] == steps), {})
+    if mode == "periodic":
+        # Per-period records name no samples: a batch is lost when its replica group did
+        # not commit the period that covers it.
+        trained = {(r["step"], r["replica"]): r.get("inner_steps", 1) for r in committed}
+        lost = num_replicas * committed_steps - sum(trained.values())
+        samples = {"samples_lost": lost * batch_samples}
     events = []
     for fault in faults:
         host, t = fault["replica"], fault["t"]
@@ -126,6 +144,8 @@ def summarize_ft(
                 "host": host,
                 # A cut's: the survivors' step in flight when the link went down.
                 "step": fault["step"] if "step" in fault else min(after, default=None),
+                # Per-period mode: the period of the kill's inner step.
+                "period": fault.get("period"),
                 "phase": fault.get("phase"),
                 "for_s": fault.get("for_s"),
                 "t": t,
@@ -143,24 +163,32 @@ def summarize_ft(
             {
                 "replica": replica,
                 "lives": len({r["life"] for r in mine}),
-                "committed": sum(r["committed"] for r in mine),
-                "discarded": sum(not r["committed"] for r in mine),
+                "committed": sum(r.get("inner_steps", 1) for r in mine if r["committed"]),
+                "discarded": sum(r.get("inner_steps", 1) for r in mine if not r["committed"]),
                 "recovered": sum(r["healed"] for r in mine),
             }
         )
     by_step: dict[int, list[float]] = defaultdict(list)
     for r in sorted(committed, key=lambda r: r["replica"]):
-        by_step[r["step"]].append(r["loss"])
+        for i, loss in enumerate(r.get("losses", [r["loss"]])):
+            by_step[r.get("first_step", r["step"]) + i].append(loss)
     # The mean over the replica groups that committed each step (as torch DDP's record).
     losses = [statistics.fmean(by_step[step]) for step in sorted(by_step)]
     step_times = [r["t"] - r["t0"] for r in committed]
+    periods = {}
+    if mode == "periodic":
+        periods = {
+            "committed_periods": max((res["periods"] for res in results), default=0),
+            "discarded_periods": sum(not r["committed"] for r in records),
+        }
     return {
-        "mode": "ddp",
+        "mode": mode,
         "topology": topology,
         "num_replicas": num_replicas,
         "steps": steps,
         "committed_steps": committed_steps,
-        "discarded_steps": sum(not r["committed"] for r in records),
+        "discarded_steps": sum(r.get("inner_steps", 1) for r in records if not r["committed"]),
+        **periods,
         "global_batch": global_batch,
         # A batch is one replica group's slot of a step (``shrink``: its own samples).
         "batches_lost": samples["samples_lost"] // batch_samples

@@ -108,7 +108,8 @@ def run_compare_ft(
     rounds; returns one record per job.
 
     Args:
-        strategies: what ``run_fault_tolerant`` accepts (``ddp``, a compressor's name).
+        strategies: what ``run_fault_tolerant`` accepts (``ddp``, a compressor's name, a
+            per-period method such as ``diloco(H=50)``).
         base: workload, steps, seed and bucket size of every run.
         topology: one replica group per host.
         ft: the timeout, the quorum's minimum, the global batch policy and the faults (none:
@@ -122,7 +123,7 @@ def run_compare_ft(
             fault-tolerant training refuses.
     """
     from commfuse.ft.launch import run_fault_tolerant
-    from commfuse.ft.replica import ft_strategy
+    from commfuse.ft.periods import ft_mode
     from commfuse.train.runner import run_training
 
     if not strategies:
@@ -130,7 +131,7 @@ def run_compare_ft(
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     for strategy in strategies:
-        ft_strategy(strategy)  # ValueError before anything starts
+        ft_mode(strategy)  # ValueError before anything starts
     ft.check_hosts(topology.num_hosts)
     labels = list(labels) or [describe_strategy(s) for s in strategies]
     if len(set(labels)) != len(labels):
@@ -181,7 +182,11 @@ def _ft_time(r: dict[str, Any]) -> dict[str, Any]:
     backward with the hook's exchange (``backward_s``), and the commit vote with the
     optimizer step and the report (``commit_s``)."""
     good = r.get("goodput_steps_per_s")
-    steady = [a for a in r["records"] if a["committed"] and a["step"] >= WARMUP_STEPS]
+    steady = [
+        a
+        for a in r["records"]
+        if a["committed"] and a["step"] >= WARMUP_STEPS and "t_backward" in a  # per-step mode
+    ]
 
     def phase(start: str, end: str) -> float | None:
         return statistics.median(a[end] - a[start] for a in steady) if steady else None

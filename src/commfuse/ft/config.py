@@ -12,7 +12,11 @@ heartbeat, set in three places):
    ``OP_TIMEOUT_FACTOR * timeout_s``: longer than a heartbeat, since a large message on a slow
    link is not a failure, but bounded, so a peer cut off without closing its sockets (a link
    that is down) is noticed by gloo too;
-4. the launcher's own deadlines (a replica's start-up, the whole job) are commfuse's and are
+4. in per-period mode (local SGD, DiLoCo: ``commfuse.ft.periodic``) a quorum is asked for
+   at the start of each period, and a replica that joins mid-period waits for the others to
+   finish theirs: its quorum request may take ``PERIOD_COVER`` periods more, a period's time
+   being measured by the replica itself (``Timeouts.period_quorum_timeout_s``);
+5. the launcher's own deadlines (a replica's start-up, the whole job) are commfuse's and are
    the job's ``timeout_s`` in ``run_fault_tolerant``.
 
 A replica killed outright closes its sockets, so its peers' collectives fail at once and the
@@ -35,6 +39,8 @@ from typing import Literal, TypeAlias
 OP_TIMEOUT_FACTOR = 5.0
 #: Heartbeats per ``timeout_s``.
 HEARTBEATS_PER_TIMEOUT = 20
+#: Periods a quorum request covers on top of ``quorum_timeout_s`` in per-period mode.
+PERIOD_COVER = 2.0
 #: Quorum requests a Manager repeats after a timeout before its replica gives up.
 QUORUM_RETRIES = 3
 #: Who trains a missing replica group's samples (``data.py``): ``fixed`` keeps the global
@@ -84,6 +90,19 @@ class Timeouts:
             quorum_retries=QUORUM_RETRIES,
         )
 
+    def period_quorum_timeout_s(self, period_s: float) -> float:
+        """How long a replica of per-period mode waits for a quorum when a period takes
+        ``period_s`` seconds (its inner steps, as the replica measured them): a joiner asks
+        while the others are in the middle of a period, and the quorum forms when they
+        finish it.
+
+        Raises:
+            ValueError: ``period_s`` is negative.
+        """
+        if period_s < 0:
+            raise ValueError(f"period_s must be >= 0, got {period_s}")
+        return self.quorum_timeout_s + PERIOD_COVER * period_s
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KillFault:
@@ -92,10 +111,11 @@ class KillFault:
     host: int
     """The emulated host (= replica group) whose ranks are killed."""
     at_step: int
-    """The committed step during which they are killed (0-based)."""
+    """The step during which they are killed (0-based; in per-period mode an inner step)."""
     phase: Literal["allreduce", "compute"] = "allreduce"
     """allreduce: right after the step's first gradient allreduce was handed to gloo (it is in
-    flight); compute: before the forward pass."""
+    flight; in per-period mode the first outer exchange at or after ``at_step``); compute:
+    before the forward pass."""
     restart_after_s: float | None = 5.0
     """Seconds from the kill to the restart; None: never restarted."""
 

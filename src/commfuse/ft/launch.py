@@ -55,7 +55,8 @@ from commfuse.ft.config import (
     SlowFault,
 )
 from commfuse.ft.lighthouse import start_lighthouse
-from commfuse.ft.replica import ReplicaJob, ft_strategy, run_replica, send
+from commfuse.ft.periods import ft_mode
+from commfuse.ft.replica import ReplicaJob, run_replica, send
 from commfuse.train.loop import TrainConfig
 from commfuse.train.strategy import describe_strategy
 
@@ -81,7 +82,12 @@ def _replica_process(
     code = 1
     try:
         enter_rank(env, netns)
-        send(conn, ("done", run_replica(job, conn)))
+        if ft_mode(job.train.strategy) == "periodic":
+            from commfuse.ft.periodic import run_periodic_replica
+
+            send(conn, ("done", run_periodic_replica(job, conn)))
+        else:
+            send(conn, ("done", run_replica(job, conn)))
         code = 0
     except BaseException:
         traceback.print_exc()
@@ -154,8 +160,9 @@ def run_fault_tolerant(
 
     Args:
         config: the run; its strategy ``TorchDDPConfig()`` (torch DDP, the gradients averaged
-            across replica groups through torchft) or ``CommfuseDPConfig(compressor=...)``
-            (the same, each bucket through that compressor: ``replica.ft_strategy``).
+            across replica groups through torchft), ``CommfuseDPConfig(compressor=...)``
+            (the same, each bucket through that compressor: ``replica.ft_strategy``), or a
+            ``PeriodicSyncConfig`` (``diloco(H=50)``, ...: per-period mode, ``periodic.py``).
         ft: the timeout and the faults to inject.
         topology: one replica group per host; one rank per host.
         emulate: force (True) or forbid (False) the emulated network; None: when possible.
@@ -188,7 +195,7 @@ def run_fault_tolerant(
             f"{topology.ranks_per_host} ranks per host"
         )
     ft.check_hosts(topology.num_hosts)
-    ft_strategy(config.strategy)  # ValueError before anything starts
+    ft_mode(config.strategy)  # ValueError before anything starts
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="commfuse-ft-"))
@@ -303,6 +310,7 @@ def _run(
         topology=topology.describe(),
         timeouts=ft.timeouts,
         global_batch=ft.global_batch,
+        mode=ft_mode(config.strategy),
     )
     record["strategy"] = describe_strategy(config.strategy)
     return record

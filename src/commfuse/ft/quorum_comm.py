@@ -8,18 +8,22 @@ quorum, which torch.distributed does not know of; ``QuorumComm`` offers those tw
 (and what a compressor reads: rank, world size, the config) on that group, both built on
 gloo's all-gather (an all-reduce sums the gathered messages in rank order, the same on every
 replica), every wait watching the quorum's alarm (``process_group.py``), and every byte
-counted. Its rank and size are the quorum's, read afresh at every step.
+counted. Its rank and size are the quorum's, read afresh at every step. The local-SGD family
+(``commfuse.localsgd.PeriodicSyncOptimizer``) takes it as its communicator too: its
+background exchanges (``submit``) run at once here, so that every exchange of a period has
+finished, and failed or not, before the period's commit vote.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch._C._distributed_c10d import AllgatherOptions
 
-from commfuse.comm import CommConfig
+from commfuse.comm import CommConfig, Handle
 from commfuse.ft.process_group import AlarmedProcessGroupGloo
 
 
@@ -41,6 +45,9 @@ class QuorumComm:
         """Replica groups in the quorum."""
         self.bytes_sent = 0
         """Bytes handed to collectives so far."""
+        self.on_issue: Callable[[], None] | None = None
+        """Called once each collective was handed to gloo, before the wait (fault
+        injection)."""
 
     def at_quorum(self, rank: int, world_size: int) -> None:
         """The quorum of the step about to run."""
@@ -53,6 +60,13 @@ class QuorumComm:
 
     def drain(self) -> None:
         """Every operation here is synchronous: nothing in flight."""
+
+    def submit(self, op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Handle:
+        """Run ``fn(*args, **kwargs)`` now and return its completed handle: an exchange that
+        ``Communicator.submit`` would overlap with the next steps finishes before them here
+        (its result is still applied when it would have been), so a failed exchange fails
+        the period it belongs to."""
+        return Handle.completed(fn(*args, **kwargs), op=op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """Sum (or average, ``op="avg"``) ``tensor`` over the quorum, in place: an all-gather,
@@ -80,4 +94,6 @@ class QuorumComm:
         parts = list(output.chunk(self.world_size))
         self.bytes_sent += input.numel() * input.element_size()
         work = self.process_group.allgather([parts], [input], AllgatherOptions())
+        if self.on_issue is not None:
+            self.on_issue()
         self.process_group.wait(work)

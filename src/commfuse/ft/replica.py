@@ -29,6 +29,7 @@ import os
 import pickle
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -54,7 +55,7 @@ class ReplicaJob:
     """What the launcher tells one life of one replica group."""
 
     train: TrainConfig
-    """The run (workload, steps, seed; the strategy as ``ft_strategy`` accepts it)."""
+    """The run (workload, steps, seed; the strategy as ``periods.ft_mode`` accepts it)."""
     ft: FaultToleranceConfig
     """Timeouts and faults."""
     replica: int
@@ -76,9 +77,10 @@ def send(conn: Connection, message: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _kill_now(conn: Connection, fault: KillFault, step: int) -> None:
-    """Report the kill time to the launcher, then SIGKILL this replica group's process."""
-    send(conn, ("kill", {"step": step, "t": time.monotonic(), "phase": fault.phase}))
+def kill_now(conn: Connection, fault: KillFault, step: int, **extra: Any) -> None:
+    """Report the kill time (and ``extra``) to the launcher, then SIGKILL this replica
+    group's process."""
+    send(conn, ("kill", {"step": step, "t": time.monotonic(), "phase": fault.phase, **extra}))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -124,13 +126,15 @@ def _lay_out_buckets(
         hook_state.local = False
 
 
-def _start_quorum(manager: Any) -> None:
+def start_quorum_retrying(manager: Any, timeout_s: float | None = None) -> None:
     """``manager.start_quorum()``, asked again for as long as it times out: a replica cut off
     from the lighthouse (its link down) waits for its link, then rejoins by live recovery.
-    The launcher stops it should the others finish first."""
+    The launcher stops it should the others finish first. ``timeout_s``: each request's
+    (None: the Manager's ``quorum_timeout``)."""
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     while True:
         try:
-            manager.start_quorum()
+            manager.start_quorum(timeout=timeout)
             return
         except TimeoutError:
             # torchft 0.2.0 keeps the failed request and raises its error again at the next
@@ -166,6 +170,45 @@ def _step_batch(
     return [start, stop], batch, scale
 
 
+def make_manager(
+    job: ReplicaJob,
+    process_group: Any,
+    transport: Any,
+    state_dict: Callable[[], dict[str, Any]],
+    load_state_dict: Callable[[dict[str, Any]], None],
+) -> Any:
+    """This replica group's torchft ``Manager``: its quorum through ``job.lighthouse``, its
+    collectives on ``process_group``, a joiner's state through ``transport`` (what
+    ``state_dict`` returns on a healthy replica, handed to ``load_state_dict`` on the
+    joiner), every wait from ``job.ft``'s one timeout, and a quorum that a joiner takes part
+    in at once (``use_async_quorum=False``: it recovers inside ``start_quorum``)."""
+    from torchft import Manager
+
+    timeouts = job.ft.timeouts
+    op_timeout = timedelta(seconds=timeouts.op_timeout_s)
+    return Manager(
+        pg=process_group,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=job.ft.min_replicas,
+        use_async_quorum=False,  # a joiner takes part in the very step it recovered in
+        timeout=op_timeout,
+        quorum_timeout=timedelta(seconds=timeouts.quorum_timeout_s),
+        connect_timeout=op_timeout,
+        rank=0,
+        world_size=1,
+        store_addr=job.addr,
+        store_port=job.store_port,
+        lighthouse_addr=job.lighthouse,
+        replica_id=f"replica_{job.replica:03d}",
+        hostname=job.addr,
+        heartbeat_interval=timedelta(seconds=timeouts.heartbeat_interval_s),
+        quorum_retries=timeouts.quorum_retries,
+        checkpoint_transport=transport,
+        init_sync=False,  # every replica builds the same model from the seed
+    )
+
+
 def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     """Train this replica group until ``job.train.steps`` steps are committed (see the module
     docstring); returns its final record. The launcher set the environment and network.
@@ -181,8 +224,6 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         ValueError: a strategy that ``ft_strategy`` refuses.
     """
     require_torchft()
-    from torchft import Manager
-
     from commfuse.ft.process_group import AlarmedProcessGroupGloo
     from commfuse.ft.quorum_comm import QuorumComm
     from commfuse.ft.transport import ChecksummedHTTPTransport
@@ -246,27 +287,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         if conn.recv_bytes() != b"start":
             raise RuntimeError("the launcher did not say start")
     transport = ChecksummedHTTPTransport(job.addr, timeout=op_timeout)
-    manager = Manager(
-        pg=process_group,
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=job.ft.min_replicas,
-        use_async_quorum=False,  # a joiner takes part in the very step it recovered in
-        timeout=op_timeout,
-        quorum_timeout=timedelta(seconds=timeouts.quorum_timeout_s),
-        connect_timeout=op_timeout,
-        rank=0,
-        world_size=1,
-        store_addr=job.addr,
-        store_port=job.store_port,
-        lighthouse_addr=job.lighthouse,
-        replica_id=f"replica_{job.replica:03d}",
-        hostname=job.addr,
-        heartbeat_interval=timedelta(seconds=timeouts.heartbeat_interval_s),
-        quorum_retries=timeouts.quorum_retries,
-        checkpoint_transport=transport,
-        init_sync=False,  # every replica builds the same model from the seed
-    )
+    manager = make_manager(job, process_group, transport, state_dict, load_state_dict)
     kills = [f for f in job.ft.faults if isinstance(f, KillFault) and f.host == job.replica]
     kills = kills if job.life == 0 else []
     kill = kills[0] if kills else None
@@ -274,7 +295,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
 
     def on_issue(bucket: int) -> None:
         if kill is not None and kill.phase == "allreduce" and kill.at_step == step_now:
-            _kill_now(conn, kill, step_now)
+            kill_now(conn, kill, step_now)
 
     hook_state.manager, hook_state.on_issue = manager, on_issue
     send(conn, ("ready", {"replica": job.replica, "life": job.life}))
@@ -283,7 +304,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     try:
         while manager.current_step() < job.train.steps:
             t0 = time.monotonic()
-            _start_quorum(manager)
+            start_quorum_retrying(manager)
             t_quorum = time.monotonic()
             healed = bool(recovered)
             recovered.clear()
@@ -294,7 +315,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             # factors): some replicas may have updated theirs before the failure, others not.
             saved = copy.deepcopy(compression_state())
             if kill is not None and kill.phase == "compute" and kill.at_step == step_now:
-                _kill_now(conn, kill, step_now)
+                kill_now(conn, kill, step_now)
             samples, batch, scale = _step_batch(workload, manager, job, step_now)
             optimizer.zero_grad(set_to_none=True)
             loss = workload.loss(ddp, batch)

@@ -36,7 +36,8 @@ function here.
 Backward (gradient semantics). The backward of an All-to-All is the All-to-All in the opposite
 direction: rank ``r`` sends ``grad[:, tables of j]`` to owner ``j`` and receives from every rank
 ``i`` the gradient of its lookups for ``i``'s samples. It is overlapped the same way, mirrored
-(All-to-All + compute): all receives are posted, all sends started, the local block is
+(All-to-All + compute): all receives are posted, all sends started, the gradient buffer is
+zeroed and the offsets expanded (that work hides behind the exchange too), the local block is
 accumulated into the table gradients first, then each remote block as it arrives. Table
 gradients are dense (``index_add`` of each bag's gradient into the rows it looked up, divided
 by the bag's length for mean; ``TableGradients`` does it for all tables in one ``index_add_``).
@@ -419,10 +420,8 @@ def embedding_all_to_all_backward(
     tables = lookup.tables
     batch_splits, tables_per_rank = lookup.batch_splits, lookup.tables_per_rank
     dim = grad_out.shape[2] if grad_out.dim() == 3 else 0
-    grads = TableGradients(tables, lookup.indices, lookup.offsets, lookup.mode)
     if chunks == BY_TABLE and world > 1:
-        _backward_by_table(comm, lookup, grad_out, grads)
-        return grads.result(tables)
+        return _backward_by_table(comm, lookup, grad_out).result(tables)
     starts, table_starts = lookup.sample_starts, lookup.table_starts
     mine = batch_splits[rank]
     pieces = 1 if world == 1 or not isinstance(chunks, int) else -(-chunks // (world - 1))
@@ -441,6 +440,8 @@ def embedding_all_to_all_backward(
         ].contiguous()
         for tag, (lo, hi) in enumerate(split_ranges(mine, pieces)):
             outgoing.append(comm.isend(block[lo:hi], dst, tag=tag, label=LABEL))
+    # The gradient buffer (zeroed) and the expanded offsets are built while the blocks travel.
+    grads = TableGradients(tables, lookup.indices, lookup.offsets, lookup.mode)
     own = grad_out[:, table_starts[rank] : table_starts[rank] + tables_per_rank[rank]]
     grads.add(starts[rank], own)  # while the remote blocks travel
     for handle, start, piece in incoming:
@@ -452,8 +453,8 @@ def embedding_all_to_all_backward(
 
 
 def _backward_by_table(
-    comm: Communicator, lookup: ShardedLookup, grad_out: torch.Tensor, grads: TableGradients
-) -> None:
+    comm: Communicator, lookup: ShardedLookup, grad_out: torch.Tensor
+) -> TableGradients:
     """The by-table schedule's backward: each rank sends every owner the gradient column of
     each of its tables (table by table, so owners can start on their first table), and an owner
     accumulates table by table, its own samples first, then ranks ``r+1, r+2, ...`` as the
@@ -471,22 +472,29 @@ def _backward_by_table(
         if splits[src]:
             for t in range(local):
                 incoming[t, src] = comm.irecv(landing[src][t], src, tag=t, label=LABEL)
+    # One transposing copy, [B_r, T, D] -> [T, B_r, D], makes every table's column one
+    # contiguous block: each message is then a view, where a copy per column read the whole
+    # gradient in strides of D once per table and allocated a buffer per message.
+    columns = grad_out.transpose(0, 1).contiguous()
     outgoing: list[Handle] = []
     if mine:
         for t in range(max(per_rank)):
             for step in range(1, world):
                 dst = (rank - step) % world
                 if t < per_rank[dst]:
-                    column = grad_out[:, table_starts[dst] + t].contiguous()  # [B_r, D]
+                    column = columns[table_starts[dst] + t]  # [B_r, D], contiguous
                     outgoing.append(comm.isend(column, dst, tag=t, label=LABEL))
+    # The gradient buffer (zeroed) and the expanded offsets are built while the columns travel.
+    grads = TableGradients(lookup.tables, lookup.indices, lookup.offsets, lookup.mode)
     for t in range(local):
-        grads.add_table(t, starts[rank], grad_out[:, table_starts[rank] + t])
+        grads.add_table(t, starts[rank], columns[table_starts[rank] + t])
         for src in sources:
             if splits[src]:
                 incoming[t, src].wait()
                 grads.add_table(t, starts[src], landing[src][t])
     for handle in outgoing:
         handle.wait()
+    return grads
 
 
 def measure(comm: Communicator, lookup: ShardedLookup) -> tuple[float, float]:

@@ -43,7 +43,8 @@ blocks and the column path accumulate in at least float32 (rounded once per leve
 
 Choosing ``k`` (``choose_chunks_for``): the fused pipeline's transport and the unfused path's
 (gloo's ring) are timed apart, and a chunked choice is confirmed by a timed trial against the
-unfused operator; otherwise ``k = 1`` runs the unfused operator with gloo's own all-reduce, so
+unfused operator; otherwise ``k = 1`` runs the unfused operator (the reference, with
+``baselines.all_reduce_algo``'s all-reduce), so
 fusion never makes the layer measurably slower (``fallback.py``). In two levels the trial of
 ``BLOCK_CHUNKS`` blocks alone decides (the blocks cross the hosts with fewer bytes than the
 model's one ``M``).
@@ -69,6 +70,7 @@ import torch
 
 from commfuse.comm import Communicator, Handle, check_consistent
 from commfuse.comm.clock import elapsed_us, now
+from commfuse.fused import baselines
 from commfuse.fused.chunking import (
     ChunkConfig,
     measure_overhead_us,
@@ -118,13 +120,36 @@ def check_same_output(comm: Communicator, x: torch.Tensor, weight: torch.Tensor)
 
 
 def gemm_all_reduce_reference(
-    comm: Communicator, x: torch.Tensor, weight: torch.Tensor
+    comm: Communicator,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    ranks_per_host: int | None = None,
 ) -> torch.Tensor:
-    """The unfused operator: the whole GEMM, then one AllReduce (sum) of the result."""
+    """The unfused operator: the whole GEMM, then one AllReduce (sum) of the result, the
+    fastest unfused all-reduce commfuse has for the layout (``baselines.all_reduce_algo``:
+    gloo's ring, or the hierarchical all-reduce where the ranks fill several hosts of several
+    ranks). ``ranks_per_host``: the host layout, as ``gemm_all_reduce``'s."""
     check_shapes(x, weight)
     out = torch.matmul(x, weight.t())
-    comm.all_reduce(out, "sum")
+    reference_all_reduce(comm, out, ranks_per_host)
     return out
+
+
+def reference_all_reduce(
+    comm: Communicator, out: torch.Tensor, ranks_per_host: int | None = None
+) -> None:
+    """The reference's all-reduce (sum) of ``out`` in place: ``baselines.all_reduce_algo``'s
+    choice for its size and the layout (``ranks_per_host`` as ``gemm_all_reduce``'s)."""
+    from commfuse.collectives import all_reduce
+    from commfuse.collectives.hierarchical import ranks_per_host_of
+
+    local = ranks_per_host_of(comm, ranks_per_host)
+    algo = baselines.all_reduce_algo(out.numel() * out.element_size(), comm.world_size, local)
+    if algo == "hierarchical":
+        all_reduce(comm, out, "sum", algo=algo, ranks_per_host=local)
+    else:
+        comm.all_reduce(out, "sum")
 
 
 def gemm_all_reduce(
@@ -168,7 +193,7 @@ def gemm_all_reduce(
     rows, cols = math.prod(lead), weight.shape[0]
     x2 = x.reshape(rows, x.shape[-1])  # explicit rows: an empty shard has K = 0
     if chunks == 1 or comm.world_size == 1:
-        return gemm_all_reduce_reference(comm, x, weight)
+        return gemm_all_reduce_reference(comm, x, weight, ranks_per_host=ranks_per_host)
     if rows >= comm.world_size:
         out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
         if schedule == "ring":
@@ -380,7 +405,7 @@ def choose_chunks_for(
     """The number of chunks for ``gemm_all_reduce(comm, x, weight)``, the same on every rank:
     measured C, gloo's M for the unfused path, the fused path's own M, the model,
     then a timed trial of the chosen ``k`` against the unfused operator (``fallback.py``). Falls
-    back to 1 (the unfused operator, gloo's all-reduce) whenever fusion does not measurably pay.
+    back to 1 (the unfused operator, the reference) whenever fusion does not measurably pay.
     Every rank must call it with the same shapes; it runs the operator a few times."""
     rows = math.prod(x.shape[:-1])
     limit = max(rows, weight.shape[0])

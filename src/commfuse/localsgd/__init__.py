@@ -8,7 +8,7 @@ settings they all take (``SyncOptions``). The outer step is in ``outer.py`` and 
 fragmenting of streaming DiLoCo in ``fragments.py``.
 
 The methods that decide when or what to synchronise (``sync_method.py``) have a typed config
-each, built into their own optimizer: ``SelSyncConfig`` (``selsync.py``), ``ADPSGDConfig``
+each (a ``SyncMethod``), built into their own optimizer (a ``SyncMethodOptimizer``): ``SelSyncConfig`` (``selsync.py``), ``ADPSGDConfig``
 (``adpsgd.py``), ``PALSGDConfig`` (``palsgd.py``), ``DreamDDPConfig`` (``dreamddp.py``, its
 layer plan in ``layer_schedule.py``) and ``LocalSGDClipConfig`` (``localsgd_clip.py``).
 """
@@ -25,7 +25,7 @@ from commfuse.localsgd.palsgd import PALSGDConfig, PALSGDOptimizer
 from commfuse.localsgd.selsync import SelSyncConfig, SelSyncOptimizer
 from commfuse.localsgd.slowmo import slowmo
 from commfuse.localsgd.streaming_diloco import streaming_diloco
-from commfuse.localsgd.sync_method import SyncMethod
+from commfuse.localsgd.sync_method import SyncMethod, SyncMethodOptimizer
 
 __all__ = [
     "GENERAL",
@@ -44,6 +44,7 @@ __all__ = [
     "SelSyncConfig",
     "SelSyncOptimizer",
     "SyncMethod",
+    "SyncMethodOptimizer",
     "SyncOptions",
     "SyncRecord",
     "diloco",

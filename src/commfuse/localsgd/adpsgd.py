@@ -39,21 +39,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
-
-from commfuse.comm import Communicator
-from commfuse.compress.base import Compressor
-from commfuse.localsgd.config import PeriodicSyncConfig
-from commfuse.localsgd.optimizer import PeriodicSyncOptimizer
-from commfuse.localsgd.sync_method import AGREE_BYTES, SyncMethod, agree
+from commfuse.localsgd.sync_method import AGREE_BYTES, ExchangeSettings, SyncMethodOptimizer, agree
 
 #: The decay exponent ``a`` is clipped to [0, MAX_DECAY].
 MAX_DECAY = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
-class ADPSGDConfig(SyncMethod):
+class ADPSGDConfig(ExchangeSettings):
     """ADPSGD (Jiang and Agrawal 2020): ``num_syncs`` averages over ``total_steps``, their
     periods set from the measured drift between replicas."""
 
@@ -67,14 +60,6 @@ class ADPSGDConfig(SyncMethod):
     H = T / K)."""
     first_period_steps: int = 0
     """Length of the two probe periods that measure the first drift rates (0: T / (2K))."""
-    inner_lr_scale: float = 1.0
-    """Multiplies the inner learning rate (as ``PeriodicSyncConfig.inner_lr_scale``)."""
-    compressor: Compressor | None = None
-    """Compresses each exchange (as ``PeriodicSyncConfig.compressor``); None: fp32."""
-    algo: str = "auto"
-    """commfuse allreduce algorithm of the uncompressed exchange."""
-    final_sync: bool = True
-    """Average the replicas at ``finish()`` when they moved since the last synchronisation."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 0:
@@ -98,27 +83,14 @@ class ADPSGDConfig(SyncMethod):
             return self
         return dataclasses.replace(self, total_steps=run_steps)
 
-    def periodic(self) -> PeriodicSyncConfig:
-        """The shared machinery's config: plain averaging of the whole model."""
-        return PeriodicSyncConfig(
-            period_steps=1,
-            inner_lr_scale=self.inner_lr_scale,
-            compressor=self.compressor,
-            algo=self.algo,
-            final_sync=self.final_sync,
-        )
-
-    def make_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator
-    ) -> ADPSGDOptimizer:
-        """ADPSGD's optimizer.
+    def check_ready(self) -> None:
+        """The plan needs the run's length.
 
         Raises:
             ValueError: ``total_steps`` is 0 (a training run fills it in: ``for_run``).
         """
         if not self.total_steps:
             raise ValueError("ADPSGD needs total_steps, the run's length in steps, to plan K syncs")
-        return ADPSGDOptimizer(optimizer, module, comm, self)
 
 
 def next_period(
@@ -136,27 +108,12 @@ def next_period(
     return min(steps_left, max(1, round(t_k * spread / syncs_left)))
 
 
-class ADPSGDOptimizer(PeriodicSyncOptimizer):
+class ADPSGDOptimizer(SyncMethodOptimizer[ADPSGDConfig]):
     """ADPSGD's optimizer (the module docstring); ``sync_steps`` lists the steps that averaged
-    (the same on every rank), ``control_bytes`` what agreeing on the periods cost.
+    (the same on every rank), ``control_bytes`` what agreeing on the periods cost."""
 
-    Args:
-        optimizer: the inner optimizer over ``module``'s parameters.
-        module: the replica.
-        comm: the group of replicas.
-        method: the settings.
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        module: nn.Module,
-        comm: Communicator,
-        method: ADPSGDConfig,
-    ) -> None:
-        super().__init__(optimizer, module, comm, method.periodic())
-        self.method = method
-        self.next_sync_at = method.probe_steps
+    def _start(self) -> None:
+        self.next_sync_at = self.method.probe_steps
         """The step after which the next synchronisation happens (0: none left)."""
         self.sync_steps: list[int] = []
         self.first_rate: tuple[int, float] | None = None
@@ -218,3 +175,6 @@ class ADPSGDOptimizer(PeriodicSyncOptimizer):
         first = own["first_rate"]
         self.first_rate = None if first is None else (int(first[0]), float(first[1]))
         self.control_bytes = int(own["control_bytes"])
+
+
+ADPSGDConfig.optimizer_class = ADPSGDOptimizer

@@ -18,7 +18,8 @@ at different iterations, and sends a layer's parameters during the backward pass
    one of the H iterations of the period, chosen from the first iteration's profile (each
    layer's backward time and the time of its exchange, the slowest rank's) so that the
    exchanges hide behind the backward pass as well as they can: the worst iteration's exposed
-   communication is the least.
+   communication is the least, then the heaviest iteration's communication (the bytes spread
+   over the period).
 
 The first ``profile_steps`` iterations average every layer (a full synchronisation) and time
 it; the period starts after them. H = 1 averages every layer at every step (each replica then
@@ -40,12 +41,12 @@ import torch
 from torch import nn
 
 from commfuse import collectives
-from commfuse.comm import Communicator, Handle
+from commfuse.comm import Handle
 from commfuse.comm.clock import now
 from commfuse.localsgd.config import PeriodicSyncConfig
-from commfuse.localsgd.layer_schedule import plan_layers
-from commfuse.localsgd.optimizer import PeriodicSyncOptimizer, SyncRecord
-from commfuse.localsgd.sync_method import SyncMethod
+from commfuse.localsgd.layer_schedule import exposed_s, plan_layers
+from commfuse.localsgd.optimizer import SyncRecord
+from commfuse.localsgd.sync_method import SyncMethod, SyncMethodOptimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,11 +87,6 @@ class DreamDDPConfig(SyncMethod):
             final_sync=self.final_sync,
         )
 
-    def make_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator
-    ) -> DreamDDPOptimizer:
-        return DreamDDPOptimizer(optimizer, module, comm, self)
-
 
 def layers_of(module: nn.Module, params: Sequence[torch.Tensor]) -> list[list[int]]:
     """The layers: each submodule's own trainable parameters (indices into ``params``), in
@@ -116,29 +112,14 @@ class _Launched:
     handle: Handle | None
 
 
-class DreamDDPOptimizer(PeriodicSyncOptimizer):
+class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
     """DreamDDP's optimizer (the module docstring). Installs a post-accumulate-grad hook on
     every parameter; ``plan[l]`` is the iteration of the period that averages layer l
     (None until the profile is done); ``syncs`` has one record per layer exchange (its
-    ``fragment`` is the layer).
+    ``fragment`` is the layer)."""
 
-    Args:
-        optimizer: the inner optimizer over ``module``'s parameters.
-        module: the replica.
-        comm: the group of replicas.
-        method: the settings.
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        module: nn.Module,
-        comm: Communicator,
-        method: DreamDDPConfig,
-    ) -> None:
-        super().__init__(optimizer, module, comm, method.periodic())
-        self.method = method
-        self.layers = layers_of(module, self.params)
+    def _start(self) -> None:
+        self.layers = layers_of(self.module, self.params)
         self.layer_of = {
             id(self.params[i]): layer for layer, members in enumerate(self.layers) for i in members
         }
@@ -297,6 +278,25 @@ class DreamDDPOptimizer(PeriodicSyncOptimizer):
         self.plan = plan
         self.profile = {"backward_s": values[:layers], "comm_s": values[layers:]}
 
+    def planned_iterations(self) -> list[dict[str, float]]:
+        """Per iteration of the period, what the plan expects from the profile it was made
+        from: ``comm_s``, its layers' exchange times added up, and ``exposed_s``, the part of
+        them the backward pass does not hide (``layer_schedule.py``); empty before the plan and
+        after a resume (the profile is not checkpointed, the plan is)."""
+        if self.plan is None or not self.profile:
+            return []
+        backward, comm = self.profile["backward_s"], self.profile["comm_s"]
+        out = []
+        for it in range(self.method.H):
+            positions = [i for i, layer in enumerate(self.backward_order) if self.plan[layer] == it]
+            out.append(
+                {
+                    "comm_s": sum(comm[i] for i in positions),
+                    "exposed_s": exposed_s(positions, backward, comm),
+                }
+            )
+        return out
+
     # -- the rest of the optimizer interface ---------------------------------------------------
     def close(self) -> None:
         """Remove the hooks."""
@@ -321,3 +321,6 @@ class DreamDDPOptimizer(PeriodicSyncOptimizer):
         self.plan = None if own["plan"] is None else [int(x) for x in own["plan"]]
         self.backward_order = [int(x) for x in own["backward_order"]]
         self.control_bytes = int(own["control_bytes"])
+
+
+DreamDDPConfig.optimizer_class = DreamDDPOptimizer

@@ -13,10 +13,21 @@ iteration that averages the layers S (in backward order):
 3. the iteration waits ``exposed(S) = max(0, finish - ready_{L-1})`` past its backward pass.
 
 ``plan_layers`` assigns every layer to one iteration so that the worst iteration's exposed
-time is the least, then their sum (the order of the key), exactly for small cases
-(branch and bound over the assignments, the iterations being interchangeable), and with the
-best assignment found within ``max_nodes`` nodes of the search otherwise (never worse than the
-greedy start: each layer, in backward order, to the iteration whose link frees first).
+time is the least, then the heaviest iteration's communication (the sum of its ``comm_s``),
+then the exposed times' sum (the order of the key), exactly for small cases (branch and bound
+over the assignments, iterations with the same link and load being interchangeable), and with
+the best assignment found within ``max_nodes`` nodes of the search otherwise (never worse than
+the greedy start: each layer, in backward order, to the iteration whose link frees first, the
+least loaded of those).
+
+The second term spreads the bytes over the period. Exposure alone is indifferent between
+stacking layers whose exchanges the model hides in a few iterations and spreading them over
+all H, and the search, from a start that filled the first iterations, kept the stack: half the
+iterations exchanged nothing, the others several layers each. An exchange hidden behind the
+backward pass is not free where the ranks' cores also move the packets (the exchange's copies,
+reductions and the network stack take cycles from the backward pass), so the step that carries
+the most bytes is the slow one; spreading them evenly is what the method promises (``4 N / H``
+per step).
 ``brute_force_plan`` tries every assignment, for the tests.
 """
 
@@ -25,8 +36,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-#: A plan's key: (the worst iteration's exposed time, the sum over iterations).
-Key = tuple[float, float]
+#: A plan's key: (the worst iteration's exposed time, the heaviest iteration's communication,
+#: the sum of the exposed times).
+Key = tuple[float, float, float]
 
 
 def _check(backward_s: Sequence[float], comm_s: Sequence[float], num_iterations: int) -> None:
@@ -55,11 +67,10 @@ def plan_key(
     plan: Sequence[int], backward_s: Sequence[float], comm_s: Sequence[float], num_iterations: int
 ) -> Key:
     """The key of ``plan`` (``plan[l]`` = the iteration that averages layer l)."""
-    costs = [
-        exposed_s([layer for layer, h in enumerate(plan) if h == it], backward_s, comm_s)
-        for it in range(num_iterations)
-    ]
-    return max(costs), sum(costs)
+    members = [[layer for layer, h in enumerate(plan) if h == it] for it in range(num_iterations)]
+    costs = [exposed_s(layers, backward_s, comm_s) for layers in members]
+    loads = [sum(comm_s[layer] for layer in layers) for layers in members]
+    return max(costs), max(loads), sum(costs)
 
 
 def brute_force_plan(
@@ -101,41 +112,47 @@ def plan_layers(
     ready = list(itertools.accumulate(backward_s))
     end = ready[-1]
     count = len(backward_s)
-    # The greedy start: each layer to the iteration whose link frees first.
+    # The greedy start: each layer to the iteration whose link frees first, the least loaded
+    # of those (all links are free when the first layers are ready: without the load every
+    # layer would go to iteration 0 while its link keeps up).
     finish = [0.0] * num_iterations
+    load = [0.0] * num_iterations
     plan = [0] * count
     for layer in range(count):
-        it = min(range(num_iterations), key=lambda h: (max(finish[h], ready[layer]), h))
+        it = min(range(num_iterations), key=lambda h: (max(finish[h], ready[layer]), load[h], h))
         plan[layer] = it
         finish[it] = max(finish[it], ready[layer]) + comm_s[layer]
+        load[it] += comm_s[layer]
     best_plan = list(plan)
     best_key = plan_key(plan, backward_s, comm_s, num_iterations)
     nodes = 0
 
-    def key_of(frees: list[float]) -> Key:
+    def key_of(frees: list[float], loads: list[float]) -> Key:
         costs = [max(0.0, f - end) for f in frees]
-        return max(costs), sum(costs)
+        return max(costs), max(loads), sum(costs)
 
-    def search(layer: int, frees: list[float], current: list[int]) -> None:
+    def search(layer: int, frees: list[float], loads: list[float], current: list[int]) -> None:
         nonlocal best_plan, best_key, nodes
         nodes += 1
-        # Exposed times only grow as layers are added: the partial key bounds the complete one.
-        if nodes > max_nodes or key_of(frees) >= best_key:
+        # Exposed times and loads only grow as layers are added: the partial key bounds the
+        # complete one.
+        if nodes > max_nodes or key_of(frees, loads) >= best_key:
             return
         if layer == count:
-            best_plan, best_key = list(current), key_of(frees)
+            best_plan, best_key = list(current), key_of(frees, loads)
             return
-        tried: set[float] = set()
+        tried: set[tuple[float, float]] = set()
         for it in range(num_iterations):
-            if frees[it] in tried:  # interchangeable with an iteration already tried
+            if (frees[it], loads[it]) in tried:  # interchangeable with one already tried
                 continue
-            tried.add(frees[it])
-            saved = frees[it]
-            frees[it] = max(saved, ready[layer]) + comm_s[layer]
+            tried.add((frees[it], loads[it]))
+            saved = frees[it], loads[it]
+            frees[it] = max(saved[0], ready[layer]) + comm_s[layer]
+            loads[it] = saved[1] + comm_s[layer]
             current.append(it)
-            search(layer + 1, frees, current)
+            search(layer + 1, frees, loads, current)
             current.pop()
-            frees[it] = saved
+            frees[it], loads[it] = saved
 
-    search(0, [0.0] * num_iterations, [])
+    search(0, [0.0] * num_iterations, [0.0] * num_iterations, [])
     return best_plan

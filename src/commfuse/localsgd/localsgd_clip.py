@@ -21,20 +21,17 @@ Bytes per rank: the model (``4 N`` in fp32) every I steps, ``4 N / I`` per step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from commfuse.comm import Communicator
-from commfuse.compress.base import Compressor
 from commfuse.localsgd.config import PeriodicSyncConfig
-from commfuse.localsgd.optimizer import PeriodicSyncOptimizer
-from commfuse.localsgd.sync_method import SyncMethod
+from commfuse.localsgd.sync_method import ExchangeSettings, SyncMethodOptimizer
 
 
 @dataclass(frozen=True, kw_only=True)
-class LocalSGDClipConfig(SyncMethod):
+class LocalSGDClipConfig(ExchangeSettings):
     """Local SGD with clipped local steps (Liu et al., NeurIPS 2022)."""
 
     name = "localsgd-clip"
@@ -43,14 +40,6 @@ class LocalSGDClipConfig(SyncMethod):
     """I: inner steps between two averages."""
     max_norm: float = 1.0
     """Each local gradient is scaled down to at most this L2 norm (over all parameters)."""
-    inner_lr_scale: float = 1.0
-    """Multiplies the inner learning rate (as ``PeriodicSyncConfig.inner_lr_scale``)."""
-    compressor: Compressor | None = None
-    """Compresses each exchange (as ``PeriodicSyncConfig.compressor``); None: fp32."""
-    algo: str = "auto"
-    """commfuse allreduce algorithm of the uncompressed exchange."""
-    final_sync: bool = True
-    """Average the replicas at ``finish()`` when they moved since the last synchronisation."""
 
     def __post_init__(self) -> None:
         if not self.max_norm > 0:
@@ -59,40 +48,16 @@ class LocalSGDClipConfig(SyncMethod):
 
     def periodic(self) -> PeriodicSyncConfig:
         """The shared machinery's config: local SGD with period I."""
-        return PeriodicSyncConfig(
-            period_steps=self.H,
-            inner_lr_scale=self.inner_lr_scale,
-            compressor=self.compressor,
-            algo=self.algo,
-            final_sync=self.final_sync,
-        )
-
-    def make_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator
-    ) -> LocalSGDClipOptimizer:
-        return LocalSGDClipOptimizer(optimizer, module, comm, self)
+        return dataclasses.replace(super().periodic(), period_steps=self.H)
 
 
-class LocalSGDClipOptimizer(PeriodicSyncOptimizer):
-    """Local SGD whose every inner step is on the clipped gradient (the module docstring).
-
-    Args:
-        optimizer: the inner optimizer over ``module``'s parameters (SGD in the paper).
-        module: the replica.
-        comm: the group of replicas.
-        method: the settings.
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        module: nn.Module,
-        comm: Communicator,
-        method: LocalSGDClipConfig,
-    ) -> None:
-        super().__init__(optimizer, module, comm, method.periodic())
-        self.method = method
+class LocalSGDClipOptimizer(SyncMethodOptimizer[LocalSGDClipConfig]):
+    """Local SGD whose every inner step is on the clipped gradient (the module docstring); the
+    paper's inner optimizer is SGD."""
 
     def _inner_step(self, lr_scale: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.params, self.method.max_norm)
         super()._inner_step(lr_scale)
+
+
+LocalSGDClipConfig.optimizer_class = LocalSGDClipOptimizer

@@ -27,18 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from commfuse.comm import Communicator
-from commfuse.compress.base import Compressor
 from commfuse.localsgd.config import PeriodicSyncConfig
 from commfuse.localsgd.diloco import diloco
-from commfuse.localsgd.optimizer import PeriodicSyncOptimizer
-from commfuse.localsgd.sync_method import SyncMethod
+from commfuse.localsgd.sync_method import ExchangeSettings, SyncMethodOptimizer
 
 
 @dataclass(frozen=True, kw_only=True)
-class PALSGDConfig(SyncMethod):
+class PALSGDConfig(ExchangeSettings):
     """PALSGD (Naganuma et al. 2025): DiLoCo plus pulls toward the last synchronised model at
     random steps (probability ``p``)."""
 
@@ -58,14 +54,6 @@ class PALSGDConfig(SyncMethod):
     """Outer Nesterov momentum (DiLoCo's)."""
     nesterov: bool = True
     """Nesterov momentum for the outer SGD."""
-    inner_lr_scale: float = 1.0
-    """Multiplies the inner learning rate (as ``PeriodicSyncConfig.inner_lr_scale``)."""
-    compressor: Compressor | None = None
-    """Compresses each exchange (as ``PeriodicSyncConfig.compressor``); None: fp32."""
-    algo: str = "auto"
-    """commfuse allreduce algorithm of the uncompressed exchange."""
-    final_sync: bool = True
-    """Average the replicas at ``finish()`` when they moved since the last synchronisation."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.p <= 1:
@@ -87,35 +75,15 @@ class PALSGDConfig(SyncMethod):
             final_sync=self.final_sync,
         )
 
-    def make_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator
-    ) -> PALSGDOptimizer:
-        return PALSGDOptimizer(optimizer, module, comm, self)
 
-
-class PALSGDOptimizer(PeriodicSyncOptimizer):
+class PALSGDOptimizer(SyncMethodOptimizer[PALSGDConfig]):
     """DiLoCo whose inner steps are pseudo-synchronisations with probability ``p`` (the module
-    docstring); ``pulls`` lists the steps that were.
+    docstring); ``pulls`` lists the steps that were. The inner optimizer is DiLoCo's, AdamW."""
 
-    Args:
-        optimizer: the inner optimizer (AdamW, as DiLoCo's).
-        module: the replica.
-        comm: the group of replicas.
-        method: the settings.
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        module: nn.Module,
-        comm: Communicator,
-        method: PALSGDConfig,
-    ) -> None:
-        super().__init__(optimizer, module, comm, method.periodic())
-        self.method = method
+    def _start(self) -> None:
         # Python's generator, not torch's: the coins must not consume the global torch stream
         # (p = 0 is DiLoCo bit for bit) and its state checkpoints as plain data.
-        self.coins = random.Random(method.seed)
+        self.coins = random.Random(self.method.seed)
         self.pulls: list[int] = []
         """Steps (1-based) that were pseudo-synchronisations (the same on every rank)."""
 
@@ -142,3 +110,6 @@ class PALSGDOptimizer(PeriodicSyncOptimizer):
         version, words, gauss = state["palsgd"]["coins"]
         self.coins.setstate((version, tuple(words), gauss))
         self.pulls = list(state["palsgd"]["pulls"])
+
+
+PALSGDConfig.optimizer_class = PALSGDOptimizer

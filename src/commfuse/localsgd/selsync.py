@@ -30,17 +30,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from commfuse.comm import Communicator
-from commfuse.compress.base import Compressor
-from commfuse.localsgd.config import PeriodicSyncConfig
-from commfuse.localsgd.optimizer import PeriodicSyncOptimizer
-from commfuse.localsgd.sync_method import AGREE_BYTES, SyncMethod, agree
+from commfuse.localsgd.sync_method import AGREE_BYTES, ExchangeSettings, SyncMethodOptimizer, agree
 
 
 @dataclass(frozen=True, kw_only=True)
-class SelSyncConfig(SyncMethod):
+class SelSyncConfig(ExchangeSettings):
     """SelSync (Tyagi and Swany 2023): average the replicas on the steps where some rank's
     smoothed gradient norm changed by at least ``threshold`` (relative)."""
 
@@ -51,14 +46,6 @@ class SelSyncConfig(SyncMethod):
     (0: every step)."""
     smoothing: float = 0.9
     """beta of the exponential moving average of the gradient norm (0: no smoothing)."""
-    inner_lr_scale: float = 1.0
-    """Multiplies the inner learning rate (as ``PeriodicSyncConfig.inner_lr_scale``)."""
-    compressor: Compressor | None = None
-    """Compresses each exchange (as ``PeriodicSyncConfig.compressor``); None: fp32."""
-    algo: str = "auto"
-    """commfuse allreduce algorithm of the uncompressed exchange."""
-    final_sync: bool = True
-    """Average the replicas at ``finish()`` when they moved since the last synchronisation."""
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
@@ -67,42 +54,12 @@ class SelSyncConfig(SyncMethod):
             raise ValueError(f"smoothing must be in [0, 1), got {self.smoothing}")
         self.periodic()  # the shared settings' own checks
 
-    def periodic(self) -> PeriodicSyncConfig:
-        """The shared machinery's config: plain averaging of the whole model."""
-        return PeriodicSyncConfig(
-            period_steps=1,
-            inner_lr_scale=self.inner_lr_scale,
-            compressor=self.compressor,
-            algo=self.algo,
-            final_sync=self.final_sync,
-        )
 
-    def make_optimizer(
-        self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator
-    ) -> SelSyncOptimizer:
-        return SelSyncOptimizer(optimizer, module, comm, self)
-
-
-class SelSyncOptimizer(PeriodicSyncOptimizer):
+class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
     """SelSync's optimizer (see the module docstring); ``syncs`` lists the steps that
-    synchronised, ``control_bytes`` what the flags cost.
+    synchronised, ``control_bytes`` what the flags cost."""
 
-    Args:
-        optimizer: the inner optimizer over ``module``'s parameters.
-        module: the replica.
-        comm: the group of replicas.
-        method: the settings.
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        module: nn.Module,
-        comm: Communicator,
-        method: SelSyncConfig,
-    ) -> None:
-        super().__init__(optimizer, module, comm, method.periodic())
-        self.method = method
+    def _start(self) -> None:
         self.smoothed_norm: float | None = None
         """This rank's smoothed gradient norm (differs between ranks)."""
 
@@ -147,3 +104,6 @@ class SelSyncOptimizer(PeriodicSyncOptimizer):
         own = state["selsync"]
         self.smoothed_norm = own["smoothed_norm"]
         self.control_bytes = int(own["control_bytes"])
+
+
+SelSyncConfig.optimizer_class = SelSyncOptimizer

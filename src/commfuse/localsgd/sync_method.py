@@ -7,9 +7,9 @@ synchronisations, PALSGD (``palsgd.py``) adds random pulls toward the last synch
 DreamDDP (``dreamddp.py``) averages one group of layers per step, overlapped with the backward
 pass, and local SGD with clipping (``localsgd_clip.py``) clips every local step.
 
-Each has a typed config, a subclass of ``SyncMethod``, that builds its optimizer (a
-``PeriodicSyncOptimizer`` whose ``step()`` takes the method's decisions) with
-``make_optimizer``. A decision that changes what is communicated is the same on every rank by
+Each has a typed config, a subclass of ``SyncMethod``, that builds its optimizer with
+``make_optimizer``: a ``SyncMethodOptimizer`` (a ``PeriodicSyncOptimizer`` run with the
+config's ``periodic()`` settings) whose ``step()`` takes the method's decisions. A decision that changes what is communicated is the same on every rank by
 construction: it is agreed with a small integer allreduce (max or min, exact on every backend),
 never read from floating-point values that could differ in their last bits between ranks.
 """
@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
+from torch import nn
 
 from commfuse import collectives
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from commfuse.comm import Communicator
-    from commfuse.localsgd.optimizer import PeriodicSyncOptimizer
+from commfuse.comm import Communicator
+from commfuse.compress.base import Compressor
+from commfuse.localsgd.config import PeriodicSyncConfig
+from commfuse.localsgd.optimizer import PeriodicSyncOptimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,17 +36,90 @@ class SyncMethod(abc.ABC):
 
     #: The method's name on the command line (``--strategy selsync:threshold=0.1``).
     name: ClassVar[str]
+    #: The optimizer that runs the method (its module sets it, beside that class).
+    optimizer_class: ClassVar[type[SyncMethodOptimizer[Any]]]
 
     def for_run(self, run_steps: int) -> SyncMethod:
         """This config with the settings it leaves to the run filled in from the run's length
         in steps (ADPSGD's ``total_steps``); the config itself by default."""
         return self
 
+    def check_ready(self) -> None:
+        """Raise ``ValueError`` when a setting the run fills in (``for_run``) is missing; every
+        setting is known by default."""
+        return None
+
     @abc.abstractmethod
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config: the period, the outer step and the exchange."""
+
     def make_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator
-    ) -> PeriodicSyncOptimizer:
-        """The method's optimizer around the inner ``optimizer`` of the replica ``module``."""
+    ) -> SyncMethodOptimizer[Any]:
+        """The method's optimizer (``optimizer_class``) around the inner ``optimizer`` of the
+        replica ``module``.
+
+        Raises:
+            ValueError: a setting the run fills in is missing (``check_ready``).
+        """
+        self.check_ready()
+        return self.optimizer_class(optimizer, module, comm, self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExchangeSettings(SyncMethod):
+    """A method whose exchanges are the shared machinery's whole-model averages (SelSync,
+    ADPSGD, PALSGD, local SGD with clipping), with their settings; the command line lists a
+    method's own settings first."""
+
+    inner_lr_scale: float = 1.0
+    """Multiplies the inner learning rate (as ``PeriodicSyncConfig.inner_lr_scale``)."""
+    compressor: Compressor | None = None
+    """Compresses each exchange (as ``PeriodicSyncConfig.compressor``); None: fp32."""
+    algo: str = "auto"
+    """commfuse allreduce algorithm of the uncompressed exchange."""
+    final_sync: bool = True
+    """Average the replicas at ``finish()`` when they moved since the last synchronisation."""
+
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config: plain averaging of the whole model, whenever the
+        method's ``step()`` asks for it."""
+        return PeriodicSyncConfig(
+            period_steps=1,
+            inner_lr_scale=self.inner_lr_scale,
+            compressor=self.compressor,
+            algo=self.algo,
+            final_sync=self.final_sync,
+        )
+
+
+M = TypeVar("M", bound=SyncMethod)
+
+
+class SyncMethodOptimizer(PeriodicSyncOptimizer, Generic[M]):
+    """A method's optimizer: the shared machinery (``PeriodicSyncOptimizer``) run with the
+    method's ``periodic()`` settings, the method's own settings in ``method``. A method with
+    state of its own sets it in ``_start``.
+
+    Args:
+        optimizer: the inner optimizer over ``module``'s parameters.
+        module: the replica.
+        comm: the group of replicas.
+        method: the settings.
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator, method: M
+    ) -> None:
+        super().__init__(optimizer, module, comm, method.periodic())
+        self.module = module
+        """The replica."""
+        self.method: M = method
+        self._start()
+
+    def _start(self) -> None:
+        """Set the method's own state, once the shared state and ``method`` are set (none by
+        default)."""
 
 
 def agree(comm: Communicator, value: int, op: str, *, like: torch.Tensor) -> int:

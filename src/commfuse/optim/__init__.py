@@ -12,7 +12,8 @@ is still learnt, then the momentum or the accumulated update in 1 bit with error
   steps with 1-bit synchronisation at ever sparser steps;
 * ``CompressedAllReduce`` (``compressed_all_reduce.py``): their two-phase 1-bit allreduce, with
   worker and server residuals, and its byte formulas;
-* the configs (``config.py``), which are also the strategies ``onebit-adam`` and
+* the configs (``config.py``: the exchanges' settings both share in ``ExchangeConfig``), which
+  are also the strategies ``onebit-adam`` and
   ``zeroone-adam`` of ``commfuse train`` and ``commfuse compare``.
 """
 
@@ -23,13 +24,20 @@ from commfuse.optim.compressed_all_reduce import (
     two_phase_reference,
     wire_bytes_per_rank,
 )
-from commfuse.optim.config import OneBitAdamConfig, ZeroOneAdamConfig, sync_steps, variance_steps
+from commfuse.optim.config import (
+    ExchangeConfig,
+    OneBitAdamConfig,
+    ZeroOneAdamConfig,
+    sync_steps,
+    variance_steps,
+)
 from commfuse.optim.onebit_adam import OneBitAdam
 from commfuse.optim.zeroone_adam import ZeroOneAdam
 
 __all__ = [
     "CompressedAdam",
     "CompressedAllReduce",
+    "ExchangeConfig",
     "OneBitAdam",
     "OneBitAdamConfig",
     "ZeroOneAdam",

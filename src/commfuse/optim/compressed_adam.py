@@ -25,24 +25,28 @@ gradients (``average_gradients``), or of the momentum or the accumulated update,
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from commfuse import collectives
 from commfuse.comm import Communicator
 from commfuse.optim.compressed_all_reduce import CompressedAllReduce
-from commfuse.optim.config import ExchangeSettings
+from commfuse.optim.config import ExchangeConfig
+
+C = TypeVar("C", bound=ExchangeConfig)
 
 
-class CompressedAdam(torch.optim.Optimizer):
-    """AdamW's state and update, with the exchanges of the compressed variants.
+class CompressedAdam(torch.optim.Optimizer, Generic[C]):
+    """AdamW's state and update, with the exchanges of the compressed variants; the variant's
+    config is ``config``, and a variant with state of its own sets it in ``_start``.
 
     Args:
         params: the parameters (or parameter groups) to optimise, as for ``torch.optim.AdamW``.
         comm: the data-parallel group.
-        settings: the variant's config: its ``exchange`` (``onebit`` or ``none``) and the
-            algorithms of the 1-bit allreduce's two phases and of the full-precision allreduce.
+        config: the variant's config: its ``exchange`` (``onebit`` or ``none``), the
+            algorithms of the 1-bit allreduce's two phases and of the full-precision allreduce,
+            and the variant's own settings.
         lr: learning rate.
         betas: ``(beta1, beta2)``, the decays of the momentum and of the variance.
         eps: added to the denominator.
@@ -56,7 +60,7 @@ class CompressedAdam(torch.optim.Optimizer):
         self,
         params: Iterable[Any],
         comm: Communicator,
-        settings: ExchangeSettings,
+        config: C,
         *,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -72,10 +76,11 @@ class CompressedAdam(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.comm = comm
-        self.exchange = settings.exchange
-        self.algo = settings.algo
+        self.config: C = config
+        self.exchange = config.exchange
+        self.algo = config.algo
         self.onebit = CompressedAllReduce(
-            all_to_all_algo=settings.all_to_all_algo, all_gather_algo=settings.all_gather_algo
+            all_to_all_algo=config.all_to_all_algo, all_gather_algo=config.all_gather_algo
         )
         self.step_count = 0
         """Steps taken (t)."""
@@ -83,6 +88,11 @@ class CompressedAdam(torch.optim.Optimizer):
         """Variance updates so far (k), for the variance's bias correction."""
         self.exchanges = 0
         """Compressed (or fp32, with ``exchange="none"``) exchanges so far."""
+        self._start()
+
+    def _start(self) -> None:
+        """Set the variant's own state, once the shared state and ``config`` are set (none by
+        default)."""
 
     # -- parameters as one flat buffer ------------------------------------------------------
     def params(self) -> list[torch.Tensor]:

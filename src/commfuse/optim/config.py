@@ -8,36 +8,41 @@ does the communication (``commfuse.train.onebit``).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal, Protocol
+from typing import ClassVar, Literal
 
 Exchange = Literal["onebit", "none"]
 """How the momentum (or the accumulated update) is averaged: the two-phase 1-bit allreduce with
 error feedback, or an uncompressed fp32 allreduce (the exact reference)."""
 
 
-class ExchangeSettings(Protocol):
-    """The settings of the exchanges both configs carry (what ``CompressedAdam`` reads)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExchangeConfig:
+    """The settings of the exchanges both configs carry (what ``CompressedAdam`` reads): the
+    1-bit allreduce's two phases and the full-precision allreduce."""
 
-    @property
-    def exchange(self) -> Exchange: ...
-    @property
-    def all_to_all_algo(self) -> str: ...
-    @property
-    def all_gather_algo(self) -> str: ...
-    @property
-    def algo(self) -> str: ...
+    exchange: Exchange = "onebit"
+    """The exchange of the momentum (0/1 Adam: and of the accumulated update): ``onebit`` or
+    ``none`` (fp32)."""
+    all_to_all_algo: str = "auto"
+    """commfuse all-to-all algorithm of the 1-bit allreduce's first phase."""
+    all_gather_algo: str = "auto"
+    """commfuse all-gather algorithm of the 1-bit allreduce's second phase."""
+    algo: str = "auto"
+    """commfuse allreduce algorithm of the full-precision averages (1-bit Adam's warm-up, 0/1
+    Adam's variance steps, and ``none``)."""
 
+    def __post_init__(self) -> None:
+        from commfuse.collectives.registry import check_algorithm
 
-def _check_algos(all_to_all_algo: str, all_gather_algo: str, algo: str) -> None:
-    from commfuse.collectives.registry import check_algorithm
-
-    check_algorithm("all_to_all", all_to_all_algo, key="all_to_all_algo")
-    check_algorithm("all_gather", all_gather_algo, key="all_gather_algo")
-    check_algorithm("all_reduce", algo, key="algo")
+        if self.exchange not in ("onebit", "none"):
+            raise ValueError(f"exchange must be onebit or none, got {self.exchange!r}")
+        check_algorithm("all_to_all", self.all_to_all_algo, key="all_to_all_algo")
+        check_algorithm("all_gather", self.all_gather_algo, key="all_gather_algo")
+        check_algorithm("all_reduce", self.algo, key="algo")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OneBitAdamConfig:
+class OneBitAdamConfig(ExchangeConfig):
     """1-bit Adam (Tang et al. 2021): Adam for ``freeze_step`` steps with averaged gradients,
     then the variance frozen and the momentum averaged in 1 bit with error feedback."""
 
@@ -47,14 +52,6 @@ class OneBitAdamConfig:
     that continues an AdamW's moments continues its step count). The paper uses about 15-25%
     of training; 0 suits only a run that starts with an Adam's moments (a zero variance
     freezes its coordinates)."""
-    exchange: Exchange = "onebit"
-    """The compressed phase's exchange of the momentum: ``onebit`` or ``none`` (fp32)."""
-    all_to_all_algo: str = "auto"
-    """commfuse all-to-all algorithm of the 1-bit allreduce's first phase."""
-    all_gather_algo: str = "auto"
-    """commfuse all-gather algorithm of the 1-bit allreduce's second phase."""
-    algo: str = "auto"
-    """commfuse allreduce algorithm of the full-precision averages (warm-up, ``none``)."""
 
     #: Resuming continues bit for bit (the residuals are in the checkpoint).
     resume_caveat: ClassVar[str | None] = None
@@ -62,13 +59,11 @@ class OneBitAdamConfig:
     def __post_init__(self) -> None:
         if self.freeze_step < 0:
             raise ValueError(f"freeze_step must be >= 0, got {self.freeze_step}")
-        if self.exchange not in ("onebit", "none"):
-            raise ValueError(f"exchange must be onebit or none, got {self.exchange!r}")
-        _check_algos(self.all_to_all_algo, self.all_gather_algo, self.algo)
+        super().__post_init__()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ZeroOneAdamConfig:
+class ZeroOneAdamConfig(ExchangeConfig):
     """0/1 Adam (Lu et al. 2022): the variance updated at ever sparser steps until
     ``var_freeze_step``, 1-bit momentum in between, then local steps with 1-bit
     synchronisation at ever sparser steps."""
@@ -83,14 +78,6 @@ class ZeroOneAdamConfig:
     (DeepSpeed's default is 32678)."""
     local_step_clipper: int = 16
     """The longest interval between two synchronisations of the local phase, in steps."""
-    exchange: Exchange = "onebit"
-    """The exchange of the momentum and of the accumulated update: ``onebit`` or ``none``."""
-    all_to_all_algo: str = "auto"
-    """commfuse all-to-all algorithm of the 1-bit allreduce's first phase."""
-    all_gather_algo: str = "auto"
-    """commfuse all-gather algorithm of the 1-bit allreduce's second phase."""
-    algo: str = "auto"
-    """commfuse allreduce algorithm of the full-precision averages (variance steps, ``none``)."""
 
     #: Resuming continues bit for bit (the residuals and the anchor are in the checkpoint).
     resume_caveat: ClassVar[str | None] = None
@@ -101,9 +88,7 @@ class ZeroOneAdamConfig:
         for key in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.exchange not in ("onebit", "none"):
-            raise ValueError(f"exchange must be onebit or none, got {self.exchange!r}")
-        _check_algos(self.all_to_all_algo, self.all_gather_algo, self.algo)
+        super().__post_init__()
 
 
 def variance_steps(config: ZeroOneAdamConfig) -> list[int]:

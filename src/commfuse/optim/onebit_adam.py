@@ -25,17 +25,13 @@ early and the frozen variance misjudges later gradients, too late and the saving
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
 import torch
 
-from commfuse.comm import Communicator
 from commfuse.optim.compressed_adam import CompressedAdam
 from commfuse.optim.config import OneBitAdamConfig
 
 
-class OneBitAdam(CompressedAdam):
+class OneBitAdam(CompressedAdam[OneBitAdamConfig]):
     """1-bit Adam (module docstring) over ``params``.
 
     Args:
@@ -55,22 +51,6 @@ class OneBitAdam(CompressedAdam):
             opt.step()
             opt.zero_grad()
     """
-
-    def __init__(
-        self,
-        params: Iterable[Any],
-        comm: Communicator,
-        config: OneBitAdamConfig,
-        *,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-    ) -> None:
-        super().__init__(
-            params, comm, config, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
-        )
-        self.config = config
 
     @property
     def compressing(self) -> bool:

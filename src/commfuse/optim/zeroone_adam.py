@@ -29,17 +29,15 @@ Tuning: DeepSpeed's BERT settings are ``var_freeze_step=100000``, ``var_update_s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from commfuse.comm import Communicator
 from commfuse.optim.compressed_adam import CompressedAdam
 from commfuse.optim.config import ZeroOneAdamConfig, sync_steps, variance_steps
 
 
-class ZeroOneAdam(CompressedAdam):
+class ZeroOneAdam(CompressedAdam[ZeroOneAdamConfig]):
     """0/1 Adam (module docstring) over ``params``.
 
     Args:
@@ -56,24 +54,10 @@ class ZeroOneAdam(CompressedAdam):
         opt = ZeroOneAdam(model.parameters(), comm, ZeroOneAdamConfig(var_freeze_step=50))
     """
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        comm: Communicator,
-        config: ZeroOneAdamConfig,
-        *,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-    ) -> None:
-        super().__init__(
-            params, comm, config, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
-        )
-        self.config = config
-        self._variance_steps = set(variance_steps(config))
+    def _start(self) -> None:
+        self._variance_steps = set(variance_steps(self.config))
         self._sync_steps: set[int] = set()
-        self._sync_known_to = config.var_freeze_step
+        self._sync_known_to = self.config.var_freeze_step
         self.anchors: list[torch.Tensor] | None = None
         """The parameters as of the last synchronisation (the local phase only)."""
         self.accumulated: list[torch.Tensor] | None = None

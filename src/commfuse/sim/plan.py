@@ -42,6 +42,10 @@ class MessageModel(Protocol):
     def payload_bytes(self, numel: int, dtype: torch.dtype, world_size: int) -> int: ...
 
 
+#: A bucket cap no model reaches, MiB: every gradient in one buffer (the compressed Adams').
+ONE_BUFFER_MB = float(1 << 40)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CommPlan:
     """How to communicate; the defaults are PyTorch DDP's."""
@@ -135,7 +139,10 @@ class CommPlan:
     def describe(self) -> str:
         parts = [f"algo={self.algorithm}"]
         parts += [f"{c}={a}" for c, a in self.algorithms]
-        parts.append(f"bucket={self.bucket_cap_mb:g}MB" + ("" if self.overlap else " no-overlap"))
+        bucket = (
+            "one buffer" if self.bucket_cap_mb >= ONE_BUFFER_MB else f"{self.bucket_cap_mb:g}MB"
+        )
+        parts.append(f"bucket={bucket}" + ("" if self.overlap else " no-overlap"))
         if self.compressor is not None:
             parts.append(f"compressor={getattr(self.compressor, 'name', '?')}")
         elif self.compression_ratio < 1:

@@ -22,15 +22,27 @@ config's ``first_bucket_cap_mb``, 1 MiB by default, for the first bucket launche
   ``H`` steps one exchange of the parameters (through its compressor, when it has one). With
   ``F`` fragments (streaming DiLoCo) 1/F of them every H/F steps: the same bytes per period.
   Not modelled: the warm-up of post-local SGD, streaming's overlap of the exchange with the
-  next steps (predicted as waited for), and hierarchical mode (refused).
+  next steps (predicted as waited for), and hierarchical mode (refused);
+* the methods that decide when (``SyncMethod``), by their fixed-period twin: PALSGD and local
+  SGD with clipping are DiLoCo and local SGD, DreamDDP 1/H of the model every step, ADPSGD its
+  mean period ``total_steps / num_syncs`` (its periods adapt around it); SelSync is refused (its
+  synchronisations depend on the run's gradients);
+* ``OneBitAdamConfig``: after its warm-up, the momentum of every parameter in one buffer after
+  the backward pass, as the two-phase 1-bit allreduce (``OneBitMessage``); its fp32 warm-up
+  (``freeze_step``) is not modelled, as a compressor's warm-up is not;
+* ``ZeroOneAdamConfig``: its local phase, the accumulated update as the same 1-bit message
+  every ``local_step_clipper`` steps (the interval its synchronisations grow to); the
+  variance phase before ``var_freeze_step`` is not modelled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from commfuse.compress import BF16, FP16, PowerSGD
 from commfuse.localsgd import (
+    ADPSGDConfig,
     DreamDDPConfig,
     LocalSGDClipConfig,
     PALSGDConfig,
@@ -38,7 +50,8 @@ from commfuse.localsgd import (
     SyncMethod,
 )
 from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
-from commfuse.sim.plan import CommPlan
+from commfuse.optim.compressed_all_reduce import chunk_numel, message_bytes
+from commfuse.sim.plan import ONE_BUFFER_MB, CommPlan
 from commfuse.train.strategy import (
     CommfuseDPConfig,
     StrategyConfig,
@@ -46,8 +59,27 @@ from commfuse.train.strategy import (
     TorchPowerSGDConfig,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 #: The first bucket's cap of torch DDP and ``commfuse.ddp.DataParallel``, MiB.
 FIRST_BUCKET_CAP_MB = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OneBitMessage:
+    """The two-phase 1-bit allreduce of 1-bit and 0/1 Adam
+    (``commfuse.optim.compressed_all_reduce``) as the simulator's message: each rank's all-to-all
+    and all-gather each send ``P - 1`` chunk messages (signs and a scale of ``ceil(n / P)``
+    elements), the link traffic of a ring allreduce of ``S = P`` such messages, in as many
+    steps, ``2 (P - 1)``; so it is priced as that allreduce."""
+
+    name: ClassVar[str] = "onebit"
+    aggregation: ClassVar[Literal["all_reduce", "all_gather"]] = "all_reduce"
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype, world_size: int) -> int:
+        """``S``: ``world_size`` messages of one chunk (the signs whatever ``dtype``)."""
+        return world_size * message_bytes(chunk_numel(numel, world_size))
 
 
 def plan_for(
@@ -133,10 +165,22 @@ def plan_for(
             compressor=compressor,
             finite_agreement=False,  # the outer exchange agrees on nothing first
         )
-    if isinstance(strategy, OneBitAdamConfig | ZeroOneAdamConfig):
-        raise ValueError(
-            "the simulator does not model 1-bit Adam or 0/1 Adam (it has no plan for their "
-            "two-phase 1-bit allreduce); measure them with commfuse train or compare"
+    if isinstance(strategy, OneBitAdamConfig):
+        # The optimizer step exchanges one flat buffer of the whole momentum after backward.
+        return dataclasses.replace(
+            base,
+            bucket_cap_mb=ONE_BUFFER_MB,
+            first_bucket_cap_mb=0.0,
+            overlap=False,
+            compressor=OneBitMessage(),
+            finite_agreement=False,
+        )
+    if isinstance(strategy, ZeroOneAdamConfig):
+        return dataclasses.replace(
+            base,
+            local_sgd_period=strategy.local_step_clipper,
+            compressor=OneBitMessage(),
+            finite_agreement=False,
         )
     raise ValueError(f"not a strategy config: {type(strategy).__name__}")
 
@@ -145,15 +189,24 @@ def _fixed_period_twin(method: SyncMethod) -> PeriodicSyncConfig:
     """The fixed-period config that sends what ``method`` sends per step: PALSGD and local SGD
     with clipping are DiLoCo and local SGD; DreamDDP sends 1/H of the model every step, as
     streaming DiLoCo with one fragment per step (its overlap with the backward pass is not
-    modelled). SelSync and ADPSGD decide from the run, which the simulator cannot see.
+    modelled). ADPSGD spends ``num_syncs`` over ``total_steps``: its mean period. SelSync
+    decides from the run's gradients, which the simulator cannot see.
 
     Raises:
-        ValueError: SelSync or ADPSGD.
+        ValueError: SelSync, or ADPSGD without ``total_steps``.
     """
     if isinstance(method, PALSGDConfig | LocalSGDClipConfig):
         return method.periodic()
     if isinstance(method, DreamDDPConfig):
         return dataclasses.replace(method.periodic(), num_fragments=method.H)
+    if isinstance(method, ADPSGDConfig):
+        if not method.total_steps:
+            raise ValueError(
+                "the simulator prices adpsgd at its mean period, total_steps / num_syncs: give "
+                "total_steps (adpsgd:total_steps=1000,num_syncs=10)"
+            )
+        period = max(1, round(method.total_steps / method.num_syncs))
+        return dataclasses.replace(method.periodic(), period_steps=period)
     raise ValueError(
         f"the simulator does not model {method.name}: when it synchronises depends on the run; "
         "simulate local-sgd with the period it averaged (steps / syncs of a real run)"

@@ -12,7 +12,9 @@ them, else the first strategy. Columns:
 
 * ``step_ms``: median step time after warm-up; ``compute_ms``: the same step with all gradient
   communication skipped (``loop.py``), and ``step/compute``: how close the strategy gets to that
-  floor (1.00 = communication fully hidden or removed);
+  floor (1.00 = communication fully hidden or removed); ``worst/compute``: the slowest
+  position of the strategy's period (``worst_phase_step_s``, ``metrics.py``: local SGD's
+  synchronising step) over the same floor (``-``: no period, SelSync and ADPSGD decide);
 * ``MB/step``: bytes one rank handed to collectives per step, on average (``metrics.py``),
   ``x less``: the baseline's bytes over this strategy's, ``peak_MB``: the most in one step (a
   local-SGD method's bytes per synchronisation of the whole model are in the JSON record,
@@ -149,7 +151,7 @@ def run_compare(
         record["mean_step_time_s_rounds"] = [r["mean_step_time_s"] for r in runs[j]]
         record["step_time_s"] = statistics.median(record["step_time_s_rounds"])
         record["mean_step_time_s"] = statistics.median(record["mean_step_time_s_rounds"])
-        for key in ("compute_step_time_s", "cpu_floor_s", "machine_busy"):
+        for key in ("compute_step_time_s", "worst_phase_step_s", "cpu_floor_s", "machine_busy"):
             known = [r[key] for r in runs[j] if r.get(key) is not None]  # rounds that measured it
             if known:  # else round 1's: None
                 record[key] = statistics.median(known)
@@ -209,6 +211,9 @@ def add_comparisons(records: list[dict[str, Any]]) -> None:
         r["time_to_baseline_loss_s"] = None if math.isinf(middle) else middle
     for r in records:
         r["step_over_compute"] = _ratio(r["step_time_s"], r["compute_step_time_s"])
+        r["worst_phase_over_compute"] = _ratio(
+            r.get("worst_phase_step_s"), r["compute_step_time_s"]
+        )
         r["bytes_reduction_vs_baseline"] = _ratio(baseline["bytes_per_step"], r["bytes_per_step"])
         # Means, not medians: a DiLoCo step that synchronises is rare but real time.
         r["speedup_vs_ddp"] = (
@@ -252,6 +257,7 @@ COMPARE_COLUMNS = (
     ("step_ms", lambda r: _fmt(r["step_time_s"], ".0f", 1e3)),
     ("compute_ms", lambda r: _fmt(r["compute_step_time_s"], ".0f", 1e3)),
     ("step/compute", lambda r: _fmt(r["step_over_compute"], ".2f")),
+    ("worst/compute", lambda r: _fmt(r.get("worst_phase_over_compute"), ".2f")),
     ("busy", lambda r: _fmt(r.get("machine_busy"), ".0%")),
     ("MB/step", lambda r: _fmt(r["bytes_per_step"], ".3f", 1e-6)),
     ("x less", lambda r: _fmt(r["bytes_reduction_vs_baseline"], ".1f")),
@@ -295,3 +301,85 @@ def plot_loss_vs_time(
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_loss_vs_bytes(
+    records: Sequence[dict[str, Any]], path: str | Path, *, title: str = ""
+) -> None:
+    """PNG/SVG/PDF (by extension) of each strategy's held-out loss against the mean bytes one
+    rank hands to collectives per step (log scale): one marker per strategy, the frontier (no
+    other strategy has both fewer bytes and a lower loss) joined by a line, the baseline's loss
+    dashed. A strategy given in several records (runs of several seeds) is drawn at the median
+    of each axis, its runs as small points beside it. The A/A control's rerun is left out (its
+    loss and bytes are the baseline's).
+
+    Raises:
+        ValueError: when no record has a held-out loss.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless machines
+    import matplotlib.pyplot as plt
+
+    runs: dict[str, list[tuple[float, float]]] = {}
+    for r in records:
+        if "control_of" in r or r.get("eval_loss") is None:
+            continue
+        runs.setdefault(r["strategy"], []).append((r["bytes_per_step"] / 1e6, r["eval_loss"]))
+    if not runs:
+        raise ValueError("no record has a held-out loss (eval_loss) to plot against bytes")
+    medians = {
+        name: (statistics.median(b for b, _ in points), statistics.median(x for _, x in points))
+        for name, points in runs.items()
+    }
+    fig, ax = plt.subplots(figsize=(8.5, 5.0))
+    # 9 markers against 20 colours: no two of up to 180 strategies look alike.
+    markers, colours = "osD^v<>p*", plt.get_cmap("tab20")
+    for i, (name, (mb, loss)) in enumerate(medians.items()):
+        style: dict[str, Any] = {"marker": markers[i % len(markers)], "color": colours(i % 20)}
+        style["linestyle"] = ""
+        ax.plot([mb], [loss], markersize=8, label=name, **style)
+        if len(runs[name]) > 1:
+            ax.plot(
+                [b for b, _ in runs[name]],
+                [x for _, x in runs[name]],
+                markersize=4,
+                alpha=0.4,
+                **style,
+            )
+    frontier = pareto_frontier(medians)
+    ax.plot(
+        [medians[n][0] for n in frontier],
+        [medians[n][1] for n in frontier],
+        color="grey",
+        linewidth=1,
+        drawstyle="steps-post",  # between two of its points the loss of the cheaper one holds
+        zorder=0,
+        label="frontier (fewest bytes for its loss)",
+    )
+    base = records[0].get("baseline")
+    if base in medians:
+        ax.axhline(
+            medians[base][1], color="black", linestyle="--", linewidth=0.8, label=f"{base} loss"
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("MB per step one rank hands to collectives (mean over the run, log scale)")
+    ax.set_ylabel("held-out loss of the model the run returns")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def pareto_frontier(points: dict[str, tuple[float, float]]) -> list[str]:
+    """The names of ``points`` (name: (bytes, loss)) that no other point beats on both axes
+    (fewer or equal bytes and a lower loss, or fewer bytes and an equal loss), by bytes."""
+    ordered = sorted(points, key=lambda n: (points[n][0], points[n][1]))
+    frontier: list[str] = []
+    for name in ordered:
+        if not frontier or points[name][1] < points[frontier[-1]][1]:
+            frontier.append(name)
+    return frontier

@@ -22,6 +22,13 @@ Definitions (the same for ``train --json`` and ``compare``):
   evaluation or checkpoint time; the first step pays one-off set-up costs such as gloo's lazy
   connections, measured up to seconds on the emulated cluster, which would swamp short runs),
   and ``wall_curve_s`` its running sum (0 at step 1), the x axis of the plot.
+* ``period_steps``: the steps of the strategy's period when it synchronises on a clock (local
+  SGD's H; DreamDDP's H, over which its layers' exchanges are spread), 1 for a strategy that
+  communicates every step, None for one that decides when (SelSync, ADPSGD); and
+  ``worst_phase_step_s``: over the timed steps, the median step time at each position of the
+  period (step index modulo ``period_steps``), the largest: the synchronising step of local
+  SGD, the step that carries the most exposed exchange of DreamDDP (None without a period).
+  Medians over periods, so one slow step of a shared machine does not make a phase slow.
 * ``time_to_loss_s(record, target)``: the first wall time at which the curve is <= target.
 * ``machine_busy``: the share of rank 0's machine's cores that its ranks kept busy (their
   processes with every thread and child, and the kernel's softirqs moving the emulated links'
@@ -68,6 +75,20 @@ def _machine_busy(
     return busy_s / len(pairs), busy_s / sum(step for _, step in pairs)
 
 
+def worst_phase_step_s(
+    step_times_s: Sequence[float], period_steps: int | None, offset: int = 0
+) -> float | None:
+    """The largest, over the positions of a period, of the median step time at that position:
+    step ``offset + i`` of ``step_times_s[i]`` is at position ``(offset + i) % period_steps``.
+    None when there is no period or no step."""
+    if period_steps is None or not step_times_s:
+        return None
+    phases: dict[int, list[float]] = {}
+    for i, t in enumerate(step_times_s):
+        phases.setdefault((offset + i) % period_steps, []).append(t)
+    return max(statistics.median(ts) for ts in phases.values())
+
+
 def summarize(
     rank_results: Sequence[dict[str, Any]], *, strategy: str, workload: str, warmup: int
 ) -> dict[str, Any]:
@@ -91,6 +112,7 @@ def summarize(
     evaluation = first.get("eval") or {}
     strategy_metrics = first.get("strategy_metrics") or {}
     final_sync = float(strategy_metrics.get("final_sync_bytes", 0))
+    period = strategy_metrics.get("period_steps", 1)
     return {
         "strategy": strategy,
         "workload": workload,
@@ -99,6 +121,8 @@ def summarize(
         "step_time_s": statistics.median(times[timed]),
         "compute_step_time_s": statistics.median(compute) if compute else None,
         "mean_step_time_s": statistics.fmean(times[timed]),
+        "period_steps": period,
+        "worst_phase_step_s": worst_phase_step_s(times[timed], period, timed.start),
         "cpu_floor_s": busy_floor_s,
         "machine_busy": busy_share,
         # Over all steps: warm-up steps send as much as any, and a periodic strategy's
@@ -113,6 +137,9 @@ def summarize(
         # above the second). None for a strategy that exchanges every step.
         "bytes_per_sync": strategy_metrics.get("bytes_per_sync"),
         "syncs": strategy_metrics.get("syncs"),
+        # DreamDDP: per iteration of the period, the exchange time and the part of it its plan
+        # expects the backward pass not to hide (from the profile).
+        "planned_iterations": strategy_metrics.get("planned_iterations"),
         # A steady-state step (after warm-up; a compressor's uncompressed warm-up excluded).
         "median_bytes_per_step": statistics.median(hist["bytes"][timed]),
         "bytes_total": sum(hist["bytes"]),

@@ -48,6 +48,10 @@ class PeriodicSync(Strategy):
             else PeriodicSyncOptimizer(ctx.optimizer, ctx.module, ctx.comm, config)
         )
         self._communicate = True
+        # SelSync and ADPSGD decide when, step by step: no clock whose phases could be compared.
+        adaptive = isinstance(config, (SelSyncConfig, ADPSGDConfig))
+        self.period_steps = None if adaptive else self.periodic.config.period_steps
+        """Steps per period of a method that synchronises on a clock (None: it decides)."""
         # The optimizer's broadcast of rank 0's model is set-up, not a synchronisation.
         self._built_bytes = self.bytes_sent()
         self.final_sync_bytes = 0
@@ -100,6 +104,7 @@ class PeriodicSync(Strategy):
         model_numel = sum(p.numel() for p in self.periodic.params)
         models = sum(s.numel for s in syncs) / model_numel
         return {
+            "period_steps": self.period_steps,
             "syncs": len(syncs),
             "model_syncs": models,
             "control_bytes": control,
@@ -109,6 +114,13 @@ class PeriodicSync(Strategy):
             "drift": [s.drift for s in syncs],
             "relative_drift": [s.relative_drift for s in syncs],
             "final_sync_bytes": self.final_sync_bytes,
+            # DreamDDP: what its plan expects of each iteration of the period (the model's bound
+            # beside the measured steps).
+            "planned_iterations": (
+                self.periodic.planned_iterations()
+                if isinstance(self.periodic, DreamDDPOptimizer)
+                else None
+            ),
         }
 
     def state_dict(self) -> dict[str, Any]:

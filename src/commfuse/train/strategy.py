@@ -237,16 +237,16 @@ def _name_and_settings(config: StrategyConfig) -> tuple[str, dict[str, Any]]:
     from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 
     if isinstance(config, SyncMethod):
-        settings = _changed(config)
+        settings = _own_first(config, _changed(config))
         compressor = settings.get("compressor")
         if isinstance(compressor, Compressor):
             shared = ("algo",) if compressor.algo == getattr(config, "algo", None) else ()
             settings["compressor"] = _spec(compressor.name, _changed(compressor, skip=shared))
         return config.name, settings
     if isinstance(config, OneBitAdamConfig):
-        return "onebit-adam", _changed(config)
+        return "onebit-adam", _own_first(config, _changed(config))
     if isinstance(config, ZeroOneAdamConfig):
-        return "zeroone-adam", _changed(config)
+        return "zeroone-adam", _own_first(config, _changed(config))
     if isinstance(config, TorchDDPConfig):
         name = "ddp" if config.hook == "none" else f"ddp-{config.hook}"
         return name, _changed(config, skip=("hook",))
@@ -281,6 +281,17 @@ def _changed(obj: object, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
         if value != field.default:  # (MISSING equals nothing)
             out[field.name] = value
     return out
+
+
+def _own_first(config: object, settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with the fields ``config``'s own class declares first, then those it
+    shares with other configs through a base (``ExchangeSettings``, ``ExchangeConfig``): a
+    method's own settings lead its spec, as they are written."""
+    own = vars(type(config)).get("__annotations__", {})
+    return {
+        **{k: v for k, v in settings.items() if k in own},
+        **{k: v for k, v in settings.items() if k not in own},
+    }
 
 
 def _spec(name: str, settings: dict[str, Any]) -> str:

@@ -67,6 +67,15 @@ def _arguments(coll: argparse.ArgumentParser) -> None:
         f"sample lasts this long (0: one call per sample) (default {DEFAULT_MIN_SAMPLE_MS:g})",
     )
     coll.add_argument(
+        "--tuner-trial-calls",
+        type=int,
+        default=0,
+        metavar="K",
+        help="auto tries native and the model's two fastest other algorithms on the first calls of "
+        "each size, K timed calls each, and keeps the fastest (CommConfig.tuner_trial_calls); the "
+        "trial runs before timing and its medians are in the JSON (default 0: the model alone)",
+    )
+    coll.add_argument(
         "--dtype",
         default="float32",
         choices=["float32", "float64", "float16", "bfloat16", "int32", "int64"],
@@ -82,6 +91,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
 
     topology = topology_from_args(args)
     require_at_least("--repeats", args.repeats, 1)
+    require_at_least("--tuner-trial-calls", args.tuner_trial_calls, 0)
     if args.min_sample_ms < 0:
         raise ValueError(f"--min-sample-ms must be at least 0, got {args.min_sample_ms:g}")
     config = CollectiveBenchConfig(
@@ -94,6 +104,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
         emulated=will_emulate(topology, args),
         control=args.control,
         min_sample_ms=args.min_sample_ms,
+        tuner_trial_calls=args.tuner_trial_calls,
     )
     check_algo_names(config.ops, config.algos)  # fail here, before any rank starts
     print(

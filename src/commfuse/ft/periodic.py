@@ -1,0 +1,314 @@
+"""Per-period fault tolerance: local SGD, DiLoCo and streaming DiLoCo on torchft.
+
+DiLoCo (Douillard et al., "DiLoCo: Distributed low-communication training of language
+models", 2023) lets every replica train alone for H inner steps and meet only to average its
+pseudo-gradient ``anchor - params``, to which an outer optimizer is applied; streaming DiLoCo
+(Douillard et al., "Streaming DiLoCo with overlapping communication", 2025) synchronises the
+model fragment by fragment at staggered steps. torchft (PyTorch's fault tolerance: a
+lighthouse that forms quorums, a commit vote, live recovery of a joiner from a peer) decides
+who meets. Here the unit of commit is a *period*: the inner steps from one synchronisation to
+the next, ending with it (``periods.sync_points``: every H steps for DiLoCo, F times per H
+for streaming DiLoCo, every step of a synchronous warm-up). Per period, on each replica group:
+
+1. ``start_quorum`` at the period's start. The replicas of the last quorum all ask at once
+   (they have just voted), so it forms at once; a restarted replica asks whenever it is ready
+   and waits for the others to finish their period, so its request may take a period and
+   more (``Timeouts.period_quorum_timeout_s``, from the period's time as measured here). A
+   replica that is behind receives a healthy one's state (``transport.py``, every tensor
+   checksummed) and trains the period as a full member;
+2. a snapshot of this replica's state, what a failed period rolls back to;
+3. the period's inner steps, no quorum and no communication among them, each on the batch of
+   its inner step (the data position is the inner step, so a retried period trains the same
+   batches), through commfuse's own ``PeriodicSyncOptimizer``, whose communicator is the
+   quorum (``QuorumComm``): at the period's end the pseudo-gradient (a fragment's, for
+   streaming DiLoCo) is averaged across the quorum, compressed by the method's outer
+   compressor if it has one, every replica's message decoded in rank order, so that every
+   replica applies the same bits; then the outer step. After the last step ``finish()``
+   lands what is in flight and makes the final synchronisation, inside the last period;
+4. ``should_commit``: the period counts only if none of its exchanges failed (a peer died or
+   timed out: the failing replica reports the error to its Manager and raises the quorum's
+   alarm, so the others abandon theirs at once). A failed period is discarded: the replica
+   restores the snapshot and retries the period with the next quorum.
+
+What a failed period rolls back, on every replica, to that replica's own state at the period's
+start: parameters and buffers, the inner optimizer (AdamW's moments and step), the anchors
+(the outer model), the outer momenta, exchanges averaged but not yet applied (streaming
+DiLoCo's delay), the outer compressor's error feedback, the counters, and torch's random
+state. Nothing of the period survives; its batches are trained again, not lost.
+
+What a joiner receives: the donor's state at the start of the period, the same parts: for
+DiLoCo the outer model (every replica holds it at a period's start), the donor's inner
+optimizer and error-feedback residuals (each replica's own; the joiner continues from the
+donor's), the outer momenta (the same on every replica), the counters (the data position)
+and the random state. For streaming DiLoCo the fragments not synchronised at that point are
+the donor's local values.
+
+Why commfuse's ``PeriodicSyncOptimizer`` and not torchft's ``LocalSGD``/``DiLoCo`` classes:
+torchft's DiLoCo quantises its outer gradient only on accelerators (Triton), and has no place
+for commfuse's outer compressors (SparseLoCo, DeMo, int4 ...) and their error feedback, which
+run on any backend; one implementation of each method serves the run with and without
+torchft, so a fault-free run equals the run without it; and a joiner here trains its first
+period in full instead of adding a zero pseudo-gradient to the average.
+
+Without faults the run equals the same run without torchft (``commfuse train`` without
+``--fault-tolerant``) bit for bit with two replicas, whose sum does not depend on its order,
+and with an all-gather outer compressor (SparseLoCo, DeMo, int4, top-k ...) for any number,
+whose messages both runs decode in rank order. Three or more replicas without a compressor
+sum in rank order here and in the allreduce algorithm's order there: the same up to rounding.
+Streaming DiLoCo's exchanges finish before the next inner step here (their result is still
+applied ``overlap_steps`` later, as without torchft): the delay is kept, the overlap is not.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from commfuse.ft.config import KillFault
+from commfuse.ft.periods import ft_periodic_config, sync_points
+from commfuse.ft.replica import ReplicaJob, kill_now, make_manager, send, start_quorum_retrying
+from commfuse.ft.require import require_torchft
+from commfuse.localsgd import PeriodicSyncConfig, PeriodicSyncOptimizer
+from commfuse.train.loop import params_digest
+from commfuse.workloads import make_workload
+
+
+def state_digest(obj: object) -> str:
+    """SHA-256 (16 hex digits) of a nest of dicts, lists, tensors and plain values: every
+    tensor's dtype, shape and bytes, every other value's ``repr``, dict items by key."""
+    digest = hashlib.sha256()
+    _feed(digest, obj)
+    return digest.hexdigest()[:16]
+
+
+def _feed(digest: Any, obj: object) -> None:
+    if isinstance(obj, torch.Tensor):
+        flat = obj.detach().contiguous().cpu()
+        digest.update(f"T{flat.dtype}{tuple(flat.shape)}".encode())
+        digest.update(flat.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, dict):
+        digest.update(b"{")
+        for key in sorted(obj, key=repr):
+            digest.update(repr(key).encode())
+            _feed(digest, obj[key])
+        digest.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        digest.update(b"[")
+        for value in obj:
+            _feed(digest, value)
+        digest.update(b"]")
+    else:
+        digest.update(repr(obj).encode())
+
+
+def part_digests(state: dict[str, Any]) -> dict[str, str]:
+    """``state_digest`` of each part of a replica's state (``model``, ``anchors``,
+    ``outer_momenta``, ``inner_optimizer``, ``compressor``, ``pending``, ``counters``,
+    ``rng``): what a donor served and a joiner loaded are compared part by part."""
+    periodic = state["periodic"]
+    parts = {
+        "model": state["model"],
+        "anchors": periodic["anchors"],
+        "outer_momenta": periodic["momenta"],
+        "inner_optimizer": periodic["inner"],
+        "compressor": periodic["compressor"],
+        "pending": periodic["pending"],
+        "counters": [periodic["step_count"], periodic["exchanges_started"], periodic["in_sync_at"]],
+        "rng": state["torch_rng"],
+    }
+    return {name: state_digest(part) for name, part in parts.items()}
+
+
+def _time_inner_step(workload: Any, module: torch.nn.Module, job: ReplicaJob) -> float:
+    """Seconds of one forward and backward here, on a copy of ``module`` (a forward may
+    change buffers, such as batch norm's statistics): the first estimate of a period's time,
+    before any period was measured."""
+    probe = copy.deepcopy(module)
+    batch = workload.batch(0, job.replica, job.num_replicas, seed=job.train.seed)
+    start = time.monotonic()
+    workload.loss(probe, batch).backward()
+    return time.monotonic() - start
+
+
+def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
+    """Train this replica group period by period until ``job.train.steps`` inner steps are
+    committed (see the module docstring); returns its final record.
+
+    Args:
+        job: the replica group, its life and the run (a ``PeriodicSyncConfig`` strategy).
+        conn: the launcher's end: "ready" and the per-period records go up, "go" comes down.
+
+    Returns:
+        ``{"replica", "life", "digest", "step", "periods", "recovered_bytes",
+        "served_bytes"}``; ``step`` counts inner steps.
+
+    Raises:
+        ValueError: a strategy that ``periods.ft_periodic_config`` refuses.
+    """
+    require_torchft()
+    from commfuse.ft.process_group import AlarmedProcessGroupGloo
+    from commfuse.ft.quorum_comm import QuorumComm
+    from commfuse.ft.transport import ChecksummedHTTPTransport
+
+    strategy = job.train.strategy
+    if not isinstance(strategy, PeriodicSyncConfig):
+        raise ValueError(
+            f"per-period mode runs a PeriodicSyncConfig, got {type(strategy).__name__}"
+        )
+    # A copy: this replica owns its compressor's state.
+    config = copy.deepcopy(ft_periodic_config(strategy))
+    timeouts = job.ft.timeouts
+    op_timeout = timedelta(seconds=timeouts.op_timeout_s)
+    workload = make_workload(job.train.workload, device=torch.device("cpu"))
+    module = workload.build_model(job.train.seed)
+    optimizer = workload.make_optimizer(module)
+    process_group = AlarmedProcessGroupGloo(timeout=op_timeout)
+    comm = QuorumComm(process_group)
+    # The quorum's communicator speaks the Communicator interface the optimizer uses.
+    periodic = PeriodicSyncOptimizer(optimizer, module, comm, config)  # type: ignore[arg-type]
+    points = sync_points(config, job.train.steps)
+    longest = max(b - a for a, b in zip([0, *points], points, strict=False))
+    step_s = _time_inner_step(workload, module, job)
+
+    def state_dict() -> dict[str, Any]:
+        return {
+            "model": module.state_dict(),
+            "periodic": periodic.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        module.load_state_dict(state["model"])
+        periodic.load_state_dict(state["periodic"])
+        torch.set_rng_state(state["torch_rng"])
+
+    served: list[dict[str, str]] = []
+    recovered: list[dict[str, str]] = []
+
+    def serve() -> dict[str, Any]:
+        # The Manager asks only when a peer recovers from this replica: at a period's start.
+        state = state_dict()
+        served.append(part_digests(state))
+        return state
+
+    def recover(state: dict[str, Any]) -> None:
+        load_state_dict(state)
+        recovered.append(part_digests(state_dict()))  # what this replica holds now
+
+    if job.life > 0:
+        # A spare: everything is built; the launcher says when the restart happens.
+        send(conn, ("built", {"replica": job.replica, "life": job.life}))
+        if conn.recv_bytes() != b"start":
+            raise RuntimeError("the launcher did not say start")
+    transport = ChecksummedHTTPTransport(job.addr, timeout=op_timeout)
+    manager = make_manager(job, process_group, transport, serve, recover)
+    kills = [f for f in job.ft.faults if isinstance(f, KillFault) and f.host == job.replica]
+    kill = kills[0] if kills and job.life == 0 else None
+    now = {"inner": -1, "period": -1}
+
+    def on_issue() -> None:
+        if kill is not None and kill.phase == "allreduce" and now["inner"] >= kill.at_step:
+            kill_now(conn, kill, now["inner"], period=now["period"])
+
+    comm.on_issue = on_issue
+    send(conn, ("ready", {"replica": job.replica, "life": job.life}))
+    if conn.recv_bytes() != b"go":
+        raise RuntimeError("the launcher did not say go")
+    try:
+        while manager.current_step() < len(points):
+            t0 = time.monotonic()
+            start_quorum_retrying(manager, timeouts.period_quorum_timeout_s(step_s * longest))
+            t_quorum = time.monotonic()
+            healed = recovered[-1] if recovered else None
+            served_now = served[-1] if served else None
+            recovered.clear()
+            served.clear()
+            period = manager.current_step()
+            begin, end = (points[period - 1] if period else 0), points[period]
+            now["period"] = period
+            comm.at_quorum(manager.participating_rank() or 0, process_group.size())
+            participants = manager.num_participants()
+            snapshot = copy.deepcopy(state_dict())
+            syncs = len(periodic.syncs)
+            sent_before = comm.bytes_sent
+            losses: list[float] = []
+            if manager.errored() is not None:
+                # Its recovery failed: this replica cannot train the period; the others'
+                # exchanges with it are abandoned now rather than at their timeout.
+                process_group.raise_alarm()
+            elif periodic.step_count != begin:
+                raise RuntimeError(
+                    f"replica {job.replica} is at inner step {periodic.step_count}, its "
+                    f"period {period} starts at {begin}"
+                )
+            else:
+                try:
+                    for inner in range(begin, end):
+                        now["inner"] = inner
+                        if kill is not None and kill.phase == "compute" and kill.at_step == inner:
+                            kill_now(conn, kill, inner, period=period)
+                        batch = workload.batch(
+                            inner, job.replica, job.num_replicas, seed=job.train.seed
+                        )
+                        periodic.zero_grad()
+                        loss = workload.loss(module, batch)
+                        loss.backward()  # type: ignore[no-untyped-call]
+                        losses.append(float(loss.detach()))
+                        periodic.step()  # the outer exchange after the period's last step
+                    if end == job.train.steps:
+                        periodic.finish()
+                except Exception as failure:  # an exchange failed: a peer died or timed out
+                    manager.report_error(failure)
+                    process_group.raise_alarm()
+            t_sync = time.monotonic()
+            committed = manager.should_commit()
+            if committed:
+                step_s = max(step_s, (t_sync - t_quorum) / (end - begin))
+            else:
+                load_state_dict(snapshot)
+                del periodic.syncs[syncs:]
+            error = manager.errored()
+            send(
+                conn,
+                (
+                    "step",
+                    {
+                        "step": period,
+                        "first_step": begin,
+                        "inner_steps": end - begin,
+                        "committed": bool(committed),
+                        "participants": participants,
+                        "loss": sum(losses) / len(losses) if losses else None,
+                        "losses": losses,
+                        "t0": t0,
+                        "t_quorum": t_quorum,
+                        "t_backward": t_sync,
+                        "t": time.monotonic(),
+                        "digest": state_digest(periodic.anchors) if committed else None,
+                        "outer_digest": state_digest(periodic.momenta) if committed else None,
+                        "healed": healed is not None,
+                        "healed_parts": healed,
+                        "served_parts": served_now,
+                        "bytes": comm.bytes_sent - sent_before,
+                        "error": None if error is None else str(error.original_exception),
+                    },
+                ),
+            )
+        return {
+            "replica": job.replica,
+            "life": job.life,
+            "digest": params_digest(module),
+            "step": periodic.step_count,
+            "periods": manager.current_step(),
+            "recovered_bytes": transport.bytes_received,
+            "served_bytes": transport.bytes_sent,
+        }
+    finally:
+        manager.shutdown(wait=False)
+        transport.shutdown(wait=False)
