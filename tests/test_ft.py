@@ -491,8 +491,14 @@ def test_launcher_killed_takes_its_replicas_lighthouse_and_network_with_it(
                         replicas.append(pid)
         assert len(replicas) >= 2, "the replicas did not start"
         time.sleep(1.0)  # past the first quorum: the lighthouse is serving
-        labs = {lab["lab_id"] for lab in list_labs()} - before
         everything = _children(proc.pid)
+        # this launcher's own labs (other jobs on the machine may build theirs meanwhile)
+        labs = {
+            lab["lab_id"]
+            for lab in list_labs()
+            if lab["lab_id"] not in before and lab.get("pid") in {proc.pid, *everything}
+        }
+        assert labs, "the launcher built no lab"
         proc.kill()
         assert proc.wait(timeout=15) == -signal.SIGKILL
         deadline = time.monotonic() + 20
