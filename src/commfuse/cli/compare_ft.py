@@ -11,7 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from commfuse.cli.common import emulate_arg, topology_from_args
+from commfuse.cli.common import emulate_arg
+from commfuse.cli.train_ft import fault_tolerance_from_args, replica_topology
 
 
 def run_compare_ft(args: argparse.Namespace) -> int:
@@ -22,26 +23,18 @@ def run_compare_ft(args: argparse.Namespace) -> int:
             training refuses, a bad fault spec).
     """
     from commfuse.bench.table import control_note
-    from commfuse.cli.spec import fault_from_spec, strategy_from_spec, workload_from_spec
+    from commfuse.cli.spec import strategy_from_spec, workload_from_spec
     from commfuse.ft.compare import LEGEND, render_table, run_compare_ft
-    from commfuse.ft.config import FaultToleranceConfig
     from commfuse.train.compare import DEFAULT_STRATEGIES
     from commfuse.train.loop import TrainConfig
 
-    topology = topology_from_args(args, nproc=args.nproc)
-    if topology.ranks_per_host != 1:
-        raise ValueError("--fault-tolerant runs one rank per host (one replica group each)")
+    topology = replica_topology(args)
     specs = args.strategy or [DEFAULT_STRATEGIES[0]]
     strategies = [strategy_from_spec(s, ranks_per_host=1) for s in specs]
     for flag in ("init_from", "max_steps_factor"):
         if getattr(args, flag) not in (None, 1.0):
             raise ValueError(f"--{flag.replace('_', '-')} does not combine with --fault-tolerant")
-    ft = FaultToleranceConfig(
-        timeout_s=args.ft_timeout,
-        min_replicas=args.min_replicas,
-        faults=tuple(fault_from_spec(spec) for spec in args.chaos),
-        global_batch=args.global_batch,
-    )
+    ft = fault_tolerance_from_args(args)
     base = TrainConfig(
         workload=workload_from_spec(args.workload),
         steps=args.steps,

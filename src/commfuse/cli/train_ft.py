@@ -10,9 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from commfuse.cli.common import emulate_arg, topology_from_args
+
+if TYPE_CHECKING:
+    from commfuse.cluster.topology import Topology
+    from commfuse.ft.config import FaultToleranceConfig
 
 
 def run_train_ft(args: argparse.Namespace) -> int:
@@ -22,25 +26,17 @@ def run_train_ft(args: argparse.Namespace) -> int:
         ValueError: a bad flag (several ranks per host, a strategy that runs in neither
             per-step nor per-period mode, a bad fault spec).
     """
-    from commfuse.cli.spec import fault_from_spec, strategy_from_spec, workload_from_spec
-    from commfuse.ft.config import FaultToleranceConfig
+    from commfuse.cli.spec import strategy_from_spec, workload_from_spec
     from commfuse.ft.periods import ft_mode
     from commfuse.train.loop import TrainConfig
 
-    topology = topology_from_args(args, nproc=args.nproc)
-    if topology.ranks_per_host != 1:
-        raise ValueError("--fault-tolerant runs one rank per host (one replica group each)")
+    topology = replica_topology(args)
     strategy = strategy_from_spec(args.strategy, ranks_per_host=1)
     ft_mode(strategy)  # ValueError: neither mode runs it (the message lists what runs)
     for flag in ("checkpoint_dir", "resume", "init_from"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')} does not combine with --fault-tolerant")
-    ft = FaultToleranceConfig(
-        timeout_s=args.ft_timeout,
-        min_replicas=args.min_replicas,
-        faults=tuple(fault_from_spec(spec) for spec in args.chaos),
-        global_batch=args.global_batch,
-    )
+    ft = fault_tolerance_from_args(args)
     ft.check_hosts(topology.num_hosts)
     config = TrainConfig(
         workload=workload_from_spec(args.workload),
@@ -61,6 +57,36 @@ def run_train_ft(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
         print(f"metrics written to {args.json}")
     return 0
+
+
+def replica_topology(args: argparse.Namespace) -> Topology:
+    """The emulated cluster of a fault-tolerant run: one rank per host, one replica group each.
+
+    Raises:
+        ValueError: several ranks per host.
+    """
+    topology = topology_from_args(args, nproc=args.nproc)
+    if topology.ranks_per_host != 1:
+        raise ValueError("--fault-tolerant runs one rank per host (one replica group each)")
+    return topology
+
+
+def fault_tolerance_from_args(args: argparse.Namespace) -> FaultToleranceConfig:
+    """The timeouts, quorum size, faults and global-batch rule that ``train`` and ``compare``
+    take under ``--fault-tolerant``.
+
+    Raises:
+        ValueError: a bad ``--chaos`` spec or setting.
+    """
+    from commfuse.cli.spec import fault_from_spec
+    from commfuse.ft.config import FaultToleranceConfig
+
+    return FaultToleranceConfig(
+        timeout_s=args.ft_timeout,
+        min_replicas=args.min_replicas,
+        faults=tuple(fault_from_spec(spec) for spec in args.chaos),
+        global_batch=args.global_batch,
+    )
 
 
 def describe_ft_record(r: dict[str, Any]) -> str:
