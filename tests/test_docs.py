@@ -2,7 +2,7 @@
 
 - ``mkdocs build --strict`` runs here, so a broken link, a missing page or snippet, or an API
   name the reference cannot resolve fails the suite.
-- ``benchmarks/`` follows its README: names ``{topic}_{setup}_{yyyymm}.{md,json,png}``, every
+- ``benchmarks/`` follows its README: names ``{topic}_{setup}.{md,json,png}`` (never a date), every
   JSON and PNG beside its report, every report linked from the README or the docs, every report
   naming its command, machine, date and raw data.
 - No page tells the history of its own making.
@@ -21,7 +21,7 @@ BENCH = ROOT / "benchmarks"
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 
-NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*_[a-z0-9]+(?:-[a-z0-9]+)*_\d{6}\.(md|json|png)$")
+NAME = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*_[a-z0-9]+(?:-[a-z0-9]+)*\.(md|json|png)$")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -48,13 +48,13 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "api" / "ddp" / "index.html").exists()
 
 
-def test_benchmark_files_are_named_by_topic_setup_and_month() -> None:
+def test_benchmark_files_are_named_by_topic_and_setup() -> None:
     bad = [
         p.name
         for p in BENCH.iterdir()
         if p.is_file() and p.name != "README.md" and not NAME.match(p.name)
     ]
-    assert not bad, f"not {{topic}}_{{setup}}_{{yyyymm}}.{{md,json,png}}: {bad}"
+    assert not bad, f"not {{topic}}_{{setup}}.{{md,json,png}}: {bad}"
 
 
 def test_benchmarks_hold_reports_and_device_scripts_only() -> None:

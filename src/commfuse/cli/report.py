@@ -1,6 +1,6 @@
 """``commfuse report``: render result JSON files as the tables their commands printed.
 
-    commfuse report benchmarks/fused_netlab-4x1gbit-2core_202611.json
+    commfuse report benchmarks/fused_netlab-4x1gbit-2core.json
     commfuse report a.json b.json --markdown tables.md
     commfuse report benchmarks/*.json --update   # rewrite each report's table from its JSON
     commfuse report seed0.json seed1.json --json seeds.json          # one file of both runs

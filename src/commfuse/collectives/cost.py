@@ -40,7 +40,7 @@ class LinkCost:
 #: size: a block costs a Python-level isend/irecv pair, gloo's handshake and a wake-up of the
 #: forwarding rank, far more than the wire's latency. ``commfuse tune`` fits it per collective
 #: (``Profile.pipeline_alpha_s``); untuned, this value, which sized blocks near the best of a
-#: sweep of block sizes (``benchmarks/broadcast-pipeline_netlab-2to8x1gbit-2core_202611.md``).
+#: sweep of block sizes (``benchmarks/broadcast-pipeline_netlab-2to8x1gbit-2core.md``).
 PIPELINE_BLOCK_ALPHA_S = 0.5e-3
 
 #: Default chunk bytes per rank of the hierarchical all-reduce's group: a chunk's ring steps move

@@ -35,7 +35,7 @@ latency; the default sizes chunks so that each cross-host ring step moves about
 (``HOST_SEGMENT_BYTES``): loopback has no shaper, and fewer messages leave more CPU to the
 cross-host traffic. Where the ranks of a host share few cores, the host phases' copies can cost
 more than the host links save; the tuner measures that (``commfuse tune``) and keeps gloo's ring
-there (``benchmarks/allreduce-hierarchical_netlab-2x2x1gbit-2core_202612.md``).
+there (``benchmarks/allreduce-hierarchical_netlab-2x2x1gbit-2core.md``).
 
 **Allreduce, leader** (a reduce/broadcast name as ``intra_algo``, e.g. ``"tree"``; Jia et al.,
 "Highly Scalable Deep Learning Training System with Mixed-Precision", arXiv 1807.11205): reduce

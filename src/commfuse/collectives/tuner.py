@@ -19,7 +19,7 @@ Calibration (``calibrate``) runs on every rank of the cluster it describes:
 Why step 5: the pure alpha-beta-gamma models (Hockney; Thakur, Rabenseifner and Gropp, IJHPCA
 2005) rank algorithms wrongly on real machines: they miss per-message software costs, CPU
 contention and the transport's quirks, by factors at small sizes and by a little at large ones
-(``benchmarks/tune_netlab-4x1gbit-2core_202611.md``). One affine map ``measured = a + k * model``
+(``benchmarks/tune_netlab-4x1gbit-2core.md``). One affine map ``measured = a + k * model``
 cannot hold both ends, so each (collective, algorithm) gets a piecewise ``Correction``: the ratio measured / model at each calibration
 size, interpolated linearly in log(size) between them and held constant beyond the ends (both
 time and model become affine in the size there, so the ratio settles). The model still gives
@@ -326,7 +326,7 @@ class Profile:
 # -- the uncalibrated model's software costs, measured on the emulated cluster ------------------
 # Balanced rounds with an A/A control, every algorithm at 4 KB-64 MB on 2, 4 and 8 hosts and
 # 2 x 2 at 1 Gbit/s, 2 shared cores
-# (benchmarks/auto-vs-native_netlab-2to8x1gbit-2x2x1gbit-2core_202612.md).
+# (benchmarks/auto-vs-native_netlab-2to8x1gbit-2x2x1gbit-2core.md).
 # A latency-bound run (4-16 KB) costs its steps times a per-step cost, and that cost depends on
 # who runs the step, not on the wire, whose alpha is a tenth of it.
 
@@ -352,13 +352,11 @@ UNCALIBRATED_PIPELINE_ALPHA_S = 1.0e-3
 UNCALIBRATED_MIN_GAIN = 0.25
 
 #: gloo's all_to_all posts every message at once; on shaped host links those P - 1 flows share
-#: each link, and from 2 MB up they reached 64-71% of it where commfuse's pairwise exchange (one
-#: peer per step) held 80-83%: measured on the emulated cluster (4 hosts at 1 Gbit/s, 2026-11-30)
-#: 1.14x slower at 2 MB, 1.19x at 4 MB, 1.29x at 16 MB, a tie up to 1 MB; in balanced rounds
-#: (2026-12-01) a tie at 4 MB, 1.25x at 16 MB, 1.42x at 64 MB. The alpha-beta model prices the
-#: two alike, so without a calibration ``auto`` kept gloo's everywhere. Until ``commfuse tune``
-#: measures the cluster at hand, this ratio (gloo's time over the model's) stands in for the
-#: calibration on shaped multi-host layouts of 3 or more ranks.
+#: each link, and from 2 MB up they reach a smaller share of it than commfuse's pairwise exchange
+#: (one peer per step) does (the auto-vs-native report above). The alpha-beta model prices the two alike, so without a calibration ``auto``
+#: would keep gloo's everywhere. Until ``commfuse tune`` measures the cluster at hand, this ratio
+#: (gloo's time over the model's, by size) stands in for the calibration on shaped multi-host
+#: layouts of 3 or more ranks.
 UNCALIBRATED_NATIVE_ALL_TO_ALL = Correction(
     sizes_bytes=(1 << 20, 2 << 20, 4 << 20, 16 << 20, 64 << 20),
     ratios=(1.0, 1.14, 1.19, 1.29, 1.42),

@@ -24,7 +24,7 @@ that column at once, and go on to the next table while they travel; the receiver
 ``t`` of rank ``j`` in place as it lands. ``T_r`` messages per destination instead of
 ``pieces``; the same bytes; the same sums, so the same output bit for bit. It pays most with
 many ids per bag (the lookups dominate); with few, both cuts overlap alike
-(``benchmarks/fused-embedding_netlab-4x1gbit-2core_202611.md``).
+(``benchmarks/fused-embedding_netlab-4x1gbit-2core.md``).
 
 Layout. Rank ``r`` passes, for each of its tables ``t``, EmbeddingBag inputs for the global batch:
 ``indices[t]`` (1-D int64) and ``offsets[t]`` (``B`` starts, no trailing end). ``batch_splits``
