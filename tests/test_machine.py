@@ -23,10 +23,15 @@ print("done", flush=True)
 sys.stdin.read()
 """
 
-#: A process that runs a spinning child to its end (reaped: its CPU is the parent's cutime).
+#: A process that runs a spinning child to its end (reaped: its CPU is the parent's cutime). The
+#: child's "done" goes nowhere: on the parent's stdout it would be read as the parent's, before
+#: the parent has reaped the child.
 PARENT = """
 import subprocess, sys
-subprocess.run([sys.executable, "-c", sys.argv[1], sys.argv[2]], input=b"", check=True)
+subprocess.run(
+    [sys.executable, "-c", sys.argv[1], sys.argv[2]],
+    input=b"", stdout=subprocess.DEVNULL, check=True,
+)
 print("done", flush=True)
 sys.stdin.read()
 """
