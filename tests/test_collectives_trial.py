@@ -5,8 +5,10 @@ settles on the same algorithm."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +23,7 @@ from commfuse.collectives.trial import (
     outcomes,
     pick_candidates,
 )
-from commfuse.collectives.tuner import choose
+from commfuse.collectives.tuner import Profile, choose
 from commfuse.comm import CommConfig, Communicator
 from commfuse.testing import RankPool
 
@@ -117,3 +119,64 @@ def test_a_trial_runs_each_candidate_its_share_then_every_rank_keeps_the_same(
         after = first["after_handed"].get(label("all_reduce", name), 0)
         assert after == handed + (AFTER * 4 * KB if name == chosen else 0)
     assert [o[0] for o in first["outcomes"]] == ["all_reduce", "reduce_scatter"]
+
+
+def _trial_with_profile(path: str) -> dict[str, Any]:
+    """Two jobs in a row on the same layout and profile file: the second one runs no trial."""
+    config = CommConfig(
+        tuner_trial_calls=ROUNDS, tuner_profile_path=path, link_mbit=1000.0, ranks_per_host=2
+    )
+    n = 1024
+    world = 0
+    seen: list[dict[str, Any]] = []
+    for _job in range(2):
+        comm = Communicator(config=config)
+        world, rank = comm.world_size, comm.rank
+        calls = 0
+        while exploring(comm, "all_reduce", 4 * n) and calls < 100:
+            x = torch.full((n,), float(rank + 1))
+            all_reduce(comm, x, "sum", algo="auto")
+            assert bool((x == world * (world + 1) / 2).all())
+            calls += 1
+        x = torch.full((n,), float(rank + 1))
+        all_reduce(comm, x, "sum", algo="auto")
+        assert bool((x == world * (world + 1) / 2).all())
+        seen.append(
+            {
+                "calls": calls,
+                "outcomes": [o.chosen for o in outcomes(comm)],
+                "choice": choose(comm, "all_reduce", 4 * n),
+                "handed": {k: v.handed_bytes for k, v in comm.stats.by_kind.items()},
+            }
+        )
+        comm.barrier()  # the first job's writers are done before the second job reads
+    return {"jobs": seen}
+
+
+def test_a_trials_decision_is_kept_in_the_profile_and_the_next_job_runs_none(
+    pool: PoolFn, tmp_path: Path
+) -> None:
+    path = tmp_path / "profile.json"  # missing: with trials on, the first job creates it
+    results = pool(4).run(_trial_with_profile, str(path), timeout_s=120)
+    first_job, second_job = (results[0]["jobs"][i] for i in (0, 1))
+    chosen = first_job["outcomes"][0]
+    assert first_job["calls"] > 0 and first_job["choice"] == chosen
+    # the file holds the decision, for this layout
+    profile = Profile.from_json(path.read_text())
+    assert (profile.num_hosts, profile.ranks_per_host) == (2, 2)
+    assert profile.trial_choices == {"all_reduce": {4 * KB: chosen}}
+    # the second job: no trial, no call of any other candidate, the same algorithm
+    for result in results:
+        job = result["jobs"][1]
+        assert job["calls"] == 0 and job["outcomes"] == [] and job["choice"] == chosen
+        assert job["handed"] == {label("all_reduce", chosen): 4 * KB}
+    assert second_job["choice"] == chosen
+
+
+def test_a_profile_without_trial_choices_still_loads() -> None:
+    profile = Profile.default(4, link_mbit=1000.0, ranks_per_host=2)
+    data = json.loads(profile.to_json())
+    del data["trial_choices"]
+    assert Profile.from_json(json.dumps(data)) == profile
+    with pytest.raises(ValueError, match="allreduce"):
+        Profile.from_json(json.dumps({**data, "trial_choices": {"allreduce": {"4": "ring"}}}))

@@ -31,9 +31,14 @@ def test_settings_read_the_launchers_variables() -> None:
         "COMMFUSE_LINK_MBIT": "1000",
         "LOCAL_WORLD_SIZE": "2",
         "COMMFUSE_TUNER_PROFILE": "/tmp/p.json",
+        "COMMFUSE_TUNER_TRIAL_CALLS": "0",
     }
     assert CommSettings.from_env(env) == CommSettings(
-        deadline_s=12.5, link_mbit=1000.0, ranks_per_host=2, tuner_profile_path="/tmp/p.json"
+        deadline_s=12.5,
+        link_mbit=1000.0,
+        ranks_per_host=2,
+        tuner_profile_path="/tmp/p.json",
+        tuner_trial_calls=0,
     )
     assert CommSettings.from_env({}) == CommSettings()
 
@@ -44,6 +49,11 @@ def test_settings_read_the_launchers_variables() -> None:
         ({"COMMFUSE_DEADLINE_S": "soon"}, "COMMFUSE_DEADLINE_S='soon' is not a number"),
         ({"LOCAL_WORLD_SIZE": "2.5"}, "LOCAL_WORLD_SIZE='2.5' is not an integer"),
         ({"COMMFUSE_LINK_MBIT": "0"}, "COMMFUSE_LINK_MBIT='0' must be > 0"),
+        ({"COMMFUSE_TUNER_TRIAL_CALLS": "-1"}, "COMMFUSE_TUNER_TRIAL_CALLS='-1' must be >= 0"),
+        (
+            {"COMMFUSE_TUNER_TRIAL_CALLS": "5.0"},
+            "COMMFUSE_TUNER_TRIAL_CALLS='5.0' is not an integer",
+        ),
     ],
 )
 def test_a_bad_variable_is_named(env: dict[str, str], needle: str) -> None:
@@ -126,6 +136,7 @@ def test_a_script_started_by_a_launcher_honours_the_environment(launcher: str) -
         **os.environ,
         "COMMFUSE_DEADLINE_S": "7.5",
         "COMMFUSE_TUNER_PROFILE": "/nonexistent/profile.json",
+        "COMMFUSE_TUNER_TRIAL_CALLS": "3",
         "COMMFUSE_LINK_MBIT": "100",
         "OMP_NUM_THREADS": "1",
     }
@@ -147,5 +158,6 @@ def test_a_script_started_by_a_launcher_honours_the_environment(launcher: str) -
     for config in configs:
         assert config["deadline_s"] == 7.5
         assert config["tuner_profile_path"] == "/nonexistent/profile.json"
+        assert config["tuner_trial_calls"] == 3
         assert config["ranks_per_host"] == 2
         assert config["link_mbit"] == (100.0 if launcher == "torchrun" else None)

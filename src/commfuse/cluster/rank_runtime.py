@@ -34,12 +34,15 @@ class CommSettings:
     """``LOCAL_WORLD_SIZE`` (torchrun's): ranks on this rank's host."""
     tuner_profile_path: str | None = None
     """``COMMFUSE_TUNER_PROFILE``: a profile saved by ``commfuse tune``."""
+    tuner_trial_calls: int | None = None
+    """``COMMFUSE_TUNER_TRIAL_CALLS``: timed calls per candidate of ``algo="auto"``'s trial at
+    first use (0: off)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> CommSettings:
         """Parse the variables; ValueError naming the variable whose value is not a number."""
 
-        def number(name: str, kind: type[float] | type[int]) -> Any:
+        def number(name: str, kind: type[float] | type[int], *, zero: bool = False) -> Any:
             raw = env.get(name, "").strip()
             if not raw:
                 return None
@@ -49,8 +52,8 @@ class CommSettings:
                 raise ValueError(
                     f"{name}={raw!r} is not a{'n integer' if kind is int else ' number'}"
                 ) from None
-            if not value > 0:
-                raise ValueError(f"{name}={raw!r} must be > 0")
+            if not (value >= 0 if zero else value > 0):
+                raise ValueError(f"{name}={raw!r} must be {'>=' if zero else '>'} 0")
             return value
 
         return cls(
@@ -58,6 +61,7 @@ class CommSettings:
             link_mbit=number("COMMFUSE_LINK_MBIT", float),
             ranks_per_host=number("LOCAL_WORLD_SIZE", int),
             tuner_profile_path=env.get("COMMFUSE_TUNER_PROFILE") or None,
+            tuner_trial_calls=number("COMMFUSE_TUNER_TRIAL_CALLS", int, zero=True),
         )
 
 

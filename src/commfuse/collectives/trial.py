@@ -26,7 +26,10 @@ each (collective, size) under ``algo="auto"`` run:
 Every call of the trial is a real call: it runs one of the candidates on the caller's buffers
 and returns its correct result. The decision then stands in the tuner's cache for the
 communicator's life, as the model's choice would (``tuner.choose``), and ``outcomes`` keeps the
-medians for reports. All calls of a trial must be made in the same order on every rank, as every
+medians for reports. With ``CommConfig.tuner_profile_path`` set, the decision is also written to
+that profile (``Profile.trial_choices``; the file is created when missing), and a later job on
+the same layout takes it from there without a trial, as MPI libraries keep their tuned
+decisions in a file that later runs read. All calls of a trial must be made in the same order on every rank, as every
 collective must.
 """
 
@@ -98,6 +101,8 @@ class TrialState:
     def __init__(self, comm: Communicator) -> None:
         self.running: dict[tuple[str, int], _Trial] = {}
         self.outcomes: dict[tuple[str, int], TrialOutcome] = {}
+        self.from_profile: set[tuple[str, int]] = set()
+        """Messages whose decision the profile held: ``algo="auto"`` runs it, no trial."""
 
 
 def pick_candidates(ranked: Sequence[tuple[float, str]]) -> tuple[str, ...]:
@@ -121,10 +126,24 @@ def decide(candidates: Sequence[str], median_s: Sequence[float]) -> str:
 
 def exploring(comm: Communicator, collective: str, nbytes: int) -> bool:
     """Whether ``algo="auto"`` would still be trying candidates for this message (trials on and
-    not yet decided): a benchmark calls until this is false before it starts timing."""
+    not yet decided, here or by an earlier job in the profile): a benchmark calls until this is
+    false before it starts timing."""
     if comm.config.tuner_trial_calls <= 0:
         return False
-    return (collective, nbytes) not in comm.owned(TrialState).outcomes
+    return not _settled(comm, comm.owned(TrialState), (collective, nbytes))
+
+
+def _settled(comm: Communicator, state: TrialState, key: tuple[str, int]) -> bool:
+    """Whether this message needs no trial: decided by this communicator's own, or found in the
+    profile (an earlier job's trial on the same layout)."""
+    if key in state.outcomes or key in state.from_profile:
+        return True
+    if key in state.running:
+        return False
+    if tuner.profile_of(comm).trial_choice(*key, comm.world_size) is None:
+        return False
+    state.from_profile.add(key)
+    return True
 
 
 def next_call(
@@ -139,7 +158,7 @@ def next_call(
         return None
     key = (collective, nbytes)
     state = comm.owned(TrialState)
-    if key in state.outcomes:
+    if _settled(comm, state, key):
         return None
     trial = state.running.get(key)
     if trial is None:
@@ -173,6 +192,7 @@ def _finish(comm: Communicator, key: tuple[str, int], trial: _Trial, like: torch
     state.outcomes[key] = TrialOutcome(collective, nbytes, trial.candidates, median_s, chosen)
     del state.running[key]
     tuner.remember_choice(comm, collective, nbytes, chosen)
+    tuner.save_trial_choice(comm, collective, nbytes, chosen)
 
 
 def outcomes(comm: Communicator) -> list[TrialOutcome]:

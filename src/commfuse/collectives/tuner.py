@@ -59,6 +59,7 @@ import collections
 import dataclasses
 import json
 import math
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -240,6 +241,11 @@ class Profile:
     """How much faster than native an algorithm must be predicted (after its standard error)
     to be chosen: 0.02 means 2%. A calibrated profile measured the algorithms and keeps
     ``NEAR_TIE``; the uncalibrated one asks for ``UNCALIBRATED_MIN_GAIN``."""
+    trial_choices: dict[str, dict[int, str]] = dataclasses.field(default_factory=dict)
+    """``trial_choices[collective][nbytes]``: the algorithm a timed trial at first use chose for
+    that message on this layout (``trial.py``). ``algo="auto"`` takes it as it stands, before
+    any model, and runs no new trial for it: a measurement on the job itself beats a
+    prediction."""
 
     @property
     def world_size(self) -> int:
@@ -260,11 +266,16 @@ class Profile:
         data = json.loads(text)
         unknown = sorted(set(data.get("corrections", {})) - set(COLLECTIVES))
         unknown += sorted(set(data.get("pipeline_alpha_s", {})) - set(COLLECTIVES))
+        unknown += sorted(set(data.get("trial_choices", {})) - set(COLLECTIVES))
         if unknown:
             raise ValueError(
                 f"tuner profile names unknown collectives {', '.join(unknown)} (known: "
                 f"{', '.join(COLLECTIVES)}); measure a new profile with `commfuse tune`"
             )
+        trial_choices = {
+            collective: {int(nbytes): str(algo) for nbytes, algo in sizes.items()}
+            for collective, sizes in data.get("trial_choices", {}).items()
+        }
         corrections: Corrections = {
             collective: {
                 algo: Correction(
@@ -289,7 +300,14 @@ class Profile:
             native_alpha_s=float(data.get("native_alpha_s", 0.0)),
             software_alpha_s=float(data.get("software_alpha_s", 0.0)),
             min_gain=float(data.get("min_gain", NEAR_TIE)),
+            trial_choices=trial_choices,
         )
+
+    def trial_choice(self, collective: str, nbytes: int, world_size: int) -> str | None:
+        """The algorithm a trial chose for this message on this layout, if one did."""
+        if world_size != self.world_size:
+            return None
+        return self.trial_choices.get(collective, {}).get(nbytes)
 
     @classmethod
     def default(
@@ -395,13 +413,23 @@ def profile_of(comm: Communicator) -> Profile:
         if config.tuner_profile_path is not None:
             path = Path(config.tuner_profile_path)
             try:
-                text = path.read_text()
+                text: str | None = path.read_text()
+            except FileNotFoundError as err:
+                # With trials on, the file is where their decisions go (``save_trial_choice``):
+                # the first run of a job creates it.
+                if config.tuner_trial_calls <= 0:
+                    raise ValueError(
+                        f"CommConfig.tuner_profile_path={str(path)!r} cannot be read: "
+                        f"{err.strerror}"
+                    ) from err
+                text = None
             except OSError as err:
                 raise ValueError(
                     f"CommConfig.tuner_profile_path={str(path)!r} cannot be read: {err.strerror}"
                 ) from err
-            state.profile = Profile.from_json(text)
-        else:
+            if text is not None:
+                state.profile = Profile.from_json(text)
+        if state.profile is None:
             state.profile = Profile.default(
                 comm.world_size, link_mbit=config.link_mbit, ranks_per_host=config.ranks_per_host
             )
@@ -624,7 +652,8 @@ def choose(comm: Communicator, collective: str, nbytes: int) -> str:
     cache = comm.owned(TunerState).choices
     key = (collective, nbytes)
     if key not in cache:
-        cache[key] = choose_for(collective, nbytes, comm.world_size, profile)
+        tried = profile.trial_choice(collective, nbytes, comm.world_size)
+        cache[key] = tried or choose_for(collective, nbytes, comm.world_size, profile)
     return cache[key]
 
 
@@ -632,6 +661,43 @@ def remember_choice(comm: Communicator, collective: str, nbytes: int, algo: str)
     """Make ``algo`` the communicator's choice for this message from now on (a timed trial's
     decision, ``trial.py``; the same on every rank)."""
     comm.owned(TunerState).choices[(collective, nbytes)] = algo
+
+
+def save_trial_choice(comm: Communicator, collective: str, nbytes: int, algo: str) -> None:
+    """Keep a timed trial's decision in the profile, in memory and in
+    ``CommConfig.tuner_profile_path`` when one is set, so the next job on this layout starts
+    with it instead of trying again.
+
+    A profile describes one layout (``num_hosts`` x ``ranks_per_host``): a decision made by a
+    group of another size (a sub-communicator) stays in this process. The first rank of each
+    host writes, so a profile on each host's own disk and one on a shared file system both get
+    it; the file is re-read first, keeping what other jobs added, and replaced atomically, so a
+    reader never sees half a file."""
+    state = comm.owned(TunerState)
+    profile = profile_of(comm)
+    if profile.world_size != comm.world_size:
+        return
+    state.profile = _with_trial_choice(profile, collective, nbytes, algo)
+    path_name = comm.config.tuner_profile_path
+    if path_name is None or comm.rank % profile.ranks_per_host != 0:
+        return
+    path = Path(path_name)
+    try:
+        on_disk = Profile.from_json(path.read_text())
+    except FileNotFoundError:
+        on_disk = profile
+    if on_disk.world_size != comm.world_size:  # another layout's job replaced it meanwhile
+        return
+    updated = _with_trial_choice(on_disk, collective, nbytes, algo)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(updated.to_json())
+    os.replace(temporary, path)
+
+
+def _with_trial_choice(profile: Profile, collective: str, nbytes: int, algo: str) -> Profile:
+    choices = {name: dict(sizes) for name, sizes in profile.trial_choices.items()}
+    choices.setdefault(collective, {})[nbytes] = algo
+    return dataclasses.replace(profile, trial_choices=choices)
 
 
 def choose_options(comm: Communicator, collective: str, algo: str, nbytes: int) -> Options:

@@ -58,7 +58,7 @@ class CommConfig:
     A Communicator built without one gets ``default_config()``: in a rank started by
     ``commfuse launch``/``run``, torchrun or the test pool, the fields its launcher's
     environment sets (``COMMFUSE_DEADLINE_S``, ``COMMFUSE_LINK_MBIT``, ``LOCAL_WORLD_SIZE``,
-    ``COMMFUSE_TUNER_PROFILE``), read once per process by the rank's start-up
+    ``COMMFUSE_TUNER_PROFILE``, ``COMMFUSE_TUNER_TRIAL_CALLS``), read once per process by the rank's start-up
     (``commfuse.cluster.rank_runtime.comm_settings``); nothing else in the library reads the
     environment.
 
@@ -87,7 +87,8 @@ class CommConfig:
     then run flat and the tuner's default profile assumes one host."""
     tuner_profile_path: str | None = None
     """A profile saved by ``commfuse tune``, for ``algo="auto"``; None: the default profile
-    built from ``link_mbit`` and ``ranks_per_host``."""
+    built from ``link_mbit`` and ``ranks_per_host``. With ``tuner_trial_calls`` on, the trials'
+    decisions are saved in it too (the file is created when missing)."""
     tuner_trial_calls: int = 0
     """Timed calls per candidate when ``algo="auto"`` first meets a (collective, size): the
     first calls then try native and the model's two fastest other algorithms on the caller's
