@@ -281,26 +281,38 @@ def test_diloco_replicas_killed_in_the_exchange_and_between_inner_steps_rejoin_i
     for event in events:
         host, period = event["host"], event["period"]
         survivors = [r for r in records if r["replica"] != host and r["t"] > event["t"]]
-        # The period in flight committed nowhere: every survivor's attempt at it failed ...
+        # The exchange of the period in flight failed on every survivor, after all of its
+        # inner steps ...
         first: dict[int, dict[str, Any]] = {}
         for r in sorted(survivors, key=lambda r: r["t"]):
             if r["step"] == period:
                 first.setdefault(r["replica"], r)
         assert len(first) == 3 and not any(r["committed"] for r in first.values()), first
-        # ... and was retried: committed by all of them, within the bound.
+        assert all(r["kept"] and r["trained_steps"] == H for r in first.values()), first
+        # ... and only the exchange was retried, with the new quorum: committed by all of
+        # them within the bound, without a forward or backward pass, the period's inner
+        # steps (and their losses) those of the failed attempt.
         assert event["recover_s"] is not None and event["recover_s"] <= RECOVER_BOUND_S, event
         again = [r for r in survivors if r["step"] == period and r["committed"]]
         assert {r["replica"] for r in again} == set(range(4)) - {host}
-        # The retry started from exactly the state the failed attempt started from (the
-        # model and the inner optimizer rolled back): the same losses, step by step.
         for r in again:
+            assert r["retry"] and r["trained_steps"] == 0, r
             assert r["losses"] == first[r["replica"]]["losses"] and len(r["losses"]) == H
         # The victim came back, healed from a peer, and committed every period from then on.
         life = [r for r in records if r["replica"] == host and r["life"] == 1]
         assert life and life[0]["healed"] and life[0]["committed"], life[:1]
         rejoined = event["rejoin_step"]
         assert {r["step"] for r in life if r["committed"]} == set(range(rejoined, steps // H))
-        lost += H * (rejoined - period)
+        if rejoined == period:
+            # Back in time for the retry: it took its donor's point in the period and
+            # trained nothing of it.
+            assert life[0]["retry"] and life[0]["trained_steps"] == 0 and not life[0]["losses"]
+            assert {r["participants"] for r in again} == {4}
+        else:
+            assert {r["participants"] for r in again} == {3}
+        # Its batches of the kill's period are lost (the survivors kept their inner steps),
+        # and those of the periods it missed.
+        lost += H * (max(rejoined, period + 1) - period)
         # What the joiner holds is exactly what its donor served, part by part ...
         (donor,) = [r for r in records if r["served_parts"] and r["step"] == life[0]["step"]]
         assert life[0]["healed_parts"] == donor["served_parts"]
@@ -321,9 +333,9 @@ def test_diloco_replicas_killed_in_the_exchange_and_between_inner_steps_rejoin_i
     assert sorted(by_period) == list(range(steps // H))
     assert all(len(d) == 1 for d in by_period.values()), by_period
     assert record["step_digests_agree"] and record["replicas_agree"]
-    # Each kill discarded one period on each of the three survivors; their batches are
-    # retried, not lost; only the periods a victim missed are lost.
-    assert record["discarded_periods"] == 6 and record["discarded_steps"] == 6 * H
+    # Each kill failed one exchange on each of the three survivors, whose inner steps the
+    # retry kept (none discarded); only the periods a victim missed are lost.
+    assert record["discarded_periods"] == 6 and record["discarded_steps"] == 0
     assert record["committed_steps"] == steps
     assert record["batches_lost"] == lost and record["samples_lost"] == lost * WORKLOAD.batch
     # What was communicated: each committed period sent SparseLoCo's message of the whole
