@@ -18,7 +18,8 @@ host per replica group, and a real SIGKILL:
 * a run without faults equals the same run on torch DDP without torchft, bit for bit;
 * per-period mode (DiLoCo with SparseLoCo's compressed outer exchange, four replicas): one
   replica SIGKILLed while its outer exchange is in flight, another between two inner steps;
-  the survivors discard exactly that period, retry it with the new quorum and go on, every
+  the survivors' exchange of that period fails, and they retry only the exchange with the
+  new quorum (no forward or backward pass: the period's inner steps are kept) and go on, every
   replica holds the same outer model and outer momenta at every committed period, the joiner
   holds exactly what its donor served (model, anchors, inner and outer optimizer, error
   feedback, counters, random state; none of them fresh), every committed period sent exactly
@@ -29,7 +30,8 @@ host per replica group, and a real SIGKILL:
   emulated network with it (a replica also stops by itself at its next report to the dead
   launcher; the watchdog kills one blocked in a collective, and removes the network).
 
-The rest is cheap: the timeouts' derivation, the state transport's checksums, where the
+The rest is cheap: a renewed gloo group of the same quorum (after a failed period) is fresh,
+its alarm down; the timeouts' derivation, the state transport's checksums, where the
 lighthouse and the transport listen, and that ``import commfuse.ft`` does not import torchft.
 """
 
@@ -567,6 +569,50 @@ def test_chaos_specs_parse_into_faults_and_periodic_kills_follow_the_seed() -> N
         fault_from_spec("flood:host=1")
     with pytest.raises(ValueError, match="unknown key 'link'"):
         fault_from_spec("slow:host=3,link=10mbit")
+
+
+def test_a_renewed_group_of_the_same_quorum_is_fresh_and_its_alarm_is_down() -> None:
+    import threading
+
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import AllgatherOptions
+
+    from commfuse.ft.process_group import AlarmedProcessGroupGloo
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    addr = f"127.0.0.1:{store.port}/torchft/7/0"  # quorum 7's prefix, as the Manager makes it
+    groups = [AlarmedProcessGroupGloo(timeout=timedelta(seconds=20)) for _ in range(2)]
+
+    def on_both(target: Any, *args: Any) -> None:
+        threads = [threading.Thread(target=target, args=(i, *args)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in threads)
+
+    def configure(i: int) -> None:
+        groups[i].configure(addr, f"replica_{i:03d}", i, 2, 7)
+
+    gathered: list[torch.Tensor] = [torch.empty(0)] * 2
+
+    def all_gather(i: int) -> None:
+        out = torch.empty(6)
+        work = groups[i].allgather([list(out.chunk(2))], [torch.full((3,), float(i))],
+                                   AllgatherOptions())  # fmt: skip
+        groups[i].wait(work)
+        gathered[i] = out
+
+    on_both(configure)
+    groups[0].raise_alarm()  # a failed period: the group of quorum 7 is done for
+    assert all(g.alarmed() for g in groups)
+    for group in groups:
+        group.renew()
+    on_both(configure)  # the same quorum again: its members did not change
+    assert not any(g.alarmed() for g in groups)
+    on_both(all_gather)
+    expected = torch.tensor([0.0, 0, 0, 1, 1, 1])
+    assert all(torch.equal(g, expected) for g in gathered), gathered
 
 
 def test_state_transport_checks_every_tensor() -> None:
