@@ -7,8 +7,8 @@
 * the same for DiLoCo (per-period mode): the survivors of a kill retry only the exchange of
   the period in flight and keep its inner steps, the quorum of each period splits every
   inner step's global batch, a committed inner step trains no sample twice, and only a
-  killed replica's share of the period it died in is lost; the run has a goodput in inner
-  steps and a held-out loss;
+  killed replica's share of the period it died in is lost (and the inner steps a late joiner
+  skipped); the run has a goodput in inner steps and a held-out loss;
 * the fixed global batch's shares, scaled, give exactly the gradient of the whole batch;
 * the sample accounting counts duplicates and losses.
 """
@@ -97,7 +97,11 @@ def test_diloco_under_kill_every_keeps_the_survivors_inner_steps_and_splits_the_
     retried = {(r["replica"], r["step"]) for r in failed}
     for r in records:
         if r["committed"]:
-            assert r["trained_steps"] == (0 if r["retry"] else r["inner_steps"]), r
+            # A late joiner skips the first inner steps of the period it joins, no more.
+            assert r["skipped_steps"] == 0 or (r["healed"] and not r["retry"]), r
+            assert r["skipped_steps"] < r["inner_steps"], r
+            todo = r["inner_steps"] - r["skipped_steps"]
+            assert r["trained_steps"] == (0 if r["retry"] else todo), r
             # A retry follows this replica's failed exchange, or it joined for the retry.
             assert not r["retry"] or (r["replica"], r["step"]) in retried or r["healed"], r
     assert record["discarded_steps"] == 0
@@ -110,17 +114,22 @@ def test_diloco_under_kill_every_keeps_the_survivors_inner_steps_and_splits_the_
     total = steps * 3 * WORKLOAD.batch
     assert record["samples_trained"] + record["samples_lost"] == total
     covered: dict[int, int] = {}
+    skipped = set()
     for r in records:
         if r["committed"] and r["samples"]:
             start, stop = r["samples"]
-            covered[r["step"]] = covered.get(r["step"], 0) + stop - start
-    whole = 3 * WORKLOAD.batch
+            trained = r["inner_steps"] - r["skipped_steps"]
+            covered[r["step"]] = covered.get(r["step"], 0) + (stop - start) * trained
+            if r["skipped_steps"]:
+                skipped.add(r["step"])
+    whole = 3 * WORKLOAD.batch * H
     # (A victim killed between its commit and its report trained its share unreported: the
     # record infers that commit.)
     unreported = {e["step"] - d for e in record["events"] for d in (0, 1) if e["step"]}
-    short = {p for p, n in covered.items() if n != whole} - {s for _, s in retried} - unreported
+    short = {p for p, n in covered.items() if n != whole} - {s for _, s in retried}
+    short -= unreported | skipped
     assert not short, [r for r in records if r["step"] in short] + record["events"]
-    shortfall = sum(H * (whole - n) for n in covered.values())
+    shortfall = sum(whole - n for n in covered.values())
     assert record["samples_lost"] == shortfall or record["commits_inferred"] > 0
     assert record["goodput_steps_per_s"] > 0 and record["eval_loss"] is not None
 

@@ -187,8 +187,10 @@ def summarize_ft(
         )
     by_step: dict[int, list[float]] = defaultdict(list)
     for r in sorted(committed, key=lambda r: r["replica"]):
+        # A late joiner's losses begin after the inner steps it skipped.
+        first = r.get("first_step", r["step"]) + r.get("skipped_steps", 0)
         for i, loss in enumerate(r.get("losses", [r["loss"]])):
-            by_step[r.get("first_step", r["step"]) + i].append(loss)
+            by_step[first + i].append(loss)
     # The mean over the replica groups that committed each step (as torch DDP's record).
     losses = [statistics.fmean(by_step[step]) for step in sorted(by_step)]
     step_times = [r["t"] - r["t0"] for r in committed]

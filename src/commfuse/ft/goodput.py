@@ -74,12 +74,13 @@ def period_goodput(records: list[dict[str, Any]], *, steps: int) -> dict[str, An
 def period_samples(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per-period mode's committed attempts as one record per inner step, each naming the
     samples its replica trained at that inner step (the period's share of every inner step's
-    global batch), for ``sample_accounting``."""
+    global batch; none at the first ``skipped_steps``, which a late joiner skipped), for
+    ``sample_accounting``."""
     return [
         {"step": r["first_step"] + i, "committed": True, "samples": r.get("samples")}
         for r in records
         if r["committed"]
-        for i in range(r["inner_steps"])
+        for i in range(r.get("skipped_steps", 0), r["inner_steps"])
     ]
 
 

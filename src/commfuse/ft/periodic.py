@@ -49,6 +49,14 @@ torch's random state; the last step's gradients, the period's losses and its sam
 A period that failed before its inner steps ended (its joiner's recovery failed; a warm-up
 step's gradient allreduce, whose period is that one step) rolls back to its start.
 
+A joiner begins its period late: the others began it when the quorum formed, the joiner once
+the donor's state has crossed the network and is loaded. Were it to train every inner step,
+every other replica would wait that long at the period's exchange. So it skips the period's
+first k inner steps, k being how late it is over an inner step's time as the donor measured
+it (at most all but one): it meets the others at the exchange on time, with a
+pseudo-gradient over fewer steps, and its share of the skipped steps is lost (counted). Not
+for streaming DiLoCo, whose fragments' exchanges land at fixed inner steps.
+
 What a joiner receives: the donor's state at the start of the period (or, admitted to the
 retry of an exchange, before the period's last optimizer step with that step's gradients: it
 then takes the donor's place in the period, and the average weighs the donor's pseudo-gradient
@@ -213,6 +221,10 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     points = sync_points(config, job.train.steps)
     longest = max(b - a for a, b in zip([0, *points], points, strict=False))
     step_s = _time_inner_step(workload, module, job)
+    timing: dict[str, float] = {"inner_step_s": step_s}
+    # When each state transfer to this replica began, and the inner steps a joiner skips.
+    recv_started: list[float] = []
+    catch_up: dict[str, int] = {}
 
     # The work a period whose exchange failed keeps for its retry (see the module
     # docstring): the gradients of its last inner step (this replica is one optimizer step
@@ -225,6 +237,8 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             "model": module.state_dict(),
             "periodic": periodic.state_dict(),
             "torch_rng": torch.get_rng_state(),
+            # How long an inner step takes here: a joiner's measure of how late it is.
+            "inner_step_s": timing["inner_step_s"],
         }
         if kept:
             # A joiner admitted to a retry receives the donor's point in the period.
@@ -248,11 +262,16 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     def recover(state: dict[str, Any]) -> None:
         load_state_dict(state)
         kept.clear()
+        # The others began the period when the quorum formed; this replica begins it once
+        # its state has arrived and is loaded, that many inner steps later.
+        late_s = time.monotonic() - recv_started[-1] if recv_started else 0.0
+        per_step = float(state.get("inner_step_s") or 0.0)
+        catch_up["steps"] = int(late_s / per_step) if per_step > 0 else 0
         if state.get("grads") is not None:
             # The others retry the exchange of a period this replica did not train: it
             # takes the donor's last step, so the quorum's average weighs the donor's
             # pseudo-gradient twice; it names no samples of its own.
-            kept.update(grads=state["grads"], losses=[], samples=None)
+            kept.update(grads=state["grads"], losses=[], samples=None, skipped=0)
         recovered.append(part_digests(state_dict()))  # what this replica holds now
 
     if job.life > 0:
@@ -260,7 +279,17 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         send(conn, ("built", {"replica": job.replica, "life": job.life}))
         if conn.recv_bytes() != b"start":
             raise RuntimeError("the launcher did not say start")
-    transport = ChecksummedHTTPTransport(job.addr, timeout=op_timeout)
+
+    class _Transport(ChecksummedHTTPTransport):
+        """The state transport, noting when a transfer to this replica begins."""
+
+        def recv_checkpoint(
+            self, src_rank: int, metadata: str, step: int, timeout: timedelta
+        ) -> Any:
+            recv_started.append(time.monotonic())
+            return super().recv_checkpoint(src_rank, metadata, step, timeout)
+
+    transport = _Transport(job.addr, timeout=op_timeout)
     manager = make_manager(job, process_group, transport, serve, recover)
     kills = [f for f in job.ft.faults if isinstance(f, KillFault) and f.host == job.replica]
     kill = kills[0] if kills and job.life == 0 else None
@@ -294,6 +323,16 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             # What a failed exchange rolls back to: the state before the period's last
             # optimizer step, with that step's gradients (None: the period's start).
             pre_sync: dict[str, Any] | None = None
+            # A joiner late by k inner steps skips the period's first k (at most all but
+            # one), so that the others do not wait for it at the exchange: its
+            # pseudo-gradient covers fewer steps, and its share of the skipped ones is lost.
+            # Only where a period is one exchange of the whole model (not streaming
+            # DiLoCo's fragments, whose exchanges land at fixed inner steps).
+            late = catch_up.pop("steps", 0)
+            skip = late if healed is not None and not resume else 0
+            if config.num_fragments > 1 or config.overlap_steps > 0:
+                skip = 0
+            skip = min(skip, end - begin - 1)
             syncs = len(periodic.syncs)
             sent_before = comm.bytes_sent
             losses: list[float] = []
@@ -314,10 +353,15 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                     if resume:
                         pre_sync = {"state": snapshot, **kept}
                         losses, samples = list(kept["losses"]), kept["samples"]
+                        skip = kept["skipped"]
                         _set_grads(periodic.params, kept["grads"])
                         now["inner"] = end - 1
                         periodic.step()  # the last step's update, then the exchange
-                    for inner in range(begin, end) if not resume else ():
+                    if not resume:
+                        periodic.step_count += skip  # the inner steps it skips
+                    t_inner = time.monotonic()
+                    inner_s = timing["inner_step_s"]
+                    for inner in range(begin + skip, end) if not resume else ():
                         now["inner"] = inner
                         if kill is not None and kill.phase == "compute" and kill.at_step == inner:
                             kill_now(conn, kill, inner, period=period)
@@ -331,11 +375,13 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         losses.append(float(loss.detach()))
                         trained += 1
                         if inner == end - 1:
+                            inner_s = (time.monotonic() - t_inner) / trained
                             pre_sync = {
                                 "state": copy.deepcopy(state_dict()),
                                 "grads": _grads(periodic.params),
                                 "losses": list(losses),
                                 "samples": samples,
+                                "skipped": skip,
                             }
                         periodic.step()  # the outer exchange after the period's last step
                     if end == job.train.steps:
@@ -354,6 +400,8 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                 manager._quorum_id = -1
             if committed:
                 step_s = max(step_s, (t_sync - t_quorum) / (end - begin))
+                if trained > 1 and not resume:
+                    timing["inner_step_s"] = inner_s
                 kept.clear()
             elif pre_sync is not None:
                 # The exchange failed after every inner step: keep them, retry the exchange.
@@ -361,7 +409,10 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                 del periodic.syncs[syncs:]
                 kept.clear()
                 kept.update(
-                    grads=pre_sync["grads"], losses=pre_sync["losses"], samples=pre_sync["samples"]
+                    grads=pre_sync["grads"],
+                    losses=pre_sync["losses"],
+                    samples=pre_sync["samples"],
+                    skipped=pre_sync["skipped"],
                 )
             else:
                 load_state_dict(snapshot)
@@ -381,6 +432,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "kept": not committed and pre_sync is not None,
                         "retry": resume,
                         "trained_steps": trained,
+                        "skipped_steps": skip,
                         "participants": participants,
                         "loss": sum(losses) / len(losses) if losses else None,
                         "losses": losses,
