@@ -18,7 +18,8 @@ host per replica group, and a real SIGKILL:
 * a run without faults equals the same run on torch DDP without torchft, bit for bit;
 * per-period mode (DiLoCo with SparseLoCo's compressed outer exchange, four replicas): one
   replica SIGKILLed while its outer exchange is in flight, another between two inner steps;
-  the survivors discard exactly that period, retry it with the new quorum and go on, every
+  the survivors' exchange of that period fails, and they retry only the exchange with the
+  new quorum (no forward or backward pass: the period's inner steps are kept) and go on, every
   replica holds the same outer model and outer momenta at every committed period, the joiner
   holds exactly what its donor served (model, anchors, inner and outer optimizer, error
   feedback, counters, random state; none of them fresh), every committed period sent exactly
@@ -29,7 +30,8 @@ host per replica group, and a real SIGKILL:
   emulated network with it (a replica also stops by itself at its next report to the dead
   launcher; the watchdog kills one blocked in a collective, and removes the network).
 
-The rest is cheap: the timeouts' derivation, the state transport's checksums, where the
+The rest is cheap: a renewed gloo group of the same quorum (after a failed period) is fresh,
+its alarm down; the timeouts' derivation, the state transport's checksums, where the
 lighthouse and the transport listen, and that ``import commfuse.ft`` does not import torchft.
 """
 
@@ -281,26 +283,38 @@ def test_diloco_replicas_killed_in_the_exchange_and_between_inner_steps_rejoin_i
     for event in events:
         host, period = event["host"], event["period"]
         survivors = [r for r in records if r["replica"] != host and r["t"] > event["t"]]
-        # The period in flight committed nowhere: every survivor's attempt at it failed ...
+        # The exchange of the period in flight failed on every survivor, after all of its
+        # inner steps ...
         first: dict[int, dict[str, Any]] = {}
         for r in sorted(survivors, key=lambda r: r["t"]):
             if r["step"] == period:
                 first.setdefault(r["replica"], r)
         assert len(first) == 3 and not any(r["committed"] for r in first.values()), first
-        # ... and was retried: committed by all of them, within the bound.
+        assert all(r["kept"] and r["trained_steps"] == H for r in first.values()), first
+        # ... and only the exchange was retried, with the new quorum: committed by all of
+        # them within the bound, without a forward or backward pass, the period's inner
+        # steps (and their losses) those of the failed attempt.
         assert event["recover_s"] is not None and event["recover_s"] <= RECOVER_BOUND_S, event
         again = [r for r in survivors if r["step"] == period and r["committed"]]
         assert {r["replica"] for r in again} == set(range(4)) - {host}
-        # The retry started from exactly the state the failed attempt started from (the
-        # model and the inner optimizer rolled back): the same losses, step by step.
         for r in again:
+            assert r["retry"] and r["trained_steps"] == 0, r
             assert r["losses"] == first[r["replica"]]["losses"] and len(r["losses"]) == H
         # The victim came back, healed from a peer, and committed every period from then on.
         life = [r for r in records if r["replica"] == host and r["life"] == 1]
         assert life and life[0]["healed"] and life[0]["committed"], life[:1]
         rejoined = event["rejoin_step"]
         assert {r["step"] for r in life if r["committed"]} == set(range(rejoined, steps // H))
-        lost += H * (rejoined - period)
+        if rejoined == period:
+            # Back in time for the retry: it took its donor's point in the period and
+            # trained nothing of it.
+            assert life[0]["retry"] and life[0]["trained_steps"] == 0 and not life[0]["losses"]
+            assert {r["participants"] for r in again} == {4}
+        else:
+            assert {r["participants"] for r in again} == {3}
+        # Its batches of the kill's period are lost (the survivors kept their inner steps),
+        # and those of the periods it missed.
+        lost += H * (max(rejoined, period + 1) - period) + life[0]["skipped_steps"]
         # What the joiner holds is exactly what its donor served, part by part ...
         (donor,) = [r for r in records if r["served_parts"] and r["step"] == life[0]["step"]]
         assert life[0]["healed_parts"] == donor["served_parts"]
@@ -321,9 +335,9 @@ def test_diloco_replicas_killed_in_the_exchange_and_between_inner_steps_rejoin_i
     assert sorted(by_period) == list(range(steps // H))
     assert all(len(d) == 1 for d in by_period.values()), by_period
     assert record["step_digests_agree"] and record["replicas_agree"]
-    # Each kill discarded one period on each of the three survivors; their batches are
-    # retried, not lost; only the periods a victim missed are lost.
-    assert record["discarded_periods"] == 6 and record["discarded_steps"] == 6 * H
+    # Each kill failed one exchange on each of the three survivors, whose inner steps the
+    # retry kept (none discarded); only the periods a victim missed are lost.
+    assert record["discarded_periods"] == 6 and record["discarded_steps"] == 0
     assert record["committed_steps"] == steps
     assert record["batches_lost"] == lost and record["samples_lost"] == lost * WORKLOAD.batch
     # What was communicated: each committed period sent SparseLoCo's message of the whole
@@ -555,6 +569,50 @@ def test_chaos_specs_parse_into_faults_and_periodic_kills_follow_the_seed() -> N
         fault_from_spec("flood:host=1")
     with pytest.raises(ValueError, match="unknown key 'link'"):
         fault_from_spec("slow:host=3,link=10mbit")
+
+
+def test_a_renewed_group_of_the_same_quorum_is_fresh_and_its_alarm_is_down() -> None:
+    import threading
+
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import AllgatherOptions
+
+    from commfuse.ft.process_group import AlarmedProcessGroupGloo
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    addr = f"127.0.0.1:{store.port}/torchft/7/0"  # quorum 7's prefix, as the Manager makes it
+    groups = [AlarmedProcessGroupGloo(timeout=timedelta(seconds=20)) for _ in range(2)]
+
+    def on_both(target: Any, *args: Any) -> None:
+        threads = [threading.Thread(target=target, args=(i, *args)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in threads)
+
+    def configure(i: int) -> None:
+        groups[i].configure(addr, f"replica_{i:03d}", i, 2, 7)
+
+    gathered: list[torch.Tensor] = [torch.empty(0)] * 2
+
+    def all_gather(i: int) -> None:
+        out = torch.empty(6)
+        work = groups[i].allgather([list(out.chunk(2))], [torch.full((3,), float(i))],
+                                   AllgatherOptions())  # fmt: skip
+        groups[i].wait(work)
+        gathered[i] = out
+
+    on_both(configure)
+    groups[0].raise_alarm()  # a failed period: the group of quorum 7 is done for
+    assert all(g.alarmed() for g in groups)
+    for group in groups:
+        group.renew()
+    on_both(configure)  # the same quorum again: its members did not change
+    assert not any(g.alarmed() for g in groups)
+    on_both(all_gather)
+    expected = torch.tensor([0.0, 0, 0, 1, 1, 1])
+    assert all(torch.equal(g, expected) for g in gathered), gathered
 
 
 def test_state_transport_checks_every_tensor() -> None:

@@ -4,6 +4,11 @@
   real SIGKILLs, a restart that recovers from a peer) with ``--global-batch fixed``: every
   kill is an event with its detection and recovery times, the replicas agree at every step
   and at the end, and every sample of every committed step was trained exactly once;
+* the same for DiLoCo (per-period mode): the survivors of a kill retry only the exchange of
+  the period in flight and keep its inner steps, the quorum of each period splits every
+  inner step's global batch, a committed inner step trains no sample twice, and only a
+  killed replica's share of the period it died in is lost (and the inner steps a late joiner
+  skipped); the run has a goodput in inner steps and a held-out loss;
 * the fixed global batch's shares, scaled, give exactly the gradient of the whole batch;
 * the sample accounting counts duplicates and losses.
 """
@@ -61,6 +66,71 @@ def test_kill_every_from_the_command_line_loses_no_sample_with_a_fixed_global_ba
     assert record["samples_trained"] == total
     assert record["samples_duplicated"] == 0 and record["samples_lost"] == 0
     assert record["commits_inferred"] <= len(kills)  # killed between commit and report
+    assert record["goodput_steps_per_s"] > 0 and record["eval_loss"] is not None
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_diloco_under_kill_every_keeps_the_survivors_inner_steps_and_splits_the_batch(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run.json"
+    steps, H = 600, 5
+    command = [
+        sys.executable, "-m", "commfuse.cli", "train", "--workload", SPEC, "--hosts", "3",
+        "--link", "1gbit", "--fault-tolerant", "--ft-timeout", "1", "--min-replicas", "2",
+        "--global-batch", "fixed", "--steps", str(steps), "--strategy", f"diloco:H={H}",
+        "--chaos", "kill-every:every_s=3,restart_after_s=0.5,seed=1", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["mode"] == "periodic"
+    assert record["committed_steps"] == steps and record["committed_periods"] == steps // H
+    assert record["step_digests_agree"] and record["replicas_agree"]
+    records = record["records"]
+    failed = [r for r in records if not r["committed"]]
+    assert any(e["in_quorum"] for e in record["events"]) and failed, record["events"]
+    # A failed exchange kept its period's inner steps, and the retry trained none again.
+    assert all(r["kept"] and r["trained_steps"] == r["inner_steps"] for r in failed), failed
+    retried = {(r["replica"], r["step"]) for r in failed}
+    for r in records:
+        if r["committed"]:
+            # A late joiner skips the first inner steps of the period it joins, no more.
+            assert r["skipped_steps"] == 0 or (r["healed"] and not r["retry"]), r
+            assert r["skipped_steps"] < r["inner_steps"], r
+            todo = r["inner_steps"] - r["skipped_steps"]
+            assert r["trained_steps"] == (0 if r["retry"] else todo), r
+            # A retry follows this replica's failed exchange, or it joined for the retry.
+            assert not r["retry"] or (r["replica"], r["step"]) in retried or r["healed"], r
+    assert record["discarded_steps"] == 0
+    # The quorum of a period splits the global batch: survivors of a kill train more.
+    shares = {r["samples"][1] - r["samples"][0] for r in records if r["committed"] and r["samples"]}
+    assert shares > {WORKLOAD.batch}, shares
+    # No sample trained twice; every sample of a period whose exchange never failed was
+    # trained; what is lost is only in periods whose exchange failed (a victim's share).
+    assert record["samples_duplicated"] == 0
+    total = steps * 3 * WORKLOAD.batch
+    assert record["samples_trained"] + record["samples_lost"] == total
+    covered: dict[int, int] = {}
+    skipped = set()
+    for r in records:
+        if r["committed"] and r["samples"]:
+            start, stop = r["samples"]
+            trained = r["inner_steps"] - r["skipped_steps"]
+            covered[r["step"]] = covered.get(r["step"], 0) + (stop - start) * trained
+            if r["skipped_steps"]:
+                skipped.add(r["step"])
+    whole = 3 * WORKLOAD.batch * H
+    # (A victim killed between its commit and its report trained its share unreported: the
+    # record infers that commit.)
+    unreported = {e["step"] - d for e in record["events"] for d in (0, 1) if e["step"]}
+    short = {p for p, n in covered.items() if n != whole} - {s for _, s in retried}
+    short -= unreported | skipped
+    assert not short, [r for r in records if r["step"] in short] + record["events"]
+    shortfall = sum(whole - n for n in covered.values())
+    assert record["samples_lost"] == shortfall or record["commits_inferred"] > 0
     assert record["goodput_steps_per_s"] > 0 and record["eval_loss"] is not None
 
 

@@ -214,6 +214,28 @@ def test_runs_of_several_seeds_merge_into_one_result_with_a_seed_column(
     assert "different commands" in capsys.readouterr().err
 
 
+def test_rounds_of_a_fault_tolerant_compare_in_several_files_merge_into_one_result(
+    tmp_path: Path,
+) -> None:
+    source = BENCH / "fault-tolerance-goodput_netlab-4x100mbit-2core.json"
+    records = json.loads(source.read_text())
+    assert all(len(r["rounds"]) == 2 for r in records)
+    paths = []
+    for i in (0, 1):  # each round as if it had been a job of its own
+        paths.append(tmp_path / f"round{i}.json")
+        paths[-1].write_text(json.dumps([{**r, "rounds": r["rounds"][i : i + 1]} for r in records]))
+    merged = tmp_path / "rounds.json"
+    assert main(["report", *map(str, paths), "--json", str(merged)]) == 0
+    data = json.loads(merged.read_text())
+    # One record per job, its medians, ratios, control and fault times over both rounds.
+    assert render_result(data) == render_result(records)
+    for key in ("s_per_step", "time_ratio", "goodput_ratio", "detect_s", "tie", "committed_steps"):
+        assert [r[key] for r in data] == [r[key] for r in records], key
+    # Runs of different jobs do not merge.
+    paths[1].write_text(json.dumps(records[:2]))
+    assert main(["report", *map(str, paths), "--json", str(merged)]) == 2
+
+
 def test_plot_bytes_draws_compare_results_and_refuses_others(tmp_path: Path) -> None:
     png = tmp_path / "bytes.png"
     assert main(["report", str(_compare_result()), "--plot-bytes", str(png)]) == 0

@@ -334,13 +334,16 @@ def _load(path: str | Path) -> Any:
 
 def merged_records(paths: Sequence[str | Path]) -> list[Record]:
     """The records of every file, in order, as one list: runs of one command that could not
-    share a job (several seeds of ``compare``, each its own run) made one result.
+    share a job (several seeds of ``compare``, each its own run) made one result; rounds of
+    ``compare --fault-tolerant`` split across files become one record per job over every
+    round (``commfuse.ft.compare.merge_rounds``).
 
     Raises:
         ValueError: a file that is not a list of records, or files of different commands.
     """
     records: list[Record] = []
     kinds: set[str] = set()
+    files: list[list[Record]] = []
     for path in paths:
         data = _load(path)
         try:
@@ -350,8 +353,14 @@ def merged_records(paths: Sequence[str | Path]) -> list[Record]:
         if not isinstance(data, list):
             raise ValueError(f"{path}: one record (train, tune); only lists of records merge")
         records += data
+        files.append(data)
     if len(kinds) > 1:
         raise ValueError(f"files of different commands do not merge: {', '.join(sorted(kinds))}")
+    if kinds == {"compare --fault-tolerant"} and len(files) > 1:
+        from commfuse.ft.compare import merge_rounds
+
+        # Rounds of the same jobs: one record per job, over every round.
+        return merge_rounds(files)
     return records
 
 

@@ -42,7 +42,13 @@ from collections import defaultdict
 from typing import Any, Literal
 
 from commfuse.ft.config import GlobalBatch, Timeouts
-from commfuse.ft.goodput import goodput, sample_accounting, unreported_commits
+from commfuse.ft.goodput import (
+    goodput,
+    period_goodput,
+    period_samples,
+    sample_accounting,
+    unreported_commits,
+)
 
 
 def _failed_after(records: list[dict[str, Any]], t: float) -> float | None:
@@ -120,11 +126,18 @@ def summarize_ft(
     samples["commits_inferred"] = len(inferred)
     final = next((res for res in results if res["step"] == steps), {})
     if mode == "periodic":
-        # Per-period records name no samples: a batch is lost when its replica group did
-        # not commit the period that covers it.
-        trained = {(r["step"], r["replica"]): r.get("inner_steps", 1) for r in committed}
-        lost = num_replicas * committed_steps - sum(trained.values())
-        samples = {"samples_lost": lost * batch_samples}
+        # A period's share of the global batch holds for each of its inner steps; a commit
+        # that a killed replica could not report covers its period's inner steps.
+        span = {r["step"]: (r["first_step"], r["inner_steps"]) for r in records}
+        for entry in inferred:
+            entry["first_step"], entry["inner_steps"] = span[entry["step"]]
+        samples = sample_accounting(
+            period_samples(records + inferred),
+            committed_steps=committed_steps,
+            num_replicas=num_replicas,
+            batch=batch_samples,
+        )
+        samples["commits_inferred"] = len(inferred)
     events = []
     for fault in faults:
         host, t = fault["replica"], fault["t"]
@@ -164,14 +177,20 @@ def summarize_ft(
                 "replica": replica,
                 "lives": len({r["life"] for r in mine}),
                 "committed": sum(r.get("inner_steps", 1) for r in mine if r["committed"]),
-                "discarded": sum(r.get("inner_steps", 1) for r in mine if not r["committed"]),
+                "discarded": sum(
+                    r.get("inner_steps", 1)
+                    for r in mine
+                    if not r["committed"] and not r.get("kept")
+                ),
                 "recovered": sum(r["healed"] for r in mine),
             }
         )
     by_step: dict[int, list[float]] = defaultdict(list)
     for r in sorted(committed, key=lambda r: r["replica"]):
+        # A late joiner's losses begin after the inner steps it skipped.
+        first = r.get("first_step", r["step"]) + r.get("skipped_steps", 0)
         for i, loss in enumerate(r.get("losses", [r["loss"]])):
-            by_step[r.get("first_step", r["step"]) + i].append(loss)
+            by_step[first + i].append(loss)
     # The mean over the replica groups that committed each step (as torch DDP's record).
     losses = [statistics.fmean(by_step[step]) for step in sorted(by_step)]
     step_times = [r["t"] - r["t0"] for r in committed]
@@ -187,7 +206,10 @@ def summarize_ft(
         "num_replicas": num_replicas,
         "steps": steps,
         "committed_steps": committed_steps,
-        "discarded_steps": sum(r.get("inner_steps", 1) for r in records if not r["committed"]),
+        # Per-period mode: a failed exchange keeps its period's inner steps for the retry.
+        "discarded_steps": sum(
+            r.get("inner_steps", 1) for r in records if not r["committed"] and not r.get("kept")
+        ),
         **periods,
         "global_batch": global_batch,
         # A batch is one replica group's slot of a step (``shrink``: its own samples).
@@ -206,7 +228,11 @@ def summarize_ft(
         "losses": losses,
         "final_loss": losses[-1] if losses else None,
         "step_time_s": statistics.median(step_times) if step_times else None,
-        **goodput(records, steps=committed_steps, warmup=warmup),
+        **(
+            period_goodput(records, steps=committed_steps)
+            if mode == "periodic"
+            else goodput(records, steps=committed_steps, warmup=warmup)
+        ),
         "eval_loss": final.get("eval_loss"),
         "eval_accuracy": final.get("eval_accuracy"),
         "wall_s": wall_s,

@@ -281,6 +281,31 @@ def _records(
     return records
 
 
+def merge_rounds(files: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The records of several runs of one ``compare --fault-tolerant`` command (rounds that
+    did not fit one job) as one result: each job's rounds from every file, its medians,
+    ratios and fault times over all of them, as if one job had run every round.
+
+    Raises:
+        ValueError: files whose jobs differ (names, modes, references, the control).
+    """
+    if not files:
+        return []
+    shape = [(r["strategy"], r["mode"], r["reference"]) for r in files[0]]
+    for records in files[1:]:
+        other = [(r["strategy"], r["mode"], r["reference"]) for r in records]
+        if other != shape:
+            raise ValueError(f"these runs ran different jobs: {shape} and {other}")
+    names = [name for name, _, _ in shape]
+    jobs = [
+        _Job(i, mode, name, names.index(reference))
+        for i, (name, mode, reference) in enumerate(shape)
+    ]
+    control = len(jobs) > 1 and names[-1] == control_name(names[0])
+    runs = {j: [run for records in files for run in records[j]["rounds"]] for j in range(len(jobs))}
+    return _records(jobs, runs, control)
+
+
 def _spread(values: Sequence[float | None]) -> dict[str, float | int | None]:
     """Median and max of the known values, and how many were unknown (a fault that no step
     noticed, or a replica that never rejoined)."""

@@ -53,6 +53,37 @@ def goodput(records: list[dict[str, Any]], *, steps: int, warmup: int) -> dict[s
     }
 
 
+def period_goodput(records: list[dict[str, Any]], *, steps: int) -> dict[str, Any]:
+    """``goodput`` of per-period mode, in inner steps: a period's commit ends its last inner
+    step, and the window starts at the first commit of the first period (which pays the
+    one-off costs: the first quorum, the first exchange), so ``steps`` committed inner steps
+    count ``steps - 1 - last inner step of period 0``; None when nothing came after it.
+
+    Args:
+        records: every attempt of every replica life (one per period: ``first_step`` and
+            ``inner_steps`` say which inner steps it covers).
+        steps: the inner steps the run committed.
+    """
+    ends = [r | {"step": r["first_step"] + r["inner_steps"] - 1} for r in records]
+    first = min((r["step"] for r in ends if r["committed"] and r["first_step"] == 0), default=None)
+    if first is None or first >= steps - 1:
+        return {"goodput_steps_per_s": None, "goodput_window_s": None}
+    return goodput(ends, steps=steps, warmup=first + 1)
+
+
+def period_samples(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-period mode's committed attempts as one record per inner step, each naming the
+    samples its replica trained at that inner step (the period's share of every inner step's
+    global batch; none at the first ``skipped_steps``, which a late joiner skipped), for
+    ``sample_accounting``."""
+    return [
+        {"step": r["first_step"] + i, "committed": True, "samples": r.get("samples")}
+        for r in records
+        if r["committed"]
+        for i in range(r.get("skipped_steps", 0), r["inner_steps"])
+    ]
+
+
 def unreported_commits(
     records: list[dict[str, Any]], kills: list[dict[str, Any]], *, policy: GlobalBatch,
     num_replicas: int, batch: int,

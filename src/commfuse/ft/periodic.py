@@ -16,10 +16,12 @@ for streaming DiLoCo, every step of a synchronous warm-up). Per period, on each 
    more (``Timeouts.period_quorum_timeout_s``, from the period's time as measured here). A
    replica that is behind receives a healthy one's state (``transport.py``, every tensor
    checksummed) and trains the period as a full member;
-2. a snapshot of this replica's state, what a failed period rolls back to;
+2. a snapshot of this replica's state, what a period that fails before its last inner step
+   rolls back to (another is taken before the last optimizer step, see 4);
 3. the period's inner steps, no quorum and no communication among them, each on the batch of
-   its inner step (the data position is the inner step, so a retried period trains the same
-   batches), through commfuse's own ``PeriodicSyncOptimizer``, whose communicator is the
+   its inner step (the data position is the inner step): its own slot of that step's global
+   batch, or with ``global_batch="fixed"`` its share of it among the period's quorum, so
+   that survivors train a missing replica's samples (``data.py``); through commfuse's own ``PeriodicSyncOptimizer``, whose communicator is the
    quorum (``QuorumComm``): at the period's end the pseudo-gradient (a fragment's, for
    streaming DiLoCo) is averaged across the quorum, compressed by the method's outer
    compressor if it has one, every replica's message decoded in rank order, so that every
@@ -27,16 +29,38 @@ for streaming DiLoCo, every step of a synchronous warm-up). Per period, on each 
    lands what is in flight and makes the final synchronisation, inside the last period;
 4. ``should_commit``: the period counts only if none of its exchanges failed (a peer died or
    timed out: the failing replica reports the error to its Manager and raises the quorum's
-   alarm, so the others abandon theirs at once). A failed period is discarded: the replica
-   restores the snapshot and retries the period with the next quorum.
+   alarm, so the others abandon theirs at once). A failed exchange keeps the period's inner
+   steps: the replica restores its state from just before the period's last optimizer step,
+   with that step's gradients, and retries only that step and the exchange with the next
+   quorum.
 
-What a failed period rolls back, on every replica, to that replica's own state at the period's
-start: parameters and buffers, the inner optimizer (AdamW's moments and step), the anchors
-(the outer model), the outer momenta, exchanges averaged but not yet applied (streaming
-DiLoCo's delay), the outer compressor's error feedback, the counters, and torch's random
-state. Nothing of the period survives; its batches are trained again, not lost.
+Why keep the inner steps: a replica killed in the middle of a period is noticed at the
+period's exchange, when its sockets are found closed; by then the survivors have trained the
+whole period, and DiLoCo's average of pseudo-gradients is as valid over three replicas as
+over four. Rolling the period back would cost every fault a whole period (H inner steps) of
+every survivor; the retry costs a quorum and an exchange. The price is the dead replica's
+share of that period's batches, which nobody trains (counted lost).
 
-What a joiner receives: the donor's state at the start of the period, the same parts: for
+What a failed exchange rolls back, on every replica, to that replica's own state before the
+period's last optimizer step: parameters and buffers, the inner optimizer (AdamW's moments and
+step), the anchors (the outer model), the outer momenta, exchanges averaged but not yet
+applied (streaming DiLoCo's delay), the outer compressor's error feedback, the counters, and
+torch's random state; the last step's gradients, the period's losses and its samples are kept.
+A period that failed before its inner steps ended (its joiner's recovery failed; a warm-up
+step's gradient allreduce, whose period is that one step) rolls back to its start.
+
+A joiner begins its period late: the others began it when the quorum formed, the joiner once
+the donor's state has crossed the network and is loaded. Were it to train every inner step,
+every other replica would wait that long at the period's exchange. So it skips the period's
+first k inner steps, k being how late it is over an inner step's time as the donor measured
+it (at most all but one): it meets the others at the exchange on time, with a
+pseudo-gradient over fewer steps, and its share of the skipped steps is lost (counted). Not
+for streaming DiLoCo, whose fragments' exchanges land at fixed inner steps.
+
+What a joiner receives: the donor's state at the start of the period (or, admitted to the
+retry of an exchange, before the period's last optimizer step with that step's gradients: it
+then takes the donor's place in the period, and the average weighs the donor's pseudo-gradient
+twice), the same parts: for
 DiLoCo the outer model (every replica holds it at a period's start), the donor's inner
 optimizer and error-feedback residuals (each replica's own; the joiner continues from the
 donor's), the outer momenta (the same on every replica), the counters (the data position)
@@ -72,7 +96,16 @@ import torch
 
 from commfuse.ft.config import KillFault
 from commfuse.ft.periods import ft_periodic_config, sync_points
-from commfuse.ft.replica import ReplicaJob, kill_now, make_manager, send, start_quorum_retrying
+from commfuse.ft.replica import (
+    ReplicaJob,
+    kill_now,
+    make_manager,
+    send,
+    start_quorum_retrying,
+)
+from commfuse.ft.replica import (
+    _step_batch as step_batch,
+)
 from commfuse.ft.require import require_torchft
 from commfuse.localsgd import PeriodicSyncConfig, PeriodicSyncOptimizer
 from commfuse.train.loop import params_digest
@@ -136,6 +169,19 @@ def _time_inner_step(workload: Any, module: torch.nn.Module, job: ReplicaJob) ->
     return time.monotonic() - start
 
 
+def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
+    """A copy of every parameter's gradient (None where it has none)."""
+    return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def _set_grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+    """Give every parameter the gradient ``_grads`` copied."""
+    if len(grads) != len(params):
+        raise RuntimeError(f"{len(grads)} gradients kept for {len(params)} parameters")
+    for p, g in zip(params, grads, strict=True):
+        p.grad = None if g is None else g.clone()
+
+
 def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     """Train this replica group period by period until ``job.train.steps`` inner steps are
     committed (see the module docstring); returns its final record.
@@ -175,13 +221,29 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     points = sync_points(config, job.train.steps)
     longest = max(b - a for a, b in zip([0, *points], points, strict=False))
     step_s = _time_inner_step(workload, module, job)
+    timing: dict[str, float] = {"inner_step_s": step_s}
+    # When each state transfer to this replica began, and the inner steps a joiner skips.
+    recv_started: list[float] = []
+    catch_up: dict[str, int] = {}
+
+    # The work a period whose exchange failed keeps for its retry (see the module
+    # docstring): the gradients of its last inner step (this replica is one optimizer step
+    # and one exchange short of the period's end), and its losses and samples. Empty at a
+    # period's start.
+    kept: dict[str, Any] = {}
 
     def state_dict() -> dict[str, Any]:
-        return {
+        state = {
             "model": module.state_dict(),
             "periodic": periodic.state_dict(),
             "torch_rng": torch.get_rng_state(),
+            # How long an inner step takes here: a joiner's measure of how late it is.
+            "inner_step_s": timing["inner_step_s"],
         }
+        if kept:
+            # A joiner admitted to a retry receives the donor's point in the period.
+            state["grads"] = kept["grads"]
+        return state
 
     def load_state_dict(state: dict[str, Any]) -> None:
         module.load_state_dict(state["model"])
@@ -199,6 +261,17 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
 
     def recover(state: dict[str, Any]) -> None:
         load_state_dict(state)
+        kept.clear()
+        # The others began the period when the quorum formed; this replica begins it once
+        # its state has arrived and is loaded, that many inner steps later.
+        late_s = time.monotonic() - recv_started[-1] if recv_started else 0.0
+        per_step = float(state.get("inner_step_s") or 0.0)
+        catch_up["steps"] = int(late_s / per_step) if per_step > 0 else 0
+        if state.get("grads") is not None:
+            # The others retry the exchange of a period this replica did not train: it
+            # takes the donor's last step, so the quorum's average weighs the donor's
+            # pseudo-gradient twice; it names no samples of its own.
+            kept.update(grads=state["grads"], losses=[], samples=None, skipped=0)
         recovered.append(part_digests(state_dict()))  # what this replica holds now
 
     if job.life > 0:
@@ -206,7 +279,17 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         send(conn, ("built", {"replica": job.replica, "life": job.life}))
         if conn.recv_bytes() != b"start":
             raise RuntimeError("the launcher did not say start")
-    transport = ChecksummedHTTPTransport(job.addr, timeout=op_timeout)
+
+    class _Transport(ChecksummedHTTPTransport):
+        """The state transport, noting when a transfer to this replica begins."""
+
+        def recv_checkpoint(
+            self, src_rank: int, metadata: str, step: int, timeout: timedelta
+        ) -> Any:
+            recv_started.append(time.monotonic())
+            return super().recv_checkpoint(src_rank, metadata, step, timeout)
+
+    transport = _Transport(job.addr, timeout=op_timeout)
     manager = make_manager(job, process_group, transport, serve, recover)
     kills = [f for f in job.ft.faults if isinstance(f, KillFault) and f.host == job.replica]
     kill = kills[0] if kills and job.life == 0 else None
@@ -232,34 +315,74 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             period = manager.current_step()
             begin, end = (points[period - 1] if period else 0), points[period]
             now["period"] = period
-            comm.at_quorum(manager.participating_rank() or 0, process_group.size())
+            if manager.errored() is None:  # else the group may not be built
+                comm.at_quorum(manager.participating_rank() or 0, process_group.size())
             participants = manager.num_participants()
             snapshot = copy.deepcopy(state_dict())
+            resume = bool(kept)
+            # What a failed exchange rolls back to: the state before the period's last
+            # optimizer step, with that step's gradients (None: the period's start).
+            pre_sync: dict[str, Any] | None = None
+            # A joiner late by k inner steps skips the period's first k (at most all but
+            # one), so that the others do not wait for it at the exchange: its
+            # pseudo-gradient covers fewer steps, and its share of the skipped ones is lost.
+            # Only where a period is one exchange of the whole model (not streaming
+            # DiLoCo's fragments, whose exchanges land at fixed inner steps).
+            late = catch_up.pop("steps", 0)
+            skip = late if healed is not None and not resume else 0
+            if config.num_fragments > 1 or config.overlap_steps > 0:
+                skip = 0
+            skip = min(skip, end - begin - 1)
             syncs = len(periodic.syncs)
             sent_before = comm.bytes_sent
             losses: list[float] = []
+            samples: list[int] | None = None
+            trained = 0  # forward and backward passes of this attempt
             if manager.errored() is not None:
                 # Its recovery failed: this replica cannot train the period; the others'
                 # exchanges with it are abandoned now rather than at their timeout.
                 process_group.raise_alarm()
-            elif periodic.step_count != begin:
+            elif periodic.step_count != (end - 1 if resume else begin):
                 raise RuntimeError(
                     f"replica {job.replica} is at inner step {periodic.step_count}, its "
-                    f"period {period} starts at {begin}"
+                    f"period {period} covers [{begin}, {end})"
+                    + (" and it retries the exchange" if resume else "")
                 )
             else:
                 try:
-                    for inner in range(begin, end):
+                    if resume:
+                        pre_sync = {"state": snapshot, **kept}
+                        losses, samples = list(kept["losses"]), kept["samples"]
+                        skip = kept["skipped"]
+                        _set_grads(periodic.params, kept["grads"])
+                        now["inner"] = end - 1
+                        periodic.step()  # the last step's update, then the exchange
+                    if not resume:
+                        periodic.step_count += skip  # the inner steps it skips
+                    t_inner = time.monotonic()
+                    inner_s = timing["inner_step_s"]
+                    for inner in range(begin + skip, end) if not resume else ():
                         now["inner"] = inner
                         if kill is not None and kill.phase == "compute" and kill.at_step == inner:
                             kill_now(conn, kill, inner, period=period)
-                        batch = workload.batch(
-                            inner, job.replica, job.num_replicas, seed=job.train.seed
-                        )
+                        # With global_batch="fixed" the quorum of this period splits every
+                        # inner step's global batch (data.py): a missing replica's samples
+                        # are trained by the others, as in per-step mode.
+                        samples, batch, scale = step_batch(workload, manager, job, inner)
                         periodic.zero_grad()
                         loss = workload.loss(module, batch)
-                        loss.backward()  # type: ignore[no-untyped-call]
+                        (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
                         losses.append(float(loss.detach()))
+                        trained += 1
+                        if inner == end - 1:
+                            inner_s = (time.monotonic() - t_inner) / trained
+                            pre_sync = {
+                                "state": copy.deepcopy(state_dict()),
+                                "grads": _grads(periodic.params),
+                                "losses": list(losses),
+                                "samples": samples,
+                                "skipped": skip,
+                            }
                         periodic.step()  # the outer exchange after the period's last step
                     if end == job.train.steps:
                         periodic.finish()
@@ -268,11 +391,33 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                     process_group.raise_alarm()
             t_sync = time.monotonic()
             committed = manager.should_commit()
+            if not committed:
+                # The group of this quorum is broken (or was never built), and its alarm is
+                # raised: the next quorum builds a fresh one even when its members are the
+                # same, which torchft's Manager alone would not (it reconfigures when the
+                # quorum's id changes).
+                process_group.renew()
+                manager._quorum_id = -1
             if committed:
                 step_s = max(step_s, (t_sync - t_quorum) / (end - begin))
+                if trained > 1 and not resume:
+                    timing["inner_step_s"] = inner_s
+                kept.clear()
+            elif pre_sync is not None:
+                # The exchange failed after every inner step: keep them, retry the exchange.
+                load_state_dict(pre_sync["state"])
+                del periodic.syncs[syncs:]
+                kept.clear()
+                kept.update(
+                    grads=pre_sync["grads"],
+                    losses=pre_sync["losses"],
+                    samples=pre_sync["samples"],
+                    skipped=pre_sync["skipped"],
+                )
             else:
                 load_state_dict(snapshot)
                 del periodic.syncs[syncs:]
+                kept.clear()
             error = manager.errored()
             send(
                 conn,
@@ -283,9 +428,15 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "first_step": begin,
                         "inner_steps": end - begin,
                         "committed": bool(committed),
+                        # A failed attempt whose inner steps the retry keeps; a retry.
+                        "kept": not committed and pre_sync is not None,
+                        "retry": resume,
+                        "trained_steps": trained,
+                        "skipped_steps": skip,
                         "participants": participants,
                         "loss": sum(losses) / len(losses) if losses else None,
                         "losses": losses,
+                        "samples": samples,
                         "t0": t0,
                         "t_quorum": t_quorum,
                         "t_backward": t_sync,
@@ -300,9 +451,12 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                     },
                 ),
             )
+        held_out = workload.evaluate(module) if job.train.evaluate else {}
         return {
             "replica": job.replica,
             "life": job.life,
+            "eval_loss": held_out.get("loss"),
+            "eval_accuracy": held_out.get("accuracy"),
             "digest": params_digest(module),
             "step": periodic.step_count,
             "periods": manager.current_step(),

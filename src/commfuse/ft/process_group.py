@@ -9,6 +9,13 @@ store (``raise_alarm``), and every replica waits for its collectives with ``wait
 watches the alarm: all of them abandon the collective within one poll of each other, and the
 Manager builds a fresh group at the next quorum. The abandoned group is kept, not destroyed:
 its destructor would wait for the abandoned collective's threads until gloo's timeout.
+
+The Manager reconfigures only when the quorum's id changes, that is when its members do. A
+collective can fail without that (a peer timed out but kept its heartbeat; a member's own
+reconfiguration failed), and the group is then broken, or never built, with the alarm still
+raised in its store. ``renew`` makes the next configuration of the same quorum build a fresh
+group under a fresh prefix of the quorum's store (``.../renewal{n}``): every member of a
+quorum sees the same failed commits, so each counts the same renewals.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ class AlarmedProcessGroupGloo(ProcessGroupGloo):  # type: ignore[misc]
         self._poll_s = poll_s
         self._alarm: Any = None
         self._abandoned: list[Any] = []
+        self._quorum_id: int | None = None
+        self._renewals = 0
 
     def configure(
         self,
@@ -60,6 +69,10 @@ class AlarmedProcessGroupGloo(ProcessGroupGloo):  # type: ignore[misc]
     ) -> None:
         """torchft's reconfiguration, plus a client of the quorum's store for the alarm."""
         self._alarm = None
+        if quorum_id != self._quorum_id:
+            self._quorum_id, self._renewals = quorum_id, 0
+        if self._renewals:
+            store_addr = f"{store_addr}/renewal{self._renewals}"
         if self._pg is not None:
             # Destroying a gloo group joins its threads, which wait out gloo's timeout inside
             # a collective we abandoned: keep the old group (a few per failure) instead.
@@ -75,6 +88,11 @@ class AlarmedProcessGroupGloo(ProcessGroupGloo):  # type: ignore[misc]
             global_ranks,
         )
         self._alarm = create_store_client(store_addr, timeout=self._timeout)
+
+    def renew(self) -> None:
+        """Build a fresh group at the next configuration, even of the same quorum (see the
+        module docstring); the caller makes the Manager reconfigure."""
+        self._renewals += 1
 
     def raise_alarm(self) -> None:
         """Tell every replica of this quorum to abandon the collective in flight."""
