@@ -71,8 +71,8 @@ Why commfuse's ``PeriodicSyncOptimizer`` and not torchft's ``LocalSGD``/``DiLoCo
 torchft's DiLoCo quantises its outer gradient only on accelerators (Triton), and has no place
 for commfuse's outer compressors (SparseLoCo, DeMo, int4 ...) and their error feedback, which
 run on any backend; one implementation of each method serves the run with and without
-torchft, so a fault-free run equals the run without it; and a joiner here trains its first
-period in full instead of adding a zero pseudo-gradient to the average.
+torchft, so a fault-free run equals the run without it; and a joiner here trains what is left
+of its first period instead of adding a zero pseudo-gradient to the average.
 
 Without faults the run equals the same run without torchft (``commfuse train`` without
 ``--fault-tolerant``) bit for bit with two replicas, whose sum does not depend on its order,
