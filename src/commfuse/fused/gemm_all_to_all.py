@@ -157,6 +157,19 @@ def _pieces(world: int, chunks: int) -> int:
     return 1 if world == 1 else -(-chunks // (world - 1))
 
 
+def _piece_major(rows: dict[int, int], pieces: int) -> list[tuple[int, int, int, int]]:
+    """``(peer, tag, lo, hi)`` of each peer's block of ``rows[peer]`` rows cut into ``pieces``
+    (``split_ranges``; the tag is the piece's index): piece 0 of every peer in ``rows``'s order,
+    then piece 1, ..."""
+    ranges = {peer: split_ranges(n, pieces) for peer, n in rows.items()}
+    return [
+        (peer, tag, *cut[tag])
+        for tag in range(pieces)
+        for peer, cut in ranges.items()
+        if tag < len(cut)
+    ]
+
+
 def exchange_then_compute(
     comm: Communicator,
     rt: Routing,
@@ -174,24 +187,16 @@ def exchange_then_compute(
     would arrive only when the whole exchange has, leaving nothing to compute meanwhile."""
     rank, world = rt.rank, rt.world
     recv = torch.empty((rt.recv_start[-1], send.shape[1]), dtype=send.dtype, device=send.device)
+    sources = [(rank - step) % world for step in range(1, world)]
     incoming: list[tuple[int, int, int, Handle, torch.Tensor]] = []
-    for tag in range(pieces):
-        for step in range(1, world):
-            src = (rank - step) % world
-            ranges = split_ranges(rt.recv_rows[src], pieces)
-            if tag < len(ranges):
-                lo, hi = ranges[tag]
-                block = rt.recv_block(recv, src)[lo:hi]
-                incoming.append((src, lo, hi, comm.irecv(block, src, tag=tag, label=LABEL), block))
-    outgoing = []
-    for tag in range(pieces):
-        for step in range(1, world):
-            dst = (rank + step) % world
-            ranges = split_ranges(rt.send_rows[dst], pieces)
-            if tag < len(ranges):
-                lo, hi = ranges[tag]
-                block = rt.send_block(send, dst)
-                outgoing.append(comm.isend(block[lo:hi], dst, tag=tag, label=LABEL))
+    for src, tag, lo, hi in _piece_major({s: rt.recv_rows[s] for s in sources}, pieces):
+        block = rt.recv_block(recv, src)[lo:hi]
+        incoming.append((src, lo, hi, comm.irecv(block, src, tag=tag, label=LABEL), block))
+    destinations = [(rank + step) % world for step in range(1, world)]
+    outgoing = [
+        comm.isend(rt.send_block(send, dst)[lo:hi], dst, tag=tag, label=LABEL)
+        for dst, tag, lo, hi in _piece_major({d: rt.send_rows[d] for d in destinations}, pieces)
+    ]
     own = rt.recv_block(recv, rank)
     own.copy_(rt.send_block(send, rank))
     compute(rank, 0, own.shape[0], own)  # while the remote rows travel
