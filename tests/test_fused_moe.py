@@ -103,6 +103,11 @@ def op_grid() -> list[str]:
             y = torch.ops.commfuse.gemm_all_to_all(h, w2, flat, experts, comm.key, chunks)
             forward = comm.stats[ga.LABEL]
             sent, received = forward.bytes_sent, forward.bytes_recv
+            if chunks > 1 and world > 1 and forward.messages_sent != forward_messages(rt, chunks):
+                failures.append(
+                    f"{where}: forward sent {forward.messages_sent} messages, "
+                    f"expected {forward_messages(rt, chunks)}"
+                )
             comm.stats.reset()
             (y * g).sum().backward()
             backward = comm.stats[ga.LABEL]
@@ -126,6 +131,39 @@ def op_grid() -> list[str]:
                         f"{where}: backward sent {backward.bytes_sent}, forward received {received}"
                     )
     return failures
+
+
+def forward_messages(rt: ga.Routing, chunks: int) -> int:
+    """Messages one rank sends in the fused forward: the dispatch cuts every remote block into
+    ``chunks`` pieces (its sources arrive together), the combine into ``ceil(chunks / (P - 1))``
+    (its destinations are computed in turn); a block never has more pieces than rows, and an
+    empty one sends nothing."""
+    per_block = -(-chunks // (rt.world - 1))
+    remote = [d for d in range(rt.world) if d != rt.rank]
+    dispatch = sum(min(chunks, rt.send_rows[d]) for d in remote)
+    combine = sum(min(per_block, rt.recv_rows[d]) for d in remote)
+    return dispatch + combine
+
+
+def arrival_order(chunks: int) -> list[tuple[int, int]]:
+    """(source, first row) of each ``compute`` call of the dispatch exchange, with 6 rows from
+    every rank to every rank."""
+    comm = Communicator()
+    world = comm.world_size
+    rt = ga.Routing(comm, torch.full((world, world), 6), [1] * world)
+    calls: list[tuple[int, int]] = []
+    ga.exchange_then_compute(
+        comm, rt, torch.zeros(6 * world, 2), chunks, lambda s, lo, hi, rows: calls.append((s, lo))
+    )
+    return calls
+
+
+def test_dispatch_computes_pieces_in_the_order_they_arrive(pool: PoolFn) -> None:
+    """The local block first, then piece-major: piece 0 of r-1, r-2, ..., then piece 1 (all
+    sources send at once, so each source's first piece arrives before any source's second)."""
+    for rank, calls in enumerate(pool(3).run(arrival_order, 3, timeout_s=60)):
+        others = [(rank - 1) % 3, (rank - 2) % 3]
+        assert calls == [(rank, 0)] + [(src, lo) for lo in (0, 2, 4) for src in others]
 
 
 def bad_inputs() -> list[str]:

@@ -19,7 +19,12 @@ import torch
 
 from commfuse.comm import Communicator
 from commfuse.fused import ChunkConfig, ExpertParallelMoE
-from commfuse.fused.fallback import Measured, choose_against_unfused, confirm_by_trial
+from commfuse.fused.fallback import (
+    Measured,
+    choose_against_unfused,
+    confirm_by_trial,
+    trial_verdict,
+)
 from commfuse.fused.moe import dense_moe_reference, route_tokens
 from commfuse.testing import RankPool
 
@@ -185,6 +190,19 @@ def test_fallback_choice() -> None:
     assert choose_against_unfused(tiny, max_chunks=16, min_gain=0.05) == 1
 
 
+def test_trial_verdict_judges_paired_rounds() -> None:
+    # Per-round ratios fused / unfused; their median decides (no time is measured here).
+    assert trial_verdict([100, 100, 100], [80, 90, 94], min_gain=0.05) == "faster"
+    assert trial_verdict([100, 100, 100], [97, 98, 120], min_gain=0.05) == "unclear"
+    assert trial_verdict([100, 100, 100], [90, 100, 101], min_gain=0.05) == "not faster"
+    # A loaded round slows both variants alike: the pairs still say faster, where the medians
+    # taken apart (unfused 100, fused 120) would say slower.
+    loaded = trial_verdict([100, 100, 200, 200, 200], [90, 92, 120, 120, 120], min_gain=0.05)
+    assert loaded == "faster"
+    with pytest.raises(ValueError, match="same number"):
+        trial_verdict([100, 100], [90], min_gain=0.05)
+
+
 def trial_choices() -> tuple[int, int]:
     """A fused candidate 20x slower than unfused is rejected, one 20x faster kept (real runs)."""
     comm = Communicator()
@@ -202,3 +220,30 @@ def trial_choices() -> tuple[int, int]:
 
 def test_fallback_trial(pool: PoolFn) -> None:
     assert pool(2).run(trial_choices, timeout_s=60) == [(1, 4), (1, 4)]
+
+
+def unclear_trials() -> tuple[int, int, int]:
+    """A fused run at 3/4 of the unfused one with min_gain 0.5: the ratio lies between 0.5 and 1,
+    an unclear trial, which keeps the chunks or falls back as asked; a fused run twice as slow
+    falls back even where unclear trials keep (real runs on every rank)."""
+    comm = Communicator()
+
+    def unfused() -> None:
+        time.sleep(0.04)
+
+    def fused(_: int) -> None:
+        time.sleep(0.03)
+
+    def slow(_: int) -> None:
+        time.sleep(0.08)
+
+    kept, dropped = (
+        confirm_by_trial(comm, 4, fused, unfused, runs=5, min_gain=0.5, unclear_keeps=keep)
+        for keep in (True, False)
+    )
+    slower = confirm_by_trial(comm, 4, slow, unfused, runs=3, min_gain=0.05, unclear_keeps=True)
+    return kept, dropped, slower
+
+
+def test_fallback_trial_unclear(pool: PoolFn) -> None:
+    assert pool(2).run(unclear_trials, timeout_s=60) == [(4, 1, 1), (4, 1, 1)]

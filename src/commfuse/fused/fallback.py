@@ -18,11 +18,16 @@ The choice made here, in three steps:
    + k o`` and keep it only if ``T_fused(k) <= (1 - min_gain) (C + M_unfused)``; else ``k = 1``,
    the unfused operator with the native collective.
 3. Optionally (``trial``), confirm by timing: run the fused operator with ``k`` and the unfused one
-   ``trial_runs`` times each, interleaved, and keep ``k`` only if the fused median (slowest rank)
-   is at most ``1 - min_gain`` of the unfused median. On a loaded machine the model's inputs are
-   noisy and the overlap itself can fail (two ranks' matmuls competing for one core), so the
-   measured comparison is the last word: fusion must never make an operator measurably slower
-   than unfused.
+   in ``trial_runs`` rounds, each round timing both back to back (the order alternating, so
+   neither always runs first), and judge the per-round ratios fused / unfused (slowest rank):
+   their median at most ``1 - min_gain`` means faster, at least 1 means not faster, anything
+   between is unclear (``trial_verdict``). Faster keeps ``k``, not faster falls back to 1. On a
+   loaded machine the model's inputs are noisy and the overlap itself can fail (two ranks'
+   matmuls competing for one core), so a measured loss is the last word: fusion must never
+   make an operator measurably slower than unfused. An unclear trial keeps ``k`` where the
+   caller says so (``unclear_keeps``: the model predicted a gain of ``min_gain`` and the trial
+   did not refute it), else falls back. Paired ratios see the load each round had, where two
+   medians taken apart can differ by the load alone.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -94,6 +100,28 @@ def timed_us(comm: Communicator, fn: Callable[[], Any]) -> float:
     return elapsed_us(start, comm.device)
 
 
+Verdict = Literal["faster", "unclear", "not faster"]
+
+
+def trial_verdict(
+    unfused_us: Sequence[float], fused_us: Sequence[float], *, min_gain: float
+) -> Verdict:
+    """Step 3's judgement of paired rounds (round ``i`` timed ``unfused_us[i]`` and
+    ``fused_us[i]``): the median of the ratios fused / unfused at most ``1 - min_gain`` is
+    "faster", at least 1 "not faster", else "unclear"."""
+    if len(unfused_us) != len(fused_us) or not fused_us:
+        raise ValueError(
+            f"need the same number (>= 1) of unfused and fused rounds, got "
+            f"{len(unfused_us)} and {len(fused_us)}"
+        )
+    ratio = statistics.median(
+        f / u if u > 0 else math.inf for u, f in zip(unfused_us, fused_us, strict=True)
+    )
+    if ratio <= 1.0 - min_gain:
+        return "faster"
+    return "not faster" if ratio >= 1.0 else "unclear"
+
+
 def confirm_by_trial(
     comm: Communicator,
     chunks: int,
@@ -102,20 +130,22 @@ def confirm_by_trial(
     *,
     runs: int,
     min_gain: float,
+    unclear_keeps: bool = False,
 ) -> int:
-    """Step 3: ``chunks`` if the fused operator's median (slowest rank) beats the unfused one's by
-    ``min_gain`` over ``runs`` interleaved runs each, else 1. Every rank must call it alike."""
+    """Step 3: ``chunks`` if ``runs`` rounds of the fused operator against the unfused one
+    (each round both, in alternating order) find it faster (``trial_verdict``), or unclear and
+    ``unclear_keeps``; else 1. Every rank must call it alike."""
     if chunks == 1 or runs < 1 or comm.world_size == 1:
         return chunks
-    # Interleaved (U F U F ...): both see the same load.
-    u, f = median_times(comm, [unfused, lambda: fused(chunks)], runs=runs, alternate=False)
-    return chunks if f <= (1.0 - min_gain) * u else 1
+    u, f = round_times(comm, [unfused, lambda: fused(chunks)], runs=runs, alternate=True)
+    verdict = trial_verdict(u, f, min_gain=min_gain)
+    return chunks if verdict == "faster" or (verdict == "unclear" and unclear_keeps) else 1
 
 
-def median_times(
+def round_times(
     comm: Communicator, fns: Sequence[Callable[[], Any]], *, runs: int, alternate: bool
-) -> list[float]:
-    """Each function's median time over ``runs`` interleaved rounds (each run started together
+) -> list[list[float]]:
+    """Each function's time in each of ``runs`` interleaved rounds (each run started together
     on every rank; its time the slowest rank's), in ``fns``'s order; ``alternate`` reverses the
     order within every other round. Every rank must call it alike."""
     times: list[list[float]] = [[] for _ in fns]
@@ -124,7 +154,15 @@ def median_times(
         for slot, fn in order[::-1] if alternate and i % 2 else order:
             times[slot].append(timed_us(comm, fn))
     agreed = agree(comm, [t for row in times for t in row])
-    return [sorted(agreed[j * runs : (j + 1) * runs])[runs // 2] for j in range(len(fns))]
+    return [agreed[j * runs : (j + 1) * runs] for j in range(len(fns))]
+
+
+def median_times(
+    comm: Communicator, fns: Sequence[Callable[[], Any]], *, runs: int, alternate: bool
+) -> list[float]:
+    """Each function's median over ``round_times``'s rounds, in ``fns``'s order."""
+    rounds = round_times(comm, fns, runs=runs, alternate=alternate)
+    return [sorted(row)[runs // 2] for row in rounds]
 
 
 def choose_fused_chunks(
@@ -138,10 +176,12 @@ def choose_fused_chunks(
     limit: int,
     trial: tuple[Callable[[int], Any], Callable[[], Any]] | None = None,
     trial_runs: int = 3,
+    unclear_keeps: bool = False,
 ) -> int:
     """Steps 1-3: the number of chunks, the same on every rank. ``config.num_chunks`` overrides
     everything (capped at ``limit`` pieces); ``trial`` is ``(fused(k), unfused())`` to confirm
-    a chunked choice by timing (``trial_runs`` runs of each)."""
+    a chunked choice by timing (``trial_runs`` rounds; ``unclear_keeps``: what an unclear
+    trial decides, ``confirm_by_trial``)."""
     if config.num_chunks is not None:
         return max(1, min(config.num_chunks, max(limit, 1)))
     if config.overhead_us is not None:
@@ -153,7 +193,13 @@ def choose_fused_chunks(
     )
     if trial is not None:
         chunks = confirm_by_trial(
-            comm, chunks, trial[0], trial[1], runs=trial_runs, min_gain=config.min_gain
+            comm,
+            chunks,
+            trial[0],
+            trial[1],
+            runs=trial_runs,
+            min_gain=config.min_gain,
+            unclear_keeps=unclear_keeps,
         )
     return chunks
 

@@ -13,8 +13,14 @@ path. Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, sec
   pieces when asked) and send each piece as soon as it is computed, while the next is computed;
   the local block is computed last (it never travels, so it hides the last transfers).
 * ``all_to_all_gemm`` (dispatch side, All-to-All + GEMM): post every receive and every send (the
-  rows exist already); compute the local block first, then each source's rows as soon as they
-  arrive, in the order they are due (``r-1, r-2, ...``, who sends to ``r`` first).
+  rows exist already); compute the local block first, then each piece as soon as it arrives.
+  All sources send at once and share the receiver's link, so their blocks arrive together;
+  each block is therefore cut into ``chunks`` pieces, awaited piece-major (piece 0 of
+  ``r-1, r-2, ...``, then piece 1, ...): ``chunks`` rounds of arrivals, each computed while the
+  next travels. (Uncut, every block would arrive only at the end of the exchange.)
+
+Each message lands in its place in the result (a view of the preallocated output), and each
+GEMM writes straight into its rows of the output: no copy but the local block's rows.
 
 Layout. ``counts`` is the ``[P, E]`` matrix every rank knows: ``counts[i, e]`` rows of rank ``i``
 go to global expert ``e``; experts are numbered rank-major (``experts_per_rank[0]`` on rank 0,
@@ -108,12 +114,21 @@ def check_inputs(rt: Routing, rows: torch.Tensor, weight: torch.Tensor, side: st
 
 
 def grouped_mm(
-    rows: torch.Tensor, seg: list[int], lo: int, hi: int, weight: torch.Tensor, *, transpose: bool
+    rows: torch.Tensor,
+    seg: list[int],
+    lo: int,
+    hi: int,
+    weight: torch.Tensor,
+    *,
+    transpose: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows ``[lo, hi)`` of one source block (segments ``seg`` per local expert) times their
-    experts' weights: ``x @ W_e^T`` (``transpose``) or ``g @ W_e`` (the backward)."""
+    experts' weights: ``x @ W_e^T`` (``transpose``) or ``g @ W_e`` (the backward), written into
+    ``out`` (``[hi - lo, width]``, e.g. a view of the caller's result: no copy) or a new tensor."""
     width = weight.shape[1] if transpose else weight.shape[2]
-    out = torch.empty((hi - lo, width), dtype=rows.dtype, device=rows.device)
+    if out is None:
+        out = torch.empty((hi - lo, width), dtype=rows.dtype, device=rows.device)
     start = 0
     for e, n in enumerate(seg):
         a, b = max(lo, start), min(hi, start + n)
@@ -137,7 +152,22 @@ def add_weight_grad(
 
 
 def _pieces(world: int, chunks: int) -> int:
+    """Pieces per destination block where the blocks are computed one after another
+    (``compute_then_exchange``): ``(P - 1) * pieces >= chunks`` stages in all."""
     return 1 if world == 1 else -(-chunks // (world - 1))
+
+
+def _piece_major(rows: dict[int, int], pieces: int) -> list[tuple[int, int, int, int]]:
+    """``(peer, tag, lo, hi)`` of each peer's block of ``rows[peer]`` rows cut into ``pieces``
+    (``split_ranges``; the tag is the piece's index): piece 0 of every peer in ``rows``'s order,
+    then piece 1, ..."""
+    ranges = {peer: split_ranges(n, pieces) for peer, n in rows.items()}
+    return [
+        (peer, tag, *cut[tag])
+        for tag in range(pieces)
+        for peer, cut in ranges.items()
+        if tag < len(cut)
+    ]
 
 
 def exchange_then_compute(
@@ -149,22 +179,24 @@ def exchange_then_compute(
 ) -> torch.Tensor:
     """Token side ``send`` to the expert side; ``compute(src, lo, hi, rows)`` runs on the local
     block first, then on each piece of each source block as soon as it has arrived. Returns the
-    expert-side rows received."""
+    expert-side rows received (each message lands in its place: no copy but the local block).
+
+    Every source sends at once, so the sources share this rank's link and their blocks arrive
+    together: each block is cut into ``pieces`` and the pieces are awaited piece-major (piece 0
+    of every source, then piece 1, ...), the order in which they arrive. A block in one piece
+    would arrive only when the whole exchange has, leaving nothing to compute meanwhile."""
     rank, world = rt.rank, rt.world
     recv = torch.empty((rt.recv_start[-1], send.shape[1]), dtype=send.dtype, device=send.device)
+    sources = [(rank - step) % world for step in range(1, world)]
     incoming: list[tuple[int, int, int, Handle, torch.Tensor]] = []
-    for step in range(1, world):
-        src = (rank - step) % world
-        block = rt.recv_block(recv, src)
-        for tag, (lo, hi) in enumerate(split_ranges(rt.recv_rows[src], pieces)):
-            handle = comm.irecv(block[lo:hi], src, tag=tag, label=LABEL)
-            incoming.append((src, lo, hi, handle, block[lo:hi]))
-    outgoing = []
-    for step in range(1, world):
-        dst = (rank + step) % world
-        block = rt.send_block(send, dst)
-        for tag, (lo, hi) in enumerate(split_ranges(rt.send_rows[dst], pieces)):
-            outgoing.append(comm.isend(block[lo:hi], dst, tag=tag, label=LABEL))
+    for src, tag, lo, hi in _piece_major({s: rt.recv_rows[s] for s in sources}, pieces):
+        block = rt.recv_block(recv, src)[lo:hi]
+        incoming.append((src, lo, hi, comm.irecv(block, src, tag=tag, label=LABEL), block))
+    destinations = [(rank + step) % world for step in range(1, world)]
+    outgoing = [
+        comm.isend(rt.send_block(send, dst)[lo:hi], dst, tag=tag, label=LABEL)
+        for dst, tag, lo, hi in _piece_major({d: rt.send_rows[d] for d in destinations}, pieces)
+    ]
     own = rt.recv_block(recv, rank)
     own.copy_(rt.send_block(send, rank))
     compute(rank, 0, own.shape[0], own)  # while the remote rows travel
@@ -182,13 +214,16 @@ def compute_then_exchange(
     width: int,
     dtype: torch.dtype,
     pieces: int,
-    compute: Callable[[int, int, int], torch.Tensor],
+    compute: Callable[[int, int, int, torch.Tensor | None], torch.Tensor],
     device: torch.device | str = "cpu",
     then: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    """Expert side to token side: ``compute(dst, lo, hi)`` makes rows ``[lo, hi)`` of the block
-    bound for ``dst``, each sent as soon as it is computed; the local block is computed last,
-    then ``then()`` (work that needs no communication) runs while the last pieces travel."""
+    """Expert side to token side: ``compute(dst, lo, hi, out)`` makes rows ``[lo, hi)`` of the
+    block bound for ``dst`` (into ``out`` when it is given, else a new tensor), each sent as soon
+    as it is computed; the local block is computed last, straight into its place in the result,
+    then ``then()`` (work that needs no communication) runs while the last pieces travel.
+    Every destination's pieces are computed in turn (``r+1`` first), so at each moment every
+    rank sends to one peer and receives from one: the blocks do not share a link."""
     rank, world = rt.rank, rt.world
     out = torch.empty((rt.send_start[-1], width), dtype=dtype, device=device)
     handles: list[Handle] = []
@@ -200,9 +235,9 @@ def compute_then_exchange(
     for step in range(1, world):
         dst = (rank + step) % world
         for tag, (lo, hi) in enumerate(split_ranges(rt.recv_rows[dst], pieces)):
-            piece = compute(dst, lo, hi).contiguous()
+            piece = compute(dst, lo, hi, None).contiguous()
             handles.append(comm.isend(piece, dst, tag=tag, label=LABEL))
-    rt.send_block(out, rank).copy_(compute(rank, 0, rt.recv_rows[rank]))
+    compute(rank, 0, rt.recv_rows[rank], rt.send_block(out, rank))
     if then is not None:
         then()
     for handle in handles:
@@ -244,7 +279,7 @@ def expert_gemm(rt: Routing, rows: torch.Tensor, weight: torch.Tensor) -> torch.
     out = torch.empty((rows.shape[0], weight.shape[1]), dtype=rows.dtype, device=rows.device)
     for src in range(rt.world):
         lo, hi = rt.recv_start[src], rt.recv_start[src + 1]
-        out[lo:hi] = grouped_mm(rows[lo:hi], rt.seg[src], 0, hi - lo, weight, transpose=True)
+        grouped_mm(rows[lo:hi], rt.seg[src], 0, hi - lo, weight, transpose=True, out=out[lo:hi])
     return out
 
 
@@ -262,15 +297,17 @@ def gemm_all_to_all(
 ) -> torch.Tensor:
     """Fused combine (module docstring): expert side ``h [R_r, K]`` to token side ``[S_r, N]``.
     ``chunks=1`` is the unfused reference; each remote block is cut into
-    ``ceil(chunks / (P - 1))`` pieces. Every rank must pass the same ``chunks``."""
+    ``ceil(chunks / (P - 1))`` pieces (the blocks are computed in turn). Every rank must pass
+    the same ``chunks``."""
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     check_inputs(rt, h, weight, "expert")
     if chunks == 1 or rt.world == 1:
         return gemm_all_to_all_reference(comm, rt, h, weight)
 
-    def compute(dst: int, lo: int, hi: int) -> torch.Tensor:
-        return grouped_mm(rt.recv_block(h, dst)[lo:hi], rt.seg[dst], lo, hi, weight, transpose=True)
+    def compute(dst: int, lo: int, hi: int, out: torch.Tensor | None) -> torch.Tensor:
+        rows = rt.recv_block(h, dst)[lo:hi]
+        return grouped_mm(rows, rt.seg[dst], lo, hi, weight, transpose=True, out=out)
 
     pieces = _pieces(rt.world, chunks)
     return compute_then_exchange(comm, rt, weight.shape[1], h.dtype, pieces, compute, h.device)
@@ -290,7 +327,8 @@ def all_to_all_gemm(
     comm: Communicator, rt: Routing, x: torch.Tensor, weight: torch.Tensor, *, chunks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused dispatch (module docstring): token side ``x [S_r, K]`` to expert side, each piece
-    multiplied as soon as it arrives. Returns (output ``[R_r, N]``, received rows ``[R_r, K]``)."""
+    multiplied as soon as it arrives; each remote block is cut into ``chunks`` pieces (the
+    blocks arrive together). Returns (output ``[R_r, N]``, received rows ``[R_r, K]``)."""
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     check_inputs(rt, x, weight, "token")
@@ -299,10 +337,10 @@ def all_to_all_gemm(
     out = torch.empty((rt.recv_start[-1], weight.shape[1]), dtype=x.dtype, device=x.device)
 
     def compute(src: int, lo: int, hi: int, rows: torch.Tensor) -> None:
-        block = rt.recv_block(out, src)
-        block[lo:hi] = grouped_mm(rows, rt.seg[src], lo, hi, weight, transpose=True)
+        block = rt.recv_block(out, src)[lo:hi]
+        grouped_mm(rows, rt.seg[src], lo, hi, weight, transpose=True, out=block)
 
-    recv = exchange_then_compute(comm, rt, x.contiguous(), _pieces(rt.world, chunks), compute)
+    recv = exchange_then_compute(comm, rt, x.contiguous(), chunks, compute)
     return out, recv
 
 
@@ -321,10 +359,8 @@ def gemm_all_to_all_backward(
     grad_h = torch.empty_like(h)
 
     def compute(src: int, lo: int, hi: int, g: torch.Tensor) -> None:
-        rows = rt.recv_block(h, src)[lo:hi]
-        rt.recv_block(grad_h, src)[lo:hi] = grouped_mm(
-            g, rt.seg[src], lo, hi, weight, transpose=False
-        )
+        rows, into = rt.recv_block(h, src)[lo:hi], rt.recv_block(grad_h, src)[lo:hi]
+        grouped_mm(g, rt.seg[src], lo, hi, weight, transpose=False, out=into)
         _add_piece_grad(grad_w, g, rows, rt.seg[src], lo, hi)
 
     if chunks == 1 or rt.world == 1:
@@ -332,7 +368,7 @@ def gemm_all_to_all_backward(
         for src in range(rt.world):
             compute(src, 0, rt.recv_rows[src], rt.recv_block(g_all, src))
     else:
-        exchange_then_compute(comm, rt, grad_out.contiguous(), _pieces(rt.world, chunks), compute)
+        exchange_then_compute(comm, rt, grad_out.contiguous(), chunks, compute)
     return grad_h, grad_w.to(weight.dtype)
 
 
@@ -350,9 +386,9 @@ def all_to_all_gemm_backward(
     ``grad_recv`` is a gradient flowing into the returned received rows, if any."""
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
 
-    def compute(dst: int, lo: int, hi: int) -> torch.Tensor:
+    def compute(dst: int, lo: int, hi: int, out: torch.Tensor | None) -> torch.Tensor:
         g = rt.recv_block(grad_out, dst)[lo:hi]
-        piece = grouped_mm(g, rt.seg[dst], lo, hi, weight, transpose=False)
+        piece = grouped_mm(g, rt.seg[dst], lo, hi, weight, transpose=False, out=out)
         if grad_recv is not None:
             piece += rt.recv_block(grad_recv, dst)[lo:hi]
         return piece
@@ -363,7 +399,9 @@ def all_to_all_gemm_backward(
             _add_piece_grad(grad_w, g, rows, rt.seg[src], 0, rt.recv_rows[src])
 
     if chunks == 1 or rt.world == 1:
-        g_recv = torch.cat([compute(s, 0, rt.recv_rows[s]) for s in range(rt.world)])
+        g_recv = torch.empty_like(recv)
+        for s in range(rt.world):
+            compute(s, 0, rt.recv_rows[s], rt.recv_block(g_recv, s))
         grad_x = native_exchange(comm, rt, g_recv, to_experts=False)
         weight_grad()
     else:
@@ -405,7 +443,10 @@ def measure(
     native_exchange(comm, rt, y, to_experts=False)
     unfused_us = elapsed_us(start, comm.device)
     start = now(comm.device)
-    compute_then_exchange(
-        comm, rt, y.shape[1], y.dtype, 1, lambda d, lo, hi: rt.recv_block(y, d), y.device
-    )
+
+    def piece(dst: int, lo: int, hi: int, out: torch.Tensor | None) -> torch.Tensor:
+        block = rt.recv_block(y, dst)[lo:hi]
+        return block if out is None else out.copy_(block)
+
+    compute_then_exchange(comm, rt, y.shape[1], y.dtype, 1, piece, y.device)
     return compute_us, unfused_us, elapsed_us(start, comm.device)

@@ -104,11 +104,20 @@ def dense_moe_reference(
 
 
 def choose_moe_chunks(
-    comm: Communicator, rt: ga.Routing, h: torch.Tensor, weight: torch.Tensor, config: ChunkConfig
+    comm: Communicator,
+    rt: ga.Routing,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    config: ChunkConfig,
+    *,
+    trial_runs: int = 5,
 ) -> int:
     """Chunks for both MoE operators, the same on every rank, from the combine side (expert GEMM +
     All-to-All): measured C, gloo's M, the fused path's own M, then a timed trial against the
-    unfused operator (``fallback.py``); 1 (unfused, gloo's All-to-All) when fusion does not pay."""
+    unfused operator (``fallback.py``, ``trial_runs`` rounds); 1 (unfused, gloo's All-to-All)
+    when the model predicts no gain or the trial finds the fused operator no faster. A trial
+    that cannot tell the two apart keeps the model's chunks: on a loaded machine a few rounds
+    often cannot, and the model already asked for a gain of ``config.min_gain``."""
     limit = max(max(rt.recv_rows), 1) * max(rt.world - 1, 1)
     if config.num_chunks is not None or rt.world == 1:
         return max(1, min(config.num_chunks or 1, limit))
@@ -126,6 +135,8 @@ def choose_moe_chunks(
                 lambda k: ga.gemm_all_to_all(comm, rt, h, weight, chunks=k),
                 lambda: ga.gemm_all_to_all_reference(comm, rt, h, weight),
             ),
+            trial_runs=trial_runs,
+            unclear_keeps=True,
         )
 
 
