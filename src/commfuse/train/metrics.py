@@ -137,8 +137,8 @@ def summarize(
         # above the second). None for a strategy that exchanges every step.
         "bytes_per_sync": strategy_metrics.get("bytes_per_sync"),
         "syncs": strategy_metrics.get("syncs"),
-        # DreamDDP: per iteration of the period, the exchange time and the part of it its plan
-        # expects the backward pass not to hide (from the profile).
+        # DreamDDP: per iteration of the period, the exchange time and the stall its plan
+        # expects (the part the computation before each layer's use does not hide).
         "planned_iterations": strategy_metrics.get("planned_iterations"),
         # A steady-state step (after warm-up; a compressor's uncompressed warm-up excluded).
         "median_bytes_per_step": statistics.median(hist["bytes"][timed]),
