@@ -381,6 +381,7 @@ def dreamddp_lands_at_use() -> tuple[list[int], list[int], float, int]:
     run_steps(opt, model, comm.rank, range(3, 7))
     assert isinstance(opt, DreamDDPOptimizer)
     in_flight = len(opt._in_flight)
+    assert len(opt.wait_s) == 6  # one per step after the profile
     opt.finish()
     ref, _, _ = train(DreamDDPConfig(H=2, algo="native", final_sync=False, land_at="step"), 7)
     return after_step, after_forward, float((flat(model) - ref).abs().max()), in_flight
@@ -515,6 +516,9 @@ def test_train_resume_from_checkpoint_is_exact(pool: PoolFn, tmp_path: Path, str
     record = summarize(full, strategy=strategy, workload="digits", warmup=1)
     assert record["bytes_total"] == sum(full[0]["history"]["bytes"])
     assert record["bytes_per_sync"] == metrics["bytes_per_sync"]
+    if strategy.startswith("dreamddp"):  # a wait per step after the profile, by position
+        assert len(metrics["exchange_wait_s"]) == 6 and min(metrics["exchange_wait_s"]) >= 0
+        assert len(record["phase_exchange_wait_s"]) == 3 and record["mean_exchange_wait_s"] >= 0
 
 
 def test_simulator_prices_the_fixed_period_ones_and_names_the_others() -> None:

@@ -168,6 +168,10 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         self._used_at: dict[int, float] = {}
         self._inner_s = 0.0
         self._paused_s = 0.0
+        self.wait_s: list[float] = []
+        """Per step (communicating, after the profile), the seconds spent waiting for exchanges
+        since the previous step: in the forward's pre-hooks, then in ``step()``."""
+        self._waited = 0.0
         self.profile: dict[str, list[float]] = {}
         """The agreed profile: per layer in backward order, ``backward_s``, ``comm_s`` and
         ``slack_s``."""
@@ -272,8 +276,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         profiling = self.profiling
         if profiling or self.method.land_at == "step":
             for launched in self._launched:
-                if launched.handle is not None:
-                    launched.handle.wait()
+                self._wait(launched)
                 self._write_layer(launched.layer, launched.average)
                 self._record(launched)
         else:
@@ -285,17 +288,26 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         self._inner_step(self.config.inner_lr_scale)
         if profiling:
             self._inner_s = now(self.params[0].device) - started
+        if not profiling:
+            self.wait_s.append(self._waited)
+        self._waited = 0.0
         self.step_count += 1
         self._forward_started = None
         if profiling and not self.profiling:
             self._make_plan()
 
+    def _wait(self, launched: _Launched) -> None:
+        """Wait for an exchange, the time counted in ``wait_s``."""
+        if launched.handle is not None:
+            started = now(self.params[0].device)
+            launched.handle.wait()
+            launched.handle = None
+            self._waited += now(self.params[0].device) - started
+
     def _land(self, launched: _Launched) -> None:
         """Wait for an exchange and move the layer by the average's difference from what was
         sent (the local step taken since stays on it)."""
-        if launched.handle is not None:
-            launched.handle.wait()
-            launched.handle = None
+        self._wait(launched)
         correction = launched.average - launched.sent
         offset = 0
         with torch.no_grad():
