@@ -17,9 +17,9 @@ at different iterations, and sends a layer's parameters during the backward pass
    the layer becomes ``x - lr u + (mean(x) - x) = mean(x) - lr u``, the method's update. The
    layers the backward pass finishes last are the ones the next forward uses first, so their
    exchanges, which nothing in the backward pass hides, overlap the optimizer step and the
-   forward up to them instead of stalling the step (the same value for SGD and Adam; with
-   decoupled weight decay the decay reads the replica's own layer, ``lr wd (x - mean(x))``
-   apart);
+   forward up to them instead of stalling the step (the same value wherever the update does
+   not read the parameters, as plain SGD's and Adam's; with weight decay the decay reads the
+   replica's own layer, ``lr wd (x - mean(x))`` apart);
 3. which layers an iteration averages is a plan (``layer_schedule.py``): every layer in exactly
    one of the H iterations of the period, chosen from the first iteration's profile (each
    layer's backward time, the time of its exchange, and the compute from the end of the
