@@ -38,7 +38,7 @@ from commfuse.localsgd import (
     local_sgd,
 )
 from commfuse.localsgd.adpsgd import next_period
-from commfuse.localsgd.layer_schedule import brute_force_plan, plan_key, plan_layers
+from commfuse.localsgd.layer_schedule import brute_force_plan, exposed_s, plan_key, plan_layers
 from commfuse.testing import RankPool
 from commfuse.train import TrainConfig, train_rank
 from commfuse.train import checkpoint as ckpt
@@ -261,14 +261,16 @@ def test_clipping_with_period_one_is_the_average_of_clipped_steps(pool: PoolFn) 
 # -- DreamDDP -----------------------------------------------------------------------------------
 def test_layer_plan_matches_brute_force() -> None:
     rng = random.Random(0)
-    for _ in range(40):
+    for case in range(80):
         layers, period = rng.randint(1, 6), rng.randint(1, 3)
         backward = [rng.choice([0.0, 0.5, 1.0, 2.0, 3.0]) for _ in range(layers)]
         comm = [rng.choice([0.0, 0.5, 1.0, 2.5, 4.0]) for _ in range(layers)]
-        _, best = brute_force_plan(backward, comm, period)
-        plan = plan_layers(backward, comm, period)
+        # Half the cases wait at each layer's next use, a slack after the backward pass.
+        slack = [rng.choice([0.0, 0.5, 1.5, 3.0]) for _ in range(layers)] if case % 2 else None
+        _, best = brute_force_plan(backward, comm, period, slack)
+        plan = plan_layers(backward, comm, period, slack)
         assert len(plan) == layers and all(0 <= h < period for h in plan)
-        assert plan_key(plan, backward, comm, period) == best
+        assert plan_key(plan, backward, comm, period, slack) == best
     # The first layer's long exchange apart from the second's: only the last layer's shows.
     plan = plan_layers([1.0, 1.0, 1.0], [2.0, 1.0, 0.5], 3)
     assert plan[0] != plan[1] and plan_key(plan, [1.0] * 3, [2.0, 1.0, 0.5], 3) == (0.5, 2.0, 0.5)
@@ -281,6 +283,23 @@ def test_layer_plan_matches_brute_force() -> None:
         assert sorted(plan[:5]) == [0, 1, 2, 3, 4], plan
     with pytest.raises(ValueError, match="one time per layer"):
         plan_layers([1.0], [1.0, 2.0], 2)
+    with pytest.raises(ValueError, match="one time per layer"):
+        plan_layers([1.0], [1.0], 2, [0.0, 1.0])
+
+
+def test_layer_plan_counts_the_slack_to_each_layers_use() -> None:
+    # The last layer of the backward pass, exchanged in 3: all of it past the backward pass,
+    # 1 of it past the 2 of compute before its next use, and nothing before a use 3 later.
+    assert exposed_s([1], [1.0, 1.0], [0.0, 3.0]) == 3.0
+    assert exposed_s([1], [1.0, 1.0], [0.0, 3.0], [5.0, 2.0]) == 1.0
+    # Layer 1's exchange queues behind layer 0's (starts at 3, not 2): 0.5 late for its use.
+    assert exposed_s([0, 1], [1.0, 1.0], [2.0, 2.0], [3.0, 2.5]) == 0.5
+    assert exposed_s([1], [1.0, 1.0], [2.0, 2.0], [3.0, 2.5]) == 0.0
+    assert exposed_s([0, 1], [1.0, 1.0], [2.0, 2.0], [0.5, 3.0]) == 0.5  # layer 0's own
+    # Two long exchanges of layers needed early: one per iteration hides both behind the
+    # slack; without it both iterations show one.
+    plan = plan_layers([1.0, 1.0], [2.0, 2.0], 2, [2.0, 2.0])
+    assert sorted(plan) == [0, 1] and plan_key(plan, [1.0] * 2, [2.0] * 2, 2, [2.0] * 2)[0] == 0
 
 
 def dreamddp_periods(period: int, steps: int) -> tuple[list[list[int]], list[int], int, int, int]:
@@ -317,7 +336,7 @@ def test_dreamddp_averages_every_layer_once_per_period(pool: PoolFn) -> None:
             assert sorted(window) == [0, 1, 2]  # each layer exactly once per period
             for offset, step in enumerate(by_step[start : start + period]):
                 assert sorted(step) == [layer for layer in range(3) if plan[layer] == offset]
-        assert control == 3 * 24  # the profile's times (2 float64) and order (int64) per layer
+        assert control == 3 * 32  # the profile's times (3 float64) and order (int64) per layer
         assert sent == (1 + periods) * 4 * NUMEL + control
 
 
@@ -344,6 +363,39 @@ def dreamddp_vs_replay() -> float:
 def test_dreamddp_period_one_averages_every_step(pool: PoolFn) -> None:
     for err in pool(2).run(dreamddp_vs_replay, timeout_s=DEADLINE_S):
         assert err < 1e-6
+
+
+def dreamddp_lands_at_use() -> tuple[list[int], list[int], float, int]:
+    """Steps of the exchanges landed after a step and after the next forward; the largest
+    difference from waiting in the step at H = 1 (SGD: the same update; at H > 1 each run
+    plans from its own profile); the exchanges in flight after the last step."""
+    comm = Communicator()
+    model = tiny_model()
+    opt = build(DreamDDPConfig(H=2, algo="native", final_sync=False), model, comm, "sgd")
+    run_steps(opt, model, comm.rank, range(2))  # the profile step, then the period's first
+    after_step = sorted({record.step for record in opt.syncs})
+    loss_of(model, comm.rank, 2).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+    after_forward = sorted({record.step for record in opt.syncs})
+    opt.step()
+    opt.zero_grad()
+    run_steps(opt, model, comm.rank, range(3, 7))
+    assert isinstance(opt, DreamDDPOptimizer)
+    in_flight = len(opt._in_flight)
+    assert len(opt.wait_s) == 6  # one per step after the profile
+    opt.finish()
+    ref, _, _ = train(DreamDDPConfig(H=1, algo="native", final_sync=False, land_at="step"), 7)
+    got, _, _ = train(DreamDDPConfig(H=1, algo="native", final_sync=False), 7)
+    return after_step, after_forward, float((got - ref).abs().max()), in_flight
+
+
+def test_dreamddp_waits_for_an_exchange_at_its_layers_next_use(pool: PoolFn) -> None:
+    for after_step, after_forward, err, in_flight in pool(2).run(
+        dreamddp_lands_at_use, timeout_s=DEADLINE_S
+    ):
+        assert after_step == [1]  # step 2's exchanges are still in flight after its step
+        assert after_forward == [1, 2]  # and landed by the forward that uses their layers
+        assert in_flight > 0
+        assert err < 1e-6  # mean(x) - lr g either way
 
 
 # -- every method: a resume in the middle of a period continues bit for bit -----------------
@@ -465,6 +517,9 @@ def test_train_resume_from_checkpoint_is_exact(pool: PoolFn, tmp_path: Path, str
     record = summarize(full, strategy=strategy, workload="digits", warmup=1)
     assert record["bytes_total"] == sum(full[0]["history"]["bytes"])
     assert record["bytes_per_sync"] == metrics["bytes_per_sync"]
+    if strategy.startswith("dreamddp"):  # a wait per step after the profile, by position
+        assert len(metrics["exchange_wait_s"]) == 6 and min(metrics["exchange_wait_s"]) >= 0
+        assert len(record["phase_exchange_wait_s"]) == 3 and record["mean_exchange_wait_s"] >= 0
 
 
 def test_simulator_prices_the_fixed_period_ones_and_names_the_others() -> None:

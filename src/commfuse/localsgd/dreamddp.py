@@ -1,5 +1,5 @@
 """DreamDDP: local SGD whose synchronisation is spread over the period, a few layers per step,
-each exchange overlapped with the backward pass.
+each exchange overlapped with computation.
 
 Tang et al., "DreamDDP: Accelerating Data Parallel Distributed LLM Training with Layer-wise
 Scheduled Partial Synchronization" (arXiv 2502.11058, 2025). Local SGD sends the whole model
@@ -11,31 +11,40 @@ at different iterations, and sends a layer's parameters during the backward pass
    parameters, so a hook on the layer (torch's post-accumulate-grad hook) launches the
    allreduce of its parameters, in the background, while the backward pass continues with the
    layers before it;
-2. before the optimizer step the exchanges of this iteration are waited for and each averaged
-   layer takes the replicas' average; the inner step then applies this replica's gradient to
-   it, so an averaged layer is ``mean(params) - lr g`` (SGD);
+2. the optimizer step does not wait for it: it applies this replica's update ``u`` to the
+   layer as it was sent, ``x - lr u``; the exchange is waited for only just before the layer
+   is next used (a forward pre-hook on its module, in the next iteration's forward), where
+   the layer becomes ``x - lr u + (mean(x) - x) = mean(x) - lr u``, the method's update. The
+   layers the backward pass finishes last are the ones the next forward uses first, so their
+   exchanges, which nothing in the backward pass hides, overlap the optimizer step and the
+   forward up to them instead of stalling the step (the same value wherever the update does
+   not read the parameters, as plain SGD's and Adam's; with weight decay the decay reads the
+   replica's own layer, ``lr wd (x - mean(x))`` apart);
 3. which layers an iteration averages is a plan (``layer_schedule.py``): every layer in exactly
    one of the H iterations of the period, chosen from the first iteration's profile (each
-   layer's backward time and the time of its exchange, the slowest rank's) so that the
-   exchanges hide behind the backward pass as well as they can: the worst iteration's exposed
-   communication is the least, then the heaviest iteration's communication (the bytes spread
-   over the period).
+   layer's backward time, the time of its exchange, and the compute from the end of the
+   backward pass to its next use; the slowest rank's) so that the exchanges hide behind the
+   computation as well as they can: the worst iteration's exposed communication is the least,
+   then the heaviest iteration's communication (the bytes spread over the period).
 
 The first ``profile_steps`` iterations average every layer (a full synchronisation) and time
 it; the period starts after them. H = 1 averages every layer at every step (each replica then
 applies its own gradient to the average). Tune H as local SGD's: the bytes per step are the
-model's divided by H, now spread evenly over the steps instead of in one burst.
+model's divided by H, now spread evenly over the steps instead of in one burst. A module whose
+parameters are read without calling it (no forward pre-hook fires) gets its average at the next
+optimizer step instead, one step late.
 
 Bytes per rank: every layer once per H steps, ``4 N / H`` per step on average (the profile
-steps: ``4 N`` each), plus ``24 L`` once for agreeing on the L layers' profiled times and
+steps: ``4 N`` each), plus ``32 L`` once for agreeing on the L layers' profiled times and
 backward order.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -68,6 +77,11 @@ class DreamDDPConfig(SyncMethod):
     """commfuse allreduce algorithm of the layers' exchanges."""
     final_sync: bool = True
     """Average the replicas at ``finish()`` (the layers' phases differ at any stop)."""
+    land_at: Literal["use", "step"] = "use"
+    """Where an exchange is waited for: ``use``, just before its layer's next use (step 2 of
+    the module docstring); ``step``, before the optimizer step of the iteration that launched
+    it, the average written exactly (``mean(x) - lr u`` with weight decay too), and the plan
+    made without slack."""
 
     def __post_init__(self) -> None:
         if self.H < 1:
@@ -91,6 +105,13 @@ class DreamDDPConfig(SyncMethod):
 def layers_of(module: nn.Module, params: Sequence[torch.Tensor]) -> list[list[int]]:
     """The layers: each submodule's own trainable parameters (indices into ``params``), in
     registration order; a parameter shared by two modules belongs to the first."""
+    return [members for _, members in _owned_layers(module, params)]
+
+
+def _owned_layers(
+    module: nn.Module, params: Sequence[torch.Tensor]
+) -> list[tuple[nn.Module, list[int]]]:
+    """``layers_of``'s layers, each with the submodule that owns it."""
     index = {id(p): i for i, p in enumerate(params)}
     seen: set[int] = set()
     layers = []
@@ -99,27 +120,30 @@ def layers_of(module: nn.Module, params: Sequence[torch.Tensor]) -> list[list[in
         own = [i for i in own if i not in seen]
         seen.update(own)
         if own:
-            layers.append(own)
+            layers.append((sub, own))
     return layers
 
 
 @dataclass(kw_only=True)
 class _Launched:
     layer: int
+    step: int
+    """The step (1-based) whose backward pass launched it."""
     sent: torch.Tensor
-    """The layer's parameters as sent (for the drift)."""
+    """The layer's parameters as sent (for the drift, and the correction at landing)."""
     average: torch.Tensor
     handle: Handle | None
 
 
 class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
     """DreamDDP's optimizer (the module docstring). Installs a post-accumulate-grad hook on
-    every parameter; ``plan[l]`` is the iteration of the period that averages layer l
-    (None until the profile is done); ``syncs`` has one record per layer exchange (its
-    ``fragment`` is the layer)."""
+    every parameter and a forward pre-hook on every layer's module; ``plan[l]`` is the
+    iteration of the period that averages layer l (None until the profile is done); ``syncs``
+    has one record per layer exchange (its ``fragment`` is the layer), made when it lands."""
 
     def _start(self) -> None:
-        self.layers = layers_of(self.module, self.params)
+        owned = _owned_layers(self.module, self.params)
+        self.layers = [members for _, members in owned]
         self.layer_of = {
             id(self.params[i]): layer for layer, members in enumerate(self.layers) for i in members
         }
@@ -134,15 +158,30 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         a due layer that got no gradient, and the profile steps')."""
         self._remaining = [len(members) for members in self.layers]
         self._launched: list[_Launched] = []
+        """This iteration's exchanges (launched since the last step)."""
+        self._in_flight: dict[int, _Launched] = {}
+        """Exchanges of past iterations not landed yet, by layer (landed at the layer's use)."""
         self._backward_started: float | None = None
+        self._forward_started: float | None = None
         self._ready_at: dict[int, float] = {}
         self._comm_s: dict[int, float] = {}
+        self._used_at: dict[int, float] = {}
+        self._inner_s = 0.0
         self._paused_s = 0.0
+        self.wait_s: list[float] = []
+        """Per step (communicating, after the profile), the seconds spent waiting for exchanges
+        since the previous step: in the forward's pre-hooks, then in ``step()``."""
+        self._waited = 0.0
         self.profile: dict[str, list[float]] = {}
-        """The agreed profile: per layer in backward order, ``backward_s`` and ``comm_s``."""
+        """The agreed profile: per layer in backward order, ``backward_s``, ``comm_s`` and
+        ``slack_s``."""
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._grad_ready)  # type: ignore[no-untyped-call]
             for p in self.params
+        ]
+        self._hooks += [
+            sub.register_forward_pre_hook(functools.partial(self._before_use, layer))
+            for layer, (sub, _) in enumerate(owned)
         ]
 
     # -- which layers this iteration averages ------------------------------------------------
@@ -164,6 +203,19 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         self._backward_started = now(self.params[0].device)
 
     # -- hooks ---------------------------------------------------------------------------------
+    def _before_use(self, layer: int, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook: land the layer's exchange in flight; in a profile step, time the
+        layer's use from the forward's first."""
+        del module, args
+        if self.profiling:
+            t = now(self.params[0].device)
+            if self._forward_started is None:
+                self._forward_started = t
+            self._used_at.setdefault(layer, t - self._forward_started)
+        pending = self._in_flight.pop(layer, None)
+        if pending is not None:
+            self._land(pending)
+
     def _grad_ready(self, param: torch.Tensor) -> None:
         layer = self.layer_of[id(param)]
         self._remaining[layer] -= 1
@@ -177,14 +229,20 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             self._launch(layer)
 
     def _launch(self, layer: int) -> None:
+        pending = self._in_flight.pop(layer, None)
+        if pending is not None:  # its module's pre-hook did not fire (H = 1)
+            self._land(pending)
         params = [self.params[i] for i in self.layers[layer]]
         sent = torch.cat([p.detach().reshape(-1) for p in params])
         average = sent.clone()
+        step = self.step_count + 1
         if not self.profiling:
             handle = collectives.all_reduce(
                 self.outer_comm, average, "avg", algo=self.config.algo, async_op=True
             )
-            self._launched.append(_Launched(layer=layer, sent=sent, average=average, handle=handle))
+            self._launched.append(
+                _Launched(layer=layer, step=step, sent=sent, average=average, handle=handle)
+            )
             return
         # Profile: the exchange runs alone, timed, and the backward pass waits for it (the
         # time it waits is taken out of the next layer's backward time).
@@ -195,42 +253,90 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         spent = now(device) - ready
         self._comm_s[layer] = spent
         self._paused_s += spent
-        self._launched.append(_Launched(layer=layer, sent=sent, average=average, handle=None))
+        self._launched.append(
+            _Launched(layer=layer, step=step, sent=sent, average=average, handle=None)
+        )
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> None:
-        """Land this iteration's exchanges (launching any due layer whose hook did not fire),
-        take the inner step, and after the profile plan the period."""
+        """Launch any due layer whose hook did not fire, take the inner step (a profile step
+        lands its exchanges first), keep this iteration's exchanges in flight until their
+        layers' next use, and after the profile plan the period."""
         if not self.communicate:
             self.inner.step()
             return
+        # Exchanges whose layers were not used since (a module called around its hook).
+        for pending in list(self._in_flight.values()):
+            self._land(pending)
+        self._in_flight.clear()
         done = {launched.layer for launched in self._launched}
         for layer in range(len(self.layers)):
             if layer not in done and self.due(layer):
                 self._launch(layer)  # no gradient this step: sent from here, in layer order
         profiling = self.profiling
-        for launched in self._launched:
-            if launched.handle is not None:
-                launched.handle.wait()
-            self._write_layer(launched.layer, launched.average)
-            drift = float((launched.sent - launched.average).norm())
-            scale = float(launched.sent.norm()) or 1.0
-            self.syncs.append(
-                SyncRecord(
-                    step=self.step_count + 1,
-                    fragment=launched.layer,
-                    numel=launched.average.numel(),
-                    drift=drift,
-                    relative_drift=drift / scale,
-                )
-            )
+        if profiling or self.method.land_at == "step":
+            for launched in self._launched:
+                self._wait(launched)
+                self._write_layer(launched.layer, launched.average)
+                self._record(launched)
+        else:
+            self._in_flight = {launched.layer: launched for launched in self._launched}
         if profiling:
             self._record_profile()
         self._launched = []
+        started = now(self.params[0].device)
         self._inner_step(self.config.inner_lr_scale)
+        if profiling:
+            self._inner_s = now(self.params[0].device) - started
+        if not profiling:
+            self.wait_s.append(self._waited)
+        self._waited = 0.0
         self.step_count += 1
+        self._forward_started = None
         if profiling and not self.profiling:
             self._make_plan()
+
+    def _wait(self, launched: _Launched) -> None:
+        """Wait for an exchange, the time counted in ``wait_s``."""
+        if launched.handle is not None:
+            started = now(self.params[0].device)
+            launched.handle.wait()
+            launched.handle = None
+            self._waited += now(self.params[0].device) - started
+
+    def _land(self, launched: _Launched) -> None:
+        """Wait for an exchange and move the layer by the average's difference from what was
+        sent (the local step taken since stays on it)."""
+        self._wait(launched)
+        correction = launched.average - launched.sent
+        offset = 0
+        with torch.no_grad():
+            for i in self.layers[launched.layer]:
+                p = self.params[i]
+                p.add_(correction[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self._record(launched)
+
+    def _record(self, launched: _Launched) -> None:
+        drift = float((launched.sent - launched.average).norm())
+        scale = float(launched.sent.norm()) or 1.0
+        self.syncs.append(
+            SyncRecord(
+                step=launched.step,
+                fragment=launched.layer,
+                numel=launched.average.numel(),
+                drift=drift,
+                relative_drift=drift / scale,
+            )
+        )
+
+    def land_in_flight(self) -> None:
+        """Wait for and apply every exchange in flight (``finish()``'s first half), then the
+        shared machinery's."""
+        for pending in self._in_flight.values():
+            self._land(pending)
+        self._in_flight.clear()
+        super().land_in_flight()
 
     def _write_layer(self, layer: int, flat: torch.Tensor) -> None:
         offset = 0
@@ -256,8 +362,13 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             ready[0] if self._backward_started is None else min(ready[0], self._backward_started)
         )
         backward = [max(0.0, r - prev) for r, prev in zip(ready, [start, *ready[:-1]], strict=True)]
+        # A layer's next use: the optimizer step, then the forward up to it (0 where its
+        # module's pre-hook did not fire: needed as the backward pass ends).
+        slack = [self._inner_s + self._used_at.get(layer, -self._inner_s) for layer in order]
+        # One max-reduction agrees on all three: the slowest rank's compute and exchange times
+        # (the pessimistic ones), and the least slack (its negation's max), for the same reason.
         times = torch.tensor(
-            [*backward, *[self._comm_s.get(layer, 0.0) for layer in order]],
+            [*backward, *[self._comm_s.get(layer, 0.0) for layer in order], *[-x for x in slack]],
             dtype=torch.float64,
             device=self.params[0].device,
         )
@@ -269,30 +380,35 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             self.control_bytes += times.numel() * 8 + order_t.numel() * 8
         self.backward_order = [int(x) for x in order_t.tolist()]
         values = times.tolist()
+        backward_s, comm_s = values[:layers], values[layers : 2 * layers]
+        slack_s = [-x for x in values[2 * layers :]]
+        if self.method.land_at == "step":
+            slack_s = [0.0] * layers  # every layer needed as the backward pass ends
         plan_in_order = plan_layers(
-            values[:layers], values[layers:], self.method.H, max_nodes=self.method.max_plan_nodes
+            backward_s, comm_s, self.method.H, slack_s, max_nodes=self.method.max_plan_nodes
         )
         plan = [0] * layers
         for position, layer in enumerate(self.backward_order):
             plan[layer] = plan_in_order[position]
         self.plan = plan
-        self.profile = {"backward_s": values[:layers], "comm_s": values[layers:]}
+        self.profile = {"backward_s": backward_s, "comm_s": comm_s, "slack_s": slack_s}
 
     def planned_iterations(self) -> list[dict[str, float]]:
         """Per iteration of the period, what the plan expects from the profile it was made
-        from: ``comm_s``, its layers' exchange times added up, and ``exposed_s``, the part of
-        them the backward pass does not hide (``layer_schedule.py``); empty before the plan and
+        from: ``comm_s``, its layers' exchange times added up, and ``exposed_s``, how long the
+        iteration stalls waiting for them (``layer_schedule.py``); empty before the plan and
         after a resume (the profile is not checkpointed, the plan is)."""
         if self.plan is None or not self.profile:
             return []
         backward, comm = self.profile["backward_s"], self.profile["comm_s"]
+        slack = self.profile.get("slack_s")
         out = []
         for it in range(self.method.H):
             positions = [i for i, layer in enumerate(self.backward_order) if self.plan[layer] == it]
             out.append(
                 {
                     "comm_s": sum(comm[i] for i in positions),
-                    "exposed_s": exposed_s(positions, backward, comm),
+                    "exposed_s": exposed_s(positions, backward, comm, slack),
                 }
             )
         return out
@@ -305,13 +421,28 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         self._hooks = []
 
     def state_dict(self) -> dict[str, Any]:
-        """The shared state, and the plan (the profile's times differ from run to run, so a
-        resumed run must keep the plan it had)."""
+        """The shared state, the plan (the profile's times differ from run to run, so a resumed
+        run must keep the plan it had), and the exchanges in flight, waited for but not landed:
+        the resumed run lands them where this one does, at their layers' next use."""
         state = super().state_dict()
+        in_flight = []
+        for pending in self._in_flight.values():
+            if pending.handle is not None:
+                pending.handle.wait()
+                pending.handle = None
+            in_flight.append(
+                {
+                    "layer": pending.layer,
+                    "step": pending.step,
+                    "sent": pending.sent.clone(),
+                    "average": pending.average.clone(),
+                }
+            )
         state["dreamddp"] = {
             "plan": None if self.plan is None else list(self.plan),
             "backward_order": list(self.backward_order),
             "control_bytes": self.control_bytes,
+            "in_flight": in_flight,
         }
         return state
 
@@ -321,6 +452,17 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         self.plan = None if own["plan"] is None else [int(x) for x in own["plan"]]
         self.backward_order = [int(x) for x in own["backward_order"]]
         self.control_bytes = int(own["control_bytes"])
+        device = self.params[0].device
+        self._in_flight = {
+            int(item["layer"]): _Launched(
+                layer=int(item["layer"]),
+                step=int(item["step"]),
+                sent=item["sent"].to(device),
+                average=item["average"].to(device),
+                handle=None,
+            )
+            for item in own.get("in_flight", [])
+        }
 
 
 DreamDDPConfig.optimizer_class = DreamDDPOptimizer

@@ -1,24 +1,34 @@
 """DreamDDP's schedule: which iteration of the period averages which layer.
 
 Every layer is averaged once per period of H iterations, its exchange launched as soon as the
-backward pass has finished with it. Layers are numbered in the order the backward pass
-finishes them (the last layer of the forward first), with profiled times:
-``backward_s[l]``, the backward compute between layer l-1's end and layer l's, and ``comm_s[l]``,
-the time of layer l's exchange. One link carries the exchanges one after another, so in an
-iteration that averages the layers S (in backward order):
+backward pass has finished with it and waited for just before the layer is next used (its
+forward in the next iteration). Layers are numbered in the order the backward pass finishes
+them (the last layer of the forward first), with profiled times: ``backward_s[l]``, the
+backward compute between layer l-1's end and layer l's, ``comm_s[l]``, the time of layer l's
+exchange, and ``slack_s[l]``, the compute between the end of the backward pass and layer l's
+next use (the optimizer step, then the forward up to that layer). One link carries the
+exchanges one after another, so in an iteration that averages the layers S (in backward
+order):
 
 1. layer l is ready at ``ready_l = backward_s[0] + ... + backward_s[l]``;
-2. its exchange starts when it is ready and the link is free: ``finish = max(finish, ready_l) +
-   comm_s[l]``;
-3. the iteration waits ``exposed(S) = max(0, finish - ready_{L-1})`` past its backward pass.
+2. its exchange starts when it is ready and the link is free: ``finish_l = max(finish, ready_l)
+   + comm_s[l]``;
+3. it is needed at ``ready_{L-1} + slack_s[l]``, and the iteration stalls by ``exposed(S) =
+   max(0, max over l in S of finish_l - ready_{L-1} - slack_s[l])`` (a wait pushes every later
+   use back by as much, so the largest lateness is the stall).
+
+Without slack (every layer needed at the end of the backward pass, as when the optimizer step
+waits for the exchanges) step 3 is ``max(0, finish_last - ready_{L-1})``. The slack is what
+lets the layers that the backward pass finishes last, whose exchanges nothing in the backward
+pass can hide, overlap the optimizer step and the next forward instead.
 
 ``plan_layers`` assigns every layer to one iteration so that the worst iteration's exposed
 time is the least, then the heaviest iteration's communication (the sum of its ``comm_s``),
 then the exposed times' sum (the order of the key), exactly for small cases (branch and bound
-over the assignments, iterations with the same link and load being interchangeable), and with
-the best assignment found within ``max_nodes`` nodes of the search otherwise (never worse than
-the greedy start: each layer, in backward order, to the iteration whose link frees first, the
-least loaded of those).
+over the assignments, iterations with the same link, load and lateness being
+interchangeable), and with the best assignment found within ``max_nodes`` nodes of the search
+otherwise (never worse than the greedy start: each layer, in backward order, to the iteration
+whose link frees first, the least loaded of those).
 
 The second term spreads the bytes over the period. Exposure alone is indifferent between
 stacking layers whose exchanges the model hides in a few iterations and spreading them over
@@ -41,46 +51,68 @@ from collections.abc import Sequence
 Key = tuple[float, float, float]
 
 
-def _check(backward_s: Sequence[float], comm_s: Sequence[float], num_iterations: int) -> None:
-    if len(backward_s) != len(comm_s) or not backward_s:
+def _check(
+    backward_s: Sequence[float],
+    comm_s: Sequence[float],
+    num_iterations: int,
+    slack_s: Sequence[float] | None,
+) -> Sequence[float]:
+    """Check the inputs; return the slack (zeros when not given)."""
+    slack = [0.0] * len(backward_s) if slack_s is None else slack_s
+    if len(backward_s) != len(comm_s) or len(slack) != len(comm_s) or not backward_s:
         raise ValueError(
-            f"backward_s and comm_s must give one time per layer (at least one), got "
-            f"{len(backward_s)} and {len(comm_s)}"
+            f"backward_s, comm_s and slack_s must give one time per layer (at least one), got "
+            f"{len(backward_s)}, {len(comm_s)} and {len(slack)}"
         )
     if num_iterations < 1:
         raise ValueError(f"num_iterations (H) must be >= 1, got {num_iterations}")
-    if min(*backward_s, *comm_s) < 0:
+    if min(*backward_s, *comm_s, *slack) < 0:
         raise ValueError("profiled times must be >= 0")
+    return slack
 
 
-def exposed_s(layers: Sequence[int], backward_s: Sequence[float], comm_s: Sequence[float]) -> float:
-    """Seconds an iteration that averages ``layers`` waits past its backward pass (steps 1-3
-    of the module docstring)."""
+def exposed_s(
+    layers: Sequence[int],
+    backward_s: Sequence[float],
+    comm_s: Sequence[float],
+    slack_s: Sequence[float] | None = None,
+) -> float:
+    """Seconds an iteration that averages ``layers`` stalls waiting for them (steps 1-3 of the
+    module docstring; ``slack_s`` None: every layer needed at the end of the backward pass)."""
     ready = list(itertools.accumulate(backward_s))
-    finish = 0.0
+    slack = [0.0] * len(backward_s) if slack_s is None else slack_s
+    finish, late = 0.0, 0.0
     for layer in sorted(layers):
         finish = max(finish, ready[layer]) + comm_s[layer]
-    return max(0.0, finish - ready[-1])
+        late = max(late, finish - ready[-1] - slack[layer])
+    return late
 
 
 def plan_key(
-    plan: Sequence[int], backward_s: Sequence[float], comm_s: Sequence[float], num_iterations: int
+    plan: Sequence[int],
+    backward_s: Sequence[float],
+    comm_s: Sequence[float],
+    num_iterations: int,
+    slack_s: Sequence[float] | None = None,
 ) -> Key:
     """The key of ``plan`` (``plan[l]`` = the iteration that averages layer l)."""
     members = [[layer for layer, h in enumerate(plan) if h == it] for it in range(num_iterations)]
-    costs = [exposed_s(layers, backward_s, comm_s) for layers in members]
+    costs = [exposed_s(layers, backward_s, comm_s, slack_s) for layers in members]
     loads = [sum(comm_s[layer] for layer in layers) for layers in members]
     return max(costs), max(loads), sum(costs)
 
 
 def brute_force_plan(
-    backward_s: Sequence[float], comm_s: Sequence[float], num_iterations: int
+    backward_s: Sequence[float],
+    comm_s: Sequence[float],
+    num_iterations: int,
+    slack_s: Sequence[float] | None = None,
 ) -> tuple[list[int], Key]:
     """The best plan by trying all ``H^L`` of them (small cases only)."""
-    _check(backward_s, comm_s, num_iterations)
+    _check(backward_s, comm_s, num_iterations, slack_s)
     best: tuple[list[int], Key] | None = None
     for plan in itertools.product(range(num_iterations), repeat=len(backward_s)):
-        key = plan_key(plan, backward_s, comm_s, num_iterations)
+        key = plan_key(plan, backward_s, comm_s, num_iterations, slack_s)
         if best is None or key < best[1]:
             best = (list(plan), key)
     assert best is not None
@@ -91,6 +123,7 @@ def plan_layers(
     backward_s: Sequence[float],
     comm_s: Sequence[float],
     num_iterations: int,
+    slack_s: Sequence[float] | None = None,
     *,
     max_nodes: int = 200_000,
 ) -> list[int]:
@@ -100,6 +133,8 @@ def plan_layers(
         backward_s: per layer, in backward order, the backward compute before it is ready.
         comm_s: per layer, the time of its exchange.
         num_iterations: H, the period.
+        slack_s: per layer, the compute between the end of the backward pass and its next
+            use (None: zeros, every layer needed when the backward pass ends).
         max_nodes: the search stops after this many nodes with the best plan found so far.
 
     Returns:
@@ -108,7 +143,7 @@ def plan_layers(
     Raises:
         ValueError: the lists differ in length or are empty, a time is negative, or H < 1.
     """
-    _check(backward_s, comm_s, num_iterations)
+    slack = _check(backward_s, comm_s, num_iterations, slack_s)
     ready = list(itertools.accumulate(backward_s))
     end = ready[-1]
     count = len(backward_s)
@@ -124,35 +159,38 @@ def plan_layers(
         finish[it] = max(finish[it], ready[layer]) + comm_s[layer]
         load[it] += comm_s[layer]
     best_plan = list(plan)
-    best_key = plan_key(plan, backward_s, comm_s, num_iterations)
+    best_key = plan_key(plan, backward_s, comm_s, num_iterations, slack)
     nodes = 0
 
-    def key_of(frees: list[float], loads: list[float]) -> Key:
-        costs = [max(0.0, f - end) for f in frees]
-        return max(costs), max(loads), sum(costs)
+    def key_of(lates: list[float], loads: list[float]) -> Key:
+        return max(lates), max(loads), sum(lates)
 
-    def search(layer: int, frees: list[float], loads: list[float], current: list[int]) -> None:
+    def search(
+        layer: int, frees: list[float], loads: list[float], lates: list[float], current: list[int]
+    ) -> None:
         nonlocal best_plan, best_key, nodes
         nodes += 1
         # Exposed times and loads only grow as layers are added: the partial key bounds the
         # complete one.
-        if nodes > max_nodes or key_of(frees, loads) >= best_key:
+        if nodes > max_nodes or key_of(lates, loads) >= best_key:
             return
         if layer == count:
-            best_plan, best_key = list(current), key_of(frees, loads)
+            best_plan, best_key = list(current), key_of(lates, loads)
             return
-        tried: set[tuple[float, float]] = set()
+        tried: set[tuple[float, float, float]] = set()
         for it in range(num_iterations):
-            if (frees[it], loads[it]) in tried:  # interchangeable with one already tried
+            state = frees[it], loads[it], lates[it]
+            if state in tried:  # interchangeable with one already tried
                 continue
-            tried.add((frees[it], loads[it]))
-            saved = frees[it], loads[it]
-            frees[it] = max(saved[0], ready[layer]) + comm_s[layer]
-            loads[it] = saved[1] + comm_s[layer]
+            tried.add(state)
+            frees[it] = max(state[0], ready[layer]) + comm_s[layer]
+            loads[it] = state[1] + comm_s[layer]
+            lates[it] = max(state[2], frees[it] - end - slack[layer])
             current.append(it)
-            search(layer + 1, frees, loads, current)
+            search(layer + 1, frees, loads, lates, current)
             current.pop()
-            frees[it], loads[it] = saved
+            frees[it], loads[it], lates[it] = state
 
-    search(0, [0.0] * num_iterations, [0.0] * num_iterations, [])
+    zeros = [0.0] * num_iterations
+    search(0, list(zeros), list(zeros), list(zeros), [])
     return best_plan

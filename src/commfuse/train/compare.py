@@ -151,7 +151,13 @@ def run_compare(
         record["mean_step_time_s_rounds"] = [r["mean_step_time_s"] for r in runs[j]]
         record["step_time_s"] = statistics.median(record["step_time_s_rounds"])
         record["mean_step_time_s"] = statistics.median(record["mean_step_time_s_rounds"])
-        for key in ("compute_step_time_s", "worst_phase_step_s", "cpu_floor_s", "machine_busy"):
+        for key in (
+            "compute_step_time_s",
+            "worst_phase_step_s",
+            "cpu_floor_s",
+            "machine_busy",
+            "mean_exchange_wait_s",
+        ):
             known = [r[key] for r in runs[j] if r.get(key) is not None]  # rounds that measured it
             if known:  # else round 1's: None
                 record[key] = statistics.median(known)

@@ -89,6 +89,26 @@ def worst_phase_step_s(
     return max(statistics.median(ts) for ts in phases.values())
 
 
+def _waits(
+    waits: Sequence[float] | None, period: int | None, timed: slice, steps: int
+) -> dict[str, Any]:
+    """``mean_exchange_wait_s`` and ``phase_exchange_wait_s`` from one wait per step of the
+    last ``len(waits)`` steps of the run (empty without them)."""
+    if not waits:
+        return {}
+    first = steps - len(waits)  # the steps before waited for nothing (DreamDDP's profile)
+    timed_waits = [(first + k, w) for k, w in enumerate(waits) if first + k >= timed.start]
+    if not timed_waits:
+        return {}
+    phases: dict[int, list[float]] = {}
+    for step, w in timed_waits:
+        phases.setdefault(step % period if period else 0, []).append(w)
+    return {
+        "mean_exchange_wait_s": statistics.fmean(w for _, w in timed_waits),
+        "phase_exchange_wait_s": [statistics.median(phases[p]) for p in sorted(phases)],
+    }
+
+
 def summarize(
     rank_results: Sequence[dict[str, Any]], *, strategy: str, workload: str, warmup: int
 ) -> dict[str, Any]:
@@ -137,9 +157,12 @@ def summarize(
         # above the second). None for a strategy that exchanges every step.
         "bytes_per_sync": strategy_metrics.get("bytes_per_sync"),
         "syncs": strategy_metrics.get("syncs"),
-        # DreamDDP: per iteration of the period, the exchange time and the part of it its plan
-        # expects the backward pass not to hide (from the profile).
+        # DreamDDP: per iteration of the period, the exchange time and the stall its plan
+        # expects (the part the computation before each layer's use does not hide).
         "planned_iterations": strategy_metrics.get("planned_iterations"),
+        # DreamDDP: the seconds a step waited for exchanges, the mean over the timed steps and
+        # the median at each position of the period (positions as ``worst_phase_step_s``'s).
+        **_waits(strategy_metrics.get("exchange_wait_s"), period, timed, steps),
         # A steady-state step (after warm-up; a compressor's uncompressed warm-up excluded).
         "median_bytes_per_step": statistics.median(hist["bytes"][timed]),
         "bytes_total": sum(hist["bytes"]),

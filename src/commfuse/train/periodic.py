@@ -121,6 +121,10 @@ class PeriodicSync(Strategy):
                 if isinstance(self.periodic, DreamDDPOptimizer)
                 else None
             ),
+            # DreamDDP: per step after the profile, the seconds spent waiting for exchanges.
+            "exchange_wait_s": (
+                list(self.periodic.wait_s) if isinstance(self.periodic, DreamDDPOptimizer) else None
+            ),
         }
 
     def state_dict(self) -> dict[str, Any]:
