@@ -87,7 +87,7 @@ def test_kill_in_allreduce_survivors_continue_and_the_restarted_replica_catches_
     steps = 250
     record = run_fault_tolerant(
         TrainConfig(workload=WORKLOAD, steps=steps, evaluate=False, bucket_cap_mb=BUCKET_CAP_MB),
-        FaultToleranceConfig(faults=(kill,), min_replicas=2),
+        FaultToleranceConfig(faults=(kill,), min_replicas=2, digest_every_steps=1),
         Topology(num_hosts=4, link_mbit=1000),
         timeout_s=200,
     )
@@ -125,6 +125,7 @@ def test_kill_in_allreduce_survivors_continue_and_the_restarted_replica_catches_
     rejoined_steps = {r["step"] for r in rejoined if r["committed"]}
     assert rejoined_steps == set(range(event["rejoin_step"], steps))
     assert record["step_digests_agree"] and record["replicas_agree"]
+    assert record["steps_compared"] == steps
     assert record["committed_steps"] == steps
     assert record["discarded_steps"] == 3  # the three survivors' failed step 5
     # What was communicated: each committed attempt allreduced the whole gradient once.
@@ -151,13 +152,14 @@ def test_compressed_replicas_agree_through_a_kill_and_the_joiner_gets_the_error_
             steps=10,
             evaluate=False,
         ),
-        FaultToleranceConfig(faults=(kill,), min_replicas=2),
+        FaultToleranceConfig(faults=(kill,), min_replicas=2, digest_every_steps=1),
         Topology(num_hosts=3, link_mbit=1000),
         timeout_s=200,
     )
     records: list[dict[str, Any]] = record["records"]
     # Every replica applies the same bits: QuorumComm sums the factors in rank order.
     assert record["step_digests_agree"] and record["replicas_agree"], record["per_replica"]
+    assert record["steps_compared"] == 10
     assert record["committed_steps"] == 10 and record["discarded_steps"] == 2
     rejoined = [r for r in records if r["replica"] == 1 and r["life"] == 1]
     assert rejoined and rejoined[0]["healed"] and rejoined[0]["committed"]
@@ -194,7 +196,7 @@ def test_a_cut_link_and_a_slow_host_cost_the_survivors_nothing() -> None:
     steps = 150
     record = run_fault_tolerant(
         TrainConfig(workload=WORKLOAD, steps=steps, evaluate=False),
-        FaultToleranceConfig(faults=(cut, slow), min_replicas=2),
+        FaultToleranceConfig(faults=(cut, slow), min_replicas=2, digest_every_steps=1),
         Topology(num_hosts=3, link_mbit=1000),
         timeout_s=200,
     )

@@ -18,7 +18,8 @@ Every step, in the order torchft's Manager expects:
 
 Each attempt is reported to the launcher as it happens (a killed replica's history survives
 it): the step, whether it committed, the quorum's size, the loss, monotonic times and, after a
-commit, the SHA-256 of the parameters, which the launcher compares across replicas.
+commit of the last step (and of every ``digest_every_steps``-th), the SHA-256 of the
+parameters, which the launcher compares across replicas.
 """
 
 from __future__ import annotations
@@ -124,6 +125,13 @@ def _lay_out_buckets(
         ddp.zero_grad(set_to_none=True)
     finally:
         hook_state.local = False
+
+
+def _digested(job: ReplicaJob, step: int) -> bool:
+    """Whether committed step ``step`` reports the parameters' digest (``digest_every_steps``;
+    hashing them costs a pass over every parameter, which a short step feels)."""
+    every = job.ft.digest_every_steps
+    return step == job.train.steps - 1 or (every is not None and (step + 1) % every == 0)
 
 
 def start_quorum_retrying(manager: Any, timeout_s: float | None = None) -> None:
@@ -329,6 +337,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             else:
                 load_compression_state(saved)
             error = manager.errored()
+            digest = committed and _digested(job, step_now)
             send(
                 conn,
                 (
@@ -342,7 +351,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "t_quorum": t_quorum,
                         "t_backward": t_backward,
                         "t": time.monotonic(),
-                        "digest": params_digest(module) if committed else None,
+                        "digest": params_digest(module) if digest else None,
                         "healed": healed,
                         "samples": samples,
                         "bytes": hook_state.bytes_sent - sent_before,
@@ -362,5 +371,6 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             "served_bytes": transport.bytes_sent,
         }
     finally:
+        hook_state.worker.shutdown()
         manager.shutdown(wait=False)
         transport.shutdown(wait=False)
