@@ -157,7 +157,7 @@ def test_compressed_replicas_agree_through_a_kill_and_the_joiner_gets_the_error_
         timeout_s=200,
     )
     records: list[dict[str, Any]] = record["records"]
-    # Every replica applies the same bits: QuorumComm sums the factors in rank order.
+    # Every replica applies the same bits: gloo's all-reduce leaves one sum on every replica.
     assert record["step_digests_agree"] and record["replicas_agree"], record["per_replica"]
     assert record["steps_compared"] == 10
     assert record["committed_steps"] == 10 and record["discarded_steps"] == 2
