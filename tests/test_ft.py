@@ -236,6 +236,32 @@ def test_fault_free_run_equals_torch_ddp_bit_for_bit() -> None:
     assert losses[0] == plain["loss_curve"][0]
 
 
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_fault_free_powersgd_equals_the_run_without_torchft_bit_for_bit() -> None:
+    # Two replicas: a sum of two is the same in any order, so the quorum's all-reduce and the
+    # engine's sum the same bits; what must also match is everything around them: the
+    # warm-up in fp16, the factors, the error feedback, overlapped with backward or not.
+    from commfuse.compress import PowerSGD
+    from commfuse.train.runner import run_training
+    from commfuse.train.strategy import CommfuseDPConfig
+
+    compressor = PowerSGD(rank=2, warmup=2, warmup_fp16=True, wire="fp16", algo="native")
+    config = TrainConfig(
+        workload=WORKLOAD,
+        strategy=CommfuseDPConfig(compressor=compressor),
+        steps=6,
+        evaluate=False,
+    )
+    topology = Topology(num_hosts=2, link_mbit=1000)
+    ft = run_fault_tolerant(config, FaultToleranceConfig(), topology, timeout_s=200)
+    plain = run_training(config, topology, progress=False, timeout_s=200)
+    assert ft["discarded_steps"] == 0 and ft["replicas_agree"]
+    assert ft["digest"] == plain["digest"]
+    assert ft["losses"][0] == plain["loss_curve"][0]
+
+
 #: DiLoCo's period in the per-period tests.
 H = 4
 
