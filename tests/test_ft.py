@@ -557,6 +557,24 @@ def test_timeouts_derive_from_one_setting() -> None:
         FaultToleranceConfig(faults=(KillFault(host=1, at_step=1), KillFault(host=1, at_step=5)))
     with pytest.raises(ValueError, match="phase must be"):
         KillFault(host=0, at_step=1, phase="later")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="digest_every_steps must be at least 1"):
+        FaultToleranceConfig(digest_every_steps=0)
+
+
+def test_replicas_hash_their_parameters_at_the_steps_asked_and_after_the_last() -> None:
+    from commfuse.ft.replica import ReplicaJob, _digested
+
+    def hashed(every: int | None) -> list[int]:
+        job = ReplicaJob(
+            train=TrainConfig(workload=WORKLOAD, steps=7),
+            ft=FaultToleranceConfig(digest_every_steps=every),
+            replica=0, num_replicas=2, life=0, addr="10.0.0.1", store_port=1, lighthouse="",
+        )  # fmt: skip
+        return [step for step in range(7) if _digested(job, step)]
+
+    assert hashed(None) == [6]
+    assert hashed(1) == list(range(7))
+    assert hashed(3) == [2, 5, 6]
 
 
 def test_chaos_specs_parse_into_faults_and_periodic_kills_follow_the_seed() -> None:
