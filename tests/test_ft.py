@@ -230,6 +230,9 @@ def test_fault_free_run_equals_torch_ddp_bit_for_bit() -> None:
     plain = run_training(config, topology, progress=False, timeout_s=200)
     assert ft["digest"] == plain["digest"]
     assert ft["discarded_steps"] == 0 and ft["events"] == [] and ft["batches_lost"] == 0
+    # The forward ran while the quorum was asked for, once per step: only the first step,
+    # before any quorum, guessed its batch wrong.
+    assert {r["step"] for r in ft["records"] if r["forward_again"]} == {0}
     records = sorted(ft["records"], key=lambda r: r["replica"])
     losses = [statistics.fmean(r["loss"] for r in records if r["step"] == s) for s in range(6)]
     # torch DDP's record smooths its loss curve; its per-step mean is the curve's first point.

@@ -344,7 +344,8 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             pending.clear()
             step_now = manager.current_step()
             samples, batch, scale = _step_batch(workload, manager, job)
-            if healed or (step_now, samples, scale) != (guess[0], guess[1], guess[3]):
+            again = healed or (step_now, samples, scale) != (guess[0], guess[1], guess[3])
+            if again:
                 optimizer.zero_grad(set_to_none=True)
                 loss = workload.loss(ddp, batch)
             if hook_state.comm is not None:
@@ -381,6 +382,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "t": time.monotonic(),
                         "digest": params_digest(module) if digest else None,
                         "healed": healed,
+                        "forward_again": again,
                         "samples": samples,
                         "bytes": hook_state.bytes_sent - sent_before,
                         "error": None if error is None else str(error.original_exception),
