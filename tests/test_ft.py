@@ -89,7 +89,7 @@ def test_kill_in_allreduce_survivors_continue_and_the_restarted_replica_catches_
     steps = 250
     record = run_fault_tolerant(
         TrainConfig(workload=WORKLOAD, steps=steps, evaluate=False, bucket_cap_mb=BUCKET_CAP_MB),
-        FaultToleranceConfig(faults=(kill,), min_replicas=2),
+        FaultToleranceConfig(faults=(kill,), min_replicas=2, digest_every_steps=1),
         Topology(num_hosts=4, link_mbit=1000),
         timeout_s=200,
     )
@@ -127,6 +127,7 @@ def test_kill_in_allreduce_survivors_continue_and_the_restarted_replica_catches_
     rejoined_steps = {r["step"] for r in rejoined if r["committed"]}
     assert rejoined_steps == set(range(event["rejoin_step"], steps))
     assert record["step_digests_agree"] and record["replicas_agree"]
+    assert record["steps_compared"] == steps
     assert record["committed_steps"] == steps
     assert record["discarded_steps"] == 3  # the three survivors' failed step 5
     # What was communicated: each committed attempt allreduced the whole gradient once.
@@ -153,13 +154,14 @@ def test_compressed_replicas_agree_through_a_kill_and_the_joiner_gets_the_error_
             steps=10,
             evaluate=False,
         ),
-        FaultToleranceConfig(faults=(kill,), min_replicas=2),
+        FaultToleranceConfig(faults=(kill,), min_replicas=2, digest_every_steps=1),
         Topology(num_hosts=3, link_mbit=1000),
         timeout_s=200,
     )
     records: list[dict[str, Any]] = record["records"]
-    # Every replica applies the same bits: QuorumComm sums the factors in rank order.
+    # Every replica applies the same bits: gloo's all-reduce leaves one sum on every replica.
     assert record["step_digests_agree"] and record["replicas_agree"], record["per_replica"]
+    assert record["steps_compared"] == 10
     assert record["committed_steps"] == 10 and record["discarded_steps"] == 2
     rejoined = [r for r in records if r["replica"] == 1 and r["life"] == 1]
     assert rejoined and rejoined[0]["healed"] and rejoined[0]["committed"]
@@ -196,7 +198,7 @@ def test_a_cut_link_and_a_slow_host_cost_the_survivors_nothing() -> None:
     steps = 150
     record = run_fault_tolerant(
         TrainConfig(workload=WORKLOAD, steps=steps, evaluate=False),
-        FaultToleranceConfig(faults=(cut, slow), min_replicas=2),
+        FaultToleranceConfig(faults=(cut, slow), min_replicas=2, digest_every_steps=1),
         Topology(num_hosts=3, link_mbit=1000),
         timeout_s=200,
     )
@@ -230,10 +232,39 @@ def test_fault_free_run_equals_torch_ddp_bit_for_bit() -> None:
     plain = run_training(config, topology, progress=False, timeout_s=200)
     assert ft["digest"] == plain["digest"]
     assert ft["discarded_steps"] == 0 and ft["events"] == [] and ft["batches_lost"] == 0
+    # The forward ran while the quorum was asked for, once per step: only the first step,
+    # before any quorum, guessed its batch wrong.
+    assert {r["step"] for r in ft["records"] if r["forward_again"]} == {0}
     records = sorted(ft["records"], key=lambda r: r["replica"])
     losses = [statistics.fmean(r["loss"] for r in records if r["step"] == s) for s in range(6)]
     # torch DDP's record smooths its loss curve; its per-step mean is the curve's first point.
     assert losses[0] == plain["loss_curve"][0]
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_fault_free_powersgd_equals_the_run_without_torchft_bit_for_bit() -> None:
+    # Two replicas: a sum of two is the same in any order, so the quorum's all-reduce and the
+    # engine's sum the same bits; what must also match is everything around them: the
+    # warm-up in fp16, the factors, the error feedback, overlapped with backward or not.
+    from commfuse.compress import PowerSGD
+    from commfuse.train.runner import run_training
+    from commfuse.train.strategy import CommfuseDPConfig
+
+    compressor = PowerSGD(rank=2, warmup=2, warmup_fp16=True, wire="fp16", algo="native")
+    config = TrainConfig(
+        workload=WORKLOAD,
+        strategy=CommfuseDPConfig(compressor=compressor),
+        steps=6,
+        evaluate=False,
+    )
+    topology = Topology(num_hosts=2, link_mbit=1000)
+    ft = run_fault_tolerant(config, FaultToleranceConfig(), topology, timeout_s=200)
+    plain = run_training(config, topology, progress=False, timeout_s=200)
+    assert ft["discarded_steps"] == 0 and ft["replicas_agree"]
+    assert ft["digest"] == plain["digest"]
+    assert ft["losses"][0] == plain["loss_curve"][0]
 
 
 #: DiLoCo's period in the per-period tests.
@@ -543,6 +574,24 @@ def test_timeouts_derive_from_one_setting() -> None:
         FaultToleranceConfig(faults=(KillFault(host=1, at_step=1), KillFault(host=1, at_step=5)))
     with pytest.raises(ValueError, match="phase must be"):
         KillFault(host=0, at_step=1, phase="later")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="digest_every_steps must be at least 1"):
+        FaultToleranceConfig(digest_every_steps=0)
+
+
+def test_replicas_hash_their_parameters_at_the_steps_asked_and_after_the_last() -> None:
+    from commfuse.ft.replica import ReplicaJob, _digested
+
+    def hashed(every: int | None) -> list[int]:
+        job = ReplicaJob(
+            train=TrainConfig(workload=WORKLOAD, steps=7),
+            ft=FaultToleranceConfig(digest_every_steps=every),
+            replica=0, num_replicas=2, life=0, addr="10.0.0.1", store_port=1, lighthouse="",
+        )  # fmt: skip
+        return [step for step in range(7) if _digested(job, step)]
+
+    assert hashed(None) == [6]
+    assert hashed(1) == list(range(7))
+    assert hashed(3) == [2, 5, 6]
 
 
 def test_chaos_specs_parse_into_faults_and_periodic_kills_follow_the_seed() -> None:

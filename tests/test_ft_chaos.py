@@ -42,7 +42,7 @@ def test_kill_every_from_the_command_line_loses_no_sample_with_a_fixed_global_ba
     command = [
         sys.executable, "-m", "commfuse.cli", "train", "--workload", SPEC, "--hosts", "3",
         "--link", "1gbit", "--fault-tolerant", "--ft-timeout", "1", "--min-replicas", "2",
-        "--global-batch", "fixed", "--steps", str(steps),
+        "--global-batch", "fixed", "--steps", str(steps), "--digest-every-steps", "1",
         "--chaos", "kill-every:every_s=3,restart_after_s=0.5,seed=1", "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=170)
@@ -58,6 +58,7 @@ def test_kill_every_from_the_command_line_loses_no_sample_with_a_fixed_global_ba
     assert record["restarts"] >= 1
     assert record["committed_steps"] == steps
     assert record["step_digests_agree"] and record["replicas_agree"]
+    assert record["steps_compared"] == steps
     # A survivor of a kill trained more than its own slot: the fixed global batch at work.
     shares = {r["samples"][1] - r["samples"][0] for r in record["records"] if r["committed"]}
     assert shares > {WORKLOAD.batch}, shares

@@ -115,6 +115,14 @@ def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
         help="fewest replica groups that may commit a step (default 1)",
     )
     group.add_argument(
+        "--digest-every-steps",
+        type=int,
+        default=None,
+        metavar="K",
+        help="per-step mode: hash every replica's parameters after every K committed steps and "
+        "compare them step by step (default: after the last step only)",
+    )
+    group.add_argument(
         "--global-batch",
         choices=("fixed", "shrink"),
         default="shrink",

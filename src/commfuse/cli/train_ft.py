@@ -86,6 +86,7 @@ def fault_tolerance_from_args(args: argparse.Namespace) -> FaultToleranceConfig:
         min_replicas=args.min_replicas,
         faults=tuple(fault_from_spec(spec) for spec in args.chaos),
         global_batch=args.global_batch,
+        digest_every_steps=args.digest_every_steps,
     )
 
 

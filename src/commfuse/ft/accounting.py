@@ -14,8 +14,9 @@ those (and the launcher's record of kills and restarts) the run's record states:
   also as ``batches_lost``; with ``fixed`` the survivors train it;
 * ``goodput_steps_per_s``: committed steps per second of training (``goodput.py``);
 * ``eval_loss`` / ``eval_accuracy``: the final model's held-out loss (when the run evaluates);
-* ``step_digests_agree``: at every step, every replica group that committed it holds
-  parameters with the same digest (the restarted replica's too, from its recovery on);
+* ``step_digests_agree``: at every step hashed (``digest_every_steps``; the last one always),
+  every replica group that committed it holds parameters with the same digest (the restarted
+  replica's too, from its recovery on), ``steps_compared`` of them;
   ``replicas_agree``: the final digests are equal;
 * per-period mode (local SGD, DiLoCo: ``periodic.py``) reports one attempt per period
   instead, its ``step`` the period's index, with the inner steps it covers: there
@@ -111,7 +112,8 @@ def summarize_ft(
     committed = [r for r in records if r["committed"]]
     digests: dict[int, set[str]] = defaultdict(set)
     for r in committed:
-        digests[r["step"]].add(r["digest"])
+        if r.get("digest") is not None:  # per step: only the steps hashed (digest_every_steps)
+            digests[r["step"]].add(r["digest"])
     committed_steps = max((res["step"] for res in results), default=0)
     kills = [f for f in faults if f["kind"] == "kill"]
     inferred = unreported_commits(

@@ -178,9 +178,10 @@ def _plain(r: dict[str, Any]) -> dict[str, Any]:
 
 def _ft_time(r: dict[str, Any]) -> dict[str, Any]:
     """The time per committed step, and where a committed step's time goes (medians over
-    the committed attempts after the warm-up): the quorum RPC (``quorum_s``), forward and
-    backward with the hook's exchange (``backward_s``), and the commit vote with the
-    optimizer step and the report (``commit_s``)."""
+    the committed attempts after the warm-up): the wait for the quorum (``quorum_s``; in
+    per-step mode the forward runs while the quorum is asked for, and only the wait left
+    after it counts), forward and backward with the hook's exchange (``backward_s``), and
+    the commit vote with the optimizer step and the report (``commit_s``)."""
     good = r.get("goodput_steps_per_s")
     steady = [
         a
@@ -188,15 +189,22 @@ def _ft_time(r: dict[str, Any]) -> dict[str, Any]:
         if a["committed"] and a["step"] >= WARMUP_STEPS and "t_backward" in a  # per-step mode
     ]
 
-    def phase(start: str, end: str) -> float | None:
-        return statistics.median(a[end] - a[start] for a in steady) if steady else None
+    def median(of: Callable[[dict[str, Any]], float]) -> float | None:
+        return statistics.median(of(a) for a in steady) if steady else None
+
+    def quorum(a: dict[str, Any]) -> float:
+        return float(a["t_quorum"] - a.get("t_forward", a["t0"]))
+
+    def compute(a: dict[str, Any]) -> float:
+        forward = a["t_forward"] - a["t0"] if "t_forward" in a else 0.0
+        return float(forward + a["t_backward"] - a["t_quorum"])
 
     return {
         "s_per_step": None if not good else 1.0 / good,
         "digest": r.get("digest"),
-        "quorum_s": phase("t0", "t_quorum"),
-        "backward_s": phase("t_quorum", "t_backward"),
-        "commit_s": phase("t_backward", "t"),
+        "quorum_s": median(quorum),
+        "backward_s": median(compute),
+        "commit_s": median(lambda a: float(a["t"] - a["t_backward"])),
     }
 
 

@@ -214,9 +214,18 @@ class FaultToleranceConfig:
     global_batch: GlobalBatch = "shrink"
     """While a replica group is missing: ``fixed``, the survivors train its samples too (more
     per step, the global batch unchanged); ``shrink``, its samples are lost (``data.py``)."""
+    digest_every_steps: int | None = None
+    """Per-step mode: every replica hashes its parameters (SHA-256) after every this many
+    committed steps, so that the record compares them step by step (``step_digests_agree``);
+    None: after the last step only (``replicas_agree``), as a run without torchft does."""
 
     def __post_init__(self) -> None:
         Timeouts.derive(self.timeout_s)  # ValueError on a bad timeout
+        if self.digest_every_steps is not None and self.digest_every_steps < 1:
+            raise ValueError(
+                "digest_every_steps must be at least 1 (None: the last step only), "
+                f"got {self.digest_every_steps}"
+            )
         if self.global_batch not in GLOBAL_BATCH_CHOICES:
             raise ValueError(
                 f"global_batch must be one of {', '.join(GLOBAL_BATCH_CHOICES)}, "

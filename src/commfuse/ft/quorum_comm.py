@@ -5,10 +5,13 @@ A compressor (``commfuse.compress``) exchanges its messages through a ``Communic
 PowerSGD's factors), ``all_gather`` when they cannot (top-k's values and indices). Under
 torchft the replica groups meet in the process group that the Manager reconfigures at each
 quorum, which torch.distributed does not know of; ``QuorumComm`` offers those two operations
-(and what a compressor reads: rank, world size, the config) on that group, both built on
-gloo's all-gather (an all-reduce sums the gathered messages in rank order, the same on every
-replica), every wait watching the quorum's alarm (``process_group.py``), and every byte
-counted. Its rank and size are the quorum's, read afresh at every step. The local-SGD family
+(and what a compressor reads: rank, world size, the config) on that group with gloo's own
+collectives, every wait watching the quorum's alarm (``process_group.py``), and every byte
+counted. An all-reduce is gloo's ring all-reduce: each element of the sum is reduced once,
+on the rank that owns its chunk, and that one result is copied to every other rank, so every
+replica holds the same bits (which keeps replicas from drifting apart in the last bit), and
+each replica sends ``2 (n - 1) / n`` times the message rather than an all-gather's
+``n - 1`` times. Its rank and size are the quorum's, read afresh at every step. The local-SGD family
 (``commfuse.localsgd.PeriodicSyncOptimizer``) takes it as its communicator too: its
 background exchanges (``submit``) run at once here, so that every exchange of a period has
 finished, and failed or not, before the period's commit vote.
@@ -21,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._C._distributed_c10d import AllgatherOptions
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
 
 from commfuse.comm import CommConfig, Handle
 from commfuse.ft.process_group import AlarmedProcessGroupGloo
@@ -69,10 +72,8 @@ class QuorumComm:
         return Handle.completed(fn(*args, **kwargs), op=op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
-        """Sum (or average, ``op="avg"``) ``tensor`` over the quorum, in place: an all-gather,
-        then the sum of the replicas' messages in rank order, so that every replica holds the
-        same bits (gloo's allreduce sums small messages in a different order on each rank, and
-        replicas whose parameters differ in the last bit would drift apart).
+        """Sum (or average, ``op="avg"``) ``tensor`` over the quorum, in place, with gloo's
+        ring all-reduce: the same bits on every replica (see the module docstring).
 
         Raises:
             ValueError: an op other than sum or avg.
@@ -81,11 +82,17 @@ class QuorumComm:
             raise ValueError(f"QuorumComm.all_reduce supports sum and avg, got {op!r}")
         if self.world_size == 1:
             return
-        flat = tensor.reshape(-1)
-        gathered = flat.new_empty(self.world_size * flat.numel())
-        self.all_gather(gathered, flat)
-        # In rank order on every replica: the same bits everywhere.
-        torch.sum(gathered.view(self.world_size, -1), dim=0, out=flat)
+        in_place = tensor.is_contiguous()
+        flat = tensor.view(-1) if in_place else tensor.reshape(-1).clone()
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
+        self.bytes_sent += flat.numel() * flat.element_size()
+        work = self.process_group.allreduce([flat], opts)
+        if self.on_issue is not None:
+            self.on_issue()
+        self.process_group.wait(work)
+        if not in_place:
+            tensor.copy_(flat.view_as(tensor))
         if op == "avg":
             tensor.div_(self.world_size)
 

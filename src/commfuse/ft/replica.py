@@ -16,9 +16,17 @@ Every step, in the order torchft's Manager expects:
    steps, the committed step advances) only if no collective of this replica failed. A failed
    step changes nothing: the survivors retry it with the new quorum.
 
+The quorum is a round trip to the lighthouse that a short step feels, and the forward does
+not need it: the forward runs on the batch of the last quorum while the quorum request is in
+flight on a thread of its own (the Manager waits for it, as ``use_async_quorum=False``
+asks). A joiner's state that arrives with the quorum is loaded on the training thread once
+the quorum is in, and the forward runs again when that state, or the quorum's step, rank or
+size, changed the batch. A joiner is served the torch random state of the step's start.
+
 Each attempt is reported to the launcher as it happens (a killed replica's history survives
 it): the step, whether it committed, the quorum's size, the loss, monotonic times and, after a
-commit, the SHA-256 of the parameters, which the launcher compares across replicas.
+commit of the last step (and of every ``digest_every_steps``-th), the SHA-256 of the
+parameters, which the launcher compares across replicas.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import pickle
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
@@ -126,6 +135,13 @@ def _lay_out_buckets(
         hook_state.local = False
 
 
+def _digested(job: ReplicaJob, step: int) -> bool:
+    """Whether committed step ``step`` reports the parameters' digest (``digest_every_steps``;
+    hashing them costs a pass over every parameter, which a short step feels)."""
+    every = job.ft.digest_every_steps
+    return step == job.train.steps - 1 or (every is not None and (step + 1) % every == 0)
+
+
 def start_quorum_retrying(manager: Any, timeout_s: float | None = None) -> None:
     """``manager.start_quorum()``, asked again for as long as it times out: a replica cut off
     from the lighthouse (its link down) waits for its link, then rejoins by live recovery.
@@ -143,11 +159,12 @@ def start_quorum_retrying(manager: Any, timeout_s: float | None = None) -> None:
 
 
 def _step_batch(
-    workload: Any, manager: Any, job: ReplicaJob, step: int
+    workload: Any, manager: Any, job: ReplicaJob
 ) -> tuple[list[int] | None, Any, float]:
-    """This replica's samples ``[start, stop)`` of the step's global batch (None when it is
-    not participating: the hook sends zeros for it), the batch, and its loss's scale
-    (``data.py``)."""
+    """This replica's samples ``[start, stop)`` of the global batch of the Manager's step under
+    its latest quorum (None when it is not participating: the hook sends zeros for it), the
+    batch, and its loss's scale (``data.py``)."""
+    step = manager.current_step()
     size = int(getattr(job.train.workload, "batch", 1))
     participant = manager.participating_rank()
     if job.ft.global_batch == "shrink" or participant is None:
@@ -249,7 +266,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         return {
             "model": module.state_dict(),
             "optimizer": optimizer.state_dict(),
-            "torch_rng": torch.get_rng_state(),
+            "torch_rng": at_start["torch_rng"],
             "compression": compression_state(),
         }
 
@@ -263,10 +280,13 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             hook_state.compressor.load_state_dict(state["compressor"])
             hook_state.steps = {str(k): int(v) for k, v in state["steps"].items()}
 
-    recovered: list[bool] = []
+    # torch's random state at the start of the step in progress: a joiner continues from it.
+    at_start: dict[str, Any] = {"torch_rng": torch.get_rng_state()}
+    # A joiner's state, as the Manager hands it over inside the quorum (on the quorum's
+    # thread, while this one runs the forward): loaded once the quorum is in.
+    pending: list[dict[str, Any]] = []
 
     def load_state_dict(state: dict[str, Any]) -> None:
-        recovered.append(True)
         module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
@@ -287,7 +307,8 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         if conn.recv_bytes() != b"start":
             raise RuntimeError("the launcher did not say start")
     transport = ChecksummedHTTPTransport(job.addr, timeout=op_timeout)
-    manager = make_manager(job, process_group, transport, state_dict, load_state_dict)
+    manager = make_manager(job, process_group, transport, state_dict, pending.append)
+    quorum_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-quorum")
     kills = [f for f in job.ft.faults if isinstance(f, KillFault) and f.host == job.replica]
     kills = kills if job.life == 0 else []
     kill = kills[0] if kills else None
@@ -304,21 +325,35 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     try:
         while manager.current_step() < job.train.steps:
             t0 = time.monotonic()
-            start_quorum_retrying(manager)
+            # The step's batch as the last quorum would have it; the forward runs on it while
+            # the quorum is asked for, and again only if the quorum changed the batch.
+            guess = (manager.current_step(), *_step_batch(workload, manager, job))
+            at_start["torch_rng"] = torch.get_rng_state()  # what a joiner is served
+            asked = quorum_thread.submit(start_quorum_retrying, manager)
+            if kill is not None and kill.phase == "compute" and kill.at_step == guess[0]:
+                asked.result()
+                kill_now(conn, kill, guess[0])
+            optimizer.zero_grad(set_to_none=True)
+            loss = workload.loss(ddp, guess[2])
+            t_forward = time.monotonic()
+            asked.result()
             t_quorum = time.monotonic()
-            healed = bool(recovered)
-            recovered.clear()
+            healed = bool(pending)
+            for state in pending:
+                load_state_dict(state)  # on this thread: nothing reads the state meanwhile
+            pending.clear()
             step_now = manager.current_step()
+            samples, batch, scale = _step_batch(workload, manager, job)
+            again = healed or (step_now, samples, scale) != (guess[0], guess[1], guess[3])
+            if again:
+                optimizer.zero_grad(set_to_none=True)
+                loss = workload.loss(ddp, batch)
             if hook_state.comm is not None:
                 hook_state.comm.at_quorum(manager.participating_rank() or 0, process_group.size())
             # A failed step must leave the compressor's state as it found it (error feedback,
             # factors): some replicas may have updated theirs before the failure, others not.
             saved = copy.deepcopy(compression_state())
-            if kill is not None and kill.phase == "compute" and kill.at_step == step_now:
-                kill_now(conn, kill, step_now)
-            samples, batch, scale = _step_batch(workload, manager, job, step_now)
-            optimizer.zero_grad(set_to_none=True)
-            loss = workload.loss(ddp, batch)
+            t_saved = time.monotonic()
             sent_before = hook_state.bytes_sent
             (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
             participants = manager.num_participants()
@@ -329,6 +364,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             else:
                 load_compression_state(saved)
             error = manager.errored()
+            digest = committed and _digested(job, step_now)
             send(
                 conn,
                 (
@@ -340,10 +376,13 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "loss": float(loss.detach()),
                         "t0": t0,
                         "t_quorum": t_quorum,
+                        "t_saved": t_saved,
+                        "t_forward": t_forward,
                         "t_backward": t_backward,
                         "t": time.monotonic(),
-                        "digest": params_digest(module) if committed else None,
+                        "digest": params_digest(module) if digest else None,
                         "healed": healed,
+                        "forward_again": again,
                         "samples": samples,
                         "bytes": hook_state.bytes_sent - sent_before,
                         "error": None if error is None else str(error.original_exception),
@@ -362,5 +401,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             "served_bytes": transport.bytes_sent,
         }
     finally:
+        quorum_thread.shutdown(wait=False)
+        hook_state.worker.shutdown()
         manager.shutdown(wait=False)
         transport.shutdown(wait=False)
