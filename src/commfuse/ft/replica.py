@@ -159,12 +159,13 @@ def start_quorum_retrying(manager: Any, timeout_s: float | None = None) -> None:
 
 
 def _step_batch(
-    workload: Any, manager: Any, job: ReplicaJob
+    workload: Any, manager: Any, job: ReplicaJob, step: int | None = None
 ) -> tuple[list[int] | None, Any, float]:
-    """This replica's samples ``[start, stop)`` of the global batch of the Manager's step under
-    its latest quorum (None when it is not participating: the hook sends zeros for it), the
-    batch, and its loss's scale (``data.py``)."""
-    step = manager.current_step()
+    """This replica's samples ``[start, stop)`` of the global batch of ``step`` (default: the
+    Manager's step) under its latest quorum (None when it is not participating: the hook sends
+    zeros for it), the batch, and its loss's scale (``data.py``). Per-period mode passes its
+    inner step."""
+    step = manager.current_step() if step is None else step
     size = int(getattr(job.train.workload, "batch", 1))
     participant = manager.participating_rank()
     if job.ft.global_batch == "shrink" or participant is None:
