@@ -51,10 +51,14 @@ def test_kill_every_from_the_command_line_loses_no_sample_with_a_fixed_global_ba
     kills = [e for e in record["events"] if e["kind"] == "kill"]
     assert kills, record["events"]
     assert any(e["in_quorum"] for e in kills), kills
-    for event in kills:
-        if event["in_quorum"]:  # else killed while it was still joining: nobody waited
-            assert event["detect_s"] is not None and event["recover_s"] is not None, event
-            assert event["detect_s"] <= event["recover_s"], event
+    # A replica killed while it was still joining held nobody up (not in_quorum); one killed
+    # between two exchanges and back within the heartbeat's timeout may fail no survivor's
+    # step and shrink no quorum (no detect_s). Every other kill is noticed, then recovered from.
+    noticed = [e for e in kills if e["in_quorum"] and e["detect_s"] is not None]
+    assert noticed, kills
+    for event in noticed:
+        assert event["recover_s"] is not None, event
+        assert event["detect_s"] <= event["recover_s"], event
     assert record["restarts"] >= 1
     assert record["committed_steps"] == steps
     assert record["step_digests_agree"] and record["replicas_agree"]
