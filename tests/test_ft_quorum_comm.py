@@ -5,8 +5,8 @@ reconfigurable gloo group that torchft's Manager drives (``AlarmedProcessGroupGl
 by its ``configure`` in a real TCPStore):
 
 * ``all_reduce`` leaves the same bits on every replica, a sum within fp32 rounding of the
-  exact one (three roundings of the magnitudes' sum), for messages of odd sizes and non-integer values (where the order of a sum
-  shows in the last bits);
+  exact one (three roundings of the magnitudes' sum), for messages of odd sizes and
+  non-integer values (where the order of a sum shows in the last bits);
 * what each replica puts on its link for one ``all_reduce`` of S bytes is a ring
   all-reduce's ``2 (n - 1) / n x S`` (plus the headers and acknowledgements of TCP), not
   the ``(n - 1) x S`` of an all-gather of every replica's message; read from the host

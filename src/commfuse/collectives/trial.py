@@ -29,8 +29,8 @@ communicator's life, as the model's choice would (``tuner.choose``), and ``outco
 medians for reports. With ``CommConfig.tuner_profile_path`` set, the decision is also written to
 that profile (``Profile.trial_choices``; the file is created when missing), and a later job on
 the same layout takes it from there without a trial, as MPI libraries keep their tuned
-decisions in a file that later runs read. All calls of a trial must be made in the same order on every rank, as every
-collective must.
+decisions in a file that later runs read. All calls of a trial must be made in the same order
+on every rank, as every collective must.
 """
 
 from __future__ import annotations

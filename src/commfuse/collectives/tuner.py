@@ -371,10 +371,10 @@ UNCALIBRATED_MIN_GAIN = 0.25
 
 #: gloo's all_to_all posts every message at once; on shaped host links those P - 1 flows share
 #: each link, and from 2 MB up they reach a smaller share of it than commfuse's pairwise exchange
-#: (one peer per step) does (the auto-vs-native report above). The alpha-beta model prices the two alike, so without a calibration ``auto``
-#: would keep gloo's everywhere. Until ``commfuse tune`` measures the cluster at hand, this ratio
-#: (gloo's time over the model's, by size) stands in for the calibration on shaped multi-host
-#: layouts of 3 or more ranks.
+#: (one peer per step) does (the auto-vs-native report above). The alpha-beta model prices the
+#: two alike, so without a calibration ``auto`` would keep gloo's everywhere. Until ``commfuse
+#: tune`` measures the cluster at hand, this ratio (gloo's time over the model's, by size) stands
+#: in for the calibration on shaped multi-host layouts of 3 or more ranks.
 UNCALIBRATED_NATIVE_ALL_TO_ALL = Correction(
     sizes_bytes=(1 << 20, 2 << 20, 4 << 20, 16 << 20, 64 << 20),
     ratios=(1.0, 1.14, 1.19, 1.29, 1.42),
@@ -413,22 +413,15 @@ def profile_of(comm: Communicator) -> Profile:
         if config.tuner_profile_path is not None:
             path = Path(config.tuner_profile_path)
             try:
-                text: str | None = path.read_text()
-            except FileNotFoundError as err:
-                # With trials on, the file is where their decisions go (``save_trial_choice``):
-                # the first run of a job creates it.
-                if config.tuner_trial_calls <= 0:
+                state.profile = Profile.from_json(path.read_text())
+            except OSError as err:
+                # With trials on, a missing file is where their decisions will go
+                # (``save_trial_choice``): the first job creates it.
+                if not (isinstance(err, FileNotFoundError) and config.tuner_trial_calls > 0):
                     raise ValueError(
                         f"CommConfig.tuner_profile_path={str(path)!r} cannot be read: "
                         f"{err.strerror}"
                     ) from err
-                text = None
-            except OSError as err:
-                raise ValueError(
-                    f"CommConfig.tuner_profile_path={str(path)!r} cannot be read: {err.strerror}"
-                ) from err
-            if text is not None:
-                state.profile = Profile.from_json(text)
         if state.profile is None:
             state.profile = Profile.default(
                 comm.world_size, link_mbit=config.link_mbit, ranks_per_host=config.ranks_per_host

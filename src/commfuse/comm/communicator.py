@@ -58,9 +58,9 @@ class CommConfig:
     A Communicator built without one gets ``default_config()``: in a rank started by
     ``commfuse launch``/``run``, torchrun or the test pool, the fields its launcher's
     environment sets (``COMMFUSE_DEADLINE_S``, ``COMMFUSE_LINK_MBIT``, ``LOCAL_WORLD_SIZE``,
-    ``COMMFUSE_TUNER_PROFILE``, ``COMMFUSE_TUNER_TRIAL_CALLS``), read once per process by the rank's start-up
-    (``commfuse.cluster.rank_runtime.comm_settings``); nothing else in the library reads the
-    environment.
+    ``COMMFUSE_TUNER_PROFILE``, ``COMMFUSE_TUNER_TRIAL_CALLS``), read once per process by the
+    rank's start-up (``commfuse.cluster.rank_runtime.comm_settings``); nothing else in the
+    library reads the environment.
 
     Raises:
         ValueError: a deadline that is not positive, a link rate that is not positive, or

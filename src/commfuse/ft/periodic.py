@@ -20,13 +20,14 @@ for streaming DiLoCo, every step of a synchronous warm-up). Per period, on each 
    rolls back to (another is taken before the last optimizer step, see 4);
 3. the period's inner steps, no quorum and no communication among them, each on the batch of
    its inner step (the data position is the inner step): its own slot of that step's global
-   batch, or with ``global_batch="fixed"`` its share of it among the period's quorum, so
-   that survivors train a missing replica's samples (``data.py``); through commfuse's own ``PeriodicSyncOptimizer``, whose communicator is the
-   quorum (``QuorumComm``): at the period's end the pseudo-gradient (a fragment's, for
-   streaming DiLoCo) is averaged across the quorum, compressed by the method's outer
-   compressor if it has one, every replica's message decoded in rank order, so that every
-   replica applies the same bits; then the outer step. After the last step ``finish()``
-   lands what is in flight and makes the final synchronisation, inside the last period;
+   batch, or with ``global_batch="fixed"`` its share of it among the period's quorum, so that
+   survivors train a missing replica's samples (``data.py``); through commfuse's own
+   ``PeriodicSyncOptimizer``, whose communicator is the quorum (``QuorumComm``): at the period's
+   end the pseudo-gradient (a fragment's, for streaming DiLoCo) is averaged across the quorum,
+   compressed by the method's outer compressor if it has one (every replica's message decoded
+   in rank order), so that every replica applies the same bits; then the outer step. After the last
+   step ``finish()`` lands what is in flight and makes the final synchronisation, inside the
+   last period;
 4. ``should_commit``: the period counts only if none of its exchanges failed (a peer died or
    timed out: the failing replica reports the error to its Manager and raises the quorum's
    alarm, so the others abandon theirs at once). A failed exchange keeps the period's inner
@@ -78,7 +79,8 @@ Without faults the run equals the same run without torchft (``commfuse train`` w
 ``--fault-tolerant``) bit for bit with two replicas, whose sum does not depend on its order,
 and with an all-gather outer compressor (SparseLoCo, DeMo, int4, top-k ...) for any number,
 whose messages both runs decode in rank order. Three or more replicas without a compressor
-sum in rank order here and in the allreduce algorithm's order there: the same up to rounding.
+sum in gloo's ring order here and in the allreduce algorithm's order there: the same up to
+rounding.
 Streaming DiLoCo's exchanges finish before the next inner step here (their result is still
 applied ``overlap_steps`` later, as without torchft): the delay is kept, the overlap is not.
 """

@@ -7,14 +7,14 @@ torchft the replica groups meet in the process group that the Manager reconfigur
 quorum, which torch.distributed does not know of; ``QuorumComm`` offers those two operations
 (and what a compressor reads: rank, world size, the config) on that group with gloo's own
 collectives, every wait watching the quorum's alarm (``process_group.py``), and every byte
-counted. An all-reduce is gloo's ring all-reduce: each element of the sum is reduced once,
-on the rank that owns its chunk, and that one result is copied to every other rank, so every
-replica holds the same bits (which keeps replicas from drifting apart in the last bit), and
-each replica sends ``2 (n - 1) / n`` times the message rather than an all-gather's
-``n - 1`` times. Its rank and size are the quorum's, read afresh at every step. The local-SGD family
-(``commfuse.localsgd.PeriodicSyncOptimizer``) takes it as its communicator too: its
-background exchanges (``submit``) run at once here, so that every exchange of a period has
-finished, and failed or not, before the period's commit vote.
+counted. An all-reduce is gloo's ring all-reduce: each element of the sum is reduced once, on
+the rank that owns its chunk, and that one result is copied to every other rank, so every
+replica holds the same bits (which keeps replicas from drifting apart in the last bit), and each
+replica sends ``2 (n - 1) / n`` times the message rather than an all-gather's ``n - 1`` times.
+Its rank and size are the quorum's, read afresh at every step. The local-SGD family
+(``commfuse.localsgd.PeriodicSyncOptimizer``) takes it as its communicator too: its background
+exchanges (``submit``) run at once here, so that every exchange of a period has finished, and
+failed or not, before the period's commit vote.
 """
 
 from __future__ import annotations
