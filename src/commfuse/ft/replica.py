@@ -158,20 +158,18 @@ def start_quorum_retrying(manager: Any, timeout_s: float | None = None) -> None:
             manager._quorum_future = None
 
 
-def _step_batch(
-    workload: Any, manager: Any, job: ReplicaJob, step: int | None = None
-) -> tuple[list[int] | None, Any, float]:
-    """This replica's samples ``[start, stop)`` of the global batch of ``step`` (default: the
-    Manager's step) under its latest quorum (None when it is not participating: the hook sends
-    zeros for it), the batch, and its loss's scale (``data.py``). Per-period mode passes its
-    inner step."""
+def _step_share(
+    manager: Any, job: ReplicaJob, step: int | None = None
+) -> tuple[int, list[int] | None, float]:
+    """The step (default: the Manager's), this replica's samples ``[start, stop)`` of its global
+    batch under the latest quorum (None when it is not participating: the hook sends zeros for
+    it), and its loss's scale (``data.py``): what decides the batch, without building it."""
     step = manager.current_step() if step is None else step
     size = int(getattr(job.train.workload, "batch", 1))
     participant = manager.participating_rank()
     if job.ft.global_batch == "shrink" or participant is None:
-        batch = workload.batch(step, job.replica, job.num_replicas, seed=job.train.seed)
         own = [job.replica * size, (job.replica + 1) * size]
-        return (own if participant is not None else None), batch, 1.0
+        return step, (own if participant is not None else None), 1.0
     participants = manager.num_participants()
     start, stop = sample_range(
         "fixed",
@@ -181,11 +179,28 @@ def _step_batch(
         num_replicas=job.num_replicas,
         batch=size,
     )
-    batch = global_batch_slice(
-        workload, step, start, stop, num_replicas=job.num_replicas, batch=size, seed=job.train.seed
-    )
     scale = loss_scale(start, stop, participants=participants, total=job.num_replicas * size)
-    return [start, stop], batch, scale
+    return step, [start, stop], scale
+
+
+def _share_batch(workload: Any, job: ReplicaJob, step: int, samples: list[int] | None) -> Any:
+    """The batch of ``_step_share``'s share: the replica's own slot unless the fixed global
+    batch gives it other samples."""
+    if job.ft.global_batch == "shrink" or samples is None:
+        return workload.batch(step, job.replica, job.num_replicas, seed=job.train.seed)
+    size = int(getattr(job.train.workload, "batch", 1))
+    return global_batch_slice(
+        workload, step, *samples, num_replicas=job.num_replicas, batch=size, seed=job.train.seed
+    )
+
+
+def _step_batch(
+    workload: Any, manager: Any, job: ReplicaJob, step: int | None = None
+) -> tuple[list[int] | None, Any, float]:
+    """``_step_share``'s samples and scale with their batch; per-period mode passes its inner
+    step."""
+    step, samples, scale = _step_share(manager, job, step)
+    return samples, _share_batch(workload, job, step, samples), scale
 
 
 def make_manager(
@@ -328,14 +343,14 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             t0 = time.monotonic()
             # The step's batch as the last quorum would have it; the forward runs on it while
             # the quorum is asked for, and again only if the quorum changed the batch.
-            guess = (manager.current_step(), *_step_batch(workload, manager, job))
+            guess = _step_share(manager, job)
             at_start["torch_rng"] = torch.get_rng_state()  # what a joiner is served
             asked = quorum_thread.submit(start_quorum_retrying, manager)
             if kill is not None and kill.phase == "compute" and kill.at_step == guess[0]:
                 asked.result()
                 kill_now(conn, kill, guess[0])
             optimizer.zero_grad(set_to_none=True)
-            loss = workload.loss(ddp, guess[2])
+            loss = workload.loss(ddp, _share_batch(workload, job, *guess[:2]))
             t_forward = time.monotonic()
             asked.result()
             t_quorum = time.monotonic()
@@ -343,12 +358,11 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             for state in pending:
                 load_state_dict(state)  # on this thread: nothing reads the state meanwhile
             pending.clear()
-            step_now = manager.current_step()
-            samples, batch, scale = _step_batch(workload, manager, job)
-            again = healed or (step_now, samples, scale) != (guess[0], guess[1], guess[3])
-            if again:
+            step_now, samples, scale = share = _step_share(manager, job)
+            again = healed or share != guess
+            if again:  # the batch is built again only when the quorum changed it
                 optimizer.zero_grad(set_to_none=True)
-                loss = workload.loss(ddp, batch)
+                loss = workload.loss(ddp, _share_batch(workload, job, step_now, samples))
             if hook_state.comm is not None:
                 hook_state.comm.at_quorum(manager.participating_rank() or 0, process_group.size())
             # A failed step must leave the compressor's state as it found it (error feedback,
