@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+import sys
 
 import torch.distributed as dist
 
@@ -10,5 +11,10 @@ from commfuse.comm import Communicator
 
 dist.init_process_group("gloo")
 comm = Communicator()
-print("CONFIG " + json.dumps({"rank": comm.rank, **dataclasses.asdict(comm.config)}), flush=True)
+# One write per line: print() writes the text and its newline apart when the launcher runs
+# Python unbuffered, and two ranks' lines on one pipe could then interleave.
+sys.stdout.write(
+    "CONFIG " + json.dumps({"rank": comm.rank, **dataclasses.asdict(comm.config)}) + "\n"
+)
+sys.stdout.flush()
 dist.destroy_process_group()
