@@ -111,6 +111,27 @@ def test_run_deadline_names_the_hung_rank() -> None:
     assert "hang_on" in str(info.value) and "[1]" in str(info.value)
 
 
+def environment_of_interest() -> dict[str, str | None]:
+    return {k: os.environ.get(k) for k in ("COMMFUSE_TEST_ADDED", "COMMFUSE_TEST_REMOVED")}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_sees_the_callers_environment_of_the_call_not_of_the_first_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ranks fork from a server started at the first call, with the environment of then; each
+    # call's ranks must still see the caller's environment as it is at that call.
+    monkeypatch.setenv("COMMFUSE_TEST_REMOVED", "stale")
+    monkeypatch.delenv("COMMFUSE_TEST_ADDED", raising=False)
+    first = run(environment_of_interest, world_size=1, timeout_s=40)
+    assert first == [{"COMMFUSE_TEST_ADDED": None, "COMMFUSE_TEST_REMOVED": "stale"}]
+    monkeypatch.delenv("COMMFUSE_TEST_REMOVED")
+    monkeypatch.setenv("COMMFUSE_TEST_ADDED", "fresh")
+    assert run(environment_of_interest, world_size=2, timeout_s=40) == 2 * [
+        {"COMMFUSE_TEST_ADDED": "fresh", "COMMFUSE_TEST_REMOVED": None}
+    ]
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped by init, does not)."""
     try:

@@ -98,10 +98,13 @@ def load_comm_settings(env: Mapping[str, str] | None = None) -> CommSettings:
 def enter_rank(env: dict[str, str], netns: str | None) -> None:
     """Adopt the rank's environment (reading the communicators' settings from it, once) and,
     when emulated, its host's network namespace."""
+    # ``env`` is the caller's whole environment with the rank's variables: it replaces the
+    # process's own, which a rank forked from the start server inherited from that server.
+    os.environ.clear()
     os.environ.update(env)
     load_comm_settings()
-    # torch reads OMP_NUM_THREADS when it is first imported, which in a spawned rank happens
-    # while the target function is unpickled, before this runs; set the pool size explicitly,
+    # torch reads OMP_NUM_THREADS when it is first imported, which for a rank happened in the
+    # start server or while the target function was unpickled; set the pool size explicitly,
     # as torchrun's workers get it. With 2 threads per rank on 2 cores, reductions inside our
     # algorithms ran 5-10x slower (measured: 16 MB LP reduce on 4 ranks, 72 ms -> 420+ ms).
     threads = env.get("OMP_NUM_THREADS")

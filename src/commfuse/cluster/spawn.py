@@ -1,8 +1,8 @@
 """``commfuse.cluster.run(fn, world_size=...)``: call a function on N fresh rank processes.
 
-Each rank is a spawned process with the torchrun environment, the default process group
-already initialized (gloo unless told otherwise), inside its emulated host's namespace when a
-netlab is used. The call returns every rank's return value, or raises ``RankError`` with the
+Each rank is a fresh process (forked from a server that has already imported torch, see
+``start.py``) with the torchrun environment, the default process group already initialized
+(gloo unless told otherwise), inside its emulated host's namespace when a netlab is used. The call returns every rank's return value, or raises ``RankError`` with the
 first failing rank's exception and traceback; the other ranks are stopped, never left hanging.
 """
 
@@ -29,6 +29,7 @@ from commfuse.cluster.rank_runtime import (
     pack_exception,
     unpack_exception,
 )
+from commfuse.cluster.start import rank_context
 from commfuse.cluster.store import host_store
 from commfuse.cluster.supervisor import kill_group, supervise
 from commfuse.cluster.topology import Topology
@@ -154,7 +155,7 @@ def run(
         raise ValueError(
             f"world_size={world_size} disagrees with the topology's {net.world_size} ranks"
         )
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     run_id = uuid.uuid4().hex[:12]
     # The watchdog stops the ranks (and removes the emulated cluster) should this process be
     # killed without the chance to do it itself.

@@ -43,6 +43,7 @@ from commfuse.cluster import DeadlineExceeded, RankError, Topology
 from commfuse.cluster.netlab import Netlab
 from commfuse.cluster.placement import Placement, open_placement
 from commfuse.cluster.rank_runtime import enter_rank
+from commfuse.cluster.start import rank_context
 from commfuse.cluster.store import HostedStore, host_store
 from commfuse.cluster.supervisor import kill_group
 from commfuse.cluster.watchdog import Watchdog
@@ -212,7 +213,7 @@ def _run(
     timeout_s: float,
     log_dir: str,
 ) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     run_id = uuid.uuid4().hex[:12]
     num = topology.num_hosts
     started = time.monotonic()

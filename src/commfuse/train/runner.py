@@ -9,13 +9,13 @@ so stdout stays clean for tables and JSON.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import queue as queue_mod
 import sys
 import threading
 from typing import Any
 
 from commfuse.cluster import Topology, run
+from commfuse.cluster.start import rank_context
 from commfuse.train.loop import TrainConfig, train_rank
 from commfuse.train.metrics import summarize
 from commfuse.train.strategy import describe_strategy, strategy_name
@@ -83,7 +83,7 @@ def run_training(
     ``cuda:LOCAL_RANK``, one GPU per rank; ``gloo``: the CPU; the training loop follows
     ``Communicator.device``)."""
     label = config.strategy_label
-    ctx = mp.get_context("spawn")  # the context commfuse.cluster.run starts ranks with
+    ctx = rank_context()  # the context commfuse.cluster.run starts ranks with
     q = ctx.Queue()
     show = sys.stderr.isatty() if progress is None else progress
     try:
