@@ -142,15 +142,18 @@ def _digested(job: ReplicaJob, step: int) -> bool:
     return step == job.train.steps - 1 or (every is not None and (step + 1) % every == 0)
 
 
-def start_quorum_retrying(manager: Any, timeout_s: float | None = None) -> None:
+def start_quorum_retrying(
+    manager: Any, timeout_s: float | None = None, *, shrink_only: bool = False
+) -> None:
     """``manager.start_quorum()``, asked again for as long as it times out: a replica cut off
     from the lighthouse (its link down) waits for its link, then rejoins by live recovery.
     The launcher stops it should the others finish first. ``timeout_s``: each request's
-    (None: the Manager's ``quorum_timeout``)."""
+    (None: the Manager's ``quorum_timeout``). ``shrink_only``: the lighthouse admits only
+    members of the last quorum (a newcomer waits for the next one)."""
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     while True:
         try:
-            manager.start_quorum(timeout=timeout)
+            manager.start_quorum(timeout=timeout, shrink_only=shrink_only)
             return
         except TimeoutError:
             # torchft 0.2.0 keeps the failed request and raises its error again at the next
