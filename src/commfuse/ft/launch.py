@@ -54,6 +54,7 @@ from commfuse.ft.config import (
     KillFault,
     SlowFault,
 )
+from commfuse.ft.init_from import init_step
 from commfuse.ft.lighthouse import start_lighthouse
 from commfuse.ft.periods import ft_mode
 from commfuse.ft.replica import ReplicaJob, run_replica, send
@@ -196,6 +197,7 @@ def run_fault_tolerant(
         )
     ft.check_hosts(topology.num_hosts)
     ft_mode(config.strategy)  # ValueError before anything starts
+    init_step(config)  # ValueError: a checkpoint at or past the run's total
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="commfuse-ft-"))
@@ -311,6 +313,7 @@ def _run(
         timeouts=ft.timeouts,
         global_batch=ft.global_batch,
         mode=ft_mode(config.strategy),
+        first_step=init_step(config),
     )
     record["strategy"] = describe_strategy(config.strategy)
     return record

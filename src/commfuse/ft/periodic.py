@@ -102,6 +102,7 @@ from typing import Any
 import torch
 
 from commfuse.ft.config import KillFault
+from commfuse.ft.init_from import load_init_from
 from commfuse.ft.periods import ft_periodic_config, sync_points
 from commfuse.ft.replica import (
     ReplicaJob,
@@ -221,11 +222,15 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     workload = make_workload(job.train.workload, device=torch.device("cpu"))
     module = workload.build_model(job.train.seed)
     optimizer = workload.make_optimizer(module)
+    # With init_from, the run's inner steps are those after the checkpoint's step (``first``):
+    # the periods count from there, each inner step trains the batch of its step in the
+    # whole run (``init_from.py``).
+    first = load_init_from(job.train, module, optimizer)
     process_group = AlarmedProcessGroupGloo(timeout=op_timeout)
     comm = QuorumComm(process_group)
     # The quorum's communicator speaks the Communicator interface the optimizer uses.
     periodic = PeriodicSyncOptimizer(optimizer, module, comm, config)  # type: ignore[arg-type]
-    points = sync_points(config, job.train.steps)
+    points = sync_points(config, job.train.steps - first)
     longest = max(b - a for a, b in zip([0, *points], points, strict=False))
     step_s = _time_inner_step(workload, module, job)
     timing: dict[str, float] = {"inner_step_s": step_s}
@@ -367,20 +372,24 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         losses, samples = list(kept["losses"]), kept["samples"]
                         skip = kept["skipped"]
                         _set_grads(periodic.params, kept["grads"])
-                        now["inner"] = end - 1
+                        now["inner"] = first + end - 1
                         periodic.step()  # the last step's update, then the exchange
                     if not resume:
                         periodic.step_count += skip  # the inner steps it skips
                     t_inner = time.monotonic()
                     inner_s = timing["inner_step_s"]
                     for inner in range(begin + skip, end) if not resume else ():
-                        now["inner"] = inner
-                        if kill is not None and kill.phase == "compute" and kill.at_step == inner:
-                            kill_now(conn, kill, inner, period=period)
+                        now["inner"] = first + inner
+                        if (
+                            kill is not None
+                            and kill.phase == "compute"
+                            and kill.at_step == first + inner
+                        ):
+                            kill_now(conn, kill, first + inner, period=period)
                         # With global_batch="fixed" the quorum of this period splits every
                         # inner step's global batch (data.py): a missing replica's samples
                         # are trained by the others, as in per-step mode.
-                        samples, batch, scale = step_batch(workload, manager, job, inner)
+                        samples, batch, scale = step_batch(workload, manager, job, first + inner)
                         periodic.zero_grad()
                         loss = workload.loss(module, batch)
                         (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
@@ -396,7 +405,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                                 "skipped": skip,
                             }
                         periodic.step()  # the outer exchange after the period's last step
-                    if end == job.train.steps:
+                    if first + end == job.train.steps:
                         periodic.finish()
                 except Exception as failure:  # an exchange failed: a peer died or timed out
                     manager.report_error(failure)
@@ -437,7 +446,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                     "step",
                     {
                         "step": period,
-                        "first_step": begin,
+                        "first_step": first + begin,
                         "inner_steps": end - begin,
                         "committed": bool(committed),
                         # A failed attempt whose inner steps the retry keeps; a retry.
@@ -470,7 +479,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             "eval_loss": held_out.get("loss"),
             "eval_accuracy": held_out.get("accuracy"),
             "digest": params_digest(module),
-            "step": periodic.step_count,
+            "step": first + periodic.step_count,
             "periods": manager.current_step(),
             "recovered_bytes": transport.bytes_received,
             "served_bytes": transport.bytes_sent,

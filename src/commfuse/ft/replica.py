@@ -52,6 +52,7 @@ from commfuse.compress.base import Compressor
 from commfuse.ft.config import FaultToleranceConfig, KillFault
 from commfuse.ft.data import global_batch_slice, loss_scale, sample_range
 from commfuse.ft.hook import FTHookState, ft_allreduce_hook
+from commfuse.ft.init_from import load_init_from
 from commfuse.ft.require import require_torchft
 from commfuse.train.loop import TrainConfig, params_digest
 from commfuse.train.strategy import CommfuseDPConfig, StrategyConfig, TorchDDPConfig
@@ -274,6 +275,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     workload = make_workload(job.train.workload, device=device)
     module = workload.build_model(job.train.seed)
     optimizer = workload.make_optimizer(module)
+    start = load_init_from(job.train, module, optimizer)  # 0 without init_from
     ddp = DistributedDataParallel(
         module,
         static_graph=strategy.static_graph,
@@ -327,6 +329,9 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             raise RuntimeError("the launcher did not say start")
     transport = ChecksummedHTTPTransport(job.addr, timeout=op_timeout)
     manager = make_manager(job, process_group, transport, state_dict, pending.append)
+    if start:
+        # The committed step is the data position: the run goes on from the checkpoint's.
+        manager.load_state_dict({"step": start, "batches_committed": 0})
     quorum_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-quorum")
     kills = [f for f in job.ft.faults if isinstance(f, KillFault) and f.host == job.replica]
     kills = kills if job.life == 0 else []
