@@ -283,7 +283,7 @@ def _checkpoint_at(root: Path, step: int) -> torch.nn.Module:
     workload = make_workload(WORKLOAD, device=torch.device("cpu"))
     model = workload.build_model(7)  # not the run's seed: nothing fresh can pass for it
     optimizer = workload.make_optimizer(model)
-    workload.loss(model, workload.batch(0, 0, 1, seed=7)).backward()
+    workload.loss(model, workload.batch(0, 0, 1, seed=7)).backward()  # type: ignore[no-untyped-call]
     optimizer.step()
     payload = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
     ckpt.save_rank(root, step, 0, payload)
