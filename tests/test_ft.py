@@ -16,10 +16,7 @@ host per replica group, and a real SIGKILL:
   50 Mbit/s: the job finishes, the survivors lose nothing, the replicas agree, and the
   record's data loss is exactly the steps the cut host missed;
 * a run without faults equals the same run on torch DDP without torchft, bit for bit;
-* ``commfuse train --fault-tolerant --init-from``: every replica starts at the checkpoint's
-  step with its model (the first loss is the checkpoint model's, bit for bit), a killed
-  replica restarts, recovers from its live peer and agrees at every step, and the data
-  accounting counts from the checkpoint's step;
+* ``--init-from`` and replica groups of several ranks: ``tests/test_ft_groups.py``;
 * per-period mode (DiLoCo with SparseLoCo's compressed outer exchange, four replicas): one
   replica SIGKILLed while its outer exchange is in flight, another between two inner steps;
   the survivors' exchange of that period fails, and they retry only the exchange with the
@@ -45,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import signal
 import statistics
@@ -272,73 +268,6 @@ def test_fault_free_powersgd_equals_the_run_without_torchft_bit_for_bit() -> Non
     assert ft["discarded_steps"] == 0 and ft["replicas_agree"]
     assert ft["digest"] == plain["digest"]
     assert ft["losses"][0] == plain["loss_curve"][0]
-
-
-def _checkpoint_at(root: Path, step: int) -> torch.nn.Module:
-    """A checkpoint of ``step`` in commfuse's format: the model after one AdamW step (so that
-    it and the optimizer's moments differ from a fresh start); returns the model."""
-    from commfuse.train import checkpoint as ckpt
-    from commfuse.workloads import make_workload
-
-    workload = make_workload(WORKLOAD, device=torch.device("cpu"))
-    model = workload.build_model(7)  # not the run's seed: nothing fresh can pass for it
-    optimizer = workload.make_optimizer(model)
-    workload.loss(model, workload.batch(0, 0, 1, seed=7)).backward()  # type: ignore[no-untyped-call]
-    optimizer.step()
-    payload = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    ckpt.save_rank(root, step, 0, payload)
-    ckpt.mark_latest(root, step)
-    return model
-
-
-@pytest.mark.netlab
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_init_from_starts_every_replica_at_the_checkpoint_and_a_joiner_recovers_from_a_peer(
-    tmp_path: Path,
-) -> None:
-    from commfuse.cli import main
-    from commfuse.workloads import make_workload
-
-    start, steps = 3, 12
-    model = _checkpoint_at(tmp_path / "ckpt", start)
-    out = tmp_path / "run.json"
-    argv = [
-        "train", "--workload", "charlm:dim=32,layers=2,heads=2,seq=16,batch=4", "--hosts", "2",
-        "--link", "1gbit", "--fault-tolerant", "--ft-timeout", "1", "--min-replicas", "2",
-        "--steps", str(steps),
-        "--digest-every-steps", "1", "--init-from", str(tmp_path / "ckpt"),
-        "--chaos", "kill:host=1,at_step=6,restart_after_s=0.5", "--json", str(out),
-        "--no-progress",
-    ]  # fmt: skip
-    assert main(argv) == 0
-    record = json.loads(out.read_text())
-    records: list[dict[str, Any]] = record["records"]
-    # Every replica began at the checkpoint's step, with its model: the first step's loss on
-    # each replica's batch is the checkpoint's model's loss on that batch, bit for bit.
-    workload = make_workload(WORKLOAD, device=torch.device("cpu"))
-    for replica in (0, 1):
-        first = min((r for r in records if r["replica"] == replica), key=lambda r: r["t"])
-        assert first["step"] == start, first
-        expected = workload.loss(model, workload.batch(start, replica, 2, seed=0))
-        assert first["loss"] == float(expected.detach()), (replica, first["loss"])
-    assert record["first_step"] == start and record["committed_steps"] == steps
-    assert {r["step"] for r in records if r["committed"]} == set(range(start, steps))
-    # The killed replica restarted (from the checkpoint too, behind the quorum) and
-    # recovered from its live peer: model, AdamW's moments; then agreed at every step.
-    life = [r for r in records if r["replica"] == 1 and r["life"] == 1]
-    assert life and life[0]["healed"] and life[0]["committed"], life[:1]
-    assert record["recovered_bytes"] > 3 * _param_bytes()
-    assert record["step_digests_agree"] and record["replicas_agree"]
-    assert record["steps_compared"] == steps - start
-    # Only the killed replica's slots of the steps it missed are lost, counted from the
-    # checkpoint's step (not from 0).
-    (event,) = record["events"]
-    missed = event["rejoin_step"] - 6
-    assert record["samples_lost"] == missed * WORKLOAD.batch
-    assert record["samples_trained"] == (2 * (steps - start) - missed) * WORKLOAD.batch
-    # What was communicated: one gradient per committed attempt.
-    assert {r["bytes"] for r in records if r["committed"]} == {_param_bytes()}
 
 
 #: DiLoCo's period in the per-period tests.
@@ -644,8 +573,10 @@ def test_timeouts_derive_from_one_setting() -> None:
         FaultToleranceConfig(timeout_s=0)
     with pytest.raises(ValueError, match="min_replicas 5 is more than the 4"):
         FaultToleranceConfig(min_replicas=5).check_hosts(4)
-    with pytest.raises(ValueError, match="fault on host 4"):
+    with pytest.raises(ValueError, match="kill of group 4: the run has 4 groups"):
         FaultToleranceConfig(faults=(KillFault(host=4, at_step=1),)).check_hosts(4)
+    with pytest.raises(ValueError, match="fault on host 4"):
+        FaultToleranceConfig(faults=(CutFault(host=4, at_s=1),)).check_hosts(4)
     with pytest.raises(ValueError, match="at most one kill per host"):
         FaultToleranceConfig(faults=(KillFault(host=1, at_step=1), KillFault(host=1, at_step=5)))
     with pytest.raises(ValueError, match="phase must be"):
