@@ -1,4 +1,5 @@
-"""One replica group's training loop under torchft (here a replica group is one rank).
+"""One replica group's training loop under torchft (each rank of a group of several runs it,
+averaging through ``group_hook.py``).
 
 Every step, in the order torchft's Manager expects:
 
