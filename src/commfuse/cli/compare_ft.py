@@ -19,8 +19,8 @@ def run_compare_ft(args: argparse.Namespace) -> int:
     """Build the pairs from the flags, run them in balanced rounds, print and write them.
 
     Raises:
-        ValueError: a bad flag (several ranks per host, a strategy that fault-tolerant
-            training refuses, a bad fault spec).
+        ValueError: a bad flag (replica groups that do not split the ranks, a strategy that
+            fault-tolerant training refuses, a bad fault spec).
     """
     from commfuse.bench.table import control_note
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec

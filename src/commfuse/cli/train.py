@@ -97,9 +97,18 @@ def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--fault-tolerant",
         action="store_true",
-        help="one torchft replica group per host: a replica that dies costs the step in "
-        "flight, the others go on, and it rejoins with its state from a peer (strategy ddp or "
-        "a compressor's name, one rank per host)",
+        help="one torchft replica group per host (or --replica-groups): a replica group that "
+        "dies costs the step in flight, the others go on, and it rejoins with its state from a "
+        "peer (strategy ddp, a compressor's name, or a local-SGD method)",
+    )
+    group.add_argument(
+        "--replica-groups",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split hosts x ranks-per-host ranks into N replica groups of consecutive ranks "
+        "(default: one per host); a group of several ranks trains ddp inside itself and meets "
+        "the others shard by shard through torchft, and dies and rejoins as one",
     )
     group.add_argument(
         "--ft-timeout",

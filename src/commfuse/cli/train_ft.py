@@ -23,8 +23,8 @@ def run_train_ft(args: argparse.Namespace) -> int:
     """Build the run from the flags, train it fault-tolerantly, print and write its record.
 
     Raises:
-        ValueError: a bad flag (several ranks per host, a strategy that runs in neither
-            per-step nor per-period mode, a bad fault spec).
+        ValueError: a bad flag (replica groups that do not split the ranks, a strategy that
+            runs in neither per-step nor per-period mode, a bad fault spec).
     """
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec
     from commfuse.ft.periods import ft_mode
@@ -33,11 +33,11 @@ def run_train_ft(args: argparse.Namespace) -> int:
     topology = replica_topology(args)
     strategy = strategy_from_spec(args.strategy, ranks_per_host=1)
     ft_mode(strategy)  # ValueError: neither mode runs it (the message lists what runs)
-    for flag in ("checkpoint_dir", "resume", "init_from"):
+    for flag in ("checkpoint_dir", "resume"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')} does not combine with --fault-tolerant")
     ft = fault_tolerance_from_args(args)
-    ft.check_hosts(topology.num_hosts)
+    ft.check_hosts(topology.num_hosts, topology.ranks_per_host)
     config = TrainConfig(
         workload=workload_from_spec(args.workload),
         strategy=strategy,
@@ -45,6 +45,7 @@ def run_train_ft(args: argparse.Namespace) -> int:
         steps=args.steps,
         seed=args.seed,
         bucket_cap_mb=args.bucket_cap_mb,
+        init_from=args.init_from,
     )
     from commfuse.ft.launch import run_fault_tolerant
 
@@ -60,15 +61,13 @@ def run_train_ft(args: argparse.Namespace) -> int:
 
 
 def replica_topology(args: argparse.Namespace) -> Topology:
-    """The emulated cluster of a fault-tolerant run: one rank per host, one replica group each.
+    """The emulated cluster of a fault-tolerant run (its ranks make the replica groups:
+    ``FaultToleranceConfig.group_layout``).
 
     Raises:
-        ValueError: several ranks per host.
+        ValueError: bad topology flags.
     """
-    topology = topology_from_args(args, nproc=args.nproc)
-    if topology.ranks_per_host != 1:
-        raise ValueError("--fault-tolerant runs one rank per host (one replica group each)")
-    return topology
+    return topology_from_args(args, nproc=args.nproc)
 
 
 def fault_tolerance_from_args(args: argparse.Namespace) -> FaultToleranceConfig:
@@ -87,6 +86,7 @@ def fault_tolerance_from_args(args: argparse.Namespace) -> FaultToleranceConfig:
         faults=tuple(fault_from_spec(spec) for spec in args.chaos),
         global_batch=args.global_batch,
         digest_every_steps=args.digest_every_steps,
+        num_replica_groups=args.replica_groups,
     )
 
 

@@ -1,7 +1,9 @@
 """Fault-tolerant data parallelism on torchft: replica groups that die, rejoin and catch up.
 
 ``run_fault_tolerant(TrainConfig(...), FaultToleranceConfig(...), Topology(...))`` trains with
-one torchft replica group per emulated host: the lighthouse (quorum) runs in the launcher on
+one torchft replica group per emulated host (or ``num_replica_groups``; a group of several
+ranks averages inside itself and across groups shard by shard: ``group_hook.py``): the
+lighthouse (quorum) runs in the launcher on
 the first host's address, each replica group runs torch DDP whose gradient hook averages across
 the quorum through torchft's Manager, a replica that dies costs the step in flight, and a
 restarted one receives its state from a healthy peer (checksummed) and continues in step.

@@ -86,6 +86,7 @@ def summarize_ft(
     global_batch: GlobalBatch = "shrink",
     warmup: int = 2,
     mode: Literal["ddp", "periodic"] = "ddp",
+    first_step: int = 0,
 ) -> dict[str, Any]:
     """The run's record (see the module docstring) from the replicas' reports.
 
@@ -105,6 +106,8 @@ def summarize_ft(
         warmup: steps left out of the goodput (``goodput.py``).
         mode: per step (``ddp``: a record per step) or per period (``periodic``: a record
             per period, with ``first_step``, ``inner_steps`` and ``losses``).
+        first_step: the step the run started at (``init_from``'s checkpoint; 0 without):
+            samples and goodput count from there.
 
     Returns:
         The record, JSON-serialisable.
@@ -124,6 +127,7 @@ def summarize_ft(
         committed_steps=committed_steps,
         num_replicas=num_replicas,
         batch=batch_samples,
+        first_step=first_step,
     )
     samples["commits_inferred"] = len(inferred)
     final = next((res for res in results if res["step"] == steps), {})
@@ -138,6 +142,7 @@ def summarize_ft(
             committed_steps=committed_steps,
             num_replicas=num_replicas,
             batch=batch_samples,
+            first_step=first_step,
         )
         samples["commits_inferred"] = len(inferred)
     events = []
@@ -207,6 +212,7 @@ def summarize_ft(
         "topology": topology,
         "num_replicas": num_replicas,
         "steps": steps,
+        "first_step": first_step,
         "committed_steps": committed_steps,
         # Per-period mode: a failed exchange keeps its period's inner steps for the retry.
         "discarded_steps": sum(
@@ -231,9 +237,9 @@ def summarize_ft(
         "final_loss": losses[-1] if losses else None,
         "step_time_s": statistics.median(step_times) if step_times else None,
         **(
-            period_goodput(records, steps=committed_steps)
+            period_goodput(records, steps=committed_steps, first_step=first_step)
             if mode == "periodic"
-            else goodput(records, steps=committed_steps, warmup=warmup)
+            else goodput(records, steps=committed_steps, warmup=first_step + warmup)
         ),
         "eval_loss": final.get("eval_loss"),
         "eval_accuracy": final.get("eval_accuracy"),

@@ -132,7 +132,7 @@ def run_compare_ft(
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     for strategy in strategies:
         ft_mode(strategy)  # ValueError before anything starts
-    ft.check_hosts(topology.num_hosts)
+    ft.check_hosts(topology.num_hosts, topology.ranks_per_host)
     labels = list(labels) or [describe_strategy(s) for s in strategies]
     if len(set(labels)) != len(labels):
         raise ValueError(f"a strategy is given twice: {', '.join(labels)}")

@@ -109,7 +109,8 @@ class KillFault:
     """SIGKILL one replica group's ranks at a step, and start them again after a delay."""
 
     host: int
-    """The emulated host (= replica group) whose ranks are killed."""
+    """The replica group whose ranks are killed: with one group per emulated host (the
+    default), that host."""
     at_step: int
     """The step during which they are killed (0-based; in per-period mode an inner step)."""
     phase: Literal["allreduce", "compute"] = "allreduce"
@@ -202,7 +203,8 @@ Fault: TypeAlias = "KillFault | CutFault | SlowFault | KillEveryFault"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FaultToleranceConfig:
-    """Fault-tolerant data parallelism on torchft: one replica group per emulated host."""
+    """Fault-tolerant data parallelism on torchft: one replica group per emulated host, or
+    ``num_replica_groups`` of them."""
 
     timeout_s: float = 2.0
     """A peer silent this long is dead; every other timeout derives from it (``Timeouts``)."""
@@ -214,6 +216,11 @@ class FaultToleranceConfig:
     global_batch: GlobalBatch = "shrink"
     """While a replica group is missing: ``fixed``, the survivors train its samples too (more
     per step, the global batch unchanged); ``shrink``, its samples are lost (``data.py``)."""
+    num_replica_groups: int | None = None
+    """Replica groups the ranks (hosts x ranks per host) are split into, consecutive ranks
+    together; None: one per host. A group of several ranks trains torch DDP inside itself and
+    meets the other groups rank by rank through torchft (``group_hook.py``); it is one
+    failure unit: a kill takes all its ranks, a restart recovers each from its peer rank."""
     digest_every_steps: int | None = None
     """Per-step mode: every replica hashes its parameters (SHA-256) after every this many
     committed steps, so that the record compares them step by step (``step_digests_agree``);
@@ -233,6 +240,10 @@ class FaultToleranceConfig:
             )
         if self.min_replicas < 1:
             raise ValueError(f"min_replicas must be at least 1, got {self.min_replicas}")
+        if self.num_replica_groups is not None and self.num_replica_groups < 1:
+            raise ValueError(
+                f"num_replica_groups must be at least 1, got {self.num_replica_groups}"
+            )
         for fault in self.faults:
             if not isinstance(fault, (KillFault, CutFault, SlowFault, KillEveryFault)):
                 raise ValueError(
@@ -248,17 +259,38 @@ class FaultToleranceConfig:
         """Every wait, derived from ``timeout_s``."""
         return Timeouts.derive(self.timeout_s)
 
-    def check_hosts(self, num_hosts: int) -> None:
-        """ValueError unless every fault names a host of ``num_hosts`` and a quorum of
+    def group_layout(self, num_hosts: int, ranks_per_host: int = 1) -> tuple[int, int]:
+        """(replica groups, ranks per group) of a cluster of ``num_hosts`` x
+        ``ranks_per_host`` ranks: ``num_replica_groups`` of them, or one per host.
+
+        Raises:
+            ValueError: the groups do not split the ranks evenly.
+        """
+        ranks = num_hosts * ranks_per_host
+        groups = num_hosts if self.num_replica_groups is None else self.num_replica_groups
+        if ranks % groups:
+            raise ValueError(
+                f"{groups} replica groups do not split {num_hosts} hosts x {ranks_per_host} "
+                f"ranks evenly; pick a divisor of {ranks}"
+            )
+        return groups, ranks // groups
+
+    def check_hosts(self, num_hosts: int, ranks_per_host: int = 1) -> None:
+        """ValueError unless the replica groups split the ranks evenly, every fault names a
+        host (a cut or slow link) or a replica group (a kill) of the run, and a quorum of
         ``min_replicas`` can exist.
 
         Raises:
-            ValueError: a fault's host is out of range, or ``min_replicas`` > ``num_hosts``.
+            ValueError: a fault out of range, groups that do not split the ranks, or
+                ``min_replicas`` more than the replica groups.
         """
-        if self.min_replicas > num_hosts:
+        groups, _ = self.group_layout(num_hosts, ranks_per_host)
+        if self.min_replicas > groups:
             raise ValueError(
-                f"min_replicas {self.min_replicas} is more than the {num_hosts} replica groups"
+                f"min_replicas {self.min_replicas} is more than the {groups} replica groups"
             )
         for fault in self.faults:
-            if not isinstance(fault, KillEveryFault) and fault.host >= num_hosts:
+            if isinstance(fault, KillFault) and fault.host >= groups:
+                raise ValueError(f"kill of group {fault.host}: the run has {groups} groups")
+            if isinstance(fault, (CutFault, SlowFault)) and fault.host >= num_hosts:
                 raise ValueError(f"fault on host {fault.host}: the run has {num_hosts} hosts")

@@ -53,7 +53,9 @@ def goodput(records: list[dict[str, Any]], *, steps: int, warmup: int) -> dict[s
     }
 
 
-def period_goodput(records: list[dict[str, Any]], *, steps: int) -> dict[str, Any]:
+def period_goodput(
+    records: list[dict[str, Any]], *, steps: int, first_step: int = 0
+) -> dict[str, Any]:
     """``goodput`` of per-period mode, in inner steps: a period's commit ends its last inner
     step, and the window starts at the first commit of the first period (which pays the
     one-off costs: the first quorum, the first exchange), so ``steps`` committed inner steps
@@ -63,9 +65,13 @@ def period_goodput(records: list[dict[str, Any]], *, steps: int) -> dict[str, An
         records: every attempt of every replica life (one per period: ``first_step`` and
             ``inner_steps`` say which inner steps it covers).
         steps: the inner steps the run committed.
+        first_step: the inner step the run started at (``init_from``'s).
     """
     ends = [r | {"step": r["first_step"] + r["inner_steps"] - 1} for r in records]
-    first = min((r["step"] for r in ends if r["committed"] and r["first_step"] == 0), default=None)
+    first = min(
+        (r["step"] for r in ends if r["committed"] and r["first_step"] == first_step),
+        default=None,
+    )
     if first is None or first >= steps - 1:
         return {"goodput_steps_per_s": None, "goodput_window_s": None}
     return goodput(ends, steps=steps, warmup=first + 1)
@@ -139,14 +145,20 @@ def unreported_commits(
 
 
 def sample_accounting(
-    records: list[dict[str, Any]], *, committed_steps: int, num_replicas: int, batch: int
+    records: list[dict[str, Any]],
+    *,
+    committed_steps: int,
+    num_replicas: int,
+    batch: int,
+    first_step: int = 0,
 ) -> dict[str, int]:
-    """``samples_trained``, ``samples_duplicated`` and ``samples_lost`` over the first
-    ``committed_steps`` steps (see the module docstring); ``records`` include the
-    ``unreported_commits``."""
+    """``samples_trained``, ``samples_duplicated`` and ``samples_lost`` over the steps from
+    ``first_step`` (``init_from``'s) to ``committed_steps`` (see the module docstring);
+    ``records`` include the ``unreported_commits``."""
     counts: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for r in records:
-        if r["committed"] and r["step"] < committed_steps and r.get("samples") is not None:
+        in_run = first_step <= r["step"] < committed_steps
+        if r["committed"] and in_run and r.get("samples") is not None:
             start, stop = r["samples"]
             for index in range(start, stop):
                 counts[r["step"]][index] += 1
@@ -155,5 +167,5 @@ def sample_accounting(
     return {
         "samples_trained": trained,
         "samples_duplicated": duplicated,
-        "samples_lost": committed_steps * num_replicas * batch - trained,
+        "samples_lost": (committed_steps - first_step) * num_replicas * batch - trained,
     }

@@ -2,14 +2,21 @@
 
 The launcher side of fault-tolerant training on torchft (PyTorch's per-step fault tolerance):
 
-1. build the cluster (``open_placement``: one emulated host per replica group, or loopback);
-2. host one TCPStore per replica group on its host's address (the store outlives a replica
-   that is killed, so its restart finds it), and the lighthouse on host 0's (``lighthouse.py``);
-3. start every replica group (``replica.py``), and a spare for each replica to be killed and
-   restarted (it boots, builds its model and waits); once all replicas have joined the
-   lighthouse and every spare is built, tell them to go, so the first quorum holds all of them;
-4. watch them and inject the faults: a replica killed by a ``KillFault`` is started again
-   ``restart_after_s`` after its death and recovers its state from a peer; a ``CutFault``
+1. build the cluster (``open_placement``: emulated hosts, or loopback); its ranks (hosts x
+   ranks per host) make the replica groups, one per host or ``ft.num_replica_groups`` of
+   consecutive ranks (``FaultToleranceConfig.group_layout``);
+2. host the lighthouse on host 0's address (``lighthouse.py``), and one TCPStore per life of
+   each replica group on its first rank's host (the group's ranks meet there, and its first
+   rank's Manager publishes its address there: a restarted group gets a fresh one, with
+   nothing of the killed one's);
+3. start every rank of every replica group (``replica.py``), and a spare group for each
+   group to be killed and restarted (it boots, builds its model and waits); once all ranks
+   have joined and every spare is built, tell them to go, so the first quorum holds all
+   groups;
+4. watch them and inject the faults: a replica group is one failure unit, all its ranks
+   killed together (its first rank meets a ``KillFault`` and the launcher kills the others
+   at once); it is started again ``restart_after_s`` after its death and each of its ranks
+   recovers its state from the same rank of a live group; a ``CutFault``
    takes a host's link down for a while, a ``SlowFault`` reshapes it (``netlab``); any other
    death fails the job;
 5. when every replica group has committed the last step (or is gone for good), put the
@@ -55,9 +62,10 @@ from commfuse.ft.config import (
     KillFault,
     SlowFault,
 )
+from commfuse.ft.init_from import init_step
 from commfuse.ft.lighthouse import start_lighthouse
 from commfuse.ft.periods import ft_mode
-from commfuse.ft.replica import ReplicaJob, run_replica, send
+from commfuse.ft.replica import ReplicaJob, ft_strategy, run_replica, send
 from commfuse.train.loop import TrainConfig
 from commfuse.train.strategy import describe_strategy
 
@@ -103,7 +111,7 @@ def _replica_process(
 
 @dataclass
 class _Life:
-    """One start of one replica group."""
+    """One start of one rank of one replica group."""
 
     replica: int
     life: int
@@ -118,6 +126,8 @@ class _Life:
     """Reported ready, or (a spare) built and waiting for its start."""
     launched: bool = True
     """False while a spare waits for its start."""
+    rank: int = 0
+    """Its rank in the replica group."""
 
 
 @dataclass
@@ -156,27 +166,31 @@ def run_fault_tolerant(
     timeout_s: float = 600.0,
     log_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Train ``config`` with one torchft replica group per host of ``topology``, injecting
-    ``ft.faults``; return the run's record (``accounting.summarize_ft``).
+    """Train ``config`` with one torchft replica group per host of ``topology`` (or
+    ``ft.num_replica_groups``), injecting ``ft.faults``; return the run's record
+    (``accounting.summarize_ft``, with ``group_size`` and every rank's final
+    ``rank_digests``).
 
     Args:
         config: the run; its strategy ``TorchDDPConfig()`` (torch DDP, the gradients averaged
             across replica groups through torchft), ``CommfuseDPConfig(compressor=...)``
             (the same, each bucket through that compressor: ``replica.ft_strategy``), or a
             ``PeriodicSyncConfig`` (``diloco(H=50)``, ...: per-period mode, ``periodic.py``).
-        ft: the timeout and the faults to inject.
-        topology: one replica group per host; one rank per host.
+        ft: the timeout, the replica groups and the faults to inject.
+        topology: the hosts and their ranks; groups of several ranks run per-step torch DDP
+            only (``group_hook.py``; ``check_groups_of_ranks``).
         emulate: force (True) or forbid (False) the emulated network; None: when possible.
         timeout_s: the whole job's deadline.
-        log_dir: where each replica's output goes (``replica{R}.life{L}.log``); None: a
+        log_dir: where each replica's output goes (``replica{R}.life{L}.log``, or
+            ``replica{R}.rank{r}.life{L}.log`` in groups of several ranks); None: a
             temporary folder, removed afterwards.
 
     Returns:
         The record: steps committed and discarded, events, per-step digests' agreement...
 
     Raises:
-        ValueError: a topology with several ranks per host, faults on missing hosts, or a
-            strategy other than those above.
+        ValueError: replica groups that do not split the ranks evenly, faults on missing
+            hosts or groups, or a strategy other than those above.
         RankError: a replica failed other than by an injected fault.
         DeadlineExceeded: the job passed ``timeout_s``.
 
@@ -190,13 +204,12 @@ def run_fault_tolerant(
         assert record["replicas_agree"]
         ```
     """
-    if topology.ranks_per_host != 1:
-        raise ValueError(
-            "fault-tolerant training runs one rank per replica group (per host); got "
-            f"{topology.ranks_per_host} ranks per host"
-        )
-    ft.check_hosts(topology.num_hosts)
-    ft_mode(config.strategy)  # ValueError before anything starts
+    ft.check_hosts(topology.num_hosts, topology.ranks_per_host)
+    mode = ft_mode(config.strategy)  # ValueError before anything starts
+    _, group_size = ft.group_layout(topology.num_hosts, topology.ranks_per_host)
+    if group_size > 1:
+        check_groups_of_ranks(config, ft, mode)
+    init_step(config)  # ValueError: a checkpoint at or past the run's total
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="commfuse-ft-"))
@@ -215,19 +228,16 @@ def _run(
 ) -> dict[str, Any]:
     ctx = rank_context()
     run_id = uuid.uuid4().hex[:12]
-    num = topology.num_hosts
+    num, size = ft.group_layout(topology.num_hosts, topology.ranks_per_host)
     started = time.monotonic()
     deadline = started + timeout_s
     job = _Job()
     with Watchdog() as watchdog, open_placement(topology, emulate=emulate) as placement:
         if placement.lab_id is not None:
             watchdog.guard_lab(placement.lab_id)
-        stores: list[HostedStore] = []
+        stores: dict[tuple[int, int], HostedStore] = {}
         lighthouse = None
         try:
-            for host in range(num):
-                netns = placement.netns_of(host)
-                stores.append(host_store(placement.addr_of_host(host), netns=netns))
             lighthouse = start_lighthouse(
                 placement.addr_of_host(0),
                 netns=placement.netns_of(0),
@@ -235,32 +245,53 @@ def _run(
                 min_replicas=ft.min_replicas,
             )
 
-            def start(replica: int, life: int) -> _Life:
-                store = stores[replica]
+            def start(replica: int, life: int) -> list[_Life]:
+                # One TCPStore per life of a group, on its first rank's host: the Manager of
+                # a group's first rank publishes its address there for the others, and a
+                # restarted group must not read a killed one's.
+                first = replica * size
+                netns = placement.netns_of(first)
+                addr = placement.addr_of_host(topology.host_of(first))
+                store = stores[replica, life] = host_store(addr, netns=netns)
+                return [start_rank(replica, life, rank, store) for rank in range(size)]
+
+            def start_rank(replica: int, life: int, rank: int, store: HostedStore) -> _Life:
+                assert lighthouse is not None
+                where = replica * size + rank  # the rank's place in the cluster
                 replica_job = ReplicaJob(
                     train=config,
                     ft=ft,
                     replica=replica,
                     num_replicas=num,
                     life=life,
-                    addr=store.addr,
+                    addr=placement.addr_of_host(topology.host_of(where)),
                     store_port=store.port,
                     lighthouse=lighthouse.url,
+                    group_rank=rank,
+                    group_size=size,
+                    store_addr=store.addr,
                 )
-                env = _replica_env(placement, replica, store, run_id)
+                env = _replica_env(placement, where, rank, size, store, run_id)
                 ours, theirs = ctx.Pipe(duplex=True)
-                log = str(Path(log_dir) / f"replica{replica}.life{life}.log")
+                name = f"replica{replica}" + (f".rank{rank}" if size > 1 else "")
+                log = str(Path(log_dir) / f"{name}.life{life}.log")
                 proc = ctx.Process(
                     target=_replica_process,
-                    args=(replica_job, env, placement.netns_of(replica), theirs, log),
-                    name=f"commfuse-replica{replica}",
+                    args=(replica_job, env, placement.netns_of(where), theirs, log),
+                    name=f"commfuse-{name}",
                 )
                 proc.start()
                 theirs.close()
                 assert proc.pid is not None
                 watchdog.guard(proc.pid)
                 entry = _Life(
-                    replica=replica, life=life, proc=proc, conn=ours, log=log, launched=life == 0
+                    replica=replica,
+                    life=life,
+                    proc=proc,
+                    conn=ours,
+                    log=log,
+                    launched=life == 0,
+                    rank=rank,
                 )
                 job.lives.append(entry)
                 threading.Thread(target=_read, args=(entry, job.inbox), daemon=True).start()
@@ -297,7 +328,7 @@ def _run(
                 entry.conn.close()
             if lighthouse is not None:
                 lighthouse.shutdown()
-            for store in stores:
+            for store in stores.values():
                 store.close()
     record = summarize_ft(
         records=job.records,
@@ -306,23 +337,52 @@ def _run(
         results=[e.result for e in job.lives if e.result is not None],
         num_replicas=num,
         steps=config.steps,
-        batch_samples=int(getattr(config.workload, "batch", 1)),
+        # A replica group's slots: every one of its ranks trains its own batch.
+        batch_samples=int(getattr(config.workload, "batch", 1)) * size,
         wall_s=time.monotonic() - started,
         topology=topology.describe(),
         timeouts=ft.timeouts,
         global_batch=ft.global_batch,
         mode=ft_mode(config.strategy),
+        first_step=init_step(config),
     )
     record["strategy"] = describe_strategy(config.strategy)
+    record["group_size"] = size
+    # Every rank's final parameters (a replica group's ranks hold the same ones).
+    record["rank_digests"] = sorted(
+        (e.replica, e.rank, e.life, e.result["digest"]) for e in job.lives if e.result is not None
+    )
     return record
 
 
+def check_groups_of_ranks(config: TrainConfig, ft: FaultToleranceConfig, mode: str) -> None:
+    """ValueError unless a run with replica groups of several ranks can run ``config``: per
+    step, torch DDP (no compressor), the global batch ``shrink``.
+
+    Raises:
+        ValueError: what does not run with several ranks per replica group.
+    """
+    if mode != "ddp" or ft_strategy(config.strategy)[1] is not None:
+        raise ValueError(
+            "replica groups of several ranks run per-step ddp (the hierarchical exchange of "
+            "group_hook.py); one rank per group runs compressors and the local-SGD family"
+        )
+    if ft.global_batch != "shrink":
+        raise ValueError(
+            "replica groups of several ranks run global_batch='shrink' (each rank trains its "
+            "own slot); one rank per group runs 'fixed'"
+        )
+
+
 def _replica_env(
-    placement: Placement, replica: int, store: HostedStore, run_id: str
+    placement: Placement, where: int, rank: int, size: int, store: HostedStore, run_id: str
 ) -> dict[str, str]:
-    env = placement.env_of(replica, master_addr=store.addr, master_port=store.port, run_id=run_id)
-    # The replica group is its own world of one rank; the replicas meet through torchft.
-    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", RUST_LOG="warn")
+    """The environment of the rank at ``where`` in the cluster, rank ``rank`` of a replica
+    group of ``size``."""
+    env = placement.env_of(where, master_addr=store.addr, master_port=store.port, run_id=run_id)
+    # The replica group is its own world; the replica groups meet through torchft.
+    local = placement.topology.local_rank_of(where)
+    env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local), RUST_LOG="warn")
     for name in TORCHFT_OVERRIDES:
         env.pop(name, None)
     return env
@@ -332,9 +392,9 @@ def _supervise(
     job: _Job,
     ft: FaultToleranceConfig,
     num: int,
-    spares: dict[int, _Life],
+    spares: dict[int, list[_Life]],
     *,
-    start: Callable[[int, int], _Life],
+    start: Callable[[int, int], list[_Life]],
     lab: Netlab | None,
     started: float,
     deadline: float,
@@ -373,12 +433,14 @@ class _Supervisor:
     job: _Job
     ft: FaultToleranceConfig
     num: int
-    spares: dict[int, _Life]
-    start: Callable[[int, int], _Life]
-    """Starts life L of replica R (``start(R, L)``), a spare when L > 0."""
+    spares: dict[int, list[_Life]]
+    """replica group -> its next life's ranks, built and waiting."""
+    start: Callable[[int, int], list[_Life]]
+    """Starts life L of replica group R, all its ranks (``start(R, L)``), a spare when
+    L > 0."""
     lab: Netlab | None
-    pending: dict[int, tuple[float, _Life]] = field(default_factory=dict)
-    """replica -> (when it restarts, its spare)."""
+    pending: dict[int, tuple[float, list[_Life]]] = field(default_factory=dict)
+    """replica group -> (when it restarts, its spare's ranks)."""
     done: set[int] = field(default_factory=set)
     gone: set[int] = field(default_factory=set)
     went: bool = False
@@ -398,8 +460,9 @@ class _Supervisor:
             if now >= at:
                 del self.pending[replica]
                 self.job.restarts.append({"replica": replica, "t": now})
-                spare.launched = True
-                spare.conn.send_bytes(b"start")
+                for rank in spare:
+                    rank.launched = True
+                    rank.conn.send_bytes(b"start")
         if self._lonely(now):
             return
         try:
@@ -440,14 +503,12 @@ class _Supervisor:
                 r
                 for r in range(self.num)
                 if r not in self.done | self.gone | set(self.pending)
-                and _current(self.job, r).ready
+                and all(rank.ready for rank in _current(self.job, r))
             ]
             if host not in alive or len(alive) - 1 < self.ft.min_replicas:
                 continue  # already down, or too few would be left
-            life = _current(self.job, host)
-            life.killed_at = now
-            kill_group(life.proc.pid, signal.SIGKILL)
-            kill = {"kind": "kill", "replica": host, "life": life.life, "t": now, "phase": "timed"}
+            life = _kill_lives(_current(self.job, host), now)
+            kill = {"kind": "kill", "replica": host, "life": life, "t": now, "phase": "timed"}
             self.job.faults.append(kill)
             spare = self.start(host, max(e.life for e in self.job.lives if e.replica == host) + 1)
             self.pending[host] = (now + fault.restart_after_s, spare)
@@ -471,7 +532,8 @@ class _Supervisor:
             return False
         for replica in lonely:
             self.pending.pop(replica, None)
-            kill_group(_current(self.job, replica).proc.pid, signal.SIGKILL)
+            for rank in _current(self.job, replica):
+                kill_group(rank.proc.pid, signal.SIGKILL)
             self.gone.add(replica)
         return True
 
@@ -479,10 +541,14 @@ class _Supervisor:
         """``life``'s pipe closed: its process is gone."""
         life.proc.join(timeout=10)
         code = life.proc.exitcode
+        group = [e for e in self.job.lives if (e.replica, e.life) == (life.replica, life.life)]
         if life.result is not None:
-            self.done.add(life.replica)
-        elif life.replica in self.gone or (life.killed_at is not None and code == -signal.SIGKILL):
-            pass  # an injected kill (its spare waits) or a life stopped above
+            if all(e.result is not None for e in group):
+                self.done.add(life.replica)
+        elif life.replica in self.gone or any(e.killed_at is not None for e in group):
+            # An injected kill (its spare waits), a life stopped above, or a rank of a killed
+            # group that failed before the launcher's SIGKILL reached it.
+            pass
         else:
             why = life.error or f"exited with code {code}\n{_tail(life.log)}"
             raise RankError(life.replica, f"replica {life.replica} (life {life.life}): {why}")
@@ -513,7 +579,11 @@ class _Supervisor:
         elif kind == "step":
             self.job.records.append({"replica": life.replica, "life": life.life, **body})
         elif kind == "kill":
-            life.killed_at = body["t"]
+            # The group's first rank kills itself; the group is one failure unit.
+            _kill_lives(
+                [e for e in self.job.lives if (e.replica, e.life) == (life.replica, life.life)],
+                body["t"],
+            )
             self.job.faults.append(
                 {"kind": "kill", "replica": life.replica, "life": life.life, **body}
             )
@@ -532,6 +602,17 @@ class _Supervisor:
             life.error = body
 
 
-def _current(job: _Job, replica: int) -> _Life:
-    """The latest life of ``replica`` that was launched (not a spare still waiting)."""
-    return [e for e in job.lives if e.replica == replica and e.launched][-1]
+def _current(job: _Job, replica: int) -> list[_Life]:
+    """The ranks of the latest life of replica group ``replica`` that was launched (not a
+    spare still waiting)."""
+    life = max(e.life for e in job.lives if e.replica == replica and e.launched)
+    return [e for e in job.lives if e.replica == replica and e.life == life]
+
+
+def _kill_lives(ranks: list[_Life], now: float) -> int:
+    """SIGKILL every rank of one life of a replica group; returns the life."""
+    for rank in ranks:
+        rank.killed_at = now if rank.killed_at is None else rank.killed_at
+        if rank.proc.is_alive():
+            kill_group(rank.proc.pid, signal.SIGKILL)
+    return ranks[0].life

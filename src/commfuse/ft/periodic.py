@@ -33,7 +33,12 @@ for streaming DiLoCo, every step of a synchronous warm-up). Per period, on each 
    alarm, so the others abandon theirs at once). A failed exchange keeps the period's inner
    steps: the replica restores its state from just before the period's last optimizer step,
    with that step's gradients, and retries only that step and the exchange with the next
-   quorum.
+   quorum. That quorum is asked for ``shrink_only``: the lighthouse admits only members of
+   the failed quorum, so a replica restarted before the survivors noticed its death waits
+   for the next period instead of joining a retry of a period it did not train (it would
+   take a donor's point in the period, the average would weigh that donor's
+   pseudo-gradient twice, and every survivor would wait for its state to cross the
+   network).
 
 Why keep the inner steps: a replica killed in the middle of a period is noticed at the
 period's exchange, when its sockets are found closed; by then the survivors have trained the
@@ -58,15 +63,15 @@ it (at most all but one): it meets the others at the exchange on time, with a
 pseudo-gradient over fewer steps, and its share of the skipped steps is lost (counted). Not
 for streaming DiLoCo, whose fragments' exchanges land at fixed inner steps.
 
-What a joiner receives: the donor's state at the start of the period (or, admitted to the
-retry of an exchange, before the period's last optimizer step with that step's gradients: it
-then takes the donor's place in the period, and the average weighs the donor's pseudo-gradient
-twice), the same parts: for
+What a joiner receives: the donor's state at the start of the period, the same parts: for
 DiLoCo the outer model (every replica holds it at a period's start), the donor's inner
 optimizer and error-feedback residuals (each replica's own; the joiner continues from the
 donor's), the outer momenta (the same on every replica), the counters (the data position)
 and the random state. For streaming DiLoCo the fragments not synchronised at that point are
-the donor's local values.
+the donor's local values. One joiner can still meet a retry: one whose own recovery failed
+is a member of the failed quorum, so the retry's quorum admits it; it then receives the
+donor's state before the period's last optimizer step with that step's gradients, and the
+average weighs that donor's pseudo-gradient twice.
 
 Why commfuse's ``PeriodicSyncOptimizer`` and not torchft's ``LocalSGD``/``DiLoCo`` classes:
 torchft's DiLoCo quantises its outer gradient only on accelerators (Triton), and has no place
@@ -97,6 +102,7 @@ from typing import Any
 import torch
 
 from commfuse.ft.config import KillFault
+from commfuse.ft.init_from import load_init_from
 from commfuse.ft.periods import ft_periodic_config, sync_points
 from commfuse.ft.replica import (
     ReplicaJob,
@@ -216,11 +222,15 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     workload = make_workload(job.train.workload, device=torch.device("cpu"))
     module = workload.build_model(job.train.seed)
     optimizer = workload.make_optimizer(module)
+    # With init_from, the run's inner steps are those after the checkpoint's step (``first``):
+    # the periods count from there, each inner step trains the batch of its step in the
+    # whole run (``init_from.py``).
+    first = load_init_from(job.train, module, optimizer)
     process_group = AlarmedProcessGroupGloo(timeout=op_timeout)
     comm = QuorumComm(process_group)
     # The quorum's communicator speaks the Communicator interface the optimizer uses.
     periodic = PeriodicSyncOptimizer(optimizer, module, comm, config)  # type: ignore[arg-type]
-    points = sync_points(config, job.train.steps)
+    points = sync_points(config, job.train.steps - first)
     longest = max(b - a for a, b in zip([0, *points], points, strict=False))
     step_s = _time_inner_step(workload, module, job)
     timing: dict[str, float] = {"inner_step_s": step_s}
@@ -243,7 +253,8 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             "inner_step_s": timing["inner_step_s"],
         }
         if kept:
-            # A joiner admitted to a retry receives the donor's point in the period.
+            # A joiner admitted to a retry (its recovery failed: module docstring) receives
+            # the donor's point in the period.
             state["grads"] = kept["grads"]
         return state
 
@@ -270,9 +281,10 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         per_step = float(state.get("inner_step_s") or 0.0)
         catch_up["steps"] = int(late_s / per_step) if per_step > 0 else 0
         if state.get("grads") is not None:
-            # The others retry the exchange of a period this replica did not train: it
-            # takes the donor's last step, so the quorum's average weighs the donor's
-            # pseudo-gradient twice; it names no samples of its own.
+            # The others retry the exchange of a period this replica did not train (its own
+            # recovery into that period failed, which made it a member of the failed
+            # quorum): it takes the donor's last step, so the quorum's average weighs the
+            # donor's pseudo-gradient twice; it names no samples of its own.
             kept.update(grads=state["grads"], losses=[], samples=None, skipped=0)
         recovered.append(part_digests(state_dict()))  # what this replica holds now
 
@@ -308,7 +320,10 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     try:
         while manager.current_step() < len(points):
             t0 = time.monotonic()
-            start_quorum_retrying(manager, timeouts.period_quorum_timeout_s(step_s * longest))
+            # A retry's quorum is the failed one's survivors (see the module docstring).
+            start_quorum_retrying(
+                manager, timeouts.period_quorum_timeout_s(step_s * longest), shrink_only=bool(kept)
+            )
             t_quorum = time.monotonic()
             healed = recovered[-1] if recovered else None
             served_now = served[-1] if served else None
@@ -357,20 +372,24 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         losses, samples = list(kept["losses"]), kept["samples"]
                         skip = kept["skipped"]
                         _set_grads(periodic.params, kept["grads"])
-                        now["inner"] = end - 1
+                        now["inner"] = first + end - 1
                         periodic.step()  # the last step's update, then the exchange
                     if not resume:
                         periodic.step_count += skip  # the inner steps it skips
                     t_inner = time.monotonic()
                     inner_s = timing["inner_step_s"]
                     for inner in range(begin + skip, end) if not resume else ():
-                        now["inner"] = inner
-                        if kill is not None and kill.phase == "compute" and kill.at_step == inner:
-                            kill_now(conn, kill, inner, period=period)
+                        now["inner"] = first + inner
+                        if (
+                            kill is not None
+                            and kill.phase == "compute"
+                            and kill.at_step == first + inner
+                        ):
+                            kill_now(conn, kill, first + inner, period=period)
                         # With global_batch="fixed" the quorum of this period splits every
                         # inner step's global batch (data.py): a missing replica's samples
                         # are trained by the others, as in per-step mode.
-                        samples, batch, scale = step_batch(workload, manager, job, inner)
+                        samples, batch, scale = step_batch(workload, manager, job, first + inner)
                         periodic.zero_grad()
                         loss = workload.loss(module, batch)
                         (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
@@ -386,7 +405,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                                 "skipped": skip,
                             }
                         periodic.step()  # the outer exchange after the period's last step
-                    if end == job.train.steps:
+                    if first + end == job.train.steps:
                         periodic.finish()
                 except Exception as failure:  # an exchange failed: a peer died or timed out
                     manager.report_error(failure)
@@ -427,7 +446,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                     "step",
                     {
                         "step": period,
-                        "first_step": begin,
+                        "first_step": first + begin,
                         "inner_steps": end - begin,
                         "committed": bool(committed),
                         # A failed attempt whose inner steps the retry keeps; a retry.
@@ -460,7 +479,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             "eval_loss": held_out.get("loss"),
             "eval_accuracy": held_out.get("accuracy"),
             "digest": params_digest(module),
-            "step": periodic.step_count,
+            "step": first + periodic.step_count,
             "periods": manager.current_step(),
             "recovered_bytes": transport.bytes_received,
             "served_bytes": transport.bytes_sent,

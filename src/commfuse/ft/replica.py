@@ -1,4 +1,5 @@
-"""One replica group's training loop under torchft (here a replica group is one rank).
+"""One replica group's training loop under torchft (each rank of a group of several runs it,
+averaging through ``group_hook.py``).
 
 Every step, in the order torchft's Manager expects:
 
@@ -45,13 +46,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore
+from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 from torch.nn.parallel import DistributedDataParallel
 
 from commfuse.compress.base import Compressor
 from commfuse.ft.config import FaultToleranceConfig, KillFault
 from commfuse.ft.data import global_batch_slice, loss_scale, sample_range
+from commfuse.ft.group_hook import GroupHookState, group_allreduce_hook
 from commfuse.ft.hook import FTHookState, ft_allreduce_hook
+from commfuse.ft.init_from import load_init_from
 from commfuse.ft.require import require_torchft
 from commfuse.train.loop import TrainConfig, params_digest
 from commfuse.train.strategy import CommfuseDPConfig, StrategyConfig, TorchDDPConfig
@@ -79,11 +82,32 @@ class ReplicaJob:
     """Port of this replica group's TCPStore on ``addr``."""
     lighthouse: str
     """The lighthouse's URL."""
+    group_rank: int = 0
+    """This rank's place in its replica group (``group_hook.py``)."""
+    group_size: int = 1
+    """Ranks in each replica group."""
+    store_addr: str = ""
+    """Address of the replica group's TCPStore ("": ``addr``; a group spanning hosts keeps
+    it on its first rank's)."""
+
+    @property
+    def slot(self) -> int:
+        """This rank's slot of a step's global batch (shrink: its own batch)."""
+        return self.replica * self.group_size + self.group_rank
+
+    @property
+    def num_slots(self) -> int:
+        """Slots of a step's global batch: every rank of every replica group."""
+        return self.num_replicas * self.group_size
 
 
 def send(conn: Connection, message: tuple[Any, ...]) -> None:
     """One message to the launcher (plain data, pickled here: no shared-memory tensors)."""
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _no_report(conn: Connection, message: tuple[Any, ...]) -> None:
+    """What a replica group's ranks other than its first send for a step: nothing."""
 
 
 def kill_now(conn: Connection, fault: KillFault, step: int, **extra: Any) -> None:
@@ -118,7 +142,10 @@ def ft_strategy(strategy: StrategyConfig) -> tuple[TorchDDPConfig, Compressor | 
 
 
 def _lay_out_buckets(
-    ddp: DistributedDataParallel, hook_state: FTHookState, workload: Any, job: ReplicaJob
+    ddp: DistributedDataParallel,
+    hook_state: FTHookState | GroupHookState,
+    workload: Any,
+    job: ReplicaJob,
 ) -> None:
     """One backward without communication or update, so that DDP rebuilds its buckets in
     gradient order, as its peers' did after their first step: the hook's allreduces pair
@@ -142,15 +169,18 @@ def _digested(job: ReplicaJob, step: int) -> bool:
     return step == job.train.steps - 1 or (every is not None and (step + 1) % every == 0)
 
 
-def start_quorum_retrying(manager: Any, timeout_s: float | None = None) -> None:
+def start_quorum_retrying(
+    manager: Any, timeout_s: float | None = None, *, shrink_only: bool = False
+) -> None:
     """``manager.start_quorum()``, asked again for as long as it times out: a replica cut off
     from the lighthouse (its link down) waits for its link, then rejoins by live recovery.
     The launcher stops it should the others finish first. ``timeout_s``: each request's
-    (None: the Manager's ``quorum_timeout``)."""
+    (None: the Manager's ``quorum_timeout``). ``shrink_only``: the lighthouse admits only
+    members of the last quorum (a newcomer waits for the next one)."""
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     while True:
         try:
-            manager.start_quorum(timeout=timeout)
+            manager.start_quorum(timeout=timeout, shrink_only=shrink_only)
             return
         except TimeoutError:
             # torchft 0.2.0 keeps the failed request and raises its error again at the next
@@ -168,7 +198,9 @@ def _step_share(
     size = int(getattr(job.train.workload, "batch", 1))
     participant = manager.participating_rank()
     if job.ft.global_batch == "shrink" or participant is None:
-        own = [job.replica * size, (job.replica + 1) * size]
+        # The replica group's slots, all its ranks' (consecutive).
+        group = size * job.group_size
+        own = [job.replica * group, (job.replica + 1) * group]
         return step, (own if participant is not None else None), 1.0
     participants = manager.num_participants()
     start, stop = sample_range(
@@ -187,7 +219,7 @@ def _share_batch(workload: Any, job: ReplicaJob, step: int, samples: list[int] |
     """The batch of ``_step_share``'s share: the replica's own slot unless the fixed global
     batch gives it other samples."""
     if job.ft.global_batch == "shrink" or samples is None:
-        return workload.batch(step, job.replica, job.num_replicas, seed=job.train.seed)
+        return workload.batch(step, job.slot, job.num_slots, seed=job.train.seed)
     size = int(getattr(job.train.workload, "batch", 1))
     return global_batch_slice(
         workload, step, *samples, num_replicas=job.num_replicas, batch=size, seed=job.train.seed
@@ -228,9 +260,9 @@ def make_manager(
         timeout=op_timeout,
         quorum_timeout=timedelta(seconds=timeouts.quorum_timeout_s),
         connect_timeout=op_timeout,
-        rank=0,
-        world_size=1,
-        store_addr=job.addr,
+        rank=job.group_rank,
+        world_size=job.group_size,
+        store_addr=job.store_addr or job.addr,
         store_port=job.store_port,
         lighthouse_addr=job.lighthouse,
         replica_id=f"replica_{job.replica:03d}",
@@ -264,13 +296,28 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     strategy, compressor = ft_strategy(job.train.strategy)
     timeouts = job.ft.timeouts
     op_timeout = timedelta(seconds=timeouts.op_timeout_s)
-    # torch DDP needs a process group: this replica group's own (one rank); the replicas meet
-    # in the Manager's process group, inside the hook.
-    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    # torch DDP needs a process group: this replica group's own; the replica groups meet in
+    # the Manager's process group, inside the hook.
+    if job.group_size == 1:
+        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    else:
+        # The group's own store (one per life of the group: nothing stale from a killed one),
+        # under a prefix of its own beside torchft's keys.
+        store = TCPStore(
+            job.store_addr or job.addr, job.store_port, is_master=False, timeout=op_timeout
+        )
+        dist.init_process_group(
+            "gloo",
+            store=PrefixStore("commfuse/group", store),
+            rank=job.group_rank,
+            world_size=job.group_size,
+            timeout=op_timeout,
+        )
     device = torch.device("cpu")
     workload = make_workload(job.train.workload, device=device)
     module = workload.build_model(job.train.seed)
     optimizer = workload.make_optimizer(module)
+    start = load_init_from(job.train, module, optimizer)  # 0 without init_from
     ddp = DistributedDataParallel(
         module,
         static_graph=strategy.static_graph,
@@ -315,18 +362,32 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         comm=QuorumComm(process_group) if compressor is not None else None,
         names={id(p): name for name, p in module.named_parameters()},
     )
-    ddp.register_comm_hook(hook_state, ft_allreduce_hook)
+    wired: FTHookState | GroupHookState = hook_state
+    if job.group_size > 1:
+        # Hierarchical: inside the group, then shard by shard across groups (group_hook.py).
+        wired = GroupHookState(
+            process_group=process_group,
+            group=dist.distributed_c10d._get_default_group(),
+            group_size=job.group_size,
+        )
+        ddp.register_comm_hook(wired, group_allreduce_hook)
+    else:
+        ddp.register_comm_hook(hook_state, ft_allreduce_hook)
     if job.life > 0:
-        _lay_out_buckets(ddp, hook_state, workload, job)
+        _lay_out_buckets(ddp, wired, workload, job)
         # A spare: everything is built; the launcher says when the restart happens.
         send(conn, ("built", {"replica": job.replica, "life": job.life}))
         if conn.recv_bytes() != b"start":
             raise RuntimeError("the launcher did not say start")
     transport = ChecksummedHTTPTransport(job.addr, timeout=op_timeout)
     manager = make_manager(job, process_group, transport, state_dict, pending.append)
+    if start:
+        # The committed step is the data position: the run goes on from the checkpoint's.
+        manager.load_state_dict({"step": start, "batches_committed": 0})
     quorum_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-quorum")
     kills = [f for f in job.ft.faults if isinstance(f, KillFault) and f.host == job.replica]
-    kills = kills if job.life == 0 else []
+    # The group's first rank meets the fault; the launcher kills the group's other ranks.
+    kills = kills if job.life == 0 and job.group_rank == 0 else []
     kill = kills[0] if kills else None
     step_now = -1
 
@@ -334,7 +395,9 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         if kill is not None and kill.phase == "allreduce" and kill.at_step == step_now:
             kill_now(conn, kill, step_now)
 
-    hook_state.manager, hook_state.on_issue = manager, on_issue
+    wired.manager, wired.on_issue = manager, on_issue
+    # The group's first rank reports its steps (the others train the same steps in step).
+    step_report = send if job.group_rank == 0 else _no_report
     send(conn, ("ready", {"replica": job.replica, "life": job.life}))
     if conn.recv_bytes() != b"go":
         raise RuntimeError("the launcher did not say go")
@@ -369,7 +432,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             # factors): some replicas may have updated theirs before the failure, others not.
             saved = copy.deepcopy(compression_state())
             t_saved = time.monotonic()
-            sent_before = hook_state.bytes_sent
+            sent_before = wired.bytes_sent
             (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
             participants = manager.num_participants()
             t_backward = time.monotonic()
@@ -380,7 +443,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                 load_compression_state(saved)
             error = manager.errored()
             digest = committed and _digested(job, step_now)
-            send(
+            step_report(
                 conn,
                 (
                     "step",
@@ -399,7 +462,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "healed": healed,
                         "forward_again": again,
                         "samples": samples,
-                        "bytes": hook_state.bytes_sent - sent_before,
+                        "bytes": wired.bytes_sent - sent_before,
                         "error": None if error is None else str(error.original_exception),
                     },
                 ),
@@ -407,6 +470,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         held_out = workload.evaluate(module) if job.train.evaluate else {}
         return {
             "replica": job.replica,
+            "group_rank": job.group_rank,
             "life": job.life,
             "eval_loss": held_out.get("loss"),
             "eval_accuracy": held_out.get("accuracy"),

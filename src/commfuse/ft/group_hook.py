@@ -1,0 +1,112 @@
+"""The gradient exchange of a replica group of several ranks: hierarchical, through torchft.
+
+A replica group of G ranks is one failure unit (one emulated host, usually): its ranks train
+torch DDP among themselves on an ordinary process group (the intra-group one, over the host's
+loopback), and every rank has its own torchft ``Manager`` with ``rank=group_rank``,
+``world_size=G``, as torchft's HSDP-style setup has it: group rank i of every replica group
+meets group rank i of the others in the cross-group process group that its Manager
+reconfigures at each quorum, and the lighthouse sees replica groups. Each bucket is averaged
+over all ranks of the quorum's groups in three steps (the hierarchical allreduce of
+Horovod's and NCCL's two-level schemes):
+
+1. divide the bucket by ``G x participants`` (the ranks that train; as torch DDP divides by
+   the world size before its sum) and reduce-scatter it inside the group: rank i holds the
+   group's sum of shard i (the bucket padded to a multiple of G, cut in G equal shards);
+2. allreduce shard i across the quorum's groups, on group rank i's cross-group process
+   group, watching the quorum's alarm (``process_group.py``); a replica group that is not
+   participating (still recovering) contributes zeros;
+3. all-gather the shards inside the group: every rank holds the whole average.
+
+Each rank sends ``1 / G`` of the bucket across groups (``2 (n - 1) / n`` of its shard in
+gloo's ring over n groups) instead of the whole bucket: the slow links between hosts carry G
+times less per rank, the fast loopback inside a host carries the rest. The intra-group steps
+run on every rank whatever happens, so that the ranks of a group stay matched; only the
+cross-group allreduce is skipped once this rank's Manager recorded an error (the step will
+not commit: ``should_commit`` is a vote of every rank of every group). A failure of step 2
+is reported to this rank's Manager, which refuses the group's commit, and raises group rank
+i's alarm, so that the other groups' rank i give up at once; their other ranks finish their
+shards and are outvoted at the commit.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllreduceOptions, GradBucket, ReduceOp
+
+from commfuse.ft.process_group import AlarmedProcessGroupGloo
+
+
+@dataclasses.dataclass(kw_only=True)
+class GroupHookState:
+    """What ``group_allreduce_hook`` needs."""
+
+    process_group: AlarmedProcessGroupGloo
+    """This group rank's cross-group process group, which its Manager drives."""
+    group: dist.ProcessGroup
+    """The replica group's own process group (its G ranks)."""
+    group_size: int
+    """G: ranks in the replica group."""
+    manager: Any = None
+    """torchft's ``Manager`` of this rank (set before the first synchronised step)."""
+    on_issue: Callable[[int], None] | None = None
+    """Called with the bucket index once its cross-group allreduce is in flight (faults)."""
+    local: bool = False
+    """Average inside the group only, nothing across groups: a restarted group's first
+    backward, which only lets DDP lay out its buckets as its peers did."""
+    bytes_sent: int = 0
+    """Bytes handed to the cross-group allreduce so far (this rank's shards)."""
+
+
+def shard_numel(numel: int, group_size: int) -> int:
+    """Elements of one rank's shard of a bucket of ``numel`` elements (padded to G equal
+    shards): what it sends across groups."""
+    return -(-numel // group_size)
+
+
+def group_allreduce_hook(
+    state: GroupHookState, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket`` over every rank of the quorum's replica groups (see the module
+    docstring).
+
+    Args:
+        state: the Manager, both process groups and the fault-injection callback.
+        bucket: DDP's bucket of gradients.
+
+    Returns:
+        A completed future holding the averaged bucket; never an error (a failure goes to
+        the Manager).
+    """
+    buffer = bucket.buffer()
+    manager = state.manager
+    size = state.group_size
+    participants = 1 if state.local else manager.num_participants()
+    if not state.local and not manager.is_participating():
+        buffer.zero_()
+    buffer.div_(size * max(participants, 1))
+    shard = shard_numel(buffer.numel(), size)
+    padded = buffer.new_zeros(shard * size)
+    padded[: buffer.numel()].copy_(buffer)
+    mine = buffer.new_empty(shard)
+    # Step 1 (gloo's reduce-scatter sums the whole tensor, then keeps the slice).
+    dist.reduce_scatter_tensor(mine, padded, group=state.group)
+    if not state.local and not manager.errored():
+        try:
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
+            work = state.process_group.allreduce([mine], opts)
+            state.bytes_sent += mine.numel() * mine.element_size()
+            if state.on_issue is not None:
+                state.on_issue(bucket.index())
+            state.process_group.wait(work)
+        except Exception as error:
+            manager.report_error(error)
+            state.process_group.raise_alarm()
+    dist.all_gather_into_tensor(padded, mine, group=state.group)
+    buffer.copy_(padded[: buffer.numel()])
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future

@@ -1,0 +1,56 @@
+"""A fault-tolerant run that starts from a checkpoint (``TrainConfig.init_from``).
+
+torchft's replicas start from the same state without exchanging it (``init_sync=False``: each
+builds the model from the seed), so every replica group, every life of it, loads the same
+state: rank 0's file of the checkpoint's latest step (a data-parallel checkpoint holds the
+same model on every rank; a local-SGD one after its final synchronisation does too). The run
+then counts its steps from the checkpoint's, as ``commfuse train --init-from`` does without
+torchft: per step, the Manager's committed step starts there and the batches are those of
+the steps that follow; per period, the periods are those of the remaining steps and each
+inner step trains the batch of its step in the whole run. A replica restarted later loads
+the checkpoint too, finds the quorum ahead of it and recovers from a live peer as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from commfuse.train import checkpoint as ckpt
+from commfuse.train.loop import TrainConfig
+
+
+def init_step(config: TrainConfig) -> int:
+    """The step a run starts at: ``init_from``'s latest step, 0 without.
+
+    Raises:
+        ValueError: the checkpoint is at or past ``config.steps`` (the total).
+    """
+    if config.init_from is None:
+        return 0
+    step = ckpt.latest_step(config.init_from)
+    assert step is not None  # TrainConfig checked it
+    if step >= config.steps:
+        raise ValueError(
+            f"init_from {config.init_from} is at step {step}: steps (the total) must be "
+            f"larger, got {config.steps}"
+        )
+    return step
+
+
+def load_init_from(
+    config: TrainConfig, module: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> int:
+    """Load ``init_from``'s model and optimizer state (rank 0's file) into ``module`` and
+    ``optimizer``, onto the device of ``module``'s parameters; return its step (0 without).
+
+    Raises:
+        ValueError: the checkpoint is at or past the run's total, or unreadable.
+    """
+    if config.init_from is None:
+        return 0
+    step = init_step(config)
+    device = next(module.parameters()).device
+    state = ckpt.load_rank(config.init_from, step, 0, device=device)
+    module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return step
