@@ -3,7 +3,8 @@ fused. Forward: fused (3 chunks) equals unfused (1 chunk) bitwise (integer-value
 expert outputs are exact) and the single-process ``dense_moe_reference`` over the global batch
 (float32: rtol 1e-5; bfloat16: rtol 2e-2). Backward: float32 gradients of x, experts and the
 gate (averaged like a data-parallel parameter) match the dense model's (rtol 1e-4); bfloat16
-gradients of the fused and unfused layers agree (rtol 2e-2). World sizes 1-5, a rank with no
+gradients of the fused and unfused layers agree (rtol 2e-2). The counts travel in one message
+to each peer (its columns and the features), with no all-gather. World sizes 1-5, a rank with no
 tokens, uneven experts per rank, dropped assignments; mismatched features raise ValueError; the
 automatic chunk choice is agreed by all ranks. The fallback choice itself is tested in one
 process (``choose_against_unfused``)."""
@@ -25,7 +26,7 @@ from commfuse.fused.fallback import (
     confirm_by_trial,
     trial_verdict,
 )
-from commfuse.fused.moe import dense_moe_reference, route_tokens
+from commfuse.fused.moe import COUNTS_LABEL, dense_moe_reference, route_tokens
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
@@ -81,7 +82,17 @@ def module_grid(num_experts: int, cf: float | None) -> tuple[list[str], int]:
         for chunks in (1, 3):
             layer = make_layer(comm, num_experts, cf, dtype, chunks)
             x = x0.clone().requires_grad_(True)
+            comm.stats.reset()
             out = layer(x)
+            # The counts: one message to each peer, that peer's columns and the two features.
+            sent = comm.stats[COUNTS_LABEL]
+            want = sum(8 * (n + 2) for j, n in enumerate(layer.experts_per_rank) if j != rank)
+            if (sent.messages_sent, sent.bytes_sent, sent.messages_recv) != (
+                world - 1,
+                want,
+                world - 1,
+            ) or comm.stats["all_gather"].calls:
+                failures.append(f"rank {rank}: counts exchange sent {sent} for {want} bytes")
             (out * g).sum().backward()
             assert x.grad is not None and layer.gate.grad is not None
             gate_grad = layer.gate.grad.float().clone()

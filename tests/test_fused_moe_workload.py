@@ -2,16 +2,21 @@
 step (1 chunk, gloo's All-to-All) step for step (losses and every parameter within rtol 1e-5 over
 three steps, world sizes 1 and 3), replicated parameters stay identical across ranks, batches
 are a pure function of (seed, step, rank), and the fused step sends through the fused operators
-what the unfused one sends through gloo's All-to-All."""
+what the unfused one sends through gloo's All-to-All. The replicated gradients travel in two
+all-reduces per step: the head's, issued before the backward's last exchange, and the rest."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
 import torch
 
+from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
+from commfuse.comm.communicator import default_config
+from commfuse.fused import baselines
 from commfuse.fused import gemm_all_to_all as ga
 from commfuse.testing import RankPool
 from commfuse.workloads.moe import MoEOptions, MoEWorkload
@@ -21,7 +26,7 @@ OPTIONS = MoEOptions(d_model=8, d_hidden=6, num_experts=4, tokens_per_rank=10, n
 
 
 def train(num_chunks: int, steps: int) -> tuple[list[float], list[torch.Tensor], dict[str, int]]:
-    comm = Communicator()
+    comm = Communicator(config=dataclasses.replace(default_config(), trace=True))
     workload = MoEWorkload(OPTIONS)
     model = workload.build_model(comm, 5, fused=num_chunks > 1, num_chunks=num_chunks)
     optimizer = workload.make_optimizer(model)
@@ -29,10 +34,20 @@ def train(num_chunks: int, steps: int) -> tuple[list[float], list[torch.Tensor],
     comm.stats.reset()
     for step in range(steps):
         batch = workload.batch(step, comm.rank, seed=5, device=comm.device)
+        comm.trace.clear()
         losses.append(workload.train_step(comm, model, optimizer, batch))
+    exchanges = {ga.LABEL, label("all_to_all", baselines.ALL_TO_ALL)}
+    kinds = [e.kind for e in comm.trace.events if e.kind in exchanges | {"all_reduce"}]
+    sizes = [e.nbytes for e in comm.trace.events if e.kind == "all_reduce"] + [0, 0]
+    last_exchange = max((i for i, kind in enumerate(kinds) if kind in exchanges), default=-1)
     sent = {
         "fused": comm.stats[ga.LABEL].bytes_sent,
         "all_to_all": comm.stats["all_to_all"].native_bytes,
+        "all_reduce_calls": comm.stats["all_reduce"].calls,
+        # the head's gradients travel before the backward's last exchange, the rest after it
+        "head_first": int(kinds.index("all_reduce") < last_exchange < len(kinds) - 1),
+        "head_bytes": sizes[0],
+        "rest_bytes": sizes[1],
     }
     return losses, [p.detach().clone() for p in model.parameters()], sent
 
@@ -53,6 +68,15 @@ def compare() -> list[str]:
             failures.append(f"{where}: wrong path used {fused_sent} {unfused_sent}")
         if fused_sent["fused"] == 0:
             failures.append(f"{where}: fused step sent nothing")
+    head_bytes = 4 * (OPTIONS.num_classes * OPTIONS.d_model + OPTIONS.num_classes)
+    rest_bytes = 4 * (2 * OPTIONS.d_model + OPTIONS.num_experts * OPTIONS.d_model)
+    for sent in (fused_sent, unfused_sent):
+        if (sent["all_reduce_calls"], sent["head_bytes"], sent["rest_bytes"]) != (
+            6,
+            head_bytes,
+            rest_bytes,
+        ) or (comm.world_size > 1 and not sent["head_first"]):
+            failures.append(f"{where}: replicated gradients' all-reduces {sent}")
     head = fused_params[-2].clone()
     comm.all_reduce(head, "max")
     if not torch.equal(head, fused_params[-2]):

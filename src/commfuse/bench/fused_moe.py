@@ -11,7 +11,7 @@ about ``rows`` rows and sends ``(P - 1) / P`` of its output away.
 GEMMs, gloo's) against fused (chunks chosen by the layer). ``compute`` is the same step on a
 one-rank group holding ``experts_per_rank`` experts (the same expert FLOPs: every routed row stays
 local), ``comm`` the step's four All-to-Alls (dispatch and combine, forward and backward) and
-its allreduce of replicated gradients alone. Its dispatch and combine exchanges and its two
+its two allreduces of replicated gradients alone. Its dispatch and combine exchanges and its two
 expert GEMMs are also timed alone (``stage:NAME``), for the dependency-aware bound
 ``moe_step_bound_us``: perfect overlap assumes any communication can hide behind any
 computation, where the step lets each exchange hide only behind the GEMMs next to it.
@@ -126,13 +126,18 @@ def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     rt = ga.Routing(comm, counts, [per_rank] * world)
     token_side = torch.zeros(rt.send_start[-1], d_model, device=comm.device)
     expert_side = torch.zeros(rt.recv_start[-1], d_model, device=comm.device)
-    replicated = torch.zeros(sum(p.numel() for p in model(1)[0].replicated()), device=comm.device)
+    reference = model(1)[0]
+    head = sum(p.numel() for p in reference.head.parameters())
+    rest = sum(p.numel() for p in reference.replicated()) - head
+    # The step's two all-reduces of replicated gradients: the head's, then the rest.
+    replicated = [torch.zeros(n, device=comm.device) for n in (head, rest)]
 
     def communicate() -> Any:
         for _ in range(2):  # forward and backward
             ga.native_exchange(comm, rt, token_side, to_experts=True)
             ga.native_exchange(comm, rt, expert_side, to_experts=False)
-        comm.all_reduce(replicated)
+        for grads in replicated:
+            comm.all_reduce(grads)
 
     # The expert GEMMs alone, forward, on the expert side's rows of this routing.
     own = torch.Generator().manual_seed(comm.rank)
@@ -165,7 +170,8 @@ def moe_step_bound_us(medians: dict[str, float]) -> float:
     reverse combine (the dispatch's size) behind the second GEMM's gradients and the reverse
     dispatch (the combine's size) behind the first's, each gradient pair taken as twice its
     forward GEMM. The gate, the routing, the activation, the loss, the optimizer and the
-    all-reduce of the replicated gradients overlap nothing. Unlike ``overlap`` it counts no
+    all-reduces of the replicated gradients overlap nothing (the head's travels during the
+    backward, but it is small next to the exchanges). Unlike ``overlap`` it counts no
     contention between the two (the parts are timed alone). ``medians`` holds ``compute``,
     ``comm``, ``dispatch``, ``combine``, ``gemm1`` and ``gemm2``, in any one unit."""
     d, c = medians["dispatch"], medians["combine"]

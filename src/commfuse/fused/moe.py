@@ -13,8 +13,12 @@ One forward, on every rank for its own tokens ``x [T_r, D]``:
    that expert (the residual connection, the caller's, carries it). Capacity is per sending
    rank, so it needs no communication. ``None`` keeps every assignment (no dropped tokens; the
    All-to-All splits are then as uneven as the routing).
-3. The routed rows, sorted by expert, and the ``[P, E]`` counts (one tiny all-gather, which also
-   checks that every rank has the same ``d_model`` and dtype) define the exchange.
+3. The routed rows, sorted by expert, and the counts define the exchange. A rank needs only
+   its own counts row (what it sends) and every rank's counts for its own experts (what it
+   receives), so each rank sends each peer that peer's columns of its row, with its ``d_model``
+   and dtype (checked on arrival), in one message: one hop, where an all-gather of the whole
+   ``[P, E]`` matrix is a ring of ``P - 1`` hops, each waiting for the rank before it. The
+   routed rows are gathered while the counts travel.
 4. ``all_to_all_gemm`` (dispatch + the experts' first GEMM ``x W1_e^T``), the activation,
    ``gemm_all_to_all`` (the experts' second GEMM ``h W2_e^T`` + combine), then each token's
    outputs are summed with their gate weights.
@@ -37,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commfuse.comm import Communicator
+from commfuse.comm import Communicator, Handle
 from commfuse.fused import gemm_all_to_all as ga
 from commfuse.fused.chunking import ChunkConfig, measure_overhead_us, split_sizes
 from commfuse.fused.fallback import choose_fused_chunks
@@ -140,6 +144,53 @@ def choose_moe_chunks(
         )
 
 
+#: Tag and stats label of the counts exchange (the data pieces use tags from 0).
+COUNTS_TAG = 1 << 20
+COUNTS_LABEL = "moe_counts"
+
+
+class PendingCounts:
+    """A counts exchange in flight (``ExpertParallelMoE.exchange_counts``)."""
+
+    def __init__(
+        self,
+        rank: int,
+        expert_range: tuple[int, int],
+        mine: torch.Tensor,
+        features: torch.Tensor,
+        received: dict[int, torch.Tensor],
+        handles: list[Handle],
+    ) -> None:
+        self.rank, self.expert_range, self.mine, self.features = rank, expert_range, mine, features
+        self.received, self.handles = received, handles
+
+    def wait(self) -> torch.Tensor:
+        """The ``[P, E]`` counts this rank's routing reads: its own row (what it sends) and every
+        rank's counts for its own experts (what it receives); the rest is zero (no rank reads
+        another pair's counts). ValueError, naming every rank's features, where a peer's token
+        features or dtype differ from this rank's."""
+        for handle in self.handles:
+            handle.wait()
+        world, lo, hi = len(self.received) + 1, *self.expert_range
+        # host metadata: the routing turns the counts into split sizes (Python ints)
+        table = torch.zeros((world, self.mine.numel()), dtype=torch.int64, device="cpu")
+        table[self.rank] = self.mine.cpu()
+        seen = {self.rank: self.features.tolist()}
+        for src, message in self.received.items():
+            table[src, lo:hi] = message[:-2].cpu()
+            seen[src] = message[-2:].tolist()
+        if any(f != seen[self.rank] for f in seen.values()):
+            described = "; ".join(
+                f"rank {r}: {d} features {_DTYPES[c] if c >= 0 else 'other dtype'}"
+                for r, (d, c) in sorted(seen.items())
+            )
+            raise ValueError(
+                f"ExpertParallelMoE: ranks passed different token features ({described}); "
+                f"every rank must pass [..., d_model] of the same dtype"
+            )
+        return table
+
+
 class ExpertParallelMoE(nn.Module):
     """Top-k gated MoE feed-forward layer, experts sharded across ``comm``'s ranks (module
     docstring). ``forward(x [..., D]) -> [..., D]``; every rank must call it together.
@@ -215,8 +266,9 @@ class ExpertParallelMoE(nn.Module):
         self.chunk_config = chunk_config or ChunkConfig()
         self.chunk_config.require_chunks(type(self).__name__)
         self.experts_per_rank = split_sizes(num_experts, world)
-        first = sum(self.experts_per_rank[: comm.rank])
-        self.expert_range = (first, first + self.experts_per_rank[comm.rank])
+        #: expert_bounds[j]: the first global expert of rank j (and the number of experts last).
+        self.expert_bounds = [sum(self.experts_per_rank[:j]) for j in range(world + 1)]
+        self.expert_range = (self.expert_bounds[comm.rank], self.expert_bounds[comm.rank + 1])
         gen = torch.Generator().manual_seed(seed)
 
         def uniform(*shape: int, fan_in: int) -> torch.Tensor:
@@ -231,25 +283,27 @@ class ExpertParallelMoE(nn.Module):
         self.w2 = nn.Parameter(w2[lo:hi].to(dtype).contiguous())
         self._chunks: dict[torch.dtype, int] = {}
 
-    def gather_counts(self, counts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's rows per expert, ``[P, E]``; ValueError if ranks disagree on the features."""
-        comm, world = self.comm, self.comm.world_size
+    def exchange_counts(self, counts: torch.Tensor, x: torch.Tensor) -> PendingCounts:
+        """Start the counts exchange (step 3 of the module docstring): every rank sends each
+        peer only that peer's columns of its counts row, with its features and dtype, in one
+        message per peer; ``PendingCounts.wait`` returns the ``[P, E]`` matrix this rank needs."""
+        comm, world, rank = self.comm, self.comm.world_size, self.comm.rank
         code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
-        features = torch.tensor([x.shape[-1], code], device=counts.device)
-        mine = torch.cat([counts, features]).to(device=comm.device, dtype=torch.int64)
-        everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=comm.device)
-        comm.all_gather(everyone, mine)
-        table = everyone.view(world, -1)
-        if bool((table[:, -2:] != table[0, -2:]).any()):
-            seen = "; ".join(
-                f"rank {r}: {int(d)} features {_DTYPES[int(c)] if c >= 0 else 'other dtype'}"
-                for r, (d, c) in enumerate(table[:, -2:].tolist())
-            )
-            raise ValueError(
-                f"ExpertParallelMoE: ranks passed different token features ({seen}); "
-                f"every rank must pass [..., d_model] of the same dtype"
-            )
-        return table[:, :-2]
+        features = torch.tensor([x.shape[-1], code], dtype=torch.int64, device=comm.device)
+        mine = counts.to(device=comm.device, dtype=torch.int64)
+        lo, hi = self.expert_range
+        received: dict[int, torch.Tensor] = {}
+        handles: list[Handle] = []
+        for step in range(1, world):
+            src = (rank - step) % world
+            received[src] = torch.empty(hi - lo + 2, dtype=torch.int64, device=comm.device)
+            handles.append(comm.irecv(received[src], src, tag=COUNTS_TAG, label=COUNTS_LABEL))
+        for step in range(1, world):
+            dst = (rank + step) % world
+            a, b = self.expert_bounds[dst], self.expert_bounds[dst + 1]
+            message = torch.cat([mine[a:b], features])
+            handles.append(comm.isend(message, dst, tag=COUNTS_TAG, label=COUNTS_LABEL))
+        return PendingCounts(rank, (lo, hi), mine, features, received, handles)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.d_model or x.dtype != self.w1.dtype:
@@ -264,9 +318,10 @@ class ExpertParallelMoE(nn.Module):
             capacity_factor=self.capacity_factor,
             normalize=self.normalize,
         )
-        counts = self.gather_counts(r.counts, x2)
+        pending = self.exchange_counts(r.counts, x2)
+        rows = x2[r.token]  # token side: routed rows sorted by expert, while the counts travel
+        counts = pending.wait()
         flat, epr = counts.reshape(-1).tolist(), list(self.experts_per_rank)
-        rows = x2[r.token]  # token side: routed rows sorted by expert
         chunks = self.chunks_for(counts, rows)
         h, _ = all_to_all_gemm_op(rows, self.w1, flat, epr, self.comm.key, chunks)
         h = ACTIVATIONS[self.activation](h)

@@ -9,9 +9,10 @@ learnable and the loss falls as the model trains.
 Parallelism: the experts are model-parallel (each rank owns ``split_sizes(num_experts, P)`` of
 them; their gradients arrive complete through the backward All-to-Alls), everything else (the
 norm, the gate, the classifier) is replicated and data-parallel: ``train_step`` averages those
-gradients with one allreduce after the backward. The loss is each rank's mean over its tokens,
-so expert gradients are scaled by ``1 / P`` to match the data-parallel average: the step equals
-one step of the dense model on the global batch with the mean loss.
+gradients in two allreduces, the head's during the MoE backward and the rest after it. The loss
+is each rank's mean over its tokens, so expert gradients are scaled by ``1 / P`` to match the
+data-parallel average: the step equals one step of the dense model on the global batch with the
+mean loss.
 
 ``fused=False`` runs both All-to-Alls unfused (one chunk: the whole GEMM, then gloo's
 All-to-All); ``fused=True`` lets the layer choose its chunks (``ChunkConfig``), or use
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commfuse.comm import Communicator
+from commfuse.comm import Communicator, Handle
 from commfuse.fused.chunking import ChunkConfig
 from commfuse.fused.moe import ExpertParallelMoE
 from commfuse.workloads.base import batch_generator
@@ -150,21 +151,72 @@ class MoEWorkload:
         batch: tuple[torch.Tensor, torch.Tensor],
     ) -> float:
         """One step: forward, backward (through the fused All-to-Alls), average the replicated
-        gradients, scale the expert gradients by 1/P, update. Returns this rank's loss."""
+        gradients, scale the expert gradients by 1/P, update. Returns this rank's loss.
+
+        The replicated gradients are averaged in two all-reduces: the head's, started as soon
+        as autograd has accumulated them (the head is the last layer, so before the MoE
+        backward begins) and travelling during it, and the rest (the gate's and the norm's,
+        complete only at the end of the backward) after it."""
         optimizer.zero_grad(set_to_none=False)
         loss = self.loss(model, batch)
-        torch.autograd.backward(loss)
+        early = ReplicatedBucket(comm, list(model.head.parameters()))
+        hooks = [
+            p.register_post_accumulate_grad_hook(early.ready)  # type: ignore[no-untyped-call]
+            for p in early.params
+        ]
+        try:
+            torch.autograd.backward(loss)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        heads = {id(p) for p in early.params}
+        late = ReplicatedBucket(comm, [p for p in model.replicated() if id(p) not in heads])
+        late.start()
+        early.start()  # a no-op where the hooks started it
+        early.finish()
+        late.finish()
         world = comm.world_size
-        grads = [p.grad for p in model.replicated() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, "sum")
-        flat /= world
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
         for p in (model.moe.w1, model.moe.w2):
             if p.grad is not None:
                 p.grad /= world
         optimizer.step()
         return float(loss.detach())
+
+
+class ReplicatedBucket:
+    """Data-parallel parameters whose gradients are averaged in one all-reduce, started as soon
+    as the last of them is ready (``ready``, a post-accumulate-grad hook) or when asked
+    (``start``), waited and copied back by ``finish``."""
+
+    def __init__(self, comm: Communicator, params: list[nn.Parameter]) -> None:
+        self.comm, self.params = comm, params
+        self.waiting = {id(p) for p in params}
+        self.flat: torch.Tensor | None = None
+        self.handle: Handle | None = None
+
+    def ready(self, param: torch.Tensor) -> None:
+        self.waiting.discard(id(param))
+        if not self.waiting:
+            self.start()
+
+    def start(self) -> None:
+        if self.flat is not None:
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            self.flat = torch.empty(0, device=self.comm.device)
+            return
+        self.flat = torch.cat([g.reshape(-1) for g in grads])
+        self.handle = self.comm.all_reduce(self.flat, "sum", async_op=True)
+
+    def finish(self) -> None:
+        if self.handle is None or self.flat is None:
+            return
+        self.handle.wait()
+        self.flat /= self.comm.world_size
+        offset = 0
+        for p in self.params:
+            if p.grad is not None:
+                g = p.grad
+                g.copy_(self.flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
