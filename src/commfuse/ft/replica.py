@@ -310,9 +310,8 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
 
     process_group = AlarmedProcessGroupGloo(timeout=op_timeout)
     hook_state = FTHookState(
-        process_group=process_group,
+        comm=QuorumComm(process_group),
         compressor=compressor,
-        comm=QuorumComm(process_group) if compressor is not None else None,
         names={id(p): name for name, p in module.named_parameters()},
     )
     ddp.register_comm_hook(hook_state, ft_allreduce_hook)
@@ -363,8 +362,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             if again:  # the batch is built again only when the quorum changed it
                 optimizer.zero_grad(set_to_none=True)
                 loss = workload.loss(ddp, _share_batch(workload, job, step_now, samples))
-            if hook_state.comm is not None:
-                hook_state.comm.at_quorum(manager.participating_rank() or 0, process_group.size())
+            hook_state.comm.at_quorum(manager.participating_rank() or 0, process_group.size())
             # A failed step must leave the compressor's state as it found it (error feedback,
             # factors): some replicas may have updated theirs before the failure, others not.
             saved = copy.deepcopy(compression_state())
