@@ -181,7 +181,8 @@ def _ft_time(r: dict[str, Any]) -> dict[str, Any]:
     the committed attempts after the warm-up): the wait for the quorum (``quorum_s``; in
     per-step mode the forward runs while the quorum is asked for, and only the wait left
     after it counts), forward and backward with the hook's exchange (``backward_s``), and
-    the commit vote with the optimizer step and the report (``commit_s``)."""
+    the commit vote with the optimizer step and the report (``commit_s``), of which the vote
+    alone (``vote_s``)."""
     good = r.get("goodput_steps_per_s")
     steady = [
         a
@@ -205,6 +206,7 @@ def _ft_time(r: dict[str, Any]) -> dict[str, Any]:
         "quorum_s": median(quorum),
         "backward_s": median(compute),
         "commit_s": median(lambda a: float(a["t"] - a["t_backward"])),
+        "vote_s": median(lambda a: float(a.get("t_voted", a["t"]) - a["t_backward"])),
     }
 
 
@@ -272,7 +274,7 @@ def _records(
             "rejoin_s": _spread([e["rejoin_s"] for e in events]),
             "rounds": rounds,
         }
-        for key in ("quorum_s", "backward_s", "commit_s"):
+        for key in ("quorum_s", "backward_s", "commit_s", "vote_s"):
             record[key] = _median([r.get(key) for r in rounds])
         for key in ("committed_steps", "discarded_steps", "samples_lost", "samples_duplicated"):
             values = [r[key] for r in rounds if r.get(key) is not None]
