@@ -7,7 +7,7 @@ neighbour):
 * without faults (no ``--chaos``): the strategy's plain run (``run_training``: torch DDP, or
   commfuse's engine with its compressor, no torchft) and its fault-tolerant run: the ratio is
   the **overhead** of fault tolerance (the quorum RPC and the commit vote of every step, the
-  hook that waits for each bucket);
+  hook's exchange on its worker thread, the compressor state kept to undo a failed step);
 * with faults: its fault-tolerant run without faults and with them: the ratio is the
   **goodput** kept under faults, and the held-out losses compare the models the two deliver
   after the same number of committed steps.
