@@ -7,7 +7,7 @@ neighbour):
 * without faults (no ``--chaos``): the strategy's plain run (``run_training``: torch DDP, or
   commfuse's engine with its compressor, no torchft) and its fault-tolerant run: the ratio is
   the **overhead** of fault tolerance (the quorum RPC and the commit vote of every step, the
-  hook that waits for each bucket);
+  hook's exchange on its worker thread, the compressor state kept to undo a failed step);
 * with faults: its fault-tolerant run without faults and with them: the ratio is the
   **goodput** kept under faults, and the held-out losses compare the models the two deliver
   after the same number of committed steps.
@@ -181,7 +181,8 @@ def _ft_time(r: dict[str, Any]) -> dict[str, Any]:
     the committed attempts after the warm-up): the wait for the quorum (``quorum_s``; in
     per-step mode the forward runs while the quorum is asked for, and only the wait left
     after it counts), forward and backward with the hook's exchange (``backward_s``), and
-    the commit vote with the optimizer step and the report (``commit_s``)."""
+    the commit vote with the optimizer step and the report (``commit_s``), of which the vote
+    alone (``vote_s``)."""
     good = r.get("goodput_steps_per_s")
     steady = [
         a
@@ -205,6 +206,7 @@ def _ft_time(r: dict[str, Any]) -> dict[str, Any]:
         "quorum_s": median(quorum),
         "backward_s": median(compute),
         "commit_s": median(lambda a: float(a["t"] - a["t_backward"])),
+        "vote_s": median(lambda a: float(a.get("t_voted", a["t"]) - a["t_backward"])),
     }
 
 
@@ -272,7 +274,7 @@ def _records(
             "rejoin_s": _spread([e["rejoin_s"] for e in events]),
             "rounds": rounds,
         }
-        for key in ("quorum_s", "backward_s", "commit_s"):
+        for key in ("quorum_s", "backward_s", "commit_s", "vote_s"):
             record[key] = _median([r.get(key) for r in rounds])
         for key in ("committed_steps", "discarded_steps", "samples_lost", "samples_duplicated"):
             values = [r[key] for r in rounds if r.get(key) is not None]

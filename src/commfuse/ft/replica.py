@@ -6,7 +6,11 @@ Every step, in the order torchft's Manager expects:
 1. ``manager.start_quorum()``: ask the lighthouse who is alive. When the quorum changed, the
    Manager reconfigures the cross-replica process group; when this replica is behind (it was
    restarted or dropped), it first receives the state of a replica at the newest step
-   (``transport.py``) and continues from there;
+   (``transport.py``) and continues from there. It takes everything but the compressor's
+   error-feedback residuals, which are each replica's own gradient not sent yet: summed over
+   the replicas, residuals and what was sent make the true gradients' sum, and a copy of the
+   donor's would send its gradient twice. A joiner keeps its own residuals instead: none after
+   a restart, the unsent gradient of its last committed step if it only fell behind;
 2. the step's batch is chosen by the committed step (``manager.current_step()``), the replica
    group's index and the number of replica groups (with ``global_batch="fixed"``, by its rank
    in the quorum and the quorum's size: ``data.py``), so a step that fails is retried on the
@@ -32,7 +36,6 @@ parameters, which the launcher compares across replicas.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import pickle
@@ -330,17 +333,24 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             "model": module.state_dict(),
             "optimizer": optimizer.state_dict(),
             "torch_rng": at_start["torch_rng"],
-            "compression": compression_state(),
+            "compression": compression_state(residuals=False),
         }
 
-    def compression_state() -> dict[str, Any]:
+    def compression_state(*, residuals: bool = True) -> dict[str, Any]:
         if hook_state.compressor is None:
             return {}
-        return {"compressor": hook_state.compressor.state_dict(), "steps": dict(hook_state.steps)}
+        state = hook_state.compressor.state_dict()
+        if not residuals:  # a joiner's are its own (see the module docstring)
+            state["feedback"] = {"residuals": {}}
+        return {"compressor": state, "steps": dict(hook_state.steps)}
 
-    def load_compression_state(state: dict[str, Any]) -> None:
-        if hook_state.compressor is not None:
-            hook_state.compressor.load_state_dict(state["compressor"])
+    def load_compression_state(state: dict[str, Any], *, own_residuals: bool = False) -> None:
+        compressor = hook_state.compressor
+        if compressor is not None:
+            served = state["compressor"]
+            if own_residuals:
+                served = {**served, "feedback": compressor.feedback.state_dict()}
+            compressor.load_state_dict(served)
             hook_state.steps = {str(k): int(v) for k, v in state["steps"].items()}
 
     # torch's random state at the start of the step in progress: a joiner continues from it.
@@ -353,13 +363,12 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
-        load_compression_state(state["compression"])
+        load_compression_state(state["compression"], own_residuals=True)
 
     process_group = AlarmedProcessGroupGloo(timeout=op_timeout)
     hook_state = FTHookState(
-        process_group=process_group,
+        comm=QuorumComm(process_group),
         compressor=compressor,
-        comm=QuorumComm(process_group) if compressor is not None else None,
         names={id(p): name for name, p in module.named_parameters()},
     )
     wired: FTHookState | GroupHookState = hook_state
@@ -426,21 +435,23 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             if again:  # the batch is built again only when the quorum changed it
                 optimizer.zero_grad(set_to_none=True)
                 loss = workload.loss(ddp, _share_batch(workload, job, step_now, samples))
-            if hook_state.comm is not None:
-                hook_state.comm.at_quorum(manager.participating_rank() or 0, process_group.size())
+            hook_state.comm.at_quorum(manager.participating_rank() or 0, process_group.size())
             # A failed step must leave the compressor's state as it found it (error feedback,
             # factors): some replicas may have updated theirs before the failure, others not.
-            saved = copy.deepcopy(compression_state())
+            # A compressor's state_dict() is a copy already: one pass over the residuals.
+            saved = compression_state()
             t_saved = time.monotonic()
             sent_before = wired.bytes_sent
             (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
             participants = manager.num_participants()
             t_backward = time.monotonic()
             committed = manager.should_commit()
+            t_voted = time.monotonic()
             if committed:
                 optimizer.step()
             else:
                 load_compression_state(saved)
+            t_stepped = time.monotonic()
             error = manager.errored()
             digest = committed and _digested(job, step_now)
             step_report(
@@ -457,6 +468,8 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "t_saved": t_saved,
                         "t_forward": t_forward,
                         "t_backward": t_backward,
+                        "t_voted": t_voted,
+                        "t_stepped": t_stepped,
                         "t": time.monotonic(),
                         "digest": params_digest(module) if digest else None,
                         "healed": healed,
