@@ -265,8 +265,11 @@ def test_layer_plan_matches_brute_force() -> None:
         layers, period = rng.randint(1, 6), rng.randint(1, 3)
         backward = [rng.choice([0.0, 0.5, 1.0, 2.0, 3.0]) for _ in range(layers)]
         comm = [rng.choice([0.0, 0.5, 1.0, 2.5, 4.0]) for _ in range(layers)]
-        # Half the cases wait at each layer's next use, a slack after the backward pass.
+        # Half the cases wait at each layer's next use, a slack after the last launch; a
+        # quarter launch every layer at once, as the forward starts.
         slack = [rng.choice([0.0, 0.5, 1.5, 3.0]) for _ in range(layers)] if case % 2 else None
+        if case % 4 == 3:
+            backward = [0.0] * layers
         _, best = brute_force_plan(backward, comm, period, slack)
         plan = plan_layers(backward, comm, period, slack)
         assert len(plan) == layers and all(0 <= h < period for h in plan)
@@ -300,6 +303,13 @@ def test_layer_plan_counts_the_slack_to_each_layers_use() -> None:
     # slack; without it both iterations show one.
     plan = plan_layers([1.0, 1.0], [2.0, 2.0], 2, [2.0, 2.0])
     assert sorted(plan) == [0, 1] and plan_key(plan, [1.0] * 2, [2.0] * 2, 2, [2.0] * 2)[0] == 0
+    # A forward of 0.5, a backward of 2 (1 per layer), an optimizer step of 0.1; the first
+    # layer (used at 0 in the forward) exchanged in 2, the second (used at 0.5) in 0.5.
+    # Launched from the backward pass (the first layer last), the first layer's exchange
+    # has the optimizer step to hide behind: 1.9 shows. Launched as the forward starts, in the
+    # forward's order, both have the whole iteration: nothing shows.
+    assert exposed_s([0, 1], [1.0, 1.0], [0.5, 2.0], [0.1 + 0.5, 0.1]) == pytest.approx(1.9)
+    assert exposed_s([0, 1], [0.0, 0.0], [2.0, 0.5], [2.5 + 0.1, 2.5 + 0.6]) == 0.0
 
 
 def dreamddp_periods(period: int, steps: int) -> tuple[list[list[int]], list[int], int, int, int]:
@@ -365,37 +375,56 @@ def test_dreamddp_period_one_averages_every_step(pool: PoolFn) -> None:
         assert err < 1e-6
 
 
-def dreamddp_lands_at_use() -> tuple[list[int], list[int], float, int]:
-    """Steps of the exchanges landed after a step and after the next forward; the largest
-    difference from waiting in the step at H = 1 (SGD: the same update; at H > 1 each run
-    plans from its own profile); the exchanges in flight after the last step."""
+def dreamddp_lands_at_use() -> tuple[list[int], list[int], bool, float, bool, int]:
+    """Steps of the exchanges landed after a step and after the next forward; whether that
+    forward launched its step's due layers (before any backward); the largest difference from
+    waiting in the step at H = 1 (SGD: the same update; at H > 1 each run plans from its own
+    profile); whether launching from the backward pass at H = 1 gives the same model bit for
+    bit; the exchanges in flight after the last step."""
     comm = Communicator()
     model = tiny_model()
     opt = build(DreamDDPConfig(H=2, algo="native", final_sync=False), model, comm, "sgd")
     run_steps(opt, model, comm.rank, range(2))  # the profile step, then the period's first
+    assert isinstance(opt, DreamDDPOptimizer) and opt.plan is not None
     after_step = sorted({record.step for record in opt.syncs})
-    loss_of(model, comm.rank, 2).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+    due = [layer for layer in range(len(opt.layers)) if opt.due(layer)]
+    nothing_before = not opt._launched
+    loss = loss_of(model, comm.rank, 2)  # step 3's forward
+    forward_launched = sorted(item.layer for item in opt._launched)
+    launched_by_forward = nothing_before and bool(due) and forward_launched == due
     after_forward = sorted({record.step for record in opt.syncs})
+    loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
     opt.step()
     opt.zero_grad()
     run_steps(opt, model, comm.rank, range(3, 7))
-    assert isinstance(opt, DreamDDPOptimizer)
     in_flight = len(opt._in_flight)
     assert len(opt.wait_s) == 6  # one per step after the profile
     opt.finish()
     ref, _, _ = train(DreamDDPConfig(H=1, algo="native", final_sync=False, land_at="step"), 7)
     got, _, _ = train(DreamDDPConfig(H=1, algo="native", final_sync=False), 7)
-    return after_step, after_forward, float((got - ref).abs().max()), in_flight
+    grad, _, _ = train(DreamDDPConfig(H=1, algo="native", final_sync=False, launch_at="grad"), 7)
+    return (
+        after_step,
+        after_forward,
+        launched_by_forward,
+        float((got - ref).abs().max()),
+        torch.equal(got, grad),
+        in_flight,
+    )
 
 
-def test_dreamddp_waits_for_an_exchange_at_its_layers_next_use(pool: PoolFn) -> None:
-    for after_step, after_forward, err, in_flight in pool(2).run(
+def test_dreamddp_launches_from_the_forward_and_waits_at_the_layers_next_use(
+    pool: PoolFn,
+) -> None:
+    for after_step, after_forward, launched_by_forward, err, same, in_flight in pool(2).run(
         dreamddp_lands_at_use, timeout_s=DEADLINE_S
     ):
         assert after_step == [1]  # step 2's exchanges are still in flight after its step
         assert after_forward == [1, 2]  # and landed by the forward that uses their layers
+        assert launched_by_forward  # step 3's due layers, launched as its forward starts
         assert in_flight > 0
         assert err < 1e-6  # mean(x) - lr g either way
+        assert same  # the same values sent, launched earlier
 
 
 # -- every method: a resume in the middle of a period continues bit for bit -----------------
