@@ -39,6 +39,7 @@ from commfuse.localsgd import (
 )
 from commfuse.localsgd.adpsgd import next_period
 from commfuse.localsgd.layer_schedule import brute_force_plan, exposed_s, plan_key, plan_layers
+from commfuse.localsgd.sync_method import OuterStep
 from commfuse.testing import RankPool
 from commfuse.train import TrainConfig, train_rank
 from commfuse.train import checkpoint as ckpt
@@ -154,6 +155,66 @@ def test_selsync_decides_alike_on_every_rank_and_sends_what_it_decides(pool: Poo
         assert 1 < syncs < 13  # some steps stayed local (the final sync counts as one)
         assert control == 12 * 8
         assert sent == syncs * 4 * NUMEL + control
+
+
+# -- the outer step of SelSync and ADPSGD ------------------------------------------------------
+def outer_step_vs_fixed_period() -> list[tuple[str, bool, int, int, int]]:
+    """SelSync at threshold 0 (a sync every step) and ADPSGD over its two probe periods of 3
+    (syncs after steps 3 and 6), with each outer step, against local SGD (the plain average)
+    and DiLoCo (the Nesterov step) on the same schedule: per case, whether the models are
+    equal bit for bit, the method's bytes less its decisions', the reference's bytes, and
+    the syncs."""
+    out = []
+    references: list[tuple[OuterStep, Callable[..., PeriodicSyncConfig]]] = [
+        ("average", local_sgd),
+        ("nesterov", diloco),
+    ]
+    for outer, reference in references:
+        cases = [
+            (SelSyncConfig(threshold=0, outer=outer, algo="native", final_sync=False), 5, 1),
+            (
+                ADPSGDConfig(
+                    total_steps=12,
+                    num_syncs=3,
+                    first_period_steps=3,
+                    outer=outer,
+                    algo="native",
+                    final_sync=False,
+                ),
+                6,
+                3,
+            ),
+        ]
+        for config, steps, period in cases:
+            got, opt, sent = train(config, steps)
+            ref, _, ref_sent = train(reference(H=period, algo="native", final_sync=False), steps)
+            name = f"{config.name}:outer={outer}"
+            out.append(
+                (name, torch.equal(got, ref), sent - opt.control_bytes, ref_sent, len(opt.syncs))
+            )
+    return out
+
+
+def test_outer_step_on_a_fixed_schedule_is_local_sgd_or_diloco(pool: PoolFn) -> None:
+    for cases in pool(2).run(outer_step_vs_fixed_period, timeout_s=DEADLINE_S):
+        assert [name for name, *_ in cases] == [
+            "selsync:outer=average",
+            "adpsgd:outer=average",
+            "selsync:outer=nesterov",
+            "adpsgd:outer=nesterov",
+        ]
+        for name, equal, sent, ref_sent, syncs in cases:
+            assert equal, name  # bit for bit: the default is the plain average
+            assert sent == ref_sent == syncs * 4 * NUMEL, name  # the same exchanges
+        assert [syncs for *_, syncs in cases] == [5, 2, 5, 2]
+
+
+def test_outer_step_settings_are_diloco_s_and_a_bad_one_is_named() -> None:
+    assert SelSyncConfig().periodic() == SelSyncConfig(outer="average").periodic()
+    nesterov = ADPSGDConfig(total_steps=10, outer="nesterov").periodic()
+    assert (nesterov.outer_lr, nesterov.outer_momentum, nesterov.nesterov) == (0.7, 0.9, True)
+    with pytest.raises(ValueError, match="outer must be 'average' or 'nesterov'"):
+        SelSyncConfig(outer="adam")  # type: ignore[arg-type]  # the check under test
 
 
 # -- ADPSGD -----------------------------------------------------------------------------------
@@ -472,6 +533,8 @@ def test_resume_mid_period_is_bit_exact(pool: PoolFn, config: SyncMethod, inner:
     "spec",
     [
         "selsync:threshold=0.1,compressor=fp16",
+        "selsync:threshold=0.1,outer=nesterov",
+        "adpsgd:num_syncs=3,outer=nesterov",
         "adpsgd:total_steps=200,num_syncs=8",
         "palsgd:H=50,p=0.1",
         "dreamddp:H=4",
