@@ -39,6 +39,7 @@ from commfuse.localsgd import (
 )
 from commfuse.localsgd.adpsgd import next_period
 from commfuse.localsgd.layer_schedule import brute_force_plan, exposed_s, plan_key, plan_layers
+from commfuse.localsgd.sync_method import OuterStep
 from commfuse.testing import RankPool
 from commfuse.train import TrainConfig, train_rank
 from commfuse.train import checkpoint as ckpt
@@ -156,6 +157,66 @@ def test_selsync_decides_alike_on_every_rank_and_sends_what_it_decides(pool: Poo
         assert sent == syncs * 4 * NUMEL + control
 
 
+# -- the outer step of SelSync and ADPSGD ------------------------------------------------------
+def outer_step_vs_fixed_period() -> list[tuple[str, bool, int, int, int]]:
+    """SelSync at threshold 0 (a sync every step) and ADPSGD over its two probe periods of 3
+    (syncs after steps 3 and 6), with each outer step, against local SGD (the plain average)
+    and DiLoCo (the Nesterov step) on the same schedule: per case, whether the models are
+    equal bit for bit, the method's bytes less its decisions', the reference's bytes, and
+    the syncs."""
+    out = []
+    references: list[tuple[OuterStep, Callable[..., PeriodicSyncConfig]]] = [
+        ("average", local_sgd),
+        ("nesterov", diloco),
+    ]
+    for outer, reference in references:
+        cases = [
+            (SelSyncConfig(threshold=0, outer=outer, algo="native", final_sync=False), 5, 1),
+            (
+                ADPSGDConfig(
+                    total_steps=12,
+                    num_syncs=3,
+                    first_period_steps=3,
+                    outer=outer,
+                    algo="native",
+                    final_sync=False,
+                ),
+                6,
+                3,
+            ),
+        ]
+        for config, steps, period in cases:
+            got, opt, sent = train(config, steps)
+            ref, _, ref_sent = train(reference(H=period, algo="native", final_sync=False), steps)
+            name = f"{config.name}:outer={outer}"
+            out.append(
+                (name, torch.equal(got, ref), sent - opt.control_bytes, ref_sent, len(opt.syncs))
+            )
+    return out
+
+
+def test_outer_step_on_a_fixed_schedule_is_local_sgd_or_diloco(pool: PoolFn) -> None:
+    for cases in pool(2).run(outer_step_vs_fixed_period, timeout_s=DEADLINE_S):
+        assert [name for name, *_ in cases] == [
+            "selsync:outer=average",
+            "adpsgd:outer=average",
+            "selsync:outer=nesterov",
+            "adpsgd:outer=nesterov",
+        ]
+        for name, equal, sent, ref_sent, syncs in cases:
+            assert equal, name  # bit for bit: the default is the plain average
+            assert sent == ref_sent == syncs * 4 * NUMEL, name  # the same exchanges
+        assert [syncs for *_, syncs in cases] == [5, 2, 5, 2]
+
+
+def test_outer_step_settings_are_diloco_s_and_a_bad_one_is_named() -> None:
+    assert SelSyncConfig().periodic() == SelSyncConfig(outer="average").periodic()
+    nesterov = ADPSGDConfig(total_steps=10, outer="nesterov").periodic()
+    assert (nesterov.outer_lr, nesterov.outer_momentum, nesterov.nesterov) == (0.7, 0.9, True)
+    with pytest.raises(ValueError, match="outer must be 'average' or 'nesterov'"):
+        SelSyncConfig(outer="adam")  # type: ignore[arg-type]  # the check under test
+
+
 # -- ADPSGD -----------------------------------------------------------------------------------
 def test_adpsgd_period_rule() -> None:
     # No decay: the syncs left are spread evenly over the steps left.
@@ -265,8 +326,11 @@ def test_layer_plan_matches_brute_force() -> None:
         layers, period = rng.randint(1, 6), rng.randint(1, 3)
         backward = [rng.choice([0.0, 0.5, 1.0, 2.0, 3.0]) for _ in range(layers)]
         comm = [rng.choice([0.0, 0.5, 1.0, 2.5, 4.0]) for _ in range(layers)]
-        # Half the cases wait at each layer's next use, a slack after the backward pass.
+        # Half the cases wait at each layer's next use, a slack after the last launch; a
+        # quarter launch every layer at once, as the forward starts.
         slack = [rng.choice([0.0, 0.5, 1.5, 3.0]) for _ in range(layers)] if case % 2 else None
+        if case % 4 == 3:
+            backward = [0.0] * layers
         _, best = brute_force_plan(backward, comm, period, slack)
         plan = plan_layers(backward, comm, period, slack)
         assert len(plan) == layers and all(0 <= h < period for h in plan)
@@ -300,6 +364,13 @@ def test_layer_plan_counts_the_slack_to_each_layers_use() -> None:
     # slack; without it both iterations show one.
     plan = plan_layers([1.0, 1.0], [2.0, 2.0], 2, [2.0, 2.0])
     assert sorted(plan) == [0, 1] and plan_key(plan, [1.0] * 2, [2.0] * 2, 2, [2.0] * 2)[0] == 0
+    # A forward of 0.5, a backward of 2 (1 per layer), an optimizer step of 0.1; the first
+    # layer (used at 0 in the forward) exchanged in 2, the second (used at 0.5) in 0.5.
+    # Launched from the backward pass (the first layer last), the first layer's exchange
+    # has the optimizer step to hide behind: 1.9 shows. Launched as the forward starts, in the
+    # forward's order, both have the whole iteration: nothing shows.
+    assert exposed_s([0, 1], [1.0, 1.0], [0.5, 2.0], [0.1 + 0.5, 0.1]) == pytest.approx(1.9)
+    assert exposed_s([0, 1], [0.0, 0.0], [2.0, 0.5], [2.5 + 0.1, 2.5 + 0.6]) == 0.0
 
 
 def dreamddp_periods(period: int, steps: int) -> tuple[list[list[int]], list[int], int, int, int]:
@@ -365,37 +436,56 @@ def test_dreamddp_period_one_averages_every_step(pool: PoolFn) -> None:
         assert err < 1e-6
 
 
-def dreamddp_lands_at_use() -> tuple[list[int], list[int], float, int]:
-    """Steps of the exchanges landed after a step and after the next forward; the largest
-    difference from waiting in the step at H = 1 (SGD: the same update; at H > 1 each run
-    plans from its own profile); the exchanges in flight after the last step."""
+def dreamddp_lands_at_use() -> tuple[list[int], list[int], bool, float, bool, int]:
+    """Steps of the exchanges landed after a step and after the next forward; whether that
+    forward launched its step's due layers (before any backward); the largest difference from
+    waiting in the step at H = 1 (SGD: the same update; at H > 1 each run plans from its own
+    profile); whether launching from the backward pass at H = 1 gives the same model bit for
+    bit; the exchanges in flight after the last step."""
     comm = Communicator()
     model = tiny_model()
     opt = build(DreamDDPConfig(H=2, algo="native", final_sync=False), model, comm, "sgd")
     run_steps(opt, model, comm.rank, range(2))  # the profile step, then the period's first
+    assert isinstance(opt, DreamDDPOptimizer) and opt.plan is not None
     after_step = sorted({record.step for record in opt.syncs})
-    loss_of(model, comm.rank, 2).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+    due = [layer for layer in range(len(opt.layers)) if opt.due(layer)]
+    nothing_before = not opt._launched
+    loss = loss_of(model, comm.rank, 2)  # step 3's forward
+    forward_launched = sorted(item.layer for item in opt._launched)
+    launched_by_forward = nothing_before and bool(due) and forward_launched == due
     after_forward = sorted({record.step for record in opt.syncs})
+    loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
     opt.step()
     opt.zero_grad()
     run_steps(opt, model, comm.rank, range(3, 7))
-    assert isinstance(opt, DreamDDPOptimizer)
     in_flight = len(opt._in_flight)
     assert len(opt.wait_s) == 6  # one per step after the profile
     opt.finish()
     ref, _, _ = train(DreamDDPConfig(H=1, algo="native", final_sync=False, land_at="step"), 7)
     got, _, _ = train(DreamDDPConfig(H=1, algo="native", final_sync=False), 7)
-    return after_step, after_forward, float((got - ref).abs().max()), in_flight
+    grad, _, _ = train(DreamDDPConfig(H=1, algo="native", final_sync=False, launch_at="grad"), 7)
+    return (
+        after_step,
+        after_forward,
+        launched_by_forward,
+        float((got - ref).abs().max()),
+        torch.equal(got, grad),
+        in_flight,
+    )
 
 
-def test_dreamddp_waits_for_an_exchange_at_its_layers_next_use(pool: PoolFn) -> None:
-    for after_step, after_forward, err, in_flight in pool(2).run(
+def test_dreamddp_launches_from_the_forward_and_waits_at_the_layers_next_use(
+    pool: PoolFn,
+) -> None:
+    for after_step, after_forward, launched_by_forward, err, same, in_flight in pool(2).run(
         dreamddp_lands_at_use, timeout_s=DEADLINE_S
     ):
         assert after_step == [1]  # step 2's exchanges are still in flight after its step
         assert after_forward == [1, 2]  # and landed by the forward that uses their layers
+        assert launched_by_forward  # step 3's due layers, launched as its forward starts
         assert in_flight > 0
         assert err < 1e-6  # mean(x) - lr g either way
+        assert same  # the same values sent, launched earlier
 
 
 # -- every method: a resume in the middle of a period continues bit for bit -----------------
@@ -443,6 +533,8 @@ def test_resume_mid_period_is_bit_exact(pool: PoolFn, config: SyncMethod, inner:
     "spec",
     [
         "selsync:threshold=0.1,compressor=fp16",
+        "selsync:threshold=0.1,outer=nesterov",
+        "adpsgd:num_syncs=3,outer=nesterov",
         "adpsgd:total_steps=200,num_syncs=8",
         "palsgd:H=50,p=0.1",
         "dreamddp:H=4",

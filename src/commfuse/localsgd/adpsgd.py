@@ -23,6 +23,10 @@ proportional to the rate at which the replicas drift apart. Here, with a budget 
    the most drifting replica's proposal everyone's next period;
 5. after K synchronisations none follows (``finish()`` averages once more at the end).
 
+Each synchronisation replaces the replicas by their average, as the paper does; with
+``outer="nesterov"`` it is DiLoCo's outer Nesterov step on the averaged pseudo-gradient
+instead (``outer.py``), the same as DiLoCo's but on ADPSGD's schedule.
+
 The paper's measured variance falls with the learning rate and the gradients, so a > 0 and the
 periods lengthen; with a constant learning rate and a drift that does not slow down, a = 0 and
 ADPSGD is local SGD with ``H = T / K``. Tune K as local SGD's H (K = T / H sends the same
@@ -39,7 +43,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from commfuse.localsgd.sync_method import AGREE_BYTES, ExchangeSettings, SyncMethodOptimizer, agree
+from commfuse.localsgd.config import PeriodicSyncConfig
+from commfuse.localsgd.sync_method import (
+    AGREE_BYTES,
+    ExchangeSettings,
+    OuterStep,
+    SyncMethodOptimizer,
+    agree,
+    with_outer_step,
+)
 
 #: The decay exponent ``a`` is clipped to [0, MAX_DECAY].
 MAX_DECAY = 2.0
@@ -60,6 +72,9 @@ class ADPSGDConfig(ExchangeSettings):
     H = T / K)."""
     first_period_steps: int = 0
     """Length of the two probe periods that measure the first drift rates (0: T / (2K))."""
+    outer: OuterStep = "average"
+    """The step applied to the replicas' average at a synchronisation: ``average``, the
+    paper's plain average; ``nesterov``, DiLoCo's outer Nesterov step (``OuterStep``)."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 0:
@@ -71,6 +86,10 @@ class ADPSGDConfig(ExchangeSettings):
         if self.first_period_steps < 0:
             raise ValueError(f"first_period_steps must be >= 0, got {self.first_period_steps}")
         self.periodic()  # the shared settings' own checks
+
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config, with the ``outer`` step."""
+        return with_outer_step(super().periodic(), self.outer)
 
     @property
     def probe_steps(self) -> int:

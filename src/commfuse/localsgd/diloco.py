@@ -17,13 +17,14 @@ from __future__ import annotations
 from typing_extensions import Unpack
 
 from commfuse.localsgd.config import PeriodicSyncConfig, SyncOptions
+from commfuse.localsgd.outer import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM
 
 
 def diloco(
     *,
     H: int = 50,
-    outer_lr: float = 0.7,
-    outer_momentum: float = 0.9,
+    outer_lr: float = DILOCO_OUTER_LR,
+    outer_momentum: float = DILOCO_OUTER_MOMENTUM,
     nesterov: bool = True,
     **shared: Unpack[SyncOptions],
 ) -> PeriodicSyncConfig:

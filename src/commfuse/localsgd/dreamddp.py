@@ -5,38 +5,44 @@ Tang et al., "DreamDDP: Accelerating Data Parallel Distributed LLM Training with
 Scheduled Partial Synchronization" (arXiv 2502.11058, 2025). Local SGD sends the whole model
 at once every H steps, after the optimizer step, where nothing can hide it: the synchronising
 step is long, the others compute-only. DreamDDP averages every layer once per period too, but
-at different iterations, and sends a layer's parameters during the backward pass:
+at different iterations, and sends a layer's parameters while the iteration computes:
 
-1. once the backward pass has produced a layer's gradients it no longer reads that layer's
-   parameters, so a hook on the layer (torch's post-accumulate-grad hook) launches the
-   allreduce of its parameters, in the background, while the backward pass continues with the
-   layers before it;
+1. a layer's parameters do not change between the optimizer step that wrote them and the next
+   one, so the value an iteration averages is final as soon as the previous step ends: a
+   forward pre-hook on the model launches the allreduce of every layer this iteration
+   averages as its forward starts, in the order the forward uses them, in the background, and
+   each exchange overlaps the whole forward and backward pass, the optimizer step and the next
+   forward up to its layer. (The paper launches a layer's exchange from the backward pass,
+   once its gradients are produced, torch's post-accumulate-grad hook: ``launch_at="grad"``.
+   The layers the backward pass finishes last, the first block's and the embedding, are the
+   ones the next forward uses first; launched that late, their exchanges have only the
+   optimizer step to hide behind.)
 2. the optimizer step does not wait for it: it applies this replica's update ``u`` to the
    layer as it was sent, ``x - lr u``; the exchange is waited for only just before the layer
    is next used (a forward pre-hook on its module, in the next iteration's forward), where
-   the layer becomes ``x - lr u + (mean(x) - x) = mean(x) - lr u``, the method's update. The
-   layers the backward pass finishes last are the ones the next forward uses first, so their
-   exchanges, which nothing in the backward pass hides, overlap the optimizer step and the
-   forward up to them instead of stalling the step (the same value wherever the update does
-   not read the parameters, as plain SGD's and Adam's; with weight decay the decay reads the
-   replica's own layer, ``lr wd (x - mean(x))`` apart);
+   the layer becomes ``x - lr u + (mean(x) - x) = mean(x) - lr u``, the method's update (the
+   same value wherever the update does not read the parameters, as plain SGD's and Adam's;
+   with weight decay the decay reads the replica's own layer, ``lr wd (x - mean(x))`` apart);
 3. which layers an iteration averages is a plan (``layer_schedule.py``): every layer in exactly
-   one of the H iterations of the period, chosen from the first iteration's profile (each
-   layer's backward time, the time of its exchange, and the compute from the end of the
-   backward pass to its next use; the slowest rank's) so that the exchanges hide behind the
-   computation as well as they can: the worst iteration's exposed communication is the least,
-   then the heaviest iteration's communication (the bytes spread over the period).
+   one of the H iterations of the period, chosen from the first iteration's profile (the
+   time of each layer's exchange, and the compute from its launch to its next use; the
+   slowest rank's) so that the exchanges hide behind the computation as well as they can:
+   the worst iteration's exposed communication is the least, then the heaviest iteration's
+   communication (the bytes spread over the period).
 
 The first ``profile_steps`` iterations average every layer (a full synchronisation) and time
 it; the period starts after them. H = 1 averages every layer at every step (each replica then
-applies its own gradient to the average). Tune H as local SGD's: the bytes per step are the
+applies its own gradient to the average; a layer's next exchange is launched at its use, once
+the previous one has landed). Tune H as local SGD's: the bytes per step are the
 model's divided by H, now spread evenly over the steps instead of in one burst. A module whose
 parameters are read without calling it (no forward pre-hook fires) gets its average at the next
-optimizer step instead, one step late.
+optimizer step instead, one step late. A forward with gradients enabled starts an iteration:
+run evaluation under ``torch.no_grad()`` (a forward with gradients on one rank only would
+launch exchanges its peers never join).
 
 Bytes per rank: every layer once per H steps, ``4 N / H`` per step on average (the profile
 steps: ``4 N`` each), plus ``32 L`` once for agreeing on the L layers' profiled times and
-backward order.
+launch order.
 """
 
 from __future__ import annotations
@@ -77,11 +83,14 @@ class DreamDDPConfig(SyncMethod):
     """commfuse allreduce algorithm of the layers' exchanges."""
     final_sync: bool = True
     """Average the replicas at ``finish()`` (the layers' phases differ at any stop)."""
+    launch_at: Literal["forward", "grad"] = "forward"
+    """Where an exchange is launched: ``forward``, as the iteration's forward starts (step 1 of
+    the module docstring); ``grad``, from the backward pass once the layer's gradients are
+    produced (the paper's)."""
     land_at: Literal["use", "step"] = "use"
     """Where an exchange is waited for: ``use``, just before its layer's next use (step 2 of
     the module docstring); ``step``, before the optimizer step of the iteration that launched
-    it, the average written exactly (``mean(x) - lr u`` with weight decay too), and the plan
-    made without slack."""
+    it, the average written exactly (``mean(x) - lr u`` with weight decay too)."""
 
     def __post_init__(self) -> None:
         if self.H < 1:
@@ -136,8 +145,10 @@ class _Launched:
 
 
 class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
-    """DreamDDP's optimizer (the module docstring). Installs a post-accumulate-grad hook on
-    every parameter and a forward pre-hook on every layer's module; ``plan[l]`` is the
+    """DreamDDP's optimizer (the module docstring). Installs a forward pre-hook on the model
+    (the iteration's launches), a post-accumulate-grad hook on every parameter (the profile's,
+    and ``launch_at="grad"``'s launches) and a forward pre-hook on every layer's module (its
+    landing); ``plan[l]`` is the
     iteration of the period that averages layer l (None until the profile is done); ``syncs``
     has one record per layer exchange (its ``fragment`` is the layer), made when it lands."""
 
@@ -151,11 +162,14 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         """Per layer, the iteration of the period that averages it (None before the profile)."""
         self.backward_order: list[int] = []
         """Layers in the order the profiled backward pass finished them."""
+        self.launch_order: list[int] = []
+        """Layers in the order an iteration launches them (the plan's order): the order the
+        profiled forward used them (``launch_at="forward"``), or ``backward_order``."""
         self.communicate = True
         """False: hooks launch nothing and ``step()`` is the inner step (compute-only timing)."""
         self.hook_launches = 0
-        """Exchanges launched from the backward pass's hooks (the others: from ``step()``, for
-        a due layer that got no gradient, and the profile steps')."""
+        """Exchanges launched from the hooks, the forward's or the backward pass's (the others:
+        the profile steps', and from ``step()``, for a due layer no hook launched)."""
         self._remaining = [len(members) for members in self.layers]
         self._launched: list[_Launched] = []
         """This iteration's exchanges (launched since the last step)."""
@@ -167,15 +181,20 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         self._comm_s: dict[int, float] = {}
         self._used_at: dict[int, float] = {}
         self._inner_s = 0.0
+        self._until_step_s = 0.0
+        """Profiled compute from the forward's start to the backward pass's last layer."""
         self._paused_s = 0.0
         self.wait_s: list[float] = []
         """Per step (communicating, after the profile), the seconds spent waiting for exchanges
         since the previous step: in the forward's pre-hooks, then in ``step()``."""
         self._waited = 0.0
         self.profile: dict[str, list[float]] = {}
-        """The agreed profile: per layer in backward order, ``backward_s``, ``comm_s`` and
-        ``slack_s``."""
-        self._hooks = [
+        """The agreed profile: per layer in launch order, ``backward_s`` (the compute before its
+        launch, after the previous layer's), ``comm_s`` and ``slack_s`` (the compute from the
+        last launch to its use: ``layer_schedule.py``)."""
+        # The model's own hook first: a root module that owns a layer lands it after.
+        self._hooks = [self.module.register_forward_pre_hook(self._forward_begins)]
+        self._hooks += [
             p.register_post_accumulate_grad_hook(self._grad_ready)  # type: ignore[no-untyped-call]
             for p in self.params
         ]
@@ -203,9 +222,35 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         self._backward_started = now(self.params[0].device)
 
     # -- hooks ---------------------------------------------------------------------------------
+    def _launches_from_forward(self) -> bool:
+        """Whether this forward launches the iteration's exchanges (a training forward after
+        the profile, ``launch_at="forward"``)."""
+        return (
+            self.method.launch_at == "forward"
+            and self.communicate
+            and not self.profiling
+            and self.plan is not None
+            and torch.is_grad_enabled()
+        )
+
+    def _forward_begins(self, module: nn.Module, args: Any) -> None:
+        """The model's forward pre-hook: in a profile step, the forward's start; after it, the
+        launch of every due layer (step 1 of the module docstring) but those whose previous
+        exchange is still in flight (H = 1: launched once it lands, at their use)."""
+        del module, args
+        if self.profiling and self._forward_started is None:
+            self._forward_started = now(self.params[0].device)
+        if not self._launches_from_forward():
+            return
+        launched = {item.layer for item in self._launched}
+        for layer in self.launch_order:
+            if self.due(layer) and layer not in launched and layer not in self._in_flight:
+                self.hook_launches += 1
+                self._launch(layer)
+
     def _before_use(self, layer: int, module: nn.Module, args: Any) -> None:
-        """Forward pre-hook: land the layer's exchange in flight; in a profile step, time the
-        layer's use from the forward's first."""
+        """Forward pre-hook: land the layer's exchange in flight (and, at H = 1, launch the
+        next); in a profile step, time the layer's use from the forward's first."""
         del module, args
         if self.profiling:
             t = now(self.params[0].device)
@@ -215,6 +260,9 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         pending = self._in_flight.pop(layer, None)
         if pending is not None:
             self._land(pending)
+            if self._launches_from_forward() and self.due(layer):
+                self.hook_launches += 1
+                self._launch(layer)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         layer = self.layer_of[id(param)]
@@ -223,8 +271,10 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             return
         # Counted afresh for the next backward pass, whether or not a step follows this one.
         self._remaining[layer] = len(self.layers[layer])
+        if not self.communicate or not (self.profiling or self.method.launch_at == "grad"):
+            return
         launched = any(item.layer == layer for item in self._launched)
-        if self.communicate and not launched and self.due(layer):
+        if not launched and self.due(layer):
             self.hook_launches += 0 if self.profiling else 1
             self._launch(layer)
 
@@ -270,9 +320,9 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             self._land(pending)
         self._in_flight.clear()
         done = {launched.layer for launched in self._launched}
-        for layer in range(len(self.layers)):
+        for layer in self.launch_order or range(len(self.layers)):
             if layer not in done and self.due(layer):
-                self._launch(layer)  # no gradient this step: sent from here, in layer order
+                self._launch(layer)  # no hook launched it: sent from here, in launch order
         profiling = self.profiling
         if profiling or self.method.land_at == "step":
             for launched in self._launched:
@@ -350,45 +400,79 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         order = sorted(self._ready_at, key=lambda layer: self._ready_at[layer])
         if len(order) == len(self.layers):
             self.backward_order = order
+        if self._forward_started is not None and self._ready_at:
+            # ``_ready_at`` leaves out the exchanges' pauses; the forward had none.
+            self._until_step_s = max(0.0, max(self._ready_at.values()) - self._forward_started)
         self._paused_s = 0.0
 
-    def _make_plan(self) -> None:
-        """Agree on the profiled times (the slowest rank's: a max, exact on every rank), then
-        plan every layer's iteration from them, identically on every rank."""
-        layers = len(self.layers)
-        order = self.backward_order or list(reversed(range(layers)))
+    def _own_launch_order(self) -> list[int]:
+        """This rank's launch order: the profiled forward's order of use (the layers whose
+        module's pre-hook did not fire last, in backward order), or the backward order."""
+        backward = self.backward_order or list(reversed(range(len(self.layers))))
+        if self.method.launch_at == "grad":
+            return backward
+        used = sorted(self._used_at, key=lambda layer: self._used_at[layer])
+        return used + [layer for layer in backward if layer not in self._used_at]
+
+    def _plan_times(self, order: list[int]) -> tuple[list[float], list[float]]:
+        """This rank's profile in the plan's terms (``layer_schedule.py``), per layer in
+        ``order``: the compute before its launch, after the previous layer's, and the compute
+        from the last launch to its use."""
+        layers = len(order)
+        if self.method.launch_at == "forward":
+            # All launched together as the forward starts. A layer is used at the optimizer
+            # step (``land_at="step"``, or no pre-hook fired for it), or after it and the next
+            # forward up to the layer.
+            until = self._until_step_s
+            if self.method.land_at == "step":
+                return [0.0] * layers, [until] * layers
+            used = self._used_at
+            return [0.0] * layers, [
+                until + self._inner_s + used[layer] if layer in used else until for layer in order
+            ]
         ready = [self._ready_at.get(layer, 0.0) for layer in order]
         start = (
             ready[0] if self._backward_started is None else min(ready[0], self._backward_started)
         )
         backward = [max(0.0, r - prev) for r, prev in zip(ready, [start, *ready[:-1]], strict=True)]
+        if self.method.land_at == "step":
+            return backward, [0.0] * layers  # every layer needed as the backward pass ends
         # A layer's next use: the optimizer step, then the forward up to it (0 where its
         # module's pre-hook did not fire: needed as the backward pass ends).
-        slack = [self._inner_s + self._used_at.get(layer, -self._inner_s) for layer in order]
+        return backward, [
+            self._inner_s + self._used_at.get(layer, -self._inner_s) for layer in order
+        ]
+
+    def _make_plan(self) -> None:
+        """Agree on the launch order (rank 0's) and the profiled times (the slowest rank's: a
+        max, exact on every rank), then plan every layer's iteration from them, identically on
+        every rank."""
+        layers = len(self.layers)
+        device = self.params[0].device
+        order_t = torch.tensor(self._own_launch_order(), dtype=torch.int64, device=device)
+        if self.outer_comm.world_size > 1:
+            collectives.broadcast(self.outer_comm, order_t, 0, algo="native")
+        order = [int(x) for x in order_t.tolist()]
+        backward, slack = self._plan_times(order)
         # One max-reduction agrees on all three: the slowest rank's compute and exchange times
         # (the pessimistic ones), and the least slack (its negation's max), for the same reason.
         times = torch.tensor(
             [*backward, *[self._comm_s.get(layer, 0.0) for layer in order], *[-x for x in slack]],
             dtype=torch.float64,
-            device=self.params[0].device,
+            device=device,
         )
-        # The backward order itself must be the same everywhere: rank 0's.
-        order_t = torch.tensor(order, dtype=torch.int64, device=self.params[0].device)
         if self.outer_comm.world_size > 1:
             collectives.all_reduce(self.outer_comm, times, "max", algo="native")
-            collectives.broadcast(self.outer_comm, order_t, 0, algo="native")
             self.control_bytes += times.numel() * 8 + order_t.numel() * 8
-        self.backward_order = [int(x) for x in order_t.tolist()]
+        self.launch_order = order
         values = times.tolist()
         backward_s, comm_s = values[:layers], values[layers : 2 * layers]
         slack_s = [-x for x in values[2 * layers :]]
-        if self.method.land_at == "step":
-            slack_s = [0.0] * layers  # every layer needed as the backward pass ends
         plan_in_order = plan_layers(
             backward_s, comm_s, self.method.H, slack_s, max_nodes=self.method.max_plan_nodes
         )
         plan = [0] * layers
-        for position, layer in enumerate(self.backward_order):
+        for position, layer in enumerate(order):
             plan[layer] = plan_in_order[position]
         self.plan = plan
         self.profile = {"backward_s": backward_s, "comm_s": comm_s, "slack_s": slack_s}
@@ -404,7 +488,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         slack = self.profile.get("slack_s")
         out = []
         for it in range(self.method.H):
-            positions = [i for i, layer in enumerate(self.backward_order) if self.plan[layer] == it]
+            positions = [i for i, layer in enumerate(self.launch_order) if self.plan[layer] == it]
             out.append(
                 {
                     "comm_s": sum(comm[i] for i in positions),
@@ -440,7 +524,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             )
         state["dreamddp"] = {
             "plan": None if self.plan is None else list(self.plan),
-            "backward_order": list(self.backward_order),
+            "launch_order": list(self.launch_order),
             "control_bytes": self.control_bytes,
             "in_flight": in_flight,
         }
@@ -450,7 +534,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         super().load_state_dict(state)
         own = state["dreamddp"]
         self.plan = None if own["plan"] is None else [int(x) for x in own["plan"]]
-        self.backward_order = [int(x) for x in own["backward_order"]]
+        self.launch_order = [int(x) for x in own.get("launch_order", own.get("backward_order", []))]
         self.control_bytes = int(own["control_bytes"])
         device = self.params[0].device
         self._in_flight = {

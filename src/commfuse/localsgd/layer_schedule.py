@@ -1,41 +1,49 @@
 """DreamDDP's schedule: which iteration of the period averages which layer.
 
-Every layer is averaged once per period of H iterations, its exchange launched as soon as the
-backward pass has finished with it and waited for just before the layer is next used (its
-forward in the next iteration). Layers are numbered in the order the backward pass finishes
-them (the last layer of the forward first), with profiled times: ``backward_s[l]``, the
-backward compute between layer l-1's end and layer l's, ``comm_s[l]``, the time of layer l's
-exchange, and ``slack_s[l]``, the compute between the end of the backward pass and layer l's
-next use (the optimizer step, then the forward up to that layer). One link carries the
-exchanges one after another, so in an iteration that averages the layers S (in backward
+Every layer is averaged once per period of H iterations; its exchange is launched during the
+iteration and waited for just before the layer is next used. Layers are numbered in the order
+their exchanges are launched, with profiled times: ``backward_s[l]``, the compute between
+layer l-1's launch and layer l's, ``comm_s[l]``, the time of layer l's exchange, and
+``slack_s[l]``, the compute between the last launch and layer l's next use. One link carries
+the exchanges one after another, so in an iteration that averages the layers S (in launch
 order):
 
-1. layer l is ready at ``ready_l = backward_s[0] + ... + backward_s[l]``;
-2. its exchange starts when it is ready and the link is free: ``finish_l = max(finish, ready_l)
-   + comm_s[l]``;
+1. layer l is launched at ``ready_l = backward_s[0] + ... + backward_s[l]``;
+2. its exchange starts when it is launched and the link is free: ``finish_l = max(finish,
+   ready_l) + comm_s[l]``;
 3. it is needed at ``ready_{L-1} + slack_s[l]``, and the iteration stalls by ``exposed(S) =
    max(0, max over l in S of finish_l - ready_{L-1} - slack_s[l])`` (a wait pushes every later
    use back by as much, so the largest lateness is the stall).
 
-Without slack (every layer needed at the end of the backward pass, as when the optimizer step
-waits for the exchanges) step 3 is ``max(0, finish_last - ready_{L-1})``. The slack is what
-lets the layers that the backward pass finishes last, whose exchanges nothing in the backward
-pass can hide, overlap the optimizer step and the next forward instead.
+DreamDDP launches in one of two ways (``dreamddp.py``):
+
+- as the iteration's forward starts (a layer's value is final once the previous optimizer step
+  wrote it), every due layer at once in the order the forward uses them: ``backward_s`` is all
+  zeros, and ``slack_s[l]`` is the forward and backward pass, the optimizer step and the next
+  forward up to layer l. The first layers of the forward, the ones needed first, are launched
+  first (with equal launch times that order is the one that makes the largest lateness least),
+  and each exchange has a whole iteration to hide behind;
+- from the backward pass, as each layer's gradients are produced (the paper's): the order is
+  the backward order, ``backward_s`` the backward compute between two layers, and
+  ``slack_s[l]`` the optimizer step and the next forward up to layer l (zero when the optimizer
+  step waits for the exchanges: step 3 is then ``max(0, finish_last - ready_{L-1})``). The
+  layers the backward pass finishes last are the ones the next forward uses first, and their
+  exchanges have only the optimizer step to hide behind.
 
 ``plan_layers`` assigns every layer to one iteration so that the worst iteration's exposed
 time is the least, then the heaviest iteration's communication (the sum of its ``comm_s``),
 then the exposed times' sum (the order of the key), exactly for small cases (branch and bound
 over the assignments, iterations with the same link, load and lateness being
 interchangeable), and with the best assignment found within ``max_nodes`` nodes of the search
-otherwise (never worse than the greedy start: each layer, in backward order, to the iteration
+otherwise (never worse than the greedy start: each layer, in launch order, to the iteration
 whose link frees first, the least loaded of those).
 
 The second term spreads the bytes over the period. Exposure alone is indifferent between
 stacking layers whose exchanges the model hides in a few iterations and spreading them over
 all H, and the search, from a start that filled the first iterations, kept the stack: half the
-iterations exchanged nothing, the others several layers each. An exchange hidden behind the
-backward pass is not free where the ranks' cores also move the packets (the exchange's copies,
-reductions and the network stack take cycles from the backward pass), so the step that carries
+iterations exchanged nothing, the others several layers each. An exchange hidden behind
+computation is not free where the ranks' cores also move the packets (the exchange's copies,
+reductions and the network stack take cycles from the computation), so the step that carries
 the most bytes is the slow one; spreading them evenly is what the method promises (``4 N / H``
 per step).
 ``brute_force_plan`` tries every assignment, for the tests.
@@ -78,7 +86,7 @@ def exposed_s(
     slack_s: Sequence[float] | None = None,
 ) -> float:
     """Seconds an iteration that averages ``layers`` stalls waiting for them (steps 1-3 of the
-    module docstring; ``slack_s`` None: every layer needed at the end of the backward pass)."""
+    module docstring; ``slack_s`` None: every layer needed at the last launch)."""
     ready = list(itertools.accumulate(backward_s))
     slack = [0.0] * len(backward_s) if slack_s is None else slack_s
     finish, late = 0.0, 0.0
@@ -130,11 +138,12 @@ def plan_layers(
     """The iteration (0..H-1) that averages each layer (see the module docstring).
 
     Args:
-        backward_s: per layer, in backward order, the backward compute before it is ready.
+        backward_s: per layer, in launch order, the compute between the previous layer's
+            launch and its own.
         comm_s: per layer, the time of its exchange.
         num_iterations: H, the period.
-        slack_s: per layer, the compute between the end of the backward pass and its next
-            use (None: zeros, every layer needed when the backward pass ends).
+        slack_s: per layer, the compute between the last launch and its next use (None:
+            zeros, every layer needed at the last launch).
         max_nodes: the search stops after this many nodes with the best plan found so far.
 
     Returns:

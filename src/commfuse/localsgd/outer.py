@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import torch
 
+#: DiLoCo's outer learning rate and Nesterov momentum (Douillard et al. 2023).
+DILOCO_OUTER_LR = 0.7
+DILOCO_OUTER_MOMENTUM = 0.9
+
 
 def outer_sgd_(
     anchor: torch.Tensor,

@@ -12,7 +12,9 @@ Cluster 2023, arXiv 2307.07950). Every rank trains its own replica; at each step
    any rank saw a significant change;
 3. every rank takes its inner step; on a synchronising step the replicas are then replaced by
    their average (parameter aggregation, as the paper prefers to gradient aggregation: it also
-   reconciles the drift of the local steps before it), else the step stays local.
+   reconciles the drift of the local steps before it), else the step stays local. With
+   ``outer="nesterov"`` the average is taken as DiLoCo's pseudo-gradient instead, and the
+   replicas restart from DiLoCo's outer Nesterov step on it (``outer.py``).
 
 ``threshold = 0`` synchronises every step: local SGD with H = 1. A larger threshold syncs
 less; the paper tunes it per model (large changes of the gradient come early in training and
@@ -31,7 +33,15 @@ from typing import Any
 
 import torch
 
-from commfuse.localsgd.sync_method import AGREE_BYTES, ExchangeSettings, SyncMethodOptimizer, agree
+from commfuse.localsgd.config import PeriodicSyncConfig
+from commfuse.localsgd.sync_method import (
+    AGREE_BYTES,
+    ExchangeSettings,
+    OuterStep,
+    SyncMethodOptimizer,
+    agree,
+    with_outer_step,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +56,9 @@ class SelSyncConfig(ExchangeSettings):
     (0: every step)."""
     smoothing: float = 0.9
     """beta of the exponential moving average of the gradient norm (0: no smoothing)."""
+    outer: OuterStep = "average"
+    """The step applied to the replicas' average at a synchronisation: ``average``, the
+    paper's plain average; ``nesterov``, DiLoCo's outer Nesterov step (``OuterStep``)."""
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
@@ -53,6 +66,10 @@ class SelSyncConfig(ExchangeSettings):
         if not 0 <= self.smoothing < 1:
             raise ValueError(f"smoothing must be in [0, 1), got {self.smoothing}")
         self.periodic()  # the shared settings' own checks
+
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config, with the ``outer`` step."""
+        return with_outer_step(super().periodic(), self.outer)
 
 
 class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):

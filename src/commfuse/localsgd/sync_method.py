@@ -17,8 +17,9 @@ never read from floating-point values that could differ in their last bits betwe
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from commfuse.comm import Communicator
 from commfuse.compress.base import Compressor
 from commfuse.localsgd.config import PeriodicSyncConfig
 from commfuse.localsgd.optimizer import PeriodicSyncOptimizer
+from commfuse.localsgd.outer import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +93,33 @@ class ExchangeSettings(SyncMethod):
             algo=self.algo,
             final_sync=self.final_sync,
         )
+
+
+#: The outer step of a method that averages the whole model (``outer.py``): ``average``, the
+#: replicas' plain average (outer lr 1, no momentum: the papers' own); ``nesterov``, DiLoCo's
+#: outer Nesterov SGD (lr 0.7, momentum 0.9) on the averaged pseudo-gradient.
+OuterStep = Literal["average", "nesterov"]
+
+
+def with_outer_step(config: PeriodicSyncConfig, outer: OuterStep) -> PeriodicSyncConfig:
+    """``config`` with the outer step ``outer`` (``OuterStep``). With ``nesterov`` each
+    synchronisation, whenever the method decides it, is DiLoCo's: the momentum carries the
+    direction of the averaged updates from one synchronisation to the next, so a method that
+    synchronises on its own schedule moves the model as DiLoCo does on its clock.
+
+    Raises:
+        ValueError: ``outer`` is not an ``OuterStep``.
+    """
+    if outer not in ("average", "nesterov"):
+        raise ValueError(f"outer must be 'average' or 'nesterov', got {outer!r}")
+    if outer == "average":
+        return config
+    return dataclasses.replace(
+        config,
+        outer_lr=DILOCO_OUTER_LR,
+        outer_momentum=DILOCO_OUTER_MOMENTUM,
+        nesterov=True,
+    )
 
 
 M = TypeVar("M", bound=SyncMethod)
