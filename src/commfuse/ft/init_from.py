@@ -16,25 +16,17 @@ from __future__ import annotations
 import torch
 
 from commfuse.train import checkpoint as ckpt
-from commfuse.train.loop import TrainConfig
+from commfuse.train.loop import TrainConfig, init_from_step
 
 
 def init_step(config: TrainConfig) -> int:
-    """The step a run starts at: ``init_from``'s latest step, 0 without.
+    """The step a run starts at: ``init_from``'s latest step, 0 without (the same rule as a
+    run without torchft).
 
     Raises:
         ValueError: the checkpoint is at or past ``config.steps`` (the total).
     """
-    if config.init_from is None:
-        return 0
-    step = ckpt.latest_step(config.init_from)
-    assert step is not None  # TrainConfig checked it
-    if step >= config.steps:
-        raise ValueError(
-            f"init_from {config.init_from} is at step {step}: steps (the total) must be "
-            f"larger, got {config.steps}"
-        )
-    return step
+    return init_from_step(config)
 
 
 def load_init_from(

@@ -298,6 +298,24 @@ def _pretrained_steps(config: TrainConfig) -> int:
     return (ckpt.latest_step(config.init_from) or 0) if config.init_from else 0
 
 
+def init_from_step(config: TrainConfig) -> int:
+    """The step a run starts at: ``config.init_from``'s latest step, 0 without.
+
+    Raises:
+        ValueError: the checkpoint is at or past ``config.steps`` (the total).
+    """
+    if config.init_from is None:
+        return 0
+    step = ckpt.latest_step(config.init_from)
+    assert step is not None  # TrainConfig checked it
+    if step >= config.steps:
+        raise ValueError(
+            f"init_from {config.init_from} is at step {step}: steps (the total) must be "
+            f"larger, got {config.steps}"
+        )
+    return step
+
+
 def _init_from(
     config: TrainConfig,
     module: torch.nn.Module,
@@ -308,13 +326,7 @@ def _init_from(
     """Load ``config.init_from``'s latest model and optimizer state onto ``device``; return its
     step."""
     assert config.init_from is not None
-    step = ckpt.latest_step(config.init_from)
-    assert step is not None  # TrainConfig checked it
-    if step >= config.steps:
-        raise ValueError(
-            f"init_from {config.init_from} is at step {step}: steps (the total) must be "
-            f"larger, got {config.steps}"
-        )
+    step = init_from_step(config)
     state = ckpt.load_rank(config.init_from, step, rank, device=device)
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
