@@ -43,14 +43,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from commfuse.localsgd.config import PeriodicSyncConfig
 from commfuse.localsgd.sync_method import (
     AGREE_BYTES,
-    ExchangeSettings,
-    OuterStep,
+    ExchangeSettingsWithOuterStep,
     SyncMethodOptimizer,
     agree,
-    with_outer_step,
 )
 
 #: The decay exponent ``a`` is clipped to [0, MAX_DECAY].
@@ -58,7 +55,7 @@ MAX_DECAY = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
-class ADPSGDConfig(ExchangeSettings):
+class ADPSGDConfig(ExchangeSettingsWithOuterStep):
     """ADPSGD (Jiang and Agrawal 2020): ``num_syncs`` averages over ``total_steps``, their
     periods set from the measured drift between replicas."""
 
@@ -72,9 +69,6 @@ class ADPSGDConfig(ExchangeSettings):
     H = T / K)."""
     first_period_steps: int = 0
     """Length of the two probe periods that measure the first drift rates (0: T / (2K))."""
-    outer: OuterStep = "average"
-    """The step applied to the replicas' average at a synchronisation: ``average``, the
-    paper's plain average; ``nesterov``, DiLoCo's outer Nesterov step (``OuterStep``)."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 0:
@@ -86,10 +80,6 @@ class ADPSGDConfig(ExchangeSettings):
         if self.first_period_steps < 0:
             raise ValueError(f"first_period_steps must be >= 0, got {self.first_period_steps}")
         self.periodic()  # the shared settings' own checks
-
-    def periodic(self) -> PeriodicSyncConfig:
-        """The shared machinery's config, with the ``outer`` step."""
-        return with_outer_step(super().periodic(), self.outer)
 
     @property
     def probe_steps(self) -> int:

@@ -33,19 +33,16 @@ from typing import Any
 
 import torch
 
-from commfuse.localsgd.config import PeriodicSyncConfig
 from commfuse.localsgd.sync_method import (
     AGREE_BYTES,
-    ExchangeSettings,
-    OuterStep,
+    ExchangeSettingsWithOuterStep,
     SyncMethodOptimizer,
     agree,
-    with_outer_step,
 )
 
 
 @dataclass(frozen=True, kw_only=True)
-class SelSyncConfig(ExchangeSettings):
+class SelSyncConfig(ExchangeSettingsWithOuterStep):
     """SelSync (Tyagi and Swany 2023): average the replicas on the steps where some rank's
     smoothed gradient norm changed by at least ``threshold`` (relative)."""
 
@@ -56,9 +53,6 @@ class SelSyncConfig(ExchangeSettings):
     (0: every step)."""
     smoothing: float = 0.9
     """beta of the exponential moving average of the gradient norm (0: no smoothing)."""
-    outer: OuterStep = "average"
-    """The step applied to the replicas' average at a synchronisation: ``average``, the
-    paper's plain average; ``nesterov``, DiLoCo's outer Nesterov step (``OuterStep``)."""
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
@@ -66,10 +60,6 @@ class SelSyncConfig(ExchangeSettings):
         if not 0 <= self.smoothing < 1:
             raise ValueError(f"smoothing must be in [0, 1), got {self.smoothing}")
         self.periodic()  # the shared settings' own checks
-
-    def periodic(self) -> PeriodicSyncConfig:
-        """The shared machinery's config, with the ``outer`` step."""
-        return with_outer_step(super().periodic(), self.outer)
 
 
 class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):

@@ -122,6 +122,20 @@ def with_outer_step(config: PeriodicSyncConfig, outer: OuterStep) -> PeriodicSyn
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExchangeSettingsWithOuterStep(ExchangeSettings):
+    """``ExchangeSettings`` of a method that decides only when to average (SelSync, ADPSGD),
+    with the step applied to the average: the papers' plain one, or DiLoCo's."""
+
+    outer: OuterStep = "average"
+    """The step applied to the replicas' average at a synchronisation: ``average``, the
+    paper's plain average; ``nesterov``, DiLoCo's outer Nesterov step (``OuterStep``)."""
+
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config, with the ``outer`` step."""
+        return with_outer_step(super().periodic(), self.outer)
+
+
 M = TypeVar("M", bound=SyncMethod)
 
 
