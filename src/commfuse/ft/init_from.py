@@ -15,18 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from commfuse.train import checkpoint as ckpt
-from commfuse.train.loop import TrainConfig, init_from_step
-
-
-def init_step(config: TrainConfig) -> int:
-    """The step a run starts at: ``init_from``'s latest step, 0 without (the same rule as a
-    run without torchft).
-
-    Raises:
-        ValueError: the checkpoint is at or past ``config.steps`` (the total).
-    """
-    return init_from_step(config)
+from commfuse.train import loop
+from commfuse.train.loop import TrainConfig
 
 
 def load_init_from(
@@ -38,11 +28,5 @@ def load_init_from(
     Raises:
         ValueError: the checkpoint is at or past the run's total, or unreadable.
     """
-    if config.init_from is None:
-        return 0
-    step = init_step(config)
     device = next(module.parameters()).device
-    state = ckpt.load_rank(config.init_from, step, 0, device=device)
-    module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    return step
+    return loop.load_init_from(config, module, optimizer, rank=0, device=device)

@@ -175,7 +175,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             history = resumed_state["history"]
             start = resumed_state["step"]
     if resumed_state is None and config.init_from:
-        start = _init_from(config, module, optimizer, rank, device)
+        start = load_init_from(config, module, optimizer, rank=rank, device=device)
     # Busy CPU seconds of this machine's ranks and softirqs during each step (-1: unknown, or a
     # step of a checkpoint written before this was recorded): metrics.py's ``machine_busy``.
     history.setdefault("busy_cpu_s", [-1.0] * len(history["loss"]))
@@ -316,16 +316,22 @@ def init_from_step(config: TrainConfig) -> int:
     return step
 
 
-def _init_from(
+def load_init_from(
     config: TrainConfig,
     module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
+    *,
     rank: int,
     device: torch.device,
 ) -> int:
-    """Load ``config.init_from``'s latest model and optimizer state onto ``device``; return its
-    step."""
-    assert config.init_from is not None
+    """Load rank ``rank``'s model and optimizer state of ``config.init_from``'s latest step onto
+    ``device``; return that step (0 without ``init_from``, nothing loaded).
+
+    Raises:
+        ValueError: the checkpoint is at or past ``config.steps`` (the total).
+    """
+    if config.init_from is None:
+        return 0
     step = init_from_step(config)
     state = ckpt.load_rank(config.init_from, step, rank, device=device)
     module.load_state_dict(state["model"])
