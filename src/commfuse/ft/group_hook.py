@@ -13,8 +13,8 @@ Horovod's and NCCL's two-level schemes):
    the world size before its sum) and reduce-scatter it inside the group: rank i holds the
    group's sum of shard i (the bucket padded to a multiple of G, cut in G equal shards);
 2. allreduce shard i across the quorum's groups, on group rank i's cross-group process
-   group, watching the quorum's alarm (``process_group.py``); a replica group that is not
-   participating (still recovering) contributes zeros;
+   group, through ``QuorumComm`` (watching the quorum's alarm, counting the bytes); a replica
+   group that is not participating (still recovering) contributes zeros;
 3. all-gather the shards inside the group: every rank holds the whole average.
 
 Each rank sends ``1 / G`` of the bucket across groups (``2 (n - 1) / n`` of its shard in
@@ -34,17 +34,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllreduceOptions, GradBucket, ReduceOp
+from torch._C._distributed_c10d import GradBucket
 
-from commfuse.ft.process_group import AlarmedProcessGroupGloo
+from commfuse.ft.hook import report_failure
+from commfuse.ft.quorum_comm import QuorumComm
 
 
 @dataclasses.dataclass(kw_only=True)
 class GroupHookState:
     """What ``group_allreduce_hook`` needs."""
 
-    process_group: AlarmedProcessGroupGloo
-    """This group rank's cross-group process group, which its Manager drives."""
+    comm: QuorumComm
+    """The quorum's communicator over this group rank's cross-group process group, which its
+    Manager drives."""
     group: dist.ProcessGroup
     """The replica group's own process group (its G ranks)."""
     group_size: int
@@ -94,17 +96,16 @@ def group_allreduce_hook(
     # Step 1 (gloo's reduce-scatter sums the whole tensor, then keeps the slice).
     dist.reduce_scatter_tensor(mine, padded, group=state.group)
     if not state.local and not manager.errored():
+        comm, on_issue, index = state.comm, state.on_issue, bucket.index()
+        before = comm.bytes_sent
+        comm.on_issue = None if on_issue is None else (lambda: on_issue(index))
         try:
-            opts = AllreduceOptions()
-            opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
-            work = state.process_group.allreduce([mine], opts)
-            state.bytes_sent += mine.numel() * mine.element_size()
-            if state.on_issue is not None:
-                state.on_issue(bucket.index())
-            state.process_group.wait(work)
+            comm.all_reduce(mine)  # step 2
         except Exception as error:
-            manager.report_error(error)
-            state.process_group.raise_alarm()
+            report_failure(manager, comm, error)
+        finally:
+            comm.on_issue = None
+            state.bytes_sent += comm.bytes_sent - before
     dist.all_gather_into_tensor(padded, mine, group=state.group)
     buffer.copy_(padded[: buffer.numel()])
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()

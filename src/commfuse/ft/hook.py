@@ -147,7 +147,7 @@ def _exchange(
             reduce()
             state.bytes_sent += comm.bytes_sent - before
         except Exception as error:
-            _failed(state, error)
+            report_failure(state.manager, comm, error)
         finally:
             comm.on_issue = None
             future.set_result(buffer)
@@ -156,7 +156,7 @@ def _exchange(
     return future
 
 
-def _failed(state: FTHookState, error: Exception) -> None:
+def report_failure(manager: Any, comm: QuorumComm, error: Exception) -> None:
     """Step 4: the Manager refuses this step's commit, and the quorum's peers stop waiting."""
-    state.manager.report_error(error)
-    state.comm.process_group.raise_alarm()
+    manager.report_error(error)
+    comm.process_group.raise_alarm()

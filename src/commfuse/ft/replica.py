@@ -375,7 +375,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     if job.group_size > 1:
         # Hierarchical: inside the group, then shard by shard across groups (group_hook.py).
         wired = GroupHookState(
-            process_group=process_group,
+            comm=hook_state.comm,
             group=dist.distributed_c10d._get_default_group(),
             group_size=job.group_size,
         )
