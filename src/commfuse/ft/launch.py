@@ -62,11 +62,10 @@ from commfuse.ft.config import (
     KillFault,
     SlowFault,
 )
-from commfuse.ft.init_from import init_step
 from commfuse.ft.lighthouse import start_lighthouse
 from commfuse.ft.periods import ft_mode
 from commfuse.ft.replica import ReplicaJob, ft_strategy, run_replica, send
-from commfuse.train.loop import TrainConfig
+from commfuse.train.loop import TrainConfig, init_from_step
 from commfuse.train.strategy import describe_strategy
 
 #: Environment variables of torchft that would override the timeouts derived here.
@@ -209,7 +208,7 @@ def run_fault_tolerant(
     _, group_size = ft.group_layout(topology.num_hosts, topology.ranks_per_host)
     if group_size > 1:
         check_groups_of_ranks(config, ft, mode)
-    init_step(config)  # ValueError: a checkpoint at or past the run's total
+    init_from_step(config)  # ValueError: a checkpoint at or past the run's total
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="commfuse-ft-"))
@@ -344,7 +343,7 @@ def _run(
         timeouts=ft.timeouts,
         global_batch=ft.global_batch,
         mode=ft_mode(config.strategy),
-        first_step=init_step(config),
+        first_step=init_from_step(config),
     )
     record["strategy"] = describe_strategy(config.strategy)
     record["group_size"] = size
@@ -541,7 +540,7 @@ class _Supervisor:
         """``life``'s pipe closed: its process is gone."""
         life.proc.join(timeout=10)
         code = life.proc.exitcode
-        group = [e for e in self.job.lives if (e.replica, e.life) == (life.replica, life.life)]
+        group = _ranks_of(self.job, life.replica, life.life)
         if life.result is not None:
             if all(e.result is not None for e in group):
                 self.done.add(life.replica)
@@ -580,10 +579,7 @@ class _Supervisor:
             self.job.records.append({"replica": life.replica, "life": life.life, **body})
         elif kind == "kill":
             # The group's first rank kills itself; the group is one failure unit.
-            _kill_lives(
-                [e for e in self.job.lives if (e.replica, e.life) == (life.replica, life.life)],
-                body["t"],
-            )
+            _kill_lives(_ranks_of(self.job, life.replica, life.life), body["t"])
             self.job.faults.append(
                 {"kind": "kill", "replica": life.replica, "life": life.life, **body}
             )
@@ -606,7 +602,12 @@ def _current(job: _Job, replica: int) -> list[_Life]:
     """The ranks of the latest life of replica group ``replica`` that was launched (not a
     spare still waiting)."""
     life = max(e.life for e in job.lives if e.replica == replica and e.launched)
-    return [e for e in job.lives if e.replica == replica and e.life == life]
+    return _ranks_of(job, replica, life)
+
+
+def _ranks_of(job: _Job, replica: int, life: int) -> list[_Life]:
+    """The ranks of life ``life`` of replica group ``replica``."""
+    return [e for e in job.lives if (e.replica, e.life) == (replica, life)]
 
 
 def _kill_lives(ranks: list[_Life], now: float) -> int:

@@ -379,17 +379,13 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                     t_inner = time.monotonic()
                     inner_s = timing["inner_step_s"]
                     for inner in range(begin + skip, end) if not resume else ():
-                        now["inner"] = first + inner
-                        if (
-                            kill is not None
-                            and kill.phase == "compute"
-                            and kill.at_step == first + inner
-                        ):
-                            kill_now(conn, kill, first + inner, period=period)
+                        step = now["inner"] = first + inner  # the inner step in the whole run
+                        if kill is not None and kill.phase == "compute" and kill.at_step == step:
+                            kill_now(conn, kill, step, period=period)
                         # With global_batch="fixed" the quorum of this period splits every
                         # inner step's global batch (data.py): a missing replica's samples
                         # are trained by the others, as in per-step mode.
-                        samples, batch, scale = step_batch(workload, manager, job, first + inner)
+                        samples, batch, scale = step_batch(workload, manager, job, step)
                         periodic.zero_grad()
                         loss = workload.loss(module, batch)
                         (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
