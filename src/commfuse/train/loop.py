@@ -187,7 +187,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             comm=comm,
             bucket_cap_mb=config.bucket_cap_mb,
             seed=config.seed,
-            run_steps=config.steps - _pretrained_steps(config),
+            run_steps=config.steps - init_from_step(config),
         ),
     )
     try:
@@ -291,11 +291,6 @@ def _busy_since(before: float | None, pids: tuple[int, ...] | None) -> float:
     floats)."""
     busy = None if pids is None else machine.busy_since(before, pids)
     return -1.0 if busy is None else busy
-
-
-def _pretrained_steps(config: TrainConfig) -> int:
-    """Steps of ``init_from``'s model, which this run's strategy did not take (0 without)."""
-    return (ckpt.latest_step(config.init_from) or 0) if config.init_from else 0
 
 
 def init_from_step(config: TrainConfig) -> int:
