@@ -8,7 +8,8 @@ about ``rows`` rows and sends ``(P - 1) / P`` of its output away.
 
 ``moe_step`` times a whole training step of the MoE workload (``workloads/moe.py``), shape
 ``(tokens_per_rank, d_model, d_hidden, experts_per_rank)``: unfused (both All-to-Alls after their
-GEMMs, gloo's) against fused (chunks chosen by the layer). ``compute`` is the same step on a
+GEMMs, gloo's) against fused (chunks chosen by the layer), and beside it fused with fixed
+chunk counts (``FIXED_CHUNKS``, rows ``moe_step[k=N]``). ``compute`` is the same step on a
 one-rank group holding ``experts_per_rank`` experts (the same expert FLOPs: every routed row stays
 local), ``comm`` the step's four All-to-Alls (dispatch and combine, forward and backward) and
 its two allreduces of replicated gradients alone. Its dispatch and combine exchanges and its two
@@ -24,6 +25,7 @@ compares losses rounded to 4 decimals.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -70,6 +72,10 @@ def gemm_all_to_all_case(comm: Communicator, shape: tuple[int, ...]) -> FusedFor
         max_chunks=max_chunks,
         choose=lambda: choose_moe_chunks(comm, rt, h, w, ChunkConfig(max_chunks=max_chunks)),
     )
+
+
+#: The fixed chunk counts ``moe_step`` times beside the layer's own choice.
+FIXED_CHUNKS = (2, 5)
 
 
 def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
@@ -159,6 +165,9 @@ def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
             "gemm2": lambda: ga.expert_gemm(rt, hidden, w2),
         },
         bound=moe_step_bound_us,
+        # Fixed counts beside the layer's choice, in the same rounds (wall and CPU): few pieces
+        # against many, each dispatch piece one more message per source.
+        alternatives={f"k={k}": functools.partial(step, k) for k in FIXED_CHUNKS},
     )
 
 
