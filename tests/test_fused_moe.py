@@ -225,3 +225,8 @@ def test_bench_moe_step_records(pool: PoolFn) -> None:
     assert all(r["wrong"] == 0 for r in records) and records[0]["chunks"] >= 1
     assert {"fused", "fused[k=2]", "fused[k=5]"} <= set(records[0]["cpu_us"])
     assert all(records[0]["cpu_us"][n] > 0 for n in ("fused[k=2]", "fused[k=5]"))
+    # What the machine's cores did meanwhile, by kind, for every variant.
+    machine = records[0]["machine_us"]
+    assert set(machine) == {"busy", "idle", "softirq", "steal"}
+    assert all(set(by_variant) == set(records[0]["cpu_us"]) for by_variant in machine.values())
+    assert all(v >= 0 for by_variant in machine.values() for v in by_variant.values())

@@ -27,7 +27,9 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
   ``compute`` and ``comm``, summed over the ranks that share a machine's cores, divided by
   those cores), since on a machine whose cores the ranks share, communication's CPU work cannot
   hide behind computation's. Every row records the floor and each variant's CPU time (all
-  ranks together, ``cpu_us``).
+  ranks together, ``cpu_us``), and what the machine did with its cores while each variant
+  ran (``machine_us``, from ``/proc/stat``: busy, idle, softirq and the hypervisor's steal,
+  all cores; busy less ``cpu_us`` and softirq is other programs' CPU).
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
 prediction and the ratios fused/unfused, fused/ideal and fused/overlap (of the medians), plus
@@ -54,6 +56,7 @@ from commfuse.bench.cases import Case
 from commfuse.bench.cpu_floor import cpu_floor_us, cpu_seconds
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
+from commfuse.cluster.machine import CORE_TIMES, core_times_s
 from commfuse.cluster.topology import Topology
 from commfuse.collectives import all_to_all
 from commfuse.comm import Communicator
@@ -328,6 +331,21 @@ def timed_with_cpu(comm: Communicator, fn: Callable[[], Any]) -> tuple[float, fl
     return wall, (cpu_seconds() - cpu) * 1e6
 
 
+def timed_on_machine(comm: Communicator, fn: Callable[[], Any]) -> list[float]:
+    """``timed_with_cpu``'s (wall us, CPU us) of one call, then the machine's core time during
+    it by kind (``cluster.machine.CORE_TIMES``: busy, idle, softirq, steal; all cores, us; -1
+    where ``/proc/stat`` cannot be read). What the machine did with its cores while the call
+    ran: its ranks' CPU, other programs' CPU, idle cores, time the hypervisor took."""
+    comm.barrier()
+    before, cpu, start = core_times_s(), cpu_seconds(), now(comm.device)
+    fn()
+    wall = (now(comm.device) - start) * 1e6
+    own, after = (cpu_seconds() - cpu) * 1e6, core_times_s()
+    if before is None or after is None:
+        return [wall, own, *([-1.0] * len(CORE_TIMES))]
+    return [wall, own, *((after[k] - before[k]) * 1e6 for k in CORE_TIMES)]
+
+
 def run_together(compute: Callable[[], Any], collective: Callable[[], Any]) -> None:
     """``collective()`` on a second thread while this one runs ``compute()``; both finish before
     it returns, and an error of either is raised here."""
@@ -347,6 +365,25 @@ def run_together(compute: Callable[[], Any], collective: Callable[[], Any]) -> N
         worker.join()
     if errors:
         raise errors[0]
+
+
+def machine_medians(
+    comm: Communicator, machine: torch.Tensor, names: list[str]
+) -> dict[str, dict[str, float]] | None:
+    """``machine[kind, variant, round]`` (``timed_on_machine``'s core times) as each kind's
+    median over rounds per variant, of the mean over ranks (each rank reads its own machine's
+    counters over its own timing of the call); None where a rank could not read them."""
+    readable = torch.tensor([float(bool((machine >= 0).all()))], device=comm.device)
+    comm.all_reduce(readable, "min")
+    shared = machine.to(comm.device)
+    comm.all_reduce(shared)
+    if not readable.item():
+        return None
+    mean = (shared / comm.world_size).cpu()
+    return {
+        kind: {name: statistics.median(mean[k, v].tolist()) for v, name in enumerate(names)}
+        for k, kind in enumerate(CORE_TIMES)
+    }
 
 
 def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
@@ -409,13 +446,15 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             names = list(schedule.names)
             times = torch.zeros(len(names), config.iters, dtype=torch.float64, device=comm.device)
             cpu = torch.zeros_like(times)
+            machine = torch.zeros(len(CORE_TIMES), *times.shape, dtype=torch.float64)
             for i, order in enumerate(schedule.orders()):  # the same on every rank (seeded)
                 for name in order:
                     v = names.index(name)
-                    times[v, i], cpu[v, i] = timed_with_cpu(
-                        comm, cases[schedule.code_of(name)].call
-                    )
+                    wall, own, *cores = timed_on_machine(comm, cases[schedule.code_of(name)].call)
+                    times[v, i], cpu[v, i] = wall, own
+                    machine[:, v, i] = torch.tensor(cores, dtype=torch.float64)
             comm.all_reduce(times, "max")
+            machine_us = machine_medians(comm, machine, names)
             # The CPU floor: this rank's CPU for the computation and the communication alone
             # (medians over rounds), summed over the ranks of each machine, over its cores.
             floor = cpu_floor_us(
@@ -471,6 +510,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                     name: statistics.median(cpu[v].tolist()) for v, name in enumerate(names)
                 },
                 "stages_us": {n: summary.medians[f"stage:{n}"] for n in forms.stages},
+                "machine_us": machine_us,
                 "fused_vs_dependency_bound": f / bound if bound else None,
                 **summary.as_dict(),
                 "unfused_control_us": (
