@@ -193,9 +193,10 @@ class FusedForms:
     stages: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
     """Parts of the operator timed alone in the same rounds (``stage:NAME``), by name: the
     inputs of ``bound``."""
-    bound: Callable[[dict[str, float]], float] | None = None
+    bound: Callable[[dict[str, float], dict[str, float]], float] | None = None
     """The dependency-aware bound from the medians of ``compute``, ``comm`` and the stages
-    (by name), where the operator's dependencies let less overlap than perfect overlap does."""
+    (by name), where the operator's dependencies let less overlap than perfect overlap does,
+    and the stages' CPU floors (by name: what their CPU needs of the machine's cores)."""
     alternatives: dict[str, Callable[[], torch.Tensor]] = dataclasses.field(default_factory=dict)
     """Other schedules, by name, timed in the same rounds as the chosen one; each gets a row
     of its own (op ``"op[name]"``) sharing the chosen row's C, M, unfused, overlap and
@@ -461,6 +462,11 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 comm,
                 sum(statistics.median(cpu[names.index(n)].tolist()) for n in ("compute", "comm")),
             )
+            # Each stage's own floor, for the bound's overlapped pairs (``FusedForms.bound``).
+            stage_floors = {
+                n: cpu_floor_us(comm, statistics.median(cpu[names.index(f"stage:{n}")].tolist()))
+                for n in forms.stages
+            }
             comm.all_reduce(cpu)  # every variant's CPU, all ranks together, per round
             wrong = torch.tensor([int((fused() != forms.unfused()).sum())], device=comm.device)
             comm.all_reduce(wrong)
@@ -477,7 +483,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             bound = dependencies = None
             if forms.bound is not None:
                 parts = {n: summary.medians[f"stage:{n}"] for n in forms.stages}
-                dependencies = forms.bound({"compute": c, "comm": m, **parts})
+                dependencies = forms.bound({"compute": c, "comm": m, **parts}, stage_floors)
                 # The machine's bound: no schedule beats its dependencies or its cores.
                 bound = max(dependencies, floor)
             record: dict[str, Any] = {
@@ -506,6 +512,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 "dependency_bound_us": bound,
                 "dependencies_only_us": dependencies,
                 "cpu_floor_us": floor,
+                "stage_floors_us": stage_floors,
                 "cpu_us": {
                     name: statistics.median(cpu[v].tolist()) for v, name in enumerate(names)
                 },
