@@ -45,6 +45,13 @@ def test_bench_records(pool: PoolFn) -> None:
         assert set(cpu) >= {"compute", "comm", "unfused", "fused"} and r["cpu_floor_us"] > 0
         if r["op"] == "moe_step":  # the one operator whose dependencies give a bound of its own
             assert bound == max(r["dependencies_only_us"], r["cpu_floor_us"]) > 0
+            # The dependency-aware part counts each stage's CPU floor (fused_moe.py).
+            from commfuse.bench.fused_moe import moe_step_bound_us
+
+            floors = r["stage_floors_us"]
+            assert set(floors) == {"dispatch", "combine", "gemm1", "gemm2"}
+            medians = {"compute": r["compute_us"], "comm": r["comm_us"], **r["stages_us"]}
+            assert r["dependencies_only_us"] == pytest.approx(moe_step_bound_us(medians, floors))
             assert r["fused_vs_dependency_bound"] == pytest.approx(r["fused_us"] / bound)
         else:
             assert bound is None and r["fused_vs_dependency_bound"] is None
@@ -78,6 +85,13 @@ def test_moe_step_bound_hides_each_exchange_only_behind_its_gemms() -> None:
     assert moe_step_bound_us({**parts, "gemm1": 2.0, "gemm2": 3.0}) == 140.0 - (2 + 3 + 6 + 4)
     # No GEMMs: nothing hides, the bound is C + M.
     assert moe_step_bound_us({**parts, "gemm1": 0.0, "gemm2": 0.0}) == 140.0
+    # Ranks sharing cores: an exchange and its GEMMs last at least their CPU floors together,
+    # so each pair hides only what those floors leave: 30 + 10 against 25 + 8 hides 7 (not
+    # 10), the combine 9, and the backward pairs (60 against 50 + 8) hide the whole exchange.
+    long = {**parts, "gemm1": 30.0, "gemm2": 30.0}
+    floors = {"dispatch": 8.0, "combine": 8.0, "gemm1": 25.0, "gemm2": 25.0}
+    assert moe_step_bound_us(long, floors) == 140.0 - (7 + 9 + 10 + 12)
+    assert moe_step_bound_us(long, dict.fromkeys(floors, 0.0)) == moe_step_bound_us(long)
 
 
 def test_run_together_runs_both_and_raises_the_collectives_error() -> None:

@@ -11,6 +11,7 @@ process (``choose_against_unfused``)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,8 @@ from commfuse.fused.fallback import (
     Measured,
     choose_against_unfused,
     confirm_by_trial,
+    fewest_pieces_that_pay,
+    pieces_that_pay,
     trial_verdict,
 )
 from commfuse.fused.moe import COUNTS_LABEL, dense_moe_reference, route_tokens
@@ -258,3 +261,49 @@ def unclear_trials() -> tuple[int, int, int]:
 
 def test_fallback_trial_unclear(pool: PoolFn) -> None:
     assert pool(2).run(unclear_trials, timeout_s=60) == [(4, 1, 1), (4, 1, 1)]
+
+
+def test_pieces_must_pay_for_themselves() -> None:
+    # Paired rounds of k = 2 and k = 5 (no time is measured here): the fewer pieces stay unless
+    # the more are faster by min_gain, or faster at all for no more CPU.
+    two = [100.0, 100.0, 100.0]
+    same_wall = {2: two, 5: [99.0, 101.0, 99.0]}
+    assert pieces_that_pay(same_wall, {2: two, 5: [120.0] * 3}, min_gain=0.05) == 2
+    assert pieces_that_pay(same_wall, {2: two, 5: [90.0] * 3}, min_gain=0.05) == 5
+    faster = {2: two, 5: [90.0, 93.0, 200.0]}
+    assert pieces_that_pay(faster, {2: two, 5: [150.0] * 3}, min_gain=0.05) == 5
+    slower = {2: two, 5: [101.0, 105.0, 90.0]}
+    assert pieces_that_pay(slower, {2: two, 5: [50.0] * 3}, min_gain=0.05) == 2
+
+
+def cpu_judged_trials() -> tuple[int, int]:
+    """Real runs on every rank against an unfused form that sleeps 60 ms: ``k`` pieces sleep
+    20 ms while a second thread spins ``6 (k - 2)`` ms of CPU (the same wall, more CPU for more
+    pieces), then pieces that shorten the sleep (5 pieces 10 ms, 2 pieces 30 ms)."""
+    comm = Communicator()
+
+    def spin(ms: float) -> None:
+        end = time.process_time() + ms / 1e3
+        while time.process_time() < end:
+            pass
+
+    def costly(k: int) -> None:
+        worker = threading.Thread(target=spin, args=(6.0 * (k - 2),))
+        worker.start()
+        time.sleep(0.02)
+        worker.join()
+
+    def quicker(k: int) -> None:
+        time.sleep(0.01 if k == 5 else 0.03)
+
+    def unfused() -> None:
+        time.sleep(0.06)
+
+    return tuple(  # type: ignore[return-value]
+        fewest_pieces_that_pay(comm, [5, 2], fn, unfused, runs=3, min_gain=0.05)
+        for fn in (costly, quicker)
+    )
+
+
+def test_trial_counts_cpu_of_every_piece(pool: PoolFn) -> None:
+    assert pool(2).run(cpu_judged_trials, timeout_s=60) == [(2, 5), (2, 5)]

@@ -126,3 +126,21 @@ def test_ranks_of_one_machine_find_each_other(pool: Callable[[int], RankPool]) -
     results = pool(3).run(rank_pids_on_rank)
     pids = tuple(pid for pid, _ in results)
     assert all(found == pids for _, found in results)
+
+
+def test_core_times_account_for_every_core_of_an_interval() -> None:
+    # Over an interval every core is busy, idle or stolen: their sum is the interval times the
+    # cores, to a tick per core at each end; a spin of 0.3 s of CPU shows in busy.
+    before, start = machine.core_times_s(), time.monotonic()
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    time.sleep(0.2)
+    after, elapsed = machine.core_times_s(), time.monotonic() - start
+    assert before is not None and after is not None
+    delta = {kind: after[kind] - before[kind] for kind in machine.CORE_TIMES}
+    cores, tick = machine.cores(), 1.0 / os.sysconf("SC_CLK_TCK")
+    total = delta["busy"] + delta["idle"] + delta["steal"]
+    assert abs(total - elapsed * cores) <= 2 * tick * cores + 0.02 * elapsed * cores
+    assert delta["busy"] >= 0.3 - 2 * tick * cores
+    assert 0 <= delta["softirq"] <= delta["busy"] and delta["steal"] >= 0

@@ -27,7 +27,9 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
   ``compute`` and ``comm``, summed over the ranks that share a machine's cores, divided by
   those cores), since on a machine whose cores the ranks share, communication's CPU work cannot
   hide behind computation's. Every row records the floor and each variant's CPU time (all
-  ranks together, ``cpu_us``).
+  ranks together, ``cpu_us``), and what the machine did with its cores while each variant
+  ran (``machine_us``, from ``/proc/stat``: busy, idle, softirq and the hypervisor's steal,
+  all cores; busy less ``cpu_us`` and softirq is other programs' CPU).
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
 prediction and the ratios fused/unfused, fused/ideal and fused/overlap (of the medians), plus
@@ -54,6 +56,7 @@ from commfuse.bench.cases import Case
 from commfuse.bench.cpu_floor import cpu_floor_us, cpu_seconds
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
+from commfuse.cluster.machine import CORE_TIMES, core_times_s
 from commfuse.cluster.topology import Topology
 from commfuse.collectives import all_to_all
 from commfuse.comm import Communicator
@@ -190,9 +193,10 @@ class FusedForms:
     stages: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
     """Parts of the operator timed alone in the same rounds (``stage:NAME``), by name: the
     inputs of ``bound``."""
-    bound: Callable[[dict[str, float]], float] | None = None
+    bound: Callable[[dict[str, float], dict[str, float]], float] | None = None
     """The dependency-aware bound from the medians of ``compute``, ``comm`` and the stages
-    (by name), where the operator's dependencies let less overlap than perfect overlap does."""
+    (by name), where the operator's dependencies let less overlap than perfect overlap does,
+    and the stages' CPU floors (by name: what their CPU needs of the machine's cores)."""
     alternatives: dict[str, Callable[[], torch.Tensor]] = dataclasses.field(default_factory=dict)
     """Other schedules, by name, timed in the same rounds as the chosen one; each gets a row
     of its own (op ``"op[name]"``) sharing the chosen row's C, M, unfused, overlap and
@@ -328,6 +332,21 @@ def timed_with_cpu(comm: Communicator, fn: Callable[[], Any]) -> tuple[float, fl
     return wall, (cpu_seconds() - cpu) * 1e6
 
 
+def timed_on_machine(comm: Communicator, fn: Callable[[], Any]) -> list[float]:
+    """``timed_with_cpu``'s (wall us, CPU us) of one call, then the machine's core time during
+    it by kind (``cluster.machine.CORE_TIMES``: busy, idle, softirq, steal; all cores, us; -1
+    where ``/proc/stat`` cannot be read). What the machine did with its cores while the call
+    ran: its ranks' CPU, other programs' CPU, idle cores, time the hypervisor took."""
+    comm.barrier()
+    before, cpu, start = core_times_s(), cpu_seconds(), now(comm.device)
+    fn()
+    wall = (now(comm.device) - start) * 1e6
+    own, after = (cpu_seconds() - cpu) * 1e6, core_times_s()
+    if before is None or after is None:
+        return [wall, own, *([-1.0] * len(CORE_TIMES))]
+    return [wall, own, *((after[k] - before[k]) * 1e6 for k in CORE_TIMES)]
+
+
 def run_together(compute: Callable[[], Any], collective: Callable[[], Any]) -> None:
     """``collective()`` on a second thread while this one runs ``compute()``; both finish before
     it returns, and an error of either is raised here."""
@@ -347,6 +366,25 @@ def run_together(compute: Callable[[], Any], collective: Callable[[], Any]) -> N
         worker.join()
     if errors:
         raise errors[0]
+
+
+def machine_medians(
+    comm: Communicator, machine: torch.Tensor, names: list[str]
+) -> dict[str, dict[str, float]] | None:
+    """``machine[kind, variant, round]`` (``timed_on_machine``'s core times) as each kind's
+    median over rounds per variant, of the mean over ranks (each rank reads its own machine's
+    counters over its own timing of the call); None where a rank could not read them."""
+    readable = torch.tensor([float(bool((machine >= 0).all()))], device=comm.device)
+    comm.all_reduce(readable, "min")
+    shared = machine.to(comm.device)
+    comm.all_reduce(shared)
+    if not readable.item():
+        return None
+    mean = (shared / comm.world_size).cpu()
+    return {
+        kind: {name: statistics.median(mean[k, v].tolist()) for v, name in enumerate(names)}
+        for k, kind in enumerate(CORE_TIMES)
+    }
 
 
 def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
@@ -409,19 +447,26 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             names = list(schedule.names)
             times = torch.zeros(len(names), config.iters, dtype=torch.float64, device=comm.device)
             cpu = torch.zeros_like(times)
+            machine = torch.zeros(len(CORE_TIMES), *times.shape, dtype=torch.float64)
             for i, order in enumerate(schedule.orders()):  # the same on every rank (seeded)
                 for name in order:
                     v = names.index(name)
-                    times[v, i], cpu[v, i] = timed_with_cpu(
-                        comm, cases[schedule.code_of(name)].call
-                    )
+                    wall, own, *cores = timed_on_machine(comm, cases[schedule.code_of(name)].call)
+                    times[v, i], cpu[v, i] = wall, own
+                    machine[:, v, i] = torch.tensor(cores, dtype=torch.float64)
             comm.all_reduce(times, "max")
+            machine_us = machine_medians(comm, machine, names)
             # The CPU floor: this rank's CPU for the computation and the communication alone
             # (medians over rounds), summed over the ranks of each machine, over its cores.
             floor = cpu_floor_us(
                 comm,
                 sum(statistics.median(cpu[names.index(n)].tolist()) for n in ("compute", "comm")),
             )
+            # Each stage's own floor, for the bound's overlapped pairs (``FusedForms.bound``).
+            stage_floors = {
+                n: cpu_floor_us(comm, statistics.median(cpu[names.index(f"stage:{n}")].tolist()))
+                for n in forms.stages
+            }
             comm.all_reduce(cpu)  # every variant's CPU, all ranks together, per round
             wrong = torch.tensor([int((fused() != forms.unfused()).sum())], device=comm.device)
             comm.all_reduce(wrong)
@@ -438,7 +483,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             bound = dependencies = None
             if forms.bound is not None:
                 parts = {n: summary.medians[f"stage:{n}"] for n in forms.stages}
-                dependencies = forms.bound({"compute": c, "comm": m, **parts})
+                dependencies = forms.bound({"compute": c, "comm": m, **parts}, stage_floors)
                 # The machine's bound: no schedule beats its dependencies or its cores.
                 bound = max(dependencies, floor)
             record: dict[str, Any] = {
@@ -467,10 +512,12 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 "dependency_bound_us": bound,
                 "dependencies_only_us": dependencies,
                 "cpu_floor_us": floor,
+                "stage_floors_us": stage_floors,
                 "cpu_us": {
                     name: statistics.median(cpu[v].tolist()) for v, name in enumerate(names)
                 },
                 "stages_us": {n: summary.medians[f"stage:{n}"] for n in forms.stages},
+                "machine_us": machine_us,
                 "fused_vs_dependency_bound": f / bound if bound else None,
                 **summary.as_dict(),
                 "unfused_control_us": (

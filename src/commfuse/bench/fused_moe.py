@@ -8,13 +8,15 @@ about ``rows`` rows and sends ``(P - 1) / P`` of its output away.
 
 ``moe_step`` times a whole training step of the MoE workload (``workloads/moe.py``), shape
 ``(tokens_per_rank, d_model, d_hidden, experts_per_rank)``: unfused (both All-to-Alls after their
-GEMMs, gloo's) against fused (chunks chosen by the layer). ``compute`` is the same step on a
+GEMMs, gloo's) against fused (chunks chosen by the layer), and beside it fused with fixed
+chunk counts (``FIXED_CHUNKS``, rows ``moe_step[k=N]``). ``compute`` is the same step on a
 one-rank group holding ``experts_per_rank`` experts (the same expert FLOPs: every routed row stays
 local), ``comm`` the step's four All-to-Alls (dispatch and combine, forward and backward) and
 its two allreduces of replicated gradients alone. Its dispatch and combine exchanges and its two
 expert GEMMs are also timed alone (``stage:NAME``), for the dependency-aware bound
 ``moe_step_bound_us``: perfect overlap assumes any communication can hide behind any
-computation, where the step lets each exchange hide only behind the GEMMs next to it.
+computation, where the step lets each exchange hide only behind the GEMMs next to it, and
+only as far as the CPU of both fits on the machine's cores (each stage's CPU floor).
 ``fused/dep`` divides by the larger of that and the CPU floor (``bench/cpu_floor.py``), since
 with ranks sharing cores the exchanges' CPU work competes with the GEMMs. The learning rate is
 1e-30, so every timed step sees (numerically) the same parameters; the records' ``wrong``
@@ -24,6 +26,7 @@ compares losses rounded to 4 decimals.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -70,6 +73,10 @@ def gemm_all_to_all_case(comm: Communicator, shape: tuple[int, ...]) -> FusedFor
         max_chunks=max_chunks,
         choose=lambda: choose_moe_chunks(comm, rt, h, w, ChunkConfig(max_chunks=max_chunks)),
     )
+
+
+#: The fixed chunk counts ``moe_step`` times beside the layer's own choice.
+FIXED_CHUNKS = (2, 5)
 
 
 def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
@@ -159,10 +166,13 @@ def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
             "gemm2": lambda: ga.expert_gemm(rt, hidden, w2),
         },
         bound=moe_step_bound_us,
+        # Fixed counts beside the layer's choice, in the same rounds (wall and CPU): few pieces
+        # against many, each dispatch piece one more message per source.
+        alternatives={f"k={k}": functools.partial(step, k) for k in FIXED_CHUNKS},
     )
 
 
-def moe_step_bound_us(medians: dict[str, float]) -> float:
+def moe_step_bound_us(medians: dict[str, float], floors: dict[str, float] | None = None) -> float:
     """The MoE step's dependency-aware bound: the step's computation and communication, less
     what its dependencies let overlap. An exchange can hide only behind the expert GEMMs next
     to it, and only with infinitely fine pieces (so this is a bound, not a prediction): the
@@ -173,8 +183,18 @@ def moe_step_bound_us(medians: dict[str, float]) -> float:
     all-reduces of the replicated gradients overlap nothing (the head's travels during the
     backward, but it is small next to the exchanges). Unlike ``overlap`` it counts no
     contention between the two (the parts are timed alone). ``medians`` holds ``compute``,
-    ``comm``, ``dispatch``, ``combine``, ``gemm1`` and ``gemm2``, in any one unit."""
+    ``comm``, ``dispatch``, ``combine``, ``gemm1`` and ``gemm2``, in any one unit.
+
+    ``floors`` (the same stages' CPU floors, ``bench/cpu_floor.py``, in the same unit) makes it
+    the critical path of a machine whose cores the ranks share: an exchange and the GEMMs it
+    hides behind then take at least the time the cores need for the CPU of both, so each
+    overlapped pair lasts ``max(exchange, gemms, floor(exchange) + floor(gemms))`` and hides
+    what it saves on the two in turn. Without ``floors`` the exchanges' CPU is taken as free."""
     d, c = medians["dispatch"], medians["combine"]
     g1, g2 = medians["gemm1"], medians["gemm2"]
-    hidden = min(d, g1) + min(c, g2) + min(d, 2 * g2) + min(c, 2 * g1)
+    f = floors or {}
+    fd, fc = f.get("dispatch", 0.0), f.get("combine", 0.0)
+    f1, f2 = f.get("gemm1", 0.0), f.get("gemm2", 0.0)
+    pairs = ((d, fd, g1, f1), (c, fc, g2, f2), (d, fd, 2 * g2, 2 * f2), (c, fc, 2 * g1, 2 * f1))
+    hidden = sum(x + g - max(x, g, fx + fg) for x, fx, g, fg in pairs)
     return medians["compute"] + medians["comm"] - hidden

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 __all__ = [
     "busy_cpu_s",
     "busy_since",
+    "core_times_s",
     "cores",
     "machine_id",
     "process_cpu_s",
@@ -108,6 +109,27 @@ def softirq_s() -> float | None:
     if len(fields) <= _SOFTIRQ + 1 or fields[0] != "cpu":
         return None
     return int(fields[_SOFTIRQ + 1]) / _tick()
+
+
+#: ``core_times_s``'s keys and the ``/proc/stat`` fields (after the label) each sums: busy is
+#: user, nice, system, irq and softirq; idle is idle and iowait; steal is the time the
+#: hypervisor ran something else while a core of this virtual machine had work.
+CORE_TIMES = {"busy": (0, 1, 2, 5, 6), "idle": (3, 4), "softirq": (6,), "steal": (7,)}
+
+
+def core_times_s() -> dict[str, float] | None:
+    """Core seconds of the whole machine since boot, all cores, by ``CORE_TIMES``'s kinds: over
+    an interval, ``busy + idle + steal`` is the interval times the cores (to a tick per
+    core); None without ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    if len(fields) <= 8 or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]
+    return {kind: sum(ticks[i] for i in at) / _tick() for kind, at in CORE_TIMES.items()}
 
 
 def busy_cpu_s(pids: Iterable[int]) -> float | None:

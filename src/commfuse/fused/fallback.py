@@ -28,6 +28,13 @@ The choice made here, in three steps:
    caller says so (``unclear_keeps``: the model predicted a gain of ``min_gain`` and the trial
    did not refute it), else falls back. Paired ratios see the load each round had, where two
    medians taken apart can differ by the load alone.
+
+Where more than one chunked ``k`` is a candidate (``fewest_pieces_that_pay``: the MoE layer
+tries 2 beside the model's ``k``), the trial also counts CPU time, every rank's summed, since on
+a machine whose ranks share cores every piece costs CPU (a message, a wakeup, a smaller GEMM)
+that the wall clock of one operator does not show but the step around it pays. The candidate
+with the fewest pieces is kept unless one with more pieces is faster by ``min_gain`` (paired
+ratios, as above), or faster at all while spending no more CPU: pieces must pay for themselves.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import dataclasses
 import functools
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -155,6 +163,83 @@ def round_times(
             times[slot].append(timed_us(comm, fn))
     agreed = agree(comm, [t for row in times for t in row])
     return [agreed[j * runs : (j + 1) * runs] for j in range(len(fns))]
+
+
+def round_times_with_cpu(
+    comm: Communicator, fns: Sequence[Callable[[], Any]], *, runs: int
+) -> tuple[list[list[float]], list[list[float]]]:
+    """``round_times`` with alternating order, and beside each wall time (slowest rank) the CPU
+    time of the call, user + system of all threads, summed over ranks (``time.process_time``):
+    (wall, cpu), each ``[len(fns)][runs]``. Every rank must call it alike."""
+    wall: list[list[float]] = [[] for _ in fns]
+    cpu: list[list[float]] = [[] for _ in fns]
+    for i in range(runs):
+        order = list(enumerate(fns))
+        for slot, fn in order[::-1] if i % 2 else order:
+            start = time.process_time()
+            wall[slot].append(timed_us(comm, fn))
+            cpu[slot].append((time.process_time() - start) * 1e6)
+    n = len(fns) * runs
+    agreed = torch.tensor(
+        [t for row in wall for t in row] + [t for row in cpu for t in row],
+        dtype=torch.float64,
+        device=comm.device,
+    )
+    slowest, total = agreed[:n].clone(), agreed[n:].clone()
+    comm.all_reduce(slowest, "max")
+    comm.all_reduce(total, "sum")
+    w, c = slowest.tolist(), total.tolist()
+    return (
+        [w[j * runs : (j + 1) * runs] for j in range(len(fns))],
+        [c[j * runs : (j + 1) * runs] for j in range(len(fns))],
+    )
+
+
+def paired_ratio(base: Sequence[float], other: Sequence[float]) -> float:
+    """The median over rounds of ``other[i] / base[i]``."""
+    return statistics.median(o / b if b > 0 else math.inf for b, o in zip(base, other, strict=True))
+
+
+def pieces_that_pay(
+    wall: dict[int, list[float]], cpu: dict[int, list[float]], *, min_gain: float
+) -> int:
+    """The rule of ``fewest_pieces_that_pay`` on measured rounds (``wall[k]``, ``cpu[k]`` per
+    candidate ``k``, paired by round): start from the fewest pieces; a candidate with more
+    replaces the kept one if its median wall ratio is at most ``1 - min_gain``, or below 1
+    with a median CPU ratio at most 1."""
+    ks = sorted(wall)
+    best = ks[0]
+    for k in ks[1:]:
+        faster = paired_ratio(wall[best], wall[k])
+        if faster <= 1.0 - min_gain or (faster < 1.0 and paired_ratio(cpu[best], cpu[k]) <= 1.0):
+            best = k
+    return best
+
+
+def fewest_pieces_that_pay(
+    comm: Communicator,
+    candidates: Sequence[int],
+    fused: Callable[[int], Any],
+    unfused: Callable[[], Any],
+    *,
+    runs: int,
+    min_gain: float,
+    unclear_keeps: bool = False,
+) -> int:
+    """Step 3 with several chunked candidates (module docstring): time the unfused operator
+    and ``fused(k)`` for each ``k`` in ``runs`` alternating rounds, wall and CPU; keep the
+    fewest pieces that pay (``pieces_that_pay``), then judge it against the unfused operator
+    as ``confirm_by_trial`` does (same rounds). Every rank must call it alike."""
+    ks = sorted({k for k in candidates if k > 1})
+    if not ks or runs < 1 or comm.world_size == 1:
+        return ks[0] if ks else 1
+    fns: list[Callable[[], Any]] = [unfused, *(functools.partial(fused, k) for k in ks)]
+    wall, cpu = round_times_with_cpu(comm, fns, runs=runs)
+    best = pieces_that_pay(
+        dict(zip(ks, wall[1:], strict=True)), dict(zip(ks, cpu[1:], strict=True)), min_gain=min_gain
+    )
+    verdict = trial_verdict(wall[0], wall[1 + ks.index(best)], min_gain=min_gain)
+    return best if verdict == "faster" or (verdict == "unclear" and unclear_keeps) else 1
 
 
 def median_times(

@@ -44,7 +44,7 @@ from torch import nn
 from commfuse.comm import Communicator, Handle
 from commfuse.fused import gemm_all_to_all as ga
 from commfuse.fused.chunking import ChunkConfig, measure_overhead_us, split_sizes
-from commfuse.fused.fallback import choose_fused_chunks
+from commfuse.fused.fallback import choose_fused_chunks, fewest_pieces_that_pay
 from commfuse.fused.moe_ops import all_to_all_gemm_op, gemm_all_to_all_op
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu}
@@ -115,19 +115,25 @@ def choose_moe_chunks(
     config: ChunkConfig,
     *,
     trial_runs: int = 5,
+    run: Callable[[int], object] | None = None,
 ) -> int:
-    """Chunks for both MoE operators, the same on every rank, from the combine side (expert GEMM +
-    All-to-All): measured C, gloo's M, the fused path's own M, then a timed trial against the
-    unfused operator (``fallback.py``, ``trial_runs`` rounds); 1 (unfused, gloo's All-to-All)
-    when the model predicts no gain or the trial finds the fused operator no faster. A trial
-    that cannot tell the two apart keeps the model's chunks: on a loaded machine a few rounds
-    often cannot, and the model already asked for a gain of ``config.min_gain``."""
+    """Chunks for both MoE operators, the same on every rank. The model's ``k`` comes from the
+    combine side (expert GEMM + All-to-All): measured C, gloo's M, the fused path's own M
+    (``fallback.py``); 1 (unfused, gloo's All-to-All) when it predicts no gain. Otherwise a
+    timed trial (``fallback.fewest_pieces_that_pay``, ``trial_runs`` rounds) runs ``run(k)``
+    (default: the combine operator; the layer passes its dispatch, activation and combine) for
+    ``k`` = 2 and the model's ``k`` beside the unfused form, in wall and CPU time, and keeps the
+    fewest pieces that pay for themselves: each dispatch piece is one more message and wakeup
+    per source and a smaller GEMM, CPU that ranks sharing cores pay in wall time. The trial
+    falls back to 1 where the kept ``k`` is measurably no faster than unfused; where it cannot
+    tell the two apart it keeps ``k``: on a loaded machine a few rounds often cannot, and the
+    model already asked for a gain of ``config.min_gain``."""
     limit = max(max(rt.recv_rows), 1) * max(rt.world - 1, 1)
     if config.num_chunks is not None or rt.world == 1:
         return max(1, min(config.num_chunks or 1, limit))
     with torch.no_grad():
         compute_us, unfused_us, fused_us = ga.measure(comm, rt, h, weight)
-        return choose_fused_chunks(
+        model = choose_fused_chunks(
             comm,
             config,
             compute_us=compute_us,
@@ -135,11 +141,21 @@ def choose_moe_chunks(
             unfused_comm_us=unfused_us,
             overhead_us=measure_overhead_us(comm),
             limit=limit,
-            trial=(
-                lambda k: ga.gemm_all_to_all(comm, rt, h, weight, chunks=k),
-                lambda: ga.gemm_all_to_all_reference(comm, rt, h, weight),
-            ),
-            trial_runs=trial_runs,
+        )
+        if model == 1:
+            return 1
+
+        def combine(k: int) -> object:
+            return ga.gemm_all_to_all(comm, rt, h, weight, chunks=k)
+
+        trial = run or combine
+        return fewest_pieces_that_pay(
+            comm,
+            [k for k in (2, model) if k <= limit],
+            trial,
+            lambda: trial(1),
+            runs=trial_runs,
+            min_gain=config.min_gain,
             unclear_keeps=True,
         )
 
@@ -336,10 +352,17 @@ class ExpertParallelMoE(nn.Module):
             if self.chunk_config.num_chunks is not None:
                 self._chunks[rows.dtype] = self.chunk_config.num_chunks
             else:
+                comm, act = self.comm, ACTIVATIONS[self.activation]
+                w1, w2, x = self.w1.detach(), self.w2.detach(), rows.detach()
+
+                def forward(k: int) -> torch.Tensor:  # dispatch + GEMM, activation, GEMM + combine
+                    hidden, _ = ga.all_to_all_gemm(comm, rt, x, w1, chunks=k)
+                    return ga.gemm_all_to_all(comm, rt, act(hidden), w2, chunks=k)
+
                 with torch.no_grad():
-                    h, _ = ga.all_to_all_gemm_reference(self.comm, rt, rows, self.w1.detach())
-                    h = ACTIVATIONS[self.activation](h)
-                self._chunks[rows.dtype] = choose_moe_chunks(
-                    self.comm, rt, h, self.w2.detach(), self.chunk_config
-                )
+                    h, _ = ga.all_to_all_gemm_reference(comm, rt, x, w1)
+                    h = act(h)
+                    self._chunks[rows.dtype] = choose_moe_chunks(
+                        comm, rt, h, w2, self.chunk_config, run=forward
+                    )
         return self._chunks[rows.dtype]
