@@ -273,27 +273,45 @@ def test_adpsgd_period_rule() -> None:
     assert len(periods) == 4 and 80 <= t <= 100
 
 
-def adpsgd_run() -> tuple[list[list[int]], int, int, int]:
+def adpsgd_run(final_sync: bool) -> tuple[list[list[int]], int, int, int]:
+    """Every rank's planned sync steps, their count, this rank's bytes (with the final average,
+    if any) and its agreements' bytes."""
     comm = Communicator()
-    config = ADPSGDConfig(total_steps=24, num_syncs=4, algo="native", final_sync=False)
+    config = ADPSGDConfig(total_steps=24, num_syncs=4, algo="native", final_sync=final_sync)
     model = tiny_model()
     opt = build(config, model, comm, "sgd")
     assert hasattr(opt, "sync_steps")
     before = comm.stats.total().handed_bytes
-    run_steps(opt, model, comm.rank, range(24), lr_decay=True)
+    # Without the final average a falling learning rate; with it a constant one, whose drift
+    # slows little (the case where a plan onto the run's end would waste a sync).
+    run_steps(opt, model, comm.rank, range(24), lr_decay=not final_sync)
+    opt.finish()
     sent = comm.stats.total().handed_bytes - before
     steps = list(opt.sync_steps)
     return everyone(comm, steps + [-1] * (4 - len(steps))), len(steps), sent, opt.control_bytes
 
 
 def test_adpsgd_agrees_on_every_period_and_keeps_the_budget(pool: PoolFn) -> None:
-    for gathered, syncs, sent, control in pool(3).run(adpsgd_run, timeout_s=DEADLINE_S):
+    for gathered, syncs, sent, control in pool(3).run(adpsgd_run, False, timeout_s=DEADLINE_S):
         assert all(row == gathered[0] for row in gathered)
         assert gathered[0][:2] == [3, 6]  # two probe periods of T / (2K) = 3 steps
         assert syncs <= 4
         # One agreement (int64) after each sync but the last of the budget.
         assert control == 8 * (syncs - 1 if syncs == 4 else syncs)
         assert sent == syncs * 4 * NUMEL + control
+
+
+def test_adpsgd_plans_its_budget_before_the_final_average(pool: PoolFn) -> None:
+    # The final average closes the last period: the K planned syncs end before the run does,
+    # the last planned period no longer than the one the final average closes (a planned sync
+    # beside the final average would spend a model on a step or two of drift).
+    for gathered, syncs, sent, control in pool(3).run(adpsgd_run, True, timeout_s=DEADLINE_S):
+        steps = gathered[0]
+        assert all(row == steps for row in gathered)
+        assert syncs == 4 and steps[:2] == [3, 6]
+        assert steps[-1] < 24 and 24 - steps[-1] >= steps[-1] - steps[-2] - 1
+        assert control == 8 * 3  # an agreement after each planned sync but the last
+        assert sent == 5 * 4 * NUMEL + control  # K planned syncs and the final average
 
 
 # -- PALSGD -----------------------------------------------------------------------------------
