@@ -33,12 +33,14 @@ from commfuse.localsgd import (
     PeriodicSyncConfig,
     PeriodicSyncOptimizer,
     SelSyncConfig,
+    SelSyncOptimizer,
     SyncMethod,
     diloco,
     local_sgd,
 )
 from commfuse.localsgd.adpsgd import next_period
 from commfuse.localsgd.layer_schedule import brute_force_plan, exposed_s, plan_key, plan_layers
+from commfuse.localsgd.selsync import SIGNAL_SCALE
 from commfuse.localsgd.sync_method import OuterStep
 from commfuse.testing import RankPool
 from commfuse.train import TrainConfig, train_rank
@@ -138,21 +140,31 @@ def test_selsync_threshold_zero_is_local_sgd_every_step(pool: PoolFn) -> None:
         assert sel_bytes == ref_bytes + 5 * 8  # one int64 flag per step on top
 
 
-def selsync_decisions(threshold: float) -> tuple[list[list[int]], int, int, int]:
+def selsync_decisions(threshold: float) -> tuple[list[list[int]], list[list[int]], int, int, int]:
     comm = Communicator()
     _, opt, sent = train(SelSyncConfig(threshold=threshold, algo="native"), 12)
+    assert isinstance(opt, SelSyncOptimizer)
     steps = [s.step for s in opt.syncs]
+    # The agreed signal in its fixed point (exact), to compare between ranks.
+    levels = [round(x * SIGNAL_SCALE) for x in opt.signals]
     # A fixed length for the gather: pad with -1.
-    return everyone(comm, steps + [-1] * (13 - len(steps))), len(steps), sent, opt.control_bytes
+    padded = steps + [-1] * (13 - len(steps))
+    return everyone(comm, padded), everyone(comm, levels), len(steps), sent, opt.control_bytes
 
 
 def test_selsync_decides_alike_on_every_rank_and_sends_what_it_decides(pool: PoolFn) -> None:
-    # Each rank sees its own batches, so its flags differ; the max of the flags is everyone's.
-    for gathered, syncs, sent, control in pool(3).run(
-        selsync_decisions, 0.02, timeout_s=DEADLINE_S
+    # Each rank sees its own batches, so its changes differ; the max of them is everyone's.
+    threshold = 0.02
+    for gathered, levels, syncs, sent, control in pool(3).run(
+        selsync_decisions, threshold, timeout_s=DEADLINE_S
     ):
         assert all(row == gathered[0] for row in gathered)
+        assert all(row == levels[0] for row in levels)  # one signal, bit for bit
         assert 1 < syncs < 13  # some steps stayed local (the final sync counts as one)
+        # The steps that synchronised are those whose signal reached the threshold, then the
+        # final average after step 12 (unless step 12 synchronised itself).
+        fired = [t + 1 for t, level in enumerate(levels[0]) if level / SIGNAL_SCALE >= threshold]
+        assert gathered[0][:syncs] == sorted({*fired, 12})
         assert control == 12 * 8
         assert sent == syncs * 4 * NUMEL + control
 
@@ -172,6 +184,27 @@ def outer_step_vs_fixed_period() -> list[tuple[str, bool, int, int, int]]:
     for outer, reference in references:
         cases = [
             (SelSyncConfig(threshold=0, outer=outer, algo="native", final_sync=False), 5, 1),
+            # Every step fires but min_period_steps spaces the syncs; nothing fires but
+            # max_period_steps forces them: both the clock of period 3.
+            (
+                SelSyncConfig(
+                    threshold=0, min_period_steps=3, outer=outer, algo="native", final_sync=False
+                ),
+                6,
+                3,
+            ),
+            (
+                SelSyncConfig(
+                    threshold=1e9,
+                    min_period_steps=3,
+                    max_period_steps=3,
+                    outer=outer,
+                    algo="native",
+                    final_sync=False,
+                ),
+                6,
+                3,
+            ),
             (
                 ADPSGDConfig(
                     total_steps=12,
@@ -197,16 +230,21 @@ def outer_step_vs_fixed_period() -> list[tuple[str, bool, int, int, int]]:
 
 def test_outer_step_on_a_fixed_schedule_is_local_sgd_or_diloco(pool: PoolFn) -> None:
     for cases in pool(2).run(outer_step_vs_fixed_period, timeout_s=DEADLINE_S):
+        names = ["selsync", "selsync", "selsync", "adpsgd"]
         assert [name for name, *_ in cases] == [
-            "selsync:outer=average",
-            "adpsgd:outer=average",
-            "selsync:outer=nesterov",
-            "adpsgd:outer=nesterov",
+            f"{name}:outer={outer}" for outer in ("average", "nesterov") for name in names
         ]
         for name, equal, sent, ref_sent, syncs in cases:
             assert equal, name  # bit for bit: the default is the plain average
             assert sent == ref_sent == syncs * 4 * NUMEL, name  # the same exchanges
-        assert [syncs for *_, syncs in cases] == [5, 2, 5, 2]
+        assert [syncs for *_, syncs in cases] == [5, 2, 2, 2] * 2
+
+
+def test_selsync_period_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="min_period_steps must be >= 1"):
+        SelSyncConfig(min_period_steps=0)
+    with pytest.raises(ValueError, match=r"max_period_steps \(2\) must be 0 \(none\) or >="):
+        SelSyncConfig(min_period_steps=3, max_period_steps=2)
 
 
 def test_outer_step_settings_are_diloco_s_and_a_bad_one_is_named() -> None:
@@ -235,27 +273,45 @@ def test_adpsgd_period_rule() -> None:
     assert len(periods) == 4 and 80 <= t <= 100
 
 
-def adpsgd_run() -> tuple[list[list[int]], int, int, int]:
+def adpsgd_run(final_sync: bool) -> tuple[list[list[int]], int, int, int]:
+    """Every rank's planned sync steps, their count, this rank's bytes (with the final average,
+    if any) and its agreements' bytes."""
     comm = Communicator()
-    config = ADPSGDConfig(total_steps=24, num_syncs=4, algo="native", final_sync=False)
+    config = ADPSGDConfig(total_steps=24, num_syncs=4, algo="native", final_sync=final_sync)
     model = tiny_model()
     opt = build(config, model, comm, "sgd")
     assert hasattr(opt, "sync_steps")
     before = comm.stats.total().handed_bytes
-    run_steps(opt, model, comm.rank, range(24), lr_decay=True)
+    # Without the final average a falling learning rate; with it a constant one, whose drift
+    # slows little (the case where a plan onto the run's end would waste a sync).
+    run_steps(opt, model, comm.rank, range(24), lr_decay=not final_sync)
+    opt.finish()
     sent = comm.stats.total().handed_bytes - before
     steps = list(opt.sync_steps)
     return everyone(comm, steps + [-1] * (4 - len(steps))), len(steps), sent, opt.control_bytes
 
 
 def test_adpsgd_agrees_on_every_period_and_keeps_the_budget(pool: PoolFn) -> None:
-    for gathered, syncs, sent, control in pool(3).run(adpsgd_run, timeout_s=DEADLINE_S):
+    for gathered, syncs, sent, control in pool(3).run(adpsgd_run, False, timeout_s=DEADLINE_S):
         assert all(row == gathered[0] for row in gathered)
         assert gathered[0][:2] == [3, 6]  # two probe periods of T / (2K) = 3 steps
         assert syncs <= 4
         # One agreement (int64) after each sync but the last of the budget.
         assert control == 8 * (syncs - 1 if syncs == 4 else syncs)
         assert sent == syncs * 4 * NUMEL + control
+
+
+def test_adpsgd_plans_its_budget_before_the_final_average(pool: PoolFn) -> None:
+    # The final average closes the last period: the K planned syncs end before the run does,
+    # the last planned period no longer than the one the final average closes (a planned sync
+    # beside the final average would spend a model on a step or two of drift).
+    for gathered, syncs, sent, control in pool(3).run(adpsgd_run, True, timeout_s=DEADLINE_S):
+        steps = gathered[0]
+        assert all(row == steps for row in gathered)
+        assert syncs == 4 and steps[:2] == [3, 6]
+        assert steps[-1] < 24 and 24 - steps[-1] >= steps[-1] - steps[-2] - 1
+        assert control == 8 * 3  # an agreement after each planned sync but the last
+        assert sent == 5 * 4 * NUMEL + control  # K planned syncs and the final average
 
 
 # -- PALSGD -----------------------------------------------------------------------------------

@@ -15,10 +15,13 @@ proportional to the rate at which the replicas drift apart. Here, with a budget 
    period p just ended; from the first rate ``r_1`` (at step ``t_1``) and the current one
    ``r_k`` (at ``t_k``) it fits a power law ``r(t) ~ t^-a``,
    ``a = log(r_1 / r_k) / log(t_k / t_1)``, clipped to [0, 2];
-3. a period inversely proportional to the rate that spends the ``K - k`` syncs left over the
+3. a period inversely proportional to the rate that spends the ``n`` periods left over the
    ``T - t_k`` steps left, if the rate keeps falling that way, is
-   ``p = t_k F / (K - k)`` with ``F = ((T / t_k)^(1 - a) - 1) / (1 - a)`` (``log(T / t_k)`` at
-   a = 1): a = 0 (no decay) spreads the syncs left evenly, a > 0 starts short and lengthens;
+   ``p = t_k F / n`` with ``F = ((T / t_k)^(1 - a) - 1) / (1 - a)`` (``log(T / t_k)`` at
+   a = 1): a = 0 (no decay) spreads the syncs left evenly, a > 0 starts short and lengthens.
+   ``n = K - k`` syncs left, plus one with ``final_sync``: the average at the end closes the
+   last period, so the last budgeted sync is not planned onto the run's end, where it would
+   fall beside the final average and leave one long period before it;
 4. the ranks' proposals differ (each measures its own drift): one integer allreduce (min) makes
    the most drifting replica's proposal everyone's next period;
 5. after K synchronisations none follows (``finish()`` averages once more at the end).
@@ -29,8 +32,9 @@ instead (``outer.py``), the same as DiLoCo's but on ADPSGD's schedule.
 
 The paper's measured variance falls with the learning rate and the gradients, so a > 0 and the
 periods lengthen; with a constant learning rate and a drift that does not slow down, a = 0 and
-ADPSGD is local SGD with ``H = T / K``. Tune K as local SGD's H (K = T / H sends the same
-bytes) and keep ``total_steps`` the run's length.
+after the probes the syncs left are spread evenly up to the end. With ``final_sync`` (the
+default) the run sends K + 1 models: K = T / H - 1 sends the bytes of local SGD with period H
+(K = T / H without it). Keep ``total_steps`` the run's length.
 
 Bytes per rank: the model (``4 N`` in fp32, or the compressor's message) per synchronisation,
 plus 8 for the agreement on the next period.
@@ -65,8 +69,8 @@ class ADPSGDConfig(ExchangeSettingsWithOuterStep):
     """T: the run's length in steps (the budget is spread over it); 0: the training run's own
     (``commfuse train``'s ``--steps``, less an ``--init-from`` model's)."""
     num_syncs: int = 10
-    """K: synchronisations allowed over ``total_steps`` (the same bytes as local SGD with
-    H = T / K)."""
+    """K: synchronisations planned over ``total_steps``, the final average (``final_sync``)
+    apart."""
     first_period_steps: int = 0
     """Length of the two probe periods that measure the first drift rates (0: T / (2K))."""
 
@@ -157,7 +161,7 @@ class ADPSGDOptimizer(SyncMethodOptimizer[ADPSGDConfig]):
                 rate_k=rate,
                 t_1=t_1,
                 rate_1=rate_1,
-                syncs_left=method.num_syncs - done,
+                syncs_left=method.num_syncs - done + int(method.final_sync),
                 total_steps=method.total_steps,
             )
         agreed = agree(self.outer_comm, proposal, "min", like=self.params[0])

@@ -7,27 +7,41 @@ Cluster 2023, arXiv 2307.07950). Every rank trains its own replica; at each step
    (the first step: ``s_1 = |g_1|``), and computes its relative change
    ``delta_t = |s_t - s_{t-1}| / s_{t-1}`` (0 on the first step, where the replicas are
    still equal);
-2. each rank sets a flag, ``delta_t >= threshold``, and one allreduce (max) of the flags (one
-   integer) decides, identically on every rank, whether this step synchronises: it does when
-   any rank saw a significant change;
+2. one allreduce (max) of one integer, ``delta_t`` in fixed point (``SIGNAL_SCALE``), gives
+   every rank the same signal, the largest change any rank saw (``signals``); the step
+   synchronises when it is at least ``threshold``, identically on every rank;
 3. every rank takes its inner step; on a synchronising step the replicas are then replaced by
    their average (parameter aggregation, as the paper prefers to gradient aggregation: it also
    reconciles the drift of the local steps before it), else the step stays local. With
    ``outer="nesterov"`` the average is taken as DiLoCo's pseudo-gradient instead, and the
    replicas restart from DiLoCo's outer Nesterov step on it (``outer.py``).
 
-``threshold = 0`` synchronises every step: local SGD with H = 1. A larger threshold syncs
-less; the paper tunes it per model (large changes of the gradient come early in training and
-after learning-rate changes, where synchronising matters most). Tune ``threshold`` by the
-fraction of steps that synchronise (``len(optimizer.syncs) / steps``) and ``smoothing``
-toward 1 for noisy gradients (small batches per replica).
+Two bounds on the gap between synchronisations put the signal on a budget:
+``min_period_steps`` (no synchronisation sooner than that after the last one, however high the
+signal: a burst of large changes spends one exchange, not one per step) and
+``max_period_steps`` (a synchronisation at the latest that long after the last one, DiLoCo's
+clock as a floor). With both equal to H and a threshold that never fires the method is DiLoCo
+(or local SGD) with period H, bit for bit.
 
-Bytes per rank: 8 per step for the flag, plus the model (``4 N`` in fp32, or the compressor's
-message) on each synchronising step.
+The paper's own code smooths the gradient norm over a window of 25 steps, smooths the relative
+change again over the same window, synchronises every step during the first window, and uses
+thresholds around 0.3. The change of a smoothed norm is small, about ``(1 - beta)`` times the
+step-to-step noise of the norm, so a threshold tuned for one model and smoothing rarely fires
+on another: pick it from the signal of a run (``signals``, in the training metrics) for the
+fraction of steps you can afford to synchronise, and ``smoothing`` toward 1 for noisy
+gradients (small batches per replica). The paper also injects other workers' data into each
+worker's batches when the data is not identically distributed across workers; that is not
+done here (each replica's batches are drawn from the same data).
+
+``threshold = 0`` synchronises every step: local SGD with H = 1.
+
+Bytes per rank: 8 per step for the signal, plus the model (``4 N`` in fp32, or the
+compressor's message) on each synchronising step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,25 +67,57 @@ class SelSyncConfig(ExchangeSettingsWithOuterStep):
     (0: every step)."""
     smoothing: float = 0.9
     """beta of the exponential moving average of the gradient norm (0: no smoothing)."""
+    min_period_steps: int = 1
+    """No synchronisation sooner than this many steps after the last one (1: any step)."""
+    max_period_steps: int = 0
+    """A synchronisation at the latest this many steps after the last one (0: none forced)."""
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
             raise ValueError(f"threshold must be >= 0, got {self.threshold}")
         if not 0 <= self.smoothing < 1:
             raise ValueError(f"smoothing must be in [0, 1), got {self.smoothing}")
+        if self.min_period_steps < 1:
+            raise ValueError(f"min_period_steps must be >= 1, got {self.min_period_steps}")
+        if self.max_period_steps and self.max_period_steps < self.min_period_steps:
+            raise ValueError(
+                f"max_period_steps ({self.max_period_steps}) must be 0 (none) or >= "
+                f"min_period_steps ({self.min_period_steps})"
+            )
         self.periodic()  # the shared settings' own checks
+
+
+#: Fixed-point scale of the agreed signal: an integer allreduce is exact on every backend, so
+#: every rank compares the same number with the threshold.
+SIGNAL_SCALE = 1 << 20
+#: The largest level agreed (a non-finite or huge change is capped here).
+MAX_SIGNAL_LEVEL = 1 << 62
+
+
+def signal_level(change: float) -> int:
+    """``change`` in fixed point (floor, capped at ``MAX_SIGNAL_LEVEL``)."""
+    if not change < MAX_SIGNAL_LEVEL / SIGNAL_SCALE:  # also inf and nan
+        return MAX_SIGNAL_LEVEL
+    return int(change * SIGNAL_SCALE)
 
 
 class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
     """SelSync's optimizer (see the module docstring); ``syncs`` lists the steps that
-    synchronised, ``control_bytes`` what the flags cost."""
+    synchronised, ``signals`` the agreed signal of every step, ``control_bytes`` what agreeing
+    on it cost."""
 
     def _start(self) -> None:
         self.smoothed_norm: float | None = None
         """This rank's smoothed gradient norm (differs between ranks)."""
+        self.signals: list[float] = []
+        """Per step, the agreed signal: the largest relative change any rank saw (the same on
+        every rank)."""
+        self.last_sync_step = 0
+        """The step of the last synchronisation (0: none yet)."""
+        self._threshold_level = math.ceil(self.method.threshold * SIGNAL_SCALE)
 
-    def significant_change(self) -> bool:
-        """Update the smoothed gradient norm and say whether it changed by >= threshold."""
+    def relative_change(self) -> float:
+        """Update the smoothed gradient norm and return its relative change (this rank's)."""
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = (
             float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
@@ -83,17 +129,23 @@ class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
         self.smoothed_norm = norm if previous is None else beta * previous + (1 - beta) * norm
         # No earlier norm to compare with (the first step: the replicas start equal, nothing to
         # reconcile): no change, which only threshold 0 synchronises.
-        change = 0.0 if not previous else abs(self.smoothed_norm - previous) / previous
-        return bool(change >= self.method.threshold)
+        return 0.0 if not previous else abs(self.smoothed_norm - previous) / previous
 
     def step(self) -> None:
-        """Decide (one flag allreduce), take the inner step, average when decided."""
-        sync = agree(self.outer_comm, int(self.significant_change()), "max", like=self.params[0])
+        """Agree on the signal (one integer allreduce), take the inner step, average when the
+        signal and the period bounds say so."""
+        level = agree(
+            self.outer_comm, signal_level(self.relative_change()), "max", like=self.params[0]
+        )
         if self.outer_comm.world_size > 1:
             self.control_bytes += AGREE_BYTES
+        self.signals.append(level / SIGNAL_SCALE)
         self._inner_step(self.config.inner_lr_scale)
         self.step_count += 1
-        if sync:
+        method, gap = self.method, self.step_count - self.last_sync_step
+        fired = level >= self._threshold_level and gap >= method.min_period_steps
+        if fired or (method.max_period_steps and gap >= method.max_period_steps):
+            self.last_sync_step = self.step_count
             self._start_exchange(0, background=False)
             self._apply_arrived()
 
@@ -103,6 +155,8 @@ class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
         state["selsync"] = {
             "smoothed_norm": self.smoothed_norm,
             "control_bytes": self.control_bytes,
+            "signals": list(self.signals),
+            "last_sync_step": self.last_sync_step,
         }
         return state
 
@@ -111,6 +165,8 @@ class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
         own = state["selsync"]
         self.smoothed_norm = own["smoothed_norm"]
         self.control_bytes = int(own["control_bytes"])
+        self.signals = [float(x) for x in own["signals"]]
+        self.last_sync_step = int(own["last_sync_step"])
 
 
 SelSyncConfig.optimizer_class = SelSyncOptimizer

@@ -157,6 +157,9 @@ def summarize(
         # above the second). None for a strategy that exchanges every step.
         "bytes_per_sync": strategy_metrics.get("bytes_per_sync"),
         "syncs": strategy_metrics.get("syncs"),
+        # The local-SGD family: the steps that synchronised; SelSync: its signal per step.
+        "sync_steps": strategy_metrics.get("sync_steps"),
+        "signals": strategy_metrics.get("signals"),
         # DreamDDP: per iteration of the period, the exchange time and the stall its plan
         # expects (the part the computation before each layer's use does not hide).
         "planned_iterations": strategy_metrics.get("planned_iterations"),

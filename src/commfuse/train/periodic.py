@@ -32,6 +32,7 @@ from commfuse.localsgd import (
     PeriodicSyncConfig,
     PeriodicSyncOptimizer,
     SelSyncConfig,
+    SelSyncOptimizer,
     SyncMethod,
 )
 from commfuse.train.strategy import Strategy, StrategyContext, register_builder
@@ -110,6 +111,11 @@ class PeriodicSync(Strategy):
             "control_bytes": control,
             "bytes_per_sync": (
                 (self.bytes_sent() - self._built_bytes - control) / models if syncs else 0.0
+            ),
+            "sync_steps": [s.step for s in syncs],
+            # SelSync: the agreed signal of every step (to choose its threshold from a run).
+            "signals": (
+                list(self.periodic.signals) if isinstance(self.periodic, SelSyncOptimizer) else None
             ),
             "drift": [s.drift for s in syncs],
             "relative_drift": [s.relative_drift for s in syncs],
