@@ -361,10 +361,11 @@ def check_groups_of_ranks(config: TrainConfig, ft: FaultToleranceConfig, mode: s
     Raises:
         ValueError: what does not run with several ranks per replica group.
     """
-    if mode != "ddp" or ft_strategy(config.strategy)[1] is not None:
+    if mode == "ddp" and ft_strategy(config.strategy)[1] is not None:
         raise ValueError(
-            "replica groups of several ranks run per-step ddp (the hierarchical exchange of "
-            "group_hook.py); one rank per group runs compressors and the local-SGD family"
+            "replica groups of several ranks run per-step ddp without a compressor (the "
+            "hierarchical exchange of group_hook.py) and the local-SGD family; one rank per "
+            "group runs compressors per step"
         )
     if ft.global_batch != "shrink":
         raise ValueError(

@@ -109,7 +109,7 @@ def send(conn: Connection, message: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _no_report(conn: Connection, message: tuple[Any, ...]) -> None:
+def no_report(conn: Connection, message: tuple[Any, ...]) -> None:
     """What a replica group's ranks other than its first send for a step: nothing."""
 
 
@@ -238,6 +238,26 @@ def _step_batch(
     return samples, _share_batch(workload, job, step, samples), scale
 
 
+def init_group_process_group(job: ReplicaJob) -> None:
+    """The default process group: this replica group's own ranks (one rank: a world of one).
+    A group of several meets at its own store (one per life of the group: nothing stale from
+    a killed one), under a prefix of its own beside torchft's keys."""
+    if job.group_size == 1:
+        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+        return
+    op_timeout = timedelta(seconds=job.ft.timeouts.op_timeout_s)
+    store = TCPStore(
+        job.store_addr or job.addr, job.store_port, is_master=False, timeout=op_timeout
+    )
+    dist.init_process_group(
+        "gloo",
+        store=PrefixStore("commfuse/group", store),
+        rank=job.group_rank,
+        world_size=job.group_size,
+        timeout=op_timeout,
+    )
+
+
 def make_manager(
     job: ReplicaJob,
     process_group: Any,
@@ -301,21 +321,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     op_timeout = timedelta(seconds=timeouts.op_timeout_s)
     # torch DDP needs a process group: this replica group's own; the replica groups meet in
     # the Manager's process group, inside the hook.
-    if job.group_size == 1:
-        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-    else:
-        # The group's own store (one per life of the group: nothing stale from a killed one),
-        # under a prefix of its own beside torchft's keys.
-        store = TCPStore(
-            job.store_addr or job.addr, job.store_port, is_master=False, timeout=op_timeout
-        )
-        dist.init_process_group(
-            "gloo",
-            store=PrefixStore("commfuse/group", store),
-            rank=job.group_rank,
-            world_size=job.group_size,
-            timeout=op_timeout,
-        )
+    init_group_process_group(job)
     device = torch.device("cpu")
     workload = make_workload(job.train.workload, device=device)
     module = workload.build_model(job.train.seed)
@@ -406,7 +412,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
 
     wired.manager, wired.on_issue = manager, on_issue
     # The group's first rank reports its steps (the others train the same steps in step).
-    step_report = send if job.group_rank == 0 else _no_report
+    step_report = send if job.group_rank == 0 else no_report
     send(conn, ("ready", {"replica": job.replica, "life": job.life}))
     if conn.recv_bytes() != b"go":
         raise RuntimeError("the launcher did not say go")
