@@ -64,7 +64,7 @@ from commfuse.ft.config import (
 )
 from commfuse.ft.lighthouse import start_lighthouse
 from commfuse.ft.periods import ft_mode
-from commfuse.ft.replica import ReplicaJob, ft_strategy, run_replica, send
+from commfuse.ft.replica import ReplicaJob, run_replica, send
 from commfuse.train.loop import TrainConfig, init_from_step
 from commfuse.train.strategy import describe_strategy
 
@@ -176,8 +176,10 @@ def run_fault_tolerant(
             (the same, each bucket through that compressor: ``replica.ft_strategy``), or a
             ``PeriodicSyncConfig`` (``diloco(H=50)``, ...: per-period mode, ``periodic.py``).
         ft: the timeout, the replica groups and the faults to inject.
-        topology: the hosts and their ranks; groups of several ranks run per-step torch DDP
-            only (``group_hook.py``; ``check_groups_of_ranks``).
+        topology: the hosts and their ranks; a replica group of several ranks trains torch
+            DDP inside itself and splits what it exchanges with the other groups among its
+            ranks (``group_hook.py`` per step, ``group_comm.py`` per step with a compressor
+            and per period).
         emulate: force (True) or forbid (False) the emulated network; None: when possible.
         timeout_s: the whole job's deadline.
         log_dir: where each replica's output goes (``replica{R}.life{L}.log``, or
@@ -204,10 +206,7 @@ def run_fault_tolerant(
         ```
     """
     ft.check_hosts(topology.num_hosts, topology.ranks_per_host)
-    mode = ft_mode(config.strategy)  # ValueError before anything starts
-    _, group_size = ft.group_layout(topology.num_hosts, topology.ranks_per_host)
-    if group_size > 1:
-        check_groups_of_ranks(config, ft, mode)
+    ft_mode(config.strategy)  # ValueError before anything starts
     init_from_step(config)  # ValueError: a checkpoint at or past the run's total
     with contextlib.ExitStack() as stack:
         if log_dir is None:
@@ -352,26 +351,6 @@ def _run(
         (e.replica, e.rank, e.life, e.result["digest"]) for e in job.lives if e.result is not None
     )
     return record
-
-
-def check_groups_of_ranks(config: TrainConfig, ft: FaultToleranceConfig, mode: str) -> None:
-    """ValueError unless a run with replica groups of several ranks can run ``config``: per
-    step, torch DDP (no compressor), the global batch ``shrink``.
-
-    Raises:
-        ValueError: what does not run with several ranks per replica group.
-    """
-    if mode == "ddp" and ft_strategy(config.strategy)[1] is not None:
-        raise ValueError(
-            "replica groups of several ranks run per-step ddp without a compressor (the "
-            "hierarchical exchange of group_hook.py) and the local-SGD family; one rank per "
-            "group runs compressors per step"
-        )
-    if ft.global_batch != "shrink":
-        raise ValueError(
-            "replica groups of several ranks run global_batch='shrink' (each rank trains its "
-            "own slot); one rank per group runs 'fixed'"
-        )
 
 
 def _replica_env(

@@ -206,26 +206,43 @@ def _step_share(
         own = [job.replica * group, (job.replica + 1) * group]
         return step, (own if participant is not None else None), 1.0
     participants = manager.num_participants()
+    # The replica group's share of the global batch (every rank's slot of every group)...
     start, stop = sample_range(
         "fixed",
         replica=job.replica,
         participant=participant,
         participants=participants,
         num_replicas=job.num_replicas,
-        batch=size,
+        batch=size * job.group_size,
     )
-    scale = loss_scale(start, stop, participants=participants, total=job.num_replicas * size)
+    # ... of which this rank trains its part: its loss weighs it among all ranks' parts.
+    mine = _rank_part(job, start, stop)
+    scale = loss_scale(
+        *mine, participants=participants * job.group_size, total=job.num_slots * size
+    )
     return step, [start, stop], scale
 
 
+def _rank_part(job: ReplicaJob, start: int, stop: int) -> tuple[int, int]:
+    """This rank's part of its replica group's samples ``[start, stop)``: the G ranks split
+    them in contiguous ranges in group rank order (``data.py``'s rule, inside the group)."""
+    size, rank = job.group_size, job.group_rank
+    return start + rank * (stop - start) // size, start + (rank + 1) * (stop - start) // size
+
+
 def _share_batch(workload: Any, job: ReplicaJob, step: int, samples: list[int] | None) -> Any:
-    """The batch of ``_step_share``'s share: the replica's own slot unless the fixed global
-    batch gives it other samples."""
+    """The batch of ``_step_share``'s share: the rank's own slot unless the fixed global
+    batch gives its replica group other samples (this rank trains its part of them)."""
     if job.ft.global_batch == "shrink" or samples is None:
         return workload.batch(step, job.slot, job.num_slots, seed=job.train.seed)
     size = int(getattr(job.train.workload, "batch", 1))
     return global_batch_slice(
-        workload, step, *samples, num_replicas=job.num_replicas, batch=size, seed=job.train.seed
+        workload,
+        step,
+        *_rank_part(job, *samples),
+        num_replicas=job.num_slots,
+        batch=size,
+        seed=job.train.seed,
     )
 
 
@@ -384,6 +401,8 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             comm=hook_state.comm,
             group=dist.distributed_c10d._get_default_group(),
             group_size=job.group_size,
+            group_rank=job.group_rank,
+            compression=hook_state,
         )
         ddp.register_comm_hook(wired, group_allreduce_hook)
     else:
