@@ -313,3 +313,48 @@ def test_group_comm_splits_each_message_among_the_group_ranks_and_equals_a_group
         whole = r0[5]
         for sent in (r0[2], r1[2], r2[2], r3[2]):
             assert 2 * sent - whole in range(0, 17), (i, sent, whole)
+
+
+def test_a_fault_record_names_the_host_and_the_replica_groups_it_hit() -> None:
+    from commfuse.ft.accounting import summarize_ft
+    from commfuse.ft.config import Timeouts
+    from commfuse.ft.launch import GroupLayout
+
+    # 4 hosts of one rank in 2 groups of two: host 3 holds group 1's second rank.
+    pairs = GroupLayout(group_size=2, ranks_per_host=1)
+    assert pairs.of_host(3) == {"replica": 1, "groups": [1], "host": 3}
+    assert pairs.of_group(1) == {"replica": 1, "groups": [1], "host": 2}
+    # 2 hosts of two ranks in 4 groups of one: a cut of host 1 hits groups 2 and 3.
+    singles = GroupLayout(group_size=1, ranks_per_host=2)
+    assert singles.of_host(1) == {"replica": 2, "groups": [2, 3], "host": 1}
+    assert singles.of_group(3)["host"] == 1
+
+    def attempt(replica: int, step: int, t: float, participants: int = 2) -> dict[str, Any]:
+        return {"replica": replica, "life": 0, "step": step, "committed": True,
+                "samples": [8 * replica, 8 * replica + 8], "participants": participants,
+                "t": t, "t0": t - 0.6, "t_quorum": t - 0.5, "loss": 1.0, "digest": None,
+                "healed": False, "bytes": 0, "error": None}  # fmt: skip
+
+    # Host 3's link is down during step 1: group 1 misses it and commits step 2 again.
+    records = [attempt(0, 0, 1.0), attempt(1, 0, 1.0), attempt(0, 1, 2.0, participants=1)]
+    records += [attempt(0, 2, 3.0), attempt(1, 2, 3.0)]
+    cut = {"kind": "cut", "t": 1.5, "for_s": 1.0} | pairs.of_host(3)
+    record = summarize_ft(
+        records=records, faults=[cut], restarts=[], results=[], num_replicas=2, steps=3,
+        batch_samples=8, wall_s=4.0, topology="4 hosts", timeouts=Timeouts.derive(1.0),
+    )  # fmt: skip
+    (event,) = record["events"]
+    assert (event["kind"], event["host"], event["groups"]) == ("cut", 3, [1])
+    # Group 1 is the one that came back: its first commit after the link is up.
+    assert (event["step"], event["rejoin_step"], event["rejoin_s"]) == (1, 2, 1.5)
+
+
+def test_compare_fault_tolerant_takes_a_checkpoint_to_start_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from commfuse.cli import main
+
+    argv = ["compare", "--fault-tolerant", "--workload", SPEC, "--hosts", "2", "--steps", "4"]
+    # The flag reaches the runs' config, which checks the folder before anything starts.
+    assert main([*argv, "--init-from", str(tmp_path / "none")]) == 2
+    assert "no complete checkpoint there" in capsys.readouterr().err
