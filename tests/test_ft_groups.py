@@ -20,8 +20,11 @@ rank through torchft's Managers (``commfuse.ft.group_hook``):
   its ring's order instead: the same up to rounding, not bit for bit;
 * the record counts steps and samples from the checkpoint's step.
 
-The rest is cheap: the layout of groups over the ranks, and what groups of several ranks
-refuse.
+Then, with what crosses groups split among a group's ranks (``commfuse.ft.group_comm``): the
+split exchange on four real ranks against a group of one rank, bit for bit, for three
+compressors; DiLoCo with SparseLoCo and a group killed in its outer exchange; top-k per step
+with the fixed global batch and a kill. The rest is cheap: the layout of groups over the
+ranks, a fault record's host and groups, and ``compare --fault-tolerant --init-from``.
 """
 
 from __future__ import annotations
@@ -209,6 +212,63 @@ def test_diloco_groups_of_two_ranks_send_their_shards_and_a_killed_group_rejoins
     for r in records:
         if r["participants"] == 2 and r["trained_steps"] > 0:
             assert 2 * r["bytes"] - payload in range(0, 9), (r["bytes"], payload)
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_compressed_groups_keep_the_global_batch_through_a_kill_and_send_their_shards() -> None:
+    from commfuse.cluster import Topology
+    from commfuse.compress import TopK
+    from commfuse.ft.launch import run_fault_tolerant
+    from commfuse.train.strategy import CommfuseDPConfig
+
+    # Enough steps that the killed group is back before the survivors finish alone.
+    steps, kill_at = 32, 3
+    compressor = TopK(ratio=0.1)
+    # Back after the survivors committed steps alone: they train its samples meanwhile.
+    kill = KillFault(host=1, at_step=kill_at, restart_after_s=1.5)
+    record = run_fault_tolerant(
+        TrainConfig(
+            workload=WORKLOAD, strategy=CommfuseDPConfig(compressor=compressor), steps=steps,
+            evaluate=False,
+        ),
+        FaultToleranceConfig(
+            faults=(kill,), num_replica_groups=2, timeout_s=1.0, global_batch="fixed",
+            digest_every_steps=1,
+        ),
+        Topology(num_hosts=2, ranks_per_host=2, link_mbit=1000),
+        timeout_s=150,
+    )  # fmt: skip
+    records: list[dict[str, Any]] = sorted(record["records"], key=lambda r: r["t"])
+    assert record["group_size"] == 2 and record["committed_steps"] == steps
+    (event,) = record["events"]
+    assert (event["host"], event["groups"], event["step"]) == (1, [1], kill_at)
+    # The global batch is 2 groups x 2 ranks x 4 samples: group 0 alone trains all 16 of a
+    # step (each of its ranks half of them), with both groups each its own 8; nothing is
+    # lost or trained twice.
+    batch = 2 * 2 * WORKLOAD.batch
+    alone = [r for r in records if r["committed"] and r["participants"] == 1]
+    assert alone and all(r["samples"] == [0, batch] for r in alone), alone
+    both = [r for r in records if r["committed"] and r["participants"] == 2]
+    assert {(r["replica"], tuple(r["samples"])) for r in both} == {(0, (0, 8)), (1, (8, 16))}
+    assert record["samples_lost"] == 0 and record["samples_duplicated"] == 0
+    assert record["samples_trained"] == steps * batch
+    # The restarted group healed (its own residuals start at zero) and took part again;
+    # every rank of both groups ends with the same parameters.
+    life = [r for r in records if r["replica"] == 1 and r["life"] == 1]
+    assert life[0]["healed"] and all(r["committed"] for r in life), life[:1]
+    assert len({d for *_, d in record["rank_digests"]}) == 1 and len(record["rank_digests"]) == 4
+    assert record["step_digests_agree"] and record["replicas_agree"]
+    # What crossed groups: with both groups, each rank's half of top-k's message of the
+    # bucket; alone, nothing.
+    numel = sum(
+        p.numel()
+        for p in make_workload(WORKLOAD, device=torch.device("cpu")).build_model(0).parameters()
+    )
+    payload = compressor.payload_bytes(numel, torch.float32, 2)
+    assert all(2 * r["bytes"] - payload in range(0, 17) for r in both), (both[0]["bytes"], payload)
+    assert all(r["bytes"] == 0 for r in alone)
 
 
 def test_replica_groups_split_the_ranks_evenly() -> None:

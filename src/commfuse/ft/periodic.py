@@ -40,6 +40,12 @@ for streaming DiLoCo, every step of a synchronous warm-up). Per period, on each 
    pseudo-gradient twice, and every survivor would wait for its state to cross the
    network).
 
+A replica group of several ranks trains torch DDP inside itself at every inner step (its
+ranks hold one replica), and its outer exchanges go through ``GroupQuorumComm``: each rank
+sends its shard of the pseudo-gradient (or of the outer compressor's messages) across groups
+(``group_comm.py``). Only the group's first rank reports its periods; a kill takes the whole
+group, and each of its ranks recovers from the same rank of a live group.
+
 Why keep the inner steps: a replica killed in the middle of a period is noticed at the
 period's exchange, when its sockets are found closed; by then the survivors have trained the
 whole period, and DiLoCo's average of pseudo-gradients is as valid over three replicas as
