@@ -20,8 +20,11 @@ rank through torchft's Managers (``commfuse.ft.group_hook``):
   its ring's order instead: the same up to rounding, not bit for bit;
 * the record counts steps and samples from the checkpoint's step.
 
-The rest is cheap: the layout of groups over the ranks, and what groups of several ranks
-refuse.
+Then, with what crosses groups split among a group's ranks (``commfuse.ft.group_comm``): the
+split exchange on four real ranks against a group of one rank, bit for bit, for three
+compressors; DiLoCo with SparseLoCo and a group killed in its outer exchange; top-k per step
+with the fixed global batch and a kill. The rest is cheap: the layout of groups over the
+ranks, a fault record's host and groups, and ``compare --fault-tolerant --init-from``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from commfuse.ft import FaultToleranceConfig, KillFault
 from commfuse.train import checkpoint as ckpt
@@ -149,13 +153,125 @@ def test_two_groups_of_two_ranks_from_a_checkpoint_exchange_shards_and_rejoin_ra
     assert {r["bytes"] for r in records} == {numel // 2 * 4}
 
 
-def test_replica_groups_split_the_ranks_evenly_and_refuse_what_they_do_not_run() -> None:
-    from commfuse.compress import PowerSGD
-    from commfuse.ft.launch import check_groups_of_ranks
-    from commfuse.ft.periods import ft_mode
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_diloco_groups_of_two_ranks_send_their_shards_and_a_killed_group_rejoins_as_one() -> None:
+    from commfuse.cluster import Topology
+    from commfuse.compress import SparseLoCo
+    from commfuse.ft.launch import run_fault_tolerant
+    from commfuse.ft.periodic import state_digest
     from commfuse.localsgd import diloco
+
+    H, steps = 2, 8
+    compressor = SparseLoCo(chunk_numel=1024, num_kept_per_chunk=32)
+    kill = KillFault(host=1, at_step=3, phase="allreduce", restart_after_s=0.0)
+    record = run_fault_tolerant(
+        TrainConfig(
+            workload=WORKLOAD, strategy=diloco(H=H, compressor=compressor), steps=steps,
+            evaluate=False,
+        ),
+        FaultToleranceConfig(faults=(kill,), num_replica_groups=2, timeout_s=1.0),
+        Topology(num_hosts=2, ranks_per_host=2, link_mbit=1000),
+        timeout_s=150,
+    )  # fmt: skip
+    records: list[dict[str, Any]] = sorted(record["records"], key=lambda r: r["t"])
+    assert record["group_size"] == 2 and record["mode"] == "periodic"
+    assert record["committed_periods"] == steps // H and record["committed_steps"] == steps
+    (event,) = record["events"]
+    assert (event["host"], event["phase"], event["period"]) == (1, "allreduce", 1)
+    # Group 0's exchange of period 1 failed after its inner steps, which it kept; it retried
+    # the exchange alone (the killed group waits for the next period).
+    failed = [r for r in records if not r["committed"]]
+    assert [(r["replica"], r["step"], r["kept"]) for r in failed] == [(0, 1, True)], failed
+    (retry,) = [r for r in records if r["retry"]]
+    assert (retry["replica"], retry["committed"], retry["participants"]) == (0, True, 1)
+    assert retry["trained_steps"] == 0 and retry["bytes"] == 0
+    # The whole group came back at period 2, healed from group 0 (its rank 0 from rank 0):
+    # the outer momenta of period 1 and the donor's error feedback, part by part.
+    life = [r for r in records if r["replica"] == 1 and r["life"] == 1]
+    assert life[0]["healed"] and life[0]["step"] == event["rejoin_step"] == 2, life[:1]
+    assert all(r["committed"] for r in life) and [r["step"] for r in life] == [2, 3]
+    (donor,) = [r for r in records if r["served_parts"] and r["step"] == 2]
+    assert life[0]["healed_parts"] == donor["served_parts"]
+    (period1,) = [r for r in records if r["committed"] and r["step"] == 1]
+    assert donor["served_parts"]["outer_momenta"] == period1["outer_digest"]
+    assert donor["served_parts"]["compressor"] != state_digest(compressor.state_dict())
+    # One outer model per committed period, and all four ranks equal at the end.
+    for period in range(steps // H):
+        assert len({r["digest"] for r in records if r["committed"] and r["step"] == period}) == 1
+    assert len({d for *_, d in record["rank_digests"]}) == 1 and len(record["rank_digests"]) == 4
+    assert record["step_digests_agree"] and record["replicas_agree"]
+    # What crossed groups: per attempt of two groups, each rank's half of SparseLoCo's
+    # message of the whole model (padded to an even length: one element more at most).
+    numel = sum(
+        p.numel()
+        for p in make_workload(WORKLOAD, device=torch.device("cpu")).build_model(0).parameters()
+    )
+    payload = compressor.payload_bytes(numel, torch.float32, 2)
+    for r in records:
+        if r["participants"] == 2 and r["trained_steps"] > 0:
+            assert 2 * r["bytes"] - payload in range(0, 9), (r["bytes"], payload)
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_compressed_groups_keep_the_global_batch_through_a_kill_and_send_their_shards() -> None:
+    from commfuse.cluster import Topology
+    from commfuse.compress import TopK
+    from commfuse.ft.launch import run_fault_tolerant
     from commfuse.train.strategy import CommfuseDPConfig
 
+    # Enough steps that the killed group is back before the survivors finish alone.
+    steps, kill_at = 32, 3
+    compressor = TopK(ratio=0.1)
+    # Back after the survivors committed steps alone: they train its samples meanwhile.
+    kill = KillFault(host=1, at_step=kill_at, restart_after_s=1.5)
+    record = run_fault_tolerant(
+        TrainConfig(
+            workload=WORKLOAD, strategy=CommfuseDPConfig(compressor=compressor), steps=steps,
+            evaluate=False,
+        ),
+        FaultToleranceConfig(
+            faults=(kill,), num_replica_groups=2, timeout_s=1.0, global_batch="fixed",
+            digest_every_steps=1,
+        ),
+        Topology(num_hosts=2, ranks_per_host=2, link_mbit=1000),
+        timeout_s=150,
+    )  # fmt: skip
+    records: list[dict[str, Any]] = sorted(record["records"], key=lambda r: r["t"])
+    assert record["group_size"] == 2 and record["committed_steps"] == steps
+    (event,) = record["events"]
+    assert (event["host"], event["groups"], event["step"]) == (1, [1], kill_at)
+    # The global batch is 2 groups x 2 ranks x 4 samples: group 0 alone trains all 16 of a
+    # step (each of its ranks half of them), with both groups each its own 8; nothing is
+    # lost or trained twice.
+    batch = 2 * 2 * WORKLOAD.batch
+    alone = [r for r in records if r["committed"] and r["participants"] == 1]
+    assert alone and all(r["samples"] == [0, batch] for r in alone), alone
+    both = [r for r in records if r["committed"] and r["participants"] == 2]
+    assert {(r["replica"], tuple(r["samples"])) for r in both} == {(0, (0, 8)), (1, (8, 16))}
+    assert record["samples_lost"] == 0 and record["samples_duplicated"] == 0
+    assert record["samples_trained"] == steps * batch
+    # The restarted group healed (its own residuals start at zero) and took part again;
+    # every rank of both groups ends with the same parameters.
+    life = [r for r in records if r["replica"] == 1 and r["life"] == 1]
+    assert life[0]["healed"] and all(r["committed"] for r in life), life[:1]
+    assert len({d for *_, d in record["rank_digests"]}) == 1 and len(record["rank_digests"]) == 4
+    assert record["step_digests_agree"] and record["replicas_agree"]
+    # What crossed groups: with both groups, each rank's half of top-k's message of the
+    # bucket; alone, nothing.
+    numel = sum(
+        p.numel()
+        for p in make_workload(WORKLOAD, device=torch.device("cpu")).build_model(0).parameters()
+    )
+    payload = compressor.payload_bytes(numel, torch.float32, 2)
+    assert all(2 * r["bytes"] - payload in range(0, 17) for r in both), (both[0]["bytes"], payload)
+    assert all(r["bytes"] == 0 for r in alone)
+
+
+def test_replica_groups_split_the_ranks_evenly() -> None:
     assert FaultToleranceConfig().group_layout(4, 2) == (4, 2)  # one group per host
     assert FaultToleranceConfig(num_replica_groups=2).group_layout(4, 1) == (2, 2)
     assert FaultToleranceConfig(num_replica_groups=8).group_layout(4, 2) == (8, 1)
@@ -169,12 +285,136 @@ def test_replica_groups_split_the_ranks_evenly_and_refuse_what_they_do_not_run()
         ).check_hosts(4)
     with pytest.raises(ValueError, match="min_replicas 3 is more than the 2 replica groups"):
         FaultToleranceConfig(min_replicas=3, num_replica_groups=2).check_hosts(4)
-    ft = FaultToleranceConfig()
-    for refused in (diloco(H=4), CommfuseDPConfig(compressor=PowerSGD(rank=2))):
-        config = TrainConfig(workload=WORKLOAD, strategy=refused)
-        with pytest.raises(ValueError, match="replica groups of several ranks run per-step"):
-            check_groups_of_ranks(config, ft, ft_mode(refused))
-    with pytest.raises(ValueError, match="run global_batch='shrink'"):
-        check_groups_of_ranks(
-            TrainConfig(workload=WORKLOAD), FaultToleranceConfig(global_batch="fixed"), "ddp"
-        )
+
+
+def _group_exchange(sizes: list[int]) -> dict[str, Any]:
+    """Rank ``r`` of 4 is group rank ``r % 2`` of replica group ``r // 2``; each group rank
+    meets its peer of the other group in a real reconfigurable gloo group (torchft's
+    ``configure``). Every compressor reduces, over two steps (error feedback), the same
+    message on both ranks of a group through ``GroupQuorumComm``; group rank 0 of each group
+    reduces it too through a plain ``QuorumComm`` between the groups (what a group of one
+    rank does), with its own copy of the compressor: the reference."""
+    import copy
+    import dataclasses
+    import os
+    from datetime import timedelta
+
+    from commfuse.compress import Int8, NoCompression, SparseLoCo
+    from commfuse.ft.group_comm import GroupQuorumComm
+    from commfuse.ft.periodic import state_digest
+    from commfuse.ft.process_group import AlarmedProcessGroupGloo
+    from commfuse.ft.quorum_comm import QuorumComm
+
+    rank = dist.get_rank()
+    replica, group_rank = divmod(rank, 2)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    store = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}/group-comm-test"
+
+    def quorum(name: str) -> QuorumComm:
+        cross = AlarmedProcessGroupGloo(timeout=timedelta(seconds=30))
+        cross.configure(f"{store}/{name}", f"replica_{replica:03d}", replica, 2)
+        comm = QuorumComm(cross)
+        comm.at_quorum(replica, 2)
+        return comm
+
+    grouped = GroupQuorumComm(quorum(f"rank{group_rank}"), groups[replica], group_rank, 2)
+    reference = quorum("reference") if group_rank == 0 else None
+    out: dict[str, Any] = {"digests": [], "bytes": []}
+    # The quorum's own collectives, as fault-tolerant training runs every compressor.
+    compressors = [
+        dataclasses.replace(c, algo="native", gather_algo="native")
+        for c in (NoCompression(), Int8(), SparseLoCo(chunk_numel=64, num_kept_per_chunk=4))
+    ]
+    for compressor in compressors:
+        mine, ref = copy.deepcopy(compressor), copy.deepcopy(compressor)
+        for size in sizes:
+            for step in range(2):
+                gen = torch.Generator().manual_seed(1000 * replica + 10 * size + step)
+                x = torch.randn(size, generator=gen) * 10.0 ** torch.randint(
+                    -3, 3, (size,), generator=gen
+                )
+                y = x.clone()
+                before = grouped.bytes_sent
+                mine.reduce_(grouped, x, bucket=size, step=step)  # type: ignore[arg-type]
+                entry = [
+                    state_digest(x),
+                    state_digest(mine.state_dict()),
+                    grouped.bytes_sent - before,
+                ]
+                if reference is not None:
+                    before = reference.bytes_sent
+                    ref.reduce_(reference, y, bucket=size, step=step)  # type: ignore[arg-type]
+                    entry += [
+                        state_digest(y),
+                        state_digest(ref.state_dict()),
+                        reference.bytes_sent - before,
+                    ]
+                out["digests"].append(entry)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_group_comm_splits_each_message_among_the_group_ranks_and_equals_a_group_of_one() -> None:
+    from commfuse.cluster import run
+
+    pytest.importorskip("torchft")
+    sizes = [1, 7, 1000]
+    results = run(_group_exchange, sizes, world_size=4)
+    for i, entries in enumerate(zip(*(r["digests"] for r in results), strict=True)):
+        r0, r1, r2, r3 = entries
+        # Every rank of both groups ends with the same bits as the reference, a group of one
+        # rank per replica group; each rank of a group with its group's compressor state
+        # (error feedback: each group's own).
+        assert {r0[0], r1[0], r2[0], r3[0], r0[3], r2[3]} == {r0[0]}, i
+        assert {r0[1], r1[1], r0[4]} == {r0[1]} and {r2[1], r3[1], r2[4]} == {r2[1]}, i
+        # Each group rank sends its half of every message (a shard padded to even length:
+        # at most one element, 8 bytes, per collective more), never the whole.
+        whole = r0[5]
+        for sent in (r0[2], r1[2], r2[2], r3[2]):
+            assert 2 * sent - whole in range(0, 17), (i, sent, whole)
+
+
+def test_a_fault_record_names_the_host_and_the_replica_groups_it_hit() -> None:
+    from commfuse.ft.accounting import summarize_ft
+    from commfuse.ft.config import Timeouts
+    from commfuse.ft.launch import GroupLayout
+
+    # 4 hosts of one rank in 2 groups of two: host 3 holds group 1's second rank.
+    pairs = GroupLayout(group_size=2, ranks_per_host=1)
+    assert pairs.of_host(3) == {"replica": 1, "groups": [1], "host": 3}
+    assert pairs.of_group(1) == {"replica": 1, "groups": [1], "host": 2}
+    # 2 hosts of two ranks in 4 groups of one: a cut of host 1 hits groups 2 and 3.
+    singles = GroupLayout(group_size=1, ranks_per_host=2)
+    assert singles.of_host(1) == {"replica": 2, "groups": [2, 3], "host": 1}
+    assert singles.of_group(3)["host"] == 1
+
+    def attempt(replica: int, step: int, t: float, participants: int = 2) -> dict[str, Any]:
+        return {"replica": replica, "life": 0, "step": step, "committed": True,
+                "samples": [8 * replica, 8 * replica + 8], "participants": participants,
+                "t": t, "t0": t - 0.6, "t_quorum": t - 0.5, "loss": 1.0, "digest": None,
+                "healed": False, "bytes": 0, "error": None}  # fmt: skip
+
+    # Host 3's link is down during step 1: group 1 misses it and commits step 2 again.
+    records = [attempt(0, 0, 1.0), attempt(1, 0, 1.0), attempt(0, 1, 2.0, participants=1)]
+    records += [attempt(0, 2, 3.0), attempt(1, 2, 3.0)]
+    cut = {"kind": "cut", "t": 1.5, "for_s": 1.0} | pairs.of_host(3)
+    record = summarize_ft(
+        records=records, faults=[cut], restarts=[], results=[], num_replicas=2, steps=3,
+        batch_samples=8, wall_s=4.0, topology="4 hosts", timeouts=Timeouts.derive(1.0),
+    )  # fmt: skip
+    (event,) = record["events"]
+    assert (event["kind"], event["host"], event["groups"]) == ("cut", 3, [1])
+    # Group 1 is the one that came back: its first commit after the link is up.
+    assert (event["step"], event["rejoin_step"], event["rejoin_s"]) == (1, 2, 1.5)
+
+
+def test_compare_fault_tolerant_takes_a_checkpoint_to_start_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from commfuse.cli import main
+
+    argv = ["compare", "--fault-tolerant", "--workload", SPEC, "--hosts", "2", "--steps", "4"]
+    # The flag reaches the runs' config, which checks the folder before anything starts.
+    assert main([*argv, "--init-from", str(tmp_path / "none")]) == 2
+    assert "no complete checkpoint there" in capsys.readouterr().err

@@ -31,15 +31,15 @@ def run_compare_ft(args: argparse.Namespace) -> int:
     topology = replica_topology(args)
     specs = args.strategy or [DEFAULT_STRATEGIES[0]]
     strategies = [strategy_from_spec(s, ranks_per_host=1) for s in specs]
-    for flag in ("init_from", "max_steps_factor"):
-        if getattr(args, flag) not in (None, 1.0):
-            raise ValueError(f"--{flag.replace('_', '-')} does not combine with --fault-tolerant")
+    if args.max_steps_factor not in (None, 1.0):
+        raise ValueError("--max-steps-factor does not combine with --fault-tolerant")
     ft = fault_tolerance_from_args(args)
     base = TrainConfig(
         workload=workload_from_spec(args.workload),
         steps=args.steps,
         seed=args.seed,
         bucket_cap_mb=args.bucket_cap_mb,
+        init_from=args.init_from,
     )
     pairs = "with faults against without" if ft.faults else "under torchft against without"
     print(

@@ -114,8 +114,10 @@ def describe_ft_record(r: dict[str, Any]) -> str:
 
         how = e["phase"] if e["kind"] == "kill" else f"for {e['for_s']:g} s"
         period = "" if e.get("period") is None else f" of period {e['period']}"
+        groups = e.get("groups", [e["host"]])
+        where = f"host {e['host']}" + ("" if groups == [e["host"]] else f" (groups {groups})")
         lines.append(
-            f"  {e['kind']} host {e['host']} at step {e['step']}{period} ({how}): detected "
+            f"  {e['kind']} {where} at step {e['step']}{period} ({how}): detected "
             f"{s(e['detect_s'])}, survivors committed again {s(e['recover_s'])}, rejoined "
             f"{s(e['rejoin_s'])} later"
         )

@@ -27,7 +27,8 @@ those (and the launcher's record of kills and restarts) the run's record states:
   model (the anchors) at every committed period, ``committed_periods`` /
   ``discarded_periods`` count periods, and a kill's event has the inner step (``step``), its
   period (``period``) and the period the replica rejoined at (``rejoin_step``);
-* ``events``: one per fault (a kill, a cut link): the host, the step, seconds from the fault
+* ``events``: one per fault (a kill, a cut link): the emulated host (a kill's: its replica
+  group's first rank's), the replica groups it hit (``groups``), the step, seconds from the fault
   to the survivors' first failed step or first smaller quorum (``detect_s``), to their first
   commit of a step begun after the fault (``recover_s``), and to the faulty replica's first
   committed step after its restart or after its link is back (``rejoin_s``); a replica
@@ -147,21 +148,24 @@ def summarize_ft(
         samples["commits_inferred"] = len(inferred)
     events = []
     for fault in faults:
-        host, t = fault["replica"], fault["t"]
-        survivors = [r for r in records if r["replica"] != host]
+        t = fault["t"]
+        # The replica groups it hit: a kill's group, every group with a rank on a cut host.
+        hit = set(fault.get("groups", [fault["replica"]]))
+        survivors = [r for r in records if r["replica"] not in hit]
         # A killed replica rejoins from its restart on; a cut one once its link is back.
         back = t + fault.get("for_s", 0.0)
-        rejoined = [r for r in committed if r["replica"] == host and r["t"] > back]
+        rejoined = [r for r in committed if r["replica"] in hit and r["t"] > back]
         after = [r["step"] for r in survivors if r["t"] > t]
         # A replica killed before its new life joined a quorum held nobody up.
         joined = fault["kind"] != "kill" or any(
-            r["replica"] == host and r.get("life") == fault.get("life", r.get("life"))
+            r["replica"] in hit and r.get("life") == fault.get("life", r.get("life"))
             for r in records
         )
         events.append(
             {
                 "kind": fault["kind"],
-                "host": host,
+                "host": fault.get("host", fault["replica"]),
+                "groups": sorted(hit),
                 # A cut's: the survivors' step in flight when the link went down.
                 "step": fault["step"] if "step" in fault else min(after, default=None),
                 # Per-period mode: the period of the kill's inner step.

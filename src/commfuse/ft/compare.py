@@ -184,10 +184,12 @@ def _ft_time(r: dict[str, Any]) -> dict[str, Any]:
     the commit vote with the optimizer step and the report (``commit_s``), of which the vote
     alone (``vote_s``)."""
     good = r.get("goodput_steps_per_s")
+    # The warm-up counts from the run's first step (a checkpoint's, with init_from).
+    warm = r.get("first_step", 0) + WARMUP_STEPS
     steady = [
         a
         for a in r["records"]
-        if a["committed"] and a["step"] >= WARMUP_STEPS and "t_backward" in a  # per-step mode
+        if a["committed"] and a["step"] >= warm and "t_backward" in a  # per-step mode
     ]
 
     def median(of: Callable[[dict[str, Any]], float]) -> float | None:

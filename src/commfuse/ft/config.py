@@ -219,7 +219,8 @@ class FaultToleranceConfig:
     num_replica_groups: int | None = None
     """Replica groups the ranks (hosts x ranks per host) are split into, consecutive ranks
     together; None: one per host. A group of several ranks trains torch DDP inside itself and
-    meets the other groups rank by rank through torchft (``group_hook.py``); it is one
+    meets the other groups rank by rank through torchft (``group_hook.py``,
+    ``group_comm.py``); it is one
     failure unit: a kill takes all its ranks, a restart recovers each from its peer rank."""
     digest_every_steps: int | None = None
     """Per-step mode: every replica hashes its parameters (SHA-256) after every this many

@@ -17,6 +17,14 @@ Horovod's and NCCL's two-level schemes):
    group that is not participating (still recovering) contributes zeros;
 3. all-gather the shards inside the group: every rank holds the whole average.
 
+With a commfuse compressor (``powersgd:rank=4``, ``int8``, ...) the group first averages the
+bucket inside itself (an allreduce over the host's loopback), then every rank of the group
+runs the compressor on that same average, with the same state, and the compressor's messages
+cross groups split among the G ranks (``GroupQuorumComm``: each rank sends its shard of
+every message): the bits of a replica group of one rank that trains the group's average
+gradient. Its error feedback is each group's own (identical on the group's ranks); a joiner
+starts its residuals at zero, as in the flat hook (``replica.py``).
+
 Each rank sends ``1 / G`` of the bucket across groups (``2 (n - 1) / n`` of its shard in
 gloo's ring over n groups) instead of the whole bucket: the slow links between hosts carry G
 times less per rank, the fast loopback inside a host carries the rest. The intra-group steps
@@ -36,7 +44,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
-from commfuse.ft.hook import report_failure
+from commfuse.compress.layout import BucketLayout
+from commfuse.ft.group_comm import GroupQuorumComm
+from commfuse.ft.hook import FTHookState, report_failure
 from commfuse.ft.quorum_comm import QuorumComm
 
 
@@ -60,6 +70,11 @@ class GroupHookState:
     backward, which only lets DDP lay out its buckets as its peers did."""
     bytes_sent: int = 0
     """Bytes handed to the cross-group allreduce so far (this rank's shards)."""
+    group_rank: int = 0
+    """This rank's place in the group."""
+    compression: FTHookState | None = None
+    """The compressor, its parameters' names and steps (the flat hook's state, which the
+    replica loop saves and restores); None: the plain sum."""
 
 
 def shard_numel(numel: int, group_size: int) -> int:
@@ -82,6 +97,8 @@ def group_allreduce_hook(
         A completed future holding the averaged bucket; never an error (a failure goes to
         the Manager).
     """
+    if state.compression is not None and state.compression.compressor is not None:
+        return _compressed(state, state.compression, bucket)
     buffer = bucket.buffer()
     manager = state.manager
     size = state.group_size
@@ -108,6 +125,46 @@ def group_allreduce_hook(
             state.bytes_sent += comm.bytes_sent - before
     dist.all_gather_into_tensor(padded, mine, group=state.group)
     buffer.copy_(padded[: buffer.numel()])
+    return _done(buffer)
+
+
+def _compressed(
+    state: GroupHookState, compression: FTHookState, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """The bucket averaged inside the group, then through the compressor across groups, its
+    messages split among the group's ranks (see the module docstring)."""
+    compressor = compression.compressor
+    assert compressor is not None
+    buffer, manager = bucket.buffer(), state.manager
+    dist.all_reduce(buffer, group=state.group)
+    buffer.div_(state.group_size)
+    if state.local:
+        return _done(buffer)
+    if not manager.is_participating():
+        buffer.zero_()
+    # The bucket's layout and step, as the flat hook files them (hook._compressed).
+    names = tuple(compression.names[id(p)] for p in bucket.parameters())
+    layout = BucketLayout(names=names, shapes=tuple(g.shape for g in bucket.gradients()))
+    step = max((compression.steps.get(name, 0) for name in names), default=0)
+    for name in names:
+        compression.steps[name] = step + 1
+    index = bucket.index()
+    compressor.set_layout(index, layout)
+    comm = GroupQuorumComm(state.comm, state.group, state.group_rank, state.group_size)
+    comm.manager = manager
+    before, on_issue = state.comm.bytes_sent, state.on_issue
+    state.comm.on_issue = None if on_issue is None else (lambda: on_issue(index))
+    try:
+        # Every rank of the group runs it whatever happened: its in-group gathers pair up;
+        # a cross-group failure went to the Manager, and the step will not commit.
+        compressor.reduce_(comm, buffer, bucket=index, step=step)  # type: ignore[arg-type]
+    finally:
+        state.comm.on_issue = None
+        state.bytes_sent += state.comm.bytes_sent - before
+    return _done(buffer)
+
+
+def _done(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(buffer)
     return future

@@ -64,7 +64,7 @@ from commfuse.ft.config import (
 )
 from commfuse.ft.lighthouse import start_lighthouse
 from commfuse.ft.periods import ft_mode
-from commfuse.ft.replica import ReplicaJob, ft_strategy, run_replica, send
+from commfuse.ft.replica import ReplicaJob, run_replica, send
 from commfuse.train.loop import TrainConfig, init_from_step
 from commfuse.train.strategy import describe_strategy
 
@@ -176,8 +176,10 @@ def run_fault_tolerant(
             (the same, each bucket through that compressor: ``replica.ft_strategy``), or a
             ``PeriodicSyncConfig`` (``diloco(H=50)``, ...: per-period mode, ``periodic.py``).
         ft: the timeout, the replica groups and the faults to inject.
-        topology: the hosts and their ranks; groups of several ranks run per-step torch DDP
-            only (``group_hook.py``; ``check_groups_of_ranks``).
+        topology: the hosts and their ranks; a replica group of several ranks trains torch
+            DDP inside itself and splits what it exchanges with the other groups among its
+            ranks (``group_hook.py`` per step, ``group_comm.py`` per step with a compressor
+            and per period).
         emulate: force (True) or forbid (False) the emulated network; None: when possible.
         timeout_s: the whole job's deadline.
         log_dir: where each replica's output goes (``replica{R}.life{L}.log``, or
@@ -204,10 +206,7 @@ def run_fault_tolerant(
         ```
     """
     ft.check_hosts(topology.num_hosts, topology.ranks_per_host)
-    mode = ft_mode(config.strategy)  # ValueError before anything starts
-    _, group_size = ft.group_layout(topology.num_hosts, topology.ranks_per_host)
-    if group_size > 1:
-        check_groups_of_ranks(config, ft, mode)
+    ft_mode(config.strategy)  # ValueError before anything starts
     init_from_step(config)  # ValueError: a checkpoint at or past the run's total
     with contextlib.ExitStack() as stack:
         if log_dir is None:
@@ -316,6 +315,7 @@ def _run(
                 spares,
                 start=start,
                 lab=placement.lab,
+                layout=GroupLayout(group_size=size, ranks_per_host=topology.ranks_per_host),
                 started=started,
                 deadline=deadline,
             )
@@ -354,25 +354,6 @@ def _run(
     return record
 
 
-def check_groups_of_ranks(config: TrainConfig, ft: FaultToleranceConfig, mode: str) -> None:
-    """ValueError unless a run with replica groups of several ranks can run ``config``: per
-    step, torch DDP (no compressor), the global batch ``shrink``.
-
-    Raises:
-        ValueError: what does not run with several ranks per replica group.
-    """
-    if mode != "ddp" or ft_strategy(config.strategy)[1] is not None:
-        raise ValueError(
-            "replica groups of several ranks run per-step ddp (the hierarchical exchange of "
-            "group_hook.py); one rank per group runs compressors and the local-SGD family"
-        )
-    if ft.global_batch != "shrink":
-        raise ValueError(
-            "replica groups of several ranks run global_batch='shrink' (each rank trains its "
-            "own slot); one rank per group runs 'fixed'"
-        )
-
-
 def _replica_env(
     placement: Placement, where: int, rank: int, size: int, store: HostedStore, run_id: str
 ) -> dict[str, str]:
@@ -395,12 +376,15 @@ def _supervise(
     *,
     start: Callable[[int, int], list[_Life]],
     lab: Netlab | None,
+    layout: GroupLayout,
     started: float,
     deadline: float,
 ) -> None:
     """Go when all replicas joined; inject the faults; restart the killed; return when all
     are done (``_Supervisor``)."""
-    supervisor = _Supervisor(job=job, ft=ft, num=num, spares=spares, start=start, lab=lab)
+    supervisor = _Supervisor(
+        job=job, ft=ft, num=num, spares=spares, start=start, lab=lab, layout=layout
+    )
     try:
         while len(supervisor.done | supervisor.gone) < num:
             now = time.monotonic()
@@ -417,6 +401,28 @@ def _supervise(
             supervisor.turn(now)
     finally:
         supervisor.links_up()
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where the replica groups sit: consecutive ranks, ``ranks_per_host`` to a host."""
+
+    group_size: int
+    ranks_per_host: int
+
+    def of_group(self, group: int) -> dict[str, Any]:
+        """A fault record's names for a fault of replica group ``group`` (a kill): the group,
+        and the host of its first rank."""
+        host = group * self.group_size // self.ranks_per_host
+        return {"replica": group, "groups": [group], "host": host}
+
+    def of_host(self, host: int) -> dict[str, Any]:
+        """A fault record's names for a fault of emulated host ``host`` (its link cut or
+        slowed): the host, and every replica group with a rank there (``replica``: the
+        first)."""
+        ranks = range(host * self.ranks_per_host, (host + 1) * self.ranks_per_host)
+        groups = sorted({rank // self.group_size for rank in ranks})
+        return {"replica": groups[0], "groups": groups, "host": host}
 
 
 @dataclass
@@ -438,6 +444,8 @@ class _Supervisor:
     """Starts life L of replica group R, all its ranks (``start(R, L)``), a spare when
     L > 0."""
     lab: Netlab | None
+    layout: GroupLayout
+    """Which hosts hold which replica groups (a fault record names both)."""
     pending: dict[int, tuple[float, list[_Life]]] = field(default_factory=dict)
     """replica group -> (when it restarts, its spare's ranks)."""
     done: set[int] = field(default_factory=set)
@@ -479,13 +487,13 @@ class _Supervisor:
             assert self.lab is not None
             if isinstance(cut, SlowFault):
                 self.lab.set_rate(cut.host, cut.link_mbit)
-                slow = {"kind": "slow", "replica": cut.host, "t": now, "link_mbit": cut.link_mbit}
-                self.job.faults.append(slow)
+                slow = {"kind": "slow", "t": now, "link_mbit": cut.link_mbit}
+                self.job.faults.append(slow | self.layout.of_host(cut.host))
                 continue
             self.lab.set_link(cut.host, up=False)
             self.down[cut.host] = now + cut.for_s
-            fault = {"kind": "cut", "replica": cut.host, "t": now, "for_s": cut.for_s}
-            self.job.faults.append(fault)
+            fault = {"kind": "cut", "t": now, "for_s": cut.for_s}
+            self.job.faults.append(fault | self.layout.of_host(cut.host))
         for host, until in list(self.down.items()):
             if now >= until:
                 del self.down[host]
@@ -507,8 +515,8 @@ class _Supervisor:
             if host not in alive or len(alive) - 1 < self.ft.min_replicas:
                 continue  # already down, or too few would be left
             life = _kill_lives(_current(self.job, host), now)
-            kill = {"kind": "kill", "replica": host, "life": life, "t": now, "phase": "timed"}
-            self.job.faults.append(kill)
+            kill = {"kind": "kill", "life": life, "t": now, "phase": "timed"}
+            self.job.faults.append(kill | self.layout.of_group(host))
             spare = self.start(host, max(e.life for e in self.job.lives if e.replica == host) + 1)
             self.pending[host] = (now + fault.restart_after_s, spare)
 
@@ -581,7 +589,7 @@ class _Supervisor:
             # The group's first rank kills itself; the group is one failure unit.
             _kill_lives(_ranks_of(self.job, life.replica, life.life), body["t"])
             self.job.faults.append(
-                {"kind": "kill", "replica": life.replica, "life": life.life, **body}
+                {"kind": "kill", "life": life.life, **body} | self.layout.of_group(life.replica)
             )
             kill = next(
                 (f for f in self.ft.faults if isinstance(f, KillFault) and f.host == life.replica),

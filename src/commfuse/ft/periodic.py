@@ -40,6 +40,12 @@ for streaming DiLoCo, every step of a synchronous warm-up). Per period, on each 
    pseudo-gradient twice, and every survivor would wait for its state to cross the
    network).
 
+A replica group of several ranks trains torch DDP inside itself at every inner step (its
+ranks hold one replica), and its outer exchanges go through ``GroupQuorumComm``: each rank
+sends its shard of the pseudo-gradient (or of the outer compressor's messages) across groups
+(``group_comm.py``). Only the group's first rank reports its periods; a kill takes the whole
+group, and each of its ranks recovers from the same rank of a live group.
+
 Why keep the inner steps: a replica killed in the middle of a period is noticed at the
 period's exchange, when its sockets are found closed; by then the survivors have trained the
 whole period, and DiLoCo's average of pseudo-gradients is as valid over three replicas as
@@ -100,14 +106,18 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from commfuse.ft.config import KillFault
 from commfuse.ft.init_from import load_init_from
 from commfuse.ft.periods import ft_periodic_config, sync_points
 from commfuse.ft.replica import (
     ReplicaJob,
+    init_group_process_group,
     kill_now,
     make_manager,
+    no_report,
     send,
     start_quorum_retrying,
 )
@@ -117,6 +127,7 @@ from commfuse.ft.replica import (
 from commfuse.ft.require import require_torchft
 from commfuse.localsgd import PeriodicSyncConfig, PeriodicSyncOptimizer
 from commfuse.train.loop import params_digest
+from commfuse.train.torch_ddp import bucket_caps
 from commfuse.workloads import make_workload
 
 
@@ -206,6 +217,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         ValueError: a strategy that ``periods.ft_periodic_config`` refuses.
     """
     require_torchft()
+    from commfuse.ft.group_comm import GroupQuorumComm
     from commfuse.ft.process_group import AlarmedProcessGroupGloo
     from commfuse.ft.quorum_comm import QuorumComm
     from commfuse.ft.transport import ChecksummedHTTPTransport
@@ -227,7 +239,17 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     # whole run (``init_from.py``).
     first = load_init_from(job.train, module, optimizer)
     process_group = AlarmedProcessGroupGloo(timeout=op_timeout)
-    comm = QuorumComm(process_group)
+    quorum = QuorumComm(process_group)
+    comm: QuorumComm | GroupQuorumComm = quorum
+    trainer: torch.nn.Module = module
+    if job.group_size > 1:
+        # A group of several ranks: torch DDP inside it at every inner step (over the host's
+        # loopback), so its ranks hold the same replica; its outer exchanges are split among
+        # its ranks, each sending its shard across groups (group_comm.py).
+        init_group_process_group(job)
+        group = dist.distributed_c10d._get_default_group()
+        trainer = DistributedDataParallel(module, **bucket_caps(job.train.bucket_cap_mb, None))
+        comm = GroupQuorumComm(quorum, group, job.group_rank, job.group_size)
     # The quorum's communicator speaks the Communicator interface the optimizer uses.
     periodic = PeriodicSyncOptimizer(optimizer, module, comm, config)  # type: ignore[arg-type]
     points = sync_points(config, job.train.steps - first)
@@ -305,15 +327,20 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
 
     transport = _Transport(job.addr, timeout=op_timeout)
     manager = make_manager(job, process_group, transport, serve, recover)
+    if isinstance(comm, GroupQuorumComm):
+        comm.manager = manager
     kills = [f for f in job.ft.faults if isinstance(f, KillFault) and f.host == job.replica]
-    kill = kills[0] if kills and job.life == 0 else None
+    # The group's first rank meets the fault; the launcher kills the group's other ranks.
+    kill = kills[0] if kills and job.life == 0 and job.group_rank == 0 else None
     now = {"inner": -1, "period": -1}
 
     def on_issue() -> None:
         if kill is not None and kill.phase == "allreduce" and now["inner"] >= kill.at_step:
             kill_now(conn, kill, now["inner"], period=now["period"])
 
-    comm.on_issue = on_issue
+    quorum.on_issue = on_issue
+    # The group's first rank reports its periods (the others train the same ones in step).
+    report = send if job.group_rank == 0 else no_report
     send(conn, ("ready", {"replica": job.replica, "life": job.life}))
     if conn.recv_bytes() != b"go":
         raise RuntimeError("the launcher did not say go")
@@ -350,8 +377,14 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             if config.num_fragments > 1 or config.overlap_steps > 0:
                 skip = 0
             skip = min(skip, end - begin - 1)
+            if job.group_size > 1:
+                # Every rank of the group measured its own lateness: the group skips as one
+                # (its ranks' DDP collectives must pair up), by the latest rank's count.
+                agreed = torch.tensor([skip])
+                dist.all_reduce(agreed, dist.ReduceOp.MAX)
+                skip = int(agreed)
             syncs = len(periodic.syncs)
-            sent_before = comm.bytes_sent
+            sent_before = quorum.bytes_sent
             losses: list[float] = []
             samples: list[int] | None = None
             trained = 0  # forward and backward passes of this attempt
@@ -387,7 +420,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         # are trained by the others, as in per-step mode.
                         samples, batch, scale = step_batch(workload, manager, job, step)
                         periodic.zero_grad()
-                        loss = workload.loss(module, batch)
+                        loss = workload.loss(trainer, batch)
                         (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
                         losses.append(float(loss.detach()))
                         trained += 1
@@ -436,7 +469,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                 del periodic.syncs[syncs:]
                 kept.clear()
             error = manager.errored()
-            send(
+            report(
                 conn,
                 (
                     "step",
@@ -463,7 +496,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "healed": healed is not None,
                         "healed_parts": healed,
                         "served_parts": served_now,
-                        "bytes": comm.bytes_sent - sent_before,
+                        "bytes": quorum.bytes_sent - sent_before,
                         "error": None if error is None else str(error.original_exception),
                     },
                 ),

@@ -109,7 +109,7 @@ def send(conn: Connection, message: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _no_report(conn: Connection, message: tuple[Any, ...]) -> None:
+def no_report(conn: Connection, message: tuple[Any, ...]) -> None:
     """What a replica group's ranks other than its first send for a step: nothing."""
 
 
@@ -206,26 +206,43 @@ def _step_share(
         own = [job.replica * group, (job.replica + 1) * group]
         return step, (own if participant is not None else None), 1.0
     participants = manager.num_participants()
+    # The replica group's share of the global batch (every rank's slot of every group)...
     start, stop = sample_range(
         "fixed",
         replica=job.replica,
         participant=participant,
         participants=participants,
         num_replicas=job.num_replicas,
-        batch=size,
+        batch=size * job.group_size,
     )
-    scale = loss_scale(start, stop, participants=participants, total=job.num_replicas * size)
+    # ... of which this rank trains its part: its loss weighs it among all ranks' parts.
+    mine = _rank_part(job, start, stop)
+    scale = loss_scale(
+        *mine, participants=participants * job.group_size, total=job.num_slots * size
+    )
     return step, [start, stop], scale
 
 
+def _rank_part(job: ReplicaJob, start: int, stop: int) -> tuple[int, int]:
+    """This rank's part of its replica group's samples ``[start, stop)``: the G ranks split
+    them in contiguous ranges in group rank order (``data.py``'s rule, inside the group)."""
+    size, rank = job.group_size, job.group_rank
+    return start + rank * (stop - start) // size, start + (rank + 1) * (stop - start) // size
+
+
 def _share_batch(workload: Any, job: ReplicaJob, step: int, samples: list[int] | None) -> Any:
-    """The batch of ``_step_share``'s share: the replica's own slot unless the fixed global
-    batch gives it other samples."""
+    """The batch of ``_step_share``'s share: the rank's own slot unless the fixed global
+    batch gives its replica group other samples (this rank trains its part of them)."""
     if job.ft.global_batch == "shrink" or samples is None:
         return workload.batch(step, job.slot, job.num_slots, seed=job.train.seed)
     size = int(getattr(job.train.workload, "batch", 1))
     return global_batch_slice(
-        workload, step, *samples, num_replicas=job.num_replicas, batch=size, seed=job.train.seed
+        workload,
+        step,
+        *_rank_part(job, *samples),
+        num_replicas=job.num_slots,
+        batch=size,
+        seed=job.train.seed,
     )
 
 
@@ -236,6 +253,26 @@ def _step_batch(
     step."""
     step, samples, scale = _step_share(manager, job, step)
     return samples, _share_batch(workload, job, step, samples), scale
+
+
+def init_group_process_group(job: ReplicaJob) -> None:
+    """The default process group: this replica group's own ranks (one rank: a world of one).
+    A group of several meets at its own store (one per life of the group: nothing stale from
+    a killed one), under a prefix of its own beside torchft's keys."""
+    if job.group_size == 1:
+        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+        return
+    op_timeout = timedelta(seconds=job.ft.timeouts.op_timeout_s)
+    store = TCPStore(
+        job.store_addr or job.addr, job.store_port, is_master=False, timeout=op_timeout
+    )
+    dist.init_process_group(
+        "gloo",
+        store=PrefixStore("commfuse/group", store),
+        rank=job.group_rank,
+        world_size=job.group_size,
+        timeout=op_timeout,
+    )
 
 
 def make_manager(
@@ -301,21 +338,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     op_timeout = timedelta(seconds=timeouts.op_timeout_s)
     # torch DDP needs a process group: this replica group's own; the replica groups meet in
     # the Manager's process group, inside the hook.
-    if job.group_size == 1:
-        dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-    else:
-        # The group's own store (one per life of the group: nothing stale from a killed one),
-        # under a prefix of its own beside torchft's keys.
-        store = TCPStore(
-            job.store_addr or job.addr, job.store_port, is_master=False, timeout=op_timeout
-        )
-        dist.init_process_group(
-            "gloo",
-            store=PrefixStore("commfuse/group", store),
-            rank=job.group_rank,
-            world_size=job.group_size,
-            timeout=op_timeout,
-        )
+    init_group_process_group(job)
     device = torch.device("cpu")
     workload = make_workload(job.train.workload, device=device)
     module = workload.build_model(job.train.seed)
@@ -378,6 +401,8 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             comm=hook_state.comm,
             group=dist.distributed_c10d._get_default_group(),
             group_size=job.group_size,
+            group_rank=job.group_rank,
+            compression=hook_state,
         )
         ddp.register_comm_hook(wired, group_allreduce_hook)
     else:
@@ -406,7 +431,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
 
     wired.manager, wired.on_issue = manager, on_issue
     # The group's first rank reports its steps (the others train the same steps in step).
-    step_report = send if job.group_rank == 0 else _no_report
+    step_report = send if job.group_rank == 0 else no_report
     send(conn, ("ready", {"replica": job.replica, "life": job.life}))
     if conn.recv_bytes() != b"go":
         raise RuntimeError("the launcher did not say go")
