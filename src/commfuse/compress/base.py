@@ -331,6 +331,13 @@ class Compressor(abc.ABC):
             "feedback": self.feedback.state_dict(),
         }
 
+    def snapshot(self) -> dict[str, Any]:
+        """What ``load_state_dict`` takes to undo the steps reduced after this call (a step
+        that failed on some replicas and not others), valid until the next ``snapshot``: this
+        default is ``state_dict()``, a copy of every tensor; a compressor whose state is never
+        written in place shares its tensors instead (PowerSGD)."""
+        return self.state_dict()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``. Buckets laid out already take their state from it,
         moved to their layouts where those differ from the checkpoint's."""

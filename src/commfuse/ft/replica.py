@@ -344,6 +344,12 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             state["feedback"] = {"residuals": {}}
         return {"compressor": state, "steps": dict(hook_state.steps)}
 
+    def undo_point() -> dict[str, Any]:
+        """What ``load_compression_state`` takes to undo the step about to run."""
+        if hook_state.compressor is None:
+            return {}
+        return {"compressor": hook_state.compressor.snapshot(), "steps": dict(hook_state.steps)}
+
     def load_compression_state(state: dict[str, Any], *, own_residuals: bool = False) -> None:
         compressor = hook_state.compressor
         if compressor is not None:
@@ -438,8 +444,8 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             hook_state.comm.at_quorum(manager.participating_rank() or 0, process_group.size())
             # A failed step must leave the compressor's state as it found it (error feedback,
             # factors): some replicas may have updated theirs before the failure, others not.
-            # A compressor's state_dict() is a copy already: one pass over the residuals.
-            saved = compression_state()
+            # A snapshot, not a copy: PowerSGD's keeps its tensors copy-on-write.
+            saved = undo_point()
             t_saved = time.monotonic()
             sent_before = wired.bytes_sent
             (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
