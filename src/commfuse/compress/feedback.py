@@ -50,6 +50,8 @@ class ErrorFeedback:
         for key, old in self._kept.items():
             if self.residuals.get(key) is not old:  # replaced since: no longer anyone's
                 self._spares[key] = old
+        # A bucket laid out anew files its residual under another key: drop the old spares.
+        self._spares = {k: e for k, e in self._spares.items() if k in self.residuals}
         self._kept = dict(self.residuals)
         return dict(self._kept)
 
