@@ -172,3 +172,65 @@ def test_powersgd_warmup_at_a_higher_rank(pool: Any) -> None:
         assert r["residual"] > 0, r
     with pytest.raises(ValueError, match="warmup_fp16 or warmup_rank"):
         compressor_from_spec("powersgd:warmup_fp16=1,warmup_rank=8")
+
+
+def undone_step(spec: str) -> dict[str, Any]:
+    """Steps 0, 1, 2 of ``spec``, once straight and once with a step 1 on other gradients
+    undone (``snapshot`` before it, ``load_state_dict`` after) and taken again: a
+    fault-tolerant step that failed. The two runs must agree bit for bit, and the snapshots
+    must not copy the residual (its storage: the live one, two buffers in turn)."""
+    comm = Communicator()
+    gen = torch.Generator().manual_seed(comm.rank)
+    grads = [torch.randn(NUMEL, generator=gen) for _ in range(4)]
+    layout = BucketLayout.of_shapes(SHAPES, prefix="b0.")
+
+    def fresh() -> Any:
+        c = compressor_from_spec(spec, algo="native")
+        c.set_layout(0, layout)
+        return c
+
+    def step(c: Any, grad: torch.Tensor, at: int) -> torch.Tensor:
+        out = grad.clone()
+        c.reduce_(comm, out, bucket=0, step=at)
+        return out
+
+    straight = fresh()
+    want = [step(straight, grads[at], at) for at in range(3)]
+    c = fresh()
+    got = [step(c, grads[0], 0)]
+    shared, storages = [], set()
+    undo = c.snapshot()
+    step(c, grads[3], 1)  # the failed attempt
+    c.load_state_dict(undo)
+    for at in (1, 2):
+        undo = c.snapshot()
+        residual = c.feedback.residuals[layout.key]
+        shared.append(undo["feedback"]["residuals"][layout.key] is residual)
+        got.append(step(c, grads[at], at))
+        storages.add(c.feedback.residuals[layout.key].data_ptr())
+    final, ref = c.state_dict(), straight.state_dict()
+    return {
+        "outputs equal": all(torch.equal(a, b) for a, b in zip(got, want, strict=True)),
+        "residual equal": torch.equal(
+            final["feedback"]["residuals"][layout.key], ref["feedback"]["residuals"][layout.key]
+        ),
+        "factors equal": all(
+            torch.equal(final[k][layout.key], ref[k][layout.key]) for k in ("qs", "ps") if k in ref
+        ),
+        "shared": shared,
+        "storages": len(storages),
+    }
+
+
+@pytest.mark.parametrize(
+    "spec", ["powersgd:rank=2,warmup=1,warmup_rank=4", "acpsgd:rank=2,warmup=0"]
+)
+def test_snapshot_undoes_a_step_without_copying_the_residual(pool: Any, spec: str) -> None:
+    for r in pool(2).run(undone_step, spec, timeout_s=60):
+        assert r == {
+            "outputs equal": True,
+            "residual equal": True,
+            "factors equal": True,
+            "shared": [True, True],
+            "storages": 2,
+        }

@@ -4,12 +4,14 @@ each rank put on the wire, error feedback, checkpoint and resume, and non-finite
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import math
 from typing import Any, cast
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import wire_decode
 from commfuse.cli.spec import compressor_from_spec
@@ -316,6 +318,7 @@ def resume_is_bit_identical(specs: list[str], numel: int) -> list[str]:
         got += run(resumed, range(3, 6))
         if not all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)):
             failures.append(f"{spec}: outputs differ after resume")
+        failures += joiner_failures(spec, first, numel)
         final, final_resumed = tensors_of(straight.state_dict()), tensors_of(resumed.state_dict())
         if len(final) != len(final_resumed) or not all(
             torch.equal(a, b) for a, b in zip(final, final_resumed, strict=True)
@@ -324,7 +327,36 @@ def resume_is_bit_identical(specs: list[str], numel: int) -> list[str]:
     return failures
 
 
-def test_state_dict_resume_is_bit_identical(pool: Any) -> None:
+def joiner_failures(spec: str, donor: Compressor, numel: int) -> list[str]:
+    """A rank joining a running job (fault tolerance) is served ``shared_state_dict``: it must
+    be the same on every rank (else it is some rank's own), and a fresh joiner that loads it
+    must hold no accumulator of its own yet (a donor's residuals or momentum would be sent a
+    second time) and everything else as the donor."""
+    served = donor.shared_state_dict()
+    digest = hashlib.sha256()
+    for t in tensors_of(served):
+        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest.hexdigest())
+    failures = [] if len(set(digests)) == 1 else [f"{spec}: served state differs across ranks"]
+    joiner = build(spec, numel, bucket=3)
+    joiner.load_shared_state_dict(served)
+    joined, donor_state = joiner.state_dict(), donor.state_dict()
+    if any(tensors_of(joined[key]) for key in joiner.own_state):
+        failures.append(f"{spec}: a fresh joiner holds accumulators it was not served")
+    shared = [key for key in donor_state if key not in donor.own_state]
+    if not all(
+        torch.equal(a, b)
+        for key in shared
+        for a, b in zip(tensors_of(joined[key]), tensors_of(donor_state[key]), strict=True)
+    ):
+        failures.append(f"{spec}: the joiner's shared state differs from the donor's")
+    return failures
+
+
+def test_state_dict_resume_is_bit_identical_and_a_joiner_gets_only_shared_state(
+    pool: Any,
+) -> None:
     for failures in pool(2).run(resume_is_bit_identical, RESUME_SPECS, 777, timeout_s=120):
         assert failures == []
 

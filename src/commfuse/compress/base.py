@@ -16,7 +16,8 @@ average. ``Compressor`` declares everything the engine (``commfuse.ddp``) and th
 4. ``payload_bytes``: the exact bytes this rank contributes, for accounting;
 5. the finiteness guarantees, ``nonfinite_reaches_every_rank`` and ``certifies_output``
    (below), which let the engine skip an agreement round or a pass over the bucket;
-6. ``state_dict`` / ``load_state_dict`` and ``state_moves``: checkpoints and re-layouts.
+6. ``state_dict`` / ``load_state_dict`` and ``state_moves``: checkpoints and re-layouts;
+   ``shared_state_dict`` / ``load_shared_state_dict``: a rank that joins a running job.
 
 The pure parts (encode, decode) are methods that read only the compressor's settings; the
 state that changes from step to step (error-feedback residuals, momentum, PowerSGD's Q) lives
@@ -95,6 +96,12 @@ class Compressor(abc.ABC):
     sum of the messages) while leaving every rank's state clean. Then ``commfuse.ddp`` needs no
     agreement round before compressing: it checks the output, as it does uncompressed. Not so
     for sign bits, top-k or quantisers with a per-rank scale, which can drop a NaN."""
+
+    own_state: ClassVar[tuple[str, ...]] = ("feedback",)
+    """Keys of ``state_dict`` that hold this rank's own accumulators (error-feedback residuals,
+    DGC's momentum): its gradient not sent yet, which only the sum over ranks makes whole. A
+    rank that joins a running job keeps its own (none after a restart) and is never served
+    another's: the sum would count the donor's twice (``shared_state_dict``)."""
 
     algo: str = "auto"
     """The commfuse allreduce algorithm for allreduce-compatible compressors."""
@@ -330,6 +337,26 @@ class Compressor(abc.ABC):
             "layouts": {key: layout.to_state() for key, layout in self._known.items()},
             "feedback": self.feedback.state_dict(),
         }
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        """``state_dict()`` without this rank's own accumulators (``own_state``): what a rank
+        joining the job is served, the state every rank holds alike (layouts, PowerSGD's
+        factors)."""
+        state = self.state_dict()
+        return {key: value for key, value in state.items() if key not in self.own_state}
+
+    def load_shared_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``shared_state_dict`` served, keeping this rank's own accumulators (empty
+        on a fresh compressor: they start from zero)."""
+        own = self.state_dict()
+        self.load_state_dict({**state, **{key: own[key] for key in self.own_state}})
+
+    def snapshot(self) -> dict[str, Any]:
+        """What ``load_state_dict`` takes to undo the steps reduced after this call (a step
+        that failed on some replicas and not others), valid until the next ``snapshot``: this
+        default is ``state_dict()``, a copy of every tensor; a compressor whose state is never
+        written in place shares its tensors instead (PowerSGD)."""
+        return self.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``. Buckets laid out already take their state from it,

@@ -38,6 +38,7 @@ class DGC(TopK):
     """Top-k of the momentum-corrected accumulation, with masking and sparsity warm-up."""
 
     name: ClassVar[str] = "dgc"
+    own_state: ClassVar[tuple[str, ...]] = ("feedback", "velocities")
     ratio: float = 0.001
     """Fraction of the bucket's elements sent each step after the warm-up."""
     momentum: float = 0.9

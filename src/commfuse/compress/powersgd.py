@@ -469,6 +469,21 @@ class PowerSGD(Compressor):
             state["warmup_qs"] = {b: q.clone() for b, q in self.warmup_compressor.qs.items()}
         return state
 
+    def snapshot(self) -> dict[str, Any]:
+        """``state_dict()`` without a copy: the factors are replaced by fresh tensors at every
+        step, never written in place, and the residuals are kept copy-on-write
+        (``ErrorFeedback.keep``), so the tensors of this call stay as they are until the next
+        one."""
+        state: dict[str, Any] = {
+            "layouts": {key: layout.to_state() for key, layout in self._known.items()},
+            "feedback": {"residuals": self.feedback.keep()},
+        }
+        for factor, store in self._factor_stores().items():
+            state[f"{factor}s"] = dict(store)
+        if isinstance(self.warmup_compressor, PowerSGD):
+            state["warmup_qs"] = dict(self.warmup_compressor.qs)
+        return state
+
     def _load_stores(self, state: dict[str, Any]) -> None:
         super()._load_stores(state)
         self.qs = {str(b): q.clone() for b, q in state["qs"].items()}

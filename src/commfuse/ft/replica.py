@@ -7,10 +7,11 @@ Every step, in the order torchft's Manager expects:
    Manager reconfigures the cross-replica process group; when this replica is behind (it was
    restarted or dropped), it first receives the state of a replica at the newest step
    (``transport.py``) and continues from there. It takes everything but the compressor's
-   error-feedback residuals, which are each replica's own gradient not sent yet: summed over
-   the replicas, residuals and what was sent make the true gradients' sum, and a copy of the
-   donor's would send its gradient twice. A joiner keeps its own residuals instead: none after
-   a restart, the unsent gradient of its last committed step if it only fell behind;
+   per-replica accumulators (``Compressor.own_state``: error-feedback residuals, DGC's
+   momentum), which are each replica's own gradient not sent yet: summed over the replicas,
+   they and what was sent make the true gradients' sum, and a copy of the donor's would send
+   its gradient twice. A joiner keeps its own instead: none after a restart, those of its
+   last committed step if it only fell behind;
 2. the step's batch is chosen by the committed step (``manager.current_step()``), the replica
    group's index and the number of replica groups (with ``global_batch="fixed"``, by its rank
    in the quorum and the quorum's size: ``data.py``), so a step that fails is retried on the
@@ -356,24 +357,29 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             "model": module.state_dict(),
             "optimizer": optimizer.state_dict(),
             "torch_rng": at_start["torch_rng"],
-            "compression": compression_state(residuals=False),
+            "compression": served_compression_state(),
         }
 
-    def compression_state(*, residuals: bool = True) -> dict[str, Any]:
+    def served_compression_state() -> dict[str, Any]:
         if hook_state.compressor is None:
             return {}
-        state = hook_state.compressor.state_dict()
-        if not residuals:  # a joiner's are its own (see the module docstring)
-            state["feedback"] = {"residuals": {}}
+        # A joiner's accumulators are its own (see the module docstring).
+        state = hook_state.compressor.shared_state_dict()
         return {"compressor": state, "steps": dict(hook_state.steps)}
 
-    def load_compression_state(state: dict[str, Any], *, own_residuals: bool = False) -> None:
+    def undo_point() -> dict[str, Any]:
+        """What ``load_compression_state`` takes to undo the step about to run."""
+        if hook_state.compressor is None:
+            return {}
+        return {"compressor": hook_state.compressor.snapshot(), "steps": dict(hook_state.steps)}
+
+    def load_compression_state(state: dict[str, Any], *, served: bool = False) -> None:
         compressor = hook_state.compressor
         if compressor is not None:
-            served = state["compressor"]
-            if own_residuals:
-                served = {**served, "feedback": compressor.feedback.state_dict()}
-            compressor.load_state_dict(served)
+            if served:
+                compressor.load_shared_state_dict(state["compressor"])
+            else:
+                compressor.load_state_dict(state["compressor"])
             hook_state.steps = {str(k): int(v) for k, v in state["steps"].items()}
 
     # torch's random state at the start of the step in progress: a joiner continues from it.
@@ -386,7 +392,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
-        load_compression_state(state["compression"], own_residuals=True)
+        load_compression_state(state["compression"], served=True)
 
     process_group = AlarmedProcessGroupGloo(timeout=op_timeout)
     hook_state = FTHookState(
@@ -463,8 +469,8 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             hook_state.comm.at_quorum(manager.participating_rank() or 0, process_group.size())
             # A failed step must leave the compressor's state as it found it (error feedback,
             # factors): some replicas may have updated theirs before the failure, others not.
-            # A compressor's state_dict() is a copy already: one pass over the residuals.
-            saved = compression_state()
+            # A snapshot, not a copy: PowerSGD's keeps its tensors copy-on-write.
+            saved = undo_point()
             t_saved = time.monotonic()
             sent_before = wired.bytes_sent
             (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
