@@ -91,6 +91,9 @@ class DreamDDPConfig(SyncMethod):
     """Where an exchange is waited for: ``use``, just before its layer's next use (step 2 of
     the module docstring); ``step``, before the optimizer step of the iteration that launched
     it, the average written exactly (``mean(x) - lr u`` with weight decay too)."""
+    trace: bool = False
+    """Keep every exchange's timeline (``DreamDDPOptimizer.trace``: launched, on the wire,
+    used, landed) for reading where a step waits; off by default."""
 
     def __post_init__(self) -> None:
         if self.H < 1:
@@ -142,6 +145,8 @@ class _Launched:
     """The layer's parameters as sent (for the drift, and the correction at landing)."""
     average: torch.Tensor
     handle: Handle | None
+    times: dict[str, float] | None = None
+    """With ``trace``: the exchange's timeline (``DreamDDPOptimizer.trace``)."""
 
 
 class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
@@ -188,6 +193,16 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         """Per step (communicating, after the profile), the seconds spent waiting for exchanges
         since the previous step: in the forward's pre-hooks, then in ``step()``."""
         self._waited = 0.0
+        self.trace: list[dict[str, float]] = []
+        """With ``DreamDDPConfig.trace``: one entry per exchange after the profile, once landed:
+        ``layer``, ``step``, ``bytes`` and, in seconds from the optimizer's creation,
+        ``launched`` (handed to the worker thread), ``wire_start`` and ``wire_end`` (the
+        worker thread ran its collective), ``used`` (its layer's pre-hook asked for it) and
+        ``landed`` (the wait returned); ``forward_s`` and ``step_s`` hold, per step, when its
+        forward started and when its ``step()`` was called."""
+        self.forward_s: list[float] = []
+        self.step_s: list[float] = []
+        self._t0 = now(self.params[0].device)
         self.profile: dict[str, list[float]] = {}
         """The agreed profile: per layer in launch order, ``backward_s`` (the compute before its
         launch, after the previous layer's), ``comm_s`` and ``slack_s`` (the compute from the
@@ -240,6 +255,8 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         del module, args
         if self.profiling and self._forward_started is None:
             self._forward_started = now(self.params[0].device)
+        if self.method.trace and self.communicate and torch.is_grad_enabled():
+            self.forward_s.append(self._clock())
         if not self._launches_from_forward():
             return
         launched = {item.layer for item in self._launched}
@@ -287,12 +304,14 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         average = sent.clone()
         step = self.step_count + 1
         if not self.profiling:
-            handle = collectives.all_reduce(
-                self.outer_comm, average, "avg", algo=self.config.algo, async_op=True
-            )
-            self._launched.append(
-                _Launched(layer=layer, step=step, sent=sent, average=average, handle=handle)
-            )
+            item = _Launched(layer=layer, step=step, sent=sent, average=average, handle=None)
+            if self.method.trace:
+                item.handle = self._traced_all_reduce(item)
+            else:
+                item.handle = collectives.all_reduce(
+                    self.outer_comm, average, "avg", algo=self.config.algo, async_op=True
+                )
+            self._launched.append(item)
             return
         # Profile: the exchange runs alone, timed, and the backward pass waits for it (the
         # time it waits is taken out of the next layer's backward time).
@@ -307,6 +326,23 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             _Launched(layer=layer, step=step, sent=sent, average=average, handle=None)
         )
 
+    def _clock(self) -> float:
+        """Seconds since the optimizer's creation (the trace's clock)."""
+        return now(self.params[0].device) - self._t0
+
+    def _traced_all_reduce(self, item: _Launched) -> Handle:
+        """The exchange of ``item`` as one job on the worker thread that stamps when the thread
+        starts and ends its collective (the synchronous form run there is the same algorithm
+        the asynchronous form would queue)."""
+        times = item.times = {"launched": self._clock()}
+
+        def job() -> None:
+            times["wire_start"] = self._clock()
+            collectives.all_reduce(self.outer_comm, item.average, "avg", algo=self.config.algo)
+            times["wire_end"] = self._clock()
+
+        return self.outer_comm.submit("all_reduce.dreamddp", job)
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> None:
         """Launch any due layer whose hook did not fire, take the inner step (a profile step
@@ -315,6 +351,8 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         if not self.communicate:
             self.inner.step()
             return
+        if self.method.trace:
+            self.step_s.append(self._clock())
         # Exchanges whose layers were not used since (a module called around its hook).
         for pending in list(self._in_flight.values()):
             self._land(pending)
@@ -357,7 +395,19 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
     def _land(self, launched: _Launched) -> None:
         """Wait for an exchange and move the layer by the average's difference from what was
         sent (the local step taken since stays on it)."""
+        if launched.times is not None:
+            launched.times["used"] = self._clock()
         self._wait(launched)
+        if launched.times is not None:
+            self.trace.append(
+                {
+                    "layer": launched.layer,
+                    "step": launched.step,
+                    "bytes": launched.average.numel() * launched.average.element_size(),
+                    **launched.times,
+                    "landed": self._clock(),
+                }
+            )
         correction = launched.average - launched.sent
         offset = 0
         with torch.no_grad():
