@@ -202,7 +202,8 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         forward started and when its ``step()`` was called."""
         self.forward_s: list[float] = []
         self.step_s: list[float] = []
-        self._t0 = now(self.params[0].device)
+        self.trace_origin_s = now(self.params[0].device)
+        """The trace's origin on ``now``'s clock (one clock for every rank of one machine)."""
         self.profile: dict[str, list[float]] = {}
         """The agreed profile: per layer in launch order, ``backward_s`` (the compute before its
         launch, after the previous layer's), ``comm_s`` and ``slack_s`` (the compute from the
@@ -328,7 +329,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
 
     def _clock(self) -> float:
         """Seconds since the optimizer's creation (the trace's clock)."""
-        return now(self.params[0].device) - self._t0
+        return now(self.params[0].device) - self.trace_origin_s
 
     def _traced_all_reduce(self, item: _Launched) -> Handle:
         """The exchange of ``item`` as one job on the worker thread that stamps when the thread

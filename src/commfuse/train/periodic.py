@@ -131,6 +131,7 @@ class PeriodicSync(Strategy):
                     "exchanges": list(self.periodic.trace),
                     "forward_s": list(self.periodic.forward_s),
                     "step_s": list(self.periodic.step_s),
+                    "origin_s": self.periodic.trace_origin_s,
                 }
                 if isinstance(self.periodic, DreamDDPOptimizer) and self.periodic.method.trace
                 else None
