@@ -488,12 +488,85 @@ def test_dreamddp_launches_from_the_forward_and_waits_at_the_layers_next_use(
         assert same  # the same values sent, launched earlier
 
 
+def dreamddp_lands_later(land_after: int) -> tuple[float, list[tuple[int, int, int]], int]:
+    """SGD at H = 3, each exchange landed ``land_after`` steps after its launch, against a
+    replay of the replicas from the run's plan: the largest difference; per exchange after the
+    profile (the trace), its layer, launch step and landing step; the layers."""
+    comm = Communicator()
+    period, steps = 3, 9
+    config = DreamDDPConfig(H=period, land_after=land_after, algo="native", trace=True)
+    got, opt, _ = train(config, steps)
+    assert isinstance(opt, DreamDDPOptimizer) and opt.plan is not None
+    plan = opt.plan
+    replicas = [tiny_model() for _ in range(comm.world_size)]
+    layers = [[m for m in model if isinstance(m, nn.Linear)] for model in replicas]
+    # Per layer in flight: the step that lands it and each replica's parameters as sent.
+    flying: dict[int, tuple[int, list[torch.Tensor]]] = {}
+    for step in range(1, steps + 1):
+        for layer, (land, sent) in list(flying.items()):
+            if land <= step:  # landed as the forward reaches it, before any update
+                mean = torch.stack(sent).mean(0)
+                for rank, model_layers in enumerate(layers):
+                    vector = nn.utils.parameters_to_vector(model_layers[layer].parameters())
+                    nn.utils.vector_to_parameters(
+                        vector + mean - sent[rank], model_layers[layer].parameters()
+                    )
+                del flying[layer]
+        for layer in range(len(plan)):
+            if step > 1 and plan[layer] == (step - 2) % period:
+                sent = [
+                    nn.utils.parameters_to_vector(m[layer].parameters()).detach().clone()
+                    for m in layers
+                ]
+                flying[layer] = (step + land_after, sent)
+        for rank, model in enumerate(replicas):
+            loss_of(model, rank, step - 1).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+        if step == 1:  # the profile: every layer averaged before the update
+            mean = torch.stack([flat(m) for m in replicas]).mean(0)
+            for model in replicas:
+                nn.utils.vector_to_parameters(mean.clone(), model.parameters())
+        with torch.no_grad():
+            for model in replicas:
+                for p in model.parameters():
+                    assert p.grad is not None
+                    p.sub_(0.1 * p.grad)
+                    p.grad = None
+    # ``finish()``: what is in flight lands, then the replicas are averaged.
+    for layer, (_, sent) in flying.items():
+        mean = torch.stack(sent).mean(0)
+        for rank, model_layers in enumerate(layers):
+            vector = nn.utils.parameters_to_vector(model_layers[layer].parameters())
+            nn.utils.vector_to_parameters(
+                vector + mean - sent[rank], model_layers[layer].parameters()
+            )
+    final = torch.stack([flat(m) for m in replicas]).mean(0)
+    timeline = [(int(e["layer"]), int(e["step"]), int(e["landed_step"])) for e in opt.trace]
+    return float((got - final).abs().max()), timeline, len(opt.layers)
+
+
+@pytest.mark.parametrize("land_after", [1, 2, 3])
+def test_dreamddp_lands_an_exchange_land_after_steps_later(pool: PoolFn, land_after: int) -> None:
+    for err, timeline, layers in pool(2).run(
+        dreamddp_lands_later, land_after, timeout_s=DEADLINE_S
+    ):
+        assert err < 1e-6  # the replay's replicas, exchanges landed where it lands them
+        # Each exchange landed land_after steps after its launch (in finish(), step 10, for
+        # those still in flight at the end); every layer once in each period (steps 2-4, 5-7).
+        assert timeline and all(
+            landed == min(launch + land_after, 10) for _, launch, landed in timeline
+        )
+        for start in (2, 5):
+            window = sorted(layer for layer, launch, _ in timeline if start <= launch < start + 3)
+            assert window == list(range(layers))
+
+
 # -- every method: a resume in the middle of a period continues bit for bit -----------------
 METHODS: list[tuple[SyncMethod, str]] = [
     (SelSyncConfig(threshold=0.05), "sgd"),
     (ADPSGDConfig(total_steps=12, num_syncs=3), "sgd"),
     (PALSGDConfig(H=3, p=0.3), "adamw"),
     (DreamDDPConfig(H=3), "adamw"),
+    (DreamDDPConfig(H=3, land_after=2), "adamw"),
     (LocalSGDClipConfig(H=4, max_norm=0.05), "sgd"),
 ]
 
@@ -559,6 +632,9 @@ def test_bad_settings_are_named() -> None:
     for h in itertools.islice(itertools.count(-1), 2):
         with pytest.raises(ValueError, match="H must be >= 1"):
             DreamDDPConfig(H=h)
+    for land_after in (0, 4):
+        with pytest.raises(ValueError, match=r"land_after must be in \[1, H=3\]"):
+            DreamDDPConfig(H=3, land_after=land_after)
 
 
 # -- through the training loop: checkpoint files, the strategy's hooks and compute-only steps --

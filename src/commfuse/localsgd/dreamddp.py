@@ -91,6 +91,13 @@ class DreamDDPConfig(SyncMethod):
     """Where an exchange is waited for: ``use``, just before its layer's next use (step 2 of
     the module docstring); ``step``, before the optimizer step of the iteration that launched
     it, the average written exactly (``mean(x) - lr u`` with weight decay too)."""
+    land_after: int = 1
+    """Iterations from an exchange's launch to the one whose use of the layer lands it (at most
+    H: the layer's next exchange starts from the landed average). 1: the next iteration's; 2:
+    the one after, the exchange hidden behind one more iteration and the layer landed with the
+    two local steps since on it (``mean(x) - lr (u1 + u2)``): an exchange ends when the last
+    rank has launched it, and the layers the forward uses first, with one iteration of slack,
+    wait for the ranks that run behind. With ``land_at="use"`` only."""
     trace: bool = False
     """Keep every exchange's timeline (``DreamDDPOptimizer.trace``: launched, on the wire,
     used, landed) for reading where a step waits; off by default."""
@@ -100,6 +107,8 @@ class DreamDDPConfig(SyncMethod):
             raise ValueError(f"H must be >= 1, got {self.H}")
         if self.profile_steps < 1:
             raise ValueError(f"profile_steps must be >= 1, got {self.profile_steps}")
+        if not 1 <= self.land_after <= self.H:
+            raise ValueError(f"land_after must be in [1, H={self.H}], got {self.land_after}")
         if self.max_plan_nodes < 1:
             raise ValueError(f"max_plan_nodes must be >= 1, got {self.max_plan_nodes}")
         self.periodic()
@@ -145,6 +154,8 @@ class _Launched:
     """The layer's parameters as sent (for the drift, and the correction at landing)."""
     average: torch.Tensor
     handle: Handle | None
+    land_step: int = 0
+    """The step (1-based) whose use of the layer lands it (``land_after`` after ``step``)."""
     times: dict[str, float] | None = None
     """With ``trace``: the exchange's timeline (``DreamDDPOptimizer.trace``)."""
 
@@ -195,7 +206,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         self._waited = 0.0
         self.trace: list[dict[str, float]] = []
         """With ``DreamDDPConfig.trace``: one entry per exchange after the profile, once landed:
-        ``layer``, ``step``, ``bytes`` and, in seconds from the optimizer's creation,
+        ``layer``, ``step`` (launched), ``landed_step``, ``bytes`` and, in seconds from the optimizer's creation,
         ``launched`` (handed to the worker thread), ``wire_start`` and ``wire_end`` (the
         worker thread ran its collective), ``used`` (its layer's pre-hook asked for it) and
         ``landed`` (the wait returned); ``forward_s`` and ``step_s`` hold, per step, when its
@@ -275,8 +286,9 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             if self._forward_started is None:
                 self._forward_started = t
             self._used_at.setdefault(layer, t - self._forward_started)
-        pending = self._in_flight.pop(layer, None)
-        if pending is not None:
+        pending = self._in_flight.get(layer)
+        if pending is not None and pending.land_step <= self.step_count + 1:
+            del self._in_flight[layer]
             self._land(pending)
             if self._launches_from_forward() and self.due(layer):
                 self.hook_launches += 1
@@ -305,7 +317,14 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         average = sent.clone()
         step = self.step_count + 1
         if not self.profiling:
-            item = _Launched(layer=layer, step=step, sent=sent, average=average, handle=None)
+            item = _Launched(
+                layer=layer,
+                step=step,
+                sent=sent,
+                average=average,
+                handle=None,
+                land_step=step + self.method.land_after,
+            )
             if self.method.trace:
                 item.handle = self._traced_all_reduce(item)
             else:
@@ -354,10 +373,11 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             return
         if self.method.trace:
             self.step_s.append(self._clock())
-        # Exchanges whose layers were not used since (a module called around its hook).
+        # Exchanges due to land whose layers were not used (a module called around its hook).
         for pending in list(self._in_flight.values()):
-            self._land(pending)
-        self._in_flight.clear()
+            if pending.land_step <= self.step_count + 1:
+                del self._in_flight[pending.layer]
+                self._land(pending)
         done = {launched.layer for launched in self._launched}
         for layer in self.launch_order or range(len(self.layers)):
             if layer not in done and self.due(layer):
@@ -369,7 +389,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
                 self._write_layer(launched.layer, launched.average)
                 self._record(launched)
         else:
-            self._in_flight = {launched.layer: launched for launched in self._launched}
+            self._in_flight.update({launched.layer: launched for launched in self._launched})
         if profiling:
             self._record_profile()
         self._launched = []
@@ -404,6 +424,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
                 {
                     "layer": launched.layer,
                     "step": launched.step,
+                    "landed_step": self.step_count + 1,
                     "bytes": launched.average.numel() * launched.average.element_size(),
                     **launched.times,
                     "landed": self._clock(),
@@ -470,6 +491,9 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         ``order``: the compute before its launch, after the previous layer's, and the compute
         from the last launch to its use."""
         layers = len(order)
+        # Landed ``land_after`` iterations after the launch: every iteration but the last
+        # between them is slack too.
+        later = (self.method.land_after - 1) * (self._until_step_s + self._inner_s)
         if self.method.launch_at == "forward":
             # All launched together as the forward starts. A layer is used at the optimizer
             # step (``land_at="step"``, or no pre-hook fired for it), or after it and the next
@@ -479,7 +503,8 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
                 return [0.0] * layers, [until] * layers
             used = self._used_at
             return [0.0] * layers, [
-                until + self._inner_s + used[layer] if layer in used else until for layer in order
+                later + (until + self._inner_s + used[layer] if layer in used else until)
+                for layer in order
             ]
         ready = [self._ready_at.get(layer, 0.0) for layer in order]
         start = (
@@ -491,7 +516,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         # A layer's next use: the optimizer step, then the forward up to it (0 where its
         # module's pre-hook did not fire: needed as the backward pass ends).
         return backward, [
-            self._inner_s + self._used_at.get(layer, -self._inner_s) for layer in order
+            later + self._inner_s + self._used_at.get(layer, -self._inner_s) for layer in order
         ]
 
     def _make_plan(self) -> None:
@@ -569,6 +594,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
                 {
                     "layer": pending.layer,
                     "step": pending.step,
+                    "land_step": pending.land_step,
                     "sent": pending.sent.clone(),
                     "average": pending.average.clone(),
                 }
@@ -592,6 +618,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             int(item["layer"]): _Launched(
                 layer=int(item["layer"]),
                 step=int(item["step"]),
+                land_step=int(item.get("land_step", int(item["step"]) + 1)),
                 sent=item["sent"].to(device),
                 average=item["average"].to(device),
                 handle=None,
