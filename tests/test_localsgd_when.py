@@ -499,7 +499,7 @@ def dreamddp_lands_later(land_after: int) -> tuple[float, list[tuple[int, int, i
     assert isinstance(opt, DreamDDPOptimizer) and opt.plan is not None
     plan = opt.plan
     replicas = [tiny_model() for _ in range(comm.world_size)]
-    layers = [[m for m in model if isinstance(m, nn.Linear)] for model in replicas]
+    layers = [[m for m in model.modules() if isinstance(m, nn.Linear)] for model in replicas]
     # Per layer in flight: the step that lands it and each replica's parameters as sent.
     flying: dict[int, tuple[int, list[torch.Tensor]]] = {}
     for step in range(1, steps + 1):
