@@ -488,13 +488,16 @@ def test_dreamddp_launches_from_the_forward_and_waits_at_the_layers_next_use(
         assert same  # the same values sent, launched earlier
 
 
-def dreamddp_lands_later(land_after: int) -> tuple[float, list[tuple[int, int, int]], int]:
-    """SGD at H = 3, each exchange landed ``land_after`` steps after its launch, against a
+def dreamddp_lands_later(
+    land_after: int, fuse: bool
+) -> tuple[float, list[tuple[int, int, int, float]], int, int]:
+    """SGD at H = land_after + 1 (three layers: at H = 2 a step sends two), each exchange landed ``land_after`` steps after its launch, against a
     replay of the replicas from the run's plan: the largest difference; per exchange after the
-    profile (the trace), its layer, launch step and landing step; the layers."""
+    profile (the trace), its layer, launch step, landing step and when its message went on the
+    wire; the layers."""
     comm = Communicator()
-    period, steps = 3, 9
-    config = DreamDDPConfig(H=period, land_after=land_after, algo="native", trace=True)
+    period, steps = land_after + 1, 9
+    config = DreamDDPConfig(H=period, land_after=land_after, fuse=fuse, algo="native", trace=True)
     got, opt, _ = train(config, steps)
     assert isinstance(opt, DreamDDPOptimizer) and opt.plan is not None
     plan = opt.plan
@@ -540,24 +543,39 @@ def dreamddp_lands_later(land_after: int) -> tuple[float, list[tuple[int, int, i
                 vector + mean - sent[rank], model_layers[layer].parameters()
             )
     final = torch.stack([flat(m) for m in replicas]).mean(0)
-    timeline = [(int(e["layer"]), int(e["step"]), int(e["landed_step"])) for e in opt.trace]
-    return float((got - final).abs().max()), timeline, len(opt.layers)
+    timeline = [
+        (int(e["layer"]), int(e["step"]), int(e["landed_step"]), e["wire_start"]) for e in opt.trace
+    ]
+    return float((got - final).abs().max()), timeline, len(opt.layers), period
 
 
-@pytest.mark.parametrize("land_after", [1, 2, 3])
-def test_dreamddp_lands_an_exchange_land_after_steps_later(pool: PoolFn, land_after: int) -> None:
-    for err, timeline, layers in pool(2).run(
-        dreamddp_lands_later, land_after, timeout_s=DEADLINE_S
+@pytest.mark.parametrize(("land_after", "fuse"), [(1, True), (2, True), (1, False)])
+def test_dreamddp_lands_an_exchange_land_after_steps_later_in_one_message_per_step(
+    pool: PoolFn, land_after: int, fuse: bool
+) -> None:
+    for err, timeline, layers, period in pool(2).run(
+        dreamddp_lands_later, land_after, fuse, timeout_s=DEADLINE_S
     ):
         assert err < 1e-6  # the replay's replicas, exchanges landed where it lands them
         # Each exchange landed land_after steps after its launch (in finish(), step 10, for
-        # those still in flight at the end); every layer once in each period (steps 2-4, 5-7).
+        # those still in flight at the end); every layer once in each period.
         assert timeline and all(
-            landed == min(launch + land_after, 10) for _, launch, landed in timeline
+            landed == min(launch + land_after, 10) for _, launch, landed, _ in timeline
         )
-        for start in (2, 5):
-            window = sorted(layer for layer, launch, _ in timeline if start <= launch < start + 3)
+        for start in range(2, 10 - period + 1, period):
+            window = sorted(
+                layer for layer, launch, _, _ in timeline if start <= launch < start + period
+            )
             assert window == list(range(layers))
+        # The layers a step launches go as one message (one time on the wire), or one each.
+        for step in range(2, 10):
+            wires = [wire for _, launch, _, wire in timeline if launch == step]
+            assert len(set(wires)) == (min(1, len(wires)) if fuse else len(wires))
+        if period == 2:
+            launches = [
+                sum(launch == step for _, launch, _, _ in timeline) for step in range(2, 10)
+            ]
+            assert max(launches) > 1
 
 
 # -- every method: a resume in the middle of a period continues bit for bit -----------------

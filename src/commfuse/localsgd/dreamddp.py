@@ -91,6 +91,13 @@ class DreamDDPConfig(SyncMethod):
     """Where an exchange is waited for: ``use``, just before its layer's next use (step 2 of
     the module docstring); ``step``, before the optimizer step of the iteration that launched
     it, the average written exactly (``mean(x) - lr u`` with weight decay too)."""
+    fuse: bool = True
+    """``launch_at="forward"``: send the layers an iteration launches as one message, their
+    parameters concatenated in launch order, landed at the first use of any of them; False:
+    one message per layer, queued one after another. A message costs more than its bytes: it
+    waits for the last rank to launch it, and each of its steps for four ranks' threads to be
+    scheduled on shared cores, a cost the profile's exchanges, timed alone, do not show; an
+    iteration of several small layers (the embeddings and layer norms) paid it per layer."""
     land_after: int = 1
     """Iterations from an exchange's launch to the one whose use of the layer lands it (at most
     H: the layer's next exchange starts from the landed average). 1: the next iteration's; 2:
@@ -157,7 +164,8 @@ class _Launched:
     land_step: int = 0
     """The step (1-based) whose use of the layer lands it (``land_after`` after ``step``)."""
     times: dict[str, float] | None = None
-    """With ``trace``: the exchange's timeline (``DreamDDPOptimizer.trace``)."""
+    """With ``trace``: its message's launch and time on the wire (``DreamDDPOptimizer.trace``),
+    shared by the layers sent together."""
 
 
 class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
@@ -272,10 +280,14 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         if not self._launches_from_forward():
             return
         launched = {item.layer for item in self._launched}
-        for layer in self.launch_order:
-            if self.due(layer) and layer not in launched and layer not in self._in_flight:
-                self.hook_launches += 1
-                self._launch(layer)
+        due = [
+            layer
+            for layer in self.launch_order
+            if self.due(layer) and layer not in launched and layer not in self._in_flight
+        ]
+        self.hook_launches += len(due)
+        for group in [due] if self.method.fuse else [[layer] for layer in due]:
+            self._send(group)
 
     def _before_use(self, layer: int, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: land the layer's exchange in flight (and, at H = 1, launch the
@@ -309,30 +321,15 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             self._launch(layer)
 
     def _launch(self, layer: int) -> None:
-        pending = self._in_flight.pop(layer, None)
-        if pending is not None:  # its module's pre-hook did not fire (H = 1)
-            self._land(pending)
+        """Launch ``layer``'s exchange alone: in the background (``_send``), or in a profile
+        step timed, the caller waiting."""
+        if not self.profiling:
+            self._send([layer])
+            return
         params = [self.params[i] for i in self.layers[layer]]
         sent = torch.cat([p.detach().reshape(-1) for p in params])
         average = sent.clone()
         step = self.step_count + 1
-        if not self.profiling:
-            item = _Launched(
-                layer=layer,
-                step=step,
-                sent=sent,
-                average=average,
-                handle=None,
-                land_step=step + self.method.land_after,
-            )
-            if self.method.trace:
-                item.handle = self._traced_all_reduce(item)
-            else:
-                item.handle = collectives.all_reduce(
-                    self.outer_comm, average, "avg", algo=self.config.algo, async_op=True
-                )
-            self._launched.append(item)
-            return
         # Profile: the exchange runs alone, timed, and the backward pass waits for it (the
         # time it waits is taken out of the next layer's backward time).
         device = sent.device
@@ -350,15 +347,52 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         """Seconds since the optimizer's creation (the trace's clock)."""
         return now(self.params[0].device) - self.trace_origin_s
 
-    def _traced_all_reduce(self, item: _Launched) -> Handle:
-        """The exchange of ``item`` as one job on the worker thread that stamps when the thread
-        starts and ends its collective (the synchronous form run there is the same algorithm
-        the asynchronous form would queue)."""
-        times = item.times = {"launched": self._clock()}
+    def _send(self, layers: list[int]) -> None:
+        """Launch the exchange of ``layers`` in the background as one message (their
+        parameters concatenated), each layer's part landed on its own (``_land``)."""
+        if not layers:
+            return
+        for layer in layers:
+            pending = self._in_flight.pop(layer, None)
+            if pending is not None:  # its module's pre-hook did not fire (H = 1)
+                self._land(pending)
+        sent = torch.cat(
+            [self.params[i].detach().reshape(-1) for layer in layers for i in self.layers[layer]]
+        )
+        average = sent.clone()
+        times = {"launched": self._clock()} if self.method.trace else None
+        handle: Handle | None
+        if times is not None:
+            handle = self._traced_all_reduce(average, times)
+        else:
+            handle = collectives.all_reduce(
+                self.outer_comm, average, "avg", algo=self.config.algo, async_op=True
+            )
+        step, offset = self.step_count + 1, 0
+        for layer in layers:
+            numel = sum(self.params[i].numel() for i in self.layers[layer])
+            part = slice(offset, offset + numel)
+            offset += numel
+            self._launched.append(
+                _Launched(
+                    layer=layer,
+                    step=step,
+                    sent=sent[part],
+                    average=average[part],
+                    handle=handle,
+                    land_step=step + self.method.land_after,
+                    times=times,
+                )
+            )
+
+    def _traced_all_reduce(self, average: torch.Tensor, times: dict[str, float]) -> Handle:
+        """The exchange of ``average`` as one job on the worker thread that stamps in ``times``
+        when the thread starts and ends its collective (the synchronous form run there is the
+        same algorithm the asynchronous form would queue)."""
 
         def job() -> None:
             times["wire_start"] = self._clock()
-            collectives.all_reduce(self.outer_comm, item.average, "avg", algo=self.config.algo)
+            collectives.all_reduce(self.outer_comm, average, "avg", algo=self.config.algo)
             times["wire_end"] = self._clock()
 
         return self.outer_comm.submit("all_reduce.dreamddp", job)
@@ -416,8 +450,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
     def _land(self, launched: _Launched) -> None:
         """Wait for an exchange and move the layer by the average's difference from what was
         sent (the local step taken since stays on it)."""
-        if launched.times is not None:
-            launched.times["used"] = self._clock()
+        used = self._clock()
         self._wait(launched)
         if launched.times is not None:
             self.trace.append(
@@ -427,6 +460,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
                     "landed_step": self.step_count + 1,
                     "bytes": launched.average.numel() * launched.average.element_size(),
                     **launched.times,
+                    "used": used,
                     "landed": self._clock(),
                 }
             )
