@@ -9,10 +9,12 @@ at different iterations, and sends a layer's parameters while the iteration comp
 
 1. a layer's parameters do not change between the optimizer step that wrote them and the next
    one, so the value an iteration averages is final as soon as the previous step ends: a
-   forward pre-hook on the model launches the allreduce of every layer this iteration
-   averages as its forward starts, in the order the forward uses them, in the background, and
-   each exchange overlaps the whole forward and backward pass, the optimizer step and the next
-   forward up to its layer. (The paper launches a layer's exchange from the backward pass,
+   forward pre-hook on the model launches one allreduce of every layer this iteration
+   averages as its forward starts (their parameters concatenated in the order the forward
+   uses them: a message pays a fixed cost, the wait for the last rank and for every rank's
+   thread at each of its steps, that one message per layer would pay per layer), in the
+   background, and the exchange overlaps the whole forward and backward pass, the optimizer
+   step and the next forward up to its first layer. (The paper launches a layer's exchange from the backward pass,
    once its gradients are produced, torch's post-accumulate-grad hook: ``launch_at="grad"``.
    The layers the backward pass finishes last, the first block's and the embedding, are the
    ones the next forward uses first; launched that late, their exchanges have only the
