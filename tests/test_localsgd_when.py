@@ -351,6 +351,33 @@ def test_layer_plan_matches_brute_force() -> None:
         plan_layers([1.0], [1.0], 2, [0.0, 1.0])
 
 
+def test_layer_plan_leaves_no_iteration_empty_that_a_layer_could_fill() -> None:
+    # charlm's 28 layers at 100 Mbit/s (2 ms per message, then the bytes), launched together as
+    # the forward starts, each with more slack than any exchange: every plan hides them all,
+    # and the heaviest iteration can be no lighter than the largest layer alone.
+    numels = [25088, 16384, *[512, 197376, 65792, 512, 263168, 262400] * 4, 512, 25186]
+    comm = [0.002 + n * 4 * 1.5 / 12.5e6 for n in numels]
+    zeros, slack = [0.0] * len(comm), [0.6 + 0.01 * i for i in range(len(comm))]
+    plan = plan_layers(zeros, comm, 16, slack)
+    assert plan_key(plan, zeros, comm, 16, slack)[:2] == (0.0, max(comm))
+    assert sorted(set(plan)) == list(range(16))  # every iteration lands something
+    # Small cases: an iteration stays empty only where moving any layer into it worsens the key.
+    rng = random.Random(1)
+    for _ in range(60):
+        layers, period = rng.randint(2, 6), rng.randint(2, 4)
+        backward = [rng.choice([0.0, 1.0]) for _ in range(layers)]
+        comm = [rng.choice([0.5, 1.0, 2.5, 4.0]) for _ in range(layers)]
+        slack = [rng.choice([0.0, 1.5, 3.0, 9.0]) for _ in range(layers)]
+        plan = plan_layers(backward, comm, period, slack)
+        key = plan_key(plan, backward, comm, period, slack)
+        assert key == brute_force_plan(backward, comm, period, slack)[1]
+        crowded = [layer for layer in range(layers) if plan.count(plan[layer]) > 1]
+        for empty in set(range(period)) - set(plan):
+            for layer in crowded:
+                moved = [empty if i == layer else h for i, h in enumerate(plan)]
+                assert plan_key(moved, backward, comm, period, slack) > key
+
+
 def test_layer_plan_counts_the_slack_to_each_layers_use() -> None:
     # The last layer of the backward pass, exchanged in 3: all of it past the backward pass,
     # 1 of it past the 2 of compute before its next use, and nothing before a use 3 later.
