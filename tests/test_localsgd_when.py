@@ -43,6 +43,7 @@ from commfuse.localsgd.sync_method import OuterStep
 from commfuse.testing import RankPool
 from commfuse.train import TrainConfig, train_rank
 from commfuse.train import checkpoint as ckpt
+from commfuse.train.exchange_trace import forward_skew_s, iteration_timeline, message_wire_s
 from commfuse.train.metrics import summarize
 from commfuse.train.strategy import describe_strategy
 
@@ -517,11 +518,11 @@ def test_dreamddp_launches_from_the_forward_and_waits_at_the_layers_next_use(
 
 def dreamddp_lands_later(
     land_after: int, fuse: bool
-) -> tuple[float, list[tuple[int, int, int, float]], int, int]:
+) -> tuple[float, list[tuple[int, int, int, float]], int, int, dict[str, Any]]:
     """SGD at H = land_after + 1 (three layers: at H = 2 a step sends two), each exchange landed ``land_after`` steps after its launch, against a
     replay of the replicas from the run's plan: the largest difference; per exchange after the
     profile (the trace), its layer, launch step, landing step and when its message went on the
-    wire; the layers."""
+    wire; the layers; the period; the trace as a run record carries it."""
     comm = Communicator()
     period, steps = land_after + 1, 9
     config = DreamDDPConfig(H=period, land_after=land_after, fuse=fuse, algo="native", trace=True)
@@ -573,16 +574,21 @@ def dreamddp_lands_later(
     timeline = [
         (int(e["layer"]), int(e["step"]), int(e["landed_step"]), e["wire_start"]) for e in opt.trace
     ]
-    return float((got - final).abs().max()), timeline, len(opt.layers), period
+    trace = {
+        "exchanges": opt.trace,
+        "forward_s": opt.forward_s,
+        "step_s": opt.step_s,
+        "origin_s": opt.trace_origin_s,
+    }
+    return float((got - final).abs().max()), timeline, len(opt.layers), period, trace
 
 
 @pytest.mark.parametrize(("land_after", "fuse"), [(1, True), (2, True), (1, False)])
 def test_dreamddp_lands_an_exchange_land_after_steps_later_in_one_message_per_step(
     pool: PoolFn, land_after: int, fuse: bool
 ) -> None:
-    for err, timeline, layers, period in pool(2).run(
-        dreamddp_lands_later, land_after, fuse, timeout_s=DEADLINE_S
-    ):
+    results = pool(2).run(dreamddp_lands_later, land_after, fuse, timeout_s=DEADLINE_S)
+    for err, timeline, layers, period, _ in results:
         assert err < 1e-6  # the replay's replicas, exchanges landed where it lands them
         # Each exchange landed land_after steps after its launch (in finish(), step 10, for
         # those still in flight at the end); every layer once in each period.
@@ -603,6 +609,19 @@ def test_dreamddp_lands_an_exchange_land_after_steps_later_in_one_message_per_st
                 sum(launch == step for _, launch, _, _ in timeline) for step in range(2, 10)
             ]
             assert max(launches) > 1
+    # The trace read back as a run record carries it: every iteration, its layers and messages.
+    record = {"period_steps": period, "exchange_trace": [trace for *_, trace in results]}
+    rows = iteration_timeline(record)
+    assert [row["iteration"] for row in rows] == list(range(period))
+    assert sorted(layer for row in rows for layer in row["layers"]) == list(range(layers))
+    for row in rows:
+        assert row["messages"] == (1 if fuse else len(row["layers"]))
+        assert row["measured_s"] >= 0 and row["waited_s"] >= 0 and row["planned_s"] is None
+    wire = message_wire_s(record)
+    assert wire["first"] is not None and (wire["later_small"] is None) == fuse
+    assert len(forward_skew_s(record)) == period
+    with pytest.raises(ValueError, match="run with trace=1"):
+        iteration_timeline({"strategy": "dreamddp", "period_steps": period})
 
 
 # -- every method: a resume in the middle of a period continues bit for bit -----------------
