@@ -69,7 +69,7 @@ from commfuse.localsgd.sync_method import SyncMethod, SyncMethodOptimizer
 @dataclass(frozen=True, kw_only=True)
 class DreamDDPConfig(SyncMethod):
     """DreamDDP (Tang et al. 2025): every layer averaged once per H steps, a planned group of
-    layers per step, launched from the backward pass."""
+    layers per step, sent as one message as the step's forward starts."""
 
     name = "dreamddp"
 
