@@ -45,6 +45,7 @@ from commfuse.localsgd.sync_method import OuterStep
 from commfuse.testing import RankPool
 from commfuse.train import TrainConfig, train_rank
 from commfuse.train import checkpoint as ckpt
+from commfuse.train.exchange_trace import forward_skew_s, iteration_timeline, message_wire_s
 from commfuse.train.metrics import summarize
 from commfuse.train.strategy import describe_strategy
 
@@ -407,6 +408,33 @@ def test_layer_plan_matches_brute_force() -> None:
         plan_layers([1.0], [1.0], 2, [0.0, 1.0])
 
 
+def test_layer_plan_leaves_no_iteration_empty_that_a_layer_could_fill() -> None:
+    # charlm's 28 layers at 100 Mbit/s (2 ms per message, then the bytes), launched together as
+    # the forward starts, each with more slack than any exchange: every plan hides them all,
+    # and the heaviest iteration can be no lighter than the largest layer alone.
+    numels = [25088, 16384, *[512, 197376, 65792, 512, 263168, 262400] * 4, 512, 25186]
+    comm = [0.002 + n * 4 * 1.5 / 12.5e6 for n in numels]
+    zeros, slack = [0.0] * len(comm), [0.6 + 0.01 * i for i in range(len(comm))]
+    plan = plan_layers(zeros, comm, 16, slack)
+    assert plan_key(plan, zeros, comm, 16, slack)[:2] == (0.0, max(comm))
+    assert sorted(set(plan)) == list(range(16))  # every iteration lands something
+    # Small cases: an iteration stays empty only where moving any layer into it worsens the key.
+    rng = random.Random(1)
+    for _ in range(60):
+        layers, period = rng.randint(2, 6), rng.randint(2, 4)
+        backward = [rng.choice([0.0, 1.0]) for _ in range(layers)]
+        comm = [rng.choice([0.5, 1.0, 2.5, 4.0]) for _ in range(layers)]
+        slack = [rng.choice([0.0, 1.5, 3.0, 9.0]) for _ in range(layers)]
+        plan = plan_layers(backward, comm, period, slack)
+        key = plan_key(plan, backward, comm, period, slack)
+        assert key == brute_force_plan(backward, comm, period, slack)[1]
+        crowded = [layer for layer in range(layers) if plan.count(plan[layer]) > 1]
+        for empty in set(range(period)) - set(plan):
+            for layer in crowded:
+                moved = [empty if i == layer else h for i, h in enumerate(plan)]
+                assert plan_key(moved, backward, comm, period, slack) > key
+
+
 def test_layer_plan_counts_the_slack_to_each_layers_use() -> None:
     # The last layer of the backward pass, exchanged in 3: all of it past the backward pass,
     # 1 of it past the 2 of compute before its next use, and nothing before a use 3 later.
@@ -544,12 +572,121 @@ def test_dreamddp_launches_from_the_forward_and_waits_at_the_layers_next_use(
         assert same  # the same values sent, launched earlier
 
 
+def dreamddp_lands_later(
+    land_after: int, fuse: bool
+) -> tuple[float, list[tuple[int, int, int, float]], int, int, dict[str, Any]]:
+    """SGD at H = land_after + 1 (three layers: at H = 2 a step sends two), each exchange landed ``land_after`` steps after its launch, against a
+    replay of the replicas from the run's plan: the largest difference; per exchange after the
+    profile (the trace), its layer, launch step, landing step and when its message went on the
+    wire; the layers; the period; the trace as a run record carries it."""
+    comm = Communicator()
+    period, steps = land_after + 1, 9
+    config = DreamDDPConfig(H=period, land_after=land_after, fuse=fuse, algo="native", trace=True)
+    got, opt, _ = train(config, steps)
+    assert isinstance(opt, DreamDDPOptimizer) and opt.plan is not None
+    plan = opt.plan
+    replicas = [tiny_model() for _ in range(comm.world_size)]
+    layers = [[m for m in model.modules() if isinstance(m, nn.Linear)] for model in replicas]
+    # Per layer in flight: the step that lands it and each replica's parameters as sent.
+    flying: dict[int, tuple[int, list[torch.Tensor]]] = {}
+    for step in range(1, steps + 1):
+        for layer, (land, sent) in list(flying.items()):
+            if land <= step:  # landed as the forward reaches it, before any update
+                mean = torch.stack(sent).mean(0)
+                for rank, model_layers in enumerate(layers):
+                    vector = nn.utils.parameters_to_vector(model_layers[layer].parameters())
+                    nn.utils.vector_to_parameters(
+                        vector + mean - sent[rank], model_layers[layer].parameters()
+                    )
+                del flying[layer]
+        for layer in range(len(plan)):
+            if step > 1 and plan[layer] == (step - 2) % period:
+                sent = [
+                    nn.utils.parameters_to_vector(m[layer].parameters()).detach().clone()
+                    for m in layers
+                ]
+                flying[layer] = (step + land_after, sent)
+        for rank, model in enumerate(replicas):
+            loss_of(model, rank, step - 1).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+        if step == 1:  # the profile: every layer averaged before the update
+            mean = torch.stack([flat(m) for m in replicas]).mean(0)
+            for model in replicas:
+                nn.utils.vector_to_parameters(mean.clone(), model.parameters())
+        with torch.no_grad():
+            for model in replicas:
+                for p in model.parameters():
+                    assert p.grad is not None
+                    p.sub_(0.1 * p.grad)
+                    p.grad = None
+    # ``finish()``: what is in flight lands, then the replicas are averaged.
+    for layer, (_, sent) in flying.items():
+        mean = torch.stack(sent).mean(0)
+        for rank, model_layers in enumerate(layers):
+            vector = nn.utils.parameters_to_vector(model_layers[layer].parameters())
+            nn.utils.vector_to_parameters(
+                vector + mean - sent[rank], model_layers[layer].parameters()
+            )
+    final = torch.stack([flat(m) for m in replicas]).mean(0)
+    timeline = [
+        (int(e["layer"]), int(e["step"]), int(e["landed_step"]), e["wire_start"]) for e in opt.trace
+    ]
+    trace = {
+        "exchanges": opt.trace,
+        "forward_s": opt.forward_s,
+        "step_s": opt.step_s,
+        "origin_s": opt.trace_origin_s,
+    }
+    return float((got - final).abs().max()), timeline, len(opt.layers), period, trace
+
+
+@pytest.mark.parametrize(("land_after", "fuse"), [(1, True), (2, True), (1, False)])
+def test_dreamddp_lands_an_exchange_land_after_steps_later_in_one_message_per_step(
+    pool: PoolFn, land_after: int, fuse: bool
+) -> None:
+    results = pool(2).run(dreamddp_lands_later, land_after, fuse, timeout_s=DEADLINE_S)
+    for err, timeline, layers, period, _ in results:
+        assert err < 1e-6  # the replay's replicas, exchanges landed where it lands them
+        # Each exchange landed land_after steps after its launch (in finish(), step 10, for
+        # those still in flight at the end); every layer once in each period.
+        assert timeline and all(
+            landed == min(launch + land_after, 10) for _, launch, landed, _ in timeline
+        )
+        for start in range(2, 10 - period + 1, period):
+            window = sorted(
+                layer for layer, launch, _, _ in timeline if start <= launch < start + period
+            )
+            assert window == list(range(layers))
+        # The layers a step launches go as one message (one time on the wire), or one each.
+        for step in range(2, 10):
+            wires = [wire for _, launch, _, wire in timeline if launch == step]
+            assert len(set(wires)) == (min(1, len(wires)) if fuse else len(wires))
+        if period == 2:
+            launches = [
+                sum(launch == step for _, launch, _, _ in timeline) for step in range(2, 10)
+            ]
+            assert max(launches) > 1
+    # The trace read back as a run record carries it: every iteration, its layers and messages.
+    record = {"period_steps": period, "exchange_trace": [trace for *_, trace in results]}
+    rows = iteration_timeline(record)
+    assert [row["iteration"] for row in rows] == list(range(period))
+    assert sorted(layer for row in rows for layer in row["layers"]) == list(range(layers))
+    for row in rows:
+        assert row["messages"] == (1 if fuse else len(row["layers"]))
+        assert row["measured_s"] >= 0 and row["waited_s"] >= 0 and row["planned_s"] is None
+    wire = message_wire_s(record)
+    assert wire["first"] is not None and (wire["later_small"] is None) == fuse
+    assert len(forward_skew_s(record)) == period
+    with pytest.raises(ValueError, match="run with trace=1"):
+        iteration_timeline({"strategy": "dreamddp", "period_steps": period})
+
+
 # -- every method: a resume in the middle of a period continues bit for bit -----------------
 METHODS: list[tuple[SyncMethod, str]] = [
     (SelSyncConfig(threshold=0.05), "sgd"),
     (ADPSGDConfig(total_steps=12, num_syncs=3), "sgd"),
     (PALSGDConfig(H=3, p=0.3), "adamw"),
     (DreamDDPConfig(H=3), "adamw"),
+    (DreamDDPConfig(H=3, land_after=2), "adamw"),
     (LocalSGDClipConfig(H=4, max_norm=0.05), "sgd"),
 ]
 
@@ -615,6 +752,9 @@ def test_bad_settings_are_named() -> None:
     for h in itertools.islice(itertools.count(-1), 2):
         with pytest.raises(ValueError, match="H must be >= 1"):
             DreamDDPConfig(H=h)
+    for land_after in (0, 4):
+        with pytest.raises(ValueError, match=r"land_after must be in \[1, H=3\]"):
+            DreamDDPConfig(H=3, land_after=land_after)
 
 
 # -- through the training loop: checkpoint files, the strategy's hooks and compute-only steps --

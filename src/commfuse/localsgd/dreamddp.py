@@ -9,10 +9,12 @@ at different iterations, and sends a layer's parameters while the iteration comp
 
 1. a layer's parameters do not change between the optimizer step that wrote them and the next
    one, so the value an iteration averages is final as soon as the previous step ends: a
-   forward pre-hook on the model launches the allreduce of every layer this iteration
-   averages as its forward starts, in the order the forward uses them, in the background, and
-   each exchange overlaps the whole forward and backward pass, the optimizer step and the next
-   forward up to its layer. (The paper launches a layer's exchange from the backward pass,
+   forward pre-hook on the model launches one allreduce of every layer this iteration
+   averages as its forward starts (their parameters concatenated in the order the forward
+   uses them: a message pays a fixed cost, the wait for the last rank and for every rank's
+   thread at each of its steps, that one message per layer would pay per layer), in the
+   background, and the exchange overlaps the whole forward and backward pass, the optimizer
+   step and the next forward up to its first layer. (The paper launches a layer's exchange from the backward pass,
    once its gradients are produced, torch's post-accumulate-grad hook: ``launch_at="grad"``.
    The layers the backward pass finishes last, the first block's and the embedding, are the
    ones the next forward uses first; launched that late, their exchanges have only the
@@ -67,7 +69,7 @@ from commfuse.localsgd.sync_method import SyncMethod, SyncMethodOptimizer
 @dataclass(frozen=True, kw_only=True)
 class DreamDDPConfig(SyncMethod):
     """DreamDDP (Tang et al. 2025): every layer averaged once per H steps, a planned group of
-    layers per step, launched from the backward pass."""
+    layers per step, sent as one message as the step's forward starts."""
 
     name = "dreamddp"
 
@@ -91,12 +93,31 @@ class DreamDDPConfig(SyncMethod):
     """Where an exchange is waited for: ``use``, just before its layer's next use (step 2 of
     the module docstring); ``step``, before the optimizer step of the iteration that launched
     it, the average written exactly (``mean(x) - lr u`` with weight decay too)."""
+    fuse: bool = True
+    """``launch_at="forward"``: send the layers an iteration launches as one message, their
+    parameters concatenated in launch order, landed at the first use of any of them; False:
+    one message per layer, queued one after another. A message costs more than its bytes: it
+    waits for the last rank to launch it, and each of its steps for four ranks' threads to be
+    scheduled on shared cores, a cost the profile's exchanges, timed alone, do not show; an
+    iteration of several small layers (the embeddings and layer norms) paid it per layer."""
+    land_after: int = 1
+    """Iterations from an exchange's launch to the one whose use of the layer lands it (at most
+    H: the layer's next exchange starts from the landed average). 1: the next iteration's; 2:
+    the one after, the exchange hidden behind one more iteration and the layer landed with the
+    two local steps since on it (``mean(x) - lr (u1 + u2)``): an exchange ends when the last
+    rank has launched it, and the layers the forward uses first, with one iteration of slack,
+    wait for the ranks that run behind. With ``land_at="use"`` only."""
+    trace: bool = False
+    """Keep every exchange's timeline (``DreamDDPOptimizer.trace``: launched, on the wire,
+    used, landed) for reading where a step waits; off by default."""
 
     def __post_init__(self) -> None:
         if self.H < 1:
             raise ValueError(f"H must be >= 1, got {self.H}")
         if self.profile_steps < 1:
             raise ValueError(f"profile_steps must be >= 1, got {self.profile_steps}")
+        if not 1 <= self.land_after <= self.H:
+            raise ValueError(f"land_after must be in [1, H={self.H}], got {self.land_after}")
         if self.max_plan_nodes < 1:
             raise ValueError(f"max_plan_nodes must be >= 1, got {self.max_plan_nodes}")
         self.periodic()
@@ -142,6 +163,11 @@ class _Launched:
     """The layer's parameters as sent (for the drift, and the correction at landing)."""
     average: torch.Tensor
     handle: Handle | None
+    land_step: int = 0
+    """The step (1-based) whose use of the layer lands it (``land_after`` after ``step``)."""
+    times: dict[str, float] | None = None
+    """With ``trace``: its message's launch and time on the wire (``DreamDDPOptimizer.trace``),
+    shared by the layers sent together."""
 
 
 class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
@@ -188,6 +214,17 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         """Per step (communicating, after the profile), the seconds spent waiting for exchanges
         since the previous step: in the forward's pre-hooks, then in ``step()``."""
         self._waited = 0.0
+        self.trace: list[dict[str, float]] = []
+        """With ``DreamDDPConfig.trace``: one entry per exchange after the profile, once landed:
+        ``layer``, ``step`` (launched), ``landed_step``, ``bytes`` and, in seconds from the optimizer's creation,
+        ``launched`` (handed to the worker thread), ``wire_start`` and ``wire_end`` (the
+        worker thread ran its collective), ``used`` (its layer's pre-hook asked for it) and
+        ``landed`` (the wait returned); ``forward_s`` and ``step_s`` hold, per step, when its
+        forward started and when its ``step()`` was called."""
+        self.forward_s: list[float] = []
+        self.step_s: list[float] = []
+        self.trace_origin_s = now(self.params[0].device)
+        """The trace's origin on ``now``'s clock (one clock for every rank of one machine)."""
         self.profile: dict[str, list[float]] = {}
         """The agreed profile: per layer in launch order, ``backward_s`` (the compute before its
         launch, after the previous layer's), ``comm_s`` and ``slack_s`` (the compute from the
@@ -240,13 +277,19 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         del module, args
         if self.profiling and self._forward_started is None:
             self._forward_started = now(self.params[0].device)
+        if self.method.trace and self.communicate and torch.is_grad_enabled():
+            self.forward_s.append(self._clock())
         if not self._launches_from_forward():
             return
         launched = {item.layer for item in self._launched}
-        for layer in self.launch_order:
-            if self.due(layer) and layer not in launched and layer not in self._in_flight:
-                self.hook_launches += 1
-                self._launch(layer)
+        due = [
+            layer
+            for layer in self.launch_order
+            if self.due(layer) and layer not in launched and layer not in self._in_flight
+        ]
+        self.hook_launches += len(due)
+        for group in [due] if self.method.fuse else [[layer] for layer in due]:
+            self._send(group)
 
     def _before_use(self, layer: int, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: land the layer's exchange in flight (and, at H = 1, launch the
@@ -257,8 +300,9 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             if self._forward_started is None:
                 self._forward_started = t
             self._used_at.setdefault(layer, t - self._forward_started)
-        pending = self._in_flight.pop(layer, None)
-        if pending is not None:
+        pending = self._in_flight.get(layer)
+        if pending is not None and pending.land_step <= self.step_count + 1:
+            del self._in_flight[layer]
             self._land(pending)
             if self._launches_from_forward() and self.due(layer):
                 self.hook_launches += 1
@@ -279,21 +323,15 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             self._launch(layer)
 
     def _launch(self, layer: int) -> None:
-        pending = self._in_flight.pop(layer, None)
-        if pending is not None:  # its module's pre-hook did not fire (H = 1)
-            self._land(pending)
+        """Launch ``layer``'s exchange alone: in the background (``_send``), or in a profile
+        step timed, the caller waiting."""
+        if not self.profiling:
+            self._send([layer])
+            return
         params = [self.params[i] for i in self.layers[layer]]
         sent = torch.cat([p.detach().reshape(-1) for p in params])
         average = sent.clone()
         step = self.step_count + 1
-        if not self.profiling:
-            handle = collectives.all_reduce(
-                self.outer_comm, average, "avg", algo=self.config.algo, async_op=True
-            )
-            self._launched.append(
-                _Launched(layer=layer, step=step, sent=sent, average=average, handle=handle)
-            )
-            return
         # Profile: the exchange runs alone, timed, and the backward pass waits for it (the
         # time it waits is taken out of the next layer's backward time).
         device = sent.device
@@ -307,6 +345,60 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             _Launched(layer=layer, step=step, sent=sent, average=average, handle=None)
         )
 
+    def _clock(self) -> float:
+        """Seconds since the optimizer's creation (the trace's clock)."""
+        return now(self.params[0].device) - self.trace_origin_s
+
+    def _send(self, layers: list[int]) -> None:
+        """Launch the exchange of ``layers`` in the background as one message (their
+        parameters concatenated), each layer's part landed on its own (``_land``)."""
+        if not layers:
+            return
+        for layer in layers:
+            pending = self._in_flight.pop(layer, None)
+            if pending is not None:  # its module's pre-hook did not fire (H = 1)
+                self._land(pending)
+        sent = torch.cat(
+            [self.params[i].detach().reshape(-1) for layer in layers for i in self.layers[layer]]
+        )
+        average = sent.clone()
+        times = {"launched": self._clock()} if self.method.trace else None
+        handle: Handle | None
+        if times is not None:
+            handle = self._traced_all_reduce(average, times)
+        else:
+            handle = collectives.all_reduce(
+                self.outer_comm, average, "avg", algo=self.config.algo, async_op=True
+            )
+        step, offset = self.step_count + 1, 0
+        for layer in layers:
+            numel = sum(self.params[i].numel() for i in self.layers[layer])
+            part = slice(offset, offset + numel)
+            offset += numel
+            self._launched.append(
+                _Launched(
+                    layer=layer,
+                    step=step,
+                    sent=sent[part],
+                    average=average[part],
+                    handle=handle,
+                    land_step=step + self.method.land_after,
+                    times=times,
+                )
+            )
+
+    def _traced_all_reduce(self, average: torch.Tensor, times: dict[str, float]) -> Handle:
+        """The exchange of ``average`` as one job on the worker thread that stamps in ``times``
+        when the thread starts and ends its collective (the synchronous form run there is the
+        same algorithm the asynchronous form would queue)."""
+
+        def job() -> None:
+            times["wire_start"] = self._clock()
+            collectives.all_reduce(self.outer_comm, average, "avg", algo=self.config.algo)
+            times["wire_end"] = self._clock()
+
+        return self.outer_comm.submit("all_reduce.dreamddp", job)
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> None:
         """Launch any due layer whose hook did not fire, take the inner step (a profile step
@@ -315,10 +407,13 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         if not self.communicate:
             self.inner.step()
             return
-        # Exchanges whose layers were not used since (a module called around its hook).
+        if self.method.trace:
+            self.step_s.append(self._clock())
+        # Exchanges due to land whose layers were not used (a module called around its hook).
         for pending in list(self._in_flight.values()):
-            self._land(pending)
-        self._in_flight.clear()
+            if pending.land_step <= self.step_count + 1:
+                del self._in_flight[pending.layer]
+                self._land(pending)
         done = {launched.layer for launched in self._launched}
         for layer in self.launch_order or range(len(self.layers)):
             if layer not in done and self.due(layer):
@@ -330,7 +425,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
                 self._write_layer(launched.layer, launched.average)
                 self._record(launched)
         else:
-            self._in_flight = {launched.layer: launched for launched in self._launched}
+            self._in_flight.update({launched.layer: launched for launched in self._launched})
         if profiling:
             self._record_profile()
         self._launched = []
@@ -357,7 +452,20 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
     def _land(self, launched: _Launched) -> None:
         """Wait for an exchange and move the layer by the average's difference from what was
         sent (the local step taken since stays on it)."""
+        used = self._clock()
         self._wait(launched)
+        if launched.times is not None:
+            self.trace.append(
+                {
+                    "layer": launched.layer,
+                    "step": launched.step,
+                    "landed_step": self.step_count + 1,
+                    "bytes": launched.average.numel() * launched.average.element_size(),
+                    **launched.times,
+                    "used": used,
+                    "landed": self._clock(),
+                }
+            )
         correction = launched.average - launched.sent
         offset = 0
         with torch.no_grad():
@@ -419,6 +527,9 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         ``order``: the compute before its launch, after the previous layer's, and the compute
         from the last launch to its use."""
         layers = len(order)
+        # Landed ``land_after`` iterations after the launch: every iteration but the last
+        # between them is slack too.
+        later = (self.method.land_after - 1) * (self._until_step_s + self._inner_s)
         if self.method.launch_at == "forward":
             # All launched together as the forward starts. A layer is used at the optimizer
             # step (``land_at="step"``, or no pre-hook fired for it), or after it and the next
@@ -428,7 +539,8 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
                 return [0.0] * layers, [until] * layers
             used = self._used_at
             return [0.0] * layers, [
-                until + self._inner_s + used[layer] if layer in used else until for layer in order
+                later + (until + self._inner_s + used[layer] if layer in used else until)
+                for layer in order
             ]
         ready = [self._ready_at.get(layer, 0.0) for layer in order]
         start = (
@@ -440,7 +552,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         # A layer's next use: the optimizer step, then the forward up to it (0 where its
         # module's pre-hook did not fire: needed as the backward pass ends).
         return backward, [
-            self._inner_s + self._used_at.get(layer, -self._inner_s) for layer in order
+            later + self._inner_s + self._used_at.get(layer, -self._inner_s) for layer in order
         ]
 
     def _make_plan(self) -> None:
@@ -518,6 +630,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
                 {
                     "layer": pending.layer,
                     "step": pending.step,
+                    "land_step": pending.land_step,
                     "sent": pending.sent.clone(),
                     "average": pending.average.clone(),
                 }
@@ -541,6 +654,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             int(item["layer"]): _Launched(
                 layer=int(item["layer"]),
                 step=int(item["step"]),
+                land_step=int(item.get("land_step", int(item["step"]) + 1)),
                 sent=item["sent"].to(device),
                 average=item["average"].to(device),
                 handle=None,

@@ -46,6 +46,14 @@ computation is not free where the ranks' cores also move the packets (the exchan
 reductions and the network stack take cycles from the computation), so the step that carries
 the most bytes is the slow one; spreading them evenly is what the method promises (``4 N / H``
 per step).
+
+Last, no iteration is left empty while another holds two layers or more: the best plan moves
+layers into the empty iterations as long as its key does not get worse (a layer exchanged
+alone finishes no later than in company, and the iteration it leaves no later either). The key
+is indifferent to an empty iteration; the ranks are not. An allreduce ends once the last rank
+has launched it, so each iteration's landing holds the ranks that run ahead back to the
+slowest; with no exchange in an iteration they run on unchecked, and the skew they gather is
+paid at the next landing, by the ranks ahead, in one step.
 ``brute_force_plan`` tries every assignment, for the tests.
 """
 
@@ -202,4 +210,40 @@ def plan_layers(
 
     zeros = [0.0] * num_iterations
     search(0, list(zeros), list(zeros), list(zeros), [])
-    return best_plan
+    return _fill_empty(best_plan, backward_s, comm_s, num_iterations, slack)
+
+
+def _fill_empty(
+    plan: list[int],
+    backward_s: Sequence[float],
+    comm_s: Sequence[float],
+    num_iterations: int,
+    slack_s: Sequence[float],
+) -> list[int]:
+    """``plan`` with a layer moved into each empty iteration (the module docstring) while one
+    can be without a worse key: from the iterations with the most layers first, their lightest
+    layer first."""
+    plan = list(plan)
+    key = plan_key(plan, backward_s, comm_s, num_iterations, slack_s)
+    while True:
+        members = [
+            [layer for layer, h in enumerate(plan) if h == it] for it in range(num_iterations)
+        ]
+        empty = [it for it in range(num_iterations) if not members[it]]
+        sources = sorted(
+            (it for it in range(num_iterations) if len(members[it]) > 1),
+            key=lambda it: (-len(members[it]), it),
+        )
+        moved = False
+        for source in sources if empty else []:
+            for layer in sorted(members[source], key=lambda x: (comm_s[x], x)):
+                trial = list(plan)
+                trial[layer] = empty[0]
+                trial_key = plan_key(trial, backward_s, comm_s, num_iterations, slack_s)
+                if trial_key <= key:
+                    plan, key, moved = trial, trial_key, True
+                    break
+            if moved:
+                break
+        if not moved:
+            return plan

@@ -166,6 +166,12 @@ def summarize(
         # DreamDDP: the seconds a step waited for exchanges, the mean over the timed steps and
         # the median at each position of the period (positions as ``worst_phase_step_s``'s).
         **_waits(strategy_metrics.get("exchange_wait_s"), period, timed, steps),
+        # DreamDDP with ``trace=1``: every rank's timeline of every exchange.
+        **(
+            {"exchange_trace": [r["strategy_metrics"]["exchange_trace"] for r in rank_results]}
+            if strategy_metrics.get("exchange_trace")
+            else {}
+        ),
         # A steady-state step (after warm-up; a compressor's uncompressed warm-up excluded).
         "median_bytes_per_step": statistics.median(hist["bytes"][timed]),
         "bytes_total": sum(hist["bytes"]),

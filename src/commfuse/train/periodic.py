@@ -131,6 +131,17 @@ class PeriodicSync(Strategy):
             "exchange_wait_s": (
                 list(self.periodic.wait_s) if isinstance(self.periodic, DreamDDPOptimizer) else None
             ),
+            # DreamDDP with ``trace=1``: every exchange's timeline and every step's start.
+            "exchange_trace": (
+                {
+                    "exchanges": list(self.periodic.trace),
+                    "forward_s": list(self.periodic.forward_s),
+                    "step_s": list(self.periodic.step_s),
+                    "origin_s": self.periodic.trace_origin_s,
+                }
+                if isinstance(self.periodic, DreamDDPOptimizer) and self.periodic.method.trace
+                else None
+            ),
         }
 
     def state_dict(self) -> dict[str, Any]:
