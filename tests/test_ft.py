@@ -765,3 +765,18 @@ def test_missing_torchft_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     )
     with pytest.raises(ImportError, match=r"pip install 'commfuse\[ft\]'"):
         require_torchft()
+
+
+def test_a_retry_that_fails_before_its_exchange_keeps_the_periods_inner_steps() -> None:
+    from commfuse.ft.periodic import work_kept_for_retry
+
+    work = {"grads": [torch.ones(3)], "losses": [2.5, 2.4], "samples": [0, 8], "skipped": 0}
+    # The exchange failed after the inner steps: their work is kept for the retry.
+    failed_exchange = {"state": {}, **work}
+    assert work_kept_for_retry(failed_exchange, {}, retrying=False) == work
+    # A retry whose quorum failed (its Manager errored) rolls back to where it began, the
+    # point before the period's last optimizer step: the inner steps' work stays kept, or the
+    # next attempt would start the period over from that point, an inner step short.
+    assert work_kept_for_retry(None, work, retrying=True) == work
+    # A first attempt that failed before its exchange starts the period over.
+    assert work_kept_for_retry(None, {}, retrying=False) == {}

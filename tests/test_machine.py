@@ -130,7 +130,9 @@ def test_ranks_of_one_machine_find_each_other(pool: Callable[[int], RankPool]) -
 
 def test_core_times_account_for_every_core_of_an_interval() -> None:
     # Over an interval every core is busy, idle or stolen: their sum is the interval times the
-    # cores, to a tick per core at each end; a spin of 0.3 s of CPU shows in busy.
+    # cores, within a few ticks per core (busy time is sampled at each tick, idle time on a
+    # tickless kernel measured, so the two drift apart by some ticks over a loaded interval;
+    # a core or a state left out would miss by half or more); a spin of 0.3 s shows in busy.
     before, start = machine.core_times_s(), time.monotonic()
     end = time.process_time() + 0.3
     while time.process_time() < end:
@@ -141,6 +143,6 @@ def test_core_times_account_for_every_core_of_an_interval() -> None:
     delta = {kind: after[kind] - before[kind] for kind in machine.CORE_TIMES}
     cores, tick = machine.cores(), 1.0 / os.sysconf("SC_CLK_TCK")
     total = delta["busy"] + delta["idle"] + delta["steal"]
-    assert abs(total - elapsed * cores) <= 2 * tick * cores + 0.02 * elapsed * cores
+    assert abs(total - elapsed * cores) <= 2 * tick * cores + 0.1 * elapsed * cores
     assert delta["busy"] >= 0.3 - 2 * tick * cores
     assert 0 <= delta["softirq"] <= delta["busy"] and delta["steal"] >= 0

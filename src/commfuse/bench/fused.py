@@ -447,13 +447,13 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             names = list(schedule.names)
             times = torch.zeros(len(names), config.iters, dtype=torch.float64, device=comm.device)
             cpu = torch.zeros_like(times)
-            machine = torch.zeros(len(CORE_TIMES), *times.shape, dtype=torch.float64)
+            machine = times.new_zeros(len(CORE_TIMES), *times.shape)
             for i, order in enumerate(schedule.orders()):  # the same on every rank (seeded)
                 for name in order:
                     v = names.index(name)
                     wall, own, *cores = timed_on_machine(comm, cases[schedule.code_of(name)].call)
                     times[v, i], cpu[v, i] = wall, own
-                    machine[:, v, i] = torch.tensor(cores, dtype=torch.float64)
+                    machine[:, v, i] = times.new_tensor(cores)
             comm.all_reduce(times, "max")
             machine_us = machine_medians(comm, machine, names)
             # The CPU floor: this rank's CPU for the computation and the communication alone

@@ -119,8 +119,9 @@ CORE_TIMES = {"busy": (0, 1, 2, 5, 6), "idle": (3, 4), "softirq": (6,), "steal":
 
 def core_times_s() -> dict[str, float] | None:
     """Core seconds of the whole machine since boot, all cores, by ``CORE_TIMES``'s kinds: over
-    an interval, ``busy + idle + steal`` is the interval times the cores (to a tick per
-    core); None without ``/proc/stat``."""
+    an interval, ``busy + idle + steal`` is the interval times the cores (to a few ticks per
+    core: busy time is sampled at each tick, idle time on a tickless kernel measured); None
+    without ``/proc/stat``."""
     try:
         with open("/proc/stat") as stat:
             fields = stat.readline().split()

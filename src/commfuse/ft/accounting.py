@@ -188,11 +188,7 @@ def summarize_ft(
                 "replica": replica,
                 "lives": len({r["life"] for r in mine}),
                 "committed": sum(r.get("inner_steps", 1) for r in mine if r["committed"]),
-                "discarded": sum(
-                    r.get("inner_steps", 1)
-                    for r in mine
-                    if not r["committed"] and not r.get("kept")
-                ),
+                "discarded": sum(_discarded_steps(r) for r in mine),
                 "recovered": sum(r["healed"] for r in mine),
             }
         )
@@ -218,10 +214,7 @@ def summarize_ft(
         "steps": steps,
         "first_step": first_step,
         "committed_steps": committed_steps,
-        # Per-period mode: a failed exchange keeps its period's inner steps for the retry.
-        "discarded_steps": sum(
-            r.get("inner_steps", 1) for r in records if not r["committed"] and not r.get("kept")
-        ),
+        "discarded_steps": sum(_discarded_steps(r) for r in records),
         **periods,
         "global_batch": global_batch,
         # A batch is one replica group's slot of a step (``shrink``: its own samples).
@@ -251,3 +244,13 @@ def summarize_ft(
         "timeouts": dataclasses.asdict(timeouts),
         "records": records,
     }
+
+
+def _discarded_steps(record: dict[str, Any]) -> int:
+    """The steps of training an attempt threw away: none if it committed or kept them for its
+    retry (per-period mode: a failed exchange keeps its period's inner steps); else those it
+    trained (a period's attempt that failed before training, at its quorum, trained none; a
+    per-step attempt trained its one step)."""
+    if record["committed"] or record.get("kept"):
+        return 0
+    return int(record.get("trained_steps", record.get("inner_steps", 1)))

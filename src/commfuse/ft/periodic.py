@@ -201,6 +201,27 @@ def _set_grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor | None
         p.grad = None if g is None else g.clone()
 
 
+def work_kept_for_retry(
+    pre_sync: dict[str, Any] | None, kept: dict[str, Any], *, retrying: bool
+) -> dict[str, Any]:
+    """What a failed attempt at a period keeps for the next attempt (module docstring).
+
+    ``pre_sync`` is the attempt's point before the period's last optimizer step (None: the
+    attempt failed before it got there), ``kept`` what the attempt began with, ``retrying``
+    whether it was a retry of the exchange. An attempt that failed at its exchange keeps its
+    inner steps (the last step's gradients, the losses, the samples, the skipped count). A
+    retry that failed before its exchange (its quorum's process group could not be built: a
+    peer died meanwhile) rolls back to where it began, the point before the last optimizer
+    step, so it keeps what it began with: were it to keep nothing, the next attempt would
+    find this replica an inner step short of the period's end and not retrying. A first
+    attempt that failed before its exchange rolls back to the period's start and keeps
+    nothing.
+    """
+    if pre_sync is not None:
+        return {k: pre_sync[k] for k in ("grads", "losses", "samples", "skipped")}
+    return dict(kept) if retrying else {}
+
+
 def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     """Train this replica group period by period until ``job.train.steps`` inner steps are
     committed (see the module docstring); returns its final record.
@@ -380,7 +401,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             if job.group_size > 1:
                 # Every rank of the group measured its own lateness: the group skips as one
                 # (its ranks' DDP collectives must pair up), by the latest rank's count.
-                agreed = torch.tensor([skip])
+                agreed = torch.tensor([skip], device=periodic.params[0].device)
                 dist.all_reduce(agreed, dist.ReduceOp.MAX)
                 skip = int(agreed)
             syncs = len(periodic.syncs)
@@ -453,21 +474,12 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                 if trained > 1 and not resume:
                     timing["inner_step_s"] = inner_s
                 kept.clear()
-            elif pre_sync is not None:
-                # The exchange failed after every inner step: keep them, retry the exchange.
-                load_state_dict(pre_sync["state"])
-                del periodic.syncs[syncs:]
-                kept.clear()
-                kept.update(
-                    grads=pre_sync["grads"],
-                    losses=pre_sync["losses"],
-                    samples=pre_sync["samples"],
-                    skipped=pre_sync["skipped"],
-                )
             else:
-                load_state_dict(snapshot)
+                load_state_dict(snapshot if pre_sync is None else pre_sync["state"])
                 del periodic.syncs[syncs:]
+                keep = work_kept_for_retry(pre_sync, kept, retrying=resume)
                 kept.clear()
+                kept.update(keep)
             error = manager.errored()
             report(
                 conn,
@@ -479,7 +491,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "inner_steps": end - begin,
                         "committed": bool(committed),
                         # A failed attempt whose inner steps the retry keeps; a retry.
-                        "kept": not committed and pre_sync is not None,
+                        "kept": bool(kept),
                         "retry": resume,
                         "trained_steps": trained,
                         "skipped_steps": skip,
