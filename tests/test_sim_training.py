@@ -3,6 +3,8 @@ message (its compressor's payload, on its collective), local SGD's exchange ever
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -131,8 +133,13 @@ def test_the_compressed_adams_send_their_one_bit_allreduce() -> None:
 def test_adpsgd_is_priced_at_its_mean_period() -> None:
     from commfuse.localsgd import ADPSGDConfig
 
-    plan = plan_for(ADPSGDConfig(total_steps=1000, num_syncs=10))
-    assert plan == plan_for(local_sgd(H=100))
+    # 9 syncs and the final average send 10 models over 1000 steps, as local SGD with H = 100;
+    # without the final average 10 syncs do.
+    assert plan_for(ADPSGDConfig(total_steps=1000, num_syncs=9)) == plan_for(local_sgd(H=100))
+    without_final = ADPSGDConfig(total_steps=1000, num_syncs=10, final_sync=False)
+    assert plan_for(without_final) == plan_for(
+        dataclasses.replace(local_sgd(H=100), final_sync=False)
+    )
     with pytest.raises(ValueError, match="give total_steps"):
         plan_for(ADPSGDConfig(num_syncs=10))
 

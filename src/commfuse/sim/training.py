@@ -25,7 +25,8 @@ config's ``first_bucket_cap_mb``, 1 MiB by default, for the first bucket launche
   next steps (predicted as waited for), and hierarchical mode (refused);
 * the methods that decide when (``SyncMethod``), by their fixed-period twin: PALSGD and local
   SGD with clipping are DiLoCo and local SGD, DreamDDP 1/H of the model every step, ADPSGD its
-  mean period ``total_steps / num_syncs`` (its periods adapt around it); SelSync is refused (its
+  mean period ``total_steps / (num_syncs + 1)`` with its final average (``total_steps /
+  num_syncs`` without; its periods adapt around it); SelSync is refused (its
   synchronisations depend on the run's gradients);
 * ``OneBitAdamConfig``: after its warm-up, the momentum of every parameter in one buffer after
   the backward pass, as the two-phase 1-bit allreduce (``OneBitMessage``); its fp32 warm-up
@@ -189,7 +190,8 @@ def _fixed_period_twin(method: SyncMethod) -> PeriodicSyncConfig:
     """The fixed-period config that sends what ``method`` sends per step: PALSGD and local SGD
     with clipping are DiLoCo and local SGD; DreamDDP sends 1/H of the model every step, as
     streaming DiLoCo with one fragment per step (its overlap with the backward pass is not
-    modelled). ADPSGD spends ``num_syncs`` over ``total_steps``: its mean period. SelSync
+    modelled). ADPSGD sends ``num_syncs`` models over ``total_steps``, and one more at the end with
+    ``final_sync`` (the default): its mean period. SelSync
     decides from the run's gradients, which the simulator cannot see.
 
     Raises:
@@ -202,10 +204,11 @@ def _fixed_period_twin(method: SyncMethod) -> PeriodicSyncConfig:
     if isinstance(method, ADPSGDConfig):
         if not method.total_steps:
             raise ValueError(
-                "the simulator prices adpsgd at its mean period, total_steps / num_syncs: give "
-                "total_steps (adpsgd:total_steps=1000,num_syncs=10)"
+                "the simulator prices adpsgd at its mean period, total_steps over its syncs: "
+                "give total_steps (adpsgd:total_steps=1000,num_syncs=10)"
             )
-        period = max(1, round(method.total_steps / method.num_syncs))
+        sends = method.num_syncs + int(method.final_sync)  # the final average closes a period
+        period = max(1, round(method.total_steps / sends))
         return dataclasses.replace(method.periodic(), period_steps=period)
     raise ValueError(
         f"the simulator does not model {method.name}: when it synchronises depends on the run; "
