@@ -204,11 +204,7 @@ def test_diloco_groups_of_two_ranks_send_their_shards_and_a_killed_group_rejoins
     assert record["step_digests_agree"] and record["replicas_agree"]
     # What crossed groups: per attempt of two groups, each rank's half of SparseLoCo's
     # message of the whole model (padded to an even length: one element more at most).
-    numel = sum(
-        p.numel()
-        for p in make_workload(WORKLOAD, device=torch.device("cpu")).build_model(0).parameters()
-    )
-    payload = compressor.payload_bytes(numel, torch.float32, 2)
+    payload = _model_payload(compressor)
     for r in records:
         if r["participants"] == 2 and r["trained_steps"] > 0:
             assert 2 * r["bytes"] - payload in range(0, 9), (r["bytes"], payload)
@@ -263,11 +259,7 @@ def test_compressed_groups_keep_the_global_batch_through_a_kill_and_send_their_s
     assert record["step_digests_agree"] and record["replicas_agree"]
     # What crossed groups: with both groups, each rank's half of top-k's message of the
     # bucket; alone, nothing.
-    numel = sum(
-        p.numel()
-        for p in make_workload(WORKLOAD, device=torch.device("cpu")).build_model(0).parameters()
-    )
-    payload = compressor.payload_bytes(numel, torch.float32, 2)
+    payload = _model_payload(compressor)
     assert all(2 * r["bytes"] - payload in range(0, 17) for r in both), (both[0]["bytes"], payload)
     assert all(r["bytes"] == 0 for r in alone)
 
@@ -286,6 +278,13 @@ def test_replica_groups_split_the_ranks_evenly() -> None:
         ).check_hosts(4)
     with pytest.raises(ValueError, match="min_replicas 3 is more than the 2 replica groups"):
         FaultToleranceConfig(min_replicas=3, num_replica_groups=2).check_hosts(4)
+
+
+def _model_payload(compressor: Any) -> int:
+    """Bytes of ``compressor``'s message of the whole workload model between 2 groups."""
+    model = make_workload(WORKLOAD, device=torch.device("cpu")).build_model(0)
+    numel = sum(p.numel() for p in model.parameters())
+    return int(compressor.payload_bytes(numel, torch.float32, 2))
 
 
 def _group_exchange(sizes: list[int]) -> dict[str, Any]:
