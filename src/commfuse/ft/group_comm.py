@@ -43,6 +43,15 @@ from commfuse.ft.hook import report_failure
 from commfuse.ft.quorum_comm import QuorumComm
 
 
+def padded_to_shards(flat: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
+    """``flat`` padded with zeros to ``group_size`` equal shards, and a shard's length (what
+    one rank of the group sends across groups)."""
+    size = -(-flat.numel() // group_size)
+    padded = flat.new_zeros(size * group_size)
+    padded[: flat.numel()].copy_(flat)
+    return padded, size
+
+
 class GroupQuorumComm:
     """The quorum's communicator for one rank of a replica group (see the module docstring).
 
@@ -107,10 +116,7 @@ class GroupQuorumComm:
 
     def _shard(self, flat: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Step 1: the message padded to G equal shards, and the shard's length."""
-        size = -(-flat.numel() // self.group_size)
-        padded = flat.new_zeros(size * self.group_size)
-        padded[: flat.numel()].copy_(flat)
-        return padded, size
+        return padded_to_shards(flat, self.group_size)
 
     def _across(self, exchange: Callable[[], None]) -> None:
         """Step 2, unless this rank's step already failed; a failure goes to the Manager."""

@@ -45,8 +45,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
 from commfuse.compress.layout import BucketLayout
-from commfuse.ft.group_comm import GroupQuorumComm
-from commfuse.ft.hook import FTHookState, report_failure
+from commfuse.ft.group_comm import GroupQuorumComm, padded_to_shards
+from commfuse.ft.hook import FTHookState, bucket_issue, report_failure
 from commfuse.ft.quorum_comm import QuorumComm
 
 
@@ -77,12 +77,6 @@ class GroupHookState:
     replica loop saves and restores); None: the plain sum."""
 
 
-def shard_numel(numel: int, group_size: int) -> int:
-    """Elements of one rank's shard of a bucket of ``numel`` elements (padded to G equal
-    shards): what it sends across groups."""
-    return -(-numel // group_size)
-
-
 def group_allreduce_hook(
     state: GroupHookState, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -106,22 +100,18 @@ def group_allreduce_hook(
     if not state.local and not manager.is_participating():
         buffer.zero_()
     buffer.div_(size * max(participants, 1))
-    shard = shard_numel(buffer.numel(), size)
-    padded = buffer.new_zeros(shard * size)
-    padded[: buffer.numel()].copy_(buffer)
+    padded, shard = padded_to_shards(buffer, size)
     mine = buffer.new_empty(shard)
     # Step 1 (gloo's reduce-scatter sums the whole tensor, then keeps the slice).
     dist.reduce_scatter_tensor(mine, padded, group=state.group)
     if not state.local and not manager.errored():
-        comm, on_issue, index = state.comm, state.on_issue, bucket.index()
-        before = comm.bytes_sent
-        comm.on_issue = None if on_issue is None else (lambda: on_issue(index))
+        comm, before = state.comm, state.comm.bytes_sent
         try:
-            comm.all_reduce(mine)  # step 2
+            with bucket_issue(comm, state.on_issue, bucket.index()):
+                comm.all_reduce(mine)  # step 2
         except Exception as error:
             report_failure(manager, comm, error)
         finally:
-            comm.on_issue = None
             state.bytes_sent += comm.bytes_sent - before
     dist.all_gather_into_tensor(padded, mine, group=state.group)
     buffer.copy_(padded[: buffer.numel()])
@@ -152,14 +142,13 @@ def _compressed(
     compressor.set_layout(index, layout)
     comm = GroupQuorumComm(state.comm, state.group, state.group_rank, state.group_size)
     comm.manager = manager
-    before, on_issue = state.comm.bytes_sent, state.on_issue
-    state.comm.on_issue = None if on_issue is None else (lambda: on_issue(index))
+    before = state.comm.bytes_sent
     try:
         # Every rank of the group runs it whatever happened: its in-group gathers pair up;
         # a cross-group failure went to the Manager, and the step will not commit.
-        compressor.reduce_(comm, buffer, bucket=index, step=step)  # type: ignore[arg-type]
+        with bucket_issue(state.comm, state.on_issue, index):
+            compressor.reduce_(comm, buffer, bucket=index, step=step)  # type: ignore[arg-type]
     finally:
-        state.comm.on_issue = None
         state.bytes_sent += state.comm.bytes_sent - before
     return _done(buffer)
 

@@ -35,8 +35,9 @@ loop restores it from the step's start (``replica.py``).
 registration and rejects string annotations.)
 """
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -142,18 +143,30 @@ def _exchange(
             if state.manager.errored():
                 return  # an earlier bucket failed: the step is lost, spare the quorum
             before = comm.bytes_sent
-            # An exchange may be several collectives: the fault comes as the first is issued.
-            comm.on_issue = None if on_issue is None else (lambda: on_issue(index))
-            reduce()
+            with bucket_issue(comm, on_issue, index):
+                reduce()
             state.bytes_sent += comm.bytes_sent - before
         except Exception as error:
             report_failure(state.manager, comm, error)
         finally:
-            comm.on_issue = None
             future.set_result(buffer)
 
     state.worker.submit(exchange)
     return future
+
+
+@contextlib.contextmanager
+def bucket_issue(
+    comm: QuorumComm, on_issue: Callable[[int], None] | None, index: int
+) -> Iterator[None]:
+    """Bucket ``index``'s exchange on ``comm``: ``on_issue(index)`` is called as its first
+    collective is issued (an exchange may be several collectives: a fault comes then), and
+    ``comm`` calls nothing once the exchange has ended, failed or not."""
+    comm.on_issue = None if on_issue is None else (lambda: on_issue(index))
+    try:
+        yield
+    finally:
+        comm.on_issue = None
 
 
 def report_failure(manager: Any, comm: QuorumComm, error: Exception) -> None:
