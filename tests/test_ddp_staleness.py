@@ -156,6 +156,9 @@ def stale_nonfinite(spec: str | None) -> dict[str, Any]:
         opt.zero_grad()
         if step == 2:
             out["unchanged"] = bool(torch.equal(before, _params(net)))
+    # The last step's reduction is still in flight on the engine's worker thread: land it, or
+    # its collectives race the next job's on the same process group (a gloo size mismatch).
+    dp.close()
     out["finite"] = bool(torch.isfinite(_params(net)).all())
     if comp is not None:
         out["state_finite"] = all(

@@ -237,5 +237,7 @@ class DataParallel(nn.Module):
         self.load_engine_state_dict(state)
 
     def close(self) -> None:
-        """Remove the gradient hooks (the wrapped module then trains locally again)."""
+        """Land a reduction still in flight (``staleness=1``) and remove the gradient hooks
+        (the wrapped module then trains locally again). Call it before other collectives on the
+        same process group: a flight left running would race them."""
         self.reducer.close()
