@@ -371,11 +371,12 @@ def timed_on_machine(
     (``reader``: its ranks' pids), what the machine did with its cores meanwhile, by
     ``MACHINE_KINDS`` (us; -1 where ``/proc`` cannot be read; 0 on other ranks): its ranks'
     CPU, other programs' CPU, the kernel's own work (busy less both), idle cores, time the
-    hypervisor took. The reader reads before the barrier that starts the call, so that no
-    rank waits for it inside the timed call; the interval it covers is a little longer than
-    the call (``interval``). ``ranks`` is this rank's own CPU over the whole of it
-    (``getrusage``, to the microsecond: the ranks' ``/proc`` times are in 10 ms ticks), which
-    the caller sums over the machine's ranks (``machine_ranks_cpu``)."""
+    hypervisor took. The reader reads between two barriers before the call and two after it,
+    so that no rank waits for it inside the timed call and every rank's CPU is counted over
+    the same interval, a little longer than the call (``interval``). ``ranks`` is this rank's
+    own CPU over it (``getrusage``, to the microsecond: the ranks' ``/proc`` times are in
+    10 ms ticks), which the caller sums over the machine's ranks (``machine_ranks_cpu``)."""
+    comm.barrier()
     outer = cpu_seconds()
     before = _machine_reading(reader)
     comm.barrier()
@@ -383,6 +384,7 @@ def timed_on_machine(
     fn()
     wall = (now(comm.device) - start) * 1e6
     own = (cpu_seconds() - cpu) * 1e6
+    comm.barrier()
     after = _machine_reading(reader)
     wide = (cpu_seconds() - outer) * 1e6
     if reader is None:
@@ -464,7 +466,9 @@ def machine_share(
     kernel = k["busy"] - k["ranks"] - k["others"]
     interval = k["interval"].clamp_min(1.0)
     c = names.index("compute")
-    rate = statistics.median((kernel[c] / interval[c]).tolist())
+    # The kernel's own rate beside the computation (others' traffic, timers); at least 0, as
+    # tick-sampled busy time can read below the ranks' exact CPU.
+    rate = max(0.0, statistics.median((kernel[c] / interval[c]).tolist()))
     taken = statistics.median(
         ((k["busy"][c] - k["ranks"][c] + k["steal"][c]) / interval[c]).tolist()
     )
