@@ -66,6 +66,9 @@ def test_bench_records(pool: PoolFn) -> None:
             assert r["machine_dependencies_us"] == r["ideal_us"]  # its parts: max(C, M)
         # The machine's bound: its CPU, the kernel's network work and the cores left to it.
         assert r["machine_floor_us"] >= r["cpu_floor_us"] * (1 - 1e-9)
+        assert r["machine_floor_us"] == max(
+            r["machine_floor_parts_us"], r["machine_floor_unfused_us"]
+        )
         assert r["machine_bound_us"] == max(r["machine_dependencies_us"], r["machine_floor_us"])
         assert r["fused_vs_machine_bound"] == pytest.approx(r["fused_us"] / r["machine_bound_us"])
         assert all(v >= 0 for v in r["kernel_network_us"].values()) and r["taken_cores"] >= 0

@@ -34,7 +34,8 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
 * ``fused/bound`` divides by the **machine's bound**, which counts what the CPU floor leaves
   out (``cpu_floor.machine_floor_us``): the kernel's network work that no rank is charged for,
   and the cores other programs take while the ranks want them all, both measured over the
-  parts run alone (``machine_share``). It is the larger of the dependencies (the operator's
+  parts run alone (``machine_share``), and the CPU of C and M or of the unfused step, whichever
+  is more (the unfused step does the same work in one piece). It is the larger of the dependencies (the operator's
   ``bound`` with each stage's machine floor; ``max(C, M)`` for operators without one) and the
   machine floor. ``fused/dep`` keeps the bound of the ranks' CPU alone beside it.
 
@@ -571,12 +572,18 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             # The machine floor (cpu_floor.py, steps 4-6): the same CPU, plus the kernel's
             # network work of the parts alone, over the cores the ranks had.
             own_cpu = {n: statistics.median(cpu[v].tolist()) for v, n in enumerate(names)}
-            machine_floor = machine_floor_us(
+            parts_floor = machine_floor_us(
                 comm,
                 own_cpu["compute"] + own_cpu["comm"],
                 kernel_us=network["compute"] + network["comm"],
                 taken_cores=taken,
             )
+            # The unfused step does the same work in one piece: the CPU it costs (the routing,
+            # the copies around the exchange) is the step's too, where the parts may miss some.
+            unfused_floor = machine_floor_us(
+                comm, own_cpu["unfused"], kernel_us=network["unfused"], taken_cores=taken
+            )
+            machine_floor = max(parts_floor, unfused_floor)
             stage_machine_floors = {
                 n: machine_floor_us(
                     comm,
@@ -586,7 +593,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 )
                 for n in forms.stages
             }
-            kernel_network = {n: network[n] for n in ("compute", "comm")} | {
+            kernel_network = {n: network[n] for n in ("compute", "comm", "unfused")} | {
                 n: network[f"stage:{n}"] for n in forms.stages
             }
             taken_cores = torch.tensor([taken], dtype=torch.float64, device=comm.device)
@@ -649,6 +656,8 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 "machine_us": machine_us,
                 "fused_vs_dependency_bound": f / bound if bound else None,
                 "machine_floor_us": machine_floor,
+                "machine_floor_parts_us": parts_floor,
+                "machine_floor_unfused_us": unfused_floor,
                 "machine_dependencies_us": machine_dependencies,
                 "machine_bound_us": machine_bound,
                 "stage_machine_floors_us": stage_machine_floors,
