@@ -18,10 +18,10 @@ Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, section 4
 By table (``chunks=BY_TABLE``, ``ChunkConfig(schedule="by_table")``). Cutting the *samples*
 into pieces makes every piece look up every table again: with tables larger than the caches the
 lookups of many pieces cost far more than one pass, which eats the overlap. The other cut is by
-*table*: look up one table for the whole global batch (one
-``EmbeddingBag`` call, its rows hot in cache), send each destination its contiguous slice of
-that column at once, and go on to the next table while they travel; the receiver puts table
-``t`` of rank ``j`` in place as it lands. ``T_r`` messages per destination instead of
+*table*: look up one table for each destination's samples in turn (one ``EmbeddingBag`` call
+each, the table's rows hot in cache), send each slice as soon as it is computed, and go on
+while it travels; this rank's own slices come last, and the receiver puts table ``t`` of rank
+``j`` in place as it lands. ``T_r`` messages per destination instead of
 ``pieces``; the same bytes; the same sums, so the same output bit for bit. It pays most with
 many ids per bag (the lookups dominate); with few, both cuts overlap alike
 (``benchmarks/fused-embedding_netlab-4x1gbit-2core.md``).
