@@ -35,9 +35,9 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
   out (``cpu_floor.machine_floor_us``): the kernel's network work that no rank is charged for,
   and the cores other programs take while the ranks want them all, both measured over the
   parts run alone (``machine_share``), and the CPU of C and M or of the unfused step, whichever
-  is more (the unfused step does the same work in one piece). It is the larger of the dependencies (the operator's
-  ``bound`` with each stage's machine floor; ``max(C, M)`` for operators without one) and the
-  machine floor. ``fused/dep`` keeps the bound of the ranks' CPU alone beside it.
+  is more (the unfused step does the same work in one piece). It is the larger of the
+  dependencies (the operator's ``bound`` with each stage's machine floor; ``max(C, M)`` for
+  operators without one) and the machine floor. ``fused/dep`` keeps the bound of the ranks' CPU alone beside it.
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
 prediction and the ratios fused/unfused, fused/ideal and fused/overlap (of the medians), plus
@@ -372,9 +372,9 @@ def timed_on_machine(
     (``reader``: its ranks' pids), what the machine did with its cores meanwhile, by
     ``MACHINE_KINDS`` (us; -1 where ``/proc`` cannot be read; 0 on other ranks): its ranks'
     CPU, other programs' CPU, the kernel's own work (busy less both), idle cores, time the
-    hypervisor took. The reader reads between two barriers before the call and two after it,
-    so that no rank waits for it inside the timed call and every rank's CPU is counted over
-    the same interval, a little longer than the call (``interval``). ``ranks`` is this rank's
+    hypervisor took. The reader reads between the two barriers before the call and after the
+    one that follows it, so that no rank waits for it inside the timed call and every rank's
+    CPU is counted over the same interval, a little longer than the call (``interval``). ``ranks`` is this rank's
     own CPU over it (``getrusage``, to the microsecond: the ranks' ``/proc`` times are in
     10 ms ticks), which the caller sums over the machine's ranks (``machine_ranks_cpu``)."""
     comm.barrier()
