@@ -18,10 +18,10 @@ Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, section 4
 By table (``chunks=BY_TABLE``, ``ChunkConfig(schedule="by_table")``). Cutting the *samples*
 into pieces makes every piece look up every table again: with tables larger than the caches the
 lookups of many pieces cost far more than one pass, which eats the overlap. The other cut is by
-*table*: look up one table for each destination's samples in turn (one ``EmbeddingBag`` call
-each, the table's rows hot in cache), send each slice as soon as it is computed, and go on
-while it travels; this rank's own slices come last, and the receiver puts table ``t`` of rank
-``j`` in place as it lands. ``T_r`` messages per destination instead of
+*table*: look up one table for the whole global batch (one
+``EmbeddingBag`` call, its rows hot in cache), send each destination its contiguous slice of
+that column at once, and go on to the next table while they travel; the receiver puts table
+``t`` of rank ``j`` in place as it lands. ``T_r`` messages per destination instead of
 ``pieces``; the same bytes; the same sums, so the same output bit for bit. It pays most with
 many ids per bag (the lookups dominate); with few, both cuts overlap alike
 (``benchmarks/fused-embedding_netlab-4x1gbit-2core.md``).
@@ -183,13 +183,6 @@ class ShardedLookup:
             return torch.empty((stop - start, 0, self.dim), dtype=self.dtype, device=self.device)
         return torch.stack(columns, dim=1).reshape(stop - start, len(self.tables), self.dim)
 
-    def column(self, table: int, start: int, stop: int) -> torch.Tensor:
-        """Pooled lookups of samples ``[start, stop)`` in local table ``table``: ``[stop - start,
-        D]``, contiguous, each bag's sum the one ``rows`` computes."""
-        idx, off = self.indices[table], self.offsets[table]
-        lo, hi = _bag_range(off, idx.numel(), start, stop)
-        return F.embedding_bag(idx[lo:hi], self.tables[table], off[start:stop] - lo, mode=self.mode)
-
 
 def _bag_range(off: torch.Tensor, num_idx: int, start: int, stop: int) -> tuple[int, int]:
     lo = int(off[start]) if start < off.numel() else num_idx
@@ -260,67 +253,38 @@ def embedding_all_to_all(
 
 
 def _by_table(comm: Communicator, lookup: ShardedLookup) -> torch.Tensor:
-    """The by-table schedule (module docstring): table by table, each peer's slice of the
-    global batch looked up and sent at once, the next slice looked up while it travels; this
-    rank's own slices last, while the last messages travel, and every landed message put in
-    its place in the output as soon as it is found landed.
-
-    Three choices keep the cores on the exchange's critical path:
-
-    1. A slice per peer, not a column per table: the first message leaves after a quarter
-       (``1/P``) of the first table's lookup, not all of it, with the same messages (one per
-       table and peer) and the same sums (a bag's sum does not depend on the other bags of
-       its call).
-    2. This rank's own slices are looked up after every remote one is sent: they never
-       travel, so they hide the last transfers instead of delaying them.
-    3. Every message lands in a contiguous ``[B_r, D]`` buffer and is copied into its strided
-       column of ``[B_r, T, D]`` while the lookups of (1)-(2) still run, polled between
-       them, so the output is not one transposing copy of the whole after the last arrival."""
+    """The by-table schedule (module docstring): table by table, each one's column of the global
+    batch computed once and its slices sent to every peer while the next table is looked up."""
     rank, world = comm.rank, comm.world_size
     splits, per_rank, dim = lookup.batch_splits, lookup.tables_per_rank, lookup.dim
     starts, table_starts = lookup.sample_starts, lookup.table_starts
     mine = splits[rank]
-    out = torch.empty((mine, sum(per_rank), dim), dtype=lookup.dtype, device=comm.device)
     # One table-major landing buffer, [T, B_r, D] in rank-major table order: every message (one
-    # source's table) lands in its own contiguous slice.
+    # source's table) lands in its own contiguous slice, so the output costs one transposing
+    # copy at the end (a buffer per source cost a concatenation more: 8 MB at 64-dim x 32 tables).
     landing = torch.empty((sum(per_rank), mine, dim), dtype=lookup.dtype, device=comm.device)
-    pending: list[tuple[Handle, int]] = []
+    handles: list[Handle] = []
     if mine:
         for step in range(1, world):
             src = (rank - step) % world
             for t in range(per_rank[src]):
-                column = table_starts[src] + t
-                pending.append((comm.irecv(landing[column], src, tag=t, label=LABEL), column))
-
-    def place_landed() -> None:
-        # Copies each landed message into the output while later ones still travel.
-        nonlocal pending
-        waiting = []
-        for handle, column in pending:
-            if handle.is_completed():
-                handle.wait()  # raises a failed receive's error here
-                out[:, column] = landing[column]
-            else:
-                waiting.append((handle, column))
-        pending = waiting
-
-    sends: list[Handle] = []
-    for t in range(len(lookup.tables)):
+                target = landing[table_starts[src] + t]
+                handles.append(comm.irecv(target, src, tag=t, label=LABEL))
+    for t, (table, idx, off) in enumerate(
+        zip(lookup.tables, lookup.indices, lookup.offsets, strict=True)
+    ):
+        lo, hi = _bag_range(off, idx.numel(), 0, off.numel())  # as ``rows`` cuts them
+        column = F.embedding_bag(idx[lo:hi], table, off - lo, mode=lookup.mode)  # [B, D]
         for step in range(1, world):
             dst = (rank + step) % world
             if splits[dst]:
-                part = lookup.column(t, starts[dst], starts[dst] + splits[dst])
-                sends.append(comm.isend(part, dst, tag=t, label=LABEL))
-        place_landed()
-    for t in range(len(lookup.tables) if mine else 0):
-        out[:, table_starts[rank] + t] = lookup.column(t, starts[rank], starts[rank] + mine)
-        place_landed()
-    for handle, column in pending:
+                part = column[starts[dst] : starts[dst] + splits[dst]]  # contiguous rows
+                handles.append(comm.isend(part, dst, tag=t, label=LABEL))
+        landing[table_starts[rank] + t] = column[starts[rank] : starts[rank] + mine]
+    for handle in handles:
         handle.wait()
-        out[:, column] = landing[column]
-    for handle in sends:
-        handle.wait()
-    return out
+    # [T, B_r, D] -> [B_r, T, D], as the reference returns.
+    return landing.permute(1, 0, 2).contiguous()
 
 
 def embedding_all_to_all_reference(
