@@ -6,8 +6,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
-from commfuse.bench.fused import OPS, FusedBenchConfig, bench_fused_on_rank, run_together
+from commfuse.bench.fused import (
+    MACHINE_KINDS,
+    OPS,
+    FusedBenchConfig,
+    bench_fused_on_rank,
+    machine_share,
+    run_together,
+)
 from commfuse.bench.fused_steps import StepBenchConfig, bench_steps_on_rank
 from commfuse.testing import RankPool
 
@@ -55,6 +63,15 @@ def test_bench_records(pool: PoolFn) -> None:
             assert r["fused_vs_dependency_bound"] == pytest.approx(r["fused_us"] / bound)
         else:
             assert bound is None and r["fused_vs_dependency_bound"] is None
+            assert r["machine_dependencies_us"] == r["ideal_us"]  # its parts: max(C, M)
+        # The machine's bound: its CPU, the kernel's network work and the cores left to it.
+        assert r["machine_floor_us"] >= r["cpu_floor_us"] * (1 - 1e-9)
+        assert r["machine_floor_us"] == max(
+            r["machine_floor_parts_us"], r["machine_floor_unfused_us"]
+        )
+        assert r["machine_bound_us"] == max(r["machine_dependencies_us"], r["machine_floor_us"])
+        assert r["fused_vs_machine_bound"] == pytest.approx(r["fused_us"] / r["machine_bound_us"])
+        assert all(v >= 0 for v in r["kernel_network_us"].values()) and r["taken_cores"] >= 0
 
 
 def test_gemm_all_reduce_schedules_get_rows_of_their_own(pool: PoolFn) -> None:
@@ -92,6 +109,25 @@ def test_moe_step_bound_hides_each_exchange_only_behind_its_gemms() -> None:
     floors = {"dispatch": 8.0, "combine": 8.0, "gemm1": 25.0, "gemm2": 25.0}
     assert moe_step_bound_us(long, floors) == 140.0 - (7 + 9 + 10 + 12)
     assert moe_step_bound_us(long, dict.fromkeys(floors, 0.0)) == moe_step_bound_us(long)
+
+
+def test_machine_share_counts_the_kernels_work_beyond_its_rate_and_the_cores_taken() -> None:
+    names = ["compute", "comm"]
+    machine = torch.zeros(len(MACHINE_KINDS), 2, 1, dtype=torch.float64)
+    at = {kind: i for i, kind in enumerate(MACHINE_KINDS)}
+    # The computation alone: 2000 us busy in 1000 us, 1600 of them the ranks', 300 other
+    # programs', so 100 the kernel's (0.1 us per us); 100 us stolen: 0.5 cores taken.
+    for kind, value in {"busy": 2000, "ranks": 1600, "others": 300, "steal": 100}.items():
+        machine[at[kind], 0, 0] = value
+    machine[at["interval"], 0, 0] = 1000
+    # The exchange alone: 200 us of the kernel's in 500 us, 50 of which it does anyway.
+    for kind, value in {"busy": 900, "ranks": 300, "others": 400, "interval": 500}.items():
+        machine[at[kind], 1, 0] = value
+    network, taken = machine_share(machine, names, reader=(1, 2))
+    assert network == {"compute": 0.0, "comm": pytest.approx(150.0)}
+    assert taken == pytest.approx(0.5)
+    # Only a machine's reader reports; the other ranks add nothing to its floor.
+    assert machine_share(machine, names, reader=None) == ({"compute": 0.0, "comm": 0.0}, 0.0)
 
 
 def test_run_together_runs_both_and_raises_the_collectives_error() -> None:

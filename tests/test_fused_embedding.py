@@ -117,6 +117,19 @@ def grid(num_tables: int) -> list[str]:
                 want_bytes = comm.stats[PAIRWISE].bytes_sent if world > 1 else 0
                 if chunks != 1 and sent_fwd != want_bytes:
                     failures.append(f"{where}: sent {sent_fwd} bytes, reference {want_bytes}")
+                if chunks == BY_TABLE and world > 1:
+                    # One message per (table, peer): to each peer with samples, from each peer's
+                    # tables when this rank has samples.
+                    owned = len(module.local_tables)
+                    want = (
+                        owned * sum(1 for r in range(world) if r != rank and splits[r]),
+                        num_tables - owned if splits[rank] else 0,
+                    )
+                    if (fused.messages_sent, fused.messages_recv) != want:
+                        failures.append(
+                            f"{where}: sent/received {fused.messages_sent}/{fused.messages_recv} "
+                            f"messages, want {want}"
+                        )
                 # Backward: gradients of my tables against the single-process ones.
                 g = torch.randint(
                     -2, 3, (batch, num_tables, 3), generator=torch.Generator().manual_seed(5)

@@ -146,3 +146,19 @@ def test_core_times_account_for_every_core_of_an_interval() -> None:
     assert abs(total - elapsed * cores) <= 2 * tick * cores + 0.1 * elapsed * cores
     assert delta["busy"] >= 0.3 - 2 * tick * cores
     assert 0 <= delta["softirq"] <= delta["busy"] and delta["steal"] >= 0
+
+
+def test_cpu_by_owner_splits_the_ranks_from_other_programs_and_keeps_reaped_children() -> None:
+    before = machine.cpu_by_owner_s([os.getpid()])
+    # A child of this "rank" that ends and is reaped inside the interval: its CPU leaves the
+    # listing of /proc and comes back in this process's cutime.
+    subprocess.run([sys.executable, "-c", SPIN, "0.3"], input="", text=True, check=True)
+    other = start(SPIN, "0.3")  # alive at the second reading, and no rank
+    try:
+        wait_done(other)
+        after = machine.cpu_by_owner_s([os.getpid()])
+    finally:
+        stop(other)
+    assert before is not None and after is not None and set(after) == {"ranks", "others"}
+    assert after["ranks"] - before["ranks"] >= 0.25
+    assert after["others"] - before["others"] >= 0.25

@@ -13,9 +13,28 @@ communication's CPU is free while computation runs; the floor does not:
 3. the floor of a machine is that sum divided by the cores the ranks may run on
    (``os.sched_getaffinity``); the step's floor is the largest over machines.
 
-CPU time charged to no rank (the kernel's network softirqs run in interrupt context or in
-``ksoftirqd``) is missing from the sum, so the floor can only lie below the truth: it is a
-bound, measured rather than assumed.
+This floor (``cpu_floor_us``) leaves out two things the machine makes a step pay:
+
+* the kernel's network work that no rank is charged for: ``ksoftirqd`` and the softirqs that
+  run on a core the scheduler had left idle (the rest runs inside the ranks' system calls and
+  is already in their CPU). The unfused step pays it too;
+* the cores other programs take: with the ranks asking for every core, the scheduler still
+  gives other programs their share, and a schedule can only use what is left.
+
+The **machine floor** (``machine_floor_us``) counts both, each from runs of the components
+alone, never from the fused run (whose own waste must not lower its distance to the bound):
+
+4. the kernel's network work of the communication alone: the machine's busy core time
+   (``/proc/stat``) over the run, less every process's CPU (``cluster.machine.cpu_by_owner_s``:
+   the ranks and every other user-space process), less the kernel work the machine does at the
+   same rate without it (measured over the computation alone);
+5. the cores the ranks had while the computation alone ran, every rank asking for a core:
+   the machine's cores less the rate at which other programs, the kernel and the hypervisor
+   (``steal``) took core time meanwhile;
+6. the floor is ``(ranks' CPU + kernel network work) / cores the ranks had``.
+
+Both stay bounds: the components' CPU is measured alone, and a schedule that overlaps them
+perfectly still needs it all, on the cores left to it.
 """
 
 from __future__ import annotations
@@ -67,12 +86,40 @@ def cpu_floor_us(comm: Communicator, cpu_us: float) -> float:
     return floor_of(rows.tolist())
 
 
+def machine_floor_us(
+    comm: Communicator, cpu_us: float, *, kernel_us: float = 0.0, taken_cores: float = 0.0
+) -> float:
+    """The machine floor (module docstring, steps 4-6): like ``cpu_floor_us``, plus the
+    kernel's network work ``kernel_us`` and less the cores ``taken_cores`` that other programs,
+    the kernel and the hypervisor took, each given by one rank of a machine (its reader; the
+    others pass 0). Every rank must call it alike; all get the same answer."""
+    mine = torch.tensor(
+        [float(machine_key()), cpu_us, float(usable_cores()), kernel_us, taken_cores],
+        dtype=torch.float64,
+        device=comm.device,
+    )
+    rows = torch.zeros(comm.world_size, 5, dtype=torch.float64, device=comm.device)
+    rows[comm.rank] = mine
+    comm.all_reduce(rows)  # an all-gather by sum: every other row is zero
+    return floor_of(rows.tolist())
+
+
+#: The fewest cores a machine floor divides by: other programs' share is measured over ticks
+#: of 10 ms, and a reading of nearly every core must not send the floor to infinity.
+MIN_CORES = 0.25
+
+
 def floor_of(rows: list[list[float]]) -> float:
     """``cpu_floor_us``'s arithmetic on ``[machine key, CPU us, cores]`` per rank: the CPU of the
-    ranks of each machine summed, divided by that machine's cores, the largest over machines."""
+    ranks of each machine summed, divided by that machine's cores, the largest over machines.
+    Rows of ``machine_floor_us`` add ``kernel us, cores taken``: each machine's kernel work is
+    added to its ranks' CPU and the cores taken are subtracted from its cores."""
     totals: dict[float, float] = {}
     cores: dict[float, float] = {}
-    for key, cpu, n in rows:
-        totals[key] = totals.get(key, 0.0) + cpu
+    taken: dict[float, float] = {}
+    for key, cpu, n, *extra in rows:
+        kernel, lost = extra if extra else (0.0, 0.0)
+        totals[key] = totals.get(key, 0.0) + cpu + kernel
         cores[key] = min(cores.get(key, n), n)
-    return max((totals[k] / max(cores[k], 1.0) for k in totals), default=0.0)
+        taken[key] = taken.get(key, 0.0) + lost
+    return max((totals[k] / max(cores[k] - taken[k], MIN_CORES) for k in totals), default=0.0)

@@ -33,6 +33,7 @@ __all__ = [
     "busy_since",
     "core_times_s",
     "cores",
+    "cpu_by_owner_s",
     "machine_id",
     "process_cpu_s",
     "rank_pids",
@@ -131,6 +132,42 @@ def core_times_s() -> dict[str, float] | None:
         return None
     ticks = [int(v) for v in fields[1:9]]
     return {kind: sum(ticks[i] for i in at) / _tick() for kind, at in CORE_TIMES.items()}
+
+
+#: ``PF_KTHREAD``: the bit of ``/proc/PID/stat``'s flags (field 9) that marks a kernel thread.
+_PF_KTHREAD = 0x00200000
+
+
+def cpu_by_owner_s(ranks: Iterable[int]) -> dict[str, float] | None:
+    """CPU seconds used since boot by the processes ``ranks`` (``"ranks"``) and by every other
+    user-space process of this pid namespace (``"others"``), each with its reaped children
+    (``cutime + cstime``); kernel threads (``ksoftirqd``, ``kworker``) are in neither. None
+    without ``/proc``.
+
+    Over an interval, the difference of two readings is exact to the ticks: a process that
+    ends within it leaves the sum with the CPU it had at the first reading and comes back, whole,
+    in the ``cutime`` of whoever reaps it. The rest of the machine's busy time
+    (``core_times_s``) is the kernel's own: its threads and the interrupts and softirqs that ran
+    on an idle core. A process that ends between the listing of ``/proc`` and the reading of its
+    file is missed for that reading (a rare error of its whole CPU, either sign)."""
+    mine = set(ranks)
+    totals = {"ranks": 0, "others": 0}
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                text = stat.read()
+        except OSError:
+            continue  # ended meanwhile
+        fields = text[text.rindex(")") + 2 :].split()
+        # fields[0] is field 3 (state): flags (field 9) is fields[6], utime..cstime fields[11:15].
+        if int(fields[6]) & _PF_KTHREAD:
+            continue
+        totals["ranks" if pid in mine else "others"] += sum(int(v) for v in fields[11:15])
+    return {owner: ticks / _tick() for owner, ticks in totals.items()}
 
 
 def busy_cpu_s(pids: Iterable[int]) -> float | None:
