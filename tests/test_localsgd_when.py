@@ -735,7 +735,8 @@ def test_dreamddp_lands_an_exchange_land_after_steps_later_in_one_message_per_st
 
 # -- every method: a resume in the middle of a period continues bit for bit -----------------
 METHODS: list[tuple[SyncMethod, str]] = [
-    (SelSyncConfig(threshold=0.05), "sgd"),
+    # Windows of 4: the resume at step 5 falls inside the second, after the first synchronised.
+    (SelSyncConfig(threshold=0.05, window_steps=4, total_steps=12), "sgd"),
     (ADPSGDConfig(total_steps=12, num_syncs=3), "sgd"),
     (PALSGDConfig(H=3, p=0.3), "adamw"),
     (DreamDDPConfig(H=3), "adamw"),
@@ -781,6 +782,7 @@ def test_resume_mid_period_is_bit_exact(pool: PoolFn, config: SyncMethod, inner:
         "selsync:threshold=0.1,compressor=fp16",
         "selsync:threshold=0.1,outer=nesterov",
         "adpsgd:num_syncs=3,outer=nesterov",
+        "selsync:threshold=0.06,min_period_steps=25,window_steps=50",
         "adpsgd:total_steps=200,num_syncs=8",
         "palsgd:H=50,p=0.1",
         "dreamddp:H=4",
