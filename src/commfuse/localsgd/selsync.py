@@ -27,9 +27,11 @@ clock as a floor). With both equal to H and a threshold that never fires the met
 steps against a clock that sends as much: the run is cut into windows of W steps (steps
 ``(kW - W, kW]``) and each window synchronises once, at its first step whose signal reaches the
 threshold (no sooner than ``min_period_steps`` after the last synchronisation), else at its
-last step. The window that holds the run's end (``total_steps``, the run's own by default) has
-the final average as its synchronisation, so the run sends DiLoCo's bytes at period W exactly;
-a threshold that never fires is DiLoCo with period W, bit for bit.
+last step. The window that holds the run's end (``total_steps``, the run's own by default)
+fires on no signal: it synchronises at the run's last step when it ends there, as DiLoCo does
+(with the outer step, ``outer=nesterov``, as DiLoCo's last synchronisation), else the final
+average closes it. So the run sends DiLoCo's bytes at period W exactly, and a threshold that
+never fires is DiLoCo with period W, bit for bit.
 
 The paper's own code smooths the gradient norm over a window of 25 steps, smooths the relative
 change again over the same window, synchronises every step during the first window, and uses
@@ -84,8 +86,8 @@ class SelSyncConfig(ExchangeSettingsWithOuterStep):
     """W: one synchronisation per window of W steps, at its first step whose signal reaches
     ``threshold``, else at its last (DiLoCo's bytes at period W); 0: no windows."""
     total_steps: int = 0
-    """The run's length in steps, whose window ends with the final average (``window_steps``);
-    0: the training run's own (``for_run``), or, outside one, every window synchronises."""
+    """The run's length in steps, whose window fires on no signal (``window_steps``); 0: the
+    training run's own (``for_run``), or, outside one, every window synchronises."""
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
@@ -190,8 +192,8 @@ class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
         if self.last_sync_step > window_end - method.window_steps:
             return False  # this window has had its synchronisation
         if method.total_steps and window_end >= method.total_steps:
-            # The final average is this window's: only a window that ends with the run itself
-            # synchronises at its end, as DiLoCo does at its last step.
+            # The run's last window: a signal sync here would add one to the final average;
+            # only a window that ends with the run synchronises, at its end, as DiLoCo does.
             return step == window_end
         return fired or step == window_end
 
