@@ -170,6 +170,41 @@ def test_selsync_decides_alike_on_every_rank_and_sends_what_it_decides(pool: Poo
         assert sent == syncs * 4 * NUMEL + control
 
 
+def selsync_window_decisions() -> tuple[list[list[int]], list[list[int]], int, int]:
+    """SelSync on windows of 4 steps over a run of 10 (the last window, steps 9 and 10, closed
+    by the final average): every rank's sync steps and signal levels, its bytes and its
+    decisions' bytes."""
+    comm = Communicator()
+    config = SelSyncConfig(threshold=0.02, window_steps=4, algo="native").for_run(10)
+    assert config.total_steps == 10
+    _, opt, sent = train(config, 10)
+    assert isinstance(opt, SelSyncOptimizer)
+    steps = [s.step for s in opt.syncs]
+    levels = [round(x * SIGNAL_SCALE) for x in opt.signals]
+    return (
+        everyone(comm, steps + [-1] * (4 - len(steps))),
+        everyone(comm, levels),
+        sent,
+        (opt.control_bytes),
+    )
+
+
+def test_selsync_windows_spend_one_sync_each_where_the_signal_fires_first(pool: PoolFn) -> None:
+    for gathered, levels, sent, control in pool(3).run(
+        selsync_window_decisions, timeout_s=DEADLINE_S
+    ):
+        assert all(row == gathered[0] for row in gathered)
+        assert all(row == levels[0] for row in levels)
+        fired = [t + 1 for t, level in enumerate(levels[0]) if level / SIGNAL_SCALE >= 0.02]
+        # Windows (0, 4] and (4, 8]: the first firing step, else the window's last; the last
+        # window (8, 10] is the final average's, whatever fires in it.
+        expected = [next((t for t in fired if lo < t <= lo + 4), lo + 4) for lo in (0, 4)] + [10]
+        assert gathered[0] == [*expected, -1]
+        assert expected[:2] != [4, 8]  # the signal chose the steps, not the clock
+        assert control == 10 * 8
+        assert sent == 3 * 4 * NUMEL + control  # DiLoCo's bytes at period 4: one per window
+
+
 # -- the outer step of SelSync and ADPSGD ------------------------------------------------------
 def outer_step_vs_fixed_period() -> list[tuple[str, bool, int, int, int]]:
     """SelSync at threshold 0 (a sync every step) and ADPSGD over its two probe periods of 3
@@ -206,6 +241,20 @@ def outer_step_vs_fixed_period() -> list[tuple[str, bool, int, int, int]]:
                 6,
                 3,
             ),
+            # A window of 3 steps whose signal never fires: its last step; the run's last
+            # window ends with the run, at step 6.
+            (
+                SelSyncConfig(
+                    threshold=1e9,
+                    window_steps=3,
+                    total_steps=6,
+                    outer=outer,
+                    algo="native",
+                    final_sync=False,
+                ),
+                6,
+                3,
+            ),
             (
                 ADPSGDConfig(
                     total_steps=12,
@@ -231,14 +280,14 @@ def outer_step_vs_fixed_period() -> list[tuple[str, bool, int, int, int]]:
 
 def test_outer_step_on_a_fixed_schedule_is_local_sgd_or_diloco(pool: PoolFn) -> None:
     for cases in pool(2).run(outer_step_vs_fixed_period, timeout_s=DEADLINE_S):
-        names = ["selsync", "selsync", "selsync", "adpsgd"]
+        names = ["selsync", "selsync", "selsync", "selsync", "adpsgd"]
         assert [name for name, *_ in cases] == [
             f"{name}:outer={outer}" for outer in ("average", "nesterov") for name in names
         ]
         for name, equal, sent, ref_sent, syncs in cases:
             assert equal, name  # bit for bit: the default is the plain average
             assert sent == ref_sent == syncs * 4 * NUMEL, name  # the same exchanges
-        assert [syncs for *_, syncs in cases] == [5, 2, 2, 2] * 2
+        assert [syncs for *_, syncs in cases] == [5, 2, 2, 2, 2] * 2
 
 
 def test_selsync_period_bounds_are_checked() -> None:
@@ -246,6 +295,10 @@ def test_selsync_period_bounds_are_checked() -> None:
         SelSyncConfig(min_period_steps=0)
     with pytest.raises(ValueError, match=r"max_period_steps \(2\) must be 0 \(none\) or >="):
         SelSyncConfig(min_period_steps=3, max_period_steps=2)
+    with pytest.raises(ValueError, match=r"window_steps \(4\) already bounds the gap"):
+        SelSyncConfig(window_steps=4, max_period_steps=6)
+    with pytest.raises(ValueError, match="window_steps and total_steps must be >= 0"):
+        SelSyncConfig(window_steps=-1)
 
 
 def test_outer_step_settings_are_diloco_s_and_a_bad_one_is_named() -> None:
@@ -682,7 +735,8 @@ def test_dreamddp_lands_an_exchange_land_after_steps_later_in_one_message_per_st
 
 # -- every method: a resume in the middle of a period continues bit for bit -----------------
 METHODS: list[tuple[SyncMethod, str]] = [
-    (SelSyncConfig(threshold=0.05), "sgd"),
+    # Windows of 4: the resume at step 5 falls inside the second, after the first synchronised.
+    (SelSyncConfig(threshold=0.05, window_steps=4, total_steps=12), "sgd"),
     (ADPSGDConfig(total_steps=12, num_syncs=3), "sgd"),
     (PALSGDConfig(H=3, p=0.3), "adamw"),
     (DreamDDPConfig(H=3), "adamw"),
@@ -728,6 +782,7 @@ def test_resume_mid_period_is_bit_exact(pool: PoolFn, config: SyncMethod, inner:
         "selsync:threshold=0.1,compressor=fp16",
         "selsync:threshold=0.1,outer=nesterov",
         "adpsgd:num_syncs=3,outer=nesterov",
+        "selsync:threshold=0.06,min_period_steps=25,window_steps=50",
         "adpsgd:total_steps=200,num_syncs=8",
         "palsgd:H=50,p=0.1",
         "dreamddp:H=4",

@@ -32,9 +32,14 @@ instead (``outer.py``), the same as DiLoCo's but on ADPSGD's schedule.
 
 The paper's measured variance falls with the learning rate and the gradients, so a > 0 and the
 periods lengthen; with a constant learning rate and a drift that does not slow down, a = 0 and
-after the probes the syncs left are spread evenly up to the end. With ``final_sync`` (the
-default) the run sends K + 1 models: K = T / H - 1 sends the bytes of local SGD with period H
-(K = T / H without it). Keep ``total_steps`` the run's length.
+after the probes the syncs left are spread evenly up to the end. Then the probes alone shape
+the schedule: ``first_period_steps`` sets where the first two syncs land, and the shorter they
+are, the longer every period the plan spreads after them (T / (2K) by default puts the first
+sync earlier than a clock of the same budget would, at the cost of later periods a little
+longer than the clock's).
+
+With ``final_sync`` (the default) the run sends K + 1 models: K = T / H - 1 sends the bytes of
+local SGD with period H (K = T / H without it). Keep ``total_steps`` the run's length.
 
 Bytes per rank: the model (``4 N`` in fp32, or the compressor's message) per synchronisation,
 plus 8 for the agreement on the next period.

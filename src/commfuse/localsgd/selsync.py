@@ -23,6 +23,16 @@ signal: a burst of large changes spends one exchange, not one per step) and
 clock as a floor). With both equal to H and a threshold that never fires the method is DiLoCo
 (or local SGD) with period H, bit for bit.
 
+``window_steps`` (W) holds SelSync to a fixed budget of bytes instead, to judge its choice of
+steps against a clock that sends as much: the run is cut into windows of W steps (steps
+``(kW - W, kW]``) and each window synchronises once, at its first step whose signal reaches the
+threshold (no sooner than ``min_period_steps`` after the last synchronisation), else at its
+last step. The window that holds the run's end (``total_steps``, the run's own by default)
+fires on no signal: it synchronises at the run's last step when it ends there, as DiLoCo does
+(with the outer step, ``outer=nesterov``, as DiLoCo's last synchronisation), else the final
+average closes it. So the run sends DiLoCo's bytes at period W exactly, and a threshold that
+never fires is DiLoCo with period W, bit for bit.
+
 The paper's own code smooths the gradient norm over a window of 25 steps, smooths the relative
 change again over the same window, synchronises every step during the first window, and uses
 thresholds around 0.3. The change of a smoothed norm is small, about ``(1 - beta)`` times the
@@ -41,6 +51,7 @@ compressor's message) on each synchronising step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +82,12 @@ class SelSyncConfig(ExchangeSettingsWithOuterStep):
     """No synchronisation sooner than this many steps after the last one (1: any step)."""
     max_period_steps: int = 0
     """A synchronisation at the latest this many steps after the last one (0: none forced)."""
+    window_steps: int = 0
+    """W: one synchronisation per window of W steps, at its first step whose signal reaches
+    ``threshold``, else at its last (DiLoCo's bytes at period W); 0: no windows."""
+    total_steps: int = 0
+    """The run's length in steps, whose window fires on no signal (``window_steps``); 0: the
+    training run's own (``for_run``), or, outside one, every window synchronises."""
 
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
@@ -84,7 +101,23 @@ class SelSyncConfig(ExchangeSettingsWithOuterStep):
                 f"max_period_steps ({self.max_period_steps}) must be 0 (none) or >= "
                 f"min_period_steps ({self.min_period_steps})"
             )
+        if self.window_steps < 0 or self.total_steps < 0:
+            raise ValueError(
+                f"window_steps and total_steps must be >= 0, got {self.window_steps} and "
+                f"{self.total_steps}"
+            )
+        if self.window_steps and self.max_period_steps:
+            raise ValueError(
+                f"window_steps ({self.window_steps}) already bounds the gap between "
+                f"synchronisations: max_period_steps must be 0, got {self.max_period_steps}"
+            )
         self.periodic()  # the shared settings' own checks
+
+    def for_run(self, run_steps: int) -> SelSyncConfig:
+        """With windows and ``total_steps`` 0, the run's length."""
+        if not self.window_steps or self.total_steps or run_steps < 1:
+            return self
+        return dataclasses.replace(self, total_steps=run_steps)
 
 
 #: Fixed-point scale of the agreed signal: an integer allreduce is exact on every backend, so
@@ -142,12 +175,27 @@ class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
         self.signals.append(level / SIGNAL_SCALE)
         self._inner_step(self.config.inner_lr_scale)
         self.step_count += 1
-        method, gap = self.method, self.step_count - self.last_sync_step
-        fired = level >= self._threshold_level and gap >= method.min_period_steps
-        if fired or (method.max_period_steps and gap >= method.max_period_steps):
+        if self._synchronises(level):
             self.last_sync_step = self.step_count
             self._start_exchange(0, background=False)
             self._apply_arrived()
+
+    def _synchronises(self, level: int) -> bool:
+        """Whether the step just taken synchronises, from the agreed signal ``level`` and the
+        steps alone (the same on every rank)."""
+        method, step = self.method, self.step_count
+        gap = step - self.last_sync_step
+        fired = level >= self._threshold_level and gap >= method.min_period_steps
+        if not method.window_steps:
+            return fired or bool(method.max_period_steps and gap >= method.max_period_steps)
+        window_end = -(-step // method.window_steps) * method.window_steps
+        if self.last_sync_step > window_end - method.window_steps:
+            return False  # this window has had its synchronisation
+        if method.total_steps and window_end >= method.total_steps:
+            # The run's last window: a signal sync here would add one to the final average;
+            # only a window that ends with the run synchronises, at its end, as DiLoCo does.
+            return step == window_end
+        return fired or step == window_end
 
     def state_dict(self) -> dict[str, Any]:
         """The shared state, and the smoothed gradient norm and the flags' bytes."""

@@ -338,7 +338,10 @@ def plot_loss_vs_bytes(
         name: (statistics.median(b for b, _ in points), statistics.median(x for _, x in points))
         for name, points in runs.items()
     }
-    fig, ax = plt.subplots(figsize=(8.5, 5.0))
+    # The legend sits right of the axes: widen the figure with its longest name (about 0.055
+    # inch a character at size 7) so that the axes keep their width.
+    width = max(8.5, 5.5 + 0.055 * max(len(name) for name in medians))
+    fig, ax = plt.subplots(figsize=(width, 5.0))
     # 9 markers against 20 colours: no two of up to 180 strategies look alike.
     markers, colours = "osD^v<>p*", plt.get_cmap("tab20")
     for i, (name, (mb, loss)) in enumerate(medians.items()):
