@@ -474,7 +474,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             t_saved = time.monotonic()
             sent_before = wired.bytes_sent
             (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
-            participants = manager.num_participants()
+            participants, quorum = manager.num_participants(), process_group.quorum
             t_backward = time.monotonic()
             committed = manager.should_commit()
             t_voted = time.monotonic()
@@ -493,6 +493,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "step": step_now,
                         "committed": bool(committed),
                         "participants": participants,
+                        "quorum": quorum,
                         "loss": float(loss.detach()),
                         "t0": t0,
                         "t_quorum": t_quorum,
