@@ -114,9 +114,10 @@ class KillFault:
     at_step: int
     """The step during which they are killed (0-based; in per-period mode an inner step)."""
     phase: Literal["allreduce", "compute"] = "allreduce"
-    """allreduce: right after the step's first gradient allreduce was handed to gloo (it is in
-    flight; in per-period mode the first outer exchange at or after ``at_step``); compute:
-    before the forward pass."""
+    """allreduce: as the step's first gradient allreduce is handed to gloo, before any of it
+    leaves, so that every peer's allreduce of the step waits for a part that never comes (in
+    per-period mode the first outer exchange at or after ``at_step``); compute: before the
+    forward pass."""
     restart_after_s: float | None = 5.0
     """Seconds from the kill to the restart; None: never restarted."""
 
