@@ -69,7 +69,7 @@ def replay(seed: int, record: dict[str, Any] | None) -> str:
     """What a failed chaos run needs to be read and replayed: the seed and every fault."""
     events = [] if record is None else record["events"]
     lines = [f"kill-every seed {seed} (replay: COMMFUSE_CHAOS_SEED={seed}); faults:"]
-    keys = ("kind", "host", "life", "step", "period", "phase", "t", "in_quorum", "detect_s",
+    keys = ("kind", "host", "groups", "step", "period", "phase", "t", "in_quorum", "detect_s",
             "recover_s", "rejoin_step")  # fmt: skip
     lines += [str({k: e.get(k) for k in keys}) for e in events]
     return "\n".join(lines)
@@ -168,10 +168,14 @@ def check_diloco(record: dict[str, Any]) -> None:
             assert r["trained_steps"] == (todo if r["kept"] else 0), r
     assert any(r["kept"] for r in failed), failed
     retried = {(r["replica"], r["step"]) for r in failed}
+    joined_late = {
+        _attempt(r): r["skipped_steps"] for r in records if r["healed"] and not r["retry"]
+    }
     for r in records:
         if r["committed"]:
-            # A late joiner skips the first inner steps of the period it joins, no more.
-            assert r["skipped_steps"] == 0 or (r["healed"] and not r["retry"]), r
+            # A late joiner skips the first inner steps of the period it joins, no more (and
+            # the retry of that period's exchange keeps what it skipped).
+            assert r["skipped_steps"] == 0 or joined_late.get(_attempt(r)) == r["skipped_steps"], r
             assert r["skipped_steps"] < r["inner_steps"], r
             todo = r["inner_steps"] - r["skipped_steps"]
             assert r["trained_steps"] == (0 if r["retry"] else todo), r
@@ -205,6 +209,11 @@ def check_diloco(record: dict[str, Any]) -> None:
     shortfall = sum(whole - n for n in covered.values())
     assert record["samples_lost"] == shortfall or record["commits_inferred"] > 0
     assert record["goodput_steps_per_s"] > 0 and record["eval_loss"] is not None
+
+
+def _attempt(record: dict[str, Any]) -> tuple[int, int, int]:
+    """The replica, life and period of an attempt."""
+    return record["replica"], record["life"], record["step"]
 
 
 def test_fixed_global_batch_shares_scaled_give_the_whole_batch_gradient() -> None:
