@@ -413,7 +413,10 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         ddp.register_comm_hook(wired, group_allreduce_hook)
     else:
         ddp.register_comm_hook(hook_state, ft_allreduce_hook)
-    if job.life > 0:
+    # Whether DDP has rebuilt its buckets in gradient order, as every peer past its first
+    # backward has (``_lay_out_buckets``).
+    laid_out = job.life > 0
+    if laid_out:
         _lay_out_buckets(ddp, wired, workload, job)
         # A spare: everything is built; the launcher says when the restart happens.
         send(conn, ("built", {"replica": job.replica, "life": job.life}))
@@ -461,6 +464,15 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             for state in pending:
                 load_state_dict(state)  # on this thread: nothing reads the state meanwhile
             pending.clear()
+            if healed and not laid_out:
+                # A first life that missed the first quorums (it was slow to ask) joins peers
+                # whose buckets are rebuilt: its own, still in registration order, would pair
+                # other parameters with theirs, and its sums would land in the wrong places.
+                # (The donor's random state, just loaded, is the step's: kept.)
+                rng = torch.get_rng_state()
+                _lay_out_buckets(ddp, wired, workload, job)
+                torch.set_rng_state(rng)
+            laid_out = True  # by now, or by this step's backward
             step_now, samples, scale = share = _step_share(manager, job)
             again = healed or share != guess
             if again:  # the batch is built again only when the quorum changed it
