@@ -138,7 +138,7 @@ class CutFault:
     host: int
     """The emulated host whose link goes down."""
     at_s: float
-    """Seconds after the replicas start training."""
+    """Seconds after the replicas start training (0: down before any of them begins)."""
     for_s: float = 5.0
     """Seconds the link stays down."""
 
