@@ -322,3 +322,7 @@ def test_a_share_that_reached_a_commit_of_its_quorum_counts_as_trained() -> None
     # shrink: the failed member's own slot.
     inferred = unreported_commits(records, kills, policy="shrink", num_replicas=3, batch=4)
     assert sorted((r["replica"], r["samples"]) for r in inferred) == [(0, [0, 4]), (2, [8, 12])]
+    # Per period: a late joiner's failed share covers the inner steps it did not skip.
+    late = [*records[:4], records[4] | {"skipped_steps": 3}]
+    inferred = unreported_commits(late, [], policy="fixed", num_replicas=3, batch=4)
+    assert [(r["replica"], r.get("skipped_steps")) for r in inferred] == [(2, 3)]

@@ -126,6 +126,8 @@ def unreported_commits(
         if same and all(c["replica"] != r["replica"] for c in reports):
             entry = {"replica": r["replica"], "step": r["step"], "committed": True,
                      "samples": r["samples"]}  # fmt: skip
+            if "skipped_steps" in r:  # per period: a late joiner's share skipped the first
+                entry["skipped_steps"] = r["skipped_steps"]
             inferred.append(entry | {"inferred": True})
             committed[r["step"]].append(entry | {"participants": r["participants"]})
     for kill in kills:
