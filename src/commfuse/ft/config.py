@@ -41,6 +41,9 @@ OP_TIMEOUT_FACTOR = 5.0
 HEARTBEATS_PER_TIMEOUT = 20
 #: Periods a quorum request covers on top of ``quorum_timeout_s`` in per-period mode.
 PERIOD_COVER = 2.0
+#: Seconds a replica may take from its start to joining the lighthouse (and the ranks of a
+#: replica group to find each other: separate processes, seconds apart on a busy machine).
+START_TIMEOUT_S = 120.0
 #: Quorum requests a Manager repeats after a timeout before its replica gives up.
 QUORUM_RETRIES = 3
 #: Who trains a missing replica group's samples (``data.py``): ``fixed`` keeps the global

@@ -56,6 +56,7 @@ from commfuse.cluster.supervisor import kill_group
 from commfuse.cluster.watchdog import Watchdog
 from commfuse.ft.accounting import summarize_ft
 from commfuse.ft.config import (
+    START_TIMEOUT_S,
     CutFault,
     FaultToleranceConfig,
     KillEveryFault,
@@ -76,8 +77,6 @@ TORCHFT_OVERRIDES = (
     "TORCHFT_LIGHTHOUSE",
     "TORCHFT_MANAGER_PORT",
 )
-#: Seconds a replica may take from its start to joining the lighthouse.
-START_TIMEOUT_S = 120.0
 
 
 def _replica_process(

@@ -54,7 +54,7 @@ from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 from torch.nn.parallel import DistributedDataParallel
 
 from commfuse.compress.base import Compressor
-from commfuse.ft.config import FaultToleranceConfig, KillFault
+from commfuse.ft.config import START_TIMEOUT_S, FaultToleranceConfig, KillFault
 from commfuse.ft.data import global_batch_slice, loss_scale, sample_range
 from commfuse.ft.group_hook import GroupHookState, group_allreduce_hook
 from commfuse.ft.hook import FTHookState, ft_allreduce_hook
@@ -267,6 +267,12 @@ def init_group_process_group(job: ReplicaJob) -> None:
     store = TCPStore(
         job.store_addr or job.addr, job.store_port, is_master=False, timeout=op_timeout
     )
+    # Its ranks start as processes of their own, seconds apart on a busy machine: they wait
+    # for each other as long as a replica may take to start, then build the group, whose
+    # collectives keep the operations' timeout.
+    arrived = PrefixStore("commfuse/arrived", store)
+    arrived.set(str(job.group_rank), "1")
+    arrived.wait([str(r) for r in range(job.group_size)], timedelta(seconds=START_TIMEOUT_S))
     dist.init_process_group(
         "gloo",
         store=PrefixStore("commfuse/group", store),
