@@ -58,9 +58,9 @@ def kill_every_command(out: Path, seed: int, *, diloco: bool) -> list[str]:
     if not diloco:
         return [
             *command, "--steps", str(STEPS), "--digest-every-steps", "1",
-            # Host 2 is cut off from the start, longer than the first quorum waits for it: it
+            # Host 2 is cut off from the start, for twice what the first quorum waits for it: it
             # joins by recovery in its first life, before any backward of its own.
-            "--chaos", "cut:host=2,at_s=0,for_s=1",
+            "--chaos", "cut:host=2,at_s=0,for_s=2",
         ]  # fmt: skip
     return [
         *command, "--steps", str(DILOCO_STEPS), "--strategy", f"diloco:H={H}",
