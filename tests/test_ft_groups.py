@@ -418,3 +418,49 @@ def test_compare_fault_tolerant_takes_a_checkpoint_to_start_from(
     # The flag reaches the runs' config, which checks the folder before anything starts.
     assert main([*argv, "--init-from", str(tmp_path / "none")]) == 2
     assert "no complete checkpoint there" in capsys.readouterr().err
+
+
+def _join_group(job: Any, late_s: float, conn: Any) -> None:
+    """A rank of a replica group that starts ``late_s`` after its peer: builds the group's
+    process group and sums a one through it."""
+    import time
+
+    from commfuse.ft.replica import init_group_process_group
+
+    time.sleep(late_s)  # after the imports, which take their own time in each process
+    try:
+        init_group_process_group(job)
+        one = torch.ones(1)
+        dist.all_reduce(one)
+        conn.send(float(one))
+    except Exception as exc:
+        conn.send(repr(exc))
+
+
+@pytest.mark.timeout(60)
+def test_the_ranks_of_a_group_find_each_other_however_far_apart_they_start() -> None:
+    import multiprocessing
+
+    from torch._C._distributed_c10d import TCPStore
+
+    from commfuse.ft.replica import ReplicaJob
+
+    # The operations' timeout is 1 s here; the second rank comes 2 s after the first, as
+    # a busy machine starts a restarted group's processes.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ft = FaultToleranceConfig(timeout_s=0.2)
+    spawn = multiprocessing.get_context("spawn")
+    pipes, ranks = [], []
+    for rank, late_s in ((0, 0.0), (1, 2.0)):
+        job = ReplicaJob(
+            train=TrainConfig(), ft=ft, replica=0, num_replicas=1, life=1, addr="127.0.0.1",
+            store_port=store.port, lighthouse="", group_rank=rank, group_size=2,
+        )  # fmt: skip
+        ours, theirs = spawn.Pipe()
+        ranks.append(spawn.Process(target=_join_group, args=(job, late_s, theirs)))
+        ranks[-1].start()
+        pipes.append(ours)
+    sums = [pipe.recv() if pipe.poll(50) else "no answer" for pipe in pipes]
+    for proc in ranks:
+        proc.join(10)
+    assert sums == [2.0, 2.0], sums

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -96,3 +97,47 @@ def test_quorum_all_reduce_gives_every_replica_the_same_bits_and_sends_a_ring_al
         # TCP's headers and acknowledgements add about 1% at this MTU; an all-gather would
         # send (hosts - 1) x message = twice the ring's bytes here.
         assert ring <= on_link <= 1.1 * ring, (on_link, ring)
+
+
+class _Struck(Exception):
+    """The fault, in place of the SIGKILL that a pool of ranks cannot survive."""
+
+
+def _struck_at_issue(late_s: float) -> bool:
+    """Rank 1 meets a fault where a kill of phase ``allreduce`` strikes (``on_issue``) and
+    dies ``late_s`` later (it raises the alarm, as a failed replica does); whether rank 0's
+    all-gather finished."""
+    from commfuse.ft.process_group import AlarmedProcessGroupGloo, CollectiveAbandoned
+    from commfuse.ft.quorum_comm import QuorumComm
+
+    rank = dist.get_rank()
+    group = AlarmedProcessGroupGloo(timeout=timedelta(seconds=5))
+    store = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}/struck-test"
+    group.configure(store, f"replica_{rank:03d}", rank, 2)
+    comm = QuorumComm(group)
+    comm.at_quorum(rank, 2)
+    output, mine = torch.zeros(8), torch.full((4,), float(rank))
+
+    def strike() -> None:
+        time.sleep(late_s)
+        raise _Struck
+
+    comm.on_issue = strike if rank == 1 else None
+    try:
+        comm.all_gather(output, mine)
+    except _Struck:
+        group.raise_alarm()
+    except (CollectiveAbandoned, RuntimeError):  # the alarm, or gloo saw rank 1 go first
+        pass
+    else:
+        return True
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_a_fault_at_issue_strikes_before_any_of_the_collective_leaves() -> None:
+    # However late the kill lands after the fault's point, the peer cannot finish: nothing of
+    # the victim's part was handed to gloo. (Handed over first, this message of 16 bytes
+    # reached the peer during the kill's delay, and its all-gather finished.)
+    finished = run(_struck_at_issue, 0.5, world_size=2)
+    assert finished == [False, False]

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -124,15 +125,19 @@ def test_hosts_reach_each_other_and_caller_stays_put() -> None:
 
 
 @pytest.mark.netlab
-@pytest.mark.parametrize(("mbit", "num_bytes"), [(200, 6 << 20), (1000, 24 << 20)])
+@pytest.mark.parametrize(("mbit", "num_bytes"), [(200, 4 << 20), (1000, 8 << 20)])
 def test_shaping_matches_spec_both_ways(mbit: int, num_bytes: int) -> None:
     # The shaper caps the rate; a busy machine can only lower what one transfer reaches (at
     # 1 Gbit/s the sender and receiver need a good part of a core), never raise it. So every
-    # transfer must stay under the cap, and the fastest of up to three must reach it.
+    # transfer must stay under the cap, and the fastest of up to eight must reach it: short
+    # ones (under 0.2 s each), a little apart, so that one of them finds the cores free
+    # between the bursts of whatever else runs beside it.
     with Netlab(Topology(num_hosts=2, link_mbit=mbit)) as lab:
         for src, dst in ((0, 1), (1, 0)):
             rates: list[float] = []
-            while len(rates) < 3 and (not rates or max(rates) < 0.85 * mbit):
+            while len(rates) < 8 and (not rates or max(rates) < 0.85 * mbit):
+                if rates:
+                    time.sleep(0.1)
                 rates.append(measure_link(lab, src, dst, num_bytes=num_bytes))
                 assert rates[-1] <= 1.15 * mbit, f"{src}->{dst}: {rates[-1]:.0f} of {mbit} Mbit/s"
             assert max(rates) >= 0.85 * mbit, (

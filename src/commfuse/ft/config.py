@@ -41,6 +41,9 @@ OP_TIMEOUT_FACTOR = 5.0
 HEARTBEATS_PER_TIMEOUT = 20
 #: Periods a quorum request covers on top of ``quorum_timeout_s`` in per-period mode.
 PERIOD_COVER = 2.0
+#: Seconds a replica may take from its start to joining the lighthouse (and the ranks of a
+#: replica group to find each other: separate processes, seconds apart on a busy machine).
+START_TIMEOUT_S = 120.0
 #: Quorum requests a Manager repeats after a timeout before its replica gives up.
 QUORUM_RETRIES = 3
 #: Who trains a missing replica group's samples (``data.py``): ``fixed`` keeps the global
@@ -114,9 +117,10 @@ class KillFault:
     at_step: int
     """The step during which they are killed (0-based; in per-period mode an inner step)."""
     phase: Literal["allreduce", "compute"] = "allreduce"
-    """allreduce: right after the step's first gradient allreduce was handed to gloo (it is in
-    flight; in per-period mode the first outer exchange at or after ``at_step``); compute:
-    before the forward pass."""
+    """allreduce: as the step's first gradient allreduce is handed to gloo, before any of it
+    leaves, so that every peer's allreduce of the step waits for a part that never comes (in
+    per-period mode the first outer exchange at or after ``at_step``); compute: before the
+    forward pass."""
     restart_after_s: float | None = 5.0
     """Seconds from the kill to the restart; None: never restarted."""
 
@@ -137,7 +141,7 @@ class CutFault:
     host: int
     """The emulated host whose link goes down."""
     at_s: float
-    """Seconds after the replicas start training."""
+    """Seconds after the replicas start training (0: down before any of them begins)."""
     for_s: float = 5.0
     """Seconds the link stays down."""
 

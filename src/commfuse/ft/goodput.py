@@ -13,9 +13,10 @@ trained (``samples_trained``), those trained more than once in one step
 (``samples_duplicated``, 0 unless the data split is wrong), and those no replica group trained
 (``samples_lost``): ``samples_trained + samples_lost = committed_steps x num_replicas x batch``
 holds by construction, and ``samples_duplicated = 0`` is what makes it exact. A replica
-killed between its commit and its report trained its share without saying so; the commits
-inferred for it (``unreported_commits``) count as trained, and the record says how many
-there were.
+killed between its commit and its report trained its share without saying so, and so did a
+member whose exchange failed after its part had reached another member's committed sum; the
+commits inferred for them (``unreported_commits``) count as trained, and the record says how
+many there were.
 """
 
 from __future__ import annotations
@@ -94,20 +95,41 @@ def unreported_commits(
     records: list[dict[str, Any]], kills: list[dict[str, Any]], *, policy: GlobalBatch,
     num_replicas: int, batch: int,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """The commits that a killed replica made but could not report.
+    """The shares that reached a committed sum without a committed report to say so.
 
-    A replica killed after the commit vote of step s and before its report of it trained its
-    samples of s (the vote succeeds only when every participant's gradient reached the sum),
-    yet no record says so. It shows as a step that the survivors committed with ``k``
-    participants and fewer than ``k`` reports, and a killed replica whose last report was of
-    the step before (or a failed try of s). Its share is then the one nobody reported:
-    ``fixed``, the shares of ``k`` participants minus those reported; ``shrink``, its own
-    slot. Returns one record per such commit, marked ``inferred``."""
+    A replica that commits step s with ``k`` participants applied the sum of ``k`` gradients:
+    its vote passes only when every collective of its step finished, and a collective of the
+    quorum finishes only with every member's part in it. Every member of that quorum trained
+    its samples of s, then, and two kinds of member do not say so:
+
+    * one whose own collective failed after its part had left: a peer was killed when the
+      ring had finished on some members and not yet on others. Those commit s, it reports s
+      failed, and it recovers their commit at the next quorum. Its failed attempt, of the
+      same quorum (``quorum``), names its share;
+    * a replica killed after the commit vote of s and before its report of it. It shows as a
+      step that the survivors committed with ``k`` participants and fewer than ``k``
+      reports, and a killed replica whose last report was of the step before (or a failed
+      try of s). Its share is then the one nobody reported: ``fixed``, the shares of ``k``
+      participants minus those reported; ``shrink``, its own slot.
+
+    Returns one record per such commit, marked ``inferred``."""
     committed: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         if r["committed"]:
             committed[r["step"]].append(r)
     inferred = []
+    for r in records:
+        if r["committed"] or r.get("quorum") is None or r.get("samples") is None:
+            continue
+        reports = committed.get(r["step"], [])
+        same = [c for c in reports if c.get("quorum") == r["quorum"]]
+        if same and all(c["replica"] != r["replica"] for c in reports):
+            entry = {"replica": r["replica"], "step": r["step"], "committed": True,
+                     "samples": r["samples"]}  # fmt: skip
+            if "skipped_steps" in r:  # per period: a late joiner's share skipped the first
+                entry["skipped_steps"] = r["skipped_steps"]
+            inferred.append(entry | {"inferred": True})
+            committed[r["step"]].append(entry | {"participants": r["participants"]})
     for kill in kills:
         mine = [
             r

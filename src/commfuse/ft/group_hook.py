@@ -64,7 +64,8 @@ class GroupHookState:
     manager: Any = None
     """torchft's ``Manager`` of this rank (set before the first synchronised step)."""
     on_issue: Callable[[int], None] | None = None
-    """Called with the bucket index once its cross-group allreduce is in flight (faults)."""
+    """Called with the bucket index as its cross-group allreduce is about to be handed to
+    gloo (faults: ``QuorumComm.on_issue``)."""
     local: bool = False
     """Average inside the group only, nothing across groups: a restarted group's first
     backward, which only lets DDP lay out its buckets as its peers did."""

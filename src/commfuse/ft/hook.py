@@ -58,8 +58,8 @@ class FTHookState:
     manager: Any = None
     """torchft's ``Manager`` of this replica group (set before the first synchronised step)."""
     on_issue: Callable[[int], None] | None = None
-    """Called with the bucket index once its exchange's first collective is in flight (fault
-    injection)."""
+    """Called with the bucket index as its exchange's first collective is about to be handed
+    to gloo (fault injection: ``QuorumComm.on_issue``)."""
     compressor: Compressor | None = None
     """Exchange compressed messages instead of the bucket (its ``algo`` must be native)."""
     names: dict[int, str] = dataclasses.field(default_factory=dict)
@@ -160,7 +160,8 @@ def bucket_issue(
     comm: QuorumComm, on_issue: Callable[[int], None] | None, index: int
 ) -> Iterator[None]:
     """Bucket ``index``'s exchange on ``comm``: ``on_issue(index)`` is called as its first
-    collective is issued (an exchange may be several collectives: a fault comes then), and
+    collective is about to be issued (an exchange may be several collectives: a fault comes
+    then, before any of it leaves), and
     ``comm`` calls nothing once the exchange has ended, failed or not."""
     comm.on_issue = None if on_issue is None else (lambda: on_issue(index))
     try:

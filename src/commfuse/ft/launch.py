@@ -56,6 +56,7 @@ from commfuse.cluster.supervisor import kill_group
 from commfuse.cluster.watchdog import Watchdog
 from commfuse.ft.accounting import summarize_ft
 from commfuse.ft.config import (
+    START_TIMEOUT_S,
     CutFault,
     FaultToleranceConfig,
     KillEveryFault,
@@ -76,8 +77,6 @@ TORCHFT_OVERRIDES = (
     "TORCHFT_LIGHTHOUSE",
     "TORCHFT_MANAGER_PORT",
 )
-#: Seconds a replica may take from its start to joining the lighthouse.
-START_TIMEOUT_S = 120.0
 
 
 def _replica_process(
@@ -570,9 +569,6 @@ class _Supervisor:
                 # Every replica joined the lighthouse and every spare is built: the first
                 # quorum holds everyone, and no fault comes before its replacement is ready.
                 self.went = True
-                for entry in self.job.lives:
-                    if entry.ready:
-                        entry.conn.send_bytes(b"go")
                 self.cuts = [
                     (now + f.at_s, f)
                     for f in self.ft.faults
@@ -583,6 +579,12 @@ class _Supervisor:
                     for f in self.ft.faults
                     if isinstance(f, KillEveryFault)
                 ]
+                # A link cut or slowed at 0 s is so before anyone trains: told to go first,
+                # a replica could have asked for its first quorum through it already.
+                self._links(now)
+                for entry in self.job.lives:
+                    if entry.ready:
+                        entry.conn.send_bytes(b"go")
         elif kind == "step":
             self.job.records.append({"replica": life.replica, "life": life.life, **body})
         elif kind == "kill":

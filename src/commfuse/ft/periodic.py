@@ -382,7 +382,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             now["period"] = period
             if manager.errored() is None:  # else the group may not be built
                 comm.at_quorum(manager.participating_rank() or 0, process_group.size())
-            participants = manager.num_participants()
+            participants, quorum_id = manager.num_participants(), process_group.quorum
             snapshot = copy.deepcopy(state_dict())
             resume = bool(kept)
             # What a failed exchange rolls back to: the state before the period's last
@@ -496,6 +496,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "trained_steps": trained,
                         "skipped_steps": skip,
                         "participants": participants,
+                        "quorum": quorum_id,
                         "loss": sum(losses) / len(losses) if losses else None,
                         "losses": losses,
                         "samples": samples,

@@ -89,6 +89,12 @@ class AlarmedProcessGroupGloo(ProcessGroupGloo):  # type: ignore[misc]
         )
         self._alarm = create_store_client(store_addr, timeout=self._timeout)
 
+    @property
+    def quorum(self) -> list[int] | None:
+        """Which group this is: ``[quorum id, renewals]`` of its last configuration (None
+        before the first). Two replicas' collectives met iff their groups' ``quorum`` match."""
+        return None if self._quorum_id is None else [self._quorum_id, self._renewals]
+
     def renew(self) -> None:
         """Build a fresh group at the next configuration, even of the same quorum (see the
         module docstring); the caller makes the Manager reconfigure."""

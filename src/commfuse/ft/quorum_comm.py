@@ -49,8 +49,10 @@ class QuorumComm:
         self.bytes_sent = 0
         """Bytes handed to collectives so far."""
         self.on_issue: Callable[[], None] | None = None
-        """Called once each collective was handed to gloo, before the wait (fault
-        injection)."""
+        """Called as each collective is about to be handed to gloo (fault injection): a
+        replica killed there sent nothing of it, so no peer can finish it. (Killed once it
+        was handed over, gloo's threads may already have delivered a small message, and the
+        peers go on as if nothing had happened.)"""
 
     def at_quorum(self, rank: int, world_size: int) -> None:
         """The quorum of the step about to run."""
@@ -87,9 +89,9 @@ class QuorumComm:
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
         self.bytes_sent += flat.numel() * flat.element_size()
-        work = self.process_group.allreduce([flat], opts)
         if self.on_issue is not None:
             self.on_issue()
+        work = self.process_group.allreduce([flat], opts)
         self.process_group.wait(work)
         if not in_place:
             tensor.copy_(flat.view_as(tensor))
@@ -100,7 +102,7 @@ class QuorumComm:
         """Every replica's ``input`` into ``output``, in quorum rank order."""
         parts = list(output.chunk(self.world_size))
         self.bytes_sent += input.numel() * input.element_size()
-        work = self.process_group.allgather([parts], [input], AllgatherOptions())
         if self.on_issue is not None:
             self.on_issue()
+        work = self.process_group.allgather([parts], [input], AllgatherOptions())
         self.process_group.wait(work)

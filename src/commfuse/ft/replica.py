@@ -54,7 +54,7 @@ from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 from torch.nn.parallel import DistributedDataParallel
 
 from commfuse.compress.base import Compressor
-from commfuse.ft.config import FaultToleranceConfig, KillFault
+from commfuse.ft.config import START_TIMEOUT_S, FaultToleranceConfig, KillFault
 from commfuse.ft.data import global_batch_slice, loss_scale, sample_range
 from commfuse.ft.group_hook import GroupHookState, group_allreduce_hook
 from commfuse.ft.hook import FTHookState, ft_allreduce_hook
@@ -267,6 +267,12 @@ def init_group_process_group(job: ReplicaJob) -> None:
     store = TCPStore(
         job.store_addr or job.addr, job.store_port, is_master=False, timeout=op_timeout
     )
+    # Its ranks start as processes of their own, seconds apart on a busy machine: they wait
+    # for each other as long as a replica may take to start, then build the group, whose
+    # collectives keep the operations' timeout.
+    arrived = PrefixStore("commfuse/arrived", store)
+    arrived.set(str(job.group_rank), "1")
+    arrived.wait([str(r) for r in range(job.group_size)], timedelta(seconds=START_TIMEOUT_S))
     dist.init_process_group(
         "gloo",
         store=PrefixStore("commfuse/group", store),
@@ -413,7 +419,10 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
         ddp.register_comm_hook(wired, group_allreduce_hook)
     else:
         ddp.register_comm_hook(hook_state, ft_allreduce_hook)
-    if job.life > 0:
+    # Whether DDP has rebuilt its buckets in gradient order, as every peer past its first
+    # backward has (``_lay_out_buckets``).
+    laid_out = job.life > 0
+    if laid_out:
         _lay_out_buckets(ddp, wired, workload, job)
         # A spare: everything is built; the launcher says when the restart happens.
         send(conn, ("built", {"replica": job.replica, "life": job.life}))
@@ -461,6 +470,15 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             for state in pending:
                 load_state_dict(state)  # on this thread: nothing reads the state meanwhile
             pending.clear()
+            if healed and not laid_out:
+                # A first life that missed the first quorums (it was slow to ask) joins peers
+                # whose buckets are rebuilt: its own, still in registration order, would pair
+                # other parameters with theirs, and its sums would land in the wrong places.
+                # (The donor's random state, just loaded, is the step's: kept.)
+                rng = torch.get_rng_state()
+                _lay_out_buckets(ddp, wired, workload, job)
+                torch.set_rng_state(rng)
+            laid_out = True  # by now, or by this step's backward
             step_now, samples, scale = share = _step_share(manager, job)
             again = healed or share != guess
             if again:  # the batch is built again only when the quorum changed it
@@ -474,7 +492,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             t_saved = time.monotonic()
             sent_before = wired.bytes_sent
             (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
-            participants = manager.num_participants()
+            participants, quorum = manager.num_participants(), process_group.quorum
             t_backward = time.monotonic()
             committed = manager.should_commit()
             t_voted = time.monotonic()
@@ -493,6 +511,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "step": step_now,
                         "committed": bool(committed),
                         "participants": participants,
+                        "quorum": quorum,
                         "loss": float(loss.detach()),
                         "t0": t0,
                         "t_quorum": t_quorum,
