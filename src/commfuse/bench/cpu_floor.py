@@ -75,15 +75,7 @@ def cpu_floor_us(comm: Communicator, cpu_us: float) -> float:
     """The largest, over machines, of the CPU time ``cpu_us`` summed over a machine's ranks and
     divided by its usable cores (module docstring). Every rank must call it alike; all get the
     same answer."""
-    mine = torch.tensor(
-        [float(machine_key()), cpu_us, float(usable_cores())],
-        dtype=torch.float64,
-        device=comm.device,
-    )
-    rows = torch.zeros(comm.world_size, 3, dtype=torch.float64, device=comm.device)
-    rows[comm.rank] = mine
-    comm.all_reduce(rows)  # an all-gather by sum: every other row is zero
-    return floor_of(rows.tolist())
+    return floor_of(_every_ranks(comm, [float(machine_key()), cpu_us, float(usable_cores())]))
 
 
 def machine_floor_us(
@@ -93,15 +85,16 @@ def machine_floor_us(
     kernel's network work ``kernel_us`` and less the cores ``taken_cores`` that other programs,
     the kernel and the hypervisor took, each given by one rank of a machine (its reader; the
     others pass 0). Every rank must call it alike; all get the same answer."""
-    mine = torch.tensor(
-        [float(machine_key()), cpu_us, float(usable_cores()), kernel_us, taken_cores],
-        dtype=torch.float64,
-        device=comm.device,
-    )
-    rows = torch.zeros(comm.world_size, 5, dtype=torch.float64, device=comm.device)
-    rows[comm.rank] = mine
+    mine = [float(machine_key()), cpu_us, float(usable_cores()), kernel_us, taken_cores]
+    return floor_of(_every_ranks(comm, mine))
+
+
+def _every_ranks(comm: Communicator, values: list[float]) -> list[list[float]]:
+    """Every rank's ``values``, in rank order (all ranks call it alike)."""
+    rows = torch.zeros(comm.world_size, len(values), dtype=torch.float64, device=comm.device)
+    rows[comm.rank] = torch.tensor(values, dtype=torch.float64, device=comm.device)
     comm.all_reduce(rows)  # an all-gather by sum: every other row is zero
-    return floor_of(rows.tolist())
+    return rows.tolist()
 
 
 #: The fewest cores a machine floor divides by: other programs' share is measured over ticks
