@@ -569,7 +569,7 @@ def test_launcher_killed_takes_its_replicas_lighthouse_and_network_with_it(
 def test_timeouts_derive_from_one_setting() -> None:
     t = Timeouts.derive(2.0)
     assert t.heartbeat_timeout_s == t.join_timeout_s == 2.0
-    assert t.heartbeat_interval_s == 0.1
+    assert t.heartbeat_interval_s == 0.4
     assert t.op_timeout_s == 10.0 and t.quorum_timeout_s > t.op_timeout_s
     assert FaultToleranceConfig().timeouts == t
     with pytest.raises(ValueError, match="timeout_s must be positive"):

@@ -7,7 +7,10 @@ heartbeat, set in three places):
 
 1. the lighthouse declares a replica dead when it has not heard its heartbeat for
    ``timeout_s``, and waits as long for the stragglers of a new quorum;
-2. each replica's Manager heartbeats twenty times per ``timeout_s``;
+2. each replica's Manager heartbeats five times per ``timeout_s``: enough that one late
+   heartbeat does not drop a live replica, few enough that the heartbeats' RPCs (a replica's
+   Manager thread and the lighthouse each spend CPU on every one) stay a small share of a
+   step on a machine whose cores the replicas share;
 3. a collective, a commit vote and the transfer of a joiner's state may take
    ``OP_TIMEOUT_FACTOR * timeout_s``: longer than a heartbeat, since a large message on a slow
    link is not a failure, but bounded, so a peer cut off without closing its sockets (a link
@@ -38,7 +41,7 @@ from typing import Literal, TypeAlias
 #: Collectives, commit votes and state transfers may take this many ``timeout_s``.
 OP_TIMEOUT_FACTOR = 5.0
 #: Heartbeats per ``timeout_s``.
-HEARTBEATS_PER_TIMEOUT = 20
+HEARTBEATS_PER_TIMEOUT = 5
 #: Periods a quorum request covers on top of ``quorum_timeout_s`` in per-period mode.
 PERIOD_COVER = 2.0
 #: Seconds a replica may take from its start to joining the lighthouse (and the ranks of a
