@@ -36,6 +36,7 @@ from commfuse.comm import Communicator
 from commfuse.fused import gemm_all_to_all as ga
 from commfuse.fused.chunking import ChunkConfig
 from commfuse.fused.moe import choose_moe_chunks
+from commfuse.sim.bound import GlobalWait, StepGraph
 from commfuse.workloads.moe import MoEModel, MoEOptions, MoEWorkload
 
 
@@ -164,8 +165,14 @@ def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
             "combine": lambda: ga.native_exchange(comm, rt, expert_side, to_experts=False),
             "gemm1": lambda: ga.expert_gemm(rt, rows_in, w1),
             "gemm2": lambda: ga.expert_gemm(rt, hidden, w2),
+            # The step's last wait and the work the graph lets run beside it.
+            "allreduce": lambda: comm.all_reduce(replicated[1]),
+            "update": _update(workload, comm),
         },
         bound=moe_step_bound_us,
+        graph=functools.partial(
+            moe_step_graph, ranks=world, local_share=_local_share(counts, per_rank)
+        ),
         # Fixed counts beside the layer's choice, in the same rounds (wall and CPU): few pieces
         # against many, each dispatch piece one more message per source.
         alternatives={f"k={k}": functools.partial(step, k) for k in FIXED_CHUNKS},
@@ -198,3 +205,80 @@ def moe_step_bound_us(medians: dict[str, float], floors: dict[str, float] | None
     pairs = ((d, fd, g1, f1), (c, fc, g2, f2), (d, fd, 2 * g2, 2 * f2), (c, fc, 2 * g1, 2 * f1))
     hidden = sum(x + g - max(x, g, fx + fg) for x, fx, g, fg in pairs)
     return medians["compute"] + medians["comm"] - hidden
+
+
+def _local_share(counts: torch.Tensor, per_rank: int) -> float:
+    """The largest share, over ranks, of an expert side's rows that stay on their rank (the
+    local block): the most of a GEMM any rank can run before a remote row arrives."""
+    world = counts.shape[0]
+    shares = []
+    for r in range(world):
+        mine = counts[:, r * per_rank : (r + 1) * per_rank].sum(1)
+        shares.append(float(mine[r]) / max(float(mine.sum()), 1.0))
+    return max(shares)
+
+
+def _update(workload: MoEWorkload, comm: Communicator) -> Any:
+    """The step's work after its last all-reduce that does not wait for it, on a model of its
+    own: every gradient scaled once (the expert gradients by ``1 / P`` and the head's average,
+    in the step) and one optimizer step."""
+    m = workload.build_model(comm, 0, fused=False)
+    opt = workload.make_optimizer(m)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def update() -> None:
+        for p in m.parameters():
+            assert p.grad is not None
+            p.grad.mul_(1.0)
+        opt.step()
+
+    return update
+
+
+#: The chunk counts the MoE layer may choose (``ChunkConfig.max_chunks``'s default).
+MAX_LAYER_CHUNKS = ChunkConfig().max_chunks
+
+
+def moe_step_graph(
+    medians: dict[str, float],
+    cpu: dict[str, float],
+    *,
+    floor_us: float,
+    cores: float,
+    ranks: int,
+    local_share: float,
+) -> StepGraph:
+    """The MoE step's graph for ``sim.bound.step_bound``, from its parts timed alone
+    (``medians``: wall us of ``compute`` and each stage; ``cpu``: their CPU us, all ranks).
+
+    Its global waits (every rank's next work needs every rank's data):
+
+    * the dispatch's first piece round: the expert GEMMs await the dispatch piece-major, so no
+      remote row is multiplied before the first piece of every source is in (``k`` pieces: the
+      dispatch alone over ``k``); the local blocks of the first GEMM (``local_share`` of its
+      rows on any rank at most) may run meanwhile;
+    * the all-reduce of the gate's and the norm's gradients after the backward: the update of
+      every parameter (scaling and the optimizer, ``update``) may run meanwhile.
+
+    Left out, as other work may fill them: the counts exchange (the routed rows are gathered
+    meanwhile), the reverse combine's first round in the backward (the local blocks of the
+    second GEMM's gradients, twice its forward, fill it) and the last pieces of each
+    compute-then-exchange side (only their destination waits for them). One rank's computation
+    is the computation alone (``compute``) over the ranks."""
+
+    def wait(name: str, **kw: Any) -> GlobalWait:
+        time = medians[name]
+        return GlobalWait(name=name, wait_us=time, traffic_cores=cpu[name] / max(time, 1.0), **kw)
+
+    return StepGraph(
+        ranks=ranks,
+        cores=cores,
+        floor_us=floor_us,
+        rank_compute_us=cpu["compute"] / ranks,
+        waits=(
+            wait("dispatch", chunked=True, fill_us=local_share * cpu["gemm1"]),
+            wait("allreduce", fill_us=cpu["update"]),
+        ),
+        chunk_choices=tuple(range(1, MAX_LAYER_CHUNKS + 1)),
+    )
