@@ -57,7 +57,10 @@ def test_bench_records(pool: PoolFn) -> None:
             from commfuse.bench.fused_moe import moe_step_bound_us
 
             floors = r["stage_floors_us"]
-            assert set(floors) == {"dispatch", "combine", "gemm1", "gemm2", "allreduce", "update"}
+            assert set(floors) == {
+                *("dispatch", "combine", "gemm1", "gemm2"),
+                *("allreduce", "allreduce_ring", "update"),
+            }
             medians = {"compute": r["compute_us"], "comm": r["comm_us"], **r["stages_us"]}
             assert r["dependencies_only_us"] == pytest.approx(moe_step_bound_us(medians, floors))
             assert r["fused_vs_dependency_bound"] == pytest.approx(r["fused_us"] / bound)
@@ -137,6 +140,13 @@ def test_moe_step_graph_waits_for_the_dispatchs_first_round_and_the_last_all_red
     b = step_bound(g)
     assert b.chunks == 4 and b.exposed_us == {"dispatch": 0.0, "allreduce": pytest.approx(2.5)}
     assert b.bound_us == pytest.approx(252.5)
+    # Where gloo's ring is the faster all-reduce, the wait is its time: a bound charges the
+    # fastest exchange there is.
+    ring = {**wall, "allreduce_ring": 2.0}
+    g = moe_step_graph(
+        ring, {**cpu, "allreduce_ring": 1.0}, floor_us=250.0, cores=2.0, ranks=4, local_share=0.25
+    )
+    assert g.waits[1].wait_us == 2.0 and g.waits[1].traffic_cores == 0.5
 
 
 def test_machine_share_counts_the_kernels_work_beyond_its_rate_and_the_cores_taken() -> None:
