@@ -78,8 +78,10 @@ def gemm_all_to_all_case(comm: Communicator, shape: tuple[int, ...]) -> FusedFor
     )
 
 
-#: The fixed chunk counts ``moe_step`` times beside the layer's own choice.
-FIXED_CHUNKS = (2, 5)
+#: The fixed chunk counts ``moe_step`` times beside the layer's own choice: few pieces, the
+#: fewest whose dispatch round the local blocks can hide (``moe_step_graph``'s bound picks it on
+#: four ranks and two cores), and many.
+FIXED_CHUNKS = (2, 3, 5)
 
 
 def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
