@@ -37,7 +37,13 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
   parts run alone (``machine_share``), and the CPU of C and M or of the unfused step, whichever
   is more (the unfused step does the same work in one piece). It is the larger of the
   dependencies (the operator's ``bound`` with each stage's machine floor; ``max(C, M)`` for
-  operators without one) and the machine floor. ``fused/dep`` keeps the bound of the ranks' CPU alone beside it.
+  operators without one) and the machine floor. ``fused/dep`` keeps the bound of the ranks'
+  CPU alone beside it;
+* ``fused/graph`` divides by the **bound of the step's graph on the machine's cores**, where the
+  operator has a graph (``FusedForms.graph``; the MoE step's is ``fused_moe.moe_step_graph``):
+  ``sim.bound.step_bound`` adds to the machine floor the cores its global waits leave idle
+  whatever the schedule, at the best chunk count, and the larger of that and the machine's
+  bound is the bound.
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
 prediction and the ratios fused/unfused, fused/ideal and fused/overlap (of the medians), plus

@@ -18,7 +18,10 @@ expert GEMMs are also timed alone (``stage:NAME``), for the dependency-aware bou
 computation, where the step lets each exchange hide only behind the GEMMs next to it, and
 only as far as the CPU of both fits on the machine's cores (each stage's CPU floor).
 ``fused/dep`` divides by the larger of that and the CPU floor (``bench/cpu_floor.py``), since
-with ranks sharing cores the exchanges' CPU work competes with the GEMMs. The learning rate is
+with ranks sharing cores the exchanges' CPU work competes with the GEMMs. ``fused/graph``
+divides by the bound of the step's graph on the shared cores (``moe_step_graph``, from the
+dispatch's first piece round and the all-reduce after the backward, each timed alone, with the
+work that may run beside them: the first GEMM's local blocks, ``update``). The learning rate is
 1e-30, so every timed step sees (numerically) the same parameters; the records' ``wrong``
 compares losses rounded to 4 decimals.
 """
