@@ -57,12 +57,23 @@ def test_bench_records(pool: PoolFn) -> None:
             from commfuse.bench.fused_moe import moe_step_bound_us
 
             floors = r["stage_floors_us"]
-            assert set(floors) == {"dispatch", "combine", "gemm1", "gemm2"}
+            assert set(floors) == {
+                *("dispatch", "combine", "gemm1", "gemm2"),
+                *("allreduce", "allreduce_ring", "update"),
+            }
             medians = {"compute": r["compute_us"], "comm": r["comm_us"], **r["stages_us"]}
             assert r["dependencies_only_us"] == pytest.approx(moe_step_bound_us(medians, floors))
             assert r["fused_vs_dependency_bound"] == pytest.approx(r["fused_us"] / bound)
+            # The graph's bound (sim/bound.py): the machine floor and the two global waits.
+            graph = r["graph_bound"]
+            assert set(graph["exposed_us"]) == {"dispatch", "allreduce"}
+            assert graph["machine_us"] >= r["machine_floor_us"] * (1 - 1e-9)
+            assert 1 <= graph["chunks"] <= 16
+            assert r["graph_bound_us"] == max(r["machine_bound_us"], graph["bound_us"])
+            assert r["fused_vs_graph_bound"] == pytest.approx(r["fused_us"] / r["graph_bound_us"])
         else:
             assert bound is None and r["fused_vs_dependency_bound"] is None
+            assert r["graph_bound_us"] is None and r["fused_vs_graph_bound"] is None
             assert r["machine_dependencies_us"] == r["ideal_us"]  # its parts: max(C, M)
         # The machine's bound: its CPU, the kernel's network work and the cores left to it.
         assert r["machine_floor_us"] >= r["cpu_floor_us"] * (1 - 1e-9)
@@ -109,6 +120,33 @@ def test_moe_step_bound_hides_each_exchange_only_behind_its_gemms() -> None:
     floors = {"dispatch": 8.0, "combine": 8.0, "gemm1": 25.0, "gemm2": 25.0}
     assert moe_step_bound_us(long, floors) == 140.0 - (7 + 9 + 10 + 12)
     assert moe_step_bound_us(long, dict.fromkeys(floors, 0.0)) == moe_step_bound_us(long)
+
+
+def test_moe_step_graph_waits_for_the_dispatchs_first_round_and_the_last_all_reduce() -> None:
+    from commfuse.bench.fused_moe import moe_step_graph
+    from commfuse.sim.bound import step_bound
+
+    wall = {"compute": 200.0, "dispatch": 28.0, "allreduce": 4.0}
+    cpu = {"compute": 400.0, "dispatch": 14.0, "allreduce": 2.0, "gemm1": 54.0, "update": 1.0}
+    g = moe_step_graph(wall, cpu, floor_us=250.0, cores=2.0, ranks=4, local_share=0.25)
+    dispatch, allreduce = g.waits
+    assert (dispatch.name, dispatch.chunked, dispatch.fill_us) == ("dispatch", True, 13.5)
+    assert dispatch.traffic_cores == pytest.approx(0.5)
+    assert (allreduce.name, allreduce.chunked, allreduce.fill_us) == ("allreduce", False, 1.0)
+    assert g.rank_compute_us == 100.0 and g.chunk_choices == tuple(range(1, 17))
+    # The dispatch's first round, 28 / k with its own half core busy, against 13.5 us of local
+    # blocks over 2 cores: (28 / k * 1.5 - 13.5) / 2 idles 3.75 us at 2 pieces, 0.25 at 3, none
+    # from 4; the all-reduce idles (4 * 1.5 - 1) / 2 = 2.5 us whatever the pieces.
+    b = step_bound(g)
+    assert b.chunks == 4 and b.exposed_us == {"dispatch": 0.0, "allreduce": pytest.approx(2.5)}
+    assert b.bound_us == pytest.approx(252.5)
+    # Where gloo's ring is the faster all-reduce, the wait is its time: a bound charges the
+    # fastest exchange there is.
+    ring = {**wall, "allreduce_ring": 2.0}
+    g = moe_step_graph(
+        ring, {**cpu, "allreduce_ring": 1.0}, floor_us=250.0, cores=2.0, ranks=4, local_share=0.25
+    )
+    assert g.waits[1].wait_us == 2.0 and g.waits[1].traffic_cores == 0.5
 
 
 def test_machine_share_counts_the_kernels_work_beyond_its_rate_and_the_cores_taken() -> None:

@@ -3,7 +3,8 @@ step (1 chunk, gloo's All-to-All) step for step (losses and every parameter with
 three steps, world sizes 1 and 3), replicated parameters stay identical across ranks, batches
 are a pure function of (seed, step, rank), and the fused step sends through the fused operators
 what the unfused one sends through gloo's All-to-All. The replicated gradients travel in two
-all-reduces per step: the head's, issued before the backward's last exchange, and the rest."""
+all-reduces per step: the head's (gloo's), issued before the backward's last exchange, and the
+rest by recursive doubling after it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from commfuse.comm.communicator import default_config
 from commfuse.fused import baselines
 from commfuse.fused import gemm_all_to_all as ga
 from commfuse.testing import RankPool
-from commfuse.workloads.moe import MoEOptions, MoEWorkload
+from commfuse.workloads.moe import LATE_ALL_REDUCE, MoEOptions, MoEWorkload
 
 PoolFn = Callable[[int], RankPool]
 OPTIONS = MoEOptions(d_model=8, d_hidden=6, num_experts=4, tokens_per_rank=10, num_classes=3)
@@ -37,17 +38,22 @@ def train(num_chunks: int, steps: int) -> tuple[list[float], list[torch.Tensor],
         comm.trace.clear()
         losses.append(workload.train_step(comm, model, optimizer, batch))
     exchanges = {ga.LABEL, label("all_to_all", baselines.ALL_TO_ALL)}
-    kinds = [e.kind for e in comm.trace.events if e.kind in exchanges | {"all_reduce"}]
-    sizes = [e.nbytes for e in comm.trace.events if e.kind == "all_reduce"] + [0, 0]
+    late = label("all_reduce", LATE_ALL_REDUCE)
+    kinds = [e.kind for e in comm.trace.events if e.kind in exchanges | {"all_reduce", late}]
+    sizes = [e.nbytes for e in comm.trace.events if e.kind == "all_reduce"] + [0]
     last_exchange = max((i for i, kind in enumerate(kinds) if kind in exchanges), default=-1)
     sent = {
         "fused": comm.stats[ga.LABEL].bytes_sent,
         "all_to_all": comm.stats["all_to_all"].native_bytes,
         "all_reduce_calls": comm.stats["all_reduce"].calls,
         # the head's gradients travel before the backward's last exchange, the rest after it
-        "head_first": int(kinds.index("all_reduce") < last_exchange < len(kinds) - 1),
+        "head_first": int(
+            late in kinds and kinds.index("all_reduce") < last_exchange < kinds.index(late)
+        ),
         "head_bytes": sizes[0],
-        "rest_bytes": sizes[1],
+        # the rest by recursive doubling: handed once per step, sent in whole buffers
+        "rest_handed": comm.stats[late].handed_bytes,
+        "rest_sent": comm.stats[late].bytes_sent,
     }
     return losses, [p.detach().clone() for p in model.parameters()], sent
 
@@ -71,11 +77,13 @@ def compare() -> list[str]:
     head_bytes = 4 * (OPTIONS.num_classes * OPTIONS.d_model + OPTIONS.num_classes)
     rest_bytes = 4 * (2 * OPTIONS.d_model + OPTIONS.num_experts * OPTIONS.d_model)
     for sent in (fused_sent, unfused_sent):
-        if (sent["all_reduce_calls"], sent["head_bytes"], sent["rest_bytes"]) != (
-            6,
-            head_bytes,
-            rest_bytes,
-        ) or (comm.world_size > 1 and not sent["head_first"]):
+        many = comm.world_size > 1  # one rank communicates nothing
+        if (
+            (sent["all_reduce_calls"], sent["head_bytes"]) != (3, head_bytes)
+            or sent["rest_handed"] != 3 * rest_bytes * many
+            or (many and not (sent["rest_sent"] > 0 and sent["rest_sent"] % rest_bytes == 0))
+            or (many and not sent["head_first"])
+        ):
             failures.append(f"{where}: replicated gradients' all-reduces {sent}")
     head = fused_params[-2].clone()
     comm.all_reduce(head, "max")

@@ -37,7 +37,13 @@ For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.p
   parts run alone (``machine_share``), and the CPU of C and M or of the unfused step, whichever
   is more (the unfused step does the same work in one piece). It is the larger of the
   dependencies (the operator's ``bound`` with each stage's machine floor; ``max(C, M)`` for
-  operators without one) and the machine floor. ``fused/dep`` keeps the bound of the ranks' CPU alone beside it.
+  operators without one) and the machine floor. ``fused/dep`` keeps the bound of the ranks'
+  CPU alone beside it;
+* ``fused/graph`` divides by the **bound of the step's graph on the machine's cores**, where the
+  operator has a graph (``FusedForms.graph``; the MoE step's is ``fused_moe.moe_step_graph``):
+  ``sim.bound.step_bound`` adds to the machine floor the cores its global waits leave idle
+  whatever the schedule, at the best chunk count, and the larger of that and the machine's
+  bound is the bound.
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
 prediction and the ratios fused/unfused, fused/ideal and fused/overlap (of the medians), plus
@@ -63,7 +69,14 @@ from typing import Any, Literal
 import torch
 
 from commfuse.bench.cases import Case
-from commfuse.bench.cpu_floor import cpu_floor_us, cpu_seconds, machine_floor_us, machine_key
+from commfuse.bench.cpu_floor import (
+    MIN_CORES,
+    cpu_floor_us,
+    cpu_seconds,
+    machine_floor_us,
+    machine_key,
+    usable_cores,
+)
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
 from commfuse.cluster.machine import CORE_TIMES, core_times_s, cpu_by_owner_s, rank_pids
@@ -83,6 +96,7 @@ from commfuse.fused.chunking import (
     split_sizes,
 )
 from commfuse.fused.chunking import Schedule as ChunkSchedule
+from commfuse.sim.bound import StepGraph, step_bound
 
 #: Operators this benchmark knows, and the shapes it times for each by default:
 #: - GEMM + AllReduce: (rows, in_features, out_features), in_features sharded across ranks;
@@ -207,6 +221,10 @@ class FusedForms:
     """The dependency-aware bound from the medians of ``compute``, ``comm`` and the stages
     (by name), where the operator's dependencies let less overlap than perfect overlap does,
     and the stages' CPU floors (by name: what their CPU needs of the machine's cores)."""
+    graph: Callable[..., StepGraph] | None = None
+    """The step's dependency graph for ``sim.bound.step_bound`` from the medians (wall) and the
+    CPU (all ranks) of ``compute`` and the stages (by name), given ``floor_us`` (the machine
+    floor) and ``cores`` (those left to the ranks), where the operator has one."""
     alternatives: dict[str, Callable[[], torch.Tensor]] = dataclasses.field(default_factory=dict)
     """Other schedules, by name, timed in the same rounds as the chosen one; each gets a row
     of its own (op ``"op[name]"``) sharing the chosen row's C, M, unfused, overlap and
@@ -622,6 +640,23 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 bound = max(dependencies, floor)  # the CPU of the ranks alone, as before
                 machine_dependencies = forms.bound(medians, stage_machine_floors)
             machine_bound = max(machine_dependencies, machine_floor)
+            # The step's graph on the machine (sim/bound.py): the machine floor, each global
+            # wait's idle cores and one rank's critical path, at the best chunk count; with
+            # the machine's bound, two lower bounds, so their larger is one.
+            graph, graph_bound = None, machine_bound
+            if forms.graph is not None:
+                all_cpu = {n: statistics.median(cpu[v].tolist()) for v, n in enumerate(names)}
+                parts_cpu = {"compute": all_cpu["compute"]} | {
+                    n: all_cpu[f"stage:{n}"] for n in forms.stages
+                }
+                parts_wall = {"compute": c} | {
+                    n: summary.medians[f"stage:{n}"] for n in forms.stages
+                }
+                left = max(usable_cores() - float(taken_cores), MIN_CORES)
+                graph = step_bound(
+                    forms.graph(parts_wall, parts_cpu, floor_us=machine_floor, cores=left)
+                )
+                graph_bound = max(machine_bound, graph.bound_us)
             record: dict[str, Any] = {
                 "op": op,
                 "shape": list(shape),
@@ -664,6 +699,9 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 "kernel_network_us": kernel_network,
                 "taken_cores": float(taken_cores),
                 "fused_vs_machine_bound": f / machine_bound,
+                "graph_bound_us": graph_bound if graph else None,
+                "graph_bound": dataclasses.asdict(graph) if graph else None,
+                "fused_vs_graph_bound": f / graph_bound if graph else None,
                 **summary.as_dict(),
                 "unfused_control_us": (
                     summary.medians[schedule.control_variant] if schedule.control_variant else None
@@ -694,6 +732,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                         "fused_vs_overlap": a / o,
                         "fused_vs_dependency_bound": a / bound if bound else None,
                         "fused_vs_machine_bound": a / machine_bound,
+                        "fused_vs_graph_bound": a / graph_bound if graph else None,
                         "tie": summary.is_tie(a / u, variant=f"fused[{name}]"),
                         "ratio_ci": list(summary.ratio_intervals[f"fused[{name}]"]),
                         "wrong": int(bad),
@@ -731,6 +770,12 @@ COLUMNS = (
         "fused/bound",
         lambda r: (
             "-" if r.get("fused_vs_machine_bound") is None else f"{r['fused_vs_machine_bound']:.3f}"
+        ),
+    ),
+    (
+        "fused/graph",
+        lambda r: (
+            "-" if r.get("fused_vs_graph_bound") is None else f"{r['fused_vs_graph_bound']:.3f}"
         ),
     ),
     ("wrong", lambda r: str(r["wrong"])),

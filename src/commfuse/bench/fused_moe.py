@@ -18,7 +18,10 @@ expert GEMMs are also timed alone (``stage:NAME``), for the dependency-aware bou
 computation, where the step lets each exchange hide only behind the GEMMs next to it, and
 only as far as the CPU of both fits on the machine's cores (each stage's CPU floor).
 ``fused/dep`` divides by the larger of that and the CPU floor (``bench/cpu_floor.py``), since
-with ranks sharing cores the exchanges' CPU work competes with the GEMMs. The learning rate is
+with ranks sharing cores the exchanges' CPU work competes with the GEMMs. ``fused/graph``
+divides by the bound of the step's graph on the shared cores (``moe_step_graph``, from the
+dispatch's first piece round and the all-reduce after the backward, each timed alone, with the
+work that may run beside them: the first GEMM's local blocks, ``update``). The learning rate is
 1e-30, so every timed step sees (numerically) the same parameters; the records' ``wrong``
 compares losses rounded to 4 decimals.
 """
@@ -27,16 +30,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import torch
 
 from commfuse.bench.fused import FusedForms
+from commfuse.collectives import all_reduce
 from commfuse.comm import Communicator
 from commfuse.fused import gemm_all_to_all as ga
 from commfuse.fused.chunking import ChunkConfig
 from commfuse.fused.moe import choose_moe_chunks
-from commfuse.workloads.moe import MoEModel, MoEOptions, MoEWorkload
+from commfuse.sim.bound import GlobalWait, StepGraph
+from commfuse.workloads.moe import LATE_ALL_REDUCE, MoEModel, MoEOptions, MoEWorkload
 
 
 def gemm_all_to_all_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
@@ -75,8 +81,10 @@ def gemm_all_to_all_case(comm: Communicator, shape: tuple[int, ...]) -> FusedFor
     )
 
 
-#: The fixed chunk counts ``moe_step`` times beside the layer's own choice.
-FIXED_CHUNKS = (2, 5)
+#: The fixed chunk counts ``moe_step`` times beside the layer's own choice: few pieces, the
+#: fewest whose dispatch round the local blocks can hide (``moe_step_graph``'s bound picks it on
+#: four ranks and two cores), and many.
+FIXED_CHUNKS = (2, 3, 5)
 
 
 def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
@@ -143,8 +151,8 @@ def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
         for _ in range(2):  # forward and backward
             ga.native_exchange(comm, rt, token_side, to_experts=True)
             ga.native_exchange(comm, rt, expert_side, to_experts=False)
-        for grads in replicated:
-            comm.all_reduce(grads)
+        comm.all_reduce(replicated[0])
+        all_reduce(comm, replicated[1], algo=LATE_ALL_REDUCE)
 
     # The expert GEMMs alone, forward, on the expert side's rows of this routing.
     own = torch.Generator().manual_seed(comm.rank)
@@ -164,8 +172,15 @@ def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
             "combine": lambda: ga.native_exchange(comm, rt, expert_side, to_experts=False),
             "gemm1": lambda: ga.expert_gemm(rt, rows_in, w1),
             "gemm2": lambda: ga.expert_gemm(rt, hidden, w2),
+            # The step's last wait and the work the graph lets run beside it.
+            "allreduce": lambda: all_reduce(comm, replicated[1], algo=LATE_ALL_REDUCE),
+            "allreduce_ring": lambda: comm.all_reduce(replicated[1]),  # gloo's
+            "update": _update(workload, comm),
         },
         bound=moe_step_bound_us,
+        graph=functools.partial(
+            moe_step_graph, ranks=world, local_share=_local_share(counts, per_rank)
+        ),
         # Fixed counts beside the layer's choice, in the same rounds (wall and CPU): few pieces
         # against many, each dispatch piece one more message per source.
         alternatives={f"k={k}": functools.partial(step, k) for k in FIXED_CHUNKS},
@@ -198,3 +213,84 @@ def moe_step_bound_us(medians: dict[str, float], floors: dict[str, float] | None
     pairs = ((d, fd, g1, f1), (c, fc, g2, f2), (d, fd, 2 * g2, 2 * f2), (c, fc, 2 * g1, 2 * f1))
     hidden = sum(x + g - max(x, g, fx + fg) for x, fx, g, fg in pairs)
     return medians["compute"] + medians["comm"] - hidden
+
+
+def _local_share(counts: torch.Tensor, per_rank: int) -> float:
+    """The largest share, over ranks, of an expert side's rows that stay on their rank (the
+    local block): the most of a GEMM any rank can run before a remote row arrives."""
+    world = counts.shape[0]
+    shares = []
+    for r in range(world):
+        mine = counts[:, r * per_rank : (r + 1) * per_rank].sum(1)
+        shares.append(float(mine[r]) / max(float(mine.sum()), 1.0))
+    return max(shares)
+
+
+def _update(workload: MoEWorkload, comm: Communicator) -> Any:
+    """The step's work after its last all-reduce that does not wait for it, on a model of its
+    own: every gradient scaled once (the expert gradients by ``1 / P`` and the head's average,
+    in the step) and one optimizer step."""
+    m = workload.build_model(comm, 0, fused=False)
+    opt = workload.make_optimizer(m)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def update() -> None:
+        for p in m.parameters():
+            assert p.grad is not None
+            p.grad.mul_(1.0)
+        opt.step()
+
+    return update
+
+
+#: The chunk counts the MoE layer may choose (``ChunkConfig.max_chunks``'s default).
+MAX_LAYER_CHUNKS = ChunkConfig().max_chunks
+
+
+def moe_step_graph(
+    medians: dict[str, float],
+    cpu: dict[str, float],
+    *,
+    floor_us: float,
+    cores: float,
+    ranks: int,
+    local_share: float,
+) -> StepGraph:
+    """The MoE step's graph for ``sim.bound.step_bound``, from its parts timed alone
+    (``medians``: wall us of ``compute`` and each stage; ``cpu``: their CPU us, all ranks).
+
+    Its global waits (every rank's next work needs every rank's data):
+
+    * the dispatch's first piece round: the expert GEMMs await the dispatch piece-major, so no
+      remote row is multiplied before the first piece of every source is in (``k`` pieces: the
+      dispatch alone over ``k``); the local blocks of the first GEMM (``local_share`` of its
+      rows on any rank at most) may run meanwhile;
+    * the all-reduce of the gate's and the norm's gradients after the backward (the faster of
+      the step's ``allreduce`` and gloo's ring, ``allreduce_ring``): the update of every
+      parameter (scaling and the optimizer, ``update``) may run meanwhile.
+
+    Left out, as other work may fill them: the counts exchange (the routed rows are gathered
+    meanwhile), the reverse combine's first round in the backward (the local blocks of the
+    second GEMM's gradients, twice its forward, fill it) and the last pieces of each
+    compute-then-exchange side (only their destination waits for them). One rank's computation
+    is the computation alone (``compute``) over the ranks."""
+
+    def wait(name: str, timed: str, **kw: Any) -> GlobalWait:
+        time = medians[timed]
+        return GlobalWait(name=name, wait_us=time, traffic_cores=cpu[timed] / max(time, 1.0), **kw)
+
+    # The faster of the all-reduces timed: a bound may not charge a slower one than exists.
+    fastest = min(("allreduce", "allreduce_ring"), key=lambda n: medians.get(n, math.inf))
+
+    return StepGraph(
+        ranks=ranks,
+        cores=cores,
+        floor_us=floor_us,
+        rank_compute_us=cpu["compute"] / ranks,
+        waits=(
+            wait("dispatch", "dispatch", chunked=True, fill_us=local_share * cpu["gemm1"]),
+            wait("allreduce", fastest, fill_us=cpu["update"]),
+        ),
+        chunk_choices=tuple(range(1, MAX_LAYER_CHUNKS + 1)),
+    )

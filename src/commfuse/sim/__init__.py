@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from commfuse.lazy import attach
 
 if TYPE_CHECKING:
+    from commfuse.sim.bound import GlobalWait, StepBound, StepGraph, step_bound
     from commfuse.sim.builtins import WORKLOADS, dlrm, moe, tp_transformer, transformer
     from commfuse.sim.cluster import PRESETS, ClusterModel, Straggler, load_cluster
     from commfuse.sim.engine import Timeline, simulate
@@ -29,10 +30,13 @@ __all__ = [
     "ClusterModel",
     "CommPlan",
     "Demand",
+    "GlobalWait",
     "Group",
     "Layer",
     "LayerComm",
     "ModelProfile",
+    "StepBound",
+    "StepGraph",
     "StepResult",
     "Straggler",
     "Timeline",
@@ -46,6 +50,7 @@ __all__ = [
     "moe",
     "simulate",
     "simulate_step",
+    "step_bound",
     "tp_transformer",
     "transformer",
 ]
@@ -59,6 +64,10 @@ __getattr__, __dir__ = attach(
         "moe": "commfuse.sim.builtins",
         "tp_transformer": "commfuse.sim.builtins",
         "transformer": "commfuse.sim.builtins",
+        "GlobalWait": "commfuse.sim.bound",
+        "StepBound": "commfuse.sim.bound",
+        "StepGraph": "commfuse.sim.bound",
+        "step_bound": "commfuse.sim.bound",
         "PRESETS": "commfuse.sim.cluster",
         "ClusterModel": "commfuse.sim.cluster",
         "Straggler": "commfuse.sim.cluster",

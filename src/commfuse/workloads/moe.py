@@ -9,10 +9,10 @@ learnable and the loss falls as the model trains.
 Parallelism: the experts are model-parallel (each rank owns ``split_sizes(num_experts, P)`` of
 them; their gradients arrive complete through the backward All-to-Alls), everything else (the
 norm, the gate, the classifier) is replicated and data-parallel: ``train_step`` averages those
-gradients in two allreduces, the head's during the MoE backward and the rest after it. The loss
-is each rank's mean over its tokens, so expert gradients are scaled by ``1 / P`` to match the
-data-parallel average: the step equals one step of the dense model on the global batch with the
-mean loss.
+gradients in two allreduces, the head's during the MoE backward and the rest after it (by
+recursive doubling: a few kilobytes that every rank waits for). The loss is each rank's mean
+over its tokens, so expert gradients are scaled by ``1 / P`` to match the data-parallel
+average: the step equals one step of the dense model on the global batch with the mean loss.
 
 ``fused=False`` runs both All-to-Alls unfused (one chunk: the whole GEMM, then gloo's
 All-to-All); ``fused=True`` lets the layer choose its chunks (``ChunkConfig``), or use
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from commfuse.collectives import all_reduce
 from commfuse.comm import Communicator, Handle
 from commfuse.fused.chunking import ChunkConfig
 from commfuse.fused.moe import ExpertParallelMoE
@@ -170,7 +171,10 @@ class MoEWorkload:
             for hook in hooks:
                 hook.remove()
         heads = {id(p) for p in early.params}
-        late = ReplicatedBucket(comm, [p for p in model.replicated() if id(p) not in heads])
+        rest = [p for p in model.replicated() if id(p) not in heads]
+        # Every rank waits for this one with nothing left to do: recursive doubling takes
+        # lg P steps where gloo's ring takes 2 (P - 1), and these few kilobytes are all latency.
+        late = ReplicatedBucket(comm, rest, algo=LATE_ALL_REDUCE)
         late.start()
         early.start()  # a no-op where the hooks started it
         early.finish()
@@ -183,13 +187,20 @@ class MoEWorkload:
         return float(loss.detach())
 
 
+#: The algorithm of the all-reduce after the backward (``commfuse.collectives``).
+LATE_ALL_REDUCE = "doubling"
+
+
 class ReplicatedBucket:
     """Data-parallel parameters whose gradients are averaged in one all-reduce, started as soon
     as the last of them is ready (``ready``, a post-accumulate-grad hook) or when asked
-    (``start``), waited and copied back by ``finish``."""
+    (``start``), waited and copied back by ``finish``. ``algo``: ``"native"`` (gloo's ring, on
+    its own threads) or an algorithm of ``commfuse.collectives.all_reduce``."""
 
-    def __init__(self, comm: Communicator, params: list[nn.Parameter]) -> None:
-        self.comm, self.params = comm, params
+    def __init__(
+        self, comm: Communicator, params: list[nn.Parameter], *, algo: str = "native"
+    ) -> None:
+        self.comm, self.params, self.algo = comm, params, algo
         self.waiting = {id(p) for p in params}
         self.flat: torch.Tensor | None = None
         self.handle: Handle | None = None
@@ -207,7 +218,10 @@ class ReplicatedBucket:
             self.flat = torch.empty(0, device=self.comm.device)
             return
         self.flat = torch.cat([g.reshape(-1) for g in grads])
-        self.handle = self.comm.all_reduce(self.flat, "sum", async_op=True)
+        if self.algo == "native":
+            self.handle = self.comm.all_reduce(self.flat, "sum", async_op=True)
+        else:
+            self.handle = all_reduce(self.comm, self.flat, "sum", algo=self.algo, async_op=True)
 
     def finish(self) -> None:
         if self.handle is None or self.flat is None:
