@@ -259,9 +259,15 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
         }
         if config.evaluate and rank == 0:
             result["eval"] = workload.evaluate(module)
+        # Every rank starts its compute-only steps together (rank 0 evaluated alone), and none
+        # ends before rank 0 has read the machine: a rank that ends is reaped by the launcher,
+        # and its whole CPU would move to other programs' inside the reading.
+        _barrier(comm)
         compute = _MachineReading(pids, device)
         result["compute_step_time_s"] = _time_compute_only(config, strategy, workload, rank, world)
+        _barrier(comm)
         result["compute_machine"] = compute.read()
+        _barrier(comm)
         return result
     finally:
         strategy.close()
@@ -302,6 +308,11 @@ def _busy_since(before: float | None, pids: tuple[int, ...] | None) -> float:
     floats)."""
     busy = None if pids is None else machine.busy_since(before, pids)
     return -1.0 if busy is None else busy
+
+
+def _barrier(comm: Communicator) -> None:
+    if comm.world_size > 1:
+        dist.barrier(group=comm.group)
 
 
 def _core_busy_now(pids: tuple[int, ...] | None) -> float | None:
