@@ -518,11 +518,14 @@ def test_split_layers_fill_every_step_to_within_a_slice_of_the_mean_bytes() -> N
     layers = [[i] for i in range(len(numels))]
     period, mean = 16, sum(numels) / 16
 
-    def heaviest(split: int) -> float:
+    def heaviest(split: int, by_bytes: bool = True) -> float:
         parts = cut_layers(layers, numels, period, split)
-        comm = [0.002 + part.numel * 4 / 12.5e6 for part in parts]
+        # Each timed alone: a fixed cost of 20 ms (the ranks' threads on shared cores), then
+        # the bytes; an iteration's one message pays the fixed cost once.
+        comm = [0.02 + part.numel * 4 / 12.5e6 for part in parts]
         zeros, slack = [0.0] * len(parts), [0.6] * len(parts)
-        plan = plan_layers(zeros, comm, period, slack)
+        load = [float(part.numel) for part in parts] if by_bytes else None
+        plan = plan_layers(zeros, comm, period, slack, load=load)
         loads = [
             sum(p.numel for p, h in zip(parts, plan, strict=True) if h == it) for it in range(16)
         ]
@@ -530,6 +533,7 @@ def test_split_layers_fill_every_step_to_within_a_slice_of_the_mean_bytes() -> N
 
     assert heaviest(0) == pytest.approx(263168 / mean)  # the largest layer's step: 1.3x
     assert heaviest(4) <= 1.1  # slices of a quarter of the mean: within a slice of it
+    assert heaviest(4, by_bytes=False) > 1.1  # by their times: the fixed costs balanced
     # The slices cover each layer exactly, in order, none larger than the limit.
     parts = cut_layers([[0, 1], [2]], [10, 7, 3], 2, 2)  # limit ceil(20 / 4) = 5
     assert [p.layer for p in parts] == [0, 0, 0, 0, 1]

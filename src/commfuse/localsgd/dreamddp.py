@@ -592,8 +592,16 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         values = times.tolist()
         backward_s, comm_s = values[:layers], values[layers : 2 * layers]
         slack_s = [-x for x in values[2 * layers :]]
+        # Slices are balanced by their bytes: each was timed alone, with a message's fixed
+        # cost that an iteration's one message pays once (``plan_layers``'s ``load``).
+        load = [float(self.parts[part].numel) for part in order] if self.method.split else None
         plan_in_order = plan_layers(
-            backward_s, comm_s, self.method.H, slack_s, max_nodes=self.method.max_plan_nodes
+            backward_s,
+            comm_s,
+            self.method.H,
+            slack_s,
+            max_nodes=self.method.max_plan_nodes,
+            load=load,
         )
         plan = [0] * layers
         for position, layer in enumerate(order):
