@@ -45,7 +45,10 @@ iterations exchanged nothing, the others several layers each. An exchange hidden
 computation is not free where the ranks' cores also move the packets (the exchange's copies,
 reductions and the network stack take cycles from the computation), so the step that carries
 the most bytes is the slow one; spreading them evenly is what the method promises (``4 N / H``
-per step).
+per step). Where the units are slices of layers (``layer_parts.py``) the
+load is their bytes (``load``): each slice's profiled time holds a message's fixed cost that
+the iteration's one message pays once, and balancing those times balances the slices' count,
+not their bytes.
 
 Last, no iteration is left empty while another holds two layers or more: the best plan moves
 layers into the empty iterations as long as its key does not get worse (a layer exchanged
