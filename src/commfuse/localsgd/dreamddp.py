@@ -36,8 +36,8 @@ The plan can spread the bytes over the period only as finely as the model is cut
 carries at least its largest layer. ``split=k`` cuts every layer larger than ``1/k`` of a
 step's mean share into equal slices, each planned, sent and landed as a layer of its own
 (``layer_parts.py``), so that every step carries nearly ``4 N / H`` bytes; where ranks share
-cores each byte also costs CPU that overlap does not hide, and the step that carries the most
-is the slowest of the period.
+cores each byte also costs CPU that overlap does not hide, which the step that carries the
+most pays most of. The ranks' skew, paid where an exchange lands, is not the bytes' to fix.
 
 The first ``profile_steps`` iterations average every layer (a full synchronisation) and time
 it; the period starts after them. H = 1 averages every layer at every step (each replica then
@@ -119,7 +119,7 @@ class DreamDDPConfig(SyncMethod):
     """0: plan whole layers. k >= 1: cut every layer larger than ``1/k`` of a step's mean
     share of the model (its parameters over H) into equal slices no larger, each planned,
     sent and landed as a layer of its own (``layer_parts.py``): the steps then carry nearly
-    equal bytes, where whole layers leave the largest layer's step the slowest."""
+    equal bytes, where whole layers leave the largest layer's step the most."""
     trace: bool = False
     """Keep every exchange's timeline (``DreamDDPOptimizer.trace``: launched, on the wire,
     used, landed) for reading where a step waits; off by default."""

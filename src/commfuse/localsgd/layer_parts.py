@@ -6,7 +6,7 @@ layers are cut: a step cannot carry less than its largest layer, and a model who
 layers hold more than ``1/H`` of its parameters has steps that carry more than the mean
 ``4 N / H`` bytes and steps that carry almost nothing. Where ranks share cores, every byte
 exchanged also costs CPU that no overlap hides (the copies, the reductions, the network
-stack), so the step with the most bytes is the slowest of the period.
+stack), which the step with the most bytes pays most of.
 
 Cutting fixes the granularity: with ``split = k``, every layer larger than ``N / (H k)``
 parameters is cut into the fewest equal contiguous slices (of its parameters concatenated in
