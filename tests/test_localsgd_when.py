@@ -39,6 +39,7 @@ from commfuse.localsgd import (
     local_sgd,
 )
 from commfuse.localsgd.adpsgd import next_period
+from commfuse.localsgd.layer_parts import cut_layers
 from commfuse.localsgd.layer_schedule import brute_force_plan, exposed_s, plan_key, plan_layers
 from commfuse.localsgd.selsync import SIGNAL_SCALE
 from commfuse.localsgd.sync_method import OuterStep
@@ -510,18 +511,60 @@ def test_layer_plan_counts_the_slack_to_each_layers_use() -> None:
     assert exposed_s([0, 1], [0.0, 0.0], [2.0, 0.5], [2.5 + 0.1, 2.5 + 0.6]) == 0.0
 
 
-def dreamddp_periods(period: int, steps: int) -> tuple[list[list[int]], list[int], int, int, int]:
-    """Per step after the profile, the layers averaged; the plan; bytes and control bytes."""
+def test_split_layers_fill_every_step_to_within_a_slice_of_the_mean_bytes() -> None:
+    # charlm's 28 layers (the largest 1.3x a step's mean share at H = 16), launched together
+    # as the forward starts, every exchange hidden (2 ms per message, then the bytes).
+    numels = [25088, 16384, *[512, 197376, 65792, 512, 263168, 262400] * 4, 512, 25186]
+    layers = [[i] for i in range(len(numels))]
+    period, mean = 16, sum(numels) / 16
+
+    def heaviest(split: int, by_bytes: bool = True) -> float:
+        parts = cut_layers(layers, numels, period, split)
+        # Each timed alone: a fixed cost of 20 ms (the ranks' threads on shared cores), then
+        # the bytes; an iteration's one message pays the fixed cost once.
+        comm = [0.02 + part.numel * 4 / 12.5e6 for part in parts]
+        zeros, slack = [0.0] * len(parts), [0.6] * len(parts)
+        load = [float(part.numel) for part in parts] if by_bytes else None
+        plan = plan_layers(zeros, comm, period, slack, load=load)
+        loads = [
+            sum(p.numel for p, h in zip(parts, plan, strict=True) if h == it) for it in range(16)
+        ]
+        return max(loads) / mean
+
+    assert heaviest(0) == pytest.approx(263168 / mean)  # the largest layer's step: 1.3x
+    assert heaviest(4) <= 1.1  # slices of a quarter of the mean: within a slice of it
+    assert heaviest(4, by_bytes=False) > 1.1  # by their times: the fixed costs balanced
+    # The slices cover each layer exactly, in order, none larger than the limit.
+    parts = cut_layers([[0, 1], [2]], [10, 7, 3], 2, 2)  # limit ceil(20 / 4) = 5
+    assert [p.layer for p in parts] == [0, 0, 0, 0, 1]
+    assert [p.segments for p in parts] == [
+        ((0, 0, 4),),
+        ((0, 4, 8),),
+        ((0, 8, 10), (1, 0, 2)),
+        ((1, 2, 7),),
+        ((2, 0, 3),),
+    ]
+    assert cut_layers([[0, 1], [2]], [10, 7, 3], 2, 0)[0].segments == ((0, 0, 10), (1, 0, 7))
+    with pytest.raises(ValueError, match="split must be >= 0"):
+        DreamDDPConfig(H=2, split=-1)
+
+
+def dreamddp_periods(
+    period: int, steps: int, split: int = 0
+) -> tuple[list[list[int]], list[int], int, int, int]:
+    """Per step after the profile, the parts averaged; the plan; bytes and control bytes; the
+    parts (the layers without ``split``)."""
     comm = Communicator()
-    _, opt, sent = train(DreamDDPConfig(H=period, algo="native", final_sync=False), steps)
-    assert hasattr(opt, "plan") and hasattr(opt, "layers")
+    config = DreamDDPConfig(H=period, algo="native", final_sync=False, split=split)
+    _, opt, sent = train(config, steps)
+    assert hasattr(opt, "plan") and hasattr(opt, "parts")
     by_step: list[list[int]] = [[] for _ in range(steps)]
     for record in opt.syncs:
         by_step[record.step - 1].append(record.fragment)
     plans = everyone(comm, list(opt.plan))
     assert all(row == plans[0] for row in plans)  # one plan on every rank
     # Every exchange after the profile was launched from the backward pass.
-    assert hasattr(opt, "hook_launches") and opt.hook_launches == len(opt.syncs) - len(opt.layers)
+    assert hasattr(opt, "hook_launches") and opt.hook_launches == len(opt.syncs) - len(opt.parts)
     # What the plan expects of each iteration adds up to the profile's exchanges.
     assert isinstance(opt, DreamDDPOptimizer) and opt.plan is not None
     planned = opt.planned_iterations()
@@ -529,29 +572,33 @@ def dreamddp_periods(period: int, steps: int) -> tuple[list[list[int]], list[int
         0 <= it["exposed_s"] <= it["comm_s"] + 1e-12 for it in planned
     )
     assert sum(it["comm_s"] for it in planned) == pytest.approx(sum(opt.profile["comm_s"]))
-    return by_step, list(opt.plan), sent, opt.control_bytes, len(opt.layers)
+    return by_step, list(opt.plan), sent, opt.control_bytes, len(opt.parts)
 
 
-def test_dreamddp_averages_every_layer_once_per_period(pool: PoolFn) -> None:
+@pytest.mark.parametrize("split", [0, 1])
+def test_dreamddp_averages_every_layer_once_per_period(pool: PoolFn, split: int) -> None:
     period, periods = 3, 2
-    for by_step, plan, sent, control, layers in pool(2).run(
-        dreamddp_periods, period, 1 + period * periods, timeout_s=DEADLINE_S
+    # split=1 at H = 3: no part above 75 / 3 = 25 elements; the layers of 40 and 27 in two.
+    parts = 5 if split else 3
+    for by_step, plan, sent, control, units in pool(2).run(
+        dreamddp_periods, period, 1 + period * periods, split, timeout_s=DEADLINE_S
     ):
-        assert layers == 3 and len(plan) == 3
-        assert sorted(by_step[0]) == [0, 1, 2]  # the profile step: every layer
+        assert units == parts and len(plan) == parts
+        assert sorted(by_step[0]) == list(range(parts))  # the profile step: every part
         for start in range(1, len(by_step), period):
-            window = [layer for step in by_step[start : start + period] for layer in step]
-            assert sorted(window) == [0, 1, 2]  # each layer exactly once per period
+            window = [part for step in by_step[start : start + period] for part in step]
+            assert sorted(window) == list(range(parts))  # each exactly once per period
             for offset, step in enumerate(by_step[start : start + period]):
-                assert sorted(step) == [layer for layer in range(3) if plan[layer] == offset]
-        assert control == 3 * 32  # the profile's times (3 float64) and order (int64) per layer
+                assert sorted(step) == [part for part in range(parts) if plan[part] == offset]
+        assert control == parts * 32  # the profile's times (3 float64) and order per part
         assert sent == (1 + periods) * 4 * NUMEL + control
 
 
-def dreamddp_vs_replay() -> float:
-    """H = 1: every layer averaged at every step, before this replica's own update."""
+def dreamddp_vs_replay(split: int) -> float:
+    """H = 1: every layer averaged at every step, before this replica's own update (each in
+    slices of at most a ``split``-th of the model with ``split``)."""
     comm = Communicator()
-    got, _, _ = train(DreamDDPConfig(H=1, algo="native"), 4)
+    got, _, _ = train(DreamDDPConfig(H=1, algo="native", split=split), 4)
     replicas = [tiny_model() for _ in range(comm.world_size)]
     for step in range(4):
         for rank, model in enumerate(replicas):
@@ -568,8 +615,9 @@ def dreamddp_vs_replay() -> float:
     return float((got - final).abs().max())
 
 
-def test_dreamddp_period_one_averages_every_step(pool: PoolFn) -> None:
-    for err in pool(2).run(dreamddp_vs_replay, timeout_s=DEADLINE_S):
+@pytest.mark.parametrize("split", [0, 4])
+def test_dreamddp_period_one_averages_every_step(pool: PoolFn, split: int) -> None:
+    for err in pool(2).run(dreamddp_vs_replay, split, timeout_s=DEADLINE_S):
         assert err < 1e-6
 
 
@@ -741,6 +789,7 @@ METHODS: list[tuple[SyncMethod, str]] = [
     (PALSGDConfig(H=3, p=0.3), "adamw"),
     (DreamDDPConfig(H=3), "adamw"),
     (DreamDDPConfig(H=3, land_after=2), "adamw"),
+    (DreamDDPConfig(H=3, split=2), "adamw"),  # the plan of slices, a slice in flight
     (LocalSGDClipConfig(H=4, max_norm=0.05), "sgd"),
 ]
 

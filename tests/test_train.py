@@ -274,6 +274,12 @@ def test_compare_cli_writes_json_and_plot(
     # Steps of a few ms fall between the machine's 10 ms ticks: known, but not meaningful here.
     assert all(r["machine_busy"] is not None and r["machine_busy"] >= 0 for r in records)
     assert "busy" in out
+    # The machine's bound is read from the run itself (rank 0 reads the machine): never below
+    # the compute-only step; a step of a strategy that exchanges every step is its period.
+    assert all(r["machine_bound_s"] >= r["compute_step_time_s"] > 0 for r in records)
+    # The compute-only steps' CPU is a share of the cores, read while every rank lives.
+    assert all(0 <= r["compute_machine_busy"] < 2 for r in records)
+    assert all(r["worst_phase_over_bound"] > 0 for r in records) and "worst/bound" in out
 
 
 def test_cpu_bound_note_names_the_strategies_that_kept_the_cores_busy() -> None:
@@ -306,6 +312,60 @@ def test_machine_busy_is_the_busy_share_of_the_cores_over_the_timed_steps() -> N
     older = {k: v for k, v in history.items() if k != "busy_cpu_s"}  # a pre-recording checkpoint
     record = summarize([{"history": older, "digest": "d"}], strategy="x", workload=DIGITS, warmup=1)
     assert record["cpu_floor_s"] is None and record["machine_busy"] is None
+
+
+def test_the_machine_bound_adds_the_exchanges_cpu_over_the_cores_left_to_the_compute_step() -> None:
+    history = {
+        "loss": [2.0, 1.5, 1.0, 0.5],
+        "step_time_s": [0.5, 0.4, 0.4, 0.6],
+        "bytes": [0.0] * 4,
+        "skipped": [0.0] * 4,
+        # step 1 is warm-up; the machine's busy core time of each step (all programs)
+        "machine_busy_s": [5.0, 0.9, 0.8, 1.0],
+    }
+    rank = {
+        "history": history,
+        "digest": "d",
+        "cores": 2,
+        "compute_step_time_s": [0.3, 0.35, 0.4, 0.35],
+        # other programs took 0.1 cores over the run, and 0.05 s per compute-only step
+        "others_over_run": {"wall_s": 10.0, "busy_s": 9.0, "others_s": 1.0},
+        "compute_machine": {"wall_s": 1.4, "busy_s": 2.6, "others_s": 0.2},
+    }
+    record = summarize([rank], strategy="x", workload=DIGITS, warmup=1)
+    # The ranks and kernel: 0.9 - 0.04, 0.8 - 0.04, 1.0 - 0.06 per step (0.8533), against
+    # (2.6 - 0.2) / 4 = 0.6 per compute-only step; spread over the 1.9 cores left.
+    assert record["exchange_cpu_s"] == pytest.approx(0.8533333 - 0.6)
+    assert record["compute_machine_busy"] == pytest.approx(0.6 / (2 * 0.35))
+    assert record["machine_bound_s"] == pytest.approx(0.35 + 0.2533333 / 1.9)
+    for missing in ("others_over_run", "compute_machine", "compute_step_time_s"):
+        older = {k: v for k, v in rank.items() if k != missing}
+        record = summarize([older], strategy="x", workload=DIGITS, warmup=1)
+        assert record["machine_bound_s"] is None and record["exchange_cpu_s"] is None
+    # An exchange that costs less than nothing (tick noise) leaves the compute-only step.
+    cheap = {**rank, "compute_machine": {"wall_s": 1.4, "busy_s": 4.0, "others_s": 0.2}}
+    record = summarize([cheap], strategy="x", workload=DIGITS, warmup=1)
+    assert record["exchange_cpu_s"] < 0 and record["machine_bound_s"] == pytest.approx(0.35)
+
+
+def test_worst_over_bound_is_a_column_only_where_a_record_has_it() -> None:
+    from commfuse.train.compare import add_comparisons, render_table
+
+    base = {
+        "strategy": "local-sgd:H=2", "final_loss": 2.0, "loss_curve": [2.0],
+        "wall_curve_s": [1.0], "step_time_s": 0.5, "compute_step_time_s": 0.4,
+        "bytes_per_step": 10.0, "mean_step_time_s": 0.5, "worst_phase_step_s": 1.2,
+        "peak_bytes_per_step": 20.0, "eval_loss": 2.0, "eval_accuracy": 0.5, "wall_s": 1.0,
+    }  # fmt: skip
+    older = dict(base)
+    add_comparisons([older])
+    assert older["worst_phase_over_bound"] is None
+    assert "worst/bound" not in render_table([older], markdown=True)
+    bounded = {**base, "machine_bound_s": 0.48}
+    add_comparisons([bounded])
+    assert bounded["worst_phase_over_bound"] == pytest.approx(2.5)
+    table = render_table([bounded], markdown=True)
+    assert "| worst/compute | worst/bound |" in table and "|        2.50 |" in table
 
 
 def test_the_worst_phase_is_the_slowest_position_of_the_period_by_its_median() -> None:

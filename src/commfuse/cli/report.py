@@ -118,10 +118,10 @@ def _fused_step_columns() -> Sequence[Column]:
     return COLUMNS
 
 
-def _compare_columns() -> Sequence[Column]:
-    from commfuse.train.compare import COMPARE_COLUMNS
+def _compare_columns(records: Sequence[Record]) -> Sequence[Column]:
+    from commfuse.train.compare import compare_columns
 
-    return COMPARE_COLUMNS
+    return compare_columns(records)
 
 
 def kind_of(data: Any) -> str:
@@ -274,7 +274,7 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
     if kind == "bench fused --step":
         return _table(data, _fused_step_columns(), markdown)
     if kind == "compare":
-        columns = list(_compare_columns())
+        columns = list(_compare_columns(data))
         if len({r.get("seed") for r in data}) > 1:  # runs of several seeds in one file
             columns.insert(0, ("seed", lambda r: str(r.get("seed", "-"))))
         return _table(data, columns, markdown)

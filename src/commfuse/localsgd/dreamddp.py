@@ -32,6 +32,13 @@ at different iterations, and sends a layer's parameters while the iteration comp
    the worst iteration's exposed communication is the least, then the heaviest iteration's
    communication (the bytes spread over the period).
 
+The plan can spread the bytes over the period only as finely as the model is cut: a step
+carries at least its largest layer. ``split=k`` cuts every layer larger than ``1/k`` of a
+step's mean share into equal slices, each planned, sent and landed as a layer of its own
+(``layer_parts.py``), so that every step carries nearly ``4 N / H`` bytes; where ranks share
+cores each byte also costs CPU that overlap does not hide, which the step that carries the
+most pays most of. The ranks' skew, paid where an exchange lands, is not the bytes' to fix.
+
 The first ``profile_steps`` iterations average every layer (a full synchronisation) and time
 it; the period starts after them. H = 1 averages every layer at every step (each replica then
 applies its own gradient to the average; a layer's next exchange is launched at its use, once
@@ -60,6 +67,7 @@ from torch import nn
 from commfuse import collectives
 from commfuse.comm import Handle
 from commfuse.comm.clock import now
+from commfuse.localsgd import layer_parts
 from commfuse.localsgd.config import PeriodicSyncConfig
 from commfuse.localsgd.layer_schedule import exposed_s, plan_layers
 from commfuse.localsgd.optimizer import SyncRecord
@@ -107,6 +115,11 @@ class DreamDDPConfig(SyncMethod):
     two local steps since on it (``mean(x) - lr (u1 + u2)``): an exchange ends when the last
     rank has launched it, and the layers the forward uses first, with one iteration of slack,
     wait for the ranks that run behind. With ``land_at="use"`` only."""
+    split: int = 0
+    """0: plan whole layers. k >= 1: cut every layer larger than ``1/k`` of a step's mean
+    share of the model (its parameters over H) into equal slices no larger, each planned,
+    sent and landed as a layer of its own (``layer_parts.py``): the steps then carry nearly
+    equal bytes, where whole layers leave the largest layer's step the most."""
     trace: bool = False
     """Keep every exchange's timeline (``DreamDDPOptimizer.trace``: launched, on the wire,
     used, landed) for reading where a step waits; off by default."""
@@ -120,6 +133,8 @@ class DreamDDPConfig(SyncMethod):
             raise ValueError(f"land_after must be in [1, H={self.H}], got {self.land_after}")
         if self.max_plan_nodes < 1:
             raise ValueError(f"max_plan_nodes must be >= 1, got {self.max_plan_nodes}")
+        if self.split < 0:
+            raise ValueError(f"split must be >= 0 (0: whole layers), got {self.split}")
         self.periodic()
 
     def periodic(self) -> PeriodicSyncConfig:
@@ -184,8 +199,16 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         self.layer_of = {
             id(self.params[i]): layer for layer, members in enumerate(self.layers) for i in members
         }
+        numels = [p.numel() for p in self.params]
+        self.parts = layer_parts.cut_layers(self.layers, numels, self.method.H, self.method.split)
+        """The units planned, sent and landed (``layer_parts.py``): the layers, or their slices
+        with ``split``; every index below that says layer means a part (one per layer without
+        ``split``)."""
+        self.parts_of: list[list[int]] = [[] for _ in self.layers]
+        for index, part in enumerate(self.parts):
+            self.parts_of[part.layer].append(index)
         self.plan: list[int] | None = None
-        """Per layer, the iteration of the period that averages it (None before the profile)."""
+        """Per part, the iteration of the period that averages it (None before the profile)."""
         self.backward_order: list[int] = []
         """Layers in the order the profiled backward pass finished them."""
         self.launch_order: list[int] = []
@@ -299,14 +322,16 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             t = now(self.params[0].device)
             if self._forward_started is None:
                 self._forward_started = t
-            self._used_at.setdefault(layer, t - self._forward_started)
-        pending = self._in_flight.get(layer)
-        if pending is not None and pending.land_step <= self.step_count + 1:
-            del self._in_flight[layer]
-            self._land(pending)
-            if self._launches_from_forward() and self.due(layer):
-                self.hook_launches += 1
-                self._launch(layer)
+            for part in self.parts_of[layer]:
+                self._used_at.setdefault(part, t - self._forward_started)
+        for part in self.parts_of[layer]:
+            pending = self._in_flight.get(part)
+            if pending is not None and pending.land_step <= self.step_count + 1:
+                del self._in_flight[part]
+                self._land(pending)
+                if self._launches_from_forward() and self.due(part):
+                    self.hook_launches += 1
+                    self._launch(part)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         layer = self.layer_of[id(param)]
@@ -317,10 +342,11 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         self._remaining[layer] = len(self.layers[layer])
         if not self.communicate or not (self.profiling or self.method.launch_at == "grad"):
             return
-        launched = any(item.layer == layer for item in self._launched)
-        if not launched and self.due(layer):
-            self.hook_launches += 0 if self.profiling else 1
-            self._launch(layer)
+        for part in self.parts_of[layer]:
+            launched = any(item.layer == part for item in self._launched)
+            if not launched and self.due(part):
+                self.hook_launches += 0 if self.profiling else 1
+                self._launch(part)
 
     def _launch(self, layer: int) -> None:
         """Launch ``layer``'s exchange alone: in the background (``_send``), or in a profile
@@ -328,8 +354,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         if not self.profiling:
             self._send([layer])
             return
-        params = [self.params[i] for i in self.layers[layer]]
-        sent = torch.cat([p.detach().reshape(-1) for p in params])
+        sent = layer_parts.read(self.params, self.parts[layer])
         average = sent.clone()
         step = self.step_count + 1
         # Profile: the exchange runs alone, timed, and the backward pass waits for it (the
@@ -358,9 +383,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             pending = self._in_flight.pop(layer, None)
             if pending is not None:  # its module's pre-hook did not fire (H = 1)
                 self._land(pending)
-        sent = torch.cat(
-            [self.params[i].detach().reshape(-1) for layer in layers for i in self.layers[layer]]
-        )
+        sent = torch.cat([layer_parts.read(self.params, self.parts[layer]) for layer in layers])
         average = sent.clone()
         times = {"launched": self._clock()} if self.method.trace else None
         handle: Handle | None
@@ -372,7 +395,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             )
         step, offset = self.step_count + 1, 0
         for layer in layers:
-            numel = sum(self.params[i].numel() for i in self.layers[layer])
+            numel = self.parts[layer].numel
             part = slice(offset, offset + numel)
             offset += numel
             self._launched.append(
@@ -415,7 +438,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
                 del self._in_flight[pending.layer]
                 self._land(pending)
         done = {launched.layer for launched in self._launched}
-        for layer in self.launch_order or range(len(self.layers)):
+        for layer in self.launch_order or range(len(self.parts)):
             if layer not in done and self.due(layer):
                 self._launch(layer)  # no hook launched it: sent from here, in launch order
         profiling = self.profiling
@@ -466,13 +489,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
                     "landed": self._clock(),
                 }
             )
-        correction = launched.average - launched.sent
-        offset = 0
-        with torch.no_grad():
-            for i in self.layers[launched.layer]:
-                p = self.params[i]
-                p.add_(correction[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        layer_parts.add(self.params, self.parts[launched.layer], launched.average - launched.sent)
         self._record(launched)
 
     def _record(self, launched: _Launched) -> None:
@@ -497,16 +514,11 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         super().land_in_flight()
 
     def _write_layer(self, layer: int, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for i in self.layers[layer]:
-                p = self.params[i]
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        layer_parts.write(self.params, self.parts[layer], flat)
 
     def _record_profile(self) -> None:
         order = sorted(self._ready_at, key=lambda layer: self._ready_at[layer])
-        if len(order) == len(self.layers):
+        if len(order) == len(self.parts):
             self.backward_order = order
         if self._forward_started is not None and self._ready_at:
             # ``_ready_at`` leaves out the exchanges' pauses; the forward had none.
@@ -516,7 +528,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
     def _own_launch_order(self) -> list[int]:
         """This rank's launch order: the profiled forward's order of use (the layers whose
         module's pre-hook did not fire last, in backward order), or the backward order."""
-        backward = self.backward_order or list(reversed(range(len(self.layers))))
+        backward = self.backward_order or list(reversed(range(len(self.parts))))
         if self.method.launch_at == "grad":
             return backward
         used = sorted(self._used_at, key=lambda layer: self._used_at[layer])
@@ -559,7 +571,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         """Agree on the launch order (rank 0's) and the profiled times (the slowest rank's: a
         max, exact on every rank), then plan every layer's iteration from them, identically on
         every rank."""
-        layers = len(self.layers)
+        layers = len(self.parts)
         device = self.params[0].device
         order_t = torch.tensor(self._own_launch_order(), dtype=torch.int64, device=device)
         if self.outer_comm.world_size > 1:
@@ -580,8 +592,16 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         values = times.tolist()
         backward_s, comm_s = values[:layers], values[layers : 2 * layers]
         slack_s = [-x for x in values[2 * layers :]]
+        # Slices are balanced by their bytes: each was timed alone, with a message's fixed
+        # cost that an iteration's one message pays once (``plan_layers``'s ``load``).
+        load = [float(self.parts[part].numel) for part in order] if self.method.split else None
         plan_in_order = plan_layers(
-            backward_s, comm_s, self.method.H, slack_s, max_nodes=self.method.max_plan_nodes
+            backward_s,
+            comm_s,
+            self.method.H,
+            slack_s,
+            max_nodes=self.method.max_plan_nodes,
+            load=load,
         )
         plan = [0] * layers
         for position, layer in enumerate(order):

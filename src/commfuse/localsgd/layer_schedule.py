@@ -45,7 +45,10 @@ iterations exchanged nothing, the others several layers each. An exchange hidden
 computation is not free where the ranks' cores also move the packets (the exchange's copies,
 reductions and the network stack take cycles from the computation), so the step that carries
 the most bytes is the slow one; spreading them evenly is what the method promises (``4 N / H``
-per step).
+per step). Where the units are slices of layers (``layer_parts.py``) the
+load is their bytes (``load``): each slice's profiled time holds a message's fixed cost that
+the iteration's one message pays once, and balancing those times balances the slices' count,
+not their bytes.
 
 Last, no iteration is left empty while another holds two layers or more: the best plan moves
 layers into the empty iterations as long as its key does not get worse (a layer exchanged
@@ -110,11 +113,14 @@ def plan_key(
     comm_s: Sequence[float],
     num_iterations: int,
     slack_s: Sequence[float] | None = None,
+    load: Sequence[float] | None = None,
 ) -> Key:
-    """The key of ``plan`` (``plan[l]`` = the iteration that averages layer l)."""
+    """The key of ``plan`` (``plan[l]`` = the iteration that averages layer l); ``load``: what
+    each layer adds to its iteration's load (``comm_s`` when None: ``plan_layers``)."""
+    weight = comm_s if load is None else load
     members = [[layer for layer, h in enumerate(plan) if h == it] for it in range(num_iterations)]
     costs = [exposed_s(layers, backward_s, comm_s, slack_s) for layers in members]
-    loads = [sum(comm_s[layer] for layer in layers) for layers in members]
+    loads = [sum(weight[layer] for layer in layers) for layers in members]
     return max(costs), max(loads), sum(costs)
 
 
@@ -142,6 +148,7 @@ def plan_layers(
     slack_s: Sequence[float] | None = None,
     *,
     max_nodes: int = 200_000,
+    load: Sequence[float] | None = None,
 ) -> list[int]:
     """The iteration (0..H-1) that averages each layer (see the module docstring).
 
@@ -153,6 +160,10 @@ def plan_layers(
         slack_s: per layer, the compute between the last launch and its next use (None:
             zeros, every layer needed at the last launch).
         max_nodes: the search stops after this many nodes with the best plan found so far.
+        load: per layer, what it adds to its iteration's load, the key's second term (None:
+            ``comm_s``). Exchanges timed one by one carry each a message's fixed cost, which
+            an iteration sent as one message pays once: slices of layers are balanced by
+            their bytes instead.
 
     Returns:
         ``plan[l]``, the iteration of layer l; the same for the same inputs on every rank.
@@ -161,6 +172,9 @@ def plan_layers(
         ValueError: the lists differ in length or are empty, a time is negative, or H < 1.
     """
     slack = _check(backward_s, comm_s, num_iterations, slack_s)
+    weight = comm_s if load is None else load
+    if len(weight) != len(comm_s) or min(weight) < 0:
+        raise ValueError(f"load must give one value >= 0 per layer, got {len(weight)}")
     ready = list(itertools.accumulate(backward_s))
     end = ready[-1]
     count = len(backward_s)
@@ -168,15 +182,15 @@ def plan_layers(
     # of those (all links are free when the first layers are ready: without the load every
     # layer would go to iteration 0 while its link keeps up).
     finish = [0.0] * num_iterations
-    load = [0.0] * num_iterations
+    loads = [0.0] * num_iterations
     plan = [0] * count
     for layer in range(count):
-        it = min(range(num_iterations), key=lambda h: (max(finish[h], ready[layer]), load[h], h))
+        it = min(range(num_iterations), key=lambda h: (max(finish[h], ready[layer]), loads[h], h))
         plan[layer] = it
         finish[it] = max(finish[it], ready[layer]) + comm_s[layer]
-        load[it] += comm_s[layer]
+        loads[it] += weight[layer]
     best_plan = list(plan)
-    best_key = plan_key(plan, backward_s, comm_s, num_iterations, slack)
+    best_key = plan_key(plan, backward_s, comm_s, num_iterations, slack, weight)
     nodes = 0
 
     def key_of(lates: list[float], loads: list[float]) -> Key:
@@ -201,7 +215,7 @@ def plan_layers(
                 continue
             tried.add(state)
             frees[it] = max(state[0], ready[layer]) + comm_s[layer]
-            loads[it] = state[1] + comm_s[layer]
+            loads[it] = state[1] + weight[layer]
             lates[it] = max(state[2], frees[it] - end - slack[layer])
             current.append(it)
             search(layer + 1, frees, loads, lates, current)
@@ -210,7 +224,7 @@ def plan_layers(
 
     zeros = [0.0] * num_iterations
     search(0, list(zeros), list(zeros), list(zeros), [])
-    return _fill_empty(best_plan, backward_s, comm_s, num_iterations, slack)
+    return _fill_empty(best_plan, backward_s, comm_s, num_iterations, slack, weight)
 
 
 def _fill_empty(
@@ -219,12 +233,13 @@ def _fill_empty(
     comm_s: Sequence[float],
     num_iterations: int,
     slack_s: Sequence[float],
+    load: Sequence[float],
 ) -> list[int]:
     """``plan`` with a layer moved into each empty iteration (the module docstring) while one
     can be without a worse key: from the iterations with the most layers first, their lightest
     layer first."""
     plan = list(plan)
-    key = plan_key(plan, backward_s, comm_s, num_iterations, slack_s)
+    key = plan_key(plan, backward_s, comm_s, num_iterations, slack_s, load)
     while True:
         members = [
             [layer for layer, h in enumerate(plan) if h == it] for it in range(num_iterations)
@@ -236,10 +251,10 @@ def _fill_empty(
         )
         moved = False
         for source in sources if empty else []:
-            for layer in sorted(members[source], key=lambda x: (comm_s[x], x)):
+            for layer in sorted(members[source], key=lambda x: (load[x], x)):
                 trial = list(plan)
                 trial[layer] = empty[0]
-                trial_key = plan_key(trial, backward_s, comm_s, num_iterations, slack_s)
+                trial_key = plan_key(trial, backward_s, comm_s, num_iterations, slack_s, load)
                 if trial_key <= key:
                     plan, key, moved = trial, trial_key, True
                     break

@@ -15,6 +15,9 @@ them, else the first strategy. Columns:
   floor (1.00 = communication fully hidden or removed); ``worst/compute``: the slowest
   position of the strategy's period (``worst_phase_step_s``, ``metrics.py``: local SGD's
   synchronising step) over the same floor (``-``: no period, SelSync and ADPSGD decide);
+  ``worst/bound``: the same over the machine's bound of a step (``machine_bound_s``,
+  ``metrics.py``: the compute-only step plus the exchanges' CPU per step over the cores; shown
+  where measured);
 * ``MB/step``: bytes one rank handed to collectives per step, on average (``metrics.py``),
   ``x less``: the baseline's bytes over this strategy's, ``peak_MB``: the most in one step (a
   local-SGD method's bytes per synchronisation of the whole model are in the JSON record,
@@ -157,6 +160,9 @@ def run_compare(
             "cpu_floor_s",
             "machine_busy",
             "mean_exchange_wait_s",
+            "exchange_cpu_s",
+            "compute_machine_busy",
+            "machine_bound_s",
         ):
             known = [r[key] for r in runs[j] if r.get(key) is not None]  # rounds that measured it
             if known:  # else round 1's: None
@@ -220,6 +226,7 @@ def add_comparisons(records: list[dict[str, Any]]) -> None:
         r["worst_phase_over_compute"] = _ratio(
             r.get("worst_phase_step_s"), r["compute_step_time_s"]
         )
+        r["worst_phase_over_bound"] = _ratio(r.get("worst_phase_step_s"), r.get("machine_bound_s"))
         r["bytes_reduction_vs_baseline"] = _ratio(baseline["bytes_per_step"], r["bytes_per_step"])
         # Means, not medians: a DiLoCo step that synchronises is rare but real time.
         r["speedup_vs_ddp"] = (
@@ -278,8 +285,23 @@ COMPARE_COLUMNS = (
 )
 
 
+#: Shown where a record has it (``compare_columns``): the slowest position of the period over
+#: the machine's bound of a step (``machine_bound_s``, ``metrics.py``).
+BOUND_COLUMN = ("worst/bound", lambda r: _fmt(r.get("worst_phase_over_bound"), ".2f"))
+
+
+def compare_columns(records: Sequence[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """``COMPARE_COLUMNS``, with ``worst/bound`` after ``worst/compute`` where a record has a
+    period and the machine's bound (records from before it was measured keep their table)."""
+    columns = list(COMPARE_COLUMNS)
+    if any(r.get("worst_phase_over_bound") is not None for r in records):
+        at = next(i for i, (name, _) in enumerate(columns) if name == "worst/compute") + 1
+        columns.insert(at, BOUND_COLUMN)
+    return columns
+
+
 def render_table(records: Sequence[dict[str, Any]], *, markdown: bool = False) -> str:
-    return render(records, COMPARE_COLUMNS, markdown=markdown)
+    return render(records, compare_columns(records), markdown=markdown)
 
 
 def plot_loss_vs_time(

@@ -179,6 +179,10 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
     # Busy CPU seconds of this machine's ranks and softirqs during each step (-1: unknown, or a
     # step of a checkpoint written before this was recorded): metrics.py's ``machine_busy``.
     history.setdefault("busy_cpu_s", [-1.0] * len(history["loss"]))
+    # The machine's busy core time in each step (``/proc/stat``: every process's and the
+    # kernel's, -1 where not read); with other programs' CPU over the run (``others``), the
+    # ranks' and the kernel's without double counting: metrics.py's ``machine_bound_s``.
+    history.setdefault("machine_busy_s", [-1.0] * len(history["loss"]))
     strategy = build_strategy(
         config.strategy,
         StrategyContext(
@@ -200,6 +204,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
         sent_before = strategy.bytes_sent()
         snapshot: dict[str, torch.Tensor] | None = None
         run_metrics: dict[str, Any] | None = None  # the strategy's, as of step ``steps``
+        others = _MachineReading(pids, device)
         for step in range(start, config.steps + config.extra_steps):
             if step == config.steps and config.extra_steps:
                 # The run's result is the model after ``steps``; what follows only times a loss.
@@ -207,6 +212,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
                 run_metrics = strategy.metrics()
                 snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
             busy_before = _busy_now(pids)
+            core_before = _core_busy_now(pids)
             t0 = now(device)
             with comm.at_step(step):
                 batch = workload.batch(step, rank, world, seed=config.seed)
@@ -217,6 +223,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
                 applied = strategy.optimizer_step()
             elapsed = now(device) - t0
             history["busy_cpu_s"].append(_busy_since(busy_before, pids))
+            history["machine_busy_s"].append(_core_busy_since(core_before, pids))
             sent_now = strategy.bytes_sent()
             sent, sent_before = sent_now - sent_before, sent_now
             history["loss"].append(float(loss.detach()))
@@ -235,6 +242,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             ):
                 _save(config, comm, strategy, optimizer, module, history, done, world)
         _finish_into_last_step(strategy, history, sent_before, pids)
+        others_over_run = others.read()
         if snapshot is not None:
             module.load_state_dict(snapshot)
         result: dict[str, Any] = {
@@ -247,10 +255,19 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             "digest": params_digest(module),
             "strategy_metrics": strategy.metrics() if run_metrics is None else run_metrics,
             "cores": machine.cores(),
+            "others_over_run": others_over_run,
         }
         if config.evaluate and rank == 0:
             result["eval"] = workload.evaluate(module)
+        # Every rank starts its compute-only steps together (rank 0 evaluated alone), and none
+        # ends before rank 0 has read the machine: a rank that ends is reaped by the launcher,
+        # and its whole CPU would move to other programs' inside the reading.
+        _barrier(comm)
+        compute = _MachineReading(pids, device)
         result["compute_step_time_s"] = _time_compute_only(config, strategy, workload, rank, world)
+        _barrier(comm)
+        result["compute_machine"] = compute.read()
+        _barrier(comm)
         return result
     finally:
         strategy.close()
@@ -291,6 +308,51 @@ def _busy_since(before: float | None, pids: tuple[int, ...] | None) -> float:
     floats)."""
     busy = None if pids is None else machine.busy_since(before, pids)
     return -1.0 if busy is None else busy
+
+
+def _barrier(comm: Communicator) -> None:
+    if comm.world_size > 1:
+        dist.barrier(group=comm.group)
+
+
+def _core_busy_now(pids: tuple[int, ...] | None) -> float | None:
+    """The machine's busy core seconds (``machine.core_times_s``) on a rank that reads them."""
+    times = None if pids is None else machine.core_times_s()
+    return None if times is None else times["busy"]
+
+
+def _core_busy_since(before: float | None, pids: tuple[int, ...] | None) -> float:
+    """The machine's busy core seconds since ``before``, -1 if unknown or not read here."""
+    after = _core_busy_now(pids)
+    return -1.0 if before is None or after is None else after - before
+
+
+class _MachineReading:
+    """What the machine's cores did from its creation to ``read()``, on the rank that reads
+    this machine (``pids``): ``busy_s`` (``/proc/stat``: every process and the kernel),
+    ``others_s`` (the CPU of every user-space process but the ranks,
+    ``machine.cpu_by_owner_s``) and ``wall_s``. Read outside timed steps: listing every
+    process costs milliseconds."""
+
+    def __init__(self, pids: tuple[int, ...] | None, device: torch.device) -> None:
+        self.pids, self.device = pids, device
+        self.start = self._now()
+
+    def _now(self) -> tuple[float, float, float] | None:
+        if self.pids is None:
+            return None
+        times, owners = machine.core_times_s(), machine.cpu_by_owner_s(self.pids)
+        if times is None or owners is None:
+            return None
+        return now(self.device), times["busy"], owners["others"]
+
+    def read(self) -> dict[str, float] | None:
+        """The reading since creation; None where this rank does not read or cannot."""
+        end = self._now()
+        if self.start is None or end is None:
+            return None
+        wall, busy, others = (b - a for a, b in zip(self.start, end, strict=True))
+        return {"wall_s": wall, "busy_s": busy, "others_s": others}
 
 
 def init_from_step(config: TrainConfig) -> int:

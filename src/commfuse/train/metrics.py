@@ -36,6 +36,17 @@ Definitions (the same for ``train --json`` and ``compare``):
   and ``cpu_floor_s`` the mean step's busy CPU divided by the cores: a step cannot be shorter,
   however well communication is hidden. Near 1, the run is CPU-bound: sending fewer bytes
   cannot shorten its step, spending less CPU can. None where the machine cannot tell.
+* ``machine_bound_s``: the shortest the period's steps can be on average, so its slowest
+  step too: the compute-only step plus the CPU the exchanges cost per step, spread over the
+  cores other programs left (``bound_parts``). The exchanges' CPU, ``exchange_cpu_s``, is the
+  machine's busy core time per timed step (``/proc/stat``: the ranks' processes with every
+  thread, and the kernel's work for them, softirqs and ``ksoftirqd`` included, each tick
+  counted once) less other programs' CPU at their rate over the run, less the same per
+  compute-only step: every byte the exchanges move costs the ranks' threads and the kernel
+  CPU that no schedule hides where ranks share cores (``bench/cpu_floor.py``'s machine
+  floor, read from the run itself). ``compute_machine_busy`` is the share of the cores the
+  compute-only steps kept busy: near 1, the compute-only step has no idle core to hide the
+  exchanges' CPU in, and the bound holds as a floor. None where the machine cannot tell.
 """
 
 from __future__ import annotations
@@ -43,6 +54,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from typing import Any
+
+from commfuse.bench.cpu_floor import MIN_CORES
 
 
 def smoothing_window(steps: int) -> int:
@@ -73,6 +86,39 @@ def _machine_busy(
         return None, None
     busy_s = sum(busy for busy, _ in pairs) / cores
     return busy_s / len(pairs), busy_s / sum(step for _, step in pairs)
+
+
+def bound_parts(
+    hist: dict[str, list[float]],
+    timed: slice,
+    rank_result: dict[str, Any],
+    compute_step_s: float | None,
+) -> dict[str, float | None]:
+    """``exchange_cpu_s``, ``compute_machine_busy`` and ``machine_bound_s`` (module docstring)
+    from one reader rank's history and readings (``loop.py``); None where one is missing."""
+    none: dict[str, float | None] = dict.fromkeys(
+        ("exchange_cpu_s", "compute_machine_busy", "machine_bound_s")
+    )
+    run, compute = rank_result.get("others_over_run"), rank_result.get("compute_machine")
+    cores = rank_result.get("cores")
+    busy = hist.get("machine_busy_s")
+    steps = len(rank_result.get("compute_step_time_s") or [])
+    if not (run and compute and cores and busy and steps and compute_step_s):
+        return none
+    known = [(b, t) for b, t in zip(busy[timed], hist["step_time_s"][timed], strict=True) if b >= 0]
+    if not known or run["wall_s"] <= 0:
+        return none
+    others_cores = max(0.0, run["others_s"] / run["wall_s"])
+    # The ranks' and the kernel's core time: the machine's, less other programs' at their rate.
+    step_cpu = statistics.fmean(b - others_cores * t for b, t in known)
+    compute_cpu = (compute["busy_s"] - compute["others_s"]) / steps
+    exchange = step_cpu - compute_cpu
+    left = max(cores - others_cores, MIN_CORES)
+    return {
+        "exchange_cpu_s": exchange,
+        "compute_machine_busy": compute_cpu / (cores * compute_step_s),
+        "machine_bound_s": compute_step_s + max(0.0, exchange) / left,
+    }
 
 
 def worst_phase_step_s(
@@ -145,6 +191,7 @@ def summarize(
         "worst_phase_step_s": worst_phase_step_s(times[timed], period, timed.start),
         "cpu_floor_s": busy_floor_s,
         "machine_busy": busy_share,
+        **bound_parts(hist, timed, first, statistics.median(compute) if compute else None),
         # Over all steps: warm-up steps send as much as any, and a periodic strategy's
         # synchronisations must be averaged over the whole period.
         "bytes_per_step": statistics.fmean(hist["bytes"]),
