@@ -15,9 +15,12 @@ by its ``configure`` in a real TCPStore):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import socket
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -141,3 +144,30 @@ def test_a_fault_at_issue_strikes_before_any_of_the_collective_leaves() -> None:
     # reached the peer during the kill's delay, and its all-gather finished.)
     finished = run(_struck_at_issue, 0.5, world_size=2)
     assert finished == [False, False]
+
+
+def test_a_failed_configuration_leaves_a_group_of_one_member_not_an_assertion() -> None:
+    """torchft drops the old group before it builds the new one: when building fails (a peer
+    died during the quorum), no group is configured and the Manager holds the step's error.
+    The replica still reads the quorum's size for the step it will not commit; ``size()``
+    asserts there, ``members()`` answers 1."""
+    from commfuse.ft.process_group import AlarmedProcessGroupGloo
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    group = AlarmedProcessGroupGloo(timeout=timedelta(seconds=1))
+    group.configure(f"127.0.0.1:{server.port}/ok", "replica_000", 0, 1)
+    assert group.members() == 1 and group.size() == 1
+    with socket_bound() as port, pytest.raises((RuntimeError, OSError, TimeoutError)):
+        # A port that accepts nothing: the store client cannot connect.
+        group.configure(f"127.0.0.1:{port}/gone", "replica_000", 0, 2, quorum_id=2)
+    with pytest.raises(AssertionError, match="not initialized"):
+        group.size()
+    assert group.members() == 1
+
+
+@contextlib.contextmanager
+def socket_bound() -> Iterator[int]:
+    """A local port bound but not listening: connecting to it is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]

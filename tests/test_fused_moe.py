@@ -221,7 +221,12 @@ def test_bench_moe_step_records(pool: PoolFn) -> None:
     config = FusedBenchConfig(ops=("moe_step",), iters=1, warmup=1, shapes=((16, 8, 8, 1),))
     records = pool(2).run(bench_fused_on_rank, config, timeout_s=120)[0]
     # The layer's choice, then each fixed count in the same rounds (wall and CPU of each).
-    assert [r["op"] for r in records] == ["moe_step", "moe_step[k=2]", "moe_step[k=5]"]
+    assert [r["op"] for r in records] == [
+        "moe_step",
+        "moe_step[k=2]",
+        "moe_step[k=3]",
+        "moe_step[k=5]",
+    ]
     assert all(r["wrong"] == 0 for r in records) and records[0]["chunks"] >= 1
     assert {"fused", "fused[k=2]", "fused[k=5]"} <= set(records[0]["cpu_us"])
     assert all(records[0]["cpu_us"][n] > 0 for n in ("fused[k=2]", "fused[k=5]"))

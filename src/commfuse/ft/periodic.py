@@ -381,7 +381,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             begin, end = (points[period - 1] if period else 0), points[period]
             now["period"] = period
             if manager.errored() is None:  # else the group may not be built
-                comm.at_quorum(manager.participating_rank() or 0, process_group.size())
+                comm.at_quorum(manager.participating_rank() or 0, process_group.members())
             participants, quorum_id = manager.num_participants(), process_group.quorum
             snapshot = copy.deepcopy(state_dict())
             resume = bool(kept)

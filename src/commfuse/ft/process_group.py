@@ -95,6 +95,13 @@ class AlarmedProcessGroupGloo(ProcessGroupGloo):  # type: ignore[misc]
         before the first). Two replicas' collectives met iff their groups' ``quorum`` match."""
         return None if self._quorum_id is None else [self._quorum_id, self._renewals]
 
+    def members(self) -> int:
+        """Replica groups in the configured group, or 1 when none is configured: the
+        Manager's configuration failed (a peer died during it; torchft drops the old group
+        first), which the Manager records as the step's error, so the step sends nothing and
+        does not commit. (``size()`` asserts a configured group.)"""
+        return 1 if self._pg is None else int(self.size())
+
     def renew(self) -> None:
         """Build a fresh group at the next configuration, even of the same quorum (see the
         module docstring); the caller makes the Manager reconfigure."""

@@ -484,7 +484,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             if again:  # the batch is built again only when the quorum changed it
                 optimizer.zero_grad(set_to_none=True)
                 loss = workload.loss(ddp, _share_batch(workload, job, step_now, samples))
-            hook_state.comm.at_quorum(manager.participating_rank() or 0, process_group.size())
+            hook_state.comm.at_quorum(manager.participating_rank() or 0, process_group.members())
             # A failed step must leave the compressor's state as it found it (error feedback,
             # factors): some replicas may have updated theirs before the failure, others not.
             # A snapshot, not a copy: PowerSGD's keeps its tensors copy-on-write.
