@@ -144,7 +144,8 @@ def test_selsync_threshold_zero_is_local_sgd_every_step(pool: PoolFn) -> None:
 
 def selsync_decisions(threshold: float) -> tuple[list[list[int]], list[list[int]], int, int, int]:
     comm = Communicator()
-    _, opt, sent = train(SelSyncConfig(threshold=threshold, algo="native"), 12)
+    config = SelSyncConfig(threshold=threshold, smoothing_steps=2, algo="native")
+    _, opt, sent = train(config, 12)
     assert isinstance(opt, SelSyncOptimizer)
     steps = [s.step for s in opt.syncs]
     # The agreed signal in its fixed point (exact), to compare between ranks.
@@ -156,19 +157,82 @@ def selsync_decisions(threshold: float) -> tuple[list[list[int]], list[list[int]
 
 def test_selsync_decides_alike_on_every_rank_and_sends_what_it_decides(pool: PoolFn) -> None:
     # Each rank sees its own batches, so its changes differ; the max of them is everyone's.
-    threshold = 0.02
+    threshold = 0.4
     for gathered, levels, syncs, sent, control in pool(3).run(
         selsync_decisions, threshold, timeout_s=DEADLINE_S
     ):
         assert all(row == gathered[0] for row in gathered)
         assert all(row == levels[0] for row in levels)  # one signal, bit for bit
-        assert 1 < syncs < 13  # some steps stayed local (the final sync counts as one)
-        # The steps that synchronised are those whose signal reached the threshold, then the
-        # final average after step 12 (unless step 12 synchronised itself).
+        assert 2 < syncs < 12  # some steps stayed local (the final sync counts as one)
+        # The steps that synchronised are step 1 (before the window of 2 has a history), those
+        # whose signal reached the threshold, then the final average after step 12 (unless
+        # step 12 synchronised itself).
         fired = [t + 1 for t, level in enumerate(levels[0]) if level / SIGNAL_SCALE >= threshold]
-        assert gathered[0][:syncs] == sorted({*fired, 12})
+        assert gathered[0][:syncs] == sorted({1, *fired, 12})
         assert control == 12 * 8
         assert sent == syncs * 4 * NUMEL + control
+
+
+#: Per rank, the factor c_t of step t's loss ``c_t * sum(p)`` in ``selsync_signal``: the gradient
+#: is c_t everywhere, its norm 2 c_t (4 elements), a sequence the test sets.
+GRADIENT_SCALES = [
+    [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 3.0],
+    [2.0, 2.0, 2.0, 2.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0],
+]
+
+
+def paper_signal(norms: list[float], window: int, decay: float) -> list[float]:
+    """Tyagi and Swany's signal, written out: per step, the weighted mean (the k-th newest
+    weighs (1 - decay)^k) of the last ``window`` relative changes of the weighted mean of the
+    last ``window`` norms."""
+
+    def mean(xs: list[float]) -> float:
+        ws = [(1 - decay) ** (len(xs) - i) for i in range(len(xs))]
+        return sum(w * x for w, x in zip(ws, xs, strict=True)) / sum(ws) if xs else 0.0
+
+    smoothed = [mean(norms[max(0, t - window + 1) : t + 1]) for t in range(len(norms))]
+    changes = [abs(b - a) / a for a, b in itertools.pairwise(smoothed)]
+    return [mean(changes[max(0, t - window) : t]) for t in range(len(norms))]
+
+
+def selsync_signal(threshold: float) -> tuple[list[float], list[int], int, int]:
+    """SelSync (window 4, the paper's decay) over 12 steps of gradients of known norms: the
+    agreed signals, the steps that synchronised, the bytes sent and the decisions' bytes."""
+    comm = Communicator()
+    model = nn.Module()
+    model.p = nn.Parameter(torch.zeros(4))
+    opt = SelSyncConfig(threshold=threshold, smoothing_steps=4, algo="native").make_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), model, comm
+    )
+    assert isinstance(opt, SelSyncOptimizer)
+    before = comm.stats.total().handed_bytes
+    for scale in GRADIENT_SCALES[comm.rank]:
+        (scale * model.p.sum()).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+        opt.step()
+        opt.zero_grad()
+    opt.finish()
+    sent = comm.stats.total().handed_bytes - before
+    return list(opt.signals), [s.step for s in opt.syncs], sent, opt.control_bytes
+
+
+def test_selsync_signal_is_the_papers_smoothed_change_of_the_smoothed_norm(
+    pool: PoolFn,
+) -> None:
+    # Per rank the paper's signal from the norms; the agreed one is the larger, in fixed point.
+    per_rank = [paper_signal([2.0 * c for c in cs], 4, 0.01) for cs in GRADIENT_SCALES]
+    expected = [max(pair) for pair in zip(*per_rank, strict=True)]
+    threshold = 0.15
+    for signals, steps, sent, control in pool(2).run(
+        selsync_signal, threshold, timeout_s=DEADLINE_S
+    ):
+        assert signals == pytest.approx(expected, abs=1 / SIGNAL_SCALE)
+        # Steps 1 to 3 before the window of 4 has a history, then the signal's, then the final
+        # average after step 12.
+        fired = [t + 1 for t, x in enumerate(expected) if x >= threshold + 1 / SIGNAL_SCALE]
+        assert fired == [7, 8, 9, 10, 11, 12]  # rank 1's jump, then rank 0's; none before
+        assert steps == sorted({1, 2, 3, *fired, 12})
+        assert control == 12 * 8
+        assert sent == len(steps) * 4 * 4 + control
 
 
 def selsync_window_decisions() -> tuple[list[list[int]], list[list[int]], int, int]:
@@ -176,7 +240,9 @@ def selsync_window_decisions() -> tuple[list[list[int]], list[list[int]], int, i
     by the final average): every rank's sync steps and signal levels, its bytes and its
     decisions' bytes."""
     comm = Communicator()
-    config = SelSyncConfig(threshold=0.02, window_steps=4, algo="native").for_run(10)
+    config = SelSyncConfig(
+        threshold=0.02, smoothing_steps=1, window_steps=4, algo="native"
+    ).for_run(10)
     assert config.total_steps == 10
     _, opt, sent = train(config, 10)
     assert isinstance(opt, SelSyncOptimizer)
@@ -242,11 +308,12 @@ def outer_step_vs_fixed_period() -> list[tuple[str, bool, int, int, int]]:
                 6,
                 3,
             ),
-            # A window of 3 steps whose signal never fires: its last step; the run's last
-            # window ends with the run, at step 6.
+            # A window of 3 steps whose signal never fires (and no first window to
+            # synchronise): its last step; the run's last window ends with the run, at step 6.
             (
                 SelSyncConfig(
                     threshold=1e9,
+                    smoothing_steps=1,
                     window_steps=3,
                     total_steps=6,
                     outer=outer,
@@ -783,8 +850,9 @@ def test_dreamddp_lands_an_exchange_land_after_steps_later_in_one_message_per_st
 
 # -- every method: a resume in the middle of a period continues bit for bit -----------------
 METHODS: list[tuple[SyncMethod, str]] = [
-    # Windows of 4: the resume at step 5 falls inside the second, after the first synchronised.
-    (SelSyncConfig(threshold=0.05, window_steps=4, total_steps=12), "sgd"),
+    # Windows of 4: the resume at step 5 falls inside the second, after the first synchronised;
+    # the signal's averages over 3 steps carry across it.
+    (SelSyncConfig(threshold=0.05, smoothing_steps=3, window_steps=4, total_steps=12), "sgd"),
     (ADPSGDConfig(total_steps=12, num_syncs=3), "sgd"),
     (PALSGDConfig(H=3, p=0.3), "adamw"),
     (DreamDDPConfig(H=3), "adamw"),
@@ -847,6 +915,10 @@ def test_specs_round_trip(spec: str) -> None:
 def test_bad_settings_are_named() -> None:
     with pytest.raises(ValueError, match="threshold must be >= 0"):
         SelSyncConfig(threshold=-1)
+    with pytest.raises(ValueError, match="smoothing_steps must be >= 1"):
+        SelSyncConfig(smoothing_steps=0)
+    with pytest.raises(ValueError, match=r"smoothing_decay must be in \[0, 1\)"):
+        strategy_from_spec("selsync:smoothing_decay=1")
     with pytest.raises(ValueError, match="num_syncs must be in"):
         ADPSGDConfig(total_steps=5, num_syncs=6)
     with pytest.raises(ValueError, match="p must be in"):

@@ -1,20 +1,31 @@
 """SelSync: synchronise only the steps whose gradient changed significantly.
 
 Tyagi and Swany, "Accelerating Distributed ML Training via Selective Synchronization" (IEEE
-Cluster 2023, arXiv 2307.07950). Every rank trains its own replica; at each step:
+Cluster 2023, arXiv 2307.07950). Every rank trains its own replica; at each step t:
 
-1. each rank smooths the L2 norm of its gradient, ``s_t = beta s_{t-1} + (1 - beta) |g_t|``
-   (the first step: ``s_1 = |g_1|``), and computes its relative change
-   ``delta_t = |s_t - s_{t-1}| / s_{t-1}`` (0 on the first step, where the replicas are
-   still equal);
-2. one allreduce (max) of one integer, ``delta_t`` in fixed point (``SIGNAL_SCALE``), gives
+1. each rank takes the L2 norm of its gradient, ``n_t = |g_t|``, and smooths it over the last
+   w steps (``smoothing_steps``) with the paper's weighted moving average,
+   ``s_t = sum_k (1 - a)^k n_(t+1-k) / sum_k (1 - a)^k`` for k = 1 .. w (the newest weighted
+   most; ``a`` is ``smoothing_decay``, 0 a plain mean; fewer than w terms while the run is
+   younger than w steps);
+2. it takes the relative change of the smoothed norm, ``c_t = |s_t - s_(t-1)| / s_(t-1)``
+   (none on the first step), and smooths that again over the last w changes with the same
+   weights: the signal ``delta_t`` is the weighted mean of ``c``, the paper's "relative
+   gradient change" once both averages are full;
+3. one allreduce (max) of one integer, ``delta_t`` in fixed point (``SIGNAL_SCALE``), gives
    every rank the same signal, the largest change any rank saw (``signals``); the step
-   synchronises when it is at least ``threshold``, identically on every rank;
-3. every rank takes its inner step; on a synchronising step the replicas are then replaced by
+   synchronises when it is at least ``threshold``, identically on every rank, and on every
+   step before the w-th, whatever the signal: the paper synchronises while its averages have
+   no history (bulk-synchronous training for the first window);
+4. every rank takes its inner step; on a synchronising step the replicas are then replaced by
    their average (parameter aggregation, as the paper prefers to gradient aggregation: it also
    reconciles the drift of the local steps before it), else the step stays local. With
    ``outer="nesterov"`` the average is taken as DiLoCo's pseudo-gradient instead, and the
    replicas restart from DiLoCo's outer Nesterov step on it (``outer.py``).
+
+The defaults are the paper's (w = 25, a = 0.01, threshold 0.3). A change of the gradient norm
+that lasts (early in training from a random start, after a learning-rate drop) moves both
+averages and the signal for many steps; step-to-step noise of the norm is averaged away twice.
 
 Two bounds on the gap between synchronisations put the signal on a budget:
 ``min_period_steps`` (no synchronisation sooner than that after the last one, however high the
@@ -25,21 +36,21 @@ clock as a floor). With both equal to H and a threshold that never fires the met
 
 ``window_steps`` (W) holds SelSync to a fixed budget of bytes instead, to judge its choice of
 steps against a clock that sends as much: the run is cut into windows of W steps (steps
-``(kW - W, kW]``) and each window synchronises once, at its first step whose signal reaches the
-threshold (no sooner than ``min_period_steps`` after the last synchronisation), else at its
-last step. The window that holds the run's end (``total_steps``, the run's own by default)
+``(kW - W, kW]``) and each window synchronises once, at its first step that fires (its signal
+reaches the threshold, or a step before the w-th; no sooner than ``min_period_steps`` after the
+last synchronisation), else at its last step. The window that holds the run's end (``total_steps``, the run's own by default)
 fires on no signal: it synchronises at the run's last step when it ends there, as DiLoCo does
 (with the outer step, ``outer=nesterov``, as DiLoCo's last synchronisation), else the final
-average closes it. So the run sends DiLoCo's bytes at period W exactly, and a threshold that
-never fires is DiLoCo with period W, bit for bit.
+average closes it. So the run sends DiLoCo's bytes at period W exactly, and with ``w = 1``
+(no smoothing, no first window) a threshold that never fires is DiLoCo with period W, bit for
+bit.
 
-The paper's own code smooths the gradient norm over a window of 25 steps, smooths the relative
-change again over the same window, synchronises every step during the first window, and uses
-thresholds around 0.3. The change of a smoothed norm is small, about ``(1 - beta)`` times the
-step-to-step noise of the norm, so a threshold tuned for one model and smoothing rarely fires
-on another: pick it from the signal of a run (``signals``, in the training metrics) for the
-fraction of steps you can afford to synchronise, and ``smoothing`` toward 1 for noisy
-gradients (small batches per replica). The paper also injects other workers' data into each
+The signal's scale depends on the model, the batch and w (the change of a w-step average is
+about 1/w of the change of the norm over w steps), so a threshold tuned for one model rarely
+fits another: pick it from the signal of a run (``signals``, in the training metrics) for the
+fraction of steps you can afford to synchronise. The paper's code sums the layers' gradient
+norms where this takes the norm of the whole gradient (both scale with the gradient; their
+relative changes differ only in how the layers are weighted). The paper also injects other workers' data into each
 worker's batches when the data is not identically distributed across workers; that is not
 done here (each replica's batches are drawn from the same data).
 
@@ -53,6 +64,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,11 +86,14 @@ class SelSyncConfig(ExchangeSettingsWithOuterStep):
 
     name = "selsync"
 
-    threshold: float = 0.05
-    """delta: the relative change of the smoothed gradient norm that makes a step synchronise
-    (0: every step)."""
-    smoothing: float = 0.9
-    """beta of the exponential moving average of the gradient norm (0: no smoothing)."""
+    threshold: float = 0.3
+    """delta: the smoothed relative change of the smoothed gradient norm that makes a step
+    synchronise (0: every step)."""
+    smoothing_steps: int = 25
+    """w: the window of both moving averages, the norm's and its change's; the steps before
+    the w-th synchronise (1: no smoothing, the raw change of the norm, no first window)."""
+    smoothing_decay: float = 0.01
+    """a: the k-th newest value of a window weighs (1 - a)^k (0: a plain mean)."""
     min_period_steps: int = 1
     """No synchronisation sooner than this many steps after the last one (1: any step)."""
     max_period_steps: int = 0
@@ -92,8 +108,10 @@ class SelSyncConfig(ExchangeSettingsWithOuterStep):
     def __post_init__(self) -> None:
         if not self.threshold >= 0:
             raise ValueError(f"threshold must be >= 0, got {self.threshold}")
-        if not 0 <= self.smoothing < 1:
-            raise ValueError(f"smoothing must be in [0, 1), got {self.smoothing}")
+        if self.smoothing_steps < 1:
+            raise ValueError(f"smoothing_steps must be >= 1, got {self.smoothing_steps}")
+        if not 0 <= self.smoothing_decay < 1:
+            raise ValueError(f"smoothing_decay must be in [0, 1), got {self.smoothing_decay}")
         if self.min_period_steps < 1:
             raise ValueError(f"min_period_steps must be >= 1, got {self.min_period_steps}")
         if self.max_period_steps and self.max_period_steps < self.min_period_steps:
@@ -134,14 +152,63 @@ def signal_level(change: float) -> int:
     return int(change * SIGNAL_SCALE)
 
 
+def recent_mean(values: Sequence[float], decay: float) -> float:
+    """The paper's weighted moving average of ``values`` (oldest first): the k-th newest
+    weighs ``(1 - decay)^k``; 0 for no values."""
+    if not values:
+        return 0.0
+    weights = [(1.0 - decay) ** k for k in range(len(values), 0, -1)]
+    return sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
+
+
+class GradientChangeSignal:
+    """SelSync's signal on one rank (steps 1 and 2 of the module docstring): feed it each
+    step's gradient norm, it returns the smoothed relative change of the smoothed norm."""
+
+    def __init__(self, window_steps: int, decay: float) -> None:
+        self.decay = decay
+        self.norms: deque[float] = deque(maxlen=window_steps)
+        """The last w gradient norms, oldest first."""
+        self.changes: deque[float] = deque(maxlen=window_steps)
+        """The last w relative changes of the smoothed norm, oldest first."""
+        self.smoothed_norm: float | None = None
+        """The last smoothed norm (None before the first step)."""
+
+    def update(self, norm: float) -> float:
+        """Take this step's gradient norm; return the signal (0 on the first step)."""
+        self.norms.append(norm)
+        previous = self.smoothed_norm
+        self.smoothed_norm = recent_mean(self.norms, self.decay)
+        if previous is not None:
+            # A zero norm before (no gradient at all) has no relative change to speak of.
+            change = abs(self.smoothed_norm - previous) / previous if previous else 0.0
+            self.changes.append(change)
+        return recent_mean(self.changes, self.decay)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "norms": list(self.norms),
+            "changes": list(self.changes),
+            "smoothed_norm": self.smoothed_norm,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.norms.clear()
+        self.norms.extend(float(x) for x in state["norms"])
+        self.changes.clear()
+        self.changes.extend(float(x) for x in state["changes"])
+        self.smoothed_norm = state["smoothed_norm"]
+
+
 class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
     """SelSync's optimizer (see the module docstring); ``syncs`` lists the steps that
     synchronised, ``signals`` the agreed signal of every step, ``control_bytes`` what agreeing
     on it cost."""
 
     def _start(self) -> None:
-        self.smoothed_norm: float | None = None
-        """This rank's smoothed gradient norm (differs between ranks)."""
+        method = self.method
+        self.signal = GradientChangeSignal(method.smoothing_steps, method.smoothing_decay)
+        """This rank's own signal (differs between ranks)."""
         self.signals: list[float] = []
         """Per step, the agreed signal: the largest relative change any rank saw (the same on
         every rank)."""
@@ -150,19 +217,14 @@ class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
         self._threshold_level = math.ceil(self.method.threshold * SIGNAL_SCALE)
 
     def relative_change(self) -> float:
-        """Update the smoothed gradient norm and return its relative change (this rank's)."""
+        """Feed this step's gradient norm to this rank's signal and return the signal."""
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = (
             float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
             if grads
             else 0.0
         )
-        previous = self.smoothed_norm
-        beta = self.method.smoothing
-        self.smoothed_norm = norm if previous is None else beta * previous + (1 - beta) * norm
-        # No earlier norm to compare with (the first step: the replicas start equal, nothing to
-        # reconcile): no change, which only threshold 0 synchronises.
-        return 0.0 if not previous else abs(self.smoothed_norm - previous) / previous
+        return self.signal.update(norm)
 
     def step(self) -> None:
         """Agree on the signal (one integer allreduce), take the inner step, average when the
@@ -185,7 +247,9 @@ class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
         steps alone (the same on every rank)."""
         method, step = self.method, self.step_count
         gap = step - self.last_sync_step
-        fired = level >= self._threshold_level and gap >= method.min_period_steps
+        # Before the w-th step the averages have no history: the paper synchronises.
+        signalled = level >= self._threshold_level or step < method.smoothing_steps
+        fired = signalled and gap >= method.min_period_steps
         if not method.window_steps:
             return fired or bool(method.max_period_steps and gap >= method.max_period_steps)
         window_end = -(-step // method.window_steps) * method.window_steps
@@ -198,10 +262,10 @@ class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
         return fired or step == window_end
 
     def state_dict(self) -> dict[str, Any]:
-        """The shared state, and the smoothed gradient norm and the flags' bytes."""
+        """The shared state, and the signal's averages and the flags' bytes."""
         state = super().state_dict()
         state["selsync"] = {
-            "smoothed_norm": self.smoothed_norm,
+            "signal": self.signal.state_dict(),
             "control_bytes": self.control_bytes,
             "signals": list(self.signals),
             "last_sync_step": self.last_sync_step,
@@ -211,7 +275,7 @@ class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         own = state["selsync"]
-        self.smoothed_norm = own["smoothed_norm"]
+        self.signal.load_state_dict(own["signal"])
         self.control_bytes = int(own["control_bytes"])
         self.signals = [float(x) for x in own["signals"]]
         self.last_sync_step = int(own["last_sync_step"])
