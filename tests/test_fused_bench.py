@@ -1,4 +1,4 @@
-"""``commfuse bench fused`` on a small pool: every record has the issue's fields, sane ratios,
+"""``commfuse bench fused`` on a small pool: every record has the fields its report reads, sane ratios,
 and no wrong element; bad options fail before any rank starts."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,17 +89,23 @@ def read(params: Sequence[torch.Tensor], part: Part) -> torch.Tensor:
 
 def add(params: Sequence[torch.Tensor], part: Part, flat: torch.Tensor) -> None:
     """Add ``flat`` (``part.numel`` elements) to ``part``'s values in place."""
-    offset = 0
     with torch.no_grad():
-        for i, a, b in part.segments:
-            params[i].view(-1)[a:b].add_(flat[offset : offset + b - a])
-            offset += b - a
+        for values, piece in _pieces(params, part, flat):
+            values.add_(piece)
 
 
 def write(params: Sequence[torch.Tensor], part: Part, flat: torch.Tensor) -> None:
     """Copy ``flat`` (``part.numel`` elements) into ``part``'s values."""
-    offset = 0
     with torch.no_grad():
-        for i, a, b in part.segments:
-            params[i].view(-1)[a:b].copy_(flat[offset : offset + b - a])
-            offset += b - a
+        for values, piece in _pieces(params, part, flat):
+            values.copy_(piece)
+
+
+def _pieces(
+    params: Sequence[torch.Tensor], part: Part, flat: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each segment of ``part`` as (a view of the parameter's values, its slice of ``flat``)."""
+    offset = 0
+    for i, a, b in part.segments:
+        yield params[i].view(-1)[a:b], flat[offset : offset + b - a]
+        offset += b - a
