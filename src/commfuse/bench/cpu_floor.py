@@ -102,6 +102,12 @@ def _every_ranks(comm: Communicator, values: list[float]) -> list[list[float]]:
 MIN_CORES = 0.25
 
 
+def cores_left(cores: float, taken: float) -> float:
+    """The cores a floor divides by: a machine's ``cores`` less those ``taken`` by other
+    programs (the kernel, the hypervisor), never fewer than ``MIN_CORES``."""
+    return max(cores - taken, MIN_CORES)
+
+
 def floor_of(rows: list[list[float]]) -> float:
     """``cpu_floor_us``'s arithmetic on ``[machine key, CPU us, cores]`` per rank: the CPU of the
     ranks of each machine summed, divided by that machine's cores, the largest over machines.
@@ -115,4 +121,4 @@ def floor_of(rows: list[list[float]]) -> float:
         totals[key] = totals.get(key, 0.0) + cpu + kernel
         cores[key] = min(cores.get(key, n), n)
         taken[key] = taken.get(key, 0.0) + lost
-    return max((totals[k] / max(cores[k] - taken[k], MIN_CORES) for k in totals), default=0.0)
+    return max((totals[k] / cores_left(cores[k], taken[k]) for k in totals), default=0.0)

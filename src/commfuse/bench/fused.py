@@ -70,7 +70,7 @@ import torch
 
 from commfuse.bench.cases import Case
 from commfuse.bench.cpu_floor import (
-    MIN_CORES,
+    cores_left,
     cpu_floor_us,
     cpu_seconds,
     machine_floor_us,
@@ -652,7 +652,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 parts_wall = {"compute": c} | {
                     n: summary.medians[f"stage:{n}"] for n in forms.stages
                 }
-                left = max(usable_cores() - float(taken_cores), MIN_CORES)
+                left = cores_left(usable_cores(), float(taken_cores))
                 graph = step_bound(
                     forms.graph(parts_wall, parts_cpu, floor_us=machine_floor, cores=left)
                 )

@@ -55,7 +55,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from commfuse.bench.cpu_floor import MIN_CORES
+from commfuse.bench.cpu_floor import cores_left
 
 
 def smoothing_window(steps: int) -> int:
@@ -113,7 +113,7 @@ def bound_parts(
     step_cpu = statistics.fmean(b - others_cores * t for b, t in known)
     compute_cpu = (compute["busy_s"] - compute["others_s"]) / steps
     exchange = step_cpu - compute_cpu
-    left = max(cores - others_cores, MIN_CORES)
+    left = cores_left(cores, others_cores)
     return {
         "exchange_cpu_s": exchange,
         "compute_machine_busy": compute_cpu / (cores * compute_step_s),
