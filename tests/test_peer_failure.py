@@ -14,7 +14,9 @@ inside the native allreduce). Then:
 * ``commfuse launch`` exits 1 and names the victim and its signal.
 
 4 ranks put one rank of the ring out of reach of the victim (it waits on a live neighbour);
-3 ranks make every rank its neighbour.
+3 ranks make every rank its neighbour. A second test leaves the victim's sockets open after its
+death (a child holds them, as a host that lost its link would): no survivor's connection
+closes, and each must learn of the death from the launcher's notice alone.
 """
 
 from __future__ import annotations
@@ -54,13 +56,14 @@ Record = dict[str, Any]
 
 
 def run_job(
-    algo: str, world: int
+    algo: str, world: int, *, hold: bool = False
 ) -> tuple[subprocess.CompletedProcess[str], float, dict[int, Record]]:
-    """``commfuse launch`` of the script: the job, the victim's kill time, each survivor's record."""
+    """``commfuse launch`` of the script: the job, the victim's kill time, each survivor's record.
+    ``hold``: the victim's sockets stay open after its death (the script's docstring)."""
     env = {k: v for k, v in os.environ.items() if k != "COMMFUSE_DEADLINE_S"}
     command = [*COMMFUSE, "launch", "--nproc", str(world), "--timeout", "120", SCRIPT]
     proc = subprocess.run(
-        [*command, algo, str(VICTIM), str(NUMEL[algo])],
+        [*command, algo, str(VICTIM), str(NUMEL[algo]), *(["hold"] if hold else [])],
         capture_output=True,
         text=True,
         timeout=180,
@@ -88,12 +91,41 @@ def run_job(
 @pytest.mark.parametrize("algo", ["ring", "pipeline", "tree", "native"])
 def test_survivors_name_the_rank_killed_mid_collective(algo: str, world: int) -> None:
     proc, killed_at, results = run_job(algo, world)
-    report = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    check_survivors(
+        algo, world, proc, killed_at, results, TREE_DONE[world] if algo == "tree" else set()
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("algo", ["pipeline", "native"])
+def test_survivors_learn_of_a_death_their_sockets_do_not_show(algo: str) -> None:
+    """The victim's sockets outlive it: no survivor's connection closes, so each one learns of
+    the death from the job's notice, read between the slices of its wait. Without that they
+    would wait out the 60 s deadline and be stopped by the launcher with nothing said."""
+    proc, killed_at, results = run_job(algo, 4, hold=True)
+    check_survivors(algo, 4, proc, killed_at, results, set())
+    for rank, record in results.items():
+        assert "was killed by SIGKILL" in record["message"], (rank, record)
+
+
+def check_survivors(
+    algo: str,
+    world: int,
+    proc: subprocess.CompletedProcess[str],
+    killed_at: float,
+    results: dict[int, Record],
+    done: set[int],
+) -> None:
+    """Each survivor's record: ``ok`` for the ranks in ``done``, else a ``PeerFailureError``
+    naming the victim and the operation within ``BOUND_S`` of the kill."""
+    report = (
+        f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{stderr_of_silent(proc.stderr, world, results)}"
+    )
     assert proc.returncode == 1, report
     assert f"rank {VICTIM} (host 0) was killed by SIGKILL" in proc.stderr, report
     survivors = set(range(world)) - {VICTIM}
     assert set(results) == survivors, report
-    done = TREE_DONE[world] if algo == "tree" else set()
     for rank in sorted(survivors):
         record = results[rank]
         if rank in done:
@@ -107,3 +139,13 @@ def test_survivors_name_the_rank_killed_mid_collective(algo: str, world: int) ->
             rf"rank {VICTIM} (\(host 0\) was killed by SIGKILL|lost by rank)", message
         ), (rank, message)
         assert record["t"] - killed_at <= BOUND_S, (rank, record["t"] - killed_at, message)
+
+
+def stderr_of_silent(stderr: str, world: int, results: dict[int, Record]) -> str:
+    """The stderr lines of the survivors that printed no record (what they were doing when the
+    launcher stopped them), else the end of stderr."""
+    silent = set(range(world)) - {VICTIM} - set(results)
+    lines = [
+        line for line in stderr.splitlines() if any(line.startswith(f"[rank {r}]") for r in silent)
+    ]
+    return "\n".join(lines)[-8000:] if lines else stderr[-4000:]

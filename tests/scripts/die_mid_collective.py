@@ -1,12 +1,14 @@
 """A torchrun-style job in which one rank SIGKILLs itself in the middle of a collective.
 
-    die_mid_collective.py ALGO VICTIM NUMEL
+    die_mid_collective.py ALGO VICTIM NUMEL [hold]
 
 ALGO is ``ring``, ``pipeline`` or ``native`` (an allreduce of NUMEL floats) or ``tree`` (a
 binomial-tree broadcast from VICTIM). The victim dies while the operation is in flight: inside
 our algorithms right after its first send has completed (its peers have started and some data
 has moved); in the native allreduce, once every other rank has entered the allreduce and its own
-part has started. Every other rank prints one line
+part has started. With ``hold``, a child forked just before the death keeps the victim's
+sockets open (and silent) for ``HOLD_S``: its peers see no connection close, as when a host
+loses its link, and only the launcher's notice can tell them. Every other rank prints one line
 
     RESULT {"rank": R, "type": "PeerFailureError" | "ok", "message": ..., "failed_rank": ...,
             "t": CLOCK_MONOTONIC}
@@ -31,6 +33,8 @@ from commfuse import collectives as C
 from commfuse.comm import Communicator
 
 algo, victim, numel = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+hold = sys.argv[4:] == ["hold"]
+HOLD_S = 30.0
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 comm = Communicator()
@@ -40,6 +44,13 @@ store = dist.TCPStore(  # type: ignore[attr-defined]  # the job's store, for the
 
 
 def die() -> None:
+    if hold and os.fork() == 0:
+        # The child inherits every socket of the rank; it never reads or writes them, and it
+        # closes the launcher's pipes so that only the parent's death is seen.
+        os.close(1)
+        os.close(2)
+        time.sleep(HOLD_S)
+        os._exit(0)
     print(f"KILLED {time.monotonic():.6f}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -33,8 +33,8 @@ KNOWN_NOISE = ("The hostname of the client socket cannot be retrieved",)
 #: Seconds a rank gets to exit after SIGTERM before SIGKILL.
 TERMINATE_GRACE_S = 3.0
 #: Seconds the other ranks get to exit by themselves after one failed: a rank in a collective with
-#: the dead one raises PeerFailureError within about 2 s of the death (the native collectives'
-#: wait for the notice), which tests/test_peer_failure.py checks under this grace.
+#: the dead one raises PeerFailureError within about 2 s of the death (its waits read the notice
+#: every 0.5 s, ``comm/watch.py``), which tests/test_peer_failure.py checks under this grace.
 FAILURE_GRACE_S = 5.0
 
 

@@ -33,6 +33,7 @@ from commfuse.comm.errors import InconsistentInputError
 from commfuse.comm.handle import FailureBoard, Handle, OpContext, translate_failure
 from commfuse.comm.stats import CommStats
 from commfuse.comm.trace import Trace, TraceEvent, now_us
+from commfuse.comm.watch import gloo_stopper
 from commfuse.comm.worker import Worker, on_worker_thread
 
 S = TypeVar("S")
@@ -131,7 +132,14 @@ def _failure_board(comm: Communicator) -> FailureBoard | None:
         store = root_store(dist.distributed_c10d._get_default_store())
     except (AttributeError, RuntimeError, ValueError):
         return None
-    return FailureBoard(store, rank=comm.global_rank_of_self, world_rank_of=comm.global_rank)
+    members = frozenset(comm.global_rank(r) for r in range(comm.world_size))
+    return FailureBoard(
+        store,
+        rank=comm.global_rank_of_self,
+        world_rank_of=comm.global_rank,
+        members=members,
+        stop_group=gloo_stopper(comm.group, comm.device) if comm.backend == "gloo" else None,
+    )
 
 
 def nbytes_of(tensor: torch.Tensor) -> int:
@@ -240,7 +248,10 @@ class Communicator:
             board=self._board,
         )
         handle = Handle(
-            self._worker.submit(fn, *args, **kwargs), ctx, deadline_s=self.config.deadline_s
+            self._worker.submit(fn, *args, **kwargs),
+            ctx,
+            deadline_s=self.config.deadline_s,
+            watched=True,
         )
         if not on_worker_thread():
             self._last_job = handle
@@ -397,7 +408,11 @@ class Communicator:
             work = start()
         except Exception as err:
             raise translate_failure(err, ctx, self.config.deadline_s) from err
-        return Handle(work, ctx, deadline_s=self.config.deadline_s, event=event, then=then)
+        # gloo's collective works survive a timed-out wait; NCCL's abort the communicator.
+        watched = self.backend == "gloo"
+        return Handle(
+            work, ctx, deadline_s=self.config.deadline_s, event=event, then=then, watched=watched
+        )
 
     @staticmethod
     def _finish(handle: Handle, async_op: bool) -> Handle | None:

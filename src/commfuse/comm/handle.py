@@ -4,12 +4,23 @@ A gloo or NCCL ``Work`` waited on without a timeout blocks until the backend's o
 minutes by default): a hung peer then looks like a slow job. Every wait here passes the
 communicator's deadline, and a failure is re-raised as ``CommTimeoutError`` or
 ``PeerFailureError`` with the rank, operation, peer and step in the message.
+
+A rank does not learn of a death from its sockets alone. The ranks next to the dead one see
+their connections close, but a rank waiting on a live neighbour, or on a peer whose host lost its
+link (no FIN or RST ever arrives), would wait out the whole deadline. So a watched wait (a gloo
+collective, or a job of commfuse's own on the worker thread) waits in slices of
+``WATCH_INTERVAL_S`` and between slices reads the job's failure notice
+(``commfuse.cluster.failures``): once it names a member of this operation's group, the wait
+raises ``PeerFailureError`` naming that rank. A point-to-point wait is not sliced (gloo treats a
+timed-out send or receive as the failure of its whole context); the process's watch thread
+(``watch.py``) reads the notice for it instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -21,6 +32,7 @@ from torch._C._distributed_c10d import Store
 from commfuse.cluster.failures import FailureNotice, post_failure, read_failure
 from commfuse.comm.errors import CommError, CommTimeoutError, PeerFailureError, describe_op
 from commfuse.comm.trace import TraceEvent, now_us
+from commfuse.comm.watch import PEER_WATCH, WATCH_INTERVAL_S
 
 # Phrases gloo and NCCL use; matched case-insensitively to classify a backend failure.
 _TIMEOUT_WORDS = ("timed out", "timeout")
@@ -44,13 +56,46 @@ class FailureBoard:
     """The job's failure notice (``commfuse.cluster.failures``) as one communicator sees it:
     the store every rank shares, and how to turn this group's ranks into the job's."""
 
-    __slots__ = ("rank", "store", "world_rank_of")
+    __slots__ = (
+        "__weakref__",
+        "members",
+        "rank",
+        "stop_group",
+        "stopped",
+        "store",
+        "world_rank_of",
+    )
 
-    def __init__(self, store: Store, *, rank: int, world_rank_of: Callable[[int], int]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        rank: int,
+        world_rank_of: Callable[[int], int],
+        members: frozenset[int],
+        stop_group: Callable[[int], None] | None = None,
+    ) -> None:
         self.store = store
         self.rank = rank
         """This process's world rank."""
         self.world_rank_of = world_rank_of
+        self.members = members
+        """The world ranks of the group: a failure elsewhere in the job does not stop its work."""
+        self.stop_group = stop_group
+        """Makes every wait still blocked in the group raise, given the world rank that died
+        (None: the backend has no way, and each wait runs to its deadline)."""
+        self.stopped = False
+
+    def member_failure(self) -> FailureNotice | None:
+        """The job's notice, if it names another member of this group (without waiting); the
+        first time it does, the group is stopped, so no wait of it stays blocked on the dead."""
+        notice = read_failure(self.store)
+        if notice is None or notice.rank == self.rank or notice.rank not in self.members:
+            return None
+        if self.stop_group is not None and not self.stopped:
+            self.stopped = True
+            self.stop_group(notice.rank)
+        return notice
 
     def explain(self, ctx: OpContext, *, lost_peer: bool) -> FailureNotice | None:
         """The failure that broke ``ctx``'s operation, if the job knows it. A lost peer that
@@ -167,9 +212,13 @@ class Handle:
         deadline_s: float,
         event: TraceEvent | None = None,
         then: Callable[[], None] | None = None,
+        watched: bool = False,
     ) -> None:
         self._work = work
         self._ctx = ctx
+        self._watched = watched and ctx.board is not None
+        """Wait in slices, reading the job's failure notice between them (see the module
+        docstring); only for waits that a timed-out slice leaves intact."""
         self._deadline_s = deadline_s
         self._event = event
         self._then = then
@@ -220,7 +269,7 @@ class Handle:
         limit = self._deadline_s if deadline_s is None else deadline_s
         if isinstance(work, Future):
             try:
-                return work.result(timeout=limit)
+                return self._in_slices(work.result, work.done, limit)
             except FutureTimeout:
                 ctx = self._ctx
                 raise CommTimeoutError(
@@ -233,7 +282,18 @@ class Handle:
         if self._done:
             return None
         try:
-            work.wait(datetime.timedelta(seconds=limit))
+            board = self._ctx.board
+            if self._watched or board is None or board.stop_group is None:
+                self._in_slices(
+                    lambda s: work.wait(datetime.timedelta(seconds=s)), work.is_completed, limit
+                )
+            else:
+                # A point-to-point wait cannot be sliced (gloo fails its context when a receive
+                # times out), so the process's watch thread reads the notice for it.
+                with PEER_WATCH.waiting(board):
+                    work.wait(datetime.timedelta(seconds=limit))
+        except CommError:
+            raise
         except Exception as err:
             raise translate_failure(err, self._ctx, limit) from err
         self._done = True
@@ -243,6 +303,38 @@ class Handle:
             then, self._then = self._then, None
             then()
         return None
+
+    def _in_slices(
+        self, wait: Callable[[float], Any], done: Callable[[], bool], limit: float
+    ) -> Any:
+        """``wait(limit)``, or for a watched handle ``wait(slice)`` until it returns, the limit
+        is spent, or the job's notice names a member of the group (``PeerFailureError``). A
+        slice that runs out raises what ``wait`` raises on a timeout; an operation that is not
+        ``done()`` after ``wait`` raised has only run out of slice (a failed one is done)."""
+        board = self._ctx.board
+        if not self._watched or board is None:
+            return wait(limit)
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return wait(max(0.0, min(WATCH_INTERVAL_S, left)))
+            except Exception:
+                if left <= WATCH_INTERVAL_S or done():
+                    raise
+            notice = board.member_failure()
+            if notice is not None:
+                ctx = self._ctx
+                raise PeerFailureError(
+                    f"{ctx.describe()}: rank {notice.rank} {notice.detail} (the job's first "
+                    f"failure), so this operation cannot complete: still waiting after "
+                    f"{limit - (deadline - time.monotonic()):.1f} s",
+                    rank=ctx.rank,
+                    op=ctx.op,
+                    peer=ctx.peer,
+                    step=ctx.step,
+                    failed_rank=notice.rank,
+                )
 
 
 def _stamp(event: TraceEvent) -> None:

@@ -1,0 +1,102 @@
+"""Waking the point-to-point waits that a death leaves blocked.
+
+A rank learns of a death from its sockets only when it talks to the dead rank and the dead
+rank's connections close. A rank waiting on a live neighbour that is itself stuck, or on a host
+that lost its link (no FIN or RST ever arrives), would wait out its whole deadline. A collective's
+wait reads the job's failure notice between slices of its wait (``Handle``), but a
+point-to-point wait cannot be sliced: gloo fails the whole context of a group when one of its
+receives times out.
+
+So one daemon thread per process watches for them: while any point-to-point wait is blocked
+it reads, every ``WATCH_INTERVAL_S``, the failure notice of each group that has one waiting
+(``FailureBoard.member_failure``). Once the notice names a member of the group, the group is
+stopped, which turns every wait still blocked in it into an error that names the dead rank. A
+wait that ends within the interval never costs a store read.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from commfuse.comm.handle import FailureBoard
+
+WATCH_INTERVAL_S = 0.5
+"""Seconds between two reads of the job's failure notice while a wait goes on: how late, at
+most, a rank learns of a death its own sockets do not show (one store round trip each)."""
+
+
+class PeerWatch:
+    """The thread that reads the failure notice of the groups with a blocked wait."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._waiting: collections.Counter[FailureBoard] = collections.Counter()
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def waiting(self, board: FailureBoard) -> Iterator[None]:
+        """Count a wait of ``board``'s group as blocked for the duration of the block."""
+        with self._changed:
+            self._waiting[board] += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="commfuse-peer-watch", daemon=True
+                )
+                self._thread.start()
+            self._changed.notify()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._waiting[board] -= 1
+                if self._waiting[board] <= 0:
+                    del self._waiting[board]
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: bool(self._waiting))
+            time.sleep(WATCH_INTERVAL_S)
+            with self._changed:
+                boards = [board for board in self._waiting if not board.stopped]
+            for board in boards:
+                # The watch outlives any one group: a store that went away (the launcher is
+                # gone, the job is ending) leaves that group's waits to their deadlines.
+                with contextlib.suppress(Exception):
+                    board.member_failure()
+
+
+STOP_TAG = 0x7FFF_FFF0
+"""The tag of the receive that stops a gloo group: one no sender ever uses."""
+
+
+def gloo_stopper(group: dist.ProcessGroup, device: torch.device) -> Callable[[int], None]:
+    """How to wake every wait still blocked in a gloo group once a member died: post a receive
+    from the dead rank and let it time out at once. gloo fails a context whose receive timed
+    out, and with it every send, receive and collective pending on that context, which then
+    raise (and name the dead rank through the job's notice); the group is unusable afterwards,
+    as it already was."""
+
+    def stop(dead_world_rank: int) -> None:
+        src = dist.get_group_rank(group, dead_world_rank)
+        probe = torch.empty(1, device=device)
+        with contextlib.suppress(RuntimeError):
+            work = dist.irecv(probe, group=group, group_src=src, tag=STOP_TAG)
+            if work is not None:
+                work.wait(datetime.timedelta(milliseconds=1))
+
+    return stop
+
+
+PEER_WATCH = PeerWatch()
+"""The process's watch (its thread starts with the first wait)."""
