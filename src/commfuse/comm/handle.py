@@ -290,8 +290,11 @@ class Handle:
             else:
                 # A point-to-point wait cannot be sliced (gloo fails its context when a receive
                 # times out), so the process's watch thread reads the notice for it.
-                with PEER_WATCH.waiting(board):
+                PEER_WATCH.add(board)
+                try:
                     work.wait(datetime.timedelta(seconds=limit))
+                finally:
+                    PEER_WATCH.remove(board)
         except CommError:
             raise
         except Exception as err:
