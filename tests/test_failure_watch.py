@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 
 from commfuse import collectives as C
 from commfuse.cluster.failures import FailureNotice, clear_failure, post_failure, root_store
@@ -33,7 +34,7 @@ DONE_KEY = "test_failure_watch/done"
 POSTED_KEY = "test_failure_watch/posted"
 
 
-def _store() -> dist.Store:
+def _store() -> Store:
     return root_store(dist.distributed_c10d._get_default_store())
 
 
