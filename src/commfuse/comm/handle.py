@@ -153,6 +153,20 @@ class OpContext:
         )
 
 
+def failed_because_of(notice: FailureNotice, ctx: OpContext, what: str) -> PeerFailureError:
+    """The error of ``ctx``'s operation, which ``notice``'s failure made impossible; ``what``
+    says what this rank saw."""
+    return PeerFailureError(
+        f"{ctx.describe()}: rank {notice.rank} {notice.detail} (the job's first failure), "
+        f"so this operation cannot complete: {what}",
+        rank=ctx.rank,
+        op=ctx.op,
+        peer=ctx.peer,
+        step=ctx.step,
+        failed_rank=notice.rank,
+    )
+
+
 def translate_failure(err: BaseException, ctx: OpContext, deadline_s: float) -> CommError:
     """Turn a backend exception into a CommError that names rank, operation, peer and step."""
     text = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -168,15 +182,7 @@ def translate_failure(err: BaseException, ctx: OpContext, deadline_s: float) -> 
     )
     if notice is not None:
         # Name the job's first failure, not the neighbour that gave up because of it.
-        return PeerFailureError(
-            f"{ctx.describe()}: rank {notice.rank} {notice.detail} (the job's first failure), "
-            f"so this operation cannot complete: {text}",
-            rank=ctx.rank,
-            op=ctx.op,
-            peer=ctx.peer,
-            step=ctx.step,
-            failed_rank=notice.rank,
-        )
+        return failed_because_of(notice, ctx, text)
     if lost_peer:
         who = f"peer {ctx.peer}" if ctx.peer is not None else "a peer"
         cls = PeerFailureError
@@ -327,17 +333,8 @@ class Handle:
                     raise
             notice = board.member_failure()
             if notice is not None:
-                ctx = self._ctx
-                raise PeerFailureError(
-                    f"{ctx.describe()}: rank {notice.rank} {notice.detail} (the job's first "
-                    f"failure), so this operation cannot complete: still waiting after "
-                    f"{limit - (deadline - time.monotonic()):.1f} s",
-                    rank=ctx.rank,
-                    op=ctx.op,
-                    peer=ctx.peer,
-                    step=ctx.step,
-                    failed_rank=notice.rank,
-                )
+                waited = limit - (deadline - time.monotonic())
+                raise failed_because_of(notice, self._ctx, f"still waiting after {waited:.1f} s")
 
 
 def _stamp(event: TraceEvent) -> None:
