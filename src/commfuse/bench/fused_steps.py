@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 
 from commfuse.bench.cases import Case
-from commfuse.bench.fused import check_schedule
+from commfuse.bench.fused import BOUND_COLUMNS, check_schedule
 from commfuse.bench.machine_rounds import Rounds, machine_reader
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
@@ -256,8 +256,7 @@ def dlrm_step_graph(
     tables' update and the zeroing of their gradients, the loss, each exchange's own copies."""
 
     def wait(name: str, timed: str, **kw: Any) -> GlobalWait:
-        time = medians[timed]
-        return GlobalWait(name=name, wait_us=time, traffic_cores=cpu[timed] / max(time, 1.0), **kw)
+        return GlobalWait.alone(name, medians[timed], cpu[timed], **kw)
 
     return StepGraph(
         ranks=ranks,
@@ -563,25 +562,6 @@ COLUMNS = (
             "-" if r.get("dependency_bound_us") is None else f"{r['dependency_bound_us']:.0f}"
         ),
     ),
-    (
-        "fused/dep",
-        lambda r: (
-            "-"
-            if r.get("fused_vs_dependency_bound") is None
-            else f"{r['fused_vs_dependency_bound']:.3f}"
-        ),
-    ),
-    (
-        "fused/bound",
-        lambda r: (
-            "-" if r.get("fused_vs_machine_bound") is None else f"{r['fused_vs_machine_bound']:.3f}"
-        ),
-    ),
-    (
-        "fused/graph",
-        lambda r: (
-            "-" if r.get("fused_vs_graph_bound") is None else f"{r['fused_vs_graph_bound']:.3f}"
-        ),
-    ),
+    *BOUND_COLUMNS,
     ("wrong", lambda r: str(r["wrong"])),
 )
