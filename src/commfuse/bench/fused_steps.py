@@ -11,11 +11,20 @@ summed over ranks). With ``control`` a third model, unfused again, joins the rou
 is the noise floor, a fused/unfused ratio within it is a tie, and U' must match U too.
 
 Where a step names the parts its exchanges can overlap (``stages``, timed alone in the same
-rounds as ``stage:NAME``), ``fused/dep`` divides the fused step by the machine's bound: the
-larger of the **dependency-aware bound** (the unfused step less what its dependencies let each
-exchange hide; ``dlrm_step_bound_us``) and the **CPU floor** (``bench/cpu_floor.py``: the
-unfused step's CPU time, summed over the ranks that share a machine's cores, over those cores).
-Every record keeps both, and each variant's CPU time (all ranks together, ``cpu_us``).
+rounds as ``stage:NAME``), three bounds divide the fused step, as in the operator benchmark
+(``bench/fused.py``), each the larger of what it counts and the ones before it:
+
+1. ``fused/dep``: the **dependency-aware bound** (the unfused step less what its dependencies
+   let each exchange hide; ``dlrm_step_bound_us``) and the **CPU floor** (``bench/cpu_floor.py``:
+   the unfused step's CPU time, summed over the ranks that share a machine's cores, over them);
+2. ``fused/bound``: the **machine floor** (``cpu_floor.machine_floor_us``, measured by
+   ``bench/machine_rounds.py``): the CPU and the kernel's network work of the unfused step, or
+   of its parts alone (``StepForms.parts``), whichever is more, over the cores other programs
+   left the ranks while the computation alone ran (``StepForms.compute_stage``);
+3. ``fused/graph``: the **bound of the step's graph** on those cores (``sim.bound.step_bound``;
+   DLRM's is ``dlrm_step_graph``), which adds the cores its global waits leave idle.
+
+Every record keeps each of them, and each variant's CPU time (all ranks together, ``cpu_us``).
 
 Steps: ``dlrm`` (``workloads/dlrm.py``; shape = global batch x tables x rows x dim x pooling);
 ``tp-transformer`` and ``tp-transformer-sp`` (``workloads/tp_transformer.py``, Megatron tensor
