@@ -8,15 +8,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from commfuse.bench.fused import (
-    MACHINE_KINDS,
-    OPS,
-    FusedBenchConfig,
-    bench_fused_on_rank,
-    machine_share,
-    run_together,
-)
+from commfuse.bench.fused import OPS, FusedBenchConfig, bench_fused_on_rank, run_together
 from commfuse.bench.fused_steps import StepBenchConfig, bench_steps_on_rank
+from commfuse.bench.machine_rounds import MACHINE_KINDS, machine_share
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]

@@ -6,6 +6,7 @@ loss falls; the synthetic data is deterministic and power-law skewed; bad config
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -173,11 +174,26 @@ def test_step_bench_records(pool: PoolFn) -> None:
     assert record["op"] == "dlrm_step" and record["wrong"] == 0 and record["chunks"] == 2
     assert record["fused_vs_unfused"] == pytest.approx(record["fused_us"] / record["unfused_us"])
     # The bound: the larger of the dependencies' (from the stages timed alone) and the CPU floor.
-    assert set(record["stages_us"]) == {"lookup", "exchange", "accumulate"}
+    stages = {"lookup", "exchange", "accumulate", "bottom", "dense", "allreduce"}
+    assert set(record["stages_us"]) == stages
     assert record["cpu_floor_us"] > 0 and record["cpu_us"]["unfused"] > 0
     bound = record["dependency_bound_us"]
     assert bound == max(record["dependencies_only_us"], record["cpu_floor_us"])
     assert record["fused_vs_dependency_bound"] == pytest.approx(record["fused_us"] / bound)
+    # The machine's bound, as the operator benchmark's: the machine floor of the unfused step
+    # or of its parts alone (with the kernel's network work, over the cores left), or the
+    # dependencies; then the step's graph on those cores.
+    floor = record["machine_floor_us"]
+    assert floor == max(record["machine_floor_unfused_us"], record["machine_floor_parts_us"])
+    assert floor >= record["cpu_floor_us"] * (1 - 1e-9)
+    assert record["machine_bound_us"] == max(record["dependencies_only_us"], floor)
+    graph = record["graph_bound"]
+    assert set(graph["exposed_us"]) == {"exchange", "exchange_back", "allreduce"}
+    assert graph["chunks"] in (1, 2, 3) and graph["machine_us"] >= floor
+    assert record["graph_bound_us"] == max(record["machine_bound_us"], graph["bound_us"])
+    assert record["fused_vs_graph_bound"] == pytest.approx(
+        record["fused_us"] / record["graph_bound_us"]
+    )
     with pytest.raises(ValueError, match="unknown step"):
         StepBenchConfig(steps=("bert",))
 
@@ -188,3 +204,33 @@ def test_dlrm_step_bound_hides_each_exchange_only_behind_its_computation() -> No
     parts = {"unfused": 100.0, "exchange": 20.0}
     assert dlrm_step_bound_us({**parts, "lookup": 5.0, "accumulate": 30.0}) == 100.0 - 5 - 20
     assert dlrm_step_bound_us({**parts, "lookup": 0.0, "accumulate": 0.0}) == 100.0
+
+
+def test_dlrm_step_graph_waits_for_each_exchanges_piece_round_and_the_mlp_all_reduce() -> None:
+    from commfuse.bench.fused_steps import dlrm_step_graph
+    from commfuse.sim.bound import step_bound
+
+    wall = {"exchange": 40.0, "allreduce": 6.0}
+    cpu = {"lookup": 20.0, "accumulate": 80.0, "dense": 40.0, "bottom": 4.0}
+    cpu |= {"exchange": 20.0, "allreduce": 3.0}
+    g = dlrm_step_graph(wall, cpu, floor_us=300.0, cores=2.0, ranks=4, chunk_choices=(1, 3, 8))
+    forward, back, allreduce = g.waits
+    assert (forward.name, forward.chunked, forward.fill_us) == ("exchange", True, 4.0)
+    # The reverse exchange: the own samples' block of the accumulation, and the MLPs' work.
+    assert (back.name, back.chunked, back.fill_us) == ("exchange_back", True, 20.0 + 40.0)
+    assert (allreduce.name, allreduce.chunked, allreduce.fill_us) == ("allreduce", False, 80.0)
+    assert forward.traffic_cores == 0.5 and allreduce.traffic_cores == 0.5
+    assert g.rank_compute_us == (20 + 80 + 40) / 4
+    # The forward exchange's last piece, 40 / k with its own half core busy, against the
+    # bottom MLP's 4 us over 2 cores: 30 / k - 2 idle; the other two waits are filled.
+    b = step_bound(g)
+    assert b.chunks == 8 and b.exposed_us == {
+        "exchange": pytest.approx(1.75),
+        "exchange_back": 0.0,
+        "allreduce": 0.0,
+    }
+    assert b.bound_us == pytest.approx(301.75) and b.machine_us == b.bound_us
+    # One rank's path at one piece: 35 of computation, 40 - 1 and 40 - 15 of the exchanges'
+    # waits less their fill per rank, the all-reduce filled: 99, under the machine's 328.
+    one = step_bound(dataclasses.replace(g, chunk_choices=(1,)))
+    assert one.critical_path_us == pytest.approx(99.0) and one.bound_us == pytest.approx(328.0)

@@ -59,27 +59,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import statistics
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 
 from commfuse.bench.cases import Case
-from commfuse.bench.cpu_floor import (
-    cores_left,
-    cpu_floor_us,
-    cpu_seconds,
-    machine_floor_us,
-    machine_key,
-    usable_cores,
-)
+from commfuse.bench.cpu_floor import cpu_seconds
+from commfuse.bench.machine_rounds import Rounds, machine_reader
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
-from commfuse.cluster.machine import CORE_TIMES, core_times_s, cpu_by_owner_s, rank_pids
 from commfuse.cluster.topology import Topology
 from commfuse.collectives import all_to_all
 from commfuse.comm import Communicator
@@ -360,72 +350,6 @@ def timed_with_cpu(comm: Communicator, fn: Callable[[], Any]) -> tuple[float, fl
     return wall, (cpu_seconds() - cpu) * 1e6
 
 
-#: What a machine's reader records per call (us): ``/proc/stat``'s core time by kind
-#: (``cluster.machine.CORE_TIMES``: busy, idle, softirq, steal; all cores), the CPU of the
-#: machine's ranks and of every other user-space process (``cluster.machine.cpu_by_owner_s``)
-#: and the interval's length.
-MACHINE_KINDS = (*CORE_TIMES, "ranks", "others", "interval")
-
-
-def machine_reader(comm: Communicator) -> tuple[int, ...] | None:
-    """The pids of this machine's ranks where this rank reads the machine's counters (the first
-    rank of its machine), else None. A collective of the default group (outside timing)."""
-    pids = rank_pids()
-    return pids if pids[0] == os.getpid() else None
-
-
-def _machine_reading(reader: tuple[int, ...] | None) -> list[float] | None:
-    if reader is None:
-        return None
-    owners, cores = cpu_by_owner_s(reader), core_times_s()
-    if owners is None or cores is None:
-        return None
-    return [*(cores[k] for k in CORE_TIMES), owners["ranks"], owners["others"], time.monotonic()]
-
-
-def timed_on_machine(
-    comm: Communicator, fn: Callable[[], Any], reader: tuple[int, ...] | None = None
-) -> list[float]:
-    """``timed_with_cpu``'s (wall us, CPU us) of one call, then, on a machine's reader
-    (``reader``: its ranks' pids), what the machine did with its cores meanwhile, by
-    ``MACHINE_KINDS`` (us; -1 where ``/proc`` cannot be read; 0 on other ranks): its ranks'
-    CPU, other programs' CPU, the kernel's own work (busy less both), idle cores, time the
-    hypervisor took. The reader reads between the two barriers before the call and after the
-    one that follows it, so that no rank waits for it inside the timed call and every rank's
-    CPU is counted over the same interval, a little longer than the call (``interval``). ``ranks`` is this rank's
-    own CPU over it (``getrusage``, to the microsecond: the ranks' ``/proc`` times are in
-    10 ms ticks), which the caller sums over the machine's ranks (``machine_ranks_cpu``)."""
-    comm.barrier()
-    outer = cpu_seconds()
-    before = _machine_reading(reader)
-    comm.barrier()
-    cpu, start = cpu_seconds(), now(comm.device)
-    fn()
-    wall = (now(comm.device) - start) * 1e6
-    own = (cpu_seconds() - cpu) * 1e6
-    comm.barrier()
-    after = _machine_reading(reader)
-    wide = (cpu_seconds() - outer) * 1e6
-    if reader is None:
-        return [wall, own, *([0.0] * len(MACHINE_KINDS)), wide]
-    if before is None or after is None:
-        return [wall, own, *([-1.0] * len(MACHINE_KINDS)), wide]
-    counters = [(b - a) * 1e6 for a, b in zip(before, after, strict=True)]
-    return [wall, own, *counters, wide]
-
-
-def machine_ranks_cpu(comm: Communicator, wide: torch.Tensor) -> torch.Tensor:
-    """``wide[variant, round]`` (each rank's CPU over its machine reading's interval) summed over
-    the ranks of this rank's machine (``cpu_floor.machine_key``)."""
-    keys = torch.zeros(comm.world_size, dtype=torch.float64, device=comm.device)
-    keys[comm.rank] = float(machine_key())
-    comm.all_reduce(keys)
-    every = torch.zeros(comm.world_size, *wide.shape, dtype=torch.float64, device=comm.device)
-    every[comm.rank] = wide
-    comm.all_reduce(every)
-    return every[keys == keys[comm.rank]].sum(0).cpu()
-
-
 def run_together(compute: Callable[[], Any], collective: Callable[[], Any]) -> None:
     """``collective()`` on a second thread while this one runs ``compute()``; both finish before
     it returns, and an error of either is raised here."""
@@ -445,57 +369,6 @@ def run_together(compute: Callable[[], Any], collective: Callable[[], Any]) -> N
         worker.join()
     if errors:
         raise errors[0]
-
-
-def machine_medians(
-    comm: Communicator, machine: torch.Tensor, names: list[str]
-) -> dict[str, dict[str, float]] | None:
-    """``machine[kind, variant, round]`` (``timed_on_machine``'s ``MACHINE_KINDS``, read on each
-    machine's reader, 0 elsewhere) as each kind's median over rounds per variant, of the mean
-    over machines, with ``kernel`` (busy less the ranks' and other programs' CPU) added; None
-    where a reader could not read them."""
-    readable = torch.tensor([float(bool((machine >= 0).all()))], device=comm.device)
-    comm.all_reduce(readable, "min")
-    readers = torch.tensor([float(bool(machine.any()))], device=comm.device)
-    comm.all_reduce(readers)
-    shared = machine.to(comm.device)
-    comm.all_reduce(shared)
-    if not readable.item() or not readers.item():
-        return None
-    mean = (shared / readers).cpu()
-    kinds = {kind: mean[k] for k, kind in enumerate(MACHINE_KINDS)}
-    kinds["kernel"] = kinds["busy"] - kinds["ranks"] - kinds["others"]
-    return {
-        kind: {name: statistics.median(per[v].tolist()) for v, name in enumerate(names)}
-        for kind, per in kinds.items()
-    }
-
-
-def machine_share(
-    machine: torch.Tensor, names: list[str], reader: tuple[int, ...] | None
-) -> tuple[dict[str, float], float]:
-    """On a machine's reader, from its own ``machine`` readings: the kernel's network work of
-    each variant (us: the kernel's work beyond what it does at the computation's rate, median
-    over rounds, at least 0) and the cores taken from the ranks while the computation alone
-    ran (other programs' CPU, the kernel's and the hypervisor's steal per second of the
-    interval, median over rounds); zeros elsewhere (``cpu_floor.machine_floor_us``)."""
-    if reader is None or not bool((machine >= 0).all()):
-        return dict.fromkeys(names, 0.0), 0.0
-    k = {kind: machine[i] for i, kind in enumerate(MACHINE_KINDS)}
-    kernel = k["busy"] - k["ranks"] - k["others"]
-    interval = k["interval"].clamp_min(1.0)
-    c = names.index("compute")
-    # The kernel's own rate beside the computation (others' traffic, timers); at least 0, as
-    # tick-sampled busy time can read below the ranks' exact CPU.
-    rate = max(0.0, statistics.median((kernel[c] / interval[c]).tolist()))
-    taken = statistics.median(
-        ((k["busy"][c] - k["ranks"][c] + k["steal"][c]) / interval[c]).tolist()
-    )
-    network = {
-        name: max(0.0, statistics.median((kernel[v] - rate * interval[v]).tolist()))
-        for v, name in enumerate(names)
-    }
-    return network, max(0.0, taken)
 
 
 def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
@@ -557,66 +430,28 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 seed=config.seed_order,
             )
             names = list(schedule.names)
-            times = torch.zeros(len(names), config.iters, dtype=torch.float64, device=comm.device)
-            cpu = torch.zeros_like(times)
-            machine = times.new_zeros(len(MACHINE_KINDS), *times.shape)
-            wide = torch.zeros_like(times)
+            rounds = Rounds(comm, names, config.iters, reader)
             for i, order in enumerate(schedule.orders()):  # the same on every rank (seeded)
                 for name in order:
-                    v = names.index(name)
-                    call = cases[schedule.code_of(name)].call
-                    wall, own, *cores, whole = timed_on_machine(comm, call, reader)
-                    times[v, i], cpu[v, i], wide[v, i] = wall, own, whole
-                    machine[:, v, i] = times.new_tensor(cores)
-            comm.all_reduce(times, "max")
-            if reader is not None and bool((machine >= 0).all()):
-                # The ranks' CPU to the microsecond, where /proc's ticks would add their noise.
-                machine[MACHINE_KINDS.index("ranks")] = machine_ranks_cpu(comm, wide)
-            else:
-                machine_ranks_cpu(comm, wide)  # a collective: every rank takes part
-            machine_us = machine_medians(comm, machine, names)
-            network, taken = machine_share(machine.cpu(), names, reader)
+                    rounds.time(name, i, cases[schedule.code_of(name)].call)
+            measured = rounds.finish(compute="compute")
+            times, network = measured.times, measured.kernel_network_us
             # The CPU floor: this rank's CPU for the computation and the communication alone
             # (medians over rounds), summed over the ranks of each machine, over its cores.
-            floor = cpu_floor_us(
-                comm,
-                sum(statistics.median(cpu[names.index(n)].tolist()) for n in ("compute", "comm")),
-            )
+            floor = measured.cpu_floor(comm, ("compute", "comm"))
             # Each stage's own floor, for the bound's overlapped pairs (``FusedForms.bound``).
-            stage_floors = {
-                n: cpu_floor_us(comm, statistics.median(cpu[names.index(f"stage:{n}")].tolist()))
-                for n in forms.stages
-            }
+            stage_floors = {n: measured.cpu_floor(comm, (f"stage:{n}",)) for n in forms.stages}
             # The machine floor (cpu_floor.py, steps 4-6): the same CPU, plus the kernel's
             # network work of the parts alone, over the cores the ranks had.
-            own_cpu = {n: statistics.median(cpu[v].tolist()) for v, n in enumerate(names)}
-            parts_floor = machine_floor_us(
-                comm,
-                own_cpu["compute"] + own_cpu["comm"],
-                kernel_us=network["compute"] + network["comm"],
-                taken_cores=taken,
-            )
+            parts_floor = measured.floor(comm, ("compute", "comm"))
             # The unfused step does the same work in one piece: the CPU it costs (the routing,
             # the copies around the exchange) is the step's too, where the parts may miss some.
-            unfused_floor = machine_floor_us(
-                comm, own_cpu["unfused"], kernel_us=network["unfused"], taken_cores=taken
-            )
+            unfused_floor = measured.floor(comm, ("unfused",))
             machine_floor = max(parts_floor, unfused_floor)
-            stage_machine_floors = {
-                n: machine_floor_us(
-                    comm,
-                    own_cpu[f"stage:{n}"],
-                    kernel_us=network[f"stage:{n}"],
-                    taken_cores=taken,
-                )
-                for n in forms.stages
-            }
+            stage_machine_floors = {n: measured.floor(comm, (f"stage:{n}",)) for n in forms.stages}
             kernel_network = {n: network[n] for n in ("compute", "comm", "unfused")} | {
                 n: network[f"stage:{n}"] for n in forms.stages
             }
-            taken_cores = torch.tensor([taken], dtype=torch.float64, device=comm.device)
-            comm.all_reduce(taken_cores, "max")  # the reader's (one machine: the only one)
-            comm.all_reduce(cpu)  # every variant's CPU, all ranks together, per round
             wrong = torch.tensor([int((fused() != forms.unfused()).sum())], device=comm.device)
             comm.all_reduce(wrong)
             summary = summarize(
@@ -645,14 +480,14 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
             # the machine's bound, two lower bounds, so their larger is one.
             graph, graph_bound = None, machine_bound
             if forms.graph is not None:
-                all_cpu = {n: statistics.median(cpu[v].tolist()) for v, n in enumerate(names)}
+                all_cpu = measured.cpu_us
                 parts_cpu = {"compute": all_cpu["compute"]} | {
                     n: all_cpu[f"stage:{n}"] for n in forms.stages
                 }
                 parts_wall = {"compute": c} | {
                     n: summary.medians[f"stage:{n}"] for n in forms.stages
                 }
-                left = cores_left(usable_cores(), float(taken_cores))
+                left = measured.cores_left()
                 graph = step_bound(
                     forms.graph(parts_wall, parts_cpu, floor_us=machine_floor, cores=left)
                 )
@@ -684,11 +519,9 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 "dependencies_only_us": dependencies,
                 "cpu_floor_us": floor,
                 "stage_floors_us": stage_floors,
-                "cpu_us": {
-                    name: statistics.median(cpu[v].tolist()) for v, name in enumerate(names)
-                },
+                "cpu_us": measured.cpu_us,
                 "stages_us": {n: summary.medians[f"stage:{n}"] for n in forms.stages},
-                "machine_us": machine_us,
+                "machine_us": measured.machine_us,
                 "fused_vs_dependency_bound": f / bound if bound else None,
                 "machine_floor_us": machine_floor,
                 "machine_floor_parts_us": parts_floor,
@@ -697,7 +530,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
                 "machine_bound_us": machine_bound,
                 "stage_machine_floors_us": stage_machine_floors,
                 "kernel_network_us": kernel_network,
-                "taken_cores": float(taken_cores),
+                "taken_cores": measured.taken_cores,
                 "fused_vs_machine_bound": f / machine_bound,
                 "graph_bound_us": graph_bound if graph else None,
                 "graph_bound": dataclasses.asdict(graph) if graph else None,
@@ -741,23 +574,9 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
     return records
 
 
-COLUMNS = (
-    ("op", lambda r: r["op"]),
-    ("shape", lambda r: "x".join(map(str, r["shape"]))),
-    ("P", lambda r: str(r["world_size"])),
-    ("k", lambda r: str(r["chunks"])),
-    ("C_us", lambda r: f"{r['compute_us']:.0f}"),
-    ("M_us", lambda r: f"{r['comm_us']:.0f}"),
-    ("C/M", lambda r: f"{r['c_over_m']:.2f}"),
-    ("unfused_us", lambda r: f"{r['unfused_us']:.0f}"),
-    ("fused_us", lambda r: f"{r['fused_us']:.0f}"),
-    ("ideal_us", lambda r: f"{r['ideal_us']:.0f}"),
-    ("overlap_us", lambda r: f"{r['overlap_us']:.0f}"),
-    ("pred_us", lambda r: "-" if r["predicted_us"] is None else f"{r['predicted_us']:.0f}"),
-    ("fused/unfused", lambda r: ratio_cell(r, "fused_vs_unfused")),
-    ("U'/U", lambda r: "-" if r.get("control_ratio") is None else f"{r['control_ratio']:.3f}"),
-    ("fused/ideal", lambda r: f"{r['fused_vs_ideal']:.3f}"),
-    ("fused/overlap", lambda r: f"{r['fused_vs_overlap']:.3f}"),
+#: The fused time over each bound (``-`` where a record has none): the ranks' CPU and the
+#: dependencies (``dep``), the machine's bound, the bound of the step's graph.
+BOUND_COLUMNS = (
     (
         "fused/dep",
         lambda r: (
@@ -778,5 +597,25 @@ COLUMNS = (
             "-" if r.get("fused_vs_graph_bound") is None else f"{r['fused_vs_graph_bound']:.3f}"
         ),
     ),
+)
+
+COLUMNS = (
+    ("op", lambda r: r["op"]),
+    ("shape", lambda r: "x".join(map(str, r["shape"]))),
+    ("P", lambda r: str(r["world_size"])),
+    ("k", lambda r: str(r["chunks"])),
+    ("C_us", lambda r: f"{r['compute_us']:.0f}"),
+    ("M_us", lambda r: f"{r['comm_us']:.0f}"),
+    ("C/M", lambda r: f"{r['c_over_m']:.2f}"),
+    ("unfused_us", lambda r: f"{r['unfused_us']:.0f}"),
+    ("fused_us", lambda r: f"{r['fused_us']:.0f}"),
+    ("ideal_us", lambda r: f"{r['ideal_us']:.0f}"),
+    ("overlap_us", lambda r: f"{r['overlap_us']:.0f}"),
+    ("pred_us", lambda r: "-" if r["predicted_us"] is None else f"{r['predicted_us']:.0f}"),
+    ("fused/unfused", lambda r: ratio_cell(r, "fused_vs_unfused")),
+    ("U'/U", lambda r: "-" if r.get("control_ratio") is None else f"{r['control_ratio']:.3f}"),
+    ("fused/ideal", lambda r: f"{r['fused_vs_ideal']:.3f}"),
+    ("fused/overlap", lambda r: f"{r['fused_vs_overlap']:.3f}"),
+    *BOUND_COLUMNS,
     ("wrong", lambda r: str(r["wrong"])),
 )

@@ -277,8 +277,7 @@ def moe_step_graph(
     is the computation alone (``compute``) over the ranks."""
 
     def wait(name: str, timed: str, **kw: Any) -> GlobalWait:
-        time = medians[timed]
-        return GlobalWait(name=name, wait_us=time, traffic_cores=cpu[timed] / max(time, 1.0), **kw)
+        return GlobalWait.alone(name, medians[timed], cpu[timed], **kw)
 
     # The faster of the all-reduces timed: a bound may not charge a slower one than exists.
     fastest = min(("allreduce", "allreduce_ring"), key=lambda n: medians.get(n, math.inf))

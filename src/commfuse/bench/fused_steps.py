@@ -11,11 +11,20 @@ summed over ranks). With ``control`` a third model, unfused again, joins the rou
 is the noise floor, a fused/unfused ratio within it is a tie, and U' must match U too.
 
 Where a step names the parts its exchanges can overlap (``stages``, timed alone in the same
-rounds as ``stage:NAME``), ``fused/dep`` divides the fused step by the machine's bound: the
-larger of the **dependency-aware bound** (the unfused step less what its dependencies let each
-exchange hide; ``dlrm_step_bound_us``) and the **CPU floor** (``bench/cpu_floor.py``: the
-unfused step's CPU time, summed over the ranks that share a machine's cores, over those cores).
-Every record keeps both, and each variant's CPU time (all ranks together, ``cpu_us``).
+rounds as ``stage:NAME``), three bounds divide the fused step, as in the operator benchmark
+(``bench/fused.py``), each the larger of what it counts and the ones before it:
+
+1. ``fused/dep``: the **dependency-aware bound** (the unfused step less what its dependencies
+   let each exchange hide; ``dlrm_step_bound_us``) and the **CPU floor** (``bench/cpu_floor.py``:
+   the unfused step's CPU time, summed over the ranks that share a machine's cores, over them);
+2. ``fused/bound``: the **machine floor** (``cpu_floor.machine_floor_us``, measured by
+   ``bench/machine_rounds.py``): the CPU and the kernel's network work of the unfused step, or
+   of its parts alone (``StepForms.parts``), whichever is more, over the cores other programs
+   left the ranks while the computation alone ran (``StepForms.compute_stage``);
+3. ``fused/graph``: the **bound of the step's graph** on those cores (``sim.bound.step_bound``;
+   DLRM's is ``dlrm_step_graph``), which adds the cores its global waits leave idle.
+
+Every record keeps each of them, and each variant's CPU time (all ranks together, ``cpu_us``).
 
 Steps: ``dlrm`` (``workloads/dlrm.py``; shape = global batch x tables x rows x dim x pooling);
 ``tp-transformer`` and ``tp-transformer-sp`` (``workloads/tp_transformer.py``, Megatron tensor
@@ -29,15 +38,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 
 from commfuse.bench.cases import Case
-from commfuse.bench.cpu_floor import cpu_floor_us
-from commfuse.bench.fused import check_schedule, timed_with_cpu
+from commfuse.bench.fused import BOUND_COLUMNS, check_schedule
+from commfuse.bench.machine_rounds import Rounds, machine_reader
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.bench.table import ratio_cell
 from commfuse.cluster.topology import Topology
@@ -45,6 +53,7 @@ from commfuse.comm import Communicator
 from commfuse.fused import embedding_all_to_all as emb
 from commfuse.fused.chunking import BY_TABLE, ChunkConfig
 from commfuse.fused.chunking import Schedule as ChunkSchedule
+from commfuse.sim.bound import GlobalWait, StepGraph, step_bound
 
 
 @dataclasses.dataclass
@@ -69,6 +78,17 @@ class StepForms:
     ``bound``."""
     bound: Callable[[dict[str, float]], float] | None = None
     """The dependency-aware bound from the medians of ``unfused`` and the stages (by name)."""
+    compute_stage: str | None = None
+    """The stage that is computation alone, over which the machine's own kernel rate and the
+    cores other programs take are read (``machine_rounds.machine_share``); None: no machine
+    floor."""
+    parts: tuple[str, ...] = ()
+    """The stages whose work together is the step's (a name once per time the step does it),
+    for the machine floor of the parts alone."""
+    graph: Callable[..., StepGraph] | None = None
+    """The step's graph for ``sim.bound.step_bound`` from the stages' medians (wall) and CPU
+    (all ranks), by name, given ``floor_us`` (the machine floor) and ``cores`` (those left to
+    the ranks)."""
 
 
 def dlrm_case(
@@ -125,7 +145,11 @@ def dlrm_case(
     c_us, m_us = emb.measure(comm, lookup)
     agreed = torch.tensor([c_us, m_us], dtype=torch.float64, device=comm.device)
     comm.all_reduce(agreed, "max")
-    stages = _dlrm_stages(comm, lookup)
+    stages = _dlrm_stages(comm, lookup) | _dlrm_dense_stages(comm, config, data)
+    world = comm.world_size
+    # The schedules the exchange chooses among (embedding_all_to_all.choose_chunks_for): 1, 2
+    # and 3 pieces per destination, or one piece per table.
+    pieces = {p * (world - 1) for p in (1, 2, 3)} | {1, max(lookup.tables_per_rank)}
     return StepForms(
         prepare=lambda step: dlrm.synthetic_batch(
             config, step, comm.rank, comm.world_size, device=comm.device
@@ -138,6 +162,11 @@ def dlrm_case(
         extra={"compute_us": float(agreed[0]), "comm_us": float(agreed[1])},
         stages=stages,
         bound=dlrm_step_bound_us,
+        compute_stage="accumulate",
+        parts=("lookup", "exchange", "exchange", "accumulate", "dense", "allreduce"),
+        graph=functools.partial(
+            dlrm_step_graph, ranks=world, chunk_choices=tuple(sorted(p for p in pieces if p))
+        ),
     )
 
 
@@ -173,6 +202,88 @@ def _dlrm_stages(comm: Communicator, lookup: emb.ShardedLookup) -> dict[str, Cal
         ),
         "accumulate": accumulate,
     }
+
+
+def _dlrm_dense_stages(comm: Communicator, config: Any, data: Any) -> dict[str, Callable[[], Any]]:
+    """The DLRM step's data-parallel parts, each alone, on a model of their own (the step's
+    shapes, so that timing them trains none of the benchmark's models): ``bottom``, the bottom
+    MLP's forward (which needs no exchanged vector); ``dense``, the MLPs' and the interaction's
+    forward and backward from fixed exchanged vectors and the MLPs' update; ``allreduce``, the
+    sum of the MLP gradients and the loss as the step does it (one buffer)."""
+    import torch.nn.functional as F
+
+    from commfuse.workloads import dlrm
+
+    model = dlrm.DLRM(config, comm, exchange="unfused")
+    params = model.dense_parameters()
+    opt = torch.optim.SGD(params, lr=config.lr)
+    mine = data.batch_splits[comm.rank]
+    sparse = data.dense.new_zeros(mine, config.num_tables, config.embedding_dim)
+    sparse.requires_grad_(True)  # its gradient is what the reverse exchange sends
+    flat = data.dense.new_zeros(sum(p.numel() for p in params) + 1)
+
+    def dense() -> None:
+        opt.zero_grad(set_to_none=False)
+        logits = model.dense_forward(data, sparse)
+        loss = F.binary_cross_entropy_with_logits(logits, data.labels, reduction="sum")
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+
+    return {
+        "bottom": lambda: model.bottom(data.dense),
+        "dense": dense,
+        "allreduce": lambda: comm.all_reduce(flat, "sum"),
+    }
+
+
+def dlrm_step_graph(
+    medians: dict[str, float],
+    cpu: dict[str, float],
+    *,
+    floor_us: float,
+    cores: float,
+    ranks: int,
+    chunk_choices: tuple[int, ...],
+) -> StepGraph:
+    """The DLRM step's graph for ``sim.bound.step_bound``, from its parts timed alone
+    (``medians``: wall us of each stage; ``cpu``: their CPU us, all ranks).
+
+    Its global waits (every rank's next work needs every rank's data), both exchanges cut by
+    the same schedule into ``k`` pieces (``chunk_choices``), the wait being one piece's round:
+
+    * the forward exchange's last piece: no sample's interaction starts before every table's
+      vector is in, from every rank; the bottom MLP's forward (``bottom``) may run meanwhile;
+    * the reverse exchange's first piece: no table gradient is summed before its rows come in
+      from every rank; meanwhile may run each rank's own samples' block of the accumulation
+      (``accumulate`` over the ranks) and, counted whole so as to count no less than the graph
+      lets run, the MLPs' work (``dense``);
+    * the MLP gradients' all-reduce (``allreduce``, one piece): their update waits for it, and
+      the accumulation of the table gradients (``accumulate``) may run meanwhile.
+
+    One rank's computation is its lookups, its accumulation and its MLPs' work (``lookup``,
+    ``accumulate``, ``dense``) over the ranks. Left out, as a bound may leave out work: the
+    tables' update and the zeroing of their gradients, the loss, each exchange's own copies."""
+
+    def wait(name: str, timed: str, **kw: Any) -> GlobalWait:
+        return GlobalWait.alone(name, medians[timed], cpu[timed], **kw)
+
+    return StepGraph(
+        ranks=ranks,
+        cores=cores,
+        floor_us=floor_us,
+        rank_compute_us=(cpu["lookup"] + cpu["accumulate"] + cpu["dense"]) / ranks,
+        waits=(
+            wait("exchange", "exchange", chunked=True, fill_us=cpu["bottom"]),
+            wait(
+                "exchange_back",
+                "exchange",
+                chunked=True,
+                fill_us=cpu["accumulate"] / ranks + cpu["dense"],
+            ),
+            wait("allreduce", "allreduce", fill_us=cpu["accumulate"]),
+        ),
+        chunk_choices=chunk_choices,
+    )
 
 
 def dlrm_step_bound_us(medians: dict[str, float]) -> float:
@@ -320,6 +431,7 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
     """Runs on every rank (process group up); rank 0's return value is the report."""
     comm = Communicator()
     topology = Topology.of_rank(comm.world_size)
+    reader = machine_reader(comm)
     records: list[dict[str, Any]] = []
     for name in config.steps:
         build, defaults = STEPS[name]
@@ -353,19 +465,27 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
                 twin = schedule.control_variant
                 cases[twin] = Case(name=twin, call=_on_batch(forms.control, batch))
             names = list(schedule.names)
-            times = torch.zeros(len(names), config.iters, dtype=torch.float64, device=comm.device)
-            cpu = torch.zeros_like(times)
+            rounds = Rounds(comm, names, config.iters, reader)
             for i, order in enumerate(schedule.orders()):  # the same on every rank (seeded)
                 batch[0] = forms.prepare(step)
                 for variant in order:
-                    v = names.index(variant)
-                    times[v, i], cpu[v, i] = timed_with_cpu(comm, cases[variant].call)
+                    rounds.time(variant, i, cases[variant].call)
                 step += 1
-            comm.all_reduce(times, "max")
+            compute = forms.compute_stage
+            measured = rounds.finish(None if compute is None else f"stage:{compute}")
+            times = measured.times
             # The unfused step's CPU (this rank's median), summed over the ranks of each
             # machine, over its cores: the work any schedule of the step has to get done.
-            floor = cpu_floor_us(comm, statistics.median(cpu[names.index("unfused")].tolist()))
-            comm.all_reduce(cpu)  # every variant's CPU, all ranks together, per round
+            floor = measured.cpu_floor(comm, ("unfused",))
+            # The machine floor (cpu_floor.py, steps 4-6), as the operator benchmark's: the CPU
+            # and the kernel's network work of the unfused step, and of the parts alone, over
+            # the cores the ranks had while the computation alone ran.
+            parts_floor = unfused_floor = machine_floor = None
+            if compute is not None:
+                unfused_floor = measured.floor(comm, ("unfused",))
+                parts = [f"stage:{n}" for n in forms.parts]
+                parts_floor = measured.floor(comm, parts) if parts else None
+                machine_floor = max(unfused_floor, parts_floor or 0.0)
             wrong = torch.tensor([forms.differing()], device=comm.device)
             comm.all_reduce(wrong)
             summary = summarize(
@@ -376,10 +496,23 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
             )
             f, u = summary.medians["fused"], summary.medians["unfused"]
             stages = {n: summary.medians[f"stage:{n}"] for n in forms.stages}
-            bound = dependencies = None
+            bound = dependencies = machine_bound = graph = graph_bound = None
             if forms.bound is not None:
                 dependencies = forms.bound({"unfused": u, **stages})
                 bound = max(dependencies, floor)  # neither its dependencies nor its cores
+            if machine_floor is not None:
+                machine_bound = max(dependencies or 0.0, machine_floor)
+            if forms.graph is not None and machine_floor is not None and machine_bound:
+                # The step's graph on the machine (sim/bound.py): the machine floor, each
+                # global wait's idle cores and one rank's critical path, at the best chunk
+                # count; with the machine's bound, two lower bounds, so their larger is one.
+                stage_cpu = {n: measured.cpu_us[f"stage:{n}"] for n in forms.stages}
+                graph = step_bound(
+                    forms.graph(
+                        stages, stage_cpu, floor_us=machine_floor, cores=measured.cores_left()
+                    )
+                )
+                graph_bound = max(machine_bound, graph.bound_us)
             records.append(
                 {
                     "op": f"{name}_step",
@@ -397,9 +530,20 @@ def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
                     "dependency_bound_us": bound,
                     "dependencies_only_us": dependencies,
                     "cpu_floor_us": floor,
-                    "cpu_us": {n: statistics.median(cpu[v].tolist()) for v, n in enumerate(names)},
+                    "cpu_us": measured.cpu_us,
                     "stages_us": stages,
                     "fused_vs_dependency_bound": f / bound if bound else None,
+                    "machine_floor_us": machine_floor,
+                    "machine_floor_parts_us": parts_floor,
+                    "machine_floor_unfused_us": unfused_floor,
+                    "machine_bound_us": machine_bound,
+                    "kernel_network_us": measured.kernel_network_us,
+                    "taken_cores": measured.taken_cores,
+                    "machine_us": measured.machine_us,
+                    "fused_vs_machine_bound": f / machine_bound if machine_bound else None,
+                    "graph_bound_us": graph_bound,
+                    "graph_bound": dataclasses.asdict(graph) if graph else None,
+                    "fused_vs_graph_bound": f / graph_bound if graph_bound else None,
                     **summary.as_dict(),
                     "tie": summary.is_tie(f / u, variant="fused"),
                     "ratio_ci": list(summary.ratio_intervals["fused"]),
@@ -427,13 +571,6 @@ COLUMNS = (
             "-" if r.get("dependency_bound_us") is None else f"{r['dependency_bound_us']:.0f}"
         ),
     ),
-    (
-        "fused/dep",
-        lambda r: (
-            "-"
-            if r.get("fused_vs_dependency_bound") is None
-            else f"{r['fused_vs_dependency_bound']:.3f}"
-        ),
-    ),
+    *BOUND_COLUMNS,
     ("wrong", lambda r: str(r["wrong"])),
 )

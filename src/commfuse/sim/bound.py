@@ -40,6 +40,7 @@ timing differs (the fill counts every rank's local work as if it all fit in the 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,6 +63,12 @@ class GlobalWait:
     def __post_init__(self) -> None:
         if min(self.wait_us, self.fill_us, self.traffic_cores) < 0:
             raise ValueError(f"wait {self.name!r}: wait_us, fill_us and traffic_cores must be >= 0")
+
+    @classmethod
+    def alone(cls, name: str, wall_us: float, cpu_us: float, **kw: Any) -> GlobalWait:
+        """The wait of an exchange timed alone: its wall time ``wall_us``, and its CPU
+        ``cpu_us`` (all ranks) over that time as the cores its traffic takes."""
+        return cls(name=name, wait_us=wall_us, traffic_cores=cpu_us / max(wall_us, 1.0), **kw)
 
     def length_us(self, chunks: int) -> float:
         """The wait at ``chunks`` pieces."""

@@ -302,7 +302,11 @@ class DLRM(nn.Module):
         # The exchange first, the bottom MLP second: autograd runs the later-created of two
         # ready nodes first, so in backward the bottom MLP's gradients are done before the
         # reverse exchange starts, and their allreduce travels with it (``train_step``).
-        sparse = self.embed(batch)
+        return self.dense_forward(batch, self.embed(batch))
+
+    def dense_forward(self, batch: DLRMBatch, sparse: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B_r]`` from the exchanged vectors ``sparse`` (``[B_r, T, D]``): the bottom
+        MLP, the feature interaction and the top MLP (data parallel; no communication)."""
         x = self.bottom(batch.dense)
         z = torch.cat([x.unsqueeze(1), sparse.to(x.dtype)], dim=1)  # [B_r, T + 1, D]
         if self.config.interaction == "dot":
