@@ -384,8 +384,34 @@ def test_the_worst_phase_is_the_slowest_position_of_the_period_by_its_median() -
     ranks = [{"history": history, "digest": "d", "strategy_metrics": {"period_steps": 3}}]
     record = summarize(ranks, strategy="local-sgd:H=3", workload=DIGITS, warmup=1)
     assert record["period_steps"] == 3 and record["worst_phase_step_s"] == pytest.approx(0.5)
+    assert record["phase_step_s"] == pytest.approx([0.5, 0.1, 0.1])
     ranks[0]["strategy_metrics"] = {"period_steps": None}  # SelSync, ADPSGD: no clock
     assert summarize(ranks, strategy="x", workload=DIGITS, warmup=1)["worst_phase_step_s"] is None
+
+
+def test_a_position_and_the_compute_only_step_are_the_ranks_mean() -> None:
+    # Two ranks on shared cores: at position 1 rank 0 got less of the cores and rank 1 more,
+    # by as much; the steps cost the machine the same at both positions (0.3 s).
+    def rank(times: list[float], compute: list[float]) -> dict[str, Any]:
+        history = {"loss": [1.0] * 7, "step_time_s": [5.0, *times], "bytes": [0.0] * 7}
+        history["skipped"] = [0.0] * 7
+        metrics = {"period_steps": 2}
+        return {"history": history, "digest": "d", "strategy_metrics": metrics,
+                "compute_step_time_s": compute}  # fmt: skip
+
+    ranks = [
+        rank([0.4, 0.3, 0.4, 0.3, 0.4, 0.3], [0.2, 0.4, 0.2]),
+        rank([0.2, 0.3, 0.2, 0.3, 0.2, 0.3], [0.4, 0.2, 0.4]),
+    ]
+    record = summarize(ranks, strategy="dreamddp:H=2", workload=DIGITS, warmup=1)
+    assert record["phase_step_s"] == pytest.approx([0.3, 0.3])  # rank 0 alone: 0.3 and 0.4
+    assert record["worst_phase_step_s"] == pytest.approx(0.3)
+    assert record["compute_step_time_s"] == pytest.approx(0.3)  # rank 0 alone: 0.2
+    assert record["step_time_s"] == pytest.approx(0.35)  # rank 0's median, as before
+    # Ranks whose histories differ in length: rank 0's alone.
+    ranks[1]["history"]["step_time_s"] = ranks[1]["history"]["step_time_s"][:-1]
+    record = summarize(ranks, strategy="dreamddp:H=2", workload=DIGITS, warmup=1)
+    assert record["worst_phase_step_s"] == pytest.approx(0.4)
 
 
 @pytest.mark.parametrize(

@@ -10,11 +10,11 @@ baseline runs twice per round, as a second strategy (``ddp'``): its x_ddp is the
 the job, and a ratio within it is a tie. The baseline is ``ddp`` (torch's DDP) when it is among
 them, else the first strategy. Columns:
 
-* ``step_ms``: median step time after warm-up; ``compute_ms``: the same step with all gradient
-  communication skipped (``loop.py``), and ``step/compute``: how close the strategy gets to that
+* ``step_ms``: median step time after warm-up (rank 0's); ``compute_ms``: the same step with
+  all gradient communication skipped (``loop.py``; each step the ranks' mean), and ``step/compute``: how close the strategy gets to that
   floor (1.00 = communication fully hidden or removed); ``worst/compute``: the slowest
   position of the strategy's period (``worst_phase_step_s``, ``metrics.py``: local SGD's
-  synchronising step) over the same floor (``-``: no period, SelSync and ADPSGD decide);
+  synchronising step; each step the ranks' mean) over the same floor (``-``: no period, SelSync and ADPSGD decide);
   ``worst/bound``: the same over the machine's bound of a step (``machine_bound_s``,
   ``metrics.py``: the compute-only step plus the exchanges' CPU per step over the cores; shown
   where measured);

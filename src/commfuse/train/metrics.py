@@ -4,7 +4,8 @@ Definitions (the same for ``train --json`` and ``compare``):
 
 * ``step_time_s``: median of rank 0's step times, after the first ``warmup`` steps (the first
   steps pay one-off costs: bucket rebuilds, allocator growth, PowerSGD's uncompressed warm-up).
-* ``compute_step_time_s``: median of the steps timed with communication skipped (``loop.py``).
+* ``compute_step_time_s``: median of the steps timed with communication skipped (``loop.py``),
+  each step's time the mean over the ranks of theirs (``ranks_mean``).
 * ``mean_step_time_s``: the mean over the same steps, which includes the rare synchronising
   steps of the local-SGD family (the median skips them); speed-ups use it.
 * ``bytes_per_step``: mean over all steps of the bytes rank 0 handed to collectives
@@ -27,8 +28,13 @@ Definitions (the same for ``train --json`` and ``compare``):
   communicates every step, None for one that decides when (SelSync, ADPSGD); and
   ``worst_phase_step_s``: over the timed steps, the median step time at each position of the
   period (step index modulo ``period_steps``), the largest: the synchronising step of local
-  SGD, the step that carries the most exposed exchange of DreamDDP (None without a period).
-  Medians over periods, so one slow step of a shared machine does not make a phase slow.
+  SGD, the step that carries the most exposed exchange of DreamDDP (None without a period);
+  ``phase_step_s`` holds every position's median. Medians over periods, so one slow step of
+  a shared machine does not make a phase slow, and each step's time is the mean over the
+  ranks of theirs (``ranks_mean``): where ranks share cores, the scheduler splits them
+  between the ranks differently at every step, so one rank's step is long where another's
+  is short by as much, a split that the ranks' mean does not see and rank 0's alone would
+  read as a slow position.
 * ``time_to_loss_s(record, target)``: the first wall time at which the curve is <= target.
 * ``machine_busy``: the share of rank 0's machine's cores that its ranks kept busy (their
   processes with every thread and child, and the kernel's softirqs moving the emulated links'
@@ -121,18 +127,40 @@ def bound_parts(
     }
 
 
-def worst_phase_step_s(
+def ranks_mean(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Per step, the mean over the ranks of ``per_rank[r][step]`` (the steps every rank has).
+
+    Ranks that share cores split them differently at every step: the mean over the ranks is
+    what the step cost the machine, and it does not carry that split (the module docstring).
+    """
+    if not per_rank:
+        return []
+    steps = min(len(times) for times in per_rank)
+    return [statistics.fmean(times[i] for times in per_rank) for i in range(steps)]
+
+
+def phase_step_s(
     step_times_s: Sequence[float], period_steps: int | None, offset: int = 0
-) -> float | None:
-    """The largest, over the positions of a period, of the median step time at that position:
-    step ``offset + i`` of ``step_times_s[i]`` is at position ``(offset + i) % period_steps``.
-    None when there is no period or no step."""
+) -> list[float] | None:
+    """Per position of the period (0 to ``period_steps - 1``), the median step time at that
+    position: step ``offset + i`` of ``step_times_s[i]`` is at position ``(offset + i) %
+    period_steps``. None when there is no period or no step; a position no step reached is
+    left out (a run shorter than the period)."""
     if period_steps is None or not step_times_s:
         return None
     phases: dict[int, list[float]] = {}
     for i, t in enumerate(step_times_s):
         phases.setdefault((offset + i) % period_steps, []).append(t)
-    return max(statistics.median(ts) for ts in phases.values())
+    return [statistics.median(phases[p]) for p in sorted(phases)]
+
+
+def worst_phase_step_s(
+    step_times_s: Sequence[float], period_steps: int | None, offset: int = 0
+) -> float | None:
+    """The largest, over the positions of a period, of the median step time at that position
+    (``phase_step_s``). None when there is no period or no step."""
+    phases = phase_step_s(step_times_s, period_steps, offset)
+    return None if phases is None else max(phases)
 
 
 def _waits(
@@ -174,7 +202,12 @@ def summarize(
         wall += t if i else 0.0
         walls.append(wall)
     busy_floor_s, busy_share = _machine_busy(hist, first.get("cores"), timed)
-    compute = first.get("compute_step_time_s") or []
+    # Every rank's own step times (rank 0's alone where the ranks' histories differ in length).
+    per_rank = [r["history"]["step_time_s"][:steps] for r in rank_results]
+    ranks_steps = ranks_mean(per_rank) if min(map(len, per_rank)) == steps else times
+    compute = ranks_mean(
+        [r["compute_step_time_s"] for r in rank_results if r.get("compute_step_time_s")]
+    )
     evaluation = first.get("eval") or {}
     strategy_metrics = first.get("strategy_metrics") or {}
     final_sync = float(strategy_metrics.get("final_sync_bytes", 0))
@@ -188,7 +221,8 @@ def summarize(
         "compute_step_time_s": statistics.median(compute) if compute else None,
         "mean_step_time_s": statistics.fmean(times[timed]),
         "period_steps": period,
-        "worst_phase_step_s": worst_phase_step_s(times[timed], period, timed.start),
+        "worst_phase_step_s": worst_phase_step_s(ranks_steps[timed], period, timed.start),
+        "phase_step_s": phase_step_s(ranks_steps[timed], period, timed.start),
         "cpu_floor_s": busy_floor_s,
         "machine_busy": busy_share,
         **bound_parts(hist, timed, first, statistics.median(compute) if compute else None),
