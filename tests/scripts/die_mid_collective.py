@@ -19,6 +19,7 @@ and then lets the exception end the process, as a training script would; the vic
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -32,6 +33,8 @@ import torch.distributed as dist
 from commfuse import collectives as C
 from commfuse.comm import Communicator
 
+# A rank the launcher has to stop (SIGTERM) prints where each of its threads was.
+faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 algo, victim, numel = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 hold = sys.argv[4:] == ["hold"]
 HOLD_S = 30.0
