@@ -226,7 +226,8 @@ class RankPool:
 
         After the first rank fails, the others get ``failure_grace_s`` to reply before the pool
         is rebuilt; a test of how survivors fail gives them as long as the deadline it asserts
-        (a survivor waiting on a live neighbour that already gave up raises only then)."""
+        (the pool posts no failure notice: a survivor waiting on a live neighbour that gave up
+        raises once a rank that lost a peer posts one, or else at its deadline)."""
         self.start()
         if self._needs_reset:
             self._generation += 1
