@@ -265,6 +265,11 @@ def test_a_rank_that_raises_stops_the_job_and_is_named(modes: list[str]) -> None
     summary = summary_line(proc.stderr)
     assert summary.startswith("commfuse launch: rank 1 ")
     assert summary.endswith(" failed with exit code 1: ValueError: boom from rank 1")
+    # Before it, how the others ended: asleep in their group, so stopped.
+    assert (
+        "commfuse launch: the other ranks: rank 0 was stopped by the launcher, "
+        "rank 2 was stopped by the launcher"
+    ) in proc.stderr
     # The traceback itself reached the terminal, prefixed with the rank.
     assert re.search(r"^\[rank 1\] .*Traceback \(most recent call last\):$", proc.stderr, re.M)
     # Well before the 30-minute backend timeout and the 10-minute sleeps, even on a loaded CI.
@@ -288,6 +293,8 @@ def test_a_rank_that_exits_with_a_code_is_named() -> None:
     assert result.failure is not None
     assert (result.failure.rank, result.failure.exit_code) == (1, 3)
     assert result.exit_codes[1] == 3 and result.exit_codes[0] != 0  # rank 0 was stopped
+    assert result.stopped == [0]
+    assert result.endings() == "rank 0 was stopped by the launcher"
     assert result.failure.describe().startswith("rank 1 (host 0) failed with exit code 3")
     assert_nothing_left(marker)
 

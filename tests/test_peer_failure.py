@@ -142,10 +142,12 @@ def check_survivors(
 
 
 def stderr_of_silent(stderr: str, world: int, results: dict[int, Record]) -> str:
-    """The stderr lines of the survivors that printed no record (what they were doing when the
-    launcher stopped them), else the end of stderr."""
+    """How the launcher saw each rank end, then the stderr lines of the survivors that printed
+    no record (where their threads were when the launcher stopped them), else the end of
+    stderr."""
     silent = set(range(world)) - {VICTIM} - set(results)
     lines = [
         line for line in stderr.splitlines() if any(line.startswith(f"[rank {r}]") for r in silent)
     ]
-    return "\n".join(lines)[-8000:] if lines else stderr[-4000:]
+    endings = [line for line in stderr.splitlines() if "the other ranks:" in line]
+    return "\n".join([*endings, *lines[-200:]] if lines else [*endings, stderr[-4000:]])

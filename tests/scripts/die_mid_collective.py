@@ -33,7 +33,9 @@ import torch.distributed as dist
 from commfuse import collectives as C
 from commfuse.comm import Communicator
 
-# A rank the launcher has to stop (SIGTERM) prints where each of its threads was.
+# A rank the launcher has to stop (SIGTERM), or one that crashes, prints where each of its
+# threads was.
+faulthandler.enable(all_threads=True)
 faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 algo, victim, numel = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 hold = sys.argv[4:] == ["hold"]

@@ -82,5 +82,8 @@ def run_launch(args: argparse.Namespace) -> int:
     if result.interrupted:
         print("commfuse launch: interrupted; every rank was stopped", file=sys.stderr)
     elif result.failure is not None:
+        # The first failure is the launcher's last word; how the others ended comes before it.
+        if len(result.exit_codes) > 1:
+            print(f"commfuse launch: the other ranks: {result.endings()}", file=sys.stderr)
         print(f"commfuse launch: {result.failure.describe()}", file=sys.stderr)
     return result.returncode

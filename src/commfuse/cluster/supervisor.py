@@ -49,6 +49,16 @@ class RankProcess(Protocol):
         ...
 
 
+def how_it_ended(exit_code: int | None) -> str:
+    """``was killed by SIGKILL``, ``failed with exit code 1``, ``exited cleanly`` or ``did not
+    finish`` (None: the rank did not exit by itself)."""
+    if exit_code is None:
+        return "did not finish"
+    if exit_code < 0:
+        return f"was killed by {signal.Signals(-exit_code).name}"
+    return f"failed with exit code {exit_code}" if exit_code else "exited cleanly"
+
+
 @dataclass
 class RankFailure:
     """The first rank that failed, and how."""
@@ -62,11 +72,7 @@ class RankFailure:
 
     def how(self) -> str:
         """``was killed by SIGKILL``, ``failed with exit code 1`` or ``did not finish``."""
-        if self.exit_code is None:
-            return "did not finish"
-        if self.exit_code < 0:
-            return f"was killed by {signal.Signals(-self.exit_code).name}"
-        return f"failed with exit code {self.exit_code}"
+        return how_it_ended(self.exit_code)
 
     def describe(self) -> str:
         return f"rank {self.rank} (host {self.host}) {self.how()}: {self.error}"
@@ -79,6 +85,19 @@ class JobResult:
     interrupted: bool = False
     timed_out: bool = False
     stderr_tail: dict[int, list[str]] = field(default_factory=dict)
+    stopped: list[int] = field(default_factory=list)
+    """The ranks still running when the job ended, which the launcher stopped."""
+
+    def endings(self) -> str:
+        """How every rank but the first failure ended: a rank that crashed on its own after
+        the failure (a signal, not the launcher's) is told apart from one the launcher stopped."""
+        first = None if self.failure is None else self.failure.rank
+        return ", ".join(
+            f"rank {rank} "
+            + ("was stopped by the launcher" if rank in self.stopped else how_it_ended(code))
+            for rank, code in sorted(self.exit_codes.items())
+            if rank != first
+        )
 
     @property
     def ok(self) -> bool:
@@ -213,7 +232,7 @@ def supervise(
                 error=f"ranks {running} still running after the {timeout_s:g} s deadline",
             )
     finally:
-        _stop_all(procs, exit_codes, exits)
+        result.stopped = _stop_all(procs, exit_codes, exits)
         restore()
         for pump in pumps:
             pump.join(timeout=2.0)
@@ -255,8 +274,9 @@ def _stop_all(
     procs: Sequence[RankProcess],
     exit_codes: dict[int, int | None],
     exits: queue.Queue[tuple[int, int]],
-) -> None:
-    """SIGTERM every live rank, SIGKILL what is left after the grace period."""
+) -> list[int]:
+    """SIGTERM every live rank, SIGKILL what is left after the grace period; returns the ranks
+    it stopped."""
     live = [r for r, c in exit_codes.items() if c is None]
     for rank in live:
         kill_group(procs[rank].pid, signal.SIGTERM)
@@ -276,6 +296,7 @@ def _stop_all(
     # Reap grandchildren a rank left in its group (dataloader workers, shells).
     for proc in procs:
         kill_group(proc.pid, signal.SIGKILL, group_only=True)
+    return live
 
 
 def _install_interrupt_handlers(flag: threading.Event) -> Callable[[], None]:
