@@ -86,18 +86,29 @@ STOP_TAG = 0x7FFF_FFF0
 
 def gloo_stopper(group: dist.ProcessGroup, device: torch.device) -> Callable[[int], None]:
     """How to wake every wait still blocked in a gloo group once a member died: post a receive
-    from the dead rank and let it time out at once. gloo fails a context whose receive timed
-    out, and with it every send, receive and collective pending on that context, which then
-    raise (and name the dead rank through the job's notice); the group is unusable afterwards,
-    as it already was."""
+    and let it time out at once. gloo fails a context whose receive timed out, and with it every
+    send, receive and collective pending on that context, which then raise (and name the dead
+    rank through the job's notice); the group is unusable afterwards, as it already was.
+
+    The receive is from the dead rank first. Where gloo has already seen that rank's connection
+    close, the receive fails at once without failing the context (and a wait posted on that
+    connection just before may never have been told), so the receive is then posted from each
+    other member in turn until one times out."""
 
     def stop(dead_world_rank: int) -> None:
-        src = dist.get_group_rank(group, dead_world_rank)
-        probe = torch.empty(1, device=device)
-        with contextlib.suppress(RuntimeError):
-            work = dist.irecv(probe, group=group, group_src=src, tag=STOP_TAG)
-            if work is not None:
-                work.wait(datetime.timedelta(milliseconds=1))
+        me = dist.get_rank(group)
+        dead = dist.get_group_rank(group, dead_world_rank)
+        others = [r for r in range(dist.get_world_size(group)) if r not in (me, dead)]
+        for src in [dead, *others]:
+            try:
+                work = dist.irecv(
+                    torch.empty(1, device=device), group=group, group_src=src, tag=STOP_TAG
+                )
+                if work is not None:
+                    work.wait(datetime.timedelta(milliseconds=1))
+            except RuntimeError as err:
+                if "timed out" in str(err).lower():
+                    return  # the context is failed: every pending wait raises
 
     return stop
 
