@@ -31,6 +31,7 @@ from commfuse.cluster.rank_runtime import comm_settings
 from commfuse.comm import registry
 from commfuse.comm.errors import InconsistentInputError
 from commfuse.comm.handle import FailureBoard, Handle, OpContext, translate_failure
+from commfuse.comm.interpreter_exit import guard_interpreter_exit
 from commfuse.comm.stats import CommStats
 from commfuse.comm.trace import Trace, TraceEvent, now_us
 from commfuse.comm.watch import gloo_stopper
@@ -196,6 +197,7 @@ class Communicator:
         self.stats = CommStats()
         self.trace = Trace()
         self._board = _failure_board(self)
+        guard_interpreter_exit()  # the backend's threads may still need the GIL at exit
         self.step: int | None = None
         """The training step, shown in error messages and trace events when set."""
         self._worker = Worker(name)

@@ -1,0 +1,64 @@
+"""Leaving the interpreter while a backend thread still needs it.
+
+gloo runs each collective on a thread of its own (``ProcessGroupGloo``'s work loop). When the
+collective is done, that thread drops its reference to the work, and with it to the tensors
+the work held. A tensor that Python also knows has a Python object, and torch's PyObject
+preservation makes the last C++ reference but one give that object back, which needs the GIL.
+So after every collective the work-loop thread waits, briefly, for the interpreter.
+
+If the main thread leaves the interpreter first (the script's last line came right after its
+last collective), Python, while finalising, ends every thread that then asks for the GIL. For a
+native thread inside a C++ destructor, which may not be unwound, that ends the process:
+``terminate called without an active exception``, SIGABRT, after the script had done
+everything right (torch issue 190489; the same happens with ``destroy_process_group()``
+called, since a live ``Communicator`` still holds the group).
+
+The guard below runs at interpreter exit, before finalising begins: it releases the GIL, then
+waits while any thread state belongs to no Python thread, which is what a native thread
+inside ``gil_scoped_acquire`` is (pybind11 makes it a thread state for the span of the call).
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+
+SETTLE_S = 0.01
+"""First release of the GIL at exit: long enough for a native thread that has just finished a
+collective to reach the interpreter."""
+
+WAIT_LIMIT_S = 2.0
+"""The longest exit waits for native threads inside the interpreter (a thread that keeps a
+thread state for good would otherwise hold the exit)."""
+
+_installed = False
+_lock = threading.Lock()
+
+
+def native_threads_in_interpreter() -> set[int]:
+    """Thread ids of the interpreter's thread states that no Python thread owns: native threads
+    that hold, or wait for, the GIL right now."""
+    current = getattr(sys, "_current_exceptions", None)
+    if current is None:  # Python < 3.10 has no list of every thread state
+        return set()
+    python_threads = {thread.ident for thread in threading.enumerate()}
+    return set(current()) - python_threads
+
+
+def let_native_threads_finish() -> None:
+    """Release the GIL until no native thread needs the interpreter (at most ``WAIT_LIMIT_S``)."""
+    time.sleep(SETTLE_S)
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while native_threads_in_interpreter() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def guard_interpreter_exit() -> None:
+    """Run ``let_native_threads_finish`` when the interpreter exits (once per process)."""
+    global _installed
+    with _lock:
+        if not _installed:
+            atexit.register(let_native_threads_finish)
+            _installed = True
