@@ -30,22 +30,16 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from commfuse.cluster.failures import FailureNotice, post_failure, read_failure
-from commfuse.comm.errors import CommError, CommTimeoutError, PeerFailureError, describe_op
+from commfuse.comm.errors import (
+    CommError,
+    CommTimeoutError,
+    PeerFailureError,
+    describe_op,
+    says_peer_lost,
+    says_timed_out,
+)
 from commfuse.comm.trace import TraceEvent, now_us
 from commfuse.comm.watch import PEER_WATCH, WATCH_INTERVAL_S
-
-# Phrases gloo and NCCL use; matched case-insensitively to classify a backend failure.
-_TIMEOUT_WORDS = ("timed out", "timeout")
-_PEER_WORDS = (
-    "connection closed",
-    "connection reset",
-    "broken pipe",
-    "pair closure",
-    "closed by peer",
-    "socket closed",
-    "unexpected end",
-)
-
 
 #: Seconds a rank that lost an unnamed peer (inside a native collective, the backend does not
 #: say which) waits for the launcher's notice naming the rank that died.
@@ -173,8 +167,8 @@ def translate_failure(err: BaseException, ctx: OpContext, deadline_s: float) -> 
     lowered = str(err).lower()
     cls: type[CommError] = CommError
     message = f"{ctx.describe()}: {text}"
-    lost_peer = any(word in lowered for word in _PEER_WORDS)
-    timed_out = not lost_peer and any(word in lowered for word in _TIMEOUT_WORDS)
+    lost_peer = says_peer_lost(lowered)
+    timed_out = not lost_peer and says_timed_out(lowered)
     notice = (
         ctx.board.explain(ctx, lost_peer=lost_peer)
         if ctx.board is not None and (lost_peer or timed_out)

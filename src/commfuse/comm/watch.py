@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from commfuse.comm.errors import says_peer_lost, says_timed_out
+
 if TYPE_CHECKING:
     from commfuse.comm.handle import FailureBoard
 
@@ -107,7 +109,9 @@ def gloo_stopper(group: dist.ProcessGroup, device: torch.device) -> Callable[[in
                 if work is not None:
                     work.wait(datetime.timedelta(milliseconds=1))
             except RuntimeError as err:
-                if "timed out" in str(err).lower():
+                # Classified as translate_failure does: a lost peer is not a timeout.
+                message = str(err)
+                if says_timed_out(message) and not says_peer_lost(message):
                     return  # the context is failed: every pending wait raises
 
     return stop
