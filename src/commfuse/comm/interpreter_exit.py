@@ -14,8 +14,11 @@ everything right (torch issue 190489; the same happens with ``destroy_process_gr
 called, since a live ``Communicator`` still holds the group).
 
 The guard below runs at interpreter exit, before finalising begins: it releases the GIL, then
-waits while any thread state belongs to no Python thread, which is what a native thread
-inside ``gil_scoped_acquire`` is (pybind11 makes it a thread state for the span of the call).
+waits while the interpreter's thread states that belong to no Python thread keep changing. A
+native thread inside ``gil_scoped_acquire`` has one (pybind11 makes it for the span of the call)
+and drops it once it has had the GIL, so the set changes until every such thread is done; some
+native threads keep one for good (torch's autograd threads for CUDA devices), and a set that
+stays the same for ``STABLE_S`` holds only those.
 """
 
 from __future__ import annotations
@@ -29,17 +32,21 @@ SETTLE_S = 0.01
 """First release of the GIL at exit: long enough for a native thread that has just finished a
 collective to reach the interpreter."""
 
+STABLE_S = 0.1
+"""How long the set of native threads' thread states must stay the same before exit goes on:
+a native thread waiting for the GIL gets it within this while the main thread sleeps."""
+
 WAIT_LIMIT_S = 2.0
-"""The longest exit waits for native threads inside the interpreter (a thread that keeps a
-thread state for good would otherwise hold the exit)."""
+"""The longest exit waits for native threads inside the interpreter."""
 
 _installed = False
 _lock = threading.Lock()
 
 
 def native_threads_in_interpreter() -> set[int]:
-    """Thread ids of the interpreter's thread states that no Python thread owns: native threads
-    that hold, or wait for, the GIL right now."""
+    """Thread ids of the interpreter's thread states that no ``threading`` thread owns: native
+    threads inside a call into the interpreter (holding the GIL or waiting for it), or keeping a
+    thread state for good."""
     current = getattr(sys, "_current_exceptions", None)
     if current is None:  # Python < 3.10 has no list of every thread state
         return set()
@@ -48,11 +55,19 @@ def native_threads_in_interpreter() -> set[int]:
 
 
 def let_native_threads_finish() -> None:
-    """Release the GIL until no native thread needs the interpreter (at most ``WAIT_LIMIT_S``)."""
+    """Release the GIL until no native thread is left waiting for the interpreter: none is
+    inside it, or the same ones have stayed for ``STABLE_S`` (at most ``WAIT_LIMIT_S``)."""
     time.sleep(SETTLE_S)
     deadline = time.monotonic() + WAIT_LIMIT_S
-    while native_threads_in_interpreter() and time.monotonic() < deadline:
+    inside, changed = native_threads_in_interpreter(), time.monotonic()
+    while inside:
+        now = time.monotonic()
+        if now - changed >= STABLE_S or now >= deadline:
+            return
         time.sleep(0.001)
+        now_inside = native_threads_in_interpreter()
+        if now_inside != inside:
+            inside, changed = now_inside, time.monotonic()
 
 
 def guard_interpreter_exit() -> None:
