@@ -14,6 +14,7 @@ DeMo's choice: old mass that was never sent fades instead of arriving late).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -50,3 +51,33 @@ class DecayedFeedbackCompressor(MessageCompressor):
     def _corrected(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """``grad + decay e_key`` (a new tensor)."""
         return self.feedback.corrected(key, grad, decay=self.decay)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ChunkTopKCompressor(DecayedFeedbackCompressor):
+    """A decayed-feedback compressor that keeps ``num_kept_per_chunk`` entries of each chunk
+    of ``chunk_numel`` elements (SparseLoCo's values, DeMo's DCT coefficients)."""
+
+    max_chunk_numel: ClassVar[int]
+    """The largest chunk whose indices the wire format can carry."""
+    chunk_numel: int
+    """Elements per chunk."""
+    num_kept_per_chunk: int
+    """Entries sent per chunk (k)."""
+
+    def _check_chunks(self) -> None:
+        if not 1 <= self.chunk_numel <= self.max_chunk_numel:
+            raise ValueError(
+                f"{self.name}: chunk_numel must be in 1..{self.max_chunk_numel}, "
+                f"got {self.chunk_numel}"
+            )
+        if self.num_kept_per_chunk < 1:
+            raise ValueError(
+                f"{self.name}: num_kept_per_chunk must be >= 1, got {self.num_kept_per_chunk}"
+            )
+        self._check_decay()
+
+    def shape(self, numel: int) -> tuple[int, int, int]:
+        """``(rows, chunk, k)`` for a bucket of ``numel`` elements."""
+        rows, chunk = chunk_shape(numel, self.chunk_numel)
+        return rows, chunk, min(self.num_kept_per_chunk, chunk)

@@ -34,11 +34,8 @@ from typing import ClassVar
 
 import torch
 
-from commfuse.compress.chunked import DecayedFeedbackCompressor, as_rows, chunk_shape
+from commfuse.compress.chunked import ChunkTopKCompressor, as_rows
 from commfuse.compress.wire import Layout
-
-MAX_CHUNK = 256
-"""Indices inside a chunk travel as 8-bit integers."""
 
 
 def dct_matrix(
@@ -69,10 +66,12 @@ def dct_reference(row: torch.Tensor) -> torch.Tensor:
 
 
 @dataclasses.dataclass(kw_only=True)
-class DeMo(DecayedFeedbackCompressor):
+class DeMo(ChunkTopKCompressor):
     """Top-k DCT coefficients of a decoupled momentum per chunk, allgathered."""
 
     name: ClassVar[str] = "demo"
+    max_chunk_numel: ClassVar[int] = 256
+    """Indices inside a chunk travel as 8-bit integers."""
     chunk_numel: int = 64
     """Elements per chunk, the DCT's size (at most 256: indices are 8-bit)."""
     num_kept_per_chunk: int = 4
@@ -82,20 +81,9 @@ class DeMo(DecayedFeedbackCompressor):
     ef: bool = True
 
     def __post_init__(self) -> None:
-        if not 1 <= self.chunk_numel <= MAX_CHUNK:
-            raise ValueError(f"demo: chunk_numel must be in 1..{MAX_CHUNK}, got {self.chunk_numel}")
-        if self.num_kept_per_chunk < 1:
-            raise ValueError(
-                f"demo: num_kept_per_chunk must be >= 1, got {self.num_kept_per_chunk}"
-            )
+        self._check_chunks()
         if not self.ef:
             raise ValueError("demo: the decoupled momentum IS its error feedback; ef must be on")
-        self._check_decay()
-
-    def shape(self, numel: int) -> tuple[int, int, int]:
-        """``(rows, chunk, k)`` for a bucket of ``numel`` elements."""
-        rows, chunk = chunk_shape(numel, self.chunk_numel)
-        return rows, chunk, min(self.num_kept_per_chunk, chunk)
 
     def layout(self, numel: int, dtype: torch.dtype, step: int | None) -> Layout:
         rows, _, k = self.shape(numel)

@@ -30,18 +30,17 @@ from typing import ClassVar
 
 import torch
 
-from commfuse.compress.chunked import DecayedFeedbackCompressor, as_rows, chunk_shape
+from commfuse.compress.chunked import ChunkTopKCompressor, as_rows
 from commfuse.compress.wire import Layout, pack_bits, packed_bytes, unpack_bits
-
-MAX_CHUNK = 1 << 16
-"""Indices inside a chunk travel as 16-bit integers."""
 
 
 @dataclasses.dataclass(kw_only=True)
-class SparseLoCo(DecayedFeedbackCompressor):
+class SparseLoCo(ChunkTopKCompressor):
     """Top-k per chunk with 2-bit values and decayed error feedback, allgathered."""
 
     name: ClassVar[str] = "sparseloco"
+    max_chunk_numel: ClassVar[int] = 1 << 16
+    """Indices inside a chunk travel as 16-bit integers."""
     chunk_numel: int = 4096
     """Elements per chunk (at most 65536: indices are 16-bit)."""
     num_kept_per_chunk: int = 64
@@ -51,20 +50,7 @@ class SparseLoCo(DecayedFeedbackCompressor):
     ef: bool = True
 
     def __post_init__(self) -> None:
-        if not 1 <= self.chunk_numel <= MAX_CHUNK:
-            raise ValueError(
-                f"sparseloco: chunk_numel must be in 1..{MAX_CHUNK}, got {self.chunk_numel}"
-            )
-        if self.num_kept_per_chunk < 1:
-            raise ValueError(
-                f"sparseloco: num_kept_per_chunk must be >= 1, got {self.num_kept_per_chunk}"
-            )
-        self._check_decay()
-
-    def shape(self, numel: int) -> tuple[int, int, int]:
-        """``(rows, chunk, k)`` for a bucket of ``numel`` elements."""
-        rows, chunk = chunk_shape(numel, self.chunk_numel)
-        return rows, chunk, min(self.num_kept_per_chunk, chunk)
+        self._check_chunks()
 
     def layout(self, numel: int, dtype: torch.dtype, step: int | None) -> Layout:
         rows, _, k = self.shape(numel)
