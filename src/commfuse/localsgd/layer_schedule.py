@@ -37,13 +37,13 @@ DreamDDP launches in one of two ways (``dreamddp.py``):
   exchanges have only the optimizer step to hide behind.
 
 ``plan_layers`` assigns every layer to one iteration so that the worst iteration's exposed
-time is the least, then the heaviest iteration's load (the sum of its ``comm_s``), then the
-exposed times' sum, then the worst iteration's lateness (the order of the key), exactly for
-small cases (branch and bound over the assignments, iterations in the same state being
-interchangeable), and with the best assignment found within ``max_nodes`` nodes of the search
-otherwise (never worse than the greedy start: each layer, in launch order, to the iteration
-whose link frees first, the least loaded of those), then improved by moving one layer at a
-time out of the latest iteration while a move makes the key better.
+time is the least, then the heaviest iteration's load (the sum of its ``comm_s``, or of
+``load``), then the exposed times' sum, then the worst iteration's lateness (the order of the
+key), exactly for small cases (branch and bound over the assignments, iterations in the same
+state being interchangeable), and with the best assignment found within ``max_nodes`` nodes of
+the search otherwise (never worse than the greedy start: each layer, in launch order, to the
+iteration whose link frees first, the least loaded of those), then improved by moving one
+layer at a time out of the latest iteration while a move makes the key better.
 
 The second term spreads the bytes over the period. Exposure alone is indifferent between
 stacking layers whose exchanges the model hides in a few iterations and spreading them over
