@@ -509,13 +509,18 @@ def test_layer_plan_matches_brute_force() -> None:
         slack = [rng.choice([0.0, 0.5, 1.5, 3.0]) for _ in range(layers)] if case % 2 else None
         if case % 4 == 3:
             backward = [0.0] * layers
-        _, best = brute_force_plan(backward, comm, period, slack)
-        plan = plan_layers(backward, comm, period, slack)
+        # A third of the cases send an iteration's layers as one message (DreamDDP's default),
+        # a fifth balance a load other than the times (slices by their bytes).
+        fused = case % 3 == 0
+        load = [rng.choice([1.0, 2.0, 5.0]) for _ in range(layers)] if case % 5 == 0 else None
+        _, best = brute_force_plan(backward, comm, period, slack, load, fused=fused)
+        plan = plan_layers(backward, comm, period, slack, load=load, fused=fused)
         assert len(plan) == layers and all(0 <= h < period for h in plan)
-        assert plan_key(plan, backward, comm, period, slack) == best
+        assert plan_key(plan, backward, comm, period, slack, load, fused=fused) == best
     # The first layer's long exchange apart from the second's: only the last layer's shows.
     plan = plan_layers([1.0, 1.0, 1.0], [2.0, 1.0, 0.5], 3)
-    assert plan[0] != plan[1] and plan_key(plan, [1.0] * 3, [2.0, 1.0, 0.5], 3) == (0.5, 2.0, 0.5)
+    key = plan_key(plan, [1.0] * 3, [2.0, 1.0, 0.5], 3)
+    assert plan[0] != plan[1] and key == (0.5, 2.0, 0.5, 0.5)
     assert plan_layers([1.0, 2.0], [5.0, 5.0], 1) == [0, 0]
     # Exchanges the backward pass hides wherever they go: one per iteration, not stacked in the
     # first (every plan exposes nothing, the heaviest iteration's load decides), exactly and
@@ -538,6 +543,9 @@ def test_layer_plan_leaves_no_iteration_empty_that_a_layer_could_fill() -> None:
     zeros, slack = [0.0] * len(comm), [0.6 + 0.01 * i for i in range(len(comm))]
     plan = plan_layers(zeros, comm, 16, slack)
     assert plan_key(plan, zeros, comm, 16, slack)[:2] == (0.0, max(comm))
+    fused = plan_layers(zeros, comm, 16, slack, fused=True)
+    assert plan_key(fused, zeros, comm, 16, slack, fused=True)[:2] == (0.0, max(comm))
+    assert sorted(set(fused)) == list(range(16))
     assert sorted(set(plan)) == list(range(16))  # every iteration lands something
     # Small cases: an iteration stays empty only where moving any layer into it worsens the key.
     rng = random.Random(1)
@@ -576,6 +584,33 @@ def test_layer_plan_counts_the_slack_to_each_layers_use() -> None:
     # forward's order, both have the whole iteration: nothing shows.
     assert exposed_s([0, 1], [1.0, 1.0], [0.5, 2.0], [0.1 + 0.5, 0.1]) == pytest.approx(1.9)
     assert exposed_s([0, 1], [0.0, 0.0], [2.0, 0.5], [2.5 + 0.1, 2.5 + 0.6]) == 0.0
+
+
+def test_layer_plan_lands_one_messages_layers_together() -> None:
+    # Launched together as the forward starts: layer 0, used first (slack 2), exchanged in 1;
+    # layers 1 and 2, used later (slack 5), in 1.5 each; two iterations.
+    zeros, comm, slack = [0.0] * 3, [1.0, 1.5, 1.5], [2.0, 5.0, 5.0]
+    # One message per layer: layer 0 lands at 1 whatever follows it, and with layer 1 (or 2)
+    # it makes the lightest heaviest iteration (2.5, against 3 for 1 and 2 together).
+    assert exposed_s([0, 1], zeros, comm, slack) == 0.0
+    each = plan_layers(zeros, comm, 2, slack)
+    assert each[0] in (each[1], each[2]) and plan_key(each, zeros, comm, 2, slack)[:2] == (0, 2.5)
+    # One message: layer 0 lands with layer 1 at 2.5, 0.5 late for its use; that plan, the
+    # best for separate messages, stalls an iteration, and only layer 0 alone hides it all.
+    assert exposed_s([0, 1], zeros, comm, slack, fused=True) == 0.5
+    assert plan_key(each, zeros, comm, 2, slack, fused=True)[0] == 0.5
+    plan = plan_layers(zeros, comm, 2, slack, fused=True)
+    assert plan[0] != plan[1] == plan[2]
+    assert plan_key(plan, zeros, comm, 2, slack, fused=True) == (0.0, 3.0, 0.0, -1.0)
+    # Where every plan hides every exchange and the heaviest load ties, the layer with the
+    # least slack goes alone (its message lands with the most time to spare), also when the
+    # search stops at its first node (the greedy start gives it company: the last layer goes
+    # to the iteration with the least time, layer 0's).
+    comm, slack, load = [0.5, 1.0, 1.0, 1.0], [2.5, 9.0, 9.0, 9.0], [1.0] * 4
+    for nodes in (200_000, 1):
+        plan = plan_layers([0.0] * 4, comm, 3, slack, load=load, fused=True, max_nodes=nodes)
+        assert plan.count(plan[0]) == 1, plan
+        assert plan_key(plan, [0.0] * 4, comm, 3, slack, load, fused=True) == (0, 2, 0, -2.0)
 
 
 def test_split_layers_fill_every_step_to_within_a_slice_of_the_mean_bytes() -> None:
@@ -639,6 +674,14 @@ def dreamddp_periods(
         0 <= it["exposed_s"] <= it["comm_s"] + 1e-12 for it in planned
     )
     assert sum(it["comm_s"] for it in planned) == pytest.approx(sum(opt.profile["comm_s"]))
+    # The plan is the planner's for the agreed profile, an iteration's layers sent as one
+    # message (launched together as the forward starts), balanced by their bytes with split.
+    load = [float(opt.parts[part].numel) for part in opt.launch_order] if split else None
+    profile = opt.profile
+    expected = plan_layers(
+        profile["backward_s"], profile["comm_s"], period, profile["slack_s"], load=load, fused=True
+    )
+    assert [opt.plan[part] for part in opt.launch_order] == expected
     return by_step, list(opt.plan), sent, opt.control_bytes, len(opt.parts)
 
 

@@ -30,7 +30,10 @@ at different iterations, and sends a layer's parameters while the iteration comp
    time of each layer's exchange, and the compute from its launch to its next use; the
    slowest rank's) so that the exchanges hide behind the computation as well as they can:
    the worst iteration's exposed communication is the least, then the heaviest iteration's
-   communication (the bytes spread over the period).
+   communication (the bytes spread over the period), then the latest iteration lands the
+   earliest. An iteration's one message lands every layer it carries when all of it has
+   arrived, so the message that carries the layers the next forward uses first has the least
+   slack for all its bytes.
 
 The plan can spread the bytes over the period only as finely as the model is cut: a step
 carries at least its largest layer. ``split=k`` cuts every layer larger than ``1/k`` of a
@@ -567,6 +570,12 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             later + self._inner_s + self._used_at.get(layer, -self._inner_s) for layer in order
         ]
 
+    @property
+    def _fused(self) -> bool:
+        """Whether an iteration's exchanges go as one message (launched together as the
+        forward starts, ``fuse``), each landing when all of it has arrived: the plan's model."""
+        return self.method.launch_at == "forward" and self.method.fuse
+
     def _make_plan(self) -> None:
         """Agree on the launch order (rank 0's) and the profiled times (the slowest rank's: a
         max, exact on every rank), then plan every layer's iteration from them, identically on
@@ -602,6 +611,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             slack_s,
             max_nodes=self.method.max_plan_nodes,
             load=load,
+            fused=self._fused,
         )
         plan = [0] * layers
         for position, layer in enumerate(order):
@@ -624,7 +634,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             out.append(
                 {
                     "comm_s": sum(comm[i] for i in positions),
-                    "exposed_s": exposed_s(positions, backward, comm, slack),
+                    "exposed_s": exposed_s(positions, backward, comm, slack, fused=self._fused),
                 }
             )
         return out

@@ -9,20 +9,26 @@ the exchanges one after another, so in an iteration that averages the layers S (
 order):
 
 1. layer l is launched at ``ready_l = backward_s[0] + ... + backward_s[l]``;
-2. its exchange starts when it is launched and the link is free: ``finish_l = max(finish,
-   ready_l) + comm_s[l]``;
-3. it is needed at ``ready_{L-1} + slack_s[l]``, and the iteration stalls by ``exposed(S) =
-   max(0, max over l in S of finish_l - ready_{L-1} - slack_s[l])`` (a wait pushes every later
-   use back by as much, so the largest lateness is the stall).
+2. sent as one message each (``fused`` False), its exchange starts when it is launched and
+   the link is free, ``finish_l = max(finish, ready_l) + comm_s[l]``, and it lands at its own
+   end; sent as one message (``fused``), the message starts once the last of S is launched and
+   every layer of S lands when all of it has arrived: ``finish_l = ready_last + sum over S of
+   comm_s`` for each (a layer used first gains nothing from being first in the message);
+3. it is needed at ``ready_{L-1} + slack_s[l]``; the iteration's lateness is ``late(S) = max
+   over l in S of finish_l - ready_{L-1} - slack_s[l]`` (with one message: the message's end
+   against the least slack of S), and it stalls by ``exposed(S) = max(0, late(S))`` (a wait
+   pushes every later use back by as much, so the largest lateness is the stall).
 
 DreamDDP launches in one of two ways (``dreamddp.py``):
 
 - as the iteration's forward starts (a layer's value is final once the previous optimizer step
   wrote it), every due layer at once in the order the forward uses them: ``backward_s`` is all
   zeros, and ``slack_s[l]`` is the forward and backward pass, the optimizer step and the next
-  forward up to layer l. The first layers of the forward, the ones needed first, are launched
-  first (with equal launch times that order is the one that makes the largest lateness least),
-  and each exchange has a whole iteration to hide behind;
+  forward up to layer l, and each exchange has a whole iteration to hide behind. Sent one
+  message per layer (``fuse=False``), the first layers of the forward, the ones needed first,
+  go first (with equal launch times that order makes the largest lateness least); sent as one
+  message (the default, ``fused`` here), all land together, when the layer used first needs
+  the whole message;
 - from the backward pass, as each layer's gradients are produced (the paper's): the order is
   the backward order, ``backward_s`` the backward compute between two layers, and
   ``slack_s[l]`` the optimizer step and the next forward up to layer l (zero when the optimizer
@@ -31,12 +37,13 @@ DreamDDP launches in one of two ways (``dreamddp.py``):
   exchanges have only the optimizer step to hide behind.
 
 ``plan_layers`` assigns every layer to one iteration so that the worst iteration's exposed
-time is the least, then the heaviest iteration's communication (the sum of its ``comm_s``),
-then the exposed times' sum (the order of the key), exactly for small cases (branch and bound
-over the assignments, iterations with the same link, load and lateness being
-interchangeable), and with the best assignment found within ``max_nodes`` nodes of the search
-otherwise (never worse than the greedy start: each layer, in launch order, to the iteration
-whose link frees first, the least loaded of those).
+time is the least, then the heaviest iteration's load (the sum of its ``comm_s``, or of
+``load``), then the exposed times' sum, then the worst iteration's lateness (the order of the
+key), exactly for small cases (branch and bound over the assignments, iterations in the same
+state being interchangeable), and with the best assignment found within ``max_nodes`` nodes of
+the search otherwise (never worse than the greedy start: each layer, in launch order, to the
+iteration whose link frees first, the least loaded of those), then improved by moving one
+layer at a time out of the latest iteration while a move makes the key better.
 
 The second term spreads the bytes over the period. Exposure alone is indifferent between
 stacking layers whose exchanges the model hides in a few iterations and spreading them over
@@ -57,17 +64,28 @@ is indifferent to an empty iteration; the ranks are not. An allreduce ends once 
 has launched it, so each iteration's landing holds the ranks that run ahead back to the
 slowest; with no exchange in an iteration they run on unchecked, and the skew they gather is
 paid at the next landing, by the ranks ahead, in one step.
-``brute_force_plan`` tries every assignment, for the tests.
+
+The last term keeps the most spare time where there is least. Where every plan hides every
+exchange, the first three terms leave many plans tied, and the search keeps the first it
+finds, which puts the first layers of the launch order together in the first iterations. The
+profile times each exchange alone, with the ranks in step; in flight an exchange shares the
+cores with the computation and the other ranks' skew, and takes longer than its profile. The
+exchange with the least slack, the one that carries the layers the next forward uses first,
+is the first to be late: among tied plans the one whose latest iteration lands earliest is
+the one that tolerates the most.
+
+``brute_force_plan`` tries every assignment under the same key, for the tests.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
-#: A plan's key: (the worst iteration's exposed time, the heaviest iteration's communication,
-#: the sum of the exposed times).
-Key = tuple[float, float, float]
+#: A plan's key: (the worst iteration's exposed time, the heaviest iteration's load, the sum of
+#: the exposed times, the worst iteration's lateness).
+Key = tuple[float, float, float, float]
 
 
 def _check(
@@ -90,21 +108,47 @@ def _check(
     return slack
 
 
+def lateness_s(
+    layers: Sequence[int],
+    backward_s: Sequence[float],
+    comm_s: Sequence[float],
+    slack_s: Sequence[float] | None = None,
+    *,
+    fused: bool = False,
+) -> float:
+    """How late the latest of ``layers`` lands for its use (steps 1-3 of the module docstring),
+    negative where every one lands early (by the least spare time), ``-inf`` for no layers.
+
+    ``fused``: the layers go as one message, launched once the last of them is ready, and
+    every one lands when the whole message has arrived; else one message each, one after
+    another on the link."""
+    members = sorted(layers)
+    if not members:
+        return -math.inf
+    ready = list(itertools.accumulate(backward_s))
+    slack = [0.0] * len(backward_s) if slack_s is None else slack_s
+    if fused:
+        finish = ready[members[-1]] + sum(comm_s[layer] for layer in members)
+        return finish - ready[-1] - min(slack[layer] for layer in members)
+    finish, late = 0.0, -math.inf
+    for layer in members:
+        finish = max(finish, ready[layer]) + comm_s[layer]
+        late = max(late, finish - ready[-1] - slack[layer])
+    return late
+
+
 def exposed_s(
     layers: Sequence[int],
     backward_s: Sequence[float],
     comm_s: Sequence[float],
     slack_s: Sequence[float] | None = None,
+    *,
+    fused: bool = False,
 ) -> float:
-    """Seconds an iteration that averages ``layers`` stalls waiting for them (steps 1-3 of the
-    module docstring; ``slack_s`` None: every layer needed at the last launch)."""
-    ready = list(itertools.accumulate(backward_s))
-    slack = [0.0] * len(backward_s) if slack_s is None else slack_s
-    finish, late = 0.0, 0.0
-    for layer in sorted(layers):
-        finish = max(finish, ready[layer]) + comm_s[layer]
-        late = max(late, finish - ready[-1] - slack[layer])
-    return late
+    """Seconds an iteration that averages ``layers`` stalls waiting for them (step 3 of the
+    module docstring: ``lateness_s``, or 0 where it is negative; ``slack_s`` None: every
+    layer needed at the last launch)."""
+    return max(0.0, lateness_s(layers, backward_s, comm_s, slack_s, fused=fused))
 
 
 def plan_key(
@@ -114,14 +158,17 @@ def plan_key(
     num_iterations: int,
     slack_s: Sequence[float] | None = None,
     load: Sequence[float] | None = None,
+    *,
+    fused: bool = False,
 ) -> Key:
     """The key of ``plan`` (``plan[l]`` = the iteration that averages layer l); ``load``: what
     each layer adds to its iteration's load (``comm_s`` when None: ``plan_layers``)."""
     weight = comm_s if load is None else load
     members = [[layer for layer, h in enumerate(plan) if h == it] for it in range(num_iterations)]
-    costs = [exposed_s(layers, backward_s, comm_s, slack_s) for layers in members]
+    lates = [lateness_s(layers, backward_s, comm_s, slack_s, fused=fused) for layers in members]
+    costs = [max(0.0, late) for late in lates]
     loads = [sum(weight[layer] for layer in layers) for layers in members]
-    return max(costs), max(loads), sum(costs)
+    return max(costs), max(loads), sum(costs), max(lates)
 
 
 def brute_force_plan(
@@ -129,12 +176,15 @@ def brute_force_plan(
     comm_s: Sequence[float],
     num_iterations: int,
     slack_s: Sequence[float] | None = None,
+    load: Sequence[float] | None = None,
+    *,
+    fused: bool = False,
 ) -> tuple[list[int], Key]:
     """The best plan by trying all ``H^L`` of them (small cases only)."""
     _check(backward_s, comm_s, num_iterations, slack_s)
     best: tuple[list[int], Key] | None = None
     for plan in itertools.product(range(num_iterations), repeat=len(backward_s)):
-        key = plan_key(plan, backward_s, comm_s, num_iterations, slack_s)
+        key = plan_key(plan, backward_s, comm_s, num_iterations, slack_s, load, fused=fused)
         if best is None or key < best[1]:
             best = (list(plan), key)
     assert best is not None
@@ -149,6 +199,7 @@ def plan_layers(
     *,
     max_nodes: int = 200_000,
     load: Sequence[float] | None = None,
+    fused: bool = False,
 ) -> list[int]:
     """The iteration (0..H-1) that averages each layer (see the module docstring).
 
@@ -164,6 +215,8 @@ def plan_layers(
             ``comm_s``). Exchanges timed one by one carry each a message's fixed cost, which
             an iteration sent as one message pays once: slices of layers are balanced by
             their bytes instead.
+        fused: an iteration's layers go as one message and all land when it has arrived
+            (``lateness_s``); False: one message per layer, each landing at its own end.
 
     Returns:
         ``plan[l]``, the iteration of layer l; the same for the same inputs on every rank.
@@ -178,68 +231,93 @@ def plan_layers(
     ready = list(itertools.accumulate(backward_s))
     end = ready[-1]
     count = len(backward_s)
+
+    def key(plan: Sequence[int]) -> Key:
+        return plan_key(plan, backward_s, comm_s, num_iterations, slack, weight, fused=fused)
+
+    # An iteration's state as its layers are added in launch order: ``link``, when its last
+    # message ends (one message each) or its layers' time added up (one message: it ends at
+    # the last layer's launch plus that), its load, its lateness and its layers' least slack.
+    State = tuple[float, float, float, float]
+
+    def add(state: State, layer: int) -> State:
+        link, weight_sum, late, least = state
+        if fused:
+            link, least = link + comm_s[layer], min(least, slack[layer])
+            late = ready[layer] + link - end - least  # the new layer is the last launched
+        else:
+            link = max(link, ready[layer]) + comm_s[layer]
+            late = max(late, link - end - slack[layer])
+        return link, weight_sum + weight[layer], late, least
+
+    def finish(state: State, layer: int) -> float:
+        return (ready[layer] + state[0]) if fused else max(state[0], ready[layer])
+
+    empty: State = (0.0, 0.0, -math.inf, math.inf)
     # The greedy start: each layer to the iteration whose link frees first, the least loaded
     # of those (all links are free when the first layers are ready: without the load every
     # layer would go to iteration 0 while its link keeps up).
-    finish = [0.0] * num_iterations
-    loads = [0.0] * num_iterations
+    states = [empty] * num_iterations
     plan = [0] * count
     for layer in range(count):
-        it = min(range(num_iterations), key=lambda h: (max(finish[h], ready[layer]), loads[h], h))
+        it = min(range(num_iterations), key=lambda h: (finish(states[h], layer), states[h][1], h))
         plan[layer] = it
-        finish[it] = max(finish[it], ready[layer]) + comm_s[layer]
-        loads[it] += weight[layer]
+        states[it] = add(states[it], layer)
     best_plan = list(plan)
-    best_key = plan_key(plan, backward_s, comm_s, num_iterations, slack, weight)
+    best_key = key(plan)
     nodes = 0
 
-    def key_of(lates: list[float], loads: list[float]) -> Key:
-        return max(lates), max(loads), sum(lates)
+    def key_of(states: list[State]) -> Key:
+        exposed = [max(0.0, state[2]) for state in states]
+        return (
+            max(exposed),
+            max(state[1] for state in states),
+            sum(exposed),
+            max(state[2] for state in states),
+        )
 
-    def search(
-        layer: int, frees: list[float], loads: list[float], lates: list[float], current: list[int]
-    ) -> None:
+    def search(layer: int, states: list[State], current: list[int]) -> None:
         nonlocal best_plan, best_key, nodes
         nodes += 1
-        # Exposed times and loads only grow as layers are added: the partial key bounds the
-        # complete one.
-        if nodes > max_nodes or key_of(lates, loads) >= best_key:
+        # Every term of an iteration's state only grows as layers are added to it (its
+        # least slack only shrinks): the partial key bounds the complete one.
+        if nodes > max_nodes or key_of(states) >= best_key:
             return
         if layer == count:
-            best_plan, best_key = list(current), key_of(lates, loads)
+            best_plan, best_key = list(current), key_of(states)
             return
-        tried: set[tuple[float, float, float]] = set()
+        tried: set[State] = set()
         for it in range(num_iterations):
-            state = frees[it], loads[it], lates[it]
+            state = states[it]
             if state in tried:  # interchangeable with one already tried
                 continue
             tried.add(state)
-            frees[it] = max(state[0], ready[layer]) + comm_s[layer]
-            loads[it] = state[1] + weight[layer]
-            lates[it] = max(state[2], frees[it] - end - slack[layer])
+            states[it] = add(state, layer)
             current.append(it)
-            search(layer + 1, frees, loads, lates, current)
+            search(layer + 1, states, current)
             current.pop()
-            frees[it], loads[it], lates[it] = state
+            states[it] = state
 
-    zeros = [0.0] * num_iterations
-    search(0, list(zeros), list(zeros), list(zeros), [])
-    return _fill_empty(best_plan, backward_s, comm_s, num_iterations, slack, weight)
+    search(0, [empty] * num_iterations, [])
+
+    def late(layers: Sequence[int]) -> float:
+        return lateness_s(layers, backward_s, comm_s, slack, fused=fused)
+
+    plan = _relieve_latest(best_plan, num_iterations, key, late)
+    return _fill_empty(plan, num_iterations, weight, key)
 
 
 def _fill_empty(
     plan: list[int],
-    backward_s: Sequence[float],
-    comm_s: Sequence[float],
     num_iterations: int,
-    slack_s: Sequence[float],
     load: Sequence[float],
+    key: Callable[[Sequence[int]], Key],
 ) -> list[int]:
     """``plan`` with a layer moved into each empty iteration (the module docstring) while one
-    can be without a worse key: from the iterations with the most layers first, their lightest
-    layer first."""
+    can be without a worse ``key``: from the iterations with the most layers first, their
+    lightest layer first."""
     plan = list(plan)
-    key = plan_key(plan, backward_s, comm_s, num_iterations, slack_s, load)
+    best = key(plan)
     while True:
         members = [
             [layer for layer, h in enumerate(plan) if h == it] for it in range(num_iterations)
@@ -254,11 +332,45 @@ def _fill_empty(
             for layer in sorted(members[source], key=lambda x: (load[x], x)):
                 trial = list(plan)
                 trial[layer] = empty[0]
-                trial_key = plan_key(trial, backward_s, comm_s, num_iterations, slack_s, load)
-                if trial_key <= key:
-                    plan, key, moved = trial, trial_key, True
+                trial_key = key(trial)
+                if trial_key <= best:
+                    plan, best, moved = trial, trial_key, True
                     break
             if moved:
                 break
         if not moved:
             return plan
+
+
+def _relieve_latest(
+    plan: list[int],
+    num_iterations: int,
+    key: Callable[[Sequence[int]], Key],
+    late: Callable[[Sequence[int]], float],
+) -> list[int]:
+    """``plan`` with the best move of a layer out of the latest iteration (``late``: an
+    iteration's lateness, from its layers) to another, while one makes ``key`` better (the
+    module docstring); the latest iteration keeps at least one layer."""
+    plan = list(plan)
+    best = key(plan)
+    for _ in range(len(plan) * num_iterations):  # each move makes the key better: a bound
+        members = [
+            [layer for layer, h in enumerate(plan) if h == it] for it in range(num_iterations)
+        ]
+        latest = max(range(num_iterations), key=lambda it: (late(members[it]), -it))
+        if len(members[latest]) < 2:
+            break
+        found: tuple[Key, list[int]] | None = None
+        for layer in members[latest]:
+            for it in range(num_iterations):
+                if it == latest:
+                    continue
+                trial = list(plan)
+                trial[layer] = it
+                trial_key = key(trial)
+                if trial_key < best and (found is None or trial_key < found[0]):
+                    found = trial_key, trial
+        if found is None:
+            break
+        best, plan = found
+    return plan
