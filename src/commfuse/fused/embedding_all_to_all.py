@@ -36,11 +36,14 @@ function here.
 Backward (gradient semantics). The backward of an All-to-All is the All-to-All in the opposite
 direction: rank ``r`` sends ``grad[:, tables of j]`` to owner ``j`` and receives from every rank
 ``i`` the gradient of its lookups for ``i``'s samples. It is overlapped the same way, mirrored
-(All-to-All + compute): all receives are posted, all sends started, the gradient buffer is
-zeroed and the offsets expanded (that work hides behind the exchange too), the local block is
+(All-to-All + compute): all receives are posted, all sends started, the local block is
 accumulated into the table gradients first, then each remote block as it arrives. Table
 gradients are dense (``index_add`` of each bag's gradient into the rows it looked up, divided
-by the bag's length for mean; ``TableGradients`` does it for all tables in one ``index_add_``).
+by the bag's length for mean; ``TableGradients`` in ``table_gradients.py`` does it for all
+tables in one ``index_add_``). Their zeroed buffer and expanded offsets depend on the ids
+alone, so a training forward builds them while it waits for its own exchange
+(``prepare_backward``), where the CPU has nothing else to do; otherwise the backward builds
+them while its blocks travel.
 """
 
 from __future__ import annotations
