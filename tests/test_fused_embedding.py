@@ -27,6 +27,7 @@ from commfuse.fused.embedding_all_to_all import (
     embedding_all_to_all_reference,
 )
 from commfuse.fused.fallback import fastest_by_trial
+from commfuse.fused.table_gradients import PreparedGradients
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
@@ -238,3 +239,73 @@ def test_chunks_chosen_by_trial(pool: PoolFn) -> None:
         assert (fast, slower) == (2, 1)  # the fastest wins; nothing beats the unfused: 1
         # The same on every rank, and the unfused operator or whole pieces per destination.
         assert chosen in (1, 2, 4, 6)
+
+
+def prepared_gradients() -> list[str]:
+    """The fused forward builds the backward's table gradients while it waits (when training),
+    the backward uses them once, and a forward of other ids in between only makes the earlier
+    backward build its own: every gradient equals the unfused module's, and the prepared
+    buffer costs no communication (the same bytes and messages either way)."""
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    failures: list[str] = []
+    rows, batch, dim = [7, 3, 10, 4, 6], 11, 3
+    splits = splits_for(world, batch)
+    mine = slice(sum(splits[:rank]), sum(splits[: rank + 1]))
+    stash = comm.owned(PreparedGradients)
+    for config in (ChunkConfig(num_chunks=5), ChunkConfig(schedule=BY_TABLE)):
+        where = f"rank {rank} chunks={config.fixed()}"
+        fused = ShardedEmbeddingBag(rows, dim, comm, chunk_config=config)
+        unfused = ShardedEmbeddingBag(rows, dim, comm, chunk_config=ChunkConfig(num_chunks=1))
+        with torch.no_grad():
+            for p, q, t in zip(fused.tables, unfused.tables, fused.local_tables, strict=True):
+                full = torch.randint(
+                    -3, 4, (rows[t], dim), generator=torch.Generator().manual_seed(t)
+                )
+                p.copy_(full)
+                q.copy_(full)
+        batches = []
+        for seed in (0, 1):
+            inputs = [bags(t + 7 * seed, rows[t], batch) for t in range(len(rows))]
+            batches.append(
+                (
+                    [inputs[t][0] for t in fused.local_tables],
+                    [inputs[t][1] for t in fused.local_tables],
+                )
+            )
+        with torch.no_grad():
+            fused(*batches[0], splits)
+        if stash.ready:
+            failures.append(f"{where}: a forward without grad prepared the backward")
+        comm.stats.reset()
+        outs = [fused(idx, off, splits) for idx, off in batches]  # two forwards, then backwards
+        sent = comm.stats[LABEL].messages_sent, comm.stats[LABEL].bytes_sent
+        if stash.ready != (world > 1):
+            failures.append(f"{where}: prepared {stash.ready} after a training forward")
+        g = torch.randint(
+            -2, 3, (batch, len(rows), dim), generator=torch.Generator().manual_seed(5)
+        )
+        comm.stats.reset()
+        # The later forward's backward first: it takes what that forward prepared; the earlier
+        # one finds nothing prepared for its ids and builds its own.
+        for out in reversed(outs):
+            (out * g[mine]).sum().backward()
+        back = comm.stats[LABEL].messages_recv, comm.stats[LABEL].bytes_recv
+        if stash.ready:
+            failures.append(f"{where}: the prepared gradients outlived their backward")
+        if back != sent:
+            failures.append(
+                f"{where}: backward received {back} (messages, bytes), forward sent {sent}"
+            )
+        for idx, off in batches:
+            (unfused(idx, off, splits) * g[mine]).sum().backward()
+        for t, p, q in zip(fused.local_tables, fused.tables, unfused.tables, strict=True):
+            if p.grad is None or q.grad is None or not torch.equal(p.grad, q.grad):
+                failures.append(f"{where}: grad of table {t} differs from the unfused module's")
+    return failures
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_forward_prepares_the_backward_table_gradients(pool: PoolFn, world: int) -> None:
+    failures = [f for r in pool(world).run(prepared_gradients, timeout_s=120) for f in r]
+    assert not failures, "\n".join(failures[:8])

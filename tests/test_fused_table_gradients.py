@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from commfuse.fused.embedding_all_to_all import TableGradients
+from commfuse.fused.table_gradients import TableGradients
 
 
 def per_table_reference(

@@ -53,6 +53,7 @@ from commfuse.comm import Communicator
 from commfuse.fused import embedding_all_to_all as emb
 from commfuse.fused.chunking import BY_TABLE, ChunkConfig
 from commfuse.fused.chunking import Schedule as ChunkSchedule
+from commfuse.fused.table_gradients import TableGradients
 from commfuse.sim.bound import GlobalWait, StepGraph, step_bound
 
 
@@ -189,7 +190,7 @@ def _dlrm_stages(comm: Communicator, lookup: emb.ShardedLookup) -> dict[str, Cal
     order = [rank] + [(rank + s) % world for s in range(1, world)]
 
     def accumulate() -> None:  # as the unfused backward does (workloads/dlrm.py)
-        grads = emb.TableGradients(lookup.tables, lookup.indices, lookup.offsets, lookup.mode)
+        grads = TableGradients(lookup.tables, lookup.indices, lookup.offsets, lookup.mode)
         for t in range(local):
             for src in order:
                 start = lookup.sample_starts[src]

@@ -36,11 +36,14 @@ function here.
 Backward (gradient semantics). The backward of an All-to-All is the All-to-All in the opposite
 direction: rank ``r`` sends ``grad[:, tables of j]`` to owner ``j`` and receives from every rank
 ``i`` the gradient of its lookups for ``i``'s samples. It is overlapped the same way, mirrored
-(All-to-All + compute): all receives are posted, all sends started, the gradient buffer is
-zeroed and the offsets expanded (that work hides behind the exchange too), the local block is
+(All-to-All + compute): all receives are posted, all sends started, the local block is
 accumulated into the table gradients first, then each remote block as it arrives. Table
 gradients are dense (``index_add`` of each bag's gradient into the rows it looked up, divided
-by the bag's length for mean; ``TableGradients`` does it for all tables in one ``index_add_``).
+by the bag's length for mean; ``TableGradients`` in ``table_gradients.py`` does it for all
+tables in one ``index_add_``). Their zeroed buffer and expanded offsets depend on the ids
+alone, so a training forward builds them while it waits for its own exchange
+(``prepare_backward``), where the CPU has nothing else to do; otherwise the backward builds
+them while its blocks travel.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from commfuse.fused.chunking import (
     split_ranges,
 )
 from commfuse.fused.fallback import fastest_by_trial
+from commfuse.fused.table_gradients import PreparedGradients, TableGradients, bag_range
 
 #: Stats label of the fused operator's point-to-point traffic (exact bytes and messages).
 LABEL = "embedding_all_to_all"
@@ -176,18 +180,12 @@ class ShardedLookup:
         ``[stop - start, T_r, D]`` (``T_r = 0`` when this rank owns no table)."""
         columns = []
         for table, idx, off in zip(self.tables, self.indices, self.offsets, strict=True):
-            lo, hi = _bag_range(off, idx.numel(), start, stop)
+            lo, hi = bag_range(off, idx.numel(), start, stop)
             columns.append(F.embedding_bag(idx[lo:hi], table, off[start:stop] - lo, mode=self.mode))
         if not columns:
             # No table: the shape still says how many samples, and the dim their rows would have.
             return torch.empty((stop - start, 0, self.dim), dtype=self.dtype, device=self.device)
         return torch.stack(columns, dim=1).reshape(stop - start, len(self.tables), self.dim)
-
-
-def _bag_range(off: torch.Tensor, num_idx: int, start: int, stop: int) -> tuple[int, int]:
-    lo = int(off[start]) if start < off.numel() else num_idx
-    hi = int(off[stop]) if stop < off.numel() else num_idx
-    return lo, hi
 
 
 def _empty_blocks(
@@ -218,18 +216,28 @@ def check_schedule(chunks: Schedule) -> None:
 
 
 def embedding_all_to_all(
-    comm: Communicator, lookup: ShardedLookup, *, chunks: Schedule = 2
+    comm: Communicator,
+    lookup: ShardedLookup,
+    *,
+    chunks: Schedule = 2,
+    prepare_backward: bool = False,
 ) -> torch.Tensor:
     """The fused operator (module docstring). ``chunks=1`` is the unfused reference; ``chunks >= 2``
     pipelines destination by destination, each destination's rows cut into
-    ``ceil(chunks / (P - 1))`` pieces; ``chunks=BY_TABLE`` pipelines table by table."""
+    ``ceil(chunks / (P - 1))`` pieces; ``chunks=BY_TABLE`` pipelines table by table.
+
+    ``prepare_backward`` (training): once every message is sent, and before waiting for the
+    last ones, build the table gradients' buffer and expanded offsets for
+    ``embedding_all_to_all_backward`` (``table_gradients.PreparedGradients``), work the
+    backward would otherwise do. Ignored by the unfused reference (``chunks=1``), which has no
+    wait to fill."""
     check_schedule(chunks)
     lookup.check(comm)
     rank, world = comm.rank, comm.world_size
     if chunks == 1 or world == 1:
         return embedding_all_to_all_reference(comm, lookup)
     if chunks == BY_TABLE:
-        return _by_table(comm, lookup)
+        return _by_table(comm, lookup, prepare_backward)
     assert isinstance(chunks, int)
     batch_splits, dim = lookup.batch_splits, lookup.dim
     pieces = -(-chunks // (world - 1))
@@ -247,12 +255,26 @@ def embedding_all_to_all(
             piece = lookup.rows(starts[dst] + lo, starts[dst] + hi).contiguous()
             handles.append(comm.isend(piece, dst, tag=tag, label=LABEL))
     blocks[rank].copy_(lookup.rows(starts[rank], starts[rank] + mine))
+    if prepare_backward:
+        _prepare(comm, lookup)  # while the last pieces travel
     for handle in handles:
         handle.wait()
     return torch.cat(blocks, dim=1)
 
 
-def _by_table(comm: Communicator, lookup: ShardedLookup) -> torch.Tensor:
+def _prepare(comm: Communicator, lookup: ShardedLookup) -> None:
+    """Build the backward's table gradients now (``PreparedGradients``)."""
+    comm.owned(PreparedGradients).put(lookup.tables, lookup.indices, lookup.offsets, lookup.mode)
+
+
+def _take(comm: Communicator, lookup: ShardedLookup) -> TableGradients:
+    """The table gradients the forward prepared for these inputs, else new ones."""
+    return comm.owned(PreparedGradients).take(
+        lookup.tables, lookup.indices, lookup.offsets, lookup.mode
+    )
+
+
+def _by_table(comm: Communicator, lookup: ShardedLookup, prepare_backward: bool) -> torch.Tensor:
     """The by-table schedule (module docstring): table by table, each one's column of the global
     batch computed once and its slices sent to every peer while the next table is looked up."""
     rank, world = comm.rank, comm.world_size
@@ -273,7 +295,7 @@ def _by_table(comm: Communicator, lookup: ShardedLookup) -> torch.Tensor:
     for t, (table, idx, off) in enumerate(
         zip(lookup.tables, lookup.indices, lookup.offsets, strict=True)
     ):
-        lo, hi = _bag_range(off, idx.numel(), 0, off.numel())  # as ``rows`` cuts them
+        lo, hi = bag_range(off, idx.numel(), 0, off.numel())  # as ``rows`` cuts them
         column = F.embedding_bag(idx[lo:hi], table, off - lo, mode=lookup.mode)  # [B, D]
         for step in range(1, world):
             dst = (rank + step) % world
@@ -281,6 +303,8 @@ def _by_table(comm: Communicator, lookup: ShardedLookup) -> torch.Tensor:
                 part = column[starts[dst] : starts[dst] + splits[dst]]  # contiguous rows
                 handles.append(comm.isend(part, dst, tag=t, label=LABEL))
         landing[table_starts[rank] + t] = column[starts[rank] : starts[rank] + mine]
+    if prepare_backward:
+        _prepare(comm, lookup)  # while the peers' rows travel
     for handle in handles:
         handle.wait()
     # [T, B_r, D] -> [B_r, T, D], as the reference returns.
@@ -305,109 +329,6 @@ def embedding_all_to_all_reference(
         for part, t in zip(torch.split(recv, out_splits), lookup.tables_per_rank, strict=True)
     ]
     return torch.cat(blocks, dim=1) if world > 1 else blocks[0].clone()
-
-
-class TableGradients:
-    """Dense float32 gradients of the local tables, accumulated block by block (``add``) as the
-    reverse All-to-All delivers the gradients of each block of samples.
-
-    All tables share one buffer (``[sum of rows, D]``, table ``t``'s rows at ``row_starts[t]``),
-    so a block costs one gather and one ``index_add_`` whatever the number of tables:
-
-    1. Once per backward, the offsets are expanded: for every entry (an id in a bag) of table
-       ``t``, its sample ``b`` (``repeat_interleave`` of the bag lengths, no Python loop over
-       bags), its source row ``b * T_r + t`` in the gradient seen as ``[B * T_r, D]``, its
-       destination row ``row_starts[t] + id`` in the buffer, and for ``mean`` its bag's length.
-    2. Per block of samples ``[start, start + rows)``: each table's entries are one slice of
-       those arrays (two offsets read); ``index_select`` the source rows of all tables at once
-       (contiguous row copies), cast to float32, divide by the bag length for ``mean``.
-    3. One ``index_add_`` into the buffer.
-
-    Exactly the per-table result it replaced, bit for bit (tested against it): ``index_add_``
-    adds the sources of each row in source order (a serial loop, or a stable sort by row), and
-    each row belongs to one table, whose entries stay in index order, so every row is
-    ``((g + s_1) + s_2) + ...`` in the same order as one ``index_add_`` per table. What it
-    replaces, measured with one thread (as the ranks run): ``grad[:, t][bag]`` (advanced indexing
-    of a strided view) took 78% of the accumulation; one rank's backward of the DLRM step
-    benchmark (8 tables of 5000 x 64, 4096 samples, 4 ids per bag, 4 blocks) went from 17.1 to
-    8.7 ms (fastest of 15; medians 19.2 and 13.6 ms on the shared 2-core machine).
-    """
-
-    def __init__(
-        self,
-        tables: list[torch.Tensor],
-        indices: list[torch.Tensor],
-        offsets: list[torch.Tensor],
-        mode: str,
-    ) -> None:
-        rows = [t.shape[0] for t in tables]
-        self.row_starts = [sum(rows[:i]) for i in range(len(rows))]
-        self.mode, self.num_tables = mode, len(tables)
-        dim = tables[0].shape[1] if tables else 0
-        # float32: a popular row sums many bags, and bfloat16 sums would drift.
-        device = tables[0].device if tables else torch.device("cpu")
-        self.flat = torch.zeros((sum(rows), dim), dtype=torch.float32, device=device)
-        self._views = [self.flat[a : a + n] for a, n in zip(self.row_starts, rows, strict=True)]
-        self._offsets = offsets
-        # Entries before a table's first offset belong to no bag; the arrays start after them.
-        self._firsts = [
-            int(off[0]) if off.numel() else idx.numel()
-            for idx, off in zip(indices, offsets, strict=True)
-        ]
-        self._numels = [idx.numel() for idx in indices]
-        self._sources: list[torch.Tensor] = []
-        self._bags: list[torch.Tensor] = []
-        self._targets: list[torch.Tensor] = []
-        self._lengths: list[torch.Tensor] = []
-        for t, (idx, off, first) in enumerate(zip(indices, offsets, self._firsts, strict=True)):
-            bounds = torch.cat([off, off.new_tensor([idx.numel()])])
-            bag_lengths = (bounds[1:] - bounds[:-1]).clamp_min(0)
-            bag = torch.repeat_interleave(torch.arange(off.numel(), device=off.device), bag_lengths)
-            self._sources.append(bag * self.num_tables + t)
-            self._bags.append(bag)
-            self._targets.append(idx[first:].long() + self.row_starts[t])
-            if mode == "mean":
-                self._lengths.append(bag_lengths[bag])
-
-    def add(self, start: int, grad_rows: torch.Tensor) -> None:
-        """Add the gradient of samples ``[start, start + rows)`` (``[rows, T_r, D]``)."""
-        rows = grad_rows.shape[0]
-        if rows == 0 or self.num_tables == 0:
-            return
-        ranges = []
-        for off, numel, first in zip(self._offsets, self._numels, self._firsts, strict=True):
-            lo, hi = _bag_range(off, numel, start, start + rows)
-            ranges.append((lo - first, hi - first))
-        # Sources count samples from 0; this block's gradient starts at sample ``start``.
-        sources = torch.cat([s[lo:hi] for s, (lo, hi) in zip(self._sources, ranges, strict=True)])
-        sources -= start * self.num_tables
-        flat_grad = grad_rows.reshape(rows * self.num_tables, grad_rows.shape[2])
-        g = flat_grad.index_select(0, sources).float()
-        if self.mode == "mean":
-            g = g / torch.cat(
-                [n[lo:hi] for n, (lo, hi) in zip(self._lengths, ranges, strict=True)]
-            ).unsqueeze(1)
-        targets = [d[lo:hi] for d, (lo, hi) in zip(self._targets, ranges, strict=True)]
-        self.flat.index_add_(0, torch.cat(targets), g)
-
-    def add_table(self, table: int, start: int, grad_rows: torch.Tensor) -> None:
-        """Add local table ``table``'s gradient of samples ``[start, start + rows)`` (``[rows,
-        D]``): the by-table backward's blocks. Each row gets the same terms in the same order as
-        through ``add`` when the blocks of a table come in ``add``'s sample order."""
-        rows = grad_rows.shape[0]
-        if rows == 0:
-            return
-        first = self._firsts[table]
-        lo, hi = _bag_range(self._offsets[table], self._numels[table], start, start + rows)
-        lo, hi = lo - first, hi - first
-        g = grad_rows.index_select(0, self._bags[table][lo:hi] - start).float()
-        if self.mode == "mean":
-            g = g / self._lengths[table][lo:hi].unsqueeze(1)
-        self.flat.index_add_(0, self._targets[table][lo:hi], g)
-
-    def result(self, tables: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One gradient per table, in the table's dtype (views of the buffer for float32)."""
-        return [g.to(t.dtype) for g, t in zip(self._views, tables, strict=True)]
 
 
 def embedding_all_to_all_backward(
@@ -440,8 +361,9 @@ def embedding_all_to_all_backward(
         ].contiguous()
         for tag, (lo, hi) in enumerate(split_ranges(mine, pieces)):
             outgoing.append(comm.isend(block[lo:hi], dst, tag=tag, label=LABEL))
-    # The gradient buffer (zeroed) and the expanded offsets are built while the blocks travel.
-    grads = TableGradients(tables, lookup.indices, lookup.offsets, lookup.mode)
+    # The gradient buffer (zeroed) and the expanded offsets, unless the forward prepared them,
+    # are built while the blocks travel.
+    grads = _take(comm, lookup)
     own = grad_out[:, table_starts[rank] : table_starts[rank] + tables_per_rank[rank]]
     grads.add(starts[rank], own)  # while the remote blocks travel
     for handle, start, piece in incoming:
@@ -484,8 +406,9 @@ def _backward_by_table(
                 if t < per_rank[dst]:
                     column = columns[table_starts[dst] + t]  # [B_r, D], contiguous
                     outgoing.append(comm.isend(column, dst, tag=t, label=LABEL))
-    # The gradient buffer (zeroed) and the expanded offsets are built while the columns travel.
-    grads = TableGradients(lookup.tables, lookup.indices, lookup.offsets, lookup.mode)
+    # The gradient buffer (zeroed) and the expanded offsets, unless the forward prepared them,
+    # are built while the columns travel.
+    grads = _take(comm, lookup)
     for t in range(local):
         grads.add_table(t, starts[rank], columns[table_starts[rank] + t])
         for src in sources:

@@ -86,12 +86,17 @@ def embedding_all_to_all_op(
 
     ``anchor`` is any tensor that requires grad when training (``anchor_for_backward()``): a rank
     that owns no table has no other input that does, and without it autograd would skip its
-    backward while its peers wait for the gradients of its samples."""
+    backward while its peers wait for the gradients of its samples. When it requires grad and
+    so does a table, the forward prepares the backward's table gradients while it waits for
+    its exchange (``prepare_backward``)."""
     lookup = emb.ShardedLookup(
         tables, indices, offsets, batch_splits, tables_per_rank, dim, dtype, mode
     )
     schedule: Schedule = BY_TABLE if by_table else chunks
-    return emb.embedding_all_to_all(Communicator.resolve(comm_key), lookup, chunks=schedule)
+    training = anchor.requires_grad and any(t.requires_grad for t in tables)
+    return emb.embedding_all_to_all(
+        Communicator.resolve(comm_key), lookup, chunks=schedule, prepare_backward=training
+    )
 
 
 def embedding_schedule_args(chunks: Schedule) -> tuple[int, bool]:

@@ -49,6 +49,7 @@ from commfuse.fused import baselines
 from commfuse.fused import embedding_all_to_all as emb
 from commfuse.fused.chunking import ChunkConfig
 from commfuse.fused.modules import ShardedEmbeddingBag
+from commfuse.fused.table_gradients import TableGradients
 from commfuse.workloads.base import batch_generator
 
 EXCHANGES = ("fused", "unfused")
@@ -233,7 +234,7 @@ class _UnfusedExchange(torch.autograd.Function):
         recv = torch.empty(sum(out_splits), dtype=grad.dtype, device=grad.device)
         all_to_all(comm, recv, send, out_splits, in_splits, algo=baselines.ALL_TO_ALL)
         blocks = torch.split(recv, out_splits)
-        grads = emb.TableGradients(list(tables), batch.indices, batch.offsets, module.mode)
+        grads = TableGradients(list(tables), batch.indices, batch.offsets, module.mode)
         # Table by table (one table's rows stay in cache, the fastest accumulation commfuse
         # has), each in the fused backward's order: own samples first, then ranks r+1, r+2,
         # ... (same bits).
