@@ -65,8 +65,10 @@ def kill_every_command(out: Path, seed: int, *, diloco: bool) -> list[str]:
     return [
         *command, "--steps", str(DILOCO_STEPS), "--strategy", f"diloco:H={H}",
         # A kill every 3 s may land between two exchanges, where the next quorum just leaves
-        # the replica out; this one lands inside a period, so an exchange fails.
-        "--chaos", "kill:host=1,at_step=22,restart_after_s=0.5",
+        # the replica out; this one lands inside a period, so an exchange fails, and its victim
+        # stays away for several periods, which its survivors start without it (back after
+        # 0.5 s it could make the very next period's quorum: no period would split the batch).
+        "--chaos", "kill:host=1,at_step=22,restart_after_s=3",
     ]  # fmt: skip
 
 
@@ -118,8 +120,9 @@ def check_kill_every(record: dict[str, Any]) -> None:
     # A replica killed while it was still joining held nobody up (not in_quorum); one killed
     # between two exchanges and back within the heartbeat's timeout may fail no survivor's
     # step and shrink no quorum (no detect_s). Every other kill is noticed, then recovered from.
+    # (The kills come on a clock, so a fast run meets only one or two, and may notice none:
+    # tests/test_ft_*.py kill inside an allreduce, where the survivors always notice.)
     noticed = [e for e in kills if e["in_quorum"] and e["detect_s"] is not None]
-    assert noticed, kills
     for event in noticed:
         assert event["recover_s"] is not None, event
         assert event["detect_s"] <= event["recover_s"], event
@@ -212,8 +215,17 @@ def check_diloco(record: dict[str, Any]) -> None:
                 skipped.add(r["step"])
     whole = 3 * WORKLOAD.batch * H
     # (A victim killed between its commit and its report trained its share unreported: the
-    # record infers that commit.)
+    # record infers that commit. A kill the launcher timed may not know the victim's step:
+    # then the period after the victim's last report is the one it may have left unreported.)
     unreported = {e["step"] - d for e in record["events"] for d in (0, 1) if e["step"]}
+    for event in record["events"]:
+        before = [
+            r["step"]
+            for r in records
+            if r["replica"] in event.get("groups", ()) and r["life"] == event.get("life")
+            and r["t"] <= event["t"]
+        ]  # fmt: skip
+        unreported |= {max(before) + 1} if event["kind"] == "kill" and before else set()
     short = {p for p, n in covered.items() if n != whole} - {s for _, s in retried}
     short -= unreported | skipped
     assert not short, [r for r in records if r["step"] in short] + record["events"]
