@@ -38,7 +38,8 @@ BOUND_S = 5.0
 launcher stops the survivors this long after the death (``supervisor.FAILURE_GRACE_S``), so a
 survivor slower than that would not print its record at all."""
 NUMEL = {"ring": 1 << 18, "pipeline": 1 << 18, "tree": 1 << 18, "native": 1 << 24}
-"""Floats per rank: the native allreduce gets 64 MB so that it is still running 50 ms in."""
+"""Floats per rank: the native allreduce gets 64 MB so that it is still running when the
+victim dies, 5 ms after it joined."""
 OP = {
     "ring": r"all_?reduce\.ring",
     "pipeline": r"all_?reduce\.pipeline",

@@ -77,7 +77,9 @@ try:
     if rank == victim and algo == "native":
         store.wait([f"started/{r}" for r in range(world) if r != victim])
         handle = C.all_reduce(comm, buf, "sum", algo="native", async_op=True)
-        time.sleep(0.05)
+        # Long enough for gloo's thread to start its part; short enough that 64 MB cannot
+        # finish on an idle machine (a 50 ms pause once saw a 3-rank allreduce finish).
+        time.sleep(0.005)
         assert handle is not None and not handle.is_completed(), "finished before the kill"
         die()
     store.set(f"started/{rank}", "1")
