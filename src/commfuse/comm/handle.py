@@ -164,11 +164,10 @@ def failed_because_of(notice: FailureNotice, ctx: OpContext, what: str) -> PeerF
 def translate_failure(err: BaseException, ctx: OpContext, deadline_s: float) -> CommError:
     """Turn a backend exception into a CommError that names rank, operation, peer and step."""
     text = str(err).splitlines()[0] if str(err) else type(err).__name__
-    lowered = str(err).lower()
     cls: type[CommError] = CommError
     message = f"{ctx.describe()}: {text}"
-    lost_peer = says_peer_lost(lowered)
-    timed_out = not lost_peer and says_timed_out(lowered)
+    lost_peer = says_peer_lost(str(err))
+    timed_out = not lost_peer and says_timed_out(str(err))
     notice = (
         ctx.board.explain(ctx, lost_peer=lost_peer)
         if ctx.board is not None and (lost_peer or timed_out)

@@ -47,11 +47,8 @@ def native_threads_in_interpreter() -> set[int]:
     """Thread ids of the interpreter's thread states that no ``threading`` thread owns: native
     threads inside a call into the interpreter (holding the GIL or waiting for it), or keeping a
     thread state for good."""
-    current = getattr(sys, "_current_exceptions", None)
-    if current is None:  # Python < 3.10 has no list of every thread state
-        return set()
     python_threads = {thread.ident for thread in threading.enumerate()}
-    return set(current()) - python_threads
+    return set(sys._current_exceptions()) - python_threads
 
 
 def let_native_threads_finish() -> None:

@@ -164,11 +164,21 @@ def plan_key(
     """The key of ``plan`` (``plan[l]`` = the iteration that averages layer l); ``load``: what
     each layer adds to its iteration's load (``comm_s`` when None: ``plan_layers``)."""
     weight = comm_s if load is None else load
-    members = [[layer for layer, h in enumerate(plan) if h == it] for it in range(num_iterations)]
+    members = _members(plan, num_iterations)
     lates = [lateness_s(layers, backward_s, comm_s, slack_s, fused=fused) for layers in members]
-    costs = [max(0.0, late) for late in lates]
     loads = [sum(weight[layer] for layer in layers) for layers in members]
-    return max(costs), max(loads), sum(costs), max(lates)
+    return _key(lates, loads)
+
+
+def _members(plan: Sequence[int], num_iterations: int) -> list[list[int]]:
+    """The layers of each iteration, in launch order."""
+    return [[layer for layer, h in enumerate(plan) if h == it] for it in range(num_iterations)]
+
+
+def _key(lates: Sequence[float], loads: Sequence[float]) -> Key:
+    """A plan's key from its iterations' lateness and load (``Key``)."""
+    exposed = [max(0.0, late) for late in lates]
+    return max(exposed), max(loads), sum(exposed), max(lates)
 
 
 def brute_force_plan(
@@ -268,13 +278,7 @@ def plan_layers(
     nodes = 0
 
     def key_of(states: list[State]) -> Key:
-        exposed = [max(0.0, state[2]) for state in states]
-        return (
-            max(exposed),
-            max(state[1] for state in states),
-            sum(exposed),
-            max(state[2] for state in states),
-        )
+        return _key([state[2] for state in states], [state[1] for state in states])
 
     def search(layer: int, states: list[State], current: list[int]) -> None:
         nonlocal best_plan, best_key, nodes
@@ -319,9 +323,7 @@ def _fill_empty(
     plan = list(plan)
     best = key(plan)
     while True:
-        members = [
-            [layer for layer, h in enumerate(plan) if h == it] for it in range(num_iterations)
-        ]
+        members = _members(plan, num_iterations)
         empty = [it for it in range(num_iterations) if not members[it]]
         sources = sorted(
             (it for it in range(num_iterations) if len(members[it]) > 1),
@@ -354,9 +356,7 @@ def _relieve_latest(
     plan = list(plan)
     best = key(plan)
     for _ in range(len(plan) * num_iterations):  # each move makes the key better: a bound
-        members = [
-            [layer for layer, h in enumerate(plan) if h == it] for it in range(num_iterations)
-        ]
+        members = _members(plan, num_iterations)
         latest = max(range(num_iterations), key=lambda it: (late(members[it]), -it))
         if len(members[latest]) < 2:
             break
