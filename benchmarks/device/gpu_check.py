@@ -33,17 +33,28 @@ from typing import Any
 import torch
 from torch import nn
 
+#: Where each finished check is appended as one JSON line (set by ``check_on_rank``), so a run
+#: stopped at its deadline still reports every check it finished.
+_progress: Path | None = None
+
 
 def _check(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    started = time.monotonic()
     try:
-        return {"name": name, "ok": True, **fn()}
+        row = {"name": name, "ok": True, **fn()}
     except Exception as err:  # one failing check is a result, not the end of the report
-        return {
+        row = {
             "name": name,
             "ok": False,
             "error": f"{type(err).__name__}: {err}",
             "traceback": traceback.format_exc(limit=4),
         }
+    row["seconds"] = round(time.monotonic() - started, 3)
+    print(f"gpu_check: {'ok' if row['ok'] else 'FAILED'} {name} ({row['seconds']} s)", flush=True)
+    if _progress is not None:
+        with _progress.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
 
 
 def _collectives(comm: Any, size_bytes: int) -> list[dict[str, Any]]:
@@ -207,9 +218,13 @@ def _modules(comm: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def check_on_rank(device_kind: str, size_bytes: int, width: int, repeats: int) -> dict[str, Any]:
+def check_on_rank(
+    device_kind: str, size_bytes: int, width: int, repeats: int, progress: Path
+) -> dict[str, Any]:
     from commfuse.comm import Communicator
 
+    global _progress
+    _progress = progress
     comm = Communicator()
     if comm.device.type != device_kind:
         raise RuntimeError(f"the rank's communicator is on {comm.device}, not {device_kind}")
@@ -321,23 +336,31 @@ def main(argv: list[str] | None = None) -> int:
     from commfuse.cluster import run
 
     started = time.monotonic()
-    report = run(
-        check_on_rank,
-        args.device,
-        int(args.size_mb * 2**20),
-        args.width,
-        args.repeats,
-        world_size=1,
-        backend=args.backend,
-        timeout_s=BUDGET_S - TRAINING_RESERVE_S,
-    )[0]
+    args.out.mkdir(parents=True, exist_ok=True)
+    progress = args.out / "gpu_check_progress.jsonl"
+    progress.unlink(missing_ok=True)
+    try:
+        report = run(
+            check_on_rank,
+            args.device,
+            int(args.size_mb * 2**20),
+            args.width,
+            args.repeats,
+            progress,
+            world_size=1,
+            backend=args.backend,
+            timeout_s=BUDGET_S - TRAINING_RESERVE_S,
+        )[0]
+    except Exception as err:  # a rank that died or ran out of time: keep what it finished
+        finished = [json.loads(line) for line in progress.read_text().splitlines()]
+        stopped = {"name": "rank checks", "ok": False, "error": f"{type(err).__name__}: {err}"}
+        report = {"device": args.device, "backend": args.backend, "checks": [*finished, stopped]}
     report["checks"] += _training(
         args.device, args.backend, args.train_steps, deadline=started + BUDGET_S
     )
     report["torch"] = torch.__version__
     failed = [c["name"] for c in report["checks"] if not c["ok"]]
     report["failed"] = failed
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print(
         f"gpu_check: {len(report['checks']) - len(failed)}/{len(report['checks'])} checks "
