@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from commfuse.cli.report import render_result
 from commfuse.collectives import algorithms_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,3 +65,24 @@ def test_dry_mode_runs_every_check_on_the_cpu(tmp_path: Path) -> None:
     compressed = [c for c in report["checks"] if "ms_per_mb" in c]
     assert all(c["ms_per_mb"] > 0 for c in compressed)
     assert all(c.get("device", "cpu") == "cpu" for c in compressed)
+    # One row per check, as `commfuse report` renders the file.
+    table = render_result(report, markdown=True).splitlines()
+    assert len(table) == 2 + len(report["checks"]) and "rel_error" in table[0]
+
+
+@pytest.mark.slow
+def test_a_check_stopped_at_its_deadline_keeps_what_it_finished(tmp_path: Path) -> None:
+    # 160 s of budget leaves the rank's checks 10 s: enough for the collectives (a fraction of a
+    # second each), not for a compressor timed over 1000 steps of an 8 MB gradient. The
+    # training checks still run in the 150 s kept for them.
+    done = _run(str(tmp_path), "--device", "cpu", "--backend", "gloo", "--size-mb", "0.25",
+                "--width", "1024", "--repeats", "1000", "--budget-s", "160")  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    names = [c["name"] for c in report["checks"]]
+    finished = (tmp_path / "gpu_check_progress.jsonl").read_text().splitlines()
+    stopped = names.index("rank checks")
+    assert stopped >= 1 and names[:stopped] == [json.loads(line)["name"] for line in finished]
+    assert "DeadlineExceeded" in report["checks"][stopped]["error"]
+    assert report["failed"] == ["rank checks"]
+    assert names[stopped + 1 :] == ["train charlm powersgd resume", "bench strategies"]

@@ -38,6 +38,8 @@ def test_kinds_are_told_apart_by_their_keys() -> None:
     )
     assert kind_of({"intra": {}, "inter": {}}) == "tune"
     assert kind_of([{"ranks": 2, "series": "tree", "step_us": 1.0}]) == "simulate --scale"
+    gpu = {"device": "cuda:0", "backend": "nccl", "checks": [], "failed": []}
+    assert kind_of(gpu) == "gpu check"
     assert kind_of([{"command": "--help", "tree": "new", "wall_s": 0.1}]) == "bench cli"
 
 

@@ -240,8 +240,8 @@ def check_on_rank(
     }
 
 
-#: Seconds for the whole check (gpu_check.sh stops it at 480), and the part of them kept for
-#: the training checks, which get whatever the rank's own checks leave.
+#: Seconds for the whole check by default (gpu_check.sh stops it at 480), and the part of them
+#: kept for the training checks, which get whatever the rank's own checks leave.
 BUDGET_S = 470.0
 TRAINING_RESERVE_S = 150.0
 
@@ -322,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=1024, help="model width (gradient size)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--train-steps", type=int, default=6, help="steps of each training run")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=BUDGET_S,
+        help=f"seconds for the whole check, {TRAINING_RESERVE_S:.0f} of them kept for training",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
@@ -349,14 +355,14 @@ def main(argv: list[str] | None = None) -> int:
             progress,
             world_size=1,
             backend=args.backend,
-            timeout_s=BUDGET_S - TRAINING_RESERVE_S,
+            timeout_s=args.budget_s - TRAINING_RESERVE_S,
         )[0]
     except Exception as err:  # a rank that died or ran out of time: keep what it finished
         finished = [json.loads(line) for line in progress.read_text().splitlines()]
         stopped = {"name": "rank checks", "ok": False, "error": f"{type(err).__name__}: {err}"}
         report = {"device": args.device, "backend": args.backend, "checks": [*finished, stopped]}
     report["checks"] += _training(
-        args.device, args.backend, args.train_steps, deadline=started + BUDGET_S
+        args.device, args.backend, args.train_steps, deadline=started + args.budget_s
     )
     report["torch"] = torch.__version__
     failed = [c["name"] for c in report["checks"] if not c["ok"]]

@@ -9,7 +9,9 @@
 Every command that writes ``--json`` writes a list of records (or one record, for ``train``
 and ``tune``); the record's keys say which command made it, and this command prints the same
 columns that command prints, so the tables in ``docs/`` and ``benchmarks/`` are generated
-from the raw data instead of typed. A value an older record lacks prints as ``-``.
+from the raw data instead of typed. A value an older record lacks prints as ``-``. The one-GPU
+check (``benchmarks/device/gpu_check.sh``) writes one object of checks; it renders as one row
+per check.
 """
 
 from __future__ import annotations
@@ -100,6 +102,19 @@ VALIDATION_COLUMNS: tuple[Column, ...] = (
 )
 
 
+#: ``benchmarks/device/gpu_check.sh``: one row per check (a relative error and a step time where
+#: the check timed a gradient exchange).
+GPU_CHECK_COLUMNS: tuple[Column, ...] = (
+    ("check", lambda r: r["name"]),
+    ("result", lambda r: "ok" if r["ok"] else f"FAILED: {r['error']}"),
+    ("device", lambda r: r["device"]),
+    ("rel_error", lambda r: f"{r['relative_error']:.3g}"),
+    ("step_ms", lambda r: f"{r['step_ms']:.2f}"),
+    ("ms/MB", lambda r: f"{r['ms_per_mb']:.3f}"),
+    ("check_s", lambda r: f"{r['seconds']:.2f}"),
+)
+
+
 def _collective_columns() -> Sequence[Column]:
     from commfuse.bench.table import COLLECTIVE_COLUMNS
 
@@ -133,6 +148,8 @@ def kind_of(data: Any) -> str:
     if isinstance(data, dict):
         if "intra" in data and "inter" in data:
             return "tune"
+        if {"checks", "device", "backend", "failed"} <= set(data):
+            return "gpu check"
         if "strategy" in data and "step_time_s" in data:
             return "train"
     elif isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
@@ -158,7 +175,8 @@ def kind_of(data: Any) -> str:
             return "simulate --validate"
     raise ValueError(
         "not a commfuse result: expected the --json output of bench, compare, train, tune or "
-        "simulate (a list of records, or one record for train and tune)"
+        "simulate (a list of records, or one record for train and tune), or a GPU check's "
+        "gpu_check.json"
     )
 
 
@@ -294,6 +312,8 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
         return _validation_table(data, markdown)
     if kind == "train":
         return _table([data], TRAIN_COLUMNS, markdown)
+    if kind == "gpu check":
+        return _table(data["checks"], GPU_CHECK_COLUMNS, markdown)
     rows = [{"link": link, **data[link]} for link in ("intra", "inter")]
     return _table(rows, PROFILE_COLUMNS, markdown)
 
