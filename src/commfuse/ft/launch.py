@@ -65,6 +65,7 @@ from commfuse.ft.config import (
 )
 from commfuse.ft.lighthouse import start_lighthouse
 from commfuse.ft.periods import ft_mode
+from commfuse.ft.progress import floor_message
 from commfuse.ft.replica import ReplicaJob, run_replica, send
 from commfuse.train.loop import TrainConfig, init_from_step
 from commfuse.train.strategy import describe_strategy
@@ -126,6 +127,8 @@ class _Life:
     """False while a spare waits for its start."""
     rank: int = 0
     """Its rank in the replica group."""
+    exited: bool = False
+    """Its pipe closed: the process is gone."""
 
 
 @dataclass
@@ -457,6 +460,10 @@ class _Supervisor:
     """host -> when its link comes back up."""
     periodic: list[tuple[float, KillEveryFault, Iterator[int]]] = field(default_factory=list)
     """(when the next kill comes, the fault, its hosts), from the go on."""
+    held: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(replica group, life) -> the steps it has committed (its reported step + 1)."""
+    told: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(replica group, life) -> the progress floor last sent to it, while it is below it."""
 
     def turn(self, now: float) -> None:
         """Cuts and restarts that are due, the end of lonely replicas, then one message."""
@@ -479,6 +486,34 @@ class _Supervisor:
             self._exited(life)
         else:
             self._message(life, message[0], message[1], now)
+        if self.told:
+            self._lower_floors()
+
+    def _floor(self) -> int:
+        """The progress floor (``progress.py``): the most steps a live life has committed."""
+        alive = {(e.replica, e.life) for e in self.job.lives if _alive(e)}
+        return max((n for key, n in self.held.items() if key in alive), default=0)
+
+    def _go(self, life: _Life) -> None:
+        """Tell ``life`` to go, and its progress floor (one value for all of a group's ranks:
+        they must agree on it, ``replica._behind``)."""
+        key = (life.replica, life.life)
+        floor = self.told.setdefault(key, self._floor() if life.life > 0 else 0)
+        life.conn.send_bytes(b"go")
+        life.conn.send_bytes(floor_message(floor))
+
+    def _lower_floors(self) -> None:
+        """Tell each waiting life a floor lowered by a death, so its wait ends; forget the
+        lives that reached theirs, or are gone."""
+        floor = self._floor()
+        for key, told in list(self.told.items()):
+            ranks = [e for e in _ranks_of(self.job, *key) if _alive(e)]
+            if not ranks or self.held.get(key, 0) >= told:
+                del self.told[key]
+            elif floor < told:
+                self.told[key] = floor
+                for rank in ranks:
+                    rank.conn.send_bytes(floor_message(floor))
 
     def _links(self, now: float) -> None:
         for at, cut in [c for c in self.cuts if c[0] <= now]:
@@ -545,6 +580,7 @@ class _Supervisor:
 
     def _exited(self, life: _Life) -> None:
         """``life``'s pipe closed: its process is gone."""
+        life.exited = True
         life.proc.join(timeout=10)
         code = life.proc.exitcode
         group = _ranks_of(self.job, life.replica, life.life)
@@ -564,7 +600,7 @@ class _Supervisor:
             life.ready |= kind == "ready"
             life.built = True
             if self.went and kind == "ready":
-                life.conn.send_bytes(b"go")
+                self._go(life)
             elif not self.went and all(e.built for e in self.job.lives):
                 # Every replica joined the lighthouse and every spare is built: the first
                 # quorum holds everyone, and no fault comes before its replacement is ready.
@@ -584,9 +620,12 @@ class _Supervisor:
                 self._links(now)
                 for entry in self.job.lives:
                     if entry.ready:
-                        entry.conn.send_bytes(b"go")
+                        self._go(entry)
         elif kind == "step":
             self.job.records.append({"replica": life.replica, "life": life.life, **body})
+            if body["committed"]:
+                key = (life.replica, life.life)
+                self.held[key] = max(self.held.get(key, 0), body["step"] + 1)
         elif kind == "kill":
             # The group's first rank kills itself; the group is one failure unit.
             _kill_lives(_ranks_of(self.job, life.replica, life.life), body["t"])
@@ -613,6 +652,11 @@ def _current(job: _Job, replica: int) -> list[_Life]:
     spare still waiting)."""
     life = max(e.life for e in job.lives if e.replica == replica and e.launched)
     return _ranks_of(job, replica, life)
+
+
+def _alive(life: _Life) -> bool:
+    """Whether ``life`` runs: launched, not killed, not exited."""
+    return life.launched and life.killed_at is None and not life.exited
 
 
 def _ranks_of(job: _Job, replica: int, life: int) -> list[_Life]:

@@ -112,6 +112,7 @@ from torch.nn.parallel import DistributedDataParallel
 from commfuse.ft.config import KillFault
 from commfuse.ft.init_from import load_init_from
 from commfuse.ft.periods import ft_periodic_config, sync_points
+from commfuse.ft.progress import BehindTheRun, behind_the_run, read_floor
 from commfuse.ft.replica import (
     ReplicaJob,
     init_group_process_group,
@@ -365,9 +366,12 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     send(conn, ("ready", {"replica": job.replica, "life": job.life}))
     if conn.recv_bytes() != b"go":
         raise RuntimeError("the launcher did not say go")
+    # The progress floor (progress.py) follows the go; a death may lower it later.
+    floor = start_floor = read_floor(conn, wait=True)
     try:
         while manager.current_step() < len(points):
             t0 = time.monotonic()
+            floor = read_floor(conn, floor)
             # A retry's quorum is the failed one's survivors (see the module docstring).
             start_quorum_retrying(
                 manager, timeouts.period_quorum_timeout_s(step_s * longest), shrink_only=bool(kept)
@@ -380,6 +384,9 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             period = manager.current_step()
             begin, end = (points[period - 1] if period else 0), points[period]
             now["period"] = period
+            behind = behind_the_run(period, floor, start_floor, job.group_size)
+            if behind:  # it trains nothing, and its exchanges are abandoned below
+                manager.report_error(BehindTheRun(period, floor))
             if manager.errored() is None:  # else the group may not be built
                 comm.at_quorum(manager.participating_rank() or 0, process_group.members())
             participants, quorum_id = manager.num_participants(), process_group.quorum
@@ -410,8 +417,9 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             samples: list[int] | None = None
             trained = 0  # forward and backward passes of this attempt
             if manager.errored() is not None:
-                # Its recovery failed: this replica cannot train the period; the others'
-                # exchanges with it are abandoned now rather than at their timeout.
+                # Its recovery failed, or it is behind the run: this replica cannot train the
+                # period; the others' exchanges with it are abandoned now rather than at
+                # their timeout.
                 process_group.raise_alarm()
             elif periodic.step_count != (end - 1 if resume else begin):
                 raise RuntimeError(
@@ -511,9 +519,12 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "served_parts": served_now,
                         "bytes": quorum.bytes_sent - sent_before,
                         "error": None if error is None else str(error.original_exception),
+                        "behind": floor if behind else None,
                     },
                 ),
             )
+            if behind:
+                time.sleep(timeouts.heartbeat_interval_s)  # the next quorum, not a spin
         held_out = workload.evaluate(module) if job.train.evaluate else {}
         return {
             "replica": job.replica,

@@ -59,6 +59,7 @@ from commfuse.ft.data import global_batch_slice, loss_scale, sample_range
 from commfuse.ft.group_hook import GroupHookState, group_allreduce_hook
 from commfuse.ft.hook import FTHookState, ft_allreduce_hook
 from commfuse.ft.init_from import load_init_from
+from commfuse.ft.progress import BehindTheRun, behind_the_run, read_floor
 from commfuse.ft.require import require_torchft
 from commfuse.train.loop import TrainConfig, params_digest
 from commfuse.train.strategy import CommfuseDPConfig, StrategyConfig, TorchDDPConfig
@@ -450,9 +451,12 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     send(conn, ("ready", {"replica": job.replica, "life": job.life}))
     if conn.recv_bytes() != b"go":
         raise RuntimeError("the launcher did not say go")
+    # The progress floor (progress.py) follows the go; a death may lower it later.
+    floor = start_floor = read_floor(conn, wait=True)
     try:
         while manager.current_step() < job.train.steps:
             t0 = time.monotonic()
+            floor = read_floor(conn, floor)
             # The step's batch as the last quorum would have it; the forward runs on it while
             # the quorum is asked for, and again only if the quorum changed the batch.
             guess = _step_share(manager, job)
@@ -480,7 +484,10 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                 torch.set_rng_state(rng)
             laid_out = True  # by now, or by this step's backward
             step_now, samples, scale = share = _step_share(manager, job)
-            again = healed or share != guess
+            behind = behind_the_run(manager.current_step(), floor, start_floor, job.group_size)
+            if behind:
+                manager.report_error(BehindTheRun(step_now, floor))
+            again = (healed or share != guess) and not behind
             if again:  # the batch is built again only when the quorum changed it
                 optimizer.zero_grad(set_to_none=True)
                 loss = workload.loss(ddp, _share_batch(workload, job, step_now, samples))
@@ -491,7 +498,8 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             saved = undo_point()
             t_saved = time.monotonic()
             sent_before = wired.bytes_sent
-            (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
+            if not behind:  # a replica behind the run sends nothing: its quorum fails
+                (loss * scale if scale != 1.0 else loss).backward()  # type: ignore[no-untyped-call]
             participants, quorum = manager.num_participants(), process_group.quorum
             t_backward = time.monotonic()
             committed = manager.should_commit()
@@ -527,9 +535,12 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         "samples": samples,
                         "bytes": wired.bytes_sent - sent_before,
                         "error": None if error is None else str(error.original_exception),
+                        "behind": floor if behind else None,
                     },
                 ),
             )
+            if behind:
+                time.sleep(job.ft.timeouts.heartbeat_interval_s)  # the next quorum, not a spin
         held_out = workload.evaluate(module) if job.train.evaluate else {}
         return {
             "replica": job.replica,

@@ -1,0 +1,80 @@
+"""The progress floor: a restarted replica never trains from behind a live replica's step.
+
+torchft's lighthouse forms a quorum of the replicas that ask for one, and the quorum's step is
+the highest its members hold (``max_step``). A replica restarted from nothing holds step 0. If
+two such replicas meet while every replica holding the run's progress is held out of the
+quorum (its link is down, or it is stuck in a collective with a peer that died), their quorum's
+step is 0 and they would train the run's first steps again. When the held-out replica comes
+back, the next quorum takes the step of whichever side is ahead: the other side's steps are
+thrown away, either the held-out replica's progress or the restarted ones' repeated work, and
+the run's samples are trained twice.
+
+The launcher knows what no quorum does: every replica's committed step (each reports its
+steps) and which replicas are alive. It tells each restarted life the **progress floor**, the
+highest step that a live replica has committed. A replica whose quorum's step is below its
+floor does not train the step: it reports the attempt as a wait (``behind``), votes against
+committing, and asks for a quorum again, until the replica holding the progress is in its
+quorum and it has recovered that replica's state. If every replica at the floor dies while
+others wait, the launcher lowers the floor to the highest step still alive, so the wait always
+ends: progress that no live replica holds is gone, and the survivors go on from theirs.
+
+The floor only moves down after it is sent (a death lowers it); a life that has reached it
+needs it no more. Messages go down the launcher's pipe as ``("floor", step)``: one right after
+every ``go`` (0 for the run's first lives), then whenever a death lowers it; the replica reads
+them between steps without waiting (``read_floor``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+
+def read_floor(conn: Connection, floor: int = 0, *, wait: bool = False) -> int:
+    """The latest progress floor the launcher sent on ``conn`` (``floor`` if none is waiting).
+    With ``wait``, the one that follows the go first (the launcher sends one with every go)."""
+    if wait:
+        conn.poll(None)
+    while conn.poll(0):
+        kind, step = pickle.loads(conn.recv_bytes())
+        if kind != "floor":
+            raise RuntimeError(f"unexpected message from the launcher: {kind!r}")
+        floor = int(step)
+    return floor
+
+
+def floor_message(step: int) -> bytes:
+    """What the launcher sends to tell a life its progress floor."""
+    return pickle.dumps(("floor", step), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class BehindTheRun(RuntimeError):
+    """This replica's quorum is at an older step than a live replica holds (module
+    docstring): the step is not trained."""
+
+    def __init__(self, quorum_step: int, floor: int) -> None:
+        super().__init__(
+            f"the quorum's step {quorum_step} is behind step {floor}, which a live replica "
+            "holds: waiting for it to join the quorum"
+        )
+
+
+def behind_the_run(step: int, floor: int, start_floor: int, group_size: int) -> bool:
+    """Whether a quorum at ``step`` is behind the progress floor ``floor``, the same answer on
+    every rank of a replica group of ``group_size`` (its first rank's). ``start_floor`` is the
+    floor sent with the go.
+
+    The ranks of a group may hear a lowered floor at slightly different times, and must not
+    split (one training, one waiting), so the first rank decides; whether they ask it depends
+    only on what they share: the floor sent with the go (one value for the group) and the
+    quorum's step.
+    """
+    behind = step < floor
+    if group_size > 1 and step < start_floor:
+        flag = torch.tensor([int(behind)])
+        dist.broadcast(flag, src=0)  # the replica group's own process group
+        behind = bool(flag.item())
+    return behind

@@ -1,0 +1,112 @@
+"""Restarted replicas never train from behind the progress a live replica holds.
+
+torchft's lighthouse forms a quorum of whoever asks, and the quorum's step is the highest its
+members hold. Two replicas restarted from nothing can therefore meet while the one replica
+holding the run's progress is held out (its link down, or stuck in a collective with a dead
+peer): their quorum's step is 0, and they would train the run's first steps again. When the
+held-out replica comes back, the quorum takes whichever side is ahead and the other side's
+steps are thrown away, progress or repeated samples.
+
+The scenario, on the emulated network: replicas 0 and 1 are killed at step 10 and restarted
+after 2.5 s; replica 2 trains on alone, then its link goes down for 6 s, and the two restarted
+replicas meet without it. They must wait for it (the launcher tells each restarted life the
+highest step a live replica has committed), then recover its state and go on from its step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from commfuse.cluster import Topology
+from commfuse.ft import CutFault, FaultToleranceConfig, KillFault, run_fault_tolerant
+from commfuse.train.loop import TrainConfig
+from commfuse.workloads import CharLMOptions
+
+WORKLOAD = CharLMOptions(dim=32, layers=2, heads=2, seq=16, batch=4)
+
+
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["per-step", "per-period"])
+def test_restarted_replicas_wait_for_the_progress_a_cut_off_replica_holds(mode: str) -> None:
+    from commfuse.localsgd import diloco
+
+    kills = tuple(
+        KillFault(host=h, at_step=10, phase="compute", restart_after_s=2.5) for h in (0, 1)
+    )
+    cut = CutFault(host=2, at_s=2.0, for_s=6.0)
+    steps = 1000  # replica 2 alone must not finish before its link goes down
+    config = TrainConfig(workload=WORKLOAD, steps=steps, evaluate=False)
+    if mode == "per-period":  # a record's step is then the period (an exchange every 10 steps)
+        config = dataclasses.replace(config, strategy=diloco(H=10))
+    record = run_fault_tolerant(
+        config,
+        FaultToleranceConfig(faults=(*kills, cut), min_replicas=1, timeout_s=1.0),
+        Topology(num_hosts=3, link_mbit=1000),
+        timeout_s=200,
+    )
+    records: list[dict[str, Any]] = record["records"]
+    (cut_event,) = [e for e in record["events"] if e["kind"] == "cut"]
+    # What replica 2 held when its link went down: its committed steps by then.
+    held = 1 + max(
+        r["step"]
+        for r in records
+        if r["replica"] == 2 and r["committed"] and r["t"] <= cut_event["t"]
+    )
+    assert held > (10 if mode == "per-step" else 1), held  # it trained on alone after the kills
+    restarted = [r for r in records if r["life"] >= 1 and r["committed"]]
+    assert restarted, "the restarted replicas never committed a step"
+    # No restarted replica trained a step that the cut-off replica already held.
+    assert min(r["step"] for r in restarted) >= held, sorted(r["step"] for r in restarted)[:5]
+    # They waited, and said so, instead of training from step 0.
+    assert record["progress_waits"] > 0
+    assert record["samples_duplicated"] == 0
+    assert record["committed_steps"] == steps and record["replicas_agree"]
+
+
+def _life(replica: int, life: int) -> tuple[Any, Any]:
+    """A launcher's entry for one life and the replica's end of its pipe (no process: the
+    supervisor's floor bookkeeping reads only the entry and writes only the pipe)."""
+    from multiprocessing import Pipe
+
+    from commfuse.ft.launch import _Life
+
+    ours, theirs = Pipe(duplex=True)
+    return _Life(replica=replica, life=life, proc=None, conn=ours, log=""), theirs  # type: ignore[arg-type]
+
+
+def test_a_waiting_replica_hears_the_floor_fall_when_the_replica_holding_it_dies() -> None:
+    from commfuse.ft.config import FaultToleranceConfig
+    from commfuse.ft.launch import GroupLayout, _Job, _Supervisor
+    from commfuse.ft.progress import read_floor
+
+    job = _Job()
+    holder, _ = _life(2, 0)  # committed 265 steps, then was cut off
+    other, _ = _life(1, 0)  # committed 40 steps, alive
+    fresh, fresh_end = _life(0, 1)  # restarted while the holder was cut off
+    job.lives = [holder, other, fresh]
+    supervisor = _Supervisor(
+        job=job, ft=FaultToleranceConfig(), num=3, spares={}, start=lambda r, lf: [],
+        lab=None, layout=GroupLayout(group_size=1, ranks_per_host=1),
+    )  # fmt: skip
+    supervisor.went = True
+    for life, step in ((holder, 264), (other, 39)):
+        supervisor._message(life, "step", {"step": step, "committed": True}, now=0.0)
+    supervisor._message(fresh, "ready", {}, now=0.0)
+    assert fresh_end.recv_bytes() == b"go"
+    assert read_floor(fresh_end, wait=True) == 265
+    supervisor._lower_floors()  # nothing changed: nothing sent
+    assert not fresh_end.poll(0)
+    holder.exited = True  # it died before it came back: its 265 steps are gone
+    supervisor._lower_floors()
+    assert read_floor(fresh_end) == 40  # the most a live replica holds
+    other.killed_at = 1.0
+    supervisor._lower_floors()
+    assert read_floor(fresh_end) == 0  # nobody alive is ahead of it: it trains
+    supervisor._message(fresh, "step", {"step": 0, "committed": True}, now=2.0)
+    supervisor._lower_floors()
+    assert supervisor.told == {}  # it reached its floor: no more messages
