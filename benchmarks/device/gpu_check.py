@@ -149,7 +149,11 @@ def _compressors(comm: Any, width: int, repeats: int) -> list[dict[str, Any]]:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
         model = _model(width, device)
-        ddp = nn.parallel.DistributedDataParallel(model)
+        # On gloo (the dry run) torch's hook runs with one bucket only: with several, the
+        # collectives its callbacks start meet in a different order on different threads
+        # (docs/torch-hooks-on-gloo.md), and even one rank waits for ever.
+        one_bucket = {"bucket_cap_mb": 2**14} if comm.backend == "gloo" else {}
+        ddp = nn.parallel.DistributedDataParallel(model, **one_bucket)
         state = ps.PowerSGDState(
             process_group=None,
             matrix_approximation_rank=8,
