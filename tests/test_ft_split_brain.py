@@ -31,7 +31,7 @@ WORKLOAD = CharLMOptions(dim=32, layers=2, heads=2, seq=16, batch=4)
 @pytest.mark.netlab
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["per-step", "per-period"])
+@pytest.mark.parametrize("mode", ["per-step", "per-period", "per-step-groups"])
 def test_restarted_replicas_wait_for_the_progress_a_cut_off_replica_holds(mode: str) -> None:
     from commfuse.localsgd import diloco
 
@@ -43,12 +43,17 @@ def test_restarted_replicas_wait_for_the_progress_a_cut_off_replica_holds(mode: 
     config = TrainConfig(workload=WORKLOAD, steps=steps, evaluate=False)
     if mode == "per-period":  # a record's step is then the period (an exchange every 10 steps)
         config = dataclasses.replace(config, strategy=diloco(H=10))
+    # Replica groups of two ranks, one group to a host: a group's ranks wait as one.
+    groups = mode.endswith("groups")
     record = run_fault_tolerant(
         config,
-        FaultToleranceConfig(faults=(*kills, cut), min_replicas=1, timeout_s=1.0),
-        Topology(num_hosts=3, link_mbit=1000),
+        FaultToleranceConfig(
+            faults=(*kills, cut), min_replicas=1, timeout_s=1.0,
+            num_replica_groups=3 if groups else None,
+        ),
+        Topology(num_hosts=3, ranks_per_host=2 if groups else 1, link_mbit=1000),
         timeout_s=200,
-    )
+    )  # fmt: skip
     records: list[dict[str, Any]] = record["records"]
     (cut_event,) = [e for e in record["events"] if e["kind"] == "cut"]
     # What replica 2 held when its link went down: its committed steps by then.

@@ -384,7 +384,9 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             period = manager.current_step()
             begin, end = (points[period - 1] if period else 0), points[period]
             now["period"] = period
-            behind = behind_the_run(period, floor, start_floor, job.group_size)
+            behind = behind_the_run(
+                period, floor, start_floor, job.group_size, periodic.params[0].device
+            )
             if behind:  # it trains nothing, and its exchanges are abandoned below
                 manager.report_error(BehindTheRun(period, floor))
             if manager.errored() is None:  # else the group may not be built

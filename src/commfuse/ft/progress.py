@@ -62,10 +62,12 @@ class BehindTheRun(RuntimeError):
         )
 
 
-def behind_the_run(step: int, floor: int, start_floor: int, group_size: int) -> bool:
+def behind_the_run(
+    step: int, floor: int, start_floor: int, group_size: int, device: torch.device
+) -> bool:
     """Whether a quorum at ``step`` is behind the progress floor ``floor``, the same answer on
-    every rank of a replica group of ``group_size`` (its first rank's). ``start_floor`` is the
-    floor sent with the go.
+    every rank of a replica group of ``group_size`` (its first rank's, broadcast on the group's
+    process group from a flag on ``device``). ``start_floor`` is the floor sent with the go.
 
     The ranks of a group may hear a lowered floor at slightly different times, and must not
     split (one training, one waiting), so the first rank decides; whether they ask it depends
@@ -74,7 +76,7 @@ def behind_the_run(step: int, floor: int, start_floor: int, group_size: int) -> 
     """
     behind = step < floor
     if group_size > 1 and step < start_floor:
-        flag = torch.tensor([int(behind)])
+        flag = torch.tensor([int(behind)], device=device)
         dist.broadcast(flag, src=0)  # the replica group's own process group
         behind = bool(flag.item())
     return behind
