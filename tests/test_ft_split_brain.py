@@ -99,19 +99,63 @@ def test_a_waiting_replica_hears_the_floor_fall_when_the_replica_holding_it_dies
         lab=None, layout=GroupLayout(group_size=1, ranks_per_host=1),
     )  # fmt: skip
     supervisor.went = True
+    holder.going = other.going = True  # told to go at the start
     for life, step in ((holder, 264), (other, 39)):
         supervisor._message(life, "step", {"step": step, "committed": True}, now=0.0)
     supervisor._message(fresh, "ready", {}, now=0.0)
     assert fresh_end.recv_bytes() == b"go"
     assert read_floor(fresh_end, wait=True) == 265
-    supervisor._lower_floors()  # nothing changed: nothing sent
+    supervisor._update_floors()  # nothing changed: nothing sent
     assert not fresh_end.poll(0)
+    assert supervisor.told == {(0, 1): 265, (1, 0): 265}  # the other one is behind too
     holder.exited = True  # it died before it came back: its 265 steps are gone
-    supervisor._lower_floors()
+    supervisor._update_floors()
     assert read_floor(fresh_end) == 40  # the most a live replica holds
     other.killed_at = 1.0
-    supervisor._lower_floors()
+    supervisor._update_floors()
     assert read_floor(fresh_end) == 0  # nobody alive is ahead of it: it trains
     supervisor._message(fresh, "step", {"step": 0, "committed": True}, now=2.0)
-    supervisor._lower_floors()
+    supervisor._update_floors()
     assert supervisor.told == {}  # it reached its floor: no more messages
+
+
+def test_a_replica_that_missed_steps_hears_the_floor_and_one_in_step_does_not() -> None:
+    from commfuse.ft.config import FaultToleranceConfig
+    from commfuse.ft.launch import FLOOR_LAG, GroupLayout, _Job, _Supervisor
+    from commfuse.ft.progress import read_floor
+
+    job = _Job()
+    ahead, _ = _life(0, 0)
+    in_step, in_step_end = _life(1, 0)
+    cut_off, cut_off_end = _life(2, 0)
+    job.lives = [ahead, in_step, cut_off]
+    supervisor = _Supervisor(
+        job=job, ft=FaultToleranceConfig(), num=3, spares={}, start=lambda r, lf: [],
+        lab=None, layout=GroupLayout(group_size=1, ranks_per_host=1),
+    )  # fmt: skip
+    supervisor.went = True
+    for life in job.lives:
+        supervisor._go(life)
+    for end in (in_step_end, cut_off_end):
+        assert end.recv_bytes() == b"go" and read_floor(end, wait=True) == 0
+
+    def commit(life: Any, step: int) -> None:
+        supervisor._message(life, "step", {"step": step, "committed": True}, now=0.0)
+        supervisor._update_floors()
+
+    # In one quorum the reports of a step arrive one after another: one step apart at most.
+    for step in range(5):
+        commit(ahead, step)
+        commit(in_step, step)
+        commit(cut_off, step)
+    assert not in_step_end.poll(0) and not cut_off_end.poll(0)
+    # The cut-off replica misses steps the others commit: once it is FLOOR_LAG behind, it is
+    # told the floor, once.
+    for step in range(5, 5 + FLOOR_LAG + 2):
+        commit(ahead, step)
+        commit(in_step, step)
+    assert read_floor(cut_off_end) == 5 + FLOOR_LAG
+    assert not in_step_end.poll(0) and not cut_off_end.poll(0)
+    # It recovers the others' state and commits their step: it needs the floor no more.
+    commit(cut_off, 5 + FLOOR_LAG + 1)
+    assert supervisor.told == {} and not cut_off_end.poll(0)

@@ -129,6 +129,8 @@ class _Life:
     """Its rank in the replica group."""
     exited: bool = False
     """Its pipe closed: the process is gone."""
+    going: bool = False
+    """Told to go: it trains, and reads progress floors (``progress.py``)."""
 
 
 @dataclass
@@ -427,6 +429,11 @@ class GroupLayout:
         return {"replica": groups[0], "groups": groups, "host": host}
 
 
+#: Committed steps a live life must be behind the progress floor to be told it (``_Supervisor.
+#: _update_floors``).
+FLOOR_LAG = 2
+
+
 @dataclass
 class _Supervisor:
     """The launcher's loop, one ``turn`` at a time.
@@ -486,8 +493,7 @@ class _Supervisor:
             self._exited(life)
         else:
             self._message(life, message[0], message[1], now)
-        if self.told:
-            self._lower_floors()
+        self._update_floors()
 
     def _floor(self) -> int:
         """The progress floor (``progress.py``): the most steps a live life has committed."""
@@ -495,22 +501,41 @@ class _Supervisor:
         return max((n for key, n in self.held.items() if key in alive), default=0)
 
     def _go(self, life: _Life) -> None:
-        """Tell ``life`` to go, and its progress floor (one value for all of a group's ranks:
-        they must agree on it, ``replica._behind``)."""
+        """Tell ``life`` to go, and its progress floor (a restarted life's: the floor; one
+        value for all of a group's ranks)."""
         key = (life.replica, life.life)
         floor = self.told.setdefault(key, self._floor() if life.life > 0 else 0)
         life.conn.send_bytes(b"go")
         life.conn.send_bytes(floor_message(floor))
+        life.going = True
 
-    def _lower_floors(self) -> None:
-        """Tell each waiting life a floor lowered by a death, so its wait ends; forget the
-        lives that reached theirs, or are gone."""
+    def _update_floors(self) -> None:
+        """Tell the progress floor to each live life that fell behind it, lower a told floor
+        that a death lowered (so a wait ends), and forget the lives that reached theirs.
+
+        A life is behind when it has committed at least ``FLOOR_LAG`` steps fewer than the
+        floor: replicas of one quorum commit each step together, so their reports differ by
+        one step at most; two mean it missed a step of a quorum that went on without it (a
+        cut link, a stall). It is told once, and again only after it reached that floor.
+        """
+        if not self.went:
+            return
         floor = self._floor()
-        for key, told in list(self.told.items()):
-            ranks = [e for e in _ranks_of(self.job, *key) if _alive(e)]
-            if not ranks or self.held.get(key, 0) >= told:
+        lives: dict[tuple[int, int], list[_Life]] = {}
+        for e in self.job.lives:
+            if _alive(e) and e.going:
+                lives.setdefault((e.replica, e.life), []).append(e)
+        for key in list(self.told):
+            if key not in lives or self.held.get(key, 0) >= self.told[key]:
                 del self.told[key]
-            elif floor < told:
+        for key, ranks in lives.items():
+            held = self.held.get(key, 0)
+            told = self.told.get(key)
+            if told is not None and floor < told:
+                send = True  # lowered by a death
+            else:
+                send = told is None and held + FLOOR_LAG <= floor
+            if send:
                 self.told[key] = floor
                 for rank in ranks:
                     rank.conn.send_bytes(floor_message(floor))

@@ -367,7 +367,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     if conn.recv_bytes() != b"go":
         raise RuntimeError("the launcher did not say go")
     # The progress floor (progress.py) follows the go; a death may lower it later.
-    floor = start_floor = read_floor(conn, wait=True)
+    floor = read_floor(conn, wait=True)
     try:
         while manager.current_step() < len(points):
             t0 = time.monotonic()
@@ -384,9 +384,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             period = manager.current_step()
             begin, end = (points[period - 1] if period else 0), points[period]
             now["period"] = period
-            behind = behind_the_run(
-                period, floor, start_floor, job.group_size, periodic.params[0].device
-            )
+            behind = behind_the_run(period, floor, job.group_size, periodic.params[0].device)
             if behind:  # it trains nothing, and its exchanges are abandoned below
                 manager.report_error(BehindTheRun(period, floor))
             if manager.errored() is None:  # else the group may not be built

@@ -1,27 +1,31 @@
-"""The progress floor: a restarted replica never trains from behind a live replica's step.
+"""The progress floor: no replica trains from behind the step a live replica holds.
 
 torchft's lighthouse forms a quorum of the replicas that ask for one, and the quorum's step is
-the highest its members hold (``max_step``). A replica restarted from nothing holds step 0. If
-two such replicas meet while every replica holding the run's progress is held out of the
-quorum (its link is down, or it is stuck in a collective with a peer that died), their quorum's
-step is 0 and they would train the run's first steps again. When the held-out replica comes
-back, the next quorum takes the step of whichever side is ahead: the other side's steps are
-thrown away, either the held-out replica's progress or the restarted ones' repeated work, and
-the run's samples are trained twice.
+the highest its members hold (``max_step``). A replica restarted from nothing holds step 0; one
+whose link was down holds the step it was cut off at. If such replicas meet while every
+replica holding the run's progress is held out of the quorum (its own link down, or stuck in a
+collective with a peer that died), their quorum's step is behind and they would train steps
+the run already has. When the held-out replica comes back, the next quorum takes the step of
+whichever side is ahead: the other side's steps are thrown away, either the held-out replica's
+progress or the others' repeated work, and the run's samples are trained twice.
 
 The launcher knows what no quorum does: every replica's committed step (each reports its
-steps) and which replicas are alive. It tells each restarted life the **progress floor**, the
-highest step that a live replica has committed. A replica whose quorum's step is below its
-floor does not train the step: it reports the attempt as a wait (``behind``), votes against
-committing, and asks for a quorum again, until the replica holding the progress is in its
-quorum and it has recovered that replica's state. If every replica at the floor dies while
-others wait, the launcher lowers the floor to the highest step still alive, so the wait always
-ends: progress that no live replica holds is gone, and the survivors go on from theirs.
+steps) and which replicas are alive. The **progress floor** is the highest step that a live
+replica has committed. The launcher tells it to each restarted life with its go, and to any
+live replica that falls ``FLOOR_LAG`` committed steps behind it (``launch._Supervisor.
+_update_floors``; replicas of one quorum report each step within one of each other). A
+replica whose quorum's step is below its floor does not train the step: it reports the
+attempt as a wait (``behind``), votes against committing, sends nothing (so the quorum's
+other members fail the step too), and asks for a quorum again, until a replica holding the
+progress is in its quorum and it has recovered that replica's state. If every replica at the
+floor dies while others wait, the launcher lowers their floor to the highest step still
+alive, so the wait always ends: progress that no live replica holds is gone, and the
+survivors go on from theirs.
 
-The floor only moves down after it is sent (a death lowers it); a life that has reached it
-needs it no more. Messages go down the launcher's pipe as ``("floor", step)``: one right after
-every ``go`` (0 for the run's first lives), then whenever a death lowers it; the replica reads
-them between steps without waiting (``read_floor``).
+Messages go down the launcher's pipe as ``("floor", step)``: one right after every ``go`` (0
+for the run's first lives), then when a replica falls behind or a death lowers its floor; the
+replica reads them between steps without waiting (``read_floor``). The ranks of a replica
+group decide as one (``behind_the_run``).
 """
 
 from __future__ import annotations
@@ -62,21 +66,15 @@ class BehindTheRun(RuntimeError):
         )
 
 
-def behind_the_run(
-    step: int, floor: int, start_floor: int, group_size: int, device: torch.device
-) -> bool:
+def behind_the_run(step: int, floor: int, group_size: int, device: torch.device) -> bool:
     """Whether a quorum at ``step`` is behind the progress floor ``floor``, the same answer on
-    every rank of a replica group of ``group_size`` (its first rank's, broadcast on the group's
-    process group from a flag on ``device``). ``start_floor`` is the floor sent with the go.
-
-    The ranks of a group may hear a lowered floor at slightly different times, and must not
-    split (one training, one waiting), so the first rank decides; whether they ask it depends
-    only on what they share: the floor sent with the go (one value for the group) and the
-    quorum's step.
+    every rank of a replica group of ``group_size``: its first rank's, broadcast on the group's
+    own process group (from a flag on ``device``) at every step, since the group's ranks may
+    hear a floor at slightly different times and must not split (one training, one waiting).
     """
     behind = step < floor
-    if group_size > 1 and step < start_floor:
+    if group_size > 1:
         flag = torch.tensor([int(behind)], device=device)
-        dist.broadcast(flag, src=0)  # the replica group's own process group
+        dist.broadcast(flag, src=0)
         behind = bool(flag.item())
     return behind

@@ -452,7 +452,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     if conn.recv_bytes() != b"go":
         raise RuntimeError("the launcher did not say go")
     # The progress floor (progress.py) follows the go; a death may lower it later.
-    floor = start_floor = read_floor(conn, wait=True)
+    floor = read_floor(conn, wait=True)
     try:
         while manager.current_step() < job.train.steps:
             t0 = time.monotonic()
@@ -484,9 +484,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                 torch.set_rng_state(rng)
             laid_out = True  # by now, or by this step's backward
             step_now, samples, scale = share = _step_share(manager, job)
-            behind = behind_the_run(
-                manager.current_step(), floor, start_floor, job.group_size, device
-            )
+            behind = behind_the_run(manager.current_step(), floor, job.group_size, device)
             if behind:
                 manager.report_error(BehindTheRun(step_now, floor))
             again = (healed or share != guess) and not behind
