@@ -54,12 +54,16 @@ _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
 
 
-def generator_for(*keys: int) -> torch.Generator:
-    """A CPU generator seeded by a stable mix of ``keys`` (seed, step, bucket, rank...)."""
+def generator_for(*keys: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` seeded by a stable mix of ``keys`` (seed, step, bucket,
+    rank...): the same keys give the same draws on the same kind of device. Draw where the
+    numbers are used: a CUDA generator (Philox) draws other numbers than the CPU's (Mersenne
+    Twister) from the same seed, but drawing a message's worth on the CPU and copying it to a
+    GPU would put the CPU and a copy on every step's path."""
     value = 0x5EED
     for key in keys:
         value = ((value ^ (key & _MASK)) * _MIX + 0x632BE5AB) & _MASK
-    return torch.Generator().manual_seed(value)
+    return torch.Generator(device=device).manual_seed(value)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

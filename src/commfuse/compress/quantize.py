@@ -15,7 +15,8 @@ TernGrad and QSGD with s = 1 use 2 bits, s <= 7 4 bits, s <= 127 8 bits. Both ar
 so error feedback is off by default. ``ef=True`` is accepted only when the quantiser is a
 contraction, ``s**2 > chunk_numel`` (e.g. ``QSGD(levels=16, chunk_numel=64, ef=True)``): with a
 larger variance the residual grows without bound (never for TernGrad, whose s is 1). The rounding draws come from a
-generator seeded by (seed, step, bucket, rank): independent across ranks, reproducible.
+generator on the gradient's device seeded by (seed, step, bucket, rank): independent across
+ranks, reproducible on the same kind of device.
 """
 
 from __future__ import annotations
@@ -79,8 +80,10 @@ class _StochasticQuantizer(MessageCompressor):
         else:
             norms = torch.linalg.vector_norm(chunks, dim=1)
         safe = torch.where(norms > 0, norms, torch.ones_like(norms)).unsqueeze(1)
-        gen = generator_for(self.seed, step, bucket, rank)  # CPU: the same draws on any device
-        uniform = torch.rand(chunks.shape, generator=gen, device="cpu").to(x.device)
+        # A draw per element, on the gradient's device: drawn on the CPU and copied over, they
+        # would put the CPU and a copy of the message's size on a GPU's every step.
+        gen = generator_for(self.seed, step, bucket, rank, device=x.device)
+        uniform = torch.rand(chunks.shape, generator=gen, device=x.device)
         # |x| / norm <= 1, so levels stay within 0..s (the clamp guards float rounding only).
         level = torch.floor(chunks.abs() / safe * s + uniform).clamp_(0, s)
         codes = (torch.sign(chunks) * level + s).reshape(-1)[:numel].to(torch.uint8)
