@@ -84,21 +84,28 @@ def _life(replica: int, life: int) -> tuple[Any, Any]:
     return _Life(replica=replica, life=life, proc=None, conn=ours, log=""), theirs  # type: ignore[arg-type]
 
 
-def test_a_waiting_replica_hears_the_floor_fall_when_the_replica_holding_it_dies() -> None:
+def _supervisor(*lives: Any) -> Any:
+    """The launcher's loop over ``lives``, after the go of the run's first lives."""
     from commfuse.ft.config import FaultToleranceConfig
     from commfuse.ft.launch import GroupLayout, _Job, _Supervisor
-    from commfuse.ft.progress import read_floor
 
     job = _Job()
-    holder, _ = _life(2, 0)  # committed 265 steps, then was cut off
-    other, _ = _life(1, 0)  # committed 40 steps, alive
-    fresh, fresh_end = _life(0, 1)  # restarted while the holder was cut off
-    job.lives = [holder, other, fresh]
+    job.lives = list(lives)
     supervisor = _Supervisor(
         job=job, ft=FaultToleranceConfig(), num=3, spares={}, start=lambda r, lf: [],
         lab=None, layout=GroupLayout(group_size=1, ranks_per_host=1),
     )  # fmt: skip
     supervisor.went = True
+    return supervisor
+
+
+def test_a_waiting_replica_hears_the_floor_fall_when_the_replica_holding_it_dies() -> None:
+    from commfuse.ft.progress import read_floor
+
+    holder, _ = _life(2, 0)  # committed 265 steps, then was cut off
+    other, _ = _life(1, 0)  # committed 40 steps, alive
+    fresh, fresh_end = _life(0, 1)  # restarted while the holder was cut off
+    supervisor = _supervisor(holder, other, fresh)
     holder.going = other.going = True  # told to go at the start
     for life, step in ((holder, 264), (other, 39)):
         supervisor._message(life, "step", {"step": step, "committed": True}, now=0.0)
@@ -120,21 +127,14 @@ def test_a_waiting_replica_hears_the_floor_fall_when_the_replica_holding_it_dies
 
 
 def test_a_replica_that_missed_steps_hears_the_floor_and_one_in_step_does_not() -> None:
-    from commfuse.ft.config import FaultToleranceConfig
-    from commfuse.ft.launch import FLOOR_LAG, GroupLayout, _Job, _Supervisor
+    from commfuse.ft.launch import FLOOR_LAG
     from commfuse.ft.progress import read_floor
 
-    job = _Job()
     ahead, _ = _life(0, 0)
     in_step, in_step_end = _life(1, 0)
     cut_off, cut_off_end = _life(2, 0)
-    job.lives = [ahead, in_step, cut_off]
-    supervisor = _Supervisor(
-        job=job, ft=FaultToleranceConfig(), num=3, spares={}, start=lambda r, lf: [],
-        lab=None, layout=GroupLayout(group_size=1, ranks_per_host=1),
-    )  # fmt: skip
-    supervisor.went = True
-    for life in job.lives:
+    supervisor = _supervisor(ahead, in_step, cut_off)
+    for life in (ahead, in_step, cut_off):
         supervisor._go(life)
     for end in (in_step_end, cut_off_end):
         assert end.recv_bytes() == b"go" and read_floor(end, wait=True) == 0
