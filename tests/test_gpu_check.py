@@ -72,11 +72,11 @@ def test_dry_mode_runs_every_check_on_the_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_check_stopped_at_its_deadline_keeps_what_it_finished(tmp_path: Path) -> None:
-    # 160 s of budget leaves the rank's checks 10 s: enough for the collectives (a fraction of a
+    # 170 s of budget leaves the rank's checks 20 s: enough for the collectives (a fraction of a
     # second each), not for a compressor timed over 1000 steps of an 8 MB gradient. The
     # training checks still run in the 150 s kept for them.
     done = _run(str(tmp_path), "--device", "cpu", "--backend", "gloo", "--size-mb", "0.25",
-                "--width", "1024", "--repeats", "1000", "--budget-s", "160")  # fmt: skip
+                "--width", "1024", "--repeats", "1000", "--budget-s", "170")  # fmt: skip
     assert done.returncode == 1, done.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     names = [c["name"] for c in report["checks"]]
