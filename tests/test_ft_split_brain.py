@@ -159,3 +159,14 @@ def test_a_replica_that_missed_steps_hears_the_floor_and_one_in_step_does_not() 
     # It recovers the others' state and commits their step: it needs the floor no more.
     commit(cut_off, 5 + FLOOR_LAG + 1)
     assert supervisor.told == {} and not cut_off_end.poll(0)
+
+
+def test_the_run_summary_says_how_often_a_replica_waited_for_the_progress() -> None:
+    from commfuse.cli.train_ft import describe_ft_record
+
+    record = {
+        "committed_steps": 1000, "steps": 1000, "discarded_steps": 0, "samples_lost": 0,
+        "final_loss": 2.5, "wall_s": 20.0, "step_digests_agree": True, "events": [],
+    }  # fmt: skip
+    assert "waited" not in describe_ft_record(record)
+    assert "56 attempts waited" in describe_ft_record({**record, "progress_waits": 56})

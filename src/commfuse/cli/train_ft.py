@@ -101,10 +101,16 @@ def describe_ft_record(r: dict[str, Any]) -> str:
     good = r.get("goodput_steps_per_s")
     rate = "" if good is None else f", goodput {good:.2f} committed steps/s"
     batch = r.get("global_batch", "shrink")
+    waits = r.get("progress_waits") or 0
+    waited = (
+        f"; {waits} attempts waited for a replica holding the run's progress (progress floor)"
+        if waits
+        else ""
+    )
     lines = [
         f"{r['committed_steps']}/{r['steps']} steps committed{periods}, {r['discarded_steps']} "
         f"discarded, {r['samples_lost']} samples lost (global batch {batch}), "
-        f"final loss {r['final_loss']:.3f}{held}, {r['wall_s']:.1f} s{rate}"
+        f"final loss {r['final_loss']:.3f}{held}, {r['wall_s']:.1f} s{rate}{waited}"
         + ("" if r["step_digests_agree"] else "  (WARNING: replicas' parameters differ)")
     ]
     for e in r["events"]:
