@@ -13,9 +13,9 @@ those (and the launcher's record of kills and restarts) the run's record states:
   group's slot is lost when it did not commit the step (it was dead or recovering), counted
   also as ``batches_lost``; with ``fixed`` the survivors train it;
 * ``goodput_steps_per_s``: committed steps per second of training (``goodput.py``);
-* ``progress_waits``: attempts in which a restarted replica's quorum was behind the step a
-  live replica held, so it waited for that replica instead of training (``progress.py``);
-  they count nowhere else;
+* ``progress_waits``: attempts in which a replica's quorum was behind the step a live replica
+  held (a restarted replica's, or one that fell behind), so it waited for that replica instead
+  of training (``progress.py``); they count nowhere else;
 * ``eval_loss`` / ``eval_accuracy``: the final model's held-out loss (when the run evaluates);
 * ``step_digests_agree``: at every step hashed (``digest_every_steps``; the last one always),
   every replica group that committed it holds parameters with the same digest (the restarted
@@ -116,7 +116,7 @@ def summarize_ft(
     Returns:
         The record, JSON-serialisable.
     """
-    # A restarted replica's wait for the run's progress (``progress.py``) trained nothing and
+    # A replica's wait for the run's progress (``progress.py``) trained nothing and
     # failed nobody's step: counted, then left out of every attempt's accounting.
     waits = [r for r in records if r.get("behind") is not None]
     records = [r for r in records if r.get("behind") is None]

@@ -501,10 +501,10 @@ class _Supervisor:
         return max((n for key, n in self.held.items() if key in alive), default=0)
 
     def _go(self, life: _Life) -> None:
-        """Tell ``life`` to go, and its progress floor (a restarted life's: the floor; one
-        value for all of a group's ranks)."""
+        """Tell ``life`` to go, and its progress floor: 0 for the run's first lives, the floor
+        for a restarted one (kept in ``told``, so that all of a group's ranks hear one value)."""
         key = (life.replica, life.life)
-        floor = self.told.setdefault(key, self._floor() if life.life > 0 else 0)
+        floor = self.told.setdefault(key, self._floor()) if life.life > 0 else 0
         life.conn.send_bytes(b"go")
         life.conn.send_bytes(floor_message(floor))
         life.going = True

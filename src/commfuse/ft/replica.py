@@ -484,7 +484,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                 torch.set_rng_state(rng)
             laid_out = True  # by now, or by this step's backward
             step_now, samples, scale = share = _step_share(manager, job)
-            behind = behind_the_run(manager.current_step(), floor, job.group_size, device)
+            behind = behind_the_run(step_now, floor, job.group_size, device)
             if behind:
                 manager.report_error(BehindTheRun(step_now, floor))
             again = (healed or share != guess) and not behind
