@@ -138,7 +138,14 @@ def test_kill_in_allreduce_survivors_continue_and_the_restarted_replica_catches_
     assert {r["bytes"] for r in records if r["committed"]} == {_param_bytes()}
     # Data: the killed replica's batches of the steps it missed are the only ones lost.
     missed = event["rejoin_step"] - 5
-    assert record["batches_lost"] == missed
+    why = {
+        "progress_waits": record["progress_waits"],
+        "uncommitted": [
+            (r["replica"], r["life"], r["step"], r["error"]) for r in records if not r["committed"]
+        ],
+        "per_replica": record["per_replica"],
+    }
+    assert record["batches_lost"] == missed, why
     assert record["samples_lost"] == missed * WORKLOAD.batch
 
 
