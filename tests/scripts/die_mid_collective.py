@@ -2,8 +2,9 @@
 
     die_mid_collective.py ALGO VICTIM NUMEL [hold]
 
-ALGO is ``ring``, ``pipeline`` or ``native`` (an allreduce of NUMEL floats) or ``tree`` (a
-binomial-tree broadcast from VICTIM). The victim dies while the operation is in flight: inside
+ALGO is ``ring``, ``pipeline`` or ``native`` (an allreduce of NUMEL floats), ``tree`` (a
+binomial-tree broadcast from VICTIM) or ``p2p`` (one message of NUMEL floats from VICTIM to the
+next rank, which the victim dies in the middle of sending). The victim dies while the operation is in flight: inside
 our algorithms right after its first send has completed (its peers have started and some data
 has moved); in the native allreduce, once every other rank has entered the allreduce and its own
 part has started. With ``hold``, a child forked just before the death keeps the victim's
@@ -24,6 +25,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -60,7 +62,7 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-if rank == victim and algo != "native":
+if rank == victim and algo not in ("native", "p2p"):
     first_send = comm.isend
 
     def isend_then_die(*args: Any, **kwargs: Any) -> Any:
@@ -74,19 +76,34 @@ if rank == victim and algo != "native":
 buf = torch.full((numel,), float(rank + 1))
 comm.barrier()
 try:
-    if rank == victim and algo == "native":
-        store.wait([f"started/{r}" for r in range(world) if r != victim])
-        handle = C.all_reduce(comm, buf, "sum", algo="native", async_op=True)
-        # Long enough for gloo's thread to start its part; short enough that 64 MB cannot
-        # finish on an idle machine (a 50 ms pause once saw a 3-rank allreduce finish).
-        time.sleep(0.005)
-        assert handle is not None and not handle.is_completed(), "finished before the kill"
-        die()
-    store.set(f"started/{rank}", "1")
-    if algo == "tree":
+    if algo == "p2p":
+        receiver = (victim + 1) % world
+        if rank == victim:
+            store.wait([f"posted/{receiver}"])
+            # gloo writes the message in isend's own call for as long as the socket takes it
+            # (on loopback it may all go there), so the death comes from another thread, 5 ms
+            # into a write of hundreds of MB.
+            threading.Timer(0.005, die).start()
+            comm.isend(buf, receiver)
+            time.sleep(60)
+        elif rank == receiver:
+            handle = comm.irecv(buf, victim)
+            store.set(f"posted/{rank}", "1")
+            handle.wait()
+    elif algo == "tree":
+        store.set(f"started/{rank}", "1")
         C.broadcast(comm, buf, victim, algo="tree")
         assert bool((buf == victim + 1).all()), "broadcast delivered wrong data"
     else:
+        if rank == victim and algo == "native":
+            store.wait([f"started/{r}" for r in range(world) if r != victim])
+            handle = C.all_reduce(comm, buf, "sum", algo="native", async_op=True)
+            # Long enough for gloo's thread to start its part; short enough that 64 MB cannot
+            # finish on an idle machine (a 50 ms pause once saw a 3-rank allreduce finish).
+            time.sleep(0.005)
+            assert handle is not None and not handle.is_completed(), "finished before the kill"
+            die()
+        store.set(f"started/{rank}", "1")
         C.all_reduce(comm, buf, "sum", algo=algo)
     print("RESULT " + json.dumps({"rank": rank, "type": "ok", "t": time.monotonic()}), flush=True)
 except Exception as exc:

@@ -289,11 +289,11 @@ class Handle:
             else:
                 # A point-to-point wait cannot be sliced (gloo fails its context when a receive
                 # times out), so the process's watch thread reads the notice for it.
-                PEER_WATCH.add(board)
+                token = PEER_WATCH.add(board, self._ctx, limit)
                 try:
                     work.wait(datetime.timedelta(seconds=limit))
                 finally:
-                    PEER_WATCH.remove(board)
+                    PEER_WATCH.remove(token)
         except CommError:
             raise
         except Exception as err:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,10 +27,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from commfuse.cluster.failures import read_failure
 from commfuse.comm.errors import says_peer_lost, says_timed_out
 
 if TYPE_CHECKING:
-    from commfuse.comm.handle import FailureBoard
+    from commfuse.comm.handle import FailureBoard, OpContext
 
 WATCH_INTERVAL_S = 0.5
 """Seconds between two reads of the job's failure notice while a wait goes on: how late, at
@@ -39,47 +41,97 @@ most, a rank learns of a death its own sockets do not show (one store round trip
 class PeerWatch:
     """The thread that reads the failure notice of the groups with a blocked wait.
 
-    A wait registers with ``add`` and leaves with ``remove``: a plain lock and a counter, so a
-    wait costs about a microsecond more (the thread polls at ``WATCH_INTERVAL_S`` rather than
-    being woken, which would cost a thread switch per wait)."""
+    A wait registers with ``add`` and leaves with ``remove``: a plain lock and a dict entry, so
+    a wait costs about a microsecond more (the thread polls at ``WATCH_INTERVAL_S`` rather than
+    being woken, which would cost a thread switch per wait).
+
+    One wait the stop cannot end: a receive whose message gloo had begun to read when the
+    sender died. gloo tells a closed connection's posted receives and sends, but not the one it
+    is reading into, and nothing else reaches it (not a failed context, not the backend's
+    ``abort``); it ends only at its own deadline. So a wait still blocked one interval after its
+    group was stopped is named on stderr at once (``unwakeable_wait``): which rank, operation
+    and peer, the job's failure, and when the wait will raise."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: dict[FailureBoard, int] = {}
+        self._waiting: dict[int, _Wait] = {}
         self._thread: threading.Thread | None = None
 
-    def add(self, board: FailureBoard) -> None:
-        """Count a wait of ``board``'s group as blocked (until ``remove``)."""
+    def add(self, board: FailureBoard, ctx: OpContext, deadline_s: float) -> int:
+        """Count a wait of ``board``'s group as blocked (until ``remove`` with the returned
+        token); ``ctx`` and ``deadline_s`` say what it is if it cannot be woken."""
+        wait = _Wait(board, ctx, deadline_s)
+        token = id(wait)
         with self._lock:
-            self._waiting[board] = self._waiting.get(board, 0) + 1
+            self._waiting[token] = wait
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="commfuse-peer-watch", daemon=True
                 )
                 self._thread.start()
+        return token
 
-    def remove(self, board: FailureBoard) -> None:
+    def remove(self, token: int) -> None:
         with self._lock:
-            left = self._waiting[board] - 1
-            if left:
-                self._waiting[board] = left
-            else:
-                del self._waiting[board]
+            del self._waiting[token]
 
     def _run(self) -> None:
-        seen: set[FailureBoard] = set()
+        seen: set[int] = set()
+        stopped_at: dict[FailureBoard, float] = {}
         while True:
             time.sleep(WATCH_INTERVAL_S)
+            now = time.monotonic()
             with self._lock:
-                waiting = {board for board in self._waiting if not board.stopped}
-            # A board read only once it has waited a whole interval: a wait that ends within
-            # one never costs a store read.
-            for board in waiting & seen:
+                waits = dict(self._waiting)
+            # A board read only once a wait of it has lasted a whole interval: a wait that ends
+            # within one never costs a store read.
+            boards = {w.board for token, w in waits.items() if token in seen}
+            for board in boards:
+                if board.stopped:
+                    stopped_at.setdefault(board, now)
+                    continue
                 # The watch outlives any one group: a store that went away (the launcher is
                 # gone, the job is ending) leaves that group's waits to their deadlines.
                 with contextlib.suppress(Exception):
-                    board.member_failure()
-            seen = waiting
+                    if board.member_failure() is not None:
+                        stopped_at[board] = now
+            for wait in waits.values():
+                since = stopped_at.get(wait.board)
+                if not wait.told and since is not None and since <= wait.start:
+                    continue  # began after the stop: it fails at once by itself
+                if not wait.told and since is not None and now - since >= WATCH_INTERVAL_S:
+                    wait.told = True
+                    with contextlib.suppress(Exception):
+                        sys.stderr.write(unwakeable_wait(wait, now) + "\n")
+                        sys.stderr.flush()
+            seen = set(waits)
+
+
+class _Wait:
+    """One blocked point-to-point wait, as the watch sees it."""
+
+    __slots__ = ("board", "ctx", "deadline_s", "start", "told")
+
+    def __init__(self, board: FailureBoard, ctx: OpContext, deadline_s: float) -> None:
+        self.board, self.ctx, self.deadline_s = board, ctx, deadline_s
+        self.start = time.monotonic()
+        self.told = False
+
+
+def unwakeable_wait(wait: _Wait, now: float) -> str:
+    """The line that names a wait its stopped group could not end."""
+    notice = read_failure(wait.board.store)
+    cause = (
+        f"rank {notice.rank} {notice.detail} (the job's first failure)"
+        if notice is not None
+        else "a member of its group failed"
+    )
+    left = max(0.0, wait.start + wait.deadline_s - now)
+    return (
+        f"commfuse: {wait.ctx.describe()}: {cause}; this wait cannot be woken (gloo does not "
+        "tell a receive whose message it had begun to read that the sender died), so it "
+        f"raises at its deadline, in {left:.0f} s"
+    )
 
 
 STOP_TAG = 0x7FFF_FFF0
