@@ -11,7 +11,9 @@ So one daemon thread per process watches for them: while any point-to-point wait
 it reads, every ``WATCH_INTERVAL_S``, the failure notice of each group that has one waiting
 (``FailureBoard.member_failure``). Once the notice names a member of the group, the group is
 stopped, which turns every wait still blocked in it into an error that names the dead rank. A
-wait that ends within the interval never costs a store read.
+wait that ends within the interval never costs a store read. The one wait a stop cannot end (a
+receive gloo was reading into when its sender died: ``PeerWatch``) is named on stderr instead,
+and raises at its deadline.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ WATCH_INTERVAL_S = 0.5
 """Seconds between two reads of the job's failure notice while a wait goes on: how late, at
 most, a rank learns of a death its own sockets do not show (one store round trip each)."""
 
+UNWOKEN_AFTER_S = 2 * WATCH_INTERVAL_S
+"""Seconds a wait may stay blocked after its group was stopped before it is named as one the
+stop could not end: a woken wait raises within milliseconds, a loaded machine's scheduler may
+take a few hundred."""
+
 
 class PeerWatch:
     """The thread that reads the failure notice of the groups with a blocked wait.
@@ -48,8 +55,8 @@ class PeerWatch:
     One wait the stop cannot end: a receive whose message gloo had begun to read when the
     sender died. gloo tells a closed connection's posted receives and sends, but not the one it
     is reading into, and nothing else reaches it (not a failed context, not the backend's
-    ``abort``); it ends only at its own deadline. So a wait still blocked one interval after its
-    group was stopped is named on stderr at once (``unwakeable_wait``): which rank, operation
+    ``abort``); it ends only at its own deadline. So a wait still blocked ``UNWOKEN_AFTER_S``
+    after its group was stopped is named on stderr at once (``unwakeable_wait``): which rank, operation
     and peer, the job's failure, and when the wait will raise."""
 
     def __init__(self) -> None:
@@ -99,7 +106,7 @@ class PeerWatch:
                 since = stopped_at.get(wait.board)
                 if not wait.told and since is not None and since <= wait.start:
                     continue  # began after the stop: it fails at once by itself
-                if not wait.told and since is not None and now - since >= WATCH_INTERVAL_S:
+                if not wait.told and since is not None and now - since >= UNWOKEN_AFTER_S:
                     wait.told = True
                     with contextlib.suppress(Exception):
                         sys.stderr.write(unwakeable_wait(wait, now) + "\n")
