@@ -87,9 +87,9 @@ try:
             comm.isend(buf, receiver)
             time.sleep(60)
         elif rank == receiver:
-            handle = comm.irecv(buf, victim)
+            receive = comm.irecv(buf, victim)
             store.set(f"posted/{rank}", "1")
-            handle.wait()
+            receive.wait()
     elif algo == "tree":
         store.set(f"started/{rank}", "1")
         C.broadcast(comm, buf, victim, algo="tree")
