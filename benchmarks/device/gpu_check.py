@@ -303,8 +303,10 @@ def _training(device: str, backend: str, steps: int, deadline: float) -> list[di
 
     def strategies() -> dict[str, Any]:
         out = work / "strategies.json"
+        # Warm-up past PowerSGD's first compressed steps (its factors are built there; with
+        # them timed, 2 steps read about 6x the steady step on CPU).
         argv = ["bench", "strategies", *flags, "--hosts", "1", "--workload", "digits",
-                "--steps", "2", "--repeats", "2", "--warmup-steps", "2", "--json", str(out)]  # fmt: skip
+                "--steps", "6", "--repeats", "2", "--warmup-steps", "4", "--json", str(out)]  # fmt: skip
         for spec in ("ddp", "commfuse", "powersgd:rank=4,warmup=2", "local-sgd:H=2"):
             argv += ["--strategy", spec]
         _commfuse(argv, deadline)
