@@ -1,15 +1,17 @@
 """A torchrun-style job in which one rank SIGKILLs itself in the middle of a collective.
 
-    die_mid_collective.py ALGO VICTIM NUMEL [hold]
+    die_mid_collective.py ALGO VICTIM NUMEL [hold] [caller-waits]
 
 ALGO is ``ring``, ``pipeline`` or ``native`` (an allreduce of NUMEL floats), ``tree`` (a
 binomial-tree broadcast from VICTIM) or ``p2p`` (one message of NUMEL floats from VICTIM to the
-next rank, which the victim dies in the middle of sending). The victim dies while the operation is in flight: inside
-our algorithms right after its first send has completed (its peers have started and some data
+next rank, which the victim dies in the middle of sending). The victim dies while the operation
+is in flight: inside our algorithms right after its first send has completed (its peers have started and some data
 has moved); in the native allreduce, once every other rank has entered the allreduce and its own
 part has started. With ``hold``, a child forked just before the death keeps the victim's
 sockets open (and silent) for ``HOLD_S``: its peers see no connection close, as when a host
-loses its link, and only the launcher's notice can tell them. Every other rank prints one line
+loses its link, and only the launcher's notice can tell them. With ``caller-waits``, every
+point-to-point wait blocks the calling thread (``CommConfig(wait_thread_min_bytes=None)``), as
+messages under a megabyte always do. Every other rank prints one line
 
     RESULT {"rank": R, "type": "PeerFailureError" | "ok", "message": ..., "failed_rank": ...,
             "t": CLOCK_MONOTONIC}
@@ -20,6 +22,7 @@ and then lets the exception end the process, as a training script would; the vic
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import os
@@ -34,17 +37,23 @@ import torch.distributed as dist
 
 from commfuse import collectives as C
 from commfuse.comm import Communicator
+from commfuse.comm.communicator import default_config
 
 # A rank the launcher has to stop (SIGTERM), or one that crashes, prints where each of its
 # threads was.
 faulthandler.enable(all_threads=True)
 faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 algo, victim, numel = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-hold = sys.argv[4:] == ["hold"]
+hold = "hold" in sys.argv[4:]
+caller_waits = "caller-waits" in sys.argv[4:]
 HOLD_S = 30.0
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-comm = Communicator()
+comm = Communicator(
+    config=dataclasses.replace(default_config(), wait_thread_min_bytes=None)
+    if caller_waits
+    else None
+)
 store = dist.TCPStore(  # type: ignore[attr-defined]  # the job's store, for the native case's handshake
     os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
 )

@@ -66,7 +66,8 @@ class CommConfig:
 
     Raises:
         ValueError: a deadline that is not positive, a link rate that is not positive, or
-            ``ranks_per_host`` that is not an integer of at least 1 (the message names the field).
+            ``ranks_per_host`` or ``wait_thread_min_bytes`` that is not an integer of at least 1
+            (the message names the field).
 
     Example:
         ```python
@@ -95,6 +96,13 @@ class CommConfig:
     """Timed calls per candidate when ``algo="auto"`` first meets a (collective, size): the
     first calls then try native and the model's two fastest other algorithms on the caller's
     own messages and keep the fastest (``collectives/trial.py``); 0: the model alone decides."""
+    wait_thread_min_bytes: int | None = 1 << 20
+    """Point-to-point messages of at least this many bytes are waited for on a waiting thread
+    (``comm/waiters.py``) while the caller reads the job's failure notice: gloo cannot wake a
+    wait whose message it was moving when the peer died, and the caller then raises
+    ``PeerFailureError`` at once instead of at the deadline. None: every wait blocks the
+    caller's thread (the watch thread names such a wait on stderr). Handing a wait over costs
+    tens of microseconds, little beside a megabyte on the wire."""
 
     def __post_init__(self) -> None:
         if not self.deadline_s > 0:
@@ -108,6 +116,15 @@ class CommConfig:
         ):
             raise ValueError(
                 f"CommConfig.tuner_trial_calls must be an int >= 0, got {self.tuner_trial_calls!r}"
+            )
+        if self.wait_thread_min_bytes is not None and (
+            isinstance(self.wait_thread_min_bytes, bool)
+            or not isinstance(self.wait_thread_min_bytes, int)
+            or self.wait_thread_min_bytes < 1
+        ):
+            raise ValueError(
+                "CommConfig.wait_thread_min_bytes must be an int >= 1 or None, got "
+                f"{self.wait_thread_min_bytes!r}"
             )
         if self.ranks_per_host is not None and (
             isinstance(self.ranks_per_host, bool)
@@ -311,7 +328,13 @@ class Communicator:
         return ctx, event
 
     def _handle(self, work: dist.Work | None, ctx: OpContext, event: TraceEvent | None) -> Handle:
-        return Handle(work, ctx, deadline_s=self.config.deadline_s, event=event)
+        """A point-to-point operation's handle; a large message's waits on a waiting thread
+        (``CommConfig.wait_thread_min_bytes``)."""
+        least = self.config.wait_thread_min_bytes
+        on_thread = least is not None and ctx.nbytes >= least
+        return Handle(
+            work, ctx, deadline_s=self.config.deadline_s, event=event, on_thread=on_thread
+        )
 
     def _check_peer(self, peer: int, what: str) -> None:
         if not 0 <= peer < self.world_size:

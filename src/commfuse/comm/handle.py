@@ -13,7 +13,9 @@ collective, or a job of commfuse's own on the worker thread) waits in slices of
 (``commfuse.cluster.failures``): once it names a member of this operation's group, the wait
 raises ``PeerFailureError`` naming that rank. A point-to-point wait is not sliced (gloo treats a
 timed-out send or receive as the failure of its whole context); the process's watch thread
-(``watch.py``) reads the notice for it instead.
+(``watch.py``) reads the notice for it instead. A large message's wait (``on_thread``) blocks on
+a thread of ``waiters.py`` while the caller waits for it in slices: gloo cannot wake a wait whose
+message it was moving when the peer died, and the caller then raises without it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from commfuse.comm.errors import (
     says_timed_out,
 )
 from commfuse.comm.trace import TraceEvent, now_us
-from commfuse.comm.watch import PEER_WATCH, WATCH_INTERVAL_S
+from commfuse.comm.waiters import WAITERS
+from commfuse.comm.watch import PEER_WATCH, UNWOKEN_AFTER_S, WATCH_INTERVAL_S
 
 #: Seconds a rank that lost an unnamed peer (inside a native collective, the backend does not
 #: say which) waits for the launcher's notice naming the rank that died.
@@ -212,12 +215,21 @@ class Handle:
         event: TraceEvent | None = None,
         then: Callable[[], None] | None = None,
         watched: bool = False,
+        on_thread: bool = False,
     ) -> None:
         self._work = work
         self._ctx = ctx
         self._watched = watched and ctx.board is not None
         """Wait in slices, reading the job's failure notice between them (see the module
         docstring); only for waits that a timed-out slice leaves intact."""
+        self._on_thread = (
+            on_thread
+            and ctx.board is not None
+            and ctx.board.stop_group is not None
+            and not self._watched
+        )
+        """A point-to-point wait run on a waiting thread, waited for in slices (see the module
+        docstring)."""
         self._deadline_s = deadline_s
         self._event = event
         self._then = then
@@ -286,6 +298,8 @@ class Handle:
                 self._in_slices(
                     lambda s: work.wait(datetime.timedelta(seconds=s)), work.is_completed, limit
                 )
+            elif self._on_thread:
+                self._on_waiting_thread(work, board, limit)
             else:
                 # A point-to-point wait cannot be sliced (gloo fails its context when a receive
                 # times out), so the process's watch thread reads the notice for it.
@@ -305,6 +319,37 @@ class Handle:
             then, self._then = self._then, None
             then()
         return None
+
+    def _on_waiting_thread(self, work: dist.Work, board: FailureBoard, limit: float) -> None:
+        """``work.wait(limit)`` on a waiting thread, waited for in slices; between them the
+        job's notice is read, and once it names a member of the group, the group is stopped.
+        A wait the stop wakes raises its own error; one it cannot wake is left to its thread,
+        and this raises ``PeerFailureError`` naming the dead rank."""
+        result = WAITERS.submit(lambda: work.wait(datetime.timedelta(seconds=limit)))
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                result.result(timeout=max(0.0, min(WATCH_INTERVAL_S, left)))
+                return
+            except FutureTimeout:
+                if left <= WATCH_INTERVAL_S:
+                    result.result()  # the backend's own deadline ends it, with its error
+                    return
+            notice = board.member_failure()
+            if notice is None:
+                continue
+            try:
+                result.result(timeout=UNWOKEN_AFTER_S)
+                return
+            except FutureTimeout:
+                waited = limit - (deadline - time.monotonic())
+                raise failed_because_of(
+                    notice,
+                    self._ctx,
+                    f"still waiting after {waited:.1f} s, and the backend cannot wake this wait "
+                    "(the peer died in the middle of the message)",
+                ) from None
 
     def _in_slices(
         self, wait: Callable[[float], Any], done: Callable[[], bool], limit: float

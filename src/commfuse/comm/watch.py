@@ -53,11 +53,13 @@ class PeerWatch:
     being woken, which would cost a thread switch per wait).
 
     One wait the stop cannot end: a receive whose message gloo had begun to read when the
-    sender died. gloo tells a closed connection's posted receives and sends, but not the one it
-    is reading into, and nothing else reaches it (not a failed context, not the backend's
-    ``abort``); it ends only at its own deadline. So a wait still blocked ``UNWOKEN_AFTER_S``
-    after its group was stopped is named on stderr at once (``unwakeable_wait``): which rank, operation
-    and peer, the job's failure, and when the wait will raise."""
+    sender died (a message of a megabyte or more waits on a waiting thread instead, and its
+    caller raises without it: ``waiters.py``). gloo tells a closed connection's posted
+    receives and sends, but not the one it is reading into, and nothing else reaches it (not a
+    failed context, not the backend's ``abort``); it ends only at its own deadline. So a wait
+    still blocked ``UNWOKEN_AFTER_S`` after its group was stopped is named on stderr at once
+    (``unwakeable_wait``): which rank, operation and peer, the job's failure, and when the
+    wait will raise."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
