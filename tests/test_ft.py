@@ -137,8 +137,9 @@ def test_kill_in_allreduce_survivors_continue_and_the_restarted_replica_catches_
     # What was communicated: each committed attempt allreduced the whole gradient once.
     assert {r["bytes"] for r in records if r["committed"]} == {_param_bytes()}
     # Data: the killed replica's batches of the steps it missed are the only ones lost. The step
-    # it healed at may be lost too: torchft may count a replica that heals as not participating
-    # (its quorum's participating rank None), and then it trains no samples of that step.
+    # it healed at may be lost too: an attempt whose quorum does not count the replica as
+    # participating (torchft's participating rank None) commits without training samples, and
+    # one run here lost one batch more than the missed steps (its records were not kept).
     trained = {
         (r["replica"], r["step"]) for r in records if r["committed"] and r["samples"] is not None
     }
