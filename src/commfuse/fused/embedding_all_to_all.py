@@ -22,7 +22,10 @@ lookups of many pieces cost far more than one pass, which eats the overlap. The 
 ``EmbeddingBag`` call, its rows hot in cache), send each destination its contiguous slice of
 that column at once, and go on to the next table while they travel; the receiver puts table
 ``t`` of rank ``j`` in place as it lands. ``T_r`` messages per destination instead of
-``pieces``; the same bytes; the same sums, so the same output bit for bit. It pays most with
+``pieces``; the same bytes; the same sums, so the same output bit for bit. Nothing can be sent
+before the first lookup, so the first table is looked up one destination's samples at a time,
+each slice sent as soon as it is computed: the first message leaves after ``1/P`` of that
+table's lookups. It pays most with
 many ids per bag (the lookups dominate); with few, both cuts overlap alike
 (``benchmarks/fused-embedding_netlab-4x1gbit-2core.md``).
 
@@ -295,8 +298,21 @@ def _by_table(comm: Communicator, lookup: ShardedLookup, prepare_backward: bool)
     for t, (table, idx, off) in enumerate(
         zip(lookup.tables, lookup.indices, lookup.offsets, strict=True)
     ):
-        lo, hi = bag_range(off, idx.numel(), 0, off.numel())  # as ``rows`` cuts them
-        column = F.embedding_bag(idx[lo:hi], table, off - lo, mode=lookup.mode)  # [B, D]
+        if t == 0:
+            # Nothing can be sent before the first lookup, so the first table is looked up one
+            # destination's samples at a time, each sent as soon as it is computed: the first
+            # message leaves after 1/P of that table's lookups instead of all of them. Each bag
+            # is summed alone either way, so the rows are the same bit for bit.
+            for step in range(1, world):
+                dst = (rank + step) % world
+                if splits[dst]:
+                    part = _bags(lookup, table, idx, off, starts[dst], starts[dst] + splits[dst])
+                    handles.append(comm.isend(part, dst, tag=t, label=LABEL))
+            if mine:
+                own = _bags(lookup, table, idx, off, starts[rank], starts[rank] + mine)
+                landing[table_starts[rank] + t] = own
+            continue
+        column = _bags(lookup, table, idx, off, 0, off.numel())  # [B, D]
         for step in range(1, world):
             dst = (rank + step) % world
             if splits[dst]:
@@ -309,6 +325,19 @@ def _by_table(comm: Communicator, lookup: ShardedLookup, prepare_backward: bool)
         handle.wait()
     # [T, B_r, D] -> [B_r, T, D], as the reference returns.
     return landing.permute(1, 0, 2).contiguous()
+
+
+def _bags(
+    lookup: ShardedLookup,
+    table: torch.Tensor,
+    idx: torch.Tensor,
+    off: torch.Tensor,
+    start: int,
+    stop: int,
+) -> torch.Tensor:
+    """The pooled rows ``[stop - start, D]`` of one table for samples ``[start, stop)``."""
+    lo, hi = bag_range(off, idx.numel(), start, stop)  # as ``rows`` cuts them
+    return F.embedding_bag(idx[lo:hi], table, off[start:stop] - lo, mode=lookup.mode)
 
 
 def embedding_all_to_all_reference(
