@@ -109,31 +109,19 @@ class CommConfig:
             raise ValueError(f"CommConfig.deadline_s must be > 0 seconds, got {self.deadline_s!r}")
         if self.link_mbit is not None and not self.link_mbit > 0:
             raise ValueError(f"CommConfig.link_mbit must be > 0 or None, got {self.link_mbit!r}")
-        if (
-            isinstance(self.tuner_trial_calls, bool)
-            or not isinstance(self.tuner_trial_calls, int)
-            or self.tuner_trial_calls < 0
-        ):
-            raise ValueError(
-                f"CommConfig.tuner_trial_calls must be an int >= 0, got {self.tuner_trial_calls!r}"
-            )
-        if self.wait_thread_min_bytes is not None and (
-            isinstance(self.wait_thread_min_bytes, bool)
-            or not isinstance(self.wait_thread_min_bytes, int)
-            or self.wait_thread_min_bytes < 1
-        ):
-            raise ValueError(
-                "CommConfig.wait_thread_min_bytes must be an int >= 1 or None, got "
-                f"{self.wait_thread_min_bytes!r}"
-            )
-        if self.ranks_per_host is not None and (
-            isinstance(self.ranks_per_host, bool)
-            or not isinstance(self.ranks_per_host, int)
-            or self.ranks_per_host < 1
-        ):
-            raise ValueError(
-                f"CommConfig.ranks_per_host must be an int >= 1 or None, got {self.ranks_per_host!r}"
-            )
+        _require_int("tuner_trial_calls", self.tuner_trial_calls, least=0)
+        _require_int("wait_thread_min_bytes", self.wait_thread_min_bytes, least=1, none=True)
+        _require_int("ranks_per_host", self.ranks_per_host, least=1, none=True)
+
+
+def _require_int(name: str, value: object, *, least: int, none: bool = False) -> None:
+    """Raise ValueError naming ``CommConfig.name`` unless ``value`` is an int (not a bool) of at
+    least ``least``, or None where ``none`` allows it."""
+    if none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        allowed = f"an int >= {least}" + (" or None" if none else "")
+        raise ValueError(f"CommConfig.{name} must be {allowed}, got {value!r}")
 
 
 def default_config() -> CommConfig:
