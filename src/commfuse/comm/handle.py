@@ -222,14 +222,10 @@ class Handle:
         self._watched = watched and ctx.board is not None
         """Wait in slices, reading the job's failure notice between them (see the module
         docstring); only for waits that a timed-out slice leaves intact."""
-        self._on_thread = (
-            on_thread
-            and ctx.board is not None
-            and ctx.board.stop_group is not None
-            and not self._watched
-        )
-        """A point-to-point wait run on a waiting thread, waited for in slices (see the module
-        docstring)."""
+        self._on_thread = on_thread
+        """A point-to-point wait of a group that can be stopped, run on a waiting thread and
+        waited for in slices (see the module docstring); ``result`` takes the other paths
+        first."""
         self._deadline_s = deadline_s
         self._event = event
         self._then = then

@@ -96,19 +96,19 @@ class PeerWatch:
             # within one never costs a store read.
             boards = {w.board for token, w in waits.items() if token in seen}
             for board in boards:
+                if not board.stopped:
+                    # The watch outlives any one group: a store that went away (the launcher is
+                    # gone, the job is ending) leaves that group's waits to their deadlines.
+                    with contextlib.suppress(Exception):
+                        board.member_failure()
                 if board.stopped:
                     stopped_at.setdefault(board, now)
-                    continue
-                # The watch outlives any one group: a store that went away (the launcher is
-                # gone, the job is ending) leaves that group's waits to their deadlines.
-                with contextlib.suppress(Exception):
-                    if board.member_failure() is not None:
-                        stopped_at[board] = now
             for wait in waits.values():
                 since = stopped_at.get(wait.board)
-                if not wait.told and since is not None and since <= wait.start:
-                    continue  # began after the stop: it fails at once by itself
-                if not wait.told and since is not None and now - since >= UNWOKEN_AFTER_S:
+                # A wait begun after the stop fails at once by itself.
+                if wait.told or since is None or since <= wait.start:
+                    continue
+                if now - since >= UNWOKEN_AFTER_S:
                     wait.told = True
                     with contextlib.suppress(Exception):
                         sys.stderr.write(unwakeable_wait(wait, now) + "\n")
