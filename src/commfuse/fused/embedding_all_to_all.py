@@ -295,30 +295,20 @@ def _by_table(comm: Communicator, lookup: ShardedLookup, prepare_backward: bool)
             for t in range(per_rank[src]):
                 target = landing[table_starts[src] + t]
                 handles.append(comm.irecv(target, src, tag=t, label=LABEL))
-    for t, (table, idx, off) in enumerate(
-        zip(lookup.tables, lookup.indices, lookup.offsets, strict=True)
-    ):
-        if t == 0:
-            # Nothing can be sent before the first lookup, so the first table is looked up one
-            # destination's samples at a time, each sent as soon as it is computed: the first
-            # message leaves after 1/P of that table's lookups instead of all of them. Each bag
-            # is summed alone either way, so the rows are the same bit for bit.
-            for step in range(1, world):
-                dst = (rank + step) % world
-                if splits[dst]:
-                    part = _bags(lookup, table, idx, off, starts[dst], starts[dst] + splits[dst])
-                    handles.append(comm.isend(part, dst, tag=t, label=LABEL))
-            if mine:
-                own = _bags(lookup, table, idx, off, starts[rank], starts[rank] + mine)
-                landing[table_starts[rank] + t] = own
-            continue
-        column = _bags(lookup, table, idx, off, 0, off.numel())  # [B, D]
+    for t in range(len(lookup.tables)):
+        # Nothing can be sent before the first lookup, so the first table is looked up one
+        # destination's samples at a time, each sent as soon as it is computed: the first
+        # message leaves after 1/P of that table's lookups instead of all of them. Each bag is
+        # summed alone either way, so the rows are the same bit for bit. The other tables are
+        # looked up whole (one call, rows hot in cache) and sent as slices of that column.
+        column = None if t == 0 else _bags(lookup, t, 0, lookup.offsets[t].numel())  # [B, D]
         for step in range(1, world):
             dst = (rank + step) % world
             if splits[dst]:
-                part = column[starts[dst] : starts[dst] + splits[dst]]  # contiguous rows
+                part = _samples(lookup, t, column, starts[dst], splits[dst])
                 handles.append(comm.isend(part, dst, tag=t, label=LABEL))
-        landing[table_starts[rank] + t] = column[starts[rank] : starts[rank] + mine]
+        if mine:
+            landing[table_starts[rank] + t] = _samples(lookup, t, column, starts[rank], mine)
     if prepare_backward:
         _prepare(comm, lookup)  # while the peers' rows travel
     for handle in handles:
@@ -327,17 +317,21 @@ def _by_table(comm: Communicator, lookup: ShardedLookup, prepare_backward: bool)
     return landing.permute(1, 0, 2).contiguous()
 
 
-def _bags(
-    lookup: ShardedLookup,
-    table: torch.Tensor,
-    idx: torch.Tensor,
-    off: torch.Tensor,
-    start: int,
-    stop: int,
-) -> torch.Tensor:
-    """The pooled rows ``[stop - start, D]`` of one table for samples ``[start, stop)``."""
+def _bags(lookup: ShardedLookup, t: int, start: int, stop: int) -> torch.Tensor:
+    """Table ``t``'s pooled rows ``[stop - start, D]`` of samples ``[start, stop)``."""
+    idx, off = lookup.indices[t], lookup.offsets[t]
     lo, hi = bag_range(off, idx.numel(), start, stop)  # as ``rows`` cuts them
-    return F.embedding_bag(idx[lo:hi], table, off[start:stop] - lo, mode=lookup.mode)
+    return F.embedding_bag(idx[lo:hi], lookup.tables[t], off[start:stop] - lo, mode=lookup.mode)
+
+
+def _samples(
+    lookup: ShardedLookup, t: int, column: torch.Tensor | None, start: int, count: int
+) -> torch.Tensor:
+    """Table ``t``'s pooled rows of samples ``[start, start + count)``: contiguous rows of its
+    looked-up ``column``, or, without one, looked up now."""
+    if column is not None:
+        return column[start : start + count]
+    return _bags(lookup, t, start, start + count)
 
 
 def embedding_all_to_all_reference(
