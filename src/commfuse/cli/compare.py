@@ -23,7 +23,7 @@ from commfuse.cli.common import (
     emulate_arg,
     topology_from_args,
 )
-from commfuse.cli.train import add_fault_tolerance_arguments, add_run_arguments
+from commfuse.cli.train import add_fault_tolerance_arguments, add_run_arguments, lr_schedule_arg
 from commfuse.train import compare as C
 
 LEGEND = """\
@@ -121,11 +121,14 @@ def run_compare(args: argparse.Namespace) -> int:
         bucket_cap_mb=args.bucket_cap_mb,
         compute_steps=args.compute_steps,
         init_from=args.init_from,
+        lr_schedule=lr_schedule_arg(args),
     )
     workload = make_workload(options, device=torch.device(args.device)).describe()
     print(
         f"commfuse compare: {workload}\n  on {topology.describe()}, {args.steps} steps, "
-        f"seed {args.seed}, bucket cap {args.bucket_cap_mb:g} MiB, strategies one after another"
+        f"seed {args.seed}, bucket cap {args.bucket_cap_mb:g} MiB, "
+        f"{'' if base.lr_schedule is None else f'learning rate {args.lr_schedule}, '}"
+        "strategies one after another"
         f"{' (A/A control: the baseline twice)' if args.control else ''}"
     )
     records = C.run_compare(

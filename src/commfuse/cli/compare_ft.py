@@ -31,6 +31,8 @@ def run_compare_ft(args: argparse.Namespace) -> int:
     topology = replica_topology(args)
     specs = args.strategy or [DEFAULT_STRATEGIES[0]]
     strategies = [strategy_from_spec(s, ranks_per_host=1) for s in specs]
+    if args.lr_schedule is not None:
+        raise ValueError("--lr-schedule does not combine with --fault-tolerant")
     if args.max_steps_factor not in (None, 1.0):
         raise ValueError("--max-steps-factor does not combine with --fault-tolerant")
     ft = fault_tolerance_from_args(args)

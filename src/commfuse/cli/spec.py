@@ -1,6 +1,6 @@
 """The command line's one parser: ``NAME:key=value,...`` specs turned into typed objects.
 
-A compressor, a workload, a training strategy and a fault to inject are given on the command line as specs: a
+A compressor, a workload, a training strategy, a learning-rate schedule and a fault to inject are given on the command line as specs: a
 name, then optionally a colon and comma-separated ``key=value`` options::
 
     powersgd:rank=4,warmup=10      charlm:dim=64,layers=1      diloco:H=50,outer_lr=0.7
@@ -42,6 +42,7 @@ from commfuse.units import parse_rate_mbit, parse_size
 if TYPE_CHECKING:
     from commfuse.compress import Compressor
     from commfuse.ft.config import Fault
+    from commfuse.train.lr_schedule import LRSchedule
     from commfuse.train.strategy import StrategyConfig
     from commfuse.workloads import WorkloadOptions
 
@@ -278,6 +279,26 @@ def workload_from_spec(text: str) -> WorkloadOptions:
         raise _unknown("workload", spec.name, sorted(WORKLOADS))
     options = build(WORKLOADS[spec.name], spec.options, where=f"workload {spec.name}")
     return typing.cast("WorkloadOptions", options)
+
+
+# -- learning-rate schedules ----------------------------------------------------------------
+
+
+def lr_schedule_from_spec(text: str) -> LRSchedule:
+    """The schedule of ``--lr-schedule "name[:key=value,...]"``: ``cosine:warmup_steps=20,
+    min_ratio=0.1``, ``step:every_steps=100,gamma=0.1`` or ``constant:warmup_steps=20``
+    (``commfuse.train.lr_schedule``).
+
+    Raises:
+        ValueError: an unknown name (naming the known ones), key or value.
+    """
+    from commfuse.train.lr_schedule import SCHEDULES
+
+    spec = split_spec(text, what="learning-rate schedule")
+    if spec.name not in SCHEDULES:
+        raise _unknown("learning-rate schedule", spec.name, list(SCHEDULES))
+    where = f"learning-rate schedule {spec.name}"
+    return typing.cast("LRSchedule", build(SCHEDULES[spec.name], spec.options, where=where))
 
 
 # -- strategies ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from commfuse.cli.common import (
     Subparsers,
@@ -25,6 +25,9 @@ from commfuse.cli.common import (
     emulate_arg,
     topology_from_args,
 )
+
+if TYPE_CHECKING:
+    from commfuse.train.lr_schedule import LRSchedule
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, default_steps: int) -> None:
@@ -51,6 +54,22 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, default_steps: int) ->
         help="start from the latest model and optimizer state in this checkpoint directory "
         "(any strategy's), at its step; --steps is the total",
     )
+    parser.add_argument(
+        "--lr-schedule",
+        metavar="SPEC",
+        default=None,
+        help="learning-rate schedule over the --steps total, every strategy's inner rate: "
+        "cosine[:warmup_steps=W,min_ratio=0.1], step:every_steps=K[,gamma=0.1,warmup_steps=W], "
+        "constant:warmup_steps=W (default: the workload's rate throughout)",
+    )
+
+
+def lr_schedule_arg(args: argparse.Namespace) -> LRSchedule | None:
+    """``--lr-schedule`` as a schedule (None when not given)."""
+    from commfuse.cli.spec import lr_schedule_from_spec
+
+    text = getattr(args, "lr_schedule", None)
+    return None if text is None else lr_schedule_from_spec(text)
 
 
 def register(sub: Subparsers) -> None:
@@ -185,8 +204,13 @@ def run_train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         init_from=args.init_from,
+        lr_schedule=lr_schedule_arg(args),
     )
-    print(f"commfuse train: {args.workload} on {topology.describe()}, strategy {config.label}")
+    schedule = "" if args.lr_schedule is None else f", learning rate {args.lr_schedule}"
+    print(
+        f"commfuse train: {args.workload} on {topology.describe()}, strategy {config.label}"
+        f"{schedule}"
+    )
     record = run_training(
         config,
         topology,

@@ -33,7 +33,7 @@ def run_train_ft(args: argparse.Namespace) -> int:
     topology = replica_topology(args)
     strategy = strategy_from_spec(args.strategy, ranks_per_host=1)
     ft_mode(strategy)  # ValueError: neither mode runs it (the message lists what runs)
-    for flag in ("checkpoint_dir", "resume"):
+    for flag in ("checkpoint_dir", "resume", "lr_schedule"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')} does not combine with --fault-tolerant")
     ft = fault_tolerance_from_args(args)

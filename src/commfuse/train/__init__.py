@@ -1,6 +1,12 @@
 """Training runs: the loop on each rank, strategies, checkpoints, metrics, ``train``/``compare``."""
 
 from commfuse.train.loop import TrainConfig, params_digest, train_rank
+from commfuse.train.lr_schedule import (
+    ConstantSchedule,
+    CosineSchedule,
+    LRSchedule,
+    StepSchedule,
+)
 from commfuse.train.strategy import (
     CommfuseDPConfig,
     Strategy,
@@ -15,6 +21,10 @@ from commfuse.train.strategy import (
 
 __all__ = [
     "CommfuseDPConfig",
+    "ConstantSchedule",
+    "CosineSchedule",
+    "LRSchedule",
+    "StepSchedule",
     "Strategy",
     "StrategyConfig",
     "StrategyContext",

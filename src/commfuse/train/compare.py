@@ -35,6 +35,7 @@ them, else the first strategy. Columns:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -123,16 +124,12 @@ def run_compare(
     for round_, order in enumerate(balanced_orders(len(jobs), repeats, seed=None)):
         for j in order:
             i = jobs[j]
-            config = TrainConfig(
-                workload=base.workload,
+            # Every other setting (workload, steps, seed, schedule, ...) is the base's.
+            config = dataclasses.replace(
+                base,
                 strategy=strategies[i],
                 label=job_names[j],
-                steps=base.steps,
-                seed=base.seed,
-                bucket_cap_mb=base.bucket_cap_mb,
-                compute_steps=base.compute_steps,
                 extra_steps=0 if i == baseline else extra,
-                init_from=base.init_from,
             )
             suffix = f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""
             log(f"[{j + 1}/{len(jobs)}] {job_names[j]}{suffix}")

@@ -33,6 +33,7 @@ from commfuse.cluster import machine
 from commfuse.comm import Communicator
 from commfuse.comm.clock import now
 from commfuse.train import checkpoint as ckpt
+from commfuse.train.lr_schedule import LRSchedule, ScheduledRates, describe_schedule
 from commfuse.train.strategy import (
     StrategyConfig,
     StrategyContext,
@@ -94,6 +95,9 @@ class TrainConfig:
     """A checkpoint directory (of any strategy) whose latest model and optimizer state this run
     starts from, at its step: another strategy continues a pre-trained run (DiLoCo starts from
     a pre-trained model). Strategy state, history and RNG are fresh; ``steps`` is the total."""
+    lr_schedule: LRSchedule | None = None
+    """The learning-rate schedule over the run's ``steps`` (``CosineSchedule(warmup_steps=20)``,
+    ``commfuse.train.lr_schedule``); None: the workload's rate at every step."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -140,6 +144,9 @@ def _identity(config: TrainConfig, world_size: int) -> dict[str, Any]:
         "seed": config.seed,
         "world_size": world_size,
         "bucket_cap_mb": config.bucket_cap_mb,
+        "lr_schedule": None
+        if config.lr_schedule is None
+        else describe_schedule(config.lr_schedule),
     }
 
 
@@ -160,6 +167,10 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
     workload = make_workload(config.workload, device=device)
     module = workload.build_model(config.seed)
     optimizer = workload.make_optimizer(module)
+    # The base rates are the workload's, read before a checkpoint puts its last rate there.
+    rates = ScheduledRates(
+        config.lr_schedule, [group["lr"] for group in optimizer.param_groups], config.steps
+    )
     history: dict[str, list[float]] = {"loss": [], "step_time_s": [], "bytes": [], "skipped": []}
     start = 0
     resumed_state: dict[str, Any] | None = None
@@ -215,6 +226,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             core_before = _core_busy_now(pids)
             t0 = now(device)
             with comm.at_step(step):
+                rates.apply(strategy.lr_groups(), step)
                 batch = workload.batch(step, rank, world, seed=config.seed)
                 strategy.zero_grad()
                 loss = workload.loss(strategy.model, batch)

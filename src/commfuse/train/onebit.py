@@ -64,6 +64,9 @@ class CompressedAdamStrategy(Strategy):
         self._continue_moments(ctx.optimizer)
         self._communicate = True
 
+    def lr_groups(self) -> list[dict[str, Any]]:
+        return self.compressed.param_groups
+
     def _continue_moments(self, adam: torch.optim.Optimizer) -> None:
         """Take over the moments and step count of the AdamW the run starts from (if any)."""
         steps = []

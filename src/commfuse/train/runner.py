@@ -17,6 +17,7 @@ from typing import Any
 from commfuse.cluster import Topology, run
 from commfuse.cluster.start import rank_context
 from commfuse.train.loop import TrainConfig, train_rank
+from commfuse.train.lr_schedule import describe_schedule
 from commfuse.train.metrics import summarize
 from commfuse.train.strategy import describe_strategy, strategy_name
 from commfuse.workloads import describe_workload
@@ -106,6 +107,7 @@ def run_training(
         spec=describe_strategy(config.strategy),
         strategy_name=strategy_name(config.strategy),
         seed=config.seed,
+        lr_schedule=None if config.lr_schedule is None else describe_schedule(config.lr_schedule),
         bucket_cap_mb=config.bucket_cap_mb,
         topology=topology.describe(),
         link_mbit=topology.link_mbit,

@@ -355,6 +355,11 @@ class Strategy(abc.ABC):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def lr_groups(self) -> list[dict[str, Any]]:
+        """The parameter groups whose ``lr`` a learning-rate schedule sets, in the order of
+        the workload's optimizer's groups (the optimizer that takes the step)."""
+        return self.optimizer.param_groups
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()  # type: ignore[no-untyped-call]
 
