@@ -67,6 +67,7 @@ from commfuse.ft import (
     Timeouts,
     run_fault_tolerant,
 )
+from commfuse.train import CosineSchedule, StepSchedule
 from commfuse.train.loop import TrainConfig
 from commfuse.workloads import CharLMOptions
 
@@ -92,7 +93,14 @@ def test_kill_in_allreduce_survivors_continue_and_the_restarted_replica_catches_
     kill = KillFault(host=2, at_step=5, phase="allreduce", restart_after_s=3.5)
     steps = 250
     record = run_fault_tolerant(
-        TrainConfig(workload=WORKLOAD, steps=steps, evaluate=False, bucket_cap_mb=BUCKET_CAP_MB),
+        TrainConfig(
+            workload=WORKLOAD,
+            steps=steps,
+            evaluate=False,
+            bucket_cap_mb=BUCKET_CAP_MB,
+            # The restarted replica takes the rate of the step it rejoins at, not its donor's.
+            lr_schedule=StepSchedule(every_steps=50, gamma=0.5),
+        ),
         FaultToleranceConfig(faults=(kill,), min_replicas=2, digest_every_steps=1),
         Topology(num_hosts=4, link_mbit=1000),
         timeout_s=200,
@@ -246,9 +254,16 @@ def test_a_cut_link_and_a_slow_host_cost_the_survivors_nothing() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_fault_free_run_equals_torch_ddp_bit_for_bit() -> None:
+    """On a learning-rate schedule: each committed step takes the rate of its step."""
     from commfuse.train.runner import run_training
 
-    config = TrainConfig(workload=WORKLOAD, steps=6, evaluate=False, bucket_cap_mb=BUCKET_CAP_MB)
+    config = TrainConfig(
+        workload=WORKLOAD,
+        steps=6,
+        evaluate=False,
+        bucket_cap_mb=BUCKET_CAP_MB,
+        lr_schedule=StepSchedule(every_steps=2, gamma=0.5),
+    )
     topology = Topology(num_hosts=2, link_mbit=1000)
     ft = run_fault_tolerant(config, FaultToleranceConfig(), topology, timeout_s=200)
     plain = run_training(config, topology, progress=False, timeout_s=200)
@@ -319,6 +334,7 @@ def test_diloco_replicas_killed_in_the_exchange_and_between_inner_steps_rejoin_i
             strategy=diloco(H=H, compressor=compressor),
             steps=steps,
             evaluate=False,
+            lr_schedule=CosineSchedule(warmup_steps=4),
         ),
         FaultToleranceConfig(faults=(in_exchange, in_inner), min_replicas=2),
         Topology(num_hosts=4, link_mbit=1000),
@@ -411,9 +427,16 @@ def test_fault_free_diloco_equals_the_run_without_torchft_bit_for_bit() -> None:
     from commfuse.localsgd import diloco
     from commfuse.train.loop import train_rank
 
-    # 3 periods and a partial one, closed by the final synchronisation.
+    # 3 periods and a partial one, closed by the final synchronisation; each inner step at
+    # the scheduled rate of its step.
     steps = 3 * H + 2
-    config = TrainConfig(workload=WORKLOAD, strategy=diloco(H=H), steps=steps, evaluate=False)
+    config = TrainConfig(
+        workload=WORKLOAD,
+        strategy=diloco(H=H),
+        steps=steps,
+        evaluate=False,
+        lr_schedule=CosineSchedule(warmup_steps=2, min_ratio=0.0),
+    )
     topology = Topology(num_hosts=2, link_mbit=1000)
     ft = run_fault_tolerant(config, FaultToleranceConfig(), topology, timeout_s=200)
     plain = run(train_rank, config, None, net=topology, timeout_s=200)

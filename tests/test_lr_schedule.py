@@ -220,19 +220,6 @@ def test_a_resume_under_another_schedule_is_refused(pool: Any, tmp_path: Path) -
         p.run(run_rank, other, timeout_s=60)
 
 
-def test_the_fault_tolerant_trainer_refuses_a_schedule(capsys: pytest.CaptureFixture[str]) -> None:
-    from commfuse.cluster import Topology
-    from commfuse.ft import FaultToleranceConfig
-    from commfuse.ft.launch import run_fault_tolerant
-
-    config = _config("ddp", 4, CosineSchedule())
-    with pytest.raises(ValueError, match="no learning-rate schedule"):
-        run_fault_tolerant(config, FaultToleranceConfig(), Topology(num_hosts=2))
-    for command in ("train", "compare"):
-        assert main([command, "--fault-tolerant", "--hosts", "2", "--lr-schedule", "cosine"]) == 2
-        assert "--lr-schedule does not combine with --fault-tolerant" in capsys.readouterr().err
-
-
 def test_train_cli_takes_a_schedule_and_records_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -18,11 +18,14 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from commfuse.cluster.errors import DeadlineExceeded, LaunchError, RankError
 from commfuse.cluster.netlab import NetlabError, netlab_unavailable_reason
 from commfuse.cluster.topology import Topology
+
+if TYPE_CHECKING:
+    from commfuse.train.lr_schedule import LRSchedule
 
 T = TypeVar("T")
 
@@ -338,3 +341,11 @@ def run_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("commfuse: interrupted", file=sys.stderr)
         return 130
+
+
+def lr_schedule_arg(args: argparse.Namespace) -> LRSchedule | None:
+    """``--lr-schedule`` as a schedule (None when not given)."""
+    from commfuse.cli.spec import lr_schedule_from_spec
+
+    text = getattr(args, "lr_schedule", None)
+    return None if text is None else lr_schedule_from_spec(text)

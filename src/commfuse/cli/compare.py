@@ -21,9 +21,10 @@ from commfuse.cli.common import (
     add_topology_arguments,
     backend_from_args,
     emulate_arg,
+    lr_schedule_arg,
     topology_from_args,
 )
-from commfuse.cli.train import add_fault_tolerance_arguments, add_run_arguments, lr_schedule_arg
+from commfuse.cli.train import add_fault_tolerance_arguments, add_run_arguments
 from commfuse.train import compare as C
 
 LEGEND = """\

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from commfuse.cli.common import emulate_arg
+from commfuse.cli.common import emulate_arg, lr_schedule_arg
 from commfuse.cli.train_ft import fault_tolerance_from_args, replica_topology
 
 
@@ -31,8 +31,6 @@ def run_compare_ft(args: argparse.Namespace) -> int:
     topology = replica_topology(args)
     specs = args.strategy or [DEFAULT_STRATEGIES[0]]
     strategies = [strategy_from_spec(s, ranks_per_host=1) for s in specs]
-    if args.lr_schedule is not None:
-        raise ValueError("--lr-schedule does not combine with --fault-tolerant")
     if args.max_steps_factor not in (None, 1.0):
         raise ValueError("--max-steps-factor does not combine with --fault-tolerant")
     ft = fault_tolerance_from_args(args)
@@ -42,6 +40,7 @@ def run_compare_ft(args: argparse.Namespace) -> int:
         seed=args.seed,
         bucket_cap_mb=args.bucket_cap_mb,
         init_from=args.init_from,
+        lr_schedule=lr_schedule_arg(args),
     )
     pairs = "with faults against without" if ft.faults else "under torchft against without"
     print(

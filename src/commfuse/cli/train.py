@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from commfuse.cli.common import (
     Subparsers,
@@ -23,11 +23,9 @@ from commfuse.cli.common import (
     add_topology_arguments,
     backend_from_args,
     emulate_arg,
+    lr_schedule_arg,
     topology_from_args,
 )
-
-if TYPE_CHECKING:
-    from commfuse.train.lr_schedule import LRSchedule
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, default_steps: int) -> None:
@@ -58,18 +56,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, default_steps: int) ->
         "--lr-schedule",
         metavar="SPEC",
         default=None,
-        help="learning-rate schedule over the --steps total, every strategy's inner rate: "
+        help="learning-rate schedule over the --steps total (every strategy, --fault-tolerant "
+        "included): "
         "cosine[:warmup_steps=W,min_ratio=0.1], step:every_steps=K[,gamma=0.1,warmup_steps=W], "
         "constant:warmup_steps=W (default: the workload's rate throughout)",
     )
-
-
-def lr_schedule_arg(args: argparse.Namespace) -> LRSchedule | None:
-    """``--lr-schedule`` as a schedule (None when not given)."""
-    from commfuse.cli.spec import lr_schedule_from_spec
-
-    text = getattr(args, "lr_schedule", None)
-    return None if text is None else lr_schedule_from_spec(text)
 
 
 def register(sub: Subparsers) -> None:

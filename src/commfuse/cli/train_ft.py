@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from commfuse.cli.common import emulate_arg, topology_from_args
+from commfuse.cli.common import emulate_arg, lr_schedule_arg, topology_from_args
 
 if TYPE_CHECKING:
     from commfuse.cluster.topology import Topology
@@ -33,7 +33,7 @@ def run_train_ft(args: argparse.Namespace) -> int:
     topology = replica_topology(args)
     strategy = strategy_from_spec(args.strategy, ranks_per_host=1)
     ft_mode(strategy)  # ValueError: neither mode runs it (the message lists what runs)
-    for flag in ("checkpoint_dir", "resume", "lr_schedule"):
+    for flag in ("checkpoint_dir", "resume"):
         if getattr(args, flag):
             raise ValueError(f"--{flag.replace('_', '-')} does not combine with --fault-tolerant")
     ft = fault_tolerance_from_args(args)
@@ -46,6 +46,7 @@ def run_train_ft(args: argparse.Namespace) -> int:
         seed=args.seed,
         bucket_cap_mb=args.bucket_cap_mb,
         init_from=args.init_from,
+        lr_schedule=lr_schedule_arg(args),
     )
     from commfuse.ft.launch import run_fault_tolerant
 

@@ -195,8 +195,7 @@ def run_fault_tolerant(
 
     Raises:
         ValueError: replica groups that do not split the ranks evenly, faults on missing
-            hosts or groups, a strategy other than those above, or a learning-rate schedule
-            (the fault-tolerant trainer trains at the workload's rate).
+            hosts or groups, or a strategy other than those above.
         RankError: a replica failed other than by an injected fault.
         DeadlineExceeded: the job passed ``timeout_s``.
 
@@ -213,11 +212,6 @@ def run_fault_tolerant(
     ft.check_hosts(topology.num_hosts, topology.ranks_per_host)
     ft_mode(config.strategy)  # ValueError before anything starts
     init_from_step(config)  # ValueError: a checkpoint at or past the run's total
-    if config.lr_schedule is not None:
-        raise ValueError(
-            "the fault-tolerant trainer has no learning-rate schedule: it trains at the "
-            "workload's rate (drop --lr-schedule, or train without --fault-tolerant)"
-        )
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="commfuse-ft-"))

@@ -128,6 +128,7 @@ from commfuse.ft.replica import (
 from commfuse.ft.require import require_torchft
 from commfuse.localsgd import PeriodicSyncConfig, PeriodicSyncOptimizer
 from commfuse.train.loop import params_digest
+from commfuse.train.lr_schedule import ScheduledRates
 from commfuse.train.torch_ddp import bucket_caps
 from commfuse.workloads import make_workload
 
@@ -256,6 +257,10 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     workload = make_workload(job.train.workload, device=torch.device("cpu"))
     module = workload.build_model(job.train.seed)
     optimizer = workload.make_optimizer(module)
+    # Each inner step's rate is a function of its step in the whole run (``rates.apply``).
+    rates = ScheduledRates(
+        job.train.lr_schedule, [group["lr"] for group in optimizer.param_groups], job.train.steps
+    )
     # With init_from, the run's inner steps are those after the checkpoint's step (``first``):
     # the periods count from there, each inner step trains the batch of its step in the
     # whole run (``init_from.py``).
@@ -435,6 +440,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                         skip = kept["skipped"]
                         _set_grads(periodic.params, kept["grads"])
                         now["inner"] = first + end - 1
+                        rates.apply(optimizer.param_groups, first + end - 1)
                         periodic.step()  # the last step's update, then the exchange
                     if not resume:
                         periodic.step_count += skip  # the inner steps it skips
@@ -462,6 +468,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
                                 "samples": samples,
                                 "skipped": skip,
                             }
+                        rates.apply(optimizer.param_groups, step)
                         periodic.step()  # the outer exchange after the period's last step
                     if first + end == job.train.steps:
                         periodic.finish()

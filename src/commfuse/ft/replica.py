@@ -62,6 +62,7 @@ from commfuse.ft.init_from import load_init_from
 from commfuse.ft.progress import BehindTheRun, behind_the_run, read_floor
 from commfuse.ft.require import require_torchft
 from commfuse.train.loop import TrainConfig, params_digest
+from commfuse.train.lr_schedule import ScheduledRates
 from commfuse.train.strategy import CommfuseDPConfig, StrategyConfig, TorchDDPConfig
 from commfuse.train.torch_ddp import bucket_caps
 from commfuse.workloads import make_workload
@@ -351,6 +352,11 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     workload = make_workload(job.train.workload, device=device)
     module = workload.build_model(job.train.seed)
     optimizer = workload.make_optimizer(module)
+    # The schedule's base rates are the workload's (a checkpoint or a donor's state would put
+    # its own step's rate there); each step's rate is a function of the step alone.
+    rates = ScheduledRates(
+        job.train.lr_schedule, [group["lr"] for group in optimizer.param_groups], job.train.steps
+    )
     start = load_init_from(job.train, module, optimizer)  # 0 without init_from
     ddp = DistributedDataParallel(
         module,
@@ -505,6 +511,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
             committed = manager.should_commit()
             t_voted = time.monotonic()
             if committed:
+                rates.apply(optimizer.param_groups, step_now)
                 optimizer.step()
             else:
                 load_compression_state(saved)
