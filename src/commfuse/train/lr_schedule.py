@@ -16,8 +16,7 @@ Minibatch SGD: Training ImageNet in 1 Hour", 2017):
   Descent with Warm Restarts", ICLR 2017, without the restarts). DiLoCo's inner AdamW trains
   on this schedule (Douillard et al. 2023).
 * ``StepSchedule`` (``step``): the rate multiplied by ``gamma`` every ``every_steps`` steps
-  after the warm-up (torch's ``StepLR``). A drop changes the gradients' size at once, the
-  change SelSync's signal is built to see (Tyagi and Swany 2023 train ResNets on such drops).
+  after the warm-up (torch's ``StepLR``; the ResNet recipes' drops, Goyal et al. 2017).
 
 The step counts the run's whole training: a run continued from a checkpoint at step 200 takes
 its step 200 at ``factor(200, total_steps)``, with ``total_steps`` the run's total
