@@ -92,7 +92,8 @@ def run_compare(
     labels: Sequence[str] = (),
     backend: str = "gloo",
 ) -> list[dict[str, Any]]:
-    """Run every strategy on ``base``'s workload/seed/steps; return one record per strategy.
+    """Run every strategy with ``base``'s other settings (workload, seed, steps, schedule,
+    starting checkpoint); return one record per strategy.
     ``labels`` name them in the records (default: ``describe_strategy``); ``backend`` is every
     job's process group's (``run_training``: nccl puts each rank on its GPU).
 

@@ -78,11 +78,38 @@ def run_training(
     warmup: int = DEFAULT_WARMUP_STEPS,
     backend: str = "gloo",
 ) -> dict[str, Any]:
-    """Run ``config`` on ``topology``; return the summary record (see ``metrics.py``).
+    """Train ``config`` on ``topology``'s ranks and return the run's summary record.
 
-    ``backend``: the process group's, which decides every rank's device (``nccl``:
-    ``cuda:LOCAL_RANK``, one GPU per rank; ``gloo``: the CPU; the training loop follows
-    ``Communicator.device``)."""
+    Args:
+        config: the run (workload, strategy, steps, seed, schedule, checkpoints).
+        topology: hosts, ranks per host and link rate; on the emulated cluster when
+            ``emulate`` allows (None: where this machine can build it, else plain loopback).
+        emulate: True to require the emulated cluster, False for loopback, None to choose.
+        progress: a progress bar on stderr (None: when stderr is a terminal).
+        timeout_s: the deadline of the whole run; every rank is stopped after it.
+        warmup: steps left out of the step-time median.
+        backend: the process group's, which decides every rank's device (``nccl``:
+            ``cuda:LOCAL_RANK``, one GPU per rank; ``gloo``: the CPU; the training loop
+            follows ``Communicator.device``).
+
+    Returns:
+        The record ``commfuse train --json`` writes: step times, bytes per step, losses, the
+        held-out evaluation, the strategy's metrics (``metrics.summarize``), and the run's
+        settings (``spec``, ``seed``, ``lr_schedule``, ``topology``, ...).
+
+    Raises:
+        RankError: a rank failed (the record names it); DeadlineExceeded: the run passed
+            ``timeout_s``.
+
+    Example:
+        ```python
+        record = run_training(
+            TrainConfig(strategy=diloco(H=50), steps=400, lr_schedule=CosineSchedule()),
+            Topology(num_hosts=4, link_mbit=100),
+        )
+        print(record["eval_loss"], record["bytes_per_step"])
+        ```
+    """
     label = config.strategy_label
     ctx = rank_context()  # the context commfuse.cluster.run starts ranks with
     q = ctx.Queue()
