@@ -211,6 +211,14 @@ def test_runs_of_several_seeds_merge_into_one_result_with_a_seed_column(
     lines = render_result(data).splitlines()
     assert lines[0].split()[0] == "seed" and len(lines) == 1 + 2 * len(records)
     assert render_result(records).splitlines()[0].split()[0] == "strategy"  # one seed: none
+    # A workload or a schedule that varies gets its column too, after the seed.
+    varied = [
+        {**r, "seed": 0, "lr_schedule": "cosine:warmup_steps=0,min_ratio=0.1"} for r in records
+    ]
+    varied += [{**r, "seed": 0, "workload": "digits"} for r in records]
+    header = render_result(varied).splitlines()[0].split()
+    assert header[:3] == ["workload", "lr_schedule", "strategy"]
+    assert render_result(varied).splitlines()[-1].split()[:2] == ["digits", "-"]
     other = next(p for p in RESULTS if kind_of(json.loads(p.read_text())) != "compare")
     assert main(["report", str(paths[0]), str(other), "--json", str(merged)]) == 2
     assert "different commands" in capsys.readouterr().err

@@ -82,12 +82,15 @@ def test_the_model_its_optimizer_state_and_batches_live_on_the_given_device(spec
     )
 
 
-@pytest.mark.parametrize(("spec", "steps"), [("charlm", 12), ("digits", 40)])
+@pytest.mark.parametrize(
+    ("spec", "steps"), [("charlm", 12), ("charlm:optimizer=sgd,lr=0.1", 12), ("digits", 40)]
+)
 def test_a_few_steps_reduce_the_loss(spec: str, steps: int) -> None:
     torch.set_num_threads(1)
     w = make_workload(workload_from_spec(spec), device=torch.device("cpu"))
     model = w.build_model(0)
     opt = w.make_optimizer(model)
+    assert type(opt) is (torch.optim.SGD if "sgd" in spec else torch.optim.AdamW)
     before = w.evaluate(model)
     for step in range(steps):
         opt.zero_grad()
@@ -104,6 +107,8 @@ def test_a_few_steps_reduce_the_loss(spec: str, steps: int) -> None:
         ("imagenet", "unknown workload 'imagenet'; known: charlm, digits"),
         ("charlm:depth=3", "unknown key.*depth.*known keys: batch, dim"),
         ("charlm:dim=65,heads=4", "heads=4 must divide dim=65"),
+        ("charlm:optimizer=adam", "optimizer='adam'.*adamw, sgd"),
+        ("charlm:optimizer=sgd,momentum=1", r"momentum must be in \[0, 1\), got 1"),
         ("digits:lr=fast", "lr='fast' is not a valid float"),
         ("digits:hidden", "is not key=value"),
     ],

@@ -293,8 +293,11 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
         return _table(data, _fused_step_columns(), markdown)
     if kind == "compare":
         columns = list(_compare_columns(data))
-        if len({r.get("seed") for r in data}) > 1:  # runs of several seeds in one file
-            columns.insert(0, ("seed", lambda r: str(r.get("seed", "-"))))
+        # Runs of several seeds, workloads or schedules in one file: a column for each that
+        # varies, before the strategy.
+        for key in ("lr_schedule", "workload", "seed"):
+            if len({str(r.get(key)) for r in data}) > 1:
+                columns.insert(0, (key, _setting(key)))
         return _table(data, columns, markdown)
     if kind == "compare --fault-tolerant":
         from commfuse.ft.compare import COLUMNS as FT_COLUMNS
@@ -429,6 +432,11 @@ _RESULTS_BLOCK = re.compile(
     # the lines render_result and control_line print under a table, nothing written by hand
     r"(?:\n(?:held-out configurations: |A/A control \(the baseline )[^\n]*(?:\n|$))*)"
 )
+
+
+def _setting(key: str) -> Callable[[dict[str, Any]], str]:
+    """A run setting's cell (``-`` where the record has none: a constant rate)."""
+    return lambda r: "-" if r.get(key) is None else str(r[key])
 
 
 def update_report(path: str | Path) -> bool:

@@ -13,6 +13,7 @@ random windows of the training split drawn from (seed, step, rank) (``base.batch
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +37,15 @@ class CharLMOptions:
     """Symbols per sequence (context length)."""
     batch: int = 8
     """Sequences per rank per step."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """AdamW, or SGD with heavy-ball momentum (``momentum``; give it its own ``lr``, about
+    0.1 to 0.5 here, not AdamW's)."""
     lr: float = 3e-3
-    """AdamW learning rate."""
+    """The optimizer's learning rate."""
     weight_decay: float = 0.01
-    """AdamW decoupled weight decay."""
+    """Weight decay (AdamW's decoupled; SGD's added to the gradient)."""
+    momentum: float = 0.9
+    """SGD's momentum (``optimizer="sgd"`` only)."""
     eval_batches: int = 4
     """Held-out batches (of ``batch`` x ``seq`` symbols) in ``evaluate``."""
 
@@ -51,6 +57,8 @@ class CharLMOptions:
             raise ValueError(f"heads={self.heads} must divide dim={self.dim}")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
 
 
 class Block(nn.Module):
@@ -116,7 +124,12 @@ class CharLM(Workload):
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.options.lr, weight_decay=self.options.weight_decay)
+        o = self.options
+        if o.optimizer == "sgd":
+            return torch.optim.SGD(
+                params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay
+            )
+        return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
 
     def _windows(self, data: torch.Tensor, gen: torch.Generator, count: int) -> torch.Tensor:
         """``count`` random windows of the host corpus, cut on the CPU (the seeded generator
