@@ -1,7 +1,8 @@
 """The command line's one parser: ``NAME:key=value,...`` specs turned into typed objects.
 
-A compressor, a workload, a training strategy, a learning-rate schedule and a fault to inject are given on the command line as specs: a
-name, then optionally a colon and comma-separated ``key=value`` options::
+A compressor, a workload, a training strategy, a learning-rate schedule and a fault to inject
+are given on the command line as specs: a name, then optionally a colon and comma-separated
+``key=value`` options::
 
     powersgd:rank=4,warmup=10      charlm:dim=64,layers=1      diloco:H=50,outer_lr=0.7
 
