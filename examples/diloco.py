@@ -22,6 +22,8 @@ def main() -> None:
     # outer Nesterov step (lr 0.7, momentum 0.9) moves the anchor.
     config = diloco(H=5, outer_lr=0.7, outer_momentum=0.9, compressor=FP16())
     optimizer = PeriodicSyncOptimizer(inner, net, comm, config)
+    # A torch scheduler sets the inner rate (the outer step keeps its own, as in the paper).
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(inner, T_max=12)
 
     data = torch.Generator().manual_seed(comm.rank)
     for step in range(12):
@@ -31,6 +33,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()  # an inner step; every 5th also the outer step
         optimizer.zero_grad()
+        schedule.step()
         if comm.rank == 0:
             print(f"step {step} loss {loss.item():.4f}")
 
