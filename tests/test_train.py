@@ -184,6 +184,17 @@ def test_resume_refuses_a_different_run(pool: Any, tmp_path: Path) -> None:
             _config("commfuse", 4, checkpoint_dir=str(tmp_path), resume=True),
             timeout_s=60,
         )
+    # A launcher refuses it before it starts any rank: a ValueError, not a rank's failure.
+    from commfuse.cluster import Topology
+    from commfuse.train.runner import run_training
+
+    with pytest.raises(ValueError, match=r"a different run.*world_size: checkpoint 2, now 3"):
+        run_training(
+            _config("ddp", 4, checkpoint_dir=str(tmp_path), resume=True),
+            Topology(num_hosts=1, ranks_per_host=3),
+            emulate=False,
+            progress=False,
+        )
 
 
 @pytest.mark.parametrize(

@@ -163,8 +163,23 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def load_file(path: str | Path) -> dict[str, Any]:
-    """Load one checkpoint file weights-only: tensors and plain data, never code.
+def load_identity(root: str | Path, step: int) -> dict[str, Any]:
+    """The run identity rank 0's file for ``step`` was saved with, read without loading its
+    tensors (memory-mapped): a launcher checks it before it starts any rank.
+
+    Raises:
+        ValueError: the file is missing or not a loadable checkpoint (``load_file``).
+    """
+    path = step_dir(root, step) / "rank0.pt"
+    if not path.is_file():
+        raise ValueError(f"checkpoint {path} is missing")
+    identity: dict[str, Any] = load_file(path, mmap=True).get("identity", {})
+    return identity
+
+
+def load_file(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
+    """Load one checkpoint file weights-only: tensors and plain data, never code (``mmap``:
+    tensors stay in the file until read).
 
     Raises:
         ValueError: the file holds something else (an object whose unpickling would call a
@@ -174,7 +189,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not a readable checkpoint (not a torch.save file)")
     try:
         # Onto the host first: ``load_rank`` moves what belongs on the device.
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         # torch's message is a page of advice on loading the file anyway; keep its reason.
         reason = next(

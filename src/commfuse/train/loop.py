@@ -150,6 +150,21 @@ def _identity(config: TrainConfig, world_size: int) -> dict[str, Any]:
     }
 
 
+def check_resume(config: TrainConfig, world_size: int) -> None:
+    """Refuse, before any rank starts, a ``resume`` that would continue another run's
+    checkpoint (another workload, strategy, seed, world size, bucket cap or schedule).
+
+    Raises:
+        ValueError: naming every field where the checkpoint's run differs from this one.
+    """
+    if not (config.resume and config.checkpoint_dir):
+        return
+    step = ckpt.latest_step(config.checkpoint_dir)
+    if step is not None:
+        saved = ckpt.load_identity(config.checkpoint_dir, step)
+        ckpt.check_identity(saved, _identity(config, world_size), config.checkpoint_dir)
+
+
 def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
     """Train on this rank (process group already initialised); returns this rank's metrics.
 
