@@ -136,7 +136,7 @@ def test_all_reduce_never_beats_the_bandwidth_lower_bound() -> None:
         t = collective_time_s("all_reduce", algo, n, cluster)
         host_link = cluster.inter_gbit_per_s * 1e9 / 8
         # 2((P-1)/P) n / B over hosts: what must cross each host's link at the very least (with
-        # one rank per host, the bound over ranks exactly).
+        # one rank per host, the bound over ranks exactly).
         assert t >= C.all_reduce_lower_bound(n, hosts, host_link) * (1 - 1e-12), (
             hosts,
             local,

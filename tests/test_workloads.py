@@ -11,6 +11,8 @@ from commfuse.cli.spec import workload_from_spec
 from commfuse.workloads import corpus, make_workload
 from commfuse.workloads.digits import HELDOUT_EVERY, load_split_tensors
 
+CPU = torch.device("cpu")
+
 
 def test_corpus_files_present_and_heldout_disjoint() -> None:
     train = corpus.module_paths(corpus.TRAIN_MODULES)
@@ -30,6 +32,27 @@ def test_digits_split_fixed_and_disjoint() -> None:
     assert len(yt) + len(yh) == 1797 and len(yh) == -(-1797 // HELDOUT_EVERY)
     assert set(yh.tolist()) == set(range(10))
     assert float(xt.max()) == 1.0 and float(xt.min()) == 0.0
+
+
+def test_split_replica_data_gives_each_rank_windows_of_its_own_share_only() -> None:
+    text = corpus.load_split("train").to(torch.uint8).numpy().tobytes()  # 98 symbols: a byte each
+    share = len(text) // 4
+    split = make_workload(workload_from_spec("charlm:replica_data=split"), device=CPU)
+    shared = make_workload(workload_from_spec("charlm"), device=CPU)
+
+    def inside(window: torch.Tensor, rank: int) -> bool:
+        """Whether the window's 65 symbols occur within rank ``rank``'s share of the corpus."""
+        return (
+            text.find(window.to(torch.uint8).numpy().tobytes(), rank * share, (rank + 1) * share)
+            >= 0
+        )
+
+    for rank in range(4):
+        windows = [w for step in range(5) for w in split.batch(step, rank, 4, seed=0)]
+        assert all(inside(w, rank) for w in windows), rank
+    windows = [w for step in range(5) for w in shared.batch(step, 0, 4, seed=0)]
+    assert not all(inside(w, 0) for w in windows)  # the shared corpus reaches past the share
+    assert "each rank its own share" in split.describe()
 
 
 @pytest.mark.parametrize("spec", ["charlm:dim=32,layers=1,heads=2", "digits:hidden=16"])
@@ -52,7 +75,7 @@ def test_models_are_seeded() -> None:
     w = make_workload(workload_from_spec("charlm"), device=torch.device("cpu"))
     a, b = w.build_model(5), w.build_model(5)
     n = sum(p.numel() for p in a.parameters())
-    assert 3_000_000 < n < 3_400_000  # the issue's 3.2M-parameter character Transformer
+    assert 3_000_000 < n < 3_400_000  # the 3.2M-parameter character Transformer
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(next(a.parameters()), next(w.build_model(6).parameters()))
 

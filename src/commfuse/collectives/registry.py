@@ -53,7 +53,7 @@ def label(collective: str, name: str) -> str:
     return f"{collective}.{name}"
 
 
-#: Short names (the issue's and MPI folklore's) accepted wherever an algorithm is named.
+#: Short names (the literature's and MPI folklore's) accepted wherever an algorithm is named.
 ALIASES: dict[str, str] = {
     "lp": "pipeline",
     "rd": "doubling",

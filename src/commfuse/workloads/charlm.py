@@ -3,8 +3,9 @@
 A decoder-only Transformer (Vaswani et al., 2017, in the GPT-2 pre-norm arrangement): token and
 learned position embeddings, ``layers`` blocks of causal multi-head self-attention and a GELU MLP,
 a final LayerNorm and a linear head over the 98-symbol vocabulary (see ``corpus.py``). With the
-defaults (dim 256, 4 layers, 4 heads, MLP 4x) it has about 3.2M parameters, the size of the
-issue's reference workload; each rank trains on 8 sequences of 64 symbols per step with AdamW.
+defaults (dim 256, 4 layers, 4 heads, MLP 4x) it has about 3.2M parameters; each rank trains on
+8 sequences of 64 symbols per step with AdamW (or SGD, ``optimizer="sgd"``), drawn from the whole
+training corpus or, with ``replica_data="split"``, from the rank's own share of it.
 
 There is no dropout, so a step is a deterministic function of parameters and batch; batches are
 random windows of the training split drawn from (seed, step, rank) (``base.batch_generator``).
@@ -46,6 +47,10 @@ class CharLMOptions:
     """Weight decay (AdamW's decoupled; SGD's added to the gradient)."""
     momentum: float = 0.9
     """SGD's momentum (``optimizer="sgd"`` only)."""
+    replica_data: Literal["shared", "split"] = "shared"
+    """Where each rank's windows come from: the whole training corpus (``shared``), or the
+    rank's own contiguous 1/world of it (``split``: other source files on every rank, data
+    that differ between replicas, as between data centres)."""
     eval_batches: int = 4
     """Held-out batches (of ``batch`` x ``seq`` symbols) in ``evaluate``."""
 
@@ -143,7 +148,11 @@ class CharLM(Workload):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         gen = batch_generator(seed, step, rank)
-        return self._windows(corpus.load_split("train"), gen, self.options.batch)
+        data = corpus.load_split("train")
+        if self.options.replica_data == "split":
+            share = data.numel() // world_size
+            data = data[rank * share : (rank + 1) * share]
+        return self._windows(data, gen, self.options.batch)
 
     def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         logits = model(batch[:, :-1])
@@ -171,6 +180,9 @@ class CharLM(Workload):
 
     def describe(self) -> str:
         o = self.options
+        optimizer = "SGD" if o.optimizer == "sgd" else "AdamW"
+        data = ", each rank its own share of the corpus" if o.replica_data == "split" else ""
         return (
-            f"charlm (dim {o.dim}, {o.layers} layers, {o.batch}x{o.seq} symbols/rank/step, AdamW)"
+            f"charlm (dim {o.dim}, {o.layers} layers, {o.batch}x{o.seq} symbols/rank/step, "
+            f"{optimizer}{data})"
         )

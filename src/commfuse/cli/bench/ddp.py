@@ -5,7 +5,7 @@ commfuse bench ddp --hosts 4 --link 1gbit --model transformer --bucket-cap-mb 25
 The same model, batches, bucket caps and cluster under torch's DistributedDataParallel,
 commfuse's DataParallel (uncompressed, one engine per ``--algo``) and the bare model (no
 communication, the compute floor), timed in rounds of balanced orders; medians of ``--repeats`` blocks of
-``--steps`` steps (see ``commfuse.bench.ddp``). The issue's target: commfuse <= 1.02x torch.
+``--steps`` steps (see ``commfuse.bench.ddp``).
 """
 
 from __future__ import annotations
