@@ -181,14 +181,17 @@ class ShardedLookup:
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Pooled lookups of samples ``[start, stop)`` of the global batch in every local table:
         ``[stop - start, T_r, D]`` (``T_r = 0`` when this rank owns no table)."""
-        columns = []
-        for table, idx, off in zip(self.tables, self.indices, self.offsets, strict=True):
-            lo, hi = bag_range(off, idx.numel(), start, stop)
-            columns.append(F.embedding_bag(idx[lo:hi], table, off[start:stop] - lo, mode=self.mode))
+        columns = [self.bags(t, start, stop) for t in range(len(self.tables))]
         if not columns:
             # No table: the shape still says how many samples, and the dim their rows would have.
             return torch.empty((stop - start, 0, self.dim), dtype=self.dtype, device=self.device)
         return torch.stack(columns, dim=1).reshape(stop - start, len(self.tables), self.dim)
+
+    def bags(self, t: int, start: int, stop: int) -> torch.Tensor:
+        """Local table ``t``'s pooled lookups of samples ``[start, stop)``: ``[stop - start, D]``."""
+        idx, off = self.indices[t], self.offsets[t]
+        lo, hi = bag_range(off, idx.numel(), start, stop)
+        return F.embedding_bag(idx[lo:hi], self.tables[t], off[start:stop] - lo, mode=self.mode)
 
 
 def _empty_blocks(
@@ -301,7 +304,7 @@ def _by_table(comm: Communicator, lookup: ShardedLookup, prepare_backward: bool)
         # message leaves after 1/P of that table's lookups instead of all of them. Each bag is
         # summed alone either way, so the rows are the same bit for bit. The other tables are
         # looked up whole (one call, rows hot in cache) and sent as slices of that column.
-        column = None if t == 0 else _bags(lookup, t, 0, lookup.offsets[t].numel())  # [B, D]
+        column = None if t == 0 else lookup.bags(t, 0, lookup.offsets[t].numel())  # [B, D]
         for step in range(1, world):
             dst = (rank + step) % world
             if splits[dst]:
@@ -317,13 +320,6 @@ def _by_table(comm: Communicator, lookup: ShardedLookup, prepare_backward: bool)
     return landing.permute(1, 0, 2).contiguous()
 
 
-def _bags(lookup: ShardedLookup, t: int, start: int, stop: int) -> torch.Tensor:
-    """Table ``t``'s pooled rows ``[stop - start, D]`` of samples ``[start, stop)``."""
-    idx, off = lookup.indices[t], lookup.offsets[t]
-    lo, hi = bag_range(off, idx.numel(), start, stop)  # as ``rows`` cuts them
-    return F.embedding_bag(idx[lo:hi], lookup.tables[t], off[start:stop] - lo, mode=lookup.mode)
-
-
 def _samples(
     lookup: ShardedLookup, t: int, column: torch.Tensor | None, start: int, count: int
 ) -> torch.Tensor:
@@ -331,7 +327,7 @@ def _samples(
     looked-up ``column``, or, without one, looked up now."""
     if column is not None:
         return column[start : start + count]
-    return _bags(lookup, t, start, start + count)
+    return lookup.bags(t, start, start + count)
 
 
 def embedding_all_to_all_reference(
