@@ -113,7 +113,9 @@ def test_a_spec_and_its_description_are_the_same_schedule() -> None:
 
 
 def test_rates_refuse_an_optimizer_with_other_groups() -> None:
-    rates = ScheduledRates(ConstantSchedule(), [1e-3, 1e-3], total_steps=5)
+    params = [torch.zeros(1, requires_grad=True) for _ in range(2)]
+    two_groups = torch.optim.SGD([{"params": [p]} for p in params], lr=1e-3)
+    rates = ScheduledRates(ConstantSchedule(), two_groups, total_steps=5)
     with pytest.raises(ValueError, match="2 base rates, the optimizer 1 parameter groups"):
         rates.apply([{"lr": 1e-3}], 0)
 

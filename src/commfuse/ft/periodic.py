@@ -258,9 +258,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     module = workload.build_model(job.train.seed)
     optimizer = workload.make_optimizer(module)
     # Each inner step's rate is a function of its step in the whole run (``rates.apply``).
-    rates = ScheduledRates(
-        job.train.lr_schedule, [group["lr"] for group in optimizer.param_groups], job.train.steps
-    )
+    rates = ScheduledRates(job.train.lr_schedule, optimizer, job.train.steps)
     # With init_from, the run's inner steps are those after the checkpoint's step (``first``):
     # the periods count from there, each inner step trains the batch of its step in the
     # whole run (``init_from.py``).

@@ -354,9 +354,7 @@ def run_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     optimizer = workload.make_optimizer(module)
     # The schedule's base rates are the workload's (a checkpoint or a donor's state would put
     # its own step's rate there); each step's rate is a function of the step alone.
-    rates = ScheduledRates(
-        job.train.lr_schedule, [group["lr"] for group in optimizer.param_groups], job.train.steps
-    )
+    rates = ScheduledRates(job.train.lr_schedule, optimizer, job.train.steps)
     start = load_init_from(job.train, module, optimizer)  # 0 without init_from
     ddp = DistributedDataParallel(
         module,

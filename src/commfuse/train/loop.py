@@ -183,9 +183,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
     module = workload.build_model(config.seed)
     optimizer = workload.make_optimizer(module)
     # The base rates are the workload's, read before a checkpoint puts its last rate there.
-    rates = ScheduledRates(
-        config.lr_schedule, [group["lr"] for group in optimizer.param_groups], config.steps
-    )
+    rates = ScheduledRates(config.lr_schedule, optimizer, config.steps)
     history: dict[str, list[float]] = {"loss": [], "step_time_s": [], "bytes": [], "skipped": []}
     start = 0
     resumed_state: dict[str, Any] | None = None

@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,15 +135,16 @@ class ScheduledRates:
 
     Args:
         schedule: the schedule, or None (the rates are never touched).
-        base_lrs: each group's base rate, in group order (the optimizer as built, before any
-            checkpoint put its last scheduled rate there).
+        optimizer: the optimizer as the workload built it, before any checkpoint or peer's
+            state put its last scheduled rate there: each group's rate now is its base rate.
         total_steps: the run's total steps (``TrainConfig.steps``).
     """
 
     def __init__(
-        self, schedule: LRSchedule | None, base_lrs: list[float], total_steps: int
+        self, schedule: LRSchedule | None, optimizer: torch.optim.Optimizer, total_steps: int
     ) -> None:
-        self.schedule, self.base_lrs, self.total_steps = schedule, list(base_lrs), total_steps
+        self.schedule, self.total_steps = schedule, total_steps
+        self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
 
     def apply(self, groups: list[dict[str, Any]], step: int) -> None:
         """Set each of ``groups``' ``lr`` to its base rate times the factor at ``step``.
