@@ -115,7 +115,7 @@ class StepSchedule(_Warmup):
 LRSchedule = ConstantSchedule | CosineSchedule | StepSchedule
 """Any schedule ``TrainConfig.lr_schedule`` takes."""
 
-SCHEDULES: dict[str, type[ConstantSchedule | CosineSchedule | StepSchedule]] = {
+SCHEDULES: dict[str, type[LRSchedule]] = {
     "constant": ConstantSchedule,
     "cosine": CosineSchedule,
     "step": StepSchedule,
@@ -126,8 +126,9 @@ SCHEDULES: dict[str, type[ConstantSchedule | CosineSchedule | StepSchedule]] = {
 def describe_schedule(schedule: LRSchedule) -> str:
     """The schedule as a spec (``cosine:warmup_steps=20,min_ratio=0.1``)."""
     name = next(n for n, cls in SCHEDULES.items() if type(schedule) is cls)
+    # Every schedule has fields (the warm-up's at least), so the spec always has a colon.
     fields = [f"{f.name}={getattr(schedule, f.name)}" for f in dataclasses.fields(schedule)]
-    return f"{name}:{','.join(fields)}" if fields else name
+    return f"{name}:{','.join(fields)}"
 
 
 class ScheduledRates:
