@@ -196,8 +196,11 @@ def test_compressed_replicas_agree_through_a_kill_and_the_joiner_keeps_its_own_r
     # The joiner received the model and AdamW's two moments (fp32 each), checksummed tensor
     # by tensor, with PowerSGD's Q factors, but not the donor's error-feedback residuals (one
     # more fp32 per parameter): those are the donor's unsent gradient, which the joiner would
-    # send a second time. A restarted joiner starts from zero residuals.
-    assert 3 * _param_bytes() < record["recovered_bytes"] < 4 * _param_bytes()
+    # send a second time. A restarted joiner starts from zero residuals. (The joiner's own
+    # bytes: a first life slow to ask for the first quorum heals from its peers too.)
+    joiner = record["per_replica"][1]
+    assert 3 * _param_bytes() < joiner["recovered_bytes"] < 4 * _param_bytes(), joiner
+    assert record["recovered_bytes"] >= joiner["recovered_bytes"]
     # What was communicated, per committed step: the whole gradient during the warm-up, then
     # PowerSGD's message of every parameter (compressor.payload_bytes, parameter by parameter).
     compressed = _powersgd_payload(compressor)
