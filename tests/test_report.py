@@ -224,6 +224,15 @@ def test_runs_of_several_seeds_merge_into_one_result_with_a_seed_column(
     assert "different commands" in capsys.readouterr().err
 
 
+def test_engine_runs_of_several_models_in_one_file_get_a_model_column() -> None:
+    records = json.loads((BENCH / "ddp-engine_netlab-4x1gbit-2core.json").read_text())
+    mlp = [r for r in records if r["model"].startswith("mlp")]
+    assert render_result(mlp).splitlines()[0].split()[0] == "engine"  # one model: none
+    lines = render_result(records).splitlines()
+    assert lines[0].split()[:2] == ["model", "engine"]
+    assert {line.split()[0] for line in lines[1:]} == {r["model"] for r in records}
+
+
 def test_rounds_of_a_fault_tolerant_compare_in_several_files_merge_into_one_result(
     tmp_path: Path,
 ) -> None:

@@ -306,7 +306,10 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
     if kind == "bench strategies":
         return _table(data, STRATEGIES_COLUMNS, markdown)
     if kind == "bench ddp":
-        return _table(data, DDP_COLUMNS, markdown)
+        columns = list(DDP_COLUMNS)
+        if len({str(r.get("model")) for r in data}) > 1:  # runs of several models in one file
+            columns.insert(0, ("model", _setting("model")))
+        return _table(data, columns, markdown)
     if kind == "bench cli":
         return _table(data, CLI_COLUMNS, markdown)
     if kind == "simulate --scale":
