@@ -272,7 +272,7 @@ def all_gather(
 
     Example:
         ```python
-        gathered = torch.empty(comm.world_size * shard.numel())
+        gathered = shard.new_empty(comm.world_size * shard.numel())  # on the shard's device
         all_gather(comm, gathered, shard, algo="ring")
         ```
     """
@@ -322,7 +322,7 @@ def reduce_scatter(
 
     Example:
         ```python
-        shard = torch.empty(grads.numel() // comm.world_size)
+        shard = grads.new_empty(grads.numel() // comm.world_size)  # on the gradient's device
         reduce_scatter(comm, shard, grads, "avg", algo="rabenseifner")
         ```
     """
