@@ -97,6 +97,15 @@ def test_gemm_all_reduce_schedules_get_rows_of_their_own(pool: PoolFn) -> None:
         assert r["fused_vs_overlap"] == pytest.approx(r["fused_us"] / r["overlap_us"])
 
 
+def test_no_warm_up_still_times_the_parts_the_chunk_choice_needs(pool: PoolFn) -> None:
+    config = FusedBenchConfig(ops=("gemm_all_reduce",), iters=1, warmup=0, shapes=((32, 16, 8),))
+    records = pool(2).run(bench_fused_on_rank, config, timeout_s=120)[0]
+    assert records and all(r["wrong"] == 0 for r in records)
+    assert records[0]["compute_us"] > 0 and records[0]["comm_us"] > 0
+    steps = StepBenchConfig(steps=("dlrm",), iters=1, warmup=0, shapes=((16, 3, 20, 4, 2),))
+    assert pool(2).run(bench_steps_on_rank, steps, timeout_s=120)[0]
+
+
 def test_moe_step_bound_hides_each_exchange_only_behind_its_gemms() -> None:
     from commfuse.bench.fused_moe import moe_step_bound_us
 

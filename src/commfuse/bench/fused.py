@@ -381,8 +381,10 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
         for shape in config.shapes_of(op):
             forms = make_case(comm, op, shape)
             for _ in range(config.warmup):
-                compute_us, comm_us = _timed(comm, forms.compute), _timed(comm, forms.comm)
-                _timed(comm, forms.unfused)
+                for part in (forms.compute, forms.comm, forms.unfused):
+                    _timed(comm, part)
+            # The chunk choice's estimates of the two parts: one call of each after the warm-up.
+            compute_us, comm_us = _timed(comm, forms.compute), _timed(comm, forms.comm)
             overhead_us = measure_overhead_us(comm, repeats=5)
             agreed = torch.tensor(
                 [compute_us, comm_us, overhead_us], dtype=torch.float64, device=comm.device
