@@ -246,20 +246,35 @@ def test_train_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "unknown strategy 'nope'" in capsys.readouterr().err
 
 
-def test_train_cli_on_an_explicit_device_checkpoints_and_resumes_there(tmp_path: Path) -> None:
+def test_train_cli_on_an_explicit_device_checkpoints_and_resumes_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--device cpu --backend gloo, spelled out, takes the path --device cuda --backend nccl
     takes (the backend decides Communicator.device, the loop builds the workload there and
-    loads its checkpoints onto it): a run to step 3, resumed to 6, ends as 6 straight."""
+    loads its checkpoints onto it): a run to step 3, resumed to 6, ends as 6 straight. Each
+    run says where it starts; a start past the run's total is refused before any rank runs."""
     argv = ["train", "--workload", DIGITS, "--nproc", "2", "--no-progress", "--strategy", "ddp"]
     argv += ["--device", "cpu", "--backend", "gloo", "--no-emulate", "--seed", "1"]
     straight, resumed, ckpts = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "ckpt"
     assert main([*argv, "--steps", "6", "--json", str(straight)]) == 0
-    assert main([*argv, "--steps", "3", "--checkpoint-dir", str(ckpts)]) == 0
+    # --resume where no checkpoint is yet (a job requeued before its first one) starts over,
+    # and says so: a mistyped directory does not restart a run unnoticed.
+    assert main([*argv, "--steps", "3", "--checkpoint-dir", str(ckpts), "--resume"]) == 0
+    assert f"no checkpoint in {ckpts} yet: starting at step 0" in capsys.readouterr().out
     more = ["--steps", "6", "--checkpoint-dir", str(ckpts), "--resume", "--json", str(resumed)]
     assert main([*argv, *more]) == 0
+    assert f"resuming at step 3 from {ckpts}" in capsys.readouterr().out
     a, b = json.loads(straight.read_text()), json.loads(resumed.read_text())
     assert b["start_step"] == 3 and b["device"] == a["device"] == "cpu"
     assert b["digest"] == a["digest"] and b["loss_curve"] == a["loss_curve"]
+    # The checkpoint is at step 6 now: a shorter run is refused, one line, exit 2, no rank.
+    assert main([*argv, "--steps", "4", "--checkpoint-dir", str(ckpts), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "at step 6, past this run's total of 4 steps" in err and "Traceback" not in err
+    assert main([*argv, "--steps", "6", "--init-from", str(ckpts)]) == 2
+    assert f"init_from {ckpts} is at step 6" in capsys.readouterr().err
+    assert main([*argv, "--steps", "8", "--init-from", str(ckpts)]) == 0
+    assert f"starting at step 6 from the model and optimizer in {ckpts}" in capsys.readouterr().out
 
 
 def test_compare_cli_writes_json_and_plot(

@@ -150,19 +150,45 @@ def _identity(config: TrainConfig, world_size: int) -> dict[str, Any]:
     }
 
 
-def check_resume(config: TrainConfig, world_size: int) -> None:
-    """Refuse, before any rank starts, a ``resume`` that would continue another run's
-    checkpoint (another workload, strategy, seed, world size, bucket cap or schedule).
+def check_start(config: TrainConfig, world_size: int) -> int:
+    """The step the run starts at, checked before any rank starts: with ``resume``,
+    ``checkpoint_dir``'s latest step (0 when it holds none yet: a job requeued before its
+    first checkpoint starts over); else ``init_from``'s step; else 0.
 
     Raises:
-        ValueError: naming every field where the checkpoint's run differs from this one.
+        ValueError: ``resume`` would continue another run's checkpoint (naming every field
+            where that run differs from this one: workload, strategy, seed, world size, bucket
+            cap or schedule) or one past this run's total of ``steps``; or ``init_from``'s
+            checkpoint is at or past it.
     """
-    if not (config.resume and config.checkpoint_dir):
-        return
-    step = ckpt.latest_step(config.checkpoint_dir)
-    if step is not None:
-        saved = ckpt.load_identity(config.checkpoint_dir, step)
-        ckpt.check_identity(saved, _identity(config, world_size), config.checkpoint_dir)
+    if config.resume and config.checkpoint_dir:
+        step = ckpt.latest_step(config.checkpoint_dir)
+        if step is not None:
+            saved = ckpt.load_identity(config.checkpoint_dir, step)
+            ckpt.check_identity(saved, _identity(config, world_size), config.checkpoint_dir)
+            if step > config.steps:
+                raise ValueError(
+                    f"resume: the checkpoint in {config.checkpoint_dir} is at step {step}, past "
+                    f"this run's total of {config.steps} steps: resume with steps of at least "
+                    f"{step}"
+                )
+            return step
+        if config.init_from is None:
+            return 0
+    return init_from_step(config)
+
+
+def describe_start(config: TrainConfig, step: int) -> str | None:
+    """Where a run that starts at ``step`` (``check_start``) comes from, in words; None for a
+    new run from step 0."""
+    if config.resume and config.checkpoint_dir:
+        if ckpt.latest_step(config.checkpoint_dir) is not None:
+            return f"resuming at step {step} from {config.checkpoint_dir}"
+        if config.init_from is None:
+            return f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0"
+    if config.init_from is not None:
+        return f"starting at step {step} from the model and optimizer in {config.init_from}"
+    return None
 
 
 def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:

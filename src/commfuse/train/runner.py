@@ -16,7 +16,7 @@ from typing import Any
 
 from commfuse.cluster import Topology, run
 from commfuse.cluster.start import rank_context
-from commfuse.train.loop import TrainConfig, check_resume, train_rank
+from commfuse.train.loop import TrainConfig, check_start, train_rank
 from commfuse.train.lr_schedule import describe_schedule
 from commfuse.train.metrics import summarize
 from commfuse.train.strategy import describe_strategy, strategy_name
@@ -98,6 +98,8 @@ def run_training(
         settings (``spec``, ``seed``, ``lr_schedule``, ``topology``, ...).
 
     Raises:
+        ValueError: a start ``check_start`` refuses (another run's checkpoint, or one past
+            ``steps``), before any rank starts.
         RankError: a rank failed (the record names it); DeadlineExceeded: the run passed
             ``timeout_s``.
 
@@ -110,7 +112,7 @@ def run_training(
         print(record["eval_loss"], record["bytes_per_step"])
         ```
     """
-    check_resume(config, topology.world_size)  # a ValueError here, not on every rank
+    check_start(config, topology.world_size)  # a ValueError here, not on every rank
     label = config.strategy_label
     ctx = rank_context()  # the context commfuse.cluster.run starts ranks with
     q = ctx.Queue()
