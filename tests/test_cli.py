@@ -211,3 +211,33 @@ def test_the_private_name_check_sees_both_forms(tmp_path: Path) -> None:
         "strategy._BUILDERS",
         "s._changed",
     ]
+
+
+#: Bad flags of commands that run for minutes: each is refused as the command line is read,
+#: naming the flag as typed, before any rank starts (exit 2, one line, no traceback).
+BAD_RUN_FLAGS = (
+    (["train", "--steps", "-1"], "--steps must be at least 1"),
+    (["train", "--steps", "5", "--checkpoint-every", "-3"], "--checkpoint-every must be at"),
+    (["train", "--bucket-cap-mb", "-1"], "--bucket-cap-mb must be more than 0"),
+    (["train", "--timeout", "-5"], "--timeout: must be more than 0 seconds"),
+    (["train", "--json", "/nonexistent/dir/m.json"], "no directory /nonexistent/dir"),
+    (["compare", "--repeats", "0"], "--repeats must be at least 1"),
+    (["compare", "--max-steps-factor", "0.5"], "--max-steps-factor must be at least 1"),
+    (["compare", "--plot", "/nonexistent/c.png"], "no directory /nonexistent to write c.png"),
+    (["simulate", "--ranks", "0"], "--ranks must be at least 1"),
+    (["bench", "fused", "--warmup", "-1"], "--warmup must be at least 0"),
+    (["report", "x.json", "--json", "/"], "/ is a directory"),
+)
+
+
+@pytest.mark.parametrize("argv, needle", BAD_RUN_FLAGS, ids=[" ".join(a) for a, _ in BAD_RUN_FLAGS])
+def test_bad_run_flags_are_named_before_anything_runs(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        code = main(argv)
+        raise SystemExit(code)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2, err
+    assert needle in lines[-1] and "Traceback" not in err, err

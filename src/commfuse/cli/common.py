@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from commfuse.cluster.errors import DeadlineExceeded, LaunchError, RankError
@@ -143,7 +145,7 @@ def add_timeout_argument(parser: argparse.ArgumentParser, *, default_s: float | 
     """--timeout: the deadline of the whole job, after which every rank is stopped."""
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=positive_seconds,
         default=default_s,
         help="stop the job after this many seconds"
         + ("" if default_s is None else f" (default {default_s:g})"),
@@ -160,6 +162,31 @@ def add_bucket_cap_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def output_path(text: str) -> str:
+    """An output file's path (``--json``, ``--markdown``, ``--plot``), checked as the command
+    line is read: a run of minutes must not end by failing to write what it measured."""
+    path = Path(text).expanduser()
+    parent = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file to write")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"no directory {parent} to write {path.name} in")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+    return text
+
+
+def positive_seconds(text: str) -> float:
+    """A duration in seconds, more than 0 (``--timeout``)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return seconds
+
+
 def add_output_arguments(
     parser: argparse.ArgumentParser,
     *,
@@ -172,13 +199,19 @@ def add_output_arguments(
     ``str`` says what the file holds (``json="one record per row"``)."""
     group = parser.add_argument_group("output")
     if json is not None:
-        group.add_argument("--json", metavar="PATH", help=f"write {json} as JSON")
+        group.add_argument("--json", metavar="PATH", type=output_path, help=f"write {json} as JSON")
     if markdown is not None:
-        group.add_argument("--markdown", metavar="PATH", help=f"write {markdown} as Markdown")
+        group.add_argument(
+            "--markdown", metavar="PATH", type=output_path, help=f"write {markdown} as Markdown"
+        )
     if plot is not None:
         default = "" if plot_default is None else f" (default {plot_default})"
         group.add_argument(
-            "--plot", metavar="PATH", default=plot_default, help=f"plot {plot}{default}"
+            "--plot",
+            metavar="PATH",
+            type=output_path,
+            default=plot_default,
+            help=f"plot {plot}{default}",
         )
 
 
@@ -246,6 +279,29 @@ def require_at_least(flag: str, value: int, minimum: int) -> None:
     """ValueError naming the flag when ``value < minimum`` (checked before any rank starts)."""
     if value < minimum:
         raise ValueError(f"{flag} must be at least {minimum}, got {value}")
+
+
+def check_run_flags(args: argparse.Namespace) -> None:
+    """``train`` and ``compare``'s numeric flags, checked as typed (a ``TrainConfig`` would
+    name its field instead of the flag), before any rank starts.
+
+    Raises:
+        ValueError: naming the first bad flag.
+    """
+    require_at_least("--steps", args.steps, 1)
+    for flag, minimum in (
+        ("--compute-steps", 0),
+        ("--checkpoint-every", 0),
+        ("--repeats", 1),
+    ):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            require_at_least(flag, value, minimum)
+    if not args.bucket_cap_mb > 0:
+        raise ValueError(f"--bucket-cap-mb must be more than 0, got {args.bucket_cap_mb:g}")
+    factor = getattr(args, "max_steps_factor", None)
+    if factor is not None and not factor >= 1:
+        raise ValueError(f"--max-steps-factor must be at least 1, got {factor:g}")
 
 
 def topology_from_args(args: argparse.Namespace, *, nproc: int | None = None) -> Topology:

@@ -20,6 +20,7 @@ from commfuse.cli.common import (
     add_output_arguments,
     add_topology_arguments,
     backend_from_args,
+    check_run_flags,
     emulate_arg,
     lr_schedule_arg,
     topology_from_args,
@@ -101,6 +102,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from commfuse.train.loop import TrainConfig
     from commfuse.workloads import make_workload
 
+    check_run_flags(args)  # named as typed, before anything starts
     if args.fault_tolerant:
         from commfuse.cli.compare_ft import run_compare_ft
 

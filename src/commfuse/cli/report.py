@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from commfuse.bench.table import ratio_cell
-from commfuse.cli.common import Subparsers, add_command, add_output_arguments
+from commfuse.cli.common import Subparsers, add_command, add_output_arguments, output_path
 from commfuse.units import format_size
 
 Record = dict[str, Any]
@@ -488,6 +488,7 @@ def register(sub: Subparsers) -> None:
     parser.add_argument(
         "--plot-bytes",
         metavar="PATH",
+        type=output_path,
         help="plot held-out loss against MB per step (log scale) of compare results, one "
         "marker per strategy (several seeds: at their medians), the frontier joined",
     )

@@ -30,6 +30,8 @@ from commfuse.cli.common import (
     add_bucket_cap_argument,
     add_command,
     add_output_arguments,
+    output_path,
+    require_at_least,
 )
 from commfuse.cli.spec import parse_value, split_spec
 from commfuse.units import format_size, parse_sizes
@@ -96,7 +98,9 @@ def register(sub: Subparsers) -> None:
         "--straggler", action="append", default=[], metavar="RANK:SLOWDOWN[:DELAY_US]"
     )
     parser.add_argument("--scale", help="rank counts: comma list or doubling range (2:1024)")
-    parser.add_argument("--trace", metavar="PATH", help="write a Chrome trace of rank 0's step")
+    parser.add_argument(
+        "--trace", metavar="PATH", type=output_path, help="write a Chrome trace of rank 0's step"
+    )
     add_output_arguments(parser, json="the records", plot="the curve over --scale (PNG)")
     parser.add_argument(
         "--validate",
@@ -117,6 +121,7 @@ def register(sub: Subparsers) -> None:
     parser.add_argument(
         "--save-cluster",
         metavar="PATH",
+        type=output_path,
         help="with --validate: write the calibrated cluster JSON (then --cluster PATH)",
     )
 
@@ -218,7 +223,8 @@ def _cluster(args: argparse.Namespace) -> Any:
     cluster = load_cluster(args.cluster)
     if args.profile:
         cluster = dataclasses.replace(cluster, profile_path=args.profile)
-    if args.ranks:
+    if args.ranks is not None:
+        require_at_least("--ranks", args.ranks, 1)
         cluster = cluster.with_ranks(args.ranks)
     stragglers = []
     for text in args.straggler:

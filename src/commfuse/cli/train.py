@@ -22,6 +22,7 @@ from commfuse.cli.common import (
     add_timeout_argument,
     add_topology_arguments,
     backend_from_args,
+    check_run_flags,
     emulate_arg,
     lr_schedule_arg,
     topology_from_args,
@@ -175,6 +176,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.list_strategies:
         print(list_strategies())
         return 0
+    check_run_flags(args)  # named as typed, before anything starts
     if args.fault_tolerant:
         from commfuse.cli.train_ft import run_train_ft
 

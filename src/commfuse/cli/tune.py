@@ -21,6 +21,7 @@ from typing import Any
 from commfuse.cli.common import (
     Subparsers,
     add_job_command,
+    output_path,
     require_at_least,
     run_on_ranks,
     topology_from_args,
@@ -52,6 +53,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--save-profile",
         metavar="PATH",
+        type=output_path,
         default="commfuse-profile.json",
         help="where to write the profile JSON (then `commfuse simulate --profile PATH`, "
         "COMMFUSE_TUNER_PROFILE=PATH for algo='auto'; default commfuse-profile.json)",

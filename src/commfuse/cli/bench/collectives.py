@@ -91,6 +91,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
 
     topology = topology_from_args(args)
     require_at_least("--repeats", args.repeats, 1)
+    require_at_least("--warmup", args.warmup, 0)
     require_at_least("--tuner-trial-calls", args.tuner_trial_calls, 0)
     if args.min_sample_ms < 0:
         raise ValueError(f"--min-sample-ms must be at least 0, got {args.min_sample_ms:g}")

@@ -88,6 +88,7 @@ def run_bench_fused(args: argparse.Namespace) -> int:
 
     topology = topology_from_args(args)
     require_at_least("--repeats", args.repeats, 1)
+    require_at_least("--warmup", args.warmup, 0)
     shared: dict[str, Any] = {
         "iters": args.repeats,
         "warmup": args.warmup,
