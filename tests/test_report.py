@@ -166,6 +166,23 @@ def test_a_simulated_collective_has_a_row_per_size_and_rank_count(
         ["16M", "16"],
     ]
     assert table == printed[-len(table) :]  # the command prints what report renders
+    # Several rank counts: each series over its own time at the first count.
+    assert table[0].split()[4:] == ["ring_vs_8_ranks", "doubling_vs_8_ranks"]
+    ring = {(r["bytes"], r["ranks"]): r["step_us"] for r in data if r["series"] == "ring"}
+    assert table[2].split()[4] == f"{ring[(64 << 10, 16)] / ring[(64 << 10, 8)]:.2f}"
+
+
+def test_a_simulation_at_one_rank_count_compares_each_series_with_the_first(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["simulate", "--op", "all_reduce", "--sizes", "64K", "--algo", "ring,doubling"]
+    assert main([*argv, "--ranks", "1024"]) == 0
+    header, row = capsys.readouterr().out.splitlines()[-2:]
+    # Not each series over itself (1.00 in every cell): the second over the first.
+    assert header.split() == ["size", "ranks", "ring_ms", "doubling_ms", "doubling_vs_ring"]
+    _, _, ring_ms, doubling_ms, ratio = row.split()
+    assert float(ratio) == pytest.approx(float(doubling_ms) / float(ring_ms), abs=0.01)
+    assert float(ratio) < 0.5  # doubling's log p rounds against ring's 2(p - 1) at 64 KB
 
 
 def _plot_of(kind: str) -> Any:

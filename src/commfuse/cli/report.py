@@ -198,25 +198,35 @@ def _table(records: Sequence[Record], columns: Sequence[Column], markdown: bool)
 
 def _scale_table(records: Sequence[Record], markdown: bool) -> str:
     """One row per rank count (and message size, for a collective), one column per series
-    (ms), then each series relative to its first row (of the same size)."""
+    (ms), then time ratios, each over a baseline of the same size: with several rank counts,
+    each series over its own time at the first count (``ring_vs_8_ranks``: how the step
+    grows); at one rank count, each series after the first over the first at that count
+    (``rabenseifner_vs_ring``)."""
     series = list(dict.fromkeys(r["series"] for r in records))
     ranks = list(dict.fromkeys(r["ranks"] for r in records))
     sizes = list(dict.fromkeys(r.get("bytes") for r in records))
     time_us = {(r.get("bytes"), r["ranks"], r["series"]): r["step_us"] for r in records}
+    # (column, series, baseline series, baseline rank count: None for the row's own)
+    ratios: list[tuple[str, str, str, int | None]]
+    if len(ranks) > 1:
+        ratios = [(f"{s}_vs_{ranks[0]}_ranks", s, s, ranks[0]) for s in series]
+    else:
+        ratios = [(f"{s}_vs_{series[0]}", s, series[0], None) for s in series[1:]]
     rows: list[Record] = []
     for size in sizes:
         for p in ranks:
             row: Record = {"bytes": size, "ranks": p}
             for s in series:
-                first = time_us[(size, ranks[0], s)]
                 row[f"{s} ms"] = time_us[(size, p, s)] / 1e3
-                row[f"x {s}"] = time_us[(size, p, s)] / max(first, 1e-12)
+            for name, s, base, base_ranks in ratios:
+                baseline = time_us[(size, p if base_ranks is None else base_ranks, base)]
+                row[name] = time_us[(size, p, s)] / max(baseline, 1e-12)
             rows.append(row)
     columns: list[Column] = [("ranks", lambda r: str(r["ranks"]))]
     if sizes != [None]:
         columns.insert(0, ("size", lambda r: format_size(r["bytes"])))
     columns += [(f"{s}_ms", _cell(f"{s} ms", ".3f")) for s in series]
-    columns += [(f"x_{s}", _cell(f"x {s}", ".2f")) for s in series]
+    columns += [(name, _cell(name, ".2f")) for name, *_ in ratios]
     return _table(rows, columns, markdown)
 
 
