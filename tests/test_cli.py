@@ -227,6 +227,9 @@ BAD_RUN_FLAGS = (
     (["simulate", "--ranks", "0"], "--ranks must be at least 1"),
     (["bench", "fused", "--warmup", "-1"], "--warmup must be at least 0"),
     (["report", "x.json", "--json", "/"], "/ is a directory"),
+    (["simulate", "--scale", "3:2"], "a range runs from low to high (2:3)"),
+    (["net", "down"], "give the LAB_ID to remove"),
+    (["net", "down", "cfuse0000", "--all"], "give a LAB_ID or --all, not both"),
 )
 
 

@@ -244,6 +244,10 @@ def test_train_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert record["eval_accuracy"] > 0.2 and record["final_loss"] < 2.3
     assert main([*argv, "--strategy", "nope"]) == 2
     assert "unknown strategy 'nope'" in capsys.readouterr().err
+    # train's default is one rank, which communicates nothing: it says so.
+    one = ["train", "--workload", DIGITS, "--steps", "2", "--no-progress", "--no-emulate"]
+    assert main([*one, "--strategy", "powersgd:rank=2"]) == 0
+    assert "one rank: nothing to communicate" in capsys.readouterr().out
 
 
 def test_train_cli_on_an_explicit_device_checkpoints_and_resumes_there(

@@ -110,8 +110,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     """Remove one lab by id, or every lab and leftover (``--all``)."""
-    if args.all == (args.lab_id is not None):
-        raise ValueError("give a LAB_ID (see `commfuse net status`) or --all, not both")
+    if args.all and args.lab_id is not None:
+        raise ValueError("give a LAB_ID or --all, not both")
+    if not args.all and args.lab_id is None:
+        raise ValueError("give the LAB_ID to remove (see `commfuse net status`), or --all")
     lab_id = args.lab_id
     if lab_id is not None and not (lab_id.startswith(LAB_PREFIX) and len(lab_id) == LAB_ID_LEN):
         raise ValueError(f"bad lab id {lab_id!r}: ids look like cfuse3fa2")

@@ -131,18 +131,21 @@ def parse_ranks(text: str) -> list[int]:
     ranks: list[int] = []
     for part in text.split(","):
         try:
-            if ":" in part:
-                lo, hi = (int(x) for x in part.split(":", 1))
-                r = lo
-                while 0 < r <= hi:
-                    ranks.append(r)
-                    r *= 2
-            else:
-                ranks.append(int(part))
+            bounds = [int(x) for x in part.split(":", 1)]
         except ValueError:
             raise ValueError(
                 f"bad --scale {text!r}: use a comma list (1,2,4) or a range (2:1024)"
             ) from None
+        if len(bounds) == 2:
+            lo, hi = bounds
+            if lo > hi:
+                raise ValueError(f"bad --scale {text!r}: a range runs from low to high ({hi}:{lo})")
+            r = lo
+            while 0 < r <= hi:
+                ranks.append(r)
+                r *= 2
+        else:
+            ranks.append(bounds[0])
     if not ranks or min(ranks) < 1:
         raise ValueError(f"bad --scale {text!r}: rank counts must be >= 1")
     return ranks

@@ -205,6 +205,8 @@ def run_train(args: argparse.Namespace) -> int:
         f"commfuse train: {args.workload} on {topology.describe()}, strategy {config.label}"
         f"{schedule}" + ("" if start is None else f"; {start}")
     )
+    if topology.world_size == 1:
+        print("  one rank: nothing to communicate (--nproc N or --hosts N for more ranks)")
     record = run_training(
         config,
         topology,
