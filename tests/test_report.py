@@ -58,9 +58,9 @@ def test_rows_judged_by_their_interval_print_the_speedups_interval() -> None:
     ]
     lines = render_result(records).splitlines()
     header, baseline_row, ring_row = lines[0], lines[-2], lines[-1]
-    assert "x_first_95%" in header and "1.25-2.00" in ring_row and " - " in baseline_row
+    assert "speedup_95%" in header and "1.25-2.00" in ring_row and " - " in baseline_row
     without = [{k: v for k, v in r.items() if k != "ratio_ci"} for r in records]
-    assert "x_first_95%" not in render_result(without).splitlines()[0]
+    assert "speedup_95%" not in render_result(without).splitlines()[0]
 
 
 @pytest.mark.parametrize(

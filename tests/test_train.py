@@ -300,7 +300,7 @@ def test_compare_cli_writes_json_and_plot(
     assert records[1]["bytes_reduction_vs_baseline"] > 4  # 1 bit per gradient, on an allgather
     assert png.read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
-    assert "x_ddp" in out and "held_loss" in out
+    assert "speedup" in out and "held_loss" in out
     assert all(r["eval_loss"] > 0 and r["final_sync_bytes"] == 0 for r in records)
     # Steps of a few ms fall between the machine's 10 ms ticks: known, but not meaningful here.
     assert all(r["machine_busy"] is not None and r["machine_busy"] >= 0 for r in records)
@@ -525,7 +525,7 @@ def test_bench_strategies_interleaves_and_counts_each_strategys_bytes(
     # Blocks this short can fall between two 10 ms clock ticks: a floor, but maybe of 0.
     assert all(r["cpu_floor_s"] is not None and r["cpu_floor_s"] >= 0 for r in records.values())
     printed = capsys.readouterr().out
-    assert "x_first" in printed
+    assert "time/first" in printed
     # The Markdown report's table is `commfuse report`'s, as the printed one; the plot is drawn.
     assert render_result(list(records.values()), markdown=True) in md.read_text()
     assert png.stat().st_size > 1000
@@ -565,7 +565,7 @@ def test_compare_time_to_loss_is_the_median_over_rounds() -> None:
 
 def test_compare_rounds_are_balanced_and_the_control_runs_the_baseline_again() -> None:
     """--repeats 2 --control: round 1 in the given order, round 2 reversed; the baseline's
-    second run is a strategy of its own whose x_ddp is the noise floor."""
+    second run is a strategy of its own whose speedup is the noise floor."""
     from commfuse.cluster import Topology
     from commfuse.train.compare import run_compare
 

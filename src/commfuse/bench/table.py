@@ -16,7 +16,7 @@ COLLECTIVE_COLUMNS = (
     ("algbw_GB/s", lambda r: f"{r['algbw_GBps']:.4f}"),
     ("busbw_GB/s", lambda r: f"{r['busbw_GBps']:.4f}"),
     ("%link", lambda r: "-" if r.get("link_pct") is None else f"{r['link_pct']:.1f}"),
-    ("x_first", lambda r: ratio_cell(r, "speedup_vs_first", ".2f")),
+    ("speedup", lambda r: ratio_cell(r, "speedup_vs_first", ".2f")),
     ("wrong", lambda r: str(r["wrong"])),
 )
 

@@ -33,7 +33,8 @@ step_ms       median time of one training step after warm-up (rank 0)
 compute_ms    the same step with every gradient collective skipped: the floor
 step/compute  step time over that floor (1.00 = communication fully hidden or removed)
 worst/compute the slowest position of the strategy's period (median over periods) over that floor:
-              local SGD's synchronising step; - = no period (SelSync, ADPSGD decide when)
+              local SGD's synchronising step; - = no period (SelSync, ADPSGD decide when);
+              worst/bound = the same over the machine's bound of a step (where measured)
 busy          share of the machine's cores the ranks kept busy during the steps (their processes
               with gloo's threads, and the kernel's packet work; not other programs): near 100%
               the step is CPU-bound, and fewer bytes cannot shorten it
@@ -42,9 +43,10 @@ MB/step       mean bytes one rank handed to collectives per step; x less = basel
 final_loss    training loss at the last step (mean over ranks, moving average)
 held_loss     the final model's loss on the held-out split (local SGD: after the final sync);
               acc = its held-out accuracy
+wall_s        the strategy's training time, start to last step
 t_to_base_s   wall time until this strategy reaches the baseline's final loss (- = never)
-x_ddp         torch DDP's mean step time / this one's; x_ddp_loss = DDP's t_to_base_s / this one's;
-              (tie): within the A/A control's noise floor (--control)"""
+speedup       torch DDP's mean step time / this one's; speedup_to_loss = DDP's t_to_base_s / this
+              one's; (tie): within the A/A control's noise floor (--control)"""
 
 
 def register(sub: Subparsers) -> None:

@@ -40,7 +40,7 @@ STRATEGIES_COLUMNS: tuple[Column, ...] = (
     ("strategy", lambda r: r["strategy"]),
     ("step_ms", _ms("step_s")),
     ("min-max_ms", lambda r: f"{r['step_s_min'] * 1e3:.0f}-{r['step_s_max'] * 1e3:.0f}"),
-    ("x_first", lambda r: ratio_cell(r, "ratio_to_first")),
+    ("time/first", lambda r: ratio_cell(r, "ratio_to_first")),
     ("spread", lambda r: f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"),
     ("/compute", lambda r: f"{r['step_over_compute']:.2f}"),
     ("fwd_ms", _ms("forward_s")),
@@ -56,7 +56,7 @@ DDP_COLUMNS: tuple[Column, ...] = (
     ("step_ms", _ms("step_s")),
     ("min-max_ms", lambda r: f"{r['step_s_min'] * 1e3:.0f}-{r['step_s_max'] * 1e3:.0f}"),
     ("exposed_ms", _ms("exposed_comm_s")),
-    ("x_torch", lambda r: ratio_cell(r, "ratio_to_torch_ddp")),
+    ("time/torch", lambda r: ratio_cell(r, "ratio_to_torch_ddp")),
     ("spread", lambda r: f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"),
     ("buckets", lambda r: "-" if r["num_buckets"] is None else str(r["num_buckets"])),
 )
@@ -76,10 +76,10 @@ CLI_COLUMNS: tuple[Column, ...] = (
     ("tree", lambda r: r["tree"]),
     ("wall_ms", _ms("wall_s", ".0f")),
     ("min-max_ms", lambda r: f"{r['wall_s_min'] * 1e3:.0f}-{r['wall_s_max'] * 1e3:.0f}"),
-    ("x_first", lambda r: ratio_cell(r, "ratio_to_first")),
+    ("time/first", lambda r: ratio_cell(r, "ratio_to_first")),
     ("spread", lambda r: f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"),
     ("cpu_ms", _ms("cpu_s", ".0f")),
-    ("cpu_x_first", lambda r: f"{r['cpu_ratio_to_first']:.3f}"),
+    ("cpu/first", lambda r: f"{r['cpu_ratio_to_first']:.3f}"),
     ("torch", lambda r: "yes" if r["imports_torch"] else "no"),
     ("torch_import_ms", lambda r: f"{r['torch_import_us'] / 1e3:.0f}"),
     ("imports", lambda r: str(r["num_imports"])),
@@ -262,7 +262,7 @@ def _validation_table(records: Sequence[Record], markdown: bool) -> str:
 
 
 def speedup_interval_cell(record: dict[str, Any]) -> str:
-    """The 95% interval of ``x_first`` (the inverse of the record's time-ratio interval,
+    """The 95% interval of ``speedup`` (the inverse of the record's time-ratio interval,
     ``ratio_ci``), ``low-high``; "-" for the baseline and records without one."""
     interval = record.get("ratio_ci")
     if interval is None or record.get("tie") is None:
@@ -294,8 +294,8 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
         if len({r.get("run") for r in data}) > 1:  # runs of one layout, tagged by the report
             columns.insert(0, ("run", lambda r: str(r.get("run", "-"))))
         if any(r.get("ratio_ci") is not None for r in data):  # rows judged by their interval too
-            at = next(i for i, (name, _) in enumerate(columns) if name == "x_first") + 1
-            columns.insert(at, ("x_first_95%", speedup_interval_cell))
+            at = next(i for i, (name, _) in enumerate(columns) if name == "speedup") + 1
+            columns.insert(at, ("speedup_95%", speedup_interval_cell))
         return _table(data, columns, markdown)
     if kind == "bench fused":
         return _table(data, _fused_columns(), markdown)

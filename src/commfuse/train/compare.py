@@ -6,7 +6,7 @@ position is the middle one after every two rounds), and reports the median over 
 step time (median and mean), the compute-only step time, the busy share and the time to the
 baseline's loss, with each round's value beside it; the losses, bytes and accuracy come from the
 first round (the rounds train the same model on the same batches). With ``control`` the
-baseline runs twice per round, as a second strategy (``ddp'``): its x_ddp is the noise floor of
+baseline runs twice per round, as a second strategy (``ddp'``): its speedup is the noise floor of
 the job, and a ratio within it is a tie. The baseline is ``ddp`` (torch's DDP) when it is among
 them, else the first strategy. Columns:
 
@@ -28,8 +28,8 @@ them, else the first strategy. Columns:
   replicas' loss while they drift apart, the held-out loss is the one model the run delivers);
 * ``wall_s``: training time; ``t_to_base_s``: wall time until this strategy's loss first reaches
   the baseline's final loss ("-": never within the run);
-* ``x_ddp``: torch DDP's mean step time over this strategy's (above 1 = faster than DDP), and
-  ``x_ddp_loss``: DDP's ``t_to_base_s`` over this one's (the speed-up to the same loss; the
+* ``speedup``: torch DDP's mean step time over this strategy's (above 1 = faster than DDP), and
+  ``speedup_to_loss``: DDP's ``t_to_base_s`` over this one's (the speed-up to the same loss; the
   smoothed loss is not monotone, so DDP may reach its own final loss before its last step).
 """
 
@@ -173,7 +173,7 @@ def run_compare(
         records.append(record)
     add_comparisons(records)
     if control:
-        # The noise floor: the baseline's two runs, by the figure x_ddp is made of.
+        # The noise floor: the baseline's two runs, by the figure speedup is made of.
         summary = summarize(
             {
                 "base": records[baseline]["mean_step_time_s_rounds"],
@@ -278,8 +278,8 @@ COMPARE_COLUMNS = (
     ("acc", lambda r: _fmt(r["eval_accuracy"], ".1f", 100.0)),
     ("wall_s", lambda r: _fmt(r["wall_s"], ".1f")),
     ("t_to_base_s", lambda r: _fmt(r["time_to_baseline_loss_s"], ".1f")),
-    ("x_ddp", lambda r: ratio_cell(r, "speedup_vs_ddp", ".2f")),
-    ("x_ddp_loss", lambda r: _fmt(r["time_to_loss_speedup_vs_ddp"], ".2f")),
+    ("speedup", lambda r: ratio_cell(r, "speedup_vs_ddp", ".2f")),
+    ("speedup_to_loss", lambda r: _fmt(r["time_to_loss_speedup_vs_ddp"], ".2f")),
 )
 
 
