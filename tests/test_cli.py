@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -244,3 +245,32 @@ def test_bad_run_flags_are_named_before_anything_runs(
     lines = [line for line in err.splitlines() if line.strip()]
     assert exit_info.value.code == 2, err
     assert needle in lines[-1] and "Traceback" not in err, err
+
+
+def test_the_strategy_list_gives_every_key_with_its_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["train", "--list-strategies"]) == 0
+    out = capsys.readouterr().out
+    # Each name's block: its line and the indented key lines under it.
+    blocks = re.split(r"\n  (?=\S)", out)
+    after = {block.split()[0]: block for block in blocks[1:]}
+    assert "rank=2" in after["powersgd"] and "warmup=10" in after["powersgd"]
+    assert "staleness=0" in after["powersgd"]  # the engine's keys too
+    # A method's shared keys have the defaults of the config it builds.
+    assert "H=50" in after["diloco"] and "compressor=none" in after["diloco"]
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "commfuse.cli", "train", "--list-strategies"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # as `| head` does: the command's writes fail with EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == "", err

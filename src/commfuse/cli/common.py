@@ -9,7 +9,8 @@ that turns an exception into an exit status and a one-line message:
   cannot run the command (``UsageError``: no privileges for the emulated network); nothing
   ran, change the command or the machine;
 - 1: the job ran and failed (a rank raised, a deadline passed, the emulated network broke);
-- 130: interrupted (Ctrl-C).
+- 130: interrupted (Ctrl-C);
+- 141: the reader of its output went away (``| head``).
 """
 
 from __future__ import annotations
@@ -387,7 +388,9 @@ def run_command(args: argparse.Namespace) -> int:
     """Run the parsed command; map its exception to an exit status and one line on stderr."""
     prog = getattr(args, "prog", "commfuse")
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # a reader that left fails here, not in the interpreter's last flush
+        return status
     except (ValueError, LaunchError, UsageError) as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 2
@@ -397,6 +400,11 @@ def run_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("commfuse: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader left (``commfuse train --list-strategies | head``): what is left to print
+        # goes nowhere, so that the interpreter's last flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a process killed by SIGPIPE
 
 
 def lr_schedule_arg(args: argparse.Namespace) -> LRSchedule | None:

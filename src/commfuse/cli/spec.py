@@ -33,7 +33,7 @@ import dataclasses
 import inspect
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from typing_extensions import Unpack
@@ -186,6 +186,60 @@ def keys_of(target: Callable[..., Any]) -> dict[str, Any]:
             (options,) = typing.get_args(hints[p.name])
             keys.update(typing.get_type_hints(options))
     return keys
+
+
+def defaults_of(target: Callable[..., Any]) -> dict[str, Any]:
+    """The default of each of ``keys_of(target)`` that has one (a dataclass field's default or
+    factory's value, a parameter's default); keys without a default are left out."""
+    if dataclasses.is_dataclass(target) and isinstance(target, type):
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(target):
+            if not f.init:
+                continue
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
+        return out
+    # A function's ``**shared: Unpack[...]`` keys have the defaults of the config it returns.
+    returned = typing.get_type_hints(target).get("return")
+    out = (
+        defaults_of(returned)
+        if isinstance(returned, type) and dataclasses.is_dataclass(returned)
+        else {}
+    )
+    out.update(
+        (p.name, p.default)
+        for p in inspect.signature(target).parameters.values()
+        if p.default is not inspect.Parameter.empty
+    )
+    return out
+
+
+def describe_keys(target: Callable[..., Any], *, skip: Sequence[str] = ()) -> str:
+    """``target``'s keys as a spec writes them, each with its default where it has one
+    (``rank=2, warmup=2, ef``): what ``--list-strategies`` shows under a name."""
+    defaults = defaults_of(target)
+    parts = []
+    for key in keys_of(target):
+        if key in skip:
+            continue
+        value = defaults.get(key, inspect.Parameter.empty)
+        if value is inspect.Parameter.empty:
+            parts.append(key)
+        else:
+            shown = getattr(value, "name", value)  # a compressor by its spec name
+            parts.append(f"{key}={_spec_text(shown)}")
+    return ", ".join(parts)
+
+
+def _spec_text(value: Any) -> str:
+    """A default as a spec would write it (booleans 0/1, None as none)."""
+    if isinstance(value, bool):
+        return str(int(value))
+    if value is None:
+        return "none"
+    return str(value)
 
 
 def build(
@@ -423,6 +477,21 @@ def strategy_listing() -> list[tuple[str, str]]:
         if name != "none"
     ]
     return out
+
+
+def strategy_keys(name: str) -> str:
+    """The keys strategy ``name`` takes after its colon, with their defaults (``describe_keys``;
+    a compressor's own keys, then the engine's)."""
+    from commfuse.train.strategy import CommfuseDPConfig
+
+    names = strategy_names()
+    if name in names:
+        entry = names[name]
+        return describe_keys(entry.target, skip=tuple(entry.fixed))
+    others = [k for k in keys_of(CommfuseDPConfig) if k not in ENGINE_KEYS]
+    engine = describe_keys(CommfuseDPConfig, skip=others)
+    own = describe_keys(compressors()[name])
+    return ", ".join(part for part in (own, engine) if part)
 
 
 def strategy_from_spec(text: str, *, ranks_per_host: int = 1) -> StrategyConfig:

@@ -162,10 +162,22 @@ def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def list_strategies() -> str:
-    from commfuse.cli.spec import strategy_listing
+    """Every strategy name, its line, and the keys it takes with their defaults."""
+    import textwrap
 
-    lines = [f"  {name:<16} {help}" for name, help in strategy_listing()]
-    return "strategies:\n" + "\n".join(lines)
+    from commfuse.cli.spec import strategy_keys, strategy_listing
+
+    indent = " " * 19
+    lines = []
+    for name, help in strategy_listing():
+        lines.append(f"  {name:<16} {help}")
+        keys = strategy_keys(name)
+        if keys:
+            lines += textwrap.wrap(keys, width=100, initial_indent=indent, subsequent_indent=indent)
+    return (
+        "strategies, each with its keys and their defaults (--strategy name:key=value,...):\n"
+        + "\n".join(lines)
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
