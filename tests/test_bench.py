@@ -146,6 +146,7 @@ BAD_INPUT = (
     (["--sizes", "12Q"], "bad size"),
     (["--op", "gossip"], "unknown op"),
     (["--hosts", "0"], "at least 1"),
+    (["--hosts", "1"], "needs at least 2 ranks"),
 )
 
 

@@ -14,7 +14,7 @@ NO_CUDA = not torch.cuda.is_available()
 @pytest.mark.parametrize(
     "argv",
     [
-        ["bench", "collectives", "--device", "cuda", "--hosts", "1", "--no-emulate"],
+        ["bench", "collectives", "--device", "cuda", "--hosts", "2", "--no-emulate"],
         ["bench", "fused", "--device", "cuda", "--hosts", "1", "--no-emulate"],
         ["bench", "ddp", "--device", "cuda", "--hosts", "1", "--no-emulate"],
         ["train", "--device", "cuda", "--backend", "nccl", "--steps", "1"],
@@ -32,7 +32,7 @@ def test_cuda_without_cuda_is_refused(argv: list[str], capsys: pytest.CaptureFix
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["bench", "collectives", "--backend", "nccl", "--hosts", "1"], "needs --device cuda"),
+        (["bench", "collectives", "--backend", "nccl", "--hosts", "2"], "needs --device cuda"),
         (["bench", "collectives", "--device", "cuda", "--backend", "gloo"], "needs --backend nccl"),
     ],
 )

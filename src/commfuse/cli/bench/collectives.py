@@ -90,6 +90,11 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
     from commfuse.cli.bench.report import run_and_report
 
     topology = topology_from_args(args)
+    if topology.world_size < 2:
+        raise ValueError(
+            "bench collectives needs at least 2 ranks (one rank's collective moves nothing "
+            "over a link): --hosts 2 or more, or --ranks-per-host 2 or more"
+        )
     require_at_least("--repeats", args.repeats, 1)
     require_at_least("--warmup", args.warmup, 0)
     require_at_least("--tuner-trial-calls", args.tuner_trial_calls, 0)
