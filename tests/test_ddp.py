@@ -275,6 +275,9 @@ def nonfinite(mode: Literal["skip", "raise"], compressor: str | None) -> dict[st
                 dp(x).sum().backward()
             except NonFiniteGradientError as err:
                 out["error"] = str(err)
+                # A step() after the caught error skips, as on_nonfinite="skip" would.
+                out["stepped_after_error"] = dp.step(opt)
+                out["unchanged_after_error"] = bool(torch.equal(before, _params(net)))
                 return out
         out["messages"] += [str(w.message) for w in caught]
         stepped = dp.step(opt)
@@ -310,6 +313,7 @@ def test_nonfinite_skip(pool: PoolFn, compressor: str | None) -> None:
 def test_nonfinite_raise(pool: PoolFn) -> None:
     for r in pool(2).run(nonfinite, "raise", None, timeout_s=60):
         assert r["error"] is not None and "step 1" in r["error"] and "0.weight" in r["error"]
+        assert r["stepped_after_error"] is False and r["unchanged_after_error"]
 
 
 def resume(split: int | None) -> torch.Tensor:

@@ -548,6 +548,9 @@ class Reducer:
         where = f" on rank(s) {bad_ranks}" if bad_ranks else ""
         message = f"non-finite (NaN/Inf) gradient at step {step}{where} in: {names}"
         self._zero_grads()
+        # Set here, not by the caller: with "raise" the caller never resumes, and a step()
+        # after a caught error must not step either.
+        self.last_step_skipped = True
         if self.config.on_nonfinite == "raise":
             raise NonFiniteGradientError(message)
         warnings.warn(message + "; gradients zeroed, step skipped", RuntimeWarning, stacklevel=2)

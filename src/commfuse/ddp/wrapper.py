@@ -62,8 +62,9 @@ class DataParallel(nn.Module):
     Raises:
         ValueError: ``module`` is not an ``nn.Module``, or the config is inconsistent (the message
             names the field).
-        NonFiniteGradientError: from ``step``, with ``on_nonfinite="raise"``, when a gradient is
-            NaN or Inf on some rank (names the parameter).
+        NonFiniteGradientError: from ``loss.backward()`` (its end, where the buckets land), with
+            ``on_nonfinite="raise"``, when a gradient is NaN or Inf on some rank (names the
+            parameter); the gradients are zeroed and a ``step()`` after it does not step.
         CommTimeoutError: a bucket's exchange passed the communicator's deadline.
 
     Example:
