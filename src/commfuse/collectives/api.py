@@ -323,7 +323,7 @@ def reduce_scatter(
     Example:
         ```python
         shard = grads.new_empty(grads.numel() // comm.world_size)  # on the gradient's device
-        reduce_scatter(comm, shard, grads, "avg", algo="rabenseifner")
+        reduce_scatter(comm, shard, grads, "avg", algo="halving")  # Rabenseifner's first half
         ```
     """
     _check_tensor(inp, "reduce_scatter input")
