@@ -80,22 +80,25 @@ def out_of_place_leaves_input() -> dict[str, bool]:
     return ok
 
 
-def async_then_sync_keeps_order(algo: str) -> bool:
-    """An async collective followed by a sync one (and compute between) on every rank."""
-    comm = Communicator()
-    a = torch.ones(1 << 16) * comm.rank
-    b = torch.ones(8) * (comm.rank + 1)
-    handle = C.all_reduce(comm, a, "sum", algo=algo, async_op=True)
-    busy = torch.randn(256, 256) @ torch.randn(256, 256)  # compute while it travels
-    C.all_reduce(comm, b, "max", algo=algo)
-    assert handle is not None
-    handle.wait()
-    world = comm.world_size
-    return (
-        bool(busy.isfinite().all())
-        and bool((a == world * (world - 1) / 2).all())
-        and bool((b == world).all())
-    )
+def async_then_sync_keeps_order(algo: str, validate: bool = False, rounds: int = 1) -> bool:
+    """An async collective followed by a sync one (and compute between) on every rank; with
+    ``validate``, each one's input check (a collective too) is ordered with them."""
+    comm = Communicator(config=CommConfig(validate=validate, deadline_s=30))
+    world, good = comm.world_size, True
+    for _ in range(rounds):
+        a = torch.ones(1 << 16) * comm.rank
+        b = torch.ones(8) * (comm.rank + 1)
+        handle = C.all_reduce(comm, a, "sum", algo=algo, async_op=True)
+        busy = torch.randn(256, 256) @ torch.randn(256, 256)  # compute while it travels
+        C.all_reduce(comm, b, "max", algo=algo)
+        assert handle is not None
+        handle.wait()
+        good = good and (
+            bool(busy.isfinite().all())
+            and bool((a == world * (world - 1) / 2).all())
+            and bool((b == world).all())
+        )
+    return good
 
 
 def rounds_inside_a_queued_function() -> tuple[float, float]:
@@ -178,6 +181,13 @@ def test_out_of_place_all_reduce_leaves_the_input(pool: PoolFn, world: int) -> N
 @pytest.mark.parametrize("algo", ["ring", "rabenseifner", "doubling", "pipeline", "native"])
 def test_async_then_sync_on_every_rank(pool: PoolFn, algo: str) -> None:
     assert all(pool(3).run(async_then_sync_keeps_order, algo))
+
+
+@pytest.mark.parametrize("algo", ["native", "ring"])
+def test_input_checks_keep_the_order_of_queued_collectives(pool: PoolFn, algo: str) -> None:
+    """validate=True checks each call's input with a collective of its own: issued while an
+    async collective is still queued, it must not overtake it on one rank and not another."""
+    assert all(pool(2).run(async_then_sync_keeps_order, algo, True, 30, timeout_s=120))
 
 
 def test_collectives_inside_a_queued_function_run_in_order(pool: PoolFn) -> None:

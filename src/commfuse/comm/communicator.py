@@ -583,6 +583,7 @@ class Communicator:
 
     def _validate(self, kind: str, tensor: torch.Tensor) -> None:
         if self.config.validate:
+            self.drain()  # the check is a collective: after the queued jobs, on every rank
             check_consistent(self, tensor, kind)
 
     # -- sub-groups -----------------------------------------------------------------------
