@@ -300,6 +300,26 @@ def test_a_rank_that_exits_with_a_code_is_named() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["mismatch", "mismatch-caught"])
+def test_ranks_whose_collective_passed_its_deadline_leave_instead_of_hanging(mode: str) -> None:
+    """gloo keeps a timed-out collective pending, and the interpreter's teardown would wait for
+    it until gloo's own 30-minute timeout: after a CommError, the process ends at exit."""
+    marker = new_marker()
+    start = time.monotonic()
+    proc = commfuse_launch("--nproc", "2", "--timeout", "90", MISBEHAVE, marker, "--default", mode)
+    elapsed = time.monotonic() - start
+    assert elapsed < 45, f"the ranks did not leave ({elapsed:.1f} s): {proc.stderr}"
+    if mode == "mismatch":  # uncaught: status 1, and the error names rank and operation
+        assert proc.returncode == 1, proc.stderr
+        assert "CommTimeoutError: rank 0, all_reduce" in proc.stderr
+        assert "not finished within the 2 s deadline" in proc.stderr
+    else:  # caught, and the script ended: status 0
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(rank_lines(proc.stdout, "CAUGHT ")) == [0, 1]
+    assert_nothing_left(marker)
+
+
+@pytest.mark.timeout(120)
 def test_job_deadline_names_the_hung_ranks() -> None:
     marker = new_marker()
     start = time.monotonic()

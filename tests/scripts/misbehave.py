@@ -5,7 +5,9 @@
 MODE is one of: ok (exit 0), sleep (hang for 10 minutes), wait-group (join a gloo process group
 and wait in a barrier, as a healthy rank waits for a peer), group-sleep (join the group, then
 hang), raise (ValueError), group-raise (join the group, then raise ValueError), exit3
-(``os._exit(3)``). Every rank first prints ``READY rank=R pid=P child=C lab=L`` (C is the pid of
+(``os._exit(3)``), mismatch (join the group and call a commfuse collective that the other
+ranks do not call: all_reduce on rank 0, broadcast elsewhere, with a 2 s deadline),
+mismatch-caught (the same, the CommTimeoutError caught, then the script ends). Every rank first prints ``READY rank=R pid=P child=C lab=L`` (C is the pid of
 a grandchild started with --child, or 0; L the emulated cluster's id, or -). MARKER is only there so tests can find every process of
 the job by its command line; the grandchild carries it too.
 """
@@ -59,6 +61,25 @@ elif mode == "group-raise":
     dist.init_process_group("gloo")
     # Now torch's excepthook prefixes every traceback line with "[rankN]: ".
     raise ValueError(f"boom from rank {rank}")
+elif mode in ("mismatch", "mismatch-caught"):
+    import torch
+    import torch.distributed as dist
+
+    from commfuse import collectives as C
+    from commfuse.comm import CommConfig, CommTimeoutError, Communicator
+
+    dist.init_process_group("gloo")
+    comm = Communicator(config=CommConfig(deadline_s=2))
+    tensor = torch.ones(1000)
+    try:
+        if rank == 0:
+            C.all_reduce(comm, tensor, algo="native")
+        else:
+            C.broadcast(comm, tensor, 0, algo="native")
+    except CommTimeoutError as err:
+        if mode == "mismatch":
+            raise
+        print(f"CAUGHT {err.op}", flush=True)
 elif mode == "exit3":
     time.sleep(0.5)
     os._exit(3)

@@ -40,6 +40,7 @@ from commfuse.comm.errors import (
     says_peer_lost,
     says_timed_out,
 )
+from commfuse.comm.exit_guard import hold_exit_for
 from commfuse.comm.trace import TraceEvent, now_us
 from commfuse.comm.waiters import WAITERS
 from commfuse.comm.watch import PEER_WATCH, UNWOKEN_AFTER_S, WATCH_INTERVAL_S
@@ -279,6 +280,8 @@ class Handle:
                 return self._in_slices(work.result, work.done, limit)
             except FutureTimeout:
                 ctx = self._ctx
+                # The job's collectives may still be pending: exit_guard.py.
+                hold_exit_for(lambda: not work.done())
                 raise CommTimeoutError(
                     f"rank {ctx.rank}, {ctx.op}: not finished within the {limit:g} s deadline "
                     "(a peer is hung, slow, or issued collectives in a different order)",
@@ -305,8 +308,10 @@ class Handle:
                 finally:
                     PEER_WATCH.remove(token)
         except CommError:
+            hold_exit_for(lambda: not work.is_completed())  # exit_guard.py
             raise
         except Exception as err:
+            hold_exit_for(lambda: not work.is_completed())
             raise translate_failure(err, self._ctx, limit) from err
         self._done = True
         if self._event is not None and self._event.end_us is None:
