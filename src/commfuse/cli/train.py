@@ -182,7 +182,7 @@ def list_strategies() -> str:
 
 def run_train(args: argparse.Namespace) -> int:
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec
-    from commfuse.train.loop import TrainConfig, check_start, describe_start
+    from commfuse.train.loop import TrainConfig, check_start
     from commfuse.train.runner import run_training
 
     if args.list_strategies:
@@ -211,7 +211,7 @@ def run_train(args: argparse.Namespace) -> int:
         init_from=args.init_from,
         lr_schedule=lr_schedule_arg(args),
     )
-    start = describe_start(config, check_start(config, topology.world_size))
+    start = check_start(config, topology.world_size).said
     schedule = "" if args.lr_schedule is None else f", learning rate {args.lr_schedule}"
     print(
         f"commfuse train: {args.workload} on {topology.describe()}, strategy {config.label}"

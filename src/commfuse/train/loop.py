@@ -24,7 +24,7 @@ import dataclasses
 import hashlib
 import os
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -150,8 +150,17 @@ def _identity(config: TrainConfig, world_size: int) -> dict[str, Any]:
     }
 
 
-def check_start(config: TrainConfig, world_size: int) -> int:
-    """The step the run starts at, checked before any rank starts: with ``resume``,
+class RunStart(NamedTuple):
+    """Where a run starts (``check_start``)."""
+
+    step: int
+    """The first step it trains."""
+    said: str | None
+    """Where that step comes from, in words; None for a new run from step 0."""
+
+
+def check_start(config: TrainConfig, world_size: int) -> RunStart:
+    """Where the run starts, checked before any rank starts: with ``resume``,
     ``checkpoint_dir``'s latest step (0 when it holds none yet: a job requeued before its
     first checkpoint starts over); else ``init_from``'s step; else 0.
 
@@ -161,6 +170,7 @@ def check_start(config: TrainConfig, world_size: int) -> int:
             cap or schedule) or one past this run's total of ``steps``; or ``init_from``'s
             checkpoint is at or past it.
     """
+    no_checkpoint_yet = None  # said when resume finds none and nothing else sets the start
     if config.resume and config.checkpoint_dir:
         step = ckpt.latest_step(config.checkpoint_dir)
         if step is not None:
@@ -172,23 +182,14 @@ def check_start(config: TrainConfig, world_size: int) -> int:
                     f"this run's total of {config.steps} steps: resume with steps of at least "
                     f"{step}"
                 )
-            return step
-        if config.init_from is None:
-            return 0
-    return init_from_step(config)
-
-
-def describe_start(config: TrainConfig, step: int) -> str | None:
-    """Where a run that starts at ``step`` (``check_start``) comes from, in words; None for a
-    new run from step 0."""
-    if config.resume and config.checkpoint_dir:
-        if ckpt.latest_step(config.checkpoint_dir) is not None:
-            return f"resuming at step {step} from {config.checkpoint_dir}"
-        if config.init_from is None:
-            return f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0"
-    if config.init_from is not None:
-        return f"starting at step {step} from the model and optimizer in {config.init_from}"
-    return None
+            return RunStart(step, f"resuming at step {step} from {config.checkpoint_dir}")
+        no_checkpoint_yet = f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0"
+    if config.init_from is None:
+        return RunStart(0, no_checkpoint_yet)
+    step = init_from_step(config)
+    return RunStart(
+        step, f"starting at step {step} from the model and optimizer in {config.init_from}"
+    )
 
 
 def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
