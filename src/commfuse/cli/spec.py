@@ -219,6 +219,8 @@ def defaults_of(target: Callable[..., Any]) -> dict[str, Any]:
 def describe_keys(target: Callable[..., Any], *, skip: Sequence[str] = ()) -> str:
     """``target``'s keys as a spec writes them, each with its default where it has one
     (``rank=2, warmup=2, ef``): what ``--list-strategies`` shows under a name."""
+    from commfuse.train.strategy import setting_text
+
     defaults = defaults_of(target)
     parts = []
     for key in keys_of(target):
@@ -227,19 +229,9 @@ def describe_keys(target: Callable[..., Any], *, skip: Sequence[str] = ()) -> st
         value = defaults.get(key, inspect.Parameter.empty)
         if value is inspect.Parameter.empty:
             parts.append(key)
-        else:
-            shown = getattr(value, "name", value)  # a compressor by its spec name
-            parts.append(f"{key}={_spec_text(shown)}")
+        else:  # None as the spec writes it: no compressor, no cap
+            parts.append(f"{key}={'none' if value is None else setting_text(value)}")
     return ", ".join(parts)
-
-
-def _spec_text(value: Any) -> str:
-    """A default as a spec would write it (booleans 0/1, None as none)."""
-    if isinstance(value, bool):
-        return str(int(value))
-    if value is None:
-        return "none"
-    return str(value)
 
 
 def build(

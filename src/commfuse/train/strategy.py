@@ -296,11 +296,11 @@ def _own_first(config: object, settings: dict[str, Any]) -> dict[str, Any]:
 
 def _spec(name: str, settings: dict[str, Any]) -> str:
     """``name[:key=value,...]``."""
-    extra = ",".join(f"{key}={_text(value)}" for key, value in settings.items())
+    extra = ",".join(f"{key}={setting_text(value)}" for key, value in settings.items())
     return f"{name}:{extra}" if extra else name
 
 
-def _text(value: object) -> str:
+def setting_text(value: object) -> str:
     """A setting as the spec vocabulary writes it (booleans 1/0, a compressor as its spec)."""
     if isinstance(value, bool):
         return str(int(value))
