@@ -71,8 +71,6 @@ def _call(
             f"unknown {collective} algorithm {algo!r}: use auto or one of {', '.join(sorted(table))}"
         )
     if same_on_every_rank and comm.config.validate:
-        # The check is a collective too: after the jobs already queued, as on every rank.
-        comm.drain()
         check_consistent(comm, tensor, collective)
     if comm.world_size == 1 or (tensor.numel() == 0 if empty is None else empty):
         if local is not None:

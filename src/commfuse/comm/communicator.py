@@ -583,7 +583,6 @@ class Communicator:
 
     def _validate(self, kind: str, tensor: torch.Tensor) -> None:
         if self.config.validate:
-            self.drain()  # the check is a collective: after the queued jobs, on every rank
             check_consistent(self, tensor, kind)
 
     # -- sub-groups -----------------------------------------------------------------------
@@ -659,8 +658,9 @@ _META_DIMS = 6
 def check_consistent(comm: Communicator, tensor: torch.Tensor, kind: str) -> None:
     """Raise InconsistentInputError if ranks pass tensors of different dtype or shape.
 
-    Gathers (dtype, ndim, shape...) from every rank with the native all-gather; the message
-    lists what each disagreeing rank passed. Costs one small collective.
+    Gathers (dtype, ndim, shape...) from every rank with the native all-gather, after the
+    communicator's queued jobs; the message lists what each disagreeing rank passed. Costs one
+    small collective.
     """
     meta = torch.full((2 + _META_DIMS,), -1, dtype=torch.int64, device=comm.device)
     meta[0] = _DTYPE_CODES.get(tensor.dtype, 99)
@@ -669,6 +669,9 @@ def check_consistent(comm: Communicator, tensor: torch.Tensor, kind: str) -> Non
         meta[2 + i] = size
     if comm.world_size == 1:
         return
+    # A collective of its own: after the jobs already queued, as on every rank (issued beside
+    # them, it could overtake one on one rank and not on another).
+    comm.drain()
     everyone = torch.empty(comm.world_size * meta.numel(), dtype=torch.int64, device=comm.device)
     ctx = OpContext(
         rank=comm.rank,
