@@ -190,6 +190,7 @@ def summarize_ft(
     per_replica = []
     for replica in range(num_replicas):
         mine = [r for r in records if r["replica"] == replica]
+        finished = [res for res in results if res["replica"] == replica]  # a killed life: none
         per_replica.append(
             {
                 "replica": replica,
@@ -197,14 +198,9 @@ def summarize_ft(
                 "committed": sum(r.get("inner_steps", 1) for r in mine if r["committed"]),
                 "discarded": sum(_discarded_steps(r) for r in mine),
                 "recovered": sum(r["healed"] for r in mine),
-                # What its lives that finished received from donors and served to joiners (a
-                # killed life reports nothing).
-                "recovered_bytes": sum(
-                    res["recovered_bytes"] for res in results if res["replica"] == replica
-                ),
-                "served_bytes": sum(
-                    res["served_bytes"] for res in results if res["replica"] == replica
-                ),
+                # What its finished lives received from donors and served to joiners.
+                "recovered_bytes": sum(res["recovered_bytes"] for res in finished),
+                "served_bytes": sum(res["served_bytes"] for res in finished),
             }
         )
     by_step: dict[int, list[float]] = defaultdict(list)
