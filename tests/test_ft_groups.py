@@ -220,11 +220,15 @@ def test_compressed_groups_keep_the_global_batch_through_a_kill_and_send_their_s
     from commfuse.train.strategy import CommfuseDPConfig
 
     # Enough steps that the killed group is back before the survivors finish alone: they take
-    # about 20 ms a step, a restarted group's ranks about 2 s to start and heal.
+    # about 20 ms a step; the restarted group (a spare, built while the others train) rejoins
+    # at the restart.
     steps, kill_at = 240, 3
     compressor = TopK(ratio=0.1)
-    # Back after the survivors committed steps alone: they train its samples meanwhile.
-    kill = KillFault(host=1, at_step=kill_at, restart_after_s=1.5)
+    # Back after the survivors committed steps alone: they train its samples meanwhile. Their
+    # first commit alone comes about 1 s after the kill (the 1 s timeout, then a quorum of
+    # one); a restart 1.5 s after the kill left half a second, which a loaded machine used up,
+    # and one after 3 s let them finish all 240 steps alone.
+    kill = KillFault(host=1, at_step=kill_at, restart_after_s=2.0)
     record = run_fault_tolerant(
         TrainConfig(
             workload=WORKLOAD, strategy=CommfuseDPConfig(compressor=compressor), steps=steps,
