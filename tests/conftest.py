@@ -1,5 +1,6 @@
 """Shared fixtures and markers: persistent rank pools, one per world size, for the whole test
-session; and the ``netlab`` marker, which needs the emulated network.
+session; ``stressed``, the machine loaded for one test (``commfuse.testing.stress``); and the
+``netlab`` marker, which needs the emulated network.
 
 A test marked ``netlab`` builds network namespaces, veth pairs and ``tbf`` qdiscs, which needs
 root. Where the network cannot be built it is skipped with the reason, except under ``CI=true``
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from commfuse.testing import RankPool, close_pools, get_pool
+from commfuse.testing import RankPool, Stress, close_pools, get_pool, under_stress
 
 
 def in_ci() -> bool:
@@ -33,6 +34,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if in_ci():
         pytest.fail(f"CI=true, but the emulated network cannot be built: {reason}", pytrace=False)
     pytest.skip(f"netlab unavailable: {reason}")
+
+
+@pytest.fixture
+def stressed() -> Iterator[Stress]:
+    """The machine loaded for the test's duration (``commfuse.testing.stress``: two busy
+    processes per core, 256 MiB held and touched), stopped when the test ends."""
+    with under_stress(memory_mb=256) as load:
+        yield load
 
 
 @pytest.fixture(scope="session")
