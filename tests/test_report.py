@@ -51,6 +51,7 @@ def test_a_missing_value_prints_as_a_dash() -> None:
 
 def test_rows_judged_by_their_interval_print_the_speedups_interval() -> None:
     base = {"op": "all_reduce", "algo": "native", "bytes": 4096, "time_us": 10.0, "wrong": 0}
+    base["iters"] = 10  # rounds: enough for a 95% interval
     records = [
         {**base, "variant": "native", "speedup_vs_first": 1.0, "tie": None, "ratio_ci": [1, 1]},
         # time ratios 0.5-0.8 of the baseline: 1.25x to 2x as fast
@@ -61,6 +62,32 @@ def test_rows_judged_by_their_interval_print_the_speedups_interval() -> None:
     assert "speedup_95%" in header and "1.25-2.00" in ring_row and " - " in baseline_row
     without = [{k: v for k, v in r.items() if k != "ratio_ci"} for r in records]
     assert "speedup_95%" not in render_result(without).splitlines()[0]
+
+
+FT_GOODPUT = BENCH / "fault-tolerance-goodput_netlab-4x100mbit-2core.json"
+
+
+@pytest.mark.parametrize("rounds", [2, 5, 6, 9])
+def test_an_interval_over_fewer_than_six_rounds_is_headed_range_not_95(rounds: int) -> None:
+    # Below six rounds the median's interval is the rounds' whole range (at two rounds it
+    # covers half the time): no table may call it 95%.
+    label = "95%" if rounds >= 6 else "range"
+    base = {"op": "all_reduce", "algo": "native", "bytes": 4096, "time_us": 10.0, "wrong": 0}
+    collectives = [
+        {**base, "variant": v, "iters": rounds, "speedup_vs_first": s, "tie": t, "ratio_ci": ci}
+        for v, s, t, ci in [("native", 1.0, None, [1, 1]), ("ring", 1.6, False, [0.5, 0.8])]
+    ]
+    for r in collectives:
+        r["control_ratio"] = 1.01
+    ft = [{**r, "repeats": rounds} for r in json.loads(FT_GOODPUT.read_text())]
+    for records, head in ((collectives, f"speedup_{label}"), (ft, label)):
+        for markdown in (False, True):
+            header = render_result(records, markdown=markdown).splitlines()[0]
+            assert head in header.replace("|", " ").split(), header
+        note = control_line(records)
+        assert note is not None
+        assert ("95% interval over rounds" in note) == (rounds >= 6), note
+        assert ("range over rounds" in note) == (rounds < 6), note
 
 
 @pytest.mark.parametrize(

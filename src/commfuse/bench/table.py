@@ -37,6 +37,34 @@ def ratio_cell(record: dict[str, Any], key: str, spec: str = ".3f") -> str:
     return format(value, spec) + (" (tie)" if record.get("tie") else "")
 
 
+#: The fewest rounds whose interval of the median (``schedule.median_interval``) holds at least
+#: 95%: below six it is the per-round ratios' whole range, which covers less (half at two rounds).
+MIN_ROUNDS_95 = 6
+
+#: Where each command's records count their rounds: the first of these keys with an integer.
+_ROUND_KEYS = ("repeats", "rounds", "reps", "num_reps", "iters")
+
+
+def rounds_of(record: dict[str, Any]) -> int | None:
+    """How many rounds ``record`` was measured over; None where it does not say."""
+    for key in _ROUND_KEYS:
+        value = record.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def interval_label(records: Sequence[dict[str, Any]]) -> str:
+    """What the records' ``ratio_ci`` is, as a column names it: ``95%`` where every record with
+    one was measured over at least ``MIN_ROUNDS_95`` rounds, ``range`` where one was measured
+    over fewer (the whole range of its rounds, short of 95%), ``interval`` where one does not
+    say how many rounds it had."""
+    counts = [rounds_of(r) for r in records if r.get("ratio_ci") is not None]
+    if any(n is not None and n < MIN_ROUNDS_95 for n in counts):
+        return "range"
+    return "interval" if None in counts else "95%"
+
+
 def control_note(records: Sequence[dict[str, Any]], label: str = "variant") -> str | None:
     """One line per distinct A/A control in ``records`` (their ``control_ratio``): what the
     noise floor was and what a tie means; None when no record has a control."""
@@ -47,7 +75,8 @@ def control_note(records: Sequence[dict[str, Any]], label: str = "variant") -> s
     spread = f"{low:.3f}" if len(seen) == 1 or low == high else f"{low:.3f} to {high:.3f}"
     # Records that carry their interval were judged by it as well (bench/schedule.py, step 6).
     by_interval = any(r.get("ratio_ci") is not None for r in records)
-    rule = " or whose 95% interval over rounds holds 1" if by_interval else ""
+    what = {"95%": "95% interval", "range": "range"}.get(interval_label(records), "interval")
+    rule = f" or whose {what} over rounds holds 1" if by_interval else ""
     return (
         f"A/A control (the baseline {label} timed twice, A'/A): {spread}; a ratio as close to 1 "
         f"as its row's control{rule} is marked (tie): this job cannot tell the two apart"

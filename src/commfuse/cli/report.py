@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from commfuse.bench.table import ratio_cell
+from commfuse.bench.table import interval_label, ratio_cell
 from commfuse.cli.common import Subparsers, add_command, add_output_arguments, output_path
 from commfuse.units import format_size
 
@@ -262,8 +262,9 @@ def _validation_table(records: Sequence[Record], markdown: bool) -> str:
 
 
 def speedup_interval_cell(record: dict[str, Any]) -> str:
-    """The 95% interval of ``speedup`` (the inverse of the record's time-ratio interval,
-    ``ratio_ci``), ``low-high``; "-" for the baseline and records without one."""
+    """The interval of ``speedup`` (the inverse of the record's time-ratio interval,
+    ``ratio_ci``: 95% from six rounds, their range below), ``low-high``; "-" for the baseline
+    and records without one."""
     interval = record.get("ratio_ci")
     if interval is None or record.get("tie") is None:
         return "-"
@@ -295,7 +296,8 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
             columns.insert(0, ("run", lambda r: str(r.get("run", "-"))))
         if any(r.get("ratio_ci") is not None for r in data):  # rows judged by their interval too
             at = next(i for i, (name, _) in enumerate(columns) if name == "speedup") + 1
-            columns.insert(at, ("speedup_95%", speedup_interval_cell))
+            label = f"speedup_{interval_label(data)}"  # 95% from six rounds, else range
+            columns.insert(at, (label, speedup_interval_cell))
         return _table(data, columns, markdown)
     if kind == "bench fused":
         return _table(data, _fused_columns(), markdown)
@@ -310,9 +312,9 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
                 columns.insert(0, (key, _setting(key)))
         return _table(data, columns, markdown)
     if kind == "compare --fault-tolerant":
-        from commfuse.ft.compare import COLUMNS as FT_COLUMNS
+        from commfuse.ft.compare import columns as ft_columns
 
-        return _table(data, FT_COLUMNS, markdown)
+        return _table(data, ft_columns(data), markdown)
     if kind == "bench strategies":
         return _table(data, STRATEGIES_COLUMNS, markdown)
     if kind == "bench ddp":

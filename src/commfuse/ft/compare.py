@@ -356,30 +356,35 @@ def _interval(r: dict[str, Any]) -> str:
     return "-" if r.get("ratio_ci") is None else "{:.2f}-{:.2f}".format(*r["ratio_ci"])
 
 
-COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
-    ("run", lambda r: r["strategy"]),
-    ("ms/step", lambda r: _fmt(r["s_per_step"], ".0f", 1e3)),
-    ("time/ref", _ratio("time_ratio")),
-    ("95%", _interval),
-    ("goodput/ref", _ratio("goodput_ratio")),
-    ("committed", lambda r: str(r["committed_steps"] or "-")),
-    ("discarded", lambda r: str(r["discarded_steps"] if r["mode"] != "plain" else "-")),
-    ("lost", lambda r: str(r["samples_lost"] if r["mode"] != "plain" else "-")),
-    ("faults", lambda r: str(r["events"])),
-    ("detect_s", _med_max("detect_s")),
-    ("recover_s", _med_max("recover_s")),
-    ("rejoin_s", _med_max("rejoin_s")),
-    ("agree", lambda r: "yes" if r["replicas_agree"] else "NO"),
-    ("held_loss", lambda r: _fmt(r["held_loss"], ".4f")),
-    ("held/ref", lambda r: _fmt(r["held_loss_ratio"], ".4f")),
-)
+def columns(records: Sequence[dict[str, Any]]) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
+    """The table's columns; the interval's is named ``95%`` from six rounds, ``range`` below
+    (``bench.table.interval_label``)."""
+    from commfuse.bench.table import interval_label
+
+    return [
+        ("run", lambda r: r["strategy"]),
+        ("ms/step", lambda r: _fmt(r["s_per_step"], ".0f", 1e3)),
+        ("time/ref", _ratio("time_ratio")),
+        (interval_label(records), _interval),
+        ("goodput/ref", _ratio("goodput_ratio")),
+        ("committed", lambda r: str(r["committed_steps"] or "-")),
+        ("discarded", lambda r: str(r["discarded_steps"] if r["mode"] != "plain" else "-")),
+        ("lost", lambda r: str(r["samples_lost"] if r["mode"] != "plain" else "-")),
+        ("faults", lambda r: str(r["events"])),
+        ("detect_s", _med_max("detect_s")),
+        ("recover_s", _med_max("recover_s")),
+        ("rejoin_s", _med_max("rejoin_s")),
+        ("agree", lambda r: "yes" if r["replicas_agree"] else "NO"),
+        ("held_loss", lambda r: _fmt(r["held_loss"], ".4f")),
+        ("held/ref", lambda r: _fmt(r["held_loss_ratio"], ".4f")),
+    ]
 
 
 def render_table(records: Sequence[dict[str, Any]], *, markdown: bool = False) -> str:
     """The records as ``commfuse compare --fault-tolerant`` prints them."""
     from commfuse.bench.table import render
 
-    return render(records, COLUMNS, markdown=markdown)
+    return render(records, columns(records), markdown=markdown)
 
 
 LEGEND = """\
@@ -387,7 +392,8 @@ ms/step      time per committed step after the warm-up, median over rounds: a pl
              step, a fault-tolerant run's inverse goodput (failed steps, quorum waits and
              recoveries included)
 time/ref     this run's time per committed step over its reference's (the row above it),
-             median of the per-round ratios; 95% = that median's interval over rounds;
+             median of the per-round ratios; 95% = that median's interval over rounds,
+             headed "range" below six rounds (the rounds' whole range, short of 95%);
              goodput/ref = the median of the inverse ratios
 committed    steps committed, summed over rounds; discarded = failed attempts (over replicas);
              lost = samples of committed steps that no replica trained
