@@ -1,4 +1,7 @@
-"""Every import inside ``src/commfuse`` goes down the layer order of DESIGN.md, never up.
+"""Every import inside ``src/commfuse`` goes down the layer order of ``docs/design.md``, never up.
+
+``docs/design.md`` ("The floors") explains the table below, draws it, and says where each kind
+of change goes; a change to ``LAYERS`` changes that page too.
 
 Each folder (or top-level module) of the package has a layer; a module may import its own
 folder and anything on a lower layer, never a higher one. Imports inside functions count (a
