@@ -1,5 +1,10 @@
-"""Wall time of ``commfuse`` commands end to end, each run in a fresh interpreter, across source
-trees (``commfuse bench cli``).
+"""Wall time of ``commfuse`` commands end to end, each run in a fresh interpreter, across
+source trees: a tool for commfuse's own developers (is a change to the command line's imports
+faster?), not part of the library.
+
+    python tests/scripts/cli_latency.py --tree old=../old/src --tree new=src --control \
+        --json latency.json
+    commfuse report latency.json --markdown latency.md   # the table as Markdown
 
 What a user waits for is the whole command: the interpreter's start, every import, the work and
 the exit. So each sample is one ``python -m commfuse.cli ARGS`` (or ``python -c "import X"``
@@ -7,11 +12,11 @@ for a command written ``import X``) in a new process, timed from before the spaw
 exit, with ``PYTHONPATH`` set to the tree's ``src``: two checkouts of commfuse (a commit and
 its parent) compare like for like, on the same interpreter and packages.
 
-1. Per command, the trees are timed in balanced rounds (``bench/schedule.py``: each round an
-   order and the next its reverse, Williams's carry-over balance); the first tree is the
+1. Per command, the trees are timed in balanced rounds (``commfuse.bench.schedule``: each round
+   an order and the next its reverse, Williams's carry-over balance); the first tree is the
    baseline of the ratios, each the median over rounds of the same round's ratio.
-2. With ``control`` the baseline tree is timed twice (A/A): the ratio of the two copies is the
-   noise floor of this machine at this moment, and a ratio as close to 1 is marked a tie.
+2. With ``--control`` the baseline tree is timed twice (A/A): the ratio of the two copies is
+   the noise floor of this machine at this moment, and a ratio as close to 1 is marked a tie.
 3. Each sample also records the CPU time (user + system) the process used: on a shared machine
    the wall time includes waits for a core, the CPU time only the work.
 4. Once per command and tree, ``python -X importtime`` lists what the command imported: the
@@ -20,13 +25,16 @@ its parent) compare like for like, on the same interpreter and packages.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import os
 import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from commfuse.bench.schedule import Schedule, run_rounds, summarize
@@ -190,3 +198,91 @@ def bench_cli_latency(config: CliLatencyConfig) -> list[dict[str, Any]]:
                 }
             )
     return records
+
+
+#: Commands timed when no --command is given.
+DEFAULT_COMMANDS = (
+    "--help",
+    "simulate --ranks 1024",
+    "simulate --ranks 16384",
+    "import commfuse.sim",
+)
+
+
+def parse_trees(texts: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """``NAME=SRC`` per tree (default: ``this``, the src this commfuse runs from).
+
+    Raises:
+        ValueError: a text is not ``NAME=SRC``.
+    """
+    if not texts:
+        import commfuse
+
+        return (("this", str(Path(commfuse.__file__).resolve().parents[1])),)
+    trees = []
+    for text in texts:
+        name, eq, src = text.partition("=")
+        if not eq or not name.strip() or not src.strip():
+            raise ValueError(f"bad --tree {text!r}: use NAME=SRC, e.g. old=../old/src")
+        trees.append((name.strip(), str(Path(src.strip()).resolve())))
+    return tuple(trees)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Time the commands, print the table (``commfuse report``'s) and write ``--json``; the
+    exit status (2 for a bad argument)."""
+    parser = argparse.ArgumentParser(
+        prog="cli_latency.py",
+        description="wall time of commfuse commands end to end (fresh interpreters), "
+        "across source trees",
+    )
+    parser.add_argument(
+        "--command",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="commfuse arguments to time, or 'import X'; repeat (default: "
+        + "; ".join(DEFAULT_COMMANDS)
+        + ")",
+    )
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=SRC",
+        help="a source tree (the src folder of a checkout); repeat, the first is the baseline",
+    )
+    parser.add_argument("--repeats", type=int, default=10, help="timed rounds (default 10)")
+    parser.add_argument("--control", action="store_true", help="time the first tree twice")
+    parser.add_argument("--json", metavar="PATH", help="one record per command and tree")
+    args = parser.parse_args(argv)
+    try:
+        config = CliLatencyConfig(
+            commands=tuple(args.command or DEFAULT_COMMANDS),
+            trees=parse_trees(args.tree),
+            rounds=args.repeats,
+            control=args.control,
+            environment=dict(os.environ),
+        )
+    except ValueError as err:
+        print(f"cli_latency.py: error: {err}", file=sys.stderr)
+        return 2
+    print(
+        f"{len(config.commands)} command(s) x {len(config.trees)} tree(s), "
+        f"{config.rounds} rounds (balanced orders), fresh interpreters",
+        file=sys.stderr,
+    )
+    records = bench_cli_latency(config)
+    from commfuse.cli.report import control_line, render_result
+
+    print(render_result(records))
+    note = control_line(records)
+    if note:
+        print(note)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
