@@ -56,7 +56,8 @@ def quoted_in(text: str, values: list[float]) -> bool:
 
 
 def derived(text: str, row: list[float]) -> bool:
-    """A ratio (``a / b``) or a relative difference in percent of two numbers of the cell."""
+    """A ratio (``a / b``), a relative difference in percent, or the mean (the median of an
+    even count) of two numbers of the cell."""
     decimals = len(text.split(".")[1]) if "." in text else 0
     target = abs(float(text))
     tolerance = 0.5 * 10.0**-decimals + 1e-9
@@ -64,7 +65,7 @@ def derived(text: str, row: list[float]) -> bool:
         for b in row:
             if a == b or b == 0:
                 continue
-            for candidate in (a / b, abs(a / b - 1) * 100):
+            for candidate in (a / b, abs(a / b - 1) * 100, (a + b) / 2):
                 if abs(candidate - target) <= tolerance:
                     return True
     return False
