@@ -274,9 +274,9 @@ def test_train_cli_on_an_explicit_device_checkpoints_and_resumes_there(
     # The checkpoint is at step 6 now: a shorter run is refused, one line, exit 2, no rank.
     assert main([*argv, "--steps", "4", "--checkpoint-dir", str(ckpts), "--resume"]) == 2
     err = capsys.readouterr().err
-    assert "at step 6, past this run's total of 4 steps" in err and "Traceback" not in err
+    assert "at step 6, past --steps 4 (the total)" in err and "Traceback" not in err
     assert main([*argv, "--steps", "6", "--init-from", str(ckpts)]) == 2
-    assert f"init_from {ckpts} is at step 6" in capsys.readouterr().err
+    assert f"--init-from {ckpts} is at step 6" in capsys.readouterr().err
     assert main([*argv, "--steps", "8", "--init-from", str(ckpts)]) == 0
     assert f"starting at step 6 from the model and optimizer in {ckpts}" in capsys.readouterr().out
 

@@ -8,7 +8,8 @@ that turns an exception into an exit status and a one-line message:
 - 2: bad input (``ValueError``), a job that could not start (``LaunchError``) or a machine that
   cannot run the command (``UsageError``: no privileges for the emulated network); nothing
   ran, change the command or the machine;
-- 1: the job ran and failed (a rank raised, a deadline passed, the emulated network broke);
+- 1: the job ran and failed (a rank raised, a deadline passed, the emulated network broke), or
+  an output file could not be written where asked (``output.py``: it went elsewhere);
 - 130: interrupted (Ctrl-C);
 - 141: the reader of its output went away (``| head``).
 """
@@ -303,6 +304,41 @@ def check_run_flags(args: argparse.Namespace) -> None:
     factor = getattr(args, "max_steps_factor", None)
     if factor is not None and not factor >= 1:
         raise ValueError(f"--max-steps-factor must be at least 1, got {factor:g}")
+    check_start_flags(args)
+
+
+def check_start_flags(args: argparse.Namespace) -> None:
+    """``--resume`` and ``--init-from`` against their checkpoints and ``--steps``, naming the
+    flags (``TrainConfig`` and ``check_start`` check the same and name their fields).
+
+    Raises:
+        ValueError: ``--resume`` without ``--checkpoint-dir`` or past ``--steps``;
+            ``--init-from`` without a complete checkpoint, or at or past ``--steps``.
+    """
+    from commfuse.train.checkpoint import latest_step
+
+    resume, folder = getattr(args, "resume", False), getattr(args, "checkpoint_dir", None)
+    resumed = None
+    if resume:
+        if not folder:
+            raise ValueError("--resume needs --checkpoint-dir (the run to continue)")
+        resumed = latest_step(folder)
+        if resumed is not None and resumed > args.steps:
+            raise ValueError(
+                f"--resume: the checkpoint in --checkpoint-dir {folder} is at step {resumed}, "
+                f"past --steps {args.steps} (the total): give --steps {resumed} or more"
+            )
+    source = getattr(args, "init_from", None)
+    if source is None:
+        return
+    step = latest_step(source)
+    if step is None:
+        raise ValueError(f"--init-from {source}: no complete checkpoint there")
+    if resumed is None and step >= args.steps:
+        raise ValueError(
+            f"--init-from {source} is at step {step}: --steps (the total) must be larger, "
+            f"got {args.steps}"
+        )
 
 
 def topology_from_args(args: argparse.Namespace, *, nproc: int | None = None) -> Topology:
@@ -390,7 +426,8 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         status = int(args.func(args))
         sys.stdout.flush()  # a reader that left fails here, not in the interpreter's last flush
-        return status
+        # An output file written elsewhere than asked (``output.write_output``) fails the command.
+        return 1 if status == 0 and getattr(args, "outputs_moved", False) else status
     except (ValueError, LaunchError, UsageError) as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 2

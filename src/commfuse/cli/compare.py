@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from commfuse.cli.common import (
     Subparsers,
@@ -25,6 +24,7 @@ from commfuse.cli.common import (
     lr_schedule_arg,
     topology_from_args,
 )
+from commfuse.cli.output import write_output
 from commfuse.cli.train import add_fault_tolerance_arguments, add_run_arguments
 from commfuse.train import compare as C
 
@@ -172,9 +172,11 @@ def run_compare(args: argparse.Namespace) -> int:
         C.plot_loss_vs_time(records, args.plot, title=title)
         print(f"plot (loss vs wall time) written to {args.plot}")
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
-        print(f"records written to {args.json}")
+        written = write_output(args, args.json, json.dumps(records, indent=1) + "\n")
+        print(f"records written to {written}")
     if args.markdown:
-        Path(args.markdown).write_text(f"# {title}\n\n{C.render_table(records, markdown=True)}\n")
-        print(f"markdown table written to {args.markdown}")
+        written = write_output(
+            args, args.markdown, f"# {title}\n\n{C.render_table(records, markdown=True)}\n"
+        )
+        print(f"markdown table written to {written}")
     return 0

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from commfuse.cli.common import emulate_arg, lr_schedule_arg
+from commfuse.cli.output import write_output
 from commfuse.cli.train_ft import fault_tolerance_from_args, replica_topology
 
 
@@ -67,10 +67,12 @@ def run_compare_ft(args: argparse.Namespace) -> int:
     if note:
         print(note)
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
-        print(f"records written to {args.json}")
+        written = write_output(args, args.json, json.dumps(records, indent=1) + "\n")
+        print(f"records written to {written}")
     if args.markdown:
         title = f"{args.workload} on {topology.describe()}, fault-tolerant"
-        Path(args.markdown).write_text(f"# {title}\n\n{render_table(records, markdown=True)}\n")
-        print(f"markdown table written to {args.markdown}")
+        written = write_output(
+            args, args.markdown, f"# {title}\n\n{render_table(records, markdown=True)}\n"
+        )
+        print(f"markdown table written to {written}")
     return 0

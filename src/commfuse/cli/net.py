@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 from commfuse.cli.common import (
@@ -22,6 +21,7 @@ from commfuse.cli.common import (
     check_topology_flags,
     set_command,
 )
+from commfuse.cli.output import write_output
 from commfuse.cluster.netlab import (
     LAB_ID_LEN,
     LAB_PREFIX,
@@ -45,13 +45,13 @@ def _topology(args: argparse.Namespace) -> Topology:
     )
 
 
-def _write_json(obj: Any, path: str) -> None:
+def _write_json(args: argparse.Namespace, obj: Any) -> None:
     """``--json``: print to stdout for ``-`` (the flag alone), else write the file."""
     text = json.dumps(obj, indent=2)
-    if path == "-":
+    if args.json == "-":
         print(text)
     else:
-        Path(path).write_text(text + "\n")
+        write_output(args, args.json, text + "\n")
 
 
 def _print_check(result: dict[str, Any]) -> bool:
@@ -139,7 +139,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     """List labs from state files and leftover namespaces/links (orphans of a crash)."""
     labs = list_labs()
     if args.json:
-        _write_json(labs, args.json)
+        _write_json(args, labs)
         return 0
     if not labs:
         print("no labs")
@@ -181,7 +181,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         _describe(lab)
         result = self_check(lab)
     if args.json:
-        _write_json(result, args.json)
+        _write_json(args, result)
         return 0 if result["ratio"] is None or abs(result["ratio"] - 1) <= TOLERANCE else 1
     return 0 if _print_check(result) else 1
 

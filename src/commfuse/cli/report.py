@@ -26,6 +26,7 @@ from typing import Any
 
 from commfuse.bench.table import interval_label, ratio_cell
 from commfuse.cli.common import Subparsers, add_command, add_output_arguments, output_path
+from commfuse.cli.output import write_output
 from commfuse.units import format_size
 
 Record = dict[str, Any]
@@ -522,8 +523,10 @@ def run_report(args: argparse.Namespace) -> int:
             )
         return 0
     if args.json:
-        Path(args.json).write_text(json.dumps(merged_records(args.results), indent=1) + "\n")
-        print(f"records of {len(args.results)} file(s) written to {args.json}")
+        written = write_output(
+            args, args.json, json.dumps(merged_records(args.results), indent=1) + "\n"
+        )
+        print(f"records of {len(args.results)} file(s) written to {written}")
         return 0
     if args.plot_bytes:
         plot_bytes(args.results, args.plot_bytes)
@@ -531,5 +534,5 @@ def run_report(args: argparse.Namespace) -> int:
         return 0
     print(report(args.results))
     if args.markdown:
-        Path(args.markdown).write_text(report(args.results, markdown=True) + "\n")
+        write_output(args, args.markdown, report(args.results, markdown=True) + "\n")
     return 0

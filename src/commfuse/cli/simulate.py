@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-from pathlib import Path
 from typing import Any
 
 from commfuse.cli.common import (
@@ -33,6 +32,7 @@ from commfuse.cli.common import (
     output_path,
     require_at_least,
 )
+from commfuse.cli.output import write_output
 from commfuse.cli.spec import parse_value, split_spec
 from commfuse.units import format_size, parse_sizes
 
@@ -336,7 +336,7 @@ def _run(args: argparse.Namespace) -> int:
         scale.plot_curve(records_to_plot, args.plot, title=title)
         print(f"plot written to {args.plot}")
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+        write_output(args, args.json, json.dumps(records, indent=1) + "\n")
     return 0
 
 
@@ -376,5 +376,7 @@ def _one(
         events = chrome_trace(result.timeline, args.trace, ranks=ranks)
         print(f"Chrome trace ({events} events) written to {args.trace}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"ranks": cluster.world_size, **r}, indent=1) + "\n")
+        write_output(
+            args, args.json, json.dumps({"ranks": cluster.world_size, **r}, indent=1) + "\n"
+        )
     return 0

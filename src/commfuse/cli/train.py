@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from commfuse.cli.common import (
     Subparsers,
@@ -27,6 +26,10 @@ from commfuse.cli.common import (
     lr_schedule_arg,
     topology_from_args,
 )
+from commfuse.cli.output import write_output
+
+if TYPE_CHECKING:
+    from commfuse.train.checkpoint import DifferentRun
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, *, default_steps: int) -> None:
@@ -182,6 +185,7 @@ def list_strategies() -> str:
 
 def run_train(args: argparse.Namespace) -> int:
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec
+    from commfuse.train.checkpoint import DifferentRun
     from commfuse.train.loop import TrainConfig, check_start
     from commfuse.train.runner import run_training
 
@@ -211,7 +215,10 @@ def run_train(args: argparse.Namespace) -> int:
         init_from=args.init_from,
         lr_schedule=lr_schedule_arg(args),
     )
-    start = check_start(config, topology.world_size).said
+    try:
+        start = check_start(config, topology.world_size).said
+    except DifferentRun as err:
+        raise ValueError(different_run(err)) from None
     schedule = "" if args.lr_schedule is None else f", learning rate {args.lr_schedule}"
     print(
         f"commfuse train: {args.workload} on {topology.describe()}, strategy {config.label}"
@@ -229,9 +236,31 @@ def run_train(args: argparse.Namespace) -> int:
     )
     print(describe_record(record))
     if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
-        print(f"metrics written to {args.json}")
+        written = write_output(args, args.json, json.dumps(record, indent=1) + "\n")
+        print(f"metrics written to {written}")
     return 0
+
+
+#: The flag that sets each field of a checkpoint's run identity (``loop._identity``).
+IDENTITY_FLAGS = {
+    "workload": "--workload",
+    "strategy": "--strategy",
+    "seed": "--seed",
+    "world_size": "ranks (--nproc, or --hosts x --ranks-per-host)",
+    "bucket_cap_mb": "--bucket-cap-mb",
+    "lr_schedule": "--lr-schedule",
+}
+
+
+def different_run(err: DifferentRun) -> str:
+    """``--resume``'s refusal of another run's checkpoint, naming the flags that differ."""
+    diffs = "; ".join(
+        f"{IDENTITY_FLAGS.get(key, key)}: {old!r} there, {new!r} now" for key, old, new in err.diffs
+    )
+    return (
+        f"--resume: the checkpoint in --checkpoint-dir {err.path} is of another run ({diffs}): "
+        "give the same flags, or another --checkpoint-dir"
+    )
 
 
 def describe_record(r: dict[str, Any]) -> str:

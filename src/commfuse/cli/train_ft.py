@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from commfuse.cli.common import emulate_arg, lr_schedule_arg, topology_from_args
+from commfuse.cli.output import write_output
 
 if TYPE_CHECKING:
     from commfuse.cluster.topology import Topology
@@ -56,8 +56,8 @@ def run_train_ft(args: argparse.Namespace) -> int:
     )
     print(describe_ft_record(record))
     if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
-        print(f"metrics written to {args.json}")
+        written = write_output(args, args.json, json.dumps(record, indent=1) + "\n")
+        print(f"metrics written to {written}")
     return 0
 
 

@@ -26,6 +26,7 @@ from commfuse.cli.common import (
     run_on_ranks,
     topology_from_args,
 )
+from commfuse.cli.output import write_output
 from commfuse.units import format_size, parse_sizes
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
@@ -169,8 +170,8 @@ def run_tune(args: argparse.Namespace) -> int:
         print_picks(pick_summary(records))
         print()
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
-        print(f"calibration table written to {args.json}")
+        written = write_output(args, args.json, json.dumps(records, indent=1) + "\n")
+        print(f"calibration table written to {written}")
     world = topology.world_size
     print(
         f"{'collective':>15} {'size':>6}  {'choice':<13} {'predicted_ms':>12}  runner-up, options"

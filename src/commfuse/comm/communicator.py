@@ -162,9 +162,10 @@ class Communicator:
         name: shown in error messages and traces (``"world"``, ``"host"``, ...).
 
     Raises:
-        RuntimeError: ``torch.distributed`` is not initialised yet (``commfuse launch`` and
-            ``commfuse.cluster.run`` initialise it; a torchrun script calls
-            ``init_process_group()`` first).
+        RuntimeError: ``torch.distributed`` is not initialised yet (``commfuse.cluster.run``
+            initialises it; a script under ``commfuse launch`` or torchrun calls
+            ``dist.init_process_group("gloo")`` itself: the launcher sets only the variables
+            it reads).
 
     Example:
         ```python
@@ -185,7 +186,10 @@ class Communicator:
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
-                "Communicator needs torch.distributed.init_process_group() first (commfuse launch does it)"
+                "Communicator needs torch.distributed initialised first: call "
+                'torch.distributed.init_process_group("gloo") (or "nccl" on GPUs) at the start '
+                "of the script; commfuse launch and torchrun set only the variables it reads "
+                "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
             )
         self.group: dist.ProcessGroup = group if group is not None else dist.group.WORLD  # type: ignore[assignment]
         self.config = config or default_config()

@@ -211,12 +211,27 @@ def load_file(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
     return payload
 
 
+class DifferentRun(ValueError):
+    """``check_identity``'s refusal: the checkpoint in ``path`` is of another run, which
+    differs in ``diffs``: (field, the checkpoint's value, this run's) for each."""
+
+    def __init__(self, path: str | Path, diffs: list[tuple[str, Any, Any]]) -> None:
+        super().__init__(path, diffs)  # ``args``: it pickles (a rank's error reaches the launcher)
+        self.path = path
+        self.diffs = diffs
+
+    def __str__(self) -> str:
+        fields = "; ".join(
+            f"{key}: checkpoint {old!r}, now {new!r}" for key, old, new in self.diffs
+        )
+        return f"cannot resume from {self.path}: a different run ({fields})"
+
+
 def check_identity(saved: dict[str, Any], current: dict[str, Any], path: str | Path) -> None:
-    """ValueError naming every field where the checkpoint's run differs from this one."""
+    """``DifferentRun`` (a ValueError) naming every field where the checkpoint's run differs
+    from this one."""
     diffs = [
-        f"{key}: checkpoint {saved.get(key)!r}, now {value!r}"
-        for key, value in current.items()
-        if saved.get(key) != value
+        (key, saved.get(key), value) for key, value in current.items() if saved.get(key) != value
     ]
     if diffs:
-        raise ValueError(f"cannot resume from {path}: a different run (" + "; ".join(diffs) + ")")
+        raise DifferentRun(path, diffs)

@@ -15,10 +15,10 @@ import os
 import platform
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from commfuse.cli.common import run_on_ranks
+from commfuse.cli.output import write_output
 from commfuse.cluster.topology import Topology
 
 #: Writes a plot of the records to a path (``args.plot``).
@@ -65,7 +65,7 @@ def report_records(
     if note:
         print(note)
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+        write_output(args, args.json, json.dumps(records, indent=1) + "\n")
     if args.markdown:
         machine = machine_summary()
         lines = [
@@ -82,7 +82,7 @@ def report_records(
             "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if k != "date"),
             "",
         ]
-        Path(args.markdown).write_text("\n".join(lines))
+        write_output(args, args.markdown, "\n".join(lines))
     if args.plot and plot is not None:
         plot(records, args.plot)
     return 0 if all(r.get("wrong", 0) == 0 for r in records) else 1
