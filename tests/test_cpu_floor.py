@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from commfuse.bench.cpu_floor import (
-    MIN_CORES,
     cpu_seconds,
     floor_of,
     machine_key,
     usable_cores,
 )
+from commfuse.cluster.machine import MIN_CORES
 
 
 def test_ranks_of_one_machine_sum_their_cpu_over_its_cores() -> None:

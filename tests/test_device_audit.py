@@ -55,11 +55,11 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("testing/pool.py", "_group_healthy"): "test helper on gloo groups",
     # The simulator calibrates this machine's CPU and gloo links into a cost model; its
     # micro-benchmarks measure the host, not a caller's tensors.
-    ("sim/measure.py", "_slowest"): "simulator calibration on the host",
-    ("sim/measure.py", "_collective"): "simulator calibration on the host",
-    ("sim/measure.py", "_p2p"): "simulator calibration on the host",
-    ("sim/measure.py", "_local"): "simulator calibration on the host",
-    ("sim/measure.py", "_step"): "simulator calibration on the host",
+    ("bench/sim_measure.py", "_slowest"): "simulator calibration on the host",
+    ("bench/sim_measure.py", "_collective"): "simulator calibration on the host",
+    ("bench/sim_measure.py", "_p2p"): "simulator calibration on the host",
+    ("bench/sim_measure.py", "_local"): "simulator calibration on the host",
+    ("bench/sim_measure.py", "_step"): "simulator calibration on the host",
     # The bundled corpus is decoded once at import into host tensors; batches move later.
     ("workloads/corpus.py", "<module>"): "dataset decoded on the host",
     # The digits dataset is loaded from its bundled files into host tensors.

@@ -19,16 +19,18 @@ layer  folders                                     what they are
 4      ``ddp``, ``localsgd``, ``hooks``            training engines over layers 2-3
 4      ``optim``                                   optimizers that communicate (1-bit Adam)
 5      ``workloads``                               models and data sets
-6      ``train``, ``bench``, ``ft``                training loops, runners and reports; torchft
-7      ``cli``                                     the ``commfuse`` command
-8      ``testing``                                 test helpers: nothing in the package imports it
+6      ``train``, ``ft``                           training runs and their records; torchft
+7      ``bench``                                   measuring and reporting: rounds, ratios, tables
+8      ``cli``                                     the ``commfuse`` command
+9      ``testing``                                 test helpers: nothing in the package imports it
 =====  ==========================================  ==============================================
 
 The simulator predicts clusters far larger than the machine, so its model reuses
-``collectives``' cost formulas, registry and tuner and nothing that needs a process group: it
-may import only ``SIM_MAY``. Its measuring side (``sim/measure.py``, ``sim/validate.py``) runs
-real jobs to calibrate and check the model, and ``sim/training.py`` turns training strategies
-into the model's plans, so they sit with the runners (layer 6).
+``collectives``' cost formulas, registry and tuner and nothing that needs a process group: the
+whole folder may import only ``SIM_MAY``. What runs real jobs to calibrate and check it
+(``bench/sim_measure.py``, ``bench/sim_validate.py``) measures, so it sits in ``bench``; what
+turns a training strategy into the model's plan (``train/sim_plan.py``) sits with the strategies.
+Folders of one layer may import each other, but the folder graph has no cycle.
 """
 
 from __future__ import annotations
@@ -57,15 +59,9 @@ LAYERS: dict[str, int] = {
     "workloads": 5,
     "train": 6,
     "ft": 6,
-    "bench": 6,
-    "cli": 7,
-    "testing": 8,
-}
-#: Files whose layer differs from their folder's, and why (the module docstring).
-FILE_LAYERS: dict[str, int] = {
-    "sim/measure.py": 6,
-    "sim/validate.py": 6,
-    "sim/training.py": 6,
+    "bench": 7,
+    "cli": 8,
+    "testing": 9,
 }
 #: What the simulator's model may import besides itself.
 SIM_MAY = frozenset({"units", "lazy", "collectives"})
@@ -136,7 +132,38 @@ def imports_of(root: Path, path: Path) -> list[Import]:
 def layer_of(path: str) -> tuple[str, int]:
     """(folder or top-level module, layer) of a file relative to the package."""
     part = path.split("/")[0].removesuffix(".py")
-    return part, FILE_LAYERS.get(path, LAYERS[part])
+    return part, LAYERS[part]
+
+
+def folder_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Which folders (and top-level modules) each one imports, its own left out."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        for imp in imports_of(root, path):
+            part = imp.path.split("/")[0].removesuffix(".py")
+            if imp.part != part:
+                graph.setdefault(part, set()).add(imp.part)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each folder that is on one (``a -> b -> a``), by depth-first search."""
+    found: list[list[str]] = []
+    on_cycle: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                cycle = [*path[path.index(nxt) :], nxt]
+                if not on_cycle.issuperset(cycle):
+                    found.append(cycle)
+                    on_cycle.update(cycle)
+            else:
+                visit(nxt, [*path, nxt])
+
+    for start in sorted(graph):
+        visit(start, [start])
+    return found
 
 
 def violations(root: Path = PACKAGE) -> list[str]:
@@ -155,18 +182,28 @@ def violations(root: Path = PACKAGE) -> list[str]:
                     f"{where}: up the layer order ({part} is layer {layer}, "
                     f"{imp.part} layer {LAYERS[imp.part]})"
                 )
-            elif part == "sim" and imp.path not in FILE_LAYERS and imp.part not in SIM_MAY:
+            elif part == "sim" and imp.part not in SIM_MAY:
                 problems.append(f"{where}: the simulator's model may import only {sorted(SIM_MAY)}")
     return problems
 
 
 def test_every_folder_has_a_layer() -> None:
     assert package_parts(PACKAGE) - set(LAYERS) == set()
-    assert all((PACKAGE / path).exists() for path in FILE_LAYERS)
 
 
 def test_imports_run_down_the_layer_order() -> None:
     assert violations() == []
+
+
+def test_no_folder_imports_itself_through_others() -> None:
+    """Folders of one layer may import each other, but never both ways round."""
+    assert cycles(folder_graph()) == []
+
+
+def test_a_cycle_between_folders_is_found() -> None:
+    graph = {"ddp": {"comm", "localsgd"}, "localsgd": {"optim"}, "optim": {"ddp"}, "comm": set()}
+    assert cycles(graph) == [["ddp", "localsgd", "optim", "ddp"]]
+    assert cycles({"ddp": {"comm"}, "localsgd": {"comm", "ddp"}}) == []
 
 
 def test_an_upward_import_in_any_form_is_found(tmp_path: Path) -> None:

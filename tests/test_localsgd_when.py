@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+from commfuse.bench.exchange_trace import forward_skew_s, iteration_timeline, message_wire_s
 from commfuse.cli.spec import strategy_from_spec, workload_from_spec
 from commfuse.comm import Communicator
 from commfuse.localsgd import (
@@ -46,7 +47,6 @@ from commfuse.localsgd.sync_method import OuterStep
 from commfuse.testing import RankPool
 from commfuse.train import TrainConfig, train_rank
 from commfuse.train import checkpoint as ckpt
-from commfuse.train.exchange_trace import forward_skew_s, iteration_timeline, message_wire_s
 from commfuse.train.metrics import summarize
 from commfuse.train.strategy import describe_strategy
 
@@ -1030,7 +1030,7 @@ def test_train_resume_from_checkpoint_is_exact(pool: PoolFn, tmp_path: Path, str
 
 
 def test_simulator_prices_the_fixed_period_ones_and_names_the_others() -> None:
-    from commfuse.sim.training import plan_for
+    from commfuse.train.sim_plan import plan_for
 
     assert plan_for(PALSGDConfig(H=30, p=0.1)) == plan_for(diloco(H=30))
     assert plan_for(LocalSGDClipConfig(H=6)) == plan_for(local_sgd(H=6))

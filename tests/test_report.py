@@ -308,7 +308,7 @@ def test_plot_bytes_draws_compare_results_and_refuses_others(tmp_path: Path) -> 
 
 
 def test_the_frontier_keeps_the_points_no_other_beats_on_both_axes() -> None:
-    from commfuse.train.compare import pareto_frontier
+    from commfuse.bench.compare import pareto_frontier
 
     points = {
         "ddp": (12.9, 1.89),

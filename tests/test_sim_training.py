@@ -14,8 +14,8 @@ from commfuse.localsgd import diloco, local_sgd, streaming_diloco
 from commfuse.sim import PRESETS, build_step, simulate_step
 from commfuse.sim.builtins import transformer
 from commfuse.sim.program import Task
-from commfuse.sim.training import plan_for
 from commfuse.train import CommfuseDPConfig, TorchDDPConfig, TorchPowerSGDConfig
+from commfuse.train.sim_plan import plan_for
 
 CLUSTER = PRESETS["netlab-1gbit"].with_ranks(8)
 MODEL = transformer(num_layers=2, hidden=256, seq_len=64, batch_per_rank=2, dtype_bytes=4)
@@ -112,7 +112,7 @@ def test_simulate_takes_training_strategy_specs(capsys: pytest.CaptureFixture[st
 def test_the_compressed_adams_send_their_one_bit_allreduce() -> None:
     from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
     from commfuse.optim.compressed_all_reduce import wire_bytes_per_rank
-    from commfuse.sim.training import OneBitMessage
+    from commfuse.train.sim_plan import OneBitMessage
 
     world, numel = CLUSTER.world_size, MODEL.dp_param_bytes // 4
     # 1-bit Adam: the whole momentum in one exchange after backward, whatever the bucket cap,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from commfuse.bench.sim_validate import run_validation
 from commfuse.sim.cluster import ClusterModel
-from commfuse.sim.validate import run_validation
 
 
 def test_validate_quick_writes_one_record_per_held_out_configuration(
@@ -47,7 +47,7 @@ def test_validate_quick_writes_one_record_per_held_out_configuration(
 
 
 def test_small_messages_get_more_samples_per_round() -> None:
-    from commfuse.sim.measure import SMALL_MESSAGE_SAMPLES, samples_per_round
+    from commfuse.bench.sim_measure import SMALL_MESSAGE_SAMPLES, samples_per_round
 
     assert samples_per_round({"kind": "collective", "bytes": 256 * 1024}) == SMALL_MESSAGE_SAMPLES
     assert samples_per_round({"kind": "p2p", "bytes": 512 * 1024}) == SMALL_MESSAGE_SAMPLES

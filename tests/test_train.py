@@ -315,7 +315,7 @@ def test_compare_cli_writes_json_and_plot(
 
 
 def test_cpu_bound_note_names_the_strategies_that_kept_the_cores_busy() -> None:
-    from commfuse.train.compare import cpu_bound_note
+    from commfuse.bench.compare import cpu_bound_note
 
     records: list[dict[str, Any]] = [
         {"strategy": "ddp", "machine_busy": 0.23},
@@ -381,7 +381,7 @@ def test_the_machine_bound_adds_the_exchanges_cpu_over_the_cores_left_to_the_com
 
 
 def test_worst_over_bound_is_a_column_only_where_a_record_has_it() -> None:
-    from commfuse.train.compare import add_comparisons, render_table
+    from commfuse.bench.compare import add_comparisons, render_table
 
     base = {
         "strategy": "local-sgd:H=2", "final_loss": 2.0, "loss_curve": [2.0],
@@ -536,7 +536,7 @@ def test_bench_strategies_interleaves_and_counts_each_strategys_bytes(
 def test_compare_time_to_loss_is_the_median_over_rounds() -> None:
     """--repeats: each round's time to the baseline's loss from its own curves; the median is
     the headline, a round that never got there counts as the slowest."""
-    from commfuse.train.compare import add_comparisons
+    from commfuse.bench.compare import add_comparisons
 
     def record(
         name: str, final: float, rounds: list[tuple[list[float], list[float]]]
@@ -566,8 +566,8 @@ def test_compare_time_to_loss_is_the_median_over_rounds() -> None:
 def test_compare_rounds_are_balanced_and_the_control_runs_the_baseline_again() -> None:
     """--repeats 2 --control: round 1 in the given order, round 2 reversed; the baseline's
     second run is a strategy of its own whose speedup is the noise floor."""
+    from commfuse.bench.compare import run_compare
     from commfuse.cluster import Topology
-    from commfuse.train.compare import run_compare
 
     log: list[str] = []
     base = TrainConfig(workload=workload_from_spec(DIGITS), steps=4, compute_steps=1)

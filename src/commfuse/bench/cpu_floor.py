@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from commfuse.cluster.machine import cores_left
 from commfuse.comm import Communicator
 
 
@@ -95,17 +96,6 @@ def _every_ranks(comm: Communicator, values: list[float]) -> list[list[float]]:
     rows[comm.rank] = torch.tensor(values, dtype=torch.float64, device=comm.device)
     comm.all_reduce(rows)  # an all-gather by sum: every other row is zero
     return rows.tolist()
-
-
-#: The fewest cores a machine floor divides by: other programs' share is measured over ticks
-#: of 10 ms, and a reading of nearly every core must not send the floor to infinity.
-MIN_CORES = 0.25
-
-
-def cores_left(cores: float, taken: float) -> float:
-    """The cores a floor divides by: a machine's ``cores`` less those ``taken`` by other
-    programs (the kernel, the hypervisor), never fewer than ``MIN_CORES``."""
-    return max(cores - taken, MIN_CORES)
 
 
 def floor_of(rows: list[list[float]]) -> float:

@@ -28,14 +28,19 @@ from typing import Any
 import torch
 
 from commfuse.bench.cpu_floor import (
-    cores_left,
     cpu_floor_us,
     cpu_seconds,
     machine_floor_us,
     machine_key,
     usable_cores,
 )
-from commfuse.cluster.machine import CORE_TIMES, core_times_s, cpu_by_owner_s, rank_pids
+from commfuse.cluster.machine import (
+    CORE_TIMES,
+    core_times_s,
+    cores_left,
+    cpu_by_owner_s,
+    rank_pids,
+)
 from commfuse.comm import Communicator
 from commfuse.comm.clock import now
 

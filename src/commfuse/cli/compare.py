@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from commfuse.bench import compare as C
 from commfuse.cli.common import (
     Subparsers,
     add_command,
@@ -26,7 +27,6 @@ from commfuse.cli.common import (
 )
 from commfuse.cli.output import write_output
 from commfuse.cli.train import add_fault_tolerance_arguments, add_run_arguments
-from commfuse.train import compare as C
 
 LEGEND = """\
 step_ms       median time of one training step after warm-up (rank 0)

@@ -1,5 +1,5 @@
 """``commfuse compare --fault-tolerant``: each strategy with and without torchft, or with and
-without faults (``commfuse.ft.compare``).
+without faults (``commfuse.bench.compare_ft``).
 
 commfuse compare --fault-tolerant --strategy ddp --repeats 3 --control
 commfuse compare --fault-tolerant --strategy powersgd:rank=8 --chaos kill-every:every_s=30
@@ -22,10 +22,10 @@ def run_compare_ft(args: argparse.Namespace) -> int:
         ValueError: a bad flag (replica groups that do not split the ranks, a strategy that
             fault-tolerant training refuses, a bad fault spec).
     """
+    from commfuse.bench.compare import DEFAULT_STRATEGIES
+    from commfuse.bench.compare_ft import LEGEND, render_table, run_compare_ft
     from commfuse.bench.table import control_note
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec
-    from commfuse.ft.compare import LEGEND, render_table, run_compare_ft
-    from commfuse.train.compare import DEFAULT_STRATEGIES
     from commfuse.train.loop import TrainConfig
 
     topology = replica_topology(args)

@@ -135,7 +135,7 @@ def _fused_step_columns() -> Sequence[Column]:
 
 
 def _compare_columns(records: Sequence[Record]) -> Sequence[Column]:
-    from commfuse.train.compare import compare_columns
+    from commfuse.bench.compare import compare_columns
 
     return compare_columns(records)
 
@@ -313,7 +313,7 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
                 columns.insert(0, (key, _setting(key)))
         return _table(data, columns, markdown)
     if kind == "compare --fault-tolerant":
-        from commfuse.ft.compare import columns as ft_columns
+        from commfuse.bench.compare_ft import columns as ft_columns
 
         return _table(data, ft_columns(data), markdown)
     if kind == "bench strategies":
@@ -375,7 +375,7 @@ def merged_records(paths: Sequence[str | Path]) -> list[Record]:
     """The records of every file, in order, as one list: runs of one command that could not
     share a job (several seeds of ``compare``, each its own run) made one result; rounds of
     ``compare --fault-tolerant`` split across files become one record per job over every
-    round (``commfuse.ft.compare.merge_rounds``).
+    round (``commfuse.bench.compare_ft.merge_rounds``).
 
     Raises:
         ValueError: a file that is not a list of records, or files of different commands.
@@ -396,7 +396,7 @@ def merged_records(paths: Sequence[str | Path]) -> list[Record]:
     if len(kinds) > 1:
         raise ValueError(f"files of different commands do not merge: {', '.join(sorted(kinds))}")
     if kinds == {"compare --fault-tolerant"} and len(files) > 1:
-        from commfuse.ft.compare import merge_rounds
+        from commfuse.bench.compare_ft import merge_rounds
 
         # Rounds of the same jobs: one record per job, over every round.
         return merge_rounds(files)
@@ -410,7 +410,7 @@ def plot_bytes(paths: Sequence[str | Path], out: str | Path) -> None:
     Raises:
         ValueError: a file that is not a ``compare`` result.
     """
-    from commfuse.train.compare import plot_loss_vs_bytes
+    from commfuse.bench.compare import plot_loss_vs_bytes
 
     records = merged_records(paths)
     if kind_of(records) != "compare":

@@ -194,7 +194,7 @@ def _plans(args: argparse.Namespace) -> dict[str, Any]:
 
 def _strategy_plans(args: argparse.Namespace, chunks: list[int]) -> dict[str, Any]:
     from commfuse.cli.spec import strategy_from_spec
-    from commfuse.sim.training import plan_for
+    from commfuse.train.sim_plan import plan_for
 
     what_if = [
         flag
@@ -249,7 +249,7 @@ def _cluster(args: argparse.Namespace) -> Any:
 
 def run_simulate(args: argparse.Namespace) -> int:
     if args.validate:
-        from commfuse.sim.validate import run_validation
+        from commfuse.bench.sim_validate import run_validation
 
         return run_validation(
             hosts=args.hosts,

@@ -213,3 +213,14 @@ def rank_pids() -> tuple[int, ...]:
 def cores() -> int:
     """Cores of the machine (all of them: ``/proc/stat`` counts all)."""
     return os.cpu_count() or 1
+
+
+#: The fewest cores a machine floor divides by: other programs' share is measured over ticks
+#: of 10 ms, and a reading of nearly every core must not send the floor to infinity.
+MIN_CORES = 0.25
+
+
+def cores_left(cores: float, taken: float) -> float:
+    """The cores a floor divides by: a machine's ``cores`` less those ``taken`` by other
+    programs (the kernel, the hypervisor), never fewer than ``MIN_CORES``."""
+    return max(cores - taken, MIN_CORES)

@@ -1,6 +1,7 @@
 """The simulator: predict a training step's time on clusters far larger than this machine, from
 the cost models the tuner uses (``collectives/cost.py``), calibrated and checked against real
-runs (``commfuse simulate --validate``). Nothing here needs a process group except ``validate``.
+runs (``commfuse simulate --validate``, whose real runs live in ``bench``). Nothing here needs
+a process group.
 
 The model is arithmetic and imports no torch (``from_module`` imports it when called, to read a
 real module); its names load on first use (``commfuse.lazy``), so ``commfuse simulate --help``

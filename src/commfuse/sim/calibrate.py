@@ -1,6 +1,6 @@
 """``commfuse simulate --calibrate``: fit the cluster model to real runs on the emulated cluster.
 
-What is measured (``measure.py``, round-robin, median of ``reps``, slowest rank) and fitted
+What is measured (``bench/sim_measure.py``, round-robin, median of ``reps``, slowest rank) and fitted
 (``fit.py``, relative least squares with Huber weights, on host links with the base cluster's
 token-bucket burst, ``inter_burst_kbyte``, no faster than its shaped rate ``inter_gbit_per_s``):
 
@@ -28,16 +28,16 @@ token-bucket burst, ``inter_burst_kbyte``, no faster than its shaped rate ``inte
    Fitted on the calibration MLP only, after every other quantity, so it absorbs only what the
    free-overlap model misses: the network's CPU time on the shared cores.
 
-Kept apart from validation (``validate.py``): the validation collectives use other sizes
-(``validate.VALIDATION_SIZES`` interleave these) and other algorithms, and its training steps
-use another model (``validate.VALIDATION_MLP``), so nothing scored was fitted.
+Kept apart from validation (``bench/sim_validate.py``): the validation collectives use other sizes
+(``sim_validate.VALIDATION_SIZES`` interleave these) and other algorithms, and its training steps
+use another model (``sim_validate.VALIDATION_MLP``), so nothing scored was fitted.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from commfuse.sim.cluster import ClusterModel, CollectiveLink
 from commfuse.sim.cpu_share import fit_comm_cpu
@@ -51,6 +51,9 @@ from commfuse.sim.fit import (
 )
 from commfuse.sim.model import ModelProfile, from_module
 from commfuse.sim.plan import CommPlan
+
+if TYPE_CHECKING:
+    import torch
 
 KB, MB = 1 << 10, 1 << 20
 #: Sizes of the native-collective fits: x4 apart, from latency-bound to bandwidth-bound.
@@ -80,10 +83,20 @@ COMM_STEP: dict[str, Any] = {
 }
 
 
+def mlp(spec: dict[str, int]) -> torch.nn.Module:
+    """The MLP of ``spec``: Linear(in, width), ReLU, (depth - 1) x (Linear(width, width), ReLU),
+    Linear(width, out)."""
+    import torch  # here, not at the top: the model imports no torch until it reads a module
+
+    layers: list[torch.nn.Module] = [torch.nn.Linear(spec["in"], spec["width"]), torch.nn.ReLU()]
+    for _ in range(spec["depth"] - 1):
+        layers += [torch.nn.Linear(spec["width"], spec["width"]), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(spec["width"], spec["out"]))
+    return torch.nn.Sequential(*layers)
+
+
 def mlp_workload(spec: dict[str, int], name: str) -> ModelProfile:
     """The MLP of ``spec`` as the simulator sees it (FLOPs read on the meta device)."""
-    from commfuse.sim.measure import mlp
-
     workload = from_module(mlp(spec), (spec["batch"], spec["in"]), name=name)
     return dataclasses.replace(workload, state_bytes_per_param_byte=SGD_BYTES_PER_PARAM_BYTE)
 

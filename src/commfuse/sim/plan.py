@@ -1,7 +1,7 @@
 """The communication plan: how the simulator carries out a model's communication in a step.
 
 A training strategy (``commfuse.train.strategy``: torch DDP, commfuse's engine with a
-compressor, local SGD, ...) becomes a plan with ``commfuse.sim.training.plan_for``; a plan can
+compressor, local SGD, ...) becomes a plan with ``commfuse.train.sim_plan.plan_for``; a plan can
 also be written directly for what-if questions (a compression ratio, fused chunks). Each field
 stands for one technique of DESIGN.md, simulated from its model (the engines that implement
 them live in ``ddp/``, ``fused/`` and ``localsgd/``):

@@ -102,7 +102,7 @@ def simulate_step(
         cluster: the cluster model (``PRESETS["dgx-h100"]``, ``load_cluster(path)``, or one
             calibrated by ``commfuse simulate --validate``).
         workload: the per-layer model (``transformer(...)``, ``dlrm(...)``, ``from_module(...)``).
-        plan: how its communication is carried out (``commfuse.sim.training.plan_for`` makes
+        plan: how its communication is carried out (``commfuse.train.sim_plan.plan_for`` makes
             one from a training strategy config); None: torch DDP's defaults.
 
     Returns:

@@ -1,4 +1,4 @@
-"""Training runs: the loop on each rank, strategies, checkpoints, metrics, ``train``/``compare``."""
+"""Training runs: the loop on each rank, strategies, checkpoints, metrics (``commfuse train``)."""
 
 from commfuse.train.loop import TrainConfig, params_digest, train_rank
 from commfuse.train.lr_schedule import (

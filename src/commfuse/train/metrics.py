@@ -61,7 +61,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from commfuse.bench.cpu_floor import cores_left
+from commfuse.cluster.machine import cores_left
 
 
 def smoothing_window(steps: int) -> int:

@@ -130,9 +130,9 @@ def describe(cfg: dict[str, Any]) -> str:
 def _one_run(
     topology: Any, hosts: int, link: str, reps: int, quick: bool, profile: str | None
 ) -> tuple[ClusterModel, float, list[dict[str, Any]], list[float], list[dict[str, Any]]]:
+    from commfuse.bench.sim_measure import measure_on_rank
     from commfuse.cluster import run
     from commfuse.sim.cluster import PRESETS
-    from commfuse.sim.measure import measure_on_rank
     from commfuse.units import format_size
 
     base = dataclasses.replace(

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from commfuse.sim.calibrate import mlp
+
 Runner = Callable[[], float]
 
 #: Messages up to this size take a few milliseconds, where one late wake-up of one of the
@@ -47,16 +49,6 @@ def samples_per_round(cfg: dict[str, Any]) -> int:
     """How many samples of ``cfg`` each round takes (see ``SMALL_MESSAGE_BYTES``)."""
     small = cfg["kind"] in ("collective", "p2p") and cfg["bytes"] <= SMALL_MESSAGE_BYTES
     return SMALL_MESSAGE_SAMPLES if small else 1
-
-
-def mlp(spec: dict[str, int]) -> torch.nn.Module:
-    """The MLP of ``spec``: Linear(in, width), ReLU, (depth - 1) x (Linear(width, width), ReLU),
-    Linear(width, out)."""
-    layers: list[torch.nn.Module] = [torch.nn.Linear(spec["in"], spec["width"]), torch.nn.ReLU()]
-    for _ in range(spec["depth"] - 1):
-        layers += [torch.nn.Linear(spec["width"], spec["width"]), torch.nn.ReLU()]
-    layers.append(torch.nn.Linear(spec["width"], spec["out"]))
-    return torch.nn.Sequential(*layers)
 
 
 def _slowest(comm: Any, seconds: float) -> float:
@@ -162,7 +154,7 @@ def _step(comm: Any, cfg: dict[str, Any], refill_s: float) -> Runner:
         from commfuse.compress import FP16
         from commfuse.ddp import DataParallel, DataParallelConfig
 
-        # The compressors a step configuration may name (validate.py's: fp16).
+        # The compressors a step configuration may name (sim_validate.py's: fp16).
         compressors = {"fp16": FP16}
         compressor = cfg.get("compressor")
         config = DataParallelConfig(
