@@ -324,6 +324,22 @@ def test_sparseloco_batched_selection_equals_the_chunk_by_chunk_reference(numel:
     assert torch.allclose(back.double(), want, rtol=1e-6, atol=1e-7)
 
 
+def test_sparseloco_levels_are_each_groups_mean_magnitude() -> None:
+    """Each 2-bit level decodes to the mean magnitude of the values it stands for (the paper's
+    quantiser decodes a bin to its mean), so a chunk's decoded magnitudes sum to the kept
+    ones'; one outlier no longer sends the rest of its chunk as the smallest kept value."""
+    x = torch.tensor([10.0, -1.0, 1.2, -0.8, 1.0, 0.0, 0.0, 0.0])
+    back = round_trip("sparseloco:chunk_numel=8,num_kept_per_chunk=5", x)
+    assert torch.allclose(back, torch.tensor([10.0, -1.0, 1.0, -1.0, 1.0, 0.0, 0.0, 0.0]))
+    x = sample(4096, 11)
+    c = SparseLoCo(chunk_numel=256, num_kept_per_chunk=16)
+    back = c.decompress(c.compress(x), x.numel(), torch.float32)
+    kept = back != 0
+    for row in range(16):
+        part = slice(row * 256, (row + 1) * 256)
+        assert torch.allclose(back[part].abs().sum(), x[part][kept[part]].abs().sum(), rtol=1e-5)
+
+
 @pytest.mark.parametrize("size", [1, 2, 8, 63])
 def test_dct_matrix_is_the_defining_sum_and_orthonormal(size: int) -> None:
     d = dct_matrix(size, "cpu", torch.float64)

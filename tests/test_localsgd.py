@@ -29,6 +29,7 @@ from commfuse.localsgd import (
 )
 from commfuse.localsgd.fragments import fragments_due, split_into_fragments
 from commfuse.testing import RankPool
+from commfuse.train.strategy import describe_strategy
 
 PoolFn = Callable[[int], RankPool]
 Method = Callable[..., PeriodicSyncConfig]
@@ -375,6 +376,33 @@ def test_bad_options_are_named() -> None:
         strategy_from_spec("fedavg")
     with pytest.raises(ValueError, match="num_fragments=9 > period_steps=4"):
         streaming_diloco(H=4, num_fragments=9)
+
+
+def test_diloco_gives_sparseloco_its_papers_outer_step_unless_told_otherwise() -> None:
+    """SparseLoCo's decayed residual is its outer momentum: under ``diloco`` it gets its paper's
+    plain average (lr 1, no momentum) for each outer setting left unset, with a warning naming
+    what was applied; a setting given is kept, and other compressors keep DiLoCo's step."""
+    with pytest.warns(UserWarning, match="applied outer_lr=1, outer_momentum=0"):
+        paper = diloco(H=20, compressor=SparseLoCo())
+    assert (paper.outer_lr, paper.outer_momentum) == (1.0, 0.0)
+    with pytest.warns(UserWarning, match="applied outer_momentum=0 "):
+        assert diloco(outer_lr=0.7, compressor=SparseLoCo()).outer_momentum == 0.0
+    stacked = diloco(H=20, outer_lr=0.7, outer_momentum=0.9, compressor=SparseLoCo())
+    assert (stacked.outer_lr, stacked.outer_momentum) == (0.7, 0.9)
+    for config in (diloco(H=20), diloco(compressor=DeMo()), diloco(compressor=Int4())):
+        assert (config.outer_lr, config.outer_momentum) == (0.7, 0.9)
+    with pytest.warns(UserWarning, match="applied outer_lr=1, outer_momentum=0"):
+        streamed = streaming_diloco(H=8, num_fragments=2, compressor=SparseLoCo())
+    assert (streamed.outer_lr, streamed.outer_momentum) == (1.0, 0.0)
+    # The command line builds the same configs, and describes each by what it was given.
+    with pytest.warns(UserWarning):
+        assert strategy_from_spec("diloco:H=20,compressor=sparseloco") == paper
+    assert describe_strategy(paper) == "diloco:H=20,compressor=sparseloco"
+    assert (
+        describe_strategy(stacked)
+        == "diloco:H=20,outer_lr=0.7,outer_momentum=0.9,compressor=sparseloco"
+    )
+    assert strategy_from_spec(describe_strategy(stacked)) == stacked
 
 
 def inner_lr_scaled() -> dict[str, float]:

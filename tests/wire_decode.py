@@ -20,9 +20,9 @@ topk, dgc  k values (the gradient's dtype); k int32 indices.    x[index_j] += va
 int4       fp32 scale per chunk of c; ``numel`` 4-bit codes     x_i = scale_c * (code_i - 8)
            q + 8, two per byte, low nibble first.
 sparseloco per row of c elements (c = min(chunk_numel, numel), rows = ceil(numel / c), the last
-           zero-padded), k = min(num_kept_per_chunk, c): fp32 (lo, hi) per row; rows x k
-           uint16 indices inside the row; rows x k 2-bit codes packed 4 per byte (bit 0: sign,
-           1 = positive; bit 1: magnitude, 1 = hi).     x[row c + index] = +-(hi or lo)
+           zero-padded), k = min(num_kept_per_chunk, c): fp32 levels (low, high) per row;
+           rows x k uint16 indices inside the row; rows x k 2-bit codes packed 4 per byte (bit
+           0: sign, 1 = positive; bit 1: level, 1 = high).  x[row c + index] = +-(high or low)
 demo       rows and k as sparseloco's: rows x k fp32 DCT coefficients; rows x k uint8 indices;
            each row is the inverse orthonormal DCT-II of its kept coefficients (the padded tail
            of the last row is dropped).

@@ -46,7 +46,7 @@ cut the bucket into chunks (``chunked.py``), the last one possibly shorter.
 """
 
 from commfuse.compress.acpsgd import ACPSGD
-from commfuse.compress.base import Compressor, generator_for
+from commfuse.compress.base import Compressor, OuterRecipe, generator_for
 from commfuse.compress.cast import BF16, FP16, CastCompressor, NoCompression
 from commfuse.compress.demo import DeMo
 from commfuse.compress.dgc import DGC
@@ -77,6 +77,7 @@ __all__ = [
     "Int8",
     "MessageCompressor",
     "NoCompression",
+    "OuterRecipe",
     "PowerSGD",
     "RandomBlock",
     "RandomK",

@@ -54,6 +54,18 @@ _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OuterRecipe:
+    """The outer step a compressor's paper pairs it with when it compresses a periodic method's
+    exchange (``Compressor.outer_recipe``): SparseLoCo's decayed residual is its outer momentum,
+    so its paper steps by the plain average (``lr=1.0, momentum=0.0``)."""
+
+    lr: float
+    """The outer learning rate."""
+    momentum: float
+    """The outer SGD's momentum (0: none)."""
+
+
 def generator_for(*keys: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator on ``device`` seeded by a stable mix of ``keys`` (seed, step, bucket,
     rank...): the same keys give the same draws on the same kind of device. Draw where the
@@ -100,6 +112,10 @@ class Compressor(abc.ABC):
     sum of the messages) while leaving every rank's state clean. Then ``commfuse.ddp`` needs no
     agreement round before compressing: it checks the output, as it does uncompressed. Not so
     for sign bits, top-k or quantisers with a per-rank scale, which can drop a NaN."""
+
+    outer_recipe: ClassVar[OuterRecipe | None] = None
+    """The outer step this compressor's paper uses on a periodic method's exchange, or None
+    (the method's own). ``diloco`` takes it for each outer setting its caller leaves unset."""
 
     own_state: ClassVar[tuple[str, ...]] = ("feedback",)
     """Keys of ``state_dict`` that hold this rank's own accumulators (error-feedback residuals,

@@ -11,6 +11,7 @@ so a config's description (``commfuse.train.describe_strategy``) is the spec tha
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -78,14 +79,8 @@ def method_of(config: PeriodicSyncConfig) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"not a PeriodicSyncConfig: {type(config).__name__}")
     best: tuple[str, dict[str, Any]] | None = None
     for name, method in METHODS.items():
-        base = method.build()
-        names = {**method.fields, **{key: key for key in SyncOptions.__annotations__}}
-        arguments = {
-            arg: getattr(config, field)
-            for arg, field in names.items()
-            if getattr(config, field) != getattr(base, field)
-        }
-        if (best is None or len(arguments) < len(best[1])) and _rebuilds(method, arguments, config):
+        arguments = _arguments(method, config)
+        if arguments is not None and (best is None or len(arguments) < len(best[1])):
             best = (name, arguments)
     if best is not None:
         return best
@@ -97,8 +92,33 @@ def method_of(config: PeriodicSyncConfig) -> tuple[str, dict[str, Any]]:
     }
 
 
+def _arguments(method: Method, config: PeriodicSyncConfig) -> dict[str, Any] | None:
+    """The fewest arguments with which ``method`` rebuilds ``config``, or None: the fields
+    that differ from the method's defaults (where that misses, as when a default depends on
+    another argument, ``diloco``'s outer step on the compressor's ``outer_recipe``, every own
+    argument), then each own argument dropped that the rebuild does without."""
+    base = method.build()
+    names = {**method.fields, **{key: key for key in SyncOptions.__annotations__}}
+    arguments = {
+        arg: getattr(config, field)
+        for arg, field in names.items()
+        if getattr(config, field) != getattr(base, field)
+    }
+    if not _rebuilds(method, arguments, config):
+        arguments |= {arg: getattr(config, field) for arg, field in method.fields.items()}
+        if not _rebuilds(method, arguments, config):
+            return None
+    for arg in method.fields:
+        fewer = {key: value for key, value in arguments.items() if key != arg}
+        if _rebuilds(method, fewer, config):
+            arguments = fewer
+    return arguments
+
+
 def _rebuilds(method: Method, arguments: dict[str, Any], config: PeriodicSyncConfig) -> bool:
     try:
-        return method.build(**arguments) == config
+        with warnings.catch_warnings():  # a trial build's note on the defaults it applied
+            warnings.simplefilter("ignore")
+            return method.build(**arguments) == config
     except ValueError:  # e.g. streaming DiLoCo's 4 fragments do not fit a period of 2
         return False

@@ -31,20 +31,27 @@ def streaming_diloco(
     num_fragments: int = 4,
     overlap_steps: int = 1,
     mix_global: float = 0.5,
-    outer_lr: float = 0.7,
-    outer_momentum: float = 0.9,
+    outer_lr: float | None = None,
+    outer_momentum: float | None = None,
     nesterov: bool = True,
     **shared: Unpack[SyncOptions],
 ) -> PeriodicSyncConfig:
     """Streaming DiLoCo with period ``H``, ``num_fragments`` fragments, exchanges overlapped
     with ``overlap_steps`` inner steps and merged with weight ``mix_global``. The outer step is
-    ``diloco``'s; ``shared`` as for ``local_sgd``.
+    ``diloco``'s (its defaults, a compressor's ``outer_recipe`` included); ``shared`` as for
+    ``local_sgd``.
 
     Example::
 
         config = streaming_diloco(H=50, num_fragments=4)
     """
-    outer = diloco(H=H, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov)
+    outer = diloco(
+        H=H,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        nesterov=nesterov,
+        compressor=shared.get("compressor"),
+    )
     return dataclasses.replace(
         outer,
         num_fragments=num_fragments,
