@@ -150,6 +150,7 @@ BAD_INPUT = (
 )
 
 
+@pytest.mark.e2e
 def test_cli_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     # One case through a real interpreter (nothing else may reach stderr), the rest in-process:
     # each interpreter costs seconds of imports on a loaded 2-core machine.

@@ -23,6 +23,7 @@ from cli_latency import (  # a script beside the tests, not a module of commfuse
 SRC = str(Path(commfuse.__file__).resolve().parents[1])
 
 
+@pytest.mark.e2e
 def test_records_per_command_and_tree_with_the_control() -> None:
     config = CliLatencyConfig(
         commands=("--version", "import commfuse.cli"),
@@ -48,6 +49,7 @@ def test_records_per_command_and_tree_with_the_control() -> None:
     assert "import commfuse.cli" in render_result(records, markdown=True)
 
 
+@pytest.mark.e2e
 def test_commands_run_as_the_user_runs_them() -> None:
     assert argv_of("simulate --ranks 8", "py") == [
         "py",
@@ -66,6 +68,7 @@ def test_commands_run_as_the_user_runs_them() -> None:
     ]
 
 
+@pytest.mark.e2e
 def test_a_failing_command_names_itself() -> None:
     config = CliLatencyConfig(commands=("no-such-command",), trees=(("a", SRC),), rounds=1)
     with pytest.raises(RuntimeError, match=r"'no-such-command' on .* exited with 2"):

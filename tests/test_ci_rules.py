@@ -59,6 +59,7 @@ def suite(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.e2e
 def test_netlab_tests_skip_with_the_reason_outside_ci(suite: Path) -> None:
     result = run_pytest(suite, ci=False, network=False)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -66,6 +67,7 @@ def test_netlab_tests_skip_with_the_reason_outside_ci(suite: Path) -> None:
     assert "netlab unavailable: " in result.stdout, result.stdout
 
 
+@pytest.mark.e2e
 def test_netlab_tests_fail_under_ci_when_the_network_cannot_be_built(suite: Path) -> None:
     result = run_pytest(suite, ci=True, network=False)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -73,6 +75,7 @@ def test_netlab_tests_fail_under_ci_when_the_network_cannot_be_built(suite: Path
     assert "CI=true, but the emulated network cannot be built" in result.stdout
 
 
+@pytest.mark.e2e
 def test_netlab_tests_run_where_the_network_can_be_built(suite: Path) -> None:
     from commfuse.cluster.netlab import netlab_unavailable_reason
 

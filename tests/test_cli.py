@@ -261,6 +261,7 @@ def test_the_strategy_list_gives_every_key_with_its_default(
     assert "H=50" in after["diloco"] and "compressor=none" in after["diloco"]
 
 
+@pytest.mark.e2e
 def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
     import subprocess
     import sys

@@ -125,6 +125,7 @@ LAUNCHERS = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_a_script_started_by_a_launcher_honours_the_environment(launcher: str) -> None:
     """A user's script (``init_process_group``, then ``Communicator()``) under ``commfuse

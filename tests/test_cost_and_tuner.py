@@ -461,6 +461,7 @@ def test_tune_cli_writes_a_corrected_profile_and_reports_errors(tmp_path: Path) 
     assert "loo_err" in proc.stdout and "measured_ms" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_tune_cli_bad_input_is_one_line_exit_2() -> None:
     for args, needle in (
         [["--repeats", "0"], "--repeats"],

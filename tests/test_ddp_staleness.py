@@ -221,6 +221,7 @@ def test_powersgd_fp16_warmup_sends_half(pool: PoolFn) -> None:
         assert r["after"] < 64 * 2
 
 
+@pytest.mark.e2e
 def test_stale_engine_result_through_a_fresh_launch() -> None:
     """The same job through ``commfuse.cluster.run`` (fresh processes that ``os._exit`` right
     after sending their result): a tensor result used to travel as a shared-memory descriptor

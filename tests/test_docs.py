@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 README = ROOT / "README.md"
@@ -33,6 +35,7 @@ def pages() -> list[Path]:
     return [README, *sorted(p for p in DOCS.rglob("*.md") if "benchmarks" not in p.parts)]
 
 
+@pytest.mark.e2e
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],

@@ -772,6 +772,7 @@ def test_lighthouse_and_state_server_listen_on_their_address_only() -> None:
         lighthouse.shutdown()
 
 
+@pytest.mark.e2e
 def test_import_and_help_leave_torchft_unimported() -> None:
     src = str(Path(commfuse.__file__).resolve().parents[1])
     code = (

@@ -441,6 +441,7 @@ def _join_group(job: Any, late_s: float, conn: Any) -> None:
         conn.send(repr(exc))
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_the_ranks_of_a_group_find_each_other_however_far_apart_they_start() -> None:
     import multiprocessing

@@ -26,6 +26,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
 def test_without_cuda_the_gpu_mode_refuses(tmp_path: Path) -> None:
     done = _run(str(tmp_path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -74,6 +75,7 @@ def every_hook(specs: list[str], steps: int) -> dict[str | None, dict[str, Any]]
     return {spec: train(spec, steps) for spec in [None, *specs]}
 
 
+@pytest.mark.e2e
 def test_every_hook_trains_and_none_equals_torch_default(pool: Any) -> None:
     results = pool(2).run(every_hook, HOOK_SPECS, 40, timeout_s=180)
     for per_rank in results:

@@ -71,6 +71,7 @@ def test_the_simulator_and_the_cost_models_import_no_torch(module: str) -> None:
     assert not set(heavy) & set(NOT_IN_SIMULATOR), (module, heavy)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("argv", "rc"),
     [
@@ -96,6 +97,7 @@ def test_help_and_argument_errors_import_nothing_heavy(argv: list[str], rc: int)
     assert heavy == [], (argv, heavy)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "argv",
     [

@@ -145,6 +145,7 @@ def _largest_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "schedule",
     [StepSchedule(every_steps=2, gamma=0.5), CosineSchedule(warmup_steps=2, min_ratio=0.0)],
@@ -165,6 +166,7 @@ def test_a_scheduled_ddp_run_is_the_update_by_hand_at_each_steps_rate(
     assert len(set(runs[0]["history"]["bytes"])) == 1
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -212,6 +214,7 @@ def test_every_strategy_steps_at_the_scheduled_rate_and_resumes_exactly(
     assert [r["digest"] for r in resumed] == [r["digest"] for r in full]
 
 
+@pytest.mark.e2e
 def test_a_resume_under_another_schedule_is_refused(pool: Any, tmp_path: Path) -> None:
     p = pool(2)
     p.run(run_rank, _config("ddp", 2, CosineSchedule(), checkpoint_dir=str(tmp_path)), timeout_s=60)
@@ -222,6 +225,7 @@ def test_a_resume_under_another_schedule_is_refused(pool: Any, tmp_path: Path) -
         p.run(run_rank, other, timeout_s=60)
 
 
+@pytest.mark.e2e
 def test_train_cli_takes_a_schedule_and_records_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -242,6 +246,7 @@ def test_train_cli_takes_a_schedule_and_records_it(
     assert "unknown learning-rate schedule 'linear'" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_compare_runs_every_strategy_on_the_schedule(tmp_path: Path) -> None:
     out = tmp_path / "runs.json"
     code = main(

@@ -39,6 +39,7 @@ def _config(strategy: str, steps: int, **kw: Any) -> TrainConfig:
     )
 
 
+@pytest.mark.e2e
 def test_commfuse_matches_torch_ddp_and_bytes_are_counted(pool: Any) -> None:
     """Same data and seeds: commfuse's engine gives torch DDP's parameters (2 ranks: a sum of
     two is order-free, so bitwise); bytes per step are each strategy's message."""
@@ -59,6 +60,7 @@ def test_commfuse_matches_torch_ddp_and_bytes_are_counted(pool: Any) -> None:
     assert len(ddp[0]["compute_step_time_s"]) == 2 and "eval" in ddp[0] and "eval" not in ddp[1]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -109,6 +111,7 @@ def test_resume_from_checkpoint_is_exact(pool: Any, tmp_path: Path, strategy: st
         assert state, "error-feedback state must be in the checkpoint"
 
 
+@pytest.mark.e2e
 def test_extra_steps_extend_only_the_curves(pool: Any) -> None:
     """compare --max-steps-factor: 3 extra steps past 4 change nothing that is read at step 4
     (parameters' digest, evaluation, bytes, final loss); only the curves go on."""
@@ -128,6 +131,7 @@ def test_extra_steps_extend_only_the_curves(pool: Any) -> None:
     assert long_["loss_curve"][:4] == short["loss_curve"]
 
 
+@pytest.mark.e2e
 def test_init_from_continues_another_strategys_model(pool: Any, tmp_path: Path) -> None:
     """--init-from: a DDP run's step-3 model and optimizer, continued by another strategy to 6,
     equals that strategy resumed from the same state; a total not past the checkpoint is refused."""
@@ -149,6 +153,7 @@ def test_init_from_continues_another_strategys_model(pool: Any, tmp_path: Path) 
         _config("ddp", 6, init_from=str(tmp_path / "nothing"))
 
 
+@pytest.mark.e2e
 def test_resume_of_torchs_powersgd_hook_warns_that_it_is_not_exact(
     pool: Any, tmp_path: Path
 ) -> None:
@@ -173,6 +178,7 @@ def test_resume_of_torchs_powersgd_hook_warns_that_it_is_not_exact(
         _config("powersgd:rank=2", 5, checkpoint_dir=str(tmp_path), resume=True)
 
 
+@pytest.mark.e2e
 def test_resume_refuses_a_different_run(pool: Any, tmp_path: Path) -> None:
     p = pool(2)
     p.run(run_rank, _config("ddp", 2, checkpoint_dir=str(tmp_path)), timeout_s=60)
@@ -233,6 +239,7 @@ def test_known_strategy_labels() -> None:
     assert (compressor.gather_algo, compressor.algo, config.staleness) == ("ring", "auto", 1)
 
 
+@pytest.mark.e2e
 def test_train_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "m.json"
     argv = ["train", "--workload", DIGITS, "--nproc", "2", "--steps", "6", "--no-progress"]
@@ -250,6 +257,7 @@ def test_train_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "one rank: nothing to communicate" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_train_cli_on_an_explicit_device_checkpoints_and_resumes_there(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -281,6 +289,7 @@ def test_train_cli_on_an_explicit_device_checkpoints_and_resumes_there(
     assert f"starting at step 6 from the model and optimizer in {ckpts}" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_compare_cli_writes_json_and_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -444,6 +453,7 @@ def test_a_position_and_the_compute_only_step_are_the_ranks_mean() -> None:
     assert record["worst_phase_step_s"] == pytest.approx(0.4)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -495,6 +505,7 @@ def test_local_sgd_family_trains_and_resumes_exactly(
     assert [r["digest"] for r in resumed] == [r["digest"] for r in full]
 
 
+@pytest.mark.e2e
 def test_bench_strategies_interleaves_and_counts_each_strategys_bytes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -563,6 +574,7 @@ def test_compare_time_to_loss_is_the_median_over_rounds() -> None:
     assert "curves_rounds" not in ours
 
 
+@pytest.mark.e2e
 def test_compare_rounds_are_balanced_and_the_control_runs_the_baseline_again() -> None:
     """--repeats 2 --control: round 1 in the given order, round 2 reversed; the baseline's
     second run is a strategy of its own whose speedup is the noise floor."""
@@ -593,6 +605,7 @@ def test_compare_rounds_are_balanced_and_the_control_runs_the_baseline_again() -
     assert len(twin["mean_step_time_s_rounds"]) == 2
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "strategy",
     [
