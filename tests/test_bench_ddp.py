@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from commfuse.bench.ddp import DdpBenchConfig, bench_ddp_on_rank
 from commfuse.bench.strategies import StrategiesBenchConfig, bench_strategies_on_rank
 from commfuse.compress import FP16
@@ -15,6 +17,7 @@ from commfuse.workloads import DigitsOptions
 PoolFn = Callable[[int], RankPool]
 
 
+@pytest.mark.e2e
 def test_ddp_bench_times_torch_ddp_twice(pool: PoolFn) -> None:
     config = DdpBenchConfig(
         num_layers=2,
@@ -35,6 +38,7 @@ def test_ddp_bench_times_torch_ddp_twice(pool: PoolFn) -> None:
     assert len({order[0] for order in twin["orders"]}) == 3  # no engine always first
 
 
+@pytest.mark.e2e
 def test_strategies_bench_times_the_first_strategy_twice(pool: PoolFn) -> None:
     config = StrategiesBenchConfig(
         strategies=(TorchDDPConfig(), CommfuseDPConfig(compressor=FP16())),

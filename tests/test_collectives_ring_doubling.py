@@ -297,6 +297,7 @@ def test_reduce_scatter_and_all_gather_exact_with_exact_traffic(pool: PoolFn, wo
     _check(pool(world).run(scatter_gather_grid, [1, 3, 125], None, timeout_s=120))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 8])
 def test_ring_segments_option(pool: PoolFn, world: int) -> None:
     # 3 segments of uneven blocks; 64 segments of blocks of 1-2 elements (mostly empty segments).

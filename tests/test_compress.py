@@ -228,6 +228,7 @@ def test_random_sparsifiers_share_indices_per_step_and_bucket(spec: str) -> None
         assert bool(((same.diff() % 1000) == 1).all())  # one contiguous (wrapping) block
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("spec", "levels"), [("qsgd:levels=4", 4), ("terngrad", 1)])
 def test_stochastic_quantizers_bounded_and_unbiased(spec: str, levels: int) -> None:
     x = sample(1000, 4)

@@ -11,6 +11,7 @@ after step 0 and once without, and requires the same gradients bit for bit.
 import io
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -103,6 +104,7 @@ def engine_swap(specs: list[str]) -> dict[str, list[bool]]:
 CONTROLS = ["none", "fp16"]
 
 
+@pytest.mark.slow
 def test_engine_state_follows_swapped_buckets(pool: Any) -> None:
     for per_rank in pool(2).run(engine_swap, CONTROLS + STATEFUL, timeout_s=120):
         for spec, same in per_rank.items():

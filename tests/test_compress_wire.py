@@ -245,6 +245,7 @@ def wire_matches_output(world_check: int) -> list[str]:
     return failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_output_is_the_average_of_the_messages_on_the_wire(pool: Any, world: int) -> None:
     for failures in pool(world).run(wire_matches_output, world, timeout_s=120):

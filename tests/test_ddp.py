@@ -121,6 +121,7 @@ def against_torch_ddp(
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_bitwise_equal_to_torch_ddp(pool: PoolFn, world: int) -> None:
     """One parameter per bucket: the same buffers as torch DDP, so the same sums, bit for bit;

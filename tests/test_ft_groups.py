@@ -358,6 +358,7 @@ def _group_exchange(sizes: list[int]) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_group_comm_splits_each_message_among_the_group_ranks_and_equals_a_group_of_one() -> None:
     from commfuse.cluster import run

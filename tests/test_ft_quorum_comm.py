@@ -137,6 +137,7 @@ def _struck_at_issue(late_s: float) -> bool:
     return False
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_a_fault_at_issue_strikes_before_any_of_the_collective_leaves() -> None:
     # However late the kill lands after the fault's point, the peer cannot finish: nothing of

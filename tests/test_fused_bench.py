@@ -28,6 +28,7 @@ FIELDS = {
 }
 
 
+@pytest.mark.e2e
 def test_bench_records(pool: PoolFn) -> None:
     config = FusedBenchConfig(
         iters=1, warmup=1, chunks=3, shapes=((64, 32, 48), (96, 4, 50, 8, 3), (32, 16, 24, 2))
@@ -213,6 +214,7 @@ def test_bench_config_errors() -> None:
         FusedBenchConfig(ops=("embedding_all_to_all",), shapes=((1, 2, 3),))
 
 
+@pytest.mark.e2e
 def test_control_times_the_unfused_reference_twice(pool: PoolFn) -> None:
     config = FusedBenchConfig(
         ops=("gemm_all_reduce",), iters=3, warmup=1, chunks=2, shapes=((64, 32, 48),), control=True

@@ -200,6 +200,7 @@ def direct_call_and_errors() -> list[str]:
     return failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_embedding_all_to_all(pool: PoolFn, world: int) -> None:
     # 5 tables: uneven tables per rank; 2 tables: ranks 2.. own none.

@@ -215,6 +215,7 @@ def test_bench_gemm_all_to_all_records(pool: PoolFn) -> None:
     assert 1 <= r["chunks"] <= 8 and r["ideal_us"] == max(r["compute_us"], r["comm_us"])
 
 
+@pytest.mark.e2e
 def test_bench_moe_step_records(pool: PoolFn) -> None:
     from commfuse.bench.fused import FusedBenchConfig, bench_fused_on_rank
 

@@ -288,6 +288,7 @@ def opchecks() -> dict[str, str]:
     return results
 
 
+@pytest.mark.slow
 def test_tensor_parallel_operators_pass_opcheck(pool: PoolFn) -> None:
     """A backward that ran its ring as Python would trace the process group into the graph,
     which AOT dispatch cannot copy: each ring's backward is the other ring's operator."""

@@ -54,6 +54,7 @@ def random_case(
     return tables, indices, offsets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_equals_per_table_index_add_bitwise(mode: str, dtype: torch.dtype) -> None:

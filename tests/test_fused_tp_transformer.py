@@ -252,6 +252,7 @@ def test_block_matches_dense_and_unfused(pool: PoolFn, world: int, sequence_para
     assert not failures, "\n".join(failures[:8])
 
 
+@pytest.mark.e2e
 def test_automatic_chunks_and_loss_falls(pool: PoolFn) -> None:
     failures = [f for r in pool(2).run(automatic_chunks_and_loss_falls, timeout_s=120) for f in r]
     assert not failures, "\n".join(failures[:8])

@@ -157,6 +157,7 @@ def parse_all_reduce(stdout: str) -> dict[int, dict[str, str]]:
 # ---- the torchrun contract and output ---------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("hosts", "per_host"), [(1, 3), (2, 2)])
 def test_every_rank_gets_the_torchrun_contract(hosts: int, per_host: int) -> None:
@@ -187,6 +188,7 @@ def test_every_rank_gets_the_torchrun_contract(hosts: int, per_host: int) -> Non
     assert len({env["pid"] for env in envs.values()}) == hosts * per_host
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_world_size_one_runs_a_torchrun_script() -> None:
     proc = commfuse_launch("--nproc", "1", ALL_REDUCE)
@@ -196,6 +198,7 @@ def test_world_size_one_runs_a_torchrun_script() -> None:
     assert results[0]["world"] == "1" and results[0]["sum"] == "1"
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_two_jobs_at_once_get_their_own_ports() -> None:
     procs = [start_launch("--nproc", "2", ALL_REDUCE) for _ in range(2)]
@@ -243,6 +246,7 @@ def test_hosted_stores_get_free_ports_and_close_each_descriptor_once() -> None:
 # ---- failures: the culprit is named and every other rank is stopped ---------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "modes",
@@ -278,6 +282,7 @@ def test_a_rank_that_raises_stops_the_job_and_is_named(modes: list[str]) -> None
     assert_nothing_left(marker)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_a_rank_that_exits_with_a_code_is_named() -> None:
     marker = new_marker()
@@ -299,6 +304,7 @@ def test_a_rank_that_exits_with_a_code_is_named() -> None:
     assert_nothing_left(marker)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["mismatch", "mismatch-caught"])
 def test_ranks_whose_collective_passed_its_deadline_leave_instead_of_hanging(mode: str) -> None:
@@ -319,6 +325,7 @@ def test_ranks_whose_collective_passed_its_deadline_leave_instead_of_hanging(mod
     assert_nothing_left(marker)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_job_deadline_names_the_hung_ranks() -> None:
     marker = new_marker()
@@ -359,6 +366,7 @@ TWO_RANK_LAYOUTS = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", TWO_RANK_LAYOUTS)
 def test_ctrl_c_stops_every_rank_and_leaves_nothing(layout: list[str]) -> None:
@@ -381,6 +389,7 @@ def test_ctrl_c_stops_every_rank_and_leaves_nothing(layout: list[str]) -> None:
         assert job.labs == {"-"}
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", TWO_RANK_LAYOUTS)
 def test_launcher_killed_takes_its_ranks_and_network_with_it(layout: list[str]) -> None:
@@ -505,6 +514,7 @@ def test_bad_input_is_one_line_and_exit_2(
     assert _my_labs() == before_labs
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_bad_input_through_the_command() -> None:
     proc = commfuse_launch("--nproc", "2", "--link", "1gbit", "/nonexistent/train.py")
