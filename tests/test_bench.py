@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from commfuse.bench.cases import OPS, bus_factor, element_count, make_case
+from commfuse.bench.cases import bus_factor, element_count, make_case
 from commfuse.bench.collectives import (
     CollectiveBenchConfig,
     auto_summary,
@@ -21,7 +21,7 @@ from commfuse.bench.collectives import (
 )
 from commfuse.bench.table import algo_cell
 from commfuse.cli import main
-from commfuse.collectives.registry import label
+from commfuse.collectives.registry import COLLECTIVES, label
 from commfuse.comm import Communicator
 from commfuse.testing import RankPool
 
@@ -65,10 +65,10 @@ def test_element_counts_split_evenly() -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_every_op_is_correct(pool: PoolFn, world: int) -> None:
-    config = CollectiveBenchConfig(ops=OPS, sizes_bytes=(4, 4000, 65536), iters=2, warmup=1)
+    config = CollectiveBenchConfig(ops=COLLECTIVES, sizes_bytes=(4, 4000, 65536), iters=2, warmup=1)
     results = pool(world).run(bench_collectives_on_rank, config)
     records = results[0]
-    assert len(records) == len(OPS) * 3
+    assert len(records) == len(COLLECTIVES) * 3
     for record in records:
         assert record.keys() >= REQUIRED_FIELDS
         assert record["wrong"] == 0, record
@@ -79,7 +79,7 @@ def test_every_op_is_correct(pool: PoolFn, world: int) -> None:
 
 
 def test_wrong_column_detects_a_skipped_collective(pool: PoolFn) -> None:
-    for op in OPS:
+    for op in COLLECTIVES:
         wrong = pool(2).run(corrupted_case_is_caught, op)
         # The root of reduce (rank 0) holds the result; the root of broadcast already has it.
         checked_rank = 0 if op == "reduce" else 1

@@ -12,7 +12,7 @@ from commfuse.bench.strategies import StrategiesBenchConfig, bench_strategies_on
 from commfuse.compress import FP16
 from commfuse.testing import RankPool
 from commfuse.train import CommfuseDPConfig, TorchDDPConfig
-from commfuse.workloads import DigitsOptions
+from commfuse.workloads import DigitsConfig
 
 PoolFn = Callable[[int], RankPool]
 
@@ -43,7 +43,7 @@ def test_strategies_bench_times_the_first_strategy_twice(pool: PoolFn) -> None:
     config = StrategiesBenchConfig(
         strategies=(TorchDDPConfig(), CommfuseDPConfig(compressor=FP16())),
         labels=("ddp", "fp16"),
-        workload=DigitsOptions(),
+        workload=DigitsConfig(),
         steps=1,
         reps=2,
         warmup_steps=1,

@@ -33,7 +33,7 @@ from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 from commfuse.train import CommfuseDPConfig, TorchDDPConfig, TorchPowerSGDConfig
 from commfuse.train.strategy import StrategyConfig, describe_compressor, describe_strategy
 from commfuse.train.torch_ddp import bf16_hooks_supported
-from commfuse.workloads import CharLMOptions, DigitsOptions
+from commfuse.workloads import CharLMConfig, DigitsConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,8 +168,8 @@ def test_every_listed_strategy_builds() -> None:
 
 
 def test_workload_specs_build_their_options() -> None:
-    assert workload_from_spec("charlm:dim=64,layers=1") == CharLMOptions(dim=64, layers=1)
-    assert workload_from_spec("Digits") == DigitsOptions()
+    assert workload_from_spec("charlm:dim=64,layers=1") == CharLMConfig(dim=64, layers=1)
+    assert workload_from_spec("Digits") == DigitsConfig()
 
 
 def test_hierarchical_local_sgd_takes_the_runs_host_layout() -> None:

@@ -67,6 +67,20 @@ def test_benchmarks_hold_reports_and_device_scripts_only() -> None:
     )
 
 
+#: The largest file ``benchmarks/`` keeps: a larger raw trace stays out of git and its report
+#: says how its command writes it again (``benchmarks/README.md``).
+MAX_BENCHMARK_BYTES = 1 << 20
+
+
+def test_no_benchmark_file_is_over_a_megabyte() -> None:
+    big = [
+        f"{p.relative_to(ROOT)} ({p.stat().st_size / 1e6:.1f} MB)"
+        for p in BENCH.rglob("*")
+        if p.is_file() and p.stat().st_size > MAX_BENCHMARK_BYTES
+    ]
+    assert not big, f"raw traces over 1 MB stay out of git (benchmarks/README.md): {big}"
+
+
 def test_every_json_and_png_has_its_report() -> None:
     for data in [*BENCH.glob("*.json"), *BENCH.glob("*.png")]:
         report = data.with_suffix(".md")

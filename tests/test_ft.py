@@ -69,9 +69,9 @@ from commfuse.ft import (
 )
 from commfuse.train import CosineSchedule, StepSchedule
 from commfuse.train.loop import TrainConfig
-from commfuse.workloads import CharLMOptions
+from commfuse.workloads import CharLMConfig
 
-WORKLOAD = CharLMOptions(dim=32, layers=2, heads=2, seq=16, batch=4)
+WORKLOAD = CharLMConfig(dim=32, layers=2, heads=2, seq=16, batch=4)
 #: Buckets of 10 KB: the model's gradient travels in several allreduces.
 BUCKET_CAP_MB = 0.01
 RECOVER_BOUND_S = 3.0
@@ -544,9 +544,9 @@ LAUNCHER = """
 from commfuse.cluster import Topology
 from commfuse.ft import FaultToleranceConfig, run_fault_tolerant
 from commfuse.train.loop import TrainConfig
-from commfuse.workloads import CharLMOptions
+from commfuse.workloads import CharLMConfig
 if __name__ == "__main__":
-    config = TrainConfig(workload=CharLMOptions(dim=32, layers=1, heads=2, seq=16, batch=4),
+    config = TrainConfig(workload=CharLMConfig(dim=32, layers=1, heads=2, seq=16, batch=4),
                          steps=10**7, evaluate=False)
     run_fault_tolerant(config, FaultToleranceConfig(), Topology(num_hosts=2, link_mbit=1000),
                        log_dir={log!r})

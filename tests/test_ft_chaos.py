@@ -30,9 +30,9 @@ import torch
 
 from commfuse.ft.data import global_batch_slice, loss_scale, sample_range
 from commfuse.ft.goodput import sample_accounting, unreported_commits
-from commfuse.workloads import CharLMOptions, make_workload
+from commfuse.workloads import CharLMConfig, make_workload
 
-WORKLOAD = CharLMOptions(dim=32, layers=2, heads=2, seq=16, batch=4)
+WORKLOAD = CharLMConfig(dim=32, layers=2, heads=2, seq=16, batch=4)
 SPEC = "charlm:dim=32,layers=2,heads=2,seq=16,batch=4"
 STEPS = 450
 DILOCO_STEPS, H = 400, 5

@@ -42,9 +42,9 @@ import torch.distributed as dist
 from commfuse.ft import FaultToleranceConfig, KillFault
 from commfuse.train import checkpoint as ckpt
 from commfuse.train.loop import TrainConfig, params_digest
-from commfuse.workloads import CharLMOptions, make_workload
+from commfuse.workloads import CharLMConfig, make_workload
 
-WORKLOAD = CharLMOptions(dim=32, layers=2, heads=2, seq=16, batch=4)
+WORKLOAD = CharLMConfig(dim=32, layers=2, heads=2, seq=16, batch=4)
 SPEC = "charlm:dim=32,layers=2,heads=2,seq=16,batch=4"
 
 

@@ -23,9 +23,9 @@ import pytest
 from commfuse.cluster import Topology
 from commfuse.ft import CutFault, FaultToleranceConfig, KillFault, run_fault_tolerant
 from commfuse.train.loop import TrainConfig
-from commfuse.workloads import CharLMOptions
+from commfuse.workloads import CharLMConfig
 
-WORKLOAD = CharLMOptions(dim=32, layers=2, heads=2, seq=16, batch=4)
+WORKLOAD = CharLMConfig(dim=32, layers=2, heads=2, seq=16, batch=4)
 
 
 @pytest.mark.netlab

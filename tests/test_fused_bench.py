@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from commfuse.bench.fused import OPS, FusedBenchConfig, bench_fused_on_rank, run_together
+from commfuse.bench.fused import FUSED_OPS, FusedBenchConfig, bench_fused_on_rank, run_together
 from commfuse.bench.fused_steps import StepBenchConfig, bench_steps_on_rank
 from commfuse.bench.machine_rounds import MACHINE_KINDS, machine_share
 from commfuse.testing import RankPool
@@ -34,7 +34,7 @@ def test_bench_records(pool: PoolFn) -> None:
         iters=1, warmup=1, chunks=3, shapes=((64, 32, 48), (96, 4, 50, 8, 3), (32, 16, 24, 2))
     )
     records = pool(2).run(bench_fused_on_rank, config, timeout_s=120)[0]
-    assert [r["op"] for r in records] == list(OPS)
+    assert [r["op"] for r in records] == list(FUSED_OPS)
     for r in records:
         assert set(r) >= FIELDS, r
         assert r["wrong"] == 0 and r["world_size"] == 2 and r["chunks"] == 3

@@ -15,7 +15,7 @@ import torch
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.fused import ChunkConfig
-from commfuse.fused.chunking import BY_TABLE, Schedule
+from commfuse.fused.chunking import BY_TABLE, ChunkSchedule
 from commfuse.fused.embedding_all_to_all import LABEL
 from commfuse.testing import RankPool
 from commfuse.workloads.dlrm import (
@@ -31,7 +31,7 @@ PoolFn = Callable[[int], RankPool]
 
 
 def fused_equals_unfused(
-    num_tables: int, interaction: str, steps: int, chunks: Schedule = 3
+    num_tables: int, interaction: str, steps: int, chunks: ChunkSchedule = 3
 ) -> list[str]:
     comm = Communicator()
     rank, world = comm.rank, comm.world_size

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
 from commfuse.fused import ChunkConfig, ShardedEmbeddingBag
-from commfuse.fused.chunking import BY_TABLE, Schedule, split_sizes
+from commfuse.fused.chunking import BY_TABLE, ChunkSchedule, split_sizes
 from commfuse.fused.embedding_all_to_all import (
     LABEL,
     ShardedLookup,
@@ -216,7 +216,7 @@ def test_embedding_function_and_errors(pool: PoolFn, world: int) -> None:
     assert not failures, "\n".join(failures[:8])
 
 
-def trial_choices() -> tuple[Schedule, Schedule, Schedule]:
+def trial_choices() -> tuple[ChunkSchedule, ChunkSchedule, ChunkSchedule]:
     """fastest_by_trial on operators whose speed is known (a sleep), and the embedding choice."""
     comm = Communicator()
     fast = fastest_by_trial(

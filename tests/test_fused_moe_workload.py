@@ -20,10 +20,10 @@ from commfuse.comm.communicator import default_config
 from commfuse.fused import baselines
 from commfuse.fused import gemm_all_to_all as ga
 from commfuse.testing import RankPool
-from commfuse.workloads.moe import LATE_ALL_REDUCE, MoEOptions, MoEWorkload
+from commfuse.workloads.moe import LATE_ALL_REDUCE, MoEConfig, MoEWorkload
 
 PoolFn = Callable[[int], RankPool]
-OPTIONS = MoEOptions(d_model=8, d_hidden=6, num_experts=4, tokens_per_rank=10, num_classes=3)
+OPTIONS = MoEConfig(d_model=8, d_hidden=6, num_experts=4, tokens_per_rank=10, num_classes=3)
 
 
 def train(num_chunks: int, steps: int) -> tuple[list[float], list[torch.Tensor], dict[str, int]]:
@@ -109,4 +109,4 @@ def test_moe_batches_deterministic() -> None:
 
 def test_moe_options_errors() -> None:
     with pytest.raises(ValueError, match="top_k must be >= 1"):
-        MoEOptions(top_k=0)
+        MoEConfig(top_k=0)

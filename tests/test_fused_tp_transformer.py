@@ -32,7 +32,7 @@ from commfuse.fused.modules import full_linear_weight
 from commfuse.testing import RankPool
 from commfuse.workloads.tp_transformer import (
     TPTransformer,
-    TPTransformerOptions,
+    TPTransformerConfig,
     TPTransformerWorkload,
 )
 
@@ -47,7 +47,7 @@ FUSED_LABELS = (gar.LABEL, agg.LABEL, grs.LABEL)
 
 
 def dense_reference(
-    options: TPTransformerOptions, x: torch.Tensor, y: torch.Tensor
+    options: TPTransformerConfig, x: torch.Tensor, y: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(logits, gradients by parameter name) of the whole model in one process, float64, from
     the full weights: plain tensors and an explicit masked softmax, no commfuse module."""
@@ -132,7 +132,7 @@ def ring_equivalent_bytes(
 def check_block(sequence_parallel: bool, num_chunks: int) -> list[str]:
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
-    options = TPTransformerOptions(**SHAPE, sequence_parallel=sequence_parallel)
+    options = TPTransformerConfig(**SHAPE, sequence_parallel=sequence_parallel)
     workload = TPTransformerWorkload(options)
     x_full, y_full = workload.full_batch(0, seed=SEED, device=comm.device)
     want_logits, want_grads = dense_reference(options, x_full, y_full)
@@ -222,7 +222,7 @@ def automatic_chunks_and_loss_falls() -> list[str]:
     """Modules choosing their own chunks (measured) still match the unfused model, and training
     lowers the loss."""
     comm = Communicator()
-    options = TPTransformerOptions(**SHAPE, lr=0.5)
+    options = TPTransformerConfig(**SHAPE, lr=0.5)
     workload = TPTransformerWorkload(options)
     models = [workload.build_model(comm, SEED, fused=fused) for fused in (False, True)]
     opts = [workload.make_optimizer(m) for m in models]
@@ -275,7 +275,7 @@ def test_step_bench_records(pool: PoolFn) -> None:
 
 
 def test_batches_deterministic_and_sharded() -> None:
-    sp_workload = TPTransformerWorkload(TPTransformerOptions(**SHAPE, sequence_parallel=True))
+    sp_workload = TPTransformerWorkload(TPTransformerConfig(**SHAPE, sequence_parallel=True))
     x, y = sp_workload.full_batch(2, seed=1, device=CPU)
     assert x.shape == (6, 2, 12) and y.shape == (6, 2) and int(y.max()) < 5
     assert torch.equal(x, sp_workload.full_batch(2, seed=1, device=CPU)[0])
@@ -286,15 +286,15 @@ def test_batches_deterministic_and_sharded() -> None:
 
 def test_bad_options() -> None:
     with pytest.raises(ValueError, match="multiple of num_heads"):
-        TPTransformerOptions(d_model=10, num_heads=4)
+        TPTransformerConfig(d_model=10, num_heads=4)
     with pytest.raises(ValueError, match="num_layers must be >= 1"):
-        TPTransformerOptions(num_layers=0)
+        TPTransformerConfig(num_layers=0)
     with pytest.raises(ValueError, match="num_classes >= 2"):
-        TPTransformerOptions(num_classes=1)
+        TPTransformerConfig(num_classes=1)
 
 
 def build_with_four_heads() -> str:
-    options = TPTransformerOptions(**{**SHAPE, "num_heads": 4})
+    options = TPTransformerConfig(**{**SHAPE, "num_heads": 4})
     try:
         TPTransformerWorkload(options).build_model(Communicator(), 0)
     except ValueError as err:

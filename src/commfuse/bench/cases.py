@@ -27,7 +27,7 @@ from commfuse.collectives.cost import bus_factor
 from commfuse.collectives.registry import COLLECTIVES
 from commfuse.comm import Communicator
 
-__all__ = ["OPS", "Case", "bus_factor", "element_count", "make_case"]
+__all__ = ["Case", "bus_factor", "element_count", "make_case"]
 
 
 def _nothing() -> None:
@@ -38,7 +38,6 @@ def _unchecked() -> int:
     return 0
 
 
-OPS = COLLECTIVES
 _MODULUS = 11
 
 
@@ -158,4 +157,4 @@ def make_case(
             call=lambda: C.all_to_all(comm, recv, send, algo=algo),
             count_wrong=lambda: int((recv != expected).sum()),
         )
-    raise ValueError(f"unknown op {op!r}: use one of {', '.join(OPS)}")
+    raise ValueError(f"unknown op {op!r}: use one of {', '.join(COLLECTIVES)}")

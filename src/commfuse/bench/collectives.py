@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from commfuse.bench.cases import OPS, Case, bus_factor, make_case
+from commfuse.bench.cases import Case, bus_factor, make_case
 from commfuse.bench.schedule import Schedule, summarize
 from commfuse.cluster.topology import Topology
+from commfuse.collectives.registry import COLLECTIVES
 from commfuse.collectives.trial import exploring, outcomes
 from commfuse.collectives.tuner import pick_stats
 from commfuse.comm import Communicator
@@ -38,7 +39,7 @@ class CollectiveBenchConfig:
     """What to sweep."""
 
     ops: tuple[str, ...] = ("all_reduce",)
-    """Collectives to time, from OPS."""
+    """Collectives to time, from COLLECTIVES."""
     sizes_bytes: tuple[int, ...] = (1 << 20,)
     """Message sizes S (nccl-tests' convention per op)."""
     iters: int = 10
@@ -66,10 +67,10 @@ class CollectiveBenchConfig:
     """Whether the ranks run on an emulated network (netlab); recorded in every row."""
 
     def __post_init__(self) -> None:
-        unknown = [op for op in self.ops if op not in OPS]
+        unknown = [op for op in self.ops if op not in COLLECTIVES]
         if unknown:
             raise ValueError(
-                f"unknown op {', '.join(unknown)} in ops: use one or more of {', '.join(OPS)}"
+                f"unknown op {', '.join(unknown)} in ops: use one or more of {', '.join(COLLECTIVES)}"
             )
         if self.iters < 1 or self.warmup < 0:
             raise ValueError("iters must be >= 1 and warmup >= 0")

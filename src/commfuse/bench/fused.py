@@ -80,12 +80,12 @@ from commfuse.fused import gemm_all_reduce as gar
 from commfuse.fused.chunking import (
     BY_TABLE,
     ChunkConfig,
+    ChunkSchedule,
     choose_chunks,
     measure_overhead_us,
     predict_us,
     split_sizes,
 )
-from commfuse.fused.chunking import Schedule as ChunkSchedule
 from commfuse.sim.bound import StepGraph, step_bound
 
 #: Operators this benchmark knows, and the shapes it times for each by default:
@@ -95,7 +95,7 @@ from commfuse.sim.bound import StepGraph, step_bound
 #:   experts per rank); ``moe_step`` is a training step of workloads/moe.py with (tokens per
 #:   rank, d_model, d_hidden, experts per rank);
 #: - sequence-parallel rings (bench/fused_sequence.py): (sequence, in_features, out_features).
-OPS: dict[str, tuple[tuple[int, ...], ...]] = {
+FUSED_OPS: dict[str, tuple[tuple[int, ...], ...]] = {
     "gemm_all_reduce": ((1024, 2048, 1024), (1024, 8192, 512), (2048, 512, 1024)),
     "gemv_all_reduce": ((1, 8192, 16384),),
     "embedding_all_to_all": (
@@ -109,7 +109,7 @@ OPS: dict[str, tuple[tuple[int, ...], ...]] = {
     "gemm_reduce_scatter": ((4096, 4096, 1024), (4096, 1024, 1024), (1024, 8192, 2048)),
 }
 #: Numbers in each operator's shape.
-ARITY = {op: len(shapes[0]) for op, shapes in OPS.items()}
+ARITY = {op: len(shapes[0]) for op, shapes in FUSED_OPS.items()}
 
 
 def check_schedule(
@@ -144,8 +144,8 @@ def check_schedule(
 class FusedBenchConfig:
     """What to time."""
 
-    ops: tuple[str, ...] = tuple(OPS)
-    """Operators, from OPS."""
+    ops: tuple[str, ...] = tuple(FUSED_OPS)
+    """Operators, from FUSED_OPS."""
     iters: int = 7
     """Timed repetitions per variant; medians are reported."""
     warmup: int = 2
@@ -165,10 +165,10 @@ class FusedBenchConfig:
     """Whether the ranks run on an emulated network (netlab); recorded in every row."""
 
     def __post_init__(self) -> None:
-        unknown = [op for op in self.ops if op not in OPS]
+        unknown = [op for op in self.ops if op not in FUSED_OPS]
         if unknown:
             raise ValueError(
-                f"unknown op {', '.join(unknown)} in ops: use one or more of {', '.join(OPS)}"
+                f"unknown op {', '.join(unknown)} in ops: use one or more of {', '.join(FUSED_OPS)}"
             )
         if self.iters < 1 or self.warmup < 0:
             raise ValueError("iters must be >= 1 and warmup >= 0")
@@ -186,7 +186,7 @@ class FusedBenchConfig:
 
     def shapes_of(self, op: str) -> tuple[tuple[int, ...], ...]:
         if self.shapes is None:
-            return OPS[op]
+            return FUSED_OPS[op]
         return tuple(s for s in self.shapes if len(s) == ARITY[op])
 
 
@@ -319,7 +319,7 @@ def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     )
 
 
-def make_case(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedForms:
+def make_fused_forms(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedForms:
     if op in ("all_gather_gemm", "gemm_reduce_scatter"):
         from commfuse.bench.fused_sequence import sequence_case
 
@@ -379,7 +379,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     for op in config.ops:
         for shape in config.shapes_of(op):
-            forms = make_case(comm, op, shape)
+            forms = make_fused_forms(comm, op, shape)
             for _ in range(config.warmup):
                 for part in (forms.compute, forms.comm, forms.unfused):
                     _timed(comm, part)

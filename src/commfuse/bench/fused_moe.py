@@ -42,7 +42,7 @@ from commfuse.fused import gemm_all_to_all as ga
 from commfuse.fused.chunking import ChunkConfig
 from commfuse.fused.moe import choose_moe_chunks
 from commfuse.sim.bound import GlobalWait, StepGraph
-from commfuse.workloads.moe import LATE_ALL_REDUCE, MoEModel, MoEOptions, MoEWorkload
+from commfuse.workloads.moe import LATE_ALL_REDUCE, MoEConfig, MoEModel, MoEWorkload
 
 
 def gemm_all_to_all_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
@@ -94,7 +94,7 @@ def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
         )
     tokens, d_model, d_hidden, per_rank = shape
     world = comm.world_size
-    options = MoEOptions(
+    options = MoEConfig(
         d_model=d_model,
         d_hidden=d_hidden,
         num_experts=per_rank * world,

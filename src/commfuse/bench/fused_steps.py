@@ -51,8 +51,7 @@ from commfuse.bench.table import ratio_cell
 from commfuse.cluster.topology import Topology
 from commfuse.comm import Communicator
 from commfuse.fused import embedding_all_to_all as emb
-from commfuse.fused.chunking import BY_TABLE, ChunkConfig
-from commfuse.fused.chunking import Schedule as ChunkSchedule
+from commfuse.fused.chunking import BY_TABLE, ChunkConfig, ChunkSchedule
 from commfuse.fused.table_gradients import TableGradients
 from commfuse.sim.bound import GlobalWait, StepGraph, step_bound
 
@@ -326,7 +325,7 @@ def tp_transformer_case(
             f"tp-transformer shape is seq x batch x d_model x heads x d_ff x layers, got {shape}"
         )
     seq, batch, d_model, heads, d_ff, layers = shape
-    options = tp.TPTransformerOptions(
+    options = tp.TPTransformerConfig(
         d_model=d_model,
         num_heads=heads,
         d_ff=d_ff,

@@ -46,8 +46,8 @@ from commfuse.train.strategy import (
     describe_strategy,
 )
 from commfuse.workloads import (
-    CharLMOptions,
-    WorkloadOptions,
+    CharLMConfig,
+    WorkloadConfig,
     check_workload,
     describe_workload,
     make_workload,
@@ -65,7 +65,7 @@ class StrategiesBenchConfig:
     """Strategy configs as for ``commfuse train``; the first is the baseline of the ratios."""
     labels: tuple[str, ...] = ()
     """Their names in the records (default: ``describe_strategy``)."""
-    workload: WorkloadOptions = dataclasses.field(default_factory=CharLMOptions)
+    workload: WorkloadConfig = dataclasses.field(default_factory=CharLMConfig)
     steps: int = 6
     """Steps per timed block."""
     reps: int = 5

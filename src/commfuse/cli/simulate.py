@@ -38,7 +38,7 @@ from commfuse.units import format_size, parse_sizes
 
 
 def register(sub: Subparsers) -> None:
-    from commfuse.sim.builtins import WORKLOADS
+    from commfuse.sim.builtins import MODEL_PROFILES
     from commfuse.sim.cluster import PRESETS
 
     parser = add_command(
@@ -59,7 +59,7 @@ def register(sub: Subparsers) -> None:
         "--workload",
         default="transformer",
         metavar="NAME[:key=value,...]",
-        help=f"built-in workload ({', '.join(sorted(WORKLOADS))}) with its sizes as "
+        help=f"built-in workload ({', '.join(sorted(MODEL_PROFILES))}) with its sizes as "
         "for `commfuse train`, e.g. transformer:num_layers=48 (default transformer, 1.3B "
         "parameters)",
     )
@@ -266,7 +266,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from commfuse.sim import scale
-    from commfuse.sim.builtins import WORKLOADS
+    from commfuse.sim.builtins import MODEL_PROFILES
     from commfuse.sim.step import chrome_trace, simulate_step
 
     cluster = _cluster(args)
@@ -293,8 +293,8 @@ def _run(args: argparse.Namespace) -> int:
         title = f"{args.op} {args.sizes} on {cluster.name}"
     else:
         workload = split_spec(args.workload, what="workload")
-        if workload.name not in WORKLOADS:
-            known = ", ".join(sorted(WORKLOADS))
+        if workload.name not in MODEL_PROFILES:
+            known = ", ".join(sorted(MODEL_PROFILES))
             raise ValueError(f"unknown workload {workload.name!r}; known: {known}")
         where = f"workload {workload.name}"
         # Every built-in workload's settings are sizes: whole numbers.
@@ -302,7 +302,7 @@ def _run(args: argparse.Namespace) -> int:
             key: parse_value(value, int, key=key, where=where)
             for key, value in workload.options.items()
         }
-        factory: Any = WORKLOADS[workload.name]
+        factory: Any = MODEL_PROFILES[workload.name]
 
         def make(p: int) -> Any:
             extra = {"world_size": p} if workload.name == "dlrm" else {}

@@ -6,7 +6,7 @@ are given on the command line as specs: a name, then optionally a colon and comm
 
     powersgd:rank=4,warmup=10      charlm:dim=64,layers=1      diloco:H=50,outer_lr=0.7
 
-The name picks a target, a dataclass (``PowerSGD``, ``CharLMOptions``) or a function that
+The name picks a target, a dataclass (``PowerSGD``, ``CharLMConfig``) or a function that
 builds one (``diloco``); the keys are the target's field or parameter names, and each value is
 read by that field's type hint, with one vocabulary for every spec:
 
@@ -24,7 +24,7 @@ read by that field's type hint, with one vocabulary for every spec:
 Every mistake is a ``ValueError`` raised before any rank starts, naming the spec, the key, the
 value and what is accepted (for an unknown key, the known keys; for an unknown name, the known
 names). Python code never comes here: it builds the same objects directly
-(``PowerSGD(rank=4)``, ``diloco(H=50)``, ``CharLMOptions(dim=64)``).
+(``PowerSGD(rank=4)``, ``diloco(H=50)``, ``CharLMConfig(dim=64)``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from commfuse.ft.config import Fault
     from commfuse.train.lr_schedule import LRSchedule
     from commfuse.train.strategy import StrategyConfig
-    from commfuse.workloads import WorkloadOptions
+    from commfuse.workloads import WorkloadConfig
 
 T = TypeVar("T")
 
@@ -312,7 +312,7 @@ def compressor_from_spec(text: str, **defaults: Any) -> Compressor:
 # -- workloads -------------------------------------------------------------------------------
 
 
-def workload_from_spec(text: str) -> WorkloadOptions:
+def workload_from_spec(text: str) -> WorkloadConfig:
     """The options of workload ``"name[:key=value,...]"`` (e.g. ``charlm:dim=64,layers=1``),
     for ``commfuse.workloads.make_workload``.
 
@@ -325,7 +325,7 @@ def workload_from_spec(text: str) -> WorkloadOptions:
     if spec.name not in WORKLOADS:
         raise _unknown("workload", spec.name, sorted(WORKLOADS))
     options = build(WORKLOADS[spec.name], spec.options, where=f"workload {spec.name}")
-    return typing.cast("WorkloadOptions", options)
+    return typing.cast("WorkloadConfig", options)
 
 
 # -- learning-rate schedules ----------------------------------------------------------------

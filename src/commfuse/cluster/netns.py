@@ -127,9 +127,3 @@ def socket_in_netns(name: str, host: str, port: int = 0) -> socket.socket:
         return sock
 
     return call_in_netns(name, make)
-
-
-def netns_exec_prefix(name: str) -> list[str]:
-    """The argv prefix that runs a command inside namespace ``name``."""
-    netns_path(name)
-    return ["ip", "netns", "exec", name]

@@ -60,9 +60,6 @@ class Topology:
     def local_rank_of(self, rank: int) -> int:
         return rank % self.ranks_per_host
 
-    def ranks_of_host(self, host: int) -> list[int]:
-        return list(range(host * self.ranks_per_host, (host + 1) * self.ranks_per_host))
-
     def describe(self) -> str:
         link = "unshaped" if self.link_mbit is None else format_rate(self.link_mbit)
         return f"{self.num_hosts} host(s) x {self.ranks_per_host} rank(s), link {link}"

@@ -44,7 +44,7 @@ class Matrix:
 
 
 @dataclasses.dataclass(frozen=True)
-class Group:
+class MatrixGroup:
     """Compressed tensors of one shape and rank: contiguous ``(k, rows, rank)`` P's and
     ``(k, cols, rank)`` Q's in the messages."""
 
@@ -75,7 +75,7 @@ class Plan:
     """Elements of the bucket (the sum over its tensors)."""
     plain: tuple[tuple[int, int], ...]
     """``(offset, length)`` runs of elements sent uncompressed (adjacent tensors merged)."""
-    groups: tuple[Group, ...]
+    groups: tuple[MatrixGroup, ...]
 
     @property
     def plain_numel(self) -> int:
@@ -107,7 +107,7 @@ class Plan:
             flat[offset : offset + length] = message[at : at + length]
             at += length
 
-    def factor_slices(self, factor: Literal["p", "q"]) -> dict[int, tuple[int, int, Group]]:
+    def factor_slices(self, factor: Literal["p", "q"]) -> dict[int, tuple[int, int, MatrixGroup]]:
         """Where each compressed tensor's factor sits in the P part of the first message
         (``"p"``, ``rows x rank``) or in the second message (``"q"``, ``cols x rank``): tensor
         index -> (start, numel, its group)."""
@@ -147,7 +147,7 @@ def plan_for(shapes: Sequence[torch.Size], rank: int) -> Plan:
     groups = []
     p_offset = q_offset = 0
     for (rows, cols, r), members in by_shape.items():
-        group = Group(rows, cols, r, tuple(members), p_offset, q_offset)
+        group = MatrixGroup(rows, cols, r, tuple(members), p_offset, q_offset)
         groups.append(group)
         p_offset += group.p_numel
         q_offset += group.q_numel

@@ -31,7 +31,7 @@ from commfuse.comm.clock import elapsed_us, now
 
 #: The embedding exchange's second schedule: one table at a time instead of sample chunks.
 BY_TABLE: Final = "by_table"
-Schedule = int | Literal["by_table"]
+ChunkSchedule = int | Literal["by_table"]
 """How a fused operator is cut: into a number of chunks, or (the embedding exchange only) table
 by table (``BY_TABLE``)."""
 
@@ -60,7 +60,7 @@ class ChunkConfig:
     not pay), e.g. ``"native"`` to count its bytes under the backend's collective names; None:
     ``baselines.SEQUENCE``. Only those references take one (``require_chunks``)."""
 
-    def fixed(self) -> Schedule | None:
+    def fixed(self) -> ChunkSchedule | None:
         """The schedule the caller fixed (``schedule`` or ``num_chunks``); None: choose it."""
         return self.schedule if self.schedule is not None else self.num_chunks
 

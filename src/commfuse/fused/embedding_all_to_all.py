@@ -63,7 +63,7 @@ from commfuse.fused import baselines
 from commfuse.fused.chunking import (
     BY_TABLE,
     ChunkConfig,
-    Schedule,
+    ChunkSchedule,
     agree_chunks,
     measure_overhead_us,
     split_ranges,
@@ -213,7 +213,7 @@ def _unfused_buffers(
     return recv, send.contiguous().view(-1), out_splits, in_splits
 
 
-def check_schedule(chunks: Schedule) -> None:
+def check_schedule(chunks: ChunkSchedule) -> None:
     """ValueError unless ``chunks`` is a count >= 1 or ``BY_TABLE``."""
     if chunks != BY_TABLE and (
         isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1
@@ -225,7 +225,7 @@ def embedding_all_to_all(
     comm: Communicator,
     lookup: ShardedLookup,
     *,
-    chunks: Schedule = 2,
+    chunks: ChunkSchedule = 2,
     prepare_backward: bool = False,
 ) -> torch.Tensor:
     """The fused operator (module docstring). ``chunks=1`` is the unfused reference; ``chunks >= 2``
@@ -351,7 +351,7 @@ def embedding_all_to_all_reference(
 
 
 def embedding_all_to_all_backward(
-    comm: Communicator, lookup: ShardedLookup, grad_out: torch.Tensor, *, chunks: Schedule = 2
+    comm: Communicator, lookup: ShardedLookup, grad_out: torch.Tensor, *, chunks: ChunkSchedule = 2
 ) -> list[torch.Tensor]:
     """Gradients of the local tables (module docstring) for the gradient ``grad_out`` of the
     forward's output (``[B_r, T, D]``): the reverse All-to-All, overlapped with the
@@ -460,7 +460,7 @@ def choose_chunks_for(
     config: ChunkConfig,
     backward: bool = True,
     trial_runs: int = 5,
-) -> Schedule:
+) -> ChunkSchedule:
     """The ``chunks`` of ``embedding_all_to_all`` for these inputs, the same on every rank
     (``backward``: for training, where the reverse exchange runs with the same ``chunks``).
 
@@ -494,7 +494,7 @@ def choose_chunks_for(
         if chunks == 1 or trial_runs < 1:
             return chunks
         cap = min(config.max_chunks, limit)
-        candidates: list[Schedule] = [
+        candidates: list[ChunkSchedule] = [
             p * (world - 1) for p in (1, 2, 3) if p * (world - 1) <= cap
         ] or [chunks]
         candidates.append(BY_TABLE)
@@ -504,7 +504,7 @@ def choose_chunks_for(
             device=comm.device,
         )
 
-        def forward_and_backward(k: Schedule) -> None:
+        def forward_and_backward(k: ChunkSchedule) -> None:
             # Both directions, as a training step runs them: ``k`` cuts the backward too.
             embedding_all_to_all(comm, lookup, chunks=k)
             if backward:

@@ -51,7 +51,7 @@ import torch
 
 from commfuse.comm import Communicator
 from commfuse.comm.clock import elapsed_us, now
-from commfuse.fused.chunking import ChunkConfig, Schedule, predict_us
+from commfuse.fused.chunking import ChunkConfig, ChunkSchedule, predict_us
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -291,19 +291,19 @@ def choose_fused_chunks(
 
 def fastest_by_trial(
     comm: Communicator,
-    candidates: list[Schedule],
-    run: Callable[[Schedule], Any],
+    candidates: list[ChunkSchedule],
+    run: Callable[[ChunkSchedule], Any],
     *,
     runs: int,
     min_gain: float,
-) -> Schedule:
+) -> ChunkSchedule:
     """The candidate ``k`` whose median time (slowest rank, ``runs`` interleaved rounds) is the
     lowest, kept only if it beats ``k = 1`` (the unfused operator, always timed) by ``min_gain``;
     else 1. For operators whose chunk count changes the schedule in steps the model does not
     see (the embedding exchange cuts ``k`` into pieces per destination). Every rank must call it
     alike."""
     # By table first, then the counts upward (ties keep the earlier).
-    ks: list[Schedule] = [
+    ks: list[ChunkSchedule] = [
         1,
         *sorted({k for k in candidates if k != 1}, key=lambda k: k if isinstance(k, int) else 0),
     ]

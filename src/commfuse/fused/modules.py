@@ -20,7 +20,7 @@ from commfuse.comm import Communicator
 from commfuse.fused import embedding_all_to_all as emb
 from commfuse.fused.chunking import (
     ChunkConfig,
-    Schedule,
+    ChunkSchedule,
     shard_range,
     split_sizes,
 )
@@ -157,7 +157,7 @@ class ShardedEmbeddingBag(nn.Module):
             w = (w * 2 - 1) * bound  # DLRM's init, drawn on the CPU: the same on every device
             tables.append(nn.Parameter(w.to(device=comm.device, dtype=dtype)))
         self.tables = nn.ParameterList(tables)
-        self._chunks: dict[tuple[int, ...], Schedule] = {}
+        self._chunks: dict[tuple[int, ...], ChunkSchedule] = {}
 
     def lookup(
         self,
@@ -182,7 +182,7 @@ class ShardedEmbeddingBag(nn.Module):
 
     def chunks_for(
         self, indices: list[torch.Tensor], offsets: list[torch.Tensor], batch_splits: list[int]
-    ) -> Schedule:
+    ) -> ChunkSchedule:
         """The exchange's schedule for this batch layout: the config's, or chosen on first
         use (``embedding_all_to_all.choose_chunks_for``)."""
         key = tuple(batch_splits)

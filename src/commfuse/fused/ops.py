@@ -22,7 +22,7 @@ from commfuse.fused import all_gather_gemm as agg
 from commfuse.fused import embedding_all_to_all as emb
 from commfuse.fused import gemm_all_reduce as gar
 from commfuse.fused import gemm_reduce_scatter as grs
-from commfuse.fused.chunking import BY_TABLE, Schedule
+from commfuse.fused.chunking import BY_TABLE, ChunkSchedule
 
 
 # -- GEMM + AllReduce -------------------------------------------------------------------------
@@ -92,23 +92,23 @@ def embedding_all_to_all_op(
     lookup = emb.ShardedLookup(
         tables, indices, offsets, batch_splits, tables_per_rank, dim, dtype, mode
     )
-    schedule: Schedule = BY_TABLE if by_table else chunks
+    schedule: ChunkSchedule = BY_TABLE if by_table else chunks
     training = anchor.requires_grad and any(t.requires_grad for t in tables)
     return emb.embedding_all_to_all(
         Communicator.resolve(comm_key), lookup, chunks=schedule, prepare_backward=training
     )
 
 
-def embedding_schedule_args(chunks: Schedule) -> tuple[int, bool]:
+def embedding_schedule_args(chunks: ChunkSchedule) -> tuple[int, bool]:
     """``(chunks, by_table)`` of ``embedding_all_to_all_op`` for a schedule."""
     return (1, True) if chunks == BY_TABLE else (int(chunks), False)
 
 
-def _unpack(inputs: tuple[Any, ...]) -> tuple[emb.ShardedLookup, str, Schedule, torch.Tensor]:
+def _unpack(inputs: tuple[Any, ...]) -> tuple[emb.ShardedLookup, str, ChunkSchedule, torch.Tensor]:
     """``embedding_all_to_all_op``'s arguments, in its registered order, as (lookup, comm_key,
     schedule, anchor): its first eight are the lookup's fields, in the lookup's order."""
     *fields, comm_key, chunks, by_table, anchor = inputs
-    schedule: Schedule = BY_TABLE if by_table else chunks
+    schedule: ChunkSchedule = BY_TABLE if by_table else chunks
     return emb.ShardedLookup(*fields), comm_key, schedule, anchor
 
 

@@ -16,7 +16,7 @@ from commfuse.lazy import attach
 
 if TYPE_CHECKING:
     from commfuse.sim.bound import GlobalWait, StepBound, StepGraph, step_bound
-    from commfuse.sim.builtins import WORKLOADS, dlrm, moe, tp_transformer, transformer
+    from commfuse.sim.builtins import MODEL_PROFILES, dlrm, moe, tp_transformer, transformer
     from commfuse.sim.cluster import PRESETS, ClusterModel, Straggler, load_cluster
     from commfuse.sim.engine import Timeline, simulate
     from commfuse.sim.model import Layer, LayerComm, ModelProfile, from_module
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from commfuse.sim.step import StepResult, chrome_trace, simulate_step
 
 __all__ = [
+    "MODEL_PROFILES",
     "PRESETS",
-    "WORKLOADS",
     "ClusterModel",
     "CommPlan",
     "Demand",
@@ -60,7 +60,7 @@ __all__ = [
 __getattr__, __dir__ = attach(
     __name__,
     {
-        "WORKLOADS": "commfuse.sim.builtins",
+        "MODEL_PROFILES": "commfuse.sim.builtins",
         "dlrm": "commfuse.sim.builtins",
         "moe": "commfuse.sim.builtins",
         "tp_transformer": "commfuse.sim.builtins",

@@ -194,7 +194,7 @@ def moe(
     )
 
 
-WORKLOADS: dict[str, Callable[..., ModelProfile]] = {
+MODEL_PROFILES: dict[str, Callable[..., ModelProfile]] = {
     "transformer": transformer,
     "tp-transformer": tp_transformer,
     "dlrm": dlrm,

@@ -172,10 +172,6 @@ class ClusterModel:
         return self.num_hosts * self.ranks_per_host
 
     @property
-    def hosts_per_datacenter(self) -> int:
-        return self.num_hosts // self.num_datacenters
-
-    @property
     def gamma_s_per_byte(self) -> float:
         return 1.0 / (self.reduce_gbyte_per_s * 1e9)
 

@@ -45,8 +45,8 @@ from commfuse.train.strategy import (
     strategy_name,
 )
 from commfuse.workloads import (
-    CharLMOptions,
-    WorkloadOptions,
+    CharLMConfig,
+    WorkloadConfig,
     check_workload,
     describe_workload,
     make_workload,
@@ -61,8 +61,8 @@ class ResumeNotExactWarning(UserWarning):
 class TrainConfig:
     """One training run (the same on every rank)."""
 
-    workload: WorkloadOptions = dataclasses.field(default_factory=CharLMOptions)
-    """The workload's options (``CharLMOptions(dim=64)``, ``DigitsOptions()``)."""
+    workload: WorkloadConfig = dataclasses.field(default_factory=CharLMConfig)
+    """The workload's options (``CharLMConfig(dim=64)``, ``DigitsConfig()``)."""
     strategy: StrategyConfig = dataclasses.field(default_factory=TorchDDPConfig)
     """The strategy's config (``TorchDDPConfig()``, ``CommfuseDPConfig(compressor=...)``,
     ``diloco(H=50)``, ...: ``commfuse.train.strategy``)."""

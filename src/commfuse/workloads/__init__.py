@@ -3,10 +3,10 @@
 ``charlm``: a character Transformer on the Python standard library's own source files;
 ``digits``: an MLP on scikit-learn's digits. Nothing is ever downloaded.
 
-A workload is chosen by its options, a typed dataclass (``CharLMOptions(dim=64, layers=1)``,
-``DigitsOptions()``); ``make_workload(options, device=...)`` builds it on that device. To add a workload: subclass
-:class:`Workload` in its own file, give it an options dataclass (keyword-only, one docstring per
-field), and add one line to ``WORKLOADS`` below (its command-line name and options class) and
+A workload is chosen by its options, a typed dataclass (``CharLMConfig(dim=64, layers=1)``,
+``DigitsConfig()``); ``make_workload(options, device=...)`` builds it on that device. To add a workload: subclass
+:class:`Workload` in its own file, give it a config dataclass (keyword-only, one docstring per
+field), and add one line to ``WORKLOADS`` below (its command-line name and config class) and
 one to ``_CLASSES``.
 
 The model-parallel workloads are not in ``WORKLOADS``: ``dlrm`` (sharded embedding tables),
@@ -25,17 +25,17 @@ from typing import TypeAlias
 import torch
 
 from commfuse.workloads.base import Workload, batch_generator
-from commfuse.workloads.charlm import CharLM, CharLMOptions
-from commfuse.workloads.digits import Digits, DigitsOptions
+from commfuse.workloads.charlm import CharLM, CharLMConfig
+from commfuse.workloads.digits import Digits, DigitsConfig
 
 #: The options of every workload ``commfuse train`` can run.
-WorkloadOptions: TypeAlias = CharLMOptions | DigitsOptions
+WorkloadConfig: TypeAlias = CharLMConfig | DigitsConfig
 
-#: Command-line name -> options class (``--workload charlm:dim=64``).
-WORKLOADS: dict[str, type[WorkloadOptions]] = {"charlm": CharLMOptions, "digits": DigitsOptions}
+#: Command-line name -> config class (``--workload charlm:dim=64``).
+WORKLOADS: dict[str, type[WorkloadConfig]] = {"charlm": CharLMConfig, "digits": DigitsConfig}
 _CLASSES: dict[type, Callable[..., Workload]] = {
-    CharLMOptions: CharLM,
-    DigitsOptions: Digits,
+    CharLMConfig: CharLM,
+    DigitsConfig: Digits,
 }
 
 
@@ -49,8 +49,8 @@ def check_workload(options: object) -> None:
         )
 
 
-def make_workload(options: WorkloadOptions, *, device: torch.device) -> Workload:
-    """The workload of ``options`` (e.g. ``CharLMOptions(dim=64, layers=1)``) on ``device``
+def make_workload(options: WorkloadConfig, *, device: torch.device) -> Workload:
+    """The workload of ``options`` (e.g. ``CharLMConfig(dim=64, layers=1)``) on ``device``
     (the rank's ``Communicator.device``): its model, optimizer state and batches live there.
 
     Raises:
@@ -60,7 +60,7 @@ def make_workload(options: WorkloadOptions, *, device: torch.device) -> Workload
     return _CLASSES[type(options)](options, device=device)
 
 
-def describe_workload(options: WorkloadOptions) -> str:
+def describe_workload(options: WorkloadConfig) -> str:
     """``name[:key=value,...]`` with the options that differ from their defaults (``charlm``,
     ``charlm:dim=64,layers=1``): a run's name in tables and its identity in checkpoints."""
     check_workload(options)
@@ -75,10 +75,10 @@ def describe_workload(options: WorkloadOptions) -> str:
 
 __all__ = [
     "WORKLOADS",
-    "CharLMOptions",
-    "DigitsOptions",
+    "CharLMConfig",
+    "DigitsConfig",
     "Workload",
-    "WorkloadOptions",
+    "WorkloadConfig",
     "batch_generator",
     "check_workload",
     "describe_workload",

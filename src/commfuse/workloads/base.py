@@ -6,7 +6,7 @@ model, data and optimizer. Batches are a pure function of ``(seed, step, rank)``
 from a checkpoint at step k sees exactly the batches the uninterrupted run saw from step k on,
 with no data-loader state to save.
 
-A workload is configured by a typed options dataclass (``CharLMOptions(dim=64, layers=1)``);
+A workload is configured by a typed options dataclass (``CharLMConfig(dim=64, layers=1)``);
 on the command line, ``charlm:dim=64,layers=1`` builds the same (``commfuse.cli.spec``).
 
 A workload lives on one device, given when it is built (the rank's ``Communicator.device``:

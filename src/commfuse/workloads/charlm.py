@@ -25,7 +25,7 @@ from commfuse.workloads.base import Workload, batch_generator
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CharLMOptions:
+class CharLMConfig:
     """Options of ``--workload charlm:key=value,...``."""
 
     dim: int = 256
@@ -115,9 +115,9 @@ class CharLM(Workload):
 
     name = "charlm"
 
-    def __init__(self, options: CharLMOptions | None = None, *, device: torch.device) -> None:
+    def __init__(self, options: CharLMConfig | None = None, *, device: torch.device) -> None:
         super().__init__(device=device)
-        self.options = options or CharLMOptions()
+        self.options = options or CharLMConfig()
 
     def build_model(self, seed: int) -> nn.Module:
         o = self.options

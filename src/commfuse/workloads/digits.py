@@ -23,7 +23,7 @@ HELDOUT_EVERY = 5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DigitsOptions:
+class DigitsConfig:
     """Options of ``--workload digits:key=value,...``."""
 
     hidden: int = 128
@@ -61,9 +61,9 @@ class Digits(Workload):
 
     name = "digits"
 
-    def __init__(self, options: DigitsOptions | None = None, *, device: torch.device) -> None:
+    def __init__(self, options: DigitsConfig | None = None, *, device: torch.device) -> None:
         super().__init__(device=device)
-        self.options = options or DigitsOptions()
+        self.options = options or DigitsConfig()
 
     def build_model(self, seed: int) -> nn.Module:
         torch.manual_seed(seed)  # initialised on the CPU, then moved: the same on every device

@@ -36,7 +36,7 @@ from commfuse.workloads.base import batch_generator
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MoEOptions:
+class MoEConfig:
     """Shape of the MoE workload."""
 
     d_model: int = 256
@@ -68,7 +68,7 @@ class MoEModel(nn.Module):
     """``logits = head(x + moe(norm(x)))``."""
 
     def __init__(
-        self, options: MoEOptions, comm: Communicator, *, chunk_config: ChunkConfig, seed: int
+        self, options: MoEConfig, comm: Communicator, *, chunk_config: ChunkConfig, seed: int
     ) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(options.d_model)
@@ -107,8 +107,8 @@ class MoEWorkload:
 
     name = "moe"
 
-    def __init__(self, options: MoEOptions | None = None) -> None:
-        self.options = options or MoEOptions()
+    def __init__(self, options: MoEConfig | None = None) -> None:
+        self.options = options or MoEConfig()
 
     def build_model(
         self, comm: Communicator, seed: int, *, fused: bool = True, num_chunks: int | None = None

@@ -59,7 +59,7 @@ from commfuse.workloads.base import batch_generator
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TPTransformerOptions:
+class TPTransformerConfig:
     """Shape of the tensor-parallel Transformer and of its synthetic data."""
 
     d_model: int = 256
@@ -110,7 +110,7 @@ class TPBlock(nn.Module):
 
     def __init__(
         self,
-        options: TPTransformerOptions,
+        options: TPTransformerConfig,
         comm: Communicator,
         *,
         chunk_config: ChunkConfig,
@@ -146,7 +146,7 @@ class TPTransformer(nn.Module):
 
     def __init__(
         self,
-        options: TPTransformerOptions,
+        options: TPTransformerConfig,
         comm: Communicator,
         *,
         chunk_config: ChunkConfig,
@@ -210,8 +210,8 @@ class TPTransformerWorkload:
 
     name = "tp-transformer"
 
-    def __init__(self, options: TPTransformerOptions | None = None) -> None:
-        self.options = options or TPTransformerOptions()
+    def __init__(self, options: TPTransformerConfig | None = None) -> None:
+        self.options = options or TPTransformerConfig()
 
     def build_model(
         self,

@@ -38,9 +38,11 @@ def register(bench_sub: Subparsers) -> None:
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
-    from commfuse.bench.fused import OPS
+    from commfuse.bench.fused import FUSED_OPS
 
-    parser.add_argument("--op", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
+    parser.add_argument(
+        "--op", default=",".join(FUSED_OPS), help=f"comma list of {', '.join(FUSED_OPS)}"
+    )
     parser.add_argument(
         "--shape",
         action="append",
