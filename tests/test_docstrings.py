@@ -114,3 +114,46 @@ def test_module_docstrings_hold_no_measurements_of_this_machine() -> None:
             if MEASUREMENT.search(line) and "clock tick" not in line:  # a unit, not a timing
                 found.append(f"{path.relative_to(SRC)}: {line.strip()}")
     assert not found, "measurements belong in benchmarks/ reports:\n" + "\n".join(found)
+
+
+#: The most lines a module docstring may have: the title, the paper, the numbered steps and the
+#: cost; the design rationale goes to the part's page in ``docs/`` (``docs/design.md``, "Where
+#: text goes"), which the docstring links.
+MAX_MODULE_DOCSTRING_LINES = 30
+
+#: Modules whose docstrings are still longer, each being shortened by the change that owns the
+#: module. This list only ever shrinks: remove a path when its docstring fits, never add one.
+LONG_DOCSTRINGS_BEING_SHORTENED = frozenset(
+    {
+        "compress/powersgd.py",
+        "ft/periodic.py",
+        "ft/replica.py",
+    }
+)
+
+
+def module_docstring_lines(path: Path) -> int:
+    """Lines of the module docstring of ``path`` (0 without one), blank lines included."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+    return len(doc.strip().splitlines()) if doc else 0
+
+
+def test_module_docstrings_are_at_most_30_lines() -> None:
+    lengths = {p.relative_to(SRC).as_posix(): module_docstring_lines(p) for p in SRC.rglob("*.py")}
+    long = {
+        path: n
+        for path, n in sorted(lengths.items())
+        if n > MAX_MODULE_DOCSTRING_LINES and path not in LONG_DOCSTRINGS_BEING_SHORTENED
+    }
+    assert not long, (
+        f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (keep the title, the paper, "
+        f"the steps and the cost; move the rationale to docs/ and link it): {long}"
+    )
+    fixed = sorted(
+        path
+        for path in LONG_DOCSTRINGS_BEING_SHORTENED
+        if lengths.get(path, 0) <= MAX_MODULE_DOCSTRING_LINES
+    )
+    assert not fixed, f"remove from LONG_DOCSTRINGS_BEING_SHORTENED, they fit now: {fixed}"

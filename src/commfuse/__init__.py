@@ -1,6 +1,6 @@
 """commfuse: spend less time communicating in distributed PyTorch training.
 
-Layers (see DESIGN.md): ``cluster`` (where ranks run), ``comm`` (the transport every
+Layers (see ``docs/design.md``): ``cluster`` (where ranks run), ``comm`` (the transport every
 algorithm uses), ``collectives``, ``fused``/``compress``, ``ddp``/``localsgd``, ``sim``.
 """
 

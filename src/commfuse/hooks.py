@@ -23,23 +23,11 @@ optimizer step (the shape of torch's own ``allreduce_hook`` and ``powerSGD_hook`
    while this one is compressed and exchanged, which is the overlap DDP exists for;
 3. returns a Future that the worker completes with the averaged buffer (or the error).
 
-DDP rebuilds its buckets after the first iteration, in the order the gradients arrived, so a
-bucket index may then hold other parameters (two buckets of equal size can trade places). The
-compressor's state follows the parameters into the new buckets, element by element, instead
-of staying with the index (``compress/layout.py``), and so do the step counts (hence the
-warm-up): a bucket is at the step its parameters have been through, whichever index it has
-now. torch's own hooks key their state by bucket index and restart a bucket whose size
-changed.
-
-The state owns a PRIVATE process group over the same ranks (created when the state is, so
-every rank must construct it at the same point, as with any process group): the hook's
-collectives run on a background thread, and on a shared group they could interleave with
-DDP's own (its unused-parameter bitmap, buffer broadcasts) in a different order on different
-ranks. DDP does not divide gradients when a hook is registered; ``reduce_`` returns the
-average.
-
 (No ``from __future__ import annotations`` here: DDP checks the hook's annotations at
 registration and rejects string annotations.)
+
+Design notes: ``docs/data-parallel.md``, "The DDP hooks: rebuilt buckets and the private process
+group".
 """
 
 import dataclasses

@@ -8,29 +8,8 @@ baseline's loss, with each round's value beside it; the losses, bytes and accura
 first round (the rounds train the same model on the same batches). With ``control`` the
 baseline runs twice per round, as a second strategy (``ddp'``): its speedup is the noise floor of
 the job, and a ratio within it is a tie. The baseline is ``ddp`` (torch's DDP) when it is among
-them, else the first strategy. Columns:
-
-* ``step_ms``: median step time after warm-up (rank 0's); ``compute_ms``: the same step with
-  all gradient communication skipped (``loop.py``; each step the ranks' mean), and ``step/compute``: how close the strategy gets to that
-  floor (1.00 = communication fully hidden or removed); ``worst/compute``: the slowest
-  position of the strategy's period (``worst_phase_step_s``, ``metrics.py``: local SGD's
-  synchronising step; each step the ranks' mean) over the same floor (``-``: no period, SelSync and ADPSGD decide);
-  ``worst/bound``: the same over the machine's bound of a step (``machine_bound_s``,
-  ``metrics.py``: the compute-only step plus the exchanges' CPU per step over the cores; shown
-  where measured);
-* ``MB/step``: bytes one rank handed to collectives per step, on average (``metrics.py``),
-  ``x less``: the baseline's bytes over this strategy's, ``peak_MB``: the most in one step (a
-  local-SGD method's bytes per synchronisation of the whole model are in the JSON record,
-  ``bytes_per_sync``: ``metrics.py``);
-* ``final_loss`` (smoothed training loss at the last step, over the ranks' own batches), and the
-  final model's loss and accuracy on the held-out split, ``held_loss`` and ``acc`` (for local
-  SGD and DiLoCo, the model after the final synchronisation: the training loss there is the
-  replicas' loss while they drift apart, the held-out loss is the one model the run delivers);
-* ``wall_s``: training time; ``t_to_base_s``: wall time until this strategy's loss first reaches
-  the baseline's final loss ("-": never within the run);
-* ``speedup``: torch DDP's mean step time over this strategy's (above 1 = faster than DDP), and
-  ``speedup_to_loss``: DDP's ``t_to_base_s`` over this one's (the speed-up to the same loss; the
-  smoothed loss is not monotone, so DDP may reach its own final loss before its last step).
+them, else the first strategy. The columns are defined in ``docs/benchmarking.md``, "The
+columns of commfuse compare".
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
 """The CPU floor of a step: the time the machine's cores need for the CPU work of every rank.
 
-Where several ranks share one machine's cores (the emulated cluster puts every host on the same
-few cores), a step cannot finish before the cores have done all of its CPU work, however well
-it overlaps: the computation of every rank, and the CPU that communication costs (gloo's
-threads, the kernel copying each byte through sockets, veth pairs, the bridge and ``tbf``).
-A dependency-aware bound that times the parts alone and subtracts the overlap assumes that the
-communication's CPU is free while computation runs; the floor does not:
-
 1. each rank measures the CPU time (user + system, all its threads: ``getrusage``) of the
    computation alone and of the communication alone, in the benchmark's rounds;
 2. ranks on the same machine (the same Linux boot id, else the same host name) sum theirs;
@@ -33,8 +26,7 @@ alone, never from the fused run (whose own waste must not lower its distance to 
    (``steal``) took core time meanwhile;
 6. the floor is ``(ranks' CPU + kernel network work) / cores the ranks had``.
 
-Both stay bounds: the components' CPU is measured alone, and a schedule that overlaps them
-perfectly still needs it all, on the cores left to it.
+Design notes: ``docs/benchmarking.md``, "The CPU floor: why, and why it stays a bound".
 """
 
 from __future__ import annotations

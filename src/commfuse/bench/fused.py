@@ -3,56 +3,29 @@
 For every (op, shape) each rank times, in rounds whose orders ``bench/schedule.py`` balances
 (every variant in every position equally often), after a barrier each:
 
-* ``compute``: the computation alone (``C``);
-* ``comm``: the collective alone, on a buffer of the result's size (``M``);
-* ``unfused``: the reference, computation then collective;
-* ``fused``: the chunked pipeline with ``k`` chosen by the cost model from the measured
-  ``C``, ``M`` and per-chunk overhead (or ``--chunks``);
-* ``overlap``: the computation and the collective started together with no dependency between
-  them (the collective on a second thread, gloo releasing the GIL): what perfect overlap
-  costs on this machine, where the two share the cores. ``max(C, M)`` assumes the collective
-  costs no CPU; on the emulated cluster it does (the kernel copies every byte through the
-  veth pairs, the bridge and tbf, gloo adds and copies), so on a machine whose cores the ranks
-  fill, a GEMM with an allreduce beside it takes longer than the GEMM alone, and ``overlap``
-  lies above ``max(C, M)``. ``fused/overlap`` near 1 means the pipeline hides all the machine
-  lets it hide;
-* ``fused[NAME]``: an operator's other schedules (GEMM + AllReduce's ring and row blocks, one
-  and two levels, and where the reference all-reduces in two levels the unfused GEMM with
-  gloo's flat ring, ``unfused flat``), timed in the same rounds; each is a row of its own,
-  ``op[NAME]``, beside the chosen one (only where the operator chooses: ``--chunks`` times the one it fixes);
-* ``stage:NAME`` (the MoE step): parts of the step timed alone, from which the
-  **dependency-aware bound** is computed where the step's dependencies allow less overlap
-  than ``overlap`` assumes (``bench/fused_moe.py``). ``fused/dep`` divides by the machine's
-  bound: the larger of that and the **CPU floor** (``bench/cpu_floor.py``: the CPU time of
-  ``compute`` and ``comm``, summed over the ranks that share a machine's cores, divided by
-  those cores), since on a machine whose cores the ranks share, communication's CPU work cannot
-  hide behind computation's. Every row records the floor and each variant's CPU time (all
-  ranks together, ``cpu_us``), and what the machine did with its cores while each variant
-  ran (``machine_us``, read by one rank per machine: ``/proc/stat``'s busy, idle, softirq and
-  the hypervisor's steal, all cores; the ranks' CPU; other programs' CPU from ``/proc``; the
-  kernel's own work, busy less both; the interval read);
-* ``fused/bound`` divides by the **machine's bound**, which counts what the CPU floor leaves
-  out (``cpu_floor.machine_floor_us``): the kernel's network work that no rank is charged for,
-  and the cores other programs take while the ranks want them all, both measured over the
-  parts run alone (``machine_share``), and the CPU of C and M or of the unfused step, whichever
-  is more (the unfused step does the same work in one piece). It is the larger of the
-  dependencies (the operator's ``bound`` with each stage's machine floor; ``max(C, M)`` for
-  operators without one) and the machine floor. ``fused/dep`` keeps the bound of the ranks'
-  CPU alone beside it;
-* ``fused/graph`` divides by the **bound of the step's graph on the machine's cores**, where the
-  operator has a graph (``FusedForms.graph``; the MoE step's is ``fused_moe.moe_step_graph``):
-  ``sim.bound.step_bound`` adds to the machine floor the cores its global waits leave idle
-  whatever the schedule, at the best chunk count, and the larger of that and the machine's
-  bound is the bound.
+1. ``compute``: the computation alone (``C``); ``comm``: the collective alone, on a buffer of
+   the result's size (``M``);
+2. ``unfused``: the reference, computation then collective;
+3. ``fused``: the chunked pipeline with ``k`` chosen by the cost model from the measured ``C``,
+   ``M`` and per-chunk overhead (or ``--chunks``); ``fused[NAME]``: the operator's other
+   schedules, each a row of its own;
+4. ``overlap``: the computation and the collective started together with no dependency between
+   them: what perfect overlap costs on this machine, where the two share the cores;
+5. ``stage:NAME`` (the MoE step): parts of the step timed alone, for the dependency-aware bound.
+
+The ratios ``fused/dep``, ``fused/bound`` and ``fused/graph`` divide by bounds of increasing
+completeness: the dependencies with the ranks' CPU floor (``bench/cpu_floor.py``), the machine's
+bound (the kernel's network work and other programs' cores too), and the bound of the step's
+graph on the machine's cores (``sim.bound.step_bound``).
 
 A run's time is the slowest rank's; a row reports medians, the ideal ``max(C, M)``, the model's
 prediction and the ratios fused/unfused, fused/ideal and fused/overlap (of the medians), plus
 ``wrong``: elements where the fused result differs from the unfused one (both reduce in the
 same order, so it must be 0). With ``control`` the unfused reference runs twice per round (U
-and U'): U'/U is the noise floor, and a fused/unfused ratio within it is a tie.
+and U'): U'/U is the noise floor, and a fused/unfused ratio within it is a tie. Each operator is
+described by its ``FusedForms``; the benchmark turns them into one ``Case`` per variant.
 
-Each operator is described by its ``FusedForms`` (the four forms above, before the number of
-chunks is known); the benchmark turns them into one ``Case`` per variant.
+Design notes: ``docs/benchmarking.md``, "The variants and bounds of commfuse bench fused".
 """
 
 from __future__ import annotations

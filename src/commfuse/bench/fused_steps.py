@@ -1,15 +1,5 @@
 """``commfuse bench fused --step NAME``: a whole training step of a workload, fused against unfused.
 
-The operator benchmark (``bench/fused.py``) times one operator; this one times what a user
-sees: a full step (forward, backward, gradient allreduce, optimizer) of a model built twice
-from the same seed, once with the fused operators and once with the unfused references, run
-in rounds on the same batches, fused and unfused in the balanced orders of
-``bench/schedule.py`` (so neither always runs on a warmer machine), after a barrier each. A
-run's time is the slowest rank's; a row reports medians and fused/unfused (of the medians).
-Both models must end with identical parameters (``wrong`` counts the elements that differ,
-summed over ranks). With ``control`` a third model, unfused again, joins the rounds (U'): U'/U
-is the noise floor, a fused/unfused ratio within it is a tie, and U' must match U too.
-
 Where a step names the parts its exchanges can overlap (``stages``, timed alone in the same
 rounds as ``stage:NAME``), three bounds divide the fused step, as in the operator benchmark
 (``bench/fused.py``), each the larger of what it counts and the ones before it:
@@ -32,6 +22,8 @@ parallelism without and with sequence parallelism; shape = seq x batch x d_model
 x layers; the world size must divide heads).
 To add one, write a ``*_case(comm, shape, chunks, *, control) -> StepForms`` and add it to
 ``STEPS``.
+
+Design notes: ``docs/benchmarking.md``, "Whole fused steps: why time a step".
 """
 
 from __future__ import annotations

@@ -1,44 +1,23 @@
 """The one scheduler of every benchmark that times several variants in one job.
 
-On a shared machine the order in which variants run biases them: the first run after a barrier
-meets cold caches, the last one a machine that other jobs have filled, and a variant that always
-follows the same neighbour inherits its allocator and thermal state (identical code timed in a
-fixed order differed by 2-17% here). Timing in rounds, each round in a different order, spreads
-those effects over every variant alike:
+On a shared machine the order in which variants run biases them (cold caches first, a machine
+other jobs have filled last, a neighbour's allocator and thermal state). Timing in rounds, each
+in a different order, spreads those effects over every variant alike:
 
 1. **Position balance.** Rounds come in pairs, an order and its reverse (A B C D, D C B A), so
-   after every two rounds each variant's mean position is the middle one: none always runs
-   first or last, even in a job of two rounds. Over a whole design (``n`` rounds for an even
-   number ``n`` of variants, ``2n`` for odd ``n``) every variant runs in every position equally
-   often.
+   after every two rounds each variant's mean position is the middle one.
 2. **Carry-over balance.** The design is Williams's (E. J. Williams, "Experimental designs
-   balanced for the estimation of residual effects of treatments", Australian Journal of
-   Scientific Research A 2(2), 1949): over a whole design each variant runs right after every
-   other one equally often. Its rows pair up as reverses (for even ``n`` row ``r + n/2`` is row
-   ``r`` reversed; for odd ``n`` the design is a square and its mirror). For two variants it is
-   A B, B A.
-3. **Seeded shuffle.** ``seed`` relabels the variants and shuffles the pairs of each design
-   with a private ``random.Random(seed)``, so every rank computes the same orders (they must all
-   run the same collectives) and a rerun repeats them; both balances survive the shuffle.
-   ``seed=None`` keeps the caller's order in round 0.
-4. **Paired ratios.** Each round yields one sample per variant. A variant's ratio to the
-   baseline is the median over rounds of ``sample / baseline sample`` of the same round, so a
-   drift of the machine between rounds hits both sides of every ratio alike.
-5. **The A/A control.** With ``control=True`` the baseline is timed twice, as two variants A and
-   A' (``control_name``) that run the same code; the control's ratio A'/A measures the noise
-   floor of this job on this machine. A ratio within that floor of 1 (``|ln r| <= |ln A'/A|``)
-   is a tie: the benchmark cannot tell the two apart.
-6. **The ratio's confidence interval.** One control median can land close to 1 by luck while
-   its rounds spread widely, so a ratio is also judged by its own rounds: the distribution-free
-   interval of the median of its per-round ratios (the sign test's interval: order statistics
-   ``k`` and ``n + 1 - k`` of the ``n`` sorted ratios, ``k`` the largest with
-   ``P(Binomial(n, 1/2) < k) <= 2.5%``, so at least 95% coverage for any distribution; W. J.
-   Conover, "Practical Nonparametric Statistics", 3rd ed., section 3.2). Up to eight rounds the
-   interval is the whole range (below six even that covers less than 95%), so a variant can
-   differ only by winning or losing every round; from nine rounds one outlier on each side is
-   forgiven, from twelve two. A variant differs from the
-   baseline only where its interval excludes 1 *and* its ratio lies outside the control's
-   floor; otherwise it is a tie.
+   balanced for the estimation of residual effects of treatments", 1949): over a whole design
+   each variant runs right after every other one equally often.
+3. **Seeded shuffle.** ``seed`` relabels the variants and shuffles the pairs with a private
+   ``random.Random(seed)``, so every rank computes the same orders; both balances survive it.
+4. **Paired ratios.** A variant's ratio to the baseline is the median over rounds of
+   ``sample / baseline sample`` of the same round.
+5. **The A/A control.** With ``control=True`` the baseline is timed twice (A and A'); a ratio
+   within the control's floor of 1 (``|ln r| <= |ln A'/A|``) is a tie.
+6. **The ratio's confidence interval.** The sign test's distribution-free interval of the
+   median of the per-round ratios (W. J. Conover, "Practical Nonparametric Statistics", section
+   3.2); a variant differs only where it excludes 1 *and* the ratio lies outside the floor.
 
 Usage::
 
@@ -47,6 +26,8 @@ Usage::
         for name in order:
             run(schedule.code_of(name))   # A' runs the baseline's code
     summary = summarize(samples, baseline=schedule.baseline, control=schedule.control)
+
+Design notes: ``docs/benchmarking.md``, "The scheduler's balances, ratios and intervals".
 """
 
 from __future__ import annotations

@@ -21,17 +21,10 @@ Communications in Multiport Message-Passing Systems" (IEEE TPDS 1997) for the al
   ``r + 2^k``, rotate at the end). Both cost ``ceil(lg P) alpha + ((P-1)/P) n beta``; every rank
   sends exactly P - 1 blocks.
 
-**Non-powers of two** (the MPICH way, for every algorithm here but the all-gather): with
-``P' = 2^floor(lg P)`` and ``rem = P - P'``, the first ``2 rem`` ranks fold pairwise before the
-algorithm: each even rank ``2i`` sends its whole buffer to ``2i + 1``, which reduces it, and then
-**idles** until the odd rank sends the result back after the algorithm. Odd ranks ``2i + 1``
-take new rank i, ranks ``r >= 2 rem`` take new rank ``r - rem``. The fold costs two extra
-n-byte messages on the folded pairs. For ``halving`` the odd rank returns only the even rank's
-block, and new rank i's block is the union of its old ranks' blocks (contiguous, so every range
-stays one message).
-
 Blocks are ``even_blocks`` ranges, so any numel works, including numel < P (empty ranges cost no
 message). Every exchange posts its receive before its send.
+
+Design notes: ``docs/collectives.md``, "Recursive doubling and halving: non-powers of two".
 """
 
 from __future__ import annotations

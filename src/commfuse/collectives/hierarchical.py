@@ -15,41 +15,17 @@ Horovod's hierarchical all-reduce over NCCL:
    ``2((H-1)/H) n`` bytes in all: n for 2 hosts, under 2 n for any H.
 3. Allgather inside each host (in-place ring): every rank ends with all L reduced shards.
 
-**Pipelining.** The buffer is cut into C chunks (``num_chunks``; default ``P x
-HIERARCHICAL_CHUNK_BYTES_PER_RANK`` bytes each, at most ``HIERARCHICAL_MAX_CHUNKS``, both in
-``cost.py``). Chunk i's host phases run on the calling thread while chunk i - 1 crosses hosts on
-the cross-host communicator's worker thread (gloo waits release the GIL; ``inter_algo="native"`` uses gloo's async all-reduce instead), so the
-slow links stay busy and only the first reduce-scatter and the last all-gather are exposed. Host
-phases run in the order RS(0), RS(1), AG(0), RS(2), AG(1), ..., cross-host all-reduces in chunk
-order, the same on every rank, so no two ranks wait on each other in different orders.
-
 **Cost** (``cost.hierarchical_all_reduce``): with m = n / C and beta_e multiplied by L (L flows
 share a host link), ``rs + x + ag + (C - 1) max(x, rs + ag)``, where
 ``rs = (L-1) alpha_i + ((L-1)/L) m (beta_i + gamma)``, ``ag = (L-1) alpha_i + ((L-1)/L) m beta_i``,
 ``x = 2(H-1) alpha_e + 2((H-1)/H) m beta_e + ((H-1)/H)(m/L) gamma``. For large n it tends to
 ``2((H-1)/H) n beta_e``, against ``2((P-1)/P) n beta_e`` for the flat ring.
 
-**Tuning.** More chunks hide more of the cross-host step but pay ``C`` times the host phases'
-latency; the default sizes chunks so that each cross-host ring step moves about
-``HIERARCHICAL_CHUNK_BYTES_PER_RANK`` per rank. Host messages are larger than the ring's segments
-(``HOST_SEGMENT_BYTES``): loopback has no shaper, and fewer messages leave more CPU to the
-cross-host traffic. Where the ranks of a host share few cores, the host phases' copies can cost
-more than the host links save; the tuner measures that (``commfuse tune``) and keeps gloo's ring
-there (``benchmarks/allreduce-hierarchical_netlab-2x2x1gbit-2core.md``).
-
-**Allreduce, leader** (a reduce/broadcast name as ``intra_algo``, e.g. ``"tree"``; Jia et al.,
-"Highly Scalable Deep Learning Training System with Mixed-Precision", arXiv 1807.11205): reduce
-to local rank 0, all-reduce among the H leaders, broadcast from the leader. Fewer messages for
-tiny buffers, but one rank per host drives the link and nothing overlaps.
-
 **Broadcast** from root r on host h with local rank l: among the ranks of local rank l from host
 h (``inter_algo``, default ``"pipeline"``), then inside every host (``intra_algo``, ``"tree"``).
 
-Layout: ``ranks_per_host`` (L) from the option, else ``CommConfig.ranks_per_host`` (filled from
-the launcher's ``LOCAL_WORLD_SIZE`` at rank start-up), else 1; ranks are host-major. With L = 1 or L = P there is one level: the
-flat ``inter_algo`` runs on the whole group. Sub-groups are created once per (communicator, L)
-and kept on the communicator (``HostGroups``: creating a process group is itself a collective); their traffic is charged to the
-caller's ``stats[label(collective, "hierarchical")]``.
+Design notes: ``docs/collectives.md``, "Hierarchical collectives: pipelining, tuning, the leader
+variant, the layout".
 """
 
 from __future__ import annotations

@@ -22,13 +22,12 @@ root + P - 1 (mod P) and the n-byte message is cut into k = ceil(n / b) blocks o
    step only waits on steps before it, hence no deadlock. Cost about one reduce plus P - 1 more
    block steps: ``(2(P - 1) + n/b)(alpha + b beta) + n gamma``.
 
-Every rank sends and receives at most n bytes per direction of each of its links
-(``test_collectives_pipeline_tree.py`` asserts the exact counts).
+Every rank sends and receives at most n bytes per direction of each of its links (tested).
 
-Tuning: ``block_bytes`` sets b. The default minimises the cost above,
-b* = sqrt(n alpha / (D beta)) with D the chain's depth (P - 1, or 2(P - 1) for the all-reduce),
-from the link rate in ``COMMFUSE_LINK_MBIT`` when the launcher exports it. Small blocks pay
-alpha k times; large blocks leave the chain's far end idle while it fills.
+Tuning: ``block_bytes`` sets b. The default minimises the cost above, b* = sqrt(n alpha /
+(D beta)) with D the chain's depth (P - 1, or 2(P - 1) for the all-reduce), from the link rate
+in ``COMMFUSE_LINK_MBIT`` when the launcher exports it. Small blocks pay alpha k times; large
+blocks leave the chain's far end idle while it fills.
 """
 
 from __future__ import annotations

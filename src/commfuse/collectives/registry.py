@@ -106,7 +106,7 @@ def _load_families() -> None:
     _loaded = True
 
 
-#: One module per family of algorithms (DESIGN.md: one concept per file).
+#: One module per family of algorithms (docs/design.md: one concept per file).
 FAMILY_MODULES: tuple[str, ...] = (
     "commfuse.collectives.native",
     "commfuse.collectives.ring",

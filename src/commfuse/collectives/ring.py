@@ -17,18 +17,13 @@ all-reduce ``2(P-1) alpha + 2((P-1)/P) n beta + ((P-1)/P) n gamma``; reduce-scat
 all-gather are one phase each, ``(P-1) alpha + ((P-1)/P) n beta`` (+ ``gamma`` for the former).
 Every rank sends exactly the blocks it forwards: 2(P-1) blocks for all-reduce, P-1 otherwise.
 
-**Pipelining.** An unpipelined ring idles the link while it reduces (DESIGN.md compares a
-naive Python ring with gloo's). Here each block is
-cut into ``num_segments`` segments and the steps are chained per segment: as soon as segment j of
-step s is received and reduced it is sent on as segment j of step s + 1, while segments j + 1 ...
-of step s are still arriving. The receives of a step are posted before its sends and before any
-reduction of the previous step's later segments, so the link always has data queued.
-
 Tuning: by default segments are at most ``SEGMENT_BYTES`` (128 KiB). Smaller segments pay
 Python's cost per message; larger ones, and unsegmented blocks, ran markedly slower over gloo's
 TCP transport: re-measure before changing it.
 ``num_segments=1`` is the textbook ring, fewest messages, best for small buffers; the default
 gives them one segment anyway.
+
+Design notes: ``docs/collectives.md``, "The ring: why it is pipelined".
 """
 
 from __future__ import annotations

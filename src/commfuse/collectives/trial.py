@@ -1,15 +1,6 @@
 """Timed trials at first use: ``algo="auto"`` measures its best candidates on the caller's own
 messages before it settles, where a model alone cannot tell them apart.
 
-A cost model ranks algorithms well where bandwidth decides and poorly where per-message
-software costs do (small messages on shared cores, a backend's quirks): there the uncalibrated
-tuner keeps the backend's own algorithm unless another is predicted far faster, and leaves real
-wins unclaimed. ``commfuse tune`` measures the cluster once, ahead of time; this module measures
-during the first calls instead, as online tuners of collective libraries do (AutoCCL, Xu et al.,
-NSDI 2025, tunes NCCL's parameters over a training job's first iterations; Horovod's autotuner
-times its fusion settings on the live job), because a training step repeats the same messages
-thousands of times and a few dozen slower calls are paid back quickly.
-
 With ``CommConfig.tuner_trial_calls = k`` (0, the default, turns trials off), the first calls of
 each (collective, size) under ``algo="auto"`` run:
 
@@ -31,6 +22,8 @@ that profile (``Profile.trial_choices``; the file is created when missing), and 
 the same layout takes it from there without a trial, as MPI libraries keep their tuned
 decisions in a file that later runs read. All calls of a trial must be made in the same order
 on every rank, as every collective must.
+
+Design notes: ``docs/collectives.md``, "Timed trials: why a model is not enough".
 """
 
 from __future__ import annotations

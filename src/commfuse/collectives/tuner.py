@@ -16,18 +16,6 @@ Calibration (``calibrate``) runs on every rank of the cluster it describes:
    median, and for the others native's median times their median ratio to native, run by run,
    with its standard error (``_paired_medians``).
 
-Why step 5: the pure alpha-beta-gamma models (Hockney; Thakur, Rabenseifner and Gropp, IJHPCA
-2005) rank algorithms wrongly on real machines: they miss per-message software costs, CPU
-contention and the transport's quirks, by factors at small sizes and by a little at large ones
-(``benchmarks/tune_netlab-4x1gbit-2core.md``). One affine map ``measured = a + k * model``
-cannot hold both ends, so each (collective, algorithm) gets a piecewise ``Correction``: the ratio measured / model at each calibration
-size, interpolated linearly in log(size) between them and held constant beyond the ends (both
-time and model become affine in the size there, so the ratio settles). The model still gives
-the shape between calibration points and the choice of block size; the ratios pin it to what
-this cluster really does, including Python overhead, CPU contention and gloo's quirks.
-Native algorithms are modelled like the others (native all-reduce = ring model + its own
-correction). Corrections apply only to a group of the size they were measured on.
-
 Selection must agree on all ranks, or they would run different algorithms and deadlock. So
 rank 0's alpha/beta/gamma are broadcast, the measured table is made identical by a max over
 ranks before anything is fitted, and ``choose`` reads nothing rank-local: only the profile
@@ -37,19 +25,7 @@ Predictions within ``NEAR_TIE`` of native's, after adding their standard error, 
 a difference that small is within the noise of these measurements, and native is the safe
 default.
 
-Without a calibration (``Profile.default``) the tuner follows what MPI libraries ship: fixed
-decision rules per collective, group size and message size, measured on a reference system
-(MPICH's ``MPIR_Allreduce_intra_auto`` and friends, Thakur, Rabenseifner and Gropp 2005; Open
-MPI's ``coll_tuned_decision_fixed.c``), which a site replaces with its own measurements (MPICH's
-tuning JSON files, Open MPI's dynamic rules file, ``coll_tuned_use_dynamic_rules``; here
-``commfuse tune``'s profile). Its rules are the models of ``COSTS`` with the software cost of
-each kind of message priced in (``Profile.native_alpha_s``, ``software_alpha_s`` and
-``pipeline_alpha_s``, measured on the emulated cluster): a commfuse algorithm is a loop of
-Python point-to-point calls, each several times the wire's latency, while gloo's collectives
-loop in C++. And an algorithm replaces native only where it is predicted
-``UNCALIBRATED_MIN_GAIN`` faster: an uncalibrated model is right about bandwidth terms (the
-pipeline's broadcast moves n bytes per link where gloo's tree moves up to lg P n; gloo's
-reduce-scatter is a whole all-reduce) and unsure about latency, so only such wins are taken.
+Design notes: ``docs/collectives.md``, "The tuner: why measure every algorithm, and the defaults".
 """
 
 from __future__ import annotations
@@ -319,7 +295,7 @@ class Profile:
         local = ranks_per_host or world_size
         local = local if local >= 1 and world_size % local == 0 else world_size
         link = link_mbit
-        # Loopback between processes moves about 1 GB/s with gloo (DESIGN.md).
+        # Loopback between processes moves about 1 GB/s with gloo (docs/design.md, "gloo").
         intra = C.LinkCost(alpha_s=60e-6, beta_s_per_byte=1.0 / 1.0e9)
         inter = C.LinkCost.from_link_gbit(link / 1000.0) if link else intra
         hosts = world_size // local
@@ -553,7 +529,7 @@ COSTS: dict[tuple[str, str], CostFn] = {
     ("all_gather", "doubling"): lambda n, p, pr: C.recursive_doubling_all_gather(
         n, p, _soft(_flat(pr), pr)
     ),
-    # gloo's reduce-scatter is an all-reduce followed by a slice (DESIGN.md).
+    # gloo's reduce-scatter is an all-reduce followed by a slice (docs/design.md, "gloo").
     ("reduce_scatter", "native"): lambda n, p, pr: C.ring_all_reduce(n, p, _native(pr)),
     ("reduce_scatter", "ring"): lambda n, p, pr: C.ring_reduce_scatter(n, p, _soft(_flat(pr), pr)),
     ("reduce_scatter", "halving"): lambda n, p, pr: (

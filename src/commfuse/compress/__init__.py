@@ -1,15 +1,7 @@
 """Layer 3: gradient compressors with error feedback.
 
-Every compressor is a ``Compressor`` (``base.py``): it averages a flat bucket of gradients over
-the ranks in place with a smaller message (``reduce_``), declares its ``aggregation``
-(``all_reduce`` or ``all_gather``) and the exact bytes it contributes (``payload_bytes``), and
-keeps its step-to-step state (error-feedback residuals, momentum, PowerSGD factors) in
-``state_dict``, filed under the parameters each bucket holds (``set_layout``, ``layout.py``), so the state
-follows them when buckets change. Build one as an object, e.g. ``PowerSGD(rank=8,
-wire="bf16")`` or ``TopK(ratio=0.01)``, and hand it to ``commfuse.ddp.DataParallelConfig`` or
-to ``commfuse.hooks`` (the same compressors as torch DDP communication hooks). On the command
-line ``powersgd:rank=8,wire=bf16`` builds the same object (``commfuse.cli.spec``; the keys are
-the dataclass fields).
+Every compressor is a ``Compressor`` (``base.py``) that averages a bucket in place with a smaller
+message; build one (``PowerSGD(rank=8)``) for ``DataParallelConfig`` or ``commfuse.hooks``.
 
 ============= =========== ======================================================= ===============
 class         aggregation message per rank (d elements, fp32)                     error feedback
@@ -35,14 +27,7 @@ DeMo          all_gather  per chunk of c (64): k x (4 + 1) bytes of DCT, k = 4  
 Int4          all_gather  4 per chunk of 512 + d / 2 bytes                          on
 ============= =========== ======================================================= ===============
 
-Messages of allgather compressors are padded to whole 4-byte words. (*) only when
-``levels**2 > chunk_numel``: otherwise the quantiser's variance makes the residual diverge.
-PowerSGD needs the shapes of the tensors in a bucket (the layout, which the engine and the
-hooks give) to compress each weight matrix on its own (r' = min(r, rows, cols); tensors whose
-factors would not be smaller travel as they are); other compressors use the layout only to
-file their state. SparseLoCo, DeMo and Int4 are made for the outer exchange of the local-SGD
-family (``commfuse.localsgd``, ``diloco(H=50, compressor=SparseLoCo())``), rare and large; they
-cut the bucket into chunks (``chunked.py``), the last one possibly shorter.
+Design notes: ``docs/data-parallel.md``, "Compressors: the interface, the layout, the padding".
 """
 
 from commfuse.compress.acpsgd import ACPSGD

@@ -11,22 +11,6 @@ first has landed. ACP-SGD alternates instead. With ``M = g + e`` (error feedback
 * on odd steps ``P`` is held fixed (last step's averaged ``P``, orthonormalised) and
   ``Q = M^T P`` is allreduced; the update is ``P Q_avg^T``.
 
-Either way the update is the average over ranks of the projection of each rank's ``M`` onto a
-shared rank-``r`` subspace (``M Q Q^T`` or ``P P^T M``), which is also what this rank's error
-feedback leaves out: ``e = M - M Q Q^T`` (or ``M - P P^T M``). Each step is one allreduce of
-half of PowerSGD's factor bytes, so at the bytes of PowerSGD rank ``r`` ACP-SGD sends rank
-``2r``, and a bucket's exchange is a single round trip. The fixed factor carries the power
-iteration across steps: alternating ``P = M Q``, ``Q = M^T P`` over consecutive steps is the
-same subspace iteration that PowerSGD runs within a step, warm-started through time.
-
-Everything else is PowerSGD's: the per-tensor layout (``lowrank.py``: each weight is its own
-matrix, 1-D tensors travel exactly, packed in front of the factors), the warm-up options
-(``warmup``, ``warmup_fp16``, ``warmup_rank``), factors in fp32 for 16-bit buckets, a bucket
-without a layout laid out as one square-ish matrix. Which factor a step sends follows from the
-step number (``(step - warmup) % 2``), so the bytes of a step are known without state and every
-rank agrees. State per bucket: the last averaged P and Q, and the residual, all checkpointed and
-moved matrix by matrix when buckets are laid out anew (``layout.py``).
-
 Cost per bucket and step: one allreduce of ``plain + sum rows r'`` (P steps) or ``plain + sum
 cols r'`` (Q steps) elements, two products per matrix and one batched QR of the fixed factor.
 Because each step runs only half an iteration, the subspace follows a fast-changing gradient
@@ -34,6 +18,9 @@ more slowly than PowerSGD's full iteration per step; the paper reports parity wi
 accuracy on full-length ImageNet and CIFAR training. Tuning: start from twice the PowerSGD
 rank that works (the same bytes), with PowerSGD's warm-up; prefer PowerSGD on short runs from
 scratch, and ACP-SGD where the second round trip per bucket is what the step waits for.
+
+Design notes: ``docs/data-parallel.md``, "ACP-SGD: why the alternation converges, and what it shares
+with PowerSGD".
 """
 
 from __future__ import annotations

@@ -19,21 +19,8 @@ average. ``Compressor`` declares everything the engine (``commfuse.ddp``) and th
 6. ``state_dict`` / ``load_state_dict`` and ``state_moves``: checkpoints and re-layouts;
    ``shared_state_dict`` / ``load_shared_state_dict``: a rank that joins a running job.
 
-The pure parts (encode, decode) are methods that read only the compressor's settings; the
-state that changes from step to step (error-feedback residuals, momentum, PowerSGD's Q) lives
-in explicit objects returned by ``state_dict``, so a checkpoint resumes bit for bit. Random
-choices (stochastic rounding, random-k indices) come from a generator seeded by
-``(seed, step, bucket[, rank])``, never from a running RNG, so they need no saved state and
-every rank can agree on shared ones.
-
-Non-finite gradients: the training engine checks for them before calling a compressor, but
-if one arrives anyway, ``reduce_`` still takes part in the collective (so ranks stay matched
-and nobody hangs), leaves this bucket's state exactly as it was before the call (no NaN ever
-enters a residual, momentum or Q), and fills this rank's output with NaN, so the caller's own
-non-finite check sees it and skips the step. State built from the aggregate (PowerSGD's Q) is
-not updated on ANY rank when the aggregate comes back non-finite; other ranks' outputs are then
-non-finite too. For purely local state (residuals of top-k, sign, ...) the other ranks' outputs
-may stay finite: the engine must agree on skipping a step across ranks, as it does anyway.
+Design notes: ``docs/data-parallel.md``, "The Compressor interface: pure parts and non-finite
+gradients".
 """
 
 from __future__ import annotations

@@ -23,50 +23,8 @@ The algorithm (Zhang et al., "Poseidon", ATC 2017; Li et al., "PyTorch Distribut
    DDP's ``gradient_as_bucket_view``: no copy; a copy with ``staleness=1``) while later
    buckets are still on the wire; only the last bucket's check is exposed.
 
-Cost. Against a minimal Python reducer (post-accumulate-grad hooks, a copy into the bucket, an
-async allreduce, a wait at the end of backward) the work this engine adds per step is two
-passes over the gradients at most: the copy into the bucket, which torch DDP also makes (none
-when ``.grad`` survives ``zero_grad`` and autograd accumulates straight into the slot), and the
-NaN/Inf check, one sum per bucket that overlaps the wire for every bucket but the last. Python
-hooks and the GIL cost next to nothing where the collectives release it (gloo does).
-
-Re-layouts. The buckets change after the timing step of ``merge_buckets_by_cost`` and on a
-resume with another layout. A compressor files its state under each bucket's parameters
-(``compress/layout.py``), so its residuals and factors move with them, element by element;
-``StepStats`` counts what moved and what could not follow (dropped).
-
-Unused parameters. A parameter that no rank used gets a zero gradient, which an optimizer with
-weight decay or momentum still acts on. With ``find_unused_parameters`` one more tiny allreduce
-counts, per parameter, the ranks that used it (its hook fired since the last synchronized
-step), and a parameter no rank used keeps its ``.grad`` untouched, exactly as torch DDP does.
-The forward's outputs are then also walked (``graph.py``), so the parameters they cannot reach
-are marked ready as soon as backward starts and their buckets do not wait for its end.
-
-A rank with no gradient at all. If no hook fires on a rank (its loss did not depend on the
-parameters, or it skipped backward), it never reaches the end-of-backward callback, while the
-other ranks wait there for its collectives. ``DataParallel`` notices at the rank's next
-synchronized forward or ``step()`` (a forward was not followed by a backward) and runs the
-reduction then, with every slot holding the accumulated ``.grad`` or zero, which is that rank's
-true gradient: the ranks stay matched and nothing waits for the deadline.
-
-Staleness (``staleness=1``, Pipe-SGD; ``flight.py``). The end of backward launches this step's
-buckets and lands the previous step's instead of this one's: their collectives (and a
-compressor's work on the worker thread) ran during this step's forward and backward. The
-optimizer then steps with the average of the gradients computed one step earlier, on weights one
-update older; the first step has nothing to apply. Each bucket has two buffers, swapped at every
-step, so the next backward never writes into one that is on the wire. A checkpoint waits for
-the flight and stores its averages, so a resumed run applies them at its first step.
-
-Non-finite gradients. Uncompressed, any rank's NaN/Inf survives the sum, so the averaged buffer
-is checked (the same on every rank, so every rank takes the same decision). Compressed, the
-check must come first, or error feedback would absorb the NaN (unless the compressor declares
-``nonfinite_reaches_every_rank``: fp16, bf16, PowerSGD, whose output is then checked like the
-uncompressed buffer, and the flags are exchanged only when it is not finite): each bucket's
-job on the worker first max-allreduces one flag per tensor (rank + 1 where non-finite, so the
-error names a rank at 4 bytes per tensor whatever the world size); if anything is set, the
-compressor is not
-called for that bucket nor any later one of the step. Buckets compressed before the bad one
-already updated their error feedback with finite gradients of the skipped step.
+Design notes: ``docs/data-parallel.md``, "The reducer: cost, re-layouts, unused parameters,
+staleness, non-finite gradients".
 """
 
 from __future__ import annotations

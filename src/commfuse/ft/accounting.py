@@ -2,41 +2,9 @@
 
 Each replica group reports every attempt at a step: the step, whether it committed, the
 quorum's size, its loss and times, and after a commit the SHA-256 of its parameters. From
-those (and the launcher's record of kills and restarts) the run's record states:
-
-* ``committed_steps``: steps applied (the committed step of the replicas that finished);
-* ``discarded_steps``: attempts that did not commit, summed over replica groups (a step in
-  flight when a peer died, retried by the survivors on the same batch);
-* ``samples_trained`` / ``samples_lost`` / ``samples_duplicated``: the data of the run is one
-  global batch of ``num_replicas x batch`` samples per step; each committed attempt names the
-  samples it trained (``data.py``, ``goodput.py``). With ``global_batch="shrink"`` a replica
-  group's slot is lost when it did not commit the step (it was dead or recovering), counted
-  also as ``batches_lost``; with ``fixed`` the survivors train it;
-* ``goodput_steps_per_s``: committed steps per second of training (``goodput.py``);
-* ``progress_waits``: attempts in which a replica's quorum was behind the step a live replica
-  held (a restarted replica's, or one that fell behind), so it waited for that replica instead
-  of training (``progress.py``); they count nowhere else;
-* ``eval_loss`` / ``eval_accuracy``: the final model's held-out loss (when the run evaluates);
-* ``step_digests_agree``: at every step hashed (``digest_every_steps``; the last one always),
-  every replica group that committed it holds parameters with the same digest (the restarted
-  replica's too, from its recovery on), ``steps_compared`` of them;
-  ``replicas_agree``: the final digests are equal;
-* per-period mode (local SGD, DiLoCo: ``periodic.py``) reports one attempt per period
-  instead, its ``step`` the period's index, with the inner steps it covers: there
-  ``committed_steps`` counts inner steps (of committed periods), ``discarded_steps`` the inner
-  steps of the attempts that did not commit, summed over replica groups (their batches are
-  trained again in the retried period, not lost), ``batches_lost`` the batches of inner steps
-  whose period a replica group did not commit, ``step_digests_agree`` compares the outer
-  model (the anchors) at every committed period, ``committed_periods`` /
-  ``discarded_periods`` count periods, and a kill's event has the inner step (``step``), its
-  period (``period``) and the period the replica rejoined at (``rejoin_step``);
-* ``events``: one per fault (a kill, a cut link): the emulated host (a kill's: its replica
-  group's first rank's), the replica groups it hit (``groups``), the step, seconds from the fault
-  to the survivors' first failed step or first smaller quorum (``detect_s``), to their first
-  commit of a step begun after the fault (``recover_s``), and to the faulty replica's first
-  committed step after its restart or after its link is back (``rejoin_s``); a replica
-  killed before its new life joined a quorum held nobody up (``in_quorum`` false: no
-  detection or recovery to time).
+those (and the launcher's record of kills and restarts) the run's record states the steps
+committed and lost, the replicas' recoveries and the goodput; each field is defined in
+``docs/reliability.md``, "The fields of a fault-tolerant run's record".
 """
 
 from __future__ import annotations

@@ -22,13 +22,9 @@ heartbeat, set in three places):
 5. the launcher's own deadlines (a replica's start-up, the whole job) are commfuse's and are
    the job's ``timeout_s`` in ``run_fault_tolerant``.
 
-A replica killed outright closes its sockets, so its peers' collectives fail at once and the
-quorum without it forms ``timeout_s`` later (its heartbeat expires). Tune ``timeout_s`` down to
-recover sooner, up when replicas may stall (a long garbage collection, a loaded machine)
-without being dead: a stalled replica that misses ``timeout_s`` is dropped from the quorum and
-rejoins by live recovery.
-
 This module imports neither torch nor torchft: the command line builds these objects.
+
+Design notes: ``docs/reliability.md``, "One timeout: a replica killed outright".
 """
 
 from __future__ import annotations

@@ -17,14 +17,6 @@ Horovod's and NCCL's two-level schemes):
    group that is not participating (still recovering) contributes zeros;
 3. all-gather the shards inside the group: every rank holds the whole average.
 
-With a commfuse compressor (``powersgd:rank=4``, ``int8``, ...) the group first averages the
-bucket inside itself (an allreduce over the host's loopback), then every rank of the group
-runs the compressor on that same average, with the same state, and the compressor's messages
-cross groups split among the G ranks (``GroupQuorumComm``: each rank sends its shard of
-every message): the bits of a replica group of one rank that trains the group's average
-gradient. Its error feedback is each group's own (identical on the group's ranks); a joiner
-starts its residuals at zero, as in the flat hook (``replica.py``).
-
 Each rank sends ``1 / G`` of the bucket across groups (``2 (n - 1) / n`` of its shard in
 gloo's ring over n groups) instead of the whole bucket: the slow links between hosts carry G
 times less per rank, the fast loopback inside a host carries the rest. The intra-group steps
@@ -34,6 +26,8 @@ not commit: ``should_commit`` is a vote of every rank of every group). A failure
 is reported to this rank's Manager, which refuses the group's commit, and raises group rank
 i's alarm, so that the other groups' rank i give up at once; their other ranks finish their
 shards and are outvoted at the commit.
+
+Design notes: ``docs/reliability.md``, "Replica groups of several ranks: the compressed exchange".
 """
 
 import dataclasses

@@ -21,18 +21,10 @@ error, so a peer's death only marks the step as failed. For each bucket:
    which refuses the commit, and raise the alarm so the peers waiting on this replica give up
    now rather than at their timeout. The bucket then holds garbage that no optimizer sees.
 
-Steps 3 and 4 (and step 1 again) run on the hook's worker thread, one bucket after the other
-in the order DDP hands them over (the same on every replica, which keeps the collectives
-matched), while backward computes the next buckets, as torch DDP's own allreduce overlaps
-backward: the hook returns a future that the worker completes with the bucket once its
-exchange is over, failed or not. DDP waits for those futures at the end of backward, so every
-exchange has finished, failed or not, before the commit vote; a waiting exchange still
-watches the alarm, so no replica waits longer than one poll after a peer gave up. A failed
-step may have changed the compressor's state on some replicas and not others: the replica
-loop restores it from the step's start (``replica.py``).
-
 (No ``from __future__ import annotations`` here: DDP checks the hook's annotations at
 registration and rejects string annotations.)
+
+Design notes: ``docs/reliability.md``, "The fault-tolerant DDP hook: its worker thread".
 """
 
 import contextlib

@@ -15,20 +15,6 @@ Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, section 4
    different peer at each step, as in a pairwise exchange, so no link receives from two at once.
 3. The local block is computed last: it never travels, so it hides the last transfers.
 
-By table (``chunks=BY_TABLE``, ``ChunkConfig(schedule="by_table")``). Cutting the *samples*
-into pieces makes every piece look up every table again: with tables larger than the caches the
-lookups of many pieces cost far more than one pass, which eats the overlap. The other cut is by
-*table*: look up one table for the whole global batch (one
-``EmbeddingBag`` call, its rows hot in cache), send each destination its contiguous slice of
-that column at once, and go on to the next table while they travel; the receiver puts table
-``t`` of rank ``j`` in place as it lands. ``T_r`` messages per destination instead of
-``pieces``; the same bytes; the same sums, so the same output bit for bit. Nothing can be sent
-before the first lookup, so the first table is looked up one destination's samples at a time,
-each slice sent as soon as it is computed: the first message leaves after ``1/P`` of that
-table's lookups. It pays most with
-many ids per bag (the lookups dominate); with few, both cuts overlap alike
-(``benchmarks/fused-embedding_netlab-4x1gbit-2core.md``).
-
 Layout. Rank ``r`` passes, for each of its tables ``t``, EmbeddingBag inputs for the global batch:
 ``indices[t]`` (1-D int64) and ``offsets[t]`` (``B`` starts, no trailing end). ``batch_splits``
 lists ``B_j`` per rank and ``tables_per_rank`` lists ``T_j``. The output on rank ``r`` is
@@ -36,17 +22,7 @@ lists ``B_j`` per rank and ``tables_per_rank`` lists ``T_j``. The output on rank
 ``ShardedLookup`` carries these inputs (with ``D``, the dtype and the pooling mode) to every
 function here.
 
-Backward (gradient semantics). The backward of an All-to-All is the All-to-All in the opposite
-direction: rank ``r`` sends ``grad[:, tables of j]`` to owner ``j`` and receives from every rank
-``i`` the gradient of its lookups for ``i``'s samples. It is overlapped the same way, mirrored
-(All-to-All + compute): all receives are posted, all sends started, the local block is
-accumulated into the table gradients first, then each remote block as it arrives. Table
-gradients are dense (``index_add`` of each bag's gradient into the rows it looked up, divided
-by the bag's length for mean; ``TableGradients`` in ``table_gradients.py`` does it for all
-tables in one ``index_add_``). Their zeroed buffer and expanded offsets depend on the ids
-alone, so a training forward builds them while it waits for its own exchange
-(``prepare_backward``), where the CPU has nothing else to do; otherwise the backward builds
-them while its blocks travel.
+Design notes: ``docs/fused.md``, "Embedding + All-to-All: by table, and its backward".
 """
 
 from __future__ import annotations

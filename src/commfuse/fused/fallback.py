@@ -1,13 +1,5 @@
 """Choosing between a fused pipeline and the unfused operator when the two use different collectives.
 
-``chunking.choose_chunks`` models ``T(k) = max(C, M) + min(C, M) / k + k o`` with one ``M`` for both
-``k = 1`` and ``k > 1``. That is only true when the fused pipeline and the unfused operator move
-their bytes the same way. They do not here: the unfused reference calls gloo's own collective
-(its ring all-reduce, its ``all_to_all_single``), while the fused pipelines post point-to-point
-messages (``direct_all_reduce.py`` says why). Where the ranks share few cores the point-to-point
-form of an all-reduce can be slower than gloo's, so a model fed gloo's ``M`` chunks where the
-fused operator then runs slower than unfused.
-
 The choice made here, in three steps:
 
 1. Measure ``C`` (the computation alone), ``M_unfused`` (the collective the unfused path calls)
@@ -29,12 +21,7 @@ The choice made here, in three steps:
    did not refute it), else falls back. Paired ratios see the load each round had, where two
    medians taken apart can differ by the load alone.
 
-Where more than one chunked ``k`` is a candidate (``fewest_pieces_that_pay``: the MoE layer
-tries 2 beside the model's ``k``), the trial also counts CPU time, every rank's summed, since on
-a machine whose ranks share cores every piece costs CPU (a message, a wakeup, a smaller GEMM)
-that the wall clock of one operator does not show but the step around it pays. The candidate
-with the fewest pieces is kept unless one with more pieces is faster by ``min_gain`` (paired
-ratios, as above), or faster at all while spending no more CPU: pieces must pay for themselves.
+Design notes: ``docs/fused.md``, "Fused or unfused when the collectives differ".
 """
 
 from __future__ import annotations

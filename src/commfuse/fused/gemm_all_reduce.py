@@ -1,64 +1,30 @@
 """GEMM/GEMV + AllReduce: the row-parallel linear layer of tensor parallelism, fused.
 
 In a row-parallel linear (Megatron-LM, Shoeybi et al. 2019) each rank holds the columns
-``x[:, K_r]`` of the input and the matching columns ``W[:, K_r]`` of the weight, computes the
-partial product ``x[:, K_r] @ W[:, K_r]^T`` and the ranks sum the partials with an AllReduce.
-The AllReduce depends on the whole GEMM, so unfused it sits on the critical path.
+``x[:, K_r]`` of the input and ``W[:, K_r]`` of the weight, computes the partial product
+``x[:, K_r] @ W[:, K_r]^T``, and the ranks sum the partials with an AllReduce, which unfused
+sits on the critical path. Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv
+2305.06942, section 4.2), an AllReduce being a ReduceScatter followed by an AllGather:
 
-Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, section 4.2), an
-AllReduce being a ReduceScatter followed by an AllGather:
-
-* **Rows (a GEMM; at least P rows).** The rows are cut into ``g`` groups. Each group runs the
-  fused GEMM + ReduceScatter ring of ``gemm_reduce_scatter.py``: the group's rows are P blocks,
-  and at ring step ``s`` this rank computes its partial of block ``r - 1 - s`` while the running
-  sum of that block arrives from ``r - 1``, adds it and sends it on; after P steps it holds the
-  full sum of its own block. It then posts that block to every other rank and the receives of
-  theirs (a direct all-gather, all messages posted at once), which travel while the next
-  group's ring computes. ``chunks = k`` gives ``g = ceil(k / P)`` groups (``k`` up to ``P``: one
-  ring of P pieces).
-* **Row blocks in two levels (``schedule="blocks"``, the default where the ranks fill several
-  hosts of several ranks).** The rows are cut into ``k`` blocks; each block's GEMM writes its
-  rows of the output in place, then every earlier block's all-reduce moves one phase on and the
-  new block's starts (``two_level_all_reduce.py``: reduce-scatter inside the host, reduce-
-  scatter and all-gather across hosts, all-gather inside the host, every phase's messages
-  posted at once). Block ``i``'s phases travel while blocks ``i + 1 .. i + 3`` compute. Each
-  host link carries ``2 ((H - 1) / H) n`` bytes, against ``2 ((P - 1) / P) n`` for a flat
-  ring: on 2 hosts x 2 ranks two thirds of it. With one rank per host (or one host) it is the
-  flat direct all-reduce of each block.
-* **Columns (a GEMV: fewer rows than P).** The output features are cut into ``k`` blocks, each
-  reduced by ``DirectAllReduce`` (a direct reduce-scatter, then a direct all-gather) while the
-  next block is computed.
-
-Why the ring on one level: its reduce-scatter steps overlap the GEMM of the block at hand, and
-a flat layout gains no bytes from the blocks' direct phases, which wait for every rank at each
-phase (see How to tune).
+1. **Rows (a GEMM; at least P rows).** The rows are cut into ``g = ceil(k / P)`` groups, each
+   run as the fused GEMM + ReduceScatter ring of ``gemm_reduce_scatter.py`` (at ring step ``s``
+   this rank computes its partial of block ``r - 1 - s`` while the running sum of that block
+   arrives from ``r - 1``); each rank then posts its summed block to every other rank (a direct
+   all-gather), which travels while the next group's ring computes.
+2. **Row blocks in two levels** (``schedule="blocks"``, the default where the ranks fill several
+   hosts of several ranks): each of ``k`` blocks' GEMM writes its rows in place, then every
+   earlier block's all-reduce moves one phase on (``two_level_all_reduce.py``).
+3. **Columns (a GEMV: fewer rows than P).** The output features are cut into ``k`` blocks, each
+   reduced by ``DirectAllReduce`` while the next block is computed.
 
 Bytes: in one level each rank sends ``2 (P - 1) / P`` of the output, what a ring all-reduce of
-the unfused output sends (``sent_bytes``); in two levels ``2 ((L - 1) / L)`` of it inside the
-host and ``2 ((H - 1) / H) / L`` across hosts. Sums: every block is summed once, by one rank,
-and sent to all, so every rank holds the same result. The ring adds in ring order, in the tensors' own dtype (as
-gloo's ring all-reduce does: bfloat16 partial sums are rounded at each hop), so results equal
-the unfused operator's bit for bit only where sums are exact (integer-valued inputs); the
-blocks and the column path accumulate in at least float32 (rounded once per level).
+the unfused output sends; in two levels ``2 ((L - 1) / L)`` of it inside the host and
+``2 ((H - 1) / H) / L`` across hosts. ``choose_chunks_for`` picks ``k``, and runs the unfused
+operator (``k = 1``) unless a timed trial confirms the chunks (``fallback.py``). Backward: the
+output is replicated, so the AllReduce's backward is the identity and both gradients are
+local (no collective).
 
-Choosing ``k`` (``choose_chunks_for``): the fused pipeline's transport and the unfused path's
-(gloo's ring) are timed apart, and a chunked choice is confirmed by a timed trial against the
-unfused operator; otherwise ``k = 1`` runs the unfused operator (the reference, with
-``baselines.all_reduce_algo``'s all-reduce), so
-fusion never makes the layer measurably slower (``fallback.py``). In two levels the trial of
-``BLOCK_CHUNKS`` blocks alone decides (the blocks cross the hosts with fewer bytes than the
-model's one ``M``).
-
-How to tune: every block adds dependent phases, each of which waits for the slowest rank and
-for its messages to be read; where the ranks share few cores those waits cost more than a
-smaller exposed piece saves, so few blocks (2) or one ring of P pieces do best; with a core
-per rank more blocks pay (``chunking.py``'s model, ``o`` per block).
-
-Backward (gradient semantics). The output is replicated on every rank, and every rank back-
-propagates the same ``grad_out``, so the backward of the forward AllReduce (a sum over ranks) is
-the identity: ``grad_x_r = grad_out @ W[:, K_r]`` and ``grad_W[:, K_r] = grad_out^T @ x_r``, both
-local. There is no collective to overlap in this backward (its mirror image, the column-parallel
-layer, has one).
+Design notes: ``docs/fused.md``, "GEMM + AllReduce: schedules, sums, choosing and tuning k".
 """
 
 from __future__ import annotations

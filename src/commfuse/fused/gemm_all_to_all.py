@@ -22,25 +22,7 @@ path. Fused (Punniyamurthy, Hamidouche and Beckmann, SC24, arXiv 2305.06942, sec
 Each message lands in its place in the result (a view of the preallocated output), and each
 GEMM writes straight into its rows of the output: no copy but the local block's rows.
 
-Layout. ``counts`` is the ``[P, E]`` matrix every rank knows: ``counts[i, e]`` rows of rank ``i``
-go to global expert ``e``; experts are numbered rank-major (``experts_per_rank[0]`` on rank 0,
-then rank 1's, ...). The *token side* of rank ``r`` is ``[S_r, *]``, its routed rows sorted by
-global expert (so grouped by destination rank); the *expert side* is ``[R_r, *]``, the rows it
-received, grouped by source rank and, inside, by local expert: what ``all_to_all_single``
-produces. ``weight`` is ``[E_r, N, K]``: local expert ``e`` maps a row ``x`` to ``x @ weight[e]^T``.
-
-Backward (gradient semantics). The backward of an All-to-All is the All-to-All in the opposite
-direction, so each operator's backward is the other one's pattern:
-
-* ``gemm_all_to_all``'s backward is All-to-All + GEMM: the output gradient goes back to the
-  experts (all sends posted at once); ``grad_h = grad @ W_e`` and ``grad_W_e += grad^T h`` are
-  computed on the local block first and on each source's block as it arrives.
-* ``all_to_all_gemm``'s backward is GEMM + All-to-All: ``grad_recv = grad @ W_e`` is computed per
-  source block and sent back to it as soon as it is ready; ``grad_W_e`` (no communication) is
-  accumulated after the last send is posted, while the last pieces travel.
-
-Both send exactly the forward's bytes in the other direction. Weight gradients accumulate in
-float32 and are rounded once, so bfloat16 results do not depend on the number of chunks.
+Design notes: ``docs/fused.md``, "GEMM + All-to-All: layout and backward".
 """
 
 from __future__ import annotations

@@ -18,17 +18,12 @@ Row forward        GEMM + AllReduce, replicated output         GEMM + ReduceScat
 Row backward       local GEMM                                  AllGather + GEMM of ``grad_z``
 =================  ==========================================  ==========================================
 
-The fused operators are ``gemm_all_reduce.py``, ``all_gather_gemm.py`` and
-``gemm_reduce_scatter.py``; the modules only choose how many chunks each one runs in, once per
-input shape: the first call with a new shape measures computation and communication apart (and
-checks that every rank passes compatible shapes) and picks ``k`` from the cost model
-(``fused.chunking``) on times agreed across ranks. ``ChunkConfig(num_chunks=k)`` fixes ``k``
-instead (no measurement, no check); with ``sequence_parallel=True`` the rings have exactly
-``P`` pieces, so any ``k >= 2`` runs the ring and ``k = 1`` the unfused reference.
-
 Sequence-parallel activations are sequence-first (``[S, ...]``, Megatron's ``[s, b, h]``): rank
 ``r`` holds rows ``S_r`` of the sequence, every leading dimension after the first is flattened
 into rows, and ``forward(x, splits)`` takes ``S_r`` of every rank (None: equal shards).
+
+Design notes: ``docs/fused.md``, "The tensor-parallel linear pair: which fused operator serves
+which".
 """
 
 from __future__ import annotations

@@ -23,12 +23,7 @@ One forward, on every rank for its own tokens ``x [T_r, D]``:
    ``gemm_all_to_all`` (the experts' second GEMM ``h W2_e^T`` + combine), then each token's
    outputs are summed with their gate weights.
 
-Experts are sharded contiguously, ``split_sizes(num_experts, P)`` per rank (one or more each).
-Parameters: ``gate`` is replicated, so average its gradient across ranks like any data-parallel
-parameter; ``w1`` ``[E_r, H, D]`` and ``w2`` ``[E_r, D, H]`` are this rank's experts, whose
-gradients are complete locally (the backward All-to-Alls bring every token's gradient to its
-expert). Every rank draws the full model from ``seed`` and keeps its experts, so the layer
-equals ``dense_moe_reference`` whatever the world size.
+Design notes: ``docs/fused.md``, "The MoE layer: how experts are sharded".
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """ADPSGD: an adaptive averaging period, short early and long late, under a budget of K syncs.
 
 Jiang and Agrawal, "Adaptive Periodic Averaging: A Practical Approach to Reducing Communication
-in Distributed Learning" (arXiv 2007.06134, 2020). Periodic averaging converges as well as the
-variance of the replicas' parameters allows, and that variance grows fastest early in training
-(large gradients, high learning rate). For a fixed number of synchronisations it is better to
-average often early and rarely late than to use one period throughout (CPSGD). The paper's
-principle is to keep the variance at each averaging about equal: the period is inversely
-proportional to the rate at which the replicas drift apart. Here, with a budget of ``num_syncs``
-(K) synchronisations over ``total_steps`` (T, by default the training run's length):
+in Distributed Learning" (arXiv 2007.06134, 2020): keep the replicas' variance at each averaging
+about equal, the period inversely proportional to the rate at which they drift apart. With a
+budget of ``num_syncs`` (K) synchronisations over ``total_steps`` (T, the run's length):
 
 1. the first two periods are probes of ``first_period_steps`` (default ``T / (2K)``);
 2. at each synchronisation every rank measures its drift ``d`` (the distance between its
@@ -15,34 +11,17 @@ proportional to the rate at which the replicas drift apart. Here, with a budget 
    period p just ended; from the first rate ``r_1`` (at step ``t_1``) and the current one
    ``r_k`` (at ``t_k``) it fits a power law ``r(t) ~ t^-a``,
    ``a = log(r_1 / r_k) / log(t_k / t_1)``, clipped to [0, 2];
-3. a period inversely proportional to the rate that spends the ``n`` periods left over the
-   ``T - t_k`` steps left, if the rate keeps falling that way, is
+3. the next period spends the ``n`` syncs left over the ``T - t_k`` steps left at that rate:
    ``p = t_k F / n`` with ``F = ((T / t_k)^(1 - a) - 1) / (1 - a)`` (``log(T / t_k)`` at
-   a = 1): a = 0 (no decay) spreads the syncs left evenly, a > 0 starts short and lengthens.
-   ``n = K - k`` syncs left, plus one with ``final_sync``: the average at the end closes the
-   last period, so the last budgeted sync is not planned onto the run's end, where it would
-   fall beside the final average and leave one long period before it;
-4. the ranks' proposals differ (each measures its own drift): one integer allreduce (min) makes
-   the most drifting replica's proposal everyone's next period;
+   a = 1); ``n = K - k``, plus one with ``final_sync`` (the average at the end closes the last
+   period);
+4. one integer allreduce (min) makes the most drifting replica's proposal everyone's period;
 5. after K synchronisations none follows (``finish()`` averages once more at the end).
-
-Each synchronisation replaces the replicas by their average, as the paper does; with
-``outer="nesterov"`` it is DiLoCo's outer Nesterov step on the averaged pseudo-gradient
-instead (``outer.py``), the same as DiLoCo's but on ADPSGD's schedule.
-
-The paper's measured variance falls with the learning rate and the gradients, so a > 0 and the
-periods lengthen; with a constant learning rate and a drift that does not slow down, a = 0 and
-after the probes the syncs left are spread evenly up to the end. Then the probes alone shape
-the schedule: ``first_period_steps`` sets where the first two syncs land, and the shorter they
-are, the longer every period the plan spreads after them (T / (2K) by default puts the first
-sync earlier than a clock of the same budget would, at the cost of later periods a little
-longer than the clock's).
-
-With ``final_sync`` (the default) the run sends K + 1 models: K = T / H - 1 sends the bytes of
-local SGD with period H (K = T / H without it). Keep ``total_steps`` the run's length.
 
 Bytes per rank: the model (``4 N`` in fp32, or the compressor's message) per synchronisation,
 plus 8 for the agreement on the next period.
+
+Design notes: ``docs/local-sgd.md``, "ADPSGD: the principle, the outer step and the probes".
 """
 
 from __future__ import annotations

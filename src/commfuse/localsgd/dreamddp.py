@@ -2,59 +2,29 @@
 each exchange overlapped with computation.
 
 Tang et al., "DreamDDP: Accelerating Data Parallel Distributed LLM Training with Layer-wise
-Scheduled Partial Synchronization" (arXiv 2502.11058, 2025). Local SGD sends the whole model
-at once every H steps, after the optimizer step, where nothing can hide it: the synchronising
-step is long, the others compute-only. DreamDDP averages every layer once per period too, but
-at different iterations, and sends a layer's parameters while the iteration computes:
+Scheduled Partial Synchronization" (arXiv 2502.11058, 2025). Every layer is averaged once per
+period of H steps, each at a different iteration, sent while the iteration computes:
 
-1. a layer's parameters do not change between the optimizer step that wrote them and the next
-   one, so the value an iteration averages is final as soon as the previous step ends: a
-   forward pre-hook on the model launches one allreduce of every layer this iteration
-   averages as its forward starts (their parameters concatenated in the order the forward
-   uses them: a message pays a fixed cost, the wait for the last rank and for every rank's
-   thread at each of its steps, that one message per layer would pay per layer), in the
-   background, and the exchange overlaps the whole forward and backward pass, the optimizer
-   step and the next forward up to its first layer. (The paper launches a layer's exchange from the backward pass,
-   once its gradients are produced, torch's post-accumulate-grad hook: ``launch_at="grad"``.
-   The layers the backward pass finishes last, the first block's and the embedding, are the
-   ones the next forward uses first; launched that late, their exchanges have only the
-   optimizer step to hide behind.)
-2. the optimizer step does not wait for it: it applies this replica's update ``u`` to the
-   layer as it was sent, ``x - lr u``; the exchange is waited for only just before the layer
-   is next used (a forward pre-hook on its module, in the next iteration's forward), where
-   the layer becomes ``x - lr u + (mean(x) - x) = mean(x) - lr u``, the method's update (the
-   same value wherever the update does not read the parameters, as plain SGD's and Adam's;
-   with weight decay the decay reads the replica's own layer, ``lr wd (x - mean(x))`` apart);
-3. which layers an iteration averages is a plan (``layer_schedule.py``): every layer in exactly
-   one of the H iterations of the period, chosen from the first iteration's profile (the
-   time of each layer's exchange, and the compute from its launch to its next use; the
-   slowest rank's) so that the exchanges hide behind the computation as well as they can:
-   the worst iteration's exposed communication is the least, then the heaviest iteration's
-   communication (the bytes spread over the period), then the latest iteration lands the
-   earliest. An iteration's one message lands every layer it carries when all of it has
-   arrived, so the message that carries the layers the next forward uses first has the least
-   slack for all its bytes.
+1. a layer's value is final once the previous optimizer step wrote it, so as an iteration's
+   forward starts a forward pre-hook launches, in the background, one allreduce of every layer
+   the iteration averages (concatenated in the order the forward uses them), and it overlaps
+   the whole forward and backward pass (``launch_at="grad"``: from the backward pass, the
+   paper's);
+2. the optimizer step does not wait: it applies this replica's update ``u`` to the layer as
+   sent, ``x - lr u``; the exchange is waited for just before the layer is next used, where
+   the layer becomes ``mean(x) - lr u``, the method's update;
+3. which layers an iteration averages is a plan (``layer_schedule.py``), chosen from the first
+   iterations' profile: the worst iteration's exposed communication is the least, then the
+   bytes are spread evenly over the period.
 
-The plan can spread the bytes over the period only as finely as the model is cut: a step
-carries at least its largest layer. ``split=k`` cuts every layer larger than ``1/k`` of a
-step's mean share into equal slices, each planned, sent and landed as a layer of its own
-(``layer_parts.py``), so that every step carries nearly ``4 N / H`` bytes; where ranks share
-cores each byte also costs CPU that overlap does not hide, which the step that carries the
-most pays most of. The ranks' skew, paid where an exchange lands, is not the bytes' to fix.
-
-The first ``profile_steps`` iterations average every layer (a full synchronisation) and time
-it; the period starts after them. H = 1 averages every layer at every step (each replica then
-applies its own gradient to the average; a layer's next exchange is launched at its use, once
-the previous one has landed). Tune H as local SGD's: the bytes per step are the
-model's divided by H, now spread evenly over the steps instead of in one burst. A module whose
-parameters are read without calling it (no forward pre-hook fires) gets its average at the next
-optimizer step instead, one step late. A forward with gradients enabled starts an iteration:
-run evaluation under ``torch.no_grad()`` (a forward with gradients on one rank only would
-launch exchanges its peers never join).
+``split=k`` cuts every layer larger than ``1/k`` of a step's mean share into slices, each
+planned and sent as a layer of its own (``layer_parts.py``).
 
 Bytes per rank: every layer once per H steps, ``4 N / H`` per step on average (the profile
 steps: ``4 N`` each), plus ``32 L`` once for agreeing on the L layers' profiled times and
 launch order.
+
+Design notes: ``docs/local-sgd.md``, "DreamDDP: launching, landing, slicing and profiling".
 """
 
 from __future__ import annotations

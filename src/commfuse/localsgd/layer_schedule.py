@@ -19,62 +19,9 @@ order):
    against the least slack of S), and it stalls by ``exposed(S) = max(0, late(S))`` (a wait
    pushes every later use back by as much, so the largest lateness is the stall).
 
-DreamDDP launches in one of two ways (``dreamddp.py``):
-
-- as the iteration's forward starts (a layer's value is final once the previous optimizer step
-  wrote it), every due layer at once in the order the forward uses them: ``backward_s`` is all
-  zeros, and ``slack_s[l]`` is the forward and backward pass, the optimizer step and the next
-  forward up to layer l, and each exchange has a whole iteration to hide behind. Sent one
-  message per layer (``fuse=False``), the first layers of the forward, the ones needed first,
-  go first (with equal launch times that order makes the largest lateness least); sent as one
-  message (the default, ``fused`` here), all land together, when the layer used first needs
-  the whole message;
-- from the backward pass, as each layer's gradients are produced (the paper's): the order is
-  the backward order, ``backward_s`` the backward compute between two layers, and
-  ``slack_s[l]`` the optimizer step and the next forward up to layer l (zero when the optimizer
-  step waits for the exchanges: step 3 is then ``max(0, finish_last - ready_{L-1})``). The
-  layers the backward pass finishes last are the ones the next forward uses first, and their
-  exchanges have only the optimizer step to hide behind.
-
-``plan_layers`` assigns every layer to one iteration so that the worst iteration's exposed
-time is the least, then the heaviest iteration's load (the sum of its ``comm_s``, or of
-``load``), then the exposed times' sum, then the worst iteration's lateness (the order of the
-key), exactly for small cases (branch and bound over the assignments, iterations in the same
-state being interchangeable), and with the best assignment found within ``max_nodes`` nodes of
-the search otherwise (never worse than the greedy start: each layer, in launch order, to the
-iteration whose link frees first, the least loaded of those), then improved by moving one
-layer at a time out of the latest iteration while a move makes the key better.
-
-The second term spreads the bytes over the period. Exposure alone is indifferent between
-stacking layers whose exchanges the model hides in a few iterations and spreading them over
-all H, and the search, from a start that filled the first iterations, kept the stack: half the
-iterations exchanged nothing, the others several layers each. An exchange hidden behind
-computation is not free where the ranks' cores also move the packets (the exchange's copies,
-reductions and the network stack take cycles from the computation), so the step that carries
-the most bytes is the slow one; spreading them evenly is what the method promises (``4 N / H``
-per step). Where the units are slices of layers (``layer_parts.py``) the
-load is their bytes (``load``): each slice's profiled time holds a message's fixed cost that
-the iteration's one message pays once, and balancing those times balances the slices' count,
-not their bytes.
-
-Last, no iteration is left empty while another holds two layers or more: the best plan moves
-layers into the empty iterations as long as its key does not get worse (a layer exchanged
-alone finishes no later than in company, and the iteration it leaves no later either). The key
-is indifferent to an empty iteration; the ranks are not. An allreduce ends once the last rank
-has launched it, so each iteration's landing holds the ranks that run ahead back to the
-slowest; with no exchange in an iteration they run on unchecked, and the skew they gather is
-paid at the next landing, by the ranks ahead, in one step.
-
-The last term keeps the most spare time where there is least. Where every plan hides every
-exchange, the first three terms leave many plans tied, and the search keeps the first it
-finds, which puts the first layers of the launch order together in the first iterations. The
-profile times each exchange alone, with the ranks in step; in flight an exchange shares the
-cores with the computation and the other ranks' skew, and takes longer than its profile. The
-exchange with the least slack, the one that carries the layers the next forward uses first,
-is the first to be late: among tied plans the one whose latest iteration lands earliest is
-the one that tolerates the most.
-
 ``brute_force_plan`` tries every assignment under the same key, for the tests.
+
+Design notes: ``docs/local-sgd.md``, "DreamDDP's schedule".
 """
 
 from __future__ import annotations

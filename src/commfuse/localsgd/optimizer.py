@@ -16,27 +16,17 @@ fragment) the replicas exchange their pseudo-gradients and apply the outer step
 
 What happens in ``step()``:
 
-1. During the first ``warmup_steps`` (post-local SGD), gradients are averaged over all ranks
-   before the inner step: synchronous data parallel. With ``hierarchical``, gradients are
-   averaged inside each host every step instead, and the periodic exchange runs only between
-   hosts (one replica per host position), so the slow links carry H times less.
+1. During the first ``warmup_steps`` (post-local SGD) gradients are averaged over all ranks
+   before the inner step; with ``hierarchical``, inside each host every step instead, and the
+   periodic exchange runs only between hosts.
 2. The inner optimizer steps.
-3. For each fragment due at this step: ``delta = anchor - params`` is averaged (commfuse
-   allreduce, or a ``commfuse.compress`` compressor with error feedback when configured: outer
-   updates both rare and small), and the outer step is applied. With ``overlap_steps = tau``
-   (streaming DiLoCo), the exchange runs on the communicator's worker thread while the next
-   tau inner steps run; the outer update is then applied to the anchor, and the parameters are
-   set to ``mix_global * anchor + (1 - mix_global) * params``. The delay is exactly tau inner
-   steps on every rank, so replicas stay in step.
+3. For each fragment due, ``delta = anchor - params`` is averaged (an allreduce, or a
+   compressor with error feedback) and the outer step applied; with ``overlap_steps = tau``
+   (streaming DiLoCo) the exchange runs while the next tau inner steps run.
+4. ``finish()`` lands the exchanges in flight and (``final_sync``) averages every fragment that
+   moved since its last exchange, so every rank ends with one model.
 
-4. ``finish()`` at the end of training lands the exchanges in flight and (``final_sync``, the
-   default) replaces every fragment that moved since its last exchange by the replicas'
-   average, so that every rank ends with one model: the one that is evaluated and saved.
-
-Metrics: ``syncs`` lists one ``SyncRecord`` per exchange (step, fragment, elements, the drift
-between this replica and the average before the exchange); bytes come from ``comm.stats``.
-Checkpoint: ``state_dict()`` holds the inner optimizer, the step counter, anchors, outer
-momenta, in-flight exchanges (waited for and stored) and the compressor's state.
+Design notes: ``docs/local-sgd.md``, "The periodic optimizer's step, metrics and checkpoint".
 """
 
 from __future__ import annotations

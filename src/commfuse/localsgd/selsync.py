@@ -23,41 +23,10 @@ Cluster 2023, arXiv 2307.07950). Every rank trains its own replica; at each step
    ``outer="nesterov"`` the average is taken as DiLoCo's pseudo-gradient instead, and the
    replicas restart from DiLoCo's outer Nesterov step on it (``outer.py``).
 
-The defaults are the paper's (w = 25, a = 0.01, threshold 0.3). A change of the gradient norm
-that lasts (early in training from a random start, after a learning-rate drop) moves both
-averages and the signal for many steps; step-to-step noise of the norm is averaged away twice.
-
-Two bounds on the gap between synchronisations put the signal on a budget:
-``min_period_steps`` (no synchronisation sooner than that after the last one, however high the
-signal: a burst of large changes spends one exchange, not one per step) and
-``max_period_steps`` (a synchronisation at the latest that long after the last one, DiLoCo's
-clock as a floor). With both equal to H and a threshold that never fires the method is DiLoCo
-(or local SGD) with period H, bit for bit.
-
-``window_steps`` (W) holds SelSync to a fixed budget of bytes instead, to judge its choice of
-steps against a clock that sends as much: the run is cut into windows of W steps (steps
-``(kW - W, kW]``) and each window synchronises once, at its first step that fires (its signal
-reaches the threshold, or a step before the w-th; no sooner than ``min_period_steps`` after the
-last synchronisation), else at its last step. The window that holds the run's end (``total_steps``, the run's own by default)
-fires on no signal: it synchronises at the run's last step when it ends there, as DiLoCo does
-(with the outer step, ``outer=nesterov``, as DiLoCo's last synchronisation), else the final
-average closes it. So the run sends DiLoCo's bytes at period W exactly, and with ``w = 1``
-(no smoothing, no first window) a threshold that never fires is DiLoCo with period W, bit for
-bit.
-
-The signal's scale depends on the model, the batch and w (the change of a w-step average is
-about 1/w of the change of the norm over w steps), so a threshold tuned for one model rarely
-fits another: pick it from the signal of a run (``signals``, in the training metrics) for the
-fraction of steps you can afford to synchronise. The paper's code sums the layers' gradient
-norms where this takes the norm of the whole gradient (both scale with the gradient; their
-relative changes differ only in how the layers are weighted). The paper also injects other workers' data into each
-worker's batches when the data is not identically distributed across workers; that is not
-done here (each replica's batches are drawn from the same data).
-
-``threshold = 0`` synchronises every step: local SGD with H = 1.
-
 Bytes per rank: 8 per step for the signal, plus the model (``4 N`` in fp32, or the
 compressor's message) on each synchronising step.
+
+Design notes: ``docs/local-sgd.md``, "SelSync's signal and its budget".
 """
 
 from __future__ import annotations

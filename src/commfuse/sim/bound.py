@@ -25,16 +25,7 @@ capacity. Hence, for a wait ``i`` of length ``w_i``:
     T >= F + sum_i max(0, w_i (1 - rho_i / N) - fill_i / N)         (the machine)
     T >= c + sum_i max(0, w_i - fill_i / P)                         (one rank, one core)
 
-(the second for the mean rank: the mean of ``max(0, w - f_r)`` over ranks is at least
-``max(0, w - mean f)``, and the slowest rank is at least the mean). Chunking moves the bound:
-``k`` pieces shrink a piece-major wait to ``w / k`` and may cost CPU per piece
-(``piece_cpu_us``, all ranks, for each piece beyond the first; 0 keeps the bound free of any cost
-model). The bound is the best the operator allows: the least over its chunk counts ``k`` of
-``max(machine, one rank)``.
-
-What it leaves out keeps it a bound: waits whose windows other work may fill (the combine's last
-pieces, which only some ranks wait for), the fused schedule's own extra CPU, and ranks whose
-timing differs (the fill counts every rank's local work as if it all fit in the window).
+Design notes: ``docs/simulator.md``, "The step's lower bound: what it counts and leaves out".
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """``commfuse simulate --calibrate``: fit the cluster model to real runs on the emulated cluster.
 
-What is measured (``bench/sim_measure.py``, round-robin, median of ``reps``, slowest rank) and fitted
-(``fit.py``, relative least squares with Huber weights, on host links with the base cluster's
-token-bucket burst, ``inter_burst_kbyte``, no faster than its shaped rate ``inter_gbit_per_s``):
-
 1. **Host link, point to point**: ping-pongs of ``P2P_SIZES`` between rank 0 and the next host;
    alpha + n beta fitted -> ``inter_latency_us``, ``inter_gbit_per_s``. This prices commfuse's
    own algorithms (ring, linear pipeline, binomial tree), which are built on point-to-point
@@ -28,9 +24,8 @@ token-bucket burst, ``inter_burst_kbyte``, no faster than its shaped rate ``inte
    Fitted on the calibration MLP only, after every other quantity, so it absorbs only what the
    free-overlap model misses: the network's CPU time on the shared cores.
 
-Kept apart from validation (``bench/sim_validate.py``): the validation collectives use other sizes
-(``sim_validate.VALIDATION_SIZES`` interleave these) and other algorithms, and its training steps
-use another model (``sim_validate.VALIDATION_MLP``), so nothing scored was fitted.
+Design notes: ``docs/simulator.md``, "Calibration: what is measured, and why apart from
+validation".
 """
 
 from __future__ import annotations

@@ -251,7 +251,7 @@ class ClusterModel:
 
 #: Built-in clusters. ``netlab-1gbit`` is the emulated cluster as ``commfuse tune`` measured it on
 #: 4 hosts x 1 rank (benchmarks/tune_netlab-4x1gbit-2core.json: alpha 51.9 us,
-#: 0.131 GB/s across hosts, reductions at 9.1 GB/s; loopback about 1 GB/s, DESIGN.md), with
+#: 0.131 GB/s across hosts, reductions at 9.1 GB/s; loopback about 1 GB/s, docs/design.md), with
 #: netlab's tbf bucket of 256 KiB (``commfuse simulate --validate --save-cluster`` refits it).
 #: ``dgx-h100`` is a DGX-H100-like node: 8 GPUs on NVLink (about 450 GB/s each way), one
 #: 400 Gbit/s NIC per GPU (so 3.2 Tbit/s per host), about 40% of the 989 TFLOP/s bf16 peak.

@@ -230,7 +230,7 @@ def native_with_burst(collective: str, world_size: int, burst_bytes: float) -> M
 
 
 def native_model(collective: str, world_size: int) -> Model:
-    """gloo's own algorithm for ``collective`` (DESIGN.md): a ring allreduce and allgather,
+    """gloo's own algorithm for ``collective`` (``docs/design.md``): a ring allreduce and allgather,
     a binomial-tree broadcast whose sends share the sender's link (``cost.gloo_broadcast``), a
     pairwise all-to-all, each as a formula of cost.py."""
     formulas: dict[str, Callable[[int, int, C.LinkCost], float]] = {

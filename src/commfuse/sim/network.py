@@ -24,12 +24,7 @@ depends on the algorithm's shape (ranks are host-major):
    once in the steps that leave the host: that host's link is shared by all of them;
 4. hierarchical: inside each host, then across hosts with 1/L of the data per rank, then inside.
 
-Where the cluster carries a link fitted to one algorithm (``ClusterModel.collective_links``, from
-``commfuse simulate --calibrate``), that algorithm's host links use it. Where the cluster carries
-a ``commfuse tune`` profile with a measured correction for that
-collective, algorithm and group size, both parts are scaled so that the idle time is exactly the
-tuner's corrected prediction (``tuner.predict``), and
-``algo="auto"`` is the tuner's own choice (``tuner.choose_for``).
+Design notes: ``docs/simulator.md``, "Links fitted to one algorithm".
 """
 
 from __future__ import annotations
@@ -84,7 +79,7 @@ class Demand:
 
 
 _Fn = Callable[[int, int, C.LinkCost], float]
-#: (collective, algorithm) -> (shape, cost.py formula). Native follows gloo (DESIGN.md): ring
+#: (collective, algorithm) -> (shape, cost.py formula). Native follows gloo (docs/design.md): ring
 #: allreduce and allgather, binomial broadcast and reduce, reduce-scatter as a full allreduce.
 _SHAPES: dict[tuple[str, str], tuple[str, _Fn]] = {
     ("all_reduce", "native"): ("chain", C.ring_all_reduce),

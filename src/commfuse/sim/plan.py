@@ -3,7 +3,7 @@
 A training strategy (``commfuse.train.strategy``: torch DDP, commfuse's engine with a
 compressor, local SGD, ...) becomes a plan with ``commfuse.train.sim_plan.plan_for``; a plan can
 also be written directly for what-if questions (a compression ratio, fused chunks). Each field
-stands for one technique of DESIGN.md, simulated from its model (the engines that implement
+stands for one technique of ``docs/design.md``, simulated from its model (the engines that implement
 them live in ``ddp/``, ``fused/`` and ``localsgd/``):
 
 * ``algorithm`` / ``algorithms``: the collective algorithm per message, or ``"auto"``, the

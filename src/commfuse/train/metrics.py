@@ -1,58 +1,7 @@
 """From the ranks' raw histories to one record per run (the metrics JSON, a compare row).
 
-Definitions (the same for ``train --json`` and ``compare``):
-
-* ``step_time_s``: median of rank 0's step times, after the first ``warmup`` steps (the first
-  steps pay one-off costs: bucket rebuilds, allocator growth, PowerSGD's uncompressed warm-up).
-* ``compute_step_time_s``: median of the steps timed with communication skipped (``loop.py``),
-  each step's time the mean over the ranks of theirs (``ranks_mean``).
-* ``mean_step_time_s``: the mean over the same steps, which includes the rare synchronising
-  steps of the local-SGD family (the median skips them); speed-ups use it.
-* ``bytes_per_step``: mean over all steps of the bytes rank 0 handed to collectives
-  (payload per rank; a ring allreduce puts 2(P-1)/P of it on each rank's link; a mean, so a
-  strategy that sends every H steps is charged 1/H of an exchange per step), and
-  ``peak_bytes_per_step`` the most it sent in one step (a synchronisation's burst; local SGD's
-  end-of-training synchronisation, ``final_sync_bytes``, is left out of it), and
-  ``median_bytes_per_step`` a steady-state step's (0 for a strategy that rarely sends).
-* ``loss_curve``: the training loss averaged over ranks at each step, then a trailing moving
-  average over ``window`` steps (a single rank's 512-symbol batch is noisy);
-  ``final_loss`` is its last value, so strategies are compared on the same smoothed quantity.
-* a run with ``extra_steps`` (``compare --max-steps-factor``) reads every figure over its first
-  ``steps``; only ``loss_curve`` and ``wall_curve_s`` go on, for ``time_to_loss_s``;
-* ``wall_s``: the sum of rank 0's step times after the first step (training only: no start-up,
-  evaluation or checkpoint time; the first step pays one-off set-up costs such as gloo's lazy
-  connections, measured up to seconds on the emulated cluster, which would swamp short runs),
-  and ``wall_curve_s`` its running sum (0 at step 1), the x axis of the plot.
-* ``period_steps``: the steps of the strategy's period when it synchronises on a clock (local
-  SGD's H; DreamDDP's H, over which its layers' exchanges are spread), 1 for a strategy that
-  communicates every step, None for one that decides when (SelSync, ADPSGD); and
-  ``worst_phase_step_s``: over the timed steps, the median step time at each position of the
-  period (step index modulo ``period_steps``), the largest: the synchronising step of local
-  SGD, the step that carries the most exposed exchange of DreamDDP (None without a period);
-  ``phase_step_s`` holds every position's median. Medians over periods, so one slow step of
-  a shared machine does not make a phase slow, and each step's time is the mean over the
-  ranks of theirs (``ranks_mean``): where ranks share cores, the scheduler splits them
-  between the ranks differently at every step, so one rank's step is long where another's
-  is short by as much, a split that the ranks' mean does not see and rank 0's alone would
-  read as a slow position.
-* ``time_to_loss_s(record, target)``: the first wall time at which the curve is <= target.
-* ``machine_busy``: the share of rank 0's machine's cores that its ranks kept busy (their
-  processes with every thread and child, and the kernel's softirqs moving the emulated links'
-  packets; not other programs: ``cluster/machine.py``) over the timed steps,
-  and ``cpu_floor_s`` the mean step's busy CPU divided by the cores: a step cannot be shorter,
-  however well communication is hidden. Near 1, the run is CPU-bound: sending fewer bytes
-  cannot shorten its step, spending less CPU can. None where the machine cannot tell.
-* ``machine_bound_s``: the shortest the period's steps can be on average, so its slowest
-  step too: the compute-only step plus the CPU the exchanges cost per step, spread over the
-  cores other programs left (``bound_parts``). The exchanges' CPU, ``exchange_cpu_s``, is the
-  machine's busy core time per timed step (``/proc/stat``: the ranks' processes with every
-  thread, and the kernel's work for them, softirqs and ``ksoftirqd`` included, each tick
-  counted once) less other programs' CPU at their rate over the run, less the same per
-  compute-only step: every byte the exchanges move costs the ranks' threads and the kernel
-  CPU that no schedule hides where ranks share cores (``bench/cpu_floor.py``'s machine
-  floor, read from the run itself). ``compute_machine_busy`` is the share of the cores the
-  compute-only steps kept busy: near 1, the compute-only step has no idle core to hide the
-  exchanges' CPU in, and the bound holds as a floor. None where the machine cannot tell.
+The fields are the same for ``train --json`` and ``compare``; each is defined in
+``docs/benchmarking.md``, "The fields of a run record".
 """
 
 from __future__ import annotations

@@ -9,31 +9,7 @@ The simulator prices the same strategy configs that ``commfuse train`` runs
 What each config becomes (bucket caps as the engines lay them out: ``bucket_cap_mb``, and the
 config's ``first_bucket_cap_mb``, 1 MiB by default, for the first bucket launched):
 
-* ``TorchDDPConfig``: a native allreduce per bucket, launched during backward; its fp16/bf16
-  hooks send 2 bytes an element and agree on no NaN/Inf flags (torch's hooks never do);
-* ``TorchPowerSGDConfig``: each bucket as PowerSGD's factors of rank ``rank`` in its ``wire``
-  dtype (the flat bucket's ``(m + c) r`` elements, ``commfuse.compress.PowerSGD``'s count),
-  its first bucket as large as the rest unless ``first_bucket_cap_mb`` says otherwise;
-* ``CommfuseDPConfig``: its ``algo`` per uncompressed bucket; with a compressor, each bucket as
-  that compressor's message (``payload_bytes`` after its warm-up, on its ``aggregation``: an
-  allreduce, or an allgather of every rank's message), with the engine's NaN/Inf agreement for
-  compressors that can drop a NaN;
-* ``PeriodicSyncConfig`` (``local_sgd``, ``diloco``, ...): no gradient communication; every
-  ``H`` steps one exchange of the parameters (through its compressor, when it has one). With
-  ``F`` fragments (streaming DiLoCo) 1/F of them every H/F steps: the same bytes per period.
-  Not modelled: the warm-up of post-local SGD, streaming's overlap of the exchange with the
-  next steps (predicted as waited for), and hierarchical mode (refused);
-* the methods that decide when (``SyncMethod``), by their fixed-period twin: PALSGD and local
-  SGD with clipping are DiLoCo and local SGD, DreamDDP 1/H of the model every step, ADPSGD its
-  mean period ``total_steps / (num_syncs + 1)`` with its final average (``total_steps /
-  num_syncs`` without; its periods adapt around it); SelSync is refused (its
-  synchronisations depend on the run's gradients);
-* ``OneBitAdamConfig``: after its warm-up, the momentum of every parameter in one buffer after
-  the backward pass, as the two-phase 1-bit allreduce (``OneBitMessage``); its fp32 warm-up
-  (``freeze_step``) is not modelled, as a compressor's warm-up is not;
-* ``ZeroOneAdamConfig``: its local phase, the accumulated update as the same 1-bit message
-  every ``local_step_clipper`` steps (the interval its synchronisations grow to); the
-  variance phase before ``var_freeze_step`` is not modelled.
+Design notes: ``docs/simulator.md``, "What each strategy config becomes in the simulator".
 """
 
 from __future__ import annotations

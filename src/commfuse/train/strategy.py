@@ -25,12 +25,9 @@ happens underneath::
     strategy.sync()                               # wait for what the update needs
     strategy.optimizer_step()                     # update (+ any post-step communication)
 
-Adding a strategy takes a config dataclass, a :class:`Strategy` subclass and one call in its
-module, whose name goes into ``STRATEGY_MODULES``::
-
-    register_builder(LocalSGDConfig, lambda config, ctx: LocalSGD(config, ctx))
-
 The command line's ``--strategy NAME:key=value,...`` builds these configs (``commfuse.cli.spec``).
+
+Adding a strategy: ``docs/design.md``, "Where each kind of change goes".
 """
 
 from __future__ import annotations

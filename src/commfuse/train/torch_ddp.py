@@ -13,36 +13,12 @@
   (``bf16_hooks_supported``); elsewhere ``ddp-bf16`` and ``wire=bf16`` are refused with a
   ValueError and ``wire=fp16`` is the 16-bit peer.
 
-These are the peer baselines commfuse must beat, so they run as torch ships them, configured at
-their strongest, with the knobs commfuse's engine uses for itself:
-
-* ``gradient_as_bucket_view=True`` (``bucket_view=0`` turns it off): gradients are views into
-  DDP's buckets, so no copy into and out of them, as commfuse's engine does;
-* the engine's bucket caps: ``--bucket-cap-mb`` for every bucket but the first launched, which
-  holds ``first_bucket_cap_mb`` (1 MiB). torch DDP does this only when no ``bucket_cap_mb`` is
-  given; an explicit cap makes its first bucket as large as the rest, so the caps are handed to
-  it as ``bucket_cap_mb_list``. Except under ``ddp-powersgd``: torch's hook fails on gloo
-  when DDP has several buckets (docs/torch-hooks-on-gloo.md), so there the first bucket is
-  as large as the rest by default, one bucket for a model under ``--bucket-cap-mb``;
-* PowerSGD: the same rank, warm-up steps and warm-up treatment as commfuse's ``powersgd`` spec
-  where torch allows it (``rank``, ``warmup`` = ``start_powerSGD_iter``, which torch requires
-  to be >= 2 with error feedback or warm start, ``min_compression_rate=1``: compress a matrix
-  whenever its factors are smaller, as commfuse does; 16-bit factors and warm-up with ``wire``).
-  torch's warm-up is plain allreduce (16-bit with ``wire``): commfuse's rank-R warm-up
-  (``warmup_rank``) has no counterpart in torch.
-
-Resume: ``ddp``, ``ddp-fp16`` and ``ddp-bf16`` continue bit for bit (the hooks have no state).
-``ddp-powersgd`` saves and restores torch's PowerSGDState, but its resume is not promised to be
-exact, and resuming it warns: torch keys the hook's error and Q memories by bucket index, and a
-fresh DDP runs its first step with its initial bucket layout (one bucket) before it rebuilds
-them in gradient order, so with several buckets restored memories can meet other buckets'
-gradients. That state is torch's, not commfuse's engine's, whose resume is exact
-(``commfuse_dp.py``).
-
 Bytes are the payload handed to allreduce: for bare DDP every bucket, i.e. every trainable
 parameter's gradient, once per synchronised step; for hooks, every tensor the hook hands to
 ``torch.distributed.all_reduce`` (counted by wrapping that function in the rank process, which
 is where torch's hooks call it).
+
+Design notes: ``docs/data-parallel.md``, "torch DDP baselines at their strongest".
 """
 
 from __future__ import annotations

@@ -22,14 +22,7 @@ by-table backward does it. Both accumulate the table gradients
 in the same order (own samples first, then ranks ``r+1, r+2, ...``), so the two train the same
 model to the same bits (tested).
 
-Synthetic data. DLRM's generator (``dlrm_data_pytorch.py``) draws ids either uniformly or from
-a skewed trace; production id streams follow a power law (a few hot rows take most lookups,
-the reason embedding caches work). Ids here are drawn from a truncated power law
-``p(i) ~ (i + 1)^-alpha`` over a table's rows by inverse-CDF sampling, with a fixed number of ids
-per bag (DLRM's ``--num-indices-per-lookup-fixed``). Every batch is a pure function of
-``(seed, step, rank)``: the owner of table ``t`` regenerates the ids other ranks' samples use.
-Labels are learnable (the sign of a fixed projection of the dense features and the first
-table's hottest ids), so a test can watch the loss fall.
+Design notes: ``docs/fused.md``, "The DLRM workload's synthetic data".
 """
 
 from __future__ import annotations

@@ -20,26 +20,8 @@ row-parallel one, so each sublayer costs one collective in forward and one in ba
 ``fused=False`` builds the same modules with ``ChunkConfig(num_chunks=1)``: the whole GEMM, then
 gloo's allreduce. Same maths, same bytes (the fused pipeline sends what a ring allreduce does).
 
-Sequence parallelism (``sequence_parallel=True``, Korthikanti et al., arXiv 2205.05198): the
-activations between sublayers are sharded along the sequence, so LayerNorm and the residuals run
-on ``S / P`` rows; each row-parallel output is a ReduceScatter (fused GEMM + ReduceScatter,
-``RowParallelLinear``) and each column-parallel input an AllGather (fused AllGather +
-GEMM, ``ColumnParallelLinear``; their backwards are the mirrored fused rings): the AllReduce's
-bytes in two halves. Replicated parameters (LayerNorms, row-parallel biases, the head) then see
-only their rows' gradients, which ``train_step`` sums with one allreduce.
-
-Shards. Every linear's full weight is ``full_linear_weight(out, in, seed)``, the same whatever
-the world size, and each rank keeps its ``shard_range`` of rows (column-parallel) or columns
-(row-parallel), so the model on ``P`` ranks is the model on one. The QKV rows are head-major
-(head 0's q, k, v, then head 1's, ...), so a contiguous shard of rows is whole heads when ``P``
-divides the number of heads (Megatron's own requirement).
-
-Data (a pure function of ``(seed, step)``): ``batch`` sequences of ``seq_len`` Gaussian tokens,
-sequence-first ``[S, B, d_model]`` (Megatron's layout, which keeps a rank's sequence shard
-contiguous); a token's label is the class of a fixed "teacher" projection of it and its
-predecessor, so causal attention has something to learn. Every rank of the tensor-parallel
-group sees the same batch (it is one data-parallel replica); with sequence parallelism each
-keeps its rows.
+Design notes: ``docs/fused.md``, "The tensor-parallel Transformer: sequence parallelism, shards,
+data".
 """
 
 from __future__ import annotations
