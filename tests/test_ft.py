@@ -631,7 +631,8 @@ def test_timeouts_derive_from_one_setting() -> None:
 
 
 def test_replicas_hash_their_parameters_at_the_steps_asked_and_after_the_last() -> None:
-    from commfuse.ft.replica import ReplicaJob, _digested
+    from commfuse.ft.loop import ReplicaJob
+    from commfuse.ft.replica import _digested
 
     def hashed(every: int | None) -> list[int]:
         job = ReplicaJob(

@@ -430,7 +430,7 @@ def _join_group(job: Any, late_s: float, conn: Any) -> None:
     process group and sums a one through it."""
     import time
 
-    from commfuse.ft.replica import init_group_process_group
+    from commfuse.ft.loop import init_group_process_group
 
     time.sleep(late_s)  # after the imports, which take their own time in each process
     try:
@@ -449,7 +449,7 @@ def test_the_ranks_of_a_group_find_each_other_however_far_apart_they_start() -> 
 
     from torch._C._distributed_c10d import TCPStore
 
-    from commfuse.ft.replica import ReplicaJob
+    from commfuse.ft.loop import ReplicaJob
 
     # The operations' timeout is 1 s here; the second rank comes 2 s after the first, as
     # a busy machine starts a restarted group's processes.

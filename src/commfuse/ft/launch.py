@@ -64,9 +64,10 @@ from commfuse.ft.config import (
     SlowFault,
 )
 from commfuse.ft.lighthouse import start_lighthouse
+from commfuse.ft.loop import ReplicaJob, send
 from commfuse.ft.periods import ft_mode
 from commfuse.ft.progress import floor_message
-from commfuse.ft.replica import ReplicaJob, run_replica, send
+from commfuse.ft.replica import run_replica
 from commfuse.train.loop import TrainConfig, init_from_step
 from commfuse.train.strategy import describe_strategy
 
