@@ -43,6 +43,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
@@ -229,8 +230,6 @@ def _run(
     timeout_s: float,
     log_dir: str,
 ) -> dict[str, Any]:
-    ctx = rank_context()
-    run_id = uuid.uuid4().hex[:12]
     num, size = ft.group_layout(topology.num_hosts, topology.ranks_per_host)
     started = time.monotonic()
     deadline = started + timeout_s
@@ -238,7 +237,7 @@ def _run(
     with Watchdog() as watchdog, open_placement(topology, emulate=emulate) as placement:
         if placement.lab_id is not None:
             watchdog.guard_lab(placement.lab_id)
-        stores: dict[tuple[int, int], HostedStore] = {}
+        starter: _Starter | None = None
         lighthouse = None
         try:
             lighthouse = start_lighthouse(
@@ -247,66 +246,25 @@ def _run(
                 timeouts=ft.timeouts,
                 min_replicas=ft.min_replicas,
             )
-
-            def start(replica: int, life: int) -> list[_Life]:
-                # One TCPStore per life of a group, on its first rank's host: the Manager of
-                # a group's first rank publishes its address there for the others, and a
-                # restarted group must not read a killed one's.
-                first = replica * size
-                netns = placement.netns_of(first)
-                addr = placement.addr_of_host(topology.host_of(first))
-                store = stores[replica, life] = host_store(addr, netns=netns)
-                return [start_rank(replica, life, rank, store) for rank in range(size)]
-
-            def start_rank(replica: int, life: int, rank: int, store: HostedStore) -> _Life:
-                assert lighthouse is not None
-                where = replica * size + rank  # the rank's place in the cluster
-                replica_job = ReplicaJob(
-                    train=config,
-                    ft=ft,
-                    replica=replica,
-                    num_replicas=num,
-                    life=life,
-                    addr=placement.addr_of_host(topology.host_of(where)),
-                    store_port=store.port,
-                    lighthouse=lighthouse.url,
-                    group_rank=rank,
-                    group_size=size,
-                    store_addr=store.addr,
-                )
-                env = _replica_env(placement, where, rank, size, store, run_id)
-                ours, theirs = ctx.Pipe(duplex=True)
-                name = f"replica{replica}" + (f".rank{rank}" if size > 1 else "")
-                log = str(Path(log_dir) / f"{name}.life{life}.log")
-                proc = ctx.Process(
-                    target=_replica_process,
-                    args=(replica_job, env, placement.netns_of(where), theirs, log),
-                    name=f"commfuse-{name}",
-                )
-                proc.start()
-                theirs.close()
-                assert proc.pid is not None
-                watchdog.guard(proc.pid)
-                entry = _Life(
-                    replica=replica,
-                    life=life,
-                    proc=proc,
-                    conn=ours,
-                    log=log,
-                    launched=life == 0,
-                    rank=rank,
-                )
-                job.lives.append(entry)
-                threading.Thread(target=_read, args=(entry, job.inbox), daemon=True).start()
-                return entry
-
+            starter = _Starter(
+                config=config,
+                ft=ft,
+                topology=topology,
+                placement=placement,
+                watchdog=watchdog,
+                job=job,
+                lighthouse_url=lighthouse.url,
+                num=num,
+                size=size,
+                log_dir=log_dir,
+            )
             for replica in range(num):
-                start(replica, 0)
+                starter.group(replica, 0)
             # The replacement of every replica to be killed and restarted boots with the job
             # (imports, model, DDP) and waits: a restart then takes the fault's delay, not
             # this machine's time to start a torch process.
             spares = {
-                f.host: start(f.host, 1)
+                f.host: starter.group(f.host, 1)
                 for f in ft.faults
                 if isinstance(f, KillFault) and f.restart_after_s is not None
             }
@@ -318,7 +276,7 @@ def _run(
                 ft,
                 num,
                 spares,
-                start=start,
+                start=starter.group,
                 lab=placement.lab,
                 layout=GroupLayout(group_size=size, ranks_per_host=topology.ranks_per_host),
                 started=started,
@@ -332,8 +290,99 @@ def _run(
                 entry.conn.close()
             if lighthouse is not None:
                 lighthouse.shutdown()
-            for store in stores.values():
+            for store in starter.stores.values() if starter is not None else ():
                 store.close()
+    return _summarize(config, ft, topology, job, num=num, size=size, started=started)
+
+
+@dataclass(kw_only=True)
+class _Starter:
+    """Starts the lives of the replica groups of one run: their stores and processes."""
+
+    config: TrainConfig
+    ft: FaultToleranceConfig
+    topology: Topology
+    placement: Placement
+    watchdog: Watchdog
+    job: _Job
+    """Where every life started is noted."""
+    lighthouse_url: str
+    num: int
+    """Replica groups."""
+    size: int
+    """Ranks per replica group."""
+    log_dir: str
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    ctx: ForkServerContext = field(default_factory=rank_context)
+    stores: dict[tuple[int, int], HostedStore] = field(default_factory=dict)
+    """One TCPStore per life of each replica group."""
+
+    def group(self, replica: int, life: int) -> list[_Life]:
+        """Start life ``life`` of replica group ``replica``: every rank of it."""
+        # One TCPStore per life of a group, on its first rank's host: the Manager of a
+        # group's first rank publishes its address there for the others, and a restarted
+        # group must not read a killed one's.
+        first = replica * self.size
+        netns = self.placement.netns_of(first)
+        addr = self.placement.addr_of_host(self.topology.host_of(first))
+        store = self.stores[replica, life] = host_store(addr, netns=netns)
+        return [self._rank(replica, life, rank, store) for rank in range(self.size)]
+
+    def _rank(self, replica: int, life: int, rank: int, store: HostedStore) -> _Life:
+        placement, size = self.placement, self.size
+        where = replica * size + rank  # the rank's place in the cluster
+        replica_job = ReplicaJob(
+            train=self.config,
+            ft=self.ft,
+            replica=replica,
+            num_replicas=self.num,
+            life=life,
+            addr=placement.addr_of_host(self.topology.host_of(where)),
+            store_port=store.port,
+            lighthouse=self.lighthouse_url,
+            group_rank=rank,
+            group_size=size,
+            store_addr=store.addr,
+        )
+        env = _replica_env(placement, where, rank, size, store, self.run_id)
+        ours, theirs = self.ctx.Pipe(duplex=True)
+        name = f"replica{replica}" + (f".rank{rank}" if size > 1 else "")
+        log = str(Path(self.log_dir) / f"{name}.life{life}.log")
+        proc = self.ctx.Process(
+            target=_replica_process,
+            args=(replica_job, env, placement.netns_of(where), theirs, log),
+            name=f"commfuse-{name}",
+        )
+        proc.start()
+        theirs.close()
+        assert proc.pid is not None
+        self.watchdog.guard(proc.pid)
+        entry = _Life(
+            replica=replica,
+            life=life,
+            proc=proc,
+            conn=ours,
+            log=log,
+            launched=life == 0,
+            rank=rank,
+        )
+        self.job.lives.append(entry)
+        threading.Thread(target=_read, args=(entry, self.job.inbox), daemon=True).start()
+        return entry
+
+
+def _summarize(
+    config: TrainConfig,
+    ft: FaultToleranceConfig,
+    topology: Topology,
+    job: _Job,
+    *,
+    num: int,
+    size: int,
+    started: float,
+) -> dict[str, Any]:
+    """The run's record (``accounting.summarize_ft``) with the strategy, the group size and
+    every rank's final parameter digest."""
     record = summarize_ft(
         records=job.records,
         faults=job.faults,
