@@ -31,7 +31,7 @@ from commfuse.cluster.rank_runtime import (
 )
 from commfuse.cluster.start import rank_context
 from commfuse.cluster.store import host_store
-from commfuse.cluster.supervisor import kill_group, supervise
+from commfuse.cluster.supervisor import JobResult, kill_group, supervise
 from commfuse.cluster.topology import Topology
 from commfuse.cluster.watchdog import Watchdog
 
@@ -172,36 +172,17 @@ def run(
                 env = placement.env_of(
                     rank, master_addr=hosted.addr, master_port=hosted.port, run_id=run_id
                 )
-                out_r, out_w = ctx.Pipe(duplex=False)
-                err_r, err_w = ctx.Pipe(duplex=False)
-                res_r, res_w = ctx.Pipe(duplex=False)
-                proc = ctx.Process(
-                    target=_rank_main,
-                    args=(
-                        fn,
-                        args,
-                        kwargs,
-                        env,
-                        placement.netns_of(rank),
-                        out_w,
-                        err_w,
-                        res_w,
-                        backend,
-                        pg_timeout_s,
-                    ),
-                    name=f"commfuse-rank{rank}",
+                proc, stream, reader = _start_rank(
+                    ctx,
+                    rank,
+                    (fn, args, kwargs, env, placement.netns_of(rank)),
+                    backend=backend,
+                    pg_timeout_s=pg_timeout_s,
+                    watchdog=watchdog,
+                    results=results,
                 )
-                proc.start()
-                assert proc.pid is not None
-                watchdog.guard(proc.pid)
-                for conn in (out_w, err_w, res_w):
-                    conn.close()
-                procs.append(_MpRank(proc))
-                streams.append((_reader(out_r), _reader(err_r)))
-                out_r.close()
-                err_r.close()
-                reader = threading.Thread(target=_collect, args=(rank, res_r, results), daemon=True)
-                reader.start()
+                procs.append(proc)
+                streams.append(stream)
                 readers.append(reader)
             job = supervise(
                 procs,
@@ -222,6 +203,49 @@ def run(
             hosted.close()
         for reader in readers:
             reader.join(timeout=5.0)
+    _raise_failure(fn, job, results, net.world_size)
+    return [results[rank][1] for rank in range(net.world_size)]
+
+
+def _start_rank(
+    ctx: Any,
+    rank: int,
+    call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], dict[str, str], str | None],
+    *,
+    backend: str | None,
+    pg_timeout_s: float,
+    watchdog: Watchdog,
+    results: dict[int, tuple[Any, ...]],
+) -> tuple[_MpRank, tuple[IO[bytes] | None, IO[bytes] | None], threading.Thread]:
+    """Start rank ``rank``'s process (``_rank_main``), guarded by ``watchdog``: ``call`` is
+    ``(fn, args, kwargs, env, netns)``; returns the process, its stdout and stderr streams,
+    and the thread that puts its result in ``results``."""
+    out_r, out_w = ctx.Pipe(duplex=False)
+    err_r, err_w = ctx.Pipe(duplex=False)
+    res_r, res_w = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=_rank_main,
+        args=(*call, out_w, err_w, res_w, backend, pg_timeout_s),
+        name=f"commfuse-rank{rank}",
+    )
+    proc.start()
+    assert proc.pid is not None
+    watchdog.guard(proc.pid)
+    for conn in (out_w, err_w, res_w):
+        conn.close()
+    stream = (_reader(out_r), _reader(err_r))
+    out_r.close()
+    err_r.close()
+    reader = threading.Thread(target=_collect, args=(rank, res_r, results), daemon=True)
+    reader.start()
+    return _MpRank(proc), stream, reader
+
+
+def _raise_failure(
+    fn: Callable[..., Any], job: JobResult, results: dict[int, tuple[Any, ...]], world_size: int
+) -> None:
+    """Raise what stopped the job (``supervise``'s ``job``), if anything did: an interrupt,
+    the first rank's error, the deadline, a rank that died or ended without a result."""
     if job.interrupted:
         raise KeyboardInterrupt
     if job.failure is not None:
@@ -240,10 +264,9 @@ def run(
                 ranks=[r for r, c in job.exit_codes.items() if c is None or c < 0],
             )
         raise RankError(failed, job.failure.describe())
-    missing = [rank for rank in range(net.world_size) if rank not in results]
+    missing = [rank for rank in range(world_size) if rank not in results]
     if missing:
         raise RankError(missing[0], "exited with code 0 without returning a result")
-    return [results[rank][1] for rank in range(net.world_size)]
 
 
 def _send_by_value(conn: Connection, message: tuple[Any, ...]) -> None:
