@@ -211,29 +211,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
     optimizer = workload.make_optimizer(module)
     # The base rates are the workload's, read before a checkpoint puts its last rate there.
     rates = ScheduledRates(config.lr_schedule, optimizer, config.steps)
-    history: dict[str, list[float]] = {"loss": [], "step_time_s": [], "bytes": [], "skipped": []}
-    start = 0
-    resumed_state: dict[str, Any] | None = None
-    if config.resume and config.checkpoint_dir:
-        latest = ckpt.latest_step(config.checkpoint_dir)
-        if latest is not None:
-            resumed_state = ckpt.load_rank(config.checkpoint_dir, latest, rank, device=device)
-            ckpt.check_identity(
-                resumed_state["identity"], _identity(config, world), config.checkpoint_dir
-            )
-            module.load_state_dict(resumed_state["model"])
-            optimizer.load_state_dict(resumed_state["optimizer"])
-            history = resumed_state["history"]
-            start = resumed_state["step"]
-    if resumed_state is None and config.init_from:
-        start = load_init_from(config, module, optimizer, rank=rank, device=device)
-    # Busy CPU seconds of this machine's ranks and softirqs during each step (-1: unknown, or a
-    # step of a checkpoint written before this was recorded): metrics.py's ``machine_busy``.
-    history.setdefault("busy_cpu_s", [-1.0] * len(history["loss"]))
-    # The machine's busy core time in each step (``/proc/stat``: every process's and the
-    # kernel's, -1 where not read); with other programs' CPU over the run (``others``), the
-    # ranks' and the kernel's without double counting: metrics.py's ``machine_bound_s``.
-    history.setdefault("machine_busy_s", [-1.0] * len(history["loss"]))
+    start, history, resumed_state = _load_start(config, module, optimizer, rank, world, device)
     strategy = build_strategy(
         config.strategy,
         StrategyContext(
@@ -327,6 +305,44 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             # Flush the queue's feeder thread now: the rank process ends with os._exit.
             progress.close()
             progress.join_thread()
+
+
+def _load_start(
+    config: TrainConfig,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> tuple[int, dict[str, list[float]], dict[str, Any] | None]:
+    """Where this rank starts: ``(step, history, checkpoint state)``, the model and the
+    optimizer loaded from the latest checkpoint (``resume``, whose state the strategy and the
+    random generators then take) or from ``init_from``; step 0 and an empty history
+    otherwise."""
+    history: dict[str, list[float]] = {"loss": [], "step_time_s": [], "bytes": [], "skipped": []}
+    start = 0
+    resumed_state: dict[str, Any] | None = None
+    if config.resume and config.checkpoint_dir:
+        latest = ckpt.latest_step(config.checkpoint_dir)
+        if latest is not None:
+            resumed_state = ckpt.load_rank(config.checkpoint_dir, latest, rank, device=device)
+            ckpt.check_identity(
+                resumed_state["identity"], _identity(config, world), config.checkpoint_dir
+            )
+            module.load_state_dict(resumed_state["model"])
+            optimizer.load_state_dict(resumed_state["optimizer"])
+            history = resumed_state["history"]
+            start = resumed_state["step"]
+    if resumed_state is None and config.init_from:
+        start = load_init_from(config, module, optimizer, rank=rank, device=device)
+    # Busy CPU seconds of this machine's ranks and softirqs during each step (-1: unknown, or a
+    # step of a checkpoint written before this was recorded): metrics.py's ``machine_busy``.
+    history.setdefault("busy_cpu_s", [-1.0] * len(history["loss"]))
+    # The machine's busy core time in each step (``/proc/stat``: every process's and the
+    # kernel's, -1 where not read); with other programs' CPU over the run (``others``), the
+    # ranks' and the kernel's without double counting: metrics.py's ``machine_bound_s``.
+    history.setdefault("machine_busy_s", [-1.0] * len(history["loss"]))
+    return start, history, resumed_state
 
 
 def _finish_into_last_step(
