@@ -344,6 +344,8 @@ def run_together(compute: Callable[[], Any], collective: Callable[[], Any]) -> N
         raise errors[0]
 
 
+# long because: one case per pass of the loop, read top to bottom as it runs (warm-up, the
+# chunk choice, the timed rounds, the bounds and the record), each part using the last's numbers.
 def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
     """Runs on every rank (process group up); rank 0's return value is the report."""
     comm = Communicator()

@@ -419,6 +419,8 @@ def _on_batch(step: Callable[[Any], Any] | None, batch: list[Any]) -> Callable[[
     return lambda: step(batch[0])
 
 
+# long because: one case per pass of the loop, read top to bottom as it runs (warm-up, the
+# timed rounds, the bounds and the record), each part using the last's numbers.
 def bench_steps_on_rank(config: StepBenchConfig) -> list[dict[str, Any]]:
     """Runs on every rank (process group up); rank 0's return value is the report."""
     comm = Communicator()

@@ -43,6 +43,8 @@ def _committed_after(records: list[dict[str, Any]], t: float) -> float | None:
     return min(times) - t if times else None
 
 
+# long because: the record's one definition, each total a few lines over the same lists of
+# reports; split into helpers, the record's keys would be scattered over them.
 def summarize_ft(
     *,
     records: list[dict[str, Any]],
