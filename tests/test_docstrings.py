@@ -126,8 +126,6 @@ MAX_MODULE_DOCSTRING_LINES = 30
 LONG_DOCSTRINGS_BEING_SHORTENED = frozenset(
     {
         "compress/powersgd.py",
-        "ft/periodic.py",
-        "ft/replica.py",
     }
 )
 
