@@ -46,6 +46,8 @@ EVERY = [
     "powersgd:rank=2,warmup=3",
     "powersgd:rank=2,warmup=0+layout",
     "powersgd:rank=2,warmup=3+layout",
+    "powersgd:rank=2,warmup=0,error_memory=averaged",
+    "powersgd:rank=2,warmup=3,error_memory=averaged,orthonormalize_q=1+layout",
     "acpsgd:rank=2,warmup=0",
     "acpsgd:rank=2,warmup=3+layout",
     "powersgd:rank=2,warmup=0,wire=bf16+layout",
@@ -214,6 +216,8 @@ EF_SPECS = [
     "dgc:ratio=0.1,momentum=0",
     "powersgd:rank=2,warmup=0",
     "powersgd:rank=2,warmup=0+layout",
+    "powersgd:rank=2,warmup=0,error_memory=averaged,orthonormalize_q=1",
+    "powersgd:rank=2,warmup=0,error_memory=averaged+layout",
     "acpsgd:rank=2,warmup=0",
     "acpsgd:rank=2,warmup=0+layout",
     "sparseloco:decay=1,num_kept_per_chunk=100",
@@ -398,6 +402,8 @@ def non_finite_leaves_state_alone(specs: list[str], numel: int) -> list[str]:
 def test_non_finite_gradient_never_enters_the_state(pool: Any) -> None:
     specs = ["int8", "ef-sign", "topk:ratio=0.1", "randomk:ratio=0.1", "dgc:ratio=0.1",
              "powersgd:rank=2,warmup=0", "powersgd:rank=2,warmup=0+layout",
+             "powersgd:rank=2,warmup=0,error_memory=averaged",
+             "powersgd:rank=2,warmup=0,error_memory=averaged,orthonormalize_q=1+layout",
              "acpsgd:rank=2,warmup=0", "acpsgd:rank=2,warmup=0+layout",
              "acpsgd:rank=2,warmup=1+layout", "powersgd:rank=2,warmup=0,wire=fp16+layout",
              "qsgd:levels=16,chunk_numel=64,ef=1", "fp16:ef=1", "fp16", "bf16"]  # fmt: skip

@@ -51,6 +51,14 @@ class ACPSGD(PowerSGD):
     )
     """The last averaged P of each bucket, keyed like the residuals (``layout.py``)."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.error_memory != "local" or self.orthonormalize_q:
+            raise ValueError(
+                "acpsgd: error_memory and orthonormalize_q are PowerSGD's settings (torch's "
+                "hook); ACP-SGD keeps each rank's own error and its factors as they are"
+            )
+
     def sends_p(self, step: int | None) -> bool:
         """Whether a compressed ``step`` sends P (Q held fixed); else it sends Q."""
         return step is None or (step - self.warmup) % 2 == 0

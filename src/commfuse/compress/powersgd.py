@@ -1,56 +1,28 @@
 """PowerSGD (Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient
 Compression for Distributed Optimization", NeurIPS 2019): rank-r factors, allreduced.
 
-A gradient matrix ``M`` (m x c) is approximated by ``P Q^T`` with ``P`` m x r and ``Q`` c x r,
-found by one step of power iteration that starts from the previous step's ``Q`` (warm start:
-the gradient changes slowly, so one iteration per step tracks its top subspace). Both factors
-are sums of the ranks' own factors, so they ride plain allreduces. Per bucket and step:
+A gradient matrix ``M`` (m x c) is approximated by ``P Q^T`` (P m x r, Q c x r) from one step
+of power iteration warm-started at the last step's Q: the gradient changes slowly, so one
+iteration per step tracks its top subspace. Per bucket and step (the paper's Algorithm 1):
 
 1. ``M = g + e`` (error feedback), cut into matrices (below);
-2. ``P = M Q`` per matrix; ONE allreduce(avg) of every P of the bucket, with the elements that
-   are not compressed packed in front of them; orthonormalise each ``P`` (QR, batched over
-   matrices of one shape, identical on every rank);
-3. ``Q = M^T P``; this rank's own loss is ``e = M - P Q^T`` (the paper's local error: the
-   residuals of all ranks plus what was sent add up to the true gradients exactly);
-4. ONE allreduce(avg) of every Q; the output is ``P Q^T`` = the average of the ranks'
-   ``P P^T M_r``.
+2. ``P = M Q`` per matrix; ONE allreduce(avg) of every P, with the elements sent uncompressed
+   packed in front; orthonormalise each P (QR batched per shape, identical on every rank);
+3. ``Q = M^T P``; this rank keeps ``e = M - P Q^T`` of its own Q (``error_memory="local"``)
+   or, after step 4, of the averaged one (``"averaged"``, torch's ``powerSGD_hook``);
+4. ONE allreduce(avg) of every Q; the output is ``P Q^T``.
 
-Matrices. With a layout (``set_layout(bucket, layout)``, called by the engine and by
-``commfuse.hooks`` with the tensors packed into the bucket) each tensor with ``ndim >= 2`` is
-its own ``(shape[0], numel / shape[0])`` matrix at rank ``min(r, rows, cols)``, as in torch's
-``powerSGD_hook``, and 1-D tensors (biases, norms) and tensors whose factors would not be
-smaller travel uncompressed (``lowrank.py``). This is what makes PowerSGD work: a weight
-gradient is a sum of a batch of outer products, so a few directions dominate it, while a flat
-run of unrelated parameters has no such structure. Without a layout, the bucket is laid out as
-one square-ish ``m x c`` matrix (``c = ceil(sqrt(d))``, ``m = ceil(d/c)``, zero-padded): fewer
-bytes than per tensor, a much worse approximation.
+With a layout (``set_layout``, from the engine and ``commfuse.hooks``) each tensor with
+``ndim >= 2`` is its own ``(shape[0], numel / shape[0])`` matrix at rank ``min(r, rows, cols)``
+and the rest travel exactly (``lowrank.py``), as in torch's hook; without one, the bucket is one
+zero-padded square-ish matrix. The first ``warmup`` steps go uncompressed (torch's
+``start_powerSGD_iter``), or in fp16 (``warmup_fp16``), or at a higher rank sharing the
+residuals (``warmup_rank``); ``wire="bf16"`` sends the factors in 16 bits. Factors are computed
+in fp32 for 16-bit buckets; Q starts from a normal draw seeded by (seed, bucket).
 
-Warm-up. A bucket (or, with a layout, a tensor) whose factors are not smaller than itself is
-sent uncompressed (torch's ``min_compression_rate`` = 1), and so is every bucket during the
-first ``warmup`` steps (torch's ``start_powerSGD_iter``): early gradients change too fast for
-a warm-started low rank to follow. Those steps are the most expensive of a run on a slow link,
-so they can be made cheaper: ``warmup_fp16`` sends them in fp16 (half the bytes), and
-``warmup_rank=R`` sends them as rank-R PowerSGD sharing this compressor's residuals, so what
-the warm-up leaves out is sent by the steps after it. Skipping the warm-up (``warmup=0``) is
-no substitute: the first compressed steps then follow a subspace that is still moving.
-
-Wire. ``wire="bf16"`` (or ``"fp16"``) sends the factors in 16 bits: half the bytes, so rank
-2r costs what rank r costs in fp32. Factors are orthonormal bases and their projections, well
-scaled, so 8 significant bits lose little next to the rank-r truncation itself.
-
-Cost per bucket and step: two allreduces of ``plain + sum (rows + cols) r'`` elements in all
-(against ``sum rows cols`` uncompressed), three products per matrix (``M Q``, ``M^T P``,
-``M - P Q^T``) plus the output ``P Q^T``, and one batched QR per matrix shape.
-
-Tuning (as torch's docs advise): raise ``rank`` until accuracy matches the uncompressed run
-(1-4 is often enough, 16-bit factors make a doubled rank free); ``warmup`` of about 10% of
-training, cheaper with ``warmup_rank`` or ``warmup_fp16``. Q starts from a normal draw seeded
-by (seed, bucket), the same on all ranks. Factors are computed in fp32 for 16-bit buckets (CPU
-QR needs it); their plain elements then travel in fp32 too, packed with the P's.
-
-State per bucket: the Q message (every matrix's Q, flat) and the residual, filed under the
-bucket's layout; when buckets are laid out anew each matrix's Q and each element's residual
-move to their tensor's new place (``layout.py``).
+State per bucket: the Q message and the residual, filed under the bucket's layout, which follow
+their tensors into new buckets (``layout.py``). Why each piece, the two error memories, what
+matching torch's hook takes, costs and tuning: docs/data-parallel.md, "PowerSGD".
 """
 
 from __future__ import annotations
@@ -75,6 +47,9 @@ def matrix_shape(numel: int) -> tuple[int, int]:
     cols = max(1, math.isqrt(numel - 1) + 1) if numel else 1
     return -(-numel // cols), cols
 
+
+ErrorMemory = Literal["local", "averaged"]
+"""The error each rank feeds back (``PowerSGD.error_memory``)."""
 
 Wire = Literal["fp32", "bf16", "fp16"]
 """The type factors travel in (``PowerSGD.wire``)."""
@@ -120,8 +95,19 @@ class PowerSGD(Compressor):
     wire: Wire = "fp32"
     """The factors' (and plain elements') type on the wire: ``fp32``, or ``bf16`` / ``fp16`` for
     half the bytes (the maths stays in fp32; a message is divided by the world size, rounded,
-    summed, and widened back, the same on every rank). The rounding is not error-fed back."""
+    summed, and widened back, the same on every rank). The rounding is error-fed back only with
+    ``error_memory="averaged"``."""
     ef: bool = True
+    error_memory: ErrorMemory = "local"
+    """What each rank keeps as its error: ``local``, its own ``M - P Q_own^T`` before the Q's
+    are averaged (Algorithm 1 of the paper); ``averaged``, its input minus the averaged output,
+    ``M - P Q^T`` (torch's ``powerSGD_hook``; the plain elements then keep ``own - average``
+    and the ``wire`` rounding is fed back too). The same outputs up to rounding, different
+    shares of the error per rank: docs/data-parallel.md, "Error memory"."""
+    orthonormalize_q: bool = False
+    """Orthonormalise the warm-start Q before ``P = M Q``, as torch's hook does: the same
+    subspace (and output, up to rounding), with P's columns of like length when Q's are not;
+    one small batched QR per matrix shape and step."""
     qs: dict[str, torch.Tensor] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -147,6 +133,10 @@ class PowerSGD(Compressor):
             raise ValueError(
                 f"powersgd: wire must be one of {', '.join(WIRE_DTYPES)}, got {self.wire!r}"
             )
+        if self.error_memory not in ("local", "averaged"):
+            raise ValueError(
+                f"powersgd: error_memory must be local or averaged, got {self.error_memory!r}"
+            )
         if self.warmup_fp16 and self.warmup_rank:
             raise ValueError("powersgd: give warmup_fp16 or warmup_rank, not both")
         if self.warmup_fp16:
@@ -159,6 +149,8 @@ class PowerSGD(Compressor):
                 ef=self.ef,
                 seed=self.seed,
                 wire=self.wire,
+                error_memory=self.error_memory,
+                orthonormalize_q=self.orthonormalize_q,
             )
             # What the warm-up leaves out is sent later: one residual, checkpointed and moved
             # by this compressor, and one count of moved state.
@@ -370,6 +362,7 @@ class PowerSGD(Compressor):
     ) -> None:
         """Steps 1-4 of the module docstring, one matrix per tensor, two allreduces."""
         dtype = factor_dtype(grad.dtype)
+        local = self.error_memory == "local"
         # M = g + e in grad itself: grad is overwritten by the output only after the last read
         # of M, and the old residual's storage takes the new one (no bucket-sized allocation,
         # which costs page faults on every step).
@@ -379,6 +372,8 @@ class PowerSGD(Compressor):
         q_all = self.qs.get(key)
         if q_all is None or q_all.shape != (plan.q_numel,) or q_all.dtype != dtype:
             q_all = self._initial_factor("q", plan, dtype, bucket, grad.device)
+        if self.orthonormalize_q:
+            q_all = self._orthonormal_qs(plan, q_all)
         # Message 1: [plain elements | P of every matrix]; P = M Q written straight into it.
         first = torch.empty(plan.plain_numel + plan.p_numel, dtype=dtype, device=grad.device)
         plan.pack_plain(xf, first)
@@ -401,7 +396,7 @@ class PowerSGD(Compressor):
         # Message 2: Q = M^T P per matrix, with P orthonormalised one batched QR per shape.
         q_new = torch.empty(plan.q_numel, dtype=dtype, device=grad.device)
         residual = None
-        if self.ef and commit:  # only a finite step may touch the state
+        if self.ef and commit and local:  # only a finite step may touch the state
             residual = old if old is not None and old.dtype == dtype else torch.empty_like(xf)
             plan.zero_plain(residual)  # sent exactly: nothing left over
         for g, (mats, ps) in zip(plan.groups, blocks, strict=True):
@@ -418,6 +413,9 @@ class PowerSGD(Compressor):
         q_finite = all_finite(q_new)
         if commit and q_finite:
             self.qs[key] = q_new  # warm start of the next step (a fresh tensor, not shared)
+            if self.ef and not local:  # e = M - P Q^T: keep M (still in grad) until the output
+                residual = old if old is not None else torch.empty_like(grad)
+                residual.copy_(grad)
         self.output_finite = self._certify(first_finite and q_finite, q_new, grad.dtype)
         # Output: the averaged plain elements and P Q^T per matrix, in place.
         out = grad if grad.dtype == dtype else torch.empty_like(grad, dtype=dtype)
@@ -429,6 +427,18 @@ class PowerSGD(Compressor):
                 torch.mm(p, q.T, out=view)
         if out is not grad:
             grad.copy_(out)
+        if residual is not None and not local:
+            self.feedback.update(key, residual.sub_(grad))
+
+    def _orthonormal_qs(self, plan: Plan, q_all: torch.Tensor) -> torch.Tensor:
+        """Every matrix's Q orthonormalised (``orthonormalize_q``), as a new tensor: the stored
+        Q is never written in place (``snapshot``)."""
+        out = torch.empty_like(q_all)
+        for g in plan.groups:
+            shape = (len(g.members), g.cols, g.rank)
+            block = q_all[g.q_offset : g.q_offset + g.q_numel].view(shape)
+            out[g.q_offset : g.q_offset + g.q_numel].view(shape).copy_(orthonormalize(block))
+        return out
 
     def _reduce_flat(
         self, comm: Communicator, grad: torch.Tensor, *, bucket: int, commit: bool
@@ -436,6 +446,7 @@ class PowerSGD(Compressor):
         numel = grad.numel()
         m, c = matrix_shape(numel)
         dtype = factor_dtype(grad.dtype)
+        local = self.error_memory == "local"
         key = self._state_key(bucket)
         x = self.feedback.corrected(key, grad) if self.ef else grad
         matrix = torch.zeros(m * c, dtype=dtype, device=grad.device)
@@ -444,6 +455,8 @@ class PowerSGD(Compressor):
         q = self.qs.get(key)
         if q is None or q.shape != (c, self.rank) or q.dtype != dtype:
             q = self.initial_q(c, dtype, bucket, grad.device)
+        if self.orthonormalize_q:
+            q = orthonormalize(q)
         p = matrix @ q
         self._average(comm, p)
         # Another rank's non-finite gradient reaches everyone through P: keep Q and e clean.
@@ -451,7 +464,7 @@ class PowerSGD(Compressor):
         commit = commit and p_finite
         p = orthonormalize(p)
         q = matrix.T @ p
-        if self.ef and commit:
+        if self.ef and commit and local:
             own = (p @ q.T).view(-1)[:numel]
             self.feedback.update(key, x - own.to(grad.dtype))
         q = q.contiguous()
@@ -461,6 +474,8 @@ class PowerSGD(Compressor):
             self.qs[key] = q.clone()  # warm start of the next step
         self.output_finite = self._certify(p_finite and q_finite, q, grad.dtype)
         grad.copy_((p @ q.T).view(-1)[:numel])
+        if self.ef and commit and q_finite and not local:  # e = M - P Q^T
+            self.feedback.update(key, x - grad)
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
