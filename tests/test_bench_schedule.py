@@ -96,8 +96,9 @@ def test_schedule_with_control_times_the_baseline_twice() -> None:
     assert {o[0] for o in orders} == set(schedule.names)  # the copy runs first as often
     ran: list[str] = []
 
-    def run(name: str) -> float:
+    def run(name: str, round_: int) -> float:
         ran.append(name)
+        assert orders[round_].count(name) == 1
         return float(len(ran))
 
     samples = run_rounds(schedule, run)

@@ -578,13 +578,13 @@ def test_compare_time_to_loss_is_the_median_over_rounds() -> None:
 def test_compare_rounds_are_balanced_and_the_control_runs_the_baseline_again() -> None:
     """--repeats 2 --control: round 1 in the given order, round 2 reversed; the baseline's
     second run is a strategy of its own whose speedup is the noise floor."""
-    from commfuse.bench.compare import run_compare
+    from commfuse.bench.compare import compare_strategies
     from commfuse.cluster import Topology
 
     log: list[str] = []
     base = TrainConfig(workload=workload_from_spec(DIGITS), steps=4, compute_steps=1)
     specs = ["ddp"]
-    records = run_compare(
+    records = compare_strategies(
         [strategy_from_spec(spec) for spec in specs],
         base,
         Topology(num_hosts=1, ranks_per_host=2),

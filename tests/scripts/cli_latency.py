@@ -146,11 +146,11 @@ def _timer(
     tree_src: dict[str, str],
     config: CliLatencyConfig,
     cpu: dict[str, list[float]],
-) -> Callable[[str], float]:
+) -> Callable[[str, int], float]:
     """``run_rounds``' function: one sample of ``command`` on the tree a name runs; its wall
     time is the sample, its CPU time goes to ``cpu[name]`` (in round order too)."""
 
-    def sample(name: str) -> float:
+    def sample(name: str, _round: int) -> float:
         wall, used = time_once(command, tree_src[schedule.code_of(name)], config)
         cpu.setdefault(name, []).append(used)
         return wall

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from commfuse.bench.schedule import balanced_orders, control_name, summarize
+from commfuse.bench.schedule import Schedule, run_rounds, summarize
 from commfuse.bench.table import ratio_cell, render
 from commfuse.cluster import Topology
 from commfuse.train.loop import TrainConfig
@@ -56,7 +56,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-def run_compare(
+def compare_strategies(
     strategies: Sequence[StrategyConfig],
     base: TrainConfig,
     topology: Topology,
@@ -97,32 +97,36 @@ def run_compare(
     done_steps = _checkpoint_step(base.init_from) if base.init_from else 0
     extra = round((max_steps_factor - 1) * (base.steps - done_steps))
     # Jobs: every strategy, and with a control the baseline once more (a run of its own).
-    jobs = list(range(len(strategies))) + ([baseline] if control else [])
-    job_names = labels + ([control_name(labels[baseline])] if control else [])
-    runs: dict[int, list[dict[str, Any]]] = {j: [] for j in range(len(jobs))}
     # seed=None: round 1 in the given order, round 2 reversed, ... (bench/schedule.py)
-    for round_, order in enumerate(balanced_orders(len(jobs), repeats, seed=None)):
-        for j in order:
-            i = jobs[j]
-            # Every other setting (workload, steps, seed, schedule, ...) is the base's.
-            config = dataclasses.replace(
-                base,
-                strategy=strategies[i],
-                label=job_names[j],
-                extra_steps=0 if i == baseline else extra,
-            )
-            suffix = f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""
-            log(f"[{j + 1}/{len(jobs)}] {job_names[j]}{suffix}")
-            runs[j].append(
-                run_training(
-                    config,
-                    topology,
-                    emulate=emulate,
-                    progress=progress,
-                    timeout_s=timeout_s,
-                    backend=backend,
-                )
-            )
+    schedule = Schedule(
+        tuple(labels), rounds=repeats, baseline=labels[baseline], control=control, seed=None
+    )
+    job_names = list(schedule.names)
+    jobs = list(range(len(strategies))) + ([baseline] if control else [])
+
+    def run(name: str, round_: int) -> dict[str, Any]:
+        j = job_names.index(name)
+        i = jobs[j]
+        # Every other setting (workload, steps, seed, schedule, ...) is the base's.
+        config = dataclasses.replace(
+            base,
+            strategy=strategies[i],
+            label=name,
+            extra_steps=0 if i == baseline else extra,
+        )
+        suffix = f" (round {round_ + 1}/{repeats})" if repeats > 1 else ""
+        log(f"[{j + 1}/{len(jobs)}] {name}{suffix}")
+        return run_training(
+            config,
+            topology,
+            emulate=emulate,
+            progress=progress,
+            timeout_s=timeout_s,
+            backend=backend,
+        )
+
+    by_name = run_rounds(schedule, run)
+    runs = {j: by_name[name] for j, name in enumerate(job_names)}
     records = []
     for j in range(len(jobs)):
         record = dict(runs[j][0])

@@ -35,7 +35,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from commfuse.bench.schedule import balanced_orders, control_name, median_interval, summarize
+from commfuse.bench.schedule import Schedule, control_name, median_interval, run_rounds, summarize
 from commfuse.cluster import Topology
 from commfuse.ft.config import FaultToleranceConfig
 from commfuse.train.loop import TrainConfig
@@ -91,7 +91,7 @@ def _jobs(labels: Sequence[str], faulty: bool, control: bool) -> list[_Job]:
     return jobs
 
 
-def run_compare_ft(
+def compare_fault_tolerance(
     strategies: Sequence[StrategyConfig],
     base: TrainConfig,
     topology: Topology,
@@ -138,28 +138,40 @@ def run_compare_ft(
         raise ValueError(f"a strategy is given twice: {', '.join(labels)}")
     jobs = _jobs(labels, bool(ft.faults), control)
     fault_free = dataclasses.replace(ft, faults=())
-    runs: dict[int, list[dict[str, Any]]] = {j: [] for j in range(len(jobs))}
-    for round_, order in enumerate(balanced_orders(len(jobs), repeats, seed=None)):
-        for j in order:
-            job = jobs[j]
-            config = dataclasses.replace(
-                base, strategy=strategies[job.strategy], label=job.name, compute_steps=0
+    # seed=None: round 1 in the given order, round 2 reversed, ... (bench/schedule.py)
+    schedule = Schedule(
+        tuple(job.name for job in (jobs[:-1] if control else jobs)),  # the A/A copy: control
+        rounds=repeats,
+        control=control,
+        seed=None,
+    )
+    names = list(schedule.names)
+
+    def run(name: str, round_: int) -> dict[str, Any]:
+        j = names.index(name)
+        job = jobs[j]
+        config = dataclasses.replace(
+            base, strategy=strategies[job.strategy], label=job.name, compute_steps=0
+        )
+        log(f"[{j + 1}/{len(jobs)}] {job.name} (round {round_ + 1}/{repeats})")
+        if job.mode == "plain":
+            r = run_training(config, topology, emulate=emulate, progress=False,
+                             timeout_s=timeout_s, warmup=WARMUP_STEPS)  # fmt: skip
+            result = _plain(r)
+        else:
+            r = run_fault_tolerant(
+                config,
+                ft if job.mode == "chaos" else fault_free,
+                topology,
+                emulate=emulate,
+                timeout_s=timeout_s,
             )
-            log(f"[{j + 1}/{len(jobs)}] {job.name} (round {round_ + 1}/{repeats})")
-            if job.mode == "plain":
-                r = run_training(config, topology, emulate=emulate, progress=False,
-                                 timeout_s=timeout_s, warmup=WARMUP_STEPS)  # fmt: skip
-                runs[j].append(_plain(r))
-            else:
-                r = run_fault_tolerant(
-                    config,
-                    ft if job.mode == "chaos" else fault_free,
-                    topology,
-                    emulate=emulate,
-                    timeout_s=timeout_s,
-                )
-                runs[j].append({k: r.get(k) for k in _KEPT} | _ft_time(r))
-            log("  " + _one_line(runs[j][-1]))
+            result = {k: r.get(k) for k in _KEPT} | _ft_time(r)
+        log("  " + _one_line(result))
+        return result
+
+    by_name = run_rounds(schedule, run)
+    runs = {j: by_name[name] for j, name in enumerate(names)}
     return _records(jobs, runs, control)
 
 

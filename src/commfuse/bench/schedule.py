@@ -1,4 +1,5 @@
-"""The one scheduler of every benchmark that times several variants in one job.
+"""The one rounds-and-ratios driver of every benchmark that times several variants: ``bench *``,
+``compare`` and ``compare --fault-tolerant`` (``Schedule``, ``run_rounds``, ``summarize``).
 
 On a shared machine the order in which variants run biases them (cold caches first, a machine
 other jobs have filled last, a neighbour's allocator and thermal state). Timing in rounds, each
@@ -22,10 +23,9 @@ in a different order, spreads those effects over every variant alike:
 Usage::
 
     schedule = Schedule(("native", "ring"), rounds=10, control=True)
-    for order in schedule.orders():
-        for name in order:
-            run(schedule.code_of(name))   # A' runs the baseline's code
-    summary = summarize(samples, baseline=schedule.baseline, control=schedule.control)
+    # run(name, round) -> sample; A' runs the baseline's code: schedule.code_of(name)
+    samples = run_rounds(schedule, run)
+    summary = summarize(samples, baseline=schedule.baseline, control=schedule.control_variant)
 
 Design notes: ``docs/benchmarking.md``, "The scheduler's balances, ratios and intervals".
 """
@@ -37,6 +37,7 @@ import math
 import random
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 __all__ = [
     "Schedule",
@@ -181,13 +182,17 @@ class Schedule:
         ]
 
 
-def run_rounds(schedule: Schedule, run: Callable[[str], float]) -> dict[str, list[float]]:
-    """``run(name)`` for every name of every round in the schedule's orders; returns each name's
-    samples, indexed by round (``samples[name][r]`` is round ``r``'s)."""
-    samples: dict[str, list[float]] = {name: [] for name in schedule.names}
-    for order in schedule.orders():
+Sample = TypeVar("Sample")
+
+
+def run_rounds(schedule: Schedule, run: Callable[[str, int], Sample]) -> dict[str, list[Sample]]:
+    """``run(name, round)`` for every name of every round in the schedule's orders; returns
+    each name's samples (a time, or a whole run's record), indexed by round
+    (``samples[name][r]`` is round ``r``'s)."""
+    samples: dict[str, list[Sample]] = {name: [] for name in schedule.names}
+    for round_, order in enumerate(schedule.orders()):
         for name in order:
-            samples[name].append(run(name))
+            samples[name].append(run(name, round_))
     return samples
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commfuse.bench.schedule import Schedule, control_name, summarize
+from commfuse.bench.schedule import Schedule, control_name, run_rounds, summarize
 from commfuse.cluster import machine
 from commfuse.comm import Communicator
 from commfuse.comm.clock import now
@@ -231,9 +231,8 @@ def bench_strategies_on_rank(config: StrategiesBenchConfig) -> list[dict[str, An
         for runner in runners:
             if config.warmup_steps:
                 runner.run(config.warmup_steps, timed=False)
-        for order in schedule.orders():  # the same orders on every rank (seeded)
-            for name in order:
-                by_name[name].run(config.steps, timed=True)
+        # The same orders on every rank (seeded); each block's time lands in its runner.
+        run_rounds(schedule, lambda name, _round: by_name[name].run(config.steps, timed=True))
     finally:
         for runner in runners:
             runner.close()

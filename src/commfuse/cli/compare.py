@@ -136,7 +136,7 @@ def run_compare(args: argparse.Namespace) -> int:
         "strategies one after another"
         f"{' (A/A control: the baseline twice)' if args.control else ''}"
     )
-    records = C.run_compare(
+    records = C.compare_strategies(
         configs,
         base,
         topology,

@@ -23,7 +23,7 @@ def run_compare_ft(args: argparse.Namespace) -> int:
             fault-tolerant training refuses, a bad fault spec).
     """
     from commfuse.bench.compare import DEFAULT_STRATEGIES
-    from commfuse.bench.compare_ft import LEGEND, render_table, run_compare_ft
+    from commfuse.bench.compare_ft import LEGEND, compare_fault_tolerance, render_table
     from commfuse.bench.table import control_note
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec
     from commfuse.train.loop import TrainConfig
@@ -48,7 +48,7 @@ def run_compare_ft(args: argparse.Namespace) -> int:
         f"{args.steps} steps, each strategy {pairs}, {args.repeats} balanced round(s)"
         f"{' (A/A control: the first reference twice)' if args.control else ''}"
     )
-    records = run_compare_ft(
+    records = compare_fault_tolerance(
         strategies,
         base,
         topology,
