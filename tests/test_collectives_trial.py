@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from commfuse.collectives import all_reduce, reduce_scatter
+from commfuse.collectives.profile import Profile
 from commfuse.collectives.registry import label
 from commfuse.collectives.trial import (
     TRIAL_MIN_GAIN,
@@ -23,7 +24,7 @@ from commfuse.collectives.trial import (
     outcomes,
     pick_candidates,
 )
-from commfuse.collectives.tuner import Profile, choose
+from commfuse.collectives.tuner import choose
 from commfuse.comm import CommConfig, Communicator
 from commfuse.testing import RankPool
 

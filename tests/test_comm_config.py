@@ -18,7 +18,7 @@ import torch
 
 from commfuse.cluster.rank_runtime import CommSettings
 from commfuse.collectives import all_reduce, broadcast
-from commfuse.collectives.tuner import TunerState, profile_of
+from commfuse.collectives.profile import TunerState, profile_of
 from commfuse.comm import CommConfig, Communicator, Handle
 from commfuse.testing import RankPool
 

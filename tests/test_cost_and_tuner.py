@@ -14,6 +14,7 @@ from typing import cast
 import pytest
 import torch
 
+from commfuse.bench.tuner_report import describe, pick_summary
 from commfuse.collectives import cost as C
 from commfuse.collectives.calibration import (
     _paired_medians,
@@ -22,27 +23,27 @@ from commfuse.collectives.calibration import (
     fit_pipeline_alpha,
     measure_algorithms,
 )
-from commfuse.collectives.registry import COLLECTIVES, algorithms_for
-from commfuse.collectives.tuner import (
-    COSTS,
+from commfuse.collectives.profile import (
     NEAR_TIE,
     UNCALIBRATED_MIN_GAIN,
     Correction,
     Measurement,
     Profile,
+    fit_correction,
+    set_profile,
+)
+from commfuse.collectives.registry import COLLECTIVES, algorithms_for
+from commfuse.collectives.tuner import (
+    COSTS,
     best_block_bytes,
     choose,
     choose_for,
     choose_options,
-    describe,
-    fit_correction,
     model_time,
     options_for,
-    pick_summary,
     pipeline_block_bytes,
     predict,
     rank_algorithms,
-    set_profile,
 )
 from commfuse.comm import Communicator
 from commfuse.testing import RankPool

@@ -25,10 +25,10 @@ import torch
 
 from commfuse.bench.cases import Case, bus_factor, make_case
 from commfuse.bench.schedule import Schedule, summarize
+from commfuse.bench.tuner_report import pick_stats
 from commfuse.cluster.topology import Topology
 from commfuse.collectives.registry import COLLECTIVES
 from commfuse.collectives.trial import exploring, outcomes
-from commfuse.collectives.tuner import pick_stats
 from commfuse.comm import Communicator
 from commfuse.comm.clock import now
 from commfuse.comm.communicator import default_config
@@ -282,7 +282,8 @@ def _record(
     wrong: int,
     baseline_s: float,
 ) -> dict[str, Any]:
-    from commfuse.collectives.tuner import choose, predict, profile_of
+    from commfuse.collectives.profile import profile_of
+    from commfuse.collectives.tuner import choose, predict
 
     link_gbit = topology.link_gbit
     seconds = statistics.median(times.tolist())

@@ -48,7 +48,7 @@ def register(sub: Subparsers) -> None:
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
-    from commfuse.collectives.tuner import CALIBRATION_SIZES
+    from commfuse.collectives.profile import CALIBRATION_SIZES
 
     calibration = ",".join(format_size(s) for s in CALIBRATION_SIZES)
     parser.add_argument(
@@ -128,15 +128,10 @@ def print_picks(summary: list[dict[str, Any]]) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    from commfuse.bench.tuner_report import describe, pick_summary
+    from commfuse.collectives.profile import Profile
     from commfuse.collectives.registry import COLLECTIVES
-    from commfuse.collectives.tuner import (
-        Profile,
-        choose_for,
-        describe,
-        options_for,
-        pick_summary,
-        predict,
-    )
+    from commfuse.collectives.tuner import choose_for, options_for, predict
 
     topology = topology_from_args(args)
     sizes = parse_sizes(args.sizes)

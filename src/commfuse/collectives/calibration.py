@@ -5,7 +5,7 @@
 2. every registered algorithm of every collective at ``CALIBRATION_SIZES``, timed round-robin
    across rows (a burst of load spoils one run of many rows, not every run of one row), max
    over ranks, each as a ratio to native measured in the same run;
-3. per (collective, algorithm) a correction of its alpha-beta-gamma model (``tuner.Correction``).
+3. per (collective, algorithm) a correction of its alpha-beta-gamma model (``profile.Correction``).
 
 Rank 0's numbers are what every rank ends with, so all ranks hold the same profile and
 ``choose`` agrees everywhere. ``commfuse tune`` runs this and writes the profile JSON.
@@ -21,9 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from commfuse.collectives import cost as C
-from commfuse.collectives.registry import COLLECTIVES, Options, algorithms_for
-from commfuse.collectives.tuner import (
-    _LP_MODELS,
+from commfuse.collectives.profile import (
     BLOCK_FIT_MAX_BYTES,
     BLOCK_FIT_MIN_BYTES,
     CALIBRATION_SIZES,
@@ -32,12 +30,10 @@ from commfuse.collectives.tuner import (
     Corrections,
     Measurement,
     Profile,
-    _flat,
-    _model_at_block,
     fit_correction,
-    model_time,
-    options_for,
 )
+from commfuse.collectives.registry import COLLECTIVES, Options, algorithms_for
+from commfuse.collectives.tuner import _LP_MODELS, _flat, model_at_block, model_time, options_for
 from commfuse.comm import Communicator
 from commfuse.comm.clock import now
 
@@ -289,7 +285,7 @@ def fit_corrections(
         fit = fit_correction(
             [m.nbytes for m in points],
             [
-                _model_at_block(collective, algo, m.nbytes, world_size, profile, m.block_bytes)
+                model_at_block(collective, algo, m.nbytes, world_size, profile, m.block_bytes)
                 for m in points
             ],
             [m.seconds for m in points],

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from commfuse.collectives import tuner
+from commfuse.collectives.profile import profile_of
 
 if TYPE_CHECKING:
     from commfuse.comm import Communicator
@@ -133,7 +134,7 @@ def _settled(comm: Communicator, state: TrialState, key: tuple[str, int]) -> boo
         return True
     if key in state.running:
         return False
-    if tuner.profile_of(comm).trial_choice(*key, comm.world_size) is None:
+    if profile_of(comm).trial_choice(*key, comm.world_size) is None:
         return False
     state.from_profile.add(key)
     return True
@@ -155,7 +156,7 @@ def next_call(
         return None
     trial = state.running.get(key)
     if trial is None:
-        profile = tuner.profile_of(comm)
+        profile = profile_of(comm)
         ranked = tuner.rank_algorithms(collective, nbytes, comm.world_size, profile)
         trial = state.running[key] = _Trial(pick_candidates(ranked), rounds)
     index, timed = trial.next_candidate()

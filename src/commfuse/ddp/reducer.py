@@ -537,6 +537,7 @@ class Reducer:
     def _merge_by_cost(self) -> None:
         """Re-bucket once from this step's arrival times (rank 0's, so every rank agrees)."""
         from commfuse.collectives import tuner
+        from commfuse.collectives.profile import profile_of
 
         self.merged = True
         order = [i for group in self.groups for i in group]
@@ -546,7 +547,7 @@ class Reducer:
             device=self.buckets[0].flat.device,
         )
         broadcast(self.comm, ready, 0, algo="native")
-        profile = tuner.profile_of(self.comm)
+        profile = profile_of(self.comm)
         world = self.comm.world_size
         algo = self.config.algo
 

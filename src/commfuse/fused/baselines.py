@@ -9,7 +9,7 @@ collectives are not always the best unfused choice:
 * its all-to-all posts every message at once, which floods the first receivers of a shaped
   link, where commfuse's pairwise exchange (one peer per step, Thakur et al. 2005) keeps every
   link busy with one stream. ``auto`` picks pairwise for large messages on shaped multi-host
-  layouts (``tuner.UNCALIBRATED_NATIVE_ALL_TO_ALL``) but keeps gloo's on loopback and for small
+  layouts (``profile.UNCALIBRATED_NATIVE_ALL_TO_ALL``) but keeps gloo's on loopback and for small
   ones; the all-to-all references name ``"pairwise"`` so that every layout and size times the
   same exchange.
 

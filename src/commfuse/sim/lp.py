@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 
 from commfuse.collectives import cost as C
-from commfuse.collectives.tuner import Profile, best_block_bytes
+from commfuse.collectives.profile import Profile
+from commfuse.collectives.tuner import best_block_bytes
 
 _FP32_BYTES = 4
 

@@ -36,8 +36,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from commfuse.collectives import cost as C
+from commfuse.collectives.profile import Profile
 from commfuse.collectives.registry import COLLECTIVES, resolve
-from commfuse.collectives.tuner import Profile, choose_for, predict
+from commfuse.collectives.tuner import choose_for, predict
 from commfuse.sim import lp
 from commfuse.sim.cluster import ClusterModel
 
