@@ -17,6 +17,7 @@ per check.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import statistics
@@ -287,63 +288,80 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
     Raises:
         ValueError: when ``data`` is not such a file.
     """
-    kind = kind_of(data)
-    if kind == "bench collectives":
-        columns = list(_collective_columns())
-        layouts = {(r.get("hosts"), r.get("ranks_per_host")) for r in data}
-        if len(layouts) > 1:  # several runs in one file (a scaling sweep): say which is which
-            columns.insert(0, ("hosts", lambda r: f"{r['hosts']}x{r['ranks_per_host']}"))
-        if len({r.get("run") for r in data}) > 1:  # runs of one layout, tagged by the report
-            columns.insert(0, ("run", lambda r: str(r.get("run", "-"))))
-        if any(r.get("ratio_ci") is not None for r in data):  # rows judged by their interval too
-            at = next(i for i, (name, _) in enumerate(columns) if name == "speedup") + 1
-            label = f"speedup_{interval_label(data)}"  # 95% from six rounds, else range
-            columns.insert(at, (label, speedup_interval_cell))
-        return _table(data, columns, markdown)
-    if kind == "bench fused":
-        return _table(data, _fused_columns(), markdown)
-    if kind == "bench fused --step":
-        return _table(data, _fused_step_columns(), markdown)
-    if kind == "compare":
-        columns = list(_compare_columns(data))
-        # Runs of several seeds, workloads or schedules in one file: a column for each that
-        # varies, before the strategy.
-        for key in ("lr_schedule", "workload", "seed"):
-            if len({str(r.get(key)) for r in data}) > 1:
-                columns.insert(0, (key, _setting(key)))
-        return _table(data, columns, markdown)
-    if kind == "compare --fault-tolerant":
-        from commfuse.bench.compare_ft import columns as ft_columns
+    return KINDS[kind_of(data)].table(data, markdown)
 
-        return _table(data, ft_columns(data), markdown)
-    if kind == "bench strategies":
-        return _table(data, STRATEGIES_COLUMNS, markdown)
-    if kind == "bench ddp":
-        columns = list(DDP_COLUMNS)
-        if len({str(r.get("model")) for r in data}) > 1:  # runs of several models in one file
-            columns.insert(0, ("model", _setting("model")))
-        return _table(data, columns, markdown)
-    if kind == "bench cli":
-        return _table(data, CLI_COLUMNS, markdown)
-    if kind == "simulate --scale":
-        return _scale_table(data, markdown)
-    if kind == "simulate --validate":
-        return _validation_table(data, markdown)
-    if kind == "train":
-        return _table([data], TRAIN_COLUMNS, markdown)
-    if kind == "gpu check":
-        return _table(data["checks"], GPU_CHECK_COLUMNS, markdown)
+
+def _collectives_table(data: Any, markdown: bool) -> str:
+    columns = list(_collective_columns())
+    layouts = {(r.get("hosts"), r.get("ranks_per_host")) for r in data}
+    if len(layouts) > 1:  # several runs in one file (a scaling sweep): say which is which
+        columns.insert(0, ("hosts", lambda r: f"{r['hosts']}x{r['ranks_per_host']}"))
+    if len({r.get("run") for r in data}) > 1:  # runs of one layout, tagged by the report
+        columns.insert(0, ("run", lambda r: str(r.get("run", "-"))))
+    if any(r.get("ratio_ci") is not None for r in data):  # rows judged by their interval too
+        at = next(i for i, (name, _) in enumerate(columns) if name == "speedup") + 1
+        label = f"speedup_{interval_label(data)}"  # 95% from six rounds, else range
+        columns.insert(at, (label, speedup_interval_cell))
+    return _table(data, columns, markdown)
+
+
+def _compare_table(data: Any, markdown: bool) -> str:
+    columns = list(_compare_columns(data))
+    # Runs of several seeds, workloads or schedules in one file: a column for each that
+    # varies, before the strategy.
+    for key in ("lr_schedule", "workload", "seed"):
+        if len({str(r.get(key)) for r in data}) > 1:
+            columns.insert(0, (key, _setting(key)))
+    return _table(data, columns, markdown)
+
+
+def _compare_ft_table(data: Any, markdown: bool) -> str:
+    from commfuse.bench.compare_ft import columns as ft_columns
+
+    return _table(data, ft_columns(data), markdown)
+
+
+def _ddp_table(data: Any, markdown: bool) -> str:
+    columns = list(DDP_COLUMNS)
+    if len({str(r.get("model")) for r in data}) > 1:  # runs of several models in one file
+        columns.insert(0, ("model", _setting("model")))
+    return _table(data, columns, markdown)
+
+
+def _profile_table(data: Any, markdown: bool) -> str:
     rows = [{"link": link, **data[link]} for link in ("intra", "inter")]
     return _table(rows, PROFILE_COLUMNS, markdown)
 
 
-#: What each benchmark's A/A control times twice, as its command's note names it.
-_CONTROL_LABELS = {
-    "bench collectives": "algorithm",
-    "bench ddp": "engine",
-    "bench strategies": "strategy",
-    "compare": "strategy",
-    "compare --fault-tolerant": "run",
+def _columns_table(columns: Callable[[], Sequence[Column]]) -> Callable[[Any, bool], str]:
+    return lambda data, markdown: _table(data, columns(), markdown)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """How ``commfuse report`` renders the result of one command: its table, and what its A/A
+    control times twice (the control line's word; None: the command has no control)."""
+
+    table: Callable[[Any, bool], str]
+    control: str | None = None
+
+
+#: Every kind of result, by the command that writes it (``kind_of``): a new column or a new
+#: command's table goes here, and nowhere else in the report.
+KINDS: dict[str, Kind] = {
+    "bench collectives": Kind(_collectives_table, "algorithm"),
+    "bench fused": Kind(_columns_table(_fused_columns)),
+    "bench fused --step": Kind(_columns_table(_fused_step_columns)),
+    "compare": Kind(_compare_table, "strategy"),
+    "compare --fault-tolerant": Kind(_compare_ft_table, "run"),
+    "bench strategies": Kind(_columns_table(lambda: STRATEGIES_COLUMNS), "strategy"),
+    "bench ddp": Kind(_ddp_table, "engine"),
+    "bench cli": Kind(_columns_table(lambda: CLI_COLUMNS)),
+    "simulate --scale": Kind(_scale_table),
+    "simulate --validate": Kind(_validation_table),
+    "train": Kind(lambda data, markdown: _table([data], TRAIN_COLUMNS, markdown)),
+    "gpu check": Kind(lambda data, markdown: _table(data["checks"], GPU_CHECK_COLUMNS, markdown)),
+    "tune": Kind(_profile_table),
 }
 
 
@@ -359,7 +377,7 @@ def control_line(data: Any) -> str | None:
     kind = kind_of(data)
     if not isinstance(data, list):
         return None
-    return control_note(data, _CONTROL_LABELS.get(kind, "variant"))
+    return control_note(data, KINDS[kind].control or "variant")
 
 
 def _load(path: str | Path) -> Any:
