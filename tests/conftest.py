@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from commfuse.testing import RankPool, Stress, close_pools, get_pool, under_stress
+from commfuse.testing import RankPool, close_pools, get_pool
+from commfuse.testing.stress import Stress, under_stress
 
 
 def in_ci() -> bool:
