@@ -357,6 +357,36 @@ def test_resume_is_bit_identical(pool: PoolFn) -> None:
         assert torch.equal(a, b)
 
 
+def resume_keeps_the_tuners_picks(_: None) -> tuple[str, str]:
+    """A run whose ``algo="auto"`` settled on ``ring`` for its bucket (as a timed trial may
+    decide on a loaded machine), checkpointed and resumed in a fresh engine: what the resumed
+    engine reduces that bucket with, and what a fresh engine's model picks."""
+    from commfuse.collectives import tuner
+    from commfuse.collectives.tuner import TunerState, remember_choice
+
+    def build() -> DataParallel:
+        torch.manual_seed(0)
+        return DataParallel(nn.Linear(64, 64), Communicator(), config=DataParallelConfig())
+
+    dp = build()
+    nbytes = dp.reducer.buckets[0].nbytes
+    model = tuner.choose_for("all_reduce", nbytes, dp.comm.world_size, tuner.profile_of(dp.comm))
+    picked = "ring" if model != "ring" else "doubling"
+    remember_choice(dp.comm, "all_reduce", nbytes, picked)
+    state = dp.engine_state_dict()
+    dp.close()
+    resumed = build()  # its own communicator: its tuner has picked the model's choice
+    resumed.load_engine_state_dict(state)
+    got = resumed.comm.owned(TunerState).choices[("all_reduce", nbytes)]
+    resumed.close()
+    return got, picked
+
+
+def test_a_resume_reduces_with_the_algorithms_the_run_picked(pool: PoolFn) -> None:
+    for got, picked in pool(2).run(resume_keeps_the_tuners_picks, None, timeout_s=60):
+        assert got == picked
+
+
 # -- a rank whose backward gives no gradient at all -----------------------------------------------
 
 

@@ -21,6 +21,7 @@ accumulation; ``state_dict()`` / ``load_state_dict()`` hold the module's weights
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from commfuse.collectives import broadcast
 from commfuse.comm import Communicator
+from commfuse.compress.base import Compressor
 from commfuse.ddp.config import DataParallelConfig
 from commfuse.ddp.graph import unreachable_params
 from commfuse.ddp.reducer import Reducer, StepStats
@@ -187,16 +189,57 @@ class DataParallel(nn.Module):
         """Parameter names per bucket, in launch order."""
         return [[self.reducer.names[i] for i in group] for group in self.reducer.groups]
 
+    def choices(self) -> dict[str, Any]:
+        """What this engine chose that decides its bits, for a run's record: the bucket layout
+        (``bucket_layout``, MG-WFBP's merged one once merged), each bucket's algorithm, the
+        tuner's picks so far (``algo="auto"``: from its cost model, a calibrated profile or a
+        timed trial; the same on every rank) and the compressor's settings."""
+        from commfuse.collectives.registry import resolve
+        from commfuse.collectives.tuner import TunerState
+
+        reducer, config = self.reducer, self.config
+        compressor = config.compressor
+        if config.skip_communication:
+            algos = ["none"] * len(reducer.buckets)
+        elif compressor is not None:
+            algos = [f"{compressor.name}:{compressor.algo}"] * len(reducer.buckets)
+        elif reducer.direct:
+            algos = ["native"] * len(reducer.buckets)
+        elif config.algo != "auto":
+            algos = [resolve("all_reduce", config.algo)] * len(reducer.buckets)
+        else:
+            picked = self.comm.owned(TunerState).choices
+            algos = [picked.get(("all_reduce", b.nbytes), "auto") for b in reducer.buckets]
+        tuner = self.comm.owned(TunerState).choices
+        return {
+            "bucket_layout": self.bucket_layout,
+            "merged_by_cost": config.merge_buckets_by_cost and reducer.merged,
+            "bucket_algorithms": algos,
+            "tuner": {f"{c}:{n}": algo for (c, n), algo in sorted(tuner.items())},
+            "compressor": None if compressor is None else compressor_choices(compressor),
+        }
+
     # -- checkpoints -------------------------------------------------------------------------------
     def engine_state_dict(self) -> dict[str, Any]:
-        """The engine's own state: step counter, bucket layout, compressor state and, with
-        ``staleness=1``, the averaged gradient still in flight (waited for here, applied at the
+        """The engine's own state: step counter, bucket layout, the tuner's picks, compressor
+        state and, with ``staleness=1``, the averaged gradient still in flight (waited for here, applied at the
         next step as usual). (The module's weights are in ``state_dict()``, as for any module;
         the optimizer's are the caller's.)"""
+        from commfuse.collectives.tuner import TunerState
+
         state: dict[str, Any] = {
             "step": self.reducer.step,
             "bucket_groups": [list(g) for g in self.reducer.groups],
             "merged": self.reducer.merged,
+            # algo="auto"'s picks (from a timed trial, a calibrated profile or the model): a
+            # resumed run reduces with the same algorithms, in the same order, not with what
+            # a new trial on a differently loaded machine would pick.
+            "tuner_choices": [
+                [collective, nbytes, algo]
+                for (collective, nbytes), algo in sorted(
+                    self.comm.owned(TunerState).choices.items()
+                )
+            ],
         }
         in_flight = self.reducer.land_in_flight()  # first: the compressor state it updates
         if in_flight is not None:
@@ -220,6 +263,10 @@ class DataParallel(nn.Module):
             raise ValueError(
                 "engine state holds a gradient in flight but the config has staleness=0"
             )
+        from commfuse.collectives.tuner import remember_choice
+
+        for collective, nbytes, algo in state.get("tuner_choices", []):  # before the layout,
+            remember_choice(self.comm, collective, int(nbytes), algo)  # which asks the tuner
         self.reducer.set_layout(state["bucket_groups"])
         self.reducer.step = int(state["step"])
         self.reducer._reset_step()
@@ -242,3 +289,22 @@ class DataParallel(nn.Module):
         (the wrapped module then trains locally again). Call it before other collectives on the
         same process group: a flight left running would race them."""
         self.reducer.close()
+
+
+def compressor_choices(compressor: Compressor) -> dict[str, Any]:
+    """A compressor's settings and the tensors of each bucket it compressed, in bucket order
+    (its state is seeded and filed by them: PowerSGD's first Q by the bucket's index)."""
+    settings = {
+        field.name: getattr(compressor, field.name)
+        for field in dataclasses.fields(compressor)
+        if field.init
+    }
+    return {
+        "name": compressor.name,
+        "settings": {
+            k: v if isinstance(v, (int, float, str, bool)) else repr(v) for k, v in settings.items()
+        },
+        "layouts": {
+            int(bucket): list(layout.names) for bucket, layout in sorted(compressor.layouts.items())
+        },
+    }
