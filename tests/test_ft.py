@@ -48,7 +48,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,62 @@ WORKLOAD = CharLMConfig(dim=32, layers=2, heads=2, seq=16, batch=4)
 #: Buckets of 10 KB: the model's gradient travels in several allreduces.
 BUCKET_CAP_MB = 0.01
 RECOVER_BOUND_S = 3.0
+
+
+#: The fault-free comparisons: every quorum must hold both replica groups. With
+#: ``min_replicas=1`` the lighthouse forms a quorum of one when the other replica's heartbeat
+#: lapsed (a replica starved past ``timeout_s`` by a loaded machine), and the survivor trains
+#: those steps on its own gradient alone: by design for fault tolerance, a different run for a
+#: bit-for-bit comparison. Every per-step digest is reported.
+FAULT_FREE = FaultToleranceConfig(min_replicas=2, digest_every_steps=1)
+
+
+@contextlib.contextmanager
+def _stalled_at_go(
+    monkeypatch: pytest.MonkeyPatch, *, replica: int, for_s: float
+) -> Iterator[None]:
+    """Stop (SIGSTOP) replica group ``replica``'s first life the moment the launcher tells it
+    to go, and let it continue (SIGCONT) ``for_s`` later: what a loaded machine that starves
+    a process does, on purpose. (The seam is the launcher's ``_Supervisor._go``; a replica
+    process leads its own process group.)"""
+    from commfuse.ft import launch
+
+    go = launch._Supervisor._go
+    timers: list[threading.Timer] = []
+
+    def signal_group(pid: int, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+
+    def stalled(self: Any, life: Any) -> None:
+        go(self, life)
+        if life.replica == replica and life.life == 0:
+            signal_group(life.proc.pid, signal.SIGSTOP)
+            timer = threading.Timer(for_s, signal_group, (life.proc.pid, signal.SIGCONT))
+            timer.start()
+            timers.append(timer)
+
+    monkeypatch.setattr(launch._Supervisor, "_go", stalled)
+    try:
+        yield
+    finally:
+        for timer in timers:
+            timer.cancel()
+            timer.function(*timer.args)  # never leave a replica stopped
+
+
+def _assert_same_bits(ft: dict[str, Any], plain: dict[str, Any]) -> None:
+    """The fault-tolerant run ended with the plain run's bits, both replica groups finished,
+    and every step was committed by both; else say where the runs part
+    (``commfuse.testing.bits``)."""
+    from commfuse.testing.bits import RunBits, parting
+
+    report = parting(RunBits.of_ft(ft), RunBits.of_plain(plain))
+    assert report is None, report
+    finished = {replica for replica, _, _, _ in ft["rank_digests"]}
+    assert finished == {0, 1} and ft["replicas_agree"], ft["rank_digests"]
+    quorums = {(r["step"], r["participants"]) for r in ft["records"] if r["committed"]}
+    assert all(size == 2 for _, size in quorums), sorted(quorums)
 
 
 def _param_bytes() -> int:
@@ -266,11 +324,12 @@ def test_fault_free_run_equals_torch_ddp_bit_for_bit() -> None:
         evaluate=False,
         bucket_cap_mb=BUCKET_CAP_MB,
         lr_schedule=StepSchedule(every_steps=2, gamma=0.5),
+        param_fingerprints=True,
     )
     topology = Topology(num_hosts=2, link_mbit=1000)
-    ft = run_fault_tolerant(config, FaultToleranceConfig(), topology, timeout_s=200)
+    ft = run_fault_tolerant(config, FAULT_FREE, topology, timeout_s=200)
     plain = run_training(config, topology, progress=False, timeout_s=200)
-    assert ft["digest"] == plain["digest"]
+    _assert_same_bits(ft, plain)
     assert ft["discarded_steps"] == 0 and ft["events"] == [] and ft["batches_lost"] == 0
     # The forward ran while the quorum was asked for, once per step: only the first step,
     # before any quorum, guessed its batch wrong.
@@ -284,7 +343,9 @@ def test_fault_free_run_equals_torch_ddp_bit_for_bit() -> None:
 @pytest.mark.netlab
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_fault_free_powersgd_equals_the_run_without_torchft_bit_for_bit() -> None:
+def test_fault_free_powersgd_equals_the_run_without_torchft_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Two replicas: a sum of two is the same in any order, so the quorum's all-reduce and the
     # engine's sum the same bits; what must also match is everything around them: the
     # warm-up in fp16, the factors, the error feedback, overlapped with backward or not.
@@ -298,12 +359,17 @@ def test_fault_free_powersgd_equals_the_run_without_torchft_bit_for_bit() -> Non
         strategy=CommfuseDPConfig(compressor=compressor),
         steps=6,
         evaluate=False,
+        param_fingerprints=True,
     )
     topology = Topology(num_hosts=2, link_mbit=1000)
-    ft = run_fault_tolerant(config, FaultToleranceConfig(), topology, timeout_s=200)
+    # A loaded machine may starve a replica for longer than timeout_s (its heartbeat lapses)
+    # just as the run starts; stopping one for that long makes it happen every time. The
+    # other must wait for it, not train the first steps alone.
+    with _stalled_at_go(monkeypatch, replica=1, for_s=2.5 * FAULT_FREE.timeout_s):
+        ft = run_fault_tolerant(config, FAULT_FREE, topology, timeout_s=200)
     plain = run_training(config, topology, progress=False, timeout_s=200)
-    assert ft["discarded_steps"] == 0 and ft["replicas_agree"]
-    assert ft["digest"] == plain["digest"]
+    assert ft["discarded_steps"] == 0
+    _assert_same_bits(ft, plain)
     assert ft["losses"][0] == plain["loss_curve"][0]
 
 
@@ -441,7 +507,7 @@ def test_fault_free_diloco_equals_the_run_without_torchft_bit_for_bit() -> None:
         lr_schedule=CosineSchedule(warmup_steps=2, min_ratio=0.0),
     )
     topology = Topology(num_hosts=2, link_mbit=1000)
-    ft = run_fault_tolerant(config, FaultToleranceConfig(), topology, timeout_s=200)
+    ft = run_fault_tolerant(config, FAULT_FREE, topology, timeout_s=200)
     plain = run(train_rank, config, None, net=topology, timeout_s=200)
     assert ft["discarded_steps"] == 0 and ft["batches_lost"] == 0 and ft["events"] == []
     assert ft["committed_periods"] == 4 and ft["committed_steps"] == steps

@@ -405,6 +405,12 @@ def _summarize(
     record["rank_digests"] = sorted(
         (e.replica, e.rank, e.life, e.result["digest"]) for e in job.lives if e.result is not None
     )
+    # Each finished rank's choices that decide the bits (``Strategy.choices``).
+    record["choices"] = [
+        {"replica": e.replica, "rank": e.rank, "life": e.life, **e.result.get("choices", {})}
+        for e in sorted(job.lives, key=lambda e: (e.replica, e.rank, e.life))
+        if e.result is not None
+    ]
     return record
 
 

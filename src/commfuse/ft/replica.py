@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from commfuse.compress.base import Compressor
+from commfuse.ddp.wrapper import compressor_choices
 from commfuse.ft.data import global_batch_slice, loss_scale, sample_range
 from commfuse.ft.group_hook import GroupHookState, group_allreduce_hook
 from commfuse.ft.hook import FTHookState, ft_allreduce_hook
@@ -50,10 +51,10 @@ from commfuse.ft.loop import (
     kill_now,
     start_quorum_retrying,
 )
-from commfuse.train.loop import params_digest
+from commfuse.train.loop import param_fingerprints, params_digest
 from commfuse.train.lr_schedule import ScheduledRates
 from commfuse.train.strategy import CommfuseDPConfig, StrategyConfig, TorchDDPConfig
-from commfuse.train.torch_ddp import bucket_caps
+from commfuse.train.torch_ddp import bucket_caps, ddp_choices
 from commfuse.workloads import make_workload
 
 
@@ -377,9 +378,22 @@ class PerStepLoop(ReplicaLoop):
             forward_again=again,
         )
 
-    def digests(self, step: int, committed: bool) -> dict[str, str | None]:
+    def digests(self, step: int, committed: bool) -> dict[str, Any]:
         digested = committed and _digested(self.job, step)
-        return {"digest": params_digest(self.module) if digested else None}
+        fingerprinted = committed and self.job.train.param_fingerprints
+        return {
+            "digest": params_digest(self.module) if digested else None,
+            "fingerprints": param_fingerprints(self.module) if fingerprinted else None,
+        }
+
+    def final_record(self) -> dict[str, Any]:
+        # What decides the bits beside the configuration (``Strategy.choices``).
+        compressor = self.hook_state.compressor
+        choices = {
+            "ddp": ddp_choices(self.ddp),
+            "compressor": None if compressor is None else compressor_choices(compressor),
+        }
+        return {**super().final_record(), "choices": choices}
 
     def shutdown(self) -> None:
         self.quorum_thread.shutdown(wait=False)

@@ -51,6 +51,9 @@ class CommfuseDP(Strategy):
     def optimizer_step(self) -> bool:
         return self.dp.step(self.optimizer)
 
+    def choices(self) -> dict[str, Any]:
+        return self.dp.choices()
+
     def bytes_sent(self) -> int:
         # Bytes handed to collectives: what torch DDP's hooks are counted by (the exact wire
         # bytes of commfuse's own algorithms are in stats' bytes_sent).

@@ -98,6 +98,10 @@ class TrainConfig:
     lr_schedule: LRSchedule | None = None
     """The learning-rate schedule over the run's ``steps`` (``CosineSchedule(warmup_steps=20)``,
     ``commfuse.train.lr_schedule``); None: the workload's rate at every step."""
+    param_fingerprints: bool = False
+    """Record after every step a short hash of each parameter's bits (``param_fingerprints``,
+    a pass over the parameters per step), so that two runs meant to be bit-identical name the
+    first step and parameter where they part (``commfuse.testing.bits``)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -135,6 +139,17 @@ def params_digest(module: torch.nn.Module) -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def param_fingerprints(module: torch.nn.Module) -> dict[str, str]:
+    """Each parameter's bits, hashed (BLAKE2b, 8 bytes, hex), by name: where two runs meant
+    to be bit-identical part, ``params_digest`` says when and this says which parameter."""
+    return {
+        name: hashlib.blake2b(
+            tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes(), digest_size=8
+        ).hexdigest()
+        for name, tensor in module.named_parameters()
+    }
 
 
 def _identity(config: TrainConfig, world_size: int) -> dict[str, Any]:
@@ -233,6 +248,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
         sent_before = strategy.bytes_sent()
         snapshot: dict[str, torch.Tensor] | None = None
         run_metrics: dict[str, Any] | None = None  # the strategy's, as of step ``steps``
+        fingerprints: dict[int, dict[str, str]] = {}  # step -> parameter -> hash of its bits
         others = _MachineReading(pids, device)
         for step in range(start, config.steps + config.extra_steps):
             if step == config.steps and config.extra_steps:
@@ -260,6 +276,8 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             history["step_time_s"].append(elapsed)
             history["bytes"].append(float(sent))
             history["skipped"].append(0.0 if applied else 1.0)
+            if config.param_fingerprints and step < config.steps:
+                fingerprints[step] = param_fingerprints(module)
             if progress is not None and rank == 0:
                 progress.put((step + 1, history["loss"][-1], elapsed, sent))
             done = step + 1
@@ -284,6 +302,9 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
             "extra_steps": config.steps + config.extra_steps - max(start, config.steps),
             "digest": params_digest(module),
             "strategy_metrics": strategy.metrics() if run_metrics is None else run_metrics,
+            # What the run chose that decides its bits (bucket layout, algorithms, warm-up).
+            "choices": strategy.choices(),
+            "param_fingerprints": fingerprints,
             "cores": machine.cores(),
             "others_over_run": others_over_run,
         }

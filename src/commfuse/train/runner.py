@@ -144,5 +144,10 @@ def run_training(
         start_step=results[0]["start_step"],
         backend=backend,
         device=results[0]["device"],
+        # Per rank: what each chose that decides the bits, its loss at every step, and (with
+        # ``param_fingerprints``) each parameter's bits after every step.
+        choices=[r["choices"] for r in results],
+        rank_losses=[r["history"]["loss"][: config.steps] for r in results],
+        param_fingerprints=[r["param_fingerprints"] for r in results],
     )
     return record

@@ -392,6 +392,12 @@ class Strategy(abc.ABC):
         """Strategy-specific metrics for the run's record (e.g. drift between replicas)."""
         return {}
 
+    def choices(self) -> dict[str, Any]:
+        """What this rank chose that decides the run's bits beyond its configuration (bucket
+        layout, algorithms, warm-up), for the run's record: two runs meant to be
+        bit-identical compare them (``commfuse.testing.bits``). Plain data."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release hooks or threads."""
 

@@ -136,6 +136,16 @@ def bucket_caps(bucket_cap_mb: float, first_bucket_cap_mb: float | None) -> dict
     return {"bucket_cap_mb": bucket_cap_mb}
 
 
+def ddp_choices(ddp: DistributedDataParallel) -> dict[str, Any]:
+    """torch DDP's bucket layout as its logging data has it (the bytes of each bucket, in
+    its order), and whether it rebuilt its buckets in gradient order."""
+    data = ddp._get_ddp_logging_data()  # type: ignore[no-untyped-call]
+    return {
+        "bucket_sizes": str(data.get("bucket_sizes", "")),
+        "rebuilt_buckets": bool(data.get("has_rebuilt_buckets", 0)),
+    }
+
+
 class TorchDDP(Strategy):
     """torch DDP with an optional built-in communication hook."""
 
@@ -172,6 +182,9 @@ class TorchDDP(Strategy):
     @property
     def model(self) -> nn.Module:
         return self.ddp
+
+    def choices(self) -> dict[str, Any]:
+        return ddp_choices(self.ddp)
 
     def zero_grad(self) -> None:
         super().zero_grad()
