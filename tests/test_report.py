@@ -43,6 +43,16 @@ def test_kinds_are_told_apart_by_their_keys() -> None:
     assert kind_of([{"command": "--help", "tree": "new", "wall_s": 0.1}]) == "bench cli"
 
 
+def test_a_record_that_names_its_kind_is_rendered_as_that_kind() -> None:
+    """``kind`` decides over the keys: a compare record that also has a strategies key."""
+    record = {"strategy": "ddp", "step_time_s": 0.1, "step_s": 0.1, "ratio_to_first": 1.0}
+    assert kind_of([record]) == "compare"
+    assert kind_of([record | {"kind": "bench strategies"}]) == "bench strategies"
+    # simulate --validate's records name a configuration's kind, not the command's
+    validation = {"config": "c", "predicted_us": 1.0, "measured_us": 1.0, "error": 0.0}
+    assert kind_of([validation | {"kind": "step"}]) == "simulate --validate"
+
+
 def test_a_missing_value_prints_as_a_dash() -> None:
     record = {"op": "broadcast", "algo": "tree", "bytes": 1024, "time_us": 12.5, "wrong": 0}
     row = render_result([record]).splitlines()[1]  # no algbw, busbw, %link in this record

@@ -153,6 +153,7 @@ def compare_strategies(
         if j >= len(strategies):  # the control: the baseline's second run
             record["strategy"] = job_names[j]
             record["control_of"] = labels[baseline]
+        record["kind"] = "compare"  # commfuse report's table (cli/report.py, KINDS)
         records.append(record)
     add_comparisons(records)
     if control:

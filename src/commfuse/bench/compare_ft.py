@@ -301,6 +301,7 @@ def _records(
                 record["tie"] = low <= 1.0 <= high or bool(floor.is_tie(record["time_ratio"]))
             else:
                 record["tie"] = None
+        record["kind"] = "compare --fault-tolerant"  # commfuse report's table
         records.append(record)
     return records
 

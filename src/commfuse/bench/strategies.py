@@ -275,5 +275,6 @@ def bench_strategies_on_rank(config: StrategiesBenchConfig) -> list[dict[str, An
             record["step_over_compute"] = statistics.median(
                 a / b for a, b in zip(runner.blocks_s, floor, strict=True)
             )
+        record["kind"] = "bench strategies"  # commfuse report's table
         records.append(record)
     return records

@@ -142,11 +142,18 @@ def _compare_columns(records: Sequence[Record]) -> Sequence[Column]:
 
 
 def kind_of(data: Any) -> str:
-    """Which command wrote ``data`` (the parsed JSON), from the keys of its records.
+    """Which command wrote ``data`` (the parsed JSON): the ``kind`` its records name (``compare``,
+    ``compare --fault-tolerant`` and ``bench strategies`` write it), else, for files written
+    before records named it, from the keys of its records.
 
     Raises:
         ValueError: when no command writes records of this shape.
     """
+    named = data.get("kind") if isinstance(data, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        named = data[0].get("kind")
+    if named in KINDS:  # (simulate --validate's records use "kind" for a configuration's)
+        return str(named)
     if isinstance(data, dict):
         if "intra" in data and "inter" in data:
             return "tune"
