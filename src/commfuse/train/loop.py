@@ -54,7 +54,8 @@ from commfuse.workloads import (
 
 
 class ResumeNotExactWarning(UserWarning):
-    """Resuming a strategy whose resume is not bit-exact (torch's PowerSGD hook)."""
+    """Resuming a strategy whose resume is not bit-exact (its config's ``resume_caveat`` says
+    why)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -123,14 +123,9 @@ class TorchPowerSGDConfig:
     from gloo's completion callbacks; docs/torch-hooks-on-gloo.md), so it gets one bucket
     wherever the model fits in one."""
 
-    #: Why a resume does not continue bit for bit (``commfuse train --resume`` warns with it).
-    resume_caveat: ClassVar[str | None] = (
-        "torch's powerSGD_hook keeps its error and Q memories per bucket index, and a fresh DDP "
-        "runs its first step in its initial bucket layout before it rebuilds the buckets, so with "
-        "several buckets the restored memories can meet other parameters' gradients: the run "
-        "continues from the checkpoint, with no promise of bit for bit (commfuse's own powersgd "
-        "resumes exactly)"
-    )
+    #: Resuming continues bit for bit: the hook's state and the order DDP built its buckets in
+    #: are checkpointed, and the order is replayed before the first resumed step (torch_ddp.py).
+    resume_caveat: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         from commfuse.train.torch_ddp import check_bf16_hooks, check_first_bucket

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -174,10 +175,76 @@ class TorchDDP(Strategy):
             p.numel() * p.element_size() for p in ctx.module.parameters() if p.requires_grad
         )
         self._syncing = True
+        # The reducer's parameters in its own order (its indices), and the order (those indices)
+        # in which the first synchronised backward made them ready: DDP's rebuilt buckets.
+        self._reducer_params: list[nn.Parameter] = self.ddp._build_params_for_reducer()[0]  # type: ignore[no-untyped-call]
+        self._ready_order: list[int] | None = None
+        self._replaying = False
         if hook is not None:
-            self.ddp.register_comm_hook(hook_state, hook)
+            self.ddp.register_comm_hook(hook_state, self._replayable(hook))
             self._counter = _AllReduceCounter()
             self._counter.install()
+
+    def _replayable(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        """``hook``, but while a bucket order is replayed (``_replay_order``) it hands each
+        bucket back as it is, with no communication."""
+
+        def recorded(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+            if self._replaying:
+                done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+                done.set_result(bucket.buffer())
+                return done
+            result: torch.futures.Future[torch.Tensor] = hook(state, bucket)
+            return result
+
+        # DDP checks a hook's annotations as objects; this module's are strings.
+        recorded.__annotations__ = {
+            "bucket": GradBucket,
+            "return": torch.futures.Future[torch.Tensor],
+        }
+        return recorded
+
+    def _backward_recording_order(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, filing the order in which it makes each parameter's gradient
+        ready (the order DDP rebuilds its buckets in after this, its first synchronised one)."""
+        order: list[int] = []
+        handles = [
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: order.append(i))  # type: ignore[no-untyped-call]
+            for i, p in enumerate(self._reducer_params)
+        ]
+        try:
+            loss.backward()  # type: ignore[no-untyped-call]
+        finally:
+            for handle in handles:
+                handle.remove()
+        self._ready_order = order
+
+    def _replay_order(self, order: list[int]) -> None:
+        """Make DDP rebuild its buckets at its next forward from ``order`` (the reducer's
+        indices), as the run that recorded it did: one backward marks every parameter ready in
+        that order while the hook hands each bucket back uncommunicated. The gradients it
+        leaves are dropped."""
+        reducer = self.ddp.reducer
+        if sorted(order) != list(range(len(self._reducer_params))):
+            raise ValueError("the checkpoint's bucket order is not over this model's parameters")
+        anchor = torch.zeros((), requires_grad=True)
+        trigger = anchor.clone()
+
+        def mark_ready(grad: torch.Tensor) -> torch.Tensor:
+            for i in order:
+                reducer._autograd_hook(i)  # type: ignore[attr-defined]
+            return grad
+
+        trigger.register_hook(mark_ready)  # type: ignore[no-untyped-call]
+        reducer.prepare_for_backward([])
+        self._replaying = True
+        try:
+            trigger.backward()  # type: ignore[no-untyped-call]
+        finally:
+            self._replaying = False
+        for p in self._reducer_params:
+            p.grad = None
+        self._ready_order = list(order)
 
     @property
     def model(self) -> nn.Module:
@@ -192,7 +259,10 @@ class TorchDDP(Strategy):
             self._counter.arm()  # a step begins: its hook's all_reduces are this strategy's
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()  # type: ignore[no-untyped-call]
+        if self.hook_state is not None and self._ready_order is None and self._syncing:
+            self._backward_recording_order(loss)
+        else:
+            loss.backward()  # type: ignore[no-untyped-call]
         if self._counter is None and self._syncing and self.comm.world_size > 1:
             self._analytic_bytes += self._grad_bytes  # every bucket, allreduced in backward
 
@@ -214,7 +284,10 @@ class TorchDDP(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         if isinstance(self.hook_state, powerSGD_hook.PowerSGDState):
-            return {"powersgd": powersgd_state_dict(self.hook_state)}
+            return {
+                "powersgd": powersgd_state_dict(self.hook_state),
+                "bucket_order": list(self._ready_order or []),
+            }
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -222,6 +295,8 @@ class TorchDDP(Strategy):
             if "powersgd" not in state:
                 raise ValueError("checkpoint has no PowerSGD hook state for ddp-powersgd")
             load_powersgd_state_dict(self.hook_state, state["powersgd"])
+            if state.get("bucket_order"):
+                self._replay_order(list(state["bucket_order"]))
         else:
             super().load_state_dict(state)
 
