@@ -362,7 +362,8 @@ def resume_keeps_the_tuners_picks(_: None) -> tuple[str, str]:
     decide on a loaded machine), checkpointed and resumed in a fresh engine: what the resumed
     engine reduces that bucket with, and what a fresh engine's model picks."""
     from commfuse.collectives import tuner
-    from commfuse.collectives.tuner import TunerState, remember_choice
+    from commfuse.collectives.profile import TunerState, profile_of
+    from commfuse.collectives.tuner import remember_choice
 
     def build() -> DataParallel:
         torch.manual_seed(0)
@@ -370,7 +371,7 @@ def resume_keeps_the_tuners_picks(_: None) -> tuple[str, str]:
 
     dp = build()
     nbytes = dp.reducer.buckets[0].nbytes
-    model = tuner.choose_for("all_reduce", nbytes, dp.comm.world_size, tuner.profile_of(dp.comm))
+    model = tuner.choose_for("all_reduce", nbytes, dp.comm.world_size, profile_of(dp.comm))
     picked = "ring" if model != "ring" else "doubling"
     remember_choice(dp.comm, "all_reduce", nbytes, picked)
     state = dp.engine_state_dict()

@@ -194,8 +194,8 @@ class DataParallel(nn.Module):
         (``bucket_layout``, MG-WFBP's merged one once merged), each bucket's algorithm, the
         tuner's picks so far (``algo="auto"``: from its cost model, a calibrated profile or a
         timed trial; the same on every rank) and the compressor's settings."""
+        from commfuse.collectives.profile import TunerState
         from commfuse.collectives.registry import resolve
-        from commfuse.collectives.tuner import TunerState
 
         reducer, config = self.reducer, self.config
         compressor = config.compressor
@@ -225,7 +225,7 @@ class DataParallel(nn.Module):
         state and, with ``staleness=1``, the averaged gradient still in flight (waited for here, applied at the
         next step as usual). (The module's weights are in ``state_dict()``, as for any module;
         the optimizer's are the caller's.)"""
-        from commfuse.collectives.tuner import TunerState
+        from commfuse.collectives.profile import TunerState
 
         state: dict[str, Any] = {
             "step": self.reducer.step,
