@@ -164,6 +164,7 @@ def check_job(tmp_path: Path, *layout: str) -> list[Listener]:
     return found
 
 
+@pytest.mark.e2e
 def test_a_local_job_listens_on_loopback_only(tmp_path: Path) -> None:
     found = check_job(tmp_path, "--nproc", "2")
     assert all(x.address.is_loopback and x.netns == own_netns() for x in found), found
@@ -187,6 +188,7 @@ def hold_until(ready_dir: str, release: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.e2e
 def test_a_job_of_cluster_run_listens_on_loopback_only(tmp_path: Path) -> None:
     """``commfuse.cluster.run`` (what the bench, train and compare commands start) hosts the
     store in this process and spawns the ranks as its children."""

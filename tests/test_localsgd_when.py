@@ -613,6 +613,7 @@ def test_layer_plan_lands_one_messages_layers_together() -> None:
         assert plan_key(plan, [0.0] * 4, comm, 3, slack, load, fused=True) == (0, 2, 0, -2.0)
 
 
+@pytest.mark.slow
 def test_split_layers_fill_every_step_to_within_a_slice_of_the_mean_bytes() -> None:
     # charlm's 28 layers (the largest 1.3x a step's mean share at H = 16), launched together
     # as the forward starts, every exchange hidden (2 ms per message, then the bytes).
@@ -992,6 +993,7 @@ def _config(strategy: str, steps: int, **kw: Any) -> TrainConfig:
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "strategy", ["dreamddp:H=3", "selsync:threshold=0.05", "adpsgd:total_steps=7,num_syncs=3"]
 )
