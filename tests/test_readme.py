@@ -3,6 +3,8 @@
 - Every number in the "measured" column of the results table appears in the JSON of the report
   that row links (scaled to the unit it is quoted in), or is a ratio or a relative difference
   of two such numbers of the same cell.
+- Every command of the results table is the one its report ran (its ``Command:`` line),
+  character for character, but for where the output went (``--json``, ``--no-progress``).
 - Every ``commfuse`` command the README shows in code answers ``--help``.
 - Every Python snippet of the README is part of a script in ``examples/`` (its lines, in order),
   so the snippets are run by ``tests/test_examples.py``.
@@ -108,6 +110,74 @@ def test_readme_results_table_quotes_only_numbers_its_reports_hold() -> None:
             assert quoted_in(n, values) or derived(n, sourced), (
                 f"README results: {n} in {measured!r} is not in {names}'s JSON"
             )
+
+
+#: What a report's command may add after the README's: where its output went.
+OUTPUT_FLAG = re.compile(r"\s+(?:--no-progress|--(?:json|plot|markdown|plot-bytes)\s+[^\s;&]+)")
+
+
+def report_commands(report: Path) -> list[str]:
+    """The commands of a report's ``Command:`` lines (each span in backticks), with a shell
+    variable the line defines (``C="commfuse compare ..."``) written out."""
+    commands = []
+    for line in report.read_text().splitlines():
+        if not re.match(r"(?:- )?Command:", line):
+            continue
+        spans = re.findall(r"`([^`]+)`", line)
+        names = dict(re.findall(r'^(\w+)="([^"]+)"$', " ".join(s for s in spans if "=" in s)))
+        names |= {m[0]: m[1] for s in spans for m in re.findall(r'^(\w+)="([^"]+)"$', s)}
+        for span in spans:
+            for name, value in names.items():
+                span = span.replace(f"${name} ", f"{value} ")
+            commands.append(span)
+    return commands
+
+
+def ran_as(command: str, report_command: str) -> bool:
+    """Whether ``command`` is ``report_command``, or one of the commands it chains, character
+    for character, but for the output flags after it."""
+    for match in re.finditer(re.escape(command), report_command):
+        rest = report_command[match.end() :]
+        while (flag := OUTPUT_FLAG.match(rest)) is not None:
+            rest = rest[flag.end() :]
+        if re.match(r"\s*(?:$|;|&&|\|)", rest):
+            return True
+    return False
+
+
+#: Rows whose README command its owner is changing with a new measurement (the row's report
+#: ran more strategies than the README quotes): known, not yet fixed.
+PENDING = {"sparseloco-onebit-adam_netlab-4x100mbit-2core.md"}
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param(
+            row,
+            id=row[2][0].stem,
+            marks=[pytest.mark.xfail(reason="its owner is rewriting this row", strict=False)]
+            if row[2][0].name in PENDING
+            else [],
+        )
+        for row in results_rows()
+    ],
+)
+def test_every_readme_results_command_is_the_one_its_report_ran(
+    row: tuple[str, str, list[Path]],
+) -> None:
+    _measured, command_cell, reports = row
+    # Command lines, not a command's bare name (``commfuse report``).
+    spans = re.findall(r"`([^`]+)`", command_cell)
+    commands = [c for c in spans if c.startswith("commfuse ") and " --" in c]
+    assert commands, f"no command in {command_cell!r}"
+    ran = [c for report in reports for c in report_commands(report)]
+    names = " or ".join(report.name for report in reports)
+    assert ran, f"{names} has no Command: line"
+    for command in commands:
+        assert any(ran_as(command, r) for r in ran), (
+            f"README results: `{command}` is not the command {names} ran:\n" + "\n".join(ran)
+        )
 
 
 def test_the_readme_tells_no_history() -> None:
