@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, PrefixStore, TCPStore
 
 from commfuse.ft.config import START_TIMEOUT_S, FaultToleranceConfig, KillFault
+from commfuse.ft.lighthouse import announce
 from commfuse.ft.progress import BehindTheRun, behind_the_run, read_floor
 from commfuse.ft.require import require_torchft
 from commfuse.train.loop import TrainConfig, params_digest
@@ -156,12 +157,13 @@ def make_manager(
     collectives on ``process_group``, a joiner's state through ``transport`` (what
     ``state_dict`` returns on a healthy replica, handed to ``load_state_dict`` on the
     joiner), every wait from ``job.ft``'s one timeout, and a quorum that a joiner takes part
-    in at once (``use_async_quorum=False``: it recovers inside ``start_quorum``)."""
+    in at once (``use_async_quorum=False``: it recovers inside ``start_quorum``). The
+    lighthouse has heard of the replica group when this returns (``lighthouse.announce``)."""
     from torchft import Manager
 
     timeouts = job.ft.timeouts
     op_timeout = timedelta(seconds=timeouts.op_timeout_s)
-    return Manager(
+    manager = Manager(
         pg=process_group,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
@@ -182,6 +184,15 @@ def make_manager(
         checkpoint_transport=transport,
         init_sync=False,  # every replica builds the same model from the seed
     )
+    if job.group_rank == 0:
+        # Known to the lighthouse before this replica reports ready (``lighthouse.announce``).
+        from torchft.manager import REPLICA_ID_KEY
+
+        store = TCPStore(
+            job.store_addr or job.addr, job.store_port, is_master=False, timeout=op_timeout
+        )
+        announce(job.lighthouse, store.get(REPLICA_ID_KEY).decode(), op_timeout)
+    return manager
 
 
 class ReplicaLoop(abc.ABC):
