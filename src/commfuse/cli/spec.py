@@ -403,7 +403,8 @@ def strategy_names() -> dict[str, StrategyName]:
         ),
         "diloco": StrategyName(
             METHODS["diloco"].build,
-            "DiLoCo (Douillard et al. 2023): inner optimizer for H steps, outer Nesterov SGD",
+            "DiLoCo (Douillard et al. 2023): H inner steps, outer Nesterov SGD (outer_lr, "
+            "outer_momentum none: 0.7, 0.9, or the compressor's paper's)",
         ),
         "streaming-diloco": StrategyName(
             METHODS["streaming-diloco"].build,

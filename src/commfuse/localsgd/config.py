@@ -52,12 +52,10 @@ class PeriodicSyncConfig:
     """Multiplies the inner optimizer's learning rate in the periodic phase (not during the
     synchronous warm-up). A replica's optimizer sees 1/P of the batch that synchronous
     training's does, so its gradients are noisier; AdamW normalises them to full-size steps
-    anyway, and the noise then goes into the drift that averaging removes. On charlm (4
-    replicas, H=50): from scratch, 100 steps, 0.35-0.5 brought DiLoCo's training loss from 8%
-    to 5-6% above DDP's, 2.0 made it 23% worse; from a 200-step DDP model (as the DiLoCo paper
-    starts from a pre-trained one) plus 200 steps, 0.35 made the final model's held-out loss
-    DDP's (1.801 vs 1.799; 1.918 at 1.0): at the full rate, batch-8 replicas continuing DDP's
-    AdamW state see their loss rise for tens of steps."""
+    anyway, and the noise then goes into the drift that averaging removes. From a model
+    trained synchronously, replicas that continue its AdamW state at the full rate see their
+    loss rise for tens of steps: set it below 1 there (docs/local-sgd.md, "From a pre-trained
+    model")."""
     nesterov: bool = False
     """Nesterov momentum for the outer SGD (DiLoCo)."""
     num_fragments: int = 1
