@@ -147,7 +147,7 @@ def ran_as(command: str, report_command: str) -> bool:
 
 #: Rows whose README command its owner is changing with a new measurement (the row's report
 #: ran more strategies than the README quotes): known, not yet fixed.
-PENDING = {"sparseloco-onebit-adam_netlab-4x100mbit-2core.md"}
+PENDING: set[str] = set()
 
 
 @pytest.mark.parametrize(
