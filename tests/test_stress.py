@@ -2,7 +2,7 @@
 
 The load's processes are found by their PIDs (no process of another test is touched): each
 is alive inside the block, and gone (reaped, not a zombie) after it, however the block ends;
-the disk load's directory is removed; the command-line form returns the command's status.
+the disk load's directory is removed; the command-line form (``tests/scripts/stress.py``) returns the command's status.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 
 import commfuse.testing.stress as stress_module
-from commfuse.testing.stress import StressConfig, main, under_stress
+from commfuse.testing.stress import StressConfig, under_stress
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from stress import main  # tests/scripts/stress.py, the developers' command
 
 stress_path = stress_module.__file__
 

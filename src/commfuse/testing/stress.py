@@ -19,12 +19,12 @@ test killed by its timeout leaves nothing running.
 
 In Python, ``with under_stress(num_cpu=8): ...``; for pytest, the ``stressed`` fixture of the
 repository's ``tests/conftest.py``; for any command (a test file, the whole suite), the
-module: ``python -m commfuse.testing.stress --cpu 8 --memory-mb 512 -- pytest -q tests``.
+repository's script: ``python tests/scripts/stress.py --cpu 8 --memory-mb 512 -- pytest -q
+tests``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import os
@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 #: What each load process runs (``python -c``: no import of commfuse or torch, so starting
 #: one costs little). argv: kind, parent PID, then the kind's argument.
@@ -172,39 +172,3 @@ def under_stress(
             proc.wait()
         if load.workdir is not None:
             shutil.rmtree(load.workdir, ignore_errors=True)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m commfuse.testing.stress [--cpu N] [--memory-mb M] [--disk-mb D] -- CMD``:
-    run ``CMD`` under load; its exit status is the command's."""
-    parser = argparse.ArgumentParser(
-        prog="python -m commfuse.testing.stress",
-        description="Run a command while busy processes load every core (and optionally "
-        "memory and disk); the load is killed when the command ends.",
-    )
-    parser.add_argument("--cpu", type=int, default=None, help="busy processes (two per core)")
-    parser.add_argument("--memory-mb", type=int, default=0, help="MiB held and touched")
-    parser.add_argument("--disk-mb", type=int, default=0, help="MiB written over and over")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the command to run")
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        parser.error("give the command to run after --")
-    try:
-        config = StressConfig(num_cpu=args.cpu, memory_mb=args.memory_mb, disk_mb=args.disk_mb)
-    except ValueError as error:
-        parser.error(str(error))
-    with under_stress(
-        num_cpu=config.num_cpu, memory_mb=config.memory_mb, disk_mb=config.disk_mb
-    ) as s:
-        print(
-            f"stress: {config.cpu_processes} busy processes on {cores()} cores, "
-            f"{config.memory_mb} MiB memory, {config.disk_mb} MiB disk (pids {s.pids})",
-            file=sys.stderr,
-            flush=True,
-        )
-        return subprocess.call(command)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
