@@ -227,7 +227,9 @@ class TorchDDP(Strategy):
         reducer = self.ddp.reducer
         if sorted(order) != list(range(len(self._reducer_params))):
             raise ValueError("the checkpoint's bucket order is not over this model's parameters")
-        anchor = torch.zeros((), requires_grad=True)
+        # On the parameters' device, as every buffer commfuse allocates.
+        device = self._reducer_params[0].device
+        anchor = torch.zeros((), device=device, requires_grad=True)
         trigger = anchor.clone()
 
         def mark_ready(grad: torch.Tensor) -> torch.Tensor:
