@@ -306,13 +306,20 @@ def test_a_rank_that_exits_with_a_code_is_named() -> None:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["mismatch", "mismatch-caught"])
-def test_ranks_whose_collective_passed_its_deadline_leave_instead_of_hanging(mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "late"), [("mismatch", "0"), ("mismatch-caught", "0"), ("mismatch-caught", "4")]
+)
+def test_ranks_whose_collective_passed_its_deadline_leave_instead_of_hanging(
+    mode: str, late: str
+) -> None:
     """gloo keeps a timed-out collective pending, and the interpreter's teardown would wait for
-    it until gloo's own 30-minute timeout: after a CommError, the process ends at exit."""
+    it until gloo's own 30-minute timeout: after a CommError, the process ends at exit. A rank
+    that reaches its collective after the other rank gave up and left sees the peer gone
+    (rank 1 late by twice the deadline forces what a loaded machine does by chance)."""
     marker = new_marker()
     start = time.monotonic()
-    proc = commfuse_launch("--nproc", "2", "--timeout", "90", MISBEHAVE, marker, "--default", mode)
+    job = ["--nproc", "2", "--timeout", "90", MISBEHAVE, marker, "--default", mode]
+    proc = commfuse_launch(*job, "--late", f"1={late}")
     elapsed = time.monotonic() - start
     assert elapsed < 45, f"the ranks did not leave ({elapsed:.1f} s): {proc.stderr}"
     if mode == "mismatch":  # uncaught: status 1, and the error names rank and operation
