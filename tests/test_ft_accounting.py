@@ -5,7 +5,9 @@
   recovering and serving);
 * a replica killed after a failed try at step s, whose retry of s the survivors committed
   with it in the quorum, trained step s, not s + 1 (``unreported_commits``);
-* a replica killed after its commit of s and before any report of s + 1 trained s + 1.
+* a replica killed after its commit of s and before any report of s + 1 trained s + 1;
+* replicas agree only when every replica group finished the last step with the same digest:
+  one that never finished (killed, not restarted) has nothing to agree with.
 """
 
 from __future__ import annotations
@@ -114,3 +116,38 @@ def test_a_replica_killed_after_its_commit_trained_the_next_step() -> None:
     kills = [{"kind": "kill", "replica": 1, "life": 0, "t": 2.05}]
     inferred = unreported_commits(records, kills, policy="shrink", num_replicas=2, batch=BATCH)
     assert [(r["replica"], r["step"], r["samples"]) for r in inferred] == [(1, 1, [4, 8])]
+
+
+def test_replicas_do_not_agree_when_one_never_finished() -> None:
+    # Replica 1 is killed at t=2.5 and never restarted: only replica 0 finishes, alone, at
+    # step 5. One final digest is not agreement (as a replica stopped by a loaded machine
+    # until the others had finished once made it look).
+    records = [attempt(r, 0, s, 1.0 + s) for s in range(2) for r in range(2)]
+    records += [attempt(0, 0, s, 1.0 + s, participants=1) for s in range(2, 5)]
+    results = [
+        {"replica": 0, "life": 0, "step": 5, "digest": "d", "recovered_bytes": 0, "served_bytes": 0}
+    ]
+
+    def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+        return summarize_ft(
+            records=records,
+            faults=[{"kind": "kill", "replica": 1, "life": 0, "t": 2.5, "step": 2}],
+            restarts=[],
+            results=results,
+            num_replicas=2,
+            steps=5,
+            batch_samples=BATCH,
+            wall_s=6.0,
+            topology="2 hosts",
+            timeouts=Timeouts.derive(1.0),
+        )
+
+    record = summary(results)
+    assert record["committed_steps"] == 5 and record["step_digests_agree"]
+    assert record["replicas_finished"] == 1 and not record["replicas_agree"]
+    # Both finished: they agree when their digests are equal, and only then.
+    other = {**results[0], "replica": 1}
+    assert summary([*results, other])["replicas_agree"]
+    assert not summary([*results, {**other, "digest": "e"}])["replicas_agree"]
+    # A replica that finished short of the last step did not finish the run.
+    assert not summary([*results, {**other, "step": 4}])["replicas_agree"]

@@ -182,6 +182,8 @@ def summarize_ft(
     # The mean over the replica groups that committed each step (as torch DDP's record).
     losses = [statistics.fmean(by_step[step]) for step in sorted(by_step)]
     step_times = [r["t"] - r["t0"] for r in committed]
+    final_digests = {res["digest"] for res in results if res["step"] == steps}
+    finished_groups = {res["replica"] for res in results if res["step"] == steps}
     periods = {}
     if mode == "periodic":
         periods = {
@@ -206,7 +208,11 @@ def summarize_ft(
         **samples,
         "step_digests_agree": all(len(d) == 1 for d in digests.values()),
         "steps_compared": sum(len(d) > 0 for d in digests.values()),
-        "replicas_agree": len({res["digest"] for res in results if res["step"] == steps}) == 1,
+        # Every replica group finished the last step, with the same parameters: a group that
+        # never finished (killed and not restarted, or its last life failed) has no digest to
+        # compare, and the others' agreeing says nothing about it.
+        "replicas_finished": len(finished_groups),
+        "replicas_agree": finished_groups == set(range(num_replicas)) and len(final_digests) == 1,
         "digest": next((res["digest"] for res in results if res["step"] == steps), None),
         "events": events,
         "restarts": len(restarts),
