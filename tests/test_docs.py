@@ -10,11 +10,14 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -35,10 +38,12 @@ def pages() -> list[Path]:
     return [README, *sorted(p for p in DOCS.rglob("*.md") if "benchmarks" not in p.parts)]
 
 
-@pytest.mark.e2e
-def test_mkdocs_build_strict(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site ``mkdocs build --strict`` writes, built once for the tests that read it."""
+    out = tmp_path_factory.mktemp("docs") / "site"
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -48,7 +53,116 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
         f"mkdocs build --strict failed (pip install -e '.[dev]' provides mkdocs):\n"
         f"{proc.stdout}{proc.stderr}"
     )
-    assert (tmp_path / "site" / "api" / "ddp" / "index.html").exists()
+    return out
+
+
+@pytest.mark.e2e
+def test_mkdocs_build_strict(site: Path) -> None:
+    assert (site / "api" / "ddp" / "index.html").exists()
+    assert (site / "404.html").exists()
+
+
+#: Packages the API reference leaves out: the command line's parsers (its reference is
+#: ``--help``) and the measuring commands, documented by their own functions on ``api/bench.md``.
+NOT_IN_API = {"cli", "bench"}
+DIRECTIVE = re.compile(r"^::: ([\w.]+)", re.MULTILINE)
+
+
+def api_pages() -> dict[str, list[str]]:
+    """Each API reference page (``docs/api/NAME.md``) -> the modules it documents whole."""
+    out: dict[str, list[str]] = {}
+    for page in sorted((DOCS / "api").glob("*.md")):
+        modules = []
+        for target in DIRECTIVE.findall(page.read_text()):
+            try:
+                modules.append(importlib.import_module(target).__name__)
+            except ImportError:  # a function or class of a module: commfuse.bench.compare.X
+                continue
+        out[page.stem] = modules
+    return out
+
+
+def public_names(module: ModuleType) -> list[str]:
+    """What a module exports: its ``__all__``, or else what it defines without an underscore."""
+    names = getattr(module, "__all__", None)
+    if names is not None:
+        return list(names)
+    return [
+        name
+        for name, obj in vars(module).items()
+        if not name.startswith("_")
+        and getattr(obj, "__module__", None) == module.__name__
+        and (inspect.isclass(obj) or inspect.isfunction(obj))
+    ]
+
+
+def anchors(obj: object, module: str, name: str) -> set[str]:
+    """The ids a name's entry may have: where its package exports it, or where it is defined
+    (``commfuse.localsgd.diloco.diloco``: the function shares its name with its submodule, so
+    the package's entry would be the module's)."""
+    found = {f"{module}.{name}"}
+    if (inspect.isclass(obj) or inspect.isfunction(obj)) and hasattr(obj, "__qualname__"):
+        found.add(f"{obj.__module__}.{obj.__qualname__}")
+    return found
+
+
+def test_every_package_has_an_api_page() -> None:
+    packages = {
+        p.parent.name for p in (ROOT / "src" / "commfuse").glob("*/__init__.py")
+    } - NOT_IN_API
+    documented = {m.split(".")[1] for modules in api_pages().values() for m in modules if "." in m}
+    assert packages <= documented, f"packages without an API page: {sorted(packages - documented)}"
+    nav = (ROOT / "mkdocs.yml").read_text()
+    missing = [page for page in api_pages() if f"api/{page}.md" not in nav]
+    assert not missing, f"API pages missing from mkdocs.yml's nav: {missing}"
+
+
+@pytest.mark.e2e
+def test_every_exported_name_has_an_anchor_on_its_api_page(site: Path) -> None:
+    missing = []
+    for page, modules in api_pages().items():
+        html = (site / "api" / page / "index.html").read_text()
+        ids = set(re.findall(r'id="([^"]+)"', html))
+        for module_name in modules:
+            module = importlib.import_module(module_name)
+            for name in public_names(module):
+                if not anchors(getattr(module, name), module_name, name) & ids:
+                    missing.append(f"api/{page}.md: {module_name}.{name}")
+    assert not missing, (
+        "exported names with no entry in the API reference (a public name needs a docstring, "
+        f"and one that shares its submodule's name an explicit ::: block): {missing}"
+    )
+
+
+@pytest.mark.e2e
+def test_every_api_page_has_one_title(site: Path) -> None:
+    for page in api_pages():
+        html = (site / "api" / page / "index.html").read_text()
+        main = html[html.index('role="main"') :]
+        titles = re.findall(r"<h1\b", main)
+        assert len(titles) == 1, f"api/{page}.md renders {len(titles)} <h1>"
+        heads = re.findall(r"<h[12][^>]*>(.*?)</h[12]>", main, re.DOTALL)
+        text = [re.sub(r"<[^>]+>|&para;", "", h).strip() for h in heads]
+        repeated = {t for t in text if text.count(t) > 1}
+        assert not repeated, f"api/{page}.md repeats the heading(s) {repeated}"
+
+
+@pytest.mark.e2e
+def test_the_site_loads_code_colours_and_lists_every_report(site: Path) -> None:
+    home = (site / "index.html").read_text()
+    for css in ("css/pygments.css", "css/extra.css"):
+        assert css in home and (site / css).exists(), f"the site does not load {css}"
+    quick = (site / "quickstart" / "index.html").read_text()
+    assert '<div class="highlight"><pre>' in quick and "<span class=" in quick, "no coloured code"
+    assert ".highlight .k " in (site / "css" / "pygments.css").read_text()
+    not_in_nav = [r.stem for r in reports() if f"benchmarks/{r.stem}/" not in home]
+    assert not not_in_nav, f"reports missing from the navigation: {not_in_nav}"
+    one = (site / "benchmarks" / reports()[0].stem / "index.html").read_text()
+    assert "../../benchmarking/#the-reports" in one, "a report with no link back"
+    # 404.html is served at any depth: its links must be absolute (site_url's path), or it
+    # loads no style and no navigation.
+    assert 'href="/commfuse/css/base.css"' in (site / "404.html").read_text()
+    assert "edit/main/docs/" in quick, "Edit on GitHub does not point at main"
 
 
 def test_benchmark_files_are_named_by_topic_and_setup() -> None:

@@ -32,6 +32,8 @@ COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatte
 
 AlgorithmFn = Callable[..., None]
 ALGORITHMS: dict[str, dict[str, AlgorithmFn]] = {name: {} for name in COLLECTIVES}
+"""Every registered algorithm: collective -> algorithm name -> its function (``register``
+adds one; ``algorithms_for`` loads the families first)."""
 
 
 def register(collective: str, name: str) -> Callable[[AlgorithmFn], AlgorithmFn]:
@@ -74,6 +76,7 @@ def resolve(collective: str, name: str) -> str:
 
 
 def algorithms_for(collective: str) -> dict[str, AlgorithmFn]:
+    """The algorithms of ``collective`` (``"all_reduce"``, ...) by name, every family loaded."""
     _load_families()
     return ALGORITHMS[collective]
 

@@ -149,6 +149,7 @@ def _failure_board(comm: Communicator) -> FailureBoard | None:
 
 
 def nbytes_of(tensor: torch.Tensor) -> int:
+    """The bytes a tensor's elements take: what a collective that sends it counts."""
     return tensor.numel() * tensor.element_size()
 
 

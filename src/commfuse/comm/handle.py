@@ -382,5 +382,7 @@ def _stamp(event: TraceEvent) -> None:
 
 
 def wait_all(handles: Sequence[Handle], deadline_s: float | None = None) -> None:
+    """Wait for every handle in turn, each within ``deadline_s`` (the handle's own deadline
+    when None); the first that fails raises its error (``CommTimeoutError``, ...)."""
     for handle in handles:
         handle.wait(deadline_s)

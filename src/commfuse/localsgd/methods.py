@@ -33,7 +33,6 @@ class Method:
     """Its own arguments -> the config fields they set (``{"H": "period_steps"}``)."""
 
 
-#: The methods by the name the command line gives them, in the order ``method_of`` tries them.
 METHODS: Mapping[str, Method] = {
     "local-sgd": Method(local_sgd, {"H": "period_steps"}),
     "post-local-sgd": Method(post_local_sgd, {"H": "period_steps", "warmup_steps": "warmup_steps"}),
@@ -60,9 +59,10 @@ METHODS: Mapping[str, Method] = {
         },
     ),
 }
+"""The methods by the name the command line gives them, in the order ``method_of`` tries them."""
 
-#: The name of the general form: ``PeriodicSyncConfig``'s own fields as the arguments.
 GENERAL = "periodic-sync"
+"""The name of the general form, whose arguments are ``PeriodicSyncConfig``'s own fields."""
 
 
 def method_of(config: PeriodicSyncConfig) -> tuple[str, dict[str, Any]]:

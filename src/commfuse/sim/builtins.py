@@ -200,3 +200,4 @@ MODEL_PROFILES: dict[str, Callable[..., ModelProfile]] = {
     "dlrm": dlrm,
     "moe": moe,
 }
+"""The built-in model profiles by the name ``commfuse simulate --workload`` gives them."""

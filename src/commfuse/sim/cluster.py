@@ -284,6 +284,8 @@ PRESETS: dict[str, ClusterModel] = {
         memory_gbyte=80.0,
     ),
 }
+"""The built-in cluster models by name (``netlab-1gbit``, ``dgx-h100``, ``two-dc``), as
+``commfuse simulate --cluster NAME`` takes them."""
 #: A DGX-H100-like cluster split over two data centers joined by 100 Gbit/s (DiLoCo's setting).
 PRESETS["two-dc"] = dataclasses.replace(
     PRESETS["dgx-h100"],

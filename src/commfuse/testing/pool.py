@@ -338,6 +338,7 @@ def get_pool(world_size: int, *, backend: str = "gloo") -> RankPool:
 
 
 def close_pools() -> None:
+    """Close every pool ``get_pool`` started and forget them (the test session's end)."""
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()

@@ -185,12 +185,12 @@ class CommfuseDPConfig:
             raise ValueError(f"staleness must be 0 or 1 steps, got {self.staleness}")
 
 
-#: Every strategy config.
 StrategyConfig: TypeAlias = (
     "TorchDDPConfig | TorchPowerSGDConfig | CommfuseDPConfig | PeriodicSyncConfig"
     " | SyncMethod"  # the local-SGD methods that decide when to synchronise
     " | OneBitAdamConfig | ZeroOneAdamConfig"
 )
+"""Every strategy config: the union of the types ``commfuse train --strategy`` builds."""
 
 
 def strategy_name(config: StrategyConfig) -> str:

@@ -28,11 +28,11 @@ from commfuse.workloads.base import Workload, batch_generator
 from commfuse.workloads.charlm import CharLM, CharLMConfig
 from commfuse.workloads.digits import Digits, DigitsConfig
 
-#: The options of every workload ``commfuse train`` can run.
 WorkloadConfig: TypeAlias = CharLMConfig | DigitsConfig
+"""The options of a workload ``commfuse train`` can run: one of the config classes."""
 
-#: Command-line name -> config class (``--workload charlm:dim=64``).
 WORKLOADS: dict[str, type[WorkloadConfig]] = {"charlm": CharLMConfig, "digits": DigitsConfig}
+"""Command-line name -> config class (``--workload charlm:dim=64``)."""
 _CLASSES: dict[type, Callable[..., Workload]] = {
     CharLMConfig: CharLM,
     DigitsConfig: Digits,
