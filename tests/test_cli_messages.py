@@ -148,3 +148,151 @@ def test_a_record_replaces_the_file_in_one_step(
     assert json.loads(path.read_text()) == RECORD
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
     assert f"metrics written to {path}" in capsys.readouterr().out
+
+
+COMPARE_RESULT = (
+    Path(__file__).resolve().parents[1] / "benchmarks/compare_netlab-4x100mbit-2core.json"
+)
+PNG = b"\x89PNG"
+
+
+def _vanishing(target: Any, out: Path) -> Any:
+    """``target`` (a function) that first removes the directory ``out``: the file system
+    changes during the run, after the command line's checks."""
+
+    def vanish_then(*args: Any, **kwargs: Any) -> Any:
+        shutil.rmtree(out, ignore_errors=True)
+        return target(*args, **kwargs)
+
+    return vanish_then
+
+
+def _validation(out: Path) -> Any:
+    """``sim_validate._one_run`` without ranks: the preset cluster, made-up timings."""
+    import dataclasses
+
+    from commfuse.bench import sim_validate
+    from commfuse.sim.cluster import PRESETS
+
+    def one_run(topology: Any, hosts: int, *args: Any) -> Any:
+        shutil.rmtree(out)
+        cluster = dataclasses.replace(PRESETS["netlab-1gbit"], num_hosts=hosts)
+        validation = sim_validate.validation_configs(cluster, quick=True)
+        measured = [1.1 * sim_validate.predict(cluster, cfg, compression_gbps=1.0) for cfg in validation]  # fmt: skip
+        return cluster, 1.0, validation, measured, []
+
+    return one_run
+
+
+def _profile(out: Path) -> Any:
+    """``tune``'s ranks: a profile of default link costs."""
+    from commfuse.collectives.cost import LinkCost
+    from commfuse.collectives.profile import Profile
+
+    def run_on_ranks(*args: Any, **kwargs: Any) -> list[str]:
+        shutil.rmtree(out)
+        return [Profile(intra=LinkCost(), inter=LinkCost()).to_json()]
+
+    return run_on_ranks
+
+
+#: Every file a command writes besides ``train --json``: the command (its output paths under
+#: DIR), what to stub so that DIR goes away during the run, and the files it writes.
+OUTPUTS: dict[str, tuple[list[str], Any, list[str]]] = {
+    "simulate --validate": (
+        ["simulate", "--validate", "--quick", "--json", "DIR/v.json", "--save-cluster", "DIR/c.json"],
+        lambda out, monkeypatch: monkeypatch.setattr(
+            "commfuse.bench.sim_validate._one_run", _validation(out)
+        ),
+        ["v.json", "c.json"],
+    ),
+    "simulate --scale --plot": (
+        ["simulate", "--op", "all_reduce", "--sizes", "1M", "--algo", "ring", "--scale", "2:8",
+         "--plot", "DIR/curve.png", "--json", "DIR/curve.json"],
+        lambda out, monkeypatch: monkeypatch.setattr(
+            "commfuse.sim.scale.plot_curve", _vanishing(scale_plot_curve(), out)
+        ),
+        ["curve.png", "curve.json"],
+    ),
+    "simulate --trace": (
+        ["simulate", "--workload", "transformer", "--trace", "DIR/trace.json"],
+        lambda out, monkeypatch: monkeypatch.setattr(
+            "commfuse.sim.step.simulate_step", _vanishing(simulate_step(), out)
+        ),
+        ["trace.json"],
+    ),
+    "tune --save-profile": (
+        ["tune", "--hosts", "2", "--no-emulate", "--calibrate-sizes", "none", "--save-profile", "DIR/p.json"],
+        lambda out, monkeypatch: monkeypatch.setattr(
+            "commfuse.cli.tune.run_on_ranks", _profile(out)
+        ),
+        ["p.json"],
+    ),
+    "compare --plot": (
+        [*COMPARE, "--strategy", "ddp", "--plot", "DIR/loss.png"],
+        lambda out, monkeypatch: monkeypatch.setattr(
+            "commfuse.bench.compare.compare_strategies",
+            _vanishing(lambda *a, **k: json.loads(COMPARE_RESULT.read_text()), out),
+        ),
+        ["loss.png"],
+    ),
+    "report --plot-bytes": (
+        ["report", str(COMPARE_RESULT), "--plot-bytes", "DIR/bytes.png"],
+        lambda out, monkeypatch: monkeypatch.setattr(
+            "commfuse.bench.compare.plot_loss_vs_bytes", _vanishing(plot_loss_vs_bytes(), out)
+        ),
+        ["bytes.png"],
+    ),
+}  # fmt: skip
+
+
+def scale_plot_curve() -> Any:
+    from commfuse.sim import scale
+
+    return scale.plot_curve
+
+
+def simulate_step() -> Any:
+    from commfuse.sim import step
+
+    return step.simulate_step
+
+
+def plot_loss_vs_bytes() -> Any:
+    from commfuse.bench import compare
+
+    return compare.plot_loss_vs_bytes
+
+
+@pytest.mark.parametrize("command", sorted(OUTPUTS))
+def test_every_file_a_command_writes_goes_elsewhere_when_its_path_cannot_be_written(
+    command: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    argv, stub, names = OUTPUTS[command]
+    out = tmp_path / "out"
+    out.mkdir()
+    fallback = tmp_path / "fallback"
+    fallback.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(fallback))
+    stub(out, monkeypatch)
+    assert main([arg.replace("DIR", str(out)) for arg in argv]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err, captured.err
+    # Each under its own name: the path's stem, a unique part, the path's suffix.
+    written = {p.name.split("-")[0] + p.suffix: p for p in fallback.iterdir() if p.is_file()}
+    assert sorted(written) == sorted(names), captured.err
+    for name in names:
+        path = written[name]
+        assert path.stat().st_size > 0
+        assert (
+            f"cannot write {out / name}" in captured.err and f"wrote it to {path}" in captured.err
+        )
+        if path.suffix == ".png":
+            assert path.read_bytes().startswith(PNG)
+        else:
+            json.loads(path.read_text())
+        # What the command prints says where the file went, not where it was asked.
+        assert f"written to {out / name}" not in captured.out, captured.out

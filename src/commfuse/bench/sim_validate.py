@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,9 +183,12 @@ def run_validation(
     runs: int = 1,
     profile: str | None = None,
     cluster_path: str | None = None,
+    write: Callable[[str, str], str] | None = None,
 ) -> int:
     """Calibrate and validate ``runs`` times; print and (``json_path``) write the records;
     ``cluster_path`` receives the last calibrated cluster as JSON (``--cluster PATH`` reads it).
+    ``write(path, text)`` writes each file and returns where it went (the command's
+    ``write_output``, which falls back to another path); None: ``Path.write_text``.
 
     Raises:
         RankError, DeadlineExceeded, NetlabError: a real run failed (the command exits 1).
@@ -193,6 +197,7 @@ def run_validation(
 
     if runs < 1:
         raise ValueError(f"runs must be at least 1, got {runs}")
+    write = write or _write_text
     topology = Topology.from_spec(hosts=hosts, ranks_per_host=1, link=link)
     reps = reps or (3 if quick else 7)
     records: list[dict[str, Any]] = []
@@ -230,13 +235,19 @@ def run_validation(
             f"{statistics.median(errors) * 100:.1f}%, max {max(errors) * 100:.1f}%"
         )
         if cluster_path:
-            Path(cluster_path).write_text(cluster.to_json() + "\n")
+            where = write(cluster_path, cluster.to_json() + "\n")
+            print(f"calibrated cluster written to {where}")
     _summary(records, runs)
     if json_path:
         # Held-out records first; the calibration fits' residuals follow (role "calibration").
-        Path(json_path).write_text(json.dumps(records + calibration_records, indent=1) + "\n")
-        print(f"records written to {json_path}")
+        where = write(json_path, json.dumps(records + calibration_records, indent=1) + "\n")
+        print(f"records written to {where}")
     return 0
+
+
+def _write_text(path: str, text: str) -> str:
+    Path(path).write_text(text)
+    return path
 
 
 def _summary(records: list[dict[str, Any]], runs: int) -> None:

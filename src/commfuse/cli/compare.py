@@ -25,7 +25,7 @@ from commfuse.cli.common import (
     lr_schedule_arg,
     topology_from_args,
 )
-from commfuse.cli.output import write_output
+from commfuse.cli.output import write_file, write_output
 from commfuse.cli.train import add_fault_tolerance_arguments, add_run_arguments
 
 LEGEND = """\
@@ -169,8 +169,11 @@ def run_compare(args: argparse.Namespace) -> int:
             print(note)
     title = f"{args.workload} on {topology.describe()}"
     if args.plot:
-        C.plot_loss_vs_time(records, args.plot, title=title)
-        print(f"plot (loss vs wall time) written to {args.plot}")
+        plotted = write_file(
+            args, args.plot, lambda p: C.plot_loss_vs_time(records, p, title=title)
+        )
+        if plotted is not None:
+            print(f"plot (loss vs wall time) written to {plotted}")
     if args.json:
         written = write_output(args, args.json, json.dumps(records, indent=1) + "\n")
         print(f"records written to {written}")

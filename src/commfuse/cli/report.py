@@ -27,7 +27,7 @@ from typing import Any
 
 from commfuse.bench.table import interval_label, ratio_cell
 from commfuse.cli.common import Subparsers, add_command, add_output_arguments, output_path
-from commfuse.cli.output import write_output
+from commfuse.cli.output import write_file, write_output
 from commfuse.units import format_size
 
 Record = dict[str, Any]
@@ -554,8 +554,9 @@ def run_report(args: argparse.Namespace) -> int:
         print(f"records of {len(args.results)} file(s) written to {written}")
         return 0
     if args.plot_bytes:
-        plot_bytes(args.results, args.plot_bytes)
-        print(f"plot (held-out loss against MB per step) written to {args.plot_bytes}")
+        plotted = write_file(args, args.plot_bytes, lambda path: plot_bytes(args.results, path))
+        if plotted is not None:
+            print(f"plot (held-out loss against MB per step) written to {plotted}")
         return 0
     print(report(args.results))
     if args.markdown:

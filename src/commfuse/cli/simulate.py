@@ -32,7 +32,7 @@ from commfuse.cli.common import (
     output_path,
     require_at_least,
 )
-from commfuse.cli.output import write_output
+from commfuse.cli.output import write_file, write_output
 from commfuse.cli.spec import parse_value, split_spec
 from commfuse.units import format_size, parse_sizes
 
@@ -260,6 +260,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             runs=args.runs,
             profile=args.profile,
             cluster_path=args.save_cluster,
+            write=lambda path, text: write_output(args, path, text),
         )
     return _run(args)
 
@@ -333,8 +334,11 @@ def _run(args: argparse.Namespace) -> int:
             ]
         else:
             records_to_plot = records
-        scale.plot_curve(records_to_plot, args.plot, title=title)
-        print(f"plot written to {args.plot}")
+        plotted = write_file(
+            args, args.plot, lambda p: scale.plot_curve(records_to_plot, p, title=title)
+        )
+        if plotted is not None:
+            print(f"plot written to {plotted}")
     if args.json:
         write_output(args, args.json, json.dumps(records, indent=1) + "\n")
     return 0
@@ -373,8 +377,14 @@ def _one(
         print(f"  {kind + ' collectives in flight':<26} {us / 1e3:>10.3f} ms")
     if args.trace:
         ranks = [0, *[s.rank for s in cluster.stragglers[:3]]]
-        events = chrome_trace(result.timeline, args.trace, ranks=ranks)
-        print(f"Chrome trace ({events} events) written to {args.trace}")
+        events: list[int] = []
+        traced = write_file(
+            args,
+            args.trace,
+            lambda p: events.append(chrome_trace(result.timeline, p, ranks=ranks)),
+        )
+        if traced is not None:
+            print(f"Chrome trace ({events[-1]} events) written to {traced}")
     if args.json:
         write_output(
             args, args.json, json.dumps({"ranks": cluster.world_size, **r}, indent=1) + "\n"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from commfuse.cli.common import (
@@ -141,7 +140,7 @@ def run_tune(args: argparse.Namespace) -> int:
     profile_json = run_on_ranks(
         _calibrate_on_rank, calibrate_sizes, args.repeats, topology=topology, args=args
     )[0]
-    Path(args.save_profile).write_text(profile_json + "\n")
+    saved = write_output(args, args.save_profile, profile_json + "\n")
     profile = Profile.from_json(profile_json)
     for name, link in (("intra-host", profile.intra), ("inter-host", profile.inter)):
         print(
@@ -156,7 +155,7 @@ def run_tune(args: argparse.Namespace) -> int:
             "pipelines: timed with their default block (algo='auto' does not pass "
             "choose_options' block_bytes on)"
         )
-    print(f"profile written to {args.save_profile}")
+    print(f"profile written to {saved}")
     records = describe(profile)
     if records:
         print()

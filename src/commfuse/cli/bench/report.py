@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from commfuse.cli.common import run_on_ranks
-from commfuse.cli.output import write_output
+from commfuse.cli.output import write_file, write_output
 from commfuse.cluster.topology import Topology
 
 #: Writes a plot of the records to a path (``args.plot``).
@@ -84,7 +84,7 @@ def report_records(
         ]
         write_output(args, args.markdown, "\n".join(lines))
     if args.plot and plot is not None:
-        plot(records, args.plot)
+        write_file(args, args.plot, lambda path: plot(records, str(path)))
     return 0 if all(r.get("wrong", 0) == 0 for r in records) else 1
 
 
