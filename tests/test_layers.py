@@ -16,6 +16,7 @@ layer  folders                                     what they are
 2      ``collectives``                             algorithms over ``comm``, costs, the tuner
 3      ``fused``, ``compress``                     compute+collective operators; compressors
 3      ``sim``                                     the simulator: cost models only (see SIM_MAY)
+3      ``pipeline``                                pipeline schedules as data; their runtime
 4      ``ddp``, ``localsgd``, ``hooks``            training engines over layers 2-3
 4      ``optim``                                   optimizers that communicate (1-bit Adam)
 5      ``workloads``                               models and data sets
@@ -52,6 +53,7 @@ LAYERS: dict[str, int] = {
     "fused": 3,
     "compress": 3,
     "sim": 3,
+    "pipeline": 3,
     "ddp": 4,
     "localsgd": 4,
     "hooks": 4,

@@ -1,0 +1,51 @@
+"""Floor 3: pipeline parallelism, with its schedules as data.
+
+| module | what it holds |
+|---|---|
+| ``actions.py`` | an action (``0F1``, ``1I2``, ``0W3``, ``2SEND_F1``) and torch's CSV format |
+| ``schedule.py`` | ``Schedule``: per rank, one action per step; what each action needs |
+| ``generators.py`` | GPipe, 1F1B, interleaved 1F1B, ZB-H1 |
+| ``validate.py`` | the validator |
+| ``lower.py`` | the lowering that adds the sends and receives |
+| ``replay.py`` | the replay on the alpha-beta link model: step time, bubble |
+"""
+
+from commfuse.pipeline.actions import Action, read_csv, write_csv
+from commfuse.pipeline.generators import (
+    SCHEDULES,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    schedule_by_name,
+    zb_h1,
+)
+from commfuse.pipeline.lower import lower
+from commfuse.pipeline.replay import ReplayResult, StageTimes, replay
+from commfuse.pipeline.schedule import (
+    Schedule,
+    ScheduleError,
+    schedule_from_actions,
+    schedule_from_csv,
+)
+from commfuse.pipeline.validate import validate
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "ReplayResult",
+    "Schedule",
+    "ScheduleError",
+    "StageTimes",
+    "gpipe",
+    "interleaved_1f1b",
+    "lower",
+    "one_f_one_b",
+    "read_csv",
+    "replay",
+    "schedule_by_name",
+    "schedule_from_actions",
+    "schedule_from_csv",
+    "validate",
+    "write_csv",
+    "zb_h1",
+]
