@@ -42,6 +42,7 @@ from commfuse.comm import Communicator
 from commfuse.localsgd.config import PeriodicSyncConfig
 from commfuse.localsgd.fragments import fragments_due, split_into_fragments
 from commfuse.localsgd.outer import outer_sgd_
+from commfuse.localsgd.sharded import check_shards, local_view, refuse_data_parallel
 
 
 @dataclass(kw_only=True)
@@ -76,14 +77,18 @@ class PeriodicSyncOptimizer:
 
     Args:
         optimizer: the inner optimizer (AdamW for DiLoCo), over ``module``'s parameters.
-        module: the replica; its parameters are the anchors' starting point.
-        comm: the group of replicas to average over.
+        module: the replica; its parameters are the anchors' starting point. An FSDP2-sharded
+            replica (DTensor parameters) is averaged shard by shard (``sharded.py``).
+        comm: the group of replicas to average over (of a sharded replica: the ranks that
+            hold the same shard in every replica, ``mesh["replicate"]``).
         config: the method, built by ``local_sgd``, ``post_local_sgd``, ``slowmo``, ``diloco``
             or ``streaming_diloco``.
 
     Raises:
         ValueError: a module with no trainable parameters, or parameters that are not contiguous
-            (fragments are views of them).
+            (fragments are views of them); a module wrapped in ``DistributedDataParallel``
+            over ranks of ``comm``; a DTensor parameter placed other than ``Shard(0)`` or
+            ``Replicate()``, or on a mesh that shares ranks with ``comm`` (``sharded.py``).
         CommTimeoutError: an exchange passed the communicator's deadline.
 
     Example:
@@ -107,22 +112,28 @@ class PeriodicSyncOptimizer:
         self.inner = optimizer
         self.config = config
         self.world_comm = comm
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
         if not self.params:
             raise ValueError("the module has no trainable parameters")
+        refuse_data_parallel(module, comm)
+        check_shards(named, comm)
         if config.hierarchical:
             self.grad_comm, self.outer_comm = comm.split_by_host(config.ranks_per_host)
         else:
             self.grad_comm, self.outer_comm = comm, comm
-        if not all(p.is_contiguous() for p in self.params):
+        if not all(local_view(p).is_contiguous() for p in self.params):
             raise ValueError(
                 "PeriodicSyncOptimizer needs contiguous parameters (fragments are views)"
             )
-        self.fragments = split_into_fragments(self.params, config.num_fragments)
+        # DTensor parameters (FSDP2): everything below runs on this rank's shards.
+        self.fragments = split_into_fragments(
+            [local_view(p) for p in self.params], config.num_fragments
+        )
         # Replicas must start equal: rank 0's parameters everywhere.
         with torch.no_grad():
             for p in self.params:
-                collectives.broadcast(comm, p.data, 0, algo="native")
+                collectives.broadcast(comm, local_view(p), 0, algo="native")
         self.anchors = [self._flat(f).clone() for f in range(len(self.fragments))]
         use_momentum = config.outer_momentum > 0
         self.momenta = [torch.zeros_like(a) if use_momentum else None for a in self.anchors]
@@ -220,7 +231,7 @@ class PeriodicSyncOptimizer:
     def _flat(self, fragment: int) -> torch.Tensor:
         return torch.cat(
             [
-                self.params[piece.param].detach().view(-1)[piece.start : piece.stop]
+                local_view(self.params[piece.param]).view(-1)[piece.start : piece.stop]
                 for piece in self.fragments[fragment]
             ]
         )
@@ -229,24 +240,23 @@ class PeriodicSyncOptimizer:
         offset = 0
         with torch.no_grad():
             for piece in self.fragments[fragment]:
-                target = self.params[piece.param].view(-1)[piece.start : piece.stop]
+                target = local_view(self.params[piece.param]).view(-1)[piece.start : piece.stop]
                 target.copy_(flat[offset : offset + piece.numel])
                 offset += piece.numel
 
     def _average_gradients(self, comm: Communicator) -> None:
         if comm.world_size == 1:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [local_view(p.grad) for p in self.params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         collectives.all_reduce(comm, flat, "avg", algo=self.config.algo)
         offset = 0
-        for p in self.params:
-            chunk = flat[offset : offset + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = chunk.clone()
-            else:
-                p.grad.copy_(chunk)
-            offset += p.numel()
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     def _start_exchange(self, fragment: int, *, background: bool = True) -> None:
         delta = self.anchors[fragment] - self._flat(fragment)

@@ -30,6 +30,7 @@ from commfuse.compress.base import Compressor
 from commfuse.localsgd.config import PeriodicSyncConfig
 from commfuse.localsgd.optimizer import PeriodicSyncOptimizer
 from commfuse.localsgd.outer import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM
+from commfuse.localsgd.sharded import refuse_sharded
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +155,7 @@ class SyncMethodOptimizer(PeriodicSyncOptimizer, Generic[M]):
     def __init__(
         self, optimizer: torch.optim.Optimizer, module: nn.Module, comm: Communicator, method: M
     ) -> None:
+        refuse_sharded(module, method.name)
         super().__init__(optimizer, module, comm, method.periodic())
         self.module = module
         """The replica."""
