@@ -22,10 +22,12 @@ CHECKSUM = re.compile(r"^\[rank (\d+)\] rank \d+ checksum (\S+)$", re.MULTILINE)
 OK = re.compile(r"^\[rank (\d+)\] rank \d+ ok", re.MULTILINE)
 
 #: Examples whose replicas must end identical, and print ``rank R checksum X``.
-REPLICATED = {"ddp_powersgd_hook.py", "data_parallel.py", "diloco.py"}
+REPLICATED = {"ddp_powersgd_hook.py", "data_parallel.py", "diloco.py", "fsdp2_diloco.py"}
+#: Ranks per example where two would not show it (2 replicas of 2 FSDP2 shards).
+NPROC = {"fsdp2_diloco.py": 4}
 
 
-def launch(script: Path) -> subprocess.CompletedProcess[str]:
+def launch(script: Path, nproc: int = 2) -> subprocess.CompletedProcess[str]:
     path = [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     return subprocess.run(
@@ -35,7 +37,7 @@ def launch(script: Path) -> subprocess.CompletedProcess[str]:
             "import sys; from commfuse.cli import main; sys.exit(main())",
             "launch",
             "--nproc",
-            "2",
+            str(nproc),
             "--timeout",
             "240",
             str(script),
@@ -60,11 +62,13 @@ def test_the_examples_are_the_ones_the_docs_show() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_runs_on_two_ranks(script: Path) -> None:
-    proc = launch(script)
+    nproc = NPROC.get(script.name, 2)
+    proc = launch(script, nproc)
     assert proc.returncode == 0, f"{script.name} failed:\n{proc.stdout}\n{proc.stderr}"
+    ranks = [str(r) for r in range(nproc)]
     if script.name in REPLICATED:
         sums = dict(CHECKSUM.findall(proc.stdout))
-        assert set(sums) == {"0", "1"}, proc.stdout
-        assert sums["0"] == sums["1"], f"replicas differ after {script.name}: {sums}"
+        assert sorted(sums) == ranks, proc.stdout
+        assert len(set(sums.values())) == 1, f"replicas differ after {script.name}: {sums}"
     else:
-        assert sorted(OK.findall(proc.stdout)) == ["0", "1"], proc.stdout
+        assert sorted(OK.findall(proc.stdout)) == ranks, proc.stdout
