@@ -15,7 +15,6 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from commfuse.collectives.cost import LinkCost
 from commfuse.pipeline import (
-    SCHEDULES,
     Action,
     Schedule,
     ScheduleError,
@@ -33,6 +32,7 @@ from commfuse.pipeline import (
     write_csv,
     zb_h1,
 )
+from commfuse.pipeline.generators import SCHEDULES
 
 
 def grid(text: str) -> list[list[Action | None]]:

@@ -12,7 +12,6 @@
 
 from commfuse.pipeline.actions import Action, read_csv, write_csv
 from commfuse.pipeline.generators import (
-    SCHEDULES,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
@@ -30,7 +29,6 @@ from commfuse.pipeline.schedule import (
 from commfuse.pipeline.validate import validate
 
 __all__ = [
-    "SCHEDULES",
     "Action",
     "ReplayResult",
     "Schedule",
