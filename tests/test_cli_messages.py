@@ -130,7 +130,7 @@ def test_a_record_that_cannot_be_written_at_the_end_goes_elsewhere(
     assert main([*TRAIN, "--steps", "2", "--json", str(path)]) == 1
     captured = capsys.readouterr()
     [written] = list(fallback.iterdir())
-    assert json.loads(written.read_text()) == RECORD
+    assert json.loads(written.read_text()) == {"kind": "train", **RECORD}
     assert f"cannot write {path}" in captured.err and f"wrote it to {written}" in captured.err
     assert f"metrics written to {written}" in captured.out
     assert written.name.startswith("metrics-") and written.suffix == ".json"
@@ -145,7 +145,7 @@ def test_a_record_replaces_the_file_in_one_step(
     path.write_text("an older run's record\n")
     monkeypatch.setattr("commfuse.train.runner.run_training", lambda *args, **kwargs: dict(RECORD))
     assert main([*TRAIN, "--steps", "2", "--json", str(path)]) == 0
-    assert json.loads(path.read_text()) == RECORD
+    assert json.loads(path.read_text()) == {"kind": "train", **RECORD}
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
     assert f"metrics written to {path}" in capsys.readouterr().out
 

@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
+from commfuse.bench.records import KINDS, RECORDS
 from commfuse.cli import main
+from commfuse.cli.report import KINDS as report_kinds
 from commfuse.cli.report import control_line, kind_of, render_result, report, update_report
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -27,41 +29,67 @@ def test_every_benchmark_json_renders_as_the_table_in_its_report(path: Path) -> 
     )
 
 
-def test_kinds_are_told_apart_by_their_keys() -> None:
-    collective = {"op": "all_reduce", "algo": "ring", "time_us": 1.0}
-    assert kind_of([collective]) == "bench collectives"
-    assert kind_of([{"strategy": "ddp", "step_time_s": 1.0}]) == "compare"
+def test_kinds_are_looked_up_by_the_kind_the_records_name() -> None:
+    collective = {"op": "all_reduce", "algo": "ring", "bytes": 4, "time_us": 1.0}
+    assert kind_of([collective | {"kind": "bench collectives"}]) == "bench collectives"
+    assert kind_of([{"kind": "compare", "strategy": "ddp", "step_time_s": 1.0}]) == "compare"
     ft = {"strategy": "ddp (ft)", "mode": "ft", "goodput_ratio": 1.0, "step_time_s": 1.0}
-    assert kind_of([ft]) == "compare --fault-tolerant"
-    assert kind_of([{"strategy": "ddp", "step_s": 1.0, "ratio_to_first": 1.0}]) == (
-        "bench strategies"
-    )
-    assert kind_of({"intra": {}, "inter": {}}) == "tune"
-    assert kind_of([{"ranks": 2, "series": "tree", "step_us": 1.0}]) == "simulate --scale"
-    gpu = {"device": "cuda:0", "backend": "nccl", "checks": [], "failed": []}
+    assert kind_of([ft | {"kind": "compare --fault-tolerant"}]) == "compare --fault-tolerant"
+    strategies = {"strategy": "ddp", "step_s": 1.0, "ratio_to_first": 1.0}
+    assert kind_of([strategies | {"kind": "bench strategies"}]) == "bench strategies"
+    assert kind_of({"kind": "tune", "intra": {}, "inter": {}}) == "tune"
+    scale = {"kind": "simulate --scale", "ranks": 2, "series": "tree", "step_us": 1.0}
+    assert kind_of([scale]) == "simulate --scale"
+    gpu = {"kind": "gpu check", "device": "cuda:0", "backend": "nccl", "checks": [], "failed": []}
     assert kind_of(gpu) == "gpu check"
-    assert kind_of([{"command": "--help", "tree": "new", "wall_s": 0.1}]) == "bench cli"
+    cli = {"kind": "bench cli", "command": "--help", "tree": "new", "wall_s": 0.1}
+    assert kind_of([cli]) == "bench cli"
 
 
 def test_a_record_that_names_its_kind_is_rendered_as_that_kind() -> None:
-    """``kind`` decides over the keys: a compare record that also has a strategies key."""
+    """``kind`` decides, whatever the other keys: a compare record that also has a strategies
+    record's keys."""
     record = {"strategy": "ddp", "step_time_s": 0.1, "step_s": 0.1, "ratio_to_first": 1.0}
-    assert kind_of([record]) == "compare"
+    assert kind_of([record | {"kind": "compare"}]) == "compare"
     assert kind_of([record | {"kind": "bench strategies"}]) == "bench strategies"
-    # simulate --validate's records name a configuration's kind, not the command's
+    assert "step_ms" in render_result([record | {"kind": "bench strategies"}]).splitlines()[0]
+    assert "final_loss" in render_result([record | {"kind": "compare"}]).splitlines()[0]
+    # simulate --validate's records name a configuration's kind as config_kind
     validation = {"config": "c", "predicted_us": 1.0, "measured_us": 1.0, "error": 0.0}
-    assert kind_of([validation | {"kind": "step"}]) == "simulate --validate"
+    records = [validation | {"kind": "simulate --validate", "config_kind": "step"}]
+    assert kind_of(records) == "simulate --validate"
+    assert render_result(records).splitlines()[1].split()[:2] == ["c", "step"]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([{"strategy": "ddp", "step_time_s": 1.0}], "name no kind"),
+        ({"intra": {}, "inter": {}}, "name no kind"),
+        ([{"kind": "collective", "op": "all_reduce"}], "kind 'collective'"),
+    ],
+)
+def test_a_record_without_a_known_kind_is_refused_naming_the_kinds(data: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as info:
+        render_result(data)
+    for kind in KINDS:  # every kind, in the message
+        assert repr(kind) in str(info.value)
+
+
+def test_every_kind_of_record_has_its_table() -> None:
+    assert set(report_kinds) == set(KINDS) == set(RECORDS)
 
 
 def test_a_missing_value_prints_as_a_dash() -> None:
     record = {"op": "broadcast", "algo": "tree", "bytes": 1024, "time_us": 12.5, "wrong": 0}
+    record["kind"] = "bench collectives"
     row = render_result([record]).splitlines()[1]  # no algbw, busbw, %link in this record
     assert "12.5" in row and " - " in row
 
 
 def test_rows_judged_by_their_interval_print_the_speedups_interval() -> None:
     base = {"op": "all_reduce", "algo": "native", "bytes": 4096, "time_us": 10.0, "wrong": 0}
-    base["iters"] = 10  # rounds: enough for a 95% interval
+    base |= {"kind": "bench collectives", "iters": 10}  # rounds: enough for a 95% interval
     records = [
         {**base, "variant": "native", "speedup_vs_first": 1.0, "tie": None, "ratio_ci": [1, 1]},
         # time ratios 0.5-0.8 of the baseline: 1.25x to 2x as fast
@@ -83,6 +111,7 @@ def test_an_interval_over_fewer_than_six_rounds_is_headed_range_not_95(rounds: i
     # covers half the time): no table may call it 95%.
     label = "95%" if rounds >= 6 else "range"
     base = {"op": "all_reduce", "algo": "native", "bytes": 4096, "time_us": 10.0, "wrong": 0}
+    base["kind"] = "bench collectives"
     collectives = [
         {**base, "variant": v, "iters": rounds, "speedup_vs_first": s, "tie": t, "ratio_ci": ci}
         for v, s, t, ci in [("native", 1.0, None, [1, 1]), ("ring", 1.6, False, [0.5, 0.8])]

@@ -373,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     report["torch"] = torch.__version__
     failed = [c["name"] for c in report["checks"] if not c["ok"]]
     report["failed"] = failed
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    from commfuse.bench.records import to_text
+
+    (args.out / "gpu_check.json").write_text(to_text("gpu check", report))
     print(
         f"gpu_check: {len(report['checks']) - len(failed)}/{len(report['checks'])} checks "
         f"passed on {report['device']} ({report['backend']}); report in {args.out}/gpu_check.json"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import resource
 import subprocess
@@ -179,6 +178,7 @@ def bench_cli_latency(config: CliLatencyConfig) -> list[dict[str, Any]]:
             ratio = summary.ratios[name]
             records.append(
                 {
+                    "kind": "bench cli",  # commfuse report's table (cli/report.py, KINDS)
                     "command": command,
                     "tree": name,
                     "src": src,
@@ -280,7 +280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if note:
         print(note)
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+        from commfuse.bench.records import to_text
+
+        Path(args.json).write_text(to_text("bench cli", records))
     return 0
 
 

@@ -24,12 +24,12 @@ and max |error| and each configuration's median over runs.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from commfuse.bench.records import to_text
 from commfuse.sim.calibrate import (
     KB,
     MB,
@@ -211,11 +211,13 @@ def run_validation(
         for cfg, seconds in zip(validation, measured, strict=True):
             predicted = predict(cluster, cfg, compression_gbps=rate)
             error = predicted / seconds - 1.0
+            config = {("config_kind" if k == "kind" else k): v for k, v in cfg.items()}
             records.append(
                 {
+                    "kind": "simulate --validate",  # commfuse report's table (cli/report.py)
                     "role": "validation",
                     "config": describe(cfg),
-                    **cfg,
+                    **config,
                     "run": index,
                     "hosts": hosts,
                     "link": link,
@@ -229,7 +231,10 @@ def run_validation(
                 f"{error * 100:>+7.1f}%"
             )
         errors = [abs(r["error"]) for r in records if r["run"] == index]
-        calibration_records += [{**r, "run": index, "hosts": hosts, "link": link} for r in fitted]
+        calibration_records += [
+            {"kind": "simulate --validate", **r, "run": index, "hosts": hosts, "link": link}
+            for r in fitted
+        ]
         print(
             f"run {index + 1}: held-out configurations: {len(errors)}, median |error| "
             f"{statistics.median(errors) * 100:.1f}%, max {max(errors) * 100:.1f}%"
@@ -240,7 +245,8 @@ def run_validation(
     _summary(records, runs)
     if json_path:
         # Held-out records first; the calibration fits' residuals follow (role "calibration").
-        where = write(json_path, json.dumps(records + calibration_records, indent=1) + "\n")
+        text = to_text("simulate --validate", records + calibration_records)
+        where = write(json_path, text)
         print(f"records written to {where}")
     return 0
 

@@ -9,9 +9,9 @@ commfuse compare --fault-tolerant --strategy ddp --repeats 3 --control   # torch
 from __future__ import annotations
 
 import argparse
-import json
 
 from commfuse.bench import compare as C
+from commfuse.bench.records import to_text
 from commfuse.cli.common import (
     Subparsers,
     add_command,
@@ -175,7 +175,7 @@ def run_compare(args: argparse.Namespace) -> int:
         if plotted is not None:
             print(f"plot (loss vs wall time) written to {plotted}")
     if args.json:
-        written = write_output(args, args.json, json.dumps(records, indent=1) + "\n")
+        written = write_output(args, args.json, to_text("compare", records))
         print(f"records written to {written}")
     if args.markdown:
         written = write_output(

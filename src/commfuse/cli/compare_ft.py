@@ -8,8 +8,8 @@ commfuse compare --fault-tolerant --strategy powersgd:rank=8 --chaos kill-every:
 from __future__ import annotations
 
 import argparse
-import json
 
+from commfuse.bench.records import to_text
 from commfuse.cli.common import emulate_arg, lr_schedule_arg
 from commfuse.cli.output import write_output
 from commfuse.cli.train_ft import fault_tolerance_from_args, replica_topology
@@ -67,7 +67,7 @@ def run_compare_ft(args: argparse.Namespace) -> int:
     if note:
         print(note)
     if args.json:
-        written = write_output(args, args.json, json.dumps(records, indent=1) + "\n")
+        written = write_output(args, args.json, to_text("compare --fault-tolerant", records))
         print(f"records written to {written}")
     if args.markdown:
         title = f"{args.workload} on {topology.describe()}, fault-tolerant"

@@ -6,12 +6,13 @@
     commfuse report seed0.json seed1.json --json seeds.json          # one file of both runs
     commfuse report seeds.json --plot-bytes seeds.png  # held-out loss against bytes (compare)
 
-Every command that writes ``--json`` writes a list of records (or one record, for ``train``
-and ``tune``); the record's keys say which command made it, and this command prints the same
-columns that command prints, so the tables in ``docs/`` and ``benchmarks/`` are generated
-from the raw data instead of typed. A value an older record lacks prints as ``-``. The one-GPU
-check (``benchmarks/device/gpu_check.sh``) writes one object of checks; it renders as one row
-per check.
+Every command that writes ``--json`` writes a list of records (or one record, for ``train``,
+``tune``'s profile and ``simulate``'s step); each record names the command that wrote it in
+its ``kind`` (``commfuse.bench.records``), and this command prints the columns ``KINDS`` gives
+that kind, the same columns the command printed, so the tables in ``docs/`` and
+``benchmarks/`` are generated from the raw data instead of typed. A value an older record lacks
+prints as ``-``. The one-GPU check (``benchmarks/device/gpu_check.sh``) writes one object of
+checks; it renders as one row per check.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from commfuse.bench.records import KINDS as RECORD_KINDS
+from commfuse.bench.records import Kind as RecordKind
+from commfuse.bench.records import kind_named, load
 from commfuse.bench.table import interval_label, ratio_cell
 from commfuse.cli.common import Subparsers, add_command, add_output_arguments, output_path
 from commfuse.cli.output import write_file, write_output
@@ -96,11 +100,45 @@ PROFILE_COLUMNS: tuple[Column, ...] = (
 
 VALIDATION_COLUMNS: tuple[Column, ...] = (
     ("configuration", lambda r: r["config"]),
-    ("kind", lambda r: r["kind"]),
+    ("kind", lambda r: r["config_kind"]),
     ("runs", lambda r: str(r["runs"])),
     ("predicted_ms", lambda r: f"{r['predicted_us'] / 1e3:.2f}"),
     ("measured_ms", lambda r: f"{r['measured_us'] / 1e3:.2f}"),
     ("error", lambda r: f"{r['error'] * 100:+.1f}%"),
+)
+
+
+TRAIN_FT_COLUMNS: tuple[Column, ...] = (
+    ("strategy", lambda r: r["strategy"]),
+    ("mode", lambda r: r["mode"]),
+    ("steps", lambda r: str(r["steps"])),
+    ("committed", lambda r: str(r["committed_steps"])),
+    ("step_ms", _ms("step_time_s", ".0f")),
+    ("final_loss", lambda r: f"{r['final_loss']:.3f}"),
+    ("held_loss", lambda r: f"{r['eval_loss']:.3f}"),
+    ("restarts", lambda r: str(r["restarts"])),
+)
+
+#: ``commfuse tune --json``: one row per calibration point (``*``: what ``auto`` picks there).
+TUNE_CALIBRATION_COLUMNS: tuple[Column, ...] = (
+    ("collective", lambda r: r["collective"]),
+    ("size", lambda r: format_size(r["bytes"])),
+    ("algo", lambda r: r["algo"] + ("*" if r["chosen"] else "")),
+    ("block", lambda r: format_size(r["block_bytes"]) if r.get("block_bytes") else "-"),
+    ("measured_ms", _ms("measured_s", ".3f")),
+    ("model_ms", _ms("model_s", ".3f")),
+    ("model_err", lambda r: f"{r['model_err'] * 100:+.0f}%"),
+    ("loo_err", lambda r: f"{r['loo_err'] * 100:+.0f}%"),
+)
+
+#: ``commfuse simulate`` (one step): the predicted step and its parts.
+SIMULATE_COLUMNS: tuple[Column, ...] = (
+    ("ranks", lambda r: str(r["ranks"])),
+    ("step_ms", lambda r: f"{r['step_us'] / 1e3:.3f}"),
+    ("compute_ms", lambda r: f"{r['compute_us'] / 1e3:.3f}"),
+    ("exposed_ms", lambda r: f"{r['exposed_comm_us'] / 1e3:.3f}"),
+    ("overlapped_ms", lambda r: f"{r['overlapped_comm_us'] / 1e3:.3f}"),
+    ("collectives", lambda r: str(r["num_collectives"])),
 )
 
 
@@ -141,52 +179,15 @@ def _compare_columns(records: Sequence[Record]) -> Sequence[Column]:
     return compare_columns(records)
 
 
-def kind_of(data: Any) -> str:
-    """Which command wrote ``data`` (the parsed JSON): the ``kind`` its records name (``compare``,
-    ``compare --fault-tolerant`` and ``bench strategies`` write it), else, for files written
-    before records named it, from the keys of its records.
+def kind_of(data: Any) -> RecordKind:
+    """Which command wrote ``data`` (the parsed JSON): the ``kind`` its records name
+    (``commfuse.bench.records``).
 
     Raises:
-        ValueError: when no command writes records of this shape.
+        ValueError: records that name no kind, or one no command writes (the message lists
+            the kinds).
     """
-    named = data.get("kind") if isinstance(data, dict) else None
-    if isinstance(data, list) and data and isinstance(data[0], dict):
-        named = data[0].get("kind")
-    if named in KINDS:  # (simulate --validate's records use "kind" for a configuration's)
-        return str(named)
-    if isinstance(data, dict):
-        if "intra" in data and "inter" in data:
-            return "tune"
-        if {"checks", "device", "backend", "failed"} <= set(data):
-            return "gpu check"
-        if "strategy" in data and "step_time_s" in data:
-            return "train"
-    elif isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
-        keys = set(data[0])
-        if {"op", "algo", "time_us"} <= keys:
-            return "bench collectives"
-        if {"op", "shape", "fused_us"} <= keys:
-            steps = all(str(r["op"]).endswith("_step") and "ideal_us" not in r for r in data)
-            return "bench fused --step" if steps else "bench fused"
-        if {"strategy", "mode", "goodput_ratio"} <= keys:
-            return "compare --fault-tolerant"
-        if {"strategy", "step_time_s"} <= keys:
-            return "compare"
-        if {"strategy", "step_s", "ratio_to_first"} <= keys:
-            return "bench strategies"
-        if {"engine", "step_s"} <= keys:
-            return "bench ddp"
-        if {"command", "tree", "wall_s"} <= keys:
-            return "bench cli"
-        if {"ranks", "series", "step_us"} <= keys:
-            return "simulate --scale"
-        if {"config", "predicted_us", "measured_us", "error"} <= keys:
-            return "simulate --validate"
-    raise ValueError(
-        "not a commfuse result: expected the --json output of bench, compare, train, tune or "
-        "simulate (a list of records, or one record for train and tune), or a GPU check's "
-        "gpu_check.json"
-    )
+    return kind_named(data)
 
 
 def _safe(fmt: Callable[[Record], str]) -> Callable[[Record], str]:
@@ -254,7 +255,7 @@ def _validation_table(records: Sequence[Record], markdown: bool) -> str:
     rows = [
         {
             "config": config,
-            "kind": runs[0].get("kind", "-"),
+            "config_kind": runs[0].get("config_kind", "-"),
             "runs": len(runs),
             "predicted_us": statistics.median(r["predicted_us"] for r in runs),
             "measured_us": statistics.median(r["measured_us"] for r in runs),
@@ -295,7 +296,9 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
     Raises:
         ValueError: when ``data`` is not such a file.
     """
-    return KINDS[kind_of(data)].table(data, markdown)
+    kind = kind_of(data)
+    rows = [record.to_json() for record in load(data)]
+    return KINDS[kind].table(rows if isinstance(data, list) else rows[0], markdown)
 
 
 def _collectives_table(data: Any, markdown: bool) -> str:
@@ -353,9 +356,9 @@ class Kind:
     control: str | None = None
 
 
-#: Every kind of result, by the command that writes it (``kind_of``): a new column or a new
+#: Every kind of result (``commfuse.bench.records.Kind``) and its table: a new column or a new
 #: command's table goes here, and nowhere else in the report.
-KINDS: dict[str, Kind] = {
+KINDS: dict[RecordKind, Kind] = {
     "bench collectives": Kind(_collectives_table, "algorithm"),
     "bench fused": Kind(_columns_table(_fused_columns)),
     "bench fused --step": Kind(_columns_table(_fused_step_columns)),
@@ -367,9 +370,15 @@ KINDS: dict[str, Kind] = {
     "simulate --scale": Kind(_scale_table),
     "simulate --validate": Kind(_validation_table),
     "train": Kind(lambda data, markdown: _table([data], TRAIN_COLUMNS, markdown)),
+    "train --fault-tolerant": Kind(
+        lambda data, markdown: _table([data], TRAIN_FT_COLUMNS, markdown)
+    ),
     "gpu check": Kind(lambda data, markdown: _table(data["checks"], GPU_CHECK_COLUMNS, markdown)),
     "tune": Kind(_profile_table),
+    "tune calibration": Kind(_columns_table(lambda: TUNE_CALIBRATION_COLUMNS)),
+    "simulate": Kind(lambda data, markdown: _table([data], SIMULATE_COLUMNS, markdown)),
 }
+assert set(KINDS) == set(RECORD_KINDS), "every kind of record has its table"
 
 
 def control_line(data: Any) -> str | None:

@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 from typing import Any
 
+from commfuse.bench.records import of_kind, to_text
 from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
@@ -326,6 +326,7 @@ def _run(args: argparse.Namespace) -> int:
         title = f"{workload.text} step on {cluster.name}"
     from commfuse.cli.report import render_result
 
+    records = [record.to_json() for record in of_kind("simulate --scale", records)]
     print(render_result(records))
     if args.plot:
         if len({r.get("bytes") for r in records}) > 1:  # a line per algorithm and size
@@ -340,7 +341,7 @@ def _run(args: argparse.Namespace) -> int:
         if plotted is not None:
             print(f"plot written to {plotted}")
     if args.json:
-        write_output(args, args.json, json.dumps(records, indent=1) + "\n")
+        write_output(args, args.json, to_text("simulate --scale", records))
     return 0
 
 
@@ -386,7 +387,5 @@ def _one(
         if traced is not None:
             print(f"Chrome trace ({events[-1]} events) written to {traced}")
     if args.json:
-        write_output(
-            args, args.json, json.dumps({"ranks": cluster.world_size, **r}, indent=1) + "\n"
-        )
+        write_output(args, args.json, to_text("simulate", {"ranks": cluster.world_size, **r}))
     return 0

@@ -9,9 +9,9 @@ commfuse train --hosts 4 --fault-tolerant --chaos kill:host=2,at_step=15,restart
 from __future__ import annotations
 
 import argparse
-import json
 from typing import TYPE_CHECKING, Any
 
+from commfuse.bench.records import to_text
 from commfuse.cli.common import (
     Subparsers,
     add_bucket_cap_argument,
@@ -236,7 +236,7 @@ def run_train(args: argparse.Namespace) -> int:
     )
     print(describe_record(record))
     if args.json:
-        written = write_output(args, args.json, json.dumps(record, indent=1) + "\n")
+        written = write_output(args, args.json, to_text("train", record))
         print(f"metrics written to {written}")
     return 0
 

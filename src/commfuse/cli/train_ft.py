@@ -8,9 +8,9 @@ commfuse train --hosts 4 --fault-tolerant --strategy diloco:H=20,compressor=spar
 from __future__ import annotations
 
 import argparse
-import json
 from typing import TYPE_CHECKING, Any
 
+from commfuse.bench.records import to_text
 from commfuse.cli.common import emulate_arg, lr_schedule_arg, topology_from_args
 from commfuse.cli.output import write_output
 
@@ -56,7 +56,7 @@ def run_train_ft(args: argparse.Namespace) -> int:
     )
     print(describe_ft_record(record))
     if args.json:
-        written = write_output(args, args.json, json.dumps(record, indent=1) + "\n")
+        written = write_output(args, args.json, to_text("train --fault-tolerant", record))
         print(f"metrics written to {written}")
     return 0
 

@@ -17,6 +17,7 @@ import argparse
 import json
 from typing import Any
 
+from commfuse.bench.records import to_text
 from commfuse.cli.common import (
     Subparsers,
     add_job_command,
@@ -140,7 +141,7 @@ def run_tune(args: argparse.Namespace) -> int:
     profile_json = run_on_ranks(
         _calibrate_on_rank, calibrate_sizes, args.repeats, topology=topology, args=args
     )[0]
-    saved = write_output(args, args.save_profile, profile_json + "\n")
+    saved = write_output(args, args.save_profile, to_text("tune", json.loads(profile_json)))
     profile = Profile.from_json(profile_json)
     for name, link in (("intra-host", profile.intra), ("inter-host", profile.inter)):
         print(
@@ -164,7 +165,7 @@ def run_tune(args: argparse.Namespace) -> int:
         print_picks(pick_summary(records))
         print()
     if args.json:
-        written = write_output(args, args.json, json.dumps(records, indent=1) + "\n")
+        written = write_output(args, args.json, to_text("tune calibration", records))
         print(f"calibration table written to {written}")
     world = topology.world_size
     print(

@@ -222,7 +222,9 @@ class Profile:
         return self.corrections.get(collective, {}).get(algo)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1)
+        """The profile as ``commfuse tune`` saves it, named as a ``tune`` record (the kind
+        ``commfuse report`` renders it by: ``commfuse.bench.records.TuneProfileRecord``)."""
+        return json.dumps({"kind": "tune", **dataclasses.asdict(self)}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Profile:

@@ -127,6 +127,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
         config,
         topology,
         args,
+        kind="bench collectives",
         heading="Collectives benchmark",
         plot=plot,
     )

@@ -106,6 +106,7 @@ def run_bench_ddp(args: argparse.Namespace) -> int:
         config,
         topology,
         args,
+        kind="bench ddp",
         heading="DataParallel vs torch DDP",
         title=title,
         plot=plot_steps("engine"),

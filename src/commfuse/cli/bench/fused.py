@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from commfuse.bench.records import Kind
 from commfuse.cli.common import (
     Subparsers,
     add_job_command,
@@ -102,6 +103,7 @@ def run_bench_fused(args: argparse.Namespace) -> int:
     }
     config: Any
     fn: Callable[[Any], list[dict[str, Any]]]
+    kind: Kind = "bench fused --step" if args.step else "bench fused"
     if args.step:
         config = fused_steps.StepBenchConfig(steps=_names(args.step), **shared)
         fn = fused_steps.bench_steps_on_rank
@@ -117,7 +119,7 @@ def run_bench_fused(args: argparse.Namespace) -> int:
         f"{config.iters} {unit} per variant (median)",
         file=sys.stderr,
     )
-    return run_and_report(fn, config, topology, args, heading=heading, plot=plot_rows)
+    return run_and_report(fn, config, topology, args, kind=kind, heading=heading, plot=plot_rows)
 
 
 def plot_rows(records: list[dict[str, Any]], path: str) -> None:

@@ -1,22 +1,23 @@
 """Report a benchmark's records: the table, the A/A control's line, ``--json``, ``--markdown``
 and ``--plot``, the same way for every ``commfuse bench`` sub-command.
 
-Every ``bench`` command's ranks each return the same list of records (rank 0's is reported);
-the table and the control line are those ``commfuse report`` prints from the ``--json`` file
-(``commfuse.cli.report``), so a table in a report and the command's output never differ.
+Every ``bench`` command's ranks each return the same list of records (rank 0's is reported),
+typed as the command's kind of record (``commfuse.bench.records``); the table and the control
+line are those ``commfuse report`` prints from the ``--json`` file (``commfuse.cli.report``),
+so a table in a report and the command's output never differ.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from commfuse.bench.records import Kind
 from commfuse.cli.common import run_on_ranks
 from commfuse.cli.output import write_file, write_output
 from commfuse.cluster.topology import Topology
@@ -46,26 +47,30 @@ def network_title(records: list[dict[str, Any]], topology: Topology) -> str:
 
 
 def report_records(
-    records: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
     args: argparse.Namespace,
     *,
+    kind: Kind,
     title: str,
     heading: str,
     plot: Plot | None = None,
 ) -> int:
-    """Print ``title``, the records' table and their A/A control line; write ``args.json``,
-    a dated ``args.markdown`` report titled ``heading`` (command, table, control, machine) and
-    ``args.plot`` with ``plot``. Exit code: 1 when a record has wrong elements, else 0 (a
-    failed job raises, see ``common.run_command``)."""
+    """Print ``title``, the table of ``rows`` as records of ``kind`` and their A/A control
+    line; write ``args.json``, a dated ``args.markdown`` report titled ``heading`` (command,
+    table, control, machine) and ``args.plot`` with ``plot``. Exit code: 1 when a record has
+    wrong elements, else 0 (a failed job raises, see ``common.run_command``)."""
+    from commfuse.bench.records import dumps, of_kind
     from commfuse.cli.report import control_line, render_result
 
+    typed = of_kind(kind, rows)
+    records = [record.to_json() for record in typed]
     note = control_line(records)
     print(f"# {title}")
     print(render_result(records))
     if note:
         print(note)
     if args.json:
-        write_output(args, args.json, json.dumps(records, indent=1) + "\n")
+        write_output(args, args.json, dumps(typed))
     if args.markdown:
         machine = machine_summary()
         lines = [
@@ -94,15 +99,17 @@ def run_and_report(
     topology: Topology,
     args: argparse.Namespace,
     *,
+    kind: Kind,
     heading: str,
     title: Callable[[list[dict[str, Any]]], str] | None = None,
     plot: Plot | None = None,
 ) -> int:
     """``fn(config)`` on the ranks of ``topology``, then ``report_records`` of rank 0's
-    records; ``title`` makes the line above the table from them (default: the network)."""
+    records as records of ``kind``; ``title`` makes the line above the table from them
+    (default: the network)."""
     records = run_on_ranks(fn, config, topology=topology, args=args)[0]
     line = title(records) if title is not None else network_title(records, topology)
-    return report_records(records, args, title=line, heading=heading, plot=plot)
+    return report_records(records, args, kind=kind, title=line, heading=heading, plot=plot)
 
 
 def plot_steps(label: str) -> Plot:

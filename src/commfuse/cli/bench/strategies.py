@@ -96,6 +96,7 @@ def run_bench_strategies(args: argparse.Namespace) -> int:
         config,
         topology,
         args,
+        kind="bench strategies",
         heading="Strategies benchmark",
         title=lambda records: title,
         plot=plot_steps("strategy"),
