@@ -494,6 +494,7 @@ def test_diloco_replicas_killed_in_the_exchange_and_between_inner_steps_rejoin_i
 def test_fault_free_diloco_equals_the_run_without_torchft_bit_for_bit() -> None:
     from commfuse.cluster import run
     from commfuse.localsgd import diloco
+    from commfuse.testing.bits import RunBits
     from commfuse.train.loop import train_rank
 
     # 3 periods and a partial one, closed by the final synchronisation; each inner step at
@@ -505,6 +506,7 @@ def test_fault_free_diloco_equals_the_run_without_torchft_bit_for_bit() -> None:
         steps=steps,
         evaluate=False,
         lr_schedule=CosineSchedule(warmup_steps=2, min_ratio=0.0),
+        param_fingerprints=True,
     )
     topology = Topology(num_hosts=2, link_mbit=1000)
     ft = run_fault_tolerant(config, FAULT_FREE, topology, timeout_s=200)
@@ -518,6 +520,14 @@ def test_fault_free_diloco_equals_the_run_without_torchft_bit_for_bit() -> None:
         assert plain[rank]["digest"] == ft["digest"]
         # One exchange of the fp32 model per period, the final synchronisation's included.
         assert [r["bytes"] for r in mine] == [_param_bytes()] * 4
+        # Each period's parameters, hashed as the plain run hashes them after the period's
+        # last inner step (the last one after the final synchronisation), and the same
+        # choices: where the runs part, ``testing.bits`` can say so.
+        fingerprints = RunBits.of_ft(ft, replica=rank).fingerprints
+        assert sorted(fingerprints) == [H - 1, 2 * H - 1, 3 * H - 1, steps - 1]
+        assert fingerprints == {s: plain[rank]["param_fingerprints"][s] for s in fingerprints}
+        [choices] = [c for c in ft["choices"] if c["replica"] == rank]
+        assert {k: choices[k] for k in ("compressor", "fragments")} == plain[rank]["choices"]
 
 
 def test_per_period_mode_takes_the_local_sgd_family_and_ends_periods_at_synchronisations() -> None:

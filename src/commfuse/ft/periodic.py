@@ -54,8 +54,10 @@ from commfuse.ft.loop import (
 from commfuse.ft.periods import ft_periodic_config, sync_points
 from commfuse.ft.replica import step_batch
 from commfuse.localsgd import PeriodicSyncConfig, PeriodicSyncOptimizer
+from commfuse.train.loop import param_fingerprints
 from commfuse.train.lr_schedule import ScheduledRates
-from commfuse.train.torch_ddp import bucket_caps
+from commfuse.train.periodic import periodic_choices
+from commfuse.train.torch_ddp import bucket_caps, ddp_choices
 from commfuse.workloads import make_workload
 
 
@@ -470,16 +472,30 @@ class PerPeriodLoop(ReplicaLoop):
         self.kept.clear()
         self.kept.update(keep)
 
-    def digests(self, step: int, committed: bool) -> dict[str, str | None]:
+    def digests(self, step: int, committed: bool) -> dict[str, Any]:
+        """The outer model's and outer momenta's digests of a committed period, and with
+        ``param_fingerprints`` each parameter's at its end (as the run without torchft
+        records after the period's last inner step: ``testing/bits.py`` keys them so)."""
         if not committed:
-            return {"digest": None, "outer_digest": None}
+            return {"digest": None, "outer_digest": None, "fingerprints": None}
+        fingerprinted = self.job.train.param_fingerprints
         return {
             "digest": state_digest(self.periodic.anchors),
             "outer_digest": state_digest(self.periodic.momenta),
+            "fingerprints": param_fingerprints(self.module) if fingerprinted else None,
         }
 
     def final_record(self) -> dict[str, Any]:
-        return {**super().final_record(), "periods": self.manager.current_step()}
+        # What decides the bits beside the configuration (``Strategy.choices``), as the run
+        # without torchft records them; a group of several ranks steps torch DDP inside it.
+        choices = periodic_choices(self.periodic)
+        if isinstance(self.trainer, DistributedDataParallel):
+            choices["ddp"] = ddp_choices(self.trainer)
+        return {
+            **super().final_record(),
+            "periods": self.manager.current_step(),
+            "choices": choices,
+        }
 
 
 def _timed_transport(addr: str, timeout: timedelta, started: list[float]) -> Any:
@@ -507,7 +523,8 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
 
     Returns:
         ``{"replica", "group_rank", "life", "eval_loss", "eval_accuracy", "digest", "step",
-        "recovered_bytes", "served_bytes", "periods"}``; ``step`` counts inner steps.
+        "recovered_bytes", "served_bytes", "periods", "choices"}``; ``step`` counts inner
+        steps.
 
     Raises:
         ValueError: a strategy that ``periods.ft_periodic_config`` refuses.

@@ -60,20 +60,29 @@ class RunBits:
     @classmethod
     def of_ft(cls, record: dict[str, Any], *, name: str = "ft", replica: int = 0) -> RunBits:
         """From ``run_fault_tolerant``'s record (replica group ``replica``'s committed steps,
-        its last life's where it had several)."""
+        its last life's where it had several). Per-period mode's attempts are periods: each
+        one's fingerprints and quorum are those of its last inner step, its losses those of
+        the inner steps it trained (the steps of a run without torchft)."""
         mine = sorted(
             (r for r in record["records"] if r["replica"] == replica and r["committed"]),
             key=lambda r: (r["step"], r["life"]),
         )
-        by_step = {r["step"]: r for r in mine}
+        by_step = {_last_step(r): r for r in mine}
         quorums = {
-            r["step"]: r["participants"] for r in record["records"] if r["committed"]
+            _last_step(r): r["participants"] for r in record["records"] if r["committed"]
         }  # every replica's commit of a step had the same quorum
         choices = [c for c in record.get("choices", []) if c.get("replica") == replica]
+        losses: dict[int, float] = {}
+        for s, r in by_step.items():
+            if "inner_steps" not in r:
+                losses[s] = r["loss"]
+                continue
+            first = r["first_step"] + r.get("skipped_steps", 0)
+            losses.update({first + i: loss for i, loss in enumerate(r["losses"])})
         return cls(
             name=name,
             digest=str(record.get("digest", "")),
-            losses={s: r["loss"] for s, r in by_step.items()},
+            losses=losses,
             fingerprints={
                 s: r["fingerprints"] for s, r in by_step.items() if r.get("fingerprints")
             },
@@ -81,6 +90,13 @@ class RunBits:
             quorums=quorums,
             num_replicas=len(record.get("per_replica", [])) or None,
         )
+
+
+def _last_step(attempt: dict[str, Any]) -> int:
+    """The run's step an attempt ends at: its step, or a period's last inner step."""
+    if "inner_steps" in attempt:
+        return int(attempt["first_step"] + attempt["inner_steps"] - 1)
+    return int(attempt["step"])
 
 
 def _differences(a: Any, b: Any, path: str = "") -> list[str]:

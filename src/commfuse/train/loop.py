@@ -294,6 +294,7 @@ def train_rank(config: TrainConfig, progress: Any = None) -> dict[str, Any]:
         others_over_run = others.read()
         if snapshot is not None:
             module.load_state_dict(snapshot)
+        _refingerprint(fingerprints, module, config.steps - 1)
         result: dict[str, Any] = {
             "rank": rank,
             "device": str(device),
@@ -365,6 +366,16 @@ def _load_start(
     # ranks' and the kernel's without double counting: metrics.py's ``machine_bound_s``.
     history.setdefault("machine_busy_s", [-1.0] * len(history["loss"]))
     return start, history, resumed_state
+
+
+def _refingerprint(
+    fingerprints: dict[int, dict[str, str]], module: torch.nn.Module, step: int
+) -> None:
+    """At the run's end: the last step's fingerprints (if recorded) are of the model it ends
+    the run with, after ``strategy.finish()`` (a local-SGD run's final synchronisation, which
+    a fault-tolerant run's last period commits)."""
+    if step in fingerprints:
+        fingerprints[step] = param_fingerprints(module)
 
 
 def _finish_into_last_step(

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from commfuse.ddp.wrapper import compressor_choices
 from commfuse.localsgd import (
     ADPSGDConfig,
     DreamDDPConfig,
@@ -152,6 +153,9 @@ class PeriodicSync(Strategy):
             raise ValueError("checkpoint has no local-SGD state (anchors, outer momentum)")
         self.periodic.load_state_dict(state["periodic"])
 
+    def choices(self) -> dict[str, Any]:
+        return periodic_choices(self.periodic)
+
     def close(self) -> None:
         if isinstance(self.periodic, DreamDDPOptimizer):
             self.periodic.close()
@@ -162,6 +166,17 @@ class PeriodicSync(Strategy):
             before = self.bytes_sent()
             self.periodic.average_moved_fragments()
             self.final_sync_bytes += self.bytes_sent() - before
+
+
+def periodic_choices(periodic: PeriodicSyncOptimizer) -> dict[str, Any]:
+    """What decides a local-SGD run's bits beyond its configuration (``Strategy.choices``),
+    the same with torchft (``ft/periodic.py``) and without: the outer compressor's settings
+    and layouts, and each fragment's pieces (``[parameter, start, stop]``)."""
+    compressor = periodic.config.compressor
+    return {
+        "compressor": None if compressor is None else compressor_choices(compressor),
+        "fragments": [[[p.param, p.start, p.stop] for p in f] for f in periodic.fragments],
+    }
 
 
 register_builder(PeriodicSyncConfig, PeriodicSync)
