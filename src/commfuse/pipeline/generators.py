@@ -30,8 +30,8 @@ from commfuse.pipeline.actions import Action, ActionKind
 from commfuse.pipeline.replay import on_grid
 from commfuse.pipeline.schedule import Schedule
 
-#: The names ``schedule_by_name`` knows.
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+"""The names ``schedule_by_name`` knows."""
 
 
 def _check(num_stages: int, num_microbatches: int) -> None:
