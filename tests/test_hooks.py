@@ -308,3 +308,45 @@ def test_step_counts_follow_the_parameters_into_other_buckets(pool: Any) -> None
         assert result["buckets"] > 1, result
         assert result["steps"] == [5], result
         assert result["resumed"] == result["compressed"], result
+
+
+def test_the_state_waits_for_the_process_group() -> None:
+    """A trainer's strategy is configured before its process group starts: building the state
+    then is fine, and using it without a group names the fix."""
+    assert not torch.distributed.is_initialized()
+    state = CompressionState(PowerSGD(rank=2), module=nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"before torch\.distributed\.init_process_group"):
+        state.comm  # noqa: B018  # the property binds
+
+
+def bind_at_first_bucket(steps: int) -> dict[str, Any]:
+    """Build the hook's state as if no process group were up yet, then train under DDP: the
+    state binds in the first bucket's hook call, and the hook averages from that step on."""
+    from unittest import mock
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    with mock.patch.object(torch.distributed, "is_initialized", return_value=False):
+        state = CompressionState(NoCompression(algo="native"), module=model)
+    unbound = state._comm is None
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.001)
+    ddp.register_comm_hook(state, compressed_allreduce_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    x, y = regression_data(torch.distributed.get_rank())
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+    return {
+        "unbound": unbound,
+        "bytes": state.comm.stats.snapshot()["all_reduce"]["native_bytes"],
+        "params": torch.cat([p.detach().flatten() for p in model.parameters()]),
+    }
+
+
+def test_a_state_built_before_the_group_binds_at_the_first_bucket(pool: Any) -> None:
+    results = pool(2).run(bind_at_first_bucket, 3, timeout_s=120)
+    for result in results:
+        assert result["unbound"]
+        assert result["bytes"] >= 3 * 577 * 4  # every step's buckets went through the hook
+    assert torch.equal(results[0]["params"], results[1]["params"])

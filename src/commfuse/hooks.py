@@ -47,8 +47,12 @@ class CompressionState:
     """What ``compressed_allreduce_hook`` needs: a compressor, the names of the parameters,
     a communicator, step counters.
 
+    It may be built before ``torch.distributed.init_process_group()`` (a trainer's strategy is
+    often configured first): it then binds to the process group at its first use, the first
+    bucket DDP hands the hook, on every rank at once.
+
     Raises:
-        ValueError: no process group is up, or ``module`` has no parameters.
+        ValueError: ``module`` has no parameters; at the first use, no process group is up.
 
     Example:
         ```python
@@ -72,9 +76,9 @@ class CompressionState:
     """Steps each parameter has been reduced in, by name: a bucket's ``step`` (handed to the
     compressor) is its parameters' count, so it follows them when DDP rebuilds its buckets or a
     resumed job lays them out anew."""
-    comm: Communicator = dataclasses.field(init=False)
     names: dict[int, str] = dataclasses.field(init=False, repr=False)
     """``id(parameter) -> name`` for every parameter of ``module``."""
+    _comm: Communicator | None = dataclasses.field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.compressor, Compressor):
@@ -89,13 +93,34 @@ class CompressionState:
         self.names = {id(p): name for name, p in model.named_parameters()}
         if not self.names:
             raise ValueError("CompressionState: module has no parameters to name the buckets by")
+        if dist.is_initialized():
+            self._bind()
+
+    @property
+    def comm(self) -> Communicator:
+        """The hook's communicator over a private group of ``process_group``'s ranks, made
+        at construction when the process group is up, else at this first use.
+
+        Raises:
+            ValueError: no process group is up yet."""
+        if self._comm is None:
+            self._bind()
+        assert self._comm is not None
+        return self._comm
+
+    def _bind(self) -> None:
         if not dist.is_initialized():
-            raise ValueError("CompressionState needs torch.distributed.init_process_group() first")
+            raise ValueError(
+                "CompressionState is used before torch.distributed.init_process_group(): "
+                "start the process group before the first backward"
+            )
         parent = self.process_group if self.process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(parent)
         # Private group: see the module docstring (ordering against DDP's own collectives).
+        # Every rank reaches this at the same point (construction, or its first bucket), as
+        # ``new_group`` requires.
         private = dist.new_group(ranks=ranks)
-        self.comm = Communicator(private, config=self.config, name="ddp-hook")
+        self._comm = Communicator(private, config=self.config, name="ddp-hook")
 
     def next_step(self, layout: BucketLayout) -> int:
         """The step of the bucket holding ``layout``'s parameters, counted for them: the most
