@@ -21,6 +21,7 @@ layer  folders                                     what they are
 4      ``optim``                                   optimizers that communicate (1-bit Adam)
 5      ``workloads``                               models and data sets
 6      ``train``, ``ft``                           training runs and their records; torchft
+6      ``integrations``                            adapters for Lightning, Accelerate, ...
 7      ``bench``                                   measuring and reporting: rounds, ratios, tables
 8      ``cli``                                     the ``commfuse`` command
 9      ``testing``                                 test helpers: nothing in the package imports it
@@ -61,6 +62,7 @@ LAYERS: dict[str, int] = {
     "workloads": 5,
     "train": 6,
     "ft": 6,
+    "integrations": 6,
     "bench": 7,
     "cli": 8,
     "testing": 9,

@@ -31,6 +31,7 @@ Design notes: ``docs/local-sgd.md``, "The periodic optimizer's step, metrics and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,15 +153,38 @@ class PeriodicSyncOptimizer:
         self._compressor = config.compressor
 
     # -- the optimizer interface ------------------------------------------------------------
+    # ``param_groups``, ``defaults`` and ``state`` are the inner optimizer's, and ``step`` takes
+    # a closure: trainers that check an optimizer's shape (Lightning's ``Optimizable``) or step
+    # it with a closure (Lightning, Accelerate) accept this one as they would a torch optimizer.
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.inner.param_groups
 
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.inner.defaults
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
-    def step(self) -> None:
-        """One inner step, then whatever synchronisation is due (see the module docstring)."""
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One inner step, then whatever synchronisation is due (see the module docstring).
+
+        Args:
+            closure: computes the loss and its gradients before the step (as torch
+                optimizers take it); its result is returned."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
+    def _step(self) -> None:
         warm = self.step_count < self.config.warmup_steps
         if warm:
             self._average_gradients(self.world_comm)
