@@ -366,7 +366,8 @@ class PeriodicSyncOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: inner optimizer, step counter, anchors, outer
         momenta, exchanges in flight (waited for, stored with their local deltas), and the
-        compressor's state (error feedback)."""
+        compressor's state (error feedback). Of an FSDP2-sharded replica it holds this rank's
+        shards only: each rank saves and loads its own."""
         pending = []
         for p in self._pending:
             if p.handle is not None:
