@@ -203,12 +203,12 @@ def test_the_private_name_check_sees_both_forms(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text(
         "from commfuse.train import strategy\n"
-        "from commfuse.localsgd.methods import _rebuilds\n"
+        "from commfuse.localsgd.diloco import _private\n"
         "import commfuse.train.strategy as s\n"
         "strategy._BUILDERS\ns._changed\nself._ok\n"
     )
     assert [use.split(": ")[1] for use in _private_uses(sample)] == [
-        "from commfuse.localsgd.methods import _rebuilds",
+        "from commfuse.localsgd.diloco import _private",
         "strategy._BUILDERS",
         "s._changed",
     ]

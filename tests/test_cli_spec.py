@@ -21,7 +21,6 @@ from commfuse.cli.spec import (
 )
 from commfuse.compress import DeMo, Int4, Int8, PowerSGD, SparseLoCo, TopK
 from commfuse.localsgd import (
-    GENERAL,
     PeriodicSyncConfig,
     diloco,
     local_sgd,
@@ -199,7 +198,7 @@ ROUND_TRIP: list[StrategyConfig] = [
     diloco(compressor=TopK(ratio=0.1)),
     diloco(compressor=Int8(algo="native")),
     streaming_diloco(H=8, num_fragments=2, mix_global=0.9),
-    # No method's function builds a warm-up with an outer momentum: the general form does.
+    # No method has a warm-up with an outer momentum: the general form has.
     PeriodicSyncConfig(warmup_steps=5, outer_momentum=0.5),
 ]
 # The outer-gradient compressors and the optimizers that communicate.
@@ -223,8 +222,7 @@ def test_every_name_describes_its_defaults_as_the_bare_name(name: str) -> None:
     if name == "ddp-bf16" and not bf16_hooks_supported():
         pytest.skip("torch refuses its bf16 hooks in this build")
     config = strategy_from_spec(name)
-    if name != GENERAL:  # whose defaults are local SGD's, described as such
-        assert describe_strategy(config) == name
+    assert describe_strategy(config) == name
     assert strategy_from_spec(describe_strategy(config)) == config
 
 

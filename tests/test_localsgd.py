@@ -19,7 +19,7 @@ from commfuse.cli.spec import strategy_from_spec
 from commfuse.comm import Communicator
 from commfuse.compress import DeMo, Int4, SparseLoCo
 from commfuse.localsgd import (
-    PeriodicSyncConfig,
+    PeriodicMethod,
     PeriodicSyncOptimizer,
     diloco,
     local_sgd,
@@ -32,7 +32,7 @@ from commfuse.testing import RankPool
 from commfuse.train.strategy import describe_strategy
 
 PoolFn = Callable[[int], RankPool]
-Method = Callable[..., PeriodicSyncConfig]
+Method = Callable[..., PeriodicMethod]
 
 
 def tiny_model() -> nn.Module:
@@ -374,7 +374,7 @@ def test_bad_options_are_named() -> None:
         strategy_from_spec("local-sgd:H=many")
     with pytest.raises(ValueError, match="unknown strategy 'fedavg'"):
         strategy_from_spec("fedavg")
-    with pytest.raises(ValueError, match="num_fragments=9 > period_steps=4"):
+    with pytest.raises(ValueError, match="num_fragments=9 > H=4"):
         streaming_diloco(H=4, num_fragments=9)
 
 
@@ -384,16 +384,21 @@ def test_diloco_gives_sparseloco_its_papers_outer_step_unless_told_otherwise() -
     what was applied; a setting given is kept, and other compressors keep DiLoCo's step."""
     with pytest.warns(UserWarning, match="applied outer_lr=1, outer_momentum=0"):
         paper = diloco(H=20, compressor=SparseLoCo())
-    assert (paper.outer_lr, paper.outer_momentum) == (1.0, 0.0)
+    # The config keeps what it was given; the settings it runs are its ``periodic()``.
+    run = paper.periodic()
+    assert (run.outer_lr, run.outer_momentum) == (1.0, 0.0)
     with pytest.warns(UserWarning, match="applied outer_momentum=0 "):
-        assert diloco(outer_lr=0.7, compressor=SparseLoCo()).outer_momentum == 0.0
+        assert diloco(outer_lr=0.7, compressor=SparseLoCo()).periodic().outer_momentum == 0.0
     stacked = diloco(H=20, outer_lr=0.7, outer_momentum=0.9, compressor=SparseLoCo())
-    assert (stacked.outer_lr, stacked.outer_momentum) == (0.7, 0.9)
+    run = stacked.periodic()
+    assert (run.outer_lr, run.outer_momentum) == (0.7, 0.9)
     for config in (diloco(H=20), diloco(compressor=DeMo()), diloco(compressor=Int4())):
-        assert (config.outer_lr, config.outer_momentum) == (0.7, 0.9)
+        run = config.periodic()
+        assert (run.outer_lr, run.outer_momentum) == (0.7, 0.9)
     with pytest.warns(UserWarning, match="applied outer_lr=1, outer_momentum=0"):
         streamed = streaming_diloco(H=8, num_fragments=2, compressor=SparseLoCo())
-    assert (streamed.outer_lr, streamed.outer_momentum) == (1.0, 0.0)
+    run = streamed.periodic()
+    assert (run.outer_lr, run.outer_momentum) == (1.0, 0.0)
     # The command line builds the same configs, and describes each by what it was given.
     with pytest.warns(UserWarning):
         assert strategy_from_spec("diloco:H=20,compressor=sparseloco") == paper

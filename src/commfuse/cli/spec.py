@@ -370,7 +370,14 @@ ENGINE_KEYS = ("merge_buckets_by_cost", "first_bucket_cap_mb", "staleness")
 def strategy_names() -> dict[str, StrategyName]:
     """Every name ``--strategy`` accepts but the compressors' (``compressor_from_spec``'s
     names, which each run commfuse's engine with that compressor), in listing order."""
-    from commfuse.localsgd import GENERAL, METHODS, PeriodicSyncConfig
+    from commfuse.localsgd import (
+        DiLoCoConfig,
+        LocalSGDConfig,
+        PeriodicSyncConfig,
+        PostLocalSGDConfig,
+        SlowMoConfig,
+        StreamingDiLoCoConfig,
+    )
     from commfuse.train.strategy import CommfuseDPConfig, TorchDDPConfig, TorchPowerSGDConfig
 
     return {
@@ -389,28 +396,28 @@ def strategy_names() -> dict[str, StrategyName]:
             "commfuse DataParallel, uncompressed (algo=auto)",
             {"compressor": None},
         ),
-        "local-sgd": StrategyName(
-            METHODS["local-sgd"].build,
+        LocalSGDConfig.name: StrategyName(
+            LocalSGDConfig,
             "local SGD (Stich 2019): average the replicas every H steps (H=8)",
         ),
-        "post-local-sgd": StrategyName(
-            METHODS["post-local-sgd"].build,
+        PostLocalSGDConfig.name: StrategyName(
+            PostLocalSGDConfig,
             "post-local SGD (Lin et al. 2020): synchronous for warmup_steps, then local SGD",
         ),
-        "slowmo": StrategyName(
-            METHODS["slowmo"].build,
+        SlowMoConfig.name: StrategyName(
+            SlowMoConfig,
             "SlowMo (Wang et al. 2020): local SGD with a slow outer momentum",
         ),
-        "diloco": StrategyName(
-            METHODS["diloco"].build,
+        DiLoCoConfig.name: StrategyName(
+            DiLoCoConfig,
             "DiLoCo (Douillard et al. 2023): H inner steps, outer Nesterov SGD (outer_lr, "
             "outer_momentum none: 0.7, 0.9, or the compressor's paper's)",
         ),
-        "streaming-diloco": StrategyName(
-            METHODS["streaming-diloco"].build,
+        StreamingDiLoCoConfig.name: StrategyName(
+            StreamingDiLoCoConfig,
             "streaming DiLoCo: fragments synced at staggered steps, exchange overlapped",
         ),
-        GENERAL: StrategyName(
+        PeriodicSyncConfig.name: StrategyName(
             PeriodicSyncConfig,
             "the methods above in general: PeriodicSyncConfig's fields as the keys",
         ),

@@ -180,7 +180,7 @@ def run_fault_tolerant(
         config: the run; its strategy ``TorchDDPConfig()`` (torch DDP, the gradients averaged
             across replica groups through torchft), ``CommfuseDPConfig(compressor=...)``
             (the same, each bucket through that compressor: ``replica.ft_strategy``), or a
-            ``PeriodicSyncConfig`` (``diloco(H=50)``, ...: per-period mode, ``periodic.py``).
+            ``PeriodicMethod`` (``diloco(H=50)``, ...: per-period mode, ``periodic.py``).
         ft: the timeout, the replica groups and the faults to inject.
         topology: the hosts and their ranks; a replica group of several ranks trains torch
             DDP inside itself and splits what it exchanges with the other groups among its

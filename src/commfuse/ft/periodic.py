@@ -53,7 +53,7 @@ from commfuse.ft.loop import (
 )
 from commfuse.ft.periods import ft_periodic_config, sync_points
 from commfuse.ft.replica import step_batch
-from commfuse.localsgd import PeriodicSyncConfig, PeriodicSyncOptimizer
+from commfuse.localsgd import PeriodicMethod, PeriodicSyncOptimizer
 from commfuse.train.loop import param_fingerprints
 from commfuse.train.lr_schedule import ScheduledRates
 from commfuse.train.periodic import periodic_choices
@@ -173,7 +173,7 @@ class PerPeriodLoop(ReplicaLoop):
     """A replica group's rank that commits every period (module docstring).
 
     Raises:
-        ValueError: a strategy that is not a ``PeriodicSyncConfig``, or that
+        ValueError: a strategy that is not a ``PeriodicMethod``, or that
             ``periods.ft_periodic_config`` refuses (from ``run``).
     """
 
@@ -185,9 +185,9 @@ class PerPeriodLoop(ReplicaLoop):
 
         job = self.job
         strategy = job.train.strategy
-        if not isinstance(strategy, PeriodicSyncConfig):
+        if not isinstance(strategy, PeriodicMethod):
             raise ValueError(
-                f"per-period mode runs a PeriodicSyncConfig, got {type(strategy).__name__}"
+                f"per-period mode runs a PeriodicMethod, got {type(strategy).__name__}"
             )
         # A copy: this replica owns its compressor's state.
         self.config = config = copy.deepcopy(ft_periodic_config(strategy))
@@ -518,7 +518,7 @@ def run_periodic_replica(job: ReplicaJob, conn: Connection) -> dict[str, Any]:
     committed (see the module docstring); returns its final record.
 
     Args:
-        job: the replica group, its life and the run (a ``PeriodicSyncConfig`` strategy).
+        job: the replica group, its life and the run (a ``PeriodicMethod`` strategy).
         conn: the launcher's end: "ready" and the per-period records go up, "go" comes down.
 
     Returns:

@@ -5,7 +5,7 @@ Two modes run on torchft (``commfuse.ft``):
 * per-step (``replica.py``): torch DDP, bare or with a commfuse compressor; every step is a
   quorum, an exchange and a commit;
 * per-period (``periodic.py``): the local-SGD family of ``commfuse.localsgd``, the
-  ``PeriodicSyncConfig`` that ``local_sgd``, ``post_local_sgd``, ``slowmo``, ``diloco`` and
+  ``PeriodicMethod`` configs that ``local_sgd``, ``post_local_sgd``, ``slowmo``, ``diloco`` and
   ``streaming_diloco`` build (``local-sgd:H=8``, ``diloco:H=50,compressor=sparseloco``, ...),
   with any outer compressor. The unit of commit is a *period*: the inner steps from one
   synchronisation to the next, ending with that synchronisation (``sync_points``).
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from commfuse.localsgd.config import PeriodicSyncConfig
+from commfuse.localsgd.config import PeriodicMethod, PeriodicSyncConfig
 from commfuse.localsgd.fragments import fragments_due
 from commfuse.train.strategy import StrategyConfig, describe_strategy
 
@@ -38,7 +38,7 @@ def ft_mode(strategy: StrategyConfig) -> Literal["ddp", "periodic"]:
     Raises:
         ValueError: a strategy neither mode runs; the message lists those that run.
     """
-    if isinstance(strategy, PeriodicSyncConfig):
+    if isinstance(strategy, PeriodicMethod):
         ft_periodic_config(strategy)
         return "periodic"
     from commfuse.ft.replica import ft_strategy
@@ -53,14 +53,15 @@ def ft_mode(strategy: StrategyConfig) -> Literal["ddp", "periodic"]:
     return "ddp"
 
 
-def ft_periodic_config(config: PeriodicSyncConfig) -> PeriodicSyncConfig:
-    """``config`` as it runs over the quorum: every exchange on gloo's own collectives
-    (``algo="native"``, the compressor's too), which the quorum's communicator offers
-    (``quorum_comm.py``); the method's settings unchanged.
+def ft_periodic_config(method: PeriodicMethod) -> PeriodicSyncConfig:
+    """``method``'s config (``periodic()``) as it runs over the quorum: every exchange on
+    gloo's own collectives (``algo="native"``, the compressor's too), which the quorum's
+    communicator offers (``quorum_comm.py``); the method's settings unchanged.
 
     Raises:
         ValueError: hierarchical local SGD (a replica group is one rank here).
     """
+    config = method.periodic()
     if config.hierarchical:
         raise ValueError(
             "fault-tolerant local SGD runs one rank per replica group: hierarchical=1 needs "
@@ -89,10 +90,6 @@ def sync_points(config: PeriodicSyncConfig, steps: int) -> list[int]:
     for done in range(1, steps + 1):
         periodic = done - config.warmup_steps
         warm = periodic <= 0
-        if (
-            done == steps
-            or warm
-            or fragments_due(periodic, config.num_fragments, config.period_steps)
-        ):
+        if done == steps or warm or fragments_due(periodic, config.num_fragments, config.H):
             points.append(done)
     return points

@@ -1,18 +1,38 @@
-"""What to synchronise, how often, and the outer optimizer applied to the averaged update."""
+"""What to synchronise, how often, and the outer optimizer applied to the averaged update.
+
+``PeriodicSyncConfig`` holds every setting of the shared machinery (``optimizer.py``). Each
+method that synchronises on a clock is a ``PeriodicMethod``: a typed config with its name on
+the command line, its paper's settings as its fields and defaults, and ``periodic()``, the
+``PeriodicSyncConfig`` it runs (``LocalSGDConfig``, ``DiLoCoConfig``, ...; the settings they
+all share are ``PeriodicSettings``). ``PeriodicSyncConfig`` is one too, the general form.
+"""
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
+from typing import ClassVar
 
 from typing_extensions import TypedDict
 
 from commfuse.compress.base import Compressor
 
 
+class PeriodicMethod(abc.ABC):
+    """A local-SGD method that synchronises every H steps: its typed config."""
+
+    #: The method's name on the command line (``--strategy diloco:H=50``).
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config that runs the method."""
+
+
 class SyncOptions(TypedDict, total=False):
     """The settings every method's function takes besides its own (``local_sgd(H=8,
     compressor=FP16())``, ``diloco(H=50, hierarchical=True, ranks_per_host=2)``): the
-    ``PeriodicSyncConfig`` fields of the same names, with the same defaults, passed through."""
+    ``PeriodicSettings`` fields of the same names, with the same defaults, passed through."""
 
     compressor: Compressor | None
     """Compresses each exchange, with its error feedback across exchanges (its messages ride
@@ -32,14 +52,17 @@ class SyncOptions(TypedDict, total=False):
 
 
 @dataclass(kw_only=True)
-class PeriodicSyncConfig:
+class PeriodicSyncConfig(PeriodicMethod):
     """One config covers local SGD, post-local SGD, SlowMo, DiLoCo and streaming DiLoCo: they
-    differ in the period, the warm-up, the outer optimizer and the fragmenting. Each method has
-    a function that fills it in with the paper's settings: ``local_sgd``, ``post_local_sgd``
-    (``local_sgd.py``), ``slowmo``, ``diloco``, ``streaming_diloco`` (a file each)."""
+    differ in the period, the warm-up, the outer optimizer and the fragmenting. Each method is
+    a typed config that fills it in with the paper's settings (``periodic()``):
+    ``LocalSGDConfig``, ``PostLocalSGDConfig`` (``local_sgd.py``), ``SlowMoConfig``,
+    ``DiLoCoConfig``, ``StreamingDiLoCoConfig`` (a file each); this is the general form."""
 
-    period_steps: int = 8
-    """H: inner steps between two synchronisations of a fragment."""
+    name = "periodic-sync"
+
+    H: int = 8
+    """Inner steps between two synchronisations of a fragment (the period)."""
     warmup_steps: int = 0
     """Steps of fully synchronous data parallel (gradients averaged every step) before the
     periodic phase starts (post-local SGD)."""
@@ -88,8 +111,8 @@ class PeriodicSyncConfig:
     evaluated and saved."""
 
     def __post_init__(self) -> None:
-        if self.period_steps < 1:
-            raise ValueError(f"period_steps (H) must be >= 1, got {self.period_steps}")
+        if self.H < 1:
+            raise ValueError(f"H must be >= 1, got {self.H}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.outer_lr <= 0:
@@ -100,15 +123,13 @@ class PeriodicSyncConfig:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.num_fragments < 1:
             raise ValueError(f"num_fragments must be >= 1, got {self.num_fragments}")
-        if self.num_fragments > self.period_steps:
+        if self.num_fragments > self.H:
             raise ValueError(
-                f"num_fragments={self.num_fragments} > period_steps={self.period_steps}: "
+                f"num_fragments={self.num_fragments} > H={self.H}: "
                 "each fragment needs its own step in the period"
             )
-        if not 0 <= self.overlap_steps < self.period_steps:
-            raise ValueError(
-                f"overlap_steps must be in [0, period_steps), got {self.overlap_steps}"
-            )
+        if not 0 <= self.overlap_steps < self.H:
+            raise ValueError(f"overlap_steps must be in [0, H), got {self.overlap_steps}")
         if not 0 < self.mix_global <= 1:
             raise ValueError(f"mix_global must be in (0, 1], got {self.mix_global}")
         if self.ranks_per_host < 1:
@@ -118,3 +139,44 @@ class PeriodicSyncConfig:
                 "compressor must be a commfuse.compress compressor object (e.g. "
                 f"FP16()), got {type(self.compressor).__name__}"
             )
+
+    def periodic(self) -> PeriodicSyncConfig:
+        """The config itself."""
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeriodicSettings(PeriodicMethod):
+    """The settings every method that synchronises on a clock takes besides its own (the
+    ``PeriodicSyncConfig`` fields of the same names, with the same defaults); the command
+    line lists a method's own settings first."""
+
+    compressor: Compressor | None = None
+    """Compresses each exchange, with its error feedback across exchanges (its messages ride
+    its own ``algo``); None sends the fp32 pseudo-gradient."""
+    algo: str = "auto"
+    """commfuse allreduce algorithm of the uncompressed exchange and of the synchronous
+    gradient averages."""
+    hierarchical: bool = False
+    """Average gradients inside each host every step and the replicas across hosts every H
+    steps (needs ``ranks_per_host``)."""
+    ranks_per_host: int = 1
+    """Ranks per host, for ``hierarchical``."""
+    inner_lr_scale: float = 1.0
+    """Multiplies the inner learning rate between synchronisations."""
+    final_sync: bool = True
+    """Average every replica at ``finish()``, so all ranks end with one model."""
+
+    def __post_init__(self) -> None:
+        self.periodic()  # the shared machinery's checks, as the config is built
+
+    def shared(self) -> SyncOptions:
+        """These settings, as ``PeriodicSyncConfig``'s keyword arguments."""
+        return SyncOptions(
+            compressor=self.compressor,
+            algo=self.algo,
+            hierarchical=self.hierarchical,
+            ranks_per_host=self.ranks_per_host,
+            inner_lr_scale=self.inner_lr_scale,
+            final_sync=self.final_sync,
+        )

@@ -113,7 +113,7 @@ class DreamDDPConfig(SyncMethod):
     def periodic(self) -> PeriodicSyncConfig:
         """The shared machinery's config (its final synchronisation and checkpoint)."""
         return PeriodicSyncConfig(
-            period_steps=self.H,
+            H=self.H,
             inner_lr_scale=self.inner_lr_scale,
             algo=self.algo,
             final_sync=self.final_sync,

@@ -14,12 +14,44 @@ synchronisation, grows with it); start around 8 and raise it while the loss keep
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing_extensions import Unpack
 
-from commfuse.localsgd.config import PeriodicSyncConfig, SyncOptions
+from commfuse.localsgd.config import PeriodicSettings, PeriodicSyncConfig, SyncOptions
 
 
-def local_sgd(*, H: int = 8, **shared: Unpack[SyncOptions]) -> PeriodicSyncConfig:
+@dataclass(frozen=True, kw_only=True)
+class LocalSGDConfig(PeriodicSettings):
+    """Local SGD (Stich 2019): the plain average of the replicas every H inner steps."""
+
+    name = "local-sgd"
+
+    H: int = 8
+    """Inner steps between two averages."""
+
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config: plain averaging every H steps."""
+        return PeriodicSyncConfig(H=self.H, **self.shared())
+
+
+@dataclass(frozen=True, kw_only=True)
+class PostLocalSGDConfig(PeriodicSettings):
+    """Post-local SGD (Lin et al. 2020): synchronous for ``warmup_steps``, then local SGD."""
+
+    name = "post-local-sgd"
+
+    H: int = 8
+    """Inner steps between two averages, after the warm-up."""
+    warmup_steps: int = 100
+    """Steps of synchronous data parallel (gradients averaged every step) first."""
+
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config: the warm-up, then averaging every H steps."""
+        return PeriodicSyncConfig(H=self.H, warmup_steps=self.warmup_steps, **self.shared())
+
+
+def local_sgd(*, H: int = 8, **shared: Unpack[SyncOptions]) -> LocalSGDConfig:
     """Local SGD: the plain average of the replicas every ``H`` inner steps.
 
     Args:
@@ -28,19 +60,22 @@ def local_sgd(*, H: int = 8, **shared: Unpack[SyncOptions]) -> PeriodicSyncConfi
             ``hierarchical``, ``ranks_per_host``, ``inner_lr_scale``, ``final_sync``).
 
     Returns:
-        The config for ``PeriodicSyncOptimizer``.
+        The method's config, for ``PeriodicSyncOptimizer`` or a training run.
+
+    Raises:
+        ValueError: a setting out of its range (``H`` below 1, ...).
 
     Example::
 
         opt = PeriodicSyncOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, comm,
                                     local_sgd(H=8))
     """
-    return PeriodicSyncConfig(period_steps=H, **shared)
+    return LocalSGDConfig(H=H, **shared)
 
 
 def post_local_sgd(
     *, H: int = 8, warmup_steps: int = 100, **shared: Unpack[SyncOptions]
-) -> PeriodicSyncConfig:
+) -> PostLocalSGDConfig:
     """Post-local SGD: ``warmup_steps`` of synchronous data parallel, then local SGD with
     period ``H``; ``shared`` as for ``local_sgd``.
 
@@ -48,4 +83,4 @@ def post_local_sgd(
 
         config = post_local_sgd(H=8, warmup_steps=100)
     """
-    return PeriodicSyncConfig(period_steps=H, warmup_steps=warmup_steps, **shared)
+    return PostLocalSGDConfig(H=H, warmup_steps=warmup_steps, **shared)

@@ -48,7 +48,7 @@ class LocalSGDClipConfig(ExchangeSettings):
 
     def periodic(self) -> PeriodicSyncConfig:
         """The shared machinery's config: local SGD with period I."""
-        return dataclasses.replace(super().periodic(), period_steps=self.H)
+        return dataclasses.replace(super().periodic(), H=self.H)
 
 
 class LocalSGDClipOptimizer(SyncMethodOptimizer[LocalSGDClipConfig]):

@@ -40,7 +40,7 @@ from torch import nn
 
 from commfuse import collectives
 from commfuse.comm import Communicator
-from commfuse.localsgd.config import PeriodicSyncConfig
+from commfuse.localsgd.config import PeriodicMethod
 from commfuse.localsgd.fragments import fragments_due, split_into_fragments
 from commfuse.localsgd.outer import outer_sgd_
 from commfuse.localsgd.sharded import check_shards, local_view, refuse_data_parallel
@@ -82,8 +82,8 @@ class PeriodicSyncOptimizer:
             replica (DTensor parameters) is averaged shard by shard (``sharded.py``).
         comm: the group of replicas to average over (of a sharded replica: the ranks that
             hold the same shard in every replica, ``mesh["replicate"]``).
-        config: the method, built by ``local_sgd``, ``post_local_sgd``, ``slowmo``, ``diloco``
-            or ``streaming_diloco``.
+        config: the method (``local_sgd(H=8)``, ``diloco(H=50)``, ...: a ``PeriodicMethod``),
+            run as its ``periodic()`` config (``self.config``).
 
     Raises:
         ValueError: a module with no trainable parameters, or parameters that are not contiguous
@@ -108,10 +108,10 @@ class PeriodicSyncOptimizer:
         optimizer: torch.optim.Optimizer,
         module: nn.Module,
         comm: Communicator,
-        config: PeriodicSyncConfig,
+        config: PeriodicMethod,
     ) -> None:
         self.inner = optimizer
-        self.config = config
+        self.config = config = config.periodic()
         self.world_comm = comm
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
@@ -200,7 +200,7 @@ class PeriodicSyncOptimizer:
             return
         self._apply_arrived()
         periodic_step = self.step_count - self.config.warmup_steps
-        for f in fragments_due(periodic_step, len(self.fragments), self.config.period_steps):
+        for f in fragments_due(periodic_step, len(self.fragments), self.config.H):
             self._start_exchange(f)
         self._apply_arrived()
 

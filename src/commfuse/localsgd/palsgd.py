@@ -73,7 +73,7 @@ class PALSGDConfig(ExchangeSettings):
             compressor=self.compressor,
             algo=self.algo,
             final_sync=self.final_sync,
-        )
+        ).periodic()
 
 
 class PALSGDOptimizer(SyncMethodOptimizer[PALSGDConfig]):

@@ -12,20 +12,42 @@ slow momentum" (ICLR 2020). Every H inner steps:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing_extensions import Unpack
 
-from commfuse.localsgd.config import PeriodicSyncConfig, SyncOptions
+from commfuse.localsgd.config import PeriodicSettings, PeriodicSyncConfig, SyncOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlowMoConfig(PeriodicSettings):
+    """SlowMo (Wang et al. 2020): local SGD with a slow outer momentum (the paper's names)."""
+
+    name = "slowmo"
+
+    H: int = 8
+    """Inner steps between two synchronisations."""
+    beta: float = 0.5
+    """Slow momentum (``PeriodicSyncConfig.outer_momentum``)."""
+    alpha: float = 1.0
+    """Slow learning rate (``PeriodicSyncConfig.outer_lr``)."""
+
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config: the outer SGD of momentum beta and rate alpha."""
+        return PeriodicSyncConfig(
+            H=self.H, outer_momentum=self.beta, outer_lr=self.alpha, **self.shared()
+        )
 
 
 def slowmo(
     *, H: int = 8, beta: float = 0.5, alpha: float = 1.0, **shared: Unpack[SyncOptions]
-) -> PeriodicSyncConfig:
+) -> SlowMoConfig:
     """SlowMo with period ``H``, slow momentum ``beta`` and slow learning rate ``alpha`` (the
-    paper's names; ``outer_momentum`` and ``outer_lr`` of the config); ``shared`` as for
-    ``local_sgd``.
+    paper's names; ``outer_momentum`` and ``outer_lr`` of the shared machinery's config);
+    ``shared`` as for ``local_sgd``.
 
     Example::
 
         config = slowmo(H=8, beta=0.5)
     """
-    return PeriodicSyncConfig(period_steps=H, outer_momentum=beta, outer_lr=alpha, **shared)
+    return SlowMoConfig(H=H, beta=beta, alpha=alpha, **shared)

@@ -17,12 +17,54 @@ The paper's settings: F = 4 (or one fragment per few layers), tau = 1, mix 0.5.
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 
 from typing_extensions import Unpack
 
-from commfuse.localsgd.config import PeriodicSyncConfig, SyncOptions
-from commfuse.localsgd.diloco import diloco
+from commfuse.localsgd.config import PeriodicSettings, PeriodicSyncConfig, SyncOptions
+from commfuse.localsgd.diloco import outer_step, warn_outer_recipe
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamingDiLoCoConfig(PeriodicSettings):
+    """Streaming DiLoCo (Douillard et al. 2025): DiLoCo whose fragments synchronise at
+    staggered steps, each exchange overlapped with inner steps and mixed with the local
+    progress."""
+
+    name = "streaming-diloco"
+
+    H: int = 50
+    """Inner steps between two synchronisations of a fragment."""
+    num_fragments: int = 4
+    """Fragments of the parameters, synchronised at staggered steps (F)."""
+    overlap_steps: int = 1
+    """Inner steps an exchange runs in the background before it is applied (tau)."""
+    mix_global: float = 0.5
+    """Weight of the synchronised value against the local progress made meanwhile."""
+    outer_lr: float | None = None
+    """As ``DiLoCoConfig.outer_lr``."""
+    outer_momentum: float | None = None
+    """As ``DiLoCoConfig.outer_momentum``."""
+    nesterov: bool = True
+    """Nesterov momentum for the outer SGD."""
+
+    def __post_init__(self) -> None:
+        warn_outer_recipe(self.compressor, self.outer_lr, self.outer_momentum)
+        super().__post_init__()
+
+    def periodic(self) -> PeriodicSyncConfig:
+        """The shared machinery's config: DiLoCo's outer step, fragmented and overlapped."""
+        outer_lr, outer_momentum = outer_step(self.compressor, self.outer_lr, self.outer_momentum)
+        return PeriodicSyncConfig(
+            H=self.H,
+            num_fragments=self.num_fragments,
+            overlap_steps=self.overlap_steps,
+            mix_global=self.mix_global,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=self.nesterov,
+            **self.shared(),
+        )
 
 
 def streaming_diloco(
@@ -35,7 +77,7 @@ def streaming_diloco(
     outer_momentum: float | None = None,
     nesterov: bool = True,
     **shared: Unpack[SyncOptions],
-) -> PeriodicSyncConfig:
+) -> StreamingDiLoCoConfig:
     """Streaming DiLoCo with period ``H``, ``num_fragments`` fragments, exchanges overlapped
     with ``overlap_steps`` inner steps and merged with weight ``mix_global``. The outer step is
     ``diloco``'s (its defaults, a compressor's ``outer_recipe`` included); ``shared`` as for
@@ -45,17 +87,13 @@ def streaming_diloco(
 
         config = streaming_diloco(H=50, num_fragments=4)
     """
-    outer = diloco(
+    return StreamingDiLoCoConfig(
         H=H,
-        outer_lr=outer_lr,
-        outer_momentum=outer_momentum,
-        nesterov=nesterov,
-        compressor=shared.get("compressor"),
-    )
-    return dataclasses.replace(
-        outer,
         num_fragments=num_fragments,
         overlap_steps=overlap_steps,
         mix_global=mix_global,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        nesterov=nesterov,
         **shared,
     )

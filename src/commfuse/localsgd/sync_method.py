@@ -88,7 +88,7 @@ class ExchangeSettings(SyncMethod):
         """The shared machinery's config: plain averaging of the whole model, whenever the
         method's ``step()`` asks for it."""
         return PeriodicSyncConfig(
-            period_steps=1,
+            H=1,
             inner_lr_scale=self.inner_lr_scale,
             compressor=self.compressor,
             algo=self.algo,

@@ -1,10 +1,10 @@
-"""Strategies that communicate less often: a ``commfuse.localsgd.PeriodicSyncConfig``
-(``local_sgd(H=8)``, ``post_local_sgd``, ``slowmo``, ``diloco``, ``streaming_diloco``) run by
-``PeriodicSyncOptimizer`` under the training loop.
+"""Strategies that communicate less often: a ``commfuse.localsgd.PeriodicMethod``
+(``local_sgd(H=8)``, ``post_local_sgd``, ``slowmo``, ``diloco``, ``streaming_diloco``, or the
+general ``PeriodicSyncConfig``) run by ``PeriodicSyncOptimizer`` under the training loop.
 
 The model is not wrapped: between synchronisations each rank trains its own replica, and the
 optimizer step performs whatever exchange is due (see ``commfuse/localsgd/optimizer.py``). On
-the command line the keys are the functions' arguments (``diloco:H=50,outer_lr=0.7``,
+the command line the keys are the configs' fields (``diloco:H=50,outer_lr=0.7``,
 ``streaming-diloco:H=50,num_fragments=4``, ``local-sgd:H=8,compressor=int8``,
 ``hierarchical=1``).
 
@@ -26,14 +26,20 @@ from torch import nn
 from commfuse.ddp.wrapper import compressor_choices
 from commfuse.localsgd import (
     ADPSGDConfig,
+    DiLoCoConfig,
     DreamDDPConfig,
     DreamDDPOptimizer,
     LocalSGDClipConfig,
+    LocalSGDConfig,
     PALSGDConfig,
+    PeriodicMethod,
     PeriodicSyncConfig,
     PeriodicSyncOptimizer,
+    PostLocalSGDConfig,
     SelSyncConfig,
     SelSyncOptimizer,
+    SlowMoConfig,
+    StreamingDiLoCoConfig,
     SyncMethod,
 )
 from commfuse.train.strategy import Strategy, StrategyContext, register_builder
@@ -42,7 +48,7 @@ from commfuse.train.strategy import Strategy, StrategyContext, register_builder
 class PeriodicSync(Strategy):
     """One rank of a local-SGD-family run."""
 
-    def __init__(self, config: PeriodicSyncConfig | SyncMethod, ctx: StrategyContext) -> None:
+    def __init__(self, config: PeriodicMethod | SyncMethod, ctx: StrategyContext) -> None:
         super().__init__(ctx)
         self.periodic = (
             config.for_run(ctx.run_steps).make_optimizer(ctx.optimizer, ctx.module, ctx.comm)
@@ -52,7 +58,7 @@ class PeriodicSync(Strategy):
         self._communicate = True
         # SelSync and ADPSGD decide when, step by step: no clock whose phases could be compared.
         adaptive = isinstance(config, (SelSyncConfig, ADPSGDConfig))
-        self.period_steps = None if adaptive else self.periodic.config.period_steps
+        self.period_steps = None if adaptive else self.periodic.config.H
         """Steps per period of a method that synchronises on a clock (None: it decides)."""
         # The optimizer's broadcast of rank 0's model is set-up, not a synchronisation.
         self._built_bytes = self.bytes_sent()
@@ -179,6 +185,12 @@ def periodic_choices(periodic: PeriodicSyncOptimizer) -> dict[str, Any]:
     }
 
 
+# The methods that synchronise on a clock (one line each).
+register_builder(LocalSGDConfig, PeriodicSync)
+register_builder(PostLocalSGDConfig, PeriodicSync)
+register_builder(SlowMoConfig, PeriodicSync)
+register_builder(DiLoCoConfig, PeriodicSync)
+register_builder(StreamingDiLoCoConfig, PeriodicSync)
 register_builder(PeriodicSyncConfig, PeriodicSync)
 # The methods that decide when or what to synchronise (one line each).
 register_builder(SelSyncConfig, PeriodicSync)

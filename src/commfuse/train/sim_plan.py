@@ -23,6 +23,7 @@ from commfuse.localsgd import (
     DreamDDPConfig,
     LocalSGDClipConfig,
     PALSGDConfig,
+    PeriodicMethod,
     PeriodicSyncConfig,
     SyncMethod,
 )
@@ -126,7 +127,8 @@ def plan_for(
     if isinstance(strategy, SyncMethod):
         # The methods that decide when to synchronise, priced by their fixed-period twin.
         strategy = _fixed_period_twin(strategy)
-    if isinstance(strategy, PeriodicSyncConfig):
+    if isinstance(strategy, PeriodicMethod):
+        strategy = strategy.periodic()
         if strategy.hierarchical:
             raise ValueError(
                 "the simulator does not model hierarchical local SGD (gradients averaged "
@@ -137,7 +139,7 @@ def plan_for(
         return dataclasses.replace(
             base,
             algorithm=strategy.algo if compressor is None else compressor.algo,
-            local_sgd_period=max(1, round(strategy.period_steps / fragments)),
+            local_sgd_period=max(1, round(strategy.H / fragments)),
             outer_fraction=1.0 / fragments,
             compressor=compressor,
             finite_agreement=False,  # the outer exchange agrees on nothing first
@@ -185,7 +187,7 @@ def _fixed_period_twin(method: SyncMethod) -> PeriodicSyncConfig:
             )
         sends = method.num_syncs + int(method.final_sync)  # the final average closes a period
         period = max(1, round(method.total_steps / sends))
-        return dataclasses.replace(method.periodic(), period_steps=period)
+        return dataclasses.replace(method.periodic(), H=period)
     raise ValueError(
         f"the simulator does not model {method.name}: when it synchronises depends on the run; "
         "simulate local-sgd with the period it averaged (steps / syncs of a real run)"

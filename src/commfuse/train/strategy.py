@@ -7,8 +7,9 @@ what the simulator prices, ``commfuse.sim.simulate_step``):
 * ``TorchPowerSGDConfig``: torch DDP with torch's own PowerSGD hook;
 * ``CommfuseDPConfig``: commfuse's engine, ``commfuse.ddp.DataParallel``, uncompressed or with a
   ``commfuse.compress`` compressor (``CommfuseDPConfig(compressor=PowerSGD(rank=4))``);
-* ``commfuse.localsgd.PeriodicSyncConfig``: local SGD, SlowMo, DiLoCo, ..., built by
-  ``local_sgd(H=8)``, ``diloco(H=50)``, ...
+* a ``commfuse.localsgd.PeriodicMethod``: local SGD, SlowMo, DiLoCo, ... (``LocalSGDConfig``,
+  ``DiLoCoConfig``, ..., built by ``local_sgd(H=8)``, ``diloco(H=50)``, ...), or their general
+  form ``PeriodicSyncConfig``;
 * a ``commfuse.localsgd.SyncMethod``: a local-SGD method that decides when or what to
   synchronise (``SelSyncConfig``, ``ADPSGDConfig``, ``PALSGDConfig``, ``DreamDDPConfig``,
   ``LocalSGDClipConfig``).
@@ -47,7 +48,7 @@ from commfuse.comm import Communicator
 from commfuse.compress.base import Compressor
 
 if TYPE_CHECKING:
-    from commfuse.localsgd import PeriodicSyncConfig
+    from commfuse.localsgd import PeriodicMethod
     from commfuse.localsgd.sync_method import SyncMethod
     from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 
@@ -186,7 +187,7 @@ class CommfuseDPConfig:
 
 
 StrategyConfig: TypeAlias = (
-    "TorchDDPConfig | TorchPowerSGDConfig | CommfuseDPConfig | PeriodicSyncConfig"
+    "TorchDDPConfig | TorchPowerSGDConfig | CommfuseDPConfig | PeriodicMethod"
     " | SyncMethod"  # the local-SGD methods that decide when to synchronise
     " | OneBitAdamConfig | ZeroOneAdamConfig"
 )
@@ -196,7 +197,7 @@ StrategyConfig: TypeAlias = (
 def strategy_name(config: StrategyConfig) -> str:
     """The name the command line gives the config's family: ``ddp``, ``ddp-fp16``,
     ``ddp-powersgd``, ``commfuse``, a compressor's name (commfuse's engine with it), or a
-    local-SGD method (``local-sgd``, ``diloco``, ...: ``commfuse.localsgd.method_of``)."""
+    local-SGD method (``local-sgd``, ``diloco``, ...: the config's ``name``)."""
     return _name_and_settings(config)[0]
 
 
@@ -206,7 +207,7 @@ def describe_strategy(config: StrategyConfig) -> str:
     ``commfuse.cli.spec.strategy_from_spec(describe_strategy(config)) == config`` and two configs
     with the same settings describe alike (a run's identity; the label of a run without one).
 
-    A local-SGD config is described by the method that rebuilds it with the fewest settings
+    A local-SGD method is described by its name and the fields it sets off its defaults
     (``diloco:H=100``); its compressor as ``compressor=NAME[:key=value]``, without the
     ``algo`` it shares with the method (the command line has room for one compressor setting
     there: more are described all the same, but the spec cannot carry them).
@@ -225,15 +226,19 @@ def describe_compressor(compressor: Compressor) -> str:
 
 def _name_and_settings(config: StrategyConfig) -> tuple[str, dict[str, Any]]:
     """The command line's name for ``config`` and the settings its spec gives."""
-    from commfuse.localsgd import PeriodicSyncConfig, SyncMethod, method_of
+    from commfuse.localsgd import PeriodicMethod, SyncMethod
     from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 
-    if isinstance(config, SyncMethod):
+    if isinstance(config, SyncMethod | PeriodicMethod):
         settings = _own_first(config, _changed(config))
         compressor = settings.get("compressor")
         if isinstance(compressor, Compressor):
+            # The spec's compressor takes the method's algo unless it names its own.
             shared = ("algo",) if compressor.algo == getattr(config, "algo", None) else ()
             settings["compressor"] = _spec(compressor.name, _changed(compressor, skip=shared))
+        if getattr(config, "hierarchical", False):
+            # The spec's default is the run's host layout: say the config's own.
+            settings["ranks_per_host"] = getattr(config, "ranks_per_host", 1)
         return config.name, settings
     if isinstance(config, OneBitAdamConfig):
         return "onebit-adam", _own_first(config, _changed(config))
@@ -249,17 +254,6 @@ def _name_and_settings(config: StrategyConfig) -> tuple[str, dict[str, Any]]:
             return "commfuse", _changed(config, skip=("compressor",))
         engine = _changed(config, skip=("compressor", "algo"))
         return config.compressor.name, {**_changed(config.compressor), **engine}
-    if isinstance(config, PeriodicSyncConfig):
-        name, settings = method_of(config)
-        compressor = settings.pop("compressor", None)
-        if compressor is not None:
-            # The spec's compressor takes the method's algo unless it names its own.
-            shared = ("algo",) if compressor.algo == config.algo else ()
-            settings["compressor"] = _spec(compressor.name, _changed(compressor, skip=shared))
-        if config.hierarchical:
-            # The spec's default is the run's host layout: say the config's own.
-            settings["ranks_per_host"] = config.ranks_per_host
-        return name, settings
     raise ValueError(f"not a strategy config: {type(config).__name__}")
 
 
@@ -430,14 +424,14 @@ def build_strategy(config: StrategyConfig, ctx: StrategyContext) -> Strategy:
 
 def check_strategy(config: object) -> None:
     """ValueError unless ``config`` is a strategy config (checked before any rank starts)."""
-    from commfuse.localsgd import PeriodicSyncConfig, SyncMethod
+    from commfuse.localsgd import PeriodicMethod, SyncMethod
     from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 
     kinds: tuple[type, ...] = (
         TorchDDPConfig,
         TorchPowerSGDConfig,
         CommfuseDPConfig,
-        PeriodicSyncConfig,
+        PeriodicMethod,  # the local-SGD methods that synchronise on a clock
         SyncMethod,  # the local-SGD methods that decide when to synchronise
         OneBitAdamConfig,
         ZeroOneAdamConfig,
