@@ -31,7 +31,7 @@ from commfuse.localsgd import (
     DreamDDPOptimizer,
     LocalSGDClipConfig,
     PALSGDConfig,
-    PeriodicSyncConfig,
+    PeriodicMethod,
     PeriodicSyncOptimizer,
     SelSyncConfig,
     SelSyncOptimizer,
@@ -83,7 +83,7 @@ def inner_for(model: nn.Module, inner: str) -> torch.optim.Optimizer:
 
 
 def build(
-    config: PeriodicSyncConfig | SyncMethod, model: nn.Module, comm: Communicator, inner: str
+    config: PeriodicMethod | SyncMethod, model: nn.Module, comm: Communicator, inner: str
 ) -> PeriodicSyncOptimizer:
     opt = inner_for(model, inner)
     if isinstance(config, SyncMethod):
@@ -104,7 +104,7 @@ def run_steps(
 
 
 def train(
-    config: PeriodicSyncConfig | SyncMethod, steps: int, *, inner: str = "sgd", finish: bool = True
+    config: PeriodicMethod | SyncMethod, steps: int, *, inner: str = "sgd", finish: bool = True
 ) -> tuple[torch.Tensor, PeriodicSyncOptimizer, int]:
     """This rank's final parameters, its optimizer and the bytes it sent."""
     comm = Communicator()
@@ -280,7 +280,7 @@ def outer_step_vs_fixed_period() -> list[tuple[str, bool, int, int, int]]:
     equal bit for bit, the method's bytes less its decisions', the reference's bytes, and
     the syncs."""
     out = []
-    references: list[tuple[OuterStep, Callable[..., PeriodicSyncConfig]]] = [
+    references: list[tuple[OuterStep, Callable[..., PeriodicMethod]]] = [
         ("average", local_sgd),
         ("nesterov", diloco),
     ]

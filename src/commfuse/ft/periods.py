@@ -73,10 +73,10 @@ def ft_periodic_config(method: PeriodicMethod) -> PeriodicSyncConfig:
     return dataclasses.replace(config, algo="native", compressor=compressor)
 
 
-def sync_points(config: PeriodicSyncConfig, steps: int) -> list[int]:
-    """The inner-step counts at which the periods of a run of ``steps`` steps end: after each
-    step of the synchronous warm-up (its gradients are averaged), after each step at which a
-    fragment synchronises (``fragments_due``: every H steps, F times per H steps for
+def sync_points(method: PeriodicMethod, steps: int) -> list[int]:
+    """The inner-step counts at which the periods of ``method``'s run of ``steps`` steps end:
+    after each step of the synchronous warm-up (its gradients are averaged), after each step at
+    which a fragment synchronises (``fragments_due``: every H steps, F times per H steps for
     streaming DiLoCo), and after the last step (where ``finish()`` lands the exchanges in
     flight and makes the final synchronisation). Period k covers inner steps
     ``[points[k - 1], points[k])`` (from 0 for k = 0); ascending, the last is ``steps``.
@@ -86,6 +86,7 @@ def sync_points(config: PeriodicSyncConfig, steps: int) -> list[int]:
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
+    config = method.periodic()
     points = []
     for done in range(1, steps + 1):
         periodic = done - config.warmup_steps

@@ -7,9 +7,8 @@ what the simulator prices, ``commfuse.sim.simulate_step``):
 * ``TorchPowerSGDConfig``: torch DDP with torch's own PowerSGD hook;
 * ``CommfuseDPConfig``: commfuse's engine, ``commfuse.ddp.DataParallel``, uncompressed or with a
   ``commfuse.compress`` compressor (``CommfuseDPConfig(compressor=PowerSGD(rank=4))``);
-* a ``commfuse.localsgd.PeriodicMethod``: local SGD, SlowMo, DiLoCo, ... (``LocalSGDConfig``,
-  ``DiLoCoConfig``, ..., built by ``local_sgd(H=8)``, ``diloco(H=50)``, ...), or their general
-  form ``PeriodicSyncConfig``;
+* a ``commfuse.localsgd.PeriodicMethod``: local SGD, SlowMo, DiLoCo, ... (``local_sgd(H=8)``,
+  ``diloco(H=50)``, ..., or their general form ``PeriodicSyncConfig``);
 * a ``commfuse.localsgd.SyncMethod``: a local-SGD method that decides when or what to
   synchronise (``SelSyncConfig``, ``ADPSGDConfig``, ``PALSGDConfig``, ``DreamDDPConfig``,
   ``LocalSGDClipConfig``).
