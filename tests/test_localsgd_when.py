@@ -732,12 +732,10 @@ def test_dreamddp_period_one_averages_every_step(pool: PoolFn, split: int) -> No
         assert err < 1e-6
 
 
-def dreamddp_lands_at_use() -> tuple[list[int], list[int], bool, float, bool, int]:
+def dreamddp_lands_at_use() -> tuple[list[int], list[int], bool, int]:
     """Steps of the exchanges landed after a step and after the next forward; whether that
-    forward launched its step's due layers (before any backward); the largest difference from
-    waiting in the step at H = 1 (SGD: the same update; at H > 1 each run plans from its own
-    profile); whether launching from the backward pass at H = 1 gives the same model bit for
-    bit; the exchanges in flight after the last step."""
+    forward launched its step's due layers (before any backward); the exchanges in flight
+    after the last step."""
     comm = Communicator()
     model = tiny_model()
     opt = build(DreamDDPConfig(H=2, algo="native", final_sync=False), model, comm, "sgd")
@@ -757,43 +755,34 @@ def dreamddp_lands_at_use() -> tuple[list[int], list[int], bool, float, bool, in
     in_flight = len(opt._in_flight)
     assert len(opt.wait_s) == 6  # one per step after the profile
     opt.finish()
-    ref, _, _ = train(DreamDDPConfig(H=1, algo="native", final_sync=False, land_at="step"), 7)
-    got, _, _ = train(DreamDDPConfig(H=1, algo="native", final_sync=False), 7)
-    grad, _, _ = train(DreamDDPConfig(H=1, algo="native", final_sync=False, launch_at="grad"), 7)
-    return (
-        after_step,
-        after_forward,
-        launched_by_forward,
-        float((got - ref).abs().max()),
-        torch.equal(got, grad),
-        in_flight,
-    )
+    return after_step, after_forward, launched_by_forward, in_flight
 
 
 def test_dreamddp_launches_from_the_forward_and_waits_at_the_layers_next_use(
     pool: PoolFn,
 ) -> None:
-    for after_step, after_forward, launched_by_forward, err, same, in_flight in pool(2).run(
+    # (The values it lands, mean(x) - lr g: the replay of
+    # test_dreamddp_lands_an_exchange_one_step_later_in_one_message_per_step.)
+    for after_step, after_forward, launched_by_forward, in_flight in pool(2).run(
         dreamddp_lands_at_use, timeout_s=DEADLINE_S
     ):
         assert after_step == [1]  # step 2's exchanges are still in flight after its step
         assert after_forward == [1, 2]  # and landed by the forward that uses their layers
         assert launched_by_forward  # step 3's due layers, launched as its forward starts
         assert in_flight > 0
-        assert err < 1e-6  # mean(x) - lr g either way
-        assert same  # the same values sent, launched earlier
 
 
 def dreamddp_lands_later(
-    land_after: int, fuse: bool
+    period: int,
 ) -> tuple[float, list[tuple[int, int, int, float]], int, int, dict[str, Any]]:
-    """SGD at H = land_after + 1 (three layers: at H = 2 a step sends two), each exchange landed ``land_after`` steps after its launch, against a
-    replay of the replicas from the run's plan: the largest difference; per exchange after the
-    profile (the trace), its layer, launch step, landing step and when its message went on the
-    wire; the layers; the period; the trace as a run record carries it."""
+    """SGD at H = ``period`` (three layers: at H = 2 a step sends two), each exchange landed
+    at its layer's use one step after its launch, against a replay of the replicas from the
+    run's plan: the largest difference; per exchange after the profile (the trace), its
+    layer, launch step, landing step and when its message went on the wire; the layers; the
+    period; the trace as a run record carries it."""
     comm = Communicator()
-    period, steps = land_after + 1, 9
-    config = DreamDDPConfig(H=period, land_after=land_after, fuse=fuse, algo="native", trace=True)
+    steps = 9
+    config = DreamDDPConfig(H=period, algo="native", trace=True)
     got, opt, _ = train(config, steps)
     assert isinstance(opt, DreamDDPOptimizer) and opt.plan is not None
     plan = opt.plan
@@ -817,7 +806,7 @@ def dreamddp_lands_later(
                     nn.utils.parameters_to_vector(m[layer].parameters()).detach().clone()
                     for m in layers
                 ]
-                flying[layer] = (step + land_after, sent)
+                flying[layer] = (step + 1, sent)
         for rank, model in enumerate(replicas):
             loss_of(model, rank, step - 1).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         if step == 1:  # the profile: every layer averaged before the update
@@ -851,27 +840,25 @@ def dreamddp_lands_later(
     return float((got - final).abs().max()), timeline, len(opt.layers), period, trace
 
 
-@pytest.mark.parametrize(("land_after", "fuse"), [(1, True), (2, True), (1, False)])
-def test_dreamddp_lands_an_exchange_land_after_steps_later_in_one_message_per_step(
-    pool: PoolFn, land_after: int, fuse: bool
+@pytest.mark.parametrize("period", [2, 3])
+def test_dreamddp_lands_an_exchange_one_step_later_in_one_message_per_step(
+    pool: PoolFn, period: int
 ) -> None:
-    results = pool(2).run(dreamddp_lands_later, land_after, fuse, timeout_s=DEADLINE_S)
-    for err, timeline, layers, period, _ in results:
+    results = pool(2).run(dreamddp_lands_later, period, timeout_s=DEADLINE_S)
+    for err, timeline, layers, _, _ in results:
         assert err < 1e-6  # the replay's replicas, exchanges landed where it lands them
-        # Each exchange landed land_after steps after its launch (in finish(), step 10, for
-        # those still in flight at the end); every layer once in each period.
-        assert timeline and all(
-            landed == min(launch + land_after, 10) for _, launch, landed, _ in timeline
-        )
+        # Each exchange landed one step after its launch (in finish(), step 10, for those
+        # still in flight at the end); every layer once in each period.
+        assert timeline and all(landed == min(launch + 1, 10) for _, launch, landed, _ in timeline)
         for start in range(2, 10 - period + 1, period):
             window = sorted(
                 layer for layer, launch, _, _ in timeline if start <= launch < start + period
             )
             assert window == list(range(layers))
-        # The layers a step launches go as one message (one time on the wire), or one each.
+        # The layers a step launches go as one message (one time on the wire).
         for step in range(2, 10):
             wires = [wire for _, launch, _, wire in timeline if launch == step]
-            assert len(set(wires)) == (min(1, len(wires)) if fuse else len(wires))
+            assert len(set(wires)) == min(1, len(wires))
         if period == 2:
             launches = [
                 sum(launch == step for _, launch, _, _ in timeline) for step in range(2, 10)
@@ -883,10 +870,10 @@ def test_dreamddp_lands_an_exchange_land_after_steps_later_in_one_message_per_st
     assert [row["iteration"] for row in rows] == list(range(period))
     assert sorted(layer for row in rows for layer in row["layers"]) == list(range(layers))
     for row in rows:
-        assert row["messages"] == (1 if fuse else len(row["layers"]))
+        assert row["messages"] == 1
         assert row["measured_s"] >= 0 and row["waited_s"] >= 0 and row["planned_s"] is None
     wire = message_wire_s(record)
-    assert wire["first"] is not None and (wire["later_small"] is None) == fuse
+    assert wire["first"] is not None and wire["later_small"] is None
     assert len(forward_skew_s(record)) == period
     with pytest.raises(ValueError, match="run with trace=1"):
         iteration_timeline({"strategy": "dreamddp", "period_steps": period})
@@ -900,7 +887,6 @@ METHODS: list[tuple[SyncMethod, str]] = [
     (ADPSGDConfig(total_steps=12, num_syncs=3), "sgd"),
     (PALSGDConfig(H=3, p=0.3), "adamw"),
     (DreamDDPConfig(H=3), "adamw"),
-    (DreamDDPConfig(H=3, land_after=2), "adamw"),
     (DreamDDPConfig(H=3, split=2), "adamw"),  # the plan of slices, a slice in flight
     (LocalSGDClipConfig(H=4, max_norm=0.05), "sgd"),
 ]
@@ -972,9 +958,6 @@ def test_bad_settings_are_named() -> None:
     for h in itertools.islice(itertools.count(-1), 2):
         with pytest.raises(ValueError, match="H must be >= 1"):
             DreamDDPConfig(H=h)
-    for land_after in (0, 4):
-        with pytest.raises(ValueError, match=r"land_after must be in \[1, H=3\]"):
-            DreamDDPConfig(H=3, land_after=land_after)
 
 
 # -- through the training loop: checkpoint files, the strategy's hooks and compute-only steps --

@@ -8,8 +8,8 @@ period of H steps, each at a different iteration, sent while the iteration compu
 1. a layer's value is final once the previous optimizer step wrote it, so as an iteration's
    forward starts a forward pre-hook launches, in the background, one allreduce of every layer
    the iteration averages (concatenated in the order the forward uses them), and it overlaps
-   the whole forward and backward pass (``launch_at="grad"``: from the backward pass, the
-   paper's);
+   the whole forward and backward pass (the paper launches from the backward pass, which
+   leaves the layers the next forward uses first only the optimizer step to hide behind);
 2. the optimizer step does not wait: it applies this replica's update ``u`` to the layer as
    sent, ``x - lr u``; the exchange is waited for just before the layer is next used, where
    the layer becomes ``mean(x) - lr u``, the method's update;
@@ -24,7 +24,8 @@ Bytes per rank: every layer once per H steps, ``4 N / H`` per step on average (t
 steps: ``4 N`` each), plus ``32 L`` once for agreeing on the L layers' profiled times and
 launch order.
 
-Design notes: ``docs/local-sgd.md``, "DreamDDP: launching, landing, slicing and profiling".
+Design notes, and the launches, landings and messages that were tried and measured against
+these: ``docs/local-sgd.md``, "DreamDDP: launching, landing, slicing and profiling".
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,7 +51,8 @@ from commfuse.localsgd.sync_method import SyncMethod, SyncMethodOptimizer
 @dataclass(frozen=True, kw_only=True)
 class DreamDDPConfig(SyncMethod):
     """DreamDDP (Tang et al. 2025): every layer averaged once per H steps, a planned group of
-    layers per step, sent as one message as the step's forward starts."""
+    layers per step, sent as one message as the step's forward starts and landed at each
+    layer's next use, one iteration later."""
 
     name = "dreamddp"
 
@@ -66,28 +68,6 @@ class DreamDDPConfig(SyncMethod):
     """commfuse allreduce algorithm of the layers' exchanges."""
     final_sync: bool = True
     """Average the replicas at ``finish()`` (the layers' phases differ at any stop)."""
-    launch_at: Literal["forward", "grad"] = "forward"
-    """Where an exchange is launched: ``forward``, as the iteration's forward starts (step 1 of
-    the module docstring); ``grad``, from the backward pass once the layer's gradients are
-    produced (the paper's)."""
-    land_at: Literal["use", "step"] = "use"
-    """Where an exchange is waited for: ``use``, just before its layer's next use (step 2 of
-    the module docstring); ``step``, before the optimizer step of the iteration that launched
-    it, the average written exactly (``mean(x) - lr u`` with weight decay too)."""
-    fuse: bool = True
-    """``launch_at="forward"``: send the layers an iteration launches as one message, their
-    parameters concatenated in launch order, landed at the first use of any of them; False:
-    one message per layer, queued one after another. A message costs more than its bytes: it
-    waits for the last rank to launch it, and each of its steps for four ranks' threads to be
-    scheduled on shared cores, a cost the profile's exchanges, timed alone, do not show; an
-    iteration of several small layers (the embeddings and layer norms) paid it per layer."""
-    land_after: int = 1
-    """Iterations from an exchange's launch to the one whose use of the layer lands it (at most
-    H: the layer's next exchange starts from the landed average). 1: the next iteration's; 2:
-    the one after, the exchange hidden behind one more iteration and the layer landed with the
-    two local steps since on it (``mean(x) - lr (u1 + u2)``): an exchange ends when the last
-    rank has launched it, and the layers the forward uses first, with one iteration of slack,
-    wait for the ranks that run behind. With ``land_at="use"`` only."""
     split: int = 0
     """0: plan whole layers. k >= 1: cut every layer larger than ``1/k`` of a step's mean
     share of the model (its parameters over H) into equal slices no larger, each planned,
@@ -102,8 +82,6 @@ class DreamDDPConfig(SyncMethod):
             raise ValueError(f"H must be >= 1, got {self.H}")
         if self.profile_steps < 1:
             raise ValueError(f"profile_steps must be >= 1, got {self.profile_steps}")
-        if not 1 <= self.land_after <= self.H:
-            raise ValueError(f"land_after must be in [1, H={self.H}], got {self.land_after}")
         if self.max_plan_nodes < 1:
             raise ValueError(f"max_plan_nodes must be >= 1, got {self.max_plan_nodes}")
         if self.split < 0:
@@ -152,7 +130,7 @@ class _Launched:
     average: torch.Tensor
     handle: Handle | None
     land_step: int = 0
-    """The step (1-based) whose use of the layer lands it (``land_after`` after ``step``)."""
+    """The step (1-based) whose use of the layer lands it (the one after ``step``)."""
     times: dict[str, float] | None = None
     """With ``trace``: its message's launch and time on the wire (``DreamDDPOptimizer.trace``),
     shared by the layers sent together."""
@@ -160,8 +138,8 @@ class _Launched:
 
 class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
     """DreamDDP's optimizer (the module docstring). Installs a forward pre-hook on the model
-    (the iteration's launches), a post-accumulate-grad hook on every parameter (the profile's,
-    and ``launch_at="grad"``'s launches) and a forward pre-hook on every layer's module (its
+    (the iteration's launches), a post-accumulate-grad hook on every parameter (the profile's
+    launches) and a forward pre-hook on every layer's module (its
     landing); ``plan[l]`` is the
     iteration of the period that averages layer l (None until the profile is done); ``syncs``
     has one record per layer exchange (its ``fragment`` is the layer), made when it lands."""
@@ -186,18 +164,17 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         """Layers in the order the profiled backward pass finished them."""
         self.launch_order: list[int] = []
         """Layers in the order an iteration launches them (the plan's order): the order the
-        profiled forward used them (``launch_at="forward"``), or ``backward_order``."""
+        profiled forward used them."""
         self.communicate = True
         """False: hooks launch nothing and ``step()`` is the inner step (compute-only timing)."""
         self.hook_launches = 0
-        """Exchanges launched from the hooks, the forward's or the backward pass's (the others:
-        the profile steps', and from ``step()``, for a due layer no hook launched)."""
+        """Exchanges launched from the forward's hooks (the others: the profile steps', and
+        from ``step()``, for a due layer no hook launched)."""
         self._remaining = [len(members) for members in self.layers]
         self._launched: list[_Launched] = []
         """This iteration's exchanges (launched since the last step)."""
         self._in_flight: dict[int, _Launched] = {}
         """Exchanges of past iterations not landed yet, by layer (landed at the layer's use)."""
-        self._backward_started: float | None = None
         self._forward_started: float | None = None
         self._ready_at: dict[int, float] = {}
         self._comm_s: dict[int, float] = {}
@@ -249,18 +226,12 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         iteration = (self.step_count - self.method.profile_steps) % self.method.H
         return self.plan[layer] == iteration
 
-    def begin_backward(self) -> None:
-        """Mark the start of the backward pass (the first layer's backward time in the profile;
-        without it that layer's is counted from its own end, 0)."""
-        self._backward_started = now(self.params[0].device)
-
     # -- hooks ---------------------------------------------------------------------------------
     def _launches_from_forward(self) -> bool:
         """Whether this forward launches the iteration's exchanges (a training forward after
-        the profile, ``launch_at="forward"``)."""
+        the profile)."""
         return (
-            self.method.launch_at == "forward"
-            and self.communicate
+            self.communicate
             and not self.profiling
             and self.plan is not None
             and torch.is_grad_enabled()
@@ -284,8 +255,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             if self.due(layer) and layer not in launched and layer not in self._in_flight
         ]
         self.hook_launches += len(due)
-        for group in [due] if self.method.fuse else [[layer] for layer in due]:
-            self._send(group)
+        self._send(due)
 
     def _before_use(self, layer: int, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: land the layer's exchange in flight (and, at H = 1, launch the
@@ -313,12 +283,11 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             return
         # Counted afresh for the next backward pass, whether or not a step follows this one.
         self._remaining[layer] = len(self.layers[layer])
-        if not self.communicate or not (self.profiling or self.method.launch_at == "grad"):
+        if not self.communicate or not self.profiling:
             return
         for part in self.parts_of[layer]:
             launched = any(item.layer == part for item in self._launched)
             if not launched and self.due(part):
-                self.hook_launches += 0 if self.profiling else 1
                 self._launch(part)
 
     def _launch(self, layer: int) -> None:
@@ -378,7 +347,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
                     sent=sent[part],
                     average=average[part],
                     handle=handle,
-                    land_step=step + self.method.land_after,
+                    land_step=step + 1,
                     times=times,
                 )
             )
@@ -415,7 +384,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             if layer not in done and self.due(layer):
                 self._launch(layer)  # no hook launched it: sent from here, in launch order
         profiling = self.profiling
-        if profiling or self.method.land_at == "step":
+        if profiling:
             for launched in self._launched:
                 self._wait(launched)
                 self._write_layer(launched.layer, launched.average)
@@ -502,49 +471,20 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         """This rank's launch order: the profiled forward's order of use (the layers whose
         module's pre-hook did not fire last, in backward order), or the backward order."""
         backward = self.backward_order or list(reversed(range(len(self.parts))))
-        if self.method.launch_at == "grad":
-            return backward
         used = sorted(self._used_at, key=lambda layer: self._used_at[layer])
         return used + [layer for layer in backward if layer not in self._used_at]
 
     def _plan_times(self, order: list[int]) -> tuple[list[float], list[float]]:
         """This rank's profile in the plan's terms (``layer_schedule.py``), per layer in
-        ``order``: the compute before its launch, after the previous layer's, and the compute
-        from the last launch to its use."""
-        layers = len(order)
-        # Landed ``land_after`` iterations after the launch: every iteration but the last
-        # between them is slack too.
-        later = (self.method.land_after - 1) * (self._until_step_s + self._inner_s)
-        if self.method.launch_at == "forward":
-            # All launched together as the forward starts. A layer is used at the optimizer
-            # step (``land_at="step"``, or no pre-hook fired for it), or after it and the next
-            # forward up to the layer.
-            until = self._until_step_s
-            if self.method.land_at == "step":
-                return [0.0] * layers, [until] * layers
-            used = self._used_at
-            return [0.0] * layers, [
-                later + (until + self._inner_s + used[layer] if layer in used else until)
-                for layer in order
-            ]
-        ready = [self._ready_at.get(layer, 0.0) for layer in order]
-        start = (
-            ready[0] if self._backward_started is None else min(ready[0], self._backward_started)
-        )
-        backward = [max(0.0, r - prev) for r, prev in zip(ready, [start, *ready[:-1]], strict=True)]
-        if self.method.land_at == "step":
-            return backward, [0.0] * layers  # every layer needed as the backward pass ends
-        # A layer's next use: the optimizer step, then the forward up to it (0 where its
-        # module's pre-hook did not fire: needed as the backward pass ends).
-        return backward, [
-            later + self._inner_s + self._used_at.get(layer, -self._inner_s) for layer in order
+        ``order``: the compute before its launch, after the previous layer's (none: every layer
+        is launched as the forward starts), and the compute from the launch to its use: the
+        iteration, then the next forward up to the layer (the optimizer step where no
+        pre-hook fired for it)."""
+        until = self._until_step_s
+        used = self._used_at
+        return [0.0] * len(order), [
+            until + self._inner_s + used[layer] if layer in used else until for layer in order
         ]
-
-    @property
-    def _fused(self) -> bool:
-        """Whether an iteration's exchanges go as one message (launched together as the
-        forward starts, ``fuse``), each landing when all of it has arrived: the plan's model."""
-        return self.method.launch_at == "forward" and self.method.fuse
 
     def _make_plan(self) -> None:
         """Agree on the launch order (rank 0's) and the profiled times (the slowest rank's: a
@@ -581,7 +521,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             slack_s,
             max_nodes=self.method.max_plan_nodes,
             load=load,
-            fused=self._fused,
+            fused=True,
         )
         plan = [0] * layers
         for position, layer in enumerate(order):
@@ -604,7 +544,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
             out.append(
                 {
                     "comm_s": sum(comm[i] for i in positions),
-                    "exposed_s": exposed_s(positions, backward, comm, slack, fused=self._fused),
+                    "exposed_s": exposed_s(positions, backward, comm, slack, fused=True),
                 }
             )
         return out

@@ -10,8 +10,8 @@ the command line the keys are the configs' fields (``diloco:H=50,outer_lr=0.7``,
 
 The methods that decide when or what to synchronise (``commfuse.localsgd.SyncMethod``:
 ``selsync``, ``adpsgd``, ``palsgd``, ``dreamddp``, ``localsgd-clip``) run here too, each with
-its own optimizer (``SyncMethod.make_optimizer``); DreamDDP's hooks launch exchanges during the
-backward pass, so its strategy marks the pass's start and pauses them in ``no_sync``.
+its own optimizer (``SyncMethod.make_optimizer``); DreamDDP's hooks launch exchanges as the
+forward starts, so its strategy pauses them in ``no_sync``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
 from commfuse.ddp.wrapper import compressor_choices
@@ -68,11 +67,6 @@ class PeriodicSync(Strategy):
     @property
     def model(self) -> nn.Module:
         return self.module
-
-    def backward(self, loss: torch.Tensor) -> None:
-        if isinstance(self.periodic, DreamDDPOptimizer):
-            self.periodic.begin_backward()
-        loss.backward()  # type: ignore[no-untyped-call]
 
     def optimizer_step(self) -> bool:
         if self._communicate:
