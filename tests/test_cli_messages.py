@@ -153,6 +153,7 @@ def test_a_record_replaces_the_file_in_one_step(
 COMPARE_RESULT = (
     Path(__file__).resolve().parents[1] / "benchmarks/compare_netlab-4x100mbit-2core.json"
 )
+DDP_RESULT = COMPARE_RESULT.parent / "ddp-engine_netlab-4x1gbit-2core.json"
 PNG = b"\x89PNG"
 
 
@@ -236,6 +237,15 @@ OUTPUTS: dict[str, tuple[list[str], Any, list[str]]] = {
         ),
         ["loss.png"],
     ),
+    "bench ddp --plot": (
+        ["bench", "ddp", "--hosts", "2", "--no-emulate", "--plot", "DIR/steps.png",
+         "--json", "DIR/steps.json", "--markdown", "DIR/steps.md"],
+        lambda out, monkeypatch: monkeypatch.setattr(
+            "commfuse.cli.bench.report.run_on_ranks",
+            _vanishing(lambda *a, **k: [json.loads(DDP_RESULT.read_text())], out),
+        ),
+        ["steps.png", "steps.json", "steps.md"],
+    ),
     "report --plot-bytes": (
         ["report", str(COMPARE_RESULT), "--plot-bytes", "DIR/bytes.png"],
         lambda out, monkeypatch: monkeypatch.setattr(
@@ -292,7 +302,7 @@ def test_every_file_a_command_writes_goes_elsewhere_when_its_path_cannot_be_writ
         )
         if path.suffix == ".png":
             assert path.read_bytes().startswith(PNG)
-        else:
+        elif path.suffix == ".json":
             json.loads(path.read_text())
         # What the command prints says where the file went, not where it was asked.
         assert f"written to {out / name}" not in captured.out, captured.out
