@@ -38,6 +38,8 @@ ENTRY_POINTS = [
     "commfuse.fused:ShardedEmbeddingBag",
     "commfuse.fused:ExpertParallelMoE",
     "commfuse.sim:simulate_step",
+    "commfuse.pipeline:PipelineRuntime",
+    "commfuse.pipeline:one_f_one_b",
     "commfuse.cluster:run",
 ]
 

@@ -8,9 +8,12 @@
 | ``validate.py`` | the validator |
 | ``lower.py`` | the lowering that adds the sends and receives |
 | ``replay.py`` | the replay on the alpha-beta link model: step time, bubble |
+| ``runtime.py`` | ``PipelineRuntime``: a rank's share of a lowered schedule over ``comm`` |
+| ``cut.py`` | cutting a model into stages, balanced from a per-layer profile |
 """
 
 from commfuse.pipeline.actions import Action, read_csv, write_csv
+from commfuse.pipeline.cut import LayerProfile, balanced_boundaries, cut, profile_layers
 from commfuse.pipeline.generators import (
     gpipe,
     interleaved_1f1b,
@@ -19,7 +22,8 @@ from commfuse.pipeline.generators import (
     zb_h1,
 )
 from commfuse.pipeline.lower import lower
-from commfuse.pipeline.replay import ReplayResult, StageTimes, replay
+from commfuse.pipeline.replay import ReplayResult, StageTimes, on_grid, replay
+from commfuse.pipeline.runtime import PipelineError, PipelineRuntime, StepResult
 from commfuse.pipeline.schedule import (
     Schedule,
     ScheduleError,
@@ -30,14 +34,22 @@ from commfuse.pipeline.validate import validate
 
 __all__ = [
     "Action",
+    "LayerProfile",
+    "PipelineError",
+    "PipelineRuntime",
     "ReplayResult",
     "Schedule",
     "ScheduleError",
     "StageTimes",
+    "StepResult",
+    "balanced_boundaries",
+    "cut",
     "gpipe",
     "interleaved_1f1b",
     "lower",
+    "on_grid",
     "one_f_one_b",
+    "profile_layers",
     "read_csv",
     "replay",
     "schedule_by_name",
