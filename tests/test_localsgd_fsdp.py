@@ -256,6 +256,10 @@ def refusal_of(layout: str) -> str:
     elif layout == "ddp-inside-replica":  # DDP over this rank alone: the exchange is not doubled
         groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
         model = nn.parallel.DistributedDataParallel(model, process_group=groups[rank])
+    elif layout == "fsdp1":  # its flat parameters differ between the group's ranks
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
     elif layout == "shard-dim-1":
         mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
         columns = lambda p: Shard(1) if p.ndim == 2 else None  # noqa: E731
@@ -287,6 +291,7 @@ def refusal_of(layout: str) -> str:
     [
         ("ddp", ["DistributedDataParallel", "ddp.module", "accelerator.prepare(loader)"]),
         ("ddp-inside-replica", ["accepted"]),
+        ("fsdp1", ["FullyShardedDataParallel over ranks [0, 1]", "fully_shard"]),
         ("shard-dim-1", ["'0.weight'", "Shard(dim=1)", "Shard(0)"]),
         ("sharded-over-the-group", ["'0.weight'", "mesh['replicate']"]),
         ("hsdp", ["'0.weight'", "HSDP", "fully_shard(module, mesh=mesh['shard'])"]),

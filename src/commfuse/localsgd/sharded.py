@@ -14,7 +14,8 @@ torchft's HSDP): a 2-D device mesh ``replicate x shard`` gives both, ``mesh["sha
 
 Inputs that would be silently wrong are refused with a ``ValueError`` that names them: a module
 wrapped in ``DistributedDataParallel`` over ranks of the exchange group (DDP would average the
-gradients every step besides the periodic exchange), a DTensor placement other than ``Shard(0)``
+gradients every step besides the periodic exchange) or in FSDP1 (its flat parameters hold
+different shards on those ranks), a DTensor placement other than ``Shard(0)``
 or ``Replicate()``, and a DTensor whose mesh shares ranks with the exchange group (the group
 would mix different shards, or FSDP2's HSDP would already average them every step).
 """
@@ -68,27 +69,43 @@ def _ranks_of(comm: Communicator) -> set[int]:
 
 
 def refuse_data_parallel(module: nn.Module, comm: Communicator) -> None:
-    """Raise ``ValueError`` when ``module`` is (or holds) a ``DistributedDataParallel`` whose
-    group shares ranks with ``comm``: DDP all-reduces the gradients at every step and the
-    periodic exchange averages the replicas again, so nothing is saved and nothing says so.
-    DDP inside each replica (its group disjoint from ``comm`` but for this rank) is allowed."""
-    ddp_type = torch.nn.parallel.DistributedDataParallel
-    wrappers = [m for m in module.modules() if isinstance(m, ddp_type)]
+    """Raise ``ValueError`` when ``module`` is (or holds) a ``DistributedDataParallel`` or an
+    FSDP1 ``FullyShardedDataParallel`` whose group shares ranks with ``comm``. DDP all-reduces
+    the gradients at every step and the periodic exchange averages the replicas again, so
+    nothing is saved and nothing says so; FSDP1's flat parameters hold a different shard on
+    each rank of its group, which the exchange would average together. Either inside each
+    replica (its group disjoint from ``comm`` but for this rank) is allowed."""
+    fsdp1 = sys.modules.get("torch.distributed.fsdp")
+    kinds = (torch.nn.parallel.DistributedDataParallel,) + (
+        () if fsdp1 is None else (fsdp1.FullyShardedDataParallel,)
+    )
+    wrappers = [m for m in module.modules() if isinstance(m, kinds)]
     if not wrappers:
         return
-    replicas = _ranks_of(comm) - {comm.global_rank_of_self}
-    for ddp in wrappers:
-        ranks = set(torch.distributed.get_process_group_ranks(ddp.process_group))
-        if ranks & replicas:
+    me = comm.global_rank_of_self
+    replicas = _ranks_of(comm) - {me}
+    for wrapper in wrappers:
+        ranks = set(torch.distributed.get_process_group_ranks(wrapper.process_group))
+        if not ranks & replicas:
+            continue
+        what = (
+            f"a module wrapped in {type(wrapper).__name__} over ranks {sorted(ranks)}, which "
+            f"also exchange in the periodic group (ranks {sorted(replicas | {me})})"
+        )
+        if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel):
             raise ValueError(
-                "PeriodicSyncOptimizer got a module wrapped in DistributedDataParallel over "
-                f"ranks {sorted(ranks)}, which also exchange in the periodic group "
-                f"(ranks {sorted(replicas | {comm.global_rank_of_self})}): DDP would all-reduce "
-                "the gradients at every step and DiLoCo would average the replicas again every "
-                "H steps, so no communication is saved. Pass the unwrapped module (ddp.module) "
-                "and an inner optimizer over its parameters; with Accelerate, prepare only the "
-                "data loader (accelerator.prepare(loader)), not the model."
+                f"PeriodicSyncOptimizer got {what}: DDP would all-reduce the gradients at "
+                "every step and DiLoCo would average the replicas again every H steps, so no "
+                "communication is saved. Pass the unwrapped module (ddp.module) and an inner "
+                "optimizer over its parameters; with Accelerate, prepare only the data loader "
+                "(accelerator.prepare(loader)), not the model."
             )
+        raise ValueError(
+            f"PeriodicSyncOptimizer got {what}: the exchange would average different shards "
+            "of its flat parameters. Shard each replica with FSDP2 over its own ranks "
+            "(fully_shard(module, mesh=mesh['shard'])) and pass "
+            "Communicator(mesh['replicate'].get_group())."
+        )
 
 
 def check_shards(named: Sequence[tuple[str, torch.Tensor]], comm: Communicator) -> None:
