@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 from commfuse.comm import Communicator
 from commfuse.compress import Int4
 from commfuse.localsgd import (
-    PeriodicSyncConfig,
+    PeriodicMethod,
     PeriodicSyncOptimizer,
     SelSyncConfig,
     diloco,
@@ -35,7 +35,7 @@ from commfuse.localsgd import (
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
-Method = Callable[..., PeriodicSyncConfig]
+Method = Callable[..., PeriodicMethod]
 
 pytestmark = pytest.mark.e2e
 
