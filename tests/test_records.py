@@ -120,3 +120,27 @@ def test_the_simulated_step_writes_a_record_report_renders(
     header, row = capsys.readouterr().out.splitlines()[-2:]
     assert header.split()[:2] == ["ranks", "step_ms"]
     assert row.split()[1] == f"{data['step_us'] / 1e3:.3f}"
+
+
+#: Commands whose --json is not a result: ``commfuse net`` writes the labs' state.
+NOT_RESULTS = {"net.py"}
+
+
+def test_every_command_writes_its_json_through_the_records() -> None:
+    """No command serialises its records itself: ``json.dumps`` in ``cli/`` is a record that
+    skipped its kind (``commfuse report`` could not render it)."""
+    import ast
+
+    cli = Path(__file__).resolve().parents[1] / "src" / "commfuse" / "cli"
+    offenders = []
+    for path in sorted(cli.rglob("*.py")):
+        if path.name in NOT_RESULTS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "dumps"
+            ):
+                offenders.append(f"{path.relative_to(cli)}:{node.lineno}")
+    assert not offenders, f"records written without commfuse.bench.records: {offenders}"

@@ -28,7 +28,7 @@ from typing import Any
 
 from commfuse.bench.records import KINDS as RECORD_KINDS
 from commfuse.bench.records import Kind as RecordKind
-from commfuse.bench.records import kind_named, load
+from commfuse.bench.records import kind_named, load, to_text
 from commfuse.bench.table import interval_label, ratio_cell
 from commfuse.cli.common import Subparsers, add_command, add_output_arguments, output_path
 from commfuse.cli.output import write_file, write_output
@@ -557,9 +557,8 @@ def run_report(args: argparse.Namespace) -> int:
             )
         return 0
     if args.json:
-        written = write_output(
-            args, args.json, json.dumps(merged_records(args.results), indent=1) + "\n"
-        )
+        merged = merged_records(args.results)
+        written = write_output(args, args.json, to_text(kind_of(merged), merged))
         print(f"records of {len(args.results)} file(s) written to {written}")
         return 0
     if args.plot_bytes:
