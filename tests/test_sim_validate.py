@@ -32,6 +32,9 @@ def test_validate_quick_writes_one_record_per_held_out_configuration(
         "torch DDP step MLP bucket=25MB",
         "local SGD step H=4 MLP",
     ]
+    # The command's kind names the record; the configuration's is config_kind.
+    assert {r["kind"] for r in records} == {"simulate --validate"}
+    assert [r["config_kind"] for r in held_out] == ["collective", "collective", "step", "step"]
     for r in records:
         assert r["measured_us"] > 0 and r["predicted_us"] > 0
         assert math.isclose(r["error"], r["predicted_us"] / r["measured_us"] - 1)

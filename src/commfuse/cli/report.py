@@ -294,7 +294,8 @@ def render_result(data: Any, *, markdown: bool = False) -> str:
         The table, without a trailing newline.
 
     Raises:
-        ValueError: when ``data`` is not such a file.
+        ValueError: when ``data`` is not such a file: its records name no kind, or one no
+            command writes (the message lists the kinds), or lack a field their kind types.
     """
     kind = kind_of(data)
     rows = [record.to_json() for record in load(data)]
