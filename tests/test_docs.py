@@ -264,3 +264,19 @@ def test_no_page_tells_the_history_of_its_making() -> None:
         for lineno, line in enumerate(page.read_text().splitlines(), 1):
             for pattern in HISTORY:
                 assert not pattern.search(line), f"{page.relative_to(ROOT)}:{lineno}: {line}"
+
+
+#: The top navigation's budget: at 1280 px the theme's container is 1140 px wide, and the
+#: search, previous, next and edit links take about 400 of them. Five short entries fit in one
+#: row; the guides, the reports and the API reference are menus.
+MAX_TOP_NAV_ENTRIES = 5
+MAX_TOP_NAV_CHARS = 40
+
+
+def test_the_top_navigation_fits_one_row() -> None:
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    titles = [next(iter(item)) if isinstance(item, dict) else str(item) for item in nav]
+    assert len(titles) <= MAX_TOP_NAV_ENTRIES, f"{len(titles)} top entries: {titles}"
+    assert sum(map(len, titles)) <= MAX_TOP_NAV_CHARS, f"top entries too long: {titles}"
