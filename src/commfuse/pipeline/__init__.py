@@ -10,6 +10,8 @@
 | ``replay.py`` | the replay on the alpha-beta link model: step time, bubble |
 | ``runtime.py`` | ``PipelineRuntime``: a rank's share of a lowered schedule over ``comm`` |
 | ``cut.py`` | cutting a model into stages, balanced from a per-layer profile |
+
+The guide, with each schedule's bubble and paper: ``docs/pipeline.md``.
 """
 
 from commfuse.pipeline.actions import Action, read_csv, write_csv
