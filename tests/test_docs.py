@@ -159,6 +159,7 @@ def test_the_site_loads_code_colours_and_lists_every_report(site: Path) -> None:
     assert not not_in_nav, f"reports missing from the navigation: {not_in_nav}"
     one = (site / "benchmarks" / reports()[0].stem / "index.html").read_text()
     assert "../../benchmarking/#the-reports" in one, "a report with no link back"
+    assert "/edit/main/benchmarks/" in one, "a report's edit link goes through docs/benchmarks"
     # 404.html is served at any depth: its links must be absolute (site_url's path), or it
     # loads no style and no navigation.
     assert 'href="/commfuse/css/base.css"' in (site / "404.html").read_text()

@@ -81,6 +81,9 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if not src.startswith("benchmarks/"):
         return markdown
     name = src.removeprefix("benchmarks/")
+    # docs/benchmarks links to benchmarks/: edit the file where it lives.
+    if page.edit_url:
+        page.edit_url = page.edit_url.replace("/docs/benchmarks/", "/benchmarks/")
     links = [f"[{title}](../{path})" for title, path in _CITED.get(name, [])]
     back = "Cited on: " + ", ".join(links) + ". " if links else ""
     line = (
