@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from commfuse.comm import Communicator
 from commfuse.compress import Int4
@@ -243,6 +243,37 @@ def test_checkpoint_mid_period_resumes_bit_for_bit(
     pool: PoolFn, method: Method, options: dict[str, Any]
 ) -> None:
     assert pool(4).run(resume_bit_for_bit, method, options) == [True] * 4
+
+
+def replicated_and_plain_average() -> float:
+    """One local-SGD step (H = 1) of a module whose weight is a DTensor replicated over its
+    replica's ranks and whose bias is a plain tensor, with each replica's gradient its rank:
+    the largest distance from the plain average of the replicas."""
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    comm = Communicator(mesh["replicate"].get_group(), name="replicate")
+    torch.manual_seed(0)
+    model = nn.Linear(4, 8).double()  # its weight replaced by a DTensor, its bias kept
+    weight = model.weight.detach().clone()
+    model.weight = nn.Parameter(distribute_tensor(weight.clone(), mesh["shard"], [Replicate()]))
+    opt = PeriodicSyncOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), model, comm, local_sgd(H=1)
+    )
+    rank = float(dist.get_rank())
+    model.weight.grad = distribute_tensor(
+        torch.full_like(weight, rank), mesh["shard"], [Replicate()]
+    )
+    model.bias.grad = torch.full_like(model.bias, rank)
+    bias = model.bias.detach().clone()
+    opt.step()
+    mean = (0.0 + 1.0) / 2  # the replicas' gradients are their ranks
+    return max(
+        float((shard_of(model.weight) - (weight - 0.5 * mean)).abs().max()),
+        float((model.bias.detach() - (bias - 0.5 * mean)).abs().max()),
+    )
+
+
+def test_replicated_dtensors_and_plain_tensors_average_with_the_shards(pool: PoolFn) -> None:
+    assert pool(2).run(replicated_and_plain_average) == [0.0, 0.0]
 
 
 # -- inputs refused, each named ---------------------------------------------------------------
