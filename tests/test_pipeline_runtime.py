@@ -6,6 +6,8 @@ and a deadline that passes are named by stage, micro-batch and action."""
 from __future__ import annotations
 
 import os
+import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -72,8 +74,26 @@ def boundaries(num_stages: int) -> list[int]:
     return [i * LAYERS // num_stages for i in range(1, num_stages)]
 
 
+class Jitter(nn.Module):
+    """Sleeps a random while (seeded per rank) before passing its input on: ranks reach each
+    message in a different order from run to run of the schedule."""
+
+    def __init__(self, seed: int, most_s: float) -> None:
+        super().__init__()
+        self.rng, self.most_s = random.Random(seed), most_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.rng.uniform(0, self.most_s) if self.rng.random() < 0.5 else 0.0)
+        return x
+
+
 def run_case(
-    comm: Communicator | None, name: str, v: int, sizes: list[int], lengths: list[int]
+    comm: Communicator | None,
+    name: str,
+    v: int,
+    sizes: list[int],
+    lengths: list[int],
+    jitter_s: float = 0.0,
 ) -> dict[str, Any]:
     """This rank's part of one step of schedule ``name``: its loss, gradients, bytes."""
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
@@ -82,7 +102,11 @@ def run_case(
     )
     model = make_model()
     stages = cut(model, boundaries(schedule.num_stages))
-    mine = {s: stages[s] for s in range(schedule.num_stages) if schedule.stage_to_rank[s] == rank}
+    mine: dict[int, nn.Module] = {
+        s: stages[s] for s in range(schedule.num_stages) if schedule.stage_to_rank[s] == rank
+    }
+    if jitter_s:
+        mine = {s: nn.Sequential(Jitter(1000 * rank + s, jitter_s), m) for s, m in mine.items()}
     runtime = PipelineRuntime(schedule, mine, comm, loss_fn=nn.functional.mse_loss)
     xs, ys = batches(sizes, lengths)
     if comm is not None:
@@ -104,9 +128,11 @@ def run_case(
     }
 
 
-def run_cases(cases: list[tuple[str, int, list[int], list[int]]]) -> list[dict[str, Any]]:
+def run_cases(
+    cases: list[tuple[str, int, list[int], list[int]]], jitter_s: float = 0.0
+) -> list[dict[str, Any]]:
     comm = Communicator(config=CommConfig(deadline_s=60))
-    return [run_case(comm, *case) for case in cases]
+    return [run_case(comm, *case, jitter_s=jitter_s) for case in cases]
 
 
 def check(per_rank: list[dict[str, Any]], sizes: list[int], lengths: list[int]) -> None:
@@ -219,6 +245,21 @@ def test_every_schedule_matches_the_unsplit_model_on_gloo(
             check(per_rank, sizes, lengths)
         except AssertionError as err:
             raise AssertionError(f"{name} on {world} ranks: {err}") from err
+
+
+@pytest.mark.e2e
+def test_random_delays_on_every_rank_change_nothing(pool: PoolFn) -> None:
+    """Each stage sleeps up to 20 ms before half its forwards: messages arrive in another
+    order, waits last longer, and every schedule still finishes (a hang would fail by the
+    deadline) with the same loss, gradients and bytes."""
+    sizes, lengths = [2, 1, 3, 1, 2, 2, 1, 3], [2, 1, 1, 3, 2, 1, 2, 2]
+    cases = [(name, v, sizes, lengths) for name, v in SCHEDULE_CASES]
+    ranks = pool(4).run(run_cases, cases, 0.02, timeout_s=240)
+    for i, (name, _v) in enumerate(SCHEDULE_CASES):
+        try:
+            check([ranks[r][i] for r in range(4)], sizes, lengths)
+        except AssertionError as err:
+            raise AssertionError(f"{name} with delays: {err}") from err
 
 
 def die_in_forward(deadline_s: float) -> str:
