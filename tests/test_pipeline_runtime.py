@@ -23,6 +23,7 @@ from commfuse.pipeline import (
     one_f_one_b,
     schedule_by_name,
     schedule_from_actions,
+    zb_h1,
 )
 from commfuse.pipeline.cut import cut
 from commfuse.pipeline.runtime import HEADER_SLOTS, LABELS, PipelineError, PipelineRuntime
@@ -260,6 +261,33 @@ def test_random_delays_on_every_rank_change_nothing(pool: PoolFn) -> None:
             check([ranks[r][i] for r in range(4)], sizes, lengths)
         except AssertionError as err:
             raise AssertionError(f"{name} with delays: {err}") from err
+
+
+def traced_step() -> list[tuple[str, str]]:
+    """One ZB-H1 step with the communicator's trace on: (name, lane) of each event in order."""
+    comm = Communicator(config=CommConfig(deadline_s=60, trace=True))
+    schedule = zb_h1(num_stages=2, num_microbatches=3)
+    stages = cut(make_model(), [4])
+    runtime = PipelineRuntime(
+        schedule, {comm.rank: stages[comm.rank]}, comm, loss_fn=nn.functional.mse_loss
+    )
+    xs, ys = batches([1, 2, 1], [2, 2, 2])
+    runtime.step(xs if comm.rank == 0 else None, ys if comm.rank == 1 else None)
+    return [(e["name"], str(e["tid"])) for e in comm.trace.chrome_events()]
+
+
+@pytest.mark.e2e
+def test_the_trace_holds_each_compute_action_beside_its_messages(pool: PoolFn) -> None:
+    schedule = zb_h1(num_stages=2, num_microbatches=3)
+    for rank, events in enumerate(pool(2).run(traced_step, timeout_s=120)):
+        compute = [
+            name.removeprefix("pipeline ") for name, _ in events if name.startswith("pipeline ")
+        ]
+        assert compute == [str(a) for a in schedule.compute_actions(rank)]
+        messages = [name for name, lane in events if lane.startswith("peer")]
+        # per micro-batch: a header and a payload, one way (activation or gradient) each way
+        assert sorted(set(messages)) == sorted(LABELS.values())
+        assert len(messages) == 3 * 2 * 2
 
 
 def die_in_forward(deadline_s: float) -> str:

@@ -6,6 +6,7 @@ torch reads."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from commfuse.collectives.cost import LinkCost
+from commfuse.comm.trace import write_chrome_trace
 from commfuse.pipeline import (
     Action,
     Schedule,
@@ -416,3 +418,17 @@ def test_a_bad_cell_names_its_row(tmp_path: Path) -> None:
     path.write_text("0F0,0B0\n1F0,1X0\n")
     with pytest.raises(ValueError, match=r"rank 1 \(row 2\).*bad action '1X0'"):
         read_csv(path)
+
+
+def test_the_replay_draws_as_a_chrome_trace(tmp_path: Path) -> None:
+    s = zb_h1(num_stages=3, num_microbatches=4)
+    r = replay(s)
+    events = r.chrome_events(s)
+    assert len(events) == sum(len(s.compute_actions(rank)) for rank in range(3))
+    for e in events:
+        a = Action.parse(e["name"])
+        assert e["pid"] == s.stage_to_rank[a.stage] and e["ph"] == "X"
+        assert (e["ts"], e["dur"]) == (r.start_s[a] * 1e6, (r.finish_s[a] - r.start_s[a]) * 1e6)
+    write_chrome_trace(events, tmp_path / "zb.json")
+    loaded = json.loads((tmp_path / "zb.json").read_text())["traceEvents"]
+    assert len([e for e in loaded if e["ph"] == "X"]) == len(events)

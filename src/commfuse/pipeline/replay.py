@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 from commfuse.collectives.cost import LinkCost
 from commfuse.pipeline.actions import Action
@@ -61,6 +62,23 @@ class ReplayResult:
     """Each compute action's start."""
     finish_s: dict[Action, float]
     """Each compute action's end."""
+
+    def chrome_events(self, schedule: Schedule) -> list[dict[str, Any]]:
+        """Each compute action as a Chrome trace event (seconds of the model shown as
+        microseconds), one process per rank: ``comm.trace.write_chrome_trace`` writes them."""
+        return [
+            {
+                "name": str(a),
+                "cat": "pipeline",
+                "ph": "X",
+                "ts": start * 1e6,
+                "dur": (self.finish_s[a] - start) * 1e6,
+                "pid": schedule.stage_to_rank[a.stage],
+                "tid": "compute",
+                "args": {"stage": a.stage, "microbatch": a.microbatch},
+            }
+            for a, start in sorted(self.start_s.items(), key=lambda item: item[1])
+        ]
 
     @property
     def bubble_fraction(self) -> float:

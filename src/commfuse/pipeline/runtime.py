@@ -18,18 +18,21 @@ own, and every wait has the communicator's deadline.
 Gradients are flushed per step: they accumulate over the step's micro-batches, and with a
 mean loss and ``weight_m = n_m / N`` (the default) they equal the unsplit model's on the whole
 batch. A wait that fails (a peer died, a deadline passed) raises ``PipelineError`` naming rank,
-stage, micro-batch and action. Every buffer is made on the stages' device.
+stage, micro-batch and action. Every buffer is made on the stages' device. With
+``CommConfig(trace=True)`` each compute action joins the messages in the communicator's trace.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from commfuse.comm import CommError, Communicator, Handle
+from commfuse.comm import CommError, Communicator, Handle, TraceEvent
+from commfuse.comm.trace import now_us
 from commfuse.pipeline.actions import Action
 from commfuse.pipeline.lower import lower
 from commfuse.pipeline.schedule import Schedule
@@ -237,7 +240,10 @@ class _Step:
             try:
                 if action.is_compute:
                     self._progress()
-                getattr(self, f"_do_{action.kind}")(action)
+                    with self._traced(action):
+                        getattr(self, f"_do_{action.kind}")(action)
+                else:
+                    getattr(self, f"_do_{action.kind}")(action)
             except CommError as err:
                 raise self._error(action, err) from err
         for action, handle, _tensor in self.sends:
@@ -245,6 +251,29 @@ class _Step:
                 handle.wait()
             except CommError as err:
                 raise self._error(action, err) from err
+
+    @contextlib.contextmanager
+    def _traced(self, action: Action) -> Iterator[None]:
+        """A compute action in the communicator's trace (when it keeps one), beside its
+        messages: the step's whole timeline in one Chrome trace."""
+        comm = self.rt.comm
+        if comm is None or not comm.config.trace:
+            yield
+            return
+        event = TraceEvent(
+            kind=f"pipeline {action}",
+            rank=comm.global_rank_of_self,
+            peer=None,
+            nbytes=0,
+            start_us=now_us(),
+            step=self.rt.step_count,
+            group=comm.name,
+        )
+        comm.trace.events.append(event)
+        try:
+            yield
+        finally:
+            event.end_us = now_us()
 
     def result(self) -> StepResult:
         if self.last not in self.rt.stages:
