@@ -38,8 +38,8 @@ from commfuse.localsgd.sync_method import (
     agree,
 )
 
-#: The decay exponent ``a`` is clipped to [0, MAX_DECAY].
-MAX_DECAY = 2.0
+#: The decay exponent ``a`` is clipped to [0, _MAX_DECAY].
+_MAX_DECAY = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,7 +99,7 @@ def next_period(
         return max(1, steps_left)
     decay = 0.0
     if t_k > t_1 and rate_k > 0 and rate_1 > 0:
-        decay = min(MAX_DECAY, max(0.0, math.log(rate_1 / rate_k) / math.log(t_k / t_1)))
+        decay = min(_MAX_DECAY, max(0.0, math.log(rate_1 / rate_k) / math.log(t_k / t_1)))
     ratio = total_steps / t_k
     spread = math.log(ratio) if abs(1 - decay) < 1e-9 else (ratio ** (1 - decay) - 1) / (1 - decay)
     return min(steps_left, max(1, round(t_k * spread / syncs_left)))
@@ -116,7 +116,7 @@ class ADPSGDOptimizer(SyncMethodOptimizer[ADPSGDConfig]):
         self.first_rate: tuple[int, float] | None = None
         """(t_1, r_1): this rank's first measured drift rate."""
 
-    def step(self) -> None:
+    def _step(self) -> None:
         """The inner step, then the synchronisation when one is due and the next period."""
         self._inner_step(self.config.inner_lr_scale)
         self.step_count += 1

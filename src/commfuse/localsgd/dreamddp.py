@@ -365,7 +365,7 @@ class DreamDDPOptimizer(SyncMethodOptimizer[DreamDDPConfig]):
         return self.outer_comm.submit("all_reduce.dreamddp", job)
 
     # -- the step ------------------------------------------------------------------------------
-    def step(self) -> None:
+    def _step(self) -> None:
         """Launch any due layer whose hook did not fire, take the inner step (a profile step
         lands its exchanges first), keep this iteration's exchanges in flight until their
         layers' next use, and after the profile plan the period."""

@@ -55,7 +55,7 @@ def split_into_fragments(params: Sequence[torch.Tensor], num_fragments: int) -> 
     return fragments
 
 
-def fragment_offset(fragment: int, num_fragments: int, period_steps: int) -> int:
+def _fragment_offset(fragment: int, num_fragments: int, period_steps: int) -> int:
     """The step within each period at which ``fragment`` synchronises (0 for fragment 0)."""
     return (fragment * period_steps) // num_fragments
 
@@ -67,5 +67,5 @@ def fragments_due(step: int, num_fragments: int, period_steps: int) -> list[int]
     return [
         f
         for f in range(num_fragments)
-        if (step - fragment_offset(f, num_fragments, period_steps)) % period_steps == 0
+        if (step - _fragment_offset(f, num_fragments, period_steps)) % period_steps == 0
     ]

@@ -55,7 +55,7 @@ def _check(
     return slack
 
 
-def lateness_s(
+def _lateness_s(
     layers: Sequence[int],
     backward_s: Sequence[float],
     comm_s: Sequence[float],
@@ -93,9 +93,9 @@ def exposed_s(
     fused: bool = False,
 ) -> float:
     """Seconds an iteration that averages ``layers`` stalls waiting for them (step 3 of the
-    module docstring: ``lateness_s``, or 0 where it is negative; ``slack_s`` None: every
+    module docstring: ``_lateness_s``, or 0 where it is negative; ``slack_s`` None: every
     layer needed at the last launch)."""
-    return max(0.0, lateness_s(layers, backward_s, comm_s, slack_s, fused=fused))
+    return max(0.0, _lateness_s(layers, backward_s, comm_s, slack_s, fused=fused))
 
 
 def plan_key(
@@ -112,7 +112,7 @@ def plan_key(
     each layer adds to its iteration's load (``comm_s`` when None: ``plan_layers``)."""
     weight = comm_s if load is None else load
     members = _members(plan, num_iterations)
-    lates = [lateness_s(layers, backward_s, comm_s, slack_s, fused=fused) for layers in members]
+    lates = [_lateness_s(layers, backward_s, comm_s, slack_s, fused=fused) for layers in members]
     loads = [sum(weight[layer] for layer in layers) for layers in members]
     return _key(lates, loads)
 
@@ -173,7 +173,7 @@ def plan_layers(
             an iteration sent as one message pays once: slices of layers are balanced by
             their bytes instead.
         fused: an iteration's layers go as one message and all land when it has arrived
-            (``lateness_s``); False: one message per layer, each landing at its own end.
+            (``_lateness_s``); False: one message per layer, each landing at its own end.
 
     Returns:
         ``plan[l]``, the iteration of layer l; the same for the same inputs on every rank.
@@ -252,7 +252,7 @@ def plan_layers(
     search(0, [empty] * num_iterations, [])
 
     def late(layers: Sequence[int]) -> float:
-        return lateness_s(layers, backward_s, comm_s, slack, fused=fused)
+        return _lateness_s(layers, backward_s, comm_s, slack, fused=fused)
 
     plan = _relieve_latest(best_plan, num_iterations, key, late)
     return _fill_empty(plan, num_iterations, weight, key)

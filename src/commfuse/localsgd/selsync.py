@@ -111,17 +111,17 @@ class SelSyncConfig(ExchangeSettingsWithOuterStep):
 #: every rank compares the same number with the threshold.
 SIGNAL_SCALE = 1 << 20
 #: The largest level agreed (a non-finite or huge change is capped here).
-MAX_SIGNAL_LEVEL = 1 << 62
+_MAX_SIGNAL_LEVEL = 1 << 62
 
 
-def signal_level(change: float) -> int:
-    """``change`` in fixed point (floor, capped at ``MAX_SIGNAL_LEVEL``)."""
-    if not change < MAX_SIGNAL_LEVEL / SIGNAL_SCALE:  # also inf and nan
-        return MAX_SIGNAL_LEVEL
+def _signal_level(change: float) -> int:
+    """``change`` in fixed point (floor, capped at ``_MAX_SIGNAL_LEVEL``)."""
+    if not change < _MAX_SIGNAL_LEVEL / SIGNAL_SCALE:  # also inf and nan
+        return _MAX_SIGNAL_LEVEL
     return int(change * SIGNAL_SCALE)
 
 
-def recent_mean(values: Sequence[float], decay: float) -> float:
+def _recent_mean(values: Sequence[float], decay: float) -> float:
     """The paper's weighted moving average of ``values`` (oldest first): the k-th newest
     weighs ``(1 - decay)^k``; 0 for no values."""
     if not values:
@@ -147,12 +147,12 @@ class GradientChangeSignal:
         """Take this step's gradient norm; return the signal (0 on the first step)."""
         self.norms.append(norm)
         previous = self.smoothed_norm
-        self.smoothed_norm = recent_mean(self.norms, self.decay)
+        self.smoothed_norm = _recent_mean(self.norms, self.decay)
         if previous is not None:
             # A zero norm before (no gradient at all) has no relative change to speak of.
             change = abs(self.smoothed_norm - previous) / previous if previous else 0.0
             self.changes.append(change)
-        return recent_mean(self.changes, self.decay)
+        return _recent_mean(self.changes, self.decay)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -195,11 +195,11 @@ class SelSyncOptimizer(SyncMethodOptimizer[SelSyncConfig]):
         )
         return self.signal.update(norm)
 
-    def step(self) -> None:
+    def _step(self) -> None:
         """Agree on the signal (one integer allreduce), take the inner step, average when the
         signal and the period bounds say so."""
         level = agree(
-            self.outer_comm, signal_level(self.relative_change()), "max", like=self.params[0]
+            self.outer_comm, _signal_level(self.relative_change()), "max", like=self.params[0]
         )
         if self.outer_comm.world_size > 1:
             self.control_bytes += AGREE_BYTES

@@ -102,7 +102,7 @@ class ExchangeSettings(SyncMethod):
 OuterStep = Literal["average", "nesterov"]
 
 
-def with_outer_step(config: PeriodicSyncConfig, outer: OuterStep) -> PeriodicSyncConfig:
+def _with_outer_step(config: PeriodicSyncConfig, outer: OuterStep) -> PeriodicSyncConfig:
     """``config`` with the outer step ``outer`` (``OuterStep``). With ``nesterov`` each
     synchronisation, whenever the method decides it, is DiLoCo's: the momentum carries the
     direction of the averaged updates from one synchronisation to the next, so a method that
@@ -134,7 +134,7 @@ class ExchangeSettingsWithOuterStep(ExchangeSettings):
 
     def periodic(self) -> PeriodicSyncConfig:
         """The shared machinery's config, with the ``outer`` step."""
-        return with_outer_step(super().periodic(), self.outer)
+        return _with_outer_step(super().periodic(), self.outer)
 
 
 M = TypeVar("M", bound=SyncMethod)
@@ -167,7 +167,11 @@ class SyncMethodOptimizer(PeriodicSyncOptimizer, Generic[M]):
         default)."""
 
 
-def agree(comm: Communicator, value: int, op: str, *, like: torch.Tensor) -> int:
+#: How ``agree`` combines the ranks' values: the largest or the smallest.
+AgreeOp = Literal["max", "min"]
+
+
+def agree(comm: Communicator, value: int, op: AgreeOp, *, like: torch.Tensor) -> int:
     """``value`` reduced over every rank with ``op`` (``"max"`` or ``"min"``): one integer
     allreduce of one element (8 bytes per rank), exact, so every rank gets the same answer."""
     if comm.world_size == 1:
