@@ -4,6 +4,8 @@ message (its compressor's payload, on its collective), local SGD's exchange ever
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,6 +109,38 @@ def test_simulate_takes_training_strategy_specs(capsys: pytest.CaptureFixture[st
     assert "give one or the other" in capsys.readouterr().err
     assert main([*argv, "--strategy", "powersgd:rnak=4"]) == 2
     assert "unknown key 'rnak'" in capsys.readouterr().err
+
+
+def test_simulates_what_if_flags_are_what_if_specs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--algo, --compression-ratio and --local-sgd-period are the keys of the what-if spec:
+    the flags' series and the specs' predict the same steps."""
+    argv = ["simulate", "--cluster", "two-dc", "--scale", "16,256", "--workload"]
+    argv += ["transformer:num_layers=2", "--compression-ratio", "0.25"]
+    flags, specs = tmp_path / "flags.json", tmp_path / "specs.json"
+    assert main([*argv, "--local-sgd-period", "1,100", "--json", str(flags)]) == 0
+    what_if = "what-if:compression_ratio=0.25"
+    assert (
+        main(
+            [
+                *argv[:-2],
+                *("--strategy", what_if, "--strategy", f"{what_if},local_sgd_period=100"),
+                *("--json", str(specs)),
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+
+    def steps(path: Path) -> list[float]:
+        return [r["step_us"] for r in json.loads(path.read_text())]
+
+    assert steps(flags) == steps(specs) and len(steps(flags)) == 4
+    assert main([*argv, "--strategy", "ddp"]) == 2
+    assert "--strategy what-if:" in capsys.readouterr().err
+    assert main([*argv[:-2], "--strategy", "what-if:period=3"]) == 2
+    assert "known keys: algo, compression_ratio, local_sgd_period" in capsys.readouterr().err
 
 
 def test_the_compressed_adams_send_their_one_bit_allreduce() -> None:

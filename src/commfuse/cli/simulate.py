@@ -2,17 +2,21 @@
 
 commfuse simulate --ranks 1024                                   # default workload and cluster
 commfuse simulate --workload dlrm --ranks 1024 --chunks 1,8     # fused vs unfused All-to-All
-commfuse simulate --cluster two-dc --local-sgd-period 1,100 --ranks 256   # DP vs DiLoCo
+commfuse simulate --cluster two-dc --ranks 256 --strategy what-if \
+    --strategy what-if:local_sgd_period=100                       # DP vs syncing every 100 steps
 commfuse simulate --ranks 256 --strategy ddp --strategy powersgd:rank=4 --strategy diloco:H=50
 commfuse simulate --op broadcast --sizes 16M --algo lp,tree --scale 2:1024 --plot b.png
 commfuse simulate --op all_reduce --sizes 64K:64M --algo ring,rabenseifner --ranks 1024
 commfuse simulate --validate --runs 3 --json validation.json      # real runs on netlab
 commfuse simulate --validate --save-cluster c.json; commfuse simulate --cluster c.json ...
 
-Each --strategy (a `commfuse train` strategy spec) gives one series, priced from its typed
-config (its compressor's message per bucket, its period H); without one, comma lists in --algo,
---chunks and --local-sgd-period give one series each. --scale gives a table (and --plot a PNG)
-over rank counts. --op prices one collective instead of a step: one series per --algo, one row
+Each --strategy gives one series: a `commfuse train` strategy spec, priced from its typed
+config (its compressor's message per bucket, its period H), or a plan no strategy makes,
+`what-if:algo=NAME,compression_ratio=R,local_sgd_period=H`. --chunks (the fused operators'
+chunks) and --compression-gbps (the machine's compression rate) apply to every series, and a
+comma list in --chunks multiplies them. --algo, --compression-ratio and --local-sgd-period are
+what-if's keys as flags (comma lists in --algo and --local-sgd-period give one series each).
+--scale gives a table (and --plot a PNG) over rank counts. --op prices one collective instead of a step: one series per --algo, one row
 per size of --sizes (the vocabulary of `bench collectives --sizes`) and rank count.
 """
 
@@ -33,7 +37,7 @@ from commfuse.cli.common import (
     require_at_least,
 )
 from commfuse.cli.output import write_file, write_output
-from commfuse.cli.spec import parse_value, split_spec
+from commfuse.cli.spec import build, parse_value, split_spec
 from commfuse.units import format_size, parse_sizes
 
 
@@ -44,7 +48,7 @@ def register(sub: Subparsers) -> None:
     parser = add_command(
         sub,
         "simulate",
-        run_simulate,
+        _run_simulate,
         help="predict step time and its breakdown on a cluster of hundreds to thousands of ranks",
         doc=__doc__,
     )
@@ -77,13 +81,22 @@ def register(sub: Subparsers) -> None:
         action="append",
         default=[],
         metavar="SPEC",
-        help="a training strategy, as for `commfuse train` (repeat for several series); "
-        "instead of --algo, --compression-ratio and --local-sgd-period",
+        help="a training strategy, as for `commfuse train`, or what-if:algo=NAME,"
+        "compression_ratio=R,local_sgd_period=H (repeat for several series)",
     )
-    parser.add_argument("--algo", default="auto", help="algorithm(s), comma list")
+    parser.add_argument(
+        "--algo",
+        default="auto",
+        help="with --op: algorithm(s), comma list; else what-if's algo (--strategy what-if:algo=)",
+    )
     add_bucket_cap_argument(parser)
     parser.add_argument("--no-overlap", action="store_true", help="all_reduce after backward")
-    parser.add_argument("--compression-ratio", type=float, default=1.0)
+    parser.add_argument(
+        "--compression-ratio",
+        type=float,
+        default=1.0,
+        help="what-if's compression_ratio (--strategy what-if:compression_ratio=R)",
+    )
     parser.add_argument(
         "--compression-gbps",
         type=float,
@@ -93,7 +106,11 @@ def register(sub: Subparsers) -> None:
     parser.add_argument(
         "--chunks", default="1", help="fused operators' chunks, comma list (1: unfused)"
     )
-    parser.add_argument("--local-sgd-period", default="1", help="steps per sync, comma list")
+    parser.add_argument(
+        "--local-sgd-period",
+        default="1",
+        help="what-if's local_sgd_period, comma list (--strategy what-if:local_sgd_period=H)",
+    )
     parser.add_argument(
         "--straggler", action="append", default=[], metavar="RANK:SLOWDOWN[:DELAY_US]"
     )
@@ -126,7 +143,7 @@ def register(sub: Subparsers) -> None:
     )
 
 
-def parse_ranks(text: str) -> list[int]:
+def _parse_ranks(text: str) -> list[int]:
     """``"1,2,4"`` or a doubling range ``"2:1024"``."""
     ranks: list[int] = []
     for part in text.split(","):
@@ -158,15 +175,43 @@ def _ints(text: str, flag: str) -> list[int]:
         raise ValueError(f"{flag} takes integers, comma separated, got {text!r}") from None
 
 
-def _plans(args: argparse.Namespace) -> dict[str, Any]:
+#: The name of ``--strategy``'s plan that no training strategy makes.
+_WHAT_IF = "what-if"
+
+
+def _what_if(
+    *,
+    algo: str = "auto",
+    compression_ratio: float = 1.0,
+    local_sgd_period: int = 1,
+    bucket_cap_mb: float,
+    overlap: bool,
+    compression_gbyte_per_s: float,
+    fused_chunks: int,
+) -> Any:
+    """The plan of ``what-if:algo=NAME,compression_ratio=R,local_sgd_period=H`` (its keys: the
+    algorithm of every collective, the bytes sent over the bytes of the gradients, the steps
+    between synchronisations), with the settings every series shares (the flags)."""
     from commfuse.sim.plan import CommPlan
 
+    return CommPlan(
+        algorithm=algo,
+        bucket_cap_mb=bucket_cap_mb,
+        overlap=overlap,
+        compression_ratio=compression_ratio,
+        compression_gbyte_per_s=compression_gbyte_per_s,
+        fused_chunks=fused_chunks,
+        local_sgd_period=local_sgd_period,
+    )
+
+
+def _what_if_flags(args: argparse.Namespace, chunks: list[int]) -> list[tuple[str, str, int]]:
+    """``(label, what-if spec, chunks)`` per series the what-if flags give (--algo,
+    --chunks and --local-sgd-period comma lists, --compression-ratio), labelled by what
+    varies."""
     algos = args.algo.split(",")
-    chunks = _ints(args.chunks, "--chunks")
     periods = _ints(args.local_sgd_period, "--local-sgd-period")
-    if args.strategy:
-        return _strategy_plans(args, chunks)
-    out = {}
+    out = []
     for algo, k, h in itertools.product(algos, chunks, periods):
         label = (
             ",".join(
@@ -180,44 +225,56 @@ def _plans(args: argparse.Namespace) -> dict[str, Any]:
             )
             or "step"
         )
-        out[label] = CommPlan(
-            algorithm=algo,
-            bucket_cap_mb=args.bucket_cap_mb,
-            overlap=not args.no_overlap,
-            compression_ratio=args.compression_ratio,
-            compression_gbyte_per_s=args.compression_gbps,
-            fused_chunks=k,
-            local_sgd_period=h,
-        )
+        spec = f"{_WHAT_IF}:algo={algo},compression_ratio={args.compression_ratio!r},"
+        out.append((label, spec + f"local_sgd_period={h}", k))
     return out
 
 
-def _strategy_plans(args: argparse.Namespace, chunks: list[int]) -> dict[str, Any]:
+def _plans(args: argparse.Namespace) -> dict[str, Any]:
+    """Every series' plan by its label: one per --strategy and --chunks value (or per the
+    what-if flags' values without a --strategy)."""
+    chunks = _ints(args.chunks, "--chunks")
+    if not args.strategy:
+        series = _what_if_flags(args, chunks)
+    else:
+        what_if = [
+            flag
+            for flag, given in (
+                ("--algo", args.algo != "auto"),
+                ("--compression-ratio", args.compression_ratio != 1.0),
+                ("--local-sgd-period", args.local_sgd_period != "1"),
+            )
+            if given
+        ]
+        if what_if:
+            raise ValueError(
+                f"--strategy sets what {', '.join(what_if)} would: give one or the other "
+                "(with --strategy, a what-if plan is --strategy what-if:algo=NAME,"
+                "compression_ratio=R,local_sgd_period=H)"
+            )
+        series = [
+            (spec.strip() + (f",fused x{k}" if len(chunks) > 1 else ""), spec, k)
+            for spec, k in itertools.product(args.strategy, chunks)
+        ]
+    return {label: _plan_of(spec, k, args) for label, spec, k in series}
+
+
+def _plan_of(text: str, chunks: int, args: argparse.Namespace) -> Any:
+    """The plan of one series: a what-if spec's, or a training strategy's (``plan_for``,
+    which imports torch: a what-if plan does not)."""
+    shared = {
+        "bucket_cap_mb": args.bucket_cap_mb,
+        "overlap": not args.no_overlap,
+        "compression_gbyte_per_s": args.compression_gbps,
+        "fused_chunks": chunks,
+    }
+    spec = split_spec(text, what="strategy")
+    if spec.name == _WHAT_IF:
+        return build(_what_if, spec.options, where=f"strategy {_WHAT_IF}", fixed=shared)
     from commfuse.cli.spec import strategy_from_spec
     from commfuse.train.sim_plan import plan_for
 
-    what_if = [
-        flag
-        for flag, given in (
-            ("--algo", args.algo != "auto"),
-            ("--compression-ratio", args.compression_ratio != 1.0),
-            ("--local-sgd-period", args.local_sgd_period != "1"),
-        )
-        if given
-    ]
-    if what_if:
-        raise ValueError(f"--strategy sets what {', '.join(what_if)} would: give one or the other")
-    out = {}
-    for spec, k in itertools.product(args.strategy, chunks):
-        label = spec.strip() + (f",fused x{k}" if len(chunks) > 1 else "")
-        out[label] = plan_for(
-            strategy_from_spec(spec),
-            bucket_cap_mb=args.bucket_cap_mb,
-            compression_gbyte_per_s=args.compression_gbps,
-            fused_chunks=k,
-            overlap=not args.no_overlap,
-        )
-    return out
+    return plan_for(strategy_from_spec(text), **shared)
 
 
 def _cluster(args: argparse.Namespace) -> Any:
@@ -247,7 +304,7 @@ def _cluster(args: argparse.Namespace) -> Any:
     return cluster
 
 
-def run_simulate(args: argparse.Namespace) -> int:
+def _run_simulate(args: argparse.Namespace) -> int:
     if args.validate:
         from commfuse.bench.sim_validate import run_validation
 
@@ -271,7 +328,7 @@ def _run(args: argparse.Namespace) -> int:
     from commfuse.sim.step import chrome_trace, simulate_step
 
     cluster = _cluster(args)
-    ranks = parse_ranks(args.scale) if args.scale else [cluster.world_size]
+    ranks = _parse_ranks(args.scale) if args.scale else [cluster.world_size]
     print(
         f"cluster {cluster.name}: {cluster.ranks_per_host} ranks/host, "
         f"{cluster.inter_gbit_per_s:g} Gbit/s per host, {cluster.flops_per_s / 1e12:g} TFLOP/s "

@@ -6,9 +6,9 @@ are given on the command line as specs: a name, then optionally a colon and comm
 
     powersgd:rank=4,warmup=10      charlm:dim=64,layers=1      diloco:H=50,outer_lr=0.7
 
-The name picks a target, a dataclass (``PowerSGD``, ``CharLMConfig``) or a function that
-builds one (``diloco``); the keys are the target's field or parameter names, and each value is
-read by that field's type hint, with one vocabulary for every spec:
+The name picks a target, a dataclass (``PowerSGD``, ``CharLMConfig``, ``DiLoCoConfig``) or a
+function with keyword parameters; the keys are the target's field or parameter names, and each
+value is read by that field's type hint, with one vocabulary for every spec:
 
 * ``bool``: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (any case);
 * ``int``, ``float``: Python's literals (``8``, ``0.7``, ``1e-3``);
@@ -36,8 +36,6 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from typing_extensions import Unpack
-
 from commfuse.units import parse_rate_mbit, parse_size
 
 if TYPE_CHECKING:
@@ -49,8 +47,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-TRUE_WORDS = ("1", "true", "yes", "on")
-FALSE_WORDS = ("0", "false", "no", "off")
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
 _BOOL_ACCEPTED = "1/0, true/false, yes/no, on/off"
 
 
@@ -127,9 +125,9 @@ def parse_value(raw: str, kind: Any, *, key: str, where: str) -> Any:
         return parse_value(raw, inner[0], key=key, where=where)
     if kind is bool:
         low = raw.lower()
-        if low in TRUE_WORDS:
+        if low in _TRUE_WORDS:
             return True
-        if low in FALSE_WORDS:
+        if low in _FALSE_WORDS:
             return False
         raise bad("a boolean", _BOOL_ACCEPTED)
     if key.endswith(("_mbit", "_gbit")) and kind in (int, float):
@@ -169,26 +167,18 @@ def parse_value(raw: str, kind: Any, *, key: str, where: str) -> Any:
 
 def keys_of(target: Callable[..., Any]) -> dict[str, Any]:
     """The options ``target`` takes, with their types: a dataclass's init fields, or a
-    function's keyword parameters (read from their type hints), the keys of a
-    ``**kwargs: Unpack[TypedDict]`` included."""
-    if dataclasses.is_dataclass(target) and isinstance(target, type):
-        hints = typing.get_type_hints(target)
-        return {f.name: hints[f.name] for f in dataclasses.fields(target) if f.init}
+    function's keyword parameters (read from their type hints)."""
     hints = typing.get_type_hints(target)
-    keys: dict[str, Any] = {}
-    for p in inspect.signature(target).parameters.values():
-        if p.name not in hints:
-            continue
-        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
-            keys[p.name] = hints[p.name]
-        elif p.kind is p.VAR_KEYWORD and typing.get_origin(hints[p.name]) is Unpack:
-            # ``**shared: Unpack[SyncOptions]``: the TypedDict's keys (PEP 692).
-            (options,) = typing.get_args(hints[p.name])
-            keys.update(typing.get_type_hints(options))
-    return keys
+    if dataclasses.is_dataclass(target) and isinstance(target, type):
+        return {f.name: hints[f.name] for f in dataclasses.fields(target) if f.init}
+    return {
+        p.name: hints[p.name]
+        for p in inspect.signature(target).parameters.values()
+        if p.name in hints and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
 
 
-def defaults_of(target: Callable[..., Any]) -> dict[str, Any]:
+def _defaults_of(target: Callable[..., Any]) -> dict[str, Any]:
     """The default of each of ``keys_of(target)`` that has one (a dataclass field's default or
     factory's value, a parameter's default); keys without a default are left out."""
     if dataclasses.is_dataclass(target) and isinstance(target, type):
@@ -201,27 +191,19 @@ def defaults_of(target: Callable[..., Any]) -> dict[str, Any]:
             elif f.default_factory is not dataclasses.MISSING:
                 out[f.name] = f.default_factory()
         return out
-    # A function's ``**shared: Unpack[...]`` keys have the defaults of the config it returns.
-    returned = typing.get_type_hints(target).get("return")
-    out = (
-        defaults_of(returned)
-        if isinstance(returned, type) and dataclasses.is_dataclass(returned)
-        else {}
-    )
-    out.update(
-        (p.name, p.default)
+    return {
+        p.name: p.default
         for p in inspect.signature(target).parameters.values()
         if p.default is not inspect.Parameter.empty
-    )
-    return out
+    }
 
 
-def describe_keys(target: Callable[..., Any], *, skip: Sequence[str] = ()) -> str:
+def _describe_keys(target: Callable[..., Any], *, skip: Sequence[str] = ()) -> str:
     """``target``'s keys as a spec writes them, each with its default where it has one
     (``rank=2, warmup=2, ef``): what ``--list-strategies`` shows under a name."""
     from commfuse.train.strategy import setting_text
 
-    defaults = defaults_of(target)
+    defaults = _defaults_of(target)
     parts = []
     for key in keys_of(target):
         if key in skip:
@@ -352,7 +334,7 @@ def lr_schedule_from_spec(text: str) -> LRSchedule:
 
 
 @dataclasses.dataclass(frozen=True)
-class StrategyName:
+class _StrategyName:
     """A name ``--strategy`` accepts: what it builds, and its line in ``--list-strategies``."""
 
     target: Callable[..., Any]
@@ -364,10 +346,10 @@ class StrategyName:
 
 #: Keys of a compressor strategy's spec that set the engine (``CommfuseDPConfig``), not the
 #: compressor (``algo`` is the compressor's: its messages ride it).
-ENGINE_KEYS = ("merge_buckets_by_cost", "first_bucket_cap_mb", "staleness")
+_ENGINE_KEYS = ("merge_buckets_by_cost", "first_bucket_cap_mb", "staleness")
 
 
-def strategy_names() -> dict[str, StrategyName]:
+def _strategy_names() -> dict[str, _StrategyName]:
     """Every name ``--strategy`` accepts but the compressors' (``compressor_from_spec``'s
     names, which each run commfuse's engine with that compressor), in listing order."""
     from commfuse.localsgd import (
@@ -381,68 +363,68 @@ def strategy_names() -> dict[str, StrategyName]:
     from commfuse.train.strategy import CommfuseDPConfig, TorchDDPConfig, TorchPowerSGDConfig
 
     return {
-        "ddp": StrategyName(TorchDDPConfig, "torch DDP (the baseline)", {"hook": "none"}),
-        "ddp-fp16": StrategyName(
+        "ddp": _StrategyName(TorchDDPConfig, "torch DDP (the baseline)", {"hook": "none"}),
+        "ddp-fp16": _StrategyName(
             TorchDDPConfig, "torch DDP + its fp16_compress_hook", {"hook": "fp16"}
         ),
-        "ddp-bf16": StrategyName(
+        "ddp-bf16": _StrategyName(
             TorchDDPConfig, "torch DDP + its bf16_compress_hook", {"hook": "bf16"}
         ),
-        "ddp-powersgd": StrategyName(
+        "ddp-powersgd": _StrategyName(
             TorchPowerSGDConfig, "torch DDP + its powerSGD_hook (rank=4, warmup=2)"
         ),
-        "commfuse": StrategyName(
+        "commfuse": _StrategyName(
             CommfuseDPConfig,
             "commfuse DataParallel, uncompressed (algo=auto)",
             {"compressor": None},
         ),
-        LocalSGDConfig.name: StrategyName(
+        LocalSGDConfig.name: _StrategyName(
             LocalSGDConfig,
             "local SGD (Stich 2019): average the replicas every H steps (H=8)",
         ),
-        PostLocalSGDConfig.name: StrategyName(
+        PostLocalSGDConfig.name: _StrategyName(
             PostLocalSGDConfig,
             "post-local SGD (Lin et al. 2020): synchronous for warmup_steps, then local SGD",
         ),
-        SlowMoConfig.name: StrategyName(
+        SlowMoConfig.name: _StrategyName(
             SlowMoConfig,
             "SlowMo (Wang et al. 2020): local SGD with a slow outer momentum",
         ),
-        DiLoCoConfig.name: StrategyName(
+        DiLoCoConfig.name: _StrategyName(
             DiLoCoConfig,
             "DiLoCo (Douillard et al. 2023): H inner steps, outer Nesterov SGD (outer_lr, "
             "outer_momentum none: 0.7, 0.9, or the compressor's paper's)",
         ),
-        StreamingDiLoCoConfig.name: StrategyName(
+        StreamingDiLoCoConfig.name: _StrategyName(
             StreamingDiLoCoConfig,
             "streaming DiLoCo: fragments synced at staggered steps, exchange overlapped",
         ),
-        PeriodicSyncConfig.name: StrategyName(
+        PeriodicSyncConfig.name: _StrategyName(
             PeriodicSyncConfig,
             "the methods above in general: PeriodicSyncConfig's fields as the keys",
         ),
-        **sync_method_names(),
+        **_sync_method_names(),
         **_compressed_adam_names(),
     }
 
 
-def _compressed_adam_names() -> dict[str, StrategyName]:
+def _compressed_adam_names() -> dict[str, _StrategyName]:
     """The optimizers that communicate themselves (``commfuse.optim``)."""
     from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 
     return {
-        "onebit-adam": StrategyName(
+        "onebit-adam": _StrategyName(
             OneBitAdamConfig,
             "1-bit Adam (Tang et al. 2021): Adam warm-up, then frozen variance, 1-bit momentum",
         ),
-        "zeroone-adam": StrategyName(
+        "zeroone-adam": _StrategyName(
             ZeroOneAdamConfig,
             "0/1 Adam (Lu et al. 2022): adaptive variance freezing, 1-bit syncs, local steps",
         ),
     }
 
 
-def sync_method_names() -> dict[str, StrategyName]:
+def _sync_method_names() -> dict[str, _StrategyName]:
     """The local-SGD methods that decide when or what to synchronise (``SyncMethod``
     configs, their fields as the keys)."""
     from commfuse.localsgd import (
@@ -465,12 +447,12 @@ def sync_method_names() -> dict[str, StrategyName]:
         "group per step, from backward",
         LocalSGDClipConfig: "local SGD with clipped local steps (Liu et al., NeurIPS 2022)",
     }
-    return {cls.name: StrategyName(cls, text) for cls, text in entries.items()}
+    return {cls.name: _StrategyName(cls, text) for cls, text in entries.items()}
 
 
 def strategy_listing() -> list[tuple[str, str]]:
     """``(name, one line)`` for every name ``--strategy`` accepts, compressors last."""
-    out = [(name, entry.help) for name, entry in strategy_names().items()]
+    out = [(name, entry.help) for name, entry in _strategy_names().items()]
     out += [
         (name, f"commfuse DataParallel + the {name} compressor")
         for name in compressors()
@@ -480,17 +462,17 @@ def strategy_listing() -> list[tuple[str, str]]:
 
 
 def strategy_keys(name: str) -> str:
-    """The keys strategy ``name`` takes after its colon, with their defaults (``describe_keys``;
+    """The keys strategy ``name`` takes after its colon, with their defaults (``_describe_keys``;
     a compressor's own keys, then the engine's)."""
     from commfuse.train.strategy import CommfuseDPConfig
 
-    names = strategy_names()
+    names = _strategy_names()
     if name in names:
         entry = names[name]
-        return describe_keys(entry.target, skip=tuple(entry.fixed))
-    others = [k for k in keys_of(CommfuseDPConfig) if k not in ENGINE_KEYS]
-    engine = describe_keys(CommfuseDPConfig, skip=others)
-    own = describe_keys(compressors()[name])
+        return _describe_keys(entry.target, skip=tuple(entry.fixed))
+    others = [k for k in keys_of(CommfuseDPConfig) if k not in _ENGINE_KEYS]
+    engine = _describe_keys(CommfuseDPConfig, skip=others)
+    own = _describe_keys(compressors()[name])
     return ", ".join(part for part in (own, engine) if part)
 
 
@@ -498,7 +480,7 @@ def strategy_from_spec(text: str, *, ranks_per_host: int = 1) -> StrategyConfig:
     """The strategy config of ``"name[:key=value,...]"`` (``commfuse.train.strategy``):
     ``ddp``, ``ddp-powersgd:rank=4``, ``commfuse:algo=ring``, a compressor's name with its keys
     and the engine's ``staleness`` (``powersgd:rank=4,staleness=1``), or a local-SGD method
-    with its function's arguments (``diloco:H=50,outer_lr=0.7``; a ``compressor=`` there rides
+    with its config's fields (``diloco:H=50,outer_lr=0.7``; a ``compressor=`` there rides
     the method's ``algo`` unless it names its own). ``ranks_per_host`` is the run's host layout
     (``--ranks-per-host``), the default of a local-SGD method's own ``ranks_per_host`` (which
     ``hierarchical=1`` averages gradients within).
@@ -510,7 +492,7 @@ def strategy_from_spec(text: str, *, ranks_per_host: int = 1) -> StrategyConfig:
 
     spec = split_spec(text, what="strategy")
     where = f"strategy {spec.name}"
-    names = strategy_names()
+    names = _strategy_names()
     table = compressors()
     if spec.name in names:
         entry = names[spec.name]
@@ -523,14 +505,14 @@ def strategy_from_spec(text: str, *, ranks_per_host: int = 1) -> StrategyConfig:
             config = dataclasses.replace(config, ranks_per_host=ranks_per_host)
         return typing.cast("StrategyConfig", config)
     if spec.name in table and spec.name != "none":
-        engine = {k: spec.options[k] for k in ENGINE_KEYS if k in spec.options}
+        engine = {k: spec.options[k] for k in _ENGINE_KEYS if k in spec.options}
         own = {k: v for k, v in spec.options.items() if k not in engine}
         try:
             compressor = build(table[spec.name], own, where=where)
         except ValueError as err:
             if "unknown key" not in str(err):
                 raise
-            keys = sorted([*keys_of(table[spec.name]), *ENGINE_KEYS])
+            keys = sorted([*keys_of(table[spec.name]), *_ENGINE_KEYS])
             bad = next(k for k in own if k not in keys)
             raise ValueError(
                 f"{where}: unknown key {bad!r}; known keys: {', '.join(keys)}"
