@@ -19,6 +19,7 @@ from commfuse.cluster.errors import RankError
 from commfuse.comm import CommConfig, CommError, Communicator
 from commfuse.pipeline import (
     Action,
+    bubble_of_events,
     interleaved_1f1b,
     one_f_one_b,
     schedule_by_name,
@@ -205,6 +206,19 @@ def test_split_backward_on_one_rank_is_exact() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=n)
 
 
+def test_a_stage_returning_a_tuple_is_refused() -> None:
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x, x
+
+    schedule = interleaved_1f1b(num_ranks=1, stages_per_rank=2, num_microbatches=1)
+    stages = {0: nn.Sequential(nn.Linear(WIDTH, WIDTH).double(), Pair()), 1: nn.Identity()}
+    runtime = PipelineRuntime(schedule, stages, None, loss_fn=nn.functional.mse_loss)
+    xs, ys = batches([1], [1])
+    with pytest.raises(TypeError, match=r"stage 0 returned tuple; a stage takes one tensor"):
+        runtime.step(xs, ys)
+
+
 def test_the_runtime_refuses_what_does_not_fit() -> None:
     stages = cut(make_model(), [4])
     schedule = interleaved_1f1b(num_ranks=1, stages_per_rank=2, num_microbatches=2)
@@ -227,7 +241,13 @@ def test_the_runtime_refuses_what_does_not_fit() -> None:
 
 # -- real gloo ranks ------------------------------------------------------------------------
 
-SCHEDULE_CASES = [("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)]
+SCHEDULE_CASES = [
+    ("sequential", 1),
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("zb_h1", 1),
+    ("interleaved_1f1b", 2),
+]
 
 
 @pytest.mark.e2e
@@ -273,7 +293,9 @@ def traced_step() -> list[tuple[str, str]]:
     )
     xs, ys = batches([1, 2, 1], [2, 2, 2])
     runtime.step(xs if comm.rank == 0 else None, ys if comm.rank == 1 else None)
-    return [(e["name"], str(e["tid"])) for e in comm.trace.chrome_events()]
+    events = comm.trace.chrome_events()
+    assert 0.0 <= bubble_of_events(events) < 1.0
+    return [(e["name"], str(e["tid"])) for e in events]
 
 
 @pytest.mark.e2e

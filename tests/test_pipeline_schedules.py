@@ -21,6 +21,7 @@ from commfuse.pipeline import (
     Schedule,
     ScheduleError,
     StageTimes,
+    bubble_of_events,
     gpipe,
     interleaved_1f1b,
     lower,
@@ -30,6 +31,7 @@ from commfuse.pipeline import (
     schedule_by_name,
     schedule_from_actions,
     schedule_from_csv,
+    sequential,
     validate,
     write_csv,
     zb_h1,
@@ -432,3 +434,26 @@ def test_the_replay_draws_as_a_chrome_trace(tmp_path: Path) -> None:
     write_chrome_trace(events, tmp_path / "zb.json")
     loaded = json.loads((tmp_path / "zb.json").read_text())["traceEvents"]
     assert len([e for e in loaded if e["ph"] == "X"]) == len(events)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 4])
+def test_sequential_runs_one_micro_batch_at_a_time(p: int, m: int) -> None:
+    s = sequential(num_stages=p, num_microbatches=m)
+    r = replay(s)
+    assert r.bubble_fraction == pytest.approx((p - 1) / p, abs=1e-12)
+    assert r.step_s == 3 * p * m  # F, then B (two units), on every stage in turn
+
+
+@pytest.mark.parametrize("name", ["sequential", "gpipe", "1f1b", "zb_h1"])
+def test_the_bubble_measured_on_the_replays_trace_is_the_replays(name: str) -> None:
+    s = schedule_by_name(name, num_ranks=4, num_microbatches=6)
+    times = StageTimes(forward_s=1.0, backward_input_s=1.5, backward_weight_s=0.5)
+    r = replay(s, times=times, link=LinkCost(alpha_s=0.1, beta_s_per_byte=0.0))
+    events = r.chrome_events(s)
+    assert bubble_of_events(events) == pytest.approx(r.bubble_fraction, abs=1e-12)
+    renamed = [{**e, "name": f"pipeline {e['name']}"} for e in events]  # the runtime's names
+    noise = [{"name": "pipeline.activation", "ph": "X", "ts": 0.0, "dur": 1e9, "pid": 0}]
+    assert bubble_of_events(renamed + noise) == pytest.approx(r.bubble_fraction, abs=1e-12)
+    with pytest.raises(ValueError, match="no compute action"):
+        bubble_of_events(noise)

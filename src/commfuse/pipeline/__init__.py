@@ -4,7 +4,7 @@
 |---|---|
 | ``actions.py`` | an action (``0F1``, ``1I2``, ``0W3``, ``2SEND_F1``) and torch's CSV format |
 | ``schedule.py`` | ``Schedule``: per rank, one action per step; what each action needs |
-| ``generators.py`` | GPipe, 1F1B, interleaved 1F1B, ZB-H1 |
+| ``generators.py`` | GPipe, 1F1B, interleaved 1F1B, ZB-H1, and sequential (no pipelining) |
 | ``validate.py`` | the validator |
 | ``lower.py`` | the lowering that adds the sends and receives |
 | ``replay.py`` | the replay on the alpha-beta link model: step time, bubble |
@@ -21,10 +21,11 @@ from commfuse.pipeline.generators import (
     interleaved_1f1b,
     one_f_one_b,
     schedule_by_name,
+    sequential,
     zb_h1,
 )
 from commfuse.pipeline.lower import lower
-from commfuse.pipeline.replay import ReplayResult, StageTimes, on_grid, replay
+from commfuse.pipeline.replay import ReplayResult, StageTimes, bubble_of_events, on_grid, replay
 from commfuse.pipeline.runtime import PipelineError, PipelineRuntime, StepResult
 from commfuse.pipeline.schedule import (
     Schedule,
@@ -45,6 +46,7 @@ __all__ = [
     "StageTimes",
     "StepResult",
     "balanced_boundaries",
+    "bubble_of_events",
     "cut",
     "gpipe",
     "interleaved_1f1b",
@@ -57,6 +59,7 @@ __all__ = [
     "schedule_by_name",
     "schedule_from_actions",
     "schedule_from_csv",
+    "sequential",
     "validate",
     "write_csv",
     "zb_h1",

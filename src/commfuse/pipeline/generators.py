@@ -1,5 +1,8 @@
 """The schedules: GPipe, 1F1B, interleaved 1F1B and ZB-H1, each as its ranks' action orders.
 
+``sequential`` (no pipelining: one micro-batch at a time through every stage, bubble
+``(p - 1) / p``) is the reference the others are measured against.
+
 A generator writes down only each rank's order of compute actions; ``replay.on_grid`` places
 them on steps by replaying the orders with one time unit per action and free links, so that a rank idles
 (None) exactly where it would wait. ``p`` is the number of ranks, ``m`` of micro-batches.
@@ -56,6 +59,22 @@ def _on_grid(
         grid=False,
     )
     return on_grid(loose)
+
+
+def sequential(*, num_stages: int, num_microbatches: int) -> Schedule:
+    """No pipelining: each micro-batch's forward and backward through every stage before the
+    next one starts (each rank runs ``F m, B m`` in turn), the reference a pipelined step is
+    compared with. Bubble ``(p - 1) / p``.
+
+    Raises:
+        ValueError: fewer than one stage or micro-batch.
+    """
+    _check(num_stages, num_microbatches)
+    orders = [
+        [Action(s, k, i) for i in range(num_microbatches) for k in ("F", "B")]
+        for s in range(num_stages)
+    ]
+    return _on_grid("sequential", orders, range(num_stages), num_microbatches)
 
 
 def gpipe(*, num_stages: int, num_microbatches: int) -> Schedule:
@@ -186,7 +205,7 @@ def schedule_by_name(
         return interleaved_1f1b(
             num_ranks=num_ranks, stages_per_rank=stages_per_rank, num_microbatches=num_microbatches
         )
-    makers = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1}
+    makers = {"sequential": sequential, "gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1}
     if name not in makers:
         raise ValueError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
     if stages_per_rank != 1:

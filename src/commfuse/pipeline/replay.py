@@ -14,6 +14,9 @@ GPU Clusters Using Megatron-LM", SC 2021), the same as GPipe's (Huang et al., Ne
 interleaved schedule with ``v`` stages per rank divides the bubble time by ``v``; ZB-H1 shrinks
 it to ``(p - 1)(F + I - W)`` (Qi et al., ICLR 2024).
 
+``bubble_of_events`` measures the same fraction on a Chrome trace: the replay's, or a run's
+(the runtime's compute actions in the communicator's trace, ``runtime.py``).
+
 A replay that cannot finish is a deadlock of the schedule itself: ``ScheduleError`` names each
 rank's waiting action and what it waits for.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from commfuse.collectives.cost import LinkCost
@@ -191,3 +194,29 @@ def on_grid(schedule: Schedule) -> Schedule:
             row[t] = a
         rows.append(tuple(row))
     return dataclasses.replace(schedule, actions=tuple(rows), grid=True)
+
+
+def bubble_of_events(events: Sequence[Mapping[str, Any]]) -> float:
+    """The bubble of a timeline: ``1 - sum(busy) / (ranks * span)`` over the Chrome trace
+    events that are compute actions (named ``0F1`` as the replay names them, or
+    ``pipeline 0F1`` as the runtime does in the communicator's trace), ``pid`` the rank.
+
+    Raises:
+        ValueError: no compute action among the events.
+    """
+    busy: dict[int, float] = {}
+    first, last = float("inf"), float("-inf")
+    for e in events:
+        name = str(e.get("name", "")).removeprefix("pipeline ")
+        try:
+            if e.get("ph") != "X" or not Action.parse(name).is_compute:
+                continue
+        except ValueError:
+            continue
+        start, length = float(e["ts"]), float(e["dur"])
+        busy[int(e["pid"])] = busy.get(int(e["pid"]), 0.0) + length
+        first, last = min(first, start), max(last, start + length)
+    if not busy:
+        raise ValueError("no compute action (0F1, pipeline 0F1, ...) among the trace's events")
+    span = last - first
+    return 0.0 if span <= 0 else 1.0 - sum(busy.values()) / (len(busy) * span)

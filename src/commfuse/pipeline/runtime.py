@@ -371,6 +371,11 @@ class _Step:
             x = self._take(("F", s, m), a).detach()
             x.requires_grad_(x.is_floating_point())
         out = self.rt.stages[s](x)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"stage {s} returned {type(out).__name__}; a stage takes one tensor and returns "
+                "one (wrap a module with several outputs so that it returns one tensor)"
+            )
         if s == self.last:
             loss = self.rt.loss_fn(out, self.targets[m])
             self.losses.append(float(loss.detach()))
