@@ -8,6 +8,10 @@ module                           what it gives
                                  hook on CPU and GPU, its state in Lightning's checkpoints;
                                  ``CommfusePeriodicStrategy(method)``: DiLoCo and the other
                                  periodic methods, no DDP wrapper, ``finish()`` at the end
+``integrations.accelerate``      ``compress_gradients(accelerator, model, compressor)``:
+                                 the hook on a prepared model, its state in ``save_state``
+``integrations.transformers``    ``CompressionCallback(trainer, compressor)``: the hook on
+                                 the Trainer's wrapped model, its state in its checkpoints
 ===============================  =====================================================
 
 Each adapter is a few dozen lines over commfuse's own objects (``CompressionState`` and

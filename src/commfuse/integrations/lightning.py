@@ -23,34 +23,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from commfuse.comm import CommConfig, Communicator
 from commfuse.compress.base import Compressor
 from commfuse.hooks import CompressionState, compressed_allreduce_hook
+from commfuse.integrations._per_rank import gather_states, own_state
 from commfuse.localsgd import PeriodicSyncConfig, PeriodicSyncOptimizer
 
 #: The checkpoint's entry holding every rank's state, indexed by global rank.
 HOOK_STATES = "commfuse_hook_states"
 OPTIMIZER_STATES = "commfuse_optimizer_states"
-
-
-def _gather(value: Any) -> list[Any]:
-    """``value`` of every rank, by global rank (a collective: every rank calls it)."""
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
-def _own(saved: list[Any], rank: int, what: str) -> Any:
-    if len(saved) != dist.get_world_size():
-        raise ValueError(
-            f"the checkpoint holds the {what} of {len(saved)} ranks, this job has "
-            f"{dist.get_world_size()}: resume on as many ranks as saved it"
-        )
-    return saved[rank]
 
 
 class CommfuseDDPStrategy(DDPStrategy):
@@ -99,13 +83,13 @@ class CommfuseDDPStrategy(DDPStrategy):
     ) -> None:
         # Lightning calls this on every rank and writes rank 0's dictionary.
         if self.hook_state is not None:
-            checkpoint[HOOK_STATES] = _gather(self.hook_state.state_dict())
+            checkpoint[HOOK_STATES] = gather_states(self.hook_state.state_dict())
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if HOOK_STATES in checkpoint:
-            own = _own(checkpoint[HOOK_STATES], self.global_rank, "hook states")
+            own = own_state(checkpoint[HOOK_STATES], "hook states")
             if self.hook_state is not None:
                 self.hook_state.load_state_dict(own)
             else:  # restored before the model is wrapped: loaded in configure_ddp
@@ -168,11 +152,11 @@ class CommfusePeriodicStrategy(DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         if "optimizer_states" in checkpoint:
-            checkpoint[OPTIMIZER_STATES] = _gather(checkpoint["optimizer_states"])
+            checkpoint[OPTIMIZER_STATES] = gather_states(checkpoint["optimizer_states"])
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if OPTIMIZER_STATES in checkpoint:
-            own = _own(checkpoint[OPTIMIZER_STATES], self.global_rank, "optimizer states")
+            own = own_state(checkpoint[OPTIMIZER_STATES], "optimizer states")
             checkpoint = {**checkpoint, "optimizer_states": own}
         super().load_optimizer_state_dict(checkpoint)
