@@ -85,7 +85,7 @@ def hook_in_kwargs() -> str:
     from commfuse.hooks import compressed_allreduce_hook
     from commfuse.integrations.accelerate import compress_gradients
 
-    kwargs = DistributedDataParallelKwargs(comm_hook=compressed_allreduce_hook)  # type: ignore[arg-type]
+    kwargs = DistributedDataParallelKwargs(comm_hook=compressed_allreduce_hook)
     accelerator = Accelerator(cpu=True, kwargs_handlers=[kwargs])
     model = accelerator.prepare(nn.Linear(4, 1))
     try:
