@@ -22,7 +22,15 @@ CHECKSUM = re.compile(r"^\[rank (\d+)\] rank \d+ checksum (\S+)$", re.MULTILINE)
 OK = re.compile(r"^\[rank (\d+)\] rank \d+ ok", re.MULTILINE)
 
 #: Examples whose replicas must end identical, and print ``rank R checksum X``.
-REPLICATED = {"ddp_powersgd_hook.py", "data_parallel.py", "diloco.py", "fsdp2_diloco.py"}
+REPLICATED = {
+    "ddp_powersgd_hook.py",
+    "data_parallel.py",
+    "diloco.py",
+    "fsdp2_diloco.py",
+    "lightning_powersgd.py",
+    "accelerate_powersgd.py",
+    "transformers_powersgd.py",
+}
 #: Ranks per example where two would not show it (2 replicas of 2 FSDP2 shards).
 NPROC = {"fsdp2_diloco.py": 4}
 

@@ -30,7 +30,7 @@ from commfuse.comm import CommConfig, Communicator
 from commfuse.compress.base import Compressor
 from commfuse.hooks import CompressionState, compressed_allreduce_hook
 from commfuse.integrations._per_rank import gather_states, own_state
-from commfuse.localsgd import PeriodicSyncConfig, PeriodicSyncOptimizer
+from commfuse.localsgd import PeriodicMethod, PeriodicSyncOptimizer
 
 #: The checkpoint's entry holding every rank's state, indexed by global rank.
 HOOK_STATES = "commfuse_hook_states"
@@ -112,7 +112,7 @@ class CommfusePeriodicStrategy(DDPStrategy):
 
     def __init__(
         self,
-        method: PeriodicSyncConfig,
+        method: PeriodicMethod,
         *,
         comm_config: CommConfig | None = None,
         **kwargs: Any,
