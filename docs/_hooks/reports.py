@@ -3,8 +3,8 @@
 The reports live in ``benchmarks/`` (``docs/benchmarks`` links to it), one per measurement, and
 new ones arrive with the changes that measure them. Listing them by hand in ``mkdocs.yml``
 would go stale, so this hook fills the navigation's "Benchmarks > Reports" section from the
-folder: each report under the first guide page that cites it, in the navigation's order (the
-others under "Other"). It also opens each report with the pages that cite it and the
+folder: each report under the first page that cites it, in the navigation's order, the home
+page aside (the others under "Other"). It also opens each report with the pages that cite it and the
 Benchmarking page, so a reader who arrives at a report from a link can get back.
 """
 
@@ -61,8 +61,9 @@ def on_config(config: Any) -> Any:
     for report in sorted(BENCH.glob("*.md")):
         if report.name == "README.md":
             continue
-        citing = _CITED.get(report.name)
-        group = citing[0][0] if citing else "Other"
+        # The home page cites a few headline reports; they belong with their topic's page.
+        citing = [title for title, path in _CITED.get(report.name, []) if path != "index.md"]
+        group = citing[0] if citing else "Other"
         groups.setdefault(group, []).append({_title(report): f"benchmarks/{report.name}"})
     order = [title for title, _ in pages] + ["Other"]
     reports = [{group: groups[group]} for group in order if group in groups]
