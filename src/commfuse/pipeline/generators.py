@@ -33,7 +33,7 @@ from commfuse.pipeline.actions import Action, ActionKind
 from commfuse.pipeline.replay import on_grid
 from commfuse.pipeline.schedule import Schedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SCHEDULES = ("sequential", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 """The names ``schedule_by_name`` knows."""
 
 
