@@ -166,11 +166,15 @@ def parse_value(raw: str, kind: Any, *, key: str, where: str) -> Any:
 
 
 def keys_of(target: Callable[..., Any]) -> dict[str, Any]:
-    """The options ``target`` takes, with their types: a dataclass's init fields, or a
+    """The options ``target`` takes, with their types: a dataclass's init fields (those its
+    own class declares first, then those of its bases: a method's own settings lead), or a
     function's keyword parameters (read from their type hints)."""
     hints = typing.get_type_hints(target)
     if dataclasses.is_dataclass(target) and isinstance(target, type):
-        return {f.name: hints[f.name] for f in dataclasses.fields(target) if f.init}
+        own = vars(target).get("__annotations__", {})
+        fields = [f for f in dataclasses.fields(target) if f.init]
+        fields.sort(key=lambda f: f.name not in own)  # stable: each group keeps its order
+        return {f.name: hints[f.name] for f in fields}
     return {
         p.name: hints[p.name]
         for p in inspect.signature(target).parameters.values()
@@ -444,7 +448,7 @@ def _sync_method_names() -> dict[str, _StrategyName]:
         PALSGDConfig: "PALSGD (Naganuma et al. 2025): DiLoCo + random pulls toward the last "
         "synchronised model",
         DreamDDPConfig: "DreamDDP (Tang et al. 2025): every layer once per H steps, a planned "
-        "group per step, from backward",
+        "group per step, sent as its forward starts",
         LocalSGDClipConfig: "local SGD with clipped local steps (Liu et al., NeurIPS 2022)",
     }
     return {cls.name: _StrategyName(cls, text) for cls, text in entries.items()}
