@@ -281,3 +281,17 @@ def test_the_top_navigation_fits_one_row() -> None:
     titles = [next(iter(item)) if isinstance(item, dict) else str(item) for item in nav]
     assert len(titles) <= MAX_TOP_NAV_ENTRIES, f"{len(titles)} top entries: {titles}"
     assert sum(map(len, titles)) <= MAX_TOP_NAV_CHARS, f"top entries too long: {titles}"
+
+
+#: A link to a file of this repository on GitHub (mkdocs cannot check it: it is absolute).
+REPO_LINK = re.compile(r"https://github\.com/commfuse/commfuse/(?:blob|tree)/main/([^)\s#\]]+)")
+
+
+def test_every_link_to_a_repository_file_names_one_that_exists() -> None:
+    missing = [
+        f"{page.relative_to(ROOT)}: {path}"
+        for page in pages()
+        for path in REPO_LINK.findall(page.read_text())
+        if not (ROOT / path).exists()
+    ]
+    assert not missing, f"links to files this repository does not have: {missing}"
