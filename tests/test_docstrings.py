@@ -31,6 +31,8 @@ ENTRY_POINTS = [
     "commfuse.ddp:DataParallel",
     "commfuse.ddp:DataParallelConfig",
     "commfuse.localsgd:PeriodicSyncOptimizer",
+    "commfuse.decentral:GossipAveraging",
+    "commfuse.decentral:PushSum",
     "commfuse.hooks:CompressionState",
     "commfuse.hooks:compressed_allreduce_hook",
     "commfuse.fused:ColumnParallelLinear",

@@ -19,6 +19,7 @@ layer  folders                                     what they are
 3      ``pipeline``                                pipeline schedules as data; their runtime
 4      ``ddp``, ``localsgd``, ``hooks``            training engines over layers 2-3
 4      ``optim``                                   optimizers that communicate (1-bit Adam)
+4      ``decentral``                               gossip and PushSum over topologies as data
 5      ``workloads``                               models and data sets
 6      ``train``, ``ft``                           training runs and their records; torchft
 6      ``integrations``                            adapters for Lightning, Accelerate, ...
@@ -59,6 +60,7 @@ LAYERS: dict[str, int] = {
     "localsgd": 4,
     "hooks": 4,
     "optim": 4,
+    "decentral": 4,
     "workloads": 5,
     "train": 6,
     "ft": 6,
