@@ -295,3 +295,28 @@ def test_every_link_to_a_repository_file_names_one_that_exists() -> None:
         if not (ROOT / path).exists()
     ]
     assert not missing, f"links to files this repository does not have: {missing}"
+
+
+#: Guide pages that explain rather than turn a feature on.
+EXPLAINERS = {"torch-hooks-on-gloo.md", "design.md"}
+
+
+def test_every_guide_opens_with_how_to_turn_it_on_and_gives_results_before_the_internals() -> None:
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    guides = next(item["Guides"] for item in nav if isinstance(item, dict) and "Guides" in item)
+    for entry in guides:
+        (path,) = entry.values()
+        if path in EXPLAINERS:
+            continue
+        text = (DOCS / path).read_text()
+        heads = [(m.group(1), m.start()) for m in re.finditer(r"(?m)^## (.+)$", text)]
+        second = heads[1][1] if len(heads) > 1 else len(text)
+        assert re.search(r"```(python|bash)|--8<--", text[:second]), (
+            f"{path}: no snippet (python or a command) before its second section"
+        )
+        at = {title: start for title, start in heads}
+        for internals in ("How it works", "How it is measured", "Design notes"):
+            if "Results" in at and internals in at:
+                assert at["Results"] < at[internals], f"{path}: {internals} before Results"
