@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from commfuse.bench.pipeline import PipelineBenchConfig, bench_pipeline_on_rank
+from commfuse.cli import main
 from commfuse.pipeline.runtime import HEADER_SLOTS
 from commfuse.testing import RankPool
 
@@ -64,3 +65,18 @@ def test_the_config_names_what_it_refuses() -> None:
     with pytest.raises(ValueError, match="batch_size 2 cannot make 4 micro-batches"):
         PipelineBenchConfig(batch_size=2, num_microbatches=4)
     assert PipelineBenchConfig(schedules=("1f1b",)).schedules == ("sequential", "1f1b")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--schedule", "pipedream"], "schedules ['pipedream']: choose from"),
+        (["--batch-size", "2"], "batch_size 2 cannot make 8 micro-batches"),
+        (["--repeats", "0"], "--repeats must be at least 1"),
+    ],
+)
+def test_the_command_refuses_bad_settings_before_any_rank_starts(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "pipeline", "--hosts", "2", "--no-emulate", *argv]) == 2
+    assert needle in capsys.readouterr().err

@@ -35,6 +35,12 @@ EXAMPLES: dict[R.Kind, dict[str, Any]] = {
     "bench fused": {"op": "gemm_all_reduce", "shape": [8, 8, 8], "fused_us": 2.0},
     "bench fused --step": {"op": "dlrm_step", "shape": [4, 2], "fused_us": 2.0},
     "bench ddp": {"engine": "dataparallel", "step_s": 0.1},
+    "bench pipeline": {
+        "schedule": "1f1b",
+        "step_s": 0.1,
+        "bubble_formula": 0.27,
+        "bubble_measured": 0.3,
+    },
     "bench strategies": {"strategy": "ddp", "step_s": 0.1, "ratio_to_first": 1.0},
     "bench cli": {"command": "--help", "tree": "new", "wall_s": 0.2},
     "compare": {"strategy": "ddp", "step_time_s": 0.1},

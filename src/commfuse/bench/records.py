@@ -32,6 +32,7 @@ Kind = Literal[
     "bench fused",
     "bench fused --step",
     "bench ddp",
+    "bench pipeline",
     "bench strategies",
     "bench cli",
     "compare",
@@ -169,6 +170,21 @@ class DdpRecord(Record):
     """The engine (``torch-ddp``, ``dataparallel``, ...)."""
     step_s: float
     """Median step time over the rounds."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineRecord(Record):
+    """``commfuse bench pipeline``: one pipeline schedule's step against the sequential one."""
+
+    kind: Literal["bench pipeline"] = "bench pipeline"
+    schedule: str
+    """The schedule (``1f1b``, ``zb_h1``, ...; ``sequential'`` for the A/A control)."""
+    step_s: float
+    """Median step time over the rounds."""
+    bubble_formula: float
+    """The schedule's bubble on equal stages and free links."""
+    bubble_measured: float
+    """The idle share of the ranks' time in a traced step."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -345,6 +361,7 @@ RECORDS: dict[Kind, type[Record]] = {
         FusedRecord,
         FusedStepRecord,
         DdpRecord,
+        PipelineRecord,
         StrategiesRecord,
         CliLatencyRecord,
         CompareRecord,

@@ -67,6 +67,19 @@ DDP_COLUMNS: tuple[Column, ...] = (
     ("buckets", lambda r: "-" if r["num_buckets"] is None else str(r["num_buckets"])),
 )
 
+PIPELINE_COLUMNS: tuple[Column, ...] = (
+    ("schedule", lambda r: r["schedule"]),
+    ("stages", lambda r: str(r["stages"])),
+    ("micro", lambda r: str(r["micro_batches"])),
+    ("step_ms", _ms("step_s")),
+    ("min-max_ms", lambda r: f"{r['step_s_min'] * 1e3:.0f}-{r['step_s_max'] * 1e3:.0f}"),
+    ("time/sequential", lambda r: ratio_cell(r, "ratio_to_sequential")),
+    ("spread", lambda r: f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"),
+    ("bubble", lambda r: f"{r['bubble_measured']:.3f}"),
+    ("formula", lambda r: f"{r['bubble_formula']:.3f}"),
+    ("MB/step", lambda r: f"{r['bytes_per_step'] / 1e6:.3f}"),
+)
+
 TRAIN_COLUMNS: tuple[Column, ...] = (
     ("strategy", lambda r: r["strategy"]),
     ("steps", lambda r: str(r["steps"])),
@@ -367,6 +380,7 @@ KINDS: dict[RecordKind, Kind] = {
     "compare --fault-tolerant": Kind(_compare_ft_table, "run"),
     "bench strategies": Kind(_columns_table(lambda: STRATEGIES_COLUMNS), "strategy"),
     "bench ddp": Kind(_ddp_table, "engine"),
+    "bench pipeline": Kind(_columns_table(lambda: PIPELINE_COLUMNS), "schedule"),
     "bench cli": Kind(_columns_table(lambda: CLI_COLUMNS)),
     "simulate --scale": Kind(_scale_table),
     "simulate --validate": Kind(_validation_table),

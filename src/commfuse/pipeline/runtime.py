@@ -240,6 +240,7 @@ class _Step:
             try:
                 if action.is_compute:
                     self._progress()
+                    self._await_inputs(action)
                     with self._traced(action):
                         getattr(self, f"_do_{action.kind}")(action)
                 else:
@@ -251,6 +252,19 @@ class _Step:
                 handle.wait()
             except CommError as err:
                 raise self._error(action, err) from err
+
+    def _await_inputs(self, action: Action) -> None:
+        """Wait for what ``action`` receives before it starts, so that its trace event holds
+        its compute alone and the wait shows as idle time."""
+        s, m = action.stage, action.microbatch
+        assert m is not None
+        key: Key | None = None
+        if action.kind == "F" and s > 0:
+            key = ("F", s, m)
+        elif action.kind in ("B", "I") and s < self.last:
+            key = ("B", s, m)
+        if key is not None and key in self.recvs:
+            self.local[key] = self._take(key, action)
 
     @contextlib.contextmanager
     def _traced(self, action: Action) -> Iterator[None]:

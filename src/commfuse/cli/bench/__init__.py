@@ -4,6 +4,7 @@ commfuse bench collectives --hosts 4 --link 1gbit --op all_reduce --sizes 16M --
 commfuse bench fused --hosts 4 --link 1gbit --op gemm_all_reduce
 commfuse bench ddp --hosts 4 --link 1gbit --model transformer
 commfuse bench strategies --hosts 4 --link 100mbit --strategy ddp --strategy powersgd:rank=4
+commfuse bench pipeline --hosts 4 --link 100mbit --micro-batches 8 --control
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ _BENCH_MODULES: tuple[str, ...] = (
     "commfuse.cli.bench.fused",
     "commfuse.cli.bench.ddp",
     "commfuse.cli.bench.strategies",
+    "commfuse.cli.bench.pipeline",
 )
 
 
