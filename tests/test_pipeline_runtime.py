@@ -237,6 +237,10 @@ def test_the_runtime_refuses_what_does_not_fit() -> None:
     xs, ys = batches([1, 1], [1, 1])
     with pytest.raises(ValueError, match=r"needs 2 targets \(one per micro-batch\), got 1"):
         runtime.step(xs, ys[:1])
+    with pytest.raises(ValueError, match=r"loss_weights has 3 weights for 2 micro-batches"):
+        runtime.step(xs, ys, loss_weights=[1.0, 1.0, 1.0])
+    halves = runtime.step(xs, ys, loss_weights=[0.5, 0.5])
+    assert halves.loss == pytest.approx(sum(halves.microbatch_losses) / 2, rel=1e-12)
 
 
 # -- real gloo ranks ------------------------------------------------------------------------

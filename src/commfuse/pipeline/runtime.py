@@ -178,8 +178,8 @@ class PipelineRuntime:
             The loss on the last stage's rank.
 
         Raises:
-            ValueError: inputs or targets missing where the schedule needs them, or not one per
-                micro-batch.
+            ValueError: inputs, targets or loss weights missing where the schedule needs them,
+                or not one per micro-batch.
             PipelineError: a wait failed (a peer died or a deadline passed).
         """
         run = _Step(self, inputs, targets, loss_weights)
@@ -218,6 +218,10 @@ class _Step:
         self.targets = [t.to(runtime.device) for t in targets] if holds_last and targets else []
         self.weights: list[float] = []
         if loss_weights is not None:
+            if len(loss_weights) != m:
+                raise ValueError(
+                    f"loss_weights has {len(loss_weights)} weights for {m} micro-batches"
+                )
             self.weights = [float(w) for w in loss_weights]
         elif self.targets:
             total = sum(t.shape[0] if t.dim() else 1 for t in self.targets)
