@@ -3,7 +3,9 @@ against their mixing matrices applied in plain torch (fp64), with the bytes of e
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,7 +136,7 @@ def refusals() -> list[str]:
     p = [torch.zeros(3)]
     found = []
     makers: list[Callable[[], object]] = [
-        lambda: GossipAveraging(p, comm, Exponential(comm.world_size)),
+        lambda: GossipAveraging(p, comm, irregular(3)),
         lambda: GossipAveraging(p, comm, Ring(comm.world_size + 1)),
         lambda: GossipAveraging(p, comm, Ring(comm.world_size), every=0),
         lambda: GossipAveraging(
@@ -264,7 +266,7 @@ def check_bytes(results: list[dict[str, Any]], topo: Topology, label: str, extra
 
 
 @pytest.mark.parametrize("world", [1, 3, 4, 5])
-@pytest.mark.parametrize("name", ["ring", "torus", "shift_one"])
+@pytest.mark.parametrize("name", ["ring", "torus", "shift_one", "exponential"])
 def test_gossip_rounds_are_the_mixing_matrix_applied(pool: PoolFn, world: int, name: str) -> None:
     every = 2
     results = pool(world).run(run_rounds, "gossip", name, "random", every, timeout_s=120)
@@ -347,3 +349,76 @@ def test_bad_settings_are_refused(pool: PoolFn) -> None:
     assert len(found) == 5, found
     assert "use PushSum" in found[0] and "for 2 ranks" in found[1] and "every" in found[2]
     assert "one dtype" in found[3] and "floating-point" in found[4]
+
+
+# ---- the strategies, through the training loop -------------------------------------------------
+
+
+def train_on_rank(config: Any) -> dict[str, Any]:
+    from commfuse.train import train_rank
+
+    return train_rank(config)
+
+
+def _train_config(strategy: str, steps: int, **kw: Any) -> Any:
+    from commfuse.cli.spec import strategy_from_spec, workload_from_spec
+    from commfuse.train import TrainConfig
+
+    return TrainConfig(
+        workload=workload_from_spec(DIGITS),
+        strategy=strategy_from_spec(strategy),
+        label=strategy,
+        steps=steps,
+        seed=1,
+        **kw,
+    )
+
+
+DIGITS = "digits:hidden=32,batch=16"
+#: digits:hidden=32 has (64*32+32) + (32*32+32) + (32*10+10) fp32 parameters.
+DIGITS_MODEL_BYTES = 4 * ((64 * 32 + 32) + (32 * 32 + 32) + (32 * 10 + 10))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("strategy", "models_per_round", "extra"),
+    [("gossip:topology=ring,every=2", 2, 0), ("push-sum:every=2", 1, 1)],
+)
+def test_decentral_strategies_train_count_their_bytes_and_resume_exactly(
+    pool: PoolFn, tmp_path: Path, strategy: str, models_per_round: int, extra: int
+) -> None:
+    """Three ranks through the training loop: the loss falls, every second step sends the
+    topology's models (the ring: two per rank; the exponential graph: one, with its weight),
+    and a resume from step 3 of 7 (mid-period) ends bit for bit as the straight run."""
+    from commfuse.train import checkpoint as ckpt
+
+    p = pool(3)
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    config = _train_config(strategy, 7, checkpoint_dir=str(full_dir), checkpoint_every=3)
+    full = p.run(train_on_rank, config, timeout_s=120)
+    assert full[0]["history"]["loss"][-1] < full[0]["history"]["loss"][0]
+    per_round = models_per_round * (DIGITS_MODEL_BYTES + 4 * extra)
+    for result in full:
+        assert result["history"]["bytes"] == [0, per_round] * 3 + [0]
+        assert result["strategy_metrics"]["gossip_rounds"] == 3
+    shutil.copytree(ckpt.step_dir(full_dir, 3), ckpt.step_dir(resumed_dir, 3))
+    ckpt.mark_latest(resumed_dir, 3)
+    config = _train_config(strategy, 7, checkpoint_dir=str(resumed_dir), resume=True)
+    resumed = p.run(train_on_rank, config, timeout_s=120)
+    assert resumed[0]["start_step"] == 3
+    assert [r["digest"] for r in resumed] == [r["digest"] for r in full]
+    assert len({r["digest"] for r in full}) == 3  # no all-reduce: the replicas differ
+
+
+def test_decentral_specs_round_trip() -> None:
+    from commfuse.cli.spec import strategy_from_spec
+    from commfuse.decentral import GossipConfig, PushSumConfig
+    from commfuse.train import describe_strategy
+
+    for config in (GossipConfig(topology="torus", every=4), PushSumConfig(every=2), GossipConfig()):
+        assert strategy_from_spec(describe_strategy(config)) == config
+    assert describe_strategy(GossipConfig(topology="ring")) == "gossip:topology=ring"
+    with pytest.raises(ValueError, match="topology"):
+        strategy_from_spec("gossip:topology=star")
+    with pytest.raises(ValueError, match="every"):
+        strategy_from_spec("push-sum:every=0")

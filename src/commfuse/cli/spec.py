@@ -409,6 +409,24 @@ def _strategy_names() -> dict[str, _StrategyName]:
         ),
         **_sync_method_names(),
         **_compressed_adam_names(),
+        **_decentral_names(),
+    }
+
+
+def _decentral_names() -> dict[str, _StrategyName]:
+    """The decentralized methods (``commfuse.decentral``)."""
+    from commfuse.decentral import GossipConfig, PushSumConfig
+
+    return {
+        GossipConfig.name: _StrategyName(
+            GossipConfig,
+            "gossip (D-PSGD, Lian et al. 2017): average with the topology's neighbours every "
+            "`every` steps, no all-reduce",
+        ),
+        PushSumConfig.name: _StrategyName(
+            PushSumConfig,
+            "push-sum (SGP, Assran et al. 2019): de-biased push-sum on a directed graph",
+        ),
     }
 
 

@@ -6,9 +6,11 @@ graph, or any ``Explicit`` matrices. ``GossipAveraging`` (``gossip.py``) is D-PS
 averaging (Lian et al., NeurIPS 2017) over an undirected topology; ``PushSum``
 (``push_sum.py``) is SGP's push-sum (Assran et al., ICML 2019) over a directed, time-varying
 one. Both exchange the flat model with the communicator's deadline-bounded point-to-point
-calls (``exchange.py``) every ``every`` steps, counted in ``comm.stats``.
+calls (``exchange.py``) every ``every`` steps, counted in ``comm.stats``. ``GossipConfig``
+and ``PushSumConfig`` (``config.py``) are the typed configs a training run takes.
 """
 
+from commfuse.decentral.config import DecentralMethod, GossipConfig, PushSumConfig
 from commfuse.decentral.gossip import GossipAveraging, Rounds
 from commfuse.decentral.push_sum import PushSum
 from commfuse.decentral.topology import (
@@ -24,11 +26,14 @@ from commfuse.decentral.topology import (
 )
 
 __all__ = [
+    "DecentralMethod",
     "Edges",
     "Explicit",
     "Exponential",
     "GossipAveraging",
+    "GossipConfig",
     "PushSum",
+    "PushSumConfig",
     "Ring",
     "Rounds",
     "ShiftOne",

@@ -106,12 +106,14 @@ class GossipAveraging(Rounds):
     Args:
         params: this rank's model parameters (one dtype, one device); mixed in place.
         comm: the communicator of the ranks that gossip.
-        topology: an undirected topology for ``comm.world_size`` ranks (``Ring``, ``Torus``,
-            ``ShiftOne``, or ``Explicit(..., directed=False)``).
+        topology: a topology for ``comm.world_size`` ranks whose W(t) is doubly stochastic:
+            ``Ring``, ``Torus``, ``ShiftOne``, ``Exponential`` (a shift: doubly stochastic,
+            though directed), or such ``Explicit`` matrices.
         every: mix after every ``every``-th call of ``step``.
 
     Raises:
-        ValueError: a directed topology (use ``PushSum``), or what ``Rounds`` refuses.
+        ValueError: a topology whose W(t) is not doubly stochastic (use ``PushSum``), or
+            what ``Rounds`` refuses.
         InconsistentInputError: ranks hold models of different shapes or dtypes.
 
     Example:
@@ -133,10 +135,10 @@ class GossipAveraging(Rounds):
         *,
         every: int = 1,
     ) -> None:
-        if topology.directed:
+        if not topology.doubly_stochastic:
             raise ValueError(
-                f"{topology!r} is directed (its W(t) is only column-stochastic): gossip "
-                "averaging would drift from the average; use PushSum on it"
+                f"{topology!r}'s W(t) is only column-stochastic: gossip averaging would drift "
+                "from the average; use PushSum on it"
             )
         super().__init__(params, comm, topology, every=every)
 

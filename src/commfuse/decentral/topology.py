@@ -57,6 +57,9 @@ class Topology(abc.ABC):
     name: ClassVar[str]
     #: True: W(t) is only column-stochastic (PushSum); False: symmetric, doubly stochastic.
     directed: bool = False
+    #: Whether every W(t) is doubly stochastic (rows sum to 1 too): gossip averaging keeps the
+    #: average on it. True for every undirected topology and for SGP's exponential graph.
+    doubly_stochastic: bool = True
 
     def __init__(self, world_size: int) -> None:
         if world_size < 1:
@@ -256,6 +259,10 @@ class Explicit(Topology):
         super().__init__(n)
         self.matrices = [m.detach().to(torch.float64, copy=True).cpu() for m in matrices]
         self.directed = directed
+        self.doubly_stochastic = all(
+            torch.allclose(m.sum(1), torch.ones(n, dtype=m.dtype), atol=STOCHASTIC_ATOL)
+            for m in self.matrices
+        )
         for t, m in enumerate(self.matrices):
             if m.shape != (n, n):
                 raise ValueError(f"matrix {t} has shape {tuple(m.shape)}, expected ({n}, {n})")

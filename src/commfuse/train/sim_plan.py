@@ -18,6 +18,7 @@ import dataclasses
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from commfuse.compress import BF16, FP16, PowerSGD
+from commfuse.decentral import DecentralMethod
 from commfuse.localsgd import (
     ADPSGDConfig,
     DreamDDPConfig,
@@ -160,6 +161,11 @@ def plan_for(
             local_sgd_period=strategy.local_step_clipper,
             compressor=OneBitMessage(),
             finite_agreement=False,
+        )
+    if isinstance(strategy, DecentralMethod):
+        raise ValueError(
+            f"the simulator has no plan for {strategy.name} yet (its exchange is point-to-point "
+            "with neighbours, not a collective); run it with commfuse train or compare"
         )
     raise ValueError(f"not a strategy config: {type(strategy).__name__}")
 

@@ -13,7 +13,8 @@ what the simulator prices, ``commfuse.sim.simulate_step``):
   synchronise (``SelSyncConfig``, ``ADPSGDConfig``, ``PALSGDConfig``, ``DreamDDPConfig``,
   ``LocalSGDClipConfig``).
 * ``commfuse.optim.OneBitAdamConfig`` / ``ZeroOneAdamConfig``: 1-bit Adam and 0/1 Adam, an
-  optimizer that does the communication itself.
+  optimizer that does the communication itself;
+* a ``commfuse.decentral.DecentralMethod``: gossip (D-PSGD) or push-sum (SGP) with neighbours.
 
 On each rank ``build_strategy(config, ctx)`` wraps the workload's model and optimizer in a
 :class:`Strategy`, whose uniform step interface the training loop (``loop.py``) drives, whatever
@@ -47,6 +48,7 @@ from commfuse.comm import Communicator
 from commfuse.compress.base import Compressor
 
 if TYPE_CHECKING:
+    from commfuse.decentral import DecentralMethod
     from commfuse.localsgd import PeriodicMethod
     from commfuse.localsgd.sync_method import SyncMethod
     from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
@@ -59,6 +61,8 @@ STRATEGY_MODULES: tuple[str, ...] = (
 )
 # Optimizers that communicate themselves (1-bit Adam, 0/1 Adam).
 STRATEGY_MODULES += ("commfuse.train.onebit",)
+# Decentralized methods: gossip and push-sum over a topology.
+STRATEGY_MODULES += ("commfuse.train.decentral",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -189,6 +193,7 @@ StrategyConfig: TypeAlias = (
     "TorchDDPConfig | TorchPowerSGDConfig | CommfuseDPConfig | PeriodicMethod"
     " | SyncMethod"  # the local-SGD methods that decide when to synchronise
     " | OneBitAdamConfig | ZeroOneAdamConfig"
+    " | DecentralMethod"  # gossip and push-sum
 )
 """Every strategy config: the union of the types ``commfuse train --strategy`` builds."""
 
@@ -225,9 +230,12 @@ def describe_compressor(compressor: Compressor) -> str:
 
 def _name_and_settings(config: StrategyConfig) -> tuple[str, dict[str, Any]]:
     """The command line's name for ``config`` and the settings its spec gives."""
+    from commfuse.decentral import DecentralMethod
     from commfuse.localsgd import PeriodicMethod, SyncMethod
     from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 
+    if isinstance(config, DecentralMethod):
+        return config.name, _changed(config)
     if isinstance(config, SyncMethod | PeriodicMethod):
         settings = _own_first(config, _changed(config))
         compressor = settings.get("compressor")
@@ -423,6 +431,7 @@ def build_strategy(config: StrategyConfig, ctx: StrategyContext) -> Strategy:
 
 def check_strategy(config: object) -> None:
     """ValueError unless ``config`` is a strategy config (checked before any rank starts)."""
+    from commfuse.decentral import DecentralMethod
     from commfuse.localsgd import PeriodicMethod, SyncMethod
     from commfuse.optim import OneBitAdamConfig, ZeroOneAdamConfig
 
@@ -434,6 +443,7 @@ def check_strategy(config: object) -> None:
         SyncMethod,  # the local-SGD methods that decide when to synchronise
         OneBitAdamConfig,
         ZeroOneAdamConfig,
+        DecentralMethod,  # gossip and push-sum
     )
     if not isinstance(config, kinds):
         raise ValueError(
