@@ -27,7 +27,6 @@ happens underneath::
     strategy.optimizer_step()                     # update (+ any post-step communication)
 
 The command line's ``--strategy NAME:key=value,...`` builds these configs (``commfuse.cli.spec``).
-
 Adding a strategy: ``docs/design.md``, "Where each kind of change goes".
 """
 
