@@ -85,7 +85,11 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     # docs/benchmarks links to benchmarks/: edit the file where it lives.
     if page.edit_url:
         page.edit_url = page.edit_url.replace("/docs/benchmarks/", "/benchmarks/")
-    links = [f"[{title}](../{path})" for title, path in _CITED.get(name, [])]
+    links = [
+        f"[{title}](../{path})"
+        for title, path in _CITED.get(name, [])
+        if path != "benchmarking.md"  # linked as "All reports" below
+    ]
     back = "Cited on: " + ", ".join(links) + ". " if links else ""
     line = (
         f'<p class="report-back" markdown>{back}All reports: '
