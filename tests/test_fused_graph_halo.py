@@ -1,0 +1,210 @@
+"""Graph aggregation fused with its halo exchange (``commfuse.fused.graph_halo``) and the GCN
+workload: on 1-4 gloo ranks, ``Exact`` output and gradients equal the single-process full-graph
+``A @ H`` and ``A^T @ G`` (fp64, 1e-12), each direction sends exactly boundary rows x d x 8
+bytes; ``Sample(p=1.0)`` equals ``Exact`` bit for bit and ``Sample(p=0.5)`` sends only its
+sampled rows; ``Stale()`` equals the reference that aggregates the previous step's halo (and adds
+the previous step's halo gradients); a 2-layer GCN's logits and SGD step equal plain torch's on
+the whole graph, and its loss falls in every mode. The partitioner covers every node once, in
+balanced parts, with a cut below a random partition's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from commfuse.comm import Communicator
+from commfuse.fused import graph_halo as gh
+from commfuse.testing import RankPool
+from commfuse.workloads.gcn import GCN
+from commfuse.workloads.graph import (
+    GraphConfig,
+    cut_edges,
+    halo_plan,
+    make_graph,
+    normalized_adjacency,
+    partition,
+)
+
+PoolFn = Callable[[int], RankPool]
+SMALL = GraphConfig(num_nodes=150, num_communities=4, avg_degree=6.0, num_features=6, seed=3)
+TOL = 1e-12
+
+
+def setup(world: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, gh.HaloPlan, torch.Tensor]:
+    graph = make_graph(SMALL)
+    adj = normalized_adjacency(graph, torch.float64)
+    owner = partition(graph, world)
+    plan, nodes = halo_plan(adj, owner, rank, world)
+    return adj.to_dense(), owner, plan, nodes
+
+
+def rand(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def run_op(
+    comm: Communicator,
+    plan: gh.HaloPlan,
+    h: torch.Tensor,
+    grad: torch.Tensor,
+    mode: gh.HaloMode,
+    state: gh.HaloState,
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Output, input gradient, and the bytes sent forward and backward."""
+    x = h.clone().requires_grad_(True)
+    comm.stats.reset()
+    out = gh.halo_aggregate(comm, plan, x, mode=mode, state=state)
+    sent_fwd = comm.stats[gh.LABEL].bytes_sent
+    comm.stats.reset()
+    torch.autograd.backward(out, grad)
+    assert x.grad is not None
+    return out.detach(), x.grad, sent_fwd, comm.stats[gh.LABEL].bytes_sent
+
+
+def exact_and_sample() -> list[str]:
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    dense, _, plan, nodes = setup(world, rank)
+    failures: list[str] = []
+    dim = 5
+    h_full, g_full = rand((SMALL.num_nodes, dim), 1), rand((SMALL.num_nodes, dim), 2)
+    h, g = h_full[nodes], g_full[nodes]
+    out, grad, fwd, bwd = run_op(comm, plan, h, g, gh.Exact(), gh.HaloState())
+    where = f"rank {rank}/{world}"
+    if not torch.allclose(out, (dense @ h_full)[nodes], atol=TOL, rtol=0):
+        failures.append(f"{where}: exact output differs from A @ H")
+    if not torch.allclose(grad, (dense.t() @ g_full)[nodes], atol=TOL, rtol=0):
+        failures.append(f"{where}: exact gradient differs from A^T @ G")
+    want_fwd, want_bwd = plan.boundary_rows() * dim * 8, sum(plan.recv_counts) * dim * 8
+    if (fwd, bwd) != (want_fwd, want_bwd):
+        failures.append(f"{where}: sent {fwd}/{bwd} bytes, want {want_fwd}/{want_bwd}")
+    if world > 1 and want_fwd == 0:
+        failures.append(f"{where}: no boundary rows: the test graph is too easy")
+    s_out, s_grad, s_fwd, s_bwd = run_op(comm, plan, h, g, gh.Sample(p=1.0), gh.HaloState())
+    if not (torch.equal(s_out, out) and torch.equal(s_grad, grad) and (s_fwd, s_bwd) == (fwd, bwd)):
+        failures.append(f"{where}: Sample(p=1.0) differs from Exact")
+    state = gh.HaloState()
+    half = gh.Sample(p=0.5, seed=4)
+    masks = gh._masks(comm, plan, half, 0)
+    _, _, h_fwd, h_bwd = run_op(comm, plan, h, g, half, state)
+    rows_out = sum(int(masks[2 * j].numel()) for j in range(world))
+    rows_in = sum(int(masks[2 * j + 1].numel()) for j in range(world))
+    if (h_fwd, h_bwd) != (rows_out * dim * 8, rows_in * dim * 8):
+        failures.append(
+            f"{where}: Sample(0.5) sent {h_fwd}/{h_bwd}, want {rows_out}/{rows_in} rows"
+        )
+    if world > 1 and rows_out >= plan.boundary_rows():
+        failures.append(f"{where}: Sample(0.5) sent every boundary row")
+    return failures
+
+
+def stale() -> list[str]:
+    """Three steps of ``Stale()`` against ``B_same H_t + B_cross H_{t-1}`` (and its transpose
+    for the gradients), the first step exact."""
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    dense, owner, plan, nodes = setup(world, rank)
+    same = (owner[:, None] == owner[None, :]).to(torch.float64)
+    b_same, b_cross = dense * same, dense * (1 - same)
+    failures: list[str] = []
+    state = gh.HaloState()
+    dim = 3
+    prev_h = prev_g = None
+    for step in range(3):
+        h_full, g_full = (
+            rand((SMALL.num_nodes, dim), 10 + step),
+            rand((SMALL.num_nodes, dim), 20 + step),
+        )
+        old_h = h_full if prev_h is None else prev_h
+        old_g = g_full if prev_g is None else prev_g
+        out, grad, _, _ = run_op(comm, plan, h_full[nodes], g_full[nodes], gh.Stale(), state)
+        want = (b_same @ h_full + b_cross @ old_h)[nodes]
+        want_grad = (b_same.t() @ g_full + b_cross.t() @ old_g)[nodes]
+        if not torch.allclose(out, want, atol=TOL, rtol=0):
+            failures.append(f"rank {rank}/{world} step {step}: stale output differs")
+        if not torch.allclose(grad, want_grad, atol=TOL, rtol=0):
+            failures.append(f"rank {rank}/{world} step {step}: stale gradient differs")
+        prev_h, prev_g = h_full, g_full
+    return failures
+
+
+def gcn() -> list[str]:
+    """A 2-layer GCN's logits and one SGD step equal plain torch's on the whole graph; then a
+    few steps in each mode lower the loss."""
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    dense, _, plan, nodes = setup(world, rank)
+    graph = make_graph(SMALL)
+    x_full, labels_full = graph.features.double(), graph.labels
+    train_full = torch.arange(SMALL.num_nodes) % 2 == 0
+    num_train = int(train_full.sum())
+    dims = [SMALL.num_features, 8, SMALL.num_communities]
+    model = GCN(comm, plan, dims, dtype=torch.float64, seed=5)
+    ref = [w.detach().clone().requires_grad_(True) for w in model.weights]
+    logits_ref = dense @ (torch.relu(dense @ (x_full @ ref[0])) @ ref[1])
+    x, labels, train = x_full[nodes], labels_full[nodes], train_full[nodes]
+    failures: list[str] = []
+    if not torch.allclose(model(x).detach(), logits_ref[nodes].detach(), atol=TOL, rtol=0):
+        failures.append(f"rank {rank}/{world}: GCN logits differ from the full graph's")
+    loss_ref = torch.nn.functional.cross_entropy(logits_ref[train_full], labels_full[train_full])
+    torch.autograd.backward(loss_ref)
+    loss = model.train_step(x, labels, train, num_train, lr=0.5)
+    if abs(loss - float(loss_ref)) > TOL:
+        failures.append(f"rank {rank}/{world}: loss {loss} != {float(loss_ref)}")
+    for i, (w, r) in enumerate(zip(model.weights, ref, strict=True)):
+        assert r.grad is not None
+        if not torch.allclose(w.detach(), r.detach() - 0.5 * r.grad, atol=TOL, rtol=0):
+            failures.append(f"rank {rank}/{world}: weight {i} after a step differs")
+    for mode in (gh.Exact(), gh.Stale(), gh.Sample(p=0.5)):
+        model = GCN(comm, plan, dims, mode=mode, dtype=torch.float64, seed=5)
+        losses = [model.train_step(x, labels, train, num_train, lr=0.5) for _ in range(15)]
+        if not losses[-1] < 0.8 * losses[0]:
+            failures.append(f"rank {rank}/{world} {mode}: loss {losses[0]} -> {losses[-1]}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_exact_and_sample(pool: PoolFn, world: int) -> None:
+    failures = [f for r in pool(world).run(exact_and_sample, timeout_s=120) for f in r]
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_stale_uses_the_previous_halo(pool: PoolFn, world: int) -> None:
+    failures = [f for r in pool(world).run(stale, timeout_s=120) for f in r]
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_gcn_equals_full_graph(pool: PoolFn, world: int) -> None:
+    failures = [f for r in pool(world).run(gcn, timeout_s=120) for f in r]
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_partition_covers_and_cuts_less_than_random(parts: int) -> None:
+    graph = make_graph(GraphConfig(num_nodes=600, seed=1))
+    owner = partition(graph, parts)
+    counts = torch.bincount(owner, minlength=parts)
+    assert owner.numel() == graph.num_nodes and int(owner.min()) >= 0
+    assert int(counts.sum()) == graph.num_nodes and int(counts.max() - counts.min()) <= 1
+    perm = torch.randperm(graph.num_nodes, generator=torch.Generator().manual_seed(99))
+    random_owner = torch.empty_like(owner)
+    random_owner[perm] = torch.arange(graph.num_nodes) % parts
+    assert cut_edges(graph, owner) < 0.85 * cut_edges(graph, random_owner)
+
+
+def test_plans_agree_and_bad_input_raises() -> None:
+    graph = make_graph(SMALL)
+    adj = normalized_adjacency(graph, torch.float64)
+    owner = partition(graph, 3)
+    plans = [halo_plan(adj, owner, r, 3)[0] for r in range(3)]
+    for r in range(3):
+        for j in range(3):
+            assert plans[r].send_rows[j].numel() == plans[j].recv_counts[r]
+    with pytest.raises(ValueError, match=r"Sample\.p"):
+        gh.Sample(p=0.0)
+    with pytest.raises(ValueError, match="owner"):
+        halo_plan(adj, owner, 0, 2)
