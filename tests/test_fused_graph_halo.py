@@ -87,7 +87,7 @@ def exact_and_sample() -> list[str]:
         failures.append(f"{where}: Sample(p=1.0) differs from Exact")
     state = gh.HaloState()
     half = gh.Sample(p=0.5, seed=4)
-    masks = gh._masks(comm, plan, half, 0)
+    masks = gh.exchange_masks(comm, plan, half, 0)
     _, _, h_fwd, h_bwd = run_op(comm, plan, h, g, half, state)
     rows_out = sum(int(masks[2 * j].numel()) for j in range(world))
     rows_in = sum(int(masks[2 * j + 1].numel()) for j in range(world))

@@ -115,20 +115,26 @@ class HaloState:
         self.grads: list[torch.Tensor] | None = None
 
 
-def _masks(comm: Communicator, plan: HaloPlan, mode: HaloMode, step: int) -> list[torch.Tensor]:
+def exchange_masks(
+    comm: Communicator, plan: HaloPlan, mode: HaloMode, step: int
+) -> list[torch.Tensor]:
     """Per peer ``j``, the positions (int64) among the rows ``r`` sends ``j`` that go this step,
-    and among those ``j`` sends ``r``: ``out[2 j]`` and ``out[2 j + 1]``."""
+    and among those ``j`` sends ``r``: ``out[2 j]`` and ``out[2 j + 1]``. Every row for
+    ``Exact`` and ``Stale``; for ``Sample``, drawn on the host from (seed, step, pair), so both
+    ends draw the same without a message (callers move them to the input's device)."""
     world, rank = comm.world_size, comm.rank
     out = []
     for j in range(world):
         for src, dst, n in ((rank, j, plan.send_rows[j].numel()), (j, rank, plan.recv_counts[j])):
             if not isinstance(mode, Sample) or mode.p >= 1.0:
-                out.append(torch.arange(int(n)))
+                out.append(torch.arange(int(n), device="cpu"))
                 continue
             gen = torch.Generator().manual_seed(
                 (mode.seed * 1_000_003 + (step * world + src) * world + dst) % (2**63)
             )
-            out.append(torch.nonzero(torch.rand(int(n), generator=gen) < mode.p).flatten())
+            out.append(
+                torch.nonzero(torch.rand(int(n), generator=gen, device="cpu") < mode.p).flatten()
+            )
     return out
 
 
@@ -171,7 +177,7 @@ class HaloAggregate(torch.autograd.Function):
         state: HaloState,
     ) -> torch.Tensor:
         world, rank = comm.world_size, comm.rank
-        masks = _masks(comm, plan, mode, state.step)
+        masks = exchange_masks(comm, plan, mode, state.step)
         scale = 1.0 / mode.p if isinstance(mode, Sample) else 1.0
         ctx.comm, ctx.plan, ctx.mode, ctx.state, ctx.masks, ctx.scale = (
             comm, plan, mode, state, masks, scale

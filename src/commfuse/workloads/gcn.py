@@ -56,7 +56,11 @@ class GCN(nn.Module):
         self.comm, self.plan, self.mode = comm, plan, mode
         gen = torch.Generator().manual_seed(seed)
         self.weights = nn.ParameterList(
-            nn.Parameter((torch.randn(a, b, generator=gen, dtype=torch.float64) / a**0.5).to(dtype))
+            nn.Parameter(
+                (torch.randn(a, b, generator=gen, dtype=torch.float64, device="cpu") / a**0.5).to(
+                    device=comm.device, dtype=dtype
+                )
+            )
             for a, b in itertools.pairwise(dims)
         )
         self.states = [HaloState() for _ in self.weights]

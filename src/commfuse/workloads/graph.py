@@ -75,12 +75,14 @@ def make_graph(config: GraphConfig) -> Graph:
     """The planted-partition graph of ``config`` (module docstring)."""
     gen = torch.Generator().manual_seed(config.seed)
     n, k = config.num_nodes, config.num_communities
-    labels = torch.randint(0, k, (n,), generator=gen)
-    theta = (1.0 - torch.rand(n, generator=gen, dtype=torch.float64)) ** (-1.0 / (config.alpha - 1))
+    labels = torch.randint(0, k, (n,), generator=gen, device="cpu")
+    theta = (1.0 - torch.rand(n, generator=gen, dtype=torch.float64, device="cpu")) ** (
+        -1.0 / (config.alpha - 1)
+    )
     m = max(1, int(n * config.avg_degree / 2))
     src = torch.multinomial(theta, m, replacement=True, generator=gen)
     dst = torch.multinomial(theta, m, replacement=True, generator=gen)
-    inside = torch.rand(m, generator=gen) < config.mixing_in
+    inside = torch.rand(m, generator=gen, device="cpu") < config.mixing_in
     for c in range(k):
         members = torch.nonzero(labels == c).flatten()
         pick = torch.nonzero(inside & (labels[src] == c)).flatten()
@@ -90,15 +92,15 @@ def make_graph(config: GraphConfig) -> Graph:
     keep = src != dst
     both = torch.cat([torch.stack([src[keep], dst[keep]]), torch.stack([dst[keep], src[keep]])], 1)
     edges = torch.unique(both, dim=1)
-    means = torch.randn(k, config.num_features, generator=gen) * config.signal
-    features = means[labels] + torch.randn(n, config.num_features, generator=gen)
+    means = torch.randn(k, config.num_features, generator=gen, device="cpu") * config.signal
+    features = means[labels] + torch.randn(n, config.num_features, generator=gen, device="cpu")
     return Graph(edges=edges, features=features, labels=labels)
 
 
 def normalized_adjacency(graph: Graph, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """GCN's ``D^-1/2 (A + I) D^-1/2``, sparse COO ``[N, N]``, coalesced."""
     n = graph.num_nodes
-    loops = torch.arange(n).repeat(2, 1)
+    loops = torch.arange(n, device=graph.edges.device).repeat(2, 1)
     idx = torch.cat([graph.edges, loops], dim=1)
     deg = torch.bincount(idx[0], minlength=n).to(dtype)
     values = deg[idx[0]].rsqrt() * deg[idx[1]].rsqrt()
@@ -130,7 +132,7 @@ def partition(graph: Graph, num_parts: int) -> torch.Tensor:
                 continue
             owner[u], size = part, size + 1
             queue.extend(v for v in neighbours[u] if owner[v] == -1)
-    return torch.tensor(owner, dtype=torch.int64)
+    return torch.tensor(owner, dtype=torch.int64, device=graph.edges.device)
 
 
 def cut_edges(graph: Graph, owner: torch.Tensor) -> int:
@@ -154,15 +156,15 @@ def halo_plan(
     adjacency = adjacency.coalesce()
     rows, cols = adjacency.indices()
     values = adjacency.values()
-    local_of = torch.full((owner.numel(),), -1, dtype=torch.int64)
+    local_of = torch.full((owner.numel(),), -1, dtype=torch.int64, device=owner.device)
     per_part = [torch.nonzero(owner == j).flatten() for j in range(world)]
     for nodes in per_part:
-        local_of[nodes] = torch.arange(nodes.numel())
+        local_of[nodes] = torch.arange(nodes.numel(), device=owner.device)
     nodes = per_part[rank]
     n_local = nodes.numel()
     mine = owner[rows] == rank
     send_rows, recv_counts, halo_adj = [], [], []
-    local_adj = torch.empty(0)
+    local_adj = values.new_empty(0)
     for j in range(world):
         into = mine & (owner[cols] == j)  # my rows' edges to j's nodes
         r, c, v = local_of[rows[into]], cols[into], values[into]
@@ -170,11 +172,9 @@ def halo_plan(
             local_adj = torch.sparse_coo_tensor(
                 torch.stack([r, local_of[c]]), v, (n_local, n_local)
             )
-            send_rows.append(torch.empty(0, dtype=torch.int64))
+            send_rows.append(owner.new_empty(0))
             recv_counts.append(0)
-            halo_adj.append(
-                torch.sparse_coo_tensor(torch.empty(2, 0, dtype=torch.int64), v[:0], (n_local, 0))
-            )
+            halo_adj.append(torch.sparse_coo_tensor(owner.new_empty((2, 0)), v[:0], (n_local, 0)))
             continue
         halo, position = torch.unique(c, return_inverse=True)  # sorted global ids
         recv_counts.append(int(halo.numel()))
