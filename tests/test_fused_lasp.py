@@ -18,7 +18,7 @@ import torch
 from commfuse.comm import Communicator
 from commfuse.fused.lasp import LABEL, lasp
 from commfuse.fused.lasp2 import lasp2
-from commfuse.fused.linear_attention import causal_linear_attention
+from commfuse.fused.linear_attention import causal_linear_attention, local_backward
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
@@ -60,6 +60,27 @@ def test_chunked_attention_equals_the_recurrence() -> None:
         for block in (1, 4, 23, 64):
             got = causal_linear_attention(q, k, v, decay if decay[1] < 1 else None, block=block)
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_every_buffer_follows_the_inputs_device() -> None:
+    """On meta inputs (a decay on the CPU) a buffer made on the CPU would fail the first
+    operation that mixes it in: forward and backward make theirs with the inputs' device."""
+    q, v = torch.empty(1, H, 9, D, device="meta"), torch.empty(1, H, 9, E, device="meta")
+    state = torch.empty(1, H, D, E, device="meta")
+    assert causal_linear_attention(q, q, v, DECAY, block=4).shape == (1, H, 9, E)
+    grads = local_backward((q, q, v, state), DECAY, 4, torch.empty_like(v))
+    assert [g.shape for g in grads] == [q.shape, q.shape, v.shape]
+
+
+def test_half_precision_keeps_the_decay_of_late_rows() -> None:
+    """bfloat16 inputs: the decays of positions past 256 (which bfloat16 cannot count) are
+    computed in float32, so the output stays within bfloat16's rounding of float64's."""
+    q, k, v, _ = inputs(600, 3)
+    decay = torch.tensor([1.0, 0.999, 0.99], dtype=torch.float64)
+    want = causal_linear_attention(q, k, v, decay, block=64)
+    got = causal_linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), decay, block=64)
+    scale = want.abs().amax(dim=2, keepdim=True) + 1
+    assert float(((got.double() - want) / scale).abs().max()) < 0.1
 
 
 def expected_traffic(
@@ -165,6 +186,14 @@ def errors() -> list[str]:
         "cast them to one": lambda: lasp2(comm, q, q, v.double()),
         "block must be >= 1": lambda: lasp(comm, q, q, v, block=0),
         "splits needs": lambda: lasp2(comm, q, q, v, splits=[3] * (comm.world_size + 1)),
+        # Ranks that disagree on the sequence's length (each one's splits fit its own shard).
+        "ranks passed different tensors ": lambda: lasp2(
+            comm,
+            q[:, :, : 2 + rank],
+            q[:, :, : 2 + rank],
+            v[:, :, : 2 + rank],
+            splits=[2, 2 + rank],
+        ),
         # Ranks that disagree on e (the values' width): every rank raises, naming each shape.
         "ranks passed different tensors": lambda: lasp(comm, q, q, torch.ones(1, 2, 3, 5 + rank)),
     }

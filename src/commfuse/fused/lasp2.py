@@ -45,7 +45,8 @@ def _weights(
     decay: torch.Tensor | None, splits: list[int], pairs: list[tuple[int, int]], like: torch.Tensor
 ) -> torch.Tensor:
     """``lambda^(rows strictly between j and m)`` for each ``(j, m)`` in ``pairs``: [H, len, 1, 1]."""
-    between = torch.tensor([sum(splits[j + 1 : m]) for j, m in pairs], dtype=torch.float64)
+    rows = [sum(splits[j + 1 : m]) for j, m in pairs]
+    between = torch.tensor(rows, device=like.device)
     return la.powers(decay, between, like).view(-1, len(pairs), 1, 1)
 
 

@@ -58,12 +58,14 @@ def check_inputs(
 
 def powers(decay: torch.Tensor | None, exponents: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``decay[h] ** exponents`` as [H, *exponents.shape] in ``like``'s dtype and device (ones
-    of shape [1, ...] without a decay)."""
-    exponents = exponents.to(device=like.device, dtype=like.dtype)
+    of shape [1, ...] without a decay), computed in at least float32: a half-precision
+    exponent would round sequence positions past 256."""
     if decay is None:
         return torch.ones((1, *exponents.shape), dtype=like.dtype, device=like.device)
-    lam = decay.to(device=like.device, dtype=like.dtype)
-    return torch.pow(lam.view(-1, *([1] * exponents.dim())), exponents)
+    wide = torch.promote_types(like.dtype, torch.float32)
+    exponents = exponents.to(device=like.device, dtype=wide)
+    lam = decay.to(device=like.device, dtype=wide)
+    return torch.pow(lam.view(-1, *([1] * exponents.dim())), exponents).to(like.dtype)
 
 
 def shard_factors(
@@ -75,7 +77,7 @@ def shard_factors(
     i = torch.arange(rows, device=like.device)
     a = powers(decay, i + 1, like).unsqueeze(-1)
     g = powers(decay, rows - 1 - i, like).unsqueeze(-1)
-    total = powers(decay, torch.tensor([rows]), like).view(-1, 1, 1)
+    total = powers(decay, torch.tensor([rows], device=like.device), like).view(-1, 1, 1)
     return a, g, total
 
 
