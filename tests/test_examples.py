@@ -26,6 +26,7 @@ REPLICATED = {
     "ddp_powersgd_hook.py",
     "data_parallel.py",
     "diloco.py",
+    "gossip.py",
     "fsdp2_diloco.py",
     "lightning_powersgd.py",
     "accelerate_powersgd.py",

@@ -33,6 +33,7 @@ class DecentralMethod(abc.ABC):
 
     topology: TopologyName
     every: int
+    final_average: bool
 
     def _check(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -59,6 +60,9 @@ class GossipConfig(DecentralMethod):
     exponential (SGP's one-peer graph, whose W(t) is doubly stochastic too)."""
     every: int = 1
     """Steps between two gossip rounds."""
+    final_average: bool = True
+    """Average the replicas exactly once when training ends (one all-reduce of the model),
+    so the run ends with the consensus model, the one the paper evaluates."""
 
     def __post_init__(self) -> None:
         self._check()
@@ -80,6 +84,8 @@ class PushSumConfig(DecentralMethod):
     """The graph (``topology.py``); SGP's is the one-peer exponential graph."""
     every: int = 1
     """Steps between two push-sum rounds."""
+    final_average: bool = True
+    """Average the replicas exactly once when training ends (one all-reduce of the model)."""
 
     def __post_init__(self) -> None:
         self._check()

@@ -92,6 +92,17 @@ class Rounds:
     def _mix(self, edges: Edges) -> None:
         raise NotImplementedError
 
+    def numerator(self) -> torch.Tensor:
+        """This rank's share of the sum the rounds keep (its flat model; PushSum's w_i z_i)."""
+        return self.flat.gather()
+
+    def average_all(self) -> None:
+        """Replace every rank's model by the exact average of the replicas (one all-reduce of
+        the model): the consensus the rounds approach, as the papers evaluate it."""
+        total = self.numerator()
+        self.comm.all_reduce(total, "sum")
+        self.flat.scatter(total / self.comm.world_size)
+
     def state_dict(self) -> dict[str, Any]:
         """The clock: enough, with the model, for an exact resume."""
         return {"steps": self.steps, "rounds": self.rounds}

@@ -78,6 +78,14 @@ class PushSum(Rounds):
         self.weight = mixed[-1:].clone()
         self.flat.scatter(mixed[:-1] / self.weight)
 
+    def numerator(self) -> torch.Tensor:
+        return self.flat.gather() * self.weight
+
+    def average_all(self) -> None:
+        """The exact average (sum_i x_i / n, since the weights sum to n); the weight is 1 after."""
+        super().average_all()
+        self.weight = torch.ones_like(self.weight)
+
     def state_dict(self) -> dict[str, Any]:
         """The clock and the weight: with the model (z_i), enough for an exact resume."""
         return {**super().state_dict(), "weight": self.weight.clone()}

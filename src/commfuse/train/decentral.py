@@ -3,7 +3,8 @@
 
 The model is not wrapped: every rank takes its optimizer's step on its own gradient, then the
 method's averaging object counts the step and, every ``every`` steps, mixes the model with its
-topology's neighbours (``commfuse/decentral/gossip.py``, ``push_sum.py``). On the command
+topology's neighbours (``commfuse/decentral/gossip.py``, ``push_sum.py``); ``finish`` averages
+the replicas once (``final_average``). On the command
 line: ``gossip:topology=ring,every=4``, ``push-sum:topology=exponential``.
 """
 
@@ -26,9 +27,12 @@ class Decentral(Strategy):
         super().__init__(ctx)
         params = [p for p in ctx.module.parameters() if p.requires_grad]
         self.gossip = config.build(params, ctx.comm)
+        self.final_average = config.final_average
         self._communicate = True
         # The one shape check at build time is set-up, not an exchange.
         self._built_bytes = self._all_bytes()
+        self.final_sync_bytes = 0
+        """Bytes of the end-of-training average (``finish()``)."""
 
     @property
     def model(self) -> nn.Module:
@@ -56,10 +60,21 @@ class Decentral(Strategy):
         finally:
             self._communicate = True
 
+    def finish(self) -> None:
+        if self.final_average:
+            before = self._all_bytes()
+            self.gossip.average_all()
+            self.final_sync_bytes += self._all_bytes() - before
+
     def metrics(self) -> dict[str, Any]:
-        """Rounds mixed, and the push-sum weight of this rank (1 for gossip)."""
+        """Rounds mixed, the push-sum weight of this rank (1 for gossip) before the final
+        average, and that average's bytes."""
         weight = float(self.gossip.weight) if isinstance(self.gossip, PushSum) else 1.0
-        return {"gossip_rounds": self.gossip.rounds, "push_sum_weight": weight}
+        return {
+            "gossip_rounds": self.gossip.rounds,
+            "push_sum_weight": weight,
+            "final_sync_bytes": self.final_sync_bytes,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {"gossip": self.gossip.state_dict()}
