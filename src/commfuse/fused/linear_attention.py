@@ -95,17 +95,20 @@ def local_attention(
     Plain torch operations: autograd differentiates it."""
     b, h, n, _ = q.shape
     s = q.new_zeros((b, h, q.shape[-1], v.shape[-1])) if state is None else state
+    # One block's factors serve every block; a shorter last block takes their tail.
+    width = min(block, n)
+    a, g, _ = shard_factors(decay, width, q)
+    i = torch.arange(width, device=q.device)
+    lags = i.view(-1, 1) - i.view(1, -1)
+    mask = powers(decay, lags.clamp(min=0), q) * (lags >= 0).to(q.dtype)
     outs = []
     for start in range(0, n, block):
         qb, kb, vb = (t[:, :, start : start + block] for t in (q, k, v))
         c = qb.shape[2]
-        a, g, total = shard_factors(decay, c, q)
-        i = torch.arange(c, device=q.device)
-        lags = i.view(-1, 1) - i.view(1, -1)
-        mask = powers(decay, lags.clamp(min=0), q) * (lags >= 0).to(q.dtype)
-        scores = torch.matmul(qb, kb.transpose(-1, -2)) * mask
-        outs.append(torch.matmul(scores, vb) + a * torch.matmul(qb, s))
-        s = total * s + torch.matmul((kb * g).transpose(-1, -2), vb)
+        scores = torch.matmul(qb, kb.transpose(-1, -2)) * mask[..., :c, :c]
+        outs.append(torch.matmul(scores, vb) + a[:, :c] * torch.matmul(qb, s))
+        # lambda^c S + sum_j lambda^(c - 1 - j) k_j^T v_j, with lambda^c = a[c - 1]
+        s = a[:, c - 1 : c] * s + torch.matmul((kb * g[:, width - c :]).transpose(-1, -2), vb)
     o = torch.cat(outs, dim=2) if outs else q.new_zeros((b, h, 0, v.shape[-1]))
     return o, s
 
