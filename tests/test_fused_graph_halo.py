@@ -14,7 +14,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from commfuse.collectives.registry import label
 from commfuse.comm import Communicator
+from commfuse.fused import baselines
 from commfuse.fused import graph_halo as gh
 from commfuse.testing import RankPool
 from commfuse.workloads.gcn import GCN
@@ -82,6 +84,21 @@ def exact_and_sample() -> list[str]:
         failures.append(f"{where}: sent {fwd}/{bwd} bytes, want {want_fwd}/{want_bwd}")
     if world > 1 and want_fwd == 0:
         failures.append(f"{where}: no boundary rows: the test graph is too easy")
+    x = h.clone().requires_grad_(True)
+    comm.stats.reset()
+    ref = gh.halo_aggregate_reference(comm, plan, x)
+    torch.autograd.backward(ref, g)
+    ref_bytes = comm.stats[label("all_to_all", baselines.ALL_TO_ALL)].bytes_sent
+    if world > 1 and ref_bytes != want_fwd + want_bwd:
+        failures.append(
+            f"{where}: the unfused reference sent {ref_bytes}, want {want_fwd + want_bwd}"
+        )
+    if not (
+        torch.allclose(ref.detach(), out, atol=TOL, rtol=0)
+        and x.grad is not None
+        and torch.allclose(x.grad, grad, atol=TOL, rtol=0)
+    ):
+        failures.append(f"{where}: the unfused reference differs from the fused operator")
     s_out, s_grad, s_fwd, s_bwd = run_op(comm, plan, h, g, gh.Sample(p=1.0), gh.HaloState())
     if not (torch.equal(s_out, out) and torch.equal(s_grad, grad) and (s_fwd, s_bwd) == (fwd, bwd)):
         failures.append(f"{where}: Sample(p=1.0) differs from Exact")

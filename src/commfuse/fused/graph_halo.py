@@ -21,7 +21,8 @@ and the halo gradients of the previous step, so this step's exchange overlaps th
 random fraction ``p`` of the boundary rows, the receiver scaling them by ``1 / p`` (unbiased), so
 bytes fall by ``p``. Cost per layer and direction: boundary rows x ``d`` x element size (times
 ``p`` when sampled) in ``P - 1`` messages; the plan (``HaloPlan``) comes from an offline
-partitioner (``commfuse.workloads.graph``).
+partitioner (``commfuse.workloads.graph``). ``halo_aggregate_reference`` is the unfused
+reference: one All-to-All of the same rows, then the whole product.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any, TypeAlias
 import torch
 
 from commfuse.comm import Communicator, Handle
+from commfuse.fused import baselines
 
 #: Stats label of the halo exchange's point-to-point traffic (exact bytes and messages).
 LABEL = "graph_halo"
@@ -239,6 +241,63 @@ class HaloAggregate(torch.autograd.Function):
         if isinstance(ctx.mode, Stale):
             state.grads = bufs
         return grad_h, None, None, None, None
+
+
+def _all_to_all_rows(
+    comm: Communicator, blocks: list[torch.Tensor], sizes: list[int], like: torch.Tensor
+) -> list[torch.Tensor]:
+    """One All-to-All (``baselines.ALL_TO_ALL``) of ``blocks[j]`` to each rank ``j``; returns
+    the ``sizes[j]`` rows received from each."""
+    from commfuse.collectives import all_to_all
+
+    send = torch.cat([b.reshape(-1, like.shape[1]) for b in blocks])
+    recv = like.new_empty((sum(sizes), like.shape[1]))
+    in_splits = [int(b.shape[0]) for b in blocks]
+    all_to_all(comm, recv, send, list(sizes), in_splits, algo=baselines.ALL_TO_ALL)
+    return list(torch.split(recv, sizes))
+
+
+class _UnfusedHalo(torch.autograd.Function):
+    """The unfused reference: one All-to-All of the boundary rows, then the whole aggregation;
+    backward: the whole transposed product, then one All-to-All of the halo gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, comm: Communicator, plan: HaloPlan) -> torch.Tensor:
+        ctx.comm, ctx.plan = comm, plan
+        dev = h.device
+        sent = [h[rows.to(dev)] for rows in plan.send_rows]
+        halos = _all_to_all_rows(comm, sent, plan.recv_counts, h)
+        out: torch.Tensor = torch.sparse.mm(plan.local_adj.to(device=dev, dtype=h.dtype), h)
+        for adj, halo in zip(plan.halo_adj, halos, strict=True):
+            out = out + torch.sparse.mm(adj.to(device=dev, dtype=h.dtype), halo)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        comm: Communicator = ctx.comm
+        plan: HaloPlan = ctx.plan
+        grad, dev = grad.contiguous(), grad.device
+        back = [torch.sparse.mm(a.to(device=dev, dtype=grad.dtype), grad) for a in plan.halo_adj_t]
+        sizes = [int(rows.numel()) for rows in plan.send_rows]
+        received = _all_to_all_rows(comm, back, sizes, grad)
+        grad_h: torch.Tensor = torch.sparse.mm(
+            plan.local_adj_t.to(device=dev, dtype=grad.dtype), grad
+        )
+        for rows, part in zip(plan.send_rows, received, strict=True):
+            grad_h = grad_h.index_add(0, rows.to(dev), part)
+        return grad_h, None, None
+
+
+def halo_aggregate_reference(comm: Communicator, plan: HaloPlan, h: torch.Tensor) -> torch.Tensor:
+    """``Exact`` unfused: one All-to-All of the boundary rows (``baselines.ALL_TO_ALL``, its
+    bytes counted under that algorithm's label), then ``A_loc @ h + sum_j A_j @ halo_j``;
+    differentiable, its backward the mirror All-to-All. The same bytes as ``halo_aggregate``."""
+    if h.dim() != 2 or h.shape[0] != plan.num_local:
+        raise ValueError(
+            f"h must be [{plan.num_local}, d] (this rank's nodes), got {tuple(h.shape)}"
+        )
+    out: torch.Tensor = _UnfusedHalo.apply(h, comm, plan)  # type: ignore[no-untyped-call]
+    return out
 
 
 def halo_aggregate(
