@@ -5,11 +5,13 @@ mixing matrix W(t): ``Ring``, ``Torus``, Bagua's ``ShiftOne``, SGP's one-peer ``
 graph, or any ``Explicit`` matrices. ``GossipAveraging`` (``gossip.py``) is D-PSGD's
 averaging (Lian et al., NeurIPS 2017) over an undirected topology; ``PushSum``
 (``push_sum.py``) is SGP's push-sum (Assran et al., ICML 2019) over a directed, time-varying
-one. Both exchange the flat model with the communicator's deadline-bounded point-to-point
+one; ``ChocoGossip`` (``choco.py``) gossips compressed messages (Koloskova et al., ICML
+2019). All exchange the flat model with the communicator's deadline-bounded point-to-point
 calls (``exchange.py``) every ``every`` steps, counted in ``comm.stats``. ``GossipConfig``
 and ``PushSumConfig`` (``config.py``) are the typed configs a training run takes.
 """
 
+from commfuse.decentral.choco import ChocoGossip
 from commfuse.decentral.config import DecentralMethod, GossipConfig, PushSumConfig
 from commfuse.decentral.gossip import GossipAveraging, Rounds
 from commfuse.decentral.push_sum import PushSum
@@ -26,6 +28,7 @@ from commfuse.decentral.topology import (
 )
 
 __all__ = [
+    "ChocoGossip",
     "DecentralMethod",
     "Edges",
     "Explicit",

@@ -91,11 +91,11 @@ def check_same_model(comm: Communicator, flat: FlatParams, what: str) -> None:
     )
 
 
-def exchange(comm: Communicator, mine: torch.Tensor, edges: Edges, *, label: str) -> torch.Tensor:
-    """One round for this rank: W[i, i] x_i + sum_j W[i, j] x_j over the peers it hears from.
-
-    Sends ``mine`` to every peer in ``edges.send``; every buffer is made on ``mine``'s device.
-    """
+def swap(
+    comm: Communicator, mine: torch.Tensor, edges: Edges, *, label: str
+) -> list[tuple[torch.Tensor, float]]:
+    """Send ``mine`` to every peer in ``edges.send``; return each message received from
+    ``edges.recv`` with its weight W[i, j]. Every buffer is made on ``mine``'s device."""
     handles: list[Handle] = []
     received: list[tuple[torch.Tensor, float]] = []
     for src, weight in edges.recv:
@@ -105,6 +105,13 @@ def exchange(comm: Communicator, mine: torch.Tensor, edges: Edges, *, label: str
     for dst, _ in edges.send:
         handles.append(comm.isend(mine, dst, label=label))
     wait_all(handles)
+    return received
+
+
+def exchange(comm: Communicator, mine: torch.Tensor, edges: Edges, *, label: str) -> torch.Tensor:
+    """One round for this rank: W[i, i] x_i + sum_j W[i, j] x_j over the peers it hears from
+    (``swap``)."""
+    received = swap(comm, mine, edges, label=label)
     out = mine * edges.keep
     for buf, weight in received:
         out.add_(buf, alpha=weight)
