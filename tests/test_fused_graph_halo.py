@@ -2,8 +2,8 @@
 workload: on 1-4 gloo ranks, ``Exact`` output and gradients equal the single-process full-graph
 ``A @ H`` and ``A^T @ G`` (fp64, 1e-12), each direction sends exactly boundary rows x d x 8
 bytes; ``Sample(p=1.0)`` equals ``Exact`` bit for bit and ``Sample(p=0.5)`` sends only its
-sampled rows; ``Stale()`` equals the reference that aggregates the previous step's halo (and adds
-the previous step's halo gradients); a 2-layer GCN's logits and SGD step equal plain torch's on
+sampled rows; ``Stale(steps=k)`` equals the reference that aggregates the halo of step
+``max(0, t - k)`` (and adds that step's halo gradients), k = 1, 2; a 2-layer GCN's logits and SGD step equal plain torch's on
 the whole graph, and its loss falls in every mode. The partitioner covers every node once, in
 balanced parts, with a cut below a random partition's."""
 
@@ -118,32 +118,31 @@ def exact_and_sample() -> list[str]:
 
 
 def stale() -> list[str]:
-    """Three steps of ``Stale()`` against ``B_same H_t + B_cross H_{t-1}`` (and its transpose
-    for the gradients), the first step exact."""
+    """Four steps of ``Stale(steps=k)`` against ``B_same H_t + B_cross H_{max(0, t-k)}`` (and
+    its transpose for the gradients), k = 1 and 2."""
     comm = Communicator()
     rank, world = comm.rank, comm.world_size
     dense, owner, plan, nodes = setup(world, rank)
     same = (owner[:, None] == owner[None, :]).to(torch.float64)
     b_same, b_cross = dense * same, dense * (1 - same)
     failures: list[str] = []
-    state = gh.HaloState()
     dim = 3
-    prev_h = prev_g = None
-    for step in range(3):
-        h_full, g_full = (
-            rand((SMALL.num_nodes, dim), 10 + step),
-            rand((SMALL.num_nodes, dim), 20 + step),
-        )
-        old_h = h_full if prev_h is None else prev_h
-        old_g = g_full if prev_g is None else prev_g
-        out, grad, _, _ = run_op(comm, plan, h_full[nodes], g_full[nodes], gh.Stale(), state)
-        want = (b_same @ h_full + b_cross @ old_h)[nodes]
-        want_grad = (b_same.t() @ g_full + b_cross.t() @ old_g)[nodes]
-        if not torch.allclose(out, want, atol=TOL, rtol=0):
-            failures.append(f"rank {rank}/{world} step {step}: stale output differs")
-        if not torch.allclose(grad, want_grad, atol=TOL, rtol=0):
-            failures.append(f"rank {rank}/{world} step {step}: stale gradient differs")
-        prev_h, prev_g = h_full, g_full
+    hs = [rand((SMALL.num_nodes, dim), 10 + t) for t in range(4)]
+    gs = [rand((SMALL.num_nodes, dim), 20 + t) for t in range(4)]
+    for k in (1, 2):
+        state = gh.HaloState()
+        for t in range(4):
+            out, grad, _, _ = run_op(
+                comm, plan, hs[t][nodes], gs[t][nodes], gh.Stale(steps=k), state
+            )
+            old = max(0, t - k)
+            want = (b_same @ hs[t] + b_cross @ hs[old])[nodes]
+            want_grad = (b_same.t() @ gs[t] + b_cross.t() @ gs[old])[nodes]
+            where = f"rank {rank}/{world} steps={k} step {t}"
+            if not torch.allclose(out, want, atol=TOL, rtol=0):
+                failures.append(f"{where}: stale output differs")
+            if not torch.allclose(grad, want_grad, atol=TOL, rtol=0):
+                failures.append(f"{where}: stale gradient differs")
     return failures
 
 
@@ -223,5 +222,7 @@ def test_plans_agree_and_bad_input_raises() -> None:
             assert plans[r].send_rows[j].numel() == plans[j].recv_counts[r]
     with pytest.raises(ValueError, match=r"Sample\.p"):
         gh.Sample(p=0.0)
+    with pytest.raises(ValueError, match=r"Stale\.steps"):
+        gh.Stale(steps=0)
     with pytest.raises(ValueError, match="owner"):
         halo_plan(adj, owner, 0, 2)

@@ -17,7 +17,8 @@ added to the rows it came from.
 
 Modes (``HaloMode``): ``Exact()``; ``Stale()`` (PipeGCN, Wan et al., ICLR 2022): use the halo
 and the halo gradients of the previous step, so this step's exchange overlaps the whole layer
-(the first step is exact); ``Sample(p)`` (BNS-GCN, Wan et al., MLSys 2022): each step send a
+(the first step is exact; ``Stale(steps=k)``: DistGNN's delayed updates, Vasimuddin et al., SC21, the
+halo of ``k`` steps before); ``Sample(p)`` (BNS-GCN, Wan et al., MLSys 2022): each step send a
 random fraction ``p`` of the boundary rows, the receiver scaling them by ``1 / p`` (unbiased), so
 bytes fall by ``p``. Cost per layer and direction: boundary rows x ``d`` x element size (times
 ``p`` when sampled) in ``P - 1`` messages; the plan (``HaloPlan``) comes from an offline
@@ -28,6 +29,7 @@ reference: one All-to-All of the same rows, then the whole product.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from typing import Any, TypeAlias
 
 import torch
@@ -47,8 +49,16 @@ class Exact:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Stale:
-    """PipeGCN: aggregate with the previous step's halo (and add the previous step's halo
-    gradients) while this step's travel; the first step is exact."""
+    """PipeGCN (``steps=1``): aggregate with the previous step's halo (and add the previous
+    step's halo gradients) while this step's travel; DistGNN's delayed updates for
+    ``steps > 1``: those of step ``max(0, t - steps)``. The first step is exact."""
+
+    steps: int = 1
+    """How many steps old the halo (and its gradients) may be; >= 1."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"Stale.steps must be an int >= 1, got {self.steps!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,12 +119,21 @@ class HaloPlan:
 
 class HaloState:
     """What a layer carries from step to step: the step count (``Sample``'s masks) and, for
-    ``Stale``, the halo and halo gradients last received. One per layer."""
+    ``Stale(steps=k)``, the halos and halo gradients of the last ``k`` steps, oldest first
+    (each a list of one tensor per peer). One per layer."""
 
     def __init__(self) -> None:
         self.step = 0
-        self.halo: list[torch.Tensor] | None = None
-        self.grads: list[torch.Tensor] | None = None
+        self.halo: deque[list[torch.Tensor]] = deque()
+        self.grads: deque[list[torch.Tensor]] = deque()
+
+    @staticmethod
+    def keep(history: deque[list[torch.Tensor]], new: list[torch.Tensor], steps: int) -> None:
+        """Append ``new`` and drop what is older than ``steps`` steps: the oldest kept is the
+        one step ``t + 1`` uses."""
+        history.append(new)
+        while len(history) > steps:
+            history.popleft()
 
 
 def exchange_masks(
@@ -188,7 +207,7 @@ class HaloAggregate(torch.autograd.Function):
         dev = h.device
         outgoing = [h[plan.send_rows[j].to(dev)[masks[2 * j].to(dev)]] for j in range(world)]
         sizes = [int(masks[2 * j + 1].numel()) for j in range(world)]
-        stale = isinstance(mode, Stale) and state.halo is not None
+        stale = isinstance(mode, Stale) and len(state.halo) > 0
         bufs, handles = _exchange(comm, outgoing, sizes, h, _FORWARD_TAG)
         out: torch.Tensor = torch.sparse.mm(
             plan.local_adj.to(device=dev, dtype=h.dtype), h
@@ -197,13 +216,13 @@ class HaloAggregate(torch.autograd.Function):
             src = (rank - step) % world
             if not stale:
                 handles[step - 1].wait()
-            halo = state.halo[src] if stale and state.halo else bufs[src]
+            halo = state.halo[0][src] if stale else bufs[src]
             full = _expand(halo, masks[2 * src + 1], plan.recv_counts[src], scale)
             out = out + torch.sparse.mm(plan.halo_adj[src].to(device=dev, dtype=h.dtype), full)
         for handle in handles:
             handle.wait()
         if isinstance(mode, Stale):
-            state.halo = bufs
+            state.keep(state.halo, bufs, mode.steps)
         return out
 
     @staticmethod
@@ -224,7 +243,7 @@ class HaloAggregate(torch.autograd.Function):
             for j in range(world)
         ]
         sizes = [int(masks[2 * j].numel()) for j in range(world)]
-        stale = isinstance(ctx.mode, Stale) and state.grads is not None
+        stale = isinstance(ctx.mode, Stale) and len(state.grads) > 0
         bufs, handles = _exchange(comm, outgoing, sizes, grad, _BACKWARD_TAG)
         grad_h: torch.Tensor = torch.sparse.mm(
             plan.local_adj_t.to(device=dev, dtype=grad.dtype), grad
@@ -233,13 +252,13 @@ class HaloAggregate(torch.autograd.Function):
             src = (rank - step) % world
             if not stale:
                 handles[step - 1].wait()
-            back = state.grads[src] if stale and state.grads else bufs[src]
+            back = state.grads[0][src] if stale else bufs[src]
             rows = plan.send_rows[src].to(dev)[masks[2 * src].to(dev)]
             grad_h = grad_h.index_add(0, rows, back)
         for handle in handles:
             handle.wait()
         if isinstance(ctx.mode, Stale):
-            state.grads = bufs
+            state.keep(state.grads, bufs, ctx.mode.steps)
         return grad_h, None, None, None, None
 
 
