@@ -30,6 +30,7 @@ REPLICATED = {
     "fsdp2_diloco.py",
     "lightning_powersgd.py",
     "accelerate_powersgd.py",
+    "accelerate_diloco.py",
     "transformers_powersgd.py",
 }
 #: Ranks per example where two would not show it (2 replicas of 2 FSDP2 shards).
@@ -39,6 +40,7 @@ NPROC = {"fsdp2_diloco.py": 4}
 DEADLINE_S = {
     "lightning_powersgd.py": 600,
     "accelerate_powersgd.py": 600,
+    "accelerate_diloco.py": 600,
     "transformers_powersgd.py": 600,
 }
 

@@ -1,4 +1,5 @@
-"""commfuse's compressed DDP hook under Hugging Face Accelerate, in one call after ``prepare``.
+"""commfuse under Hugging Face Accelerate: the compressed DDP hook in one call after ``prepare``,
+or a periodic method (DiLoCo, local SGD) over a model ``prepare`` did not wrap.
 
 Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes only its own enum of
 torch's hooks and ignores any other value without a word, so commfuse's hook cannot go there.
@@ -11,6 +12,11 @@ torch's hooks and ignores any other value without a word, so commfuse's hook can
 3. registers the state with ``accelerator.register_for_checkpointing``, every rank's own (error
    feedback differs per rank), so ``save_state``/``load_state`` resume it exactly.
 
+``periodic_optimizer(accelerator, model, optimizer, method)`` wraps the optimizer in a
+``PeriodicSyncOptimizer`` over the unwrapped model (DDP would all-reduce every step besides the
+periodic exchange: a prepared model is refused, saying so) and registers each rank's replica,
+anchors and outer state for ``save_state``.
+
 Example:
     ```python
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
@@ -20,17 +26,20 @@ Example:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import DDPCommunicationHookType
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from commfuse.comm import CommConfig
+from commfuse.comm import CommConfig, Communicator
 from commfuse.compress.base import Compressor
 from commfuse.hooks import CompressionState, compressed_allreduce_hook
 from commfuse.integrations._per_rank import PerRankState
+from commfuse.localsgd import PeriodicMethod, PeriodicSyncOptimizer
 
 
 def compress_gradients(
@@ -84,3 +93,50 @@ def compress_gradients(
         )
     accelerator.register_for_checkpointing(PerRankState(state))
     return state
+
+
+def periodic_optimizer(
+    accelerator: Accelerator,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    method: PeriodicMethod,
+    *,
+    comm_config: CommConfig | None = None,
+) -> PeriodicSyncOptimizer:
+    """Train ``model`` with a periodic method (DiLoCo, local SGD, streaming DiLoCo ...): each
+    rank steps ``optimizer`` on its own replica and the replicas exchange every H steps; each
+    rank's replica, anchors and outer state saved and restored by ``save_state``/``load_state``.
+
+    Args:
+        accelerator: the ``Accelerator`` of the run (its process group is the replicas').
+        model: the plain module, not passed through ``accelerator.prepare`` (which would wrap
+            it in DDP and all-reduce the gradients every step besides the exchange); move it
+            with ``model.to(accelerator.device)``.
+        optimizer: the inner optimizer over ``model``'s parameters, prepared or not.
+        method: ``diloco(H=50)``, ``local_sgd(H=8)``, any ``PeriodicMethod``.
+        comm_config: the replicas' communicator's deadlines and tracing.
+
+    Returns:
+        The optimizer to step (``finish()`` at the end: one model on every rank).
+
+    Raises:
+        ValueError: ``model`` is wrapped in DDP over the replicas (from ``prepare``);
+            Accelerate runs each of several launched processes alone (no ``cpu=True`` on a
+            machine without a GPU).
+
+    Example:
+        ```python
+        optimizer = periodic_optimizer(accelerator, model, AdamW(model.parameters()), diloco(H=50))
+        ```
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes < launched:
+        raise ValueError(
+            f"{launched} processes were launched but Accelerate runs each alone "
+            f"({accelerator.distributed_type}): on a machine without a GPU pass "
+            "Accelerator(cpu=True)"
+        )
+    comm = Communicator(config=comm_config, name="periodic")
+    periodic = PeriodicSyncOptimizer(optimizer, model, comm, method)
+    accelerator.register_for_checkpointing(PerRankState(periodic))
+    return periodic
