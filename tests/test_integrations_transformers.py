@@ -3,6 +3,7 @@ transformers: ``commfuse.integrations.transformers.CompressionCallback``."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,9 @@ def regression_data() -> list[dict[str, torch.Tensor]]:
     return [{"x": x[i], "labels": y[i]} for i in range(len(x))]
 
 
-def train(root: str, *, resume: bool) -> dict[str, Any]:
-    """12 steps with PowerSGD through the callback, a checkpoint every 6 (the resumed run
-    starts from checkpoint-6)."""
+def train(root: str, *, resume: str | None = None) -> dict[str, Any]:
+    """12 steps with PowerSGD through the callback, a checkpoint every 6 under ``root`` (a
+    resumed run starts from the checkpoint folder ``resume``)."""
     from transformers import Trainer, TrainingArguments
 
     from commfuse.compress import PowerSGD
@@ -64,9 +65,12 @@ def train(root: str, *, resume: bool) -> dict[str, Any]:
     trainer = Trainer(model=model, args=args, train_dataset=regression_data())
     callback = CompressionCallback(trainer, PowerSGD(rank=2, warmup=1, algo="native"))
     trainer.add_callback(callback)
-    trainer.train(resume_from_checkpoint=f"{root}/checkpoint-6" if resume else None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=resume)
     assert callback.hook_state is not None
     return {
+        "warnings": [str(w.message) for w in caught if "hook's state" in str(w.message)],
         "losses": model.losses,
         "params": torch.cat([p.detach().flatten() for p in model.parameters()]),
         "bytes": callback.hook_state.comm.stats.total().handed_bytes,
@@ -74,18 +78,28 @@ def train(root: str, *, resume: bool) -> dict[str, Any]:
     }
 
 
-def run_and_resume(root: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    return train(root, resume=False), train(root, resume=True)
+def run_and_resume(root: str) -> list[dict[str, Any]]:
+    """The run that goes on, then two resumed from its checkpoint-6: in its own output_dir,
+    and in another output_dir (the checkpoint found only through ``resume_from_checkpoint``)."""
+    full = train(f"{root}/run")
+    return [
+        full,
+        train(f"{root}/run", resume=f"{root}/run/checkpoint-6"),
+        train(f"{root}/elsewhere", resume=f"{root}/run/checkpoint-6"),
+    ]
 
 
 def test_the_callback_trains_and_resumes_exactly(pool: Any, tmp_path: Path) -> None:
     """The hook runs every step on the Trainer's DDP model (bytes counted); checkpoint-6
     resumes to the same parameters, bit for bit, as the run that went on (PowerSGD's factors
-    and each rank's error feedback restored from the checkpoint's folder)."""
+    and each rank's error feedback restored from the checkpoint's folder), also into another
+    ``output_dir`` (where ``output_dir/checkpoint-6`` does not exist)."""
     results = pool(2).run(run_and_resume, str(tmp_path), timeout_s=600)
-    for full, resumed in results:
+    for full, *resumed_runs in results:
         assert sum(full["losses"][-3:]) < 0.5 * sum(full["losses"][:3])
-        assert full["steps"] == {12} and resumed["steps"] == {12}
-        assert full["bytes"] > 0
-        assert torch.equal(resumed["params"], full["params"])
+        assert full["steps"] == {12} and full["bytes"] > 0
+        for resumed in resumed_runs:
+            assert resumed["warnings"] == []
+            assert resumed["steps"] == {12}
+            assert torch.equal(resumed["params"], full["params"])
     assert torch.equal(results[0][0]["params"], results[1][0]["params"])

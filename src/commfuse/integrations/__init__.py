@@ -9,7 +9,9 @@ module                           what it gives
                                  ``CommfusePeriodicStrategy(method)``: DiLoCo and the other
                                  periodic methods, no DDP wrapper, ``finish()`` at the end
 ``integrations.accelerate``      ``compress_gradients(accelerator, model, compressor)``:
-                                 the hook on a prepared model, its state in ``save_state``
+                                 the hook on a prepared model, its state in ``save_state``;
+                                 ``periodic_optimizer(accelerator, model, opt, method)``:
+                                 a periodic method over the unprepared model
 ``integrations.transformers``    ``CompressionCallback(trainer, compressor)``: the hook on
                                  the Trainer's wrapped model, its state in its checkpoints
 ===============================  =====================================================

@@ -9,7 +9,10 @@ model, and its checkpoints hold the model, optimizer, scheduler and RNG states, 
 2. at ``on_save`` writes each rank's hook state into the checkpoint's folder, beside the
    Trainer's own per-rank RNG files (error feedback differs per rank);
 3. on a resumed ``train()`` (``state.global_step`` above 0 at ``on_train_begin``) loads this
-   rank's file from ``output_dir/checkpoint-<step>``, so the run continues exactly.
+   rank's file from the checkpoint the run resumes from, so the run continues exactly. The
+   Trainer tells callbacks neither that path nor its own object, so the callback notes the
+   ``resume_from_checkpoint`` of the trainer's ``train`` (which it wraps: a folder anywhere, or
+   ``True`` for the last under ``output_dir``); without one, ``output_dir/checkpoint-<step>``.
 
 Example:
     ```python
@@ -21,14 +24,17 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 from commfuse.comm import CommConfig
 from commfuse.compress.base import Compressor
@@ -70,6 +76,21 @@ class CompressionCallback(TrainerCallback):
         self.hook_state: CompressionState | None = None
         """The hook's state once training began (bytes: ``hook_state.comm.stats``)."""
         self._registered_on: DistributedDataParallel | None = None
+        self._resume_from: str | None = None
+        trainer.train = self._noting_checkpoint(trainer.train)  # type: ignore[method-assign]
+
+    def _noting_checkpoint(self, train: Callable[..., Any]) -> Callable[..., Any]:
+        """``train`` that first notes the folder it resumes from (for ``on_train_begin``)."""
+
+        @functools.wraps(train)
+        def train_noting_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            folder = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+            if folder is True:
+                folder = get_last_checkpoint(self.trainer.args.output_dir)
+            self._resume_from = os.fspath(folder) if isinstance(folder, str | os.PathLike) else None
+            return train(*args, **kwargs)
+
+        return train_noting_checkpoint
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model = self.trainer.model_wrapped
@@ -81,7 +102,10 @@ class CompressionCallback(TrainerCallback):
             self._registered_on = model
         if self.hook_state is None or state.global_step == 0:
             return
-        path = state_file(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+        folder = self._resume_from or os.path.join(
+            args.output_dir, f"checkpoint-{state.global_step}"
+        )
+        path = state_file(folder)
         if os.path.exists(path):
             self.hook_state.load_state_dict(torch.load(path, weights_only=True))
         else:
