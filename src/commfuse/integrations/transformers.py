@@ -86,7 +86,7 @@ class CompressionCallback(TrainerCallback):
         def train_noting_checkpoint(*args: Any, **kwargs: Any) -> Any:
             folder = kwargs.get("resume_from_checkpoint", args[0] if args else None)
             if folder is True:
-                folder = get_last_checkpoint(self.trainer.args.output_dir)
+                folder = get_last_checkpoint(self.trainer.args.output_dir)  # type: ignore[no-untyped-call]
             self._resume_from = os.fspath(folder) if isinstance(folder, str | os.PathLike) else None
             return train(*args, **kwargs)
 
