@@ -44,7 +44,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 #: Reduction names accepted everywhere in commfuse.
-REDUCE_OPS: dict[str, dist.ReduceOp.RedOpType] = {
+_REDUCE_OPS: dict[str, dist.ReduceOp.RedOpType] = {
     "sum": dist.ReduceOp.SUM,
     "prod": dist.ReduceOp.PRODUCT,
     "max": dist.ReduceOp.MAX,
@@ -582,9 +582,9 @@ class Communicator:
                 tensor.div_(world)
 
             return dist.ReduceOp.SUM, divide
-        if op not in REDUCE_OPS:
+        if op not in _REDUCE_OPS:
             raise ValueError(f"unknown reduce op {op!r}: use one of sum, avg, prod, max, min")
-        return REDUCE_OPS[op], None
+        return _REDUCE_OPS[op], None
 
     def _validate(self, kind: str, tensor: torch.Tensor) -> None:
         if self.config.validate:

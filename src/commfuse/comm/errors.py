@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 # Phrases gloo and NCCL use in their errors; matched case-insensitively to classify a failure.
-TIMEOUT_PHRASES = ("timed out", "timeout")
-LOST_PEER_PHRASES = (
+_TIMEOUT_PHRASES = ("timed out", "timeout")
+_LOST_PEER_PHRASES = (
     "connection closed",
     "connection reset",
     "broken pipe",
@@ -24,13 +24,13 @@ LOST_PEER_PHRASES = (
 def says_timed_out(message: str) -> bool:
     """Whether a backend's error message says an operation ran out of time."""
     lowered = message.lower()
-    return any(phrase in lowered for phrase in TIMEOUT_PHRASES)
+    return any(phrase in lowered for phrase in _TIMEOUT_PHRASES)
 
 
 def says_peer_lost(message: str) -> bool:
     """Whether a backend's error message says a connection to a peer was lost."""
     lowered = message.lower()
-    return any(phrase in lowered for phrase in LOST_PEER_PHRASES)
+    return any(phrase in lowered for phrase in _LOST_PEER_PHRASES)
 
 
 def describe_op(

@@ -47,7 +47,7 @@ from commfuse.comm.watch import PEER_WATCH, UNWOKEN_AFTER_S, WATCH_INTERVAL_S
 
 #: Seconds a rank that lost an unnamed peer (inside a native collective, the backend does not
 #: say which) waits for the launcher's notice naming the rank that died.
-NOTICE_WAIT_S = 2.0
+_NOTICE_WAIT_S = 2.0
 
 
 class FailureBoard:
@@ -110,7 +110,7 @@ class FailureBoard:
                 except (RuntimeError, ValueError):  # no store to tell: say what we saw
                     notice = lost
             else:
-                notice = read_failure(self.store, wait_s=NOTICE_WAIT_S)
+                notice = read_failure(self.store, wait_s=_NOTICE_WAIT_S)
         return notice if notice is not None and notice.rank != self.rank else None
 
 
@@ -151,7 +151,7 @@ class OpContext:
         )
 
 
-def failed_because_of(notice: FailureNotice, ctx: OpContext, what: str) -> PeerFailureError:
+def _failed_because_of(notice: FailureNotice, ctx: OpContext, what: str) -> PeerFailureError:
     """The error of ``ctx``'s operation, which ``notice``'s failure made impossible; ``what``
     says what this rank saw."""
     return PeerFailureError(
@@ -179,7 +179,7 @@ def translate_failure(err: BaseException, ctx: OpContext, deadline_s: float) -> 
     )
     if notice is not None:
         # Name the job's first failure, not the neighbour that gave up because of it.
-        return failed_because_of(notice, ctx, text)
+        return _failed_because_of(notice, ctx, text)
     if lost_peer:
         who = f"peer {ctx.peer}" if ctx.peer is not None else "a peer"
         cls = PeerFailureError
@@ -345,7 +345,7 @@ class Handle:
                 return
             except FutureTimeout:
                 waited = limit - (deadline - time.monotonic())
-                raise failed_because_of(
+                raise _failed_because_of(
                     notice,
                     self._ctx,
                     f"still waiting after {waited:.1f} s, and the backend cannot wake this wait "
@@ -373,7 +373,7 @@ class Handle:
             notice = board.member_failure()
             if notice is not None:
                 waited = limit - (deadline - time.monotonic())
-                raise failed_because_of(notice, self._ctx, f"still waiting after {waited:.1f} s")
+                raise _failed_because_of(notice, self._ctx, f"still waiting after {waited:.1f} s")
 
 
 def _stamp(event: TraceEvent) -> None:

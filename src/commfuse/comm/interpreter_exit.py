@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-SETTLE_S = 0.01
+_SETTLE_S = 0.01
 """First release of the GIL at exit: long enough for a native thread that has just finished a
 collective to reach the interpreter."""
 
@@ -54,7 +54,7 @@ def native_threads_in_interpreter() -> set[int]:
 def let_native_threads_finish() -> None:
     """Release the GIL until no native thread is left waiting for the interpreter: none is
     inside it, or the same ones have stayed for ``STABLE_S`` (at most ``WAIT_LIMIT_S``)."""
-    time.sleep(SETTLE_S)
+    time.sleep(_SETTLE_S)
     deadline = time.monotonic() + WAIT_LIMIT_S
     inside, changed = native_threads_in_interpreter(), time.monotonic()
     while inside:

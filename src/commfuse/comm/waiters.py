@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-MAX_THREADS = 64
+_MAX_THREADS = 64
 """At most this many threads: past it, a wait queues for the next free one (only waits that
 dead peers hold keep threads busy for long)."""
 
@@ -44,7 +44,7 @@ class Waiters:
             self.submitted += 1
             if self._idle:
                 self._idle -= 1  # a waiting thread takes it
-            elif self._threads < MAX_THREADS:
+            elif self._threads < _MAX_THREADS:
                 self._threads += 1
                 threading.Thread(
                     target=self._work, name=f"commfuse-wait-{self._threads}", daemon=True

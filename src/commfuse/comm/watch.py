@@ -12,7 +12,7 @@ it reads, every ``WATCH_INTERVAL_S``, the failure notice of each group that has 
 (``FailureBoard.member_failure``). Once the notice names a member of the group, the group is
 stopped, which turns every wait still blocked in it into an error that names the dead rank. A
 wait that ends within the interval never costs a store read. The one wait a stop cannot end (a
-receive gloo was reading into when its sender died: ``PeerWatch``) is named on stderr instead,
+receive gloo was reading into when its sender died: ``_PeerWatch``) is named on stderr instead,
 and raises at its deadline.
 """
 
@@ -45,7 +45,7 @@ stop could not end: a woken wait raises within milliseconds, a loaded machine's 
 take a few hundred."""
 
 
-class PeerWatch:
+class _PeerWatch:
     """The thread that reads the failure notice of the groups with a blocked wait.
 
     A wait registers with ``add`` and leaves with ``remove``: a plain lock and a dict entry, so
@@ -58,7 +58,7 @@ class PeerWatch:
     receives and sends, but not the one it is reading into, and nothing else reaches it (not a
     failed context, not the backend's ``abort``); it ends only at its own deadline. So a wait
     still blocked ``UNWOKEN_AFTER_S`` after its group was stopped is named on stderr at once
-    (``unwakeable_wait``): which rank, operation and peer, the job's failure, and when the
+    (``_unwakeable_wait``): which rank, operation and peer, the job's failure, and when the
     wait will raise."""
 
     def __init__(self) -> None:
@@ -111,7 +111,7 @@ class PeerWatch:
                 if now - since >= UNWOKEN_AFTER_S:
                     wait.told = True
                     with contextlib.suppress(Exception):
-                        sys.stderr.write(unwakeable_wait(wait, now) + "\n")
+                        sys.stderr.write(_unwakeable_wait(wait, now) + "\n")
                         sys.stderr.flush()
             seen = set(waits)
 
@@ -127,7 +127,7 @@ class _Wait:
         self.told = False
 
 
-def unwakeable_wait(wait: _Wait, now: float) -> str:
+def _unwakeable_wait(wait: _Wait, now: float) -> str:
     """The line that names a wait its stopped group could not end."""
     notice = read_failure(wait.board.store)
     cause = (
@@ -143,7 +143,7 @@ def unwakeable_wait(wait: _Wait, now: float) -> str:
     )
 
 
-STOP_TAG = 0x7FFF_FFF0
+_STOP_TAG = 0x7FFF_FFF0
 """The tag of the receive that stops a gloo group: one no sender ever uses."""
 
 
@@ -165,7 +165,7 @@ def gloo_stopper(group: dist.ProcessGroup, device: torch.device) -> Callable[[in
         for src in [dead, *others]:
             try:
                 work = dist.irecv(
-                    torch.empty(1, device=device), group=group, group_src=src, tag=STOP_TAG
+                    torch.empty(1, device=device), group=group, group_src=src, tag=_STOP_TAG
                 )
                 if work is not None:
                     work.wait(datetime.timedelta(milliseconds=1))
@@ -178,5 +178,5 @@ def gloo_stopper(group: dist.ProcessGroup, device: torch.device) -> Callable[[in
     return stop
 
 
-PEER_WATCH = PeerWatch()
+PEER_WATCH = _PeerWatch()
 """The process's watch (its thread starts with the first wait)."""
