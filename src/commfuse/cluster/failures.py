@@ -32,7 +32,7 @@ from torch._C._distributed_c10d import PrefixStore, Store
 if TYPE_CHECKING:
     from commfuse.cluster.supervisor import RankFailure
 
-NOTICE_KEY = "commfuse/first_failure"
+_NOTICE_KEY = "commfuse/first_failure"
 """The store key of the notice."""
 
 
@@ -56,7 +56,7 @@ class FailureNotice:
 
 def post_failure(store: Store, notice: FailureNotice) -> FailureNotice:
     """Post ``notice`` unless one is there already; returns the notice that stands."""
-    return FailureNotice.decode(store.compare_set(NOTICE_KEY, "", notice.encode()))
+    return FailureNotice.decode(store.compare_set(_NOTICE_KEY, "", notice.encode()))
 
 
 def read_failure(store: Store, *, wait_s: float = 0.0) -> FailureNotice | None:
@@ -65,8 +65,8 @@ def read_failure(store: Store, *, wait_s: float = 0.0) -> FailureNotice | None:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            if store.check([NOTICE_KEY]):
-                return FailureNotice.decode(store.get(NOTICE_KEY))
+            if store.check([_NOTICE_KEY]):
+                return FailureNotice.decode(store.get(_NOTICE_KEY))
         except (RuntimeError, ValueError):  # the store's server is unreachable
             return None
         if time.monotonic() >= deadline:
@@ -84,7 +84,7 @@ def root_store(store: Store) -> Store:
 def clear_failure(store: Store) -> None:
     """Remove the notice (a group re-formed on the same store starts with a clean slate)."""
     with contextlib.suppress(RuntimeError):
-        store.delete_key(NOTICE_KEY)
+        store.delete_key(_NOTICE_KEY)
 
 
 def notice_poster(hosted: Store | None) -> Callable[[RankFailure], None]:

@@ -57,7 +57,7 @@ def script_command(
     return [sys.executable, "-u", target, *args]
 
 
-def start_ranks(
+def _start_ranks(
     command: Sequence[str],
     placement: Placement,
     *,
@@ -118,7 +118,7 @@ def launch(
             watchdog.guard_lab(placement.lab_id)
         hosted = host_store(placement.master_addr, netns=placement.master_netns)
         try:
-            ranks = start_ranks(
+            ranks = _start_ranks(
                 command,
                 placement,
                 master_addr=hosted.addr,

@@ -36,7 +36,7 @@ from commfuse.cluster.topology import Topology
 LAB_PREFIX = "cfuse"
 LAB_ID_LEN = len(LAB_PREFIX) + 4
 STATE_DIR = "/run/commfuse/netlab"
-SUBNET = "10.77.0"
+_SUBNET = "10.77.0"
 #: Host k's address ends in FIRST_HOST_OCTET + k: a three-digit last octet for every host (up to
 #: topology.MAX_HOSTS), so the addresses sort as text in host order. torchrun's c10d rendezvous
 #: ranks its agents by sorting their ``--local-addr`` as strings; with 10.77.0.<k+1>, 10.77.0.10
@@ -45,8 +45,8 @@ FIRST_HOST_OCTET = 100
 #: tbf queue bound, as time at the link rate. TCP Small Queues keep a single flow's backlog far
 #: below this, so it only matters when many flows (all ranks of a host) share one link; 50 ms
 #: holds them without drops while still bounding the queueing delay.
-TBF_LATENCY_MS = 50
-ETH_HEADER = 14
+_TBF_LATENCY_MS = 50
+_ETH_HEADER = 14
 _CAP_NET_ADMIN, _CAP_SYS_ADMIN = 12, 21
 
 
@@ -196,9 +196,9 @@ class Netlab:
     ) -> None:
         if not 576 <= mtu <= 65535:
             raise ValueError(f"mtu {mtu} is outside 576..65535; use e.g. 9000")
-        if burst_kb * 1024 <= mtu + ETH_HEADER:
+        if burst_kb * 1024 <= mtu + _ETH_HEADER:
             raise ValueError(
-                f"burst {burst_kb}kb must exceed one frame ({mtu + ETH_HEADER} bytes at mtu {mtu}): "
+                f"burst {burst_kb}kb must exceed one frame ({mtu + _ETH_HEADER} bytes at mtu {mtu}): "
                 "tbf drops every packet larger than its burst; raise burst_kb"
             )
         if lab_id is not None and not (
@@ -239,7 +239,7 @@ class Netlab:
         return f"{self._lab_id}-h{self._check_host(host)}"
 
     def address(self, host: int) -> str:
-        return f"{SUBNET}.{FIRST_HOST_OCTET + self._check_host(host)}"
+        return f"{_SUBNET}.{FIRST_HOST_OCTET + self._check_host(host)}"
 
     def ifname(self, host: int) -> str:
         """The host's interface inside its namespace (for GLOO_SOCKET_IFNAME)."""
@@ -268,7 +268,7 @@ class Netlab:
         rate = self._topology.link_mbit if link_mbit is None else link_mbit
         assert rate is not None
         kbit = max(1, round(rate * 1000))
-        burst, lat = f"{self._burst_kb}kb", f"{TBF_LATENCY_MS}ms"
+        burst, lat = f"{self._burst_kb}kb", f"{_TBF_LATENCY_MS}ms"
         run_cmd(
             f"tc {netns} qdisc {verb} dev {dev} root tbf rate {kbit}kbit burst {burst} latency {lat}"
         )

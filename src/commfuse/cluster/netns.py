@@ -1,6 +1,6 @@
 """Entering network namespaces from Python threads, without touching the caller's namespace.
 
-setns(2) with CLONE_NEWNET moves only the *calling thread* into the namespace; other threads of
+setns(2) with _CLONE_NEWNET moves only the *calling thread* into the namespace; other threads of
 the process stay where they are. A socket belongs for its whole life to the namespace it was
 created in, whichever thread later uses it. So the safe way to get a socket inside an emulated
 host is a short-lived helper thread that enters the namespace, creates the socket and exits,
@@ -20,11 +20,11 @@ from collections.abc import Callable
 from typing import TypeVar
 
 #: setns(2) flag: the file descriptor must refer to a network namespace.
-CLONE_NEWNET = 0x40000000
+_CLONE_NEWNET = 0x40000000
 #: Where ``ip netns add NAME`` bind-mounts the namespace so it outlives its processes.
-NETNS_DIR = "/var/run/netns"
+_NETNS_DIR = "/var/run/netns"
 #: Accept backlog of listening sockets: a rendezvous may see every rank of a large job at once.
-LISTEN_BACKLOG = 512
+_LISTEN_BACKLOG = 512
 
 _libc: ctypes.CDLL | None = None
 
@@ -42,11 +42,11 @@ def _setns(fd: int, nstype: int) -> int:
     return 0
 
 
-def netns_path(name: str) -> str:
-    """The file that names namespace ``name``; refuses names that would escape NETNS_DIR."""
+def _netns_path(name: str) -> str:
+    """The file that names namespace ``name``; refuses names that would escape _NETNS_DIR."""
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"bad network namespace name {name!r}: use a plain name like cfuse3fa2-h0")
-    return os.path.join(NETNS_DIR, name)
+    return os.path.join(_NETNS_DIR, name)
 
 
 def enter_netns(name: str) -> None:
@@ -56,7 +56,7 @@ def enter_netns(name: str) -> None:
     thing in a fresh child process that should live there (a rank). Never on the main thread of a
     process that keeps using its own network. Raises OSError naming the namespace and the reason.
     """
-    path = netns_path(name)
+    path = _netns_path(name)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError as exc:
@@ -68,7 +68,7 @@ def enter_netns(name: str) -> None:
             exc.errno, f"cannot open network namespace {name!r} ({path}): {exc.strerror}"
         ) from exc
     try:
-        err = _setns(fd, CLONE_NEWNET)
+        err = _setns(fd, _CLONE_NEWNET)
     finally:
         os.close(fd)
     if err:
@@ -84,7 +84,7 @@ def call_in_netns(name: str, make: Callable[[], T]) -> T:
     Sockets (and anything that creates them, like a TCPStore) belong to the namespace of the
     thread that made them; the caller's thread never moves.
     """
-    netns_path(name)  # validate on the caller's thread, for a clear traceback
+    _netns_path(name)  # validate on the caller's thread, for a clear traceback
     result: list[T] = []
     errors: list[BaseException] = []
 
@@ -107,7 +107,7 @@ def socket_in_netns(name: str, host: str, port: int = 0) -> socket.socket:
     """A listening TCP socket created inside namespace ``name``, bound to ``host:port``.
 
     Port 0 picks a free port; read it back with ``getsockname()``. The socket has SO_REUSEADDR
-    (a restarted rendezvous must not wait out TIME_WAIT), a backlog of LISTEN_BACKLOG and is not
+    (a restarted rendezvous must not wait out TIME_WAIT), a backlog of _LISTEN_BACKLOG and is not
     inherited by child processes. The calling thread's namespace does not change.
     """
 
@@ -117,7 +117,7 @@ def socket_in_netns(name: str, host: str, port: int = 0) -> socket.socket:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.set_inheritable(False)
             sock.bind((host, port))
-            sock.listen(LISTEN_BACKLOG)
+            sock.listen(_LISTEN_BACKLOG)
         except OSError as exc:
             sock.close()
             raise OSError(

@@ -19,13 +19,13 @@ from commfuse.cluster.topology import Topology
 if TYPE_CHECKING:
     from commfuse.cluster.netlab import Netlab
 
-LOOPBACK_ADDR = "127.0.0.1"
-LOOPBACK_IFNAME = "lo"
+_LOOPBACK_ADDR = "127.0.0.1"
+_LOOPBACK_IFNAME = "lo"
 
 _warned_unemulated = False
 
 
-def warn_unemulated(reason: str) -> None:
+def _warn_unemulated(reason: str) -> None:
     """Say once per process that the network is not emulated, and why."""
     global _warned_unemulated
     if not _warned_unemulated:
@@ -52,10 +52,12 @@ class Placement:
         return None if self.lab is None else self.lab.namespace(self.topology.host_of(rank))
 
     def ifname_of(self, rank: int) -> str:
-        return LOOPBACK_IFNAME if self.lab is None else self.lab.ifname(self.topology.host_of(rank))
+        return (
+            _LOOPBACK_IFNAME if self.lab is None else self.lab.ifname(self.topology.host_of(rank))
+        )
 
     def addr_of_host(self, host: int) -> str:
-        return LOOPBACK_ADDR if self.lab is None else self.lab.address(host)
+        return _LOOPBACK_ADDR if self.lab is None else self.lab.address(host)
 
     @property
     def master_addr(self) -> str:
@@ -105,7 +107,7 @@ def open_placement(topology: Topology, *, emulate: bool | None = None) -> Iterat
     if reason is not None:
         if emulate:
             raise RuntimeError(f"cannot emulate the network: {reason}")
-        warn_unemulated(reason)
+        _warn_unemulated(reason)
         yield Placement(topology)
         return
     with Netlab(topology) as lab:

@@ -17,7 +17,7 @@ from typing import Any
 
 from commfuse.cluster.errors import RankError
 
-PackedError = tuple[str, str, bytes | None]
+_PackedError = tuple[str, str, bytes | None]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,11 +79,11 @@ def comm_settings() -> CommSettings:
         ValueError: a variable that is set is not a valid number (the message names it).
     """
     if _comm_settings is None:
-        return load_comm_settings()
+        return _load_comm_settings()
     return _comm_settings
 
 
-def load_comm_settings(env: Mapping[str, str] | None = None) -> CommSettings:
+def _load_comm_settings(env: Mapping[str, str] | None = None) -> CommSettings:
     """Read this rank's ``CommSettings`` from ``env`` (default: the process environment), and
     keep them for every communicator built afterwards (``comm_settings``).
 
@@ -102,7 +102,7 @@ def enter_rank(env: dict[str, str], netns: str | None) -> None:
     # process's own, which a rank forked from the start server inherited from that server.
     os.environ.clear()
     os.environ.update(env)
-    load_comm_settings()
+    _load_comm_settings()
     # torch reads OMP_NUM_THREADS when it is first imported, which for a rank happened in the
     # start server or while the target function was unpickled; set the pool size explicitly,
     # as torchrun's workers get it. With 2 threads per rank on 2 cores, reductions inside our
@@ -128,7 +128,7 @@ def init_default_group(backend: str = "gloo", *, timeout_s: float = 60.0) -> Non
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def pack_exception(exc: BaseException) -> PackedError:
+def pack_exception(exc: BaseException) -> _PackedError:
     """(one-line summary, formatted traceback, the pickled exception or None)."""
     summary = f"{type(exc).__name__}: {exc}"
     text = "".join(traceback.format_exception(exc))
@@ -141,7 +141,7 @@ def pack_exception(exc: BaseException) -> PackedError:
     return summary, text, blob
 
 
-def unpack_exception(rank: int, packed: PackedError) -> RankError:
+def unpack_exception(rank: int, packed: _PackedError) -> RankError:
     summary, text, blob = packed
     exc: Any = None
     if blob is not None:

@@ -19,12 +19,12 @@ import multiprocessing as mp
 from multiprocessing.context import ForkServerContext
 
 # Imported by the server before it forks any rank (see the module docstring).
-PRELOAD = ["torch", "torch.distributed"]
+_PRELOAD = ["torch", "torch.distributed"]
 
 
 def rank_context() -> ForkServerContext:
     """The multiprocessing context every commfuse rank starts from (forkserver, torch loaded)."""
     ctx = mp.get_context("forkserver")
     # Effective only before the server starts (the first rank of the process); harmless after.
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(_PRELOAD)
     return ctx

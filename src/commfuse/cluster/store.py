@@ -39,7 +39,7 @@ class HostedStore:
         self.store = None
 
 
-def listen_socket(addr: str, port: int = 0) -> socket.socket:
+def _listen_socket(addr: str, port: int = 0) -> socket.socket:
     """A listening TCP socket on addr:port in the current network namespace."""
     try:
         sock = socket.create_server((addr, port), backlog=512, reuse_port=False)
@@ -56,7 +56,7 @@ def host_store(
 ) -> HostedStore:
     """Start a TCPStore server on addr (inside network namespace ``netns`` when given)."""
     if netns is None:
-        sock = listen_socket(addr, port)
+        sock = _listen_socket(addr, port)
     else:
         from commfuse.cluster.netns import call_in_netns, socket_in_netns
 

@@ -28,17 +28,17 @@ from typing import IO, Protocol
 #: Lines a rank prints that say nothing about the job, dropped from its output. c10d asks for
 #: the peer's host name of every store connection; inside an emulated host there is no
 #: resolver, so each rank warned once (err=-3, EAI_AGAIN) about a lookup nothing needs.
-KNOWN_NOISE = ("The hostname of the client socket cannot be retrieved",)
+_KNOWN_NOISE = ("The hostname of the client socket cannot be retrieved",)
 
 #: Seconds a rank gets to exit after SIGTERM before SIGKILL.
-TERMINATE_GRACE_S = 3.0
+_TERMINATE_GRACE_S = 3.0
 #: Seconds the other ranks get to exit by themselves after one failed: a rank in a collective with
 #: the dead one raises PeerFailureError within about 2 s of the death (its waits read the notice
 #: every 0.5 s, ``comm/watch.py``), which tests/test_peer_failure.py checks under this grace.
 FAILURE_GRACE_S = 5.0
 
 
-class RankProcess(Protocol):
+class _RankProcess(Protocol):
     """What the supervisor needs of a rank, whether it came from Popen or multiprocessing."""
 
     @property
@@ -49,7 +49,7 @@ class RankProcess(Protocol):
         ...
 
 
-def how_it_ended(exit_code: int | None) -> str:
+def _how_it_ended(exit_code: int | None) -> str:
     """``was killed by SIGKILL``, ``failed with exit code 1``, ``exited cleanly`` or ``did not
     finish`` (None: the rank did not exit by itself)."""
     if exit_code is None:
@@ -72,7 +72,7 @@ class RankFailure:
 
     def how(self) -> str:
         """``was killed by SIGKILL``, ``failed with exit code 1`` or ``did not finish``."""
-        return how_it_ended(self.exit_code)
+        return _how_it_ended(self.exit_code)
 
     def describe(self) -> str:
         return f"rank {self.rank} (host {self.host}) {self.how()}: {self.error}"
@@ -94,7 +94,7 @@ class JobResult:
         first = None if self.failure is None else self.failure.rank
         return ", ".join(
             f"rank {rank} "
-            + ("was stopped by the launcher" if rank in self.stopped else how_it_ended(code))
+            + ("was stopped by the launcher" if rank in self.stopped else _how_it_ended(code))
             for rank, code in sorted(self.exit_codes.items())
             if rank != first
         )
@@ -134,7 +134,7 @@ def _pump(
     with stream:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            if any(noise in line for noise in KNOWN_NOISE):
+            if any(noise in line for noise in _KNOWN_NOISE):
                 continue
             if tail is not None and line.strip():
                 tail.append(line)
@@ -161,7 +161,7 @@ def kill_group(pid: int | None, sig: int, *, group_only: bool = False) -> None:
 
 
 def supervise(
-    procs: Sequence[RankProcess],
+    procs: Sequence[_RankProcess],
     streams: Sequence[tuple[IO[bytes] | None, IO[bytes] | None]],
     *,
     host_of: Callable[[int], int],
@@ -271,7 +271,7 @@ def _await_exits(
 
 
 def _stop_all(
-    procs: Sequence[RankProcess],
+    procs: Sequence[_RankProcess],
     exit_codes: dict[int, int | None],
     exits: queue.Queue[tuple[int, int]],
 ) -> list[int]:
@@ -280,7 +280,7 @@ def _stop_all(
     live = [r for r, c in exit_codes.items() if c is None]
     for rank in live:
         kill_group(procs[rank].pid, signal.SIGTERM)
-    deadline = time.monotonic() + TERMINATE_GRACE_S
+    deadline = time.monotonic() + _TERMINATE_GRACE_S
     while any(exit_codes[r] is None for r in live) and time.monotonic() < deadline:
         try:
             rank, code = exits.get(timeout=0.05)

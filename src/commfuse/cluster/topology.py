@@ -12,7 +12,7 @@ from commfuse.cluster.rank_runtime import comm_settings
 from commfuse.units import format_rate, parse_rate_mbit
 
 #: More ranks than this on one machine is refused: each rank is a full torch process.
-MAX_LOCAL_RANKS = 64
+_MAX_LOCAL_RANKS = 64
 #: The bridge and addressing scheme hold at most this many emulated hosts (netlab's addresses
 #: 10.77.0.100 up to 10.77.0.163 keep three-digit last octets, see netlab.FIRST_HOST_OCTET).
 MAX_HOSTS = 64
@@ -38,10 +38,10 @@ class Topology:
             raise ValueError(
                 f"num_hosts {self.num_hosts} is more than the {MAX_HOSTS} this emulation supports"
             )
-        if self.world_size > MAX_LOCAL_RANKS:
+        if self.world_size > _MAX_LOCAL_RANKS:
             raise ValueError(
                 f"{self.world_size} ranks is more than this machine can hold "
-                f"(at most {MAX_LOCAL_RANKS}); lower num_hosts or ranks_per_host"
+                f"(at most {_MAX_LOCAL_RANKS}); lower num_hosts or ranks_per_host"
             )
         if self.link_mbit is not None and self.link_mbit <= 0:
             raise ValueError(f"link_mbit must be more than 0, got {self.link_mbit}")

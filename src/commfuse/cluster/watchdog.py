@@ -36,7 +36,7 @@ from typing import IO
 
 #: Seconds the killed groups get to disappear before the lab is removed (a namespace whose
 #: processes still run keeps existing until they are gone).
-KILL_SETTLE_S = 2.0
+_KILL_SETTLE_S = 2.0
 
 
 class Watchdog:
@@ -128,7 +128,7 @@ def watch(lines: IO[str], launcher_pid: int) -> None:
             continue
         killed.append(pid)
     if labs:
-        deadline = time.monotonic() + KILL_SETTLE_S
+        deadline = time.monotonic() + _KILL_SETTLE_S
         while any(_group_alive(pid) for pid in killed) and time.monotonic() < deadline:
             time.sleep(0.05)
         from commfuse.cluster.netlab import down_all  # only now: it imports the package
