@@ -33,7 +33,7 @@ from commfuse.collectives.tuner import choose, choose_options
 from commfuse.comm import Communicator, Handle, check_consistent, nbytes_of
 from commfuse.comm.clock import now
 
-SUPPORTED_DTYPES = (
+_SUPPORTED_DTYPES = (
     torch.float32,
     torch.float64,
     torch.float16,
@@ -43,13 +43,13 @@ SUPPORTED_DTYPES = (
 )
 
 #: Runs the picked algorithm ``fn`` (registered as ``name``) with its options.
-Body = Callable[[str, AlgorithmFn, dict[str, Any]], None]
+_Body = Callable[[str, AlgorithmFn, dict[str, Any]], None]
 
 
 def _call(
     comm: Communicator,
     collective: str,
-    body: Body,
+    body: _Body,
     tensor: torch.Tensor,
     *,
     algo: str,
@@ -448,9 +448,9 @@ def all_to_all(
 
 
 def _check_tensor(tensor: torch.Tensor, what: str) -> None:
-    if tensor.dtype not in SUPPORTED_DTYPES:
+    if tensor.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(
-            f"{what} has dtype {tensor.dtype}; supported: {', '.join(str(d).removeprefix('torch.') for d in SUPPORTED_DTYPES)}"
+            f"{what} has dtype {tensor.dtype}; supported: {', '.join(str(d).removeprefix('torch.') for d in _SUPPORTED_DTYPES)}"
         )
     if not tensor.is_contiguous():
         raise ValueError(f"{what} must be contiguous; call .contiguous() first")

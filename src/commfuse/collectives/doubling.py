@@ -41,7 +41,7 @@ from commfuse.comm import Communicator
 Block = tuple[int, int]
 
 
-def fold_sizes(world: int) -> tuple[int, int]:
+def _fold_sizes(world: int) -> tuple[int, int]:
     """``(P', rem)``: the largest power of two <= P and how many ranks fold into it."""
     pof2 = 1 << (world.bit_length() - 1)
     return pof2, world - pof2
@@ -63,7 +63,7 @@ def _exchange(
 def _fold_in(comm: Communicator, work: torch.Tensor, op: str, tag: str) -> int | None:
     """Fold the first 2 rem ranks pairwise; returns this rank's new rank, None if it idles."""
     rank = comm.rank
-    _, rem = fold_sizes(comm.world_size)
+    _, rem = _fold_sizes(comm.world_size)
     if rank >= 2 * rem:
         return rank - rem
     if rank % 2 == 0:
@@ -128,7 +128,7 @@ def _double(
 def _fold_out(comm: Communicator, buf: torch.Tensor, tag: str) -> None:
     """Return the result to the ranks that idled during the algorithm."""
     rank = comm.rank
-    _, rem = fold_sizes(comm.world_size)
+    _, rem = _fold_sizes(comm.world_size)
     if rank < 2 * rem:
         if rank % 2:
             comm.send(buf, rank - 1, label=tag)
@@ -137,10 +137,10 @@ def _fold_out(comm: Communicator, buf: torch.Tensor, tag: str) -> None:
 
 
 @register("all_reduce", "doubling")
-def doubling_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
+def _doubling_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
     """Recursive doubling all-reduce: lg P' full-buffer exchanges (plus the fold)."""
     tag = label("all_reduce", "doubling")
-    pof2, rem = fold_sizes(comm.world_size)
+    pof2, rem = _fold_sizes(comm.world_size)
     new_rank = _fold_in(comm, buf, op, tag)
     if new_rank is not None:
         scratch = torch.empty_like(buf)
@@ -158,7 +158,7 @@ def doubling_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any
 def rabenseifner_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
     """Rabenseifner: recursive-halving reduce-scatter, recursive-doubling all-gather."""
     tag = label("all_reduce", "rabenseifner")
-    pof2 = fold_sizes(comm.world_size)[0]
+    pof2 = _fold_sizes(comm.world_size)[0]
     new_rank = _fold_in(comm, buf, op, tag)
     if new_rank is not None:
         blocks = even_blocks(buf.numel(), pof2)
@@ -168,13 +168,13 @@ def rabenseifner_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_:
 
 
 @register("reduce_scatter", "halving")
-def halving_reduce_scatter(
+def _halving_reduce_scatter(
     comm: Communicator, out: torch.Tensor, inp: torch.Tensor, op: str, **_: Any
 ) -> None:
     """Recursive-halving reduce-scatter: rank r ends with block r of the reduction."""
     tag = label("reduce_scatter", "halving")
     rank, world = comm.rank, comm.world_size
-    pof2, rem = fold_sizes(world)
+    pof2, rem = _fold_sizes(world)
     size = out.numel()
     work = inp.clone()  # partial sums accumulate here: the input must stay unchanged
     new_rank = _fold_in(comm, work, op, tag)
@@ -194,7 +194,9 @@ def halving_reduce_scatter(
 
 
 @register("all_gather", "doubling")
-def doubling_all_gather(comm: Communicator, out: torch.Tensor, inp: torch.Tensor, **_: Any) -> None:
+def _doubling_all_gather(
+    comm: Communicator, out: torch.Tensor, inp: torch.Tensor, **_: Any
+) -> None:
     """Recursive doubling all-gather (P a power of two) or Bruck's algorithm (any other P)."""
     tag = label("all_gather", "doubling")
     rank, world = comm.rank, comm.world_size

@@ -50,7 +50,7 @@ from commfuse.comm import Communicator, Handle
 
 _NAME = "hierarchical"
 #: ``intra_algo`` of the 2D all-reduce; any reduce/broadcast name selects the leader scheme.
-TWO_D = "ring"
+_TWO_D = "ring"
 
 #: Host messages of the 2D all-reduce when ``num_segments`` is not given (see Tuning).
 HOST_SEGMENT_BYTES = 1 << 20
@@ -221,7 +221,7 @@ def hierarchical_all_reduce(
     *,
     ranks_per_host: int | None = None,
     inter_algo: str | None = None,
-    intra_algo: str = TWO_D,
+    intra_algo: str = _TWO_D,
     num_chunks: int | None = None,
     **opts: Any,
 ) -> None:
@@ -229,10 +229,10 @@ def hierarchical_all_reduce(
     if inter_algo is None:
         inter_algo = "ring" if "ring" in algorithms_for("all_reduce") else "pipeline"
     inter_fn = _algorithm("all_reduce", inter_algo, "inter_algo")
-    if intra_algo != TWO_D and intra_algo not in algorithms_for("reduce"):
-        choices = ", ".join(sorted({TWO_D, *algorithms_for("reduce")} - {_NAME}))
+    if intra_algo != _TWO_D and intra_algo not in algorithms_for("reduce"):
+        choices = ", ".join(sorted({_TWO_D, *algorithms_for("reduce")} - {_NAME}))
         raise ValueError(
-            f"intra_algo={intra_algo!r} is neither {TWO_D!r} (2D) nor a registered reduce "
+            f"intra_algo={intra_algo!r} is neither {_TWO_D!r} (2D) nor a registered reduce "
             f"algorithm (leader-based): use one of {choices}"
         )
     op = _sum_for_avg(op)
@@ -245,7 +245,7 @@ def hierarchical_all_reduce(
         return
     intra, inter = host_levels(comm, local)
     with _charged(comm, kind, intra, inter):
-        if intra_algo == TWO_D:
+        if intra_algo == _TWO_D:
             _two_d(intra, inter, buf, op, inter_algo, num_chunks, opts)
             return
         _algorithm("reduce", intra_algo, "intra_algo")(intra, buf, 0, op, **opts)
@@ -255,7 +255,7 @@ def hierarchical_all_reduce(
 
 
 @register("broadcast", _NAME)
-def hierarchical_broadcast(
+def _hierarchical_broadcast(
     comm: Communicator,
     buf: torch.Tensor,
     root: int,

@@ -17,36 +17,36 @@ from commfuse.comm import Communicator
 
 
 @register("all_reduce", "native")
-def native_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
+def _native_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
     comm.all_reduce(buf, op)
 
 
 @register("broadcast", "native")
-def native_broadcast(comm: Communicator, buf: torch.Tensor, root: int, **_: Any) -> None:
+def _native_broadcast(comm: Communicator, buf: torch.Tensor, root: int, **_: Any) -> None:
     comm.broadcast(buf, root)
 
 
 @register("reduce", "native")
-def native_reduce(comm: Communicator, buf: torch.Tensor, root: int, op: str, **_: Any) -> None:
+def _native_reduce(comm: Communicator, buf: torch.Tensor, root: int, op: str, **_: Any) -> None:
     # The backend may overwrite non-root buffers; reduce a copy there to keep them unchanged.
     target = buf if comm.rank == root else buf.clone()
     comm.reduce(target, root, op)
 
 
 @register("all_gather", "native")
-def native_all_gather(comm: Communicator, out: torch.Tensor, inp: torch.Tensor, **_: Any) -> None:
+def _native_all_gather(comm: Communicator, out: torch.Tensor, inp: torch.Tensor, **_: Any) -> None:
     comm.all_gather(out, inp)
 
 
 @register("reduce_scatter", "native")
-def native_reduce_scatter(
+def _native_reduce_scatter(
     comm: Communicator, out: torch.Tensor, inp: torch.Tensor, op: str, **_: Any
 ) -> None:
     comm.reduce_scatter(out, inp, op)
 
 
 @register("all_to_all", "native")
-def native_all_to_all(
+def _native_all_to_all(
     comm: Communicator,
     out: torch.Tensor,
     inp: torch.Tensor,

@@ -47,7 +47,7 @@ from commfuse.comm import Communicator, Handle, wait_all
 #: Receives kept posted ahead of the block being handled. gloo moves a message only once both
 #: ends have posted it, so the next receive must already be posted when the current block is
 #: forwarded, or every block would pay an extra handshake.
-LOOKAHEAD = 2
+_LOOKAHEAD = 2
 
 # Partial results flow toward the chain's head, finished blocks away from it. Distinct tags keep
 # the two streams apart even on a two-rank chain, where both use the same pair of ranks.
@@ -82,7 +82,7 @@ def _cut(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> list[torch.Tens
 
 
 class _Inbox:
-    """Blocks arriving in order from one peer, with ``LOOKAHEAD`` receives posted ahead of the
+    """Blocks arriving in order from one peer, with ``_LOOKAHEAD`` receives posted ahead of the
     one being waited on. ``before_post(i)`` runs before the receive into ``views[i]`` is posted
     (to wait for a send still reading that memory)."""
 
@@ -103,7 +103,7 @@ class _Inbox:
 
     def take(self, i: int) -> torch.Tensor:
         """Wait for block ``i`` (taken in order) after posting the receives that follow it."""
-        while self._posted < min(i + LOOKAHEAD, len(self._views)):
+        while self._posted < min(i + _LOOKAHEAD, len(self._views)):
             j = self._posted
             if self._before_post is not None:
                 self._before_post(j)
@@ -140,7 +140,7 @@ def pipeline_broadcast(
 
 
 @register("reduce", "pipeline")
-def pipeline_reduce(
+def _pipeline_reduce(
     comm: Communicator,
     buf: torch.Tensor,
     root: int,
@@ -175,7 +175,7 @@ def pipeline_reduce(
 
 
 @register("all_reduce", "pipeline")
-def pipeline_all_reduce(
+def _pipeline_all_reduce(
     comm: Communicator, buf: torch.Tensor, op: str, *, block_bytes: int | None = None, **_: Any
 ) -> None:
     """LP all-reduce: a pipelined reduce toward rank 0 overlapped with the pipelined broadcast of

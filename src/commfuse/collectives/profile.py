@@ -299,10 +299,10 @@ class Profile:
             num_hosts=hosts,
             ranks_per_host=local,
             corrections=corrections,
-            native_alpha_s=UNCALIBRATED_NATIVE_ALPHA_S,
-            software_alpha_s=UNCALIBRATED_SOFTWARE_ALPHA_S,
+            native_alpha_s=_UNCALIBRATED_NATIVE_ALPHA_S,
+            software_alpha_s=_UNCALIBRATED_SOFTWARE_ALPHA_S,
             pipeline_alpha_s=dict.fromkeys(
-                ("broadcast", "reduce", "all_reduce"), UNCALIBRATED_PIPELINE_ALPHA_S
+                ("broadcast", "reduce", "all_reduce"), _UNCALIBRATED_PIPELINE_ALPHA_S
             ),
             min_gain=UNCALIBRATED_MIN_GAIN,
         )
@@ -318,18 +318,18 @@ class Profile:
 #: gloo's own collectives: 0.37 ms per step with 2 ranks, 1.0-1.3 ms with 4 and 1.7-2.3 ms with
 #: 8 ranks on the two cores (every rank works in every step of its ring, so they queue for the
 #: cores); a middle figure.
-UNCALIBRATED_NATIVE_ALPHA_S = 0.8e-3
+_UNCALIBRATED_NATIVE_ALPHA_S = 0.8e-3
 #: commfuse's point-to-point algorithms: 1.6-3.9 ms per message (doubling, Rabenseifner, ring
 #: at 2, 4 and 8 hosts): a Python isend/irecv/wait per message, gloo's pair handshake, the
 #: wake-up of the rank that waits. With it the model keeps them off latency-bound sizes except
 #: where they send far fewer messages (recursive doubling's lg P against the ring's 2(P - 1) on
 #: 8 hosts); priced at the wire's alpha, like native, Rabenseifner looks best at 64-256 KB on 4
 #: hosts and runs at 0.5-0.7x gloo there.
-UNCALIBRATED_SOFTWARE_ALPHA_S = 3.0e-3
+_UNCALIBRATED_SOFTWARE_ALPHA_S = 3.0e-3
 #: The pipeline's cost per block step, fitted to its broadcasts of 1-4 MB (0.74-0.81 ms; its
 #: receives are posted ahead, so it pays less per message than the others), rounded up: the
 #: model's hand-over to native falls at 1 MB, where the pipeline measured 0.64-1.02x gloo.
-UNCALIBRATED_PIPELINE_ALPHA_S = 1.0e-3
+_UNCALIBRATED_PIPELINE_ALPHA_S = 1.0e-3
 #: Without a calibration an algorithm must be predicted this much faster than native. A
 #: latency-bound time here swings by 1.3-2.5x between identical runs (the A/A control), and the
 #: model's software costs are medians of such runs; the wins left are bandwidth wins (the

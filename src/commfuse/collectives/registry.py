@@ -56,7 +56,7 @@ def label(collective: str, name: str) -> str:
 
 
 #: Short names (the literature's and MPI folklore's) accepted wherever an algorithm is named.
-ALIASES: dict[str, str] = {
+_ALIASES: dict[str, str] = {
     "lp": "pipeline",
     "rd": "doubling",
     "rab": "rabenseifner",
@@ -72,7 +72,7 @@ _ALIASES_BY_COLLECTIVE: dict[tuple[str, str], str] = {
 
 def resolve(collective: str, name: str) -> str:
     """The registered name behind ``name`` (itself, or what an alias stands for)."""
-    return _ALIASES_BY_COLLECTIVE.get((collective, name), ALIASES.get(name, name))
+    return _ALIASES_BY_COLLECTIVE.get((collective, name), _ALIASES.get(name, name))
 
 
 def algorithms_for(collective: str) -> dict[str, AlgorithmFn]:
@@ -104,13 +104,13 @@ def _load_families() -> None:
         return
     import importlib
 
-    for module in FAMILY_MODULES:
+    for module in _FAMILY_MODULES:
         importlib.import_module(module)
     _loaded = True
 
 
 #: One module per family of algorithms (docs/design.md: one concept per file).
-FAMILY_MODULES: tuple[str, ...] = (
+_FAMILY_MODULES: tuple[str, ...] = (
     "commfuse.collectives.native",
     "commfuse.collectives.ring",
     "commfuse.collectives.doubling",

@@ -17,7 +17,7 @@ all-reduce ``2(P-1) alpha + 2((P-1)/P) n beta + ((P-1)/P) n gamma``; reduce-scat
 all-gather are one phase each, ``(P-1) alpha + ((P-1)/P) n beta`` (+ ``gamma`` for the former).
 Every rank sends exactly the blocks it forwards: 2(P-1) blocks for all-reduce, P-1 otherwise.
 
-Tuning: by default segments are at most ``SEGMENT_BYTES`` (128 KiB). Smaller segments pay
+Tuning: by default segments are at most ``_SEGMENT_BYTES`` (128 KiB). Smaller segments pay
 Python's cost per message; larger ones, and unsegmented blocks, ran markedly slower over gloo's
 TCP transport: re-measure before changing it.
 ``num_segments=1`` is the textbook ring, fewest messages, best for small buffers; the default
@@ -40,18 +40,18 @@ from commfuse.collectives.registry import label, register
 from commfuse.comm import Communicator
 
 #: Largest segment message when ``num_segments`` is not given (see Tuning above).
-SEGMENT_BYTES = 128 * 1024
+_SEGMENT_BYTES = 128 * 1024
 #: Upper bound of the default segment count: every segment of a step is posted at once, so this
 #: bounds the receives in flight (a 128 MiB block still gets 128 KiB segments).
-MAX_SEGMENTS = 1024
+_MAX_SEGMENTS = 1024
 
 Block = tuple[int, int]
-ViewFn = Callable[[int, int], torch.Tensor]
+_ViewFn = Callable[[int, int], torch.Tensor]
 
 
 def default_num_segments(block_bytes: int) -> int:
-    """Segments per ring block: at most ``SEGMENT_BYTES`` each, between 1 and ``MAX_SEGMENTS``."""
-    return max(1, min(MAX_SEGMENTS, math.ceil(block_bytes / SEGMENT_BYTES)))
+    """Segments per ring block: at most ``_SEGMENT_BYTES`` each, between 1 and ``_MAX_SEGMENTS``."""
+    return max(1, min(_MAX_SEGMENTS, math.ceil(block_bytes / _SEGMENT_BYTES)))
 
 
 def _segments_for(num_segments: int | None, blocks: list[Block], element_size: int) -> int:
@@ -63,7 +63,7 @@ def _segments_for(num_segments: int | None, blocks: list[Block], element_size: i
     return num_segments
 
 
-def segment_ranges(block: Block, num_segments: int) -> list[Block]:
+def _segment_ranges(block: Block, num_segments: int) -> list[Block]:
     """The element ranges of a block's segments (near-equal; empty ones when the block is short)."""
     start, stop = block
     return [(start + a, start + b) for a, b in even_blocks(stop - start, num_segments)]
@@ -72,8 +72,8 @@ def segment_ranges(block: Block, num_segments: int) -> list[Block]:
 def _ring_phase(
     comm: Communicator,
     num_segments: int,
-    send_view: ViewFn,
-    recv_view: ViewFn,
+    send_view: _ViewFn,
+    recv_view: _ViewFn,
     after_recv: Callable[[int, int], None],
     tag: str,
 ) -> None:
@@ -116,7 +116,7 @@ def _reduce_phase(
     """Ring reduce-scatter in place on ``acc``: afterwards rank r holds block
     ``(r + 1 + shift) mod P`` reduced over all ranks (other blocks hold partial sums)."""
     rank, world = comm.rank, comm.world_size
-    segs = [segment_ranges(block, num_segments) for block in blocks]
+    segs = [_segment_ranges(block, num_segments) for block in blocks]
     largest = max(b - a for a, b in segs[0]) if segs[0] else 0
     # One scratch row per segment: segment j of step s + 1 is received only after segment j of
     # step s has been reduced out of it (see _ring_phase).
@@ -151,7 +151,7 @@ def _gather_phase(
     """Ring all-gather in place on ``buf``: rank r starts with block ``(r + owner) mod P`` and
     ends with all blocks; received segments land directly in ``buf`` (no copies)."""
     rank, world = comm.rank, comm.world_size
-    segs = [segment_ranges(block, num_segments) for block in blocks]
+    segs = [_segment_ranges(block, num_segments) for block in blocks]
 
     def view(step: int, j: int, sending: bool) -> torch.Tensor:
         a, b = segs[(rank + owner - step - (0 if sending else 1)) % world][j]

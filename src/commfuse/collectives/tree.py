@@ -36,12 +36,12 @@ from commfuse.comm import Communicator
 _TAG = 21
 
 
-def tree_parent(vrank: int) -> int:
+def _tree_parent(vrank: int) -> int:
     """The parent of relative rank ``vrank`` (> 0): its lowest set bit cleared."""
     return vrank - (vrank & -vrank)
 
 
-def tree_children(vrank: int, size: int) -> list[int]:
+def _tree_children(vrank: int, size: int) -> list[int]:
     """Relative ranks of ``vrank``'s children in a binomial tree of ``size`` ranks, largest
     subtree first."""
     top = vrank & -vrank if vrank else 1 << (size - 1).bit_length()
@@ -55,26 +55,26 @@ def tree_children(vrank: int, size: int) -> list[int]:
 
 
 @register("broadcast", "tree")
-def tree_broadcast(comm: Communicator, buf: torch.Tensor, root: int, **_: Any) -> None:
+def _tree_broadcast(comm: Communicator, buf: torch.Tensor, root: int, **_: Any) -> None:
     """MST broadcast from ``root`` (see the module docstring)."""
     kind = label("broadcast", "tree")
     size = comm.world_size
     vrank = (comm.rank - root) % size
     if vrank:
-        comm.recv(buf, (tree_parent(vrank) + root) % size, tag=_TAG, label=kind)
+        comm.recv(buf, (_tree_parent(vrank) + root) % size, tag=_TAG, label=kind)
     # One child at a time: sent together they would share the link, and the largest subtree,
     # which has the longest way still to go, would get its data later.
-    for child in tree_children(vrank, size):
+    for child in _tree_children(vrank, size):
         comm.send(buf, (child + root) % size, tag=_TAG, label=kind)
 
 
 @register("reduce", "tree")
-def tree_reduce(comm: Communicator, buf: torch.Tensor, root: int, op: str, **_: Any) -> None:
+def _tree_reduce(comm: Communicator, buf: torch.Tensor, root: int, op: str, **_: Any) -> None:
     """MST reduce into ``root``; non-root buffers are left unchanged (see the module docstring)."""
     kind = label("reduce", "tree")
     size = comm.world_size
     vrank = (comm.rank - root) % size
-    children = [(c + root) % size for c in reversed(tree_children(vrank, size))]
+    children = [(c + root) % size for c in reversed(_tree_children(vrank, size))]
     acc = buf
     if children:
         acc = buf if vrank == 0 else buf.clone()
@@ -88,4 +88,4 @@ def tree_reduce(comm: Communicator, buf: torch.Tensor, root: int, op: str, **_: 
                 pending = comm.irecv(scratch[(j + 1) % 2], children[j + 1], tag=_TAG, label=kind)
             combine_(acc, current, op)
     if vrank:
-        comm.send(acc, (tree_parent(vrank) + root) % size, tag=_TAG, label=kind)
+        comm.send(acc, (_tree_parent(vrank) + root) % size, tag=_TAG, label=kind)

@@ -43,18 +43,18 @@ if TYPE_CHECKING:
     from commfuse.comm import Communicator
 
 #: Algorithms beside native a trial times: the model's fastest others.
-TRIAL_OTHERS = 2
+_TRIAL_OTHERS = 2
 #: How much faster than native a candidate's median must be to be chosen: 0.2 means 20%. Medians
 #: of a few latency-bound calls on shared cores are noisy (an A/A ratio of 0.85-1.15 is usual for
 #: small messages), and native is the safe default.
 TRIAL_MIN_GAIN = 0.2
 
 #: Records a call's seconds.
-Recorder = Callable[[float], None]
+_Recorder = Callable[[float], None]
 
 
 @dataclasses.dataclass(frozen=True)
-class TrialOutcome:
+class _TrialOutcome:
     """What one trial measured and decided."""
 
     collective: str
@@ -89,21 +89,21 @@ class _Trial:
         return (position + round_) % count, True
 
 
-class TrialState:
-    """The trials of one communicator (``comm.owned(TrialState)``): running and finished."""
+class _TrialState:
+    """The trials of one communicator (``comm.owned(_TrialState)``): running and finished."""
 
     def __init__(self, comm: Communicator) -> None:
         self.running: dict[tuple[str, int], _Trial] = {}
-        self.outcomes: dict[tuple[str, int], TrialOutcome] = {}
+        self.outcomes: dict[tuple[str, int], _TrialOutcome] = {}
         self.from_profile: set[tuple[str, int]] = set()
         """Messages whose decision the profile held: ``algo="auto"`` runs it, no trial."""
 
 
 def pick_candidates(ranked: Sequence[tuple[float, str]]) -> tuple[str, ...]:
-    """Native and the ``TRIAL_OTHERS`` fastest others of a model's ranking (seconds, name),
+    """Native and the ``_TRIAL_OTHERS`` fastest others of a model's ranking (seconds, name),
     leaving out those the model cannot price (an algorithm that does not fit the layout)."""
     others = [name for seconds, name in ranked if name != "native" and math.isfinite(seconds)]
-    return ("native", *others[:TRIAL_OTHERS])
+    return ("native", *others[:_TRIAL_OTHERS])
 
 
 def decide(candidates: Sequence[str], median_s: Sequence[float]) -> str:
@@ -124,10 +124,10 @@ def exploring(comm: Communicator, collective: str, nbytes: int) -> bool:
     false before it starts timing."""
     if comm.config.tuner_trial_calls <= 0:
         return False
-    return not _settled(comm, comm.owned(TrialState), (collective, nbytes))
+    return not _settled(comm, comm.owned(_TrialState), (collective, nbytes))
 
 
-def _settled(comm: Communicator, state: TrialState, key: tuple[str, int]) -> bool:
+def _settled(comm: Communicator, state: _TrialState, key: tuple[str, int]) -> bool:
     """Whether this message needs no trial: decided by this communicator's own, or found in the
     profile (an earlier job's trial on the same layout)."""
     if key in state.outcomes or key in state.from_profile:
@@ -142,7 +142,7 @@ def _settled(comm: Communicator, state: TrialState, key: tuple[str, int]) -> boo
 
 def next_call(
     comm: Communicator, collective: str, nbytes: int, like: torch.Tensor
-) -> tuple[str, Recorder | None] | None:
+) -> tuple[str, _Recorder | None] | None:
     """The algorithm the next ``algo="auto"`` call of this message runs during its trial, with a
     recorder for its time when the call is timed; None when trials are off or decided (the
     tuner's choice then stands). ``like``: a tensor on the caller's device, where the decision's
@@ -151,7 +151,7 @@ def next_call(
     if rounds <= 0:  # checked first: every auto call passes here
         return None
     key = (collective, nbytes)
-    state = comm.owned(TrialState)
+    state = comm.owned(_TrialState)
     if _settled(comm, state, key):
         return None
     trial = state.running.get(key)
@@ -182,13 +182,13 @@ def _finish(comm: Communicator, key: tuple[str, int], trial: _Trial, like: torch
     median_s = tuple(float(m) for m in medians.tolist())
     chosen = decide(trial.candidates, median_s)
     collective, nbytes = key
-    state = comm.owned(TrialState)
-    state.outcomes[key] = TrialOutcome(collective, nbytes, trial.candidates, median_s, chosen)
+    state = comm.owned(_TrialState)
+    state.outcomes[key] = _TrialOutcome(collective, nbytes, trial.candidates, median_s, chosen)
     del state.running[key]
     tuner.remember_choice(comm, collective, nbytes, chosen)
     tuner.save_trial_choice(comm, collective, nbytes, chosen)
 
 
-def outcomes(comm: Communicator) -> list[TrialOutcome]:
+def outcomes(comm: Communicator) -> list[_TrialOutcome]:
     """The trials this communicator has decided, in the order they were decided."""
-    return list(comm.owned(TrialState).outcomes.values())
+    return list(comm.owned(_TrialState).outcomes.values())

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 # -- cost of each (collective, algorithm) ---------------------------------------------------------
 
-CostFn = Callable[[int, int, Profile], float]
+_CostFn = Callable[[int, int, Profile], float]
 
 
 def _flat(profile: Profile) -> C.LinkCost:
@@ -106,7 +106,7 @@ def best_block_bytes(collective: str, nbytes: int, world_size: int, profile: Pro
     return min(candidates, key=lambda b: (model(nbytes, world_size, link, b), -b))
 
 
-def _lp(collective: str) -> CostFn:
+def _lp(collective: str) -> _CostFn:
     def cost(n: int, p: int, pr: Profile) -> float:
         link = _pipeline_link(pr, collective)
         return _LP_MODELS[collective](n, p, link, pipeline_block_bytes(collective, n, p, pr))
@@ -135,7 +135,7 @@ def _hier_broadcast(n: int, p: int, prof: Profile) -> float:
     )
 
 
-COSTS: dict[tuple[str, str], CostFn] = {
+COSTS: dict[tuple[str, str], _CostFn] = {
     ("all_reduce", "native"): lambda n, p, pr: C.ring_all_reduce(n, p, _native(pr)),
     ("all_reduce", "ring"): lambda n, p, pr: C.ring_all_reduce(n, p, _soft(_flat(pr), pr)),
     ("all_reduce", "pipeline"): _lp("all_reduce"),
