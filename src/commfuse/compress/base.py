@@ -36,7 +36,7 @@ from commfuse.comm import Communicator
 from commfuse.compress.feedback import ErrorFeedback
 from commfuse.compress.layout import BucketLayout, StateMoves, anonymous_key, move_elementwise
 
-FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
 
@@ -278,7 +278,7 @@ class Compressor(abc.ABC):
             raise ValueError(
                 f"{self.name}: reduce_ needs a flat, contiguous 1-D bucket, got shape {tuple(grad.shape)}"
             )
-        if grad.dtype not in FLOAT_DTYPES:
+        if grad.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"{self.name}: gradients must be floating point, got {grad.dtype}")
         layout = self.layouts.get(bucket)
         if layout is not None and layout.numel != grad.numel():

@@ -29,7 +29,7 @@ from commfuse.comm import Communicator
 from commfuse.compress.layout import BucketLayout, move_elementwise
 from commfuse.compress.sparse import TopK, num_kept, top_k
 
-WARMUP_START_DENSITY = 0.25
+_WARMUP_START_DENSITY = 0.25
 """The density DGC's warm-up starts from (75% sparsity, the paper's first epoch)."""
 
 
@@ -61,10 +61,10 @@ class DGC(TopK):
 
     def density(self, step: int | None) -> float:
         """The fraction sent at ``step`` (None: after the warm-up)."""
-        if step is None or step >= self.warmup or self.ratio >= WARMUP_START_DENSITY:
+        if step is None or step >= self.warmup or self.ratio >= _WARMUP_START_DENSITY:
             return self.ratio
         return float(
-            WARMUP_START_DENSITY * (self.ratio / WARMUP_START_DENSITY) ** (step / self.warmup)
+            _WARMUP_START_DENSITY * (self.ratio / _WARMUP_START_DENSITY) ** (step / self.warmup)
         )
 
     def k_for(self, numel: int, step: int | None) -> int:

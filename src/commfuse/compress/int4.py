@@ -28,7 +28,7 @@ from commfuse.compress.chunked import as_rows, chunk_shape
 from commfuse.compress.message import MessageCompressor
 from commfuse.compress.wire import Layout, pack_bits, packed_bytes, unpack_bits
 
-INT4_MAX = 7
+_INT4_MAX = 7
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -54,10 +54,10 @@ class Int4(MessageCompressor):
         numel = x.numel()
         rows, chunk = chunk_shape(numel, self.chunk_numel)
         matrix = as_rows(x, rows, chunk)
-        scale = matrix.abs().amax(dim=1, keepdim=True) / INT4_MAX
+        scale = matrix.abs().amax(dim=1, keepdim=True) / _INT4_MAX
         # An all-zero chunk has scale 0: divide by 1 instead (its codes are 0 either way).
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.round(matrix / safe).clamp_(-INT4_MAX, INT4_MAX) + (INT4_MAX + 1)
+        codes = torch.round(matrix / safe).clamp_(-_INT4_MAX, _INT4_MAX) + (_INT4_MAX + 1)
         return [scale.reshape(-1), pack_bits(codes.reshape(-1)[:numel].to(torch.uint8), 4)]
 
     def decompress_sum(
@@ -66,7 +66,7 @@ class Int4(MessageCompressor):
         scales, packed = parts
         rows, chunk = chunk_shape(numel, self.chunk_numel)
         ranks = scales.shape[0]
-        codes = unpack_bits(packed, 4, numel).float() - (INT4_MAX + 1)
+        codes = unpack_bits(packed, 4, numel).float() - (_INT4_MAX + 1)
         padded = codes.new_zeros(ranks, rows * chunk)
         padded[:, :numel] = codes
         dense = padded.view(ranks, rows, chunk) * scales.view(ranks, rows, 1)

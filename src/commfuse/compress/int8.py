@@ -20,7 +20,7 @@ import torch
 from commfuse.compress.message import MessageCompressor
 from commfuse.compress.wire import Layout
 
-INT8_MAX = 127
+_INT8_MAX = 127
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -37,10 +37,10 @@ class Int8(MessageCompressor):
         self, x: torch.Tensor, *, step: int = 0, bucket: int = 0, rank: int = 0
     ) -> list[torch.Tensor]:
         x32 = x.float()
-        scale = x32.abs().max().reshape(1) / INT8_MAX
+        scale = x32.abs().max().reshape(1) / _INT8_MAX
         # An all-zero bucket has scale 0: divide by 1 instead (its codes are 0 either way).
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.round(x32 / safe).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        codes = torch.round(x32 / safe).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
         return [scale, codes]
 
     def decompress_sum(

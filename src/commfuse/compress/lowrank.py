@@ -9,7 +9,7 @@ gradient is a sum of ``batch`` outer products, so a few directions dominate it. 
 plans that for one bucket:
 
 * a tensor with ``ndim >= 2`` whose factors are smaller than itself,
-  ``(rows + cols) r' < rows cols`` with ``r' = min(r, rows, cols)``, is a ``Matrix``;
+  ``(rows + cols) r' < rows cols`` with ``r' = min(r, rows, cols)``, is a ``_Matrix``;
 * every other element is ``plain`` and is averaged exactly.
 
 The messages are two flat buffers, so a bucket costs two allreduces whatever its tensor count:
@@ -32,7 +32,7 @@ from commfuse.compress.layout import check_shapes
 
 
 @dataclasses.dataclass(frozen=True)
-class Matrix:
+class _Matrix:
     """One compressed tensor: its slice of the bucket, viewed as ``rows x cols``."""
 
     offset: int
@@ -44,14 +44,14 @@ class Matrix:
 
 
 @dataclasses.dataclass(frozen=True)
-class MatrixGroup:
+class _MatrixGroup:
     """Compressed tensors of one shape and rank: contiguous ``(k, rows, rank)`` P's and
     ``(k, cols, rank)`` Q's in the messages."""
 
     rows: int
     cols: int
     rank: int
-    members: tuple[Matrix, ...]
+    members: tuple[_Matrix, ...]
     p_offset: int
     """Start of this group's P's in the P part of the first message."""
     q_offset: int
@@ -75,7 +75,7 @@ class Plan:
     """Elements of the bucket (the sum over its tensors)."""
     plain: tuple[tuple[int, int], ...]
     """``(offset, length)`` runs of elements sent uncompressed (adjacent tensors merged)."""
-    groups: tuple[MatrixGroup, ...]
+    groups: tuple[_MatrixGroup, ...]
 
     @property
     def plain_numel(self) -> int:
@@ -107,7 +107,7 @@ class Plan:
             flat[offset : offset + length] = message[at : at + length]
             at += length
 
-    def factor_slices(self, factor: Literal["p", "q"]) -> dict[int, tuple[int, int, MatrixGroup]]:
+    def factor_slices(self, factor: Literal["p", "q"]) -> dict[int, tuple[int, int, _MatrixGroup]]:
         """Where each compressed tensor's factor sits in the P part of the first message
         (``"p"``, ``rows x rank``) or in the second message (``"q"``, ``cols x rank``): tensor
         index -> (start, numel, its group)."""
@@ -129,7 +129,7 @@ def plan_for(shapes: Sequence[torch.Size], rank: int) -> Plan:
     """Plan a bucket holding tensors of ``shapes`` (in order) for rank-``rank`` PowerSGD."""
     shapes = check_shapes(shapes)
     plain: list[list[int]] = []
-    by_shape: dict[tuple[int, int, int], list[Matrix]] = {}
+    by_shape: dict[tuple[int, int, int], list[_Matrix]] = {}
     offset = 0
     for index, shape in enumerate(shapes):
         numel = math.prod(shape)
@@ -137,7 +137,7 @@ def plan_for(shapes: Sequence[torch.Size], rank: int) -> Plan:
         cols = numel // rows if rows else 0
         r = min(rank, rows, cols)
         if len(shape) >= 2 and numel > 0 and (rows + cols) * r < numel:
-            by_shape.setdefault((rows, cols, r), []).append(Matrix(offset, rows, cols, index))
+            by_shape.setdefault((rows, cols, r), []).append(_Matrix(offset, rows, cols, index))
         elif numel > 0:
             if plain and plain[-1][0] + plain[-1][1] == offset:
                 plain[-1][1] += numel  # adjacent plain tensors: one copy, not two
@@ -147,7 +147,7 @@ def plan_for(shapes: Sequence[torch.Size], rank: int) -> Plan:
     groups = []
     p_offset = q_offset = 0
     for (rows, cols, r), members in by_shape.items():
-        group = MatrixGroup(rows, cols, r, tuple(members), p_offset, q_offset)
+        group = _MatrixGroup(rows, cols, r, tuple(members), p_offset, q_offset)
         groups.append(group)
         p_offset += group.p_numel
         q_offset += group.q_numel

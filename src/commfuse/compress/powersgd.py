@@ -54,7 +54,7 @@ ErrorMemory = Literal["local", "averaged"]
 Wire = Literal["fp32", "bf16", "fp16"]
 """The type factors travel in (``PowerSGD.wire``)."""
 
-WIRE_DTYPES: dict[Wire, torch.dtype] = {
+_WIRE_DTYPES: dict[Wire, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
@@ -129,9 +129,9 @@ class PowerSGD(Compressor):
             raise ValueError(f"powersgd: warmup must be >= 0 steps, got {self.warmup}")
         if self.warmup_rank < 0:
             raise ValueError(f"powersgd: warmup_rank must be >= 0, got {self.warmup_rank}")
-        if self.wire not in WIRE_DTYPES:
+        if self.wire not in _WIRE_DTYPES:
             raise ValueError(
-                f"powersgd: wire must be one of {', '.join(WIRE_DTYPES)}, got {self.wire!r}"
+                f"powersgd: wire must be one of {', '.join(_WIRE_DTYPES)}, got {self.wire!r}"
             )
         if self.error_memory not in ("local", "averaged"):
             raise ValueError(
@@ -297,7 +297,7 @@ class PowerSGD(Compressor):
 
     def _wire_dtype(self, factors: torch.dtype) -> torch.dtype:
         """The type factors computed in ``factors`` travel in (``wire`` narrows fp32 only)."""
-        return WIRE_DTYPES[self.wire] if factors == torch.float32 else factors
+        return _WIRE_DTYPES[self.wire] if factors == torch.float32 else factors
 
     def _wire_bytes(self, dtype: torch.dtype) -> int:
         """Bytes per factor element on the wire for gradients of ``dtype``."""

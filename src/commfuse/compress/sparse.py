@@ -41,7 +41,7 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[indices], indices.to(torch.int32)
 
 
-def scatter_sum(
+def _scatter_sum(
     values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """A dense vector holding the sum of every row's (values, indices) pairs."""
@@ -79,7 +79,7 @@ class TopK(MessageCompressor):
         self, parts: list[torch.Tensor], numel: int, dtype: torch.dtype, step: int | None
     ) -> torch.Tensor:
         values, indices = parts
-        return scatter_sum(values, indices, numel, dtype)
+        return _scatter_sum(values, indices, numel, dtype)
 
 
 @dataclasses.dataclass(kw_only=True)
