@@ -110,7 +110,7 @@ class StepBound:
     """Each wait's idle cores over the cores (us of the step), at ``chunks``."""
 
 
-def machine_exposed_us(wait: GlobalWait, chunks: int, cores: float) -> float:
+def _machine_exposed_us(wait: GlobalWait, chunks: int, cores: float) -> float:
     """The idle core time a wait forces, over the cores: ``max(0, w (1 - rho / N) - fill / N)``."""
     w = wait.length_us(chunks)
     return max(0.0, w * (1 - min(wait.traffic_cores, cores) / cores) - wait.fill_us / cores)
@@ -120,7 +120,7 @@ def step_bound(graph: StepGraph) -> StepBound:
     """The least over ``graph.chunk_choices`` of ``max(machine, one rank)`` (module docstring)."""
     best: StepBound | None = None
     for k in sorted(set(graph.chunk_choices)):
-        exposed = {w.name: machine_exposed_us(w, k, graph.cores) for w in graph.waits}
+        exposed = {w.name: _machine_exposed_us(w, k, graph.cores) for w in graph.waits}
         pieces = (k - 1) * graph.piece_cpu_us / graph.cores
         machine = graph.floor_us + pieces + sum(exposed.values())
         path = graph.rank_compute_us + sum(

@@ -1,6 +1,6 @@
 """``commfuse simulate --calibrate``: fit the cluster model to real runs on the emulated cluster.
 
-1. **Host link, point to point**: ping-pongs of ``P2P_SIZES`` between rank 0 and the next host;
+1. **Host link, point to point**: ping-pongs of ``_P2P_SIZES`` between rank 0 and the next host;
    alpha + n beta fitted -> ``inter_latency_us``, ``inter_gbit_per_s``. This prices commfuse's
    own algorithms (ring, linear pipeline, binomial tree), which are built on point-to-point
    messages.
@@ -10,7 +10,7 @@
 3. **Local rates**: ``a += b`` (gamma -> ``reduce_gbyte_per_s``), an SGD update
    (``mem_gbyte_per_s``, 3 bytes moved per parameter byte), the fp16 compressor's local work
    (finiteness test, scale, cast) and what gloo's fp16 allreduce costs beyond an fp32 one of the
-   same bytes (``HALF_ALL_REDUCE_SIZES``; together ``compression_gbyte_per_s``), all on every
+   same bytes (``_HALF_ALL_REDUCE_SIZES``; together ``compression_gbyte_per_s``), all on every
    rank at once, since in a step they share the cores.
 4. **Compute**: forward, backward and SGD step of ``CALIBRATION_MLP`` with no communication on
    every rank at once; its FLOPs (PyTorch's counter on the meta device) over the time left after
@@ -53,17 +53,17 @@ if TYPE_CHECKING:
 KB, MB = 1 << 10, 1 << 20
 #: Sizes of the native-collective fits: x4 apart, from latency-bound to bandwidth-bound.
 NATIVE_SIZES = (128 * KB, 512 * KB, 2 * MB, 8 * MB)
-NATIVE_COLLECTIVES = ("all_reduce", "broadcast", "all_to_all", "all_gather")
+_NATIVE_COLLECTIVES = ("all_reduce", "broadcast", "all_to_all", "all_gather")
 #: Sizes of the fp16 allreduce whose excess over fp32 at the same bytes is fp16's summation
 #: cost (gloo adds halves in software) charged to the fp16 compressor.
-HALF_ALL_REDUCE_SIZES = (2 * MB, 8 * MB)
+_HALF_ALL_REDUCE_SIZES = (2 * MB, 8 * MB)
 #: Native collectives whose start-ups run under their transfers (``fit.overlapped``): gloo's
 #: segmented ring allreduce.
-OVERLAPPED_NATIVE = {("all_reduce", "native")}
+_OVERLAPPED_NATIVE = {("all_reduce", "native")}
 #: Ping-pong sizes of the point-to-point fit.
-P2P_SIZES = (128 * KB, 512 * KB, 2 * MB, 8 * MB)
+_P2P_SIZES = (128 * KB, 512 * KB, 2 * MB, 8 * MB)
 #: Local element-wise work: big enough to leave the caches.
-LOCAL_BYTES = 16 * MB
+_LOCAL_BYTES = 16 * MB
 #: The compute calibration's model: not the validation's (other widths and depth).
 CALIBRATION_MLP = {"in": 512, "width": 768, "depth": 4, "out": 10, "batch": 32}
 #: SGD without momentum reads the weight and the gradient and writes the weight.
@@ -98,7 +98,7 @@ def mlp_workload(spec: dict[str, int], name: str) -> ModelProfile:
 
 def calibration_configs(*, quick: bool = False) -> list[dict[str, Any]]:
     """What calibration measures (quick: allreduce only among the native collectives)."""
-    natives = ("all_reduce",) if quick else NATIVE_COLLECTIVES
+    natives = ("all_reduce",) if quick else _NATIVE_COLLECTIVES
     out: list[dict[str, Any]] = [
         {"kind": "collective", "collective": c, "algo": "native", "bytes": n}
         for c in natives
@@ -112,10 +112,10 @@ def calibration_configs(*, quick: bool = False) -> list[dict[str, Any]]:
             "bytes": n,
             "dtype": "float16",
         }
-        for n in HALF_ALL_REDUCE_SIZES
+        for n in _HALF_ALL_REDUCE_SIZES
     ]
-    out += [{"kind": "p2p", "bytes": n} for n in P2P_SIZES]
-    out += [{"kind": k, "bytes": LOCAL_BYTES} for k in ("reduce", "memory", "cast")]
+    out += [{"kind": "p2p", "bytes": n} for n in _P2P_SIZES]
+    out += [{"kind": k, "bytes": _LOCAL_BYTES} for k in ("reduce", "memory", "cast")]
     out.append({"kind": "compute", "model": CALIBRATION_MLP})
     out.append(dict(COMM_STEP))
     return out
@@ -170,7 +170,7 @@ def fit_cluster(
             gamma_s_per_byte=gamma,
             max_gbit_per_s=base.inter_gbit_per_s,
         )
-        overlaps = (collective, algo) in OVERLAPPED_NATIVE
+        overlaps = (collective, algo) in _OVERLAPPED_NATIVE
         if overlaps:
             fit = overlapped(
                 fit, model, gamma_s_per_byte=gamma, max_gbit_per_s=base.inter_gbit_per_s
@@ -210,7 +210,7 @@ def fit_cluster(
     return cluster, fits
 
 
-def comm_step_plan(cfg: dict[str, Any]) -> CommPlan:
+def _comm_step_plan(cfg: dict[str, Any]) -> CommPlan:
     """The simulator's view of a torch DDP step config (DDP caps its first bucket at 1 MB)."""
     return CommPlan(
         algorithm=cfg.get("algo", "native"),
@@ -225,7 +225,7 @@ def fit_comm_cpu_of(cluster: ClusterModel, cfg: dict[str, Any], step_s: float) -
     from commfuse.sim.step import simulate_step
 
     workload = mlp_workload(cfg["model"], "calibration-mlp")
-    plan = comm_step_plan(cfg)
+    plan = _comm_step_plan(cfg)
 
     def predict(coefficient: float) -> float:
         model = dataclasses.replace(cluster, comm_cpu_us_per_mbyte=coefficient)
@@ -240,7 +240,7 @@ def compression_gbyte_per_s(
     """The fp16 compressor's cost as a rate, GB of fp32 input per second: its measured local
     work (``cast``: finiteness test, divide, cast, copy back) plus, with ``cluster`` (the fitted
     model), what an fp16 allreduce costs beyond an fp32 one of the same bytes (the median
-    excess per byte of the ``HALF_ALL_REDUCE_SIZES`` runs, clamped at 0; an fp16 message is half
+    excess per byte of the ``_HALF_ALL_REDUCE_SIZES`` runs, clamped at 0; an fp16 message is half
     its input's bytes). The simulator charges it before the compressed allreduce."""
     from commfuse.sim.network import collective_time_s
 

@@ -10,7 +10,7 @@ at several sizes (each the median of repetitions), alpha and beta follow by leas
 1. each row is divided by its measured time, so the fit minimises *relative* error (the target
    is a relative error; plain least squares would let the largest size decide everything);
 2. iteratively reweighted least squares with Huber weights (Huber 1964): rows whose relative
-   residual exceeds ``HUBER_K`` times the median absolute residual are down-weighted, so one
+   residual exceeds ``_HUBER_K`` times the median absolute residual are down-weighted, so one
    sample spoiled by another job on a shared machine does not swing alpha, as an exact solve
    through two sizes does;
 3. alpha >= 0 and beta > 0: a negative alpha (noise at large sizes) is clamped and beta refitted;
@@ -37,7 +37,7 @@ from commfuse.collectives import cost as C
 
 #: Huber's threshold, in units of the median absolute relative residual (1.345 sigma for
 #: Gaussian noise, and the median absolute deviation is about 0.67 sigma).
-HUBER_K = 2.0
+_HUBER_K = 2.0
 _IRLS_ROUNDS = 10
 
 #: A formula of one world size: seconds for n bytes on a link.
@@ -125,7 +125,7 @@ def fit_link(
             alpha = max(0.0, float(np.sum(weights * design[:, 0] * rest) / max(w.sum(), 1e-300)))
         residual = design @ np.array([alpha, beta]) - target
         spread = statistics.median(np.abs(residual).tolist()) or 1e-12
-        cut = HUBER_K * spread
+        cut = _HUBER_K * spread
         new = np.where(np.abs(residual) <= cut, 1.0, cut / np.maximum(np.abs(residual), 1e-300))
         if np.allclose(new, weights):
             break

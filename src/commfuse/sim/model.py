@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 GroupName = Literal["tp", "dp", "world"]
 PhaseName = Literal["fwd", "bwd"]
-GROUPS: tuple[GroupName, ...] = typing.get_args(GroupName)
+_GROUPS: tuple[GroupName, ...] = typing.get_args(GroupName)
 PHASES: tuple[PhaseName, ...] = typing.get_args(PhaseName)
 
 
@@ -45,8 +45,8 @@ class LayerComm:
     GEMM + AllReduce, GEMM + All-to-All: Punniyamurthy et al., SC24)."""
 
     def __post_init__(self) -> None:
-        if self.group not in GROUPS:
-            raise ValueError(f"layer comm group must be one of {GROUPS}, got {self.group!r}")
+        if self.group not in _GROUPS:
+            raise ValueError(f"layer comm group must be one of {_GROUPS}, got {self.group!r}")
         if self.phase not in PHASES:
             raise ValueError(f"layer comm phase must be one of {PHASES}, got {self.phase!r}")
         if self.nbytes < 0:

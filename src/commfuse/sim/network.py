@@ -42,7 +42,7 @@ from commfuse.collectives.tuner import choose_for, predict
 from commfuse.sim import lp
 from commfuse.sim.cluster import ClusterModel
 
-RESOURCES = ("intra", "nic", "wan")
+_RESOURCES = ("intra", "nic", "wan")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,7 +70,7 @@ class Demand:
     latency_s: float
     """Start-ups and local reductions, seconds: a flow sharing the link does not stretch them."""
     busy_s: dict[str, float]
-    """Seconds each resource (``RESOURCES``) is busy moving the bytes at its full rate; shared
+    """Seconds each resource (``_RESOURCES``) is busy moving the bytes at its full rate; shared
     resources stretch them."""
 
     @property
@@ -106,7 +106,7 @@ _SHAPES: dict[tuple[str, str], tuple[str, _Fn]] = {
 _PIPELINES = {"broadcast", "reduce", "all_reduce"}
 
 
-def known_algorithms(collective: str) -> list[str]:
+def _known_algorithms(collective: str) -> list[str]:
     hier = {"hierarchical"} if collective in ("all_reduce", "broadcast") else set()
     return sorted({a for c, a in _SHAPES if c == collective} | {"auto"} | hier)
 
@@ -171,7 +171,7 @@ def demand(
     if name != "hierarchical" and (collective, name) not in _SHAPES:
         raise ValueError(
             f"unknown algorithm {algo!r} for {collective}; known: "
-            f"{', '.join(known_algorithms(collective))}"
+            f"{', '.join(_known_algorithms(collective))}"
         )
     hosts = group.hosts
     dcs = min(cluster.num_datacenters, hosts) if hosts > 1 else 1

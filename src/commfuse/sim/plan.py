@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
 
-class MessageModel(Protocol):
+class _MessageModel(Protocol):
     """What the simulator reads of a compressor (``commfuse.compress`` compressors have it):
     the bytes of one rank's message for a bucket, and the collective that combines them."""
 
@@ -61,7 +61,7 @@ class CommPlan:
     ``commfuse.ddp.DataParallel`` use 1 MB so communication starts early (0: ``bucket_cap_mb``)."""
     overlap: bool = True
     """Start each bucket's allreduce during backward (else after it)."""
-    compressor: MessageModel | None = None
+    compressor: _MessageModel | None = None
     """The message of every gradient bucket (and outer update): its ``payload_bytes`` for the
     bucket's elements (after any warm-up), on its ``aggregation``. None: ``compression_ratio``."""
     compression_ratio: float = 1.0

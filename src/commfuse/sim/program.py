@@ -225,7 +225,9 @@ def build_step(
     done = b.compute("optimizer", 0.0, optimizer_bytes, [previous, *dp_tasks])
     if local_sgd and sync and workload.dp_param_bytes:
         params = int(workload.dp_param_bytes * s.outer_fraction)
-        prepare = b.compute("outer delta", 0.0, OUTER_PREPARE_BYTES_PER_PARAM_BYTE * params, [done])
+        prepare = b.compute(
+            "outer delta", 0.0, _OUTER_PREPARE_BYTES_PER_PARAM_BYTE * params, [done]
+        )
         collective, size = s.message(params, workload.param_dtype_bytes, b.groups["dp"].size)
         exchange = b.comm(
             f"outer {collective}",
@@ -237,17 +239,17 @@ def build_step(
             overhead_s=_compress_s(b, params),
             category="outer",
         )
-        b.compute("outer step", 0.0, OUTER_APPLY_BYTES_PER_PARAM_BYTE * params, [exchange])
+        b.compute("outer step", 0.0, _OUTER_APPLY_BYTES_PER_PARAM_BYTE * params, [exchange])
     return b.tasks
 
 
 #: Memory traffic of a synchronisation of ``localsgd.PeriodicSyncOptimizer``, bytes moved per
 #: parameter byte, counted from the code: flatten the parameters (read, write), ``anchor -
 #: flat`` (2 reads, 1 write), keep a copy of this rank's delta (2) ...
-OUTER_PREPARE_BYTES_PER_PARAM_BYTE = 7.0
+_OUTER_PREPARE_BYTES_PER_PARAM_BYTE = 7.0
 #: ... then divide the sum (2), the drift ``norm(local - avg)`` (3 + 1) and the anchor's norm
 #: (1), the outer SGD step on the anchor (3), the anchor written back into the parameters (2).
-OUTER_APPLY_BYTES_PER_PARAM_BYTE = 12.0
+_OUTER_APPLY_BYTES_PER_PARAM_BYTE = 12.0
 
 
 def _compress_s(b: _Builder, nbytes: int) -> float:
@@ -258,7 +260,7 @@ def _compress_s(b: _Builder, nbytes: int) -> float:
 
 
 #: Parameter tensors per layer in the NaN/Inf agreement message (a weight and a bias).
-TENSORS_PER_LAYER = 2
+_TENSORS_PER_LAYER = 2
 
 
 def _bucket(b: _Builder, layers: list[Layer], after: int) -> int:
@@ -269,6 +271,6 @@ def _bucket(b: _Builder, layers: list[Layer], after: int) -> int:
     if b.plan.compresses and b.plan.finite_agreement:
         # commfuse.ddp agrees on NaN/Inf before a compressor touches its error feedback: one
         # max-allreduce of an fp32 flag per tensor per bucket, latency-bound.
-        table = 4 * TENSORS_PER_LAYER * len(layers)
+        table = 4 * _TENSORS_PER_LAYER * len(layers)
         after = b.comm(f"agree finite {name}", "all_reduce", table, "dp", "dp", [after])
     return b.comm(name, collective, size, "dp", "dp", [after], overhead_s=_compress_s(b, nbytes))
