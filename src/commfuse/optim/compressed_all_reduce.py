@@ -39,7 +39,7 @@ from commfuse import collectives
 from commfuse.comm import Communicator
 from commfuse.compress.wire import WORD_BYTES, pack_bits, packed_bytes, unpack_bits
 
-SCALE_BYTES = 4
+_SCALE_BYTES = 4
 
 
 def chunk_numel(numel: int, world_size: int) -> int:
@@ -49,7 +49,7 @@ def chunk_numel(numel: int, world_size: int) -> int:
 
 def message_bytes(chunk: int) -> int:
     """Bytes of one chunk's message: an fp32 scale and ``chunk`` sign bits, padded to words."""
-    return -(-(SCALE_BYTES + packed_bytes(chunk, 1)) // WORD_BYTES) * WORD_BYTES
+    return -(-(_SCALE_BYTES + packed_bytes(chunk, 1)) // WORD_BYTES) * WORD_BYTES
 
 
 def wire_bytes_per_rank(numel: int, world_size: int) -> int:
@@ -91,7 +91,7 @@ def encode(rows: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch
         wide[:, :chunk] = positive
         packed = pack_bits(wide.reshape(-1).to(torch.uint8), 1)
     body = torch.cat(
-        [scale32.view(torch.uint8).view(-1, SCALE_BYTES), packed.view(rows.shape[0], -1)], 1
+        [scale32.view(torch.uint8).view(-1, _SCALE_BYTES), packed.view(rows.shape[0], -1)], 1
     )
     words = body.new_zeros(rows.shape[0], message_bytes(chunk))
     words[:, : body.shape[1]] = body
@@ -103,8 +103,8 @@ def decode(
 ) -> torch.Tensor:
     """``R x words`` int32 messages -> ``R x chunk`` decoded values (padding zero)."""
     raw = words.contiguous().view(torch.uint8).view(words.shape[0], -1)
-    scale = raw[:, :SCALE_BYTES].contiguous().view(torch.float32).to(dtype)
-    bits = unpack_bits(raw[:, SCALE_BYTES : SCALE_BYTES + packed_bytes(chunk, 1)], 1, chunk)
+    scale = raw[:, :_SCALE_BYTES].contiguous().view(torch.float32).to(dtype)
+    bits = unpack_bits(raw[:, _SCALE_BYTES : _SCALE_BYTES + packed_bytes(chunk, 1)], 1, chunk)
     return torch.where(bits.bool(), scale, -scale) * valid
 
 
