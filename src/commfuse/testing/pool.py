@@ -36,7 +36,7 @@ from commfuse.cluster.topology import Topology
 T = TypeVar("T")
 
 #: How long the after-call health check may take before the group is declared broken.
-HEALTH_TIMEOUT_S = 10.0
+_HEALTH_TIMEOUT_S = 10.0
 #: After one rank fails, how long the others get to finish before the pool is rebuilt.
 FAILURE_GRACE_S = 5.0
 
@@ -116,7 +116,7 @@ def _group_healthy(timeout_s: float) -> bool:
     try:
         work = dist.all_reduce(token, async_op=True)
         assert work is not None
-        work.wait(datetime.timedelta(seconds=min(timeout_s, HEALTH_TIMEOUT_S)))
+        work.wait(datetime.timedelta(seconds=min(timeout_s, _HEALTH_TIMEOUT_S)))
     except Exception:
         return False
     return True
@@ -309,7 +309,7 @@ class RankPool:
     def _read_health(self) -> None:
         """Consume each rank's after-call health report: a broken group is rebuilt before the next
         call; a rank that does not report in time cannot be trusted and the pool is replaced."""
-        deadline = time.monotonic() + HEALTH_TIMEOUT_S + FAILURE_GRACE_S
+        deadline = time.monotonic() + _HEALTH_TIMEOUT_S + FAILURE_GRACE_S
         healthy = True
         for conn in self._conns:
             try:

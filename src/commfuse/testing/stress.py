@@ -70,7 +70,7 @@ elif kind == "disk":
 """
 
 #: Memory is held by at most this many processes (each touches its share).
-MEMORY_PROCESSES = 2
+_MEMORY_PROCESSES = 2
 
 
 def cores() -> int:
@@ -156,7 +156,7 @@ def under_stress(
         for _ in range(config.cpu_processes):
             start("cpu")
         if config.memory_mb:
-            parts = min(MEMORY_PROCESSES, config.memory_mb)
+            parts = min(_MEMORY_PROCESSES, config.memory_mb)
             for i in range(parts):
                 share = config.memory_mb // parts + (1 if i < config.memory_mb % parts else 0)
                 start("memory", str(share))
