@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-LATEST = "latest"
+_LATEST = "latest"
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -115,14 +115,14 @@ def save_rank(root: str | Path, step: int, rank: int, payload: dict[str, Any]) -
 
 def mark_latest(root: str | Path, step: int) -> None:
     """Point ``latest`` at ``step`` (rank 0, after every rank saved)."""
-    tmp = Path(root) / (LATEST + ".tmp")
+    tmp = Path(root) / (_LATEST + ".tmp")
     tmp.write_text(f"{step}\n")
-    os.replace(tmp, Path(root) / LATEST)
+    os.replace(tmp, Path(root) / _LATEST)
 
 
 def latest_step(root: str | Path) -> int | None:
     """The last complete checkpoint's step, or None when there is none."""
-    marker = Path(root) / LATEST
+    marker = Path(root) / _LATEST
     if not marker.is_file():
         return None
     text = marker.read_text().strip()
@@ -133,33 +133,33 @@ def latest_step(root: str | Path) -> int | None:
 
 #: The parts of a checkpoint ``load_rank`` moves onto the rank's device (the module docstring:
 #: the optimizer places its own state; RNG states, history and identity are host data).
-ON_DEVICE = ("model", "strategy")
+_ON_DEVICE = ("model", "strategy")
 
 
 def load_rank(root: str | Path, step: int, rank: int, *, device: torch.device) -> dict[str, Any]:
-    """Rank ``rank``'s file for ``step``, its ``ON_DEVICE`` parts moved onto ``device``.
+    """Rank ``rank``'s file for ``step``, its ``_ON_DEVICE`` parts moved onto ``device``.
 
     Raises:
-        ValueError: the file is missing or not a loadable checkpoint (``load_file``).
+        ValueError: the file is missing or not a loadable checkpoint (``_load_file``).
     """
     path = step_dir(root, step) / f"rank{rank}.pt"
     if not path.is_file():
         raise ValueError(f"checkpoint {path} is missing (was it written by fewer ranks?)")
-    payload = load_file(path)
-    for key in ON_DEVICE:
+    payload = _load_file(path)
+    for key in _ON_DEVICE:
         if key in payload:
-            payload[key] = to_device(payload[key], device)
+            payload[key] = _to_device(payload[key], device)
     return payload
 
 
-def to_device(value: Any, device: torch.device) -> Any:
+def _to_device(value: Any, device: torch.device) -> Any:
     """``value`` with every tensor in it (through dicts, lists and tuples) moved to ``device``."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, dict):
-        return {key: to_device(item, device) for key, item in value.items()}
+        return {key: _to_device(item, device) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(to_device(item, device) for item in value)
+        return type(value)(_to_device(item, device) for item in value)
     return value
 
 
@@ -168,16 +168,16 @@ def load_identity(root: str | Path, step: int) -> dict[str, Any]:
     tensors (memory-mapped): a launcher checks it before it starts any rank.
 
     Raises:
-        ValueError: the file is missing or not a loadable checkpoint (``load_file``).
+        ValueError: the file is missing or not a loadable checkpoint (``_load_file``).
     """
     path = step_dir(root, step) / "rank0.pt"
     if not path.is_file():
         raise ValueError(f"checkpoint {path} is missing")
-    identity: dict[str, Any] = load_file(path, mmap=True).get("identity", {})
+    identity: dict[str, Any] = _load_file(path, mmap=True).get("identity", {})
     return identity
 
 
-def load_file(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
+def _load_file(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
     """Load one checkpoint file weights-only: tensors and plain data, never code (``mmap``:
     tensors stay in the file until read).
 

@@ -29,7 +29,7 @@ from torch import nn
 from commfuse.train.strategy import CommfuseDPConfig, Strategy, StrategyContext, register_builder
 
 
-class CommfuseDP(Strategy):
+class _CommfuseDP(Strategy):
     """DataParallel from ``commfuse.ddp``, optionally with a compressor."""
 
     def __init__(self, ctx: StrategyContext, *, compressor: Any = None, **config: Any) -> None:
@@ -77,7 +77,7 @@ class CommfuseDP(Strategy):
 
 
 def _commfuse(config: CommfuseDPConfig, ctx: StrategyContext) -> Strategy:
-    return CommfuseDP(
+    return _CommfuseDP(
         ctx,
         compressor=config.compressor,
         algo=config.algo,

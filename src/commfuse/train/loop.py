@@ -53,7 +53,7 @@ from commfuse.workloads import (
 )
 
 
-class ResumeNotExactWarning(UserWarning):
+class _ResumeNotExactWarning(UserWarning):
     """Resuming a strategy whose resume is not bit-exact (its config's ``resume_caveat`` says
     why)."""
 
@@ -123,7 +123,7 @@ class TrainConfig:
         if self.resume and caveat and ckpt.latest_step(self.checkpoint_dir or ".") is not None:
             warnings.warn(
                 f"resuming {strategy_name(self.strategy)} is not exact: {caveat}",
-                ResumeNotExactWarning,
+                _ResumeNotExactWarning,
                 stacklevel=3,
             )
 
@@ -166,7 +166,7 @@ def _identity(config: TrainConfig, world_size: int) -> dict[str, Any]:
     }
 
 
-class RunStart(NamedTuple):
+class _RunStart(NamedTuple):
     """Where a run starts (``check_start``)."""
 
     step: int
@@ -175,7 +175,7 @@ class RunStart(NamedTuple):
     """Where that step comes from, in words; None for a new run from step 0."""
 
 
-def check_start(config: TrainConfig, world_size: int) -> RunStart:
+def check_start(config: TrainConfig, world_size: int) -> _RunStart:
     """Where the run starts, checked before any rank starts: with ``resume``,
     ``checkpoint_dir``'s latest step (0 when it holds none yet: a job requeued before its
     first checkpoint starts over); else ``init_from``'s step; else 0.
@@ -198,12 +198,12 @@ def check_start(config: TrainConfig, world_size: int) -> RunStart:
                     f"this run's total of {config.steps} steps: resume with steps of at least "
                     f"{step}"
                 )
-            return RunStart(step, f"resuming at step {step} from {config.checkpoint_dir}")
+            return _RunStart(step, f"resuming at step {step} from {config.checkpoint_dir}")
         no_checkpoint_yet = f"no checkpoint in {config.checkpoint_dir} yet: starting at step 0"
     if config.init_from is None:
-        return RunStart(0, no_checkpoint_yet)
+        return _RunStart(0, no_checkpoint_yet)
     step = init_from_step(config)
-    return RunStart(
+    return _RunStart(
         step, f"starting at step {step} from the model and optimizer in {config.init_from}"
     )
 

@@ -13,12 +13,12 @@ from typing import Any
 from commfuse.cluster.machine import cores_left
 
 
-def smoothing_window(steps: int) -> int:
+def _smoothing_window(steps: int) -> int:
     """Moving-average window: a tenth of the run, at least 1, at most 20 steps."""
     return max(1, min(20, steps // 10))
 
 
-def moving_average(values: Sequence[float], window: int) -> list[float]:
+def _moving_average(values: Sequence[float], window: int) -> list[float]:
     out, total = [], 0.0
     for i, v in enumerate(values):
         total += v
@@ -143,7 +143,7 @@ def summarize(
     steps = total - int(first.get("extra_steps", 0))
     hist = {k: v[:steps] for k, v in full.items()}
     losses = [statistics.fmean(r["history"]["loss"][i] for r in rank_results) for i in range(total)]
-    curve = moving_average(losses, smoothing_window(steps))
+    curve = _moving_average(losses, _smoothing_window(steps))
     times = hist["step_time_s"]
     timed = slice(min(warmup, max(0, steps - 1)), steps)
     wall, walls = 0.0, []

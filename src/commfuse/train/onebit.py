@@ -28,10 +28,10 @@ from commfuse.optim import OneBitAdam, OneBitAdamConfig, ZeroOneAdam, ZeroOneAda
 from commfuse.train.strategy import Strategy, StrategyContext, register_builder
 
 #: The AdamW settings a parameter group carries over to the compressed optimizer.
-ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
-def adam_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+def _adam_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """``optimizer``'s parameter groups with their AdamW settings.
 
     Raises:
@@ -39,23 +39,23 @@ def adam_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """
     groups = []
     for group in optimizer.param_groups:
-        missing = [k for k in ADAM_KEYS if k not in group]
+        missing = [k for k in _ADAM_KEYS if k not in group]
         if missing:
             raise ValueError(
                 f"1-bit Adam and 0/1 Adam replace the workload's Adam(W), but its optimizer is "
                 f"{type(optimizer).__name__} (no {', '.join(missing)}); use a workload trained "
                 "with AdamW (charlm, digits)"
             )
-        groups.append({"params": group["params"], **{k: group[k] for k in ADAM_KEYS}})
+        groups.append({"params": group["params"], **{k: group[k] for k in _ADAM_KEYS}})
     return groups
 
 
-class CompressedAdamStrategy(Strategy):
+class _CompressedAdamStrategy(Strategy):
     """One rank of a 1-bit Adam or 0/1 Adam run."""
 
     def __init__(self, config: OneBitAdamConfig | ZeroOneAdamConfig, ctx: StrategyContext) -> None:
         super().__init__(ctx)
-        groups = adam_groups(ctx.optimizer)
+        groups = _adam_groups(ctx.optimizer)
         self.compressed: OneBitAdam | ZeroOneAdam
         if isinstance(config, OneBitAdamConfig):
             self.compressed = OneBitAdam(groups, ctx.comm, config)
@@ -130,5 +130,5 @@ class CompressedAdamStrategy(Strategy):
         self.compressed.load_state_dict(state["compressed_adam"])
 
 
-register_builder(OneBitAdamConfig, CompressedAdamStrategy)
-register_builder(ZeroOneAdamConfig, CompressedAdamStrategy)
+register_builder(OneBitAdamConfig, _CompressedAdamStrategy)
+register_builder(ZeroOneAdamConfig, _CompressedAdamStrategy)

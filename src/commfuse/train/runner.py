@@ -23,7 +23,7 @@ from commfuse.train.strategy import describe_strategy, strategy_name
 from commfuse.workloads import describe_workload
 
 #: Steps excluded from the step-time median (one-off costs of the first steps).
-DEFAULT_WARMUP_STEPS = 2
+_DEFAULT_WARMUP_STEPS = 2
 
 
 class _Progress:
@@ -75,7 +75,7 @@ def run_training(
     emulate: bool | None = None,
     progress: bool | None = None,
     timeout_s: float | None = 3600.0,
-    warmup: int = DEFAULT_WARMUP_STEPS,
+    warmup: int = _DEFAULT_WARMUP_STEPS,
     backend: str = "gloo",
 ) -> dict[str, Any]:
     """Train ``config`` on ``topology``'s ranks and return the run's summary record.

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     import torch
 
 #: The first bucket's cap of torch DDP and ``commfuse.ddp.DataParallel``, MiB.
-FIRST_BUCKET_CAP_MB = 1.0
+_FIRST_BUCKET_CAP_MB = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ def plan_for(
     """
     base = CommPlan(
         bucket_cap_mb=bucket_cap_mb,
-        first_bucket_cap_mb=FIRST_BUCKET_CAP_MB,
+        first_bucket_cap_mb=_FIRST_BUCKET_CAP_MB,
         overlap=overlap,
         fused_chunks=fused_chunks,
         compression_gbyte_per_s=compression_gbyte_per_s,

@@ -397,12 +397,12 @@ class Strategy(abc.ABC):
         """Release hooks or threads."""
 
 
-Builder = Callable[[Any, StrategyContext], Strategy]
-_BUILDERS: dict[type, Builder] = {}
+_Builder = Callable[[Any, StrategyContext], Strategy]
+_BUILDERS: dict[type, _Builder] = {}
 _loaded = False
 
 
-def register_builder(config_cls: type, builder: Builder) -> None:
+def register_builder(config_cls: type, builder: _Builder) -> None:
     """Make ``build_strategy`` build configs of ``config_cls`` with ``builder``."""
     if config_cls in _BUILDERS:
         raise ValueError(f"{config_cls.__name__} already has a builder")

@@ -147,7 +147,7 @@ def ddp_choices(ddp: DistributedDataParallel) -> dict[str, Any]:
     }
 
 
-class TorchDDP(Strategy):
+class _TorchDDP(Strategy):
     """torch DDP with an optional built-in communication hook."""
 
     def __init__(
@@ -287,7 +287,7 @@ class TorchDDP(Strategy):
     def state_dict(self) -> dict[str, Any]:
         if isinstance(self.hook_state, powerSGD_hook.PowerSGDState):
             return {
-                "powersgd": powersgd_state_dict(self.hook_state),
+                "powersgd": _powersgd_state_dict(self.hook_state),
                 "bucket_order": list(self._ready_order or []),
             }
         return {}
@@ -296,7 +296,7 @@ class TorchDDP(Strategy):
         if isinstance(self.hook_state, powerSGD_hook.PowerSGDState):
             if "powersgd" not in state:
                 raise ValueError("checkpoint has no PowerSGD hook state for ddp-powersgd")
-            load_powersgd_state_dict(self.hook_state, state["powersgd"])
+            _load_powersgd_state_dict(self.hook_state, state["powersgd"])
             if state.get("bucket_order"):
                 self._replay_order(list(state["bucket_order"]))
         else:
@@ -307,7 +307,7 @@ class TorchDDP(Strategy):
             self._counter.uninstall()
 
 
-def powersgd_state_dict(state: powerSGD_hook.PowerSGDState) -> dict[str, Any]:
+def _powersgd_state_dict(state: powerSGD_hook.PowerSGDState) -> dict[str, Any]:
     """torch's PowerSGDState as plain data (weights-only loadable): every slot but the process
     group (torch's own ``__getstate__`` leaves it out too), its numpy RNG as tensors."""
     out: dict[str, Any] = {}
@@ -319,8 +319,8 @@ def powersgd_state_dict(state: powerSGD_hook.PowerSGDState) -> dict[str, Any]:
     return out
 
 
-def load_powersgd_state_dict(state: powerSGD_hook.PowerSGDState, saved: dict[str, Any]) -> None:
-    """Restore :func:`powersgd_state_dict` into ``state``, keeping its process group."""
+def _load_powersgd_state_dict(state: powerSGD_hook.PowerSGDState, saved: dict[str, Any]) -> None:
+    """Restore :func:`_powersgd_state_dict` into ``state``, keeping its process group."""
     slots = set(powerSGD_hook.PowerSGDState.__slots__) - {"process_group"}
     if set(saved) != slots:
         raise ValueError(
@@ -338,7 +338,7 @@ _HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_c
 
 
 def _ddp(config: TorchDDPConfig, ctx: StrategyContext) -> Strategy:
-    return TorchDDP(
+    return _TorchDDP(
         ctx,
         static_graph=config.static_graph,
         bucket_view=config.bucket_view,
@@ -364,7 +364,7 @@ def _ddp_powersgd(opts: TorchPowerSGDConfig, ctx: StrategyContext) -> Strategy:
         hook = default_hooks.bf16_compress_wrapper(hook)
     elif opts.wire == "fp16":
         hook = default_hooks.fp16_compress_wrapper(hook)
-    return TorchDDP(
+    return _TorchDDP(
         ctx,
         bucket_view=opts.bucket_view,
         first_bucket_cap_mb=opts.first_bucket_cap_mb,
