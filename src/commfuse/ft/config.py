@@ -12,12 +12,12 @@ heartbeat, set in three places):
    Manager thread and the lighthouse each spend CPU on every one) stay a small share of a
    step on a machine whose cores the replicas share;
 3. a collective, a commit vote and the transfer of a joiner's state may take
-   ``OP_TIMEOUT_FACTOR * timeout_s``: longer than a heartbeat, since a large message on a slow
+   ``_OP_TIMEOUT_FACTOR * timeout_s``: longer than a heartbeat, since a large message on a slow
    link is not a failure, but bounded, so a peer cut off without closing its sockets (a link
    that is down) is noticed by gloo too;
 4. in per-period mode (local SGD, DiLoCo: ``commfuse.ft.periodic``) a quorum is asked for
    at the start of each period, and a replica that joins mid-period waits for the others to
-   finish theirs: its quorum request may take ``PERIOD_COVER`` periods more, a period's time
+   finish theirs: its quorum request may take ``_PERIOD_COVER`` periods more, a period's time
    being measured by the replica itself (``Timeouts.period_quorum_timeout_s``);
 5. the launcher's own deadlines (a replica's start-up, the whole job) are commfuse's and are
    the job's ``timeout_s`` in ``run_fault_tolerant``.
@@ -35,16 +35,16 @@ from collections.abc import Iterator
 from typing import Literal, TypeAlias
 
 #: Collectives, commit votes and state transfers may take this many ``timeout_s``.
-OP_TIMEOUT_FACTOR = 5.0
+_OP_TIMEOUT_FACTOR = 5.0
 #: Heartbeats per ``timeout_s``.
-HEARTBEATS_PER_TIMEOUT = 5
+_HEARTBEATS_PER_TIMEOUT = 5
 #: Periods a quorum request covers on top of ``quorum_timeout_s`` in per-period mode.
-PERIOD_COVER = 2.0
+_PERIOD_COVER = 2.0
 #: Seconds a replica may take from its start to joining the lighthouse (and the ranks of a
 #: replica group to find each other: separate processes, seconds apart on a busy machine).
 START_TIMEOUT_S = 120.0
 #: Quorum requests a Manager repeats after a timeout before its replica gives up.
-QUORUM_RETRIES = 3
+_QUORUM_RETRIES = 3
 #: Who trains a missing replica group's samples (``data.py``): ``fixed`` keeps the global
 #: batch by giving the survivors more samples per step, ``shrink`` lets it shrink.
 GlobalBatch: TypeAlias = Literal["fixed", "shrink"]
@@ -80,16 +80,16 @@ class Timeouts:
         """
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        op = OP_TIMEOUT_FACTOR * timeout_s
+        op = _OP_TIMEOUT_FACTOR * timeout_s
         return cls(
             heartbeat_timeout_s=timeout_s,
             join_timeout_s=timeout_s,
             quorum_tick_s=min(0.1, timeout_s / 20),
-            heartbeat_interval_s=timeout_s / HEARTBEATS_PER_TIMEOUT,
+            heartbeat_interval_s=timeout_s / _HEARTBEATS_PER_TIMEOUT,
             op_timeout_s=op,
             # A quorum waits for a dead peer's heartbeat to expire, then for the join timeout.
             quorum_timeout_s=op + 2 * timeout_s,
-            quorum_retries=QUORUM_RETRIES,
+            quorum_retries=_QUORUM_RETRIES,
         )
 
     def period_quorum_timeout_s(self, period_s: float) -> float:
@@ -103,7 +103,7 @@ class Timeouts:
         """
         if period_s < 0:
             raise ValueError(f"period_s must be >= 0, got {period_s}")
-        return self.quorum_timeout_s + PERIOD_COVER * period_s
+        return self.quorum_timeout_s + _PERIOD_COVER * period_s
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

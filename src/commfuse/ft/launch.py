@@ -73,7 +73,7 @@ from commfuse.train.loop import TrainConfig, init_from_step
 from commfuse.train.strategy import describe_strategy
 
 #: Environment variables of torchft that would override the timeouts derived here.
-TORCHFT_OVERRIDES = (
+_TORCHFT_OVERRIDES = (
     "TORCHFT_TIMEOUT_SEC",
     "TORCHFT_QUORUM_TIMEOUT_SEC",
     "TORCHFT_CONNECT_TIMEOUT_SEC",
@@ -423,7 +423,7 @@ def _replica_env(
     # The replica group is its own world; the replica groups meet through torchft.
     local = placement.topology.local_rank_of(where)
     env.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local), RUST_LOG="warn")
-    for name in TORCHFT_OVERRIDES:
+    for name in _TORCHFT_OVERRIDES:
         env.pop(name, None)
     return env
 

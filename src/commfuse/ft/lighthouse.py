@@ -21,7 +21,7 @@ from commfuse.ft.require import require_torchft
 
 
 @dataclass
-class Lighthouse:
+class _Lighthouse:
     """A running lighthouse and the URL its replicas reach it at."""
 
     server: Any
@@ -36,7 +36,7 @@ class Lighthouse:
 
 def start_lighthouse(
     addr: str, *, netns: str | None, timeouts: Timeouts, min_replicas: int
-) -> Lighthouse:
+) -> _Lighthouse:
     """Start a lighthouse on ``addr`` (inside network namespace ``netns`` when given).
 
     Args:
@@ -69,7 +69,7 @@ def start_lighthouse(
         # only accept on it.
         server = call_in_netns(netns, make)
     port = int(server.address().rsplit(":", 1)[1])
-    return Lighthouse(server=server, url=f"http://{addr}:{port}")
+    return _Lighthouse(server=server, url=f"http://{addr}:{port}")
 
 
 def announce(lighthouse_url: str, replica_id: str, timeout: timedelta) -> None:

@@ -90,7 +90,7 @@ def send(conn: Connection, message: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def no_report(conn: Connection, message: tuple[Any, ...]) -> None:
+def _no_report(conn: Connection, message: tuple[Any, ...]) -> None:
     """What a replica group's ranks other than its first send for a step: nothing."""
 
 
@@ -226,7 +226,7 @@ class ReplicaLoop(abc.ABC):
         # The group's first rank meets the fault; the launcher kills the group's other ranks.
         self.kill = kills[0] if kills and job.life == 0 and job.group_rank == 0 else None
         # The group's first rank reports its attempts (the others train the same in step).
-        self.report = send if job.group_rank == 0 else no_report
+        self.report = send if job.group_rank == 0 else _no_report
         self.floor = 0
         """The progress floor (``progress.py``), as the launcher last said it."""
         self.behind = False

@@ -89,7 +89,7 @@ def _feed(digest: Any, obj: object) -> None:
         digest.update(repr(obj).encode())
 
 
-def part_digests(state: dict[str, Any]) -> dict[str, str]:
+def _part_digests(state: dict[str, Any]) -> dict[str, str]:
     """``state_digest`` of each part of a replica's state (``model``, ``anchors``,
     ``outer_momenta``, ``inner_optimizer``, ``compressor``, ``pending``, ``counters``,
     ``rng``): what a donor served and a joiner loaded are compared part by part."""
@@ -282,7 +282,7 @@ class PerPeriodLoop(ReplicaLoop):
     def serve(self) -> dict[str, Any]:
         # The Manager asks only when a peer recovers from this replica: at a period's start.
         state = self.state_dict()
-        self.served.append(part_digests(state))
+        self.served.append(_part_digests(state))
         return state
 
     def recover(self, state: dict[str, Any]) -> None:
@@ -299,7 +299,7 @@ class PerPeriodLoop(ReplicaLoop):
             # quorum): it takes the donor's last step, so the quorum's average weighs the
             # donor's pseudo-gradient twice; it names no samples of its own.
             self.kept.update(grads=state["grads"], losses=[], samples=None, skipped=0)
-        self.recovered.append(part_digests(self.state_dict()))  # what this replica holds now
+        self.recovered.append(_part_digests(self.state_dict()))  # what this replica holds now
 
     def step(self, t0: float) -> None:
         """One attempt at the period the quorum is at (module docstring)."""

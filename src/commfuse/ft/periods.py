@@ -25,7 +25,7 @@ from commfuse.localsgd.fragments import fragments_due
 from commfuse.train.strategy import StrategyConfig, describe_strategy
 
 #: What ``ft_mode`` accepts, in words (for errors).
-SUPPORTED = (
+_SUPPORTED = (
     "per step: ddp, or ddp with a commfuse compressor and no engine settings "
     "(powersgd:rank=4, topk:ratio=0.01, ...); per period: local-sgd, post-local-sgd, slowmo, "
     "diloco, streaming-diloco, with any outer compressor (diloco:H=50,compressor=sparseloco)"
@@ -48,7 +48,7 @@ def ft_mode(strategy: StrategyConfig) -> Literal["ddp", "periodic"]:
     except ValueError:
         raise ValueError(
             f"fault-tolerant training does not run {describe_strategy(strategy)}; it runs "
-            f"{SUPPORTED}"
+            f"{_SUPPORTED}"
         ) from None
     return "ddp"
 

@@ -33,7 +33,7 @@ require_torchft()
 from torchft.process_group import ProcessGroupGloo, create_store_client  # noqa: E402
 
 #: The alarm's key in the quorum's store.
-ALARM_KEY = "commfuse/collective_failed"
+_ALARM_KEY = "commfuse/collective_failed"
 
 
 class CollectiveAbandoned(RuntimeError):
@@ -112,14 +112,14 @@ class AlarmedProcessGroupGloo(ProcessGroupGloo):  # type: ignore[misc]
         if self._alarm is not None:
             # A store gone with its host: the peers see the failure themselves.
             with contextlib.suppress(RuntimeError, OSError):
-                self._alarm.set(ALARM_KEY, b"1")
+                self._alarm.set(_ALARM_KEY, b"1")
 
     def alarmed(self) -> bool:
         """Whether a replica of this quorum raised the alarm."""
         if self._alarm is None:
             return False
         try:
-            return bool(self._alarm.check([ALARM_KEY]))
+            return bool(self._alarm.check([_ALARM_KEY]))
         except (RuntimeError, OSError):
             return True  # the quorum's store is unreachable: so is the quorum
 

@@ -6,7 +6,7 @@ import importlib.util
 import os
 
 #: What to run when torchft is missing.
-INSTALL_HINT = "pip install 'commfuse[ft]'"
+_INSTALL_HINT = "pip install 'commfuse[ft]'"
 
 
 def require_torchft() -> None:
@@ -19,6 +19,6 @@ def require_torchft() -> None:
     """
     if importlib.util.find_spec("torchft") is None:
         raise ImportError(
-            f"fault-tolerant training runs on torchft, which is not installed: {INSTALL_HINT}"
+            f"fault-tolerant training runs on torchft, which is not installed: {_INSTALL_HINT}"
         )
     os.environ.setdefault("RUST_LOG", "warn")

@@ -53,7 +53,7 @@ def tensors_of(obj: object, path: str = "") -> Iterator[tuple[str, torch.Tensor]
             yield from tensors_of(value, f"{path}/{i}" if path else str(i))
 
 
-def tensor_sha256(tensor: torch.Tensor) -> str:
+def _tensor_sha256(tensor: torch.Tensor) -> str:
     """SHA-256 of a tensor's dtype, shape and bytes."""
     flat = tensor.detach().contiguous().cpu()
     digest = hashlib.sha256(f"{flat.dtype}{tuple(flat.shape)}".encode())
@@ -62,8 +62,8 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 
 
 def checksums(state: object) -> dict[str, str]:
-    """``tensor_sha256`` of every tensor of ``state``, by path."""
-    return {path: tensor_sha256(t) for path, t in tensors_of(state)}
+    """``_tensor_sha256`` of every tensor of ``state``, by path."""
+    return {path: _tensor_sha256(t) for path, t in tensors_of(state)}
 
 
 def pack_state(state: object) -> bytes:
