@@ -115,7 +115,7 @@ def bench_collectives_on_rank(
                     case.call()
                     last_warmup[c] = now(comm.device) - start
                 if schedule.code_of(name) == "auto":
-                    settle_trial(comm, op, case)
+                    _settle_trial(comm, op, case)
             calls = calls_per_sample(comm, config, last_warmup)
             times = torch.zeros(len(names), config.iters, dtype=torch.float64, device=comm.device)
             wrong = torch.zeros(len(names), dtype=torch.int64, device=comm.device)
@@ -154,7 +154,7 @@ def bench_collectives_on_rank(
                 record["variant"] = name
                 record["calls_per_sample"] = calls
                 if schedule.code_of(name) == "auto":
-                    record["trial"] = trial_record(comm, op, cases[name].size_bytes)
+                    record["trial"] = _trial_record(comm, op, cases[name].size_bytes)
                 record.update(summary.as_dict())
                 record["tie"] = (
                     summary.is_tie(record["speedup_vs_first"], variant=name)
@@ -168,16 +168,16 @@ def bench_collectives_on_rank(
     return records
 
 
-def settle_trial(comm: Communicator, op: str, case: Case) -> None:
+def _settle_trial(comm: Communicator, op: str, case: Case) -> None:
     """Run ``case``, an ``auto`` one, until its timed trial has decided (nothing to do when
     trials are off): the row then times the decision, and the trial's own calls, which ran
-    every candidate, are reported apart (``trial_record``)."""
+    every candidate, are reported apart (``_trial_record``)."""
     while exploring(comm, op, case.size_bytes):
         case.reset()
         case.call()
 
 
-def trial_record(comm: Communicator, op: str, size_bytes: int) -> dict[str, Any] | None:
+def _trial_record(comm: Communicator, op: str, size_bytes: int) -> dict[str, Any] | None:
     """What ``auto``'s trial of this row measured: candidates, their medians (slowest rank's)
     and the choice; None without a trial."""
     for outcome in outcomes(comm):

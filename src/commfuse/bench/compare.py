@@ -44,7 +44,7 @@ DEFAULT_STRATEGIES = (
     # cannot do, and bf16 factors.
     "powersgd:rank=8,warmup=2,warmup_rank=32,wire=bf16",
 )
-DEFAULT_WORKLOAD = "charlm"
+_DEFAULT_WORKLOAD = "charlm"
 DEFAULT_STEPS = 20
 DEFAULT_HOSTS = 4
 DEFAULT_LINK = "100mbit"
@@ -222,18 +222,18 @@ def add_comparisons(records: list[dict[str, Any]]) -> None:
 
 
 #: A run whose steps kept at least this share of the machine's cores busy is called CPU-bound.
-CPU_BOUND_BUSY = 0.9
+_CPU_BOUND_BUSY = 0.9
 
 
 def cpu_bound_note(records: Sequence[dict[str, Any]]) -> str | None:
-    """One line naming the strategies whose steps kept the cores >= ``CPU_BOUND_BUSY`` busy:
+    """One line naming the strategies whose steps kept the cores >= ``_CPU_BOUND_BUSY`` busy:
     there the cores, not the network, set the step, so sending fewer bytes cannot make it
     shorter and spending less CPU can (on the emulated cluster the kernel's packet work and
     every rank share one machine's cores). None when no run was."""
     bound = [
         f"{r['strategy']} ({r['machine_busy']:.0%})"
         for r in records
-        if (r.get("machine_busy") or 0.0) >= CPU_BOUND_BUSY
+        if (r.get("machine_busy") or 0.0) >= _CPU_BOUND_BUSY
     ]
     if not bound:
         return None
@@ -247,7 +247,7 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-COMPARE_COLUMNS = (
+_COMPARE_COLUMNS = (
     ("strategy", lambda r: r["strategy"]),
     ("step_ms", lambda r: _fmt(r["step_time_s"], ".0f", 1e3)),
     ("compute_ms", lambda r: _fmt(r["compute_step_time_s"], ".0f", 1e3)),
@@ -269,16 +269,16 @@ COMPARE_COLUMNS = (
 
 #: Shown where a record has it (``compare_columns``): the slowest position of the period over
 #: the machine's bound of a step (``machine_bound_s``, ``metrics.py``).
-BOUND_COLUMN = ("worst/bound", lambda r: _fmt(r.get("worst_phase_over_bound"), ".2f"))
+_BOUND_COLUMN = ("worst/bound", lambda r: _fmt(r.get("worst_phase_over_bound"), ".2f"))
 
 
 def compare_columns(records: Sequence[dict[str, Any]]) -> list[tuple[str, Any]]:
-    """``COMPARE_COLUMNS``, with ``worst/bound`` after ``worst/compute`` where a record has a
+    """``_COMPARE_COLUMNS``, with ``worst/bound`` after ``worst/compute`` where a record has a
     period and the machine's bound (records from before it was measured keep their table)."""
-    columns = list(COMPARE_COLUMNS)
+    columns = list(_COMPARE_COLUMNS)
     if any(r.get("worst_phase_over_bound") is not None for r in records):
         at = next(i for i, (name, _) in enumerate(columns) if name == "worst/compute") + 1
-        columns.insert(at, BOUND_COLUMN)
+        columns.insert(at, _BOUND_COLUMN)
     return columns
 
 

@@ -42,7 +42,7 @@ from commfuse.train.loop import TrainConfig
 from commfuse.train.strategy import StrategyConfig, describe_strategy
 
 #: Steps left out at the start of every run's timing (as ``train/runner.py``).
-WARMUP_STEPS = 2
+_WARMUP_STEPS = 2
 #: Keys of a fault-tolerant run's record kept per round (the per-attempt list is dropped).
 _KEPT = (
     "committed_steps",
@@ -156,7 +156,7 @@ def compare_fault_tolerance(
         log(f"[{j + 1}/{len(jobs)}] {job.name} (round {round_ + 1}/{repeats})")
         if job.mode == "plain":
             r = run_training(config, topology, emulate=emulate, progress=False,
-                             timeout_s=timeout_s, warmup=WARMUP_STEPS)  # fmt: skip
+                             timeout_s=timeout_s, warmup=_WARMUP_STEPS)  # fmt: skip
             result = _plain(r)
         else:
             r = run_fault_tolerant(
@@ -197,7 +197,7 @@ def _ft_time(r: dict[str, Any]) -> dict[str, Any]:
     alone (``vote_s``)."""
     good = r.get("goodput_steps_per_s")
     # The warm-up counts from the run's first step (a checkpoint's, with init_from).
-    warm = r.get("first_step", 0) + WARMUP_STEPS
+    warm = r.get("first_step", 0) + _WARMUP_STEPS
     steady = [
         a
         for a in r["records"]

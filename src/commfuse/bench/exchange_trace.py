@@ -18,7 +18,7 @@ import statistics
 from typing import Any
 
 #: Messages below this many bytes are latency-bound on any link here (``message_wire_s``).
-SMALL_BYTES = 10_000
+_SMALL_BYTES = 10_000
 
 
 def _by_step(rank_trace: dict[str, Any]) -> dict[int, list[dict[str, float]]]:
@@ -84,7 +84,7 @@ def iteration_timeline(record: dict[str, Any], *, profile_steps: int = 1) -> lis
 def message_wire_s(record: dict[str, Any]) -> dict[str, float | None]:
     """Medians over every rank and step of a message's time on the wire: ``first`` (a step's
     first message, which waits for the last rank to launch), ``later_small`` and
-    ``later_large`` (the others, below and above ``SMALL_BYTES``, which start once the
+    ``later_large`` (the others, below and above ``_SMALL_BYTES``, which start once the
     previous message ends); None where there is none."""
     first: list[float] = []
     small: list[float] = []
@@ -97,7 +97,7 @@ def message_wire_s(record: dict[str, Any]) -> dict[str, float | None]:
             for k, (start, parts) in enumerate(sorted(messages.items())):
                 wire = parts[0]["wire_end"] - start
                 size = sum(e["bytes"] for e in parts)
-                (first if k == 0 else small if size < SMALL_BYTES else large).append(wire)
+                (first if k == 0 else small if size < _SMALL_BYTES else large).append(wire)
     return {
         name: statistics.median(values) if values else None
         for name, values in (("first", first), ("later_small", small), ("later_large", large))

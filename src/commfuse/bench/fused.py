@@ -82,7 +82,7 @@ FUSED_OPS: dict[str, tuple[tuple[int, ...], ...]] = {
     "gemm_reduce_scatter": ((4096, 4096, 1024), (4096, 1024, 1024), (1024, 8192, 2048)),
 }
 #: Numbers in each operator's shape.
-ARITY = {op: len(shapes[0]) for op, shapes in FUSED_OPS.items()}
+_ARITY = {op: len(shapes[0]) for op, shapes in FUSED_OPS.items()}
 
 
 def check_schedule(
@@ -148,7 +148,7 @@ class FusedBenchConfig:
         # --shape picks ops by arity: ops with no shape of theirs are skipped, unless none has any.
         if self.shapes and not any(self.shapes_of(op) for op in self.ops):
             missing = self.ops[0]
-            raise ValueError(f"no shape of {ARITY[missing]} dimensions for {missing} in shapes")
+            raise ValueError(f"no shape of {_ARITY[missing]} dimensions for {missing} in shapes")
         self.fixed()
 
     def fixed(self) -> ChunkSchedule | None:
@@ -160,7 +160,7 @@ class FusedBenchConfig:
     def shapes_of(self, op: str) -> tuple[tuple[int, ...], ...]:
         if self.shapes is None:
             return FUSED_OPS[op]
-        return tuple(s for s in self.shapes if len(s) == ARITY[op])
+        return tuple(s for s in self.shapes if len(s) == _ARITY[op])
 
 
 @dataclasses.dataclass
@@ -201,7 +201,7 @@ class FusedForms:
         return self.by_table
 
 
-def gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
+def _gemm_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     rows, in_features, out_features = shape
     gen = torch.Generator().manual_seed(comm.rank)
     shard = split_sizes(in_features, comm.world_size)[comm.rank]
@@ -249,7 +249,7 @@ def _gemm_then_flat(comm: Communicator, x: torch.Tensor, w: torch.Tensor) -> tor
     return out
 
 
-def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
+def _embedding_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     batch, num_tables, rows, dim, pooling = shape
     world, rank, dev = comm.world_size, comm.rank, comm.device
     gen = torch.Generator().manual_seed(rank)
@@ -292,7 +292,7 @@ def embedding_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
     )
 
 
-def make_fused_forms(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedForms:
+def _make_fused_forms(comm: Communicator, op: str, shape: tuple[int, ...]) -> FusedForms:
     if op in ("all_gather_gemm", "gemm_reduce_scatter"):
         from commfuse.bench.fused_sequence import sequence_case
 
@@ -304,10 +304,10 @@ def make_fused_forms(comm: Communicator, op: str, shape: tuple[int, ...]) -> Fus
     if op in ("gemm_all_reduce", "gemv_all_reduce"):
         if len(shape) != 3:
             raise ValueError(f"{op} shape is (rows, in_features, out_features), got {shape}")
-        return gemm_case(comm, shape)
+        return _gemm_case(comm, shape)
     if len(shape) != 5:
         raise ValueError(f"{op} shape is (batch, tables, rows, dim, pooling), got {shape}")
-    return embedding_case(comm, shape)
+    return _embedding_case(comm, shape)
 
 
 def _timed(comm: Communicator, fn: Callable[[], Any]) -> float:
@@ -354,7 +354,7 @@ def bench_fused_on_rank(config: FusedBenchConfig) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     for op in config.ops:
         for shape in config.shapes_of(op):
-            forms = make_fused_forms(comm, op, shape)
+            forms = _make_fused_forms(comm, op, shape)
             for _ in range(config.warmup):
                 for part in (forms.compute, forms.comm, forms.unfused):
                     _timed(comm, part)

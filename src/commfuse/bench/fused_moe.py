@@ -9,7 +9,7 @@ about ``rows`` rows and sends ``(P - 1) / P`` of its output away.
 ``moe_step`` times a whole training step of the MoE workload (``workloads/moe.py``), shape
 ``(tokens_per_rank, d_model, d_hidden, experts_per_rank)``: unfused (both All-to-Alls after their
 GEMMs, gloo's) against fused (chunks chosen by the layer), and beside it fused with fixed
-chunk counts (``FIXED_CHUNKS``, rows ``moe_step[k=N]``). ``compute`` is the same step on a
+chunk counts (``_FIXED_CHUNKS``, rows ``moe_step[k=N]``). ``compute`` is the same step on a
 one-rank group holding ``experts_per_rank`` experts (the same expert FLOPs: every routed row stays
 local), ``comm`` the step's four All-to-Alls (dispatch and combine, forward and backward) and
 its two allreduces of replicated gradients alone. Its dispatch and combine exchanges and its two
@@ -84,7 +84,7 @@ def gemm_all_to_all_case(comm: Communicator, shape: tuple[int, ...]) -> FusedFor
 #: The fixed chunk counts ``moe_step`` times beside the layer's own choice: few pieces, the
 #: fewest whose dispatch round the local blocks can hide (``moe_step_graph``'s bound picks it on
 #: four ranks and two cores), and many.
-FIXED_CHUNKS = (2, 3, 5)
+_FIXED_CHUNKS = (2, 3, 5)
 
 
 def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
@@ -183,7 +183,7 @@ def moe_step_case(comm: Communicator, shape: tuple[int, ...]) -> FusedForms:
         ),
         # Fixed counts beside the layer's choice, in the same rounds (wall and CPU): few pieces
         # against many, each dispatch piece one more message per source.
-        alternatives={f"k={k}": functools.partial(step, k) for k in FIXED_CHUNKS},
+        alternatives={f"k={k}": functools.partial(step, k) for k in _FIXED_CHUNKS},
     )
 
 
@@ -245,7 +245,7 @@ def _update(workload: MoEWorkload, comm: Communicator) -> Any:
 
 
 #: The chunk counts the MoE layer may choose (``ChunkConfig.max_chunks``'s default).
-MAX_LAYER_CHUNKS = ChunkConfig().max_chunks
+_MAX_LAYER_CHUNKS = ChunkConfig().max_chunks
 
 
 def moe_step_graph(
@@ -291,5 +291,5 @@ def moe_step_graph(
             wait("dispatch", "dispatch", chunked=True, fill_us=local_share * cpu["gemm1"]),
             wait("allreduce", fastest, fill_us=cpu["update"]),
         ),
-        chunk_choices=tuple(range(1, MAX_LAYER_CHUNKS + 1)),
+        chunk_choices=tuple(range(1, _MAX_LAYER_CHUNKS + 1)),
     )

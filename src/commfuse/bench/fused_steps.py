@@ -9,8 +9,8 @@ rounds as ``stage:NAME``), three bounds divide the fused step, as in the operato
    the unfused step's CPU time, summed over the ranks that share a machine's cores, over them);
 2. ``fused/bound``: the **machine floor** (``cpu_floor.machine_floor_us``, measured by
    ``bench/machine_rounds.py``): the CPU and the kernel's network work of the unfused step, or
-   of its parts alone (``StepForms.parts``), whichever is more, over the cores other programs
-   left the ranks while the computation alone ran (``StepForms.compute_stage``);
+   of its parts alone (``_StepForms.parts``), whichever is more, over the cores other programs
+   left the ranks while the computation alone ran (``_StepForms.compute_stage``);
 3. ``fused/graph``: the **bound of the step's graph** on those cores (``sim.bound.step_bound``;
    DLRM's is ``dlrm_step_graph``), which adds the cores its global waits leave idle.
 
@@ -20,7 +20,7 @@ Steps: ``dlrm`` (``workloads/dlrm.py``; shape = global batch x tables x rows x d
 ``tp-transformer`` and ``tp-transformer-sp`` (``workloads/tp_transformer.py``, Megatron tensor
 parallelism without and with sequence parallelism; shape = seq x batch x d_model x heads x d_ff
 x layers; the world size must divide heads).
-To add one, write a ``*_case(comm, shape, chunks, *, control) -> StepForms`` and add it to
+To add one, write a ``*_case(comm, shape, chunks, *, control) -> _StepForms`` and add it to
 ``STEPS``.
 
 Design notes: ``docs/benchmarking.md``, "Whole fused steps: why time a step".
@@ -49,7 +49,7 @@ from commfuse.sim.bound import GlobalWait, StepGraph, step_bound
 
 
 @dataclasses.dataclass
-class StepForms:
+class _StepForms:
     """One workload, built twice (three times with a control). ``fused(data)``,
     ``unfused(data)`` (and ``control(data)``) run one training step on ``prepare(step)`` (made
     outside the timed region)."""
@@ -83,13 +83,13 @@ class StepForms:
     the ranks)."""
 
 
-def dlrm_case(
+def _dlrm_case(
     comm: Communicator,
     shape: tuple[int, ...],
     chunks: ChunkSchedule | None,
     *,
     control: bool = False,
-) -> StepForms:
+) -> _StepForms:
     from commfuse.workloads import dlrm
 
     batch, tables, rows, dim, pooling = shape
@@ -142,7 +142,7 @@ def dlrm_case(
     # The schedules the exchange chooses among (embedding_all_to_all.choose_chunks_for): 1, 2
     # and 3 pieces per destination, or one piece per table.
     pieces = {p * (world - 1) for p in (1, 2, 3)} | {1, max(lookup.tables_per_rank)}
-    return StepForms(
+    return _StepForms(
         prepare=lambda step: dlrm.synthetic_batch(
             config, step, comm.rank, comm.world_size, device=comm.device
         ),
@@ -298,14 +298,14 @@ def _chosen(chosen: list[ChunkSchedule]) -> ChunkSchedule:
     return max((k for k in chosen if isinstance(k, int)), default=1)
 
 
-def tp_transformer_case(
+def _tp_transformer_case(
     comm: Communicator,
     shape: tuple[int, ...],
     chunks: ChunkSchedule | None,
     *,
     sequence_parallel: bool = False,
     control: bool = False,
-) -> StepForms:
+) -> _StepForms:
     """``workloads/tp_transformer.py``; shape = seq x batch x d_model x heads x d_ff x layers.
     Fused and unfused sum in different orders (the fused pipeline by rank, gloo's ring along
     the ring), so ``differing`` counts elements apart by more than rtol 1e-4 (atol 1e-6)."""
@@ -348,7 +348,7 @@ def tp_transformer_case(
             for p, q in zip(models[other].parameters(), models["unfused"].parameters(), strict=True)
         )
 
-    return StepForms(
+    return _StepForms(
         prepare=lambda step: workload.batch(
             step, comm.rank, comm.world_size, seed=0, device=comm.device
         ),
@@ -364,11 +364,11 @@ def tp_transformer_case(
 #: step name -> (case builder, default shapes). DLRM's default makes the embedding exchange most
 #: of the step (the regime the fused operator is for): 32 tables of dim 64, 4 ids per bag (the
 #: table-gradient accumulation grows with the ids per bag, the exchange does not).
-STEPS: dict[str, tuple[Callable[..., StepForms], tuple[tuple[int, ...], ...]]] = {
-    "dlrm": (dlrm_case, ((4096, 32, 5000, 64, 4),)),
-    "tp-transformer": (tp_transformer_case, ((512, 4, 512, 8, 2048, 2),)),
+STEPS: dict[str, tuple[Callable[..., _StepForms], tuple[tuple[int, ...], ...]]] = {
+    "dlrm": (_dlrm_case, ((4096, 32, 5000, 64, 4),)),
+    "tp-transformer": (_tp_transformer_case, ((512, 4, 512, 8, 2048, 2),)),
     "tp-transformer-sp": (
-        functools.partial(tp_transformer_case, sequence_parallel=True),
+        functools.partial(_tp_transformer_case, sequence_parallel=True),
         ((512, 4, 512, 8, 2048, 2),),
     ),
 }

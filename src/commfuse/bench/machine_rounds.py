@@ -5,14 +5,14 @@ network work of the parts of a step run alone, over the cores other programs lea
 This module measures its inputs in a benchmark's rounds, the same way for every benchmark that
 divides by it (``bench/fused.py``'s operators, ``bench/fused_steps.py``'s whole steps):
 
-1. every call is timed after a barrier (``timed_on_machine``): its wall time, this rank's CPU,
+1. every call is timed after a barrier (``_timed_on_machine``): its wall time, this rank's CPU,
    and, on one rank of each machine (its reader), ``/proc/stat``'s core time by kind, its ranks'
    and every other process's CPU over an interval a little longer than the call;
 2. ``Rounds.finish`` takes the slowest rank's wall time, sums the ranks' CPU of each machine to
    the microsecond, and from a variant that is computation alone (``compute``) reads the
    kernel's own rate and the cores other programs, the kernel and the hypervisor took
    (``machine_share``); each variant's kernel network work is its kernel work beyond that rate;
-3. ``MachineRounds.floor(variants)`` is the machine floor of the named variants together:
+3. ``_MachineRounds.floor(variants)`` is the machine floor of the named variants together:
    their CPU and kernel network work over the cores left (``cpu_floor.machine_floor_us``).
 """
 
@@ -67,7 +67,7 @@ def _machine_reading(reader: tuple[int, ...] | None) -> list[float] | None:
     return [*(cores[k] for k in CORE_TIMES), owners["ranks"], owners["others"], time.monotonic()]
 
 
-def timed_on_machine(
+def _timed_on_machine(
     comm: Communicator, fn: Callable[[], Any], reader: tuple[int, ...] | None = None
 ) -> list[float]:
     """``timed_with_cpu``'s (wall us, CPU us) of one call, then, on a machine's reader
@@ -78,7 +78,7 @@ def timed_on_machine(
     one that follows it, so that no rank waits for it inside the timed call and every rank's
     CPU is counted over the same interval, a little longer than the call (``interval``). ``ranks`` is this rank's
     own CPU over it (``getrusage``, to the microsecond: the ranks' ``/proc`` times are in
-    10 ms ticks), which the caller sums over the machine's ranks (``machine_ranks_cpu``)."""
+    10 ms ticks), which the caller sums over the machine's ranks (``_machine_ranks_cpu``)."""
     comm.barrier()
     outer = cpu_seconds()
     before = _machine_reading(reader)
@@ -98,7 +98,7 @@ def timed_on_machine(
     return [wall, own, *counters, wide]
 
 
-def machine_ranks_cpu(comm: Communicator, wide: torch.Tensor) -> torch.Tensor:
+def _machine_ranks_cpu(comm: Communicator, wide: torch.Tensor) -> torch.Tensor:
     """``wide[variant, round]`` (each rank's CPU over its machine reading's interval) summed over
     the ranks of this rank's machine (``cpu_floor.machine_key``)."""
     keys = torch.zeros(comm.world_size, dtype=torch.float64, device=comm.device)
@@ -110,10 +110,10 @@ def machine_ranks_cpu(comm: Communicator, wide: torch.Tensor) -> torch.Tensor:
     return every[keys == keys[comm.rank]].sum(0).cpu()
 
 
-def machine_medians(
+def _machine_medians(
     comm: Communicator, machine: torch.Tensor, names: list[str]
 ) -> dict[str, dict[str, float]] | None:
-    """``machine[kind, variant, round]`` (``timed_on_machine``'s ``MACHINE_KINDS``, read on each
+    """``machine[kind, variant, round]`` (``_timed_on_machine``'s ``MACHINE_KINDS``, read on each
     machine's reader, 0 elsewhere) as each kind's median over rounds per variant, of the mean
     over machines, with ``kernel`` (busy less the ranks' and other programs' CPU) added; None
     where a reader could not read them."""
@@ -166,7 +166,7 @@ def machine_share(
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MachineRounds:
+class _MachineRounds:
     """A benchmark's rounds, reduced over ranks (``Rounds.finish``)."""
 
     names: list[str]
@@ -178,7 +178,7 @@ class MachineRounds:
     cpu_us: dict[str, float]
     """Every rank's CPU per variant, all ranks together (median over rounds)."""
     machine_us: dict[str, dict[str, float]] | None
-    """What the machine did with its cores per kind and variant (``machine_medians``)."""
+    """What the machine did with its cores per kind and variant (``_machine_medians``)."""
     kernel_network_us: dict[str, float]
     """The kernel's network work per variant on this rank's machine (its reader's; 0 on the
     other ranks)."""
@@ -226,11 +226,11 @@ class Rounds:
     def time(self, name: str, round_: int, call: Callable[[], Any]) -> None:
         """Times ``call`` as variant ``name``'s run in round ``round_`` (every rank alike)."""
         v = self.names.index(name)
-        wall, own, *cores, whole = timed_on_machine(self.comm, call, self.reader)
+        wall, own, *cores, whole = _timed_on_machine(self.comm, call, self.reader)
         self.times[v, round_], self.cpu[v, round_], self.wide[v, round_] = wall, own, whole
         self.machine[:, v, round_] = self.times.new_tensor(cores)
 
-    def finish(self, compute: str | None) -> MachineRounds:
+    def finish(self, compute: str | None) -> _MachineRounds:
         """The rounds reduced over ranks; ``compute`` names the variant that is computation
         alone (None: the kernel's network work and the cores taken are not measured, and are
         0). A collective: every rank calls it alike, once."""
@@ -238,10 +238,10 @@ class Rounds:
         comm.all_reduce(self.times, "max")
         if self.reader is not None and bool((machine >= 0).all()):
             # The ranks' CPU to the microsecond, where /proc's ticks would add their noise.
-            machine[MACHINE_KINDS.index("ranks")] = machine_ranks_cpu(comm, self.wide)
+            machine[MACHINE_KINDS.index("ranks")] = _machine_ranks_cpu(comm, self.wide)
         else:
-            machine_ranks_cpu(comm, self.wide)  # a collective: every rank takes part
-        machine_us = machine_medians(comm, machine, names)
+            _machine_ranks_cpu(comm, self.wide)  # a collective: every rank takes part
+        machine_us = _machine_medians(comm, machine, names)
         if compute is None:
             network, taken = dict.fromkeys(names, 0.0), 0.0
         else:
@@ -251,7 +251,7 @@ class Rounds:
         comm.all_reduce(agreed, "max")  # the readers' (one machine: the only one)
         every = self.cpu.clone()
         comm.all_reduce(every)  # every variant's CPU, all ranks together, per round
-        return MachineRounds(
+        return _MachineRounds(
             names=names,
             times=self.times,
             own_cpu_us=own,

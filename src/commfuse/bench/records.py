@@ -121,7 +121,7 @@ def _is_instance(value: Any, hint: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CollectiveRecord(Record):
+class _CollectiveRecord(Record):
     """``commfuse bench collectives``: one collective, algorithm and size (nccl-tests' row)."""
 
     kind: Literal["bench collectives"] = "bench collectives"
@@ -136,7 +136,7 @@ class CollectiveRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FusedRecord(Record):
+class _FusedRecord(Record):
     """``commfuse bench fused``: one fused operator against its unfused reference."""
 
     kind: Literal["bench fused"] = "bench fused"
@@ -149,7 +149,7 @@ class FusedRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FusedStepRecord(Record):
+class _FusedStepRecord(Record):
     """``commfuse bench fused --step``: one whole training step of a workload, fused and not."""
 
     kind: Literal["bench fused --step"] = "bench fused --step"
@@ -162,7 +162,7 @@ class FusedStepRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DdpRecord(Record):
+class _DdpRecord(Record):
     """``commfuse bench ddp``: one data-parallel engine's step against torch DDP's."""
 
     kind: Literal["bench ddp"] = "bench ddp"
@@ -173,7 +173,7 @@ class DdpRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PipelineRecord(Record):
+class _PipelineRecord(Record):
     """``commfuse bench pipeline``: one pipeline schedule's step against the sequential one."""
 
     kind: Literal["bench pipeline"] = "bench pipeline"
@@ -188,7 +188,7 @@ class PipelineRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StrategiesRecord(Record):
+class _StrategiesRecord(Record):
     """``commfuse bench strategies``: one strategy's step, timed in balanced rounds."""
 
     kind: Literal["bench strategies"] = "bench strategies"
@@ -201,7 +201,7 @@ class StrategiesRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CliLatencyRecord(Record):
+class _CliLatencyRecord(Record):
     """``tests/scripts/cli_latency.py``: one command's wall time in one source tree."""
 
     kind: Literal["bench cli"] = "bench cli"
@@ -217,7 +217,7 @@ class CliLatencyRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CompareRecord(Record):
+class _CompareRecord(Record):
     """``commfuse compare``: one strategy's training run (losses, bytes, time per step)."""
 
     kind: Literal["compare"] = "compare"
@@ -228,7 +228,7 @@ class CompareRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CompareFaultTolerantRecord(Record):
+class _CompareFaultTolerantRecord(Record):
     """``commfuse compare --fault-tolerant``: one job on torchft (goodput, recovery times)."""
 
     kind: Literal["compare --fault-tolerant"] = "compare --fault-tolerant"
@@ -241,7 +241,7 @@ class CompareFaultTolerantRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainRecord(Record):
+class _TrainRecord(Record):
     """``commfuse train``: the run's metrics (one record)."""
 
     single: ClassVar[bool] = True
@@ -253,7 +253,7 @@ class TrainRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainFaultTolerantRecord(Record):
+class _TrainFaultTolerantRecord(Record):
     """``commfuse train --fault-tolerant``: the torchft run's metrics and faults (one record)."""
 
     single: ClassVar[bool] = True
@@ -281,7 +281,7 @@ class TuneProfileRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TuneCalibrationRecord(Record):
+class _TuneCalibrationRecord(Record):
     """``commfuse tune --json``: one calibration point, measured against the model."""
 
     kind: Literal["tune calibration"] = "tune calibration"
@@ -298,7 +298,7 @@ class TuneCalibrationRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SimulateRecord(Record):
+class _SimulateRecord(Record):
     """``commfuse simulate``: one predicted step and its breakdown (one record)."""
 
     single: ClassVar[bool] = True
@@ -310,7 +310,7 @@ class SimulateRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ScaleRecord(Record):
+class _ScaleRecord(Record):
     """``commfuse simulate --scale``: one series' predicted step at one rank count."""
 
     kind: Literal["simulate --scale"] = "simulate --scale"
@@ -323,7 +323,7 @@ class ScaleRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ValidationRecord(Record):
+class _ValidationRecord(Record):
     """``commfuse simulate --validate``: one configuration's predicted and measured time."""
 
     kind: Literal["simulate --validate"] = "simulate --validate"
@@ -338,7 +338,7 @@ class ValidationRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GpuCheckRecord(Record):
+class _GpuCheckRecord(Record):
     """``benchmarks/device/gpu_check.sh``: every check on one GPU (one record)."""
 
     single: ClassVar[bool] = True
@@ -357,23 +357,23 @@ class GpuCheckRecord(Record):
 RECORDS: dict[Kind, type[Record]] = {
     _kind_of_class(cls): cls
     for cls in (
-        CollectiveRecord,
-        FusedRecord,
-        FusedStepRecord,
-        DdpRecord,
-        PipelineRecord,
-        StrategiesRecord,
-        CliLatencyRecord,
-        CompareRecord,
-        CompareFaultTolerantRecord,
-        TrainRecord,
-        TrainFaultTolerantRecord,
+        _CollectiveRecord,
+        _FusedRecord,
+        _FusedStepRecord,
+        _DdpRecord,
+        _PipelineRecord,
+        _StrategiesRecord,
+        _CliLatencyRecord,
+        _CompareRecord,
+        _CompareFaultTolerantRecord,
+        _TrainRecord,
+        _TrainFaultTolerantRecord,
         TuneProfileRecord,
-        TuneCalibrationRecord,
-        SimulateRecord,
-        ScaleRecord,
-        ValidationRecord,
-        GpuCheckRecord,
+        _TuneCalibrationRecord,
+        _SimulateRecord,
+        _ScaleRecord,
+        _ValidationRecord,
+        _GpuCheckRecord,
     )
 }
 assert set(RECORDS) == set(KINDS), "every kind has its record class"

@@ -36,18 +36,18 @@ import torch
 
 from commfuse.sim.calibrate import mlp
 
-Runner = Callable[[], float]
+_Runner = Callable[[], float]
 
 #: Messages up to this size take a few milliseconds, where one late wake-up of one of the
 #: processes sharing the cores moves a sample by 50-100%: they get ``SMALL_MESSAGE_SAMPLES``
 #: samples per round instead of one (cheap: about 10 ms each).
-SMALL_MESSAGE_BYTES = 512 * 1024
+_SMALL_MESSAGE_BYTES = 512 * 1024
 SMALL_MESSAGE_SAMPLES = 5
 
 
 def samples_per_round(cfg: dict[str, Any]) -> int:
-    """How many samples of ``cfg`` each round takes (see ``SMALL_MESSAGE_BYTES``)."""
-    small = cfg["kind"] in ("collective", "p2p") and cfg["bytes"] <= SMALL_MESSAGE_BYTES
+    """How many samples of ``cfg`` each round takes (see ``_SMALL_MESSAGE_BYTES``)."""
+    small = cfg["kind"] in ("collective", "p2p") and cfg["bytes"] <= _SMALL_MESSAGE_BYTES
     return SMALL_MESSAGE_SAMPLES if small else 1
 
 
@@ -59,7 +59,7 @@ def _slowest(comm: Any, seconds: float) -> float:
 
 def _timed(
     comm: Any, body: Callable[[], None], *, divide: int = 1, refill_s: float = 0.0
-) -> Runner:
+) -> _Runner:
     """``body`` timed on every rank; the sample is the slowest rank's seconds / ``divide``.
 
     ``refill_s``: idle time before each sample, so that the host links' token buckets (netlab's
@@ -78,7 +78,7 @@ def _timed(
     return run
 
 
-def _collective(comm: Any, cfg: dict[str, Any], refill_s: float) -> Runner:
+def _collective(comm: Any, cfg: dict[str, Any], refill_s: float) -> _Runner:
     from commfuse import collectives as C
 
     dtype = getattr(torch, cfg.get("dtype", "float32"))
@@ -103,7 +103,7 @@ def _collective(comm: Any, cfg: dict[str, Any], refill_s: float) -> Runner:
     return _timed(comm, body, refill_s=refill_s)
 
 
-def _p2p(comm: Any, cfg: dict[str, Any], ranks_per_host: int, refill_s: float) -> Runner:
+def _p2p(comm: Any, cfg: dict[str, Any], ranks_per_host: int, refill_s: float) -> _Runner:
     buf = torch.zeros(max(1, cfg["bytes"] // 4))
     a, b = 0, ranks_per_host if comm.world_size > ranks_per_host else 1
 
@@ -118,7 +118,7 @@ def _p2p(comm: Any, cfg: dict[str, Any], ranks_per_host: int, refill_s: float) -
     return _timed(comm, body, divide=2, refill_s=refill_s)
 
 
-def _local(comm: Any, cfg: dict[str, Any]) -> Runner:
+def _local(comm: Any, cfg: dict[str, Any]) -> _Runner:
     """Element-wise work every rank does at once (they share the cores, as in a step)."""
     from commfuse.compress.base import all_finite
 
@@ -141,7 +141,7 @@ def _local(comm: Any, cfg: dict[str, Any]) -> Runner:
     return _timed(comm, {"memory": memory, "reduce": reduce, "cast": cast}[cfg["kind"]])
 
 
-def _step(comm: Any, cfg: dict[str, Any], refill_s: float) -> Runner:
+def _step(comm: Any, cfg: dict[str, Any], refill_s: float) -> _Runner:
     spec = cfg["model"]
     torch.manual_seed(0)
     model = mlp(spec)
@@ -197,7 +197,7 @@ def measure_on_rank(
 
     torch.set_num_threads(1)  # ranks share 2 cores; more threads would only fight over them
     comm = Communicator()
-    runners: list[Runner] = []
+    runners: list[_Runner] = []
     for cfg in configs:
         kind = cfg["kind"]
         if kind == "collective":

@@ -46,7 +46,7 @@ VALIDATION_SIZES = (256 * KB, 1 * MB, 4 * MB, 16 * MB)
 #: The validation steps' model (calibration's is ``calibrate.CALIBRATION_MLP``): 11.6 MB of fp32
 #: parameters, so its gradient allreduce at 1 Gbit/s is about as long as its compute here.
 VALIDATION_MLP = {"in": 784, "width": 1024, "depth": 3, "out": 10, "batch": 32}
-LOCAL_SGD_H = 4
+_LOCAL_SGD_H = 4
 
 
 def _collective(collective: str, algo: str, nbytes: int) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def validation_configs(cluster: ClusterModel, *, quick: bool = False) -> list[di
         out = [_collective("all_reduce", "native", MB), _collective("all_reduce", "ring", MB)]
         out += [
             {**step, "engine": "torch-ddp", "bucket_cap_mb": 25.0},
-            {**step, "engine": "localsgd", "H": LOCAL_SGD_H},
+            {**step, "engine": "localsgd", "H": _LOCAL_SGD_H},
         ]
         return out
     out = [_collective("all_reduce", "native", n) for n in VALIDATION_SIZES]
@@ -83,7 +83,7 @@ def validation_configs(cluster: ClusterModel, *, quick: bool = False) -> list[di
         {**step, "engine": "torch-ddp", "bucket_cap_mb": 1.0},
         {**step, "engine": "dataparallel", "bucket_cap_mb": 25.0},
         {**step, "engine": "dataparallel", "bucket_cap_mb": 25.0, "compressor": "fp16"},
-        {**step, "engine": "localsgd", "H": LOCAL_SGD_H},
+        {**step, "engine": "localsgd", "H": _LOCAL_SGD_H},
     ]
     return out
 

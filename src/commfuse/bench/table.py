@@ -39,13 +39,13 @@ def ratio_cell(record: dict[str, Any], key: str, spec: str = ".3f") -> str:
 
 #: The fewest rounds whose interval of the median (``schedule.median_interval``) holds at least
 #: 95%: below six it is the per-round ratios' whole range, which covers less (half at two rounds).
-MIN_ROUNDS_95 = 6
+_MIN_ROUNDS_95 = 6
 
 #: Where each command's records count their rounds: the first of these keys with an integer.
 _ROUND_KEYS = ("repeats", "rounds", "reps", "num_reps", "iters")
 
 
-def rounds_of(record: dict[str, Any]) -> int | None:
+def _rounds_of(record: dict[str, Any]) -> int | None:
     """How many rounds ``record`` was measured over; None where it does not say."""
     for key in _ROUND_KEYS:
         value = record.get(key)
@@ -56,11 +56,11 @@ def rounds_of(record: dict[str, Any]) -> int | None:
 
 def interval_label(records: Sequence[dict[str, Any]]) -> str:
     """What the records' ``ratio_ci`` is, as a column names it: ``95%`` where every record with
-    one was measured over at least ``MIN_ROUNDS_95`` rounds, ``range`` where one was measured
+    one was measured over at least ``_MIN_ROUNDS_95`` rounds, ``range`` where one was measured
     over fewer (the whole range of its rounds, short of 95%), ``interval`` where one does not
     say how many rounds it had."""
-    counts = [rounds_of(r) for r in records if r.get("ratio_ci") is not None]
-    if any(n is not None and n < MIN_ROUNDS_95 for n in counts):
+    counts = [_rounds_of(r) for r in records if r.get("ratio_ci") is not None]
+    if any(n is not None and n < _MIN_ROUNDS_95 for n in counts):
         return "range"
     return "interval" if None in counts else "95%"
 
