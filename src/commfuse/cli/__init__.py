@@ -24,7 +24,7 @@ from commfuse import __version__
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CommandEntry:
+class _CommandEntry:
     """One sub-command of ``commfuse``: its name, the module that registers it, its help line."""
 
     name: str
@@ -37,45 +37,45 @@ class CommandEntry:
 
 
 #: Every sub-command, in help order.
-COMMANDS: tuple[CommandEntry, ...] = (
-    CommandEntry(
+COMMANDS: tuple[_CommandEntry, ...] = (
+    _CommandEntry(
         name="launch",
         module="commfuse.cli.launch",
         summary="run a torchrun-style script on N local ranks (optionally on an emulated cluster)",
     ),
-    CommandEntry(
+    _CommandEntry(
         name="net",
         module="commfuse.cli.net",
         summary="emulated cluster: network namespaces with shaped links (needs root)",
     ),
-    CommandEntry(
+    _CommandEntry(
         name="tune",
         module="commfuse.cli.tune",
         summary="calibrate alpha/beta/gamma and every algorithm, write a profile, print the "
         "algorithm algo='auto' picks per size",
     ),
-    CommandEntry(
+    _CommandEntry(
         name="bench",
         module="commfuse.cli.bench",
         summary="benchmarks (nccl-tests style tables, --json records)",
     ),
-    CommandEntry(
+    _CommandEntry(
         name="simulate",
         module="commfuse.cli.simulate",
         summary="predict step time and its breakdown on a cluster of hundreds to thousands "
         "of ranks",
     ),
-    CommandEntry(
+    _CommandEntry(
         name="train",
         module="commfuse.cli.train",
         summary="train a workload (charlm, digits) on N ranks with one strategy",
     ),
-    CommandEntry(
+    _CommandEntry(
         name="compare",
         module="commfuse.cli.compare",
         summary="train several strategies on the same workload; table of step time, bytes, loss",
     ),
-    CommandEntry(
+    _CommandEntry(
         name="report",
         module="commfuse.cli.report",
         summary="print result JSON files as the tables their commands printed "

@@ -84,8 +84,8 @@ def add_topology_arguments(
         )
 
 
-DEVICES = ("cpu", "cuda")
-BACKENDS = ("gloo", "nccl")
+_DEVICES = ("cpu", "cuda")
+_BACKENDS = ("gloo", "nccl")
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,13 +95,13 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("device")
     group.add_argument(
         "--device",
-        choices=DEVICES,
+        choices=_DEVICES,
         default="cpu",
         help="the ranks' device (cuda: one rank per visible GPU; default cpu)",
     )
     group.add_argument(
         "--backend",
-        choices=BACKENDS,
+        choices=_BACKENDS,
         default=None,
         help="the process group's backend (default: gloo on cpu, nccl on cuda)",
     )
@@ -147,7 +147,7 @@ def add_timeout_argument(parser: argparse.ArgumentParser, *, default_s: float | 
     """--timeout: the deadline of the whole job, after which every rank is stopped."""
     parser.add_argument(
         "--timeout",
-        type=positive_seconds,
+        type=_positive_seconds,
         default=default_s,
         help="stop the job after this many seconds"
         + ("" if default_s is None else f" (default {default_s:g})"),
@@ -178,7 +178,7 @@ def output_path(text: str) -> str:
     return text
 
 
-def positive_seconds(text: str) -> float:
+def _positive_seconds(text: str) -> float:
     """A duration in seconds, more than 0 (``--timeout``)."""
     try:
         seconds = float(text)
@@ -304,10 +304,10 @@ def check_run_flags(args: argparse.Namespace) -> None:
     factor = getattr(args, "max_steps_factor", None)
     if factor is not None and not factor >= 1:
         raise ValueError(f"--max-steps-factor must be at least 1, got {factor:g}")
-    check_start_flags(args)
+    _check_start_flags(args)
 
 
-def check_start_flags(args: argparse.Namespace) -> None:
+def _check_start_flags(args: argparse.Namespace) -> None:
     """``--resume`` and ``--init-from`` against their checkpoints and ``--steps``, naming the
     flags (``TrainConfig`` and ``check_start`` check the same and name their fields).
 
@@ -361,7 +361,7 @@ def topology_from_args(args: argparse.Namespace, *, nproc: int | None = None) ->
     topology = Topology.from_spec(
         hosts=args.hosts, ranks_per_host=ranks_per_host or 1, link=args.link
     )
-    if topology.link_mbit is not None and not will_shape(args):
+    if topology.link_mbit is not None and not _will_shape(args):
         # On plain loopback nothing caps the links: say so in every table and record (and
         # give the ranks' cost models no rate that is not there).
         topology = dataclasses.replace(topology, link_mbit=None)
@@ -376,7 +376,7 @@ def check_topology_flags(args: argparse.Namespace) -> None:
         require_at_least("--ranks-per-host", args.ranks_per_host, 1)
 
 
-def will_shape(args: argparse.Namespace) -> bool:
+def _will_shape(args: argparse.Namespace) -> bool:
     """Whether a job started with these arguments runs on an emulated (shaped) network."""
     if getattr(args, "no_emulate", False):
         return False
@@ -389,7 +389,7 @@ def will_emulate(topology: Topology, args: argparse.Namespace) -> bool:
     benchmark configs can record it."""
     from commfuse.cluster.placement import wants_emulation
 
-    return wants_emulation(topology) and will_shape(args)
+    return wants_emulation(topology) and _will_shape(args)
 
 
 def emulate_arg(args: argparse.Namespace) -> bool | None:

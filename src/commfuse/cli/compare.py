@@ -53,7 +53,7 @@ def register(sub: Subparsers) -> None:
     parser = add_command(
         sub,
         "compare",
-        run_compare,
+        _run_compare,
         help="train several strategies on the same workload; table of step time, bytes, loss",
         doc=__doc__,
     )
@@ -97,7 +97,7 @@ def register(sub: Subparsers) -> None:
     )
 
 
-def run_compare(args: argparse.Namespace) -> int:
+def _run_compare(args: argparse.Namespace) -> int:
     import torch
 
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec

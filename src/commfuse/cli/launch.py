@@ -29,7 +29,7 @@ def register(sub: Subparsers) -> None:
     parser = add_command(
         sub,
         "launch",
-        run_launch,
+        _run_launch,
         help="run a torchrun-style script on N local ranks (optionally on an emulated cluster)",
         doc=__doc__,
     )
@@ -56,7 +56,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_launch(args: argparse.Namespace) -> int:
+def _run_launch(args: argparse.Namespace) -> int:
     # The launcher imports torch: only a job that runs pays for it, not --help.
     from commfuse.cluster.launcher import launch, script_command
 

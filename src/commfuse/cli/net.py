@@ -35,7 +35,7 @@ from commfuse.cluster.topology import Topology
 from commfuse.units import format_rate
 
 #: A measured rate further than this from the spec fails ``net check``.
-TOLERANCE = 0.15
+_TOLERANCE = 0.15
 
 
 def _topology(args: argparse.Namespace) -> Topology:
@@ -55,7 +55,7 @@ def _write_json(args: argparse.Namespace, obj: Any) -> None:
 
 
 def _print_check(result: dict[str, Any]) -> bool:
-    """Print measured vs spec rate per direction; True when within TOLERANCE (or unshaped)."""
+    """Print measured vs spec rate per direction; True when within _TOLERANCE (or unshaped)."""
     spec = result["spec_mbit"]
     spec_text = "unshaped" if spec is None else format_rate(spec)
     for pair in result["pairs"]:
@@ -67,9 +67,9 @@ def _print_check(result: dict[str, Any]) -> bool:
         )
     print(f"  tbf drops: {result['drops']}  ({result['num_bytes']} bytes per direction)")
     ratio = result["ratio"]
-    ok = ratio is None or abs(ratio - 1.0) <= TOLERANCE
+    ok = ratio is None or abs(ratio - 1.0) <= _TOLERANCE
     if not ok:
-        print(f"  WARNING: measured rate is off the spec by more than {100 * TOLERANCE:.0f}%")
+        print(f"  WARNING: measured rate is off the spec by more than {100 * _TOLERANCE:.0f}%")
     return ok
 
 
@@ -88,7 +88,7 @@ def _require_netlab() -> None:
         raise UsageError(reason)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def _cmd_up(args: argparse.Namespace) -> int:
     """Build a lab that outlives this command, describe it and self-check its links."""
     topology = _topology(args)
     lab = Netlab(topology, mtu=args.mtu, burst_kb=args.burst_kb)
@@ -108,7 +108,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_down(args: argparse.Namespace) -> int:
+def _cmd_down(args: argparse.Namespace) -> int:
     """Remove one lab by id, or every lab and leftover (``--all``)."""
     if args.all and args.lab_id is not None:
         raise ValueError("give a LAB_ID or --all, not both")
@@ -135,7 +135,7 @@ def _age(created: Any) -> str:
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds}s"
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _cmd_status(args: argparse.Namespace) -> int:
     """List labs from state files and leftover namespaces/links (orphans of a crash)."""
     labs = list_labs()
     if args.json:
@@ -170,7 +170,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_check(args: argparse.Namespace) -> int:
+def _cmd_check(args: argparse.Namespace) -> int:
     """Build a temporary lab, measure its links against the spec, tear it down."""
     topology = _topology(args)
     if topology.num_hosts < 2:
@@ -182,7 +182,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         result = self_check(lab)
     if args.json:
         _write_json(args, result)
-        return 0 if result["ratio"] is None or abs(result["ratio"] - 1) <= TOLERANCE else 1
+        return 0 if result["ratio"] is None or abs(result["ratio"] - 1) <= _TOLERANCE else 1
     return 0 if _print_check(result) else 1
 
 
@@ -220,18 +220,18 @@ def register(subparsers: Subparsers) -> None:
     up = sub.add_parser("up", help="build a lab that outlives this command, then self-check it")
     _lab_options(up, hosts=None, link=None)
     up.add_argument("--no-check", action="store_true", help="skip the link self-check")
-    set_command(up, cmd_up)
+    set_command(up, _cmd_up)
 
     down = sub.add_parser("down", help="remove a lab (LAB_ID) or every lab and leftover (--all)")
     down.add_argument("lab_id", nargs="?", metavar="LAB_ID", help="lab to remove, e.g. cfuse3fa2")
     down.add_argument("--all", action="store_true", help="remove every lab and leftover")
-    set_command(down, cmd_down)
+    set_command(down, _cmd_down)
 
     status = sub.add_parser("status", help="list labs, including leftovers of crashed programs")
     _json_option(status, "the labs")
-    set_command(status, cmd_status)
+    set_command(status, _cmd_status)
 
     check = sub.add_parser("check", help="temporary lab: measure link rate vs spec, tear down")
     _lab_options(check, hosts=2, link="1gbit")
     _json_option(check, "the measured rates")
-    set_command(check, cmd_check)
+    set_command(check, _cmd_check)

@@ -23,11 +23,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-Writer = Callable[[Path], object]
+_Writer = Callable[[Path], object]
 """Writes a whole output file at the path it is given (``Path.write_text``, a ``savefig``)."""
 
 
-def _write_beside(path: Path, write: Writer, folder: Path) -> Path:
+def _write_beside(path: Path, write: _Writer, folder: Path) -> Path:
     """``write`` a new file in ``folder`` and rename it to ``path`` (``folder`` is ``path``'s
     own) or keep its unique name (another folder); the file's mode is what ``open`` would
     give a new file (the umask's)."""
@@ -52,7 +52,7 @@ def _write_beside(path: Path, write: Writer, folder: Path) -> Path:
         raise
 
 
-def write_file(args: argparse.Namespace, path: str, write: Writer) -> str | None:
+def write_file(args: argparse.Namespace, path: str, write: _Writer) -> str | None:
     """Write the output file ``path`` with ``write`` (see the module docstring for what
     happens when it cannot be written); return where it went, None where nowhere.
 
@@ -76,7 +76,7 @@ def write_file(args: argparse.Namespace, path: str, write: Writer) -> str | None
 
 
 def _write_somewhere(
-    args: argparse.Namespace, path: str, write: Writer, *, nowhere: str
+    args: argparse.Namespace, path: str, write: _Writer, *, nowhere: str
 ) -> str | None:
     """``write_file``; ``nowhere`` ends the message when no file could be written."""
     target = Path(path).expanduser()

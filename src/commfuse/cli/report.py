@@ -42,7 +42,7 @@ def _ms(key: str, spec: str = ".1f") -> Callable[[Record], str]:
     return lambda r: format(r[key] * 1e3, spec)
 
 
-STRATEGIES_COLUMNS: tuple[Column, ...] = (
+_STRATEGIES_COLUMNS: tuple[Column, ...] = (
     ("strategy", lambda r: r["strategy"]),
     ("step_ms", _ms("step_s")),
     ("min-max_ms", lambda r: f"{r['step_s_min'] * 1e3:.0f}-{r['step_s_max'] * 1e3:.0f}"),
@@ -57,7 +57,7 @@ STRATEGIES_COLUMNS: tuple[Column, ...] = (
     ("MB/step", lambda r: f"{r['bytes_per_step'] / 1e6:.3f}"),
 )
 
-DDP_COLUMNS: tuple[Column, ...] = (
+_DDP_COLUMNS: tuple[Column, ...] = (
     ("engine", lambda r: r["engine"]),
     ("step_ms", _ms("step_s")),
     ("min-max_ms", lambda r: f"{r['step_s_min'] * 1e3:.0f}-{r['step_s_max'] * 1e3:.0f}"),
@@ -67,7 +67,7 @@ DDP_COLUMNS: tuple[Column, ...] = (
     ("buckets", lambda r: "-" if r["num_buckets"] is None else str(r["num_buckets"])),
 )
 
-PIPELINE_COLUMNS: tuple[Column, ...] = (
+_PIPELINE_COLUMNS: tuple[Column, ...] = (
     ("schedule", lambda r: r["schedule"]),
     ("stages", lambda r: str(r["stages"])),
     ("micro", lambda r: str(r["micro_batches"])),
@@ -80,7 +80,7 @@ PIPELINE_COLUMNS: tuple[Column, ...] = (
     ("MB/step", lambda r: f"{r['bytes_per_step'] / 1e6:.3f}"),
 )
 
-TRAIN_COLUMNS: tuple[Column, ...] = (
+_TRAIN_COLUMNS: tuple[Column, ...] = (
     ("strategy", lambda r: r["strategy"]),
     ("steps", lambda r: str(r["steps"])),
     ("step_ms", _ms("step_time_s", ".0f")),
@@ -90,7 +90,7 @@ TRAIN_COLUMNS: tuple[Column, ...] = (
     ("held_loss", lambda r: f"{r['eval_loss']:.3f}"),
 )
 
-CLI_COLUMNS: tuple[Column, ...] = (
+_CLI_COLUMNS: tuple[Column, ...] = (
     ("command", lambda r: r["command"]),
     ("tree", lambda r: r["tree"]),
     ("wall_ms", _ms("wall_s", ".0f")),
@@ -104,14 +104,14 @@ CLI_COLUMNS: tuple[Column, ...] = (
     ("imports", lambda r: str(r["num_imports"])),
 )
 
-PROFILE_COLUMNS: tuple[Column, ...] = (
+_PROFILE_COLUMNS: tuple[Column, ...] = (
     ("link", lambda r: r["link"]),
     ("alpha_us", lambda r: f"{r['alpha_s'] * 1e6:.1f}"),
     ("beta_GB/s", lambda r: f"{1e-9 / r['beta_s_per_byte']:.4f}"),
     ("gamma_GB/s", lambda r: f"{1e-9 / r['gamma_s_per_byte']:.2f}"),
 )
 
-VALIDATION_COLUMNS: tuple[Column, ...] = (
+_VALIDATION_COLUMNS: tuple[Column, ...] = (
     ("configuration", lambda r: r["config"]),
     ("kind", lambda r: r["config_kind"]),
     ("runs", lambda r: str(r["runs"])),
@@ -121,7 +121,7 @@ VALIDATION_COLUMNS: tuple[Column, ...] = (
 )
 
 
-TRAIN_FT_COLUMNS: tuple[Column, ...] = (
+_TRAIN_FT_COLUMNS: tuple[Column, ...] = (
     ("strategy", lambda r: r["strategy"]),
     ("mode", lambda r: r["mode"]),
     ("steps", lambda r: str(r["steps"])),
@@ -133,7 +133,7 @@ TRAIN_FT_COLUMNS: tuple[Column, ...] = (
 )
 
 #: ``commfuse tune --json``: one row per calibration point (``*``: what ``auto`` picks there).
-TUNE_CALIBRATION_COLUMNS: tuple[Column, ...] = (
+_TUNE_CALIBRATION_COLUMNS: tuple[Column, ...] = (
     ("collective", lambda r: r["collective"]),
     ("size", lambda r: format_size(r["bytes"])),
     ("algo", lambda r: r["algo"] + ("*" if r["chosen"] else "")),
@@ -145,7 +145,7 @@ TUNE_CALIBRATION_COLUMNS: tuple[Column, ...] = (
 )
 
 #: ``commfuse simulate`` (one step): the predicted step and its parts.
-SIMULATE_COLUMNS: tuple[Column, ...] = (
+_SIMULATE_COLUMNS: tuple[Column, ...] = (
     ("ranks", lambda r: str(r["ranks"])),
     ("step_ms", lambda r: f"{r['step_us'] / 1e3:.3f}"),
     ("compute_ms", lambda r: f"{r['compute_us'] / 1e3:.3f}"),
@@ -157,7 +157,7 @@ SIMULATE_COLUMNS: tuple[Column, ...] = (
 
 #: ``benchmarks/device/gpu_check.sh``: one row per check (a relative error and a step time where
 #: the check timed a gradient exchange).
-GPU_CHECK_COLUMNS: tuple[Column, ...] = (
+_GPU_CHECK_COLUMNS: tuple[Column, ...] = (
     ("check", lambda r: r["name"]),
     ("result", lambda r: "ok" if r["ok"] else f"FAILED: {r['error']}"),
     ("device", lambda r: r["device"]),
@@ -281,10 +281,10 @@ def _validation_table(records: Sequence[Record], markdown: bool) -> str:
         f"held-out configurations: {len(rows)}, median |error| "
         f"{statistics.median(absolute) * 100:.1f}%, max {max(absolute) * 100:.1f}%"
     )
-    return _table(rows, VALIDATION_COLUMNS, markdown) + "\n\n" + summary
+    return _table(rows, _VALIDATION_COLUMNS, markdown) + "\n\n" + summary
 
 
-def speedup_interval_cell(record: dict[str, Any]) -> str:
+def _speedup_interval_cell(record: dict[str, Any]) -> str:
     """The interval of ``speedup`` (the inverse of the record's time-ratio interval,
     ``ratio_ci``: 95% from six rounds, their range below), ``low-high``; "-" for the baseline
     and records without one."""
@@ -325,7 +325,7 @@ def _collectives_table(data: Any, markdown: bool) -> str:
     if any(r.get("ratio_ci") is not None for r in data):  # rows judged by their interval too
         at = next(i for i, (name, _) in enumerate(columns) if name == "speedup") + 1
         label = f"speedup_{interval_label(data)}"  # 95% from six rounds, else range
-        columns.insert(at, (label, speedup_interval_cell))
+        columns.insert(at, (label, _speedup_interval_cell))
     return _table(data, columns, markdown)
 
 
@@ -346,7 +346,7 @@ def _compare_ft_table(data: Any, markdown: bool) -> str:
 
 
 def _ddp_table(data: Any, markdown: bool) -> str:
-    columns = list(DDP_COLUMNS)
+    columns = list(_DDP_COLUMNS)
     if len({str(r.get("model")) for r in data}) > 1:  # runs of several models in one file
         columns.insert(0, ("model", _setting("model")))
     return _table(data, columns, markdown)
@@ -354,7 +354,7 @@ def _ddp_table(data: Any, markdown: bool) -> str:
 
 def _profile_table(data: Any, markdown: bool) -> str:
     rows = [{"link": link, **data[link]} for link in ("intra", "inter")]
-    return _table(rows, PROFILE_COLUMNS, markdown)
+    return _table(rows, _PROFILE_COLUMNS, markdown)
 
 
 def _columns_table(columns: Callable[[], Sequence[Column]]) -> Callable[[Any, bool], str]:
@@ -378,20 +378,20 @@ KINDS: dict[RecordKind, Kind] = {
     "bench fused --step": Kind(_columns_table(_fused_step_columns)),
     "compare": Kind(_compare_table, "strategy"),
     "compare --fault-tolerant": Kind(_compare_ft_table, "run"),
-    "bench strategies": Kind(_columns_table(lambda: STRATEGIES_COLUMNS), "strategy"),
+    "bench strategies": Kind(_columns_table(lambda: _STRATEGIES_COLUMNS), "strategy"),
     "bench ddp": Kind(_ddp_table, "engine"),
-    "bench pipeline": Kind(_columns_table(lambda: PIPELINE_COLUMNS), "schedule"),
-    "bench cli": Kind(_columns_table(lambda: CLI_COLUMNS)),
+    "bench pipeline": Kind(_columns_table(lambda: _PIPELINE_COLUMNS), "schedule"),
+    "bench cli": Kind(_columns_table(lambda: _CLI_COLUMNS)),
     "simulate --scale": Kind(_scale_table),
     "simulate --validate": Kind(_validation_table),
-    "train": Kind(lambda data, markdown: _table([data], TRAIN_COLUMNS, markdown)),
+    "train": Kind(lambda data, markdown: _table([data], _TRAIN_COLUMNS, markdown)),
     "train --fault-tolerant": Kind(
-        lambda data, markdown: _table([data], TRAIN_FT_COLUMNS, markdown)
+        lambda data, markdown: _table([data], _TRAIN_FT_COLUMNS, markdown)
     ),
-    "gpu check": Kind(lambda data, markdown: _table(data["checks"], GPU_CHECK_COLUMNS, markdown)),
+    "gpu check": Kind(lambda data, markdown: _table(data["checks"], _GPU_CHECK_COLUMNS, markdown)),
     "tune": Kind(_profile_table),
-    "tune calibration": Kind(_columns_table(lambda: TUNE_CALIBRATION_COLUMNS)),
-    "simulate": Kind(lambda data, markdown: _table([data], SIMULATE_COLUMNS, markdown)),
+    "tune calibration": Kind(_columns_table(lambda: _TUNE_CALIBRATION_COLUMNS)),
+    "simulate": Kind(lambda data, markdown: _table([data], _SIMULATE_COLUMNS, markdown)),
 }
 assert set(KINDS) == set(RECORD_KINDS), "every kind of record has its table"
 
@@ -420,7 +420,7 @@ def _load(path: str | Path) -> Any:
         raise ValueError(f"{path}: {err.strerror or err}") from err
 
 
-def merged_records(paths: Sequence[str | Path]) -> list[Record]:
+def _merged_records(paths: Sequence[str | Path]) -> list[Record]:
     """The records of every file, in order, as one list: runs of one command that could not
     share a job (several seeds of ``compare``, each its own run) made one result; rounds of
     ``compare --fault-tolerant`` split across files become one record per job over every
@@ -461,7 +461,7 @@ def plot_bytes(paths: Sequence[str | Path], out: str | Path) -> None:
     """
     from commfuse.bench.compare import plot_loss_vs_bytes
 
-    records = merged_records(paths)
+    records = _merged_records(paths)
     if kind_of(records) != "compare":
         raise ValueError(f"--plot-bytes plots compare results, not {kind_of(records)}")
     plot_loss_vs_bytes(records, out)
@@ -537,7 +537,7 @@ def register(sub: Subparsers) -> None:
     parser = add_command(
         sub,
         "report",
-        run_report,
+        _run_report,
         help="print result JSON files as the tables their commands printed (--markdown: as Markdown)",
         doc=__doc__,
     )
@@ -561,7 +561,7 @@ def register(sub: Subparsers) -> None:
     )
 
 
-def run_report(args: argparse.Namespace) -> int:
+def _run_report(args: argparse.Namespace) -> int:
     """Print every file's table; ``--markdown PATH`` writes the same tables as Markdown;
     ``--update`` rewrites the reports' tables instead, ``--json PATH`` writes the files' records
     as one, ``--plot-bytes PATH`` plots them (compare results)."""
@@ -572,7 +572,7 @@ def run_report(args: argparse.Namespace) -> int:
             )
         return 0
     if args.json:
-        merged = merged_records(args.results)
+        merged = _merged_records(args.results)
         written = write_output(args, args.json, to_text(kind_of(merged), merged))
         print(f"records of {len(args.results)} file(s) written to {written}")
         return 0

@@ -53,7 +53,7 @@ _BOOL_ACCEPTED = "1/0, true/false, yes/no, on/off"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Spec:
+class _Spec:
     """A spec split into its parts (values still text)."""
 
     text: str
@@ -64,7 +64,7 @@ class Spec:
     """``key -> value`` in the order given."""
 
 
-def split_spec(text: str, *, what: str = "spec") -> Spec:
+def split_spec(text: str, *, what: str = "spec") -> _Spec:
     """``"powersgd:rank=4,warmup=10"`` -> name ``powersgd``, options ``{rank: 4, warmup: 10}``.
 
     Raises:
@@ -86,7 +86,7 @@ def split_spec(text: str, *, what: str = "spec") -> Spec:
         if key in options:
             raise ValueError(f"{what} {stripped!r}: option {key!r} given twice")
         options[key] = value
-    return Spec(text=stripped, name=name, options=options)
+    return _Spec(text=stripped, name=name, options=options)
 
 
 # -- values ----------------------------------------------------------------------------------

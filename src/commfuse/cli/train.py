@@ -71,7 +71,7 @@ def register(sub: Subparsers) -> None:
     parser = add_command(
         sub,
         "train",
-        run_train,
+        _run_train,
         help="train a workload (charlm, digits) on N ranks with one strategy",
         doc=__doc__,
     )
@@ -183,7 +183,7 @@ def list_strategies() -> str:
     )
 
 
-def run_train(args: argparse.Namespace) -> int:
+def _run_train(args: argparse.Namespace) -> int:
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec
     from commfuse.train.checkpoint import DifferentRun
     from commfuse.train.loop import TrainConfig, check_start
@@ -218,7 +218,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         start = check_start(config, topology.world_size).said
     except DifferentRun as err:
-        raise ValueError(different_run(err)) from None
+        raise ValueError(_different_run(err)) from None
     schedule = "" if args.lr_schedule is None else f", learning rate {args.lr_schedule}"
     print(
         f"commfuse train: {args.workload} on {topology.describe()}, strategy {config.label}"
@@ -234,7 +234,7 @@ def run_train(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         backend=backend,
     )
-    print(describe_record(record))
+    print(_describe_record(record))
     if args.json:
         written = write_output(args, args.json, to_text("train", record))
         print(f"metrics written to {written}")
@@ -242,7 +242,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 #: The flag that sets each field of a checkpoint's run identity (``loop._identity``).
-IDENTITY_FLAGS = {
+_IDENTITY_FLAGS = {
     "workload": "--workload",
     "strategy": "--strategy",
     "seed": "--seed",
@@ -252,10 +252,11 @@ IDENTITY_FLAGS = {
 }
 
 
-def different_run(err: DifferentRun) -> str:
+def _different_run(err: DifferentRun) -> str:
     """``--resume``'s refusal of another run's checkpoint, naming the flags that differ."""
     diffs = "; ".join(
-        f"{IDENTITY_FLAGS.get(key, key)}: {old!r} there, {new!r} now" for key, old, new in err.diffs
+        f"{_IDENTITY_FLAGS.get(key, key)}: {old!r} there, {new!r} now"
+        for key, old, new in err.diffs
     )
     return (
         f"--resume: the checkpoint in --checkpoint-dir {err.path} is of another run ({diffs}): "
@@ -263,7 +264,7 @@ def different_run(err: DifferentRun) -> str:
     )
 
 
-def describe_record(r: dict[str, Any]) -> str:
+def _describe_record(r: dict[str, Any]) -> str:
     acc = "-" if r["eval_accuracy"] is None else f"{100 * r['eval_accuracy']:.1f}%"
     compute = (
         ""

@@ -36,7 +36,7 @@ def register(sub: Subparsers) -> None:
     add_job_command(
         sub,
         "tune",
-        run_tune,
+        _run_tune,
         help="calibrate alpha/beta/gamma and every algorithm, write a profile, print the algorithm algo='auto' picks per size",
         doc=__doc__,
         arguments=_arguments,
@@ -89,7 +89,7 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}" if seconds < float("inf") else "-"
 
 
-def print_calibration(records: list[dict[str, Any]]) -> None:
+def _print_calibration(records: list[dict[str, Any]]) -> None:
     """The calibration table (see the module docstring)."""
     print(
         f"{'collective':>15} {'size':>6}   {'algo':<18} {'measured_ms':>11} {'model_ms':>9} "
@@ -113,7 +113,7 @@ def print_calibration(records: list[dict[str, Any]]) -> None:
         )
 
 
-def print_picks(summary: list[dict[str, Any]]) -> None:
+def _print_picks(summary: list[dict[str, Any]]) -> None:
     """What ``algo="auto"`` picks over the calibration sizes and what it costs against the
     fastest algorithm measured at each (regret: the pick's time over the fastest's, less 1)."""
     print(
@@ -127,7 +127,7 @@ def print_picks(summary: list[dict[str, Any]]) -> None:
         )
 
 
-def run_tune(args: argparse.Namespace) -> int:
+def _run_tune(args: argparse.Namespace) -> int:
     from commfuse.bench.tuner_report import describe, pick_summary
     from commfuse.collectives.profile import Profile
     from commfuse.collectives.registry import COLLECTIVES
@@ -160,9 +160,9 @@ def run_tune(args: argparse.Namespace) -> int:
     records = describe(profile)
     if records:
         print()
-        print_calibration(records)
+        _print_calibration(records)
         print()
-        print_picks(pick_summary(records))
+        _print_picks(pick_summary(records))
         print()
     if args.json:
         written = write_output(args, args.json, to_text("tune calibration", records))

@@ -20,16 +20,16 @@ from commfuse.units import parse_sizes
 
 #: The embedded default: a short sweep on an emulated 4-host, 1 Gbit/s cluster.
 DEFAULT_SIZES = "64K,1M,16M"
-DEFAULT_OPS = "all_reduce,broadcast,all_gather"
+_DEFAULT_OPS = "all_reduce,broadcast,all_gather"
 #: A sample of one small-message call is mostly scheduling jitter; a loop of calls is not.
-DEFAULT_MIN_SAMPLE_MS = 20.0
+_DEFAULT_MIN_SAMPLE_MS = 20.0
 
 
 def register(bench_sub: Subparsers) -> None:
     add_job_command(
         bench_sub,
         "collectives",
-        run_bench_collectives,
+        _run_bench_collectives,
         help="time collectives over a size sweep: time, algbw, busbw, percent of link, wrong elements",
         doc=__doc__,
         arguments=_arguments,
@@ -42,7 +42,7 @@ def register(bench_sub: Subparsers) -> None:
 
 def _arguments(coll: argparse.ArgumentParser) -> None:
     coll.add_argument(
-        "--op", default=DEFAULT_OPS, help=f"comma list of collectives (default {DEFAULT_OPS})"
+        "--op", default=_DEFAULT_OPS, help=f"comma list of collectives (default {_DEFAULT_OPS})"
     )
     coll.add_argument(
         "--sizes",
@@ -62,9 +62,9 @@ def _arguments(coll: argparse.ArgumentParser) -> None:
     coll.add_argument(
         "--min-sample-ms",
         type=float,
-        default=DEFAULT_MIN_SAMPLE_MS,
+        default=_DEFAULT_MIN_SAMPLE_MS,
         help="repeat the call back to back within each timed sample until the fastest algorithm's "
-        f"sample lasts this long (0: one call per sample) (default {DEFAULT_MIN_SAMPLE_MS:g})",
+        f"sample lasts this long (0: one call per sample) (default {_DEFAULT_MIN_SAMPLE_MS:g})",
     )
     coll.add_argument(
         "--tuner-trial-calls",
@@ -82,7 +82,7 @@ def _arguments(coll: argparse.ArgumentParser) -> None:
     )
 
 
-def run_bench_collectives(args: argparse.Namespace) -> int:
+def _run_bench_collectives(args: argparse.Namespace) -> int:
     from commfuse.bench.collectives import (
         CollectiveBenchConfig,
         bench_collectives_on_rank,
@@ -112,7 +112,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
         min_sample_ms=args.min_sample_ms,
         tuner_trial_calls=args.tuner_trial_calls,
     )
-    check_algo_names(config.ops, config.algos)  # fail here, before any rank starts
+    _check_algo_names(config.ops, config.algos)  # fail here, before any rank starts
     print(
         f"commfuse bench collectives: {topology.describe()}, {config.iters} timed runs per row (median)",
         file=sys.stderr,
@@ -133,7 +133,7 @@ def run_bench_collectives(args: argparse.Namespace) -> int:
     )
 
 
-def check_algo_names(ops: tuple[str, ...], algos: tuple[str, ...]) -> None:
+def _check_algo_names(ops: tuple[str, ...], algos: tuple[str, ...]) -> None:
     """ValueError for an algorithm name that none of the ops has."""
     from commfuse.bench.collectives import expand_algos
 

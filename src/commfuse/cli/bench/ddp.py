@@ -27,7 +27,7 @@ def register(bench_sub: Subparsers) -> None:
     add_job_command(
         bench_sub,
         "ddp",
-        run_bench_ddp,
+        _run_bench_ddp,
         help="step time of commfuse DataParallel vs torch DDP and the compute floor (interleaved)",
         doc=__doc__,
         arguments=_arguments,
@@ -81,7 +81,7 @@ def _config(args: argparse.Namespace) -> Any:
     )
 
 
-def run_bench_ddp(args: argparse.Namespace) -> int:
+def _run_bench_ddp(args: argparse.Namespace) -> int:
     from commfuse.bench.ddp import bench_ddp_on_rank
     from commfuse.cli.bench.report import plot_steps, run_and_report
 

@@ -26,7 +26,7 @@ def register(bench_sub: Subparsers) -> None:
     add_job_command(
         bench_sub,
         "fused",
-        run_bench_fused,
+        _run_bench_fused,
         help="fused operators vs unfused: compute C, comm M, unfused, fused, ideal max(C, M), ratios",
         doc=__doc__,
         arguments=_arguments,
@@ -71,7 +71,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_shapes(specs: list[str] | None) -> tuple[tuple[int, ...], ...] | None:
+def _parse_shapes(specs: list[str] | None) -> tuple[tuple[int, ...], ...] | None:
     """``--shape`` values (``1024x2048x1024``, repeatable) as tuples of ints; None if none."""
     if not specs:
         return None
@@ -83,7 +83,7 @@ def parse_shapes(specs: list[str] | None) -> tuple[tuple[int, ...], ...] | None:
         ) from None
 
 
-def run_bench_fused(args: argparse.Namespace) -> int:
+def _run_bench_fused(args: argparse.Namespace) -> int:
     """Operators (``--op``) or, with ``--step``, whole training steps of workloads; the same
     cluster, shape, chunk, repetition and output flags for both."""
     from commfuse.bench import fused, fused_steps
@@ -97,7 +97,7 @@ def run_bench_fused(args: argparse.Namespace) -> int:
         "warmup": args.warmup,
         "chunks": args.chunks,
         "schedule": args.schedule,
-        "shapes": parse_shapes(args.shape),
+        "shapes": _parse_shapes(args.shape),
         "emulated": will_emulate(topology, args),
         "control": args.control,
     }

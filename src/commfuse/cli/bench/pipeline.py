@@ -22,7 +22,7 @@ def register(bench_sub: Subparsers) -> None:
     add_job_command(
         bench_sub,
         "pipeline",
-        run_bench_pipeline,
+        _run_bench_pipeline,
         help="step time and bubble of pipeline schedules against the sequential step",
         doc=__doc__,
         arguments=_arguments,
@@ -69,7 +69,7 @@ def _config(args: argparse.Namespace) -> Any:
     )
 
 
-def run_bench_pipeline(args: argparse.Namespace) -> int:
+def _run_bench_pipeline(args: argparse.Namespace) -> int:
     from commfuse.bench.pipeline import bench_pipeline_on_rank
     from commfuse.cli.bench.report import plot_steps, run_and_report
 

@@ -26,7 +26,7 @@ from commfuse.cluster.topology import Topology
 Plot = Callable[[list[dict[str, Any]], str], None]
 
 
-def machine_summary() -> dict[str, Any]:
+def _machine_summary() -> dict[str, Any]:
     """Date, Python, torch, platform, CPUs and processor of this machine, for a report."""
     import torch
 
@@ -40,13 +40,13 @@ def machine_summary() -> dict[str, Any]:
     }
 
 
-def network_title(records: list[dict[str, Any]], topology: Topology) -> str:
+def _network_title(records: list[dict[str, Any]], topology: Topology) -> str:
     """``topology``'s description, saying so where the job ran on plain loopback."""
     emulated = bool(records and records[0].get("emulated"))
     return f"{topology.describe()}{'' if emulated else ' (NOT emulated: plain loopback)'}"
 
 
-def report_records(
+def _report_records(
     rows: list[dict[str, Any]],
     args: argparse.Namespace,
     *,
@@ -72,7 +72,7 @@ def report_records(
     if args.json:
         write_output(args, args.json, dumps(typed))
     if args.markdown:
-        machine = machine_summary()
+        machine = _machine_summary()
         lines = [
             f"# {heading}, {machine['date']}",
             "",
@@ -104,12 +104,12 @@ def run_and_report(
     title: Callable[[list[dict[str, Any]]], str] | None = None,
     plot: Plot | None = None,
 ) -> int:
-    """``fn(config)`` on the ranks of ``topology``, then ``report_records`` of rank 0's
+    """``fn(config)`` on the ranks of ``topology``, then ``_report_records`` of rank 0's
     records as records of ``kind``; ``title`` makes the line above the table from them
     (default: the network)."""
     records = run_on_ranks(fn, config, topology=topology, args=args)[0]
-    line = title(records) if title is not None else network_title(records, topology)
-    return report_records(records, args, kind=kind, title=line, heading=heading, plot=plot)
+    line = title(records) if title is not None else _network_title(records, topology)
+    return _report_records(records, args, kind=kind, title=line, heading=heading, plot=plot)
 
 
 def plot_steps(label: str) -> Plot:

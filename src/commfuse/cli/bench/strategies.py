@@ -30,7 +30,7 @@ def register(bench_sub: Subparsers) -> None:
     add_job_command(
         bench_sub,
         "strategies",
-        run_bench_strategies,
+        _run_bench_strategies,
         help="step times of training strategies, interleaved in one job, against the first",
         doc=__doc__,
         arguments=_arguments,
@@ -62,7 +62,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_bench_strategies(args: argparse.Namespace) -> int:
+def _run_bench_strategies(args: argparse.Namespace) -> int:
     from commfuse.bench.strategies import StrategiesBenchConfig, bench_strategies_on_rank
     from commfuse.cli.bench.report import plot_steps, run_and_report
     from commfuse.cli.spec import strategy_from_spec, workload_from_spec
