@@ -3,8 +3,8 @@ workload: on 1-4 gloo ranks, ``Exact`` output and gradients equal the single-pro
 ``A @ H`` and ``A^T @ G`` (fp64, 1e-12), each direction sends exactly boundary rows x d x 8
 bytes; ``Sample(p=1.0)`` equals ``Exact`` bit for bit and ``Sample(p=0.5)`` sends only its
 sampled rows; ``Stale(steps=k)`` equals the reference that aggregates the halo of step
-``max(0, t - k)`` (and adds that step's halo gradients), k = 1, 2; a 2-layer GCN's logits and SGD step equal plain torch's on
-the whole graph, and its loss falls in every mode. The partitioner covers every node once, in
+``max(0, t - k)`` (and adds that step's halo gradients), k = 1, 2; a 2-layer GCN's and GraphSAGE's logits and SGD step equal
+plain torch's on the whole graph, and the GCN's loss falls in every mode. The partitioner covers every node once, in
 balanced parts, with a cut below a random partition's."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from commfuse.comm import Communicator
 from commfuse.fused import baselines
 from commfuse.fused import graph_halo as gh
 from commfuse.testing import RankPool
-from commfuse.workloads.gcn import GCN
+from commfuse.workloads.gnn import GCN, GraphSAGE
 from commfuse.workloads.graph import (
     GraphConfig,
     cut_edges,
@@ -181,6 +181,41 @@ def gcn() -> list[str]:
     return failures
 
 
+def sage() -> list[str]:
+    """A 2-layer GraphSAGE (mean aggregator) and one SGD step equal plain torch's on the whole
+    graph."""
+    comm = Communicator()
+    rank, world = comm.rank, comm.world_size
+    graph = make_graph(SMALL)
+    adj = normalized_adjacency(graph, torch.float64, kind="mean")
+    plan, nodes = halo_plan(adj, partition(graph, world), rank, world)
+    mean = adj.to_dense()
+    x_full, labels_full = graph.features.double(), graph.labels
+    train_full = torch.arange(SMALL.num_nodes) % 3 != 0
+    dims = [SMALL.num_features, 7, SMALL.num_communities]
+    model = GraphSAGE(comm, plan, dims, dtype=torch.float64, seed=6)
+    ws = [w.detach().clone().requires_grad_(True) for w in model.self_weights]
+    wn = [w.detach().clone().requires_grad_(True) for w in model.neighbour_weights]
+    hidden = torch.relu(x_full @ ws[0] + mean @ (x_full @ wn[0]))
+    logits_ref = hidden @ ws[1] + mean @ (hidden @ wn[1])
+    loss_ref = torch.nn.functional.cross_entropy(logits_ref[train_full], labels_full[train_full])
+    torch.autograd.backward(loss_ref)
+    where = f"rank {rank}/{world}"
+    failures: list[str] = []
+    x = x_full[nodes]
+    if not torch.allclose(model(x).detach(), logits_ref[nodes].detach(), atol=TOL, rtol=0):
+        failures.append(f"{where}: GraphSAGE logits differ from the full graph's")
+    loss = model.train_step(x, labels_full[nodes], train_full[nodes], int(train_full.sum()), lr=0.5)
+    if abs(loss - float(loss_ref)) > TOL:
+        failures.append(f"{where}: loss {loss} != {float(loss_ref)}")
+    trained = [*model.self_weights, *model.neighbour_weights]
+    for i, (w, r) in enumerate(zip(trained, [*ws, *wn], strict=True)):
+        assert r.grad is not None
+        if not torch.allclose(w.detach(), r.detach() - 0.5 * r.grad, atol=TOL, rtol=0):
+            failures.append(f"{where}: weight {i} after a step differs")
+    return failures
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_exact_and_sample(pool: PoolFn, world: int) -> None:
     failures = [f for r in pool(world).run(exact_and_sample, timeout_s=120) for f in r]
@@ -196,6 +231,12 @@ def test_stale_uses_the_previous_halo(pool: PoolFn, world: int) -> None:
 @pytest.mark.parametrize("world", [1, 3])
 def test_gcn_equals_full_graph(pool: PoolFn, world: int) -> None:
     failures = [f for r in pool(world).run(gcn, timeout_s=120) for f in r]
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_graphsage_equals_full_graph(pool: PoolFn, world: int) -> None:
+    failures = [f for r in pool(world).run(sage, timeout_s=120) for f in r]
     assert not failures, failures
 
 

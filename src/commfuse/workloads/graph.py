@@ -7,7 +7,7 @@ with probability proportional to ``theta``, the other in the same community with
 ``mixing_in`` (else anywhere), again by ``theta``: hubs, and more edges inside communities than
 across. Features are the community's random mean plus Gaussian noise; labels are the
 communities. ``normalized_adjacency`` is GCN's ``D^-1/2 (A + I) D^-1/2`` (Kipf and Welling,
-ICLR 2017).
+ICLR 2017) or GraphSAGE's neighbour mean ``D^-1 A``.
 
 Partition (``partition``): greedy BFS growth, as METIS's initial partitioning grows regions
 (Karypis and Kumar, 1998): part ``k`` grows breadth-first from an unassigned node of highest
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import Literal
 
 import torch
 
@@ -97,9 +98,18 @@ def make_graph(config: GraphConfig) -> Graph:
     return Graph(edges=edges, features=features, labels=labels)
 
 
-def normalized_adjacency(graph: Graph, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """GCN's ``D^-1/2 (A + I) D^-1/2``, sparse COO ``[N, N]``, coalesced."""
+def normalized_adjacency(
+    graph: Graph, dtype: torch.dtype = torch.float32, *, kind: Literal["gcn", "mean"] = "gcn"
+) -> torch.Tensor:
+    """Sparse COO ``[N, N]``, coalesced: GCN's ``D^-1/2 (A + I) D^-1/2`` (``"gcn"``), or
+    GraphSAGE's neighbour mean ``D^-1 A`` (``"mean"``; a node without neighbours gets none)."""
     n = graph.num_nodes
+    if kind == "mean":
+        deg = torch.bincount(graph.edges[0], minlength=n).to(dtype)
+        values = 1.0 / deg[graph.edges[0]]
+        return torch.sparse_coo_tensor(graph.edges, values, (n, n)).coalesce()
+    if kind != "gcn":
+        raise ValueError(f'kind must be "gcn" or "mean", got {kind!r}')
     loops = torch.arange(n, device=graph.edges.device).repeat(2, 1)
     idx = torch.cat([graph.edges, loops], dim=1)
     deg = torch.bincount(idx[0], minlength=n).to(dtype)
