@@ -379,17 +379,27 @@ DIGITS = "digits:hidden=32,batch=16"
 DIGITS_MODEL_BYTES = 4 * ((64 * 32 + 32) + (32 * 32 + 32) + (32 * 10 + 10))
 
 
+DIGITS_NUMEL = DIGITS_MODEL_BYTES // 4
+#: int8's message of the model: one fp32 scale and a code per element, padded to words.
+DIGITS_INT8_BYTES = -(-(4 + DIGITS_NUMEL) // 4) * 4
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    ("strategy", "models_per_round", "extra"),
-    [("gossip:topology=ring,every=2", 2, 0), ("push-sum:every=2", 1, 1)],
+    ("strategy", "per_round"),
+    [
+        ("gossip:topology=ring,every=2", 2 * DIGITS_MODEL_BYTES),
+        ("push-sum:every=2", DIGITS_MODEL_BYTES + 4),
+        ("gossip:topology=ring,every=2,compressor=int8,gamma=0.8", 2 * DIGITS_INT8_BYTES),
+    ],
 )
 def test_decentral_strategies_train_count_their_bytes_and_resume_exactly(
-    pool: PoolFn, tmp_path: Path, strategy: str, models_per_round: int, extra: int
+    pool: PoolFn, tmp_path: Path, strategy: str, per_round: int
 ) -> None:
     """Three ranks through the training loop: the loss falls, every second step sends the
-    topology's models (the ring: two per rank; the exponential graph: one, with its weight),
-    and a resume from step 3 of 7 (mid-period) ends bit for bit as the straight run."""
+    topology's messages (the ring: two models per rank, or two int8 messages with CHOCO; the
+    exponential graph: one model, with its weight), and a resume from step 3 of 7 (mid-period)
+    ends bit for bit as the straight run."""
     from commfuse.train import checkpoint as ckpt
 
     p = pool(3)
@@ -397,7 +407,6 @@ def test_decentral_strategies_train_count_their_bytes_and_resume_exactly(
     config = _train_config(strategy, 7, checkpoint_dir=str(full_dir), checkpoint_every=3)
     full = p.run(train_on_rank, config, timeout_s=120)
     assert full[0]["history"]["loss"][-1] < full[0]["history"]["loss"][0]
-    per_round = models_per_round * (DIGITS_MODEL_BYTES + 4 * extra)
     for result in full:
         # The end's exact average, one all-reduce of the model, is charged to the last step.
         assert result["history"]["bytes"] == [0, per_round] * 3 + [DIGITS_MODEL_BYTES]
@@ -414,12 +423,14 @@ def test_decentral_strategies_train_count_their_bytes_and_resume_exactly(
 
 def test_decentral_specs_round_trip() -> None:
     from commfuse.cli.spec import strategy_from_spec
+    from commfuse.compress import Int8
     from commfuse.decentral import GossipConfig, PushSumConfig
     from commfuse.train import describe_strategy
 
     for config in (
         GossipConfig(topology="torus", every=4),
         PushSumConfig(every=2, final_average=False),
+        GossipConfig(topology="torus", compressor=Int8(), gamma=0.25),
         GossipConfig(),
     ):
         assert strategy_from_spec(describe_strategy(config)) == config
@@ -428,6 +439,12 @@ def test_decentral_specs_round_trip() -> None:
         strategy_from_spec("gossip:topology=star")
     with pytest.raises(ValueError, match="every"):
         strategy_from_spec("push-sum:every=0")
+    with pytest.raises(ValueError, match="ring or torus"):
+        strategy_from_spec("gossip:compressor=int8")
+    with pytest.raises(ValueError, match="needs a compressor"):
+        strategy_from_spec("gossip:gamma=0.3")
+    with pytest.raises(ValueError, match="a message of its own"):
+        strategy_from_spec("gossip:topology=ring,compressor=powersgd")
 
 
 # ---- CHOCO-Gossip: compressed messages ---------------------------------------------------------

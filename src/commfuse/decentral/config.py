@@ -3,7 +3,8 @@
 ``GossipConfig`` is D-PSGD's gossip averaging (``gossip.py``), ``PushSumConfig`` SGP's
 push-sum (``push_sum.py``); each names its topology (``topology.py``) and how many steps lie
 between two rounds, and ``build`` makes the averaging object for a communicator and a model.
-On the command line: ``gossip:topology=ring,every=4``, ``push-sum:topology=exponential``.
+On the command line: ``gossip:topology=ring,every=4``, ``push-sum:topology=exponential``;
+a gossip with a compressor runs CHOCO-Gossip (``gossip:topology=ring,compressor=int8``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from typing import ClassVar, Literal
 import torch
 
 from commfuse.comm import Communicator
+from commfuse.compress.base import Compressor
+from commfuse.compress.message import MessageCompressor
+from commfuse.decentral.choco import ChocoGossip
 from commfuse.decentral.gossip import GossipAveraging, Rounds
 from commfuse.decentral.push_sum import PushSum
 from commfuse.decentral.topology import TOPOLOGIES
@@ -63,11 +67,37 @@ class GossipConfig(DecentralMethod):
     final_average: bool = True
     """Average the replicas exactly once when training ends (one all-reduce of the model),
     so the run ends with the consensus model, the one the paper evaluates."""
+    compressor: Compressor | None = None
+    """CHOCO-Gossip (``choco.py``) with this compressor's messages (int8, topk, ...; on ring
+    or torus); None: whole models."""
+    gamma: float = 0.5
+    """CHOCO's consensus step size, in (0, 1] (with a compressor only)."""
 
     def __post_init__(self) -> None:
         self._check()
+        if self.compressor is None:
+            if self.gamma != 0.5:
+                raise ValueError("gossip: gamma is CHOCO's step size; it needs a compressor")
+            return
+        if not isinstance(self.compressor, MessageCompressor):
+            raise ValueError(
+                f"gossip: CHOCO needs a compressor with a message of its own (int8, int4, "
+                f"qsgd, sign, topk, ...), got {type(self.compressor).__name__}"
+            )
+        if self.topology not in ("ring", "torus"):
+            raise ValueError(
+                f"gossip: a compressor (CHOCO) needs a fixed topology, ring or torus, got "
+                f"{self.topology!r}"
+            )
+        if not 0 < self.gamma <= 1:
+            raise ValueError(f"gossip: gamma must be in (0, 1], got {self.gamma}")
 
     def build(self, params: Iterable[torch.Tensor], comm: Communicator) -> Rounds:
+        topology = TOPOLOGIES[self.topology](comm.world_size)
+        if isinstance(self.compressor, MessageCompressor):
+            return ChocoGossip(
+                params, comm, topology, self.compressor, gamma=self.gamma, every=self.every
+            )
         return GossipAveraging(
             params, comm, TOPOLOGIES[self.topology](comm.world_size), every=self.every
         )
