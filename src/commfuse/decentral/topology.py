@@ -95,7 +95,8 @@ class Topology(abc.ABC):
     def matrix(self, t: int) -> torch.Tensor:
         """W(t) as a dense fp64 ``world_size x world_size`` tensor (for tests and analysis)."""
         n = self.world_size
-        out = torch.zeros(n, n, dtype=torch.float64)
+        # An analysis object, not a buffer of the exchange: it lives on the CPU by choice.
+        out = torch.zeros(n, n, dtype=torch.float64, device="cpu")
         for i in range(n):
             for j, w in self.column(t, i).items():
                 out[j, i] = w
@@ -260,7 +261,9 @@ class Explicit(Topology):
         self.matrices = [m.detach().to(torch.float64, copy=True).cpu() for m in matrices]
         self.directed = directed
         self.doubly_stochastic = all(
-            torch.allclose(m.sum(1), torch.ones(n, dtype=m.dtype), atol=STOCHASTIC_ATOL)
+            torch.allclose(
+                m.sum(1), torch.ones(n, dtype=m.dtype, device=m.device), atol=STOCHASTIC_ATOL
+            )
             for m in self.matrices
         )
         for t, m in enumerate(self.matrices):
@@ -268,7 +271,9 @@ class Explicit(Topology):
                 raise ValueError(f"matrix {t} has shape {tuple(m.shape)}, expected ({n}, {n})")
             if bool((m < 0).any()):
                 raise ValueError(f"matrix {t} has a negative weight")
-            if not torch.allclose(m.sum(0), torch.ones(n, dtype=m.dtype), atol=STOCHASTIC_ATOL):
+            if not torch.allclose(
+                m.sum(0), torch.ones(n, dtype=m.dtype, device=m.device), atol=STOCHASTIC_ATOL
+            ):
                 raise ValueError(f"matrix {t}'s columns sum to {m.sum(0).tolist()}, not 1")
             if not directed and not torch.equal(m, m.T):
                 raise ValueError(f"matrix {t} is not symmetric; pass directed=True for PushSum")
