@@ -9,12 +9,14 @@
 | ``lower.py`` | the lowering that adds the sends and receives |
 | ``replay.py`` | the replay on the alpha-beta link model: step time, bubble |
 | ``runtime.py`` | ``PipelineRuntime``: a rank's share of a lowered schedule over ``comm`` |
+| ``boundary.py`` | ``Boundary``: fp16, bf16, int8 and AQ-SGD delta stage boundaries |
 | ``cut.py`` | cutting a model into stages, balanced from a per-layer profile |
 
 The guide, with each schedule's bubble and paper: ``docs/pipeline.md``.
 """
 
 from commfuse.pipeline.actions import Action, read_csv, write_csv
+from commfuse.pipeline.boundary import Boundary
 from commfuse.pipeline.cut import LayerProfile, balanced_boundaries, cut, profile_layers
 from commfuse.pipeline.generators import (
     gpipe,
@@ -37,6 +39,7 @@ from commfuse.pipeline.validate import validate
 
 __all__ = [
     "Action",
+    "Boundary",
     "LayerProfile",
     "PipelineError",
     "PipelineRuntime",

@@ -14,6 +14,8 @@ own, and every wait has the communicator's deadline.
 3. ``B`` back-propagates the output's gradient (the loss on the last stage); ``I`` computes only
    the input's gradient and ``W`` later the weights' (Qi et al., ICLR 2024), both exact.
 4. ``SEND`` posts the header and the tensor; the step waits for every send before it returns.
+   A ``Boundary`` (``boundary.py``) turns the tensor into its wire payload (fp16, bf16, int8,
+   AQ-SGD deltas) at every stage boundary and back, the header keeping its shape and dtype.
 
 Gradients are flushed per step: they accumulate over the step's micro-batches, and with a
 mean loss and ``weight_m = n_m / N`` (the default) they equal the unsplit model's on the whole
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +37,7 @@ from torch import nn
 from commfuse.comm import CommError, Communicator, Handle, TraceEvent
 from commfuse.comm.trace import now_us
 from commfuse.pipeline.actions import Action
+from commfuse.pipeline.boundary import Boundary, DeltaCache
 from commfuse.pipeline.lower import lower
 from commfuse.pipeline.schedule import Schedule
 from commfuse.pipeline.validate import validate
@@ -88,6 +92,8 @@ class _Recv:
     header_handle: Handle
     payload: torch.Tensor | None = None
     payload_handle: Handle | None = None
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
@@ -112,6 +118,8 @@ class PipelineRuntime:
         loss_fn: ``loss_fn(output, target)`` of the last stage, a scalar (a mean keeps the
             default weights exact).
         device: where buffers go; None: the stages' parameters' device (CPU without any).
+        boundary: how activations and gradients cross every stage boundary (``Boundary``:
+            identity, fp16, bf16, int8, AQ-SGD deltas); the same on every rank.
 
     Raises:
         ValueError: ``stages`` is not this rank's stages, the schedule's ranks are not the
@@ -135,7 +143,13 @@ class PipelineRuntime:
         *,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         device: torch.device | None = None,
+        boundary: Boundary | None = None,
     ) -> None:
+        self.boundary = boundary or Boundary()
+        if not isinstance(self.boundary, Boundary):
+            raise TypeError(f"boundary must be a Boundary, got {type(boundary).__name__}")
+        #: AQ-SGD's caches: what this rank sent and what it received, per (stage, sample).
+        self.sent_cache, self.received_cache = DeltaCache(), DeltaCache()
         self.schedule = schedule if schedule.is_lowered else lower(schedule)
         validate(self.schedule)
         world = comm.world_size if comm is not None else 1
@@ -158,12 +172,33 @@ class PipelineRuntime:
         self.device = device or (params[0].device if params else torch.device("cpu"))
         self.step_count = 0
 
+    def state_dict(self) -> dict[str, Any]:
+        """The step count and the boundary's caches (AQ-SGD), for an exact resume."""
+        return {
+            "step_count": self.step_count,
+            "boundary": str(self.boundary),
+            "sent_cache": self.sent_cache.state_dict(),
+            "received_cache": self.received_cache.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict``'s state; refuses one written with another boundary."""
+        if state["boundary"] != str(self.boundary):
+            raise ValueError(
+                f"the checkpoint's boundary is {state['boundary']!r}; this runtime's is "
+                f"{str(self.boundary)!r}"
+            )
+        self.step_count = int(state["step_count"])
+        self.sent_cache.load_state_dict(state["sent_cache"], self.device)
+        self.received_cache.load_state_dict(state["received_cache"], self.device)
+
     def step(
         self,
         inputs: Sequence[torch.Tensor] | None = None,
         targets: Sequence[torch.Tensor] | None = None,
         *,
         loss_weights: Sequence[float] | None = None,
+        sample_ids: Sequence[torch.Tensor] | None = None,
     ) -> StepResult:
         """One step: every micro-batch forward and backward, gradients accumulated into the
         stages' ``.grad`` (call the optimizer after it).
@@ -173,20 +208,42 @@ class PipelineRuntime:
             targets: their targets, on the rank holding the last stage (None elsewhere).
             loss_weights: each micro-batch's weight in the step's loss; None: its share of the
                 batch, ``n_m / N`` with ``n_m`` its targets' first dimension.
+            sample_ids: each micro-batch's sample indices (one per row of its first
+                dimension), on every rank; needed by a delta boundary, unused otherwise.
 
         Returns:
             The loss on the last stage's rank.
 
         Raises:
-            ValueError: inputs, targets or loss weights missing where the schedule needs them,
-                or not one per micro-batch.
+            ValueError: inputs, targets, loss weights or sample ids missing where they are
+                needed, or not one per micro-batch.
             PipelineError: a wait failed (a peer died or a deadline passed).
         """
-        run = _Step(self, inputs, targets, loss_weights)
+        run = _Step(self, inputs, targets, loss_weights, _checked_ids(self, sample_ids))
         with torch.enable_grad():
             run.execute()
         self.step_count += 1
         return run.result()
+
+
+def _checked_ids(
+    runtime: PipelineRuntime, sample_ids: Sequence[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """The step's sample ids, checked where a delta boundary needs them (else unused)."""
+    if not runtime.boundary.delta:
+        return []
+    m = runtime.schedule.num_microbatches
+    if sample_ids is None or len(sample_ids) != m:
+        got = "none" if sample_ids is None else len(sample_ids)
+        raise ValueError(
+            f"Boundary({runtime.boundary}) keeps each sample's activation: step needs "
+            f"sample_ids on every rank, one tensor per micro-batch ({m}), got {got}"
+        )
+    ids = [torch.as_tensor(t, dtype=torch.int64).reshape(-1) for t in sample_ids]
+    flat = torch.cat(ids)
+    if len(set(flat.tolist())) != flat.numel():
+        raise ValueError("sample_ids repeat a sample within one step; each sample once a step")
+    return ids
 
 
 class _Step:
@@ -198,8 +255,10 @@ class _Step:
         inputs: Sequence[torch.Tensor] | None,
         targets: Sequence[torch.Tensor] | None,
         loss_weights: Sequence[float] | None,
+        sample_ids: list[torch.Tensor],
     ) -> None:
         self.rt = runtime
+        self.ids = sample_ids
         s = runtime.schedule
         self.last = s.num_stages - 1
         m = s.num_microbatches
@@ -229,7 +288,7 @@ class _Step:
         self.graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.pending_w: dict[tuple[int, int], torch.Tensor | None] = {}
         self.local: dict[Key, torch.Tensor] = {}
-        self.outbox: dict[Key, torch.Tensor] = {}
+        self.outbox: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}  # header, payload
         self.recvs: dict[Key, _Recv] = {}
         self.sends: list[tuple[Action, Handle, torch.Tensor]] = []
         self.losses: list[float] = []
@@ -318,20 +377,62 @@ class _Step:
         return 1 + ((mb * s.num_stages + stage) * 2 + (kind == "B")) * 2 + part
 
     def _hand(self, key: Key, tensor: torch.Tensor) -> None:
-        """Give ``tensor`` to the stage ``key`` names: kept here if it is on this rank, else
-        queued for the schedule's ``SEND``."""
+        """Give ``tensor`` to the stage ``key`` names through the boundary: decoded here if
+        that stage is on this rank, else queued for the schedule's ``SEND``."""
+        payload = self._encode(key, tensor.detach().contiguous())
         if self.rt.schedule.stage_to_rank[key[1]] == self.rt.rank:
-            self.local[key] = tensor
+            self.local[key] = (
+                tensor
+                if self.rt.boundary.is_identity
+                else self._decode(key, payload, tuple(tensor.shape), tensor.dtype)
+            )
         else:
-            self.outbox[key] = tensor.detach().contiguous()
+            self.outbox[key] = (_header(tensor), payload)
+
+    def _delta_ids(self, key: Key, rows: int) -> torch.Tensor | None:
+        """The sample ids of ``key``'s micro-batch where its tensor is sent as a delta."""
+        if key[0] != "F" or not self.rt.boundary.delta:
+            return None
+        ids = self.ids[key[2]]
+        if ids.numel() != rows:
+            raise ValueError(
+                f"micro-batch {key[2]} has {ids.numel()} sample ids for an activation of "
+                f"{rows} rows entering stage {key[1]}"
+            )
+        return ids
+
+    def _encode(self, key: Key, tensor: torch.Tensor) -> torch.Tensor:
+        """The payload of ``tensor``; a delta boundary's sender updates its cache here."""
+        b, where = self.rt.boundary, f"the boundary into stage {key[1]}"
+        ids = self._delta_ids(key, tensor.shape[0] if tensor.dim() else 1)
+        if ids is None:
+            return b.encode(tensor, where=where)
+        cache = self.rt.sent_cache
+        ref = cache.gather(key[1], ids, tensor)
+        payload = b.encode(tensor - ref, where=where)
+        cache.scatter(key[1], ids, ref + b.decode(payload, tensor.shape, tensor.dtype))
+        return payload
+
+    def _decode(
+        self, key: Key, payload: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The tensor ``payload`` stands for; a delta boundary's receiver updates its cache."""
+        b = self.rt.boundary
+        value = b.decode(payload, shape, dtype)
+        ids = self._delta_ids(key, shape[0] if shape else 1)
+        if ids is None:
+            return value
+        cache = self.rt.received_cache
+        value = cache.gather(key[1], ids, value) + value
+        cache.scatter(key[1], ids, value)
+        return value
 
     def _send(self, action: Action, key: Key) -> None:
         comm = self.rt.comm
         assert comm is not None, "a send in a one-rank schedule"
-        tensor = self.outbox.pop(key)
+        header, payload = self.outbox.pop(key)
         dst = self.rt.schedule.stage_to_rank[key[1]]
-        header = _header(tensor)
-        for part, t, label in ((0, header, LABELS["header"]), (1, tensor, LABELS[key[0]])):
+        for part, t, label in ((0, header, LABELS["header"]), (1, payload, LABELS[key[0]])):
             handle = comm.isend(t, dst, tag=self._tag(key, part), label=label)
             self.sends.append((action, handle, t))
 
@@ -348,8 +449,15 @@ class _Step:
         assert comm is not None
         recv.header_handle.wait()
         code, ndim, *sizes = recv.header.tolist()
-        shape = sizes[:ndim]
-        recv.payload = torch.empty(shape, dtype=_DTYPES[code], device=self.rt.device)
+        recv.shape, recv.dtype = tuple(sizes[:ndim]), _DTYPES[code]
+        b = self.rt.boundary
+        recv.payload = (
+            torch.empty(recv.shape, dtype=recv.dtype, device=self.rt.device)
+            if b.is_identity
+            else torch.empty(
+                b.payload_bytes(recv.shape, recv.dtype), dtype=torch.uint8, device=self.rt.device
+            )
+        )
         recv.payload_handle = comm.irecv(
             recv.payload, recv.src, tag=self._tag(key, 1), label=LABELS[key[0]]
         )
@@ -377,7 +485,7 @@ class _Step:
             self._post_payload(key, recv)
         assert recv.payload_handle is not None and recv.payload is not None
         recv.payload_handle.wait()
-        return recv.payload
+        return self._decode(key, recv.payload, recv.shape, recv.dtype)
 
     # -- the actions ----------------------------------------------------------------------
     def _do_F(self, a: Action) -> None:
