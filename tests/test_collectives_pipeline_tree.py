@@ -19,14 +19,14 @@ from commfuse.collectives.cost import LinkCost, lp_best_block_bytes
 from commfuse.collectives.pipeline import pipeline_link
 from commfuse.collectives.reduce_ops import reference_reduce
 from commfuse.collectives.registry import label
-from commfuse.comm import Communicator
+from commfuse.comm import Communicator, ReduceOpName
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
 
 WORLDS = [2, 3, 4, 5, 8]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
-OPS = ["sum", "avg", "max", "min", "prod"]
+OPS: list[ReduceOpName] = ["sum", "avg", "max", "min", "prod"]
 ODD_BLOCK_BYTES = 388  # 97 float32 elements: no size in the grid divides evenly
 Counts = tuple[int, int, int, int]  # bytes_sent, messages_sent, bytes_recv, messages_recv
 
@@ -38,7 +38,7 @@ def rank_input(rank: int, numel: int, dtype: torch.dtype, op: str) -> torch.Tens
     return ((7 * i + 3 * rank) % 11 - 5).to(dtype)
 
 
-def _cases() -> list[tuple[torch.dtype, str, int]]:
+def _cases() -> list[tuple[torch.dtype, ReduceOpName, int]]:
     return [
         (dtype, op, numel)
         for dtype in DTYPES

@@ -18,13 +18,13 @@ from commfuse.collectives import all_gather, all_reduce, reduce_scatter
 from commfuse.collectives.blocks import even_blocks
 from commfuse.collectives.registry import label
 from commfuse.collectives.ring import default_num_segments
-from commfuse.comm import Communicator
+from commfuse.comm import Communicator, ReduceOpName
 from commfuse.testing import RankPool
 
 PoolFn = Callable[[int], RankPool]
 WORLDS = [2, 3, 4, 5, 8]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
-OPS = ["sum", "avg", "max", "min", "prod"]
+OPS: list[ReduceOpName] = ["sum", "avg", "max", "min", "prod"]
 ALL_REDUCE = ["ring", "doubling", "rabenseifner"]
 Counts = tuple[int, int, int, int]  # bytes_sent, messages_sent, bytes_recv, messages_recv
 
@@ -151,7 +151,7 @@ def _in_bytes(counts: Counts, element_size: int) -> Counts:
     return (counts[0] * element_size, counts[1], counts[2] * element_size, counts[3])
 
 
-def _ops(dtype: torch.dtype) -> list[str]:
+def _ops(dtype: torch.dtype) -> list[ReduceOpName]:
     return OPS if dtype.is_floating_point else [op for op in OPS if op != "avg"]
 
 

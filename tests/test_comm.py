@@ -20,6 +20,7 @@ from commfuse.comm import (
     Communicator,
     InconsistentInputError,
     PeerFailureError,
+    ReduceOpName,
     merge_chrome_traces,
 )
 from commfuse.testing import RankPool
@@ -60,11 +61,12 @@ def native_collectives(numel: int, dtype: torch.dtype) -> dict[str, bool]:
     mine = rank_input(rank)
     everyone = torch.stack([rank_input(r).to(torch.float64) for r in range(world)])
     out: dict[str, bool] = {}
-    for op, reference in [
+    cases: list[tuple[ReduceOpName, torch.Tensor]] = [
         ("sum", everyone.sum(0)),
         ("max", everyone.max(0).values),
         ("min", everyone.min(0).values),
-    ]:
+    ]
+    for op, reference in cases:
         t = mine.clone()
         comm.all_reduce(t, op)
         out[f"all_reduce_{op}"] = torch.equal(t, reference.to(dtype))

@@ -30,7 +30,7 @@ from commfuse.collectives.reduce_ops import check_op, finish_
 from commfuse.collectives.registry import AlgorithmFn, algorithms_for, label, resolve
 from commfuse.collectives.trial import next_call as trial_call
 from commfuse.collectives.tuner import choose, choose_options
-from commfuse.comm import Communicator, Handle, check_consistent, nbytes_of
+from commfuse.comm import Communicator, Handle, ReduceOpName, check_consistent, nbytes_of
 from commfuse.comm.clock import now
 
 _SUPPORTED_DTYPES = (
@@ -117,7 +117,7 @@ def _pick(
 def all_reduce(
     comm: Communicator,
     tensor: torch.Tensor,
-    op: str = "sum",
+    op: ReduceOpName = "sum",
     *,
     algo: str = "auto",
     out: torch.Tensor | None = None,
@@ -211,7 +211,7 @@ def reduce(
     comm: Communicator,
     tensor: torch.Tensor,
     root: int = 0,
-    op: str = "sum",
+    op: ReduceOpName = "sum",
     *,
     algo: str = "auto",
     async_op: bool = False,
@@ -300,7 +300,7 @@ def reduce_scatter(
     comm: Communicator,
     out: torch.Tensor,
     inp: torch.Tensor,
-    op: str = "sum",
+    op: ReduceOpName = "sum",
     *,
     algo: str = "auto",
     async_op: bool = False,

@@ -36,7 +36,7 @@ import torch
 from commfuse.collectives.blocks import even_blocks
 from commfuse.collectives.reduce_ops import combine_
 from commfuse.collectives.registry import label, register
-from commfuse.comm import Communicator
+from commfuse.comm import Communicator, ReduceOpName
 
 Block = tuple[int, int]
 
@@ -60,7 +60,7 @@ def _exchange(
     recv_handle.wait()
 
 
-def _fold_in(comm: Communicator, work: torch.Tensor, op: str, tag: str) -> int | None:
+def _fold_in(comm: Communicator, work: torch.Tensor, op: ReduceOpName, tag: str) -> int | None:
     """Fold the first 2 rem ranks pairwise; returns this rank's new rank, None if it idles."""
     rank = comm.rank
     _, rem = _fold_sizes(comm.world_size)
@@ -85,7 +85,7 @@ def _halve(
     work: torch.Tensor,
     blocks: list[Block],
     new_rank: int,
-    op: str,
+    op: ReduceOpName,
     tag: str,
 ) -> None:
     """Recursive halving over ``len(blocks)`` (a power of two) new ranks: afterwards
@@ -137,7 +137,7 @@ def _fold_out(comm: Communicator, buf: torch.Tensor, tag: str) -> None:
 
 
 @register("all_reduce", "doubling")
-def _doubling_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
+def _doubling_all_reduce(comm: Communicator, buf: torch.Tensor, op: ReduceOpName, **_: Any) -> None:
     """Recursive doubling all-reduce: lg P' full-buffer exchanges (plus the fold)."""
     tag = label("all_reduce", "doubling")
     pof2, rem = _fold_sizes(comm.world_size)
@@ -155,7 +155,9 @@ def _doubling_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_: An
 
 
 @register("all_reduce", "rabenseifner")
-def rabenseifner_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
+def rabenseifner_all_reduce(
+    comm: Communicator, buf: torch.Tensor, op: ReduceOpName, **_: Any
+) -> None:
     """Rabenseifner: recursive-halving reduce-scatter, recursive-doubling all-gather."""
     tag = label("all_reduce", "rabenseifner")
     pof2 = _fold_sizes(comm.world_size)[0]
@@ -169,7 +171,7 @@ def rabenseifner_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_:
 
 @register("reduce_scatter", "halving")
 def _halving_reduce_scatter(
-    comm: Communicator, out: torch.Tensor, inp: torch.Tensor, op: str, **_: Any
+    comm: Communicator, out: torch.Tensor, inp: torch.Tensor, op: ReduceOpName, **_: Any
 ) -> None:
     """Recursive-halving reduce-scatter: rank r ends with block r of the reduction."""
     tag = label("reduce_scatter", "halving")

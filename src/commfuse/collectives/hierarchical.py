@@ -46,7 +46,7 @@ from commfuse.collectives.registry import algorithms_for, label, register
 # The ring's in-place phases work on any block layout of a buffer; the 2D all-reduce runs them on
 # the shards of each chunk (the public ring functions would copy the whole input first).
 from commfuse.collectives.ring import _gather_phase, _reduce_phase, _segments_for
-from commfuse.comm import Communicator, Handle
+from commfuse.comm import Communicator, Handle, ReduceOpName
 
 _NAME = "hierarchical"
 #: ``intra_algo`` of the 2D all-reduce; any reduce/broadcast name selects the leader scheme.
@@ -142,7 +142,7 @@ def _algorithm(collective: str, name: str, what: str) -> Any:
     return table[name]
 
 
-def _sum_for_avg(op: str) -> str:
+def _sum_for_avg(op: ReduceOpName) -> ReduceOpName:
     # The front door divides once at the end; a native step given "avg" would divide again.
     return "sum" if op == "avg" else op
 
@@ -154,7 +154,7 @@ def _two_d(
     intra: Communicator,
     inter: Communicator,
     buf: torch.Tensor,
-    op: str,
+    op: ReduceOpName,
     inter_algo: str,
     num_chunks: int | None,
     opts: dict[str, Any],
@@ -217,7 +217,7 @@ def _two_d(
 def hierarchical_all_reduce(
     comm: Communicator,
     buf: torch.Tensor,
-    op: str,
+    op: ReduceOpName,
     *,
     ranks_per_host: int | None = None,
     inter_algo: str | None = None,

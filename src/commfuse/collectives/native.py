@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from commfuse.collectives.registry import register
-from commfuse.comm import Communicator
+from commfuse.comm import Communicator, ReduceOpName
 
 
 @register("all_reduce", "native")
-def _native_all_reduce(comm: Communicator, buf: torch.Tensor, op: str, **_: Any) -> None:
+def _native_all_reduce(comm: Communicator, buf: torch.Tensor, op: ReduceOpName, **_: Any) -> None:
     comm.all_reduce(buf, op)
 
 
@@ -27,7 +27,9 @@ def _native_broadcast(comm: Communicator, buf: torch.Tensor, root: int, **_: Any
 
 
 @register("reduce", "native")
-def _native_reduce(comm: Communicator, buf: torch.Tensor, root: int, op: str, **_: Any) -> None:
+def _native_reduce(
+    comm: Communicator, buf: torch.Tensor, root: int, op: ReduceOpName, **_: Any
+) -> None:
     # The backend may overwrite non-root buffers; reduce a copy there to keep them unchanged.
     target = buf if comm.rank == root else buf.clone()
     comm.reduce(target, root, op)
@@ -40,7 +42,7 @@ def _native_all_gather(comm: Communicator, out: torch.Tensor, inp: torch.Tensor,
 
 @register("reduce_scatter", "native")
 def _native_reduce_scatter(
-    comm: Communicator, out: torch.Tensor, inp: torch.Tensor, op: str, **_: Any
+    comm: Communicator, out: torch.Tensor, inp: torch.Tensor, op: ReduceOpName, **_: Any
 ) -> None:
     comm.reduce_scatter(out, inp, op)
 

@@ -42,7 +42,7 @@ from commfuse.collectives.blocks import fixed_blocks
 from commfuse.collectives.cost import PIPELINE_BLOCK_ALPHA_S, LinkCost, lp_best_block_bytes
 from commfuse.collectives.reduce_ops import combine_
 from commfuse.collectives.registry import label, register
-from commfuse.comm import Communicator, Handle, wait_all
+from commfuse.comm import Communicator, Handle, ReduceOpName, wait_all
 
 #: Receives kept posted ahead of the block being handled. gloo moves a message only once both
 #: ends have posted it, so the next receive must already be posted when the current block is
@@ -144,7 +144,7 @@ def _pipeline_reduce(
     comm: Communicator,
     buf: torch.Tensor,
     root: int,
-    op: str,
+    op: ReduceOpName,
     *,
     block_bytes: int | None = None,
     **_: Any,
@@ -176,7 +176,12 @@ def _pipeline_reduce(
 
 @register("all_reduce", "pipeline")
 def _pipeline_all_reduce(
-    comm: Communicator, buf: torch.Tensor, op: str, *, block_bytes: int | None = None, **_: Any
+    comm: Communicator,
+    buf: torch.Tensor,
+    op: ReduceOpName,
+    *,
+    block_bytes: int | None = None,
+    **_: Any,
 ) -> None:
     """LP all-reduce: a pipelined reduce toward rank 0 overlapped with the pipelined broadcast of
     the blocks it has finished (see the module docstring)."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-OPS = ("sum", "avg", "prod", "max", "min")
+from commfuse.comm import ReduceOpName
+
+OPS: tuple[ReduceOpName, ...] = ("sum", "avg", "prod", "max", "min")
 
 
 def check_op(op: str, dtype: torch.dtype) -> None:
@@ -23,7 +25,7 @@ def check_op(op: str, dtype: torch.dtype) -> None:
         )
 
 
-def combine_(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
+def combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOpName) -> None:
     """``acc = acc (op) other`` in place."""
     if op in ("sum", "avg"):
         acc.add_(other)
@@ -37,13 +39,13 @@ def combine_(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
         raise ValueError(f"unknown reduce op {op!r}: use one of {', '.join(OPS)}")
 
 
-def finish_(tensor: torch.Tensor, op: str, world_size: int) -> None:
+def finish_(tensor: torch.Tensor, op: ReduceOpName, world_size: int) -> None:
     """The last step of a reduction: divide for ``avg``; nothing for the others."""
     if op == "avg" and world_size > 1:
         tensor.div_(world_size)
 
 
-def reference_reduce(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
+def reference_reduce(tensors: list[torch.Tensor], op: ReduceOpName) -> torch.Tensor:
     """The exact answer, for tests: fold in rank order, like a sequential reduction."""
     acc = tensors[0].clone()
     for other in tensors[1:]:

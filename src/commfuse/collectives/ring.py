@@ -37,7 +37,7 @@ import torch
 from commfuse.collectives.blocks import even_blocks
 from commfuse.collectives.reduce_ops import combine_
 from commfuse.collectives.registry import label, register
-from commfuse.comm import Communicator
+from commfuse.comm import Communicator, ReduceOpName
 
 #: Largest segment message when ``num_segments`` is not given (see Tuning above).
 _SEGMENT_BYTES = 128 * 1024
@@ -108,7 +108,7 @@ def _reduce_phase(
     comm: Communicator,
     acc: torch.Tensor,
     blocks: list[Block],
-    op: str,
+    op: ReduceOpName,
     num_segments: int,
     shift: int,
     tag: str,
@@ -169,7 +169,12 @@ def _gather_phase(
 
 @register("all_reduce", "ring")
 def ring_all_reduce(
-    comm: Communicator, buf: torch.Tensor, op: str, *, num_segments: int | None = None, **_: Any
+    comm: Communicator,
+    buf: torch.Tensor,
+    op: ReduceOpName,
+    *,
+    num_segments: int | None = None,
+    **_: Any,
 ) -> None:
     """Pipelined ring all-reduce: reduce-scatter, then all-gather of the reduced blocks."""
     blocks = even_blocks(buf.numel(), comm.world_size)
@@ -184,7 +189,7 @@ def ring_reduce_scatter(
     comm: Communicator,
     out: torch.Tensor,
     inp: torch.Tensor,
-    op: str,
+    op: ReduceOpName,
     *,
     num_segments: int | None = None,
     **_: Any,

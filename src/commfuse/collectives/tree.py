@@ -31,7 +31,7 @@ import torch
 
 from commfuse.collectives.reduce_ops import combine_
 from commfuse.collectives.registry import label, register
-from commfuse.comm import Communicator
+from commfuse.comm import Communicator, ReduceOpName
 
 _TAG = 21
 
@@ -69,7 +69,9 @@ def _tree_broadcast(comm: Communicator, buf: torch.Tensor, root: int, **_: Any) 
 
 
 @register("reduce", "tree")
-def _tree_reduce(comm: Communicator, buf: torch.Tensor, root: int, op: str, **_: Any) -> None:
+def _tree_reduce(
+    comm: Communicator, buf: torch.Tensor, root: int, op: ReduceOpName, **_: Any
+) -> None:
     """MST reduce into ``root``; non-root buffers are left unchanged (see the module docstring)."""
     kind = label("reduce", "tree")
     size = comm.world_size

@@ -1,6 +1,12 @@
 """Layer 1: the transport seen by every algorithm (see ``communicator.py``)."""
 
-from commfuse.comm.communicator import CommConfig, Communicator, check_consistent, nbytes_of
+from commfuse.comm.communicator import (
+    CommConfig,
+    Communicator,
+    ReduceOpName,
+    check_consistent,
+    nbytes_of,
+)
 from commfuse.comm.errors import (
     CommError,
     CommTimeoutError,
@@ -21,6 +27,7 @@ __all__ = [
     "InconsistentInputError",
     "OpCounters",
     "PeerFailureError",
+    "ReduceOpName",
     "Trace",
     "TraceEvent",
     "check_consistent",

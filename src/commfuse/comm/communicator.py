@@ -21,7 +21,7 @@ import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,8 @@ _REDUCE_OPS: dict[str, dist.ReduceOp.RedOpType] = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-ReduceOpName = str  # "sum" | "avg" | "prod" | "max" | "min"
+#: A reduction's name, as torch spells it (``avg`` is the sum divided by the world size).
+ReduceOpName = Literal["sum", "avg", "prod", "max", "min"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
