@@ -384,7 +384,7 @@ def calibrate_and_choose() -> tuple[str, list[tuple[str, int, str, str]], int]:
     comm = Communicator()
     profile = calibrate(comm, sizes_bytes=_RANK_SIZES, reps=1)
     set_profile(comm, profile)
-    choices = [
+    choices: list[tuple[str, int, str, str]] = [
         (collective, size, choose(comm, collective, size), "")
         for collective in COLLECTIVES
         for size in (1 * KB, *_RANK_SIZES, 1 * MB, 64 * MB)
@@ -420,11 +420,11 @@ def test_calibration_gives_every_rank_the_same_profile_and_choices(pool: PoolFn)
             assert all(t > 0 for t in fix.measured_s)
     assert results[0][2] == len(algorithms_for("broadcast")) - 1
     # Pipelines get blocks exactly when the front door passes them on (probed at calibration).
-    for collective, _, name, opts in results[0][1]:
+    for chosen_for, _, name, opts in results[0][1]:
         tuned = (
             profile.tuned_blocks
             and name == "pipeline"
-            and collective in ("broadcast", "reduce", "all_reduce")
+            and chosen_for in ("broadcast", "reduce", "all_reduce")
         )
         assert ("block_bytes" in opts) == tuned
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from commfuse.collectives.reduce_ops import check_op, finish_
-from commfuse.collectives.registry import AlgorithmFn, algorithms_for, label, resolve
+from commfuse.collectives.registry import AlgorithmFn, Collective, algorithms_for, label, resolve
 from commfuse.collectives.trial import next_call as trial_call
 from commfuse.collectives.tuner import choose, choose_options
 from commfuse.comm import Communicator, Handle, ReduceOpName, check_consistent, nbytes_of
@@ -48,7 +48,7 @@ _Body = Callable[[str, AlgorithmFn, dict[str, Any]], None]
 
 def _call(
     comm: Communicator,
-    collective: str,
+    collective: Collective,
     body: _Body,
     tensor: torch.Tensor,
     *,
@@ -104,7 +104,7 @@ def _call(
 
 
 def _pick(
-    comm: Communicator, collective: str, algo: str, nbytes: int, opts: dict[str, Any]
+    comm: Communicator, collective: Collective, algo: str, nbytes: int, opts: dict[str, Any]
 ) -> tuple[str, dict[str, Any]]:
     """The algorithm to run and its options. ``auto`` asks the tuner for both (for pipelines,
     the modelled best block size); options the caller gave explicitly win."""

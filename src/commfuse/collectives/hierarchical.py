@@ -41,7 +41,7 @@ import torch
 
 from commfuse.collectives.blocks import even_blocks
 from commfuse.collectives.cost import hierarchical_num_chunks
-from commfuse.collectives.registry import algorithms_for, label, register
+from commfuse.collectives.registry import Collective, algorithms_for, label, register
 
 # The ring's in-place phases work on any block layout of a buffer; the 2D all-reduce runs them on
 # the shards of each chunk (the public ring functions would copy the whole input first).
@@ -132,7 +132,7 @@ def _charged(comm: Communicator, kind: str, *subs: Communicator) -> Iterator[Non
             comm.stats[kind].add(inner)
 
 
-def _algorithm(collective: str, name: str, what: str) -> Any:
+def _algorithm(collective: Collective, name: str, what: str) -> Any:
     table = algorithms_for(collective)
     if name == _NAME or name not in table:
         choices = ", ".join(sorted(n for n in table if n != _NAME))

@@ -26,9 +26,13 @@ the bytes and messages it sent against its formula.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
-COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all")
+#: A collective's name, as torch spells it.
+Collective = Literal[
+    "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all"
+]
+COLLECTIVES: tuple[Collective, ...] = get_args(Collective)
 
 AlgorithmFn = Callable[..., None]
 ALGORITHMS: dict[str, dict[str, AlgorithmFn]] = {name: {} for name in COLLECTIVES}
@@ -36,7 +40,7 @@ ALGORITHMS: dict[str, dict[str, AlgorithmFn]] = {name: {} for name in COLLECTIVE
 adds one; ``algorithms_for`` loads the families first)."""
 
 
-def register(collective: str, name: str) -> Callable[[AlgorithmFn], AlgorithmFn]:
+def register(collective: Collective, name: str) -> Callable[[AlgorithmFn], AlgorithmFn]:
     """Decorator: add ``fn`` as algorithm ``name`` of ``collective``."""
     if collective not in ALGORITHMS:
         raise ValueError(f"unknown collective {collective!r}")
