@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from commfuse.bench.schedule import Schedule, control_name, median_interval, run_rounds, summarize
 from commfuse.cluster import Topology
@@ -68,7 +68,7 @@ _KEPT = (
 @dataclasses.dataclass(frozen=True)
 class _Job:
     strategy: int
-    mode: str
+    mode: Literal["plain", "ft", "chaos"]
     """plain (no torchft), ft (torchft, no faults) or chaos (torchft with the faults)."""
     name: str
     ref: int

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commfuse.comm import CommConfig, Handle
+from commfuse.comm import CommConfig, Handle, ReduceOpName
 from commfuse.ft.hook import report_failure
 from commfuse.ft.quorum_comm import QuorumComm
 
@@ -127,7 +127,7 @@ class GroupQuorumComm:
         except Exception as error:
             report_failure(self.manager, self.cross, error)
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> None:
         """Sum (or average, ``op="avg"``) ``tensor`` over the quorum's replica groups, in
         place, each rank of the group exchanging its shard (see the module docstring).
 

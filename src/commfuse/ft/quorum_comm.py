@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
 
-from commfuse.comm import CommConfig, Handle
+from commfuse.comm import CommConfig, Handle, ReduceOpName
 from commfuse.ft.process_group import AlarmedProcessGroupGloo
 
 
@@ -73,7 +73,7 @@ class QuorumComm:
         the period it belongs to."""
         return Handle.completed(fn(*args, **kwargs), op=op)
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName = "sum") -> None:
         """Sum (or average, ``op="avg"``) ``tensor`` over the quorum, in place, with gloo's
         ring all-reduce: the same bits on every replica (see the module docstring).
 
