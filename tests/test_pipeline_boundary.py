@@ -31,6 +31,7 @@ WIRES = [
     Boundary("int8", scale="tensor"),
     Boundary("int8", delta=True),
     Boundary("bf16", delta=True),
+    Boundary("subspace", rank=2),
 ]
 
 
@@ -164,8 +165,36 @@ def test_int8_of_narrow_activations_scales_in_fp32(dtype: torch.dtype) -> None:
     assert bool(y.float().count_nonzero() > 0)
 
 
+def test_the_subspace_wire_sends_k_coefficients_a_row_and_exact_gradients() -> None:
+    """Rows of 5 features on a 2-d subspace: 2 elements a row on the wire; a row inside the
+    subspace comes through, and the gradient sent back, ``(g U) U^T``, is autograd's of the
+    projected model."""
+    b = Boundary("subspace", rank=2, seed=7)
+    x = torch.randn(3, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    assert b.encode(x).numel() == b.payload_bytes(x.shape, x.dtype) == 3 * 4 * 2 * 8
+    inside = b.qdq(x)
+    torch.testing.assert_close(b.qdq(inside), inside, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(inside, x)  # a general row loses what lies outside
+    a = x.clone().requires_grad_()
+    w = torch.randn(3, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    projected = a.reshape(-1, 5) @ b._basis(5, x, "") @ b._basis(5, x, "").T
+    (projected.reshape(x.shape) * w).sum().backward()  # type: ignore[no-untyped-call]
+    assert a.grad is not None
+    torch.testing.assert_close(b.qdq(w), a.grad, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"projects rows on 2 dimensions; .* rows of 1 features"):
+        b.encode(torch.ones(3, 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"the subspace wire needs a rank >= 1"):
+        Boundary("subspace")
+    with pytest.raises(ValueError, match=r"no other wire takes one"):
+        Boundary("int8", rank=2)
+    with pytest.raises(ValueError, match=r"drop delta"):
+        Boundary("subspace", rank=2, delta=True)
+
+
 def test_unsupported_combinations_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"wire 'int4': choose one of identity, fp16, bf16, int8"):
+    with pytest.raises(
+        ValueError, match=r"wire 'int4': choose one of identity, fp16, bf16, int8, subspace"
+    ):
         Boundary("int4")
     with pytest.raises(ValueError, match=r"scale='row' with wire 'fp16'.*int8 wire only"):
         Boundary("fp16", scale="row")
@@ -331,7 +360,12 @@ def on_two_ranks(boundaries: list[Boundary]) -> list[dict[str, Any]]:
 
 @pytest.mark.e2e
 def test_two_gloo_ranks_equal_one_process_and_send_the_counted_bytes(pool: PoolFn) -> None:
-    bs = [Boundary("bf16"), Boundary("int8"), Boundary("int8", scale="tensor", delta=True)]
+    bs = [
+        Boundary("bf16"),
+        Boundary("int8"),
+        Boundary("int8", scale="tensor", delta=True),
+        Boundary("subspace", rank=3),
+    ]
     ranks = pool(2).run(on_two_ranks, bs, timeout_s=180)
     for i, b in enumerate(bs):
         rt, model = make_runtime(b)
@@ -344,9 +378,12 @@ def test_two_gloo_ranks_equal_one_process_and_send_the_counted_bytes(pool: PoolF
         elems = [n * LENGTH * WIDTH for n in SIZES]
         rows = [n * LENGTH if b.per_row else 1 for n in SIZES]
         per_mb = [b.payload_bytes((n, LENGTH, WIDTH), torch.float64) for n in SIZES]
-        assert per_mb == [
-            2 * e if b.wire == "bf16" else e + 4 * r for e, r in zip(elems, rows, strict=True)
-        ]
+        want = {
+            "bf16": [2 * e for e in elems],
+            "int8": [e + 4 * r for e, r in zip(elems, rows, strict=True)],
+            "subspace": [n * LENGTH * 3 * 8 for n in SIZES],  # 3 fp64 coefficients a row
+        }[b.wire]
+        assert per_mb == want
         m, total = len(SIZES), sum(per_mb)
         assert ranks[0][i]["bytes"][LABELS["F"]] == (total, m, 0, 0)
         assert ranks[0][i]["bytes"][LABELS["B"]] == (0, 0, total, m)

@@ -9,7 +9,7 @@
 | ``lower.py`` | the lowering that adds the sends and receives |
 | ``replay.py`` | the replay on the alpha-beta link model: step time, bubble |
 | ``runtime.py`` | ``PipelineRuntime``: a rank's share of a lowered schedule over ``comm`` |
-| ``boundary.py`` | ``Boundary``: fp16, bf16, int8 and AQ-SGD delta stage boundaries |
+| ``boundary.py`` | ``Boundary``: fp16, bf16, int8, AQ-SGD delta and subspace stage boundaries |
 | ``cut.py`` | cutting a model into stages, balanced from a per-layer profile |
 
 The guide, with each schedule's bubble and paper: ``docs/pipeline.md``.

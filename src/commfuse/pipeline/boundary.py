@@ -17,6 +17,10 @@ gradients back. A ``Boundary`` says how each crosses a stage boundary:
   What the quantizer drops stays in the next delta (error feedback through the cache): as
   training converges, activations change little between epochs, the deltas shrink, and a
   fixed quantizer's error shrinks with them. Gradients go back quantized directly.
+- ``"subspace"``: each row's ``k = rank`` coefficients on a fixed orthonormal basis ``U``
+  (``k`` elements instead of the row's ``d``), rebuilt as ``(x U) U^T``: Protocol Models
+  (Pluralis, NeurIPS 2025) keep activations in such a subspace, which the projection then
+  sends exactly; gradients go back as ``g U``, exact for the projected model.
 
 A boundary is applied at every stage boundary, the ones inside a rank too, so the model
 computes the same function wherever its stages are placed; only the boundaries between ranks
@@ -27,13 +31,14 @@ previous stage's output.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-WIRES = ("identity", "fp16", "bf16", "int8")
+WIRES = ("identity", "fp16", "bf16", "int8", "subspace")
 SCALES = ("row", "tensor")
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _SCALE_BYTES = 4  # one fp32 per row or per tensor
@@ -63,6 +68,10 @@ class Boundary:
     delta: bool = False
     """Send each sample's activation as a quantized delta against its cached one (AQ-SGD);
     the step then needs ``sample_ids`` on every rank."""
+    rank: int | None = None
+    """subspace only: the dimension ``k`` of the fixed subspace each row is projected on."""
+    seed: int = 0
+    """subspace only: the seed of its basis, the same on every rank."""
 
     def __post_init__(self) -> None:
         if self.wire not in WIRES:
@@ -72,6 +81,16 @@ class Boundary:
                 f"boundary scale={self.scale!r} with wire {self.wire!r}: a scale is 'row' or "
                 "'tensor' and applies to the int8 wire only"
             )
+        if (self.wire == "subspace") != (self.rank is not None) or (self.rank or 1) < 1:
+            raise ValueError(
+                f"boundary wire {self.wire!r} with rank={self.rank}: the subspace wire needs a "
+                "rank >= 1 and no other wire takes one"
+            )
+        if self.delta and self.wire == "subspace":
+            raise ValueError(
+                "Boundary('subspace', delta=True): a projection is linear and exact on its "
+                "subspace, a delta would send the same coefficients; drop delta"
+            )
         if self.delta and self.wire == "identity":
             raise ValueError(
                 "Boundary('identity', delta=True): a delta only pays on a lossy wire; "
@@ -80,6 +99,7 @@ class Boundary:
 
     def __str__(self) -> str:
         extra = [f"scale={self.scale}"] if self.scale else []
+        extra += [f"rank={self.rank}", f"seed={self.seed}"] if self.rank else []
         return ",".join([self.wire, *extra, *(["delta"] if self.delta else [])])
 
     @property
@@ -98,6 +118,9 @@ class Boundary:
             return numel * dtype.itemsize
         if self.wire in _CASTS:
             return numel * 2
+        if self.wire == "subspace":
+            assert self.rank is not None
+            return math.prod(shape[:-1]) * self.rank * dtype.itemsize if shape else 0
         rows = math.prod(shape[:-1]) if self.per_row and len(shape) else 1
         return numel + _SCALE_BYTES * rows
 
@@ -112,6 +135,9 @@ class Boundary:
             )
         if self.wire in _CASTS:
             return x.to(_CASTS[self.wire]).reshape(-1).view(torch.uint8)
+        if self.wire == "subspace":
+            basis = self._basis(x.shape[-1] if x.dim() else 0, x, where)
+            return (x.reshape(-1, x.shape[-1]) @ basis).contiguous().view(-1).view(torch.uint8)
         work = _working(x.dtype)
         rows = x.reshape(-1, x.shape[-1]) if self.per_row and x.dim() else x.reshape(1, -1)
         rows = rows.to(work)
@@ -133,6 +159,11 @@ class Boundary:
             return payload
         if self.wire in _CASTS:
             return payload.view(_CASTS[self.wire]).to(dtype).reshape(shape)
+        if self.wire == "subspace":
+            basis = _basis(shape[-1], int(self.rank or 0), self.seed).to(
+                device=payload.device, dtype=dtype
+            )
+            return (payload.view(dtype).reshape(-1, basis.shape[1]) @ basis.T).reshape(shape)
         numel = math.prod(shape)
         num_scales = (self.payload_bytes(shape, dtype) - numel) // _SCALE_BYTES
         work = _working(dtype)
@@ -140,9 +171,28 @@ class Boundary:
         codes = payload[_SCALE_BYTES * num_scales :].view(torch.int8).to(work)
         return (codes.reshape(num_scales, -1) * scale.reshape(-1, 1)).reshape(shape).to(dtype)
 
+    def _basis(self, width: int, x: torch.Tensor, where: str) -> torch.Tensor:
+        k = int(self.rank or 0)
+        if width < k:
+            raise ValueError(
+                f"boundary {self} projects rows on {k} dimensions; {where} carries rows of "
+                f"{width} features (a {x.dim()}-d tensor)"
+            )
+        return _basis(width, k, self.seed).to(device=x.device, dtype=x.dtype)
+
     def qdq(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))``: what the next stage receives for ``x`` without a delta."""
         return self.decode(self.encode(x), x.shape, x.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _basis(width: int, k: int, seed: int) -> torch.Tensor:
+    """A fixed orthonormal ``width x k`` basis (QR of a seeded Gaussian), the same on every
+    rank: ``P = U U^T`` is symmetric, so the gradient going back through ``x -> P x`` is
+    ``P g``, sent as ``g U``: the subspace wire's gradients are exact for the projected model."""
+    gen = torch.Generator().manual_seed(seed)
+    q: torch.Tensor = torch.linalg.qr(torch.randn(width, k, generator=gen, dtype=torch.float64))[0]
+    return q
 
 
 def _working(dtype: torch.dtype) -> torch.dtype:

@@ -119,7 +119,7 @@ class PipelineRuntime:
             default weights exact).
         device: where buffers go; None: the stages' parameters' device (CPU without any).
         boundary: how activations and gradients cross every stage boundary (``Boundary``:
-            identity, fp16, bf16, int8, AQ-SGD deltas); the same on every rank.
+            identity, fp16, bf16, int8, AQ-SGD deltas, a subspace); the same on every rank.
 
     Raises:
         ValueError: ``stages`` is not this rank's stages, the schedule's ranks are not the
