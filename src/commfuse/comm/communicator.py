@@ -50,8 +50,8 @@ _REDUCE_OPS: dict[str, dist.ReduceOp.RedOpType] = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-#: A reduction's name, as torch spells it (``avg`` is the sum divided by the world size).
 ReduceOpName = Literal["sum", "avg", "prod", "max", "min"]
+"""A reduction's name, as torch spells it (``avg`` is the sum divided by the world size)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -190,8 +190,10 @@ def _basis(width: int, k: int, seed: int) -> torch.Tensor:
     """A fixed orthonormal ``width x k`` basis (QR of a seeded Gaussian), the same on every
     rank: ``P = U U^T`` is symmetric, so the gradient going back through ``x -> P x`` is
     ``P g``, sent as ``g U``: the subspace wire's gradients are exact for the projected model."""
+    # A seeded CPU draw, the same numbers on every device; callers move it to the activation's.
     gen = torch.Generator().manual_seed(seed)
-    q: torch.Tensor = torch.linalg.qr(torch.randn(width, k, generator=gen, dtype=torch.float64))[0]
+    draw = torch.randn(width, k, generator=gen, dtype=torch.float64, device="cpu")
+    q: torch.Tensor = torch.linalg.qr(draw)[0]
     return q
 
 

@@ -239,7 +239,8 @@ def _checked_ids(
             f"Boundary({runtime.boundary}) keeps each sample's activation: step needs "
             f"sample_ids on every rank, one tensor per micro-batch ({m}), got {got}"
         )
-    ids = [torch.as_tensor(t, dtype=torch.int64).reshape(-1) for t in sample_ids]
+    # Ids are bookkeeping read on the host (the caches are keyed by them), never sent.
+    ids = [torch.as_tensor(t, dtype=torch.int64, device="cpu").reshape(-1) for t in sample_ids]
     flat = torch.cat(ids)
     if len(set(flat.tolist())) != flat.numel():
         raise ValueError("sample_ids repeat a sample within one step; each sample once a step")
