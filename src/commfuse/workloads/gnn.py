@@ -48,10 +48,17 @@ def _weights(
 
 
 class FullGraphModel(nn.Module):
-    """What the models share: the loss over a rank's training nodes and the SGD step that sums
-    the replicated weights' gradients over ranks."""
+    """What the models share: the graph's plan, the mode and a ``HaloState`` per layer, the loss
+    over a rank's training nodes and the SGD step that sums the replicated weights' gradients
+    over ranks."""
 
-    comm: Communicator
+    def __init__(
+        self, comm: Communicator, plan: HaloPlan, dims: list[int], mode: HaloMode | None
+    ) -> None:
+        super().__init__()
+        _check_dims(dims)
+        self.comm, self.plan, self.mode = comm, plan, mode
+        self.states = [HaloState() for _ in itertools.pairwise(dims)]
 
     def loss(
         self, x: torch.Tensor, labels: torch.Tensor, train: torch.Tensor, num_train: int
@@ -116,12 +123,9 @@ class GCN(FullGraphModel):
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        _check_dims(dims)
-        self.comm, self.plan, self.mode = comm, plan, mode
+        super().__init__(comm, plan, dims, mode)
         gen = torch.Generator().manual_seed(seed)
         self.weights = _weights(dims, comm, dtype, gen)
-        self.states = [HaloState() for _ in self.weights]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``[n_local, classes]`` of this rank's nodes from their features ``x``."""
@@ -161,13 +165,10 @@ class GraphSAGE(FullGraphModel):
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        _check_dims(dims)
-        self.comm, self.plan, self.mode = comm, plan, mode
+        super().__init__(comm, plan, dims, mode)
         gen = torch.Generator().manual_seed(seed)
         self.self_weights = _weights(dims, comm, dtype, gen)
         self.neighbour_weights = _weights(dims, comm, dtype, gen)
-        self.states = [HaloState() for _ in self.self_weights]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``[n_local, classes]`` of this rank's nodes from their features ``x``."""
